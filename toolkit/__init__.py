@@ -1,0 +1,1 @@
+"""toolkit: launch and keep alive data-parallel training across many hosts over SSH."""
