@@ -1,0 +1,101 @@
+"""The command line as a user runs it: `fleet` and `fab` (through fabfile.py) as real subprocesses."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
+
+
+def run(tool: str, *args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([str(BIN / tool), *args], cwd=cwd, capture_output=True, text=True, timeout=60)
+
+
+@pytest.fixture
+def project(tmp_path: Path) -> Path:
+    (tmp_path / "train.py").write_text("print('hi')\n")
+    shutil.copy(REPO / "fabfile.py", tmp_path / "fabfile.py")
+    return tmp_path
+
+
+def test_fab_deploy_style_flags_parse_as_typed(project: Path) -> None:
+    r = run("fab", "plan", "--hosts=node1:4,node2:4", "--worker-num=6", "--json", cwd=project)
+    assert r.returncode == 0, r.stderr
+    plan = json.loads(r.stdout)
+    assert [p["node_id"] for p in plan["processes"]] == ["sched"] + [f"worker_{i}" for i in range(6)]
+    assert [p["host"] for p in plan["processes"]] == ["node1"] * 5 + ["node2"] * 2
+    assert plan["job"] == project.name
+
+
+def test_shared_flags_given_after_a_later_task_apply_to_all(project: Path) -> None:
+    (project / "hostfile").write_text("a slots=2\nb slots=1\n")
+    r = run("fleet", "plan", "--json", "plan", "--hostfile", "hostfile", "--json", cwd=project)
+    assert r.returncode == 0, r.stderr
+    first, second = (json.loads(part) for part in r.stdout.replace("}\n{", "}\n\0{").split("\0"))
+    assert first == second and first["world_size"] == 3
+
+
+def test_project_config_gives_defaults_and_flags_override(project: Path) -> None:
+    (project / "fabric.yaml").write_text("toolkit:\n  worker_num: 3\n  master_port: 9100\n  job: cfg-job\n")
+    r = run("fleet", "plan", "--hosts=a:4", "--json", cwd=project)
+    plan = json.loads(r.stdout)
+    assert (plan["world_size"], plan["scheduler"]["port"], plan["job"]) == (3, 9100, "cfg-job")
+    r = run("fleet", "plan", "--hosts=a:4", "--master-port=9200", "--json", cwd=project)
+    assert json.loads(r.stdout)["scheduler"]["port"] == 9200
+
+
+def test_plan_table_and_render(project: Path) -> None:
+    r = run("fleet", "plan", "--hosts=a:2,b", "--render", "out", cwd=project)
+    assert r.returncode == 0, r.stderr
+    for column in ("host", "node id", "rank", "local rank", "port"):
+        assert column in r.stdout
+    assert (project / "out/a/launch.sh").is_file() and (project / "out/b/env/worker_2.env").is_file()
+    token = (project / "out/a/token").read_text().strip()
+    assert len(token) == 32 and token not in r.stdout + r.stderr
+
+
+def test_local_plan_without_hosts(project: Path) -> None:
+    r = run("fleet", "plan", "--worker-num", "2", "--json", cwd=project)
+    plan = json.loads(r.stdout)
+    assert plan["hosts"][0]["host"] == "localhost" and plan["world_size"] == 2
+    assert {p["cwd"] for p in plan["processes"]} == {str(project)}
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--hosts=a:x"], "error: --hosts item 1 ('a:x'): slots='x': slots must be a whole number of at least 1"),
+        (["--hostfile", "missing"], "missing: hostfile not found; check the path"),
+        (["--hosts=a", "--hostfile", "h"], "--hosts and --hostfile both given"),
+        (["--hosts=a", "--master-port=abc"], "error: --master-port='abc': expected a whole number"),
+        (["--hosts=a:2", "--worker-num=3"], "--worker-num 3 is more than the 2 slots of --hosts"),
+        (["--hosts=a", "--job=../x"], "--job '../x': a job name"),
+        (["--hosts=a", "--script=nope.py"], "--script nope.py: no such file in"),
+        (["--hosts=a", "--project=nowhere"], "nowhere: not a directory"),
+        (["--inventory", "inv.ini"], "inv.ini:2: not a valid Ansible inventory"),
+    ],
+)
+def test_bad_input_is_one_line_without_traceback(project: Path, args: list[str], message: str) -> None:
+    (project / "inv.ini").write_text("[workers]\nfoo bar\n")
+    r = run("fleet", "plan", *args, cwd=project)
+    assert r.returncode == 2
+    assert message in r.stderr
+    assert "Traceback" not in r.stderr and r.stderr.strip().count("\n") == 0
+
+
+def test_conflicting_shared_flags_between_tasks(project: Path) -> None:
+    r = run("fleet", "plan", "--worker-num=1", "plan", "--worker-num=2", "--hosts=a:2", cwd=project)
+    assert r.returncode == 2 and "--worker-num is '1' for plan but '2' for plan; give it once" in r.stderr
+
+
+def test_unknown_config_setting(project: Path) -> None:
+    (project / "fabric.yaml").write_text("toolkit:\n  wokrer_num: 3\n")
+    r = run("fleet", "plan", cwd=project)
+    assert r.returncode == 2 and "fabric.yaml: unknown setting toolkit.wokrer_num" in r.stderr

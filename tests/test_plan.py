@@ -1,0 +1,137 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from toolkit import envvars as E
+from toolkit.inventory import load_ansible_inventory, local_inventory, parse_hostfile_text, parse_hosts
+from toolkit.plan import JobOptions, PlanError, make_plan
+from toolkit.render import plan_json
+
+WORKER_KEYS = {
+    E.MS_ROLE, E.MS_SCHED_HOST, E.MS_SCHED_PORT, E.MS_WORKER_NUM, E.MS_NODE_ID, E.MS_TOPO_TIMEOUT, E.MS_NODE_TIMEOUT,
+    E.MS_ENABLE_RECOVERY, E.MS_RECOVERY_PATH, E.RANK_ID, E.RANK_SIZE, E.DEVICE_ID, E.MASTER_ADDR, E.MASTER_PORT,
+    E.RANK, E.WORLD_SIZE, E.LOCAL_RANK, E.LOCAL_WORLD_SIZE, E.GROUP_RANK, E.TORCHELASTIC_USE_AGENT_STORE,
+    E.OMP_NUM_THREADS, E.CKPT_DIR, E.TOOLKIT_JOB, E.TOOLKIT_TOKEN_FILE, E.TOOLKIT_AGENT_SOCKET,
+    E.TOOLKIT_HEARTBEAT_INTERVAL,
+}
+
+
+def opts(**kw: object) -> JobOptions:
+    return JobOptions(job=str(kw.pop("job", "demo")), **kw)  # type: ignore[arg-type]
+
+
+def test_uneven_slots_rank_host_by_host() -> None:
+    plan = make_plan(parse_hosts("a:3,b:1,c:2"), opts())
+    workers = [p for p in plan.processes() if p.rank is not None]
+    assert [(p.host, p.node_id, p.rank, p.local_rank) for p in workers] == [
+        ("a", "worker_0", 0, 0), ("a", "worker_1", 1, 1), ("a", "worker_2", 2, 2),
+        ("b", "worker_3", 3, 0),
+        ("c", "worker_4", 4, 0), ("c", "worker_5", 5, 1),
+    ]
+    env = {p.node_id: p.env for p in workers}
+    assert [env[f"worker_{r}"][E.LOCAL_WORLD_SIZE] for r in range(6)] == ["3", "3", "3", "1", "2", "2"]
+    assert [env[f"worker_{r}"][E.GROUP_RANK] for r in range(6)] == ["0", "0", "0", "1", "2", "2"]
+    for p in workers:
+        assert set(p.env) == WORKER_KEYS
+        assert p.env[E.RANK] == p.env[E.RANK_ID] == str(p.rank)
+        assert p.env[E.LOCAL_RANK] == p.env[E.DEVICE_ID] == str(p.local_rank)
+        assert p.env[E.WORLD_SIZE] == p.env[E.RANK_SIZE] == p.env[E.MS_WORKER_NUM] == "6"
+        assert p.env[E.MS_ROLE] == E.ROLE_WORKER and p.env[E.MS_NODE_ID] == p.node_id
+        assert p.env[E.MS_SCHED_HOST] == p.env[E.MASTER_ADDR] == "a"
+        assert (p.env[E.MS_SCHED_PORT], p.env[E.MASTER_PORT]) == ("8118", "8119")
+        assert p.env[E.CKPT_DIR] == "toolkit-jobs/demo/ckpt"
+        assert p.argv == ("python3", "train.py") and p.cwd == "toolkit-jobs/demo/project"
+    sched = plan.process("sched")
+    assert (sched.host, sched.role, sched.rank, sched.argv[1:]) == ("a", E.ROLE_SCHED, None, ("-m", "toolkit.scheduler"))
+    assert sched.env[E.MS_NODE_ID] == "sched" and E.RANK not in sched.env
+    assert sched.env[E.MS_RECOVERY_PATH] == "toolkit-jobs/demo/recovery"
+
+
+def test_scheduler_on_its_own_host_and_per_host_vars(tmp_path: Path) -> None:
+    path = tmp_path / "inv.ini"
+    path.write_text(
+        "[scheduler]\nhead ansible_host=10.0.0.1 python=/venv/bin/python\n"
+        "[workers]\nw1 slots=2 workdir=/scratch\nw2 slots=2\n"
+    )
+    plan = make_plan(load_ansible_inventory(path), opts(master_port=9000, recovery=False))
+    head = plan.host_plan("head")
+    assert [p.node_id for p in head.processes] == ["sched"]
+    assert head.processes[0].argv[0] == "/venv/bin/python"
+    assert plan.sched_address == "10.0.0.1"
+    assert plan.host_plan("w1").job_dir == "/scratch/demo"
+    for p in plan.processes():
+        assert p.env[E.MS_SCHED_HOST] == "10.0.0.1" and p.env[E.MASTER_PORT] == "9001"
+        assert p.env[E.MS_ENABLE_RECOVERY] == "0"
+    assert plan.process("worker_0").env[E.CKPT_DIR] == "/scratch/demo/ckpt"
+    assert plan.process("worker_2").env[E.CKPT_DIR] == "toolkit-jobs/demo/ckpt"
+
+
+def test_fewer_workers_than_slots_uses_the_first_slots() -> None:
+    plan = make_plan(parse_hosts("a:2,b:2,c:2"), opts(worker_num=3))
+    assert [(p.host, p.rank) for p in plan.processes() if p.rank is not None] == [("a", 0), ("a", 1), ("b", 2)]
+    assert plan.host_names == ("a", "b")  # c runs nothing
+    assert plan.world_size == 3
+
+
+def test_more_workers_than_slots_is_an_error() -> None:
+    with pytest.raises(PlanError, match="--worker-num 7 is more than the 6 slots of --hosts; add hosts or slots"):
+        make_plan(parse_hosts("a:3,b:3"), opts(worker_num=7))
+
+
+@pytest.mark.parametrize(
+    "kw,message",
+    [
+        ({"job": "a/b"}, "--job 'a/b': a job name is 1-64 letters"),
+        ({"job": ""}, "--job '': a job name"),
+        ({"job": ".hidden"}, "--job '.hidden'"),
+        ({"job": "x" * 65}, "a job name is 1-64"),
+        ({"master_port": 1023}, "--master-port 1023: choose a port from 1024 to 65534"),
+        ({"master_port": 65535}, "--master-port 65535: choose a port from 1024 to 65534 (the store uses the next one)"),
+        ({"worker_num": 0}, "--worker-num 0: a job needs at least 1 worker"),
+        ({"script_args": "--name 'unclosed"}, "--script-args \"--name 'unclosed\": No closing quotation"),
+        ({"node_timeout": 1.0}, "--node-timeout 1.0: must be longer than the heartbeat interval"),
+        ({"cluster_time_out": 0}, "--cluster-time-out 0"),
+        ({"max_restarts": -1}, "--max-restarts -1"),
+        ({"script": " "}, "--script is empty"),
+        ({"workdir": "a\nb"}, "--workdir: a newline or NUL byte cannot be part of a path"),
+    ],
+)
+def test_bad_job_options(kw: dict, message: str) -> None:
+    with pytest.raises(PlanError) as e:
+        opts(**kw)
+    assert message in str(e.value)
+
+
+def test_script_args_split_like_a_shell() -> None:
+    plan = make_plan(parse_hosts("a"), opts(script="t.py", script_args="--name 'my run' --lr=0.1 \"$HOME\""))
+    assert plan.process("worker_0").argv == ("python3", "t.py", "--name", "my run", "--lr=0.1", "$HOME")
+
+
+def test_same_cluster_three_ways_gives_the_same_plan(tmp_path: Path) -> None:
+    ini = tmp_path / "inv.ini"
+    ini.write_text("[workers]\nn1 slots=3\nn2\nn3 slots=2\n")
+    sources = [
+        parse_hosts("n1:3,n2,n3:2"),
+        parse_hostfile_text("n1 slots=3\nn2 slots=1\nn3 slots=2\n", "hostfile"),
+        load_ansible_inventory(ini),
+    ]
+    plans = [plan_json(make_plan(inv, opts(worker_num=5, data_path="/data"))) for inv in sources]
+    assert plans[0] == plans[1] == plans[2]
+    assert len(plans[0]["processes"]) == 6
+
+
+def test_local_plan_runs_in_the_project() -> None:
+    plan = make_plan(local_inventory(2), opts(workdir="/home/u/jobs", python="/usr/bin/python3"), "/home/u/proj")
+    assert plan.local and plan.sched_address == "127.0.0.1"
+    assert {p.cwd for p in plan.processes()} == {"/home/u/proj"}
+    assert plan.process("worker_1").env[E.TOOLKIT_AGENT_SOCKET] == "/home/u/jobs/demo/state/progress.sock"
+    with pytest.raises(PlanError, match="a local job needs the project directory"):
+        make_plan(local_inventory(1), opts())
+
+
+def test_unknown_node_is_named_with_the_known_ones() -> None:
+    plan = make_plan(parse_hosts("a:2"), opts())
+    with pytest.raises(PlanError, match="no process 'worker_9' in job demo; the job has: sched, worker_0, worker_1"):
+        plan.process("worker_9")

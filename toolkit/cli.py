@@ -1,0 +1,178 @@
+"""The command line: Fabric tasks (`fab deploy train --hosts=...` through fabfile.py) and the same task set as the
+`fleet` program, which works from any directory.
+
+Fabric runs a task once per `--hosts` entry; toolkit's tasks act on the whole cluster at once, so they run under
+ClusterExecutor, which calls each task once and hands it the raw host list. Flags shared by the tasks (settings.
+OPTIONS) typed after any task of one command line apply to every task of it: `fab deploy train --hostfile h`.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+import fabric
+import fabric.main
+from invoke import Call, Collection, Context, Exit, Task
+from invoke.parser import ParserContext
+
+from toolkit import tasks
+from toolkit.errors import UserError
+from toolkit.settings import OPTION_NAMES, OPTIONS, Settings, resolve
+
+
+class ClusterContext(Context):
+    """An invoke Context that also carries what the command line said about hosts and shared flags."""
+
+    def __init__(self, config: Any, cli_hosts: str | None, given: dict[str, Any]) -> None:
+        super().__init__(config=config)
+        self._set(cli_hosts=cli_hosts, given=given)
+
+    def settings(self) -> Settings:
+        section = self.config.get("toolkit") or {}
+        return resolve(self.given, dict(section), self.cli_hosts, Path.cwd())
+
+
+class ClusterCall(Call):
+    def __init__(self, *args: Any, cli_hosts: str | None = None, given: dict[str, Any] | None = None, **kw: Any):
+        super().__init__(*args, **kw)
+        self.cli_hosts = cli_hosts
+        self.given = given or {}
+
+    def clone_data(self) -> dict[str, Any]:
+        return {**super().clone_data(), "cli_hosts": self.cli_hosts, "given": self.given}
+
+    def make_context(self, config: Any) -> ClusterContext:
+        return ClusterContext(config, self.cli_hosts, self.given)
+
+
+class ClusterExecutor(fabric.Executor):
+    """Runs each task once for the whole cluster (Fabric's own executor would run it once per host)."""
+
+    def execute(self, *tasks: Any) -> dict[Task, Any]:
+        self._given = _shared_flags([t for t in tasks if isinstance(t, ParserContext)])
+        return super().execute(*tasks)
+
+    def expand_calls(self, calls: list[Any], apply_hosts: bool = True) -> list[Any]:
+        if self.core and self.core.remainder:
+            raise Exit("error: 'fab -H hosts -- command' is not a toolkit task; run ssh or 'fab --list'", code=2)
+        host_str = self.core[0].args.hosts.value if self.core else None
+        out = []
+        for call in calls:
+            call = call if isinstance(call, Call) else Call(task=call)
+            out.extend(self.expand_calls(call.pre, apply_hosts=False))
+            out.append(call.clone(into=ClusterCall, with_={"cli_hosts": host_str, "given": getattr(self, "_given", {})}))
+            out.extend(self.expand_calls(call.post, apply_hosts=False))
+        return out
+
+
+def _shared_flags(contexts: list[ParserContext]) -> dict[str, Any]:
+    given: dict[str, Any] = {}
+    source: dict[str, str] = {}
+    for ctx in contexts:
+        for arg in ctx.args.values():
+            name = arg.attr_name or arg.name
+            if name not in OPTION_NAMES or not arg.got_value:
+                continue
+            if name in given and given[name] != arg.value:
+                flag = "--" + name.replace("_", "-")
+                raise Exit(
+                    f"error: {flag} is {given[name]!r} for {source[name]} but {arg.value!r} for {ctx.name}; "
+                    "give it once",
+                    code=2,
+                )
+            given[name], source[name] = arg.value, ctx.name
+    return given
+
+
+class _Task(Task):
+    """An invoke Task whose short flags are named explicitly (automatic ones would take -h for --host)."""
+
+    def __init__(self, body: Callable, short: dict[str, str], **kw: Any) -> None:
+        self.short = short
+        super().__init__(body, auto_shortflags=False, **kw)
+
+    def arg_opts(self, name: str, default: str, taken_names: set[str]) -> dict[str, Any]:
+        opts = super().arg_opts(name, default, taken_names)
+        if name in self.short:
+            opts["names"].append(self.short[name])
+        return opts
+
+
+def cluster_task(own: dict[str, tuple[Any, str]] | None = None, short: dict[str, str] | None = None) -> Callable:
+    """Declare a task taking the shared flags plus its `own` ones ({name: (default, help)}). The body receives
+    (settings, **own flags); user errors become one line on stderr and exit code 2."""
+    own = own or {}
+
+    def decorate(body: Callable[..., Any]) -> Task:
+        def run(c: Any, **flags: Any) -> Any:
+            if not isinstance(c, ClusterContext):
+                raise Exit("error: run toolkit tasks through 'fleet' or the project's fabfile.py", code=2)
+            try:
+                return body(c.settings(), **{k: flags[k] for k in own})
+            except UserError as e:
+                raise Exit(f"error: {e}", code=e.exit_code) from None
+
+        params = [inspect.Parameter("c", inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+        params += [_param(name, default) for name, (default, _) in own.items()]
+        params += [_param(o.name, o.default if o.kind is bool else None) for o in OPTIONS]
+        run.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
+        run.__name__ = body.__name__
+        run.__doc__ = body.__doc__
+        help_ = {name: text for name, (_, text) in own.items()}
+        help_.update({o.name: o.help + (f" [{o.default}]" if o.default not in (None, "", False, True) else "")
+                      for o in OPTIONS})
+        return _Task(run, short or {}, name=body.__name__.rstrip("_"), help=help_)
+
+    return decorate
+
+
+def _param(name: str, default: Any) -> inspect.Parameter:
+    return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default)
+
+
+@cluster_task(own={"json": (False, "print the plan as JSON"), "render": ("", "write every host's files under DIR/<host>/")})
+def plan(settings: Settings, json: bool, render: str) -> None:
+    """Show what would run where (hosts, node ids, ranks, ports), without touching the network."""
+    tasks.show_plan(settings, as_json=json, render_dir=Path(render) if render else None)
+
+
+def namespace() -> Collection:
+    return Collection(plan)
+
+
+def use_cluster_executor() -> None:
+    """For fabfile.py: make `fab` run toolkit's tasks once per cluster rather than once per host."""
+    fabric.main.program.executor_class = ClusterExecutor
+
+
+class Fleet(fabric.main.Fab):
+    def parse_collection(self) -> None:
+        super().parse_collection()
+        # `fleet` has no fabfile to anchor the project config on: read ./fabric.yaml, as fab would next to it.
+        self.config.set_project_location(os.getcwd())
+        self.config.load_project()
+
+
+def main(argv: list[str] | None = None) -> None:
+    program = Fleet(
+        name="fleet",
+        binary="fleet",
+        version=_version(),
+        namespace=namespace(),
+        executor_class=ClusterExecutor,
+        config_class=fabric.Config,
+    )
+    program.run(argv if argv is not None else sys.argv)
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("toolkit")
+    except PackageNotFoundError:
+        return "unknown"

@@ -1,0 +1,302 @@
+"""Inventory + job options -> LaunchPlan: what runs where, with which environment. Pure: no I/O.
+
+Ranks are assigned host by host in inventory order (msrun with --node_rank), so every rank id, node id and
+environment is known before anything starts and stays the same across restarts.
+"""
+
+from __future__ import annotations
+
+import posixpath
+import re
+import shlex
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Iterator, Mapping
+
+from toolkit import envvars as E
+from toolkit.errors import UserError
+from toolkit.inventory import Host, Inventory
+
+SCHED_NODE_ID = "sched"
+DEFAULT_WORKDIR = "toolkit-jobs"  # relative: under the login user's home on each host
+_JOB_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+
+
+class PlanError(UserError):
+    """Job options that cannot make a plan; the message is the one line shown to the user."""
+
+
+def worker_node_id(rank: int) -> str:
+    return f"worker_{rank}"
+
+
+def log_name(node_id: str) -> str:
+    """msrun's names: scheduler.log, worker_<rank>.log."""
+    return "scheduler.log" if node_id == SCHED_NODE_ID else f"{node_id}.log"
+
+
+@dataclass(frozen=True)
+class JobOptions:
+    """The flags every cluster task takes (msrun's where it has one); validated here, once."""
+
+    job: str
+    script: str = "train.py"
+    script_args: str = ""
+    worker_num: int | None = None  # None: every slot
+    master_port: int = 8118
+    cluster_time_out: int = 600
+    node_timeout: float = 6.0
+    heartbeat_interval: float = 1.0
+    recovery: bool = True
+    data_path: str | None = None
+    ckpt_dir: str | None = None
+    workdir: str = DEFAULT_WORKDIR
+    python: str = "python3"
+    max_restarts: int = 3
+    grace: float = 10.0
+    bind_core: bool = False
+    warm_spare: bool = True
+
+    def __post_init__(self) -> None:
+        if not _JOB_NAME.match(self.job):
+            raise PlanError(
+                f"--job {self.job!r}: a job name is 1-64 letters, digits, '.', '_' or '-', starting with a letter "
+                "or digit (it names directories on every host)"
+            )
+        if not 1024 <= self.master_port <= 65534:
+            raise PlanError(
+                f"--master-port {self.master_port}: choose a port from 1024 to 65534 (the store uses the next one)"
+            )
+        if self.worker_num is not None and self.worker_num < 1:
+            raise PlanError(f"--worker-num {self.worker_num}: a job needs at least 1 worker")
+        if self.cluster_time_out < 1:
+            raise PlanError(f"--cluster-time-out {self.cluster_time_out}: give a positive number of seconds")
+        if not 0 < self.heartbeat_interval < self.node_timeout:
+            raise PlanError(
+                f"--node-timeout {self.node_timeout}: must be longer than the heartbeat interval "
+                f"({self.heartbeat_interval} s)"
+            )
+        if self.max_restarts < 0:
+            raise PlanError(f"--max-restarts {self.max_restarts}: give 0 or more")
+        if self.grace < 0:
+            raise PlanError(f"--grace {self.grace}: give 0 or more seconds")
+        if not self.script.strip():
+            raise PlanError("--script is empty: name the training script, e.g. --script train.py")
+        for name, value in (("--workdir", self.workdir), ("--python", self.python), ("--script", self.script)):
+            if "\n" in value or "\0" in value:
+                raise PlanError(f"{name}: a newline or NUL byte cannot be part of a path")
+        try:
+            shlex.split(self.script_args)
+        except ValueError as e:
+            raise PlanError(f"--script-args {self.script_args!r}: {e}; quote it as a shell would") from None
+
+    @property
+    def script_argv(self) -> tuple[str, ...]:
+        return tuple(shlex.split(self.script_args))
+
+
+@dataclass(frozen=True)
+class Process:
+    """One process of the job: the scheduler or a worker, with its complete environment."""
+
+    host: str
+    role: str
+    node_id: str
+    rank: int | None
+    local_rank: int | None
+    argv: tuple[str, ...]
+    cwd: str
+    env: Mapping[str, str] = field(hash=False)
+
+    @property
+    def log_name(self) -> str:
+        return log_name(self.node_id)
+
+
+@dataclass(frozen=True)
+class HostPlan:
+    """What one host runs, and where the job lives there."""
+
+    host: Host
+    job_dir: str
+    python: str
+    processes: tuple[Process, ...]
+
+    @property
+    def name(self) -> str:
+        return self.host.name
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    job: str
+    options: JobOptions
+    inventory: Inventory
+    scheduler_host: str
+    sched_address: str
+    sched_port: int
+    store_port: int
+    world_size: int
+    hosts: tuple[HostPlan, ...]
+
+    @property
+    def local(self) -> bool:
+        return self.inventory.local
+
+    def processes(self) -> Iterator[Process]:
+        for host in self.hosts:
+            yield from host.processes
+
+    def process(self, node_id: str) -> Process:
+        for p in self.processes():
+            if p.node_id == node_id:
+                return p
+        known = ", ".join(p.node_id for p in self.processes())
+        raise PlanError(f"no process {node_id!r} in job {self.job}; the job has: {known}")
+
+    def host_plan(self, name: str) -> HostPlan:
+        for h in self.hosts:
+            if h.name == name:
+                return h
+        raise PlanError(f"host {name!r} runs nothing in job {self.job}; its hosts: {', '.join(self.host_names)}")
+
+    @property
+    def host_names(self) -> tuple[str, ...]:
+        return tuple(h.name for h in self.hosts)
+
+
+def job_dir(host: Host, options: JobOptions) -> str:
+    return posixpath.join(host.workdir or options.workdir, options.job)
+
+
+def make_plan(inventory: Inventory, options: JobOptions, local_project_dir: str | None = None) -> LaunchPlan:
+    """Place the scheduler and every worker, assign ranks host by host, and build each process's environment.
+
+    Processes run in `<job dir>/project`, where deploy copies the project; a local job (no SSH) runs in place, in
+    `local_project_dir`.
+    """
+    if inventory.local and local_project_dir is None:
+        raise PlanError("a local job needs the project directory it runs in")
+    project = local_project_dir if inventory.local else None
+    total = inventory.total_slots
+    world = options.worker_num if options.worker_num is not None else total
+    if world > total:
+        raise PlanError(
+            f"--worker-num {world} is more than the {total} slots of {inventory.source}; "
+            "add hosts or slots, or lower --worker-num"
+        )
+
+    placement: list[tuple[Host, int]] = []  # (host, workers on it), hosts with workers, in order
+    left = world
+    for host in inventory.worker_hosts:
+        n = min(host.slots, left)
+        if n:
+            placement.append((host, n))
+        left -= n
+
+    sched = inventory.host(inventory.scheduler)
+    common = _common_env(inventory, options, sched, world)
+    by_host: dict[str, list[Process]] = {h.name: [] for h, _ in placement}
+    by_host.setdefault(sched.name, [])
+
+    jd = job_dir(sched, options)
+    by_host[sched.name].append(
+        Process(
+            host=sched.name,
+            role=E.ROLE_SCHED,
+            node_id=SCHED_NODE_ID,
+            rank=None,
+            local_rank=None,
+            argv=(_python(sched, options), "-m", "toolkit.scheduler"),
+            cwd=project or posixpath.join(jd, "project"),
+            env=MappingProxyType(
+                {**common, **_dir_env(jd), E.MS_ROLE: E.ROLE_SCHED, E.MS_NODE_ID: SCHED_NODE_ID}
+            ),
+        )
+    )
+
+    rank = 0
+    for group_rank, (host, n) in enumerate(placement):
+        jd = job_dir(host, options)
+        for local_rank in range(n):
+            node_id = worker_node_id(rank)
+            env = {
+                **common,
+                **_dir_env(jd),
+                E.MS_ROLE: E.ROLE_WORKER,
+                E.MS_NODE_ID: node_id,
+                E.RANK_ID: str(rank),
+                E.RANK: str(rank),
+                E.LOCAL_RANK: str(local_rank),
+                E.DEVICE_ID: str(local_rank),
+                E.LOCAL_WORLD_SIZE: str(n),
+                E.GROUP_RANK: str(group_rank),
+                E.TOOLKIT_HEARTBEAT_INTERVAL: _num(options.heartbeat_interval),
+                E.TOOLKIT_AGENT_SOCKET: posixpath.join(jd, "state", "progress.sock"),
+                E.TORCHELASTIC_USE_AGENT_STORE: "True",
+                E.CKPT_DIR: options.ckpt_dir or posixpath.join(jd, "ckpt"),
+            }
+            if options.data_path is not None:
+                env[E.DATA_PATH] = options.data_path
+            by_host[host.name].append(
+                Process(
+                    host=host.name,
+                    role=E.ROLE_WORKER,
+                    node_id=node_id,
+                    rank=rank,
+                    local_rank=local_rank,
+                    argv=(_python(host, options), options.script, *options.script_argv),
+                    cwd=project or posixpath.join(jd, "project"),
+                    env=MappingProxyType(env),
+                )
+            )
+            rank += 1
+
+    hosts = tuple(
+        HostPlan(host=h, job_dir=job_dir(h, options), python=_python(h, options), processes=tuple(by_host[h.name]))
+        for h in inventory.hosts
+        if h.name in by_host
+    )
+    return LaunchPlan(
+        job=options.job,
+        options=options,
+        inventory=inventory,
+        scheduler_host=sched.name,
+        sched_address=sched.reach,
+        sched_port=options.master_port,
+        store_port=options.master_port + 1,
+        world_size=world,
+        hosts=hosts,
+    )
+
+
+def _common_env(inventory: Inventory, options: JobOptions, sched: Host, world: int) -> dict[str, str]:
+    return {
+        E.MS_SCHED_HOST: sched.reach,
+        E.MS_SCHED_PORT: str(options.master_port),
+        E.MASTER_ADDR: sched.reach,
+        E.MASTER_PORT: str(options.master_port + 1),
+        E.MS_WORKER_NUM: str(world),
+        E.RANK_SIZE: str(world),
+        E.WORLD_SIZE: str(world),
+        E.MS_TOPO_TIMEOUT: str(options.cluster_time_out),
+        E.MS_NODE_TIMEOUT: _num(options.node_timeout),
+        E.MS_ENABLE_RECOVERY: "1" if options.recovery else "0",
+        E.TOOLKIT_JOB: options.job,
+        E.OMP_NUM_THREADS: "1",
+    }
+
+
+def _dir_env(jd: str) -> dict[str, str]:
+    return {
+        E.MS_RECOVERY_PATH: posixpath.join(jd, "recovery"),
+        E.TOOLKIT_TOKEN_FILE: posixpath.join(jd, "token"),
+    }
+
+
+def _python(host: Host, options: JobOptions) -> str:
+    return host.python or options.python
+
+
+def _num(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() else str(value)

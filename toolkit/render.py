@@ -1,0 +1,155 @@
+"""LaunchPlan -> the files of one host's job directory (docs/architecture.md, "Remote layout").
+
+The templates in templates/ are shared with the Ansible playbooks, so their context is plain data and the only
+filter they use for values is `quote` (Ansible has the same one): every value reaches the shell quoted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jinja2
+
+from toolkit.errors import UserError
+from toolkit.plan import HostPlan, LaunchPlan, Process
+
+TEMPLATES = Path(__file__).resolve().parent / "templates"
+SCRIPTS = ("launch.sh", "recover.sh", "stop.sh")
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+class RenderError(UserError):
+    """The plan holds something that cannot be rendered safely."""
+
+
+@dataclass(frozen=True)
+class RenderedFile:
+    path: str  # relative to the job directory
+    content: str
+    mode: int
+
+
+def environment() -> jinja2.Environment:
+    env = jinja2.Environment(
+        loader=jinja2.FileSystemLoader(TEMPLATES),
+        undefined=jinja2.StrictUndefined,
+        autoescape=False,
+        trim_blocks=True,
+        lstrip_blocks=True,
+        keep_trailing_newline=True,
+    )
+    env.filters["quote"] = lambda value: shlex.quote(str(value))
+    return env
+
+
+def render_host(plan: LaunchPlan, host: HostPlan, token: str, jinja: jinja2.Environment | None = None) -> list[RenderedFile]:
+    """Every file of `host`'s job directory: scripts, host.json, one env file per process, the token (0600)."""
+    jinja = jinja or environment()
+    context = {
+        "job": plan.job,
+        "host": host.name,
+        "python": host.python,
+        "node_ids": [p.node_id for p in host.processes],
+    }
+    files = [RenderedFile(s, jinja.get_template(f"{s}.j2").render(context), 0o755) for s in SCRIPTS]
+    files.append(RenderedFile("host.json", json.dumps(host_spec(plan, host), indent=2) + "\n", 0o644))
+    for p in host.processes:
+        files.append(RenderedFile(env_file(p), render_env(p, jinja), 0o600))
+    files.append(RenderedFile("token", token + "\n", 0o600))
+    return files
+
+
+def render_env(process: Process, jinja: jinja2.Environment | None = None) -> str:
+    bad = [name for name in process.env if not _ENV_NAME.match(name)]
+    if bad:
+        raise RenderError(f"{process.node_id}: {bad[0]!r} is not an environment variable name")
+    jinja = jinja or environment()
+    return jinja.get_template("env.j2").render(node_id=process.node_id, env=dict(process.env))
+
+
+def env_file(process: Process) -> str:
+    return f"env/{process.node_id}.env"
+
+
+def host_spec(plan: LaunchPlan, host: HostPlan) -> dict[str, Any]:
+    """The agent's input (host.json): what to run on this host and how to supervise it."""
+    o = plan.options
+    return {
+        "version": 1,
+        "job": plan.job,
+        "host": host.name,
+        "scheduler": {"host": plan.sched_address, "port": plan.sched_port},
+        "token_file": "token",
+        "max_restarts": o.max_restarts,
+        "backoff_base": 1.0,
+        "backoff_max": 30.0,
+        "healthy_reset": 300.0,
+        "grace": o.grace,
+        "bind_core": o.bind_core,
+        "warm_spare": o.warm_spare,
+        "processes": [
+            {
+                "node_id": p.node_id,
+                "role": p.role,
+                "rank": p.rank,
+                "local_rank": p.local_rank,
+                "argv": list(p.argv),
+                "cwd": p.cwd,
+                "env_file": env_file(p),
+                "log_file": f"logs/{p.log_name}",
+            }
+            for p in host.processes
+        ],
+    }
+
+
+def plan_json(plan: LaunchPlan) -> dict[str, Any]:
+    """The plan as `fleet plan --json` prints it (and the Ansible playbooks read it). Holds no secret."""
+    return {
+        "job": plan.job,
+        "scheduler": {"host": plan.scheduler_host, "address": plan.sched_address, "port": plan.sched_port,
+                      "store_port": plan.store_port},
+        "world_size": plan.world_size,
+        "hosts": [
+            {"host": h.name, "address": h.host.reach, "job_dir": h.job_dir, "spec": host_spec(plan, h)}
+            for h in plan.hosts
+        ],
+        "processes": [
+            {
+                "host": p.host,
+                "role": p.role,
+                "node_id": p.node_id,
+                "rank": p.rank,
+                "local_rank": p.local_rank,
+                "argv": list(p.argv),
+                "cwd": p.cwd,
+                "env": dict(p.env),
+            }
+            for p in plan.processes()
+        ],
+    }
+
+
+def write_files(files: list[RenderedFile], job_dir: Path) -> None:
+    """Write rendered files under `job_dir` (local mode, and `plan --render`), each with its mode from the start."""
+    for f in files:
+        path = job_dir / f.path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        fd = _open_new(tmp, f.mode)
+        with open(fd, "w", encoding="utf-8") as out:
+            out.write(f.content)
+        tmp.replace(path)
+
+
+def _open_new(path: Path, mode: int) -> int:
+    path.unlink(missing_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+    os.fchmod(fd, mode)  # umask must not widen or narrow what the plan asked for
+    return fd

@@ -1,0 +1,173 @@
+"""What the user asked for: flags, then the project's Fabric config (`toolkit:` section of fabric.yaml), then
+defaults, resolved into one validated Settings. The option table here is the single list of shared flags."""
+
+from __future__ import annotations
+
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+from toolkit.errors import UserError
+from toolkit.inventory import Inventory, load_ansible_inventory, load_hostfile, local_inventory, parse_hosts
+from toolkit.plan import DEFAULT_WORKDIR, JobOptions
+
+
+@dataclass(frozen=True)
+class Option:
+    name: str
+    kind: type
+    default: Any
+    help: str
+
+
+# Every cluster task takes these flags; given to any task of one command line, they apply to all its tasks.
+OPTIONS: tuple[Option, ...] = (
+    Option("hostfile", str, None, "OpenMPI hostfile ('host slots=N [max_slots=M]' lines)"),
+    Option("inventory", str, None, "Ansible inventory, INI or YAML (groups scheduler, workers, spares)"),
+    Option("job", str, None, "job name (default: the project directory's name)"),
+    Option("project", str, ".", "project directory: the script's code, copied to every host"),
+    Option("script", str, "train.py", "training script, relative to the project directory"),
+    Option("script_args", str, "", "arguments of the script, one string split as a shell would"),
+    Option("worker_num", int, None, "total workers (default: every slot; local: 1)"),
+    Option("master_port", int, 8118, "scheduler port (MS_SCHED_PORT); the store uses the next one"),
+    Option("cluster_time_out", int, 600, "seconds to wait for every worker to join (MS_TOPO_TIMEOUT)"),
+    Option("node_timeout", float, 6.0, "seconds of heartbeat silence after which a worker is dead"),
+    Option("recovery", bool, True, "persist scheduler state and resume after faults (MS_ENABLE_RECOVERY)"),
+    Option("data_path", str, None, "data root for the script (DATA_PATH)"),
+    Option("ckpt_dir", str, None, "checkpoint root (CKPT_DIR; default <job dir>/ckpt)"),
+    Option("workdir", str, None, f"base directory of jobs on each host (default ~/{DEFAULT_WORKDIR})"),
+    Option("python", str, None, "python on the hosts (default python3; local: this interpreter)"),
+    Option("max_restarts", int, 3, "restarts of one process before the job fails"),
+    Option("grace", float, 10.0, "seconds between SIGTERM and SIGKILL when stopping"),
+    Option("bind_core", bool, False, "pin each worker to its own CPUs"),
+    Option("warm_spare", bool, True, "keep a pre-started interpreter per host for fast replacement"),
+    Option("parallel", int, 32, "hosts contacted at once"),
+    Option("accept_new_host_keys", bool, False, "add unknown SSH host keys to known_hosts (never changed ones)"),
+    Option("known_hosts", str, "~/.ssh/known_hosts", "known_hosts file that SSH host keys are checked against"),
+)
+OPTION_NAMES = frozenset(o.name for o in OPTIONS)
+_JOB_CHARS = re.compile(r"[^A-Za-z0-9._-]+")
+
+
+@dataclass(frozen=True)
+class Settings:
+    options: JobOptions
+    inventory: Inventory
+    project: Path
+    parallel: int
+    accept_new_host_keys: bool
+    known_hosts: str
+
+    @property
+    def local(self) -> bool:
+        return self.inventory.local
+
+
+def resolve(
+    given: Mapping[str, Any],
+    config: Mapping[str, Any],
+    cli_hosts: str | None,
+    cwd: Path,
+) -> Settings:
+    """`given` holds only the flags typed on the command line; `config` is the `toolkit:` config section."""
+    unknown = sorted(set(config) - OPTION_NAMES)
+    if unknown:
+        raise UserError(f"fabric.yaml: unknown setting toolkit.{unknown[0]}; known: {', '.join(sorted(OPTION_NAMES))}")
+    values = {o.name: _convert(o, config[o.name], f"fabric.yaml: toolkit.{o.name}") for o in OPTIONS if o.name in config}
+    values.update({o.name: _convert(o, given[o.name], "--" + o.name.replace("_", "-")) for o in OPTIONS if o.name in given})
+
+    inventory = _inventory(given, config, cli_hosts, values, cwd)
+    project = (cwd / str(values.get("project", "."))).resolve()
+    if not project.is_dir():
+        raise UserError(f"--project {project}: not a directory; give the directory that holds the training script")
+    job = values.get("job") or _job_name(project)
+    local = inventory.local
+    workdir = values.get("workdir")
+    if workdir is None:
+        workdir = str(Path.home() / DEFAULT_WORKDIR) if local else DEFAULT_WORKDIR
+    elif local:
+        workdir = str((cwd / Path(workdir).expanduser()).resolve())
+    python = values.get("python") or (sys.executable if local else "python3")
+    script = values.get("script", "train.py")
+    if not Path(script).is_absolute() and not (project / script).is_file():
+        raise UserError(f"--script {script}: no such file in {project}; pass --project DIR or the script's path in it")
+
+    options = JobOptions(
+        job=job,
+        script=script,
+        script_args=values.get("script_args", ""),
+        worker_num=values.get("worker_num"),
+        master_port=values.get("master_port", 8118),
+        cluster_time_out=values.get("cluster_time_out", 600),
+        node_timeout=values.get("node_timeout", 6.0),
+        recovery=values.get("recovery", True),
+        data_path=values.get("data_path"),
+        ckpt_dir=values.get("ckpt_dir"),
+        workdir=workdir,
+        python=python,
+        max_restarts=values.get("max_restarts", 3),
+        grace=values.get("grace", 10.0),
+        bind_core=values.get("bind_core", False),
+        warm_spare=values.get("warm_spare", True),
+    )
+    parallel = values.get("parallel", 32)
+    if parallel < 1:
+        raise UserError(f"--parallel {parallel}: give at least 1")
+    return Settings(
+        options=options,
+        inventory=inventory,
+        project=project,
+        parallel=parallel,
+        accept_new_host_keys=values.get("accept_new_host_keys", False),
+        known_hosts=str(Path(values.get("known_hosts", "~/.ssh/known_hosts")).expanduser()),
+    )
+
+
+def _inventory(
+    given: Mapping[str, Any], config: Mapping[str, Any], cli_hosts: str | None, values: Mapping[str, Any], cwd: Path
+) -> Inventory:
+    typed = [(k, v) for k, v in (("hosts", cli_hosts), ("hostfile", given.get("hostfile")),
+                                 ("inventory", given.get("inventory"))) if v]
+    if not typed:
+        typed = [(k, config[k]) for k in ("hostfile", "inventory") if config.get(k)]
+    if len(typed) > 1:
+        flags = " and ".join("--" + k for k, _ in typed)
+        raise UserError(f"{flags} both given: describe the hosts one way (--hosts, --hostfile or --inventory)")
+    if not typed:
+        return local_inventory(values.get("worker_num") or 1)
+    kind, value = typed[0]
+    if kind == "hosts":
+        return parse_hosts(str(value))
+    path = Path(str(value)).expanduser()
+    path = path if path.is_absolute() else cwd / path
+    return load_hostfile(path) if kind == "hostfile" else load_ansible_inventory(path)
+
+
+def _convert(option: Option, value: Any, where: str) -> Any:
+    if value is None:
+        return None
+    kind = option.kind
+    if kind is bool:
+        if isinstance(value, bool):
+            return value
+        text = str(value).strip().lower()
+        if text in ("1", "true", "yes", "on"):
+            return True
+        if text in ("0", "false", "no", "off"):
+            return False
+        raise UserError(f"{where}={value!r}: expected true or false")
+    if kind in (int, float):
+        try:
+            if isinstance(value, bool):
+                raise ValueError
+            return kind(str(value).strip()) if kind is float else int(str(value).strip(), 10)
+        except ValueError:
+            raise UserError(f"{where}={value!r}: expected a {'whole ' if kind is int else ''}number") from None
+    return str(value)
+
+
+def _job_name(project: Path) -> str:
+    name = _JOB_CHARS.sub("-", project.name).strip("-.") or "job"
+    return name[:64]
