@@ -117,7 +117,8 @@ def plan_json(plan: LaunchPlan) -> dict[str, Any]:
                       "store_port": plan.store_port},
         "world_size": plan.world_size,
         "hosts": [
-            {"host": h.name, "address": h.host.reach, "job_dir": h.job_dir, "spec": host_spec(plan, h)}
+            {"host": h.name, "address": h.host.reach, "job_dir": h.job_dir, "python": h.python,
+             "spec": host_spec(plan, h)}
             for h in plan.hosts
         ],
         "processes": [

@@ -1,0 +1,117 @@
+"""The local job record: what `deploy` decided (hosts, how to reach them, job directories, processes), kept in
+the project's `.toolkit/` so that `train`, `status`, `logs`, `stop` and `restart` need no host flags.
+
+The job token lives beside it in its own 0600 file, made once per job and reused by every deploy, so a re-deploy
+never locks running processes out of their scheduler.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from toolkit.errors import UserError
+
+RECORD_DIR = ".toolkit/jobs"
+
+
+@dataclass(frozen=True)
+class HostRecord:
+    name: str
+    hostname: str  # what SSH connects to (may be an ssh_config alias)
+    port: int | None
+    user: str | None
+    key_file: str | None
+    job_dir: str  # absolute, resolved on the host at deploy
+    python: str
+    node_ids: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class JobRecord:
+    job: str
+    local: bool
+    scheduler_host: str
+    hosts: tuple[HostRecord, ...]
+    processes: tuple[dict[str, Any], ...]  # host, role, node_id, rank, local_rank, log (relative to the job dir)
+    ssh: dict[str, Any]  # known_hosts, accept_new_host_keys, ssh_config, identities, connect_timeout, parallel
+
+    def host(self, name: str) -> HostRecord:
+        for h in self.hosts:
+            if h.name == name:
+                return h
+        raise UserError(f"job {self.job} has no host {name!r}; its hosts: {', '.join(h.name for h in self.hosts)}")
+
+    def process(self, node_id: str) -> dict[str, Any]:
+        for p in self.processes:
+            if p["node_id"] == node_id:
+                return p
+        raise UserError(
+            f"job {self.job} has no process {node_id!r}; it has: {', '.join(p['node_id'] for p in self.processes)}"
+        )
+
+    def process_of_rank(self, rank: int) -> dict[str, Any]:
+        for p in self.processes:
+            if p["rank"] == rank:
+                return p
+        raise UserError(f"job {self.job} has no rank {rank}; ranks are 0 to {len(self.processes) - 2}")
+
+
+def record_path(project: Path, job: str) -> Path:
+    return project / RECORD_DIR / f"{job}.json"
+
+
+def save(project: Path, record: JobRecord) -> Path:
+    path = record_path(project, record.job)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = asdict(record)
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(data, indent=2) + "\n")
+    tmp.replace(path)
+    return path
+
+
+def load(project: Path, job: str | None) -> JobRecord:
+    """The record of `job`, or of the project's only job when no name was given."""
+    if job is None:
+        found = sorted(p.stem for p in (project / RECORD_DIR).glob("*.json"))
+        if not found:
+            raise UserError(f"no job deployed from {project}; run 'fleet deploy train' (or pass --project DIR)")
+        if len(found) > 1:
+            raise UserError(f"{project} has several jobs ({', '.join(found)}); pick one with --job NAME")
+        job = found[0]
+    path = record_path(project, job)
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise UserError(f"job {job} was never deployed from {project}; run 'fleet deploy --job {job}' first") from None
+    except (OSError, ValueError) as e:
+        raise UserError(f"{path}: unreadable job record ({e}); deploy the job again") from None
+    hosts = tuple(HostRecord(**{**h, "node_ids": tuple(h["node_ids"])}) for h in data["hosts"])
+    return JobRecord(
+        job=data["job"],
+        local=data["local"],
+        scheduler_host=data["scheduler_host"],
+        hosts=hosts,
+        processes=tuple(data["processes"]),
+        ssh=data["ssh"],
+    )
+
+
+def token(project: Path, job: str) -> str:
+    """The job's token, created on first use; never printed."""
+    path = project / RECORD_DIR / f"{job}.token"
+    try:
+        return path.read_text().strip()
+    except FileNotFoundError:
+        pass
+    path.parent.mkdir(parents=True, exist_ok=True)
+    value = secrets.token_hex(32)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with open(fd, "w") as f:
+        f.write(value + "\n")
+    return value
