@@ -1,0 +1,934 @@
+"""The doing layer's transport: one `Host` per machine (SSH through Fabric, or this machine without SSH) and a
+bounded parallel fan-out that returns a result per host.
+
+Fabric on its own accepts any host key (it hard-codes paramiko's AutoAddPolicy and reads no known_hosts file) and
+an open connection to a host that drops off the network hangs for an hour; both are fixed here, in one place, so
+every task gets strict host keys and bounded waits. Every failure becomes one line naming the host and the cause.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import fnmatch
+import os
+import shlex
+import signal
+import socket
+import stat
+import subprocess
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Generic, Iterator, Mapping, Sequence, TypeVar
+
+from toolkit.errors import UserError
+
+DEFAULT_PARALLEL = 32
+DEFAULT_CONNECT_TIMEOUT = 10.0
+DEFAULT_EXCLUDE = ("__pycache__", "*.pyc", ".git", ".venv", ".mypy_cache", ".pytest_cache")
+LOCALHOST = "localhost"
+_ENV_NAME = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ_0123456789"
+# Exit codes of the preflight script: each names one thing the host lacks.
+_NO_PYTHON, _NO_TOOLKIT, _NO_WORKDIR, _PORT_BUSY = 10, 11, 12, 13
+_KILL_AFTER = 1.0  # s between a timed-out command's SIGTERM and SIGKILL
+
+T = TypeVar("T")
+
+
+# --- settings and targets --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SshSettings:
+    """How to reach hosts. `dead_after` bounds every wait on an open connection: data unacknowledged for that
+    long (TCP_USER_TIMEOUT, with keepalives so there always is data) or a channel not opened in that time means
+    the host is gone."""
+
+    known_hosts: str = "~/.ssh/known_hosts"
+    accept_new_host_keys: bool = False
+    ssh_config: str | None = None  # None: ~/.ssh/config and /etc/ssh/ssh_config, as ssh reads them
+    identity_files: tuple[str, ...] = ()
+    connect_timeout: float | None = None  # None: ssh_config's ConnectTimeout, else DEFAULT_CONNECT_TIMEOUT
+    keepalive_interval: float = 5.0
+    dead_after: float = 15.0
+    command_timeout: float | None = None  # default bound of run(); None: none
+    parallel: int = DEFAULT_PARALLEL
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.parallel, int) or self.parallel < 1:
+            raise UserError(f"--parallel {self.parallel}: give a whole number of hosts of at least 1")
+        for name in ("connect_timeout", "keepalive_interval", "dead_after", "command_timeout"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise UserError(f"SSH setting {name}={value!r}: give a positive number of seconds")
+        if isinstance(self.identity_files, str):
+            object.__setattr__(self, "identity_files", (self.identity_files,))
+
+    @property
+    def known_hosts_path(self) -> Path:
+        return Path(self.known_hosts).expanduser()
+
+
+@dataclass(frozen=True)
+class Target:
+    """One host to reach: its inventory name, and what overrides ssh_config (None: ssh_config, then defaults).
+    A `local` target runs on this machine without SSH."""
+
+    name: str
+    hostname: str | None = None
+    port: int | None = None
+    user: str | None = None
+    key_file: str | None = None
+    local: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            raise UserError("a host needs a name")
+        if self.port is not None and not 1 <= self.port <= 65535:
+            raise UserError(f"host {self.name}: SSH port {self.port} is outside 1-65535")
+
+    @classmethod
+    def of(cls, host: Any, local: bool = False) -> Target:
+        """From anything shaped like toolkit.inventory.Host (name, address, port, user, key_file)."""
+        address = getattr(host, "address", None)
+        return cls(
+            name=host.name,
+            hostname=address.removeprefix("[").removesuffix("]") if address else None,
+            port=getattr(host, "port", None),
+            user=getattr(host, "user", None),
+            key_file=getattr(host, "key_file", None),
+            local=local,
+        )
+
+
+# --- results and errors ----------------------------------------------------------------------------------------
+
+
+class RemoteError(UserError):
+    """One host failed; the message is `<host>: <cause>` on one line."""
+
+    def __init__(self, host: str, cause: str) -> None:
+        super().__init__(f"{host}: {cause}")
+        self.host = host
+        self.cause = cause
+
+
+class HostUnreachable(RemoteError):
+    pass
+
+
+class AuthenticationFailed(RemoteError):
+    pass
+
+
+class UnknownHostKey(RemoteError):
+    pass
+
+
+class ChangedHostKey(RemoteError):
+    pass
+
+
+class ConnectionLost(RemoteError):
+    pass
+
+
+class CommandFailed(RemoteError):
+    pass
+
+
+class PreflightFailed(RemoteError):
+    pass
+
+
+@dataclass(frozen=True)
+class CommandResult:
+    """What one command did. `exit_code` is None when there is none: the connection was lost (the far side
+    vanished: not the command's failure), the command timed out, or a signal killed it."""
+
+    host: str
+    command: str
+    exit_code: int | None
+    stdout: str
+    stderr: str
+    connection_lost: bool = False
+    timed_out: bool = False
+    signal: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == 0
+
+    def describe(self) -> str:
+        """The cause in a few words, for a one-line error."""
+        if self.connection_lost:
+            return "connection lost while running a command (host down or cut off)"
+        if self.timed_out:
+            return f"command timed out: {_short(self.command)}"
+        tail = _tail(self.stderr) or _tail(self.stdout)
+        how = f"killed by {self.signal}" if self.signal else (
+            "ended without an exit status" if self.exit_code is None else f"exited with {self.exit_code}")
+        return f"command {how}: {_short(self.command)}" + (f": {tail}" if tail else "")
+
+    def check(self) -> CommandResult:
+        """Return self if the command succeeded, else raise the matching one-line error."""
+        if self.ok:
+            return self
+        if self.connection_lost:
+            raise ConnectionLost(self.host, self.describe())
+        raise CommandFailed(self.host, self.describe())
+
+
+@dataclass(frozen=True)
+class SyncStats:
+    files_sent: int = 0
+    bytes_sent: int = 0
+    files_unchanged: int = 0
+    dirs_created: int = 0
+    removed: int = 0
+
+
+@dataclass(frozen=True)
+class HostResult(Generic[T]):
+    """The outcome of one host's part of a fan-out. `finished` (monotonic) orders failures: the earliest is the
+    root cause. `skipped`: never attempted because another host had already failed (fail_fast)."""
+
+    host: str
+    ok: bool
+    value: T | None = None
+    error: str | None = None
+    seconds: float = 0.0
+    finished: float = 0.0
+    skipped: bool = False
+    exception: BaseException | None = field(default=None, repr=False, compare=False)
+
+
+class ClusterError(UserError):
+    """Some hosts failed. The first line names the root cause (the earliest failure); one line per failed host
+    follows."""
+
+    def __init__(self, results: Mapping[str, HostResult[Any]]) -> None:
+        self.results = dict(results)
+        failed = [r for r in results.values() if not r.ok]
+        attempted = sorted((r for r in failed if not r.skipped), key=lambda r: r.finished)
+        self.failures = tuple(attempted + [r for r in failed if r.skipped])
+        if not self.failures:
+            raise ValueError("ClusterError needs at least one failed host")
+        root = self.failures[0]
+        lines = [f"{len(failed)} of {len(results)} hosts failed; root cause: {root.error}"]
+        lines += [f"  {r.error}" + (" (root cause)" if r is root else "") for r in self.failures]
+        super().__init__("\n".join(lines))
+
+    @property
+    def root_cause(self) -> HostResult[Any]:
+        return self.failures[0]
+
+
+# --- hosts -----------------------------------------------------------------------------------------------------
+
+
+class Host:
+    """A machine to run commands on and copy files to. Paths are the host's: relative ones (and `~/...`) are
+    relative to the user's home there, as for ssh and sftp."""
+
+    name: str
+
+    def run(
+        self,
+        command: Sequence[str] | str,
+        timeout: float | None = None,
+        cwd: str | None = None,
+        env: Mapping[str, str] | None = None,
+        check: bool = False,
+    ) -> CommandResult:
+        """Run an argv list (quoted with shlex.join) or a POSIX shell script given as one string (only for
+        scripts toolkit writes: user values go in as argv or through shlex.quote). With check, a failure raises
+        the matching RemoteError."""
+        text = command_text(command, cwd, env)
+        result = self._run_text(text, timeout)
+        return result.check() if check else result
+
+    def put(self, local: str | Path, remote: str, mode: int | None = None) -> None:
+        """Copy a file, atomically (temp name, then rename), with the local file's mode unless `mode`."""
+        local = Path(local)
+        try:
+            st = local.stat()
+        except OSError as e:
+            raise UserError(f"{local}: cannot read ({e.strerror}); check the path") from None
+        self._put_file(local, _home_relative(remote), stat.S_IMODE(st.st_mode) if mode is None else mode, None)
+
+    def write(self, remote: str, data: bytes | str, mode: int = 0o644) -> None:
+        """Write `data` to a file, atomically, with `mode` (0o600 for secrets: the mode is set before the data
+        lands under its final name)."""
+        self._write_bytes(_home_relative(remote), data.encode() if isinstance(data, str) else data, mode)
+
+    def sync_dir(
+        self,
+        local_dir: str | Path,
+        remote_dir: str,
+        exclude: Sequence[str] = DEFAULT_EXCLUDE,
+        delete: bool = False,
+    ) -> SyncStats:
+        """Make remote_dir hold local_dir's files. Incremental: one listing command, then only files whose
+        size, mtime (whole seconds) or mode differ are sent; a second sync of an unchanged tree sends nothing.
+        With delete, remote files that are not local (and not excluded) are removed."""
+        local_dir = Path(local_dir)
+        if not local_dir.is_dir():
+            raise UserError(f"{local_dir}: not a directory; nothing to copy to {self.name}")
+        remote_dir = _home_relative(remote_dir)
+        local_files, local_dirs = _scan(local_dir, exclude)
+        listing = self.run(
+            f"mkdir -p -- {shlex.quote(remote_dir)} && find {shlex.quote(remote_dir)} -mindepth 1 "
+            "-printf '%y %s %T@ %m %P\\0'"
+        )
+        if not listing.ok:
+            raise (ConnectionLost if listing.connection_lost else CommandFailed)(
+                self.name, f"cannot list {remote_dir}: {listing.describe()}")
+        remote: dict[str, tuple[str, int, int, int]] = {}
+        for entry in listing.stdout.split("\0"):
+            if entry:
+                kind, size, mtime, mode, rel = entry.split(" ", 4)
+                remote[rel] = (kind, int(size), int(float(mtime)), int(mode, 8))
+
+        def excluded(rel: str) -> bool:
+            return any(fnmatch.fnmatch(part, pat) for part in rel.split("/") for pat in exclude)
+
+        stale = [rel for rel, info in remote.items()
+                 if (rel in local_files and info[0] != "f") or (rel in local_dirs and info[0] != "d")]
+        if delete:
+            stale += [rel for rel in remote if rel not in local_files and rel not in local_dirs and not excluded(rel)]
+        stale = [rel for rel in stale if not any(rel.startswith(s + "/") for s in stale if s != rel)]
+        if stale:
+            self.run(["rm", "-rf", "--", *(f"{remote_dir}/{rel}" for rel in stale)], check=True)
+        for rel in stale:
+            remote.pop(rel, None)
+        dirs_created = 0
+        for rel in sorted(local_dirs):
+            if rel not in remote or remote[rel][0] != "d":
+                self._mkdir(f"{remote_dir}/{rel}")
+                dirs_created += 1
+        sent = unchanged = nbytes = 0
+        for rel, (size, mtime, mode) in sorted(local_files.items()):
+            if remote.get(rel) == ("f", size, mtime, mode):
+                unchanged += 1
+                continue
+            self._put_file(local_dir / rel, f"{remote_dir}/{rel}", mode, mtime)
+            sent += 1
+            nbytes += size
+        return SyncStats(files_sent=sent, bytes_sent=nbytes, files_unchanged=unchanged,
+                         dirs_created=dirs_created, removed=len(stale))
+
+    def detach(
+        self,
+        argv: Sequence[str],
+        log: str,
+        cwd: str | None = None,
+        env: Mapping[str, str] | None = None,
+    ) -> int:
+        """Start argv in its own session, detached from this connection (stdin /dev/null, output to `log`,
+        relative to cwd), and return its pid. It outlives the connection."""
+        if not argv:
+            raise ValueError("detach needs a command")
+        # The child reports its own pid from inside its new session on fd 3 (the channel) and closes it before
+        # exec: so this returns once the process runs detached, with its real pid (even if setsid forked).
+        script = (f"setsid /bin/sh -c 'echo $$ >&3; exec 3>&-; exec \"$@\"' sh {shlex.join(list(argv))} "
+                  f"3>&1 > {shlex.quote(log)} 2>&1 < /dev/null &")
+        result = self.run(script, cwd=cwd, env=env)
+        what = f"cannot start {_short(shlex.join(list(argv)))}"
+        if result.connection_lost:
+            raise ConnectionLost(self.name, f"{what}: {result.describe()}")
+        try:
+            return int(result.stdout.split()[-1])
+        except (IndexError, ValueError):
+            raise CommandFailed(self.name, f"{what}: {_tail(result.stderr) or result.describe()}") from None
+
+    def preflight(self, python: str, workdir: str, ports: Sequence[int] = ()) -> None:
+        """Check before starting anything that the host has `python`, that it imports toolkit, that `workdir`
+        can be created, and that `ports` are free; raise PreflightFailed naming the first thing missing."""
+        script = (
+            'py=$1 wd=$2; shift 2\n'
+            f'case $py in */*) test -x "$py" ;; *) command -v "$py" >/dev/null 2>&1 ;; esac || exit {_NO_PYTHON}\n'
+            f'"$py" -c "import toolkit" || exit {_NO_TOOLKIT}\n'
+            f'mkdir -p -- "$wd" && test -w "$wd" || exit {_NO_WORKDIR}\n'
+            'for p in "$@"; do\n'
+            '  "$py" -c "import socket, sys; s = socket.socket(); '
+            's.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind((\'\', int(sys.argv[1])))" "$p" '
+            f'2>/dev/null || {{ echo "$p"; exit {_PORT_BUSY}; }}\n'
+            'done\n'
+        )
+        wd = _home_relative(workdir)
+        result = self.run(["sh", "-c", script, "sh", python, wd, *(str(p) for p in ports)])
+        if result.ok:
+            return
+        if result.connection_lost or result.exit_code not in (_NO_PYTHON, _NO_TOOLKIT, _NO_WORKDIR, _PORT_BUSY):
+            result.check()
+            raise CommandFailed(self.name, result.describe())
+        detail = _tail(result.stderr)
+        cause = {
+            _NO_PYTHON: f"python {python} not found; install Python 3 there or set the host's python= "
+                        "(inventory) / --python",
+            _NO_TOOLKIT: f"{python} cannot import toolkit ({detail or 'no detail'}); install toolkit on the host "
+                         "or point python= at an interpreter that has it",
+            _NO_WORKDIR: f"cannot create the workdir {workdir} ({detail or 'not writable'}); choose a writable "
+                         "--workdir or fix its permissions",
+            _PORT_BUSY: f"port {result.stdout.strip()} is already in use; stop what listens there or choose "
+                        "another --master-port",
+        }[result.exit_code]
+        raise PreflightFailed(self.name, cause)
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self) -> Host:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # the transport-specific part
+    def _run_text(self, text: str, timeout: float | None) -> CommandResult:
+        raise NotImplementedError
+
+    def _put_file(self, local: Path, remote: str, mode: int, mtime: int | None) -> None:
+        raise NotImplementedError
+
+    def _write_bytes(self, remote: str, data: bytes, mode: int) -> None:
+        raise NotImplementedError
+
+    def _mkdir(self, remote: str) -> None:
+        raise NotImplementedError
+
+
+class LocalHost(Host):
+    """This machine, without SSH (local mode): the same commands through /bin/sh, started in the home
+    directory like an SSH session, so tasks behave the same with and without hosts."""
+
+    def __init__(self, name: str = LOCALHOST, settings: SshSettings | None = None) -> None:
+        self.name = name
+        self.settings = settings or SshSettings()
+        self.home = Path.home()
+
+    def _path(self, path: str) -> Path:
+        return self.home / path
+
+    def _run_text(self, text: str, timeout: float | None) -> CommandResult:
+        timeout = self.settings.command_timeout if timeout is None else timeout
+        proc = subprocess.Popen(["/bin/sh", "-c", text], cwd=self.home, stdin=subprocess.DEVNULL,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            out, err = proc.communicate()
+            return CommandResult(self.name, text, None, _decode(out), _decode(err), timed_out=True)
+        code = proc.returncode
+        if code < 0:
+            return CommandResult(self.name, text, None, _decode(out), _decode(err), signal=_signal_name(-code))
+        return CommandResult(self.name, text, code, _decode(out), _decode(err))
+
+    def _put_file(self, local: Path, remote: str, mode: int, mtime: int | None) -> None:
+        dest = self._path(remote)
+        tmp = dest.with_name(f".{dest.name}.{uuid.uuid4().hex[:8]}.tmp")
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "wb") as out, open(local, "rb") as src:
+                while chunk := src.read(1 << 20):
+                    out.write(chunk)
+            os.chmod(tmp, mode)
+            if mtime is not None:
+                os.utime(tmp, (mtime, mtime))
+            os.replace(tmp, dest)
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            raise CommandFailed(self.name, f"cannot write {dest}: {e.strerror}") from None
+
+    def _write_bytes(self, remote: str, data: bytes, mode: int) -> None:
+        dest = self._path(remote)
+        tmp = dest.with_name(f".{dest.name}.{uuid.uuid4().hex[:8]}.tmp")
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+            with os.fdopen(fd, "wb") as out:
+                out.write(data)
+            os.chmod(tmp, mode)
+            os.replace(tmp, dest)
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            raise CommandFailed(self.name, f"cannot write {dest}: {e.strerror}") from None
+
+    def _mkdir(self, remote: str) -> None:
+        try:
+            self._path(remote).mkdir(exist_ok=True)
+        except OSError as e:
+            raise CommandFailed(self.name, f"cannot create {self._path(remote)}: {e.strerror}") from None
+
+
+class SshHost(Host):
+    """A host over SSH (Fabric): connected when constructed (so an unreachable host, a failed login or a bad
+    host key raise here, as one line), with keepalives and bounded waits from then on."""
+
+    def __init__(self, target: Target, settings: SshSettings, config: Any | None = None) -> None:
+        import fabric
+
+        self.name = target.name
+        self.target = target
+        self.settings = settings
+        config = config if config is not None else fabric_config(settings)
+        conn = fabric.Connection(
+            target.hostname or target.name,
+            user=target.user,
+            port=target.port,
+            config=config,
+            connect_kwargs={},
+        )
+        self.address = f"{conn.host}:{conn.port}"
+        keys = [str(Path(k).expanduser()) for k in (
+            ([target.key_file] if target.key_file else []) + list(settings.identity_files))]
+        from_config = [str(Path(k).expanduser()) for k in conn.connect_kwargs.get("key_filename", [])]
+        keys += [k for k in from_config if k not in keys and os.path.exists(k)]  # ssh skips missing ones too
+        for k in keys:
+            if not os.path.isfile(k):
+                raise AuthenticationFailed(self.name, f"SSH key file {k} not found; fix the host's key file "
+                                                      "(ansible_ssh_private_key_file / IdentityFile)")
+        timeout = settings.connect_timeout or (float(conn.connect_timeout) if conn.connect_timeout else None) \
+            or DEFAULT_CONNECT_TIMEOUT
+        self.connect_timeout = timeout
+        conn.connect_timeout = timeout
+        conn.connect_kwargs = {
+            "banner_timeout": timeout,
+            "auth_timeout": timeout,
+            "channel_timeout": settings.dead_after,
+            **({"key_filename": keys, "look_for_keys": False, "allow_agent": False} if keys else {}),
+        }
+        hop: Any = conn
+        while isinstance(hop, fabric.Connection):  # ProxyJump hops get the same host-key rules
+            _strict_host_keys(hop.client, settings)
+            hop = hop.gateway
+        self._conn = conn
+        self._open()
+
+    def _open(self) -> None:
+        try:
+            self._connect()
+        except BaseException:
+            self.close()  # paramiko leaves the transport thread running after a refused key or login
+            raise
+        transport = self._conn.transport
+        transport.set_keepalive(self.settings.keepalive_interval)
+        sock = transport.sock
+        if isinstance(sock, socket.socket) and hasattr(socket, "TCP_USER_TIMEOUT"):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, int(self.settings.dead_after * 1000))
+
+    def _connect(self) -> None:
+        import paramiko
+
+        conn = self._conn
+        user = conn.user
+        try:
+            conn.open()
+        except _UnknownKey as e:
+            raise UnknownHostKey(self.name, e.describe(self.settings)) from None
+        except paramiko.BadHostKeyException as e:
+            known_as = conn.host if int(conn.port) == 22 else f"[{conn.host}]:{conn.port}"
+            raise ChangedHostKey(
+                self.name,
+                f"host key for {known_as} has CHANGED ({e.key.get_name()} {e.key.fingerprint}, known_hosts has "
+                f"{e.expected_key.fingerprint}): possibly someone in the middle; if the host was reinstalled, remove "
+                f"the old key with `ssh-keygen -R '{known_as}' -f {self.settings.known_hosts}` and connect again",
+            ) from None
+        except paramiko.AuthenticationException as e:
+            keys = ", ".join(conn.connect_kwargs.get("key_filename", [])) or "default keys and agent"
+            raise AuthenticationFailed(
+                self.name, f"authentication failed for user {user} at {self.address} with {keys} ({e}); check the "
+                           "key and the host's authorized_keys") from None
+        except paramiko.ssh_exception.NoValidConnectionsError as e:
+            raise HostUnreachable(self.name, f"unreachable: {_socket_cause(next(iter(e.errors.values())), self.address)}"
+                                  ) from None
+        except socket.gaierror as e:
+            raise HostUnreachable(self.name, f"unreachable: cannot resolve {conn.host} ({e.strerror}); check the "
+                                             "host name or set its address (ansible_host / HostName)") from None
+        except (TimeoutError, socket.timeout):
+            raise HostUnreachable(self.name, f"unreachable: no answer from {self.address} within "
+                                             f"{self.connect_timeout:g}s (connect timeout)") from None
+        except OSError as e:
+            raise HostUnreachable(self.name, f"unreachable: {_socket_cause(e, self.address)}") from None
+        except (paramiko.SSHException, EOFError) as e:
+            text = str(e) or type(e).__name__
+            if "no authentication methods" in text.lower():
+                raise AuthenticationFailed(
+                    self.name, f"authentication failed for user {user} at {self.address}: no key to offer (no "
+                               "IdentityFile, no default key in ~/.ssh, no agent); give the host's key file") from None
+            if "banner" in text.lower() or isinstance(e, EOFError):
+                text = f"no SSH server answered at {self.address} within {self.connect_timeout:g}s ({text})"
+            raise HostUnreachable(self.name, f"SSH handshake failed: {text}") from None
+
+    @property
+    def connection(self) -> Any:
+        """The Fabric Connection, for tasks that need Fabric itself."""
+        return self._conn
+
+    def alive(self) -> bool:
+        """Whether the connection still works: one round trip (bounded by the keepalive rules)."""
+        transport = self._conn.transport
+        if transport is None or not transport.is_active():
+            return False
+        transport.global_request("keepalive@openssh.com", wait=True)
+        return transport.is_active()
+
+    def _run_text(self, text: str, timeout: float | None) -> CommandResult:
+        import invoke
+        import paramiko
+
+        timeout = self.settings.command_timeout if timeout is None else timeout
+        sent, guard = text, None
+        if timeout is not None:
+            # Closing the channel would not stop the remote command: the host's own `timeout` kills its process
+            # group; the local bound only guards against a host that stops answering.
+            sent = f"exec timeout -k {_KILL_AFTER:g} {timeout:g} /bin/sh -c {shlex.quote(text)}"
+            guard = timeout + _KILL_AFTER + self.settings.dead_after
+        start = time.monotonic()
+        try:
+            r = self._conn.run(sent, hide=True, warn=True, in_stream=False, timeout=guard)
+        except invoke.exceptions.CommandTimedOut as e:
+            res = e.result
+            return CommandResult(self.name, text, None, res.stdout, res.stderr, timed_out=True,
+                                 connection_lost=not self.alive())
+        except (invoke.exceptions.ThreadException, paramiko.SSHException, EOFError, OSError) as e:
+            if self.alive():
+                raise CommandFailed(self.name, f"SSH error while running {_short(text)}: {e}") from None
+            return CommandResult(self.name, text, None, "", "", connection_lost=True)
+        if r.exited == -1:  # no exit status: the connection dropped, or a signal killed the command
+            lost = not self.alive()
+            return CommandResult(self.name, text, None, r.stdout, r.stderr, connection_lost=lost,
+                                 signal=None if lost else "a signal")
+        if timeout is not None and r.exited in (124, 137) and time.monotonic() - start >= timeout:
+            return CommandResult(self.name, text, None, r.stdout, r.stderr, timed_out=True)
+        return CommandResult(self.name, text, r.exited, r.stdout, r.stderr)
+
+    @contextlib.contextmanager
+    def _sftp_errors(self, what: str) -> Iterator[Any]:
+        import paramiko
+
+        try:
+            yield self._conn.sftp()
+        except (paramiko.SSHException, EOFError, OSError) as e:
+            if not self.alive():
+                raise ConnectionLost(self.name, f"connection lost while {what} (host down or cut off)") from None
+            reason = getattr(e, "strerror", None) or str(e) or type(e).__name__
+            raise CommandFailed(self.name, f"{what}: {reason}") from None
+
+    def _put_file(self, local: Path, remote: str, mode: int, mtime: int | None) -> None:
+        tmp = _temp_name(remote)
+        with self._sftp_errors(f"copying {local} to {remote}") as sftp:
+            try:
+                sftp.put(str(local), tmp)
+                sftp.chmod(tmp, mode)
+                if mtime is not None:
+                    sftp.utime(tmp, (mtime, mtime))
+                sftp.posix_rename(tmp, remote)
+            except BaseException:
+                with contextlib.suppress(Exception):
+                    sftp.remove(tmp)
+                raise
+
+    def _write_bytes(self, remote: str, data: bytes, mode: int) -> None:
+        tmp = _temp_name(remote)
+        with self._sftp_errors(f"writing {remote}") as sftp:
+            try:
+                with sftp.open(tmp, "wb") as f:
+                    f.chmod(mode)
+                    f.write(data)
+                sftp.posix_rename(tmp, remote)
+            except BaseException:
+                with contextlib.suppress(Exception):
+                    sftp.remove(tmp)
+                raise
+
+    def _mkdir(self, remote: str) -> None:
+        with self._sftp_errors(f"creating {remote}") as sftp:
+            sftp.mkdir(remote)
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self._conn.close()
+
+
+# --- strict host keys ------------------------------------------------------------------------------------------
+
+
+class _UnknownKey(Exception):
+    """Raised by the host-key policy for a host that has no key in known_hosts (and accept-new is off)."""
+
+    def __init__(self, hostname: str, key: Any) -> None:
+        super().__init__(hostname)
+        self.hostname = hostname
+        self.key = key
+
+    def describe(self, settings: SshSettings) -> str:
+        host = self.hostname
+        scan = host[1:].replace("]:", " -p ") if host.startswith("[") else host
+        return (f"host key unknown: {host} is not in {settings.known_hosts} ({self.key.get_name()} "
+                f"{self.key.fingerprint}); verify it and add it (`ssh-keyscan {scan} >> {settings.known_hosts}`), "
+                "or pass --accept-new-host-keys to trust keys seen for the first time")
+
+
+def _strict_host_keys(client: Any, settings: SshSettings) -> None:
+    """Check host keys against settings.known_hosts: a changed key is always refused (paramiko raises
+    BadHostKeyException before any policy is asked), an unknown one is refused unless accept_new_host_keys, in
+    which case it is appended to the file (under a lock, so parallel connections do not lose lines)."""
+    import paramiko
+
+    path = settings.known_hosts_path
+    if path.exists():
+        with open(path) as f:
+            fcntl.flock(f, fcntl.LOCK_SH)
+            client.load_system_host_keys(str(path))
+
+    class Policy(paramiko.MissingHostKeyPolicy):
+        def missing_host_key(self, client: Any, hostname: str, key: Any) -> None:
+            if not settings.accept_new_host_keys:
+                raise _UnknownKey(hostname, key)
+            _append_known_host(path, hostname, key)
+            client.get_host_keys().add(hostname, key.get_name(), key)
+
+    client.set_missing_host_key_policy(Policy())
+
+
+def _append_known_host(path: Path, hostname: str, key: Any) -> None:
+    import paramiko
+
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o600)
+    with os.fdopen(fd, "r+") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        f.seek(0)
+        known = paramiko.HostKeys()
+        for lineno, line in enumerate(f.read().splitlines(), 1):
+            with contextlib.suppress(paramiko.SSHException, ValueError):
+                entry = paramiko.hostkeys.HostKeyEntry.from_line(line, lineno)
+                if entry is not None:
+                    for name in entry.hostnames:
+                        known.add(name, entry.key.get_name(), entry.key)
+        existing = known.lookup(hostname)
+        if existing is not None:
+            if existing.get(key.get_name()) == key:
+                return
+            # another process recorded a different key for this host meanwhile: that is a changed key
+            raise paramiko.BadHostKeyException(hostname, key, next(iter(existing.values())))
+        f.write(f"{hostname} {key.get_name()} {key.get_base64()}\n")
+
+
+# --- fan-out ---------------------------------------------------------------------------------------------------
+
+
+def fabric_config(settings: SshSettings) -> Any:
+    """One Fabric Config for many connections: ssh_config loaded once."""
+    import fabric
+
+    overrides = {"run": {"hide": True, "warn": True, "in_stream": False}}
+    if settings.ssh_config is None:
+        return fabric.Config(overrides=overrides)
+    path = Path(settings.ssh_config).expanduser()
+    if not path.is_file():
+        raise UserError(f"{path}: ssh_config not found; check the path")
+    return fabric.Config(runtime_ssh_path=str(path), overrides=overrides)
+
+
+def open_host(target: Target, settings: SshSettings, config: Any | None = None) -> Host:
+    """A connected Host for the target: LocalHost for a local target, else SshHost (raises RemoteError)."""
+    if target.local:
+        return LocalHost(target.name, settings)
+    return SshHost(target, settings, config)
+
+
+def run_on_all(
+    targets: Sequence[Target],
+    fn: Callable[[Host], T],
+    settings: SshSettings,
+    progress: Callable[[HostResult[T]], None] | None = None,
+    fail_fast: bool = False,
+) -> dict[str, HostResult[T]]:
+    """Connect to each target and call fn(host), at most settings.parallel at once, closing each connection
+    after. Returns a result per host, in target order; never raises for a host's failure (see check_all).
+    With fail_fast, hosts not yet started when one fails are skipped. `progress` is called (from worker
+    threads) as each host finishes."""
+    names = [t.name for t in targets]
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if dupes:
+        raise UserError(f"host {dupes[0]} is listed twice; name each host once")
+    config = fabric_config(settings) if any(not t.local for t in targets) else None
+    failed = threading.Event()
+    first_failure: list[str] = []
+    lock = threading.Lock()
+
+    def one(target: Target) -> HostResult[T]:
+        start = time.monotonic()
+        if fail_fast and failed.is_set():
+            result: HostResult[T] = HostResult(target.name, False, error=f"{target.name}: not attempted: "
+                                               f"{first_failure[0]} failed first", skipped=True, finished=start)
+        else:
+            host: Host | None = None
+            try:
+                host = open_host(target, settings, config)
+                value = fn(host)
+                now = time.monotonic()
+                result = HostResult(target.name, True, value=value, seconds=now - start, finished=now)
+            except Exception as e:  # noqa: BLE001 - every failure becomes this host's result
+                now = time.monotonic()
+                text = str(e) if isinstance(e, RemoteError) else f"{target.name}: {_one_line(e)}"
+                result = HostResult(target.name, False, error=text, seconds=now - start, finished=now, exception=e)
+                with lock:
+                    if not first_failure:
+                        first_failure.append(target.name)
+                failed.set()
+            finally:
+                if host is not None:
+                    host.close()
+        if progress is not None:
+            progress(result)
+        return result
+
+    if not targets:
+        return {}
+    with ThreadPoolExecutor(max_workers=min(settings.parallel, len(targets)), thread_name_prefix="ssh") as pool:
+        results = list(pool.map(one, targets))
+    return {r.host: r for r in results}
+
+
+def check_all(results: Mapping[str, HostResult[T]]) -> dict[str, T]:
+    """The values of a fan-out, or ClusterError listing every failed host (root cause first)."""
+    if any(not r.ok for r in results.values()):
+        raise ClusterError(results)
+    return {name: r.value for name, r in results.items()}  # type: ignore[misc]
+
+
+@contextlib.contextmanager
+def rich_progress(description: str, total: int) -> Iterator[Callable[[HostResult[Any]], None]]:
+    """A progress callback for run_on_all that draws a rich progress bar (on stderr) while hosts finish."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    failures = 0
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=Console(stderr=True), transient=True) as bar:
+        task = bar.add_task(description, total=total)
+        lock = threading.Lock()
+
+        def update(result: HostResult[Any]) -> None:
+            nonlocal failures
+            with lock:
+                failures += 0 if result.ok else 1
+                suffix = f" ({failures} failed)" if failures else ""
+                bar.update(task, advance=1, description=description + suffix)
+
+        yield update
+
+
+# --- helpers ---------------------------------------------------------------------------------------------------
+
+
+def command_text(command: Sequence[str] | str, cwd: str | None = None, env: Mapping[str, str] | None = None) -> str:
+    """The shell text for a command: argv quoted with shlex.join (and exec'd), a script as is; `cd` and
+    `export` lines (quoted) before it."""
+    if isinstance(command, str):
+        body = command
+    else:
+        argv = list(command)
+        if not argv:
+            raise ValueError("empty command")
+        body = "exec " + shlex.join(argv)  # no shell left between: a signal that kills argv is seen as such
+    lines = []
+    if cwd is not None:
+        lines.append(f"cd -- {shlex.quote(_home_relative(cwd))} || exit 1")
+    for name, value in (env or {}).items():
+        if not name or name[0].isdigit() or any(c not in _ENV_NAME for c in name):
+            raise ValueError(f"environment variable name {name!r} is not valid")
+        lines.append(f"export {name}={shlex.quote(str(value))}")
+    return "\n".join(lines + [body])
+
+
+def _home_relative(path: str) -> str:
+    """`~` and `~/x` as paths relative to the home directory (where sessions start and sftp resolves relative
+    paths), since a quoted `~` is not expanded."""
+    path = str(path)
+    if path == "~":
+        return "."
+    if path.startswith("~/"):
+        return path[2:] or "."
+    if path.startswith("~"):
+        raise UserError(f"{path}: ~user paths are not supported; give an absolute path or one relative to home")
+    return path
+
+
+def _temp_name(path: str) -> str:
+    head, _, tail = path.rpartition("/")
+    return f"{head}/.{tail}.{uuid.uuid4().hex[:8]}.tmp" if head else f".{tail}.{uuid.uuid4().hex[:8]}.tmp"
+
+
+def _scan(root: Path, exclude: Sequence[str]) -> tuple[dict[str, tuple[int, int, int]], set[str]]:
+    files: dict[str, tuple[int, int, int]] = {}
+    dirs: set[str] = set()
+    for dirpath, dirnames, filenames in os.walk(root):
+        rel_dir = os.path.relpath(dirpath, root)
+        dirnames[:] = sorted(d for d in dirnames if not any(fnmatch.fnmatch(d, p) for p in exclude)
+                             and not os.path.islink(os.path.join(dirpath, d)))
+        for d in dirnames:
+            dirs.add(d if rel_dir == "." else f"{rel_dir}/{d}")
+        for name in filenames:
+            if any(fnmatch.fnmatch(name, p) for p in exclude):
+                continue
+            full = os.path.join(dirpath, name)
+            try:
+                st = os.stat(full)
+            except OSError:
+                continue  # a dangling symlink
+            if stat.S_ISREG(st.st_mode):
+                files[name if rel_dir == "." else f"{rel_dir}/{name}"] = (
+                    st.st_size, int(st.st_mtime), stat.S_IMODE(st.st_mode))
+    return files, dirs
+
+
+def _socket_cause(e: BaseException, address: str) -> str:
+    code = getattr(e, "errno", None)
+    if code == errno.ECONNREFUSED:
+        return f"connection refused at {address} (no SSH server listening there)"
+    if code == errno.EHOSTUNREACH:
+        return f"no route to host {address}"
+    if code == errno.ENETUNREACH:
+        return f"network unreachable for {address}"
+    if isinstance(e, (TimeoutError, socket.timeout)):
+        return f"no answer from {address} (connect timeout)"
+    return f"{address}: {getattr(e, 'strerror', None) or e}"
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
+
+def _decode(data: bytes) -> str:
+    return data.decode("utf-8", errors="replace")
+
+
+def _tail(text: str, lines: int = 3, width: int = 300) -> str:
+    tail = " | ".join(line.strip() for line in text.strip().splitlines()[-lines:] if line.strip())
+    return tail[-width:]
+
+
+def _short(command: str, width: int = 120) -> str:
+    one = " ".join(command.split())
+    return one if len(one) <= width else one[: width - 3] + "..."
+
+
+def _one_line(e: BaseException) -> str:
+    text = " ".join(str(e).split())
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
