@@ -186,10 +186,16 @@ class Cluster:
 
     @classmethod
     def up(
-        cls, n: int, dir: str | Path | None = None, slots: int = 1, owned_by_this_process: bool = True
+        cls,
+        n: int,
+        dir: str | Path | None = None,
+        slots: int = 1,
+        python: str | None = None,
+        owned_by_this_process: bool = True,
     ) -> Cluster:
-        """Build n hosts. With `owned_by_this_process`, the cluster counts as stale once this process is gone
-        (and an atexit hook tears it down on a normal exit); a cluster made by hand has no owner."""
+        """Build n hosts whose inventory says `python` (default: this interpreter). With
+        `owned_by_this_process`, the cluster counts as stale once this process is gone (and an atexit hook tears
+        it down on a normal exit); a cluster made by hand has no owner."""
         if not 1 <= n <= MAX_HOSTS:
             raise ClusterSetupError(f"a cluster has 1 to {MAX_HOSTS} hosts, not {n}")
         if os.geteuid() != 0:
@@ -201,7 +207,7 @@ class Cluster:
                 )
         Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)  # sshd's privilege-separation directory
         owner = (os.getpid(), _start_time(os.getpid())) if owned_by_this_process else None
-        cluster = cls._allocate(n, dir, owner)
+        cluster = cls._allocate(n, dir, owner, os.path.abspath(python or sys.executable))
         try:
             cluster._build(slots)
         except BaseException:
@@ -214,7 +220,7 @@ class Cluster:
         return cluster
 
     @classmethod
-    def _allocate(cls, n: int, dir: str | Path | None, owner: tuple[int, int] | None) -> Cluster:
+    def _allocate(cls, n: int, dir: str | Path | None, owner: tuple[int, int] | None, python: str) -> Cluster:
         """Pick an unused id and subnet and record them, under a machine-wide lock so that two clusters being
         built at once cannot pick the same."""
         REGISTRY.mkdir(mode=0o755, exist_ok=True)
@@ -262,9 +268,9 @@ class Cluster:
                 bridge_address=str(addresses[0]),
                 prefix_len=subnet.prefixlen,
                 hosts=hosts,
-                python=sys.executable,
+                python=python,
                 owner=owner,
-                home_shares=_home_shares(),
+                home_shares=_home_shares(python),
             )
             _write_atomic(path / STATE_FILE, state.to_json())
             _write_atomic(REGISTRY / f"{cid}.json", json.dumps({"dir": str(path), "subnet": str(subnet)}))
@@ -333,6 +339,8 @@ class Cluster:
         out = [f"# toolkit test cluster {self.state.id}: use with ssh -F {self.ssh_config} node1", ""]
         for h in self.hosts:
             out += [f"Host {h.name}", f"    HostName {h.address}", *common, ""]
+        out += ["# the same for the bare addresses (the inventory's ansible_host)",
+                "Host " + " ".join(h.address for h in self.hosts), *common, ""]
         return "\n".join(out)
 
     def _inventory_text(self, slots: int) -> str:
@@ -575,13 +583,21 @@ mount --rbind "$home" "$real" && exec "$sshd" -D -f "$conf" -E "$log"
 """
 
 
-def _home_shares() -> tuple[str, ...]:
-    """The top-level entries of root's home that this Python needs (an interpreter under ~/.pyenv, say): a
+def _home_shares(python: str) -> tuple[str, ...]:
+    """The top-level entries of root's home that `python` needs (a venv's interpreter under ~/.pyenv, say): a
     private home hides the rest, ~/.bashrc included."""
+    paths = {os.path.realpath(python)}
+    venv_cfg = Path(python).parent.parent / "pyvenv.cfg"
+    if venv_cfg.is_file():
+        for line in venv_cfg.read_text().splitlines():
+            key, _, value = line.partition("=")
+            if key.strip() in ("home", "executable"):
+                paths.add(os.path.realpath(value.strip()))
+    if os.path.realpath(python) == os.path.realpath(sys.executable):
+        paths |= {os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)}
     shares = set()
-    for path in {os.path.realpath(sys.executable), sys.prefix, sys.base_prefix, sys.exec_prefix,
-                 os.path.realpath(sys.base_prefix)}:
-        rel = os.path.relpath(os.path.realpath(path), ROOT_HOME)
+    for path in paths:
+        rel = os.path.relpath(path, ROOT_HOME)
         if not rel.startswith(".."):
             shares.add(rel.split(os.sep)[0])
     return tuple(sorted(shares))
