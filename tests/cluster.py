@@ -126,6 +126,7 @@ class Cluster:
     def __init__(self, state: ClusterState) -> None:
         self.state = state
         self._sshd: dict[str, subprocess.Popen[bytes]] = {}  # sshds this process started (so it reaps them)
+        self._flags: str | None = None
 
     # --- paths and names ---------------------------------------------------------------------------------------
 
@@ -373,7 +374,7 @@ class Cluster:
             h.pid_file.unlink(missing_ok=True)
             argv = ["ip", "netns", "exec", h.netns, "unshare", "--uts", "--mount", "--propagation", "private",
                     "/bin/sh", "-c", _HOST_INIT, "sh", h.name, str(h.home), ROOT_HOME, SSHD, str(h.sshd_config),
-                    str(h.sshd_log), *self.state.home_shares]
+                    str(h.sshd_log), self._sshd_flags(), *self.state.home_shares]
             with open(h.sshd_log, "ab") as log:
                 proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
                                         start_new_session=True, close_fds=True)
@@ -395,6 +396,22 @@ class Cluster:
                         f"see {self.host(next(iter(pending))).sshd_log}"
                     )
                 time.sleep(READY_POLL)
+
+    def _sshd_flags(self) -> str:
+        """`-r` (no re-exec per connection) where this sshd accepts it: it halves the server's CPU per
+        connection, which on one shared machine all hosts' sshds otherwise compete for. Also checks the
+        generated config, so a bad one fails here with sshd's own words."""
+        if self._flags is None:
+            config = str(self.hosts[0].sshd_config)
+            for flags in ("-r", ""):
+                out = subprocess.run([SSHD, "-t", *flags.split(), "-f", config], capture_output=True, text=True,
+                                     timeout=IP_TIMEOUT)
+                if out.returncode == 0:
+                    self._flags = flags
+                    break
+            else:
+                raise ClusterSetupError(f"sshd rejects {config}: {out.stderr.strip()}")
+        return self._flags
 
     def sshd_pid(self, name: str) -> int | None:
         """The pid of the host's listening sshd, or None if it is not running."""
@@ -574,12 +591,12 @@ class Cluster:
 # Run inside a host's new UTS and mount namespaces: name it, put its private home over root's (showing only the
 # shared entries, e.g. ~/.pyenv where the venv's python lives) and become its sshd.
 _HOST_INIT = """
-name=$1 home=$2 real=$3 sshd=$4 conf=$5 log=$6; shift 6
+name=$1 home=$2 real=$3 sshd=$4 conf=$5 log=$6 flags=$7; shift 7
 hostname "$name" || exit 1
 for share in "$@"; do
     mkdir -p "$home/$share" && mount --bind "$real/$share" "$home/$share" || exit 1
 done
-mount --rbind "$home" "$real" && exec "$sshd" -D -f "$conf" -E "$log"
+mount --rbind "$home" "$real" && exec "$sshd" -D $flags -f "$conf" -E "$log"
 """
 
 

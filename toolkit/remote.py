@@ -13,6 +13,7 @@ import errno
 import fcntl
 import fnmatch
 import os
+import select
 import shlex
 import signal
 import socket
@@ -474,13 +475,13 @@ class SshHost(Host):
     """A host over SSH (Fabric): connected when constructed (so an unreachable host, a failed login or a bad
     host key raise here, as one line), with keepalives and bounded waits from then on."""
 
-    def __init__(self, target: Target, settings: SshSettings, config: Any | None = None) -> None:
+    def __init__(self, target: Target, settings: SshSettings) -> None:
         import fabric
 
         self.name = target.name
         self.target = target
         self.settings = settings
-        config = config if config is not None else fabric_config(settings)
+        config = fabric_config(settings)  # one per connection: Fabric's Config is not safe to share across threads
         conn = fabric.Connection(
             target.hostname or target.name,
             user=target.user,
@@ -520,11 +521,18 @@ class SshHost(Host):
         except BaseException:
             self.close()  # paramiko leaves the transport thread running after a refused key or login
             raise
-        transport = self._conn.transport
-        transport.set_keepalive(self.settings.keepalive_interval)
-        sock = transport.sock
-        if isinstance(sock, socket.socket) and hasattr(socket, "TCP_USER_TIMEOUT"):
+        self._conn.transport.set_keepalive(self.settings.keepalive_interval)
+
+    def _socket(self) -> socket.socket:
+        """Our own TCP connection, so that its options hold from the first packet: TCP_NODELAY (without it
+        every SSH round trip waits out delayed ACKs, ~40 ms) and TCP_USER_TIMEOUT (unacknowledged data for
+        dead_after seconds ends the connection instead of hanging)."""
+        conn = self._conn
+        sock = socket.create_connection((conn.host, int(conn.port)), timeout=self.connect_timeout)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if hasattr(socket, "TCP_USER_TIMEOUT"):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, int(self.settings.dead_after * 1000))
+        return sock
 
     def _connect(self) -> None:
         import paramiko
@@ -532,6 +540,8 @@ class SshHost(Host):
         conn = self._conn
         user = conn.user
         try:
+            if not conn.gateway:  # through ProxyJump/ProxyCommand, Fabric makes the socket
+                conn.connect_kwargs["sock"] = self._socket()
             conn.open()
         except _UnknownKey as e:
             raise UnknownHostKey(self.name, e.describe(self.settings)) from None
@@ -583,7 +593,6 @@ class SshHost(Host):
         return transport.is_active()
 
     def _run_text(self, text: str, timeout: float | None) -> CommandResult:
-        import invoke
         import paramiko
 
         timeout = self.settings.command_timeout if timeout is None else timeout
@@ -595,22 +604,51 @@ class SshHost(Host):
             guard = timeout + _KILL_AFTER + self.settings.dead_after
         start = time.monotonic()
         try:
-            r = self._conn.run(sent, hide=True, warn=True, in_stream=False, timeout=guard)
-        except invoke.exceptions.CommandTimedOut as e:
-            res = e.result
-            return CommandResult(self.name, text, None, res.stdout, res.stderr, timed_out=True,
-                                 connection_lost=not self.alive())
-        except (invoke.exceptions.ThreadException, paramiko.SSHException, EOFError, OSError) as e:
+            code, out, err, finished = self._exec(sent, guard)
+        except (paramiko.SSHException, EOFError, OSError) as e:
             if self.alive():
                 raise CommandFailed(self.name, f"SSH error while running {_short(text)}: {e}") from None
             return CommandResult(self.name, text, None, "", "", connection_lost=True)
-        if r.exited == -1:  # no exit status: the connection dropped, or a signal killed the command
+        if not finished:
+            return CommandResult(self.name, text, None, out, err, timed_out=True, connection_lost=not self.alive())
+        if code == -1:  # no exit status: the connection dropped, or a signal killed the command
             lost = not self.alive()
-            return CommandResult(self.name, text, None, r.stdout, r.stderr, connection_lost=lost,
+            return CommandResult(self.name, text, None, out, err, connection_lost=lost,
                                  signal=None if lost else "a signal")
-        if timeout is not None and r.exited in (124, 137) and time.monotonic() - start >= timeout:
-            return CommandResult(self.name, text, None, r.stdout, r.stderr, timed_out=True)
-        return CommandResult(self.name, text, r.exited, r.stdout, r.stderr)
+        if timeout is not None and code in (124, 137) and time.monotonic() - start >= timeout:
+            return CommandResult(self.name, text, None, out, err, timed_out=True)
+        return CommandResult(self.name, text, code, out, err)
+
+    def _exec(self, command: str, bound: float | None) -> tuple[int, str, str, bool]:
+        """Run on a new channel with stdin closed; wait on the channel's readiness (no sleep loop) until both
+        output streams end and the exit status is in, or `bound` passes. A dead transport closes the channel,
+        which ends the wait too. Returns (exit status or -1, stdout, stderr, finished)."""
+        deadline = None if bound is None else time.monotonic() + bound
+        chan = self._conn.transport.open_session(timeout=self.settings.dead_after)
+        try:
+            chan.exec_command(command)
+            chan.shutdown_write()
+            out: list[bytes] = []
+            err: list[bytes] = []
+            poller = select.poll()
+            poller.register(chan.fileno(), select.POLLIN)
+            while True:
+                while chan.recv_ready():
+                    out.append(chan.recv(1 << 16))
+                while chan.recv_stderr_ready():
+                    err.append(chan.recv_stderr(1 << 16))
+                ended = chan.eof_received or chan.closed
+                if ended and not chan.recv_ready() and not chan.recv_stderr_ready():
+                    break
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return -1, _decode(b"".join(out)), _decode(b"".join(err)), False
+                poller.poll(None if left is None else max(1, int(left * 1000)))
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            finished = chan.status_event.wait(left)  # a command may close its output before it exits
+            return chan.exit_status if finished else -1, _decode(b"".join(out)), _decode(b"".join(err)), finished
+        finally:
+            chan.close()
 
     @contextlib.contextmanager
     def _sftp_errors(self, what: str) -> Iterator[Any]:
@@ -729,23 +767,22 @@ def _append_known_host(path: Path, hostname: str, key: Any) -> None:
 
 
 def fabric_config(settings: SshSettings) -> Any:
-    """One Fabric Config for many connections: ssh_config loaded once."""
+    """A Fabric Config that reads settings.ssh_config (or the user's and system's ssh_config files)."""
     import fabric
 
-    overrides = {"run": {"hide": True, "warn": True, "in_stream": False}}
     if settings.ssh_config is None:
-        return fabric.Config(overrides=overrides)
+        return fabric.Config()
     path = Path(settings.ssh_config).expanduser()
     if not path.is_file():
         raise UserError(f"{path}: ssh_config not found; check the path")
-    return fabric.Config(runtime_ssh_path=str(path), overrides=overrides)
+    return fabric.Config(runtime_ssh_path=str(path))
 
 
-def open_host(target: Target, settings: SshSettings, config: Any | None = None) -> Host:
+def open_host(target: Target, settings: SshSettings) -> Host:
     """A connected Host for the target: LocalHost for a local target, else SshHost (raises RemoteError)."""
     if target.local:
         return LocalHost(target.name, settings)
-    return SshHost(target, settings, config)
+    return SshHost(target, settings)
 
 
 def run_on_all(
@@ -763,7 +800,8 @@ def run_on_all(
     dupes = sorted({n for n in names if names.count(n) > 1})
     if dupes:
         raise UserError(f"host {dupes[0]} is listed twice; name each host once")
-    config = fabric_config(settings) if any(not t.local for t in targets) else None
+    if any(not t.local for t in targets):
+        fabric_config(settings)  # a missing ssh_config is one error, not one per host
     failed = threading.Event()
     first_failure: list[str] = []
     lock = threading.Lock()
@@ -776,7 +814,7 @@ def run_on_all(
         else:
             host: Host | None = None
             try:
-                host = open_host(target, settings, config)
+                host = open_host(target, settings)
                 value = fn(host)
                 now = time.monotonic()
                 result = HostResult(target.name, True, value=value, seconds=now - start, finished=now)
