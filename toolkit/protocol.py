@@ -2,6 +2,22 @@
 
 Both sides import the names from here so they cannot drift apart. Framing: one JSON object per line, UTF-8,
 over TCP to MS_SCHED_HOST:MS_SCHED_PORT. Every message has an "op".
+
+Worker conversation (one connection per worker process, kept for its whole life; its EOF is a death signal):
+
+    worker -> register {token, node_id, rank, world_size, incarnation, pid, host, generation, rejoin}
+    sched  -> welcome {rank, world_size, generation, job}     or reject {reason, retry} / fenced {reason}, then close
+    sched  -> formed {generation, prefix}   every rank of `generation` is registered: build the process group over
+                                            PrefixStore(prefix, store)
+    worker -> heartbeat {step}              every TOOLKIT_HEARTBEAT_INTERVAL; any message counts as one
+    sched  -> generation {generation}       a member died: leave the current process group, wait for `formed`
+    worker -> commit {step}                 this rank committed a checkpoint of `step`
+    worker -> done {}                       clean finish; the EOF that follows is not a death
+    sched  -> stop {reason}                 the job failed; stop training
+    sched  -> fenced {reason}               this incarnation was declared dead: exit at once, never write again
+
+`incarnation` is random per process: it tells a relaunched worker (new incarnation, accepted once the old one is
+known dead) from the old process coming back after SIGCONT or a healed partition (old incarnation: fenced).
 """
 
 from __future__ import annotations
@@ -19,6 +35,21 @@ GAVE_UP = "gave_up"
 KILL = "kill"
 STOP = "stop"
 FINISHED = "finished"
+
+# worker -> scheduler
+REGISTER = "register"
+HEARTBEAT = "heartbeat"
+COMMIT = "commit"
+DONE = "done"
+# scheduler -> worker (and REJECT to an agent with a wrong token; STOP to workers too)
+WELCOME = "welcome"
+REJECT = "reject"
+FENCED = "fenced"
+GENERATION = "generation"
+FORMED = "formed"
+
+# A fenced worker exits with this code, so its agent (and its log) can tell fencing from a crash.
+EXIT_FENCED = 75
 
 
 class ProtocolError(Exception):
@@ -39,3 +70,44 @@ def decode(line: bytes) -> dict[str, Any]:
     if not isinstance(msg, dict) or not isinstance(msg.get("op"), str):
         raise ProtocolError("message without an 'op'")
     return msg
+
+
+class LineBuffer:
+    """Reassembles messages from the arbitrary chunks a non-blocking socket returns.
+
+    A peer that sends a line longer than MAX_LINE without a newline is cut off instead of growing the buffer
+    without bound (a stuck or hostile client must not exhaust the scheduler's memory).
+    """
+
+    def __init__(self) -> None:
+        self._buf = bytearray()
+
+    def feed(self, data: bytes) -> list[dict[str, Any]]:
+        self._buf += data
+        messages = []
+        while True:
+            end = self._buf.find(b"\n")
+            if end < 0:
+                break
+            line = bytes(self._buf[:end])
+            del self._buf[: end + 1]
+            if line.strip():
+                messages.append(decode(line))
+        if len(self._buf) > MAX_LINE:
+            raise ProtocolError(f"line longer than {MAX_LINE} bytes")
+        return messages
+
+
+def store_prefix(job: str, boot: str, generation: int) -> str:
+    """Key prefix of one generation's process group in the scheduler's TCPStore.
+
+    `boot` is random per scheduler start: a restarted scheduler serves a new, empty store, and keys of a process
+    group that was being built when it died can never be confused with the next attempt's (torchrun's stale-key
+    hang, docs in REFERENCE.md).
+    """
+    return f"{job}/{boot}/gen{generation}/"
+
+
+def worker_node_id(rank: int) -> str:
+    """The stable node id of the worker of `rank` (MS_NODE_ID), as the launch plan names it."""
+    return f"worker_{rank}"

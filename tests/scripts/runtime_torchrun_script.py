@@ -1,0 +1,40 @@
+"""A training script written for torchrun and nothing else: env:// init, DDP on a tiny model, no toolkit import.
+The toolkit launcher must run it unchanged (its store is the scheduler's). Prints a checksum of the final
+parameters, which must be the same on every rank.
+
+usage: runtime_torchrun_script.py --steps N
+"""
+
+import argparse
+import hashlib
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=5)
+    args = parser.parse_args()
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = DDP(torch.nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(1000 + rank)
+    for step in range(args.steps):
+        x = torch.randn(16, 8, generator=gen)
+        loss = model(x).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        print(f"rank {rank}/{world} step {step} loss {loss.item():.6f}", flush=True)
+    digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()
+    print(f"rank {rank} params {digest}", flush=True)
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,663 @@
+"""The worker side of the scheduler protocol: `init()` gives a training loop its process group and tells it when
+the group must be re-formed.
+
+Why a runtime at all: a worker that dies must cost seconds, not the job. The survivors have to learn at once that
+the group they hold is broken (the scheduler pushes a new generation over a connection that the kernel closes
+when a process dies), leave it without hanging on a dead or stopped peer, and build a fresh group over a
+generation-scoped key prefix of the scheduler's store once the replacement has registered. The loop sees all of
+that as one exception, `GenerationChanged`, and one call, `reform()`.
+
+    rt = toolkit.train.init()            # registers, heartbeats, returns once every rank is there
+    while step < total:
+        try:
+            with rt.guard():             # a collective broken by a peer's death -> GenerationChanged
+                loss = train_step(...)   # collectives on rt.group (the default group: dist.* works)
+            rt.report(step, epoch)
+        except toolkit.train.GenerationChanged:
+            rt.reform()                  # new default process group; roll back to the common checkpoint
+    rt.done()                            # or: with toolkit.train.init() as rt: ...
+
+Three modes, chosen from the environment so one script runs everywhere:
+- under toolkit (MS_ROLE=MS_WORKER): the scheduler protocol above;
+- under torchrun (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, no MS_ROLE): plain env:// init, no generations
+  (torchrun restarts the world itself);
+- alone (none of those): a world of one, so `python train.py` just runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import select
+import socket
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from pathlib import Path
+from typing import Any, Iterator, Mapping
+
+import torch
+import torch.distributed as dist
+
+from toolkit import envvars as E
+from toolkit import protocol as P
+from toolkit.errors import UserError
+
+DEFAULT_TIMEOUT = 30.0  # s: bound of one collective and of building a process group
+CONNECT_RETRY = 0.25  # s between attempts to reach a scheduler that is not (yet) up
+CONNECT_TIMEOUT = 2.0  # s for the TCP connect itself (a partitioned scheduler host never answers the SYN)
+HANDSHAKE_WAIT = 10.0  # s to wait for the answer to `register`: giving up on an accepted registration closes a
+# connection the scheduler already counts as this worker's, and that close would read as our death
+PROGRESS_INTERVAL = 1.0  # s: at most one progress datagram to the agent per interval
+DONE_WAIT = 5.0  # s to hear the scheduler acknowledge `done` (by closing) before exiting anyway
+
+MODE_TOOLKIT = "toolkit"
+MODE_TORCHRUN = "torchrun"
+MODE_SINGLE = "single"
+
+
+class GenerationChanged(Exception):
+    """The job moved to a new generation (a member died or was replaced): the current process group is no longer
+    valid. Call `Runtime.reform()`, then roll back to the newest common checkpoint."""
+
+    def __init__(self, old: int | None, new: int) -> None:
+        super().__init__(f"generation changed from {old} to {new}: call reform() and roll back")
+        self.old = old
+        self.new = new
+
+
+class JobStopped(RuntimeError):
+    """The scheduler ended the job (a node gave up, or formation timed out); the message says why."""
+
+
+class RegistrationError(UserError, RuntimeError):
+    """This worker could not join the job: scheduler unreachable, wrong token, or its node id is held by a live
+    process. The message says which and what to do."""
+
+
+class RuntimeConfigError(UserError, ValueError):
+    """The MS_*/torchrun environment of this worker is incomplete or contradictory."""
+
+
+@dataclass(frozen=True)
+class WorkerEnv:
+    """What the runtime reads from the environment, validated once."""
+
+    mode: str
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    node_id: str = "worker_0"
+    job: str = "job"
+    sched_host: str = "127.0.0.1"
+    sched_port: int = 8118
+    store_host: str = "127.0.0.1"
+    store_port: int = 8119
+    token: str = field(default="", repr=False)
+    heartbeat_interval: float = 1.0
+    node_timeout: float = 6.0
+    topo_timeout: float = 600.0
+    agent_socket: str | None = None
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> "WorkerEnv":
+        role = env.get(E.MS_ROLE)
+        if role is not None and role != E.ROLE_WORKER:
+            raise RuntimeConfigError(f"{E.MS_ROLE}={role}: a training script runs where {E.MS_ROLE}={E.ROLE_WORKER}")
+        if role is None:
+            if all(env.get(n) for n in (E.RANK, E.WORLD_SIZE, E.MASTER_ADDR, E.MASTER_PORT)):
+                return cls(mode=MODE_TORCHRUN, rank=_int(env, E.RANK, 0), world_size=_int(env, E.WORLD_SIZE, 1),
+                           local_rank=_int(env, E.LOCAL_RANK, 0), node_id=f"rank_{env[E.RANK]}")
+            return cls(mode=MODE_SINGLE, agent_socket=env.get(E.TOOLKIT_AGENT_SOCKET) or None)
+        world = _int(env, E.MS_WORKER_NUM, 0) or _int(env, E.WORLD_SIZE, 0)
+        if world < 1:
+            raise RuntimeConfigError(f"{E.MS_WORKER_NUM} is not set: give the total number of workers")
+        rank_var = E.RANK_ID if env.get(E.RANK_ID) else E.RANK
+        rank = _int(env, rank_var, -1)
+        if not 0 <= rank < world:
+            raise RuntimeConfigError(f"{rank_var}={env.get(rank_var)!r}: need a rank from 0 to {world - 1}")
+        token_file = env.get(E.TOOLKIT_TOKEN_FILE)
+        token = ""
+        if token_file:
+            try:
+                token = Path(token_file).read_text().strip()
+            except OSError as e:
+                raise RuntimeConfigError(
+                    f"{E.TOOLKIT_TOKEN_FILE}={token_file}: cannot read the job token ({e.strerror})") from None
+        sched_host = env.get(E.MS_SCHED_HOST) or "127.0.0.1"
+        sched_port = _int(env, E.MS_SCHED_PORT, 8118)
+        interval = _float(env, E.TOOLKIT_HEARTBEAT_INTERVAL, 1.0)
+        node_timeout = _float(env, E.MS_NODE_TIMEOUT, 6.0)
+        if not 0 < interval < node_timeout:
+            raise RuntimeConfigError(
+                f"{E.TOOLKIT_HEARTBEAT_INTERVAL}={interval:g} must be positive and shorter than "
+                f"{E.MS_NODE_TIMEOUT}={node_timeout:g}")
+        return cls(
+            mode=MODE_TOOLKIT,
+            rank=rank,
+            world_size=world,
+            local_rank=_int(env, E.LOCAL_RANK, 0),
+            node_id=env.get(E.MS_NODE_ID) or P.worker_node_id(rank),
+            job=env.get(E.TOOLKIT_JOB) or "job",
+            sched_host=sched_host,
+            sched_port=sched_port,
+            store_host=env.get(E.MASTER_ADDR) or sched_host,
+            store_port=_int(env, E.MASTER_PORT, sched_port + 1),
+            token=token,
+            heartbeat_interval=interval,
+            node_timeout=node_timeout,
+            topo_timeout=_float(env, E.MS_TOPO_TIMEOUT, 600.0),
+            agent_socket=env.get(E.TOOLKIT_AGENT_SOCKET) or None,
+        )
+
+
+def _int(env: Mapping[str, str], name: str, default: int) -> int:
+    raw = env.get(name)
+    if raw is None or not raw.strip():
+        return default
+    try:
+        return int(raw.strip(), 10)
+    except ValueError:
+        raise RuntimeConfigError(f"{name}={raw!r}: expected a whole number") from None
+
+
+def _float(env: Mapping[str, str], name: str, default: float) -> float:
+    raw = env.get(name)
+    if raw is None or not raw.strip():
+        return default
+    try:
+        return float(raw.strip())
+    except ValueError:
+        raise RuntimeConfigError(f"{name}={raw!r}: expected a number of seconds") from None
+
+
+def _say(node_id: str, message: str) -> None:
+    """One timestamped line on stderr (the worker's log): the runtime must not depend on the script's logging."""
+    stamp = datetime.now().strftime("%Y-%m-%dT%H:%M:%S.%f")[:-3]
+    print(f"{stamp} {node_id} toolkit: {message}", file=sys.stderr, flush=True)
+
+
+class _Rejected(Exception):
+    def __init__(self, reason: str, retry: bool) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.retry = retry
+
+
+class _Channel:
+    """The worker's one control connection: registration, heartbeats, and the scheduler's pushes.
+
+    A background thread owns the reading side and the heartbeats, so generation changes are noticed while the
+    training thread is busy (torch releases the GIL inside collectives and store waits). If the scheduler goes
+    away the thread keeps reconnecting and training goes on; a scheduler that says `fenced` ends this process on
+    the spot, before it can write anything into the new generation.
+    """
+
+    def __init__(self, cfg: WorkerEnv) -> None:
+        self.cfg = cfg
+        self.incarnation = secrets.token_hex(8)
+        self.cond = threading.Condition()
+        self.announced: int | None = None  # newest generation the scheduler told us about
+        self.formed: tuple[int, str] | None = None  # (generation, store prefix) of the newest formed generation
+        self.stop_reason: str | None = None
+        self.generation: int | None = None  # generation of the group this process holds (sent when rejoining)
+        self.step: int | None = None
+        self.sock: socket.socket | None = None
+        self.lines = P.LineBuffer()
+        self.send_lock = threading.Lock()
+        self.closing = threading.Event()
+        self.finishing = False  # `done` sent: read until the scheduler closes, send nothing more
+        self.thread: threading.Thread | None = None
+
+    # -- registration (main thread first, then the background thread on reconnects)
+
+    def register(self, rejoin: bool, timeout: float) -> None:
+        sock = socket.create_connection((self.cfg.sched_host, self.cfg.sched_port), timeout=CONNECT_TIMEOUT)
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.sendall(P.encode(
+                P.REGISTER, token=self.cfg.token, node_id=self.cfg.node_id, rank=self.cfg.rank,
+                world_size=self.cfg.world_size, incarnation=self.incarnation, pid=os.getpid(),
+                host=socket.gethostname(), generation=self.generation, rejoin=rejoin))
+            lines = P.LineBuffer()
+            deadline = time.monotonic() + timeout
+            while True:
+                sock.settimeout(max(0.01, deadline - time.monotonic()))
+                data = sock.recv(65536)
+                if not data:
+                    raise ConnectionError("the scheduler closed the connection during registration")
+                messages = lines.feed(data)
+                for i, msg in enumerate(messages):
+                    if msg["op"] == P.FENCED:
+                        self._fenced(msg)
+                    if msg["op"] == P.REJECT:
+                        raise _Rejected(str(msg.get("reason", "rejected")), bool(msg.get("retry")))
+                    if msg["op"] == P.WELCOME:
+                        sock.settimeout(None)
+                        with self.send_lock:
+                            self.sock, self.lines = sock, lines
+                        for later in messages[i:]:
+                            self._handle(later)
+                        return
+        except BaseException:
+            sock.close()
+            raise
+
+    def join(self, deadline: float) -> None:
+        """First registration: retry while the scheduler is not up yet (it starts alongside the workers) and
+        while our node id is still held by a predecessor the scheduler has not yet found dead."""
+        rejected_since: float | None = None
+        while True:
+            now = time.monotonic()
+            try:
+                self.register(rejoin=False, timeout=self._handshake_wait())
+                return
+            except _Rejected as r:
+                rejected_since = rejected_since if rejected_since is not None else now
+                patience = 2 * self.cfg.node_timeout + self.cfg.heartbeat_interval
+                if not r.retry or now - rejected_since > patience or now > deadline:
+                    raise RegistrationError(f"{self.cfg.node_id}: the scheduler at {self.cfg.sched_host}:"
+                                            f"{self.cfg.sched_port} rejected it: {r.reason}") from None
+            except (OSError, P.ProtocolError) as e:
+                if now > deadline:
+                    raise RegistrationError(
+                        f"{self.cfg.node_id}: cannot reach the scheduler at {self.cfg.sched_host}:"
+                        f"{self.cfg.sched_port} within {E.MS_TOPO_TIMEOUT}={self.cfg.topo_timeout:g} s ({e}); is it "
+                        f"running, and is {E.MS_SCHED_HOST} this job's scheduler host?") from None
+            if self.closing.wait(CONNECT_RETRY):
+                raise RegistrationError(f"{self.cfg.node_id}: closed while registering")
+
+    def _handshake_wait(self) -> float:
+        return max(HANDSHAKE_WAIT, 2 * self.cfg.node_timeout)
+
+    def start(self) -> None:
+        self.thread = threading.Thread(target=self._run, name="toolkit-control", daemon=True)
+        self.thread.start()
+
+    # -- the background thread
+
+    def _run(self) -> None:
+        next_beat = time.monotonic()
+        rejected_since: float | None = None
+        while not self.closing.is_set():
+            sock = self.sock
+            if sock is None:
+                try:
+                    self.register(rejoin=True, timeout=self._handshake_wait())
+                    with self.cond:
+                        self.cond.notify_all()
+                    _say(self.cfg.node_id, f"reconnected to the scheduler (generation {self.announced})")
+                    rejected_since = None
+                    next_beat = time.monotonic()
+                    continue
+                except _Rejected as r:
+                    now = time.monotonic()
+                    rejected_since = rejected_since if rejected_since is not None else now
+                    if not r.retry:
+                        self._stop(f"the scheduler refused this worker back: {r.reason}")
+                        return
+                    if now - rejected_since > 2 * self.cfg.node_timeout:
+                        self._fenced({"reason": f"replaced while disconnected: {r.reason}"})
+                except (OSError, P.ProtocolError):
+                    pass
+                self.closing.wait(CONNECT_RETRY)
+                continue
+            now = time.monotonic()
+            try:
+                readable, _, _ = select.select([sock], [], [], max(0.0, next_beat - now))
+                if readable:
+                    data = sock.recv(65536)
+                    if not data:
+                        raise ConnectionError("closed by the scheduler")
+                    for msg in self.lines.feed(data):
+                        self._handle(msg)
+                if time.monotonic() >= next_beat and not self.finishing:
+                    next_beat = time.monotonic() + self.cfg.heartbeat_interval
+                    self.send(P.HEARTBEAT, step=self.step, strict=True)
+                elif self.finishing:
+                    next_beat = time.monotonic() + DONE_WAIT
+            except (OSError, ValueError, P.ProtocolError) as e:
+                if self.closing.is_set() or self.finishing:
+                    return
+                _say(self.cfg.node_id, f"lost the scheduler ({e}); training goes on, reconnecting")
+                self._drop(sock)
+
+    def _handle(self, msg: dict[str, Any]) -> None:
+        op = msg["op"]
+        if op == P.FENCED:
+            self._fenced(msg)
+        with self.cond:
+            if op == P.WELCOME or op == P.GENERATION:
+                self.announced = int(msg["generation"])
+            elif op == P.FORMED:
+                self.formed = (int(msg["generation"]), str(msg["prefix"]))
+                self.announced = self.formed[0]
+            elif op == P.STOP:
+                self.stop_reason = str(msg.get("reason", "stopped by the scheduler"))
+            self.cond.notify_all()
+        if op == P.GENERATION:
+            _say(self.cfg.node_id, f"the job moved to generation {msg['generation']}")
+        elif op == P.STOP:
+            _say(self.cfg.node_id, f"the scheduler stopped the job: {msg.get('reason')}")
+
+    def _fenced(self, msg: dict[str, Any]) -> None:
+        _say(self.cfg.node_id, f"fenced by the scheduler: {msg.get('reason')}; exiting with code {P.EXIT_FENCED}")
+        os._exit(P.EXIT_FENCED)
+
+    def _stop(self, reason: str) -> None:
+        with self.cond:
+            self.stop_reason = reason
+            self.cond.notify_all()
+
+    def _drop(self, sock: socket.socket) -> None:
+        with self.send_lock:
+            if self.sock is sock:
+                self.sock = None
+        sock.close()
+
+    # -- used by the training thread
+
+    def send(self, op: str, strict: bool = False, **fields: Any) -> bool:
+        """Best effort: while the scheduler is away, messages are dropped (heartbeats resume on reconnect)."""
+        with self.send_lock:
+            sock = self.sock
+            if sock is None:
+                return False
+            try:
+                sock.sendall(P.encode(op, **fields))
+                return True
+            except OSError:
+                if strict:
+                    raise
+                return False
+
+    def wait_formed(self, current: int | None, deadline: float) -> tuple[int, str]:
+        """Block until the scheduler has formed the newest generation (every rank registered), bounded."""
+        with self.cond:
+            while True:
+                if self.stop_reason is not None:
+                    raise JobStopped(self.stop_reason)
+                f = self.formed
+                if f is not None and f[0] == self.announced and f[0] != current:
+                    return f
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise JobStopped(
+                        f"{self.cfg.node_id}: generation {self.announced} did not form within "
+                        f"{E.MS_TOPO_TIMEOUT}={self.cfg.topo_timeout:g} s; see the scheduler's log for the missing "
+                        "workers")
+                self.cond.wait(left)
+
+    def wait_change(self, current: int | None, bound: float) -> int | None:
+        """After a collective failed: did the job move on? Waits up to `bound` for the scheduler's word."""
+        deadline = time.monotonic() + bound
+        with self.cond:
+            while True:
+                if self.stop_reason is not None:
+                    raise JobStopped(self.stop_reason)
+                if self.announced is not None and self.announced != current:
+                    return self.announced
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                self.cond.wait(left)
+
+    def done(self) -> None:
+        """Say `done`, then wait (bounded) for the scheduler to close: proof it read the message before our exit
+        (closing first could reset the connection and lose it). If the scheduler is down right now (restarting),
+        wait a bounded time for the reconnect: a `done` that never arrives would look like a death."""
+        deadline = time.monotonic() + DONE_WAIT + 2 * self.cfg.node_timeout
+        with self.cond:
+            while self.sock is None and self.stop_reason is None and time.monotonic() < deadline:
+                self.cond.wait(deadline - time.monotonic())
+        with self.send_lock:
+            sock = self.sock
+            if sock is not None:
+                try:
+                    sock.sendall(P.encode(P.DONE))
+                    sock.shutdown(socket.SHUT_WR)
+                    self.finishing = True
+                except OSError:
+                    pass
+        if not self.finishing:
+            _say(self.cfg.node_id, "could not tell the scheduler this worker finished (it is unreachable)")
+        elif self.thread is not None:
+            self.thread.join(DONE_WAIT)
+        self.close()
+
+    def close(self) -> None:
+        self.closing.set()
+        with self.send_lock:
+            sock, self.sock = self.sock, None
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            sock.close()
+        if self.thread is not None and self.thread is not threading.current_thread():
+            self.thread.join(max(1.0, self.cfg.heartbeat_interval) + 1.0)
+
+
+class Runtime:
+    """A training process's view of the job: rank, world size, the current process group, and generations."""
+
+    def __init__(self, cfg: WorkerEnv, backend: str, timeout: float) -> None:
+        self.cfg = cfg
+        self.backend = backend
+        self.timeout = timeout
+        self.rank = cfg.rank
+        self.world_size = cfg.world_size
+        self.local_rank = cfg.local_rank
+        self.node_id = cfg.node_id
+        self.mode = cfg.mode
+        self.device = torch.device(f"cuda:{cfg.local_rank}") if backend == "nccl" else torch.device("cpu")
+        self.generation: int | None = None
+        self._channel: _Channel | None = None
+        self._store: Any = None
+        self._progress_sock: socket.socket | None = None
+        self._progress_sent = 0.0
+        self._epoch: int | None = None
+        self._closed = False
+
+    @property
+    def group(self) -> dist.ProcessGroup:
+        """The current process group; it is also the default group, so plain `dist.*` calls and DDP use it."""
+        return dist.group.WORLD
+
+    # -- generations
+
+    def check(self) -> None:
+        """Raise GenerationChanged if the job moved to a new generation since this process's group was built."""
+        ch = self._channel
+        if ch is None:
+            return
+        with ch.cond:
+            stop, announced = ch.stop_reason, ch.announced
+        if stop is not None:
+            raise JobStopped(stop)
+        if announced is not None and announced != self.generation:
+            raise GenerationChanged(self.generation, announced)
+
+    @contextlib.contextmanager
+    def guard(self) -> Iterator["Runtime"]:
+        """Run one step: a collective that fails because a peer died (or a stopped peer made it time out)
+        surfaces as GenerationChanged, not as gloo's RuntimeError; other errors pass through unchanged."""
+        self.check()
+        try:
+            yield self
+        except (GenerationChanged, JobStopped):
+            raise
+        except Exception as e:
+            ch = self._channel
+            if ch is None or not _looks_collective(e):
+                raise
+            bound = self.cfg.node_timeout + 2 * self.cfg.heartbeat_interval + 1.0
+            new = ch.wait_change(self.generation, bound)
+            if new is None:
+                raise
+            raise GenerationChanged(self.generation, new) from e
+        self.check()
+
+    def reform(self) -> dist.ProcessGroup:
+        """Leave the broken group, wait (bounded by MS_TOPO_TIMEOUT) until every rank of the newest generation has
+        registered, and build its group over the generation's own store prefix. Returns the new group."""
+        ch = self._channel
+        if ch is None:
+            if not dist.is_initialized():
+                raise RuntimeError("reform() after close(): call toolkit.train.init() again")
+            return self.group
+        with ch.cond:
+            if ch.announced == self.generation and dist.is_initialized() and ch.stop_reason is None:
+                return self.group
+        started = time.monotonic()
+        deadline = started + self.cfg.topo_timeout + self.cfg.node_timeout
+        while True:
+            generation, prefix = ch.wait_formed(self.generation, deadline)
+            self._leave()
+            try:
+                self._build(generation, prefix)
+            except Exception as e:  # a peer died while the group was being built: wait for the next generation
+                with ch.cond:
+                    moved = ch.announced != generation or ch.stop_reason is not None
+                if not moved and time.monotonic() < deadline:
+                    moved = ch.wait_change(generation, self.cfg.node_timeout + self.cfg.heartbeat_interval) \
+                        is not None
+                if not moved:
+                    raise
+                _say(self.node_id, f"building generation {generation} failed ({_first_line(e)}); retrying")
+                continue
+            previous, self.generation = self.generation, generation
+            ch.generation = generation
+            _say(self.node_id, f"generation {generation}: process group of {self.world_size} ready in "
+                               f"{time.monotonic() - started:.2f} s" + ("" if previous is None else
+                                                                       f" (was {previous})"))
+            return self.group
+
+    def _build(self, generation: int, prefix: str) -> None:
+        timeout = timedelta(seconds=self.timeout)
+        self._store = dist.TCPStore(self.cfg.store_host, self.cfg.store_port, None, is_master=False,
+                                    timeout=timeout, use_libuv=True)
+        dist.init_process_group(self.backend, store=dist.PrefixStore(prefix, self._store), rank=self.rank,
+                                world_size=self.world_size, timeout=timeout)
+
+    def _leave(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        self._store = None
+
+    # -- progress and the end
+
+    def report(self, step: int, epoch: int | None = None) -> None:
+        """Tell the host agent (and the scheduler, in heartbeats) how far training got; cheap to call every step."""
+        if self._channel is not None:
+            self._channel.step = step
+        self._epoch = epoch
+        now = time.monotonic()
+        if now - self._progress_sent >= PROGRESS_INTERVAL:
+            self._progress(step, epoch, now)
+
+    def committed(self, step: int) -> None:
+        """A checkpoint of `step` is durable on this rank: the scheduler persists the newest step every rank has."""
+        if self._channel is not None:
+            self._channel.send(P.COMMIT, step=step)
+        self._progress(step, self._epoch, time.monotonic())
+
+    def _progress(self, step: int, epoch: int | None, now: float) -> None:
+        path = self.cfg.agent_socket
+        self._progress_sent = now
+        if not path:
+            return
+        try:
+            if self._progress_sock is None:
+                self._progress_sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+                self._progress_sock.setblocking(False)
+            payload = json.dumps({"node_id": self.node_id, "step": step, "epoch": epoch}).encode()
+            self._progress_sock.sendto(payload, path)
+        except OSError:
+            pass  # the agent may be restarting; progress is advisory
+
+    def done(self) -> None:
+        """Training ended cleanly on this rank: the scheduler counts it finished (not dead) and exits 0 once every
+        rank is. Also releases the process group."""
+        if self._channel is not None and not self._closed:
+            self._channel.done()
+        self.close()
+
+    def close(self) -> None:
+        """Release everything without claiming success (the scheduler sees this rank's exit as a death)."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._channel is not None:
+            self._channel.close()
+        self._leave()
+        if self._progress_sock is not None:
+            self._progress_sock.close()
+
+    def __enter__(self) -> "Runtime":
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is None:
+            self.done()
+        else:
+            self.close()
+
+
+def _looks_collective(e: BaseException) -> bool:
+    if isinstance(e, dist.DistError):
+        return True
+    if not isinstance(e, RuntimeError):
+        return False
+    text = str(e).lower()
+    return any(w in text for w in ("gloo", "nccl", "connection", "timed out", "timeout", "peer"))
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+def init(backend: str | None = None, timeout: float = DEFAULT_TIMEOUT,
+         env: Mapping[str, str] | None = None) -> Runtime:
+    """Join the job described by the environment and return its Runtime, with the default process group built.
+
+    `backend`: "gloo" or "nccl" (default: nccl when CUDA is available, else gloo). `timeout`: seconds one
+    collective may block before it fails (a stopped peer is otherwise waited on forever); it also bounds building
+    a group. Under toolkit this blocks until every worker has registered (at most MS_TOPO_TIMEOUT).
+    """
+    cfg = WorkerEnv.from_env(os.environ if env is None else env)
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() and cfg.mode != MODE_SINGLE else "gloo"
+    if timeout <= 0:
+        raise RuntimeConfigError(f"timeout={timeout}: give a positive number of seconds")
+    if dist.is_initialized():
+        raise RuntimeConfigError("a default process group already exists: call toolkit.train.init() instead of "
+                                 "dist.init_process_group(), not both")
+    rt = Runtime(cfg, backend, timeout)
+    if backend == "nccl":
+        torch.cuda.set_device(rt.device)
+    if cfg.mode == MODE_SINGLE:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
+                                timeout=timedelta(seconds=timeout))
+        rt.generation = 0
+        return rt
+    if cfg.mode == MODE_TORCHRUN:
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout))
+        rt.rank, rt.world_size = dist.get_rank(), dist.get_world_size()
+        rt.generation = 0
+        return rt
+    channel = _Channel(cfg)
+    deadline = time.monotonic() + cfg.topo_timeout
+    channel.join(deadline)
+    channel.start()
+    rt._channel = channel
+    try:
+        rt.reform()
+    except BaseException:
+        rt.close()
+        raise
+    return rt
