@@ -1,0 +1,202 @@
+"""toolkit.train.runtime with real processes and real gloo: the three modes (toolkit, torchrun, alone), recovery
+from a worker's kill -9 through GenerationChanged/reform with bitwise-equal results, registration failures,
+and the progress datagrams to the host agent."""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Iterator
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+
+from runtime_harness import PYTHON, SCRIPTS, FakeAgent, Job, Proc, expected_weights, read_result  # noqa: E402
+
+from toolkit import envvars as E  # noqa: E402
+from toolkit import protocol as P  # noqa: E402
+from toolkit.train import runtime as R  # noqa: E402
+
+pytestmark = pytest.mark.timeout(180)
+
+
+@pytest.fixture
+def make_job(tmp_path: Path) -> Iterator[Callable[..., Job]]:
+    jobs: list[Job] = []
+
+    def make(world: int, **kw) -> Job:
+        root = tmp_path / f"job{len(jobs)}"
+        root.mkdir()
+        job = Job(root, world, **kw)
+        jobs.append(job)
+        return job
+
+    yield make
+    for job in jobs:
+        job.cleanup()
+
+
+def bare_env(job: Job) -> dict[str, str]:
+    """No MS_* and no torchrun variables: what `python train.py` sees on a laptop."""
+    env = job.common()
+    for name in list(env):
+        if name.startswith(("MS_", "TOOLKIT_")) or name in (E.MASTER_ADDR, E.MASTER_PORT, E.WORLD_SIZE,
+                                                             E.RANK_SIZE):
+            del env[name]
+    return env
+
+
+def test_alone_it_is_a_world_of_one(make_job) -> None:
+    job = make_job(1)
+    out = job.root / "out"
+    proc = job.worker(0, args=["--steps", "5", "--out", str(out)], env={**bare_env(job), E.CKPT_DIR: str(job.ckpt)})
+    assert proc.wait(60) == 0, proc.text()
+    result = read_result(out / "rank_0.json")
+    assert (result["mode"], result["world_size"], result["generation"]) == ("single", 1, 0)
+    assert result["w"] == expected_weights(1, 5)
+
+
+def test_under_torchrun_variables_it_uses_env_init(make_job) -> None:
+    job = make_job(2)
+    out = job.root / "out"
+    procs = []
+    for r in range(2):
+        env = {**bare_env(job), E.RANK: str(r), E.WORLD_SIZE: "2", E.LOCAL_RANK: str(r), E.MASTER_ADDR: "127.0.0.1",
+               E.MASTER_PORT: str(job.port + 1), E.CKPT_DIR: str(job.ckpt)}
+        procs.append(job.worker(r, args=["--steps", "5", "--out", str(out)], env=env))
+    for proc in procs:
+        assert proc.wait(60) == 0, proc.text()
+    for r in range(2):
+        result = read_result(out / f"rank_{r}.json")
+        assert (result["mode"], result["world_size"]) == ("torchrun", 2)
+        assert result["w"] == expected_weights(2, 5)
+
+
+def test_kill9_of_a_worker_rolls_everyone_back_and_ends_bitwise_equal(make_job) -> None:
+    job = make_job(3, node_timeout=6.0)
+    sched = job.scheduler()
+    job.wait_serving(sched)
+    out = job.root / "out"
+    args = ["--steps", "40", "--out", str(out), "--delay", "0.05"]
+    workers = {r: job.worker(r, args=args) for r in range(3)}
+    relaunched: dict[int, Proc] = {}
+    agent = FakeAgent(job, "localhost", [P.worker_node_id(r) for r in range(3)])
+    agent.start()
+
+    workers[2].wait_for(r"rank 2 step 12\b", 120)
+    killed = time.monotonic()
+    workers[2].kill()  # kill -9: the kernel closes its sockets, the scheduler sees it at once
+    agent.exited("worker_2", workers[2].pid, code=None, sig="SIGKILL")
+    relaunched[2] = job.worker(2, args=args)
+    for r in (0, 1):
+        workers[r].wait_for(rf"rank {r}: generation changed from 0 to 1", 30)
+        workers[r].wait_for(r"generation 1: process group of 3 ready", 120)
+    print(f"\nkill -9 -> survivors in generation 1: {time.monotonic() - killed:.2f} s (includes the replacement's "
+          "python + torch start)")
+    for proc in (workers[0], workers[1], relaunched[2]):
+        assert proc.wait(120) == 0, proc.text()
+    assert sched.wait(30) == 0, sched.text()
+    sched.wait_for(r"worker_2 \(pid \d+ on .*\) is dead: connection closed; generation 1 begins", 1)
+    want = expected_weights(3, 40)
+    for r in range(3):
+        result = read_result(out / f"rank_{r}.json")
+        assert result["w"] == want, f"rank {r} diverged"
+        assert result["generation"] == 1
+    for r in (0, 1):
+        assert "Traceback" not in workers[r].text()
+
+
+def test_a_duplicate_process_is_refused_with_the_reason(make_job) -> None:
+    job = make_job(2, node_timeout=1.0)
+    sched = job.scheduler()
+    job.wait_serving(sched)
+    out = job.root / "out"
+    first = job.worker(0, args=["--steps", "400", "--out", str(out), "--delay", "0.05"])
+    sched.wait_for(r"registered worker_0", 60)
+    second = job.worker(0, args=["--steps", "1", "--out", str(out)])
+    assert second.wait(60) != 0
+    second.wait_for(r"RegistrationError: worker_0: the scheduler at 127\.0\.0\.1:\d+ rejected it: worker_0 is held "
+                    rf"by a live process \(pid {first.pid} on ", 1)
+    sched.wait_for(rf"rejected worker_0 from pid {second.pid} on \S+, 127\.0\.0\.1:\d+", 1)
+    assert first.popen.poll() is None  # the holder is untouched
+
+
+def test_a_formation_timeout_reaches_the_waiting_workers(make_job) -> None:
+    job = make_job(2, topo_timeout=4.0)
+    sched = job.scheduler()
+    job.wait_serving(sched)
+    lonely = job.worker(0, args=["--steps", "1", "--out", str(job.root / "out")])
+    assert lonely.wait(60) != 0
+    lonely.wait_for(r"JobStopped: cluster formation timed out after 4 s .* 1 of 2 workers never registered: "
+                    r"worker_1", 1)
+    assert sched.wait(10) == 3
+
+
+def test_progress_datagrams_reach_the_agent_socket(make_job, tmp_path: Path) -> None:
+    job = make_job(1)
+    path = tmp_path / "progress.sock"
+    sink = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sink.bind(str(path))
+    sink.settimeout(60)
+    out = job.root / "out"
+    env = {**bare_env(job), E.TOOLKIT_AGENT_SOCKET: str(path), E.CKPT_DIR: str(job.ckpt)}
+    proc = job.worker(0, args=["--steps", "4", "--out", str(out)], env=env)
+    steps = []
+    while not steps or steps[-1] != 3:
+        msg = json.loads(sink.recv(4096))
+        assert set(msg) == {"node_id", "step", "epoch"}
+        steps.append(msg["step"])
+    assert steps == sorted(steps) and steps[-1] == 3
+    assert proc.wait(60) == 0
+    sink.close()
+
+
+def test_an_absent_agent_socket_does_not_disturb_training(make_job, tmp_path: Path) -> None:
+    job = make_job(1)
+    out = job.root / "out"
+    env = {**bare_env(job), E.TOOLKIT_AGENT_SOCKET: str(tmp_path / "nobody-here.sock"), E.CKPT_DIR: str(job.ckpt)}
+    proc = job.worker(0, args=["--steps", "3", "--out", str(out)], env=env)
+    assert proc.wait(60) == 0, proc.text()
+    assert read_result(out / "rank_0.json")["w"] == expected_weights(1, 3)
+
+
+# ------------------------------------------------------------------ environment parsing (pure)
+
+
+def test_the_environment_chooses_the_mode(tmp_path: Path) -> None:
+    token = tmp_path / "token"
+    token.write_text("tok\n")
+    assert R.WorkerEnv.from_env({}).mode == R.MODE_SINGLE
+    tr = R.WorkerEnv.from_env({"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "5"})
+    assert (tr.mode, tr.rank, tr.world_size) == (R.MODE_TORCHRUN, 1, 2)
+    tk = R.WorkerEnv.from_env({"MS_ROLE": "MS_WORKER", "MS_WORKER_NUM": "4", "RANK_ID": "3", "MS_SCHED_PORT": "9000",
+                               "TOOLKIT_TOKEN_FILE": str(token), "MS_NODE_ID": "worker_3"})
+    assert (tk.mode, tk.rank, tk.world_size, tk.node_id, tk.store_port) == (R.MODE_TOOLKIT, 3, 4, "worker_3", 9001)
+    assert tk.token == "tok" and "tok" not in repr(tk)
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"MS_ROLE": "MS_SCHED"}, "MS_ROLE=MS_SCHED: a training script runs where MS_ROLE=MS_WORKER"),
+    ({"MS_ROLE": "MS_WORKER"}, "MS_WORKER_NUM is not set"),
+    ({"MS_ROLE": "MS_WORKER", "MS_WORKER_NUM": "2", "RANK_ID": "2"}, "RANK_ID='2': need a rank from 0 to 1"),
+    ({"MS_ROLE": "MS_WORKER", "MS_WORKER_NUM": "2", "RANK_ID": "0", "TOOLKIT_HEARTBEAT_INTERVAL": "9"},
+     "TOOLKIT_HEARTBEAT_INTERVAL=9 must be positive and shorter than MS_NODE_TIMEOUT=6"),
+    ({"MS_ROLE": "MS_WORKER", "MS_WORKER_NUM": "2", "RANK_ID": "0", "TOOLKIT_TOKEN_FILE": "/nonexistent/token"},
+     "TOOLKIT_TOKEN_FILE=/nonexistent/token: cannot read the job token"),
+])
+def test_a_bad_environment_is_one_clear_line(env: dict, message: str) -> None:
+    with pytest.raises(R.RuntimeConfigError) as info:
+        R.WorkerEnv.from_env(env)
+    assert message in str(info.value) and "\n" not in str(info.value)
+
+
+def test_only_collective_failures_wait_for_a_generation_change() -> None:
+    gloo = RuntimeError("[../gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:4023")
+    assert R._looks_collective(gloo)
+    assert not R._looks_collective(ValueError("bad batch"))
+    assert not R._looks_collective(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
