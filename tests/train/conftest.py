@@ -32,7 +32,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def new_port():
     """Call it for each round: a restarted group must not meet the dead incarnation's store keys."""
     return free_port

@@ -34,6 +34,7 @@ import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import numpy as np
@@ -49,13 +50,13 @@ TMP_PREFIX = ".tmp-"
 MIN_KEEP = 2
 DEFAULT_WRITE_TIMEOUT = 600.0
 
-_REASONS = {
+_REASONS = MappingProxyType({
     errno.ENOSPC: ("no space left on device", "free space there or point CKPT_DIR at a larger disk"),
     errno.EDQUOT: ("disk quota exceeded", "free space there or point CKPT_DIR at a larger disk"),
     errno.EACCES: ("permission denied", "make the directory writable for this user or point CKPT_DIR elsewhere"),
     errno.EPERM: ("operation not permitted", "make the directory writable for this user or point CKPT_DIR elsewhere"),
     errno.EROFS: ("read-only file system", "point CKPT_DIR at a writable file system"),
-}
+})
 
 
 class CheckpointError(RuntimeError):
@@ -255,7 +256,8 @@ class CheckpointManager:
     """One rank's checkpoint directory: save every N steps (sync or async), scan, load, prune, discard.
 
     Use it as a context manager (or call ``close()``) so that an asynchronous write in flight is finished before
-    the process exits; an ``atexit`` hook does the same for a process that forgets.
+    the process exits; an ``atexit`` hook does the same for a process that forgets. One manager per directory:
+    on start it deletes temp files left by a previous incarnation that died mid-write.
     """
 
     def __init__(
@@ -449,20 +451,24 @@ class CheckpointManager:
                 self._queued = None
                 self._busy = True
                 self._cond.notify_all()
+            error: CheckpointError | None = None
             try:
                 self._write(step, state)
             except CheckpointError as e:
-                self._error = e
+                error = e
             except Exception as e:  # keep the thread alive and surface the cause on the training thread
-                self._error = CheckpointError(f"checkpoint of step {step} in {self.directory} failed: {e!r}")
+                error = CheckpointError(f"checkpoint of step {step} in {self.directory} failed: {e!r}")
             finally:
                 del state
                 with self._cond:
+                    if error is not None:
+                        self._error = error
                     self._busy = False
                     self._cond.notify_all()
 
     def _raise_pending(self) -> None:
-        err, self._error = self._error, None
+        with self._cond:
+            err, self._error = self._error, None
         if err is not None:
             raise err
 

@@ -1,0 +1,256 @@
+"""The sample, run as real processes: alone, and as gloo groups of 2 and 3 workers in a torchrun-style
+environment that the test sets up itself (rank 0 serves the store, a fresh port per round).
+
+The headline: a worker killed with SIGKILL at a random step, the group restarted from the newest common
+checkpoint, ends with parameters bitwise equal to an uninterrupted run with the same seed.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import random
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+SAMPLE = REPO / "examples" / "train.py"
+STEP_LINE = re.compile(r"^epoch: (\d+), step: (\d+), loss is (\d+\.\d+)$")
+RESUMED = re.compile(r"^rank (\d+): resumed from step (\d+) ")
+FINAL = re.compile(r"^final parameters: (\S+) sha256 ([0-9a-f]{64})$")
+STOPPED = re.compile(r"^rank (\d+): stopped by SIGTERM at step (\d+), checkpoint saved$")
+INTERVAL = 4
+ARGS = ["--epochs", "2", "--ckpt-interval", str(INTERVAL), "--keep-max", "2", "--timeout", "30"]
+ROUND_TIMEOUT = 240.0  # a whole round of 2-3 workers on a loaded 2-core machine; normally ~10 s
+EXIT_TIMEOUT = 60.0
+DIST_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK",
+             "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_RESTART_COUNT", "DATA_PATH", "CKPT_DIR")
+
+
+def steps_total(world: int, batch: int = 32, epochs: int = 2, dataset: int = 1440) -> int:
+    per_rank = -(-dataset // world)
+    return epochs * -(-per_rank // batch)
+
+
+class Worker:
+    """One sample process; its stdout lines arrive on a queue so that waits are bounded event waits."""
+
+    def __init__(self, rank: int, world: int, port: int, ckpt: Path, args: list[str], log_dir: Path) -> None:
+        env = {k: v for k, v in os.environ.items() if k not in DIST_VARS}
+        env.update(CKPT_DIR=str(ckpt), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        if world > 1:
+            env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+        self.rank = rank
+        self.stderr_path = log_dir / f"rank{rank}-{port}.err"
+        with open(self.stderr_path, "w") as err:
+            self.proc = subprocess.Popen([sys.executable, str(SAMPLE), *args], env=env, stdout=subprocess.PIPE,
+                                         stderr=err, text=True, start_new_session=True)
+        self.lines: list[str] = []
+        self._q: queue.Queue[str | None] = queue.Queue()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line.rstrip("\n"))
+            self._q.put(line.rstrip("\n"))
+        self._q.put(None)
+
+    def wait_for_step(self, step: int, timeout: float) -> int:
+        """Block until the worker prints a step >= ``step``; the step it printed."""
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise AssertionError(f"rank {self.rank} did not reach step {step} in {timeout} s")
+            try:
+                line = self._q.get(timeout=left)
+            except queue.Empty:
+                continue
+            if line is None:
+                raise AssertionError(f"rank {self.rank} exited before step {step}: {self.stderr()}")
+            m = STEP_LINE.match(line)
+            if m and int(m.group(2)) >= step:
+                return int(m.group(2))
+
+    def wait(self, timeout: float) -> int:
+        try:
+            code = self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise AssertionError(f"rank {self.rank} still running after {timeout} s: {self.stderr()}") from None
+        self._reader.join(timeout=10)
+        return code
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(timeout=10)
+
+    def stderr(self) -> str:
+        return self.stderr_path.read_text()[-3000:]
+
+    def matches(self, pattern: re.Pattern) -> list[re.Match]:
+        return [m for m in map(pattern.match, self.lines) if m]
+
+
+def start_group(world: int, port: int, ckpt: Path, args: list[str], log_dir: Path) -> list[Worker]:
+    return [Worker(r, world, port, ckpt, args, log_dir) for r in range(world)]
+
+
+def stop_all(workers: list[Worker]) -> None:
+    for w in workers:
+        w.kill()
+
+
+def finish_ok(workers: list[Worker]) -> None:
+    try:
+        for w in workers:
+            code = w.wait(ROUND_TIMEOUT)
+            assert code == 0, f"rank {w.rank} exited {code}: {w.stderr()}"
+    finally:
+        stop_all(workers)
+
+
+def final_params(path: Path) -> dict[str, torch.Tensor]:
+    return torch.load(path, weights_only=True)
+
+
+def assert_bitwise_equal(a: Path, b: Path) -> None:
+    pa, pb = final_params(a), final_params(b)
+    assert sorted(pa) == sorted(pb)
+    for k in pa:
+        assert pa[k].dtype == pb[k].dtype and pa[k].shape == pb[k].shape
+        assert pa[k].numpy().tobytes() == pb[k].numpy().tobytes(), f"{k} differs"
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, new_port):
+    """Final parameters of one uninterrupted run per world size (computed once, used by several tests)."""
+    runs: dict[int, tuple[Path, str]] = {}
+
+    def get(world: int) -> tuple[Path, str]:
+        if world not in runs:
+            d = tmp_path_factory.mktemp(f"reference{world}")
+            workers = start_group(world, new_port(), d / "ckpt", ARGS, d)
+            finish_ok(workers)
+            (m,) = workers[0].matches(FINAL)
+            runs[world] = (Path(m.group(1)), m.group(2))
+            assert len(workers[0].matches(STEP_LINE)) == steps_total(world)
+        return runs[world]
+
+    return get
+
+
+# --- alone ----------------------------------------------------------------------------------------------------
+
+
+def test_runs_alone_and_a_second_run_resumes_the_finished_job(tmp_path):
+    args = ["--epochs", "1", "--ckpt-interval", "10"]
+    w = Worker(0, 1, 0, tmp_path / "ckpt", args, tmp_path)
+    assert w.wait(ROUND_TIMEOUT) == 0, w.stderr()
+    steps = w.matches(STEP_LINE)
+    assert [int(m.group(2)) for m in steps] == list(range(1, 46))  # 1440 / 32 = 45 steps, world size 1
+    assert {m.group(1) for m in steps} == {"0"}
+    assert float(steps[-1].group(3)) < float(steps[0].group(3)), "the loss should go down on real digits"
+    (final,) = w.matches(FINAL)
+    assert Path(final.group(1)) == tmp_path / "ckpt" / "final.pt"
+    assert sorted(p.name for p in (tmp_path / "ckpt" / "rank_0").iterdir()) == [
+        "step_000000000030.ckpt", "step_000000000040.ckpt", "step_000000000045.ckpt"]
+
+    again = Worker(0, 1, 0, tmp_path / "ckpt", args, tmp_path)
+    assert again.wait(ROUND_TIMEOUT) == 0, again.stderr()
+    assert again.matches(RESUMED)[0].group(2) == "45"
+    assert not again.matches(STEP_LINE)
+    assert again.matches(FINAL)[0].group(2) == final.group(2)
+
+
+def test_a_missing_dataset_is_one_line_and_exit_2(tmp_path):
+    env_path = tmp_path / "nowhere"
+    proc = subprocess.run([sys.executable, str(SAMPLE)], capture_output=True, text=True, timeout=EXIT_TIMEOUT,
+                          env={**{k: v for k, v in os.environ.items() if k not in DIST_VARS},
+                               "DATA_PATH": str(env_path), "CKPT_DIR": str(tmp_path / "ckpt")})
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and str(env_path) in lines[0] and "DATA_PATH" in lines[0], proc.stderr
+
+
+# --- the headline ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_kill9_at_a_random_step_then_restart_is_bitwise_equal_to_an_uninterrupted_run(
+        tmp_path, world, reference, new_port):
+    ref_path, ref_digest = reference(world)
+    seed = random.SystemRandom().randrange(2**32)
+    rng = random.Random(seed)
+    total = steps_total(world)
+    target = rng.randint(2 * INTERVAL + 1, total - 4)
+    victim = rng.randrange(world)
+    why = f"(seed {seed}: world {world}, kill rank {victim} at step >= {target} of {total})"
+
+    ckpt = tmp_path / "ckpt"
+    workers = start_group(world, new_port(), ckpt, ARGS + ["--step-delay", "0.05"], tmp_path)
+    try:
+        workers[victim].wait_for_step(target, ROUND_TIMEOUT)
+        time.sleep(rng.uniform(0, 0.05))  # anywhere inside the step: compute, checkpoint write, or idle
+        workers[victim].proc.send_signal(signal.SIGKILL)
+        assert workers[victim].wait(EXIT_TIMEOUT) == -signal.SIGKILL, why
+        for w in workers:
+            if w.rank != victim:
+                assert w.wait(EXIT_TIMEOUT) == 1, f"survivor rank {w.rank} {why}: {w.stderr()}"
+                assert "collective failed, a peer is gone" in w.stderr(), why
+    finally:
+        stop_all(workers)
+    killed_at = max(int(m.group(2)) for m in workers[victim].matches(STEP_LINE))
+
+    again = start_group(world, new_port(), ckpt, ARGS, tmp_path)
+    finish_ok(again)
+    resumed = {int(w.matches(RESUMED)[0].group(2)) for w in again}
+    assert len(resumed) == 1, f"ranks resumed from different steps {resumed} {why}"
+    (step,) = resumed
+    assert INTERVAL <= step <= killed_at and step % INTERVAL == 0, why
+    first_step = min(int(m.group(2)) for m in again[0].matches(STEP_LINE))
+    assert first_step == step + 1, why
+
+    (final,) = again[0].matches(FINAL)
+    assert final.group(2) == ref_digest, f"final parameters differ from the uninterrupted run {why}"
+    assert_bitwise_equal(Path(final.group(1)), ref_path)
+
+
+def test_sigterm_saves_the_same_last_step_on_every_rank_and_resumes_bitwise(tmp_path, reference, new_port):
+    world = 2
+    ref_path, ref_digest = reference(world)
+    rng = random.Random()
+    target = rng.randint(INTERVAL + 1, steps_total(world) - 4)
+    ckpt = tmp_path / "ckpt"
+    workers = start_group(world, new_port(), ckpt, ARGS + ["--step-delay", "0.05"], tmp_path)
+    try:
+        workers[1].wait_for_step(target, ROUND_TIMEOUT)
+        workers[1].proc.send_signal(signal.SIGTERM)  # one rank only: the others must stop with it
+        for w in workers:
+            assert w.wait(EXIT_TIMEOUT) == 0, w.stderr()
+    finally:
+        stop_all(workers)
+    stops = {int(w.matches(STOPPED)[0].group(2)) for w in workers}
+    assert len(stops) == 1, f"ranks stopped at different steps: {stops}"
+    (last,) = stops
+    for r in range(world):
+        assert (ckpt / f"rank_{r}" / f"step_{last:012d}.ckpt").is_file()
+
+    again = start_group(world, new_port(), ckpt, ARGS, tmp_path)
+    finish_ok(again)
+    assert {int(w.matches(RESUMED)[0].group(2)) for w in again} == {last}
+    (final,) = again[0].matches(FINAL)
+    assert final.group(2) == ref_digest
+    assert_bitwise_equal(Path(final.group(1)), ref_path)
