@@ -87,16 +87,10 @@ def _down(directory: Path) -> int:
 
 
 def _down_stale() -> int:
-    status = 0
-    for cid, directory, stale in Cluster.recorded():
-        if stale:
-            if directory == "?":
-                print(f"scripts/cluster.py: cluster {cid}: its state is gone; remove /run/toolkit-cluster/{cid}.json "
-                      f"and its tk{cid}-* namespaces by hand", file=sys.stderr)
-                status = 1
-                continue
-            status |= _down(Path(directory))
-    return status
+    problems = Cluster.remove_stale()
+    for p in problems:
+        print(f"scripts/cluster.py: {p}", file=sys.stderr)
+    return 1 if problems else 0
 
 
 if __name__ == "__main__":

@@ -570,6 +570,21 @@ class Cluster:
         except FileNotFoundError:
             raise ClusterSetupError(f"{dir}: no cluster recorded here ({STATE_FILE} missing)") from None
 
+    @classmethod
+    def remove_stale(cls) -> list[str]:
+        """Tear down every recorded cluster whose owning process is gone (a test run that was killed); clusters
+        made by hand have no owner and are left alone. Returns what could not be removed."""
+        problems = []
+        for cid, directory, stale in cls.recorded():
+            if not stale:
+                continue
+            if directory == "?":
+                problems.append(f"cluster {cid}: its state is gone; remove {REGISTRY}/{cid}.json and its "
+                                f"tk{cid}-* namespaces by hand")
+                continue
+            problems += cls.load(directory).down()
+        return problems
+
     @staticmethod
     def recorded() -> list[tuple[str, str, bool]]:
         """(id, dir, stale) of every cluster recorded on this machine; stale: its owner process is gone."""

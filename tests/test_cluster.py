@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ from toolkit.inventory import load_ansible_inventory
 pytestmark = pytest.mark.timeout(60)
 
 REPO = Path(__file__).resolve().parent.parent
+POLL = 0.02  # s between looks while waiting for remote processes to appear
 
 
 def ssh(cluster: Cluster, name: str, command: str) -> subprocess.CompletedProcess[str]:
@@ -73,7 +75,10 @@ def test_crashing_a_host_kills_everything_in_it_even_detached_processes(cluster:
     victim = cluster.hosts[-1]
     out = ssh(cluster, victim.name, "setsid sh -c 'sleep 300 & sleep 301' >/dev/null 2>&1 </dev/null & echo $!")
     assert out.returncode == 0, out.stderr
-    assert len(cluster.workload_pids(victim.name)) >= 2
+    deadline = time.monotonic() + 20
+    while _commands(cluster.workload_pids(victim.name)) < {"sleep 300", "sleep 301"}:  # both started
+        assert time.monotonic() < deadline, _commands(cluster.workload_pids(victim.name))
+        time.sleep(POLL)
     with cluster.crashed(victim.name) as h:
         assert cluster.netns_pids(h.name) == []
         assert ssh(cluster, h.name, "true").returncode == 255
@@ -114,6 +119,16 @@ def test_a_cluster_whose_builder_died_is_removed_from_its_recorded_state(tmp_pat
     assert down.returncode == 0, down.stderr
     assert not {h.netns for h in orphan.hosts} & netns_names()
     assert not any(r[0] == cid for r in Cluster.recorded())
+
+
+def _commands(pids: list[int]) -> set[str]:
+    out = set()
+    for pid in pids:
+        try:
+            out.add(Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode().strip())
+        except FileNotFoundError:
+            pass
+    return out
 
 
 def _zombie(pid: int) -> bool:

@@ -345,6 +345,37 @@ def test_ssh_config_is_honoured_through_an_alias(cluster: Cluster, tmp_path: Pat
         assert host.run(["hostname"], check=True).stdout.strip() == h.name
 
 
+def test_proxyjump_goes_through_the_jump_host_and_checks_its_key_too(cluster: Cluster, tmp_path: Path) -> None:
+    jump, behind = cluster.hosts[0], cluster.hosts[1]
+    config = tmp_path / "ssh_config"
+    config.write_text(
+        f"Host jump\n  HostName {jump.address}\n  User root\n  IdentityFile {cluster.key}\n"
+        f"Host behind\n  HostName {behind.address}\n  User root\n  IdentityFile {cluster.key}\n  ProxyJump jump\n"
+    )
+    with open_host(Target("behind"), settings(cluster, ssh_config=str(config))) as host:
+        assert host.run(["hostname"], check=True).stdout.strip() == behind.name
+        peer = host.run(["sh", "-c", 'echo "$SSH_CLIENT"'], check=True).stdout.split()[0]
+        assert peer == jump.address  # the connection really came from the jump host
+    only_behind = cluster.write_known_hosts(tmp_path / "known_hosts", [behind.name])
+    with pytest.raises(UnknownHostKey, match=f"{jump.address} is not in {only_behind}"):
+        open_host(Target("behind"), settings(cluster, ssh_config=str(config), known_hosts=str(only_behind)))
+
+
+def test_progress_reports_each_host_once(cluster: Cluster, targets: list[Target]) -> None:
+    from toolkit.remote import rich_progress
+
+    seen: list[str] = []
+    lock = threading.Lock()
+    with rich_progress("hosts", len(targets)) as bar:
+        def progress(result: object) -> None:
+            bar(result)  # type: ignore[arg-type]
+            with lock:
+                seen.append(result.host)  # type: ignore[attr-defined]
+
+        check_all(run_on_all(targets, lambda h: None, settings(cluster), progress=progress))
+    assert sorted(seen) == sorted(t.name for t in targets)
+
+
 # --- unreachable and lost hosts --------------------------------------------------------------------------------
 
 
@@ -381,6 +412,8 @@ def test_open_connection_to_a_cut_off_host_reports_connection_lost(cluster: Clus
     with open_host(by_name(targets, victim.name), settings(cluster)) as host:
         assert host.run(["true"]).ok
         with cluster.partitioned(victim.name):
+            with pytest.raises(ConnectionLost, match=rf"^{victim.name}: connection lost while writing"):
+                host.write(str(victim.workdir / "never"), "x")  # sftp is bounded too
             result = host.run(["true"])
         assert result.connection_lost and result.exit_code is None and not result.ok
         with pytest.raises(ConnectionLost, match=rf"^{victim.name}: connection lost"):

@@ -694,8 +694,14 @@ class SshHost(Host):
             sftp.mkdir(remote)
 
     def close(self) -> None:
-        with contextlib.suppress(Exception):
-            self._conn.close()
+        """Close the connection and any ProxyJump hops under it (Fabric leaves those open)."""
+        import fabric
+
+        hop: Any = self._conn
+        while isinstance(hop, fabric.Connection):
+            with contextlib.suppress(Exception):
+                hop.close()
+            hop = hop.gateway
 
 
 # --- strict host keys ------------------------------------------------------------------------------------------
