@@ -666,8 +666,11 @@ class SshHost(Host):
         tmp = _temp_name(remote)
         with self._sftp_errors(f"copying {local} to {remote}") as sftp:
             try:
-                sftp.put(str(local), tmp)
-                sftp.chmod(tmp, mode)
+                with open(local, "rb") as src, sftp.open(tmp, "wb") as f:
+                    f.chmod(mode)  # before any data: a secret is never readable under a looser mode
+                    f.set_pipelined(True)
+                    while chunk := src.read(1 << 15):
+                        f.write(chunk)
                 if mtime is not None:
                     sftp.utime(tmp, (mtime, mtime))
                 sftp.posix_rename(tmp, remote)
