@@ -829,7 +829,12 @@ def run_on_all(
                 result = HostResult(target.name, True, value=value, seconds=now - start, finished=now)
             except Exception as e:  # noqa: BLE001 - every failure becomes this host's result
                 now = time.monotonic()
-                text = str(e) if isinstance(e, RemoteError) else f"{target.name}: {_one_line(e)}"
+                if isinstance(e, RemoteError):
+                    text = str(e)
+                elif isinstance(e, UserError):
+                    text = f"{target.name}: {' '.join(str(e).split())}"
+                else:  # a bug rather than a fault of the host: keep the type; the exception is in the result
+                    text = f"{target.name}: {_one_line(e)}"
                 result = HostResult(target.name, False, error=text, seconds=now - start, finished=now, exception=e)
                 with lock:
                     if not first_failure:
