@@ -302,21 +302,24 @@ def group_members(pgid: int) -> list[ProcInfo]:
     return out
 
 
-def reclaim_group(pgid: int, leader_ticks: int | None) -> list[int]:
-    """SIGKILL what is left of a group we once led (its leader dead, e.g. after our agent was SIGKILLed): only
-    processes still in that group and session whose leader is gone or is the very process we recorded, so a
-    reused number never leads us to someone else's processes. Returns the pids signalled."""
+def owned_group_members(pgid: int, leader_ticks: int | None) -> list[ProcInfo]:
+    """Live processes of a group we once led (recorded as pgid + the leader's start ticks): members of that
+    group and session that started no earlier than the leader, unless the number now belongs to another
+    process, so a reused pid never leads us to someone else's processes."""
     leader = proc_info(pgid)
-    if leader is not None and leader.start_ticks != leader_ticks:
-        return []  # the number belongs to a new process now
+    if leader is not None and leader_ticks is not None and leader.start_ticks != leader_ticks:
+        return []
+    return [info for info in group_members(pgid)
+            if info.sid == pgid and (leader_ticks is None or info.start_ticks >= leader_ticks)]
+
+
+def reclaim_group(pgid: int, leader_ticks: int | None) -> list[int]:
+    """SIGKILL what is left of a group we once led (e.g. after our agent was SIGKILLed: the leader died of its
+    parent-death signal, its own children did not). Returns the pids signalled."""
     killed = []
-    for info in group_members(pgid):
-        if info.sid == pgid and (leader_ticks is None or info.start_ticks >= leader_ticks):
-            try:
-                os.kill(info.pid, signal.SIGKILL)
-                killed.append(info.pid)
-            except ProcessLookupError:
-                pass
+    for info in owned_group_members(pgid, leader_ticks):
+        if kill_quietly(info.pid, signal.SIGKILL):
+            killed.append(info.pid)
     return killed
 
 

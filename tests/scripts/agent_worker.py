@@ -32,6 +32,7 @@ def main() -> int:
     ap.add_argument("--exit", type=int, default=0)
     ap.add_argument("--print-lines", type=int, default=0)
     ap.add_argument("--on-term", default=None, help="on SIGTERM append a line to this file and exit 0")
+    ap.add_argument("--term-stays", action="store_true", help="with --on-term: note SIGTERM but keep running")
     ap.add_argument("--ignore-term", action="store_true")
     ap.add_argument("--grandchild", action="store_true")
     ap.add_argument("--progress", type=int, default=0)
@@ -42,7 +43,8 @@ def main() -> int:
         def on_term(signum, frame):
             with open(args.on_term, "a") as f:
                 f.write(f"TERM {os.getpid()} {os.environ.get('MS_NODE_ID')} {time.time()}\n")
-            sys.exit(0)
+            if not args.term_stays:
+                sys.exit(0)
         signal.signal(signal.SIGTERM, on_term)
     if args.ignore_term:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)

@@ -1,0 +1,111 @@
+"""The warm spare: an interpreter that has already paid for `import torch` (and for the lazy imports DDP does on
+first use, torch._dynamo and sympy, ~1.5-2 s more) and waits for the agent to hand it a dead worker's place.
+
+Rebuilding Python processes is ~94% of torchrun's recovery time here; a spare turns the restart of a worker into
+a pipe read and a `runpy` call. The agent starts it as a child of its own (own session, parent-death signal),
+passes one end of a socketpair, and on a worker's death sends one JSON line with the worker's argv, environment,
+working directory, log file and CPUs. The spare then becomes that worker: same environment, same sys.argv, same
+`__main__` semantics as `python script.py` / `python -m module`, and its exit status is the script's. It stays
+the agent's child (same pid), so the agent supervises it like any other process.
+
+    python -m toolkit.standby --fd N
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import runpy
+import socket
+import sys
+from typing import Any
+
+# Imported before the spare is offered. torch._dynamo is what DistributedDataParallel imports lazily on
+# construction (with sympy); without it here a replacement still spends ~1.8 s in its first DDP wrap.
+WARM_MODULES = ("torch", "torch.distributed", "torch.nn.parallel", "torch._dynamo")
+READY = b"ready\n"
+MAX_SPEC = 4 << 20
+
+
+class HandoffError(Exception):
+    """The agent sent something this spare cannot run."""
+
+
+def eligible(argv: list[str] | tuple[str, ...], interpreter: str) -> bool:
+    """Whether a spare started as `interpreter -m toolkit.standby` can stand in for `argv`: the same
+    interpreter, running a script or a module with no interpreter options the spare did not start with."""
+    if len(argv) < 2 or argv[0] != interpreter:
+        return False
+    if argv[1] == "-m":
+        return len(argv) >= 3 and not argv[2].startswith("-")
+    return not argv[1].startswith("-")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m toolkit.standby", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--fd", type=int, required=True, help="this end of the agent's socketpair")
+    args = ap.parse_args(argv)
+    link = socket.socket(fileno=args.fd)
+    for name in WARM_MODULES:
+        try:
+            importlib.import_module(name)
+        except Exception as e:  # a spare without one module is still worth having
+            print(f"standby: could not pre-import {name}: {e}", file=sys.stderr, flush=True)
+    link.sendall(READY)
+    data = _read_spec(link)
+    link.close()
+    if not data:
+        return 0  # dismissed: the agent closed its end (or is gone)
+    spec = json.loads(data)
+    become(spec)
+    return 0
+
+
+def _read_spec(link: socket.socket) -> bytes:
+    """Blocks until the agent sends the spec or closes its end; the agent's death closes it too (and the
+    parent-death signal ends this process anyway), so the wait is bounded by the agent's lifetime."""
+    buf = b""
+    while not buf.endswith(b"\n"):
+        chunk = link.recv(65536)
+        if not chunk:
+            return b""
+        buf += chunk
+        if len(buf) > MAX_SPEC:
+            raise HandoffError(f"handoff spec over {MAX_SPEC} bytes")
+    return buf
+
+
+def become(spec: dict[str, Any]) -> None:
+    """Turn this process into the worker described by `spec` and run it; returns only if the script does."""
+    argv = list(spec["argv"])
+    sys.stdout.flush()
+    sys.stderr.flush()
+    log = os.open(spec["log_file"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.close(log)
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
+    os.chdir(spec["cwd"])
+    os.environ.clear()  # this process is the worker now: its environment is the worker's, exactly
+    os.environ.update(spec["env"])
+    if spec.get("cpus"):
+        os.sched_setaffinity(0, spec["cpus"])
+    threads = spec["env"].get("OMP_NUM_THREADS", "")
+    if threads.isdigit() and int(threads) > 0 and "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(int(threads))  # read by torch at import; the spare imported early
+    if argv[1] == "-m":
+        sys.argv = [argv[2], *argv[3:]]
+        sys.path[0] = os.getcwd()
+        runpy.run_module(argv[2], run_name="__main__", alter_sys=True)
+    else:
+        sys.argv = argv[1:]
+        sys.path[0] = os.path.dirname(os.path.abspath(argv[1]))
+        runpy.run_path(argv[1], run_name="__main__")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
