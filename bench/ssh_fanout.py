@@ -64,6 +64,23 @@ def main() -> int:
         print(f"client CPU per host (connect + command, all threads of this process): {cpu * 1000:.1f} ms; "
               f"the hosts' sshds share this machine's {os.cpu_count()} CPUs with it")
 
+        # Reference under the same load: Fabric's own ThreadingGroup (no host-key check, invoke's runner).
+        import fabric
+
+        group_times = {}
+        for n in (sizes[1] if len(sizes) > 1 else sizes[0], sizes[-1]):
+            times = []
+            for _ in range(args.repeat):
+                start = time.perf_counter()
+                group = fabric.ThreadingGroup(*(h.address for h in cluster.hosts[:n]), user="root",
+                                              connect_kwargs={"key_filename": [str(cluster.key)]})
+                group.run("true", hide=True, in_stream=False)
+                group.close()
+                times.append(time.perf_counter() - start)
+            group_times[n] = statistics.median(times)
+            print(f"fabric.ThreadingGroup, {n} hosts: median {group_times[n]:.3f} s "
+                  f"(toolkit: {medians[n]:.3f} s)")
+
         with open_host(targets[0], settings) as host:
             runs = []
             for _ in range(args.repeat * 3):

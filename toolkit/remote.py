@@ -475,7 +475,7 @@ class SshHost(Host):
     """A host over SSH (Fabric): connected when constructed (so an unreachable host, a failed login or a bad
     host key raise here, as one line), with keepalives and bounded waits from then on."""
 
-    def __init__(self, target: Target, settings: SshSettings) -> None:
+    def __init__(self, target: Target, settings: SshSettings, known_hosts: KnownHosts | None = None) -> None:
         import fabric
 
         self.name = target.name
@@ -508,9 +508,10 @@ class SshHost(Host):
             "channel_timeout": settings.dead_after,
             **({"key_filename": keys, "look_for_keys": False, "allow_agent": False} if keys else {}),
         }
+        known_hosts = known_hosts or KnownHosts(settings)
         hop: Any = conn
         while isinstance(hop, fabric.Connection):  # ProxyJump hops get the same host-key rules
-            _strict_host_keys(hop.client, settings)
+            known_hosts.apply(hop.client, hop.host, hop.port)
             hop = hop.gateway
         self._conn = conn
         self._open()
@@ -726,26 +727,47 @@ class _UnknownKey(Exception):
                 "or pass --accept-new-host-keys to trust keys seen for the first time")
 
 
-def _strict_host_keys(client: Any, settings: SshSettings) -> None:
-    """Check host keys against settings.known_hosts: a changed key is always refused (paramiko raises
-    BadHostKeyException before any policy is asked), an unknown one is refused unless accept_new_host_keys, in
-    which case it is appended to the file (under a lock, so parallel connections do not lose lines)."""
-    import paramiko
+class KnownHosts:
+    """settings.known_hosts, parsed once for a whole fan-out; each connection gets only its own host's entries
+    (parsing the file per connection costs hosts x lines key decodings: minutes at a few hundred hosts).
 
-    path = settings.known_hosts_path
-    if path.exists():
-        with open(path) as f:
-            fcntl.flock(f, fcntl.LOCK_SH)
-            client.load_system_host_keys(str(path))
+    Checking: a changed key is always refused (paramiko raises BadHostKeyException before any policy is asked);
+    an unknown one is refused unless accept_new_host_keys, in which case it is appended to the file (under a
+    lock, so parallel connections and processes do not lose lines)."""
 
-    class Policy(paramiko.MissingHostKeyPolicy):
-        def missing_host_key(self, client: Any, hostname: str, key: Any) -> None:
-            if not settings.accept_new_host_keys:
-                raise _UnknownKey(hostname, key)
-            _append_known_host(path, hostname, key)
-            client.get_host_keys().add(hostname, key.get_name(), key)
+    def __init__(self, settings: SshSettings) -> None:
+        import paramiko
 
-    client.set_missing_host_key_policy(Policy())
+        self.path = settings.known_hosts_path
+        self.accept_new = settings.accept_new_host_keys
+        self.keys = paramiko.HostKeys()
+        if self.path.exists():
+            try:
+                with open(self.path) as f:
+                    fcntl.flock(f, fcntl.LOCK_SH)
+                    self.keys.load(str(self.path))
+            except OSError as e:
+                raise UserError(f"{self.path}: cannot read known_hosts ({e.strerror}); check the path") from None
+
+    def apply(self, client: Any, hostname: str, port: int) -> None:
+        """Make `client` check the key of hostname:port against this file."""
+        import paramiko
+
+        name = hostname if int(port) == 22 else f"[{hostname}]:{port}"
+        entry = self.keys.lookup(name)
+        if entry is not None:
+            for keytype in entry.keys():
+                client.get_host_keys().add(name, keytype, entry[keytype])
+        known = self
+
+        class Policy(paramiko.MissingHostKeyPolicy):
+            def missing_host_key(self, client: Any, hostname: str, key: Any) -> None:
+                if not known.accept_new:
+                    raise _UnknownKey(hostname, key)
+                _append_known_host(known.path, hostname, key)
+                client.get_host_keys().add(hostname, key.get_name(), key)
+
+        client.set_missing_host_key_policy(Policy())
 
 
 def _append_known_host(path: Path, hostname: str, key: Any) -> None:
@@ -787,11 +809,12 @@ def fabric_config(settings: SshSettings) -> Any:
     return fabric.Config(runtime_ssh_path=str(path))
 
 
-def open_host(target: Target, settings: SshSettings) -> Host:
-    """A connected Host for the target: LocalHost for a local target, else SshHost (raises RemoteError)."""
+def open_host(target: Target, settings: SshSettings, known_hosts: KnownHosts | None = None) -> Host:
+    """A connected Host for the target: LocalHost for a local target, else SshHost (raises RemoteError).
+    Pass one KnownHosts when opening many hosts."""
     if target.local:
         return LocalHost(target.name, settings)
-    return SshHost(target, settings)
+    return SshHost(target, settings, known_hosts)
 
 
 def run_on_all(
@@ -809,8 +832,10 @@ def run_on_all(
     dupes = sorted({n for n in names if names.count(n) > 1})
     if dupes:
         raise UserError(f"host {dupes[0]} is listed twice; name each host once")
+    known_hosts = None
     if any(not t.local for t in targets):
         fabric_config(settings)  # a missing ssh_config is one error, not one per host
+        known_hosts = KnownHosts(settings)
     failed = threading.Event()
     first_failure: list[str] = []
     lock = threading.Lock()
@@ -823,7 +848,7 @@ def run_on_all(
         else:
             host: Host | None = None
             try:
-                host = open_host(target, settings)
+                host = open_host(target, settings, known_hosts)
                 value = fn(host)
                 now = time.monotonic()
                 result = HostResult(target.name, True, value=value, seconds=now - start, finished=now)
