@@ -21,32 +21,32 @@ from invoke.parser import ParserContext
 
 from toolkit import tasks
 from toolkit.errors import UserError
-from toolkit.settings import OPTION_NAMES, OPTIONS, Settings, resolve
+from toolkit.settings import OPTION_NAMES, OPTIONS, CoreFlags, Settings, resolve
 
 
 class ClusterContext(Context):
     """An invoke Context that also carries what the command line said about hosts and shared flags."""
 
-    def __init__(self, config: Any, cli_hosts: str | None, given: dict[str, Any]) -> None:
+    def __init__(self, config: Any, core: CoreFlags, given: dict[str, Any]) -> None:
         super().__init__(config=config)
-        self._set(cli_hosts=cli_hosts, given=given)
+        self._set(core=core, given=given)
 
     def settings(self) -> Settings:
         section = self.config.get("toolkit") or {}
-        return resolve(self.given, dict(section), self.cli_hosts, Path.cwd())
+        return resolve(self.given, dict(section), self.core, Path.cwd())
 
 
 class ClusterCall(Call):
-    def __init__(self, *args: Any, cli_hosts: str | None = None, given: dict[str, Any] | None = None, **kw: Any):
+    def __init__(self, *args: Any, core: CoreFlags | None = None, given: dict[str, Any] | None = None, **kw: Any):
         super().__init__(*args, **kw)
-        self.cli_hosts = cli_hosts
+        self.core = core or CoreFlags()
         self.given = given or {}
 
     def clone_data(self) -> dict[str, Any]:
-        return {**super().clone_data(), "cli_hosts": self.cli_hosts, "given": self.given}
+        return {**super().clone_data(), "core": self.core, "given": self.given}
 
     def make_context(self, config: Any) -> ClusterContext:
-        return ClusterContext(config, self.cli_hosts, self.given)
+        return ClusterContext(config, self.core, self.given)
 
 
 class ClusterExecutor(fabric.Executor):
@@ -59,14 +59,24 @@ class ClusterExecutor(fabric.Executor):
     def expand_calls(self, calls: list[Any], apply_hosts: bool = True) -> list[Any]:
         if self.core and self.core.remainder:
             raise Exit("error: 'fab -H hosts -- command' is not a toolkit task; run ssh or 'fab --list'", code=2)
-        host_str = self.core[0].args.hosts.value if self.core else None
+        core = _core_flags(self.core[0].args) if self.core else CoreFlags()
         out = []
         for call in calls:
             call = call if isinstance(call, Call) else Call(task=call)
             out.extend(self.expand_calls(call.pre, apply_hosts=False))
-            out.append(call.clone(into=ClusterCall, with_={"cli_hosts": host_str, "given": getattr(self, "_given", {})}))
+            out.append(call.clone(into=ClusterCall, with_={"core": core, "given": getattr(self, "_given", {})}))
             out.extend(self.expand_calls(call.post, apply_hosts=False))
         return out
+
+
+def _core_flags(args: Any) -> CoreFlags:
+    timeout = args["connect-timeout"].value
+    return CoreFlags(
+        hosts=args.hosts.value,
+        ssh_config=args["ssh-config"].value,
+        identities=tuple(args.identity.value or ()),
+        connect_timeout=float(timeout) if timeout else None,
+    )
 
 
 def _shared_flags(contexts: list[ParserContext]) -> dict[str, Any]:

@@ -36,6 +36,7 @@ class JobRecord:
     job: str
     local: bool
     scheduler_host: str
+    sched_port: int
     hosts: tuple[HostRecord, ...]
     processes: tuple[dict[str, Any], ...]  # host, role, node_id, rank, local_rank, log (relative to the job dir)
     ssh: dict[str, Any]  # known_hosts, accept_new_host_keys, ssh_config, identities, connect_timeout, parallel
@@ -96,6 +97,7 @@ def load(project: Path, job: str | None) -> JobRecord:
         job=data["job"],
         local=data["local"],
         scheduler_host=data["scheduler_host"],
+        sched_port=data["sched_port"],
         hosts=hosts,
         processes=tuple(data["processes"]),
         ssh=data["ssh"],

@@ -52,6 +52,16 @@ _JOB_CHARS = re.compile(r"[^A-Za-z0-9._-]+")
 
 
 @dataclass(frozen=True)
+class CoreFlags:
+    """Fabric's own flags that concern toolkit: -H/--hosts, -S/--ssh-config, -i/--identity, -t/--connect-timeout."""
+
+    hosts: str | None = None
+    ssh_config: str | None = None
+    identities: tuple[str, ...] = ()
+    connect_timeout: float | None = None
+
+
+@dataclass(frozen=True)
 class Settings:
     options: JobOptions
     inventory: Inventory
@@ -59,18 +69,14 @@ class Settings:
     parallel: int
     accept_new_host_keys: bool
     known_hosts: str
+    core: CoreFlags
 
     @property
     def local(self) -> bool:
         return self.inventory.local
 
 
-def resolve(
-    given: Mapping[str, Any],
-    config: Mapping[str, Any],
-    cli_hosts: str | None,
-    cwd: Path,
-) -> Settings:
+def resolve(given: Mapping[str, Any], config: Mapping[str, Any], core: CoreFlags, cwd: Path) -> Settings:
     """`given` holds only the flags typed on the command line; `config` is the `toolkit:` config section."""
     unknown = sorted(set(config) - OPTION_NAMES)
     if unknown:
@@ -78,7 +84,7 @@ def resolve(
     values = {o.name: _convert(o, config[o.name], f"fabric.yaml: toolkit.{o.name}") for o in OPTIONS if o.name in config}
     values.update({o.name: _convert(o, given[o.name], "--" + o.name.replace("_", "-")) for o in OPTIONS if o.name in given})
 
-    inventory = _inventory(given, config, cli_hosts, values, cwd)
+    inventory = _inventory(given, config, core.hosts, values, cwd)
     project = (cwd / str(values.get("project", "."))).resolve()
     if not project.is_dir():
         raise UserError(f"--project {project}: not a directory; give the directory that holds the training script")
@@ -122,6 +128,7 @@ def resolve(
         parallel=parallel,
         accept_new_host_keys=values.get("accept_new_host_keys", False),
         known_hosts=str(Path(values.get("known_hosts", "~/.ssh/known_hosts")).expanduser()),
+        core=core,
     )
 
 
