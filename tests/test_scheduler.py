@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import stat
 import sys
 import time
@@ -17,7 +18,16 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
 
-from runtime_harness import PYTHON, Client, FakeAgent, Job, Proc, expected_weights, read_result  # noqa: E402
+from runtime_harness import (  # noqa: E402
+    PYTHON,
+    SCRIPTS,
+    Client,
+    FakeAgent,
+    Job,
+    Proc,
+    expected_weights,
+    read_result,
+)
 
 from toolkit import protocol as P  # noqa: E402
 from toolkit import scheduler as S  # noqa: E402
@@ -379,6 +389,29 @@ def test_an_unmodified_torchrun_script_trains_under_the_launcher(make_job) -> No
     assert sched.wait(20) == 0
 
 
+def test_a_wrapped_unmodified_script_restarts_the_world_with_fresh_keys(make_job) -> None:
+    # `python -m toolkit.train SCRIPT`: env:// binds to the scheduler's store under the generation's prefix; on a
+    # death the survivor exits EXIT_REJOIN and the relaunched pair meets only keys of generation 1.
+    job = make_job(2, node_timeout=6.0)
+    sched = started(job)
+    script = str(SCRIPTS / "runtime_torchrun_script.py")
+    wrapped = [PYTHON, "-c", "import sys; from toolkit.train.runtime import main; sys.exit(main())", script,
+               "--steps", "40", "--delay", "0.05"]
+    first = {r: job.start(wrapped, job.worker_env(r), f"worker_{r}.log") for r in range(2)}
+    first[1].wait_for(r"rank 1/2 step 5 ", 120)
+    first[1].kill()
+    assert first[0].wait(30) == P.EXIT_REJOIN
+    first[0].wait_for(r"the job moved to generation 1; this script cannot re-form in place", 1)
+    again = {r: job.start(wrapped, job.worker_env(r), f"worker_{r}.log") for r in range(2)}
+    digests = []
+    for r, proc in again.items():
+        assert proc.wait(120) == 0, proc.text()
+        proc.wait_for(r"running .* in generation 1 ", 1)
+        digests.append(proc.wait_for(rf"rank {r} params ([0-9a-f]{{64}})", 1).group(1))
+    assert digests[0] == digests[1]
+    assert sched.wait(20) == 0, sched.text()
+
+
 # ------------------------------------------------------------------ configuration
 
 
@@ -419,3 +452,31 @@ def test_config_reads_the_environment_and_hides_the_token(tmp_path: Path) -> Non
 def test_rank_of_node_ids() -> None:
     assert [S.rank_of(n) for n in ("worker_0", "worker_17", "sched", "worker_", "worker_x")] == [0, 17, None, None,
                                                                                                   None]
+
+
+def test_workers_that_never_register_but_run_under_agents_are_served_not_failed(make_job) -> None:
+    # A plain torchrun-style script never talks to the scheduler; its agents vouch that it runs. At the formation
+    # deadline the scheduler keeps serving the store instead of failing the job, and agents' exit reports end it.
+    job = make_job(2, topo_timeout=1.5)
+    sched = started(job)
+    agent = FakeAgent(job, "localhost", ["worker_0", "worker_1"])
+    agent.start()
+    sched.wait_for(r"no worker registered within MS_TOPO_TIMEOUT=1.5 s, but every one runs under its agent", 30)
+    assert sched.popen.poll() is None
+    agent.exited("worker_0", 11, code=0)
+    agent.exited("worker_1", 12, code=0)
+    assert agent.wait_message(P.FINISHED, 10) == {"op": P.FINISHED}
+    assert sched.wait(20) == 0
+
+
+def test_a_busy_store_port_is_one_line_and_exit_2(make_job) -> None:
+    job = make_job(1)
+    with socket.socket() as squatter:
+        squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        squatter.bind(("127.0.0.1", job.port + 1))
+        squatter.listen(1)
+        proc = Proc([PYTHON, "-m", "toolkit.scheduler"], job.sched_env(), job.logs / "busy.log")
+        assert proc.wait(30) == S.EXIT_CONFIG
+    assert (f"scheduler: error: cannot serve the store on 127.0.0.1:{job.port + 1} (MASTER_PORT): address already "
+            "in use; is another job using the port?") in proc.text()
+    assert "Traceback" not in proc.text()

@@ -50,6 +50,9 @@ FORMED = "formed"
 
 # A fenced worker exits with this code, so its agent (and its log) can tell fencing from a crash.
 EXIT_FENCED = 75
+# A wrapped torchrun-style script (`python -m toolkit.train SCRIPT`) exits with this code when the job moves to a
+# new generation: it cannot re-form in place, so its agent relaunches it and it rejoins with fresh store keys.
+EXIT_REJOIN = 76
 
 
 class ProtocolError(Exception):

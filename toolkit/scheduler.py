@@ -233,8 +233,9 @@ class Scheduler:
 
     def serve(self) -> int:
         self._restore()
-        self._start_store()  # before listening: a worker that reaches us must get an answer, not a queue
-        self._listen()
+        self._bind()  # first: a port conflict is reported before the slow store start
+        self._start_store()
+        self._listen()  # only now: a worker that reaches us must get an answer, not wait in a queue
         self._install_signals()
         now = self.clock()  # deadlines count from when peers can reach us, not from the slow import of torch
         self.started = now
@@ -256,14 +257,22 @@ class Scheduler:
             self._shutdown()
         return self.exit_code if self.exit_code is not None else EXIT_FAILED
 
-    def _listen(self) -> None:
+    def _bind(self) -> None:
         family = socket.AF_INET6 if ":" in self.cfg.host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
         try:
-            self.listener = socket.create_server((self.cfg.host, self.cfg.port), family=family, backlog=4096)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((self.cfg.host, self.cfg.port))
         except OSError as e:
+            sock.close()
             raise ConfigError(
                 f"cannot serve on {self.cfg.host}:{self.cfg.port} ({E.MS_SCHED_HOST}:{E.MS_SCHED_PORT}): "
                 f"{e.strerror}; is another job using the port, or is the address not this host's?") from None
+        self.listener = sock
+
+    def _listen(self) -> None:
+        assert self.listener is not None
+        self.listener.listen(4096)
         self.listener.setblocking(False)
         self.sel.register(self.listener, selectors.EVENT_READ, "listener")
         self._wake_r.setblocking(False)
@@ -278,9 +287,11 @@ class Scheduler:
                 self.cfg.host, self.cfg.store_port, None, is_master=True, wait_for_workers=False,
                 timeout=timedelta(seconds=max(30.0, self.cfg.topo_timeout)), use_libuv=True)
         except Exception as e:  # torch raises DistNetworkError/RuntimeError with a long text
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            text = str(e)
+            why = "address already in use" if "EADDRINUSE" in text or "already in use" in text else (
+                text.strip().splitlines()[0] if text.strip() else type(e).__name__)
             raise ConfigError(
-                f"cannot serve the store on {self.cfg.host}:{self.cfg.store_port} ({E.MASTER_PORT}): {first}; "
+                f"cannot serve the store on {self.cfg.host}:{self.cfg.store_port} ({E.MASTER_PORT}): {why}; "
                 "is another job using the port?") from None
 
     def _install_signals(self) -> None:

@@ -2,11 +2,12 @@
 The toolkit launcher must run it unchanged (its store is the scheduler's). Prints a checksum of the final
 parameters, which must be the same on every rank.
 
-usage: runtime_torchrun_script.py --steps N
+usage: runtime_torchrun_script.py --steps N [--delay S]
 """
 
 import argparse
 import hashlib
+import time
 
 import torch
 import torch.distributed as dist
@@ -16,6 +17,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--delay", type=float, default=0.0)
     args = parser.parse_args()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -30,6 +32,7 @@ def main() -> int:
         loss.backward()
         opt.step()
         print(f"rank {rank}/{world} step {step} loss {loss.item():.6f}", flush=True)
+        time.sleep(args.delay)
     digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()
     print(f"rank {rank} params {digest}", flush=True)
     dist.destroy_process_group()

@@ -27,8 +27,10 @@ Three modes, chosen from the environment so one script runs everywhere:
 from __future__ import annotations
 
 import contextlib
+import importlib
 import json
 import os
+import runpy
 import secrets
 import select
 import socket
@@ -38,7 +40,7 @@ import time
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -50,11 +52,13 @@ from toolkit.errors import UserError
 DEFAULT_TIMEOUT = 30.0  # s: bound of one collective and of building a process group
 CONNECT_RETRY = 0.25  # s between attempts to reach a scheduler that is not (yet) up
 CONNECT_TIMEOUT = 2.0  # s for the TCP connect itself (a partitioned scheduler host never answers the SYN)
+SEND_TIMEOUT = 2.0  # s a send may block on a scheduler that stopped reading before the connection is dropped
 HANDSHAKE_WAIT = 10.0  # s to wait for the answer to `register`: giving up on an accepted registration closes a
 # connection the scheduler already counts as this worker's, and that close would read as our death
 PROGRESS_INTERVAL = 1.0  # s: at most one progress datagram to the agent per interval
 DONE_WAIT = 5.0  # s to hear the scheduler acknowledge `done` (by closing) before exiting anyway
 
+EXIT_REJOIN = P.EXIT_REJOIN
 MODE_TOOLKIT = "toolkit"
 MODE_TORCHRUN = "torchrun"
 MODE_SINGLE = "single"
@@ -197,8 +201,9 @@ class _Channel:
     the spot, before it can write anything into the new generation.
     """
 
-    def __init__(self, cfg: WorkerEnv) -> None:
+    def __init__(self, cfg: WorkerEnv, exit_on_new_generation: bool = False) -> None:
         self.cfg = cfg
+        self.exit_on_new_generation = exit_on_new_generation  # for scripts that cannot re-form in place
         self.incarnation = secrets.token_hex(8)
         self.cond = threading.Condition()
         self.announced: int | None = None  # newest generation the scheduler told us about
@@ -237,7 +242,7 @@ class _Channel:
                     if msg["op"] == P.REJECT:
                         raise _Rejected(str(msg.get("reason", "rejected")), bool(msg.get("retry")))
                     if msg["op"] == P.WELCOME:
-                        sock.settimeout(None)
+                        sock.settimeout(SEND_TIMEOUT)
                         with self.send_lock:
                             self.sock, self.lines = sock, lines
                         for later in messages[i:]:
@@ -308,7 +313,7 @@ class _Channel:
                 continue
             now = time.monotonic()
             try:
-                readable, _, _ = select.select([sock], [], [], max(0.0, next_beat - now))
+                readable = _readable(sock, max(0.0, next_beat - now))
                 if readable:
                     data = sock.recv(65536)
                     if not data:
@@ -339,6 +344,10 @@ class _Channel:
             elif op == P.STOP:
                 self.stop_reason = str(msg.get("reason", "stopped by the scheduler"))
             self.cond.notify_all()
+        if self.exit_on_new_generation and self.generation is not None and self.announced != self.generation:
+            _say(self.cfg.node_id, f"the job moved to generation {self.announced}; this script cannot re-form in "
+                                   f"place: exiting with code {EXIT_REJOIN} for its agent to relaunch it")
+            os._exit(EXIT_REJOIN)
         if op == P.GENERATION:
             _say(self.cfg.node_id, f"the job moved to generation {msg['generation']}")
         elif op == P.STOP:
@@ -373,6 +382,8 @@ class _Channel:
             except OSError:
                 if strict:
                     raise
+                with contextlib.suppress(OSError):  # a half-sent line: let the reader thread reconnect
+                    sock.shutdown(socket.SHUT_RDWR)
                 return False
 
     def wait_formed(self, current: int | None, deadline: float) -> tuple[int, str]:
@@ -607,6 +618,13 @@ class Runtime:
             self.close()
 
 
+def _readable(sock: socket.socket, timeout: float) -> bool:
+    """poll(), not select(): a training process may hold more than FD_SETSIZE (1024) descriptors."""
+    poller = select.poll()
+    poller.register(sock, select.POLLIN)
+    return bool(poller.poll(timeout * 1000))
+
+
 def _looks_collective(e: BaseException) -> bool:
     if isinstance(e, dist.DistError):
         return True
@@ -661,3 +679,93 @@ def init(backend: str | None = None, timeout: float = DEFAULT_TIMEOUT,
         rt.close()
         raise
     return rt
+
+
+def run_script(argv: Sequence[str], env: Mapping[str, str] | None = None) -> int:
+    """Run an unmodified torchrun-style script (`dist.init_process_group()` from env://) as a toolkit worker:
+    `python -m toolkit.train SCRIPT [ARGS...]`.
+
+    Why: a plain script never registers, so the scheduler cannot watch it, and torch's env:// puts every
+    incarnation's keys under the same names in one store, which is how torchrun's restarted workers hang on a dead
+    peer's stale address (REFERENCE.md). Here the process registers and heartbeats like any worker, and env://
+    resolves to the scheduler's store under the current generation's prefix, so a relaunched rank only ever meets
+    keys of its own generation. Such a script cannot re-form in place: when the job moves to a new generation this
+    process exits with EXIT_REJOIN and its agent relaunches it (restart-the-world, as torchrun, but without the
+    stale-key hang). Outside toolkit (no MS_ROLE) the script simply runs.
+    """
+    if not argv:
+        raise RuntimeConfigError("usage: python -m toolkit.train SCRIPT [ARGS...]: name the training script")
+    script = argv[0]
+    if not Path(script).is_file():
+        raise RuntimeConfigError(f"{script}: no such training script (relative to {Path.cwd()})")
+    cfg = WorkerEnv.from_env(os.environ if env is None else env)
+    channel = None
+    if cfg.mode == MODE_TOOLKIT:
+        channel = _Channel(cfg, exit_on_new_generation=True)
+        deadline = time.monotonic() + cfg.topo_timeout
+        channel.join(deadline)
+        channel.start()
+        generation, prefix = channel.wait_formed(None, deadline + cfg.node_timeout)
+        with channel.cond:
+            channel.generation = generation
+            moved = channel.announced != generation
+        if moved:
+            _say(cfg.node_id, f"generation {generation} was abandoned before the script started; exiting with code "
+                              f"{EXIT_REJOIN} for its agent to relaunch it")
+            return EXIT_REJOIN
+        _hook_env_rendezvous(cfg, prefix)
+        _say(cfg.node_id, f"running {script} in generation {generation} (env:// -> the scheduler's store)")
+    sys.argv = list(argv)  # the script reads its own arguments, as under `python SCRIPT ARGS`
+    code = _run_path(script)
+    if channel is not None:
+        if code == 0:
+            channel.done()
+        else:
+            channel.close()
+    return code
+
+
+def _hook_env_rendezvous(cfg: WorkerEnv, prefix: str) -> None:
+    # `torch.distributed.rendezvous` is also the name of a function there: import the module by its path
+    rdzv = importlib.import_module("torch.distributed.rendezvous")
+    handlers = getattr(rdzv, "_rendezvous_handlers", None)
+    if not isinstance(handlers, dict) or "env" not in handlers:
+        raise RuntimeConfigError("this torch version has no env:// rendezvous table to bind to the scheduler's "
+                                 "store; call toolkit.train.init() in the script instead")
+
+    def env_handler(url: str, timeout: timedelta = timedelta(seconds=DEFAULT_TIMEOUT), **_: Any) -> Iterator:
+        store = dist.TCPStore(cfg.store_host, cfg.store_port, None, is_master=False, timeout=timeout,
+                              use_libuv=True)
+        yield dist.PrefixStore(prefix, store), cfg.rank, cfg.world_size
+        raise RuntimeError("env:// under toolkit does not re-rendezvous in place: the process is relaunched")
+
+    handlers["env"] = env_handler
+
+
+def _run_path(script: str) -> int:
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as e:
+        if e.code is None:
+            return 0
+        if isinstance(e.code, int):
+            return e.code
+        print(e.code, file=sys.stderr, flush=True)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    except BaseException:  # the script's own failure: show it as python would, exit non-zero
+        import traceback
+
+        traceback.print_exc()
+        return 1
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of `python -m toolkit.train` (a bad invocation is one line on stderr and exit code 2)."""
+    try:
+        return run_script(sys.argv[1:] if argv is None else argv)
+    except UserError as e:
+        print(f"toolkit.train: error: {e}", file=sys.stderr, flush=True)
+        return 2
