@@ -844,6 +844,16 @@ def _atomic_write(path: Path, data: bytes) -> None:
         os.close(dfd)
 
 
+def _warn_if_token_readable(path: str) -> None:
+    """The token is the only thing keeping strangers out of the job; say so if others can read it."""
+    try:
+        mode = os.stat(path).st_mode & 0o777
+    except OSError:
+        return
+    if mode & 0o077:
+        log.warning("%s=%s is readable by others (mode %o): chmod 600 it", E.TOOLKIT_TOKEN_FILE, path, mode)
+
+
 def _how(code: Any, sig: Any) -> str:
     if sig:
         return f"signal {sig}"
@@ -855,6 +865,7 @@ def main() -> int:
                         format="%(asctime)s.%(msecs)03d sched %(levelname)s %(message)s", datefmt="%Y-%m-%dT%H:%M:%S")
     try:
         config = Config.from_env(os.environ)
+        _warn_if_token_readable(os.environ[E.TOOLKIT_TOKEN_FILE])
         return Scheduler(config).serve()
     except ConfigError as e:
         log.error("%s", e)
