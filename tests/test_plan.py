@@ -135,3 +135,10 @@ def test_unknown_node_is_named_with_the_known_ones() -> None:
     plan = make_plan(parse_hosts("a:2"), opts())
     with pytest.raises(PlanError, match="no process 'worker_9' in job demo; the job has: sched, worker_0, worker_1"):
         plan.process("worker_9")
+
+
+def test_torchrun_scripts_run_through_the_wrapper() -> None:
+    plan = make_plan(parse_hosts("a:2"), opts(script="t.py", script_args="--x 1", torchrun_script=True))
+    assert plan.process("worker_1").argv == ("python3", "-m", "toolkit.train", "t.py", "--x", "1")
+    assert plan.expected_hosts() == {"worker_0": "a", "worker_1": "a"}
+    assert plan.process("sched").env[E.TOOLKIT_EXPECTED] == "toolkit-jobs/demo/expected.json"

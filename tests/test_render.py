@@ -105,6 +105,9 @@ def test_files_modes_and_the_token_stays_secret(tmp_path: Path) -> None:
     modes = {f.path: stat.S_IMODE((tmp_path / "job" / f.path).stat().st_mode) for f in files}
     assert modes["token"] == 0o600 and modes["env/worker_0.env"] == 0o600 and modes["launch.sh"] == 0o755
     assert [f.path for f in files if "s3cret-token" in f.content] == ["token"]
+    assert json.loads((tmp_path / "job" / "expected.json").read_text()) == {
+        "worker_0": "node1", "worker_1": "node1", "worker_2": "node2"}
+    assert "expected.json" not in [f.path for f in render_host(plan, plan.hosts[1], "t")]
     spec = json.loads((tmp_path / "job" / "host.json").read_text())
     assert [p["node_id"] for p in spec["processes"]] == ["sched", "worker_0", "worker_1"]
     assert spec["processes"][1]["argv"][-2:] == ["--x", "a b"]

@@ -15,19 +15,17 @@ from typing import Iterator, Mapping
 
 from toolkit import envvars as E
 from toolkit.errors import UserError
+from toolkit.protocol import worker_node_id
 from toolkit.inventory import Host, Inventory
 
 SCHED_NODE_ID = "sched"
+EXPECTED_FILE = "expected.json"  # on the scheduler's host: where each node id is expected to run
 DEFAULT_WORKDIR = "toolkit-jobs"  # relative: under the login user's home on each host
 _JOB_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
 
 class PlanError(UserError):
     """Job options that cannot make a plan; the message is the one line shown to the user."""
-
-
-def worker_node_id(rank: int) -> str:
-    return f"worker_{rank}"
 
 
 def log_name(node_id: str) -> str:
@@ -56,6 +54,7 @@ class JobOptions:
     grace: float = 10.0
     bind_core: bool = False
     warm_spare: bool = True
+    torchrun_script: bool = False  # the script never calls toolkit.train.init(): run it through the wrapper
 
     def __post_init__(self) -> None:
         if not _JOB_NAME.match(self.job):
@@ -164,6 +163,9 @@ class LaunchPlan:
     def host_names(self) -> tuple[str, ...]:
         return tuple(h.name for h in self.hosts)
 
+    def expected_hosts(self) -> dict[str, str]:
+        return {p.node_id: p.host for p in self.processes() if p.rank is not None}
+
 
 def job_dir(host: Host, options: JobOptions) -> str:
     return posixpath.join(host.workdir or options.workdir, options.job)
@@ -209,9 +211,10 @@ def make_plan(inventory: Inventory, options: JobOptions, local_project_dir: str 
             local_rank=None,
             argv=(_python(sched, options), "-m", "toolkit.scheduler"),
             cwd=project or posixpath.join(jd, "project"),
-            env=MappingProxyType(
-                {**common, **_dir_env(jd), E.MS_ROLE: E.ROLE_SCHED, E.MS_NODE_ID: SCHED_NODE_ID}
-            ),
+            env=MappingProxyType({
+                **common, **_dir_env(jd), E.MS_ROLE: E.ROLE_SCHED, E.MS_NODE_ID: SCHED_NODE_ID,
+                E.TOOLKIT_EXPECTED: posixpath.join(jd, EXPECTED_FILE),
+            }),
         )
     )
 
@@ -245,7 +248,7 @@ def make_plan(inventory: Inventory, options: JobOptions, local_project_dir: str 
                     node_id=node_id,
                     rank=rank,
                     local_rank=local_rank,
-                    argv=(_python(host, options), options.script, *options.script_argv),
+                    argv=(_python(host, options), *_wrapper(options), options.script, *options.script_argv),
                     cwd=project or posixpath.join(jd, "project"),
                     env=MappingProxyType(env),
                 )
@@ -292,6 +295,10 @@ def _dir_env(jd: str) -> dict[str, str]:
         E.MS_RECOVERY_PATH: posixpath.join(jd, "recovery"),
         E.TOOLKIT_TOKEN_FILE: posixpath.join(jd, "token"),
     }
+
+
+def _wrapper(options: JobOptions) -> tuple[str, ...]:
+    return ("-m", "toolkit.train") if options.torchrun_script else ()
 
 
 def _python(host: Host, options: JobOptions) -> str:

@@ -17,7 +17,7 @@ from typing import Any
 import jinja2
 
 from toolkit.errors import UserError
-from toolkit.plan import HostPlan, LaunchPlan, Process
+from toolkit.plan import EXPECTED_FILE, HostPlan, LaunchPlan, Process
 
 TEMPLATES = Path(__file__).resolve().parent / "templates"
 SCRIPTS = ("launch.sh", "recover.sh", "stop.sh")
@@ -61,6 +61,8 @@ def render_host(plan: LaunchPlan, host: HostPlan, token: str, jinja: jinja2.Envi
     files.append(RenderedFile("host.json", json.dumps(host_spec(plan, host), indent=2) + "\n", 0o644))
     for p in host.processes:
         files.append(RenderedFile(env_file(p), render_env(p, jinja), 0o600))
+    if host.name == plan.scheduler_host:
+        files.append(RenderedFile(EXPECTED_FILE, json.dumps(plan.expected_hosts(), indent=2) + "\n", 0o644))
     files.append(RenderedFile("token", token + "\n", 0o600))
     return files
 

@@ -43,7 +43,7 @@ EXIT_TERMINATED = 128 + signal.SIGTERM
 
 # Optional: a JSON file {node_id: host} so the formation-timeout message can say where a missing worker was
 # expected (the renderer writes it; without it the hosts the agents announced are used).
-TOOLKIT_EXPECTED = "TOOLKIT_EXPECTED"
+TOOLKIT_EXPECTED = E.TOOLKIT_EXPECTED
 STATE_FILE = "scheduler.json"
 STATE_VERSION = 1
 LINGER = 2.0  # s to flush the last messages (finished, stop) before exiting

@@ -43,6 +43,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("grace", float, 10.0, "seconds between SIGTERM and SIGKILL when stopping"),
     Option("bind_core", bool, False, "pin each worker to its own CPUs"),
     Option("warm_spare", bool, True, "keep a pre-started interpreter per host for fast replacement"),
+    Option("torchrun_script", bool, False, "the script is written for torchrun (env://, no toolkit.train): "
+           "register it on its behalf; a fault then restarts every worker"),
     Option("parallel", int, 32, "hosts contacted at once"),
     Option("accept_new_host_keys", bool, False, "add unknown SSH host keys to known_hosts (never changed ones)"),
     Option("known_hosts", str, "~/.ssh/known_hosts", "known_hosts file that SSH host keys are checked against"),
@@ -117,6 +119,7 @@ def resolve(given: Mapping[str, Any], config: Mapping[str, Any], core: CoreFlags
         grace=values.get("grace", 10.0),
         bind_core=values.get("bind_core", False),
         warm_spare=values.get("warm_spare", True),
+        torchrun_script=values.get("torchrun_script", False),
     )
     parallel = values.get("parallel", 32)
     if parallel < 1:
