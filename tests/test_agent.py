@@ -627,3 +627,29 @@ def test_standby_eligibility():
     assert not standby.eligible(["python3", "-u", "train.py"], "python3")
     assert not standby.eligible(["/other/python", "train.py"], "python3")
     assert not standby.eligible(["python3", "-m"], "python3")
+
+
+def test_command_line_overrides_host_json(make_job):
+    job = make_job([["--exit", "3"]], max_restarts=5)
+    out = job.cli("start", "--max-restarts", "0", "--grace", "0.5")
+    assert out.returncode == 0, out.stderr
+    pid, ticks = A.read_pid_file(job.spec)
+    assert procs.wait_gone(pid, ticks, AGENT_WAIT)
+    doc = json.loads(job.cli("status").stdout)
+    assert doc["state"] == "failed" and doc["alive"] is False
+    assert doc["failure"]["restarts"] == 0 and doc["processes"][0]["max_restarts"] == 0
+    assert len(job.events.drain()) == 1
+    bad = job.cli("start", "--max-restarts", "-1")
+    assert bad.returncode == 2 and bad.stderr.strip() == "error: --max-restarts -1: give 0 or more"
+
+
+def test_stop_verifies_the_last_incarnations_are_gone(make_job):
+    job = make_job([["--block", "--grandchild"]])
+    assert job.cli("start").returncode == 0
+    ev = job.events.next()
+    out = job.cli("stop")
+    assert out.returncode == 0 and out.stdout.startswith("hostA: stopped (agent pid")
+    w0 = json.loads(job.cli("status").stdout)["processes"][0]
+    assert w0["pid"] is None and w0["last_pid"] == ev["pid"] and w0["state"] == "stopped"
+    assert_all_gone([ev["pid"], ev["grandchild"]])
+    assert job.cli("stop").stdout.strip() == "hostA: agent was not running; no process of the job is left"

@@ -29,6 +29,7 @@ Subcommands (client side of the agent's sockets, used by launch.sh, recover.sh, 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import errno
 import fcntl
 import heapq
@@ -399,6 +400,9 @@ class Slot:
         self.manual = False  # the operator asked for a restart: the coming death is expected and not counted
         self.kill_timer: Timer | None = None
         self.pids: list[int] = []
+        self.last_pid: int | None = None  # the latest incarnation (running or not): what `stop` verifies
+        self.last_ticks: int | None = None
+        self.seen_dead: float | None = None  # monotonic time the latest death was seen, until the relaunch
 
     def document(self, policy: RestartPolicy) -> dict[str, Any]:
         c = self.child
@@ -406,6 +410,7 @@ class Slot:
             "node_id": self.spec.node_id, "role": self.spec.role, "rank": self.spec.rank,
             "local_rank": self.spec.local_rank, "state": self.state,
             "pid": c.pid if c else None, "pgid": c.pgid if c else None, "start_ticks": c.start_ticks if c else None,
+            "last_pid": self.last_pid, "last_start_ticks": self.last_ticks,
             "started_at": iso(self.started_wall), "warm": self.warm if c else None,
             "restarts": max(0, self.launches - 1), "counted_restarts": self.counted,
             "max_restarts": policy.max_restarts, "next_start_at": iso(self.next_start),
@@ -829,18 +834,24 @@ class Agent:
                 self.timers.after(0, lambda: self._after_exit(slot, None, ExitStatus(127, None)))
                 return
         slot.child = child
+        slot.last_pid, slot.last_ticks = child.pid, child.start_ticks
         slot.launches += 1
         slot.pids = (slot.pids + [child.pid])[-EXIT_HISTORY:]
         slot.started_mono, slot.started_wall = time.monotonic(), time.time()
         slot.state = "running"
         slot.progressed = False
         self.sel.register(child, selectors.EVENT_READ, lambda _m, s=slot, c=child: self._on_child(s, c))
+        since = ""
+        if slot.seen_dead is not None:
+            since = f", {1000 * (time.monotonic() - slot.seen_dead):.1f} ms after its exit was seen"
+            slot.seen_dead = None
         self.log(slot.spec.node_id, f"started pid {child.pid} ({why}{', warm spare' if slot.warm else ''}"
-                                    f"{', restart count ' + str(n) if n else ''})")
+                                    f"{', restart count ' + str(n) if n else ''}{since})")
         self._write()
 
     def _on_child(self, slot: Slot, child: Child) -> None:
         self.sel.unregister(child)  # before reaping closes the pidfd
+        slot.seen_dead = time.monotonic()
         status = child.reap()
         if status is None:  # a pidfd is readable only once the process exited; stay safe anyway
             self.sel.register(child, selectors.EVENT_READ, lambda _m: self._on_child(slot, child))
@@ -1275,7 +1286,7 @@ def run(spec: HostSpec, ready_fd: int | None = None) -> int:
         os.close(lock)
 
 
-def start(spec: HostSpec, timeout: float = START_TIMEOUT) -> int:
+def start(spec: HostSpec, timeout: float = START_TIMEOUT, overrides: list[str] | None = None) -> int:
     """launch.sh: start the agent detached (its own session, stdout/stderr to agent.log) unless it runs."""
     rec = running_agent(spec)
     if rec is not None:
@@ -1284,7 +1295,8 @@ def start(spec: HostSpec, timeout: float = START_TIMEOUT) -> int:
     spec.agent_log.parent.mkdir(parents=True, exist_ok=True)
     r, w = os.pipe()
     os.set_inheritable(w, True)
-    argv = [sys.executable, "-m", "toolkit.agent", "run", "--job-dir", str(spec.job_dir), "--ready-fd", str(w)]
+    argv = [sys.executable, "-m", "toolkit.agent", "run", "--job-dir", str(spec.job_dir), "--ready-fd", str(w),
+            *(overrides or [])]
     try:
         pid = os.posix_spawn(sys.executable, argv, dict(os.environ), setsid=True, file_actions=[
             (os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0),
@@ -1405,7 +1417,8 @@ def _recorded_groups(spec: HostSpec) -> list[tuple[str, int, int | None]]:
         return []
     out = []
     for p in doc.get("processes", []) if isinstance(doc, dict) else []:
-        pgid, ticks = p.get("pgid"), p.get("start_ticks")
+        pgid = p.get("pgid") or p.get("last_pid")  # a session leader's pgid is its pid
+        ticks = p.get("start_ticks") if p.get("pgid") else p.get("last_start_ticks")
         if isinstance(pgid, int) and pgid > 1 and (ticks is None or isinstance(ticks, int)):
             out.append((str(p.get("node_id")), pgid, ticks))
     return out
@@ -1418,6 +1431,28 @@ def _leftovers(spec: HostSpec) -> list[int]:
         for pid in procs.reclaim_group(pgid, ticks):
             procs.wait_gone(pid, None, procs.KILL_WAIT)
     return [info.pid for _, pgid, ticks in groups for info in procs.owned_group_members(pgid, ticks)]
+
+
+def with_overrides(spec: HostSpec, args: argparse.Namespace) -> tuple[HostSpec, list[str]]:
+    """Apply --max-restarts/--grace/--bind-core/--warm-spare over host.json; also returns them as flags, which
+    `start` hands on to the detached agent."""
+    flags: list[str] = []
+    if args.max_restarts is not None:
+        if args.max_restarts < 0:
+            raise UserError(f"--max-restarts {args.max_restarts}: give 0 or more")
+        spec = dataclasses.replace(spec, policy=dataclasses.replace(spec.policy, max_restarts=args.max_restarts))
+        flags += ["--max-restarts", str(args.max_restarts)]
+    if args.grace is not None:
+        if args.grace < 0:
+            raise UserError(f"--grace {args.grace}: give 0 or more seconds")
+        spec = dataclasses.replace(spec, grace=args.grace)
+        flags += ["--grace", str(args.grace)]
+    for name in ("bind_core", "warm_spare"):
+        value = getattr(args, name)
+        if value is not None:
+            spec = dataclasses.replace(spec, **{name: value})
+            flags.append(("--" if value else "--no-") + name.replace("_", "-"))
+    return spec, flags
 
 
 COMMANDS = ("run", "start", "stop", "status", "restart")
@@ -1436,13 +1471,23 @@ def main(argv: list[str] | None = None) -> int:
     if command == "stop":
         ap.add_argument("--timeout", type=float, default=None,
                         help="seconds to wait for the agent before SIGKILL (default: grace + 10)")
+    if command in ("run", "start"):
+        ap.add_argument("--max-restarts", type=int, default=None,
+                        help="restarts of one process before the job fails (host.json: max_restarts, default 3)")
+        ap.add_argument("--grace", type=float, default=None, help="seconds between SIGTERM and SIGKILL")
+        ap.add_argument("--bind-core", action=argparse.BooleanOptionalAction, default=None,
+                        help="pin each worker to its own CPUs (msrun's --bind_core)")
+        ap.add_argument("--warm-spare", action=argparse.BooleanOptionalAction, default=None,
+                        help="keep an interpreter with torch imported for fast replacement")
     args = ap.parse_args(argv)
     try:
         spec = load_spec(args.job_dir)
+        if command in ("run", "start"):
+            spec, overrides = with_overrides(spec, args)
         if command == "run":
             return run(spec, args.ready_fd)
         if command == "start":
-            return start(spec)
+            return start(spec, overrides=overrides)
         if command == "restart":
             return restart(spec, args.node_id)
         if command == "stop":

@@ -1,0 +1,227 @@
+#!/usr/bin/env python3
+"""How fast a dead worker is replaced: toolkit's agent (cold spawn, and with the warm spare) next to torchrun.
+
+Why: on this machine ~94% of torchrun's recovery is rebuilding Python processes (interpreter, `import torch`,
+DDP's lazy torch._dynamo import); the agent's part (noticing the death, starting the replacement) should cost
+milliseconds, and the warm spare should remove the import cost. Not a test: it prints numbers.
+
+    .venv/bin/python bench/agent_restart.py [--kills 10] [--modes cold,warm,torchrun]
+
+Each mode runs 2 workers of a small script that reports (a datagram) when its first line runs and when it has
+imported torch, torch.distributed, torch.nn.parallel and torch._dynamo (what a DDP job needs before its first
+step), then blocks. The bench `kill -9`s rank 0 N times and reports medians of:
+  detect    kill -> the agent has seen the exit (agent.log timestamp; includes the kernel tearing the process down)
+  spawn     kill -> the agent has started the replacement (agent.log timestamp: detection + fork/exec or handoff)
+  first     kill -> the replacement's first line runs
+  imported  kill -> the replacement has torch and DDP's imports done (ready to rebuild its process group)
+Between kills it waits until the replacement has run `healthy_reset` seconds (so every kill meets the
+immediate first restart, as a single fault in production does) and, in warm mode, until a new spare is ready.
+torchrun restarts every worker (restart the world) and has no agent.log: only first/imported are shown for it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+HEALTHY_RESET = 1.0  # s: a replacement that ran this long restarts its budget (the policy's first restart is 0 s)
+WAIT = 120.0  # s: bound of every wait for an event
+POLL = 0.05  # s between looks at agent.json while waiting for a spare to be ready (no event says when)
+
+WORKER = r'''
+import json, os, select, socket, sys, time
+def send(obj):
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+        s.sendto(json.dumps(obj).encode(), sys.argv[1])
+rank = os.environ.get("RANK")
+send({"event": "first", "t": time.time(), "pid": os.getpid(), "rank": rank})
+import torch, torch.distributed, torch.nn.parallel, torch._dynamo
+send({"event": "imported", "t": time.time(), "pid": os.getpid(), "rank": rank})
+agent = os.environ.get("TOOLKIT_AGENT_SOCKET")
+if agent:  # progress tells the agent the job is running: it may build its spare now
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+        try:
+            s.sendto(json.dumps({"node_id": os.environ["MS_NODE_ID"], "step": 1}).encode(), agent)
+        except OSError:
+            pass
+select.select([], [], [], 600)
+'''
+
+
+class Events:
+    """Datagrams from the workers, kept until asked for (the two ranks' events interleave)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = str(path)
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.bind(self.path)
+        self.pending: list[dict] = []
+
+    def wait(self, event: str, rank: str, after: float = 0.0) -> dict:
+        self.sock.settimeout(WAIT)
+        while True:
+            for ev in self.pending:
+                if ev["event"] == event and ev["rank"] == rank and ev["t"] > after:
+                    self.pending.remove(ev)
+                    return ev
+            self.pending.append(json.loads(self.sock.recv(65536)))
+
+
+def make_job(root: Path, events: Events, warm: bool) -> Path:
+    job = root / ("warm" if warm else "cold")
+    (job / "env").mkdir(parents=True)
+    (job / "project").mkdir()
+    (job / "project" / "worker.py").write_text(WORKER)
+    (job / "token").write_text("bench\n")
+    processes = []
+    for rank in range(2):
+        node = f"worker_{rank}"
+        env = {"MS_NODE_ID": node, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
+               "OMP_NUM_THREADS": "1", "TOOLKIT_AGENT_SOCKET": str(job / "state" / "progress.sock")}
+        (job / "env" / f"{node}.env").write_text("".join(f"export {k}={shlex.quote(v)}\n" for k, v in env.items()))
+        processes.append({"node_id": node, "role": "MS_WORKER", "rank": rank, "local_rank": rank,
+                          "argv": [sys.executable, "worker.py", events.path], "cwd": "project",
+                          "env_file": f"env/{node}.env", "log_file": f"logs/{node}.log"})
+    with socket.socket() as s:  # a port nobody serves: no scheduler, the agent works on without it
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    spec = {"version": 1, "job": "bench", "host": "local", "scheduler": {"host": "127.0.0.1", "port": port},
+            "token_file": "token", "max_restarts": 1000, "backoff_base": 1.0, "backoff_max": 30.0,
+            "healthy_reset": HEALTHY_RESET, "grace": 2.0, "bind_core": False, "warm_spare": warm,
+            "processes": processes}
+    (job / "host.json").write_text(json.dumps(spec))
+    return job
+
+
+def log_time(job: Path, needle: str) -> float:
+    """When the agent logged a line holding `needle` (ms resolution, UTC)."""
+    for line in reversed((job / "logs" / "agent.log").read_text().splitlines()):
+        if needle in line:
+            stamp = line.split()[0]
+            whole = time.strptime(stamp[:19], "%Y-%m-%dT%H:%M:%S")
+            return time.mktime(whole) - time.timezone + int(stamp[20:23]) / 1000
+    raise RuntimeError(f"no {needle!r} in agent.log")
+
+
+def wait_spare(job: Path) -> None:
+    deadline = time.monotonic() + WAIT
+    while time.monotonic() < deadline:
+        try:
+            if json.loads((job / "state" / "agent.json").read_text())["warm_spare"]["ready"]:
+                return
+        except (OSError, ValueError, KeyError):
+            pass
+        time.sleep(POLL)
+    raise RuntimeError("the warm spare never became ready")
+
+
+def run_agent(root: Path, kills: int, warm: bool) -> dict[str, list[float]]:
+    events = Events(root / f"ev-{'warm' if warm else 'cold'}.sock")
+    job = make_job(root, events, warm)
+    agent = subprocess.Popen([sys.executable, "-m", "toolkit.agent", "--job-dir", str(job)], cwd=ROOT,
+                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    out: dict[str, list[float]] = {"detect": [], "spawn": [], "first": [], "imported": []}
+    try:
+        pid = events.wait("imported", "0")["pid"]
+        events.wait("imported", "1")
+        for _ in range(kills):
+            if warm:
+                wait_spare(job)
+            t0 = time.time()
+            os.kill(pid, signal.SIGKILL)
+            first = events.wait("first", "0", after=t0)
+            imported = events.wait("imported", "0", after=t0)
+            out["detect"].append(log_time(job, f"pid {pid} killed by SIGKILL") - t0)
+            pid = first["pid"]
+            out["spawn"].append(log_time(job, f"started pid {pid} ") - t0)
+            out["first"].append(first["t"] - t0)
+            out["imported"].append(imported["t"] - t0)
+            time.sleep(HEALTHY_RESET + 0.2)  # let the replacement count as healthy (see the docstring)
+    except BaseException:
+        for log in sorted((job / "logs").glob("*.log")):
+            print(f"--- {log}:\n" + "\n".join(log.read_text().splitlines()[-15:]), file=sys.stderr)
+        raise
+    finally:
+        agent.send_signal(signal.SIGTERM)
+        agent.wait(WAIT)
+        events.sock.close()
+    return out
+
+
+def run_torchrun(root: Path, kills: int) -> dict[str, list[float]]:
+    events = Events(root / "ev-torchrun.sock")
+    script = root / "torchrun_worker.py"
+    script.write_text(WORKER)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1", "--nproc-per-node", "2",
+           "--max-restarts", str(kills + 1), str(script), events.path]
+    run = subprocess.Popen(cmd, cwd=root, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL, start_new_session=True)
+    out: dict[str, list[float]] = {"first": [], "imported": []}
+    try:
+        pid = events.wait("imported", "0")["pid"]
+        events.wait("imported", "1")
+        for _ in range(kills):
+            t0 = time.time()
+            os.kill(pid, signal.SIGKILL)
+            first = events.wait("first", "0", after=t0)
+            imported = events.wait("imported", "0", after=t0)
+            events.wait("imported", "1", after=t0)  # restart the world: rank 1 was restarted too
+            pid = first["pid"]
+            out["first"].append(first["t"] - t0)
+            out["imported"].append(imported["t"] - t0)
+            time.sleep(0.2)
+    finally:
+        os.killpg(run.pid, signal.SIGTERM)  # torchrun's own session: its workers are in it
+        try:
+            run.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(run.pid, signal.SIGKILL)
+            run.wait(WAIT)
+        events.sock.close()
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--kills", type=int, default=10)
+    ap.add_argument("--modes", default="cold,warm,torchrun")
+    args = ap.parse_args()
+    results = {}
+    with tempfile.TemporaryDirectory(prefix="agent-bench-") as tmp:
+        for mode in args.modes.split(","):
+            root = Path(tmp) / mode
+            root.mkdir()
+            print(f"{mode}: {args.kills} kills ...", file=sys.stderr, flush=True)
+            results[mode] = run_torchrun(root, args.kills) if mode == "torchrun" else \
+                run_agent(root, args.kills, warm=(mode == "warm"))
+    print(f"kill -9 of rank 0 -> replacement, median of {args.kills} (min-max), seconds")
+    keys = ("detect", "spawn", "first", "imported")
+    print(f"{'mode':10}" + "".join(f"{k:>22}" for k in keys))
+    for mode, res in results.items():
+        cells = []
+        for key in keys:
+            v = res.get(key)
+            cells.append(f"{statistics.median(v):.3f} ({min(v):.3f}-{max(v):.3f})" if v else "-")
+        print(f"{mode:10}" + "".join(f"{c:>22}" for c in cells))
+    if "torchrun" in results:
+        base = statistics.median(results["torchrun"]["imported"])
+        for mode in ("cold", "warm"):
+            if mode in results:
+                ratio = statistics.median(results[mode]["imported"]) / base
+                print(f"{mode} / torchrun (imports done): {ratio:.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
