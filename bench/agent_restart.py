@@ -11,6 +11,7 @@ Each mode runs 2 workers of a small script that reports (a datagram) when its fi
 imported torch, torch.distributed, torch.nn.parallel and torch._dynamo (what a DDP job needs before its first
 step), then blocks. The bench `kill -9`s rank 0 N times and reports medians of:
   detect    kill -> the agent has seen the exit (agent.log timestamp; includes the kernel tearing the process down)
+  agent     detect -> spawn: the agent's own part
   spawn     kill -> the agent has started the replacement (agent.log timestamp: detection + fork/exec or handoff)
   first     kill -> the replacement's first line runs
   imported  kill -> the replacement has torch and DDP's imports done (ready to rebuild its process group)
@@ -131,7 +132,7 @@ def run_agent(root: Path, kills: int, warm: bool) -> dict[str, list[float]]:
     job = make_job(root, events, warm)
     agent = subprocess.Popen([sys.executable, "-m", "toolkit.agent", "--job-dir", str(job)], cwd=ROOT,
                              stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    out: dict[str, list[float]] = {"detect": [], "spawn": [], "first": [], "imported": []}
+    out: dict[str, list[float]] = {"detect": [], "agent": [], "spawn": [], "first": [], "imported": []}
     try:
         pid = events.wait("imported", "0")["pid"]
         events.wait("imported", "1")
@@ -145,6 +146,7 @@ def run_agent(root: Path, kills: int, warm: bool) -> dict[str, list[float]]:
             out["detect"].append(log_time(job, f"pid {pid} killed by SIGKILL") - t0)
             pid = first["pid"]
             out["spawn"].append(log_time(job, f"started pid {pid} ") - t0)
+            out["agent"].append(out["spawn"][-1] - out["detect"][-1])
             out["first"].append(first["t"] - t0)
             out["imported"].append(imported["t"] - t0)
             time.sleep(HEALTHY_RESET + 0.2)  # let the replacement count as healthy (see the docstring)
@@ -206,7 +208,7 @@ def main() -> int:
             results[mode] = run_torchrun(root, args.kills) if mode == "torchrun" else \
                 run_agent(root, args.kills, warm=(mode == "warm"))
     print(f"kill -9 of rank 0 -> replacement, median of {args.kills} (min-max), seconds")
-    keys = ("detect", "spawn", "first", "imported")
+    keys = ("detect", "agent", "spawn", "first", "imported")
     print(f"{'mode':10}" + "".join(f"{k:>22}" for k in keys))
     for mode, res in results.items():
         cells = []

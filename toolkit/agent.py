@@ -574,6 +574,8 @@ class SchedulerLink:
         self._down(why, retry)
 
     def _down(self, why: str, retry: float = LINK_RETRY_INTERVAL) -> None:
+        if self.closed:
+            return
         if not self._said_down:
             self.log("agent", f"scheduler {self.spec.sched_host}:{self.spec.sched_port} unreachable ({why}); "
                               f"retrying every {retry:g} s, supervision goes on")
@@ -617,6 +619,7 @@ class SchedulerLink:
 
     def close(self) -> None:
         self.closed = True
+        self.state = "closed"
         if self.retry:
             self.retry.cancel()
         if self.connect_timer:
@@ -713,6 +716,7 @@ class Agent:
         spec.control_socket.unlink(missing_ok=True)
         self._control = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._control.bind(str(spec.control_socket))
+        os.chmod(spec.control_socket, 0o600)  # whoever can talk to it can stop the job
         self._control.listen(16)
         self._control.setblocking(False)
         self.sel.register(self._control, selectors.EVENT_READ, self._on_accept)
@@ -720,6 +724,7 @@ class Agent:
         spec.progress_socket.unlink(missing_ok=True)
         self._progress = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self._progress.bind(str(spec.progress_socket))
+        os.chmod(spec.progress_socket, 0o600)
         self._progress.setblocking(False)
         self.sel.register(self._progress, selectors.EVENT_READ, self._on_progress)
 
@@ -753,7 +758,7 @@ class Agent:
         if live or self.spare:
             self.state = "stopping"
             self._write()
-        if self.link.queue or self.link.wbuf:
+        if (self.link.queue or self.link.wbuf) and not self.link.closed:
             if not self.link.flush(REPORT_FLUSH_TIMEOUT):
                 self.log("agent", "could not deliver the last reports to the scheduler")
         self.link.close()
@@ -959,6 +964,7 @@ class Agent:
             theirs.close()
         mine.setblocking(False)
         self.spare = Spare(child, mine, interpreter)
+        self.log("agent", f"warm spare pid {child.pid} starting (importing {', '.join(standby.WARM_MODULES)})")
         self.sel.register(mine, selectors.EVENT_READ, lambda _m: self._on_spare_sock())
         self.sel.register(child, selectors.EVENT_READ, lambda _m: self._on_spare_exit())
         self._write()
@@ -1057,6 +1063,7 @@ class Agent:
             if self.closing:
                 return
             self.log("agent", "the scheduler says the job finished")
+            self.link.close()  # it exits now; nothing more to tell it
             self.closing = True
             self.state = "finishing"
             for slot in self.slots.values():
