@@ -229,6 +229,7 @@ def make_job(tmp_path, events):
         jobs.append(job)
         return job
 
+    make.root = tmp_path
     yield make
     for job in jobs:
         job.cleanup()
@@ -364,15 +365,9 @@ def test_crash_loop_fails_the_job_with_status_and_log_tail_and_leaves_nothing(ma
 
 
 def test_sigterm_reaches_children_first_then_sigkill_after_grace(make_job):
-    words = job_words = None
-    job = make_job([["--block", "--on-term", "WORDS"], ["--block", "--on-term", "WORDS", "--term-stays"]],
-                   grace=1.0)
-    words = job.dir / "last-words"
-    for node in ("worker_0", "worker_1"):  # point --on-term at a real path
-        doc = json.loads((job.dir / "host.json").read_text())
-        for p in doc["processes"]:
-            p["argv"] = [str(words) if a == "WORDS" else a for a in p["argv"]]
-        (job.dir / "host.json").write_text(json.dumps(doc))
+    words = make_job.root / "last-words"
+    job = make_job([["--block", "--on-term", str(words)],
+                    ["--block", "--on-term", str(words), "--term-stays"]], grace=1.0)
     agent = job.run_agent()
     pids = {k: v["pid"] for k, v in job.events.started(2).items()}
     agent.send_signal(signal.SIGTERM)

@@ -1468,8 +1468,9 @@ COMMANDS = ("run", "start", "stop", "status", "restart")
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     command = argv.pop(0) if argv and argv[0] in COMMANDS else "run"
-    ap = argparse.ArgumentParser(prog=f"python -m toolkit.agent {command}",
-                                 description=__doc__.split("\n\n")[0])
+    parts = __doc__.split("\n\n")
+    ap = argparse.ArgumentParser(prog=f"python -m toolkit.agent {command}", description=parts[0],
+                                 epilog="\n\n".join(parts[2:]), formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--job-dir", required=True, help="the job directory (holds host.json)")
     if command == "run":
         ap.add_argument("--ready-fd", type=int, default=None, help=argparse.SUPPRESS)
