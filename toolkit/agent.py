@@ -1198,8 +1198,9 @@ class Agent:
         if self.progress_dirty and self.progress_timer is None:
             delay = self.last_write + PROGRESS_WRITE_INTERVAL - time.monotonic()
             self.progress_timer = self.timers.after(delay, self._write_progress)
-        if (self.spare_enabled and self.spare is None and self.spare_timer is not None
-                and all(s.progressed for s in self.slots.values() if s.spec.is_worker and s.state == "running")):
+        running = [s for s in self.slots.values() if s.spec.is_worker and s.state == "running"]
+        if (self.spare_enabled and self.spare is None and self.spare_timer is not None and running
+                and all(s.progressed for s in running)):
             self.spare_timer.cancel()
             self._start_spare()  # the job is running: building a spare no longer competes with its start
 
