@@ -364,6 +364,16 @@ def test_crash_loop_fails_the_job_with_status_and_log_tail_and_leaves_nothing(ma
     assert_all_gone(everything)
 
 
+@pytest.mark.parametrize("code", [P.EXIT_FENCED, P.EXIT_REJOIN])
+def test_fenced_or_rejoining_exits_are_relaunched_outside_the_budget(make_job, sched, code):
+    job = make_job([["--exit", str(code), "--exit-until-restart", "3"]], port=sched.port, max_restarts=1)
+    agent = job.run_agent()
+    assert agent.wait(AGENT_WAIT) == A.EXIT_OK
+    starts = [e for e in job.events.drain() if e["env"]["MS_NODE_ID"] == "worker_0"]
+    assert len(starts) == 4  # three told-to relaunches, though max_restarts is 1
+    assert "told to by the scheduler" in job.agent_log()
+
+
 def test_sigterm_reaches_children_first_then_sigkill_after_grace(make_job):
     words = make_job.root / "last-words"
     job = make_job([["--block", "--on-term", str(words)],

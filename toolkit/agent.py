@@ -901,6 +901,12 @@ class Agent:
             if all(s.state == "succeeded" for s in self.slots.values()):
                 self._finish("succeeded", EXIT_OK, "every process of this host exited 0")
             return
+        if status.code in (P.EXIT_FENCED, P.EXIT_REJOIN):
+            # Not the process's fault: the scheduler fenced a stale incarnation, or a wrapped torchrun-style
+            # script left a broken generation. Relaunch at once, outside the crash budget.
+            self.log(node, f"pid {pid} {status.describe()} (told to by the scheduler); relaunching now")
+            self._launch(slot, f"relaunch after {status.describe()}")
+            return
         decision = self.spec.policy.after_failure(slot.counted, ran)
         if decision.give_up:
             self._give_up(slot, pid, status, ran)

@@ -30,6 +30,8 @@ def main() -> int:
     ap.add_argument("--block-until-restart", type=int, default=None,
                     help="block while TORCHELASTIC_RESTART_COUNT is below this, then exit 0")
     ap.add_argument("--exit", type=int, default=0)
+    ap.add_argument("--exit-until-restart", type=int, default=None,
+                    help="exit with --exit while TORCHELASTIC_RESTART_COUNT is below this, then exit 0")
     ap.add_argument("--print-lines", type=int, default=0)
     ap.add_argument("--on-term", default=None, help="on SIGTERM append a line to this file and exit 0")
     ap.add_argument("--term-stays", action="store_true", help="with --on-term: note SIGTERM but keep running")
@@ -72,8 +74,11 @@ def main() -> int:
     if blocked:
         select.select([], [], [], BLOCK_LIMIT)
         return 4
-    print(f"exiting with {args.exit}", file=sys.stderr, flush=True)
-    return args.exit
+    code = args.exit
+    if args.exit_until_restart is not None and restart >= args.exit_until_restart:
+        code = 0
+    print(f"exiting with {code}", file=sys.stderr, flush=True)
+    return code
 
 
 def send(path: str | None, obj: dict) -> None:
