@@ -150,8 +150,81 @@ def plan(settings: Settings, json: bool, render: str) -> None:
     tasks.show_plan(settings, as_json=json, render_dir=Path(render) if render else None)
 
 
+@cluster_task()
+def deploy(settings: Settings) -> None:
+    """Copy the job to every host: its rendered launch files and the project directory (only what changed)."""
+    tasks.deploy(settings)
+
+
+@cluster_task(own={
+    "join": (False, "wait until the job ends, printing changes; exit 0 only if every worker succeeded"),
+    "join_timeout": ("", "with --join: stop waiting after this many seconds (the job keeps running)"),
+})
+def train(settings: Settings, join: bool, join_timeout: str) -> None:
+    """Start the job on every host at once (all or nothing); deploys it first if it never was."""
+    tasks.train(settings, join=join, join_timeout=_seconds("--join-timeout", join_timeout))
+
+
+@cluster_task(own={"json": (False, "print the status as JSON")})
+def status(settings: Settings, json: bool) -> None:
+    """Every process of the job: host, node id, rank, pid, state, restarts, last step, age of its last log line."""
+    tasks.status(settings, as_json=json)
+
+
+@cluster_task(
+    own={
+        "node": ("", "only this process (e.g. worker_3, sched)"),
+        "rank": ("", "only the worker of this rank"),
+        "host": ("", "only the processes of this host"),
+        "follow": (False, "keep printing new lines until Ctrl-C"),
+        "lines": (tasks.LOG_LINES, "lines of each log to show first"),
+    },
+    short={"follow": "f", "lines": "n"},
+)
+def logs(settings: Settings, node: str, rank: str, host: str, follow: bool, lines: int) -> None:
+    """The processes' logs (scheduler.log, worker_<rank>.log), each line prefixed host:role:rank."""
+    tasks.logs(settings, node=node or None, rank=_whole("--rank", rank), host_name=host or None, follow=follow,
+               lines=lines)
+
+
+@cluster_task()
+def stop(settings: Settings) -> None:
+    """Stop the job on every host (SIGTERM, grace period, SIGKILL) and verify that nothing of it is left."""
+    tasks.stop(settings)
+
+
+@cluster_task(own={
+    "node": ("", "restart this process (e.g. worker_3) with the same environment, as recover.sh does"),
+    "host": ("", "restart every process of this host (starts its agent if it is gone)"),
+})
+def restart(settings: Settings, node: str, host: str) -> None:
+    """Restart one process, or one host's processes, by hand; the agent keeps supervising them."""
+    tasks.restart(settings, node=node or None, host_name=host or None)
+
+
+def _seconds(flag: str, text: str) -> float | None:
+    if not text:
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        raise UserError(f"{flag} {text!r}: expected a number of seconds") from None
+    if not value > 0:
+        raise UserError(f"{flag} {text}: give a positive number of seconds")
+    return value
+
+
+def _whole(flag: str, text: str) -> int | None:
+    if text == "":
+        return None
+    try:
+        return int(text, 10)
+    except ValueError:
+        raise UserError(f"{flag} {text!r}: expected a whole number") from None
+
+
 def namespace() -> Collection:
-    return Collection(plan)
+    return Collection(plan, deploy, train, status, logs, stop, restart)
 
 
 def use_cluster_executor() -> None:

@@ -40,6 +40,11 @@ class JobRecord:
     hosts: tuple[HostRecord, ...]
     processes: tuple[dict[str, Any], ...]  # host, role, node_id, rank, local_rank, log (relative to the job dir)
     ssh: dict[str, Any]  # known_hosts, accept_new_host_keys, ssh_config, identities, connect_timeout, parallel
+    grace: float = 10.0  # s between SIGTERM and SIGKILL on the hosts (stop waits that long and a margin)
+
+    @property
+    def world_size(self) -> int:
+        return sum(1 for p in self.processes if p["rank"] is not None)
 
     def host(self, name: str) -> HostRecord:
         for h in self.hosts:
@@ -59,7 +64,7 @@ class JobRecord:
         for p in self.processes:
             if p["rank"] == rank:
                 return p
-        raise UserError(f"job {self.job} has no rank {rank}; ranks are 0 to {len(self.processes) - 2}")
+        raise UserError(f"job {self.job} has no rank {rank}; ranks are 0 to {self.world_size - 1}")
 
 
 def record_path(project: Path, job: str) -> Path:
@@ -76,6 +81,10 @@ def save(project: Path, record: JobRecord) -> Path:
     return path
 
 
+def exists(project: Path, job: str) -> bool:
+    return record_path(project, job).is_file()
+
+
 def load(project: Path, job: str | None) -> JobRecord:
     """The record of `job`, or of the project's only job when no name was given."""
     if job is None:
@@ -88,11 +97,11 @@ def load(project: Path, job: str | None) -> JobRecord:
     path = record_path(project, job)
     try:
         data = json.loads(path.read_text())
+        hosts = tuple(HostRecord(**{**h, "node_ids": tuple(h["node_ids"])}) for h in data["hosts"])
     except FileNotFoundError:
         raise UserError(f"job {job} was never deployed from {project}; run 'fleet deploy --job {job}' first") from None
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, KeyError, TypeError) as e:
         raise UserError(f"{path}: unreadable job record ({e}); deploy the job again") from None
-    hosts = tuple(HostRecord(**{**h, "node_ids": tuple(h["node_ids"])}) for h in data["hosts"])
     return JobRecord(
         job=data["job"],
         local=data["local"],
@@ -101,6 +110,7 @@ def load(project: Path, job: str | None) -> JobRecord:
         hosts=hosts,
         processes=tuple(data["processes"]),
         ssh=data["ssh"],
+        grace=float(data.get("grace", 10.0)),
     )
 
 

@@ -37,6 +37,8 @@ _ENV_NAME = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ_0123456789"
 # Exit codes of the preflight script: each names one thing the host lacks.
 _NO_PYTHON, _NO_TOOLKIT, _NO_WORKDIR, _PORT_BUSY = 10, 11, 12, 13
 _KILL_AFTER = 1.0  # s between a timed-out command's SIGTERM and SIGKILL
+STREAM_POLL = 1.0  # s: longest one read of a streaming command waits before it looks at its stop event
+_STREAM_HEADER = "toolkit-stream"
 
 T = TypeVar("T")
 
@@ -160,6 +162,7 @@ class CommandResult:
     connection_lost: bool = False
     timed_out: bool = False
     signal: str | None = None
+    stopped: bool = False  # a stream ended by its stop event (the command was killed on purpose)
 
     @property
     def ok(self) -> bool:
@@ -171,6 +174,8 @@ class CommandResult:
             return "connection lost while running a command (host down or cut off)"
         if self.timed_out:
             return f"command timed out: {_short(self.command)}"
+        if self.stopped:
+            return f"command stopped on request: {_short(self.command)}"
         tail = _tail(self.stderr) or _tail(self.stdout)
         how = f"killed by {self.signal}" if self.signal else (
             "ended without an exit status" if self.exit_code is None else f"exited with {self.exit_code}")
@@ -348,6 +353,42 @@ class Host:
         except (IndexError, ValueError):
             raise CommandFailed(self.name, f"{what}: {_tail(result.stderr) or result.describe()}") from None
 
+    def stream(
+        self,
+        command: Sequence[str] | str,
+        on_line: Callable[[str], None],
+        stop: threading.Event,
+        poll: float = STREAM_POLL,
+    ) -> CommandResult:
+        """Run a command and hand each line of its stdout to on_line as it arrives (`tail -F` over SSH), until
+        the command ends, the connection is lost, or `stop` is set. No read waits longer than `poll`. On stop,
+        the command's process group on the host is killed (its leader reports its pid and group first), so a
+        follower never outlives the stream; stderr comes back in the result."""
+        text = command_text(command)
+        # sshd (and LocalHost) start the command as a session leader: its pid is its process group.
+        wrapped = (f'read -r _ _ _ _ g _ < /proc/$$/stat; echo "{_STREAM_HEADER} $$ $g"; '
+                   f"exec /bin/sh -c {shlex.quote(text)}")
+        lines = _LineSplitter(on_line)
+        code, err, finished, stopped = self._stream_text(wrapped, lines, stop, poll)
+        lines.flush()
+        if stopped:
+            return CommandResult(self.name, text, None, "", err, stopped=True)
+        if not finished or code is None:
+            lost = isinstance(self, SshHost) and not self.alive()
+            return CommandResult(self.name, text, None, "", err, connection_lost=lost,
+                                 signal=None if lost else "a signal")
+        if code < 0:
+            return CommandResult(self.name, text, None, "", err, signal=_signal_name(-code))
+        return CommandResult(self.name, text, code, "", err)
+
+    def _end_stream(self, header: tuple[int, int] | None) -> None:
+        """Kill a stream's command on the host: its whole process group when it leads one, else the pid."""
+        if header is None:
+            return
+        pid, pgid = header
+        target = f"-{pid}" if pgid == pid else str(pid)
+        self.run(["kill", "-s", "TERM", "--", target], timeout=self.settings.dead_after)
+
     def preflight(self, python: str, workdir: str, ports: Sequence[int] = ()) -> None:
         """Check before starting anything that the host has `python`, that it imports toolkit, that `workdir`
         can be created, and that `ports` are free; raise PreflightFailed naming the first thing missing."""
@@ -369,7 +410,7 @@ class Host:
         if result.connection_lost or result.exit_code not in (_NO_PYTHON, _NO_TOOLKIT, _NO_WORKDIR, _PORT_BUSY):
             result.check()
             raise CommandFailed(self.name, result.describe())
-        detail = _tail(result.stderr)
+        detail = _tail(result.stderr, lines=1)  # a traceback's last line says it all
         cause = {
             _NO_PYTHON: f"python {python} not found; install Python 3 there or set the host's python= "
                         "(inventory) / --python",
@@ -393,6 +434,11 @@ class Host:
 
     # the transport-specific part
     def _run_text(self, text: str, timeout: float | None) -> CommandResult:
+        raise NotImplementedError
+
+    def _stream_text(self, text: str, lines: _LineSplitter, stop: threading.Event,
+                     poll: float) -> tuple[int | None, str, bool, bool]:
+        """(exit status, stderr, finished, stopped); a negative status is a signal."""
         raise NotImplementedError
 
     def _put_file(self, local: Path, remote: str, mode: int, mtime: int | None) -> None:
@@ -432,6 +478,43 @@ class LocalHost(Host):
         if code < 0:
             return CommandResult(self.name, text, None, _decode(out), _decode(err), signal=_signal_name(-code))
         return CommandResult(self.name, text, code, _decode(out), _decode(err))
+
+    def _stream_text(self, text: str, lines: _LineSplitter, stop: threading.Event,
+                     poll: float) -> tuple[int | None, str, bool, bool]:
+        proc = subprocess.Popen(["/bin/sh", "-c", text], cwd=self.home, stdin=subprocess.DEVNULL,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+        err: list[bytes] = []
+        poller = select.poll()
+        fds = {proc.stdout.fileno(): lines.feed, proc.stderr.fileno(): err.append}  # type: ignore[union-attr]
+        for fd in fds:
+            poller.register(fd, select.POLLIN)
+        stopped = False
+        try:
+            while fds:
+                if stop.is_set():
+                    stopped = True
+                    break
+                for fd, _ in poller.poll(poll * 1000):
+                    data = os.read(fd, 1 << 16)
+                    if data:
+                        fds[fd](data)
+                    else:
+                        poller.unregister(fd)
+                        del fds[fd]
+        finally:
+            # Its own session (not yet reaped, so the number is still its): the whole tree, nothing else.
+            if stopped or fds:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                code = proc.wait(timeout=self.settings.dead_after)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                code = proc.wait(timeout=self.settings.dead_after)
+            proc.stdout.close()  # type: ignore[union-attr]
+            proc.stderr.close()  # type: ignore[union-attr]
+        return code, _decode(b"".join(err)), True, stopped
 
     def _put_file(self, local: Path, remote: str, mode: int, mtime: int | None) -> None:
         dest = self._path(remote)
@@ -651,6 +734,37 @@ class SshHost(Host):
         finally:
             chan.close()
 
+    def _stream_text(self, text: str, lines: _LineSplitter, stop: threading.Event,
+                     poll: float) -> tuple[int | None, str, bool, bool]:
+        chan = self._conn.transport.open_session(timeout=self.settings.dead_after)
+        err: list[bytes] = []
+        stopped = False
+        try:
+            chan.exec_command(text)
+            chan.shutdown_write()
+            poller = select.poll()
+            poller.register(chan.fileno(), select.POLLIN)
+            while True:
+                while chan.recv_ready():
+                    lines.feed(chan.recv(1 << 16))
+                while chan.recv_stderr_ready():
+                    err.append(chan.recv_stderr(1 << 16))
+                if (chan.eof_received or chan.closed) and not chan.recv_ready() and not chan.recv_stderr_ready():
+                    break
+                if stop.is_set():
+                    stopped = True
+                    if self._conn.transport.is_active():
+                        self._end_stream(lines.header)
+                    break
+                poller.poll(max(1, int(poll * 1000)))
+            if stopped:
+                return None, _decode(b"".join(err)), True, True
+            finished = chan.status_event.wait(self.settings.dead_after)
+            code = chan.exit_status if finished and chan.exit_status != -1 else None
+            return code, _decode(b"".join(err)), finished and code is not None, False
+        finally:
+            chan.close()
+
     @contextlib.contextmanager
     def _sftp_errors(self, what: str) -> Iterator[Any]:
         import paramiko
@@ -817,17 +931,56 @@ def open_host(target: Target, settings: SshSettings, known_hosts: KnownHosts | N
     return SshHost(target, settings, known_hosts)
 
 
+class HostPool:
+    """Connections kept open across fan-outs, for loops that ask the same hosts again and again (`train --join`
+    polls every host each interval: a new connection each time costs a TCP handshake, a key exchange and a key
+    login per host and round). A connection that broke is dropped, and the next round opens a new one."""
+
+    def __init__(self) -> None:
+        self._hosts: dict[str, Host] = {}
+        self._lock = threading.Lock()
+
+    def get(self, target: Target, settings: SshSettings, known_hosts: KnownHosts | None) -> Host:
+        with self._lock:
+            host = self._hosts.pop(target.name, None)
+        if host is not None and (not isinstance(host, SshHost) or host.alive()):
+            return host
+        if host is not None:
+            host.close()
+        return open_host(target, settings, known_hosts)
+
+    def put(self, host: Host) -> None:
+        with self._lock:
+            old = self._hosts.pop(host.name, None)
+            self._hosts[host.name] = host
+        if old is not None and old is not host:
+            old.close()
+
+    def close(self) -> None:
+        with self._lock:
+            hosts, self._hosts = list(self._hosts.values()), {}
+        for host in hosts:
+            host.close()
+
+    def __enter__(self) -> HostPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
 def run_on_all(
     targets: Sequence[Target],
     fn: Callable[[Host], T],
     settings: SshSettings,
     progress: Callable[[HostResult[T]], None] | None = None,
     fail_fast: bool = False,
+    pool: HostPool | None = None,
 ) -> dict[str, HostResult[T]]:
     """Connect to each target and call fn(host), at most settings.parallel at once, closing each connection
-    after. Returns a result per host, in target order; never raises for a host's failure (see check_all).
-    With fail_fast, hosts not yet started when one fails are skipped. `progress` is called (from worker
-    threads) as each host finishes."""
+    after (or, with a `pool`, keeping it there for the next fan-out unless it broke). Returns a result per host,
+    in target order; never raises for a host's failure (see check_all). With fail_fast, hosts not yet started
+    when one fails are skipped. `progress` is called (from worker threads) as each host finishes."""
     names = [t.name for t in targets]
     dupes = sorted({n for n in names if names.count(n) > 1})
     if dupes:
@@ -847,11 +1000,13 @@ def run_on_all(
                                                f"{first_failure[0]} failed first", skipped=True, finished=start)
         else:
             host: Host | None = None
+            keep = False  # give the connection back to the pool
             try:
-                host = open_host(target, settings, known_hosts)
+                host = pool.get(target, settings, known_hosts) if pool else open_host(target, settings, known_hosts)
                 value = fn(host)
                 now = time.monotonic()
                 result = HostResult(target.name, True, value=value, seconds=now - start, finished=now)
+                keep = pool is not None
             except Exception as e:  # noqa: BLE001 - every failure becomes this host's result
                 now = time.monotonic()
                 if isinstance(e, RemoteError):
@@ -861,21 +1016,25 @@ def run_on_all(
                 else:  # a bug rather than a fault of the host: keep the type; the exception is in the result
                     text = f"{target.name}: {_one_line(e)}"
                 result = HostResult(target.name, False, error=text, seconds=now - start, finished=now, exception=e)
+                keep = pool is not None and host is not None and not isinstance(e, ConnectionLost)
                 with lock:
                     if not first_failure:
                         first_failure.append(target.name)
                 failed.set()
             finally:
                 if host is not None:
-                    host.close()
+                    if keep:
+                        pool.put(host)  # type: ignore[union-attr]
+                    else:
+                        host.close()
         if progress is not None:
             progress(result)
         return result
 
     if not targets:
         return {}
-    with ThreadPoolExecutor(max_workers=min(settings.parallel, len(targets)), thread_name_prefix="ssh") as pool:
-        results = list(pool.map(one, targets))
+    with ThreadPoolExecutor(max_workers=min(settings.parallel, len(targets)), thread_name_prefix="ssh") as executor:
+        results = list(executor.map(one, targets))
     return {r.host: r for r in results}
 
 
@@ -887,14 +1046,19 @@ def check_all(results: Mapping[str, HostResult[T]]) -> dict[str, T]:
 
 
 @contextlib.contextmanager
-def rich_progress(description: str, total: int) -> Iterator[Callable[[HostResult[Any]], None]]:
-    """A progress callback for run_on_all that draws a rich progress bar (on stderr) while hosts finish."""
+def rich_progress(
+    description: str, total: int, line: Callable[[HostResult[Any]], str | None] | None = None
+) -> Iterator[Callable[[HostResult[Any]], None]]:
+    """A progress callback for run_on_all that draws a rich progress bar (on stderr) while hosts finish, and
+    prints `line(result)` above the bar for each host that finishes (a line per host: what it did, or why not)."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     failures = 0
+    console = Console(stderr=True)
+    # Not on a terminal (a pipe, a log file, CI) there is no bar to redraw: only the lines.
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=Console(stderr=True), transient=True) as bar:
+                  console=console, transient=True, disable=not console.is_terminal) as bar:
         task = bar.add_task(description, total=total)
         lock = threading.Lock()
 
@@ -904,11 +1068,44 @@ def rich_progress(description: str, total: int) -> Iterator[Callable[[HostResult
                 failures += 0 if result.ok else 1
                 suffix = f" ({failures} failed)" if failures else ""
                 bar.update(task, advance=1, description=description + suffix)
+                text = line(result) if line is not None else None
+                if text:
+                    bar.console.print(text, markup=False, highlight=False)
 
         yield update
 
 
 # --- helpers ---------------------------------------------------------------------------------------------------
+
+
+class _LineSplitter:
+    """Bytes of a stream -> whole lines for the callback; the first line is the stream's header (pid, group)."""
+
+    def __init__(self, on_line: Callable[[str], None]) -> None:
+        self.on_line = on_line
+        self.buf = b""
+        self.header: tuple[int, int] | None = None
+        self.header_seen = False
+
+    def feed(self, data: bytes) -> None:
+        self.buf += data
+        *complete, self.buf = self.buf.split(b"\n")
+        for raw in complete:
+            self._line(_decode(raw))
+
+    def flush(self) -> None:
+        if self.buf:
+            self._line(_decode(self.buf))
+            self.buf = b""
+
+    def _line(self, line: str) -> None:
+        if not self.header_seen:
+            self.header_seen = True
+            words = line.split()
+            if len(words) == 3 and words[0] == _STREAM_HEADER and words[1].isdigit():
+                self.header = (int(words[1]), int(words[2]) if words[2].isdigit() else -1)
+                return
+        self.on_line(line)
 
 
 def command_text(command: Sequence[str] | str, cwd: str | None = None, env: Mapping[str, str] | None = None) -> str:

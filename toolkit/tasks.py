@@ -1,14 +1,27 @@
 """What each command does, given resolved Settings. The Fabric/invoke declarations live in cli.py; the SSH
 transport in remote.py. Each cluster command contacts every host in parallel and fails with one error that
-lists every failed host."""
+lists every failed host (root cause first).
+
+`deploy` decides where the job lives and writes the local job record; every later command (`train`, `status`,
+`logs`, `stop`, `restart`) reads that record, so no host has to be typed twice. With no hosts at all the same
+commands run the job on this machine, without SSH (remote.LocalHost).
+"""
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
+import re
 import secrets
-from dataclasses import replace
+import shlex
+import signal
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator, Mapping
 
 from rich.console import Console
 from rich.table import Table
@@ -19,22 +32,47 @@ from toolkit.jobrecord import HostRecord, JobRecord
 from toolkit.plan import LaunchPlan, make_plan
 from toolkit.remote import (
     DEFAULT_EXCLUDE,
+    AuthenticationFailed,
+    ChangedHostKey,
     ClusterError,
     Host,
+    HostPool,
     HostResult,
+    HostUnreachable,
+    PreflightFailed,
     SshSettings,
     SyncStats,
     Target,
+    UnknownHostKey,
     check_all,
     rich_progress,
     run_on_all,
 )
-from toolkit.render import plan_json, render_host, write_files
+from toolkit.render import RenderedFile, plan_json, render_host, write_files
 from toolkit.settings import Settings
 
 PROJECT_EXCLUDE = DEFAULT_EXCLUDE + (".toolkit",)
 LAUNCH_TIMEOUT = 60.0  # s for launch.sh to report the agent up
 STOP_TIMEOUT_EXTRA = 30.0  # s beyond the grace period for stop.sh to finish
+STATUS_TIMEOUT = 30.0  # s for one host's status or log command
+LOG_LINES = 20  # default of `logs -n`
+FAILURE_TAIL_LINES = 10  # log lines shown for a process that ended badly, when its agent recorded none
+JOIN_POLL_INTERVAL = 2.0  # s between status polls of `train --join`: remote state cannot be waited on otherwise
+JOIN_GONE_AFTER = 60.0  # s a host may be unreachable, or its agent gone, before --join stops watching it
+JOIN_SETTLE = 30.0  # s beyond the grace period that --join waits, after a host failed, for the others to stop
+FINAL_STATES = ("succeeded", "failed", "stopped")  # an agent in one of these has exited for good
+EXIT_JOB_FAILED = 1
+EXIT_INTERRUPTED = 130
+
+
+class JobFailed(UserError):
+    """`train --join` saw the job end badly (or stop being observable); the message holds the evidence."""
+
+    exit_code = EXIT_JOB_FAILED
+
+
+class Interrupted(UserError):
+    exit_code = EXIT_INTERRUPTED
 
 
 def launch_plan(settings: Settings) -> LaunchPlan:
@@ -60,17 +98,28 @@ def show_plan(settings: Settings, as_json: bool = False, render_dir: Path | None
     for p in plan.processes():
         port = str(plan.sched_port) if p.rank is None else ""
         table.add_row(p.host, p.node_id, _dash(p.rank), _dash(p.local_rank), port, " ".join(p.argv))
-    Console().print(table)
+    _table_console().print(table)
     if render_dir is not None:
         Console(stderr=True).print(f"rendered files: {render_dir}/<host>/")
 
 
 # --- deploy ------------------------------------------------------------------------------------------------------
 
+# Makes the job's layout and lists mode and checksum of the rendered files already there, in one round trip, so
+# a second deploy of an unchanged job writes none of them.
+_LAYOUT_SCRIPT = r"""
+d=$1; shift
+mkdir -p -- "$d/env" "$d/logs" "$d/state" "$d/recovery" && cd -- "$d" || exit 1
+for f; do
+    [ -f "$f" ] && printf '%s %s\n' "$(stat -c %a -- "$f")" "$(sha256sum -- "$f")"
+done
+exit 0
+"""
+
 
 def deploy(settings: Settings) -> JobRecord:
     """Make every host's job directory (workdirs resolved on the host), upload the rendered files and the
-    project, and write the local job record."""
+    project (only what changed), and write the local job record."""
     plan = launch_plan(settings)
     ssh = ssh_settings(settings)
     targets = [Target.of(h.host, local=plan.local) for h in plan.hosts]
@@ -90,22 +139,46 @@ def deploy(settings: Settings) -> JobRecord:
 
     def upload(host: Host) -> SyncStats:
         hp = plan.host_plan(host.name)
-        host.run(["mkdir", "-p", "--", *(f"{hp.job_dir}/{d}" for d in ("env", "logs", "state", "recovery"))],
-                 check=True)
-        for f in render_host(plan, hp, token):
-            host.write(f"{hp.job_dir}/{f.path}", f.content, f.mode)
+        stats = _upload_rendered(host, hp.job_dir, render_host(plan, hp, token))
         if plan.local:
-            return SyncStats()
-        return host.sync_dir(settings.project, f"{hp.job_dir}/project", exclude=PROJECT_EXCLUDE, delete=True)
+            return stats
+        project = host.sync_dir(settings.project, f"{hp.job_dir}/project", exclude=PROJECT_EXCLUDE, delete=True)
+        return _sum_stats([stats, project])
 
-    stats = _fan_out("deploying", targets, upload, ssh)
+    def line(r: HostResult[SyncStats]) -> str:
+        if not r.ok or r.value is None:
+            return f"{r.error}"
+        s = r.value
+        return (f"{r.host}: {s.files_sent} file(s) sent ({_size(s.bytes_sent)}), {s.files_unchanged} unchanged"
+                + (f", {s.removed} removed" if s.removed else "") + f" ({r.seconds:.1f} s)")
+
+    stats = _fan_out("deploying", targets, upload, ssh, line=line)
     record = _record(plan, settings)
-    jobrecord.save(settings.project, record)
-    sent = sum(s.files_sent for s in stats.values())
-    size = sum(s.bytes_sent for s in stats.values())
-    _say(f"deployed job {plan.job} to {len(stats)} host(s): project files sent {sent} ({size} bytes), "
-         f"unchanged {sum(s.files_unchanged for s in stats.values())}")
+    path = jobrecord.save(settings.project, record)
+    total = _sum_stats(stats.values())
+    _say(f"deployed job {plan.job} to {len(stats)} host(s): {total.files_sent} file(s) sent "
+         f"({_size(total.bytes_sent)}), {total.files_unchanged} unchanged; job record {_rel(path)}")
     return record
+
+
+def _upload_rendered(host: Host, job_dir: str, files: list[RenderedFile]) -> SyncStats:
+    listing = host.run(["sh", "-c", _LAYOUT_SCRIPT, "sh", job_dir, *(f.path for f in files)],
+                       timeout=STATUS_TIMEOUT, check=True).stdout
+    there: dict[str, tuple[int, str]] = {}
+    for entry in listing.splitlines():
+        words = entry.split(None, 2)
+        if len(words) == 3:
+            with contextlib.suppress(ValueError):
+                there[words[2]] = (int(words[0], 8), words[1])
+    sent = nbytes = 0
+    for f in files:
+        data = f.content.encode()
+        if there.get(f.path) == (f.mode, hashlib.sha256(data).hexdigest()):
+            continue
+        host.write(f"{job_dir}/{f.path}", data, f.mode)
+        sent += 1
+        nbytes += len(data)
+    return SyncStats(files_sent=sent, bytes_sent=nbytes, files_unchanged=len(files) - sent)
 
 
 def _record(plan: LaunchPlan, settings: Settings) -> JobRecord:
@@ -135,50 +208,103 @@ def _record(plan: LaunchPlan, settings: Settings) -> JobRecord:
         "connect_timeout": settings.core.connect_timeout,
         "parallel": settings.parallel,
     }
-    return JobRecord(plan.job, plan.local, plan.scheduler_host, plan.sched_port, hosts, processes, ssh)
+    return JobRecord(plan.job, plan.local, plan.scheduler_host, plan.sched_port, hosts, processes, ssh,
+                     grace=plan.options.grace)
 
 
 # --- train -------------------------------------------------------------------------------------------------------
 
 
-def train(settings: Settings) -> None:
-    """Start the deployed job on every host at once; all or nothing."""
-    record = jobrecord.load(settings.project, settings.options.job)
-    ssh = record_ssh(record)
+def train(settings: Settings, join: bool = False, join_timeout: float | None = None) -> None:
+    """Start the deployed job on every host at once (deploying it first if it never was); all or nothing: if a
+    host fails to start, what started elsewhere is stopped. With `join`, wait for the job to end."""
+    if jobrecord.exists(settings.project, settings.options.job):
+        record = jobrecord.load(settings.project, settings.options.job)
+        _check_same_hosts(settings, record)
+    else:
+        record = deploy(settings)
+    ssh = record_ssh(record, settings)
     sched = record.host(record.scheduler_host)
     port = record.sched_port
 
-    def start(host: Host) -> str:
+    def start(host: Host) -> bool:
+        """True if this call started the agent (False: it already ran)."""
         h = record.host(host.name)
-        if h.name == sched.name and not agent_alive(host, h):
+        if h.name == sched.name and not _agent_doc(host, h).get("alive"):
             host.preflight(h.python, h.job_dir, ports=(port, port + 1))
-        result = host.run([f"{h.job_dir}/launch.sh"], timeout=LAUNCH_TIMEOUT, check=True)
-        return result.stdout.strip()
+        out = host.run([f"{h.job_dir}/launch.sh"], timeout=LAUNCH_TIMEOUT, check=True).stdout
+        return "already running" not in out
 
-    results = run_on_all(record_targets(record), start, ssh, fail_fast=False)
+    begun = time.monotonic()
+    with rich_progress("starting", len(record.hosts)) as progress:
+        results = run_on_all(record_targets(record), start, ssh, progress=progress, fail_fast=True)
     if any(not r.ok for r in results.values()):
-        started = [record.host(n) for n, r in results.items() if r.ok]
-        if started:
-            run_on_all([_target(h, record.local) for h in started], lambda host: _stop_one(host, record, settings),
-                       ssh)
-        raise ClusterError(results)
-    _say(f"job {record.job} started on {len(results)} host(s); follow it with 'fleet status' and 'fleet logs -f'")
+        _roll_back(record, ssh, results)
+    fresh = sum(1 for r in results.values() if r.value)
+    already = "" if fresh == len(results) else f" ({len(results) - fresh} already running)"
+    _say(f"job {record.job} started on {len(results)} host(s){already} in {time.monotonic() - begun:.1f} s: "
+         f"{record.world_size} worker(s), scheduler on {record.scheduler_host}:{port}; "
+         "follow it with 'fleet status' and 'fleet logs -f', end it with 'fleet stop'")
+    if join:
+        join_job(record, ssh, join_timeout)
+
+
+def _check_same_hosts(settings: Settings, record: JobRecord) -> None:
+    if settings.local:
+        return  # no hosts typed: the deployed ones
+    given = [h.name for h in launch_plan(settings).hosts]
+    deployed = [h.name for h in record.hosts]
+    if given != deployed or record.local:
+        where = "this machine" if record.local else ", ".join(deployed)
+        raise UserError(f"job {record.job} was deployed to {where}, not {', '.join(given)}; run 'fleet deploy' "
+                        "with these hosts first (or give no hosts to use the deployed ones)")
+
+
+def _roll_back(record: JobRecord, ssh: SshSettings, results: Mapping[str, HostResult[bool]]) -> None:
+    """Stop the job where this train started it (or may have), then raise the start failure."""
+    never = (HostUnreachable, AuthenticationFailed, UnknownHostKey, ChangedHostKey, PreflightFailed)
+    started = [record.host(n) for n, r in results.items()
+               if (r.ok and r.value) or (not r.ok and not r.skipped and not isinstance(r.exception, never))]
+    error = ClusterError(results)
+    lines = [str(error)]
+    if started:
+        stopped = run_on_all([_target(h, record.local) for h in started],
+                             lambda host: _stop_one(host, record), ssh)
+        ok = [n for n, r in stopped.items() if r.ok]
+        bad = [r for r in stopped.values() if not r.ok]
+        if ok:
+            lines.append(f"stopped the job again on {', '.join(ok)}: no process of it is left there")
+        lines += [f"could not stop it on {r.error}; run 'fleet stop' once the host is back" for r in bad]
+    else:
+        lines.append("nothing was started")
+    raise UserError("\n".join(lines))
 
 
 # --- stop --------------------------------------------------------------------------------------------------------
+
+_STOP_SCRIPT = r"""
+if [ -x "$1/stop.sh" ]; then exec "$1/stop.sh"; fi
+echo "$2: nothing deployed in $1: nothing to stop"
+"""
 
 
 def stop(settings: Settings) -> None:
     """Stop the job on every host (SIGTERM, grace, SIGKILL) and verify that no process of it remains."""
     record = jobrecord.load(settings.project, settings.options.job)
-    results = run_on_all(record_targets(record), lambda host: _stop_one(host, record, settings), record_ssh(record))
-    check_all(results)
-    _say(f"job {record.job} stopped on {len(results)} host(s); no process of it is left")
+    ssh = record_ssh(record, settings)
+    with rich_progress("stopping", len(record.hosts), line=_result_line) as progress:
+        results = run_on_all(record_targets(record), lambda host: _stop_one(host, record), ssh, progress=progress)
+    try:
+        check_all(results)
+    except ClusterError as e:
+        raise UserError(f"{e}\nthe job may still run there: run 'fleet stop' again once the host answers") from None
+    _say(f"job {record.job} stopped on {len(results)} host(s); each verified that no process of the job is left")
 
 
-def _stop_one(host: Host, record: JobRecord, settings: Settings) -> str:
+def _stop_one(host: Host, record: JobRecord) -> str:
     h = record.host(host.name)
-    result = host.run([f"{h.job_dir}/stop.sh"], timeout=settings.options.grace + STOP_TIMEOUT_EXTRA, check=True)
+    result = host.run(["sh", "-c", _STOP_SCRIPT, "sh", h.job_dir, h.name],
+                      timeout=record.grace + STOP_TIMEOUT_EXTRA, check=True)
     return result.stdout.strip()
 
 
@@ -186,33 +312,548 @@ def _stop_one(host: Host, record: JobRecord, settings: Settings) -> str:
 
 
 def restart(settings: Settings, node: str | None, host_name: str | None) -> None:
-    """Restart one process by hand through its agent (`--node`), or bring a host's agent back (`--host`)."""
-    record = jobrecord.load(settings.project, settings.options.job)
+    """Restart one process by hand through its agent, with the same environment (`--node`, what recover.sh
+    does on the host), or every process of one host (`--host`; starts the host's agent if it is gone)."""
     if (node is None) == (host_name is None):
-        raise UserError("restart needs exactly one of --node NODE_ID or --host HOST")
-    if node is not None:
-        h = record.host(record.process(node)["host"])
-        command = [f"{h.job_dir}/recover.sh", node]
-    else:
-        h = record.host(host_name)  # type: ignore[arg-type]
-        command = [f"{h.job_dir}/launch.sh"]
-    results = run_on_all([_target(h, record.local)], lambda host: host.run(command, timeout=LAUNCH_TIMEOUT,
-                                                                           check=True).stdout.strip(),
-                         record_ssh(record))
-    out = check_all(results)[h.name]
+        raise UserError("restart needs exactly one of --node NODE_ID (e.g. worker_3) or --host HOST")
+    record = jobrecord.load(settings.project, settings.options.job)
+    h = record.host(record.process(node)["host"]) if node is not None else record.host(host_name)  # type: ignore
+
+    def do(host: Host) -> str:
+        if node is not None:
+            return host.run([f"{h.job_dir}/recover.sh", node], timeout=LAUNCH_TIMEOUT, check=True).stdout.strip()
+        if not _agent_doc(host, h).get("alive"):
+            return host.run([f"{h.job_dir}/launch.sh"], timeout=LAUNCH_TIMEOUT, check=True).stdout.strip()
+        return "\n".join(host.run([f"{h.job_dir}/recover.sh", n], timeout=LAUNCH_TIMEOUT, check=True).stdout.strip()
+                         for n in h.node_ids)
+
+    out = check_all(run_on_all([_target(h, record.local)], do, record_ssh(record, settings)))[h.name]
     _say(out or f"restarted {node or host_name}")
 
 
 # --- status ------------------------------------------------------------------------------------------------------
 
 
-def agent_status(host: Host, h: HostRecord) -> dict[str, Any]:
-    result = host.run([h.python, "-m", "toolkit.agent", "status", "--job-dir", h.job_dir], timeout=30, check=True)
+@dataclass(frozen=True)
+class ProcStatus:
+    """One process as its host's agent sees it."""
+
+    host: str
+    node_id: str
+    role: str  # "sched" or "worker"
+    rank: int | None
+    pid: int | None
+    state: str  # the agent's (running, backoff, restarting, succeeded, failed, stopped), or gone, unreachable
+    restarts: int
+    step: int | None
+    log_age: float | None  # s since its log was last written, by the host's clock
+    last_exit: str | None  # "exit code 3", "killed by SIGKILL"
+
+    @property
+    def prefix(self) -> str:
+        """`host:role:rank`, what every line of output about this process starts with."""
+        return f"{self.host}:{self.role}:{_dash(self.rank)}"
+
+
+@dataclass(frozen=True)
+class HostStatus:
+    host: str
+    reached: bool
+    error: str | None  # why the host could not be asked
+    agent: str  # the agent's state (starting, running, finishing, stopping, succeeded, failed, stopped), gone,
+    # absent (never started), unreachable
+    alive: bool
+    agent_pid: int | None
+    reason: str | None  # why the agent ended
+    failure: Mapping[str, Any] | None = field(default=None, hash=False, compare=False)  # the give-up evidence
+    processes: tuple[ProcStatus, ...] = ()
+
+
+_STATUS_SCRIPT = r"""
+py=$1 d=$2
+"$py" -m toolkit.agent status --job-dir "$d" || exit
+printf '\036\n'
+date +%s.%N
+find "$d/logs" -maxdepth 1 -name '*.log' -printf '%T@ %f\n' 2>/dev/null
+exit 0
+"""
+
+# What --join polls: the agent's own files, read without starting a Python on every host every interval.
+# Liveness is decided here as `agent status` decides it: the pid file's process exists, is no zombie and
+# started at the recorded clock tick, and agent.json was written by it.
+_POLL_SCRIPT = r"""
+d=$1
+cat -- "$d/state/agent.pid" 2>/dev/null; printf '\036\n'
+{ read -r pid _ < "$d/state/agent.pid"; } 2>/dev/null && cat "/proc/$pid/stat" 2>/dev/null; printf '\036\n'
+cat -- "$d/state/agent.json" 2>/dev/null; printf '\036\n'
+date +%s.%N
+find "$d/logs" -maxdepth 1 -name '*.log' -printf '%T@ %f\n' 2>/dev/null
+exit 0
+"""
+
+
+def status(settings: Settings, as_json: bool = False) -> None:
+    """One table of every process of the job (or JSON); a host that cannot be asked gets a row saying so, and
+    the command then ends non-zero after listing the failed hosts."""
+    record = jobrecord.load(settings.project, settings.options.job)
+    results = run_on_all(record_targets(record), lambda host: _fetch_status(host, record.host(host.name)),
+                         record_ssh(record, settings))
+    hosts = [_host_status(record, name, r) for name, r in results.items()]
+    if as_json:
+        print(json.dumps(_status_json(record, hosts), indent=2))
+    else:
+        _print_status(record, hosts)
+    if any(not r.ok for r in results.values()):
+        raise ClusterError(results)
+
+
+def collect_status(record: JobRecord, ssh: SshSettings, pool: HostPool | None = None,
+                   hosts: list[HostRecord] | None = None) -> list[HostStatus]:
+    """Every host's status from its agent's files (cheap enough to poll; see _POLL_SCRIPT)."""
+    chosen = record.hosts if hosts is None else hosts
+    results = run_on_all([_target(h, record.local) for h in chosen],
+                         lambda host: _poll_status(host, record.host(host.name)), ssh, pool=pool)
+    return [_host_status(record, name, r) for name, r in results.items()]
+
+
+def _agent_doc(host: Host, h: HostRecord) -> dict[str, Any]:
+    result = host.run([h.python, "-m", "toolkit.agent", "status", "--job-dir", h.job_dir], timeout=STATUS_TIMEOUT,
+                      check=True)
     return json.loads(result.stdout)
 
 
-def agent_alive(host: Host, h: HostRecord) -> bool:
-    return bool(agent_status(host, h).get("alive"))
+def _fetch_status(host: Host, h: HostRecord) -> dict[str, Any]:
+    out = host.run(["sh", "-c", _STATUS_SCRIPT, "sh", h.python, h.job_dir], timeout=STATUS_TIMEOUT, check=True)
+    doc_text, _, rest = out.stdout.partition("\x1e\n")
+    try:
+        doc = json.loads(doc_text)
+    except ValueError:
+        raise UserError(f"{h.name}: the agent's status is not JSON: {doc_text.strip()[:200]}") from None
+    return {"doc": doc, **_clock_and_logs(rest)}
+
+
+def _poll_status(host: Host, h: HostRecord) -> dict[str, Any]:
+    out = host.run(["sh", "-c", _POLL_SCRIPT, "sh", h.job_dir], timeout=STATUS_TIMEOUT, check=True).stdout
+    pid_text, stat_text, doc_text, rest = (out.split("\x1e\n", 3) + ["", "", ""])[:4]
+    try:
+        doc = json.loads(doc_text) if doc_text.strip() else None
+    except ValueError:
+        doc = None  # written atomically, so this is not a half-written file: treat as unknown
+    alive, pid = _alive(pid_text, stat_text)
+    if doc is None:
+        doc = {"state": "absent", "processes": []}
+    alive = alive and (doc.get("agent") or {}).get("pid") == pid
+    if not alive and doc.get("state") not in FINAL_STATES + ("absent",):
+        doc["state"] = "gone"
+    return {"doc": {**doc, "alive": alive}, **_clock_and_logs(rest)}
+
+
+def _alive(pid_text: str, stat_text: str) -> tuple[bool, int | None]:
+    words = pid_text.split()
+    try:
+        pid = int(words[0])
+        ticks = int(words[1]) if len(words) > 1 else None
+    except (IndexError, ValueError):
+        return False, None
+    fields = stat_text.rsplit(")", 1)[-1].split()
+    if len(fields) < 20:
+        return False, pid
+    state, started = fields[0], fields[19]
+    return state not in ("Z", "X") and (ticks is None or str(ticks) == started), pid
+
+
+def _clock_and_logs(text: str) -> dict[str, Any]:
+    lines = text.splitlines()
+    try:
+        now = float(lines[0])
+    except (IndexError, ValueError):
+        now = None
+    mtimes = {}
+    for line in lines[1:]:
+        stamp, _, name = line.partition(" ")
+        with contextlib.suppress(ValueError):
+            mtimes[name] = float(stamp)
+    return {"now": now, "mtimes": mtimes}
+
+
+def _host_status(record: JobRecord, name: str, result: HostResult[dict[str, Any]]) -> HostStatus:
+    expected = [p for p in record.processes if p["host"] == name]
+    if not result.ok or result.value is None:
+        procs = tuple(_proc(name, p, {}, "unreachable", None, {}) for p in expected)
+        return HostStatus(name, False, result.error, "unreachable", False, None, None, None, procs)
+    doc, now, mtimes = result.value["doc"], result.value["now"], result.value["mtimes"]
+    agent = str(doc.get("state") or "absent")
+    alive = bool(doc.get("alive"))
+    seen = {p.get("node_id"): p for p in doc.get("processes") or [] if isinstance(p, dict)}
+    procs = []
+    for p in expected:
+        got = seen.get(p["node_id"], {})
+        state = str(got.get("state") or ("not started" if agent == "absent" else "unknown"))
+        if agent == "gone" and state not in FINAL_STATES:
+            state = "gone"
+        procs.append(_proc(name, p, got, state, now, mtimes))
+    pid = (doc.get("agent") or {}).get("pid")
+    return HostStatus(name, True, None, agent, alive, pid if isinstance(pid, int) else None, doc.get("reason"),
+                      doc.get("failure"), tuple(procs))
+
+
+def _proc(host: str, p: Mapping[str, Any], got: Mapping[str, Any], state: str, now: float | None,
+          mtimes: Mapping[str, float]) -> ProcStatus:
+    log_name = p["log"].rsplit("/", 1)[-1]
+    age = None
+    if now is not None and log_name in mtimes:
+        age = max(0.0, now - mtimes[log_name])
+    last = got.get("last_exit") or None
+    how = None
+    if isinstance(last, dict):
+        how = f"killed by {last['signal']}" if last.get("signal") else f"exit code {last.get('code')}"
+    step = got.get("step")
+    return ProcStatus(
+        host=host,
+        node_id=p["node_id"],
+        role="worker" if p["rank"] is not None else "sched",
+        rank=p["rank"],
+        pid=got.get("pid") if state not in ("gone", "unreachable") else None,
+        state=state,
+        restarts=int(got.get("restarts") or 0),
+        step=step if isinstance(step, int) else None,
+        log_age=age,
+        last_exit=how,
+    )
+
+
+def _status_json(record: JobRecord, hosts: list[HostStatus]) -> dict[str, Any]:
+    return {
+        "job": record.job,
+        "scheduler": {"host": record.scheduler_host, "port": record.sched_port},
+        "world_size": record.world_size,
+        "hosts": [{k: v for k, v in asdict(h).items() if k != "processes"} for h in hosts],
+        "processes": [asdict(p) for h in hosts for p in h.processes],
+    }
+
+
+def _print_status(record: JobRecord, hosts: list[HostStatus]) -> None:
+    table = Table(title=f"job {record.job}: {record.world_size} worker(s) on {len(record.hosts)} host(s), "
+                        f"scheduler {record.scheduler_host}:{record.sched_port}")
+    for column in ("host", "node id", "rank", "pid", "state", "restarts", "last step", "log age"):
+        table.add_column(column, justify="right" if column in ("rank", "pid", "restarts", "last step") else "left")
+    for h in hosts:
+        for p in h.processes:
+            table.add_row(p.host, p.node_id, _dash(p.rank), _dash(p.pid), p.state, str(p.restarts), _dash(p.step),
+                          _age(p.log_age))
+    _table_console().print(table)
+    for h in hosts:
+        note = _host_note(h)
+        if note:
+            _say(note)
+
+
+def _host_note(h: HostStatus) -> str | None:
+    if not h.reached:
+        return None  # listed by the error that follows
+    if h.agent == "gone":
+        return (f"{h.host}: the agent is gone (it stopped without finishing the job): its processes show as gone; "
+                f"'fleet restart --host {h.host}' starts it again")
+    if h.agent == "absent":
+        return f"{h.host}: the job was never started here; 'fleet train' starts it"
+    if h.agent == "failed":
+        return f"{h.host}: failed: {h.reason or 'no reason recorded'}"
+    if h.agent == "stopped":
+        return f"{h.host}: stopped ({h.reason or 'by the operator'})"
+    return None
+
+
+# --- logs --------------------------------------------------------------------------------------------------------
+
+_TAIL_HEADER = re.compile(r"^==> (.*) <==$")
+_TAIL_MISSING = re.compile(r"cannot open '(.*)' for reading")
+
+
+def logs(settings: Settings, node: str | None = None, rank: int | None = None, host_name: str | None = None,
+         follow: bool = False, lines: int = LOG_LINES) -> None:
+    """The last `lines` lines of the chosen processes' logs (msrun's names: scheduler.log, worker_<rank>.log),
+    each prefixed host:role:rank; with `follow`, keep printing new lines from every host until Ctrl-C."""
+    if lines < 0:
+        raise UserError(f"-n {lines}: give 0 or more lines")
+    record = jobrecord.load(settings.project, settings.options.job)
+    chosen = _choose(record, node, rank, host_name)
+    by_host: dict[str, list[Mapping[str, Any]]] = {}
+    for p in chosen:
+        by_host.setdefault(p["host"], []).append(p)
+    ssh = record_ssh(record, settings)
+    targets = [_target(record.host(n), record.local) for n in by_host]
+    out = _Printer()
+
+    def files(name: str) -> dict[str, str]:
+        h = record.host(name)
+        return {f"{h.job_dir}/{p['log']}": _prefix(p) for p in by_host[name]}
+
+    if not follow:
+        def fetch(host: Host) -> tuple[list[tuple[str, str]], list[str]]:
+            paths = files(host.name)
+            result = host.run(["tail", "-v", "-n", str(lines), "--", *paths], timeout=STATUS_TIMEOUT)
+            if not result.ok and (result.exit_code is None or not (result.stdout or "cannot open" in result.stderr)):
+                result.check()
+            got: list[tuple[str, str]] = []
+            parser = _TailParser(paths, lambda prefix, line: got.append((prefix, line)))
+            for line in result.stdout.splitlines():
+                parser(line)
+            return got, _missing(result.stderr, paths)
+
+        results = run_on_all(targets, fetch, ssh)
+        for r in results.values():
+            if r.ok and r.value is not None:
+                got, missing = r.value
+                for prefix, line in got:
+                    out.line(prefix, line)
+                for note in missing:
+                    _say(note)
+        check_all(results)
+        return
+
+    stop_event = threading.Event()
+
+    def follow_one(host: Host) -> None:
+        paths = files(host.name)
+        parser = _TailParser(paths, out.line)
+        # --pid: if this end vanishes without killing it, tail still ends once the SSH session's process does.
+        command = f'exec tail -v -F -n {lines} --pid="$PPID" -- ' + " ".join(shlex.quote(p) for p in paths)
+        result = host.stream(command, parser, stop_event)
+        for note in _missing(result.stderr, paths):
+            _say(note)
+        if not result.stopped:
+            result.check()
+            raise UserError(f"{host.name}: tail ended on its own ({result.describe()})")
+
+    def ended(r: HostResult[None]) -> None:
+        if not r.ok and not stop_event.is_set():
+            _say(f"{r.error}; no more lines from {r.host}")
+
+    with _interrupt_sets(stop_event):
+        results = run_on_all(targets, follow_one, replace(ssh, parallel=max(1, len(targets))), progress=ended)
+    failed = {n: r for n, r in results.items() if not r.ok}
+    if failed:
+        raise ClusterError(results)
+
+
+def _choose(record: JobRecord, node: str | None, rank: int | None, host_name: str | None) -> list[Mapping[str, Any]]:
+    given = [x for x in (node, rank, host_name) if x is not None]
+    if len(given) > 1:
+        raise UserError("give one of --node, --rank or --host (or none for every process)")
+    if node is not None:
+        return [record.process(node)]
+    if rank is not None:
+        return [record.process_of_rank(rank)]
+    if host_name is not None:
+        record.host(host_name)
+        return [p for p in record.processes if p["host"] == host_name]
+    return list(record.processes)
+
+
+def _prefix(p: Mapping[str, Any]) -> str:
+    return f"{p['host']}:{'sched' if p['rank'] is None else 'worker'}:{_dash(p['rank'])}"
+
+
+def _missing(stderr: str, paths: Mapping[str, str]) -> list[str]:
+    notes = []
+    for line in stderr.splitlines():
+        m = _TAIL_MISSING.search(line)
+        if m and m.group(1) in paths:
+            notes.append(f"{paths[m.group(1)]}: no log yet ({m.group(1)})")
+    return notes
+
+
+class _TailParser:
+    """`tail -v` output (a `==> path <==` header before each file's lines, a blank line before every header but
+    the first) -> (prefix, line) for each line of the logs."""
+
+    def __init__(self, prefixes: Mapping[str, str], emit: Callable[[str, str], None]) -> None:
+        self.prefixes = prefixes
+        self.emit = emit
+        self.current = next(iter(prefixes.values()), "?")
+        self.blank = False  # a blank line held back: it may be the separator before the next header
+
+    def __call__(self, line: str) -> None:
+        m = _TAIL_HEADER.match(line)
+        if m and m.group(1) in self.prefixes:
+            self.current, self.blank = self.prefixes[m.group(1)], False
+            return
+        if self.blank:
+            self.emit(self.current, "")
+            self.blank = False
+        if line == "":
+            self.blank = True
+            return
+        self.emit(self.current, line)
+
+
+class _Printer:
+    """Whole lines to stdout from several threads at once, each with its prefix."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+
+    def line(self, prefix: str, text: str) -> None:
+        with self.lock:
+            sys.stdout.write(f"{prefix} | {text}\n")
+            sys.stdout.flush()
+
+
+@contextlib.contextmanager
+def _interrupt_sets(event: threading.Event) -> Iterator[None]:
+    """Ctrl-C (SIGINT) sets `event` instead of raising in the middle of a fan-out, so every thread can end its
+    remote command cleanly. Only the main thread can install a handler; elsewhere the event is all there is."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, lambda *_: event.set())
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+# --- join --------------------------------------------------------------------------------------------------------
+
+
+def join_job(record: JobRecord, ssh: SshSettings, timeout: float | None = None,
+             interval: float = JOIN_POLL_INTERVAL) -> None:
+    """Wait until the job ends, printing every change of state; return if every worker succeeded, else raise
+    JobFailed with the evidence (node, host, exit status, log tail). A host that cannot be asked, or whose
+    agent is gone, for JOIN_GONE_AFTER is no longer watched and counts as a failure. After a host failed, the
+    others get the grace period and JOIN_SETTLE to stop (the scheduler stops them); what still runs then is
+    stopped, so a failed job leaves nothing behind."""
+    if timeout is not None and timeout <= 0:
+        raise UserError(f"--join-timeout {timeout:g}: give a positive number of seconds")
+    begun = time.monotonic()
+    deadline = None if timeout is None else begun + timeout
+    interrupted = threading.Event()
+    seen: dict[tuple[str, str], tuple[Any, ...]] = {}
+    agents: dict[str, str] = {}
+    trouble_since: dict[str, float] = {}
+    unwatched: dict[str, str] = {}  # host -> why it is no longer watched
+    failed_at: float | None = None
+    last: dict[str, HostStatus] = {}
+    with HostPool() as pool, _interrupt_sets(interrupted):
+        while True:
+            watched = [h for h in record.hosts if h.name not in unwatched]
+            now = time.monotonic()
+            for st in collect_status(record, ssh, pool, watched):
+                last[st.host] = st
+                _report_changes(st, seen, agents)
+                if st.agent == "unreachable" or st.agent == "gone":
+                    since = trouble_since.setdefault(st.host, now)
+                    if now - since >= JOIN_GONE_AFTER:
+                        why = (st.error or "unreachable") if st.agent == "unreachable" else "its agent is gone"
+                        unwatched[st.host] = f"{why} for {now - since:.0f} s"
+                        _say(f"{st.host}: {unwatched[st.host]}: no longer watched")
+                else:
+                    trouble_since.pop(st.host, None)
+            states = {h.name: last[h.name].agent for h in record.hosts if h.name not in unwatched}
+            if all(s in FINAL_STATES for s in states.values()):
+                break
+            if failed_at is None and (unwatched or any(s in ("failed", "stopped") for s in states.values())):
+                failed_at = now
+            if failed_at is not None and now - failed_at > record.grace + JOIN_SETTLE:
+                running = [n for n, s in states.items() if s not in FINAL_STATES]
+                _say(f"the job failed but is still running on {', '.join(running)} after "
+                     f"{now - failed_at:.0f} s: stopping it there")
+                check_all(run_on_all([_target(record.host(n), record.local) for n in running],
+                                     lambda host: _stop_one(host, record), ssh))
+                last.update({st.host: st for st in collect_status(record, ssh, pool,
+                                                                  [record.host(n) for n in running])})
+                break
+            wait = interval
+            if deadline is not None:
+                if now >= deadline:
+                    raise JobFailed(f"job {record.job} still runs after --join-timeout {timeout:g} s; it keeps "
+                                    "running: 'fleet status' to look, 'fleet stop' to end it")
+                wait = min(wait, deadline - now)
+            if interrupted.wait(wait):
+                raise Interrupted(f"stopped waiting for job {record.job}; it keeps running: 'fleet status' to "
+                                  "look, 'fleet stop' to end it")
+    hosts = [last[h.name] for h in record.hosts]
+    took = time.monotonic() - begun
+    if not unwatched and all(h.agent == "succeeded" for h in hosts):
+        _say(f"job {record.job} succeeded: every worker exited 0 ({took:.1f} s)")
+        return
+    raise JobFailed(_failure_text(record, hosts, unwatched, took, _failed_tails(record, ssh, hosts)))
+
+
+def _failed_tails(record: JobRecord, ssh: SshSettings, hosts: list[HostStatus]) -> dict[str, list[str]]:
+    """The last log lines of every process that ended badly on a host that recorded no give-up evidence of its
+    own (a scheduler that stopped the job, a process stopped with an error status), best effort."""
+    wanted: dict[str, list[ProcStatus]] = {}
+    for h in hosts:
+        if h.reached and not h.failure:
+            bad = [p for p in h.processes if p.last_exit and p.last_exit != "exit code 0"
+                   and p.state not in ("running", "succeeded")]
+            if bad:
+                wanted[h.host] = bad
+    if not wanted:
+        return {}
+
+    def tails(host: Host) -> dict[str, list[str]]:
+        h = record.host(host.name)
+        out = {}
+        for p in wanted[host.name]:
+            log = f"{h.job_dir}/{record.process(p.node_id)['log']}"
+            result = host.run(["tail", "-n", str(FAILURE_TAIL_LINES), "--", log], timeout=STATUS_TIMEOUT)
+            out[p.node_id] = result.stdout.splitlines() if result.ok else []
+        return out
+
+    results = run_on_all([_target(record.host(n), record.local) for n in wanted], tails, ssh)
+    return {node: lines for r in results.values() if r.ok and r.value for node, lines in r.value.items()}
+
+
+def _report_changes(st: HostStatus, seen: dict[tuple[str, str], tuple[Any, ...]], agents: dict[str, str]) -> None:
+    if agents.get(st.host) != st.agent:
+        agents[st.host] = st.agent
+        if st.agent not in ("running", "starting"):
+            why = f" ({st.reason})" if st.reason and st.agent in FINAL_STATES else ""
+            _emit(f"{st.host}: agent {st.agent}{why}" if st.agent != "unreachable" else f"{st.error}")
+    for p in st.processes:
+        key = (p.state, p.pid, p.restarts)
+        if seen.get((p.host, p.node_id)) == key:
+            continue
+        seen[(p.host, p.node_id)] = key
+        parts = [p.state]
+        if p.pid is not None:
+            parts.append(f"pid {p.pid}")
+        if p.restarts:
+            parts.append(f"{p.restarts} restart(s)")
+        if p.last_exit and p.last_exit != "exit code 0":
+            parts.append(f"last exit: {p.last_exit}")
+        _emit(f"{p.prefix} {', '.join(parts)}")
+
+
+def _failure_text(record: JobRecord, hosts: list[HostStatus], unwatched: Mapping[str, str], took: float,
+                  tails: Mapping[str, list[str]]) -> str:
+    lines = [f"job {record.job} failed after {took:.1f} s"]
+    causes = [h for h in hosts if h.failure]
+    for h in causes:
+        f = h.failure or {}
+        role = "sched" if f.get("rank") is None else "worker"
+        prefix = f"{h.host}:{role}:{_dash(f.get('rank'))}"
+        lines.append(f"{f.get('node_id')} on {h.host} (rank {_dash(f.get('rank'))}, pid {_dash(f.get('pid'))}): "
+                     f"{f.get('status')} after {f.get('restarts', 0)} restart(s); last lines of {f.get('log_file')}:")
+        lines += [f"  {prefix} | {line}" for line in f.get("log_tail") or []]
+    for h in hosts:
+        if h.host in unwatched:
+            lines.append(f"{h.host}: {unwatched[h.host]}")
+        elif not h.failure and h.agent != "succeeded":
+            lines.append(f"{h.host}: {h.agent}" + (f": {h.reason}" if h.reason else ""))
+            for p in h.processes:
+                if p.node_id in tails:
+                    lines.append(f"  {p.node_id} on {h.host} ({p.state}, last exit: {p.last_exit}); last lines:")
+                    lines += [f"    {p.prefix} | {line}" for line in tails[p.node_id]]
+    return "\n".join(lines)
+
+
+def _emit(text: str) -> None:
+    stamp = time.strftime("%H:%M:%S")
+    sys.stdout.write(f"{stamp} {text}\n")
+    sys.stdout.flush()
 
 
 # --- helpers -----------------------------------------------------------------------------------------------------
@@ -229,14 +870,16 @@ def ssh_settings(settings: Settings) -> SshSettings:
     )
 
 
-def record_ssh(record: JobRecord) -> SshSettings:
+def record_ssh(record: JobRecord, settings: Settings | None = None) -> SshSettings:
+    """How deploy reached the hosts; Fabric's own flags typed now (-S, -i, -t) take precedence."""
     s = record.ssh
+    core = settings.core if settings is not None else None
     return SshSettings(
         known_hosts=s["known_hosts"],
         accept_new_host_keys=s["accept_new_host_keys"],
-        ssh_config=s["ssh_config"],
-        identity_files=tuple(s["identities"]),
-        connect_timeout=s["connect_timeout"],
+        ssh_config=(core.ssh_config if core and core.ssh_config else None) or s["ssh_config"],
+        identity_files=(core.identities if core and core.identities else None) or tuple(s["identities"]),
+        connect_timeout=(core.connect_timeout if core and core.connect_timeout else None) or s["connect_timeout"],
         parallel=s["parallel"],
     )
 
@@ -250,15 +893,57 @@ def _target(h: HostRecord, local: bool) -> Target:
     return Target(h.name, hostname=hostname, port=h.port, user=h.user, key_file=h.key_file, local=local)
 
 
-def _fan_out(what: str, targets: list[Target], fn: Callable[[Host], Any], ssh: SshSettings) -> dict[str, Any]:
-    with rich_progress(what, len(targets)) as progress:
+def _fan_out(what: str, targets: list[Target], fn: Callable[[Host], Any], ssh: SshSettings,
+             line: Callable[[HostResult[Any]], str | None] | None = None) -> dict[str, Any]:
+    with rich_progress(what, len(targets), line=line) as progress:
         results: dict[str, HostResult[Any]] = run_on_all(targets, fn, ssh, progress=progress)
     return check_all(results)
 
 
+def _result_line(r: HostResult[Any]) -> str | None:
+    return (str(r.value) if r.value else None) if r.ok else r.error
+
+
+def _sum_stats(stats: Any) -> SyncStats:
+    stats = list(stats)
+    return SyncStats(*(sum(getattr(s, f) for s in stats) for f in
+                       ("files_sent", "bytes_sent", "files_unchanged", "dirs_created", "removed")))
+
+
+def _table_console() -> Console:
+    """A terminal's width on a terminal; elsewhere (a pipe, a file, a test) the table's own width, so that
+    no host name or state is cut short to fit 80 columns."""
+    console = Console()
+    return console if console.is_terminal else Console(width=1000)
+
+
 def _say(text: str) -> None:
-    Console(stderr=True, highlight=False).print(text)
+    Console(stderr=True, highlight=False, soft_wrap=True).print(text, markup=False)
 
 
-def _dash(value: int | None) -> str:
+def _dash(value: Any) -> str:
     return "-" if value is None else str(value)
+
+
+def _age(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    if seconds < 60:
+        return f"{seconds:.0f}s"
+    if seconds < 3600:
+        return f"{seconds / 60:.0f}m"
+    return f"{seconds / 3600:.1f}h"
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "kB", "MB"):
+        if n < 1000:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000  # type: ignore[assignment]
+    return f"{n:.1f} GB"
+
+
+def _rel(path: Path) -> str:
+    with contextlib.suppress(ValueError):
+        return str(path.relative_to(Path.cwd()))
+    return str(path)

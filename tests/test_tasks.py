@@ -1,0 +1,402 @@
+"""The Fabric tasks end to end, as a user runs them: `fleet` (and `fab` with the repo's fabfile.py) as real
+subprocesses in a project directory, against the namespace cluster's real sshd hosts (and against this machine
+with no hosts). The worker is tests/scripts/tasks_worker.py: msrun-style step lines, progress to the agent.
+
+Every test that starts a job checks, on every host, through the hosts' network namespaces (never by name), that
+no process of the job is left when it is over.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import pytest
+
+from cluster import Cluster
+
+REPO = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
+WORKER = Path(__file__).resolve().parent / "scripts" / "tasks_worker.py"
+WAIT = 60.0  # s: bound of every wait on the job to reach a state
+POLL = 0.3  # s between looks while waiting
+COMMAND_TIMEOUT = 120.0
+LONG = "--steps 100000 --delay 0.2"  # a job that runs until it is stopped
+
+pytestmark = pytest.mark.timeout(300)
+
+
+# --- helpers -----------------------------------------------------------------------------------------------------
+
+
+def fleet(*args: str, cwd: Path, tool: str = "fleet") -> subprocess.CompletedProcess[str]:
+    return subprocess.run([str(BIN / tool), *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=COMMAND_TIMEOUT)
+
+
+def ok(r: subprocess.CompletedProcess[str]) -> subprocess.CompletedProcess[str]:
+    assert r.returncode == 0, f"exit {r.returncode}\nstdout:\n{r.stdout}\nstderr:\n{r.stderr}"
+    assert "Traceback" not in r.stderr
+    return r
+
+
+def wait_for(what: str, condition: Callable[[], Any], bound: float = WAIT) -> Any:
+    deadline = time.monotonic() + bound
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not within {bound:.0f}s")
+        time.sleep(POLL)
+
+
+def status(project: Path, job: str, *core: str) -> dict[str, Any]:
+    return json.loads(ok(fleet(*core, "status", "--job", job, "--json", cwd=project)).stdout)
+
+
+def all_running(project: Path, job: str, min_step: int = 1) -> dict[str, Any] | None:
+    doc = status(project, job)
+    procs = doc["processes"]
+    running = all(p["state"] == "running" and p["pid"] for p in procs)
+    stepping = all(p["step"] is not None and p["step"] >= min_step for p in procs if p["role"] == "worker")
+    return doc if running and stepping else None
+
+
+def live(pids: list[int]) -> set[int]:
+    """Those still running (a zombie awaiting this machine's slow reaper has exited)."""
+    out = set()
+    for pid in pids:
+        try:
+            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+                out.add(pid)
+        except (FileNotFoundError, ProcessLookupError):
+            pass
+    return out
+
+
+def leftovers(cluster: Cluster, names: list[str] | None = None, ignore: set[int] = frozenset()) -> dict[str, set[int]]:
+    """What still runs on the hosts besides sshd: processes found through each host's network namespace."""
+    found = {n: live(cluster.workload_pids(n)) - ignore for n in (names or cluster.names)}
+    return {n: pids for n, pids in found.items() if pids}
+
+
+def assert_nothing_left(cluster: Cluster, ignore: set[int] = frozenset()) -> None:
+    wait_for("no process of the job left on any host", lambda: not leftovers(cluster, ignore=ignore), bound=15)
+
+
+@pytest.fixture
+def project(tmp_path: Path, cluster: Cluster) -> Path:
+    """A user's project: the training script and a fabric.yaml whose toolkit section names the cluster."""
+    d = tmp_path / "proj"
+    d.mkdir()
+    shutil.copy(WORKER, d / "train.py")
+    (d / "fabric.yaml").write_text(
+        "toolkit:\n"
+        f"  inventory: {cluster.inventory}\n"
+        f"  known_hosts: {cluster.known_hosts}\n"
+        "  warm_spare: false\n"
+        "  grace: 3\n"
+    )
+    return d
+
+
+@pytest.fixture
+def job() -> str:
+    return f"t{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture(scope="session")
+def ports() -> Iterator[int]:
+    return iter(range(9300, 9900, 2))
+
+
+@pytest.fixture
+def port(ports: Iterator[int]) -> str:
+    return str(next(ports))
+
+
+# --- the whole flow ----------------------------------------------------------------------------------------------
+
+
+def test_deploy_train_status_logs_restart_stop(cluster: Cluster, project: Path, job: str, port: str) -> None:
+    flags = ["--job", job, "--master-port", port, "--script-args", LONG]
+    r = ok(fleet("deploy", *flags, cwd=project))
+    assert f"deployed job {job} to {len(cluster.hosts)} host(s)" in r.stderr
+    job_dirs = {h.name: h.workdir / job for h in cluster.hosts}
+    for name, d in job_dirs.items():
+        assert (d / "project" / "train.py").read_bytes() == WORKER.read_bytes()
+        assert (d / "launch.sh").is_file() and (d / "recover.sh").is_file() and (d / "stop.sh").is_file()
+        assert oct((d / "token").stat().st_mode & 0o777) == "0o600"
+    assert not (job_dirs["node1"] / "project" / ".toolkit").exists()  # the local job record stays local
+
+    def snapshot() -> dict[Path, tuple[int, float]]:
+        return {p: (p.stat().st_ino, p.stat().st_mtime) for d in job_dirs.values() for p in d.rglob("*")
+                if p.is_file() and "state" not in p.parts and "logs" not in p.parts}
+
+    before = snapshot()
+    r = ok(fleet("deploy", *flags, cwd=project))  # nothing changed: nothing is sent
+    assert f"deployed job {job} to {len(cluster.hosts)} host(s): 0 file(s) sent (0 B)" in r.stderr
+    assert snapshot() == before  # no file rewritten (every write is a rename: a new inode)
+
+    r = ok(fleet("train", "--job", job, cwd=project))
+    assert f"job {job} started on {len(cluster.hosts)} host(s)" in r.stderr
+    doc = wait_for("every process running and stepping", lambda: all_running(project, job, min_step=2))
+    # the SSH sessions that started them are closed; the processes run on, each on its own host
+    assert [p["node_id"] for p in doc["processes"]] == ["sched"] + [f"worker_{i}" for i in range(4)]
+    assert {p["host"] for p in doc["processes"]} == set(cluster.names)
+    for p in doc["processes"]:
+        assert p["pid"] in cluster.workload_pids(p["host"])
+        assert p["log_age"] is not None and p["log_age"] < 30
+
+    table = ok(fleet("status", "--job", job, cwd=project)).stdout
+    for word in ("host", "node id", "rank", "pid", "state", "restarts", "last step", "log age", "worker_3"):
+        assert word in table
+
+    lines = ok(fleet("logs", "--job", job, "--rank", "1", "-n", "3", cwd=project)).stdout.splitlines()
+    assert len(lines) == 3 and all(line.startswith("node2:worker:1 | epoch: 0, step: ") for line in lines)
+    lines = ok(fleet("logs", "--job", job, "--host", "node1", "-n", "2", cwd=project)).stdout.splitlines()
+    assert {line.split(" | ")[0] for line in lines} == {"node1:sched:-", "node1:worker:0"}
+    assert "scheduler" not in ok(fleet("logs", "--job", job, "--node", "worker_3", cwd=project)).stdout
+
+    # -f streams from every host at once until Ctrl-C, then leaves no tail behind on any host
+    before_follow = {n: live(cluster.workload_pids(n)) for n in cluster.names}
+    follower = subprocess.Popen([str(BIN / "fleet"), "logs", "--job", job, "-f", "-n", "0"], cwd=project,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    seen: set[str] = set()
+    deadline = time.monotonic() + WAIT
+    while len(seen) < 4 and time.monotonic() < deadline:
+        line = follower.stdout.readline()  # type: ignore[union-attr]
+        if "| epoch: 0, step:" in line:
+            seen.add(line.split(" | ")[0])
+    assert seen == {"node1:worker:0", "node2:worker:1", "node3:worker:2", "node4:worker:3"}
+    follower.send_signal(signal.SIGINT)
+    out, err = follower.communicate(timeout=30)
+    assert follower.returncode == 0 and "Traceback" not in err, err
+    wait_for("the remote tails to be gone",
+             lambda: all(live(cluster.workload_pids(n)) <= before_follow[n] for n in cluster.names), bound=15)
+
+    # restart one process by hand, with fleet and with the rendered recover.sh on its host
+    old = {p["node_id"]: p["pid"] for p in doc["processes"]}
+    ok(fleet("restart", "--job", job, "--node", "worker_2", cwd=project))
+    doc = wait_for("worker_2 restarted", lambda: next(
+        (d for d in [status(project, job)] if _proc(d, "worker_2")["restarts"] == 1
+         and _proc(d, "worker_2")["state"] == "running"), None))
+    assert _proc(doc, "worker_2")["pid"] != old["worker_2"]
+    assert _proc(doc, "worker_1")["pid"] == old["worker_1"]  # nobody else was touched
+    recover = job_dirs["node3"] / "recover.sh"
+    by_hand = subprocess.run(["ssh", "-F", str(cluster.ssh_config), "node3", str(recover), "worker_2"],
+                             capture_output=True, text=True, timeout=COMMAND_TIMEOUT)
+    assert by_hand.returncode == 0, by_hand.stderr
+    wait_for("worker_2 restarted by recover.sh", lambda: _proc(status(project, job), "worker_2")["restarts"] == 2)
+
+    # an agent that dies shows as gone, with its processes; restart --host brings it back
+    agent = next(h for h in status(project, job)["hosts"] if h["host"] == "node4")["agent_pid"]
+    os.kill(agent, signal.SIGKILL)
+    r = wait_for("node4's agent gone", lambda: (lambda r: r if "gone" in r.stdout else None)(
+        ok(fleet("status", "--job", job, cwd=project))))
+    assert "node4: the agent is gone" in r.stderr
+    gone = status(project, job)
+    assert _proc(gone, "worker_3")["state"] == "gone" and _proc(gone, "worker_3")["pid"] is None
+    ok(fleet("restart", "--job", job, "--host", "node4", cwd=project))
+    wait_for("node4 running again", lambda: _proc(status(project, job), "worker_3")["state"] == "running")
+
+    r = ok(fleet("stop", "--job", job, cwd=project))
+    assert "no process of the job is left" in r.stderr
+    assert_nothing_left(cluster)
+    assert {p["state"] for p in status(project, job)["processes"]} <= {"stopped", "succeeded"}
+
+
+def _proc(doc: dict[str, Any], node_id: str) -> dict[str, Any]:
+    return next(p for p in doc["processes"] if p["node_id"] == node_id)
+
+
+# --- all or nothing ----------------------------------------------------------------------------------------------
+
+
+def test_unreachable_host_starts_nothing_anywhere(cluster: Cluster, project: Path, job: str, port: str) -> None:
+    victim = cluster.hosts[-1]
+    ok(fleet("deploy", "--job", job, "--master-port", port, "--script-args", LONG, cwd=project))
+    with cluster.partitioned(victim.name):
+        r = fleet("--connect-timeout", "2", "train", "--job", job, cwd=project)
+        assert r.returncode != 0 and "Traceback" not in r.stderr
+        first = r.stderr.splitlines()[0]
+        assert first.startswith(f"error: 1 of {len(cluster.hosts)} hosts failed; root cause: {victim.name}: "
+                                "unreachable")
+        assert victim.address in first
+        assert "stopped the job again on node1, node2, node3: no process of it is left there" in r.stderr
+        assert_nothing_left(cluster, ignore=set())
+
+        r = fleet("--connect-timeout", "2", "status", "--job", job, cwd=project)  # the others still answer
+        assert r.returncode != 0 and "Traceback" not in r.stderr
+        assert f"{victim.name}: unreachable" in r.stderr
+        assert all(name in r.stdout for name in cluster.names) and "unreachable" in r.stdout
+
+        r = fleet("--connect-timeout", "2", "deploy", "--job", job, cwd=project)
+        assert r.returncode == 2 and f"root cause: {victim.name}: unreachable" in r.stderr
+    assert_nothing_left(cluster)
+
+
+def test_changed_host_key_starts_nothing_anywhere(cluster: Cluster, project: Path, job: str, port: str) -> None:
+    victim = cluster.hosts[2]
+    ok(fleet("deploy", "--job", job, "--master-port", port, "--script-args", LONG, cwd=project))
+    with cluster.host_key_changed(victim.name):
+        r = fleet("train", "--job", job, cwd=project)
+        assert r.returncode != 0 and "Traceback" not in r.stderr
+        assert f"root cause: {victim.name}: host key for {victim.address} has CHANGED" in r.stderr.splitlines()[0]
+        assert_nothing_left(cluster)
+    assert_nothing_left(cluster)
+
+
+def test_busy_scheduler_port_starts_nothing_anywhere(cluster: Cluster, project: Path, job: str, port: str) -> None:
+    sched = cluster.hosts[0]
+    ok(fleet("deploy", "--job", job, "--master-port", port, "--script-args", LONG, cwd=project))
+    squatter = subprocess.Popen(cluster.netns_argv(sched.name, [
+        sys.executable, "-c", "import socket, sys; s = socket.socket(); s.bind(('', int(sys.argv[1]))); s.listen();"
+        " print('up', flush=True); sys.stdin.read()", port]), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert squatter.stdout.readline() == "up\n"  # type: ignore[union-attr]
+        r = fleet("train", "--job", job, cwd=project)
+        assert r.returncode != 0 and "Traceback" not in r.stderr
+        assert (f"root cause: {sched.name}: port {port} is already in use; stop what listens there or choose "
+                "another --master-port") in r.stderr.splitlines()[0]
+        assert_nothing_left(cluster, ignore={squatter.pid})
+    finally:
+        squatter.kill()
+        squatter.wait(timeout=10)
+    assert_nothing_left(cluster)
+
+
+@pytest.mark.parametrize("change,message", [
+    ("python=/nonexistent/python3", "node2: python /nonexistent/python3 not found"),
+    ("python=/usr/bin/python3", "node2: /usr/bin/python3 cannot import toolkit"),
+    ("workdir=/proc/no/such/dir", "node2: cannot create the workdir /proc/no/such/dir"),
+    ("ansible_ssh_private_key_file={wrong}", "node2: authentication failed for user root"),
+])
+def test_a_bad_host_fails_deploy_with_one_line_naming_it(
+        cluster: Cluster, project: Path, job: str, tmp_path: Path, change: str, message: str) -> None:
+    wrong = tmp_path / "id_wrong"
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(wrong)], check=True, timeout=30)
+    key, value = change.format(wrong=wrong).split("=", 1)
+    lines = []
+    for line in cluster.inventory.read_text().splitlines():
+        if line.startswith("node2 "):
+            line = " ".join(w if not w.startswith(key + "=") else f"{key}={value}" for w in line.split())
+        lines.append(line)
+    inventory = tmp_path / "inventory.ini"
+    inventory.write_text("\n".join(lines) + "\n")
+    r = fleet("deploy", "train", "--job", job, "--inventory", str(inventory), cwd=project)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.splitlines()[0].startswith(f"error: 1 of {len(cluster.hosts)} hosts failed; root cause: {message}")
+    assert not (cluster.hosts[0].workdir / job).exists()  # nothing deployed, so nothing could start
+    assert_nothing_left(cluster)
+
+
+# --- join --------------------------------------------------------------------------------------------------------
+
+
+def test_join_waits_for_success(cluster: Cluster, project: Path, job: str, port: str) -> None:
+    r = ok(fleet("deploy", "train", "--join", "--job", job, "--master-port", port, "--worker-num", "2",
+                 "--script-args", "--steps 4 --delay 0.1", cwd=project))
+    assert f"job {job} succeeded: every worker exited 0" in r.stderr
+    assert "node2:worker:1 succeeded" in r.stdout
+    assert_nothing_left(cluster)
+    assert "done after 4 steps" in ok(fleet("logs", "--job", job, "--rank", "1", cwd=project)).stdout
+
+
+def test_join_reports_a_failed_worker_and_leaves_nothing(cluster: Cluster, project: Path, job: str, port: str) -> None:
+    r = fleet("deploy", "train", "--join", "--job", job, "--master-port", port, "--worker-num", "2",
+              "--max-restarts", "1",
+              "--script-args", "--steps 100000 --delay 0.2 --fail-rank 1 --fail-step 10 --fail-code 3",
+              cwd=project)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert f"error: job {job} failed after" in r.stderr
+    assert "worker_1 on node2 (rank 1, pid " in r.stderr and "exit code 3 after 1 restart(s)" in r.stderr
+    assert "node2:worker:1 | worker_1: failing on purpose with exit code 3" in r.stderr
+    assert "node2:worker:1 failed" in r.stdout
+    assert_nothing_left(cluster)
+
+
+# --- fab, as typed -----------------------------------------------------------------------------------------------
+
+
+def test_fab_deploy_train_with_hosts_as_typed(cluster: Cluster, tmp_path: Path, job: str, port: str) -> None:
+    d = tmp_path / "fabproj"
+    d.mkdir()
+    shutil.copy(WORKER, d / "train.py")
+    shutil.copy(REPO / "fabfile.py", d / "fabfile.py")
+    hosts = ",".join(h.address for h in cluster.hosts[:2])  # ssh_config gives user, key and timeouts
+    r = ok(fleet("deploy", "train", f"--hosts={hosts}", "--ssh-config", str(cluster.ssh_config),
+                 "--known-hosts", str(cluster.known_hosts), "--python", cluster.python, "--job", job,
+                 "--master-port", port, "--no-warm-spare", "--join", "--script-args", "--steps 3 --delay 0.1",
+                 cwd=d, tool="fab"))
+    assert f"job {job} succeeded" in r.stderr
+    for h in cluster.hosts[:2]:  # the default workdir, under each host's own home
+        assert (h.home / "toolkit-jobs" / job / "logs" / "scheduler.log").exists() == (h is cluster.hosts[0])
+    assert_nothing_left(cluster)
+
+
+# --- local mode --------------------------------------------------------------------------------------------------
+
+
+def free_port_pair() -> int:
+    """A port whose successor is free too, on this machine (local mode listens on the real loopback)."""
+    for _ in range(50):
+        with socket.socket() as a:
+            a.bind(("127.0.0.1", 0))
+            p = a.getsockname()[1]
+            if p >= 65534:
+                continue
+            with socket.socket() as b:
+                try:
+                    b.bind(("127.0.0.1", p + 1))
+                except OSError:
+                    continue
+            return p
+    raise AssertionError("no free pair of ports")
+
+
+def test_local_mode_without_ssh(tmp_path: Path, job: str) -> None:
+    d = tmp_path / "local"
+    d.mkdir()
+    shutil.copy(WORKER, d / "train.py")
+    (d / "fabric.yaml").write_text(f"toolkit:\n  workdir: {tmp_path / 'work'}\n  warm_spare: false\n  grace: 3\n")
+    flags = ["--job", job, "--worker-num", "2", "--master-port", str(free_port_pair())]
+    ok(fleet("deploy", "train", *flags, "--script-args", LONG, cwd=d))
+    doc = wait_for("local processes running", lambda: all_running(d, job))
+    assert {p["host"] for p in doc["processes"]} == {"localhost"}
+    pids = [p["pid"] for p in doc["processes"]] + [h["agent_pid"] for h in doc["hosts"]]
+    assert live(pids) == set(pids)
+    for p in doc["processes"]:  # runs in place, in the project directory
+        assert os.readlink(f"/proc/{p['pid']}/cwd") == str(d)
+    lines = ok(fleet("logs", "--job", job, "--rank", "1", "-n", "1", cwd=d)).stdout
+    assert lines.startswith("localhost:worker:1 | epoch: 0, step: ")
+    ok(fleet("stop", "--job", job, cwd=d))
+    assert live(pids) == set()
+
+    ok(fleet("train", "--join", "--job", job + "j", "--worker-num", "2", "--master-port", str(free_port_pair()),
+             "--script-args", "--steps 3 --delay 0.1", cwd=d))  # never deployed: train deploys first
+    assert (tmp_path / "work" / (job + "j") / "state" / "agent.json").is_file()
+
+
+# --- pieces ------------------------------------------------------------------------------------------------------
+
+
+def test_tail_output_is_split_by_file_and_keeps_blank_lines() -> None:
+    from toolkit.tasks import _TailParser
+
+    got: list[tuple[str, str]] = []
+    parse = _TailParser({"/a.log": "h:worker:0", "/b.log": "h:worker:1"}, lambda p, line: got.append((p, line)))
+    for line in ["==> /a.log <==", "one", "", "two", "", "==> /b.log <==", "three", "", "==> /a.log <==", "four"]:
+        parse(line)
+    assert got == [("h:worker:0", "one"), ("h:worker:0", ""), ("h:worker:0", "two"), ("h:worker:1", "three"),
+                   ("h:worker:0", "four")]
