@@ -210,6 +210,13 @@ def test_deploy_train_status_logs_restart_stop(cluster: Cluster, project: Path, 
     ok(fleet("restart", "--job", job, "--host", "node4", cwd=project))
     wait_for("node4 running again", lambda: _proc(status(project, job), "worker_3")["state"] == "running")
 
+    # train again is harmless (every agent already runs), and --join-timeout bounds the wait, not the job
+    r = fleet("train", "--job", job, "--join", "--join-timeout", "1", cwd=project)
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert f"({len(cluster.hosts)} already running)" in r.stderr
+    assert f"error: job {job} still runs after --join-timeout 1 s; it keeps running" in r.stderr
+    assert all(p["state"] == "running" for p in status(project, job)["processes"])
+
     r = ok(fleet("stop", "--job", job, cwd=project))
     assert "no process of the job is left" in r.stderr
     assert_nothing_left(cluster)
@@ -301,6 +308,19 @@ def test_a_bad_host_fails_deploy_with_one_line_naming_it(
     assert_nothing_left(cluster)
 
 
+def test_unknown_host_keys_are_refused_unless_accepted(cluster: Cluster, project: Path, job: str,
+                                                       tmp_path: Path) -> None:
+    known = tmp_path / "known_hosts"
+    known.write_text("")
+    r = fleet("deploy", "--job", job, "--known-hosts", str(known), cwd=project)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    for h in cluster.hosts:
+        assert f"  {h.name}: host key unknown: {h.address} is not in {known}" in r.stderr
+    assert "--accept-new-host-keys" in r.stderr and known.read_text() == ""
+    ok(fleet("deploy", "--job", job, "--known-hosts", str(known), "--accept-new-host-keys", cwd=project))
+    assert sorted(known.read_text().splitlines()) == sorted(f"{h.address} {h.public_key()}" for h in cluster.hosts)
+
+
 # --- join --------------------------------------------------------------------------------------------------------
 
 
@@ -335,14 +355,18 @@ def test_fab_deploy_train_with_hosts_as_typed(cluster: Cluster, tmp_path: Path, 
     shutil.copy(WORKER, d / "train.py")
     shutil.copy(REPO / "fabfile.py", d / "fabfile.py")
     hosts = ",".join(h.address for h in cluster.hosts[:2])  # ssh_config gives user, key and timeouts
-    r = ok(fleet("deploy", "train", f"--hosts={hosts}", "--ssh-config", str(cluster.ssh_config),
-                 "--known-hosts", str(cluster.known_hosts), "--python", cluster.python, "--job", job,
-                 "--master-port", port, "--no-warm-spare", "--join", "--script-args", "--steps 3 --delay 0.1",
-                 cwd=d, tool="fab"))
-    assert f"job {job} succeeded" in r.stderr
-    for h in cluster.hosts[:2]:  # the default workdir, under each host's own home
-        assert (h.home / "toolkit-jobs" / job / "logs" / "scheduler.log").exists() == (h is cluster.hosts[0])
-    assert_nothing_left(cluster)
+    try:
+        r = ok(fleet("deploy", "train", f"--hosts={hosts}", "--ssh-config", str(cluster.ssh_config),
+                     "--known-hosts", str(cluster.known_hosts), "--python", cluster.python, "--job", job,
+                     "--master-port", port, "--no-warm-spare", "--join", "--script-args", "--steps 3 --delay 0.1",
+                     cwd=d, tool="fab"))
+        assert f"job {job} succeeded" in r.stderr
+        for h in cluster.hosts[:2]:  # the default workdir, under each host's own home
+            assert (h.home / "toolkit-jobs" / job / "logs" / "scheduler.log").exists() == (h is cluster.hosts[0])
+        assert_nothing_left(cluster)
+    finally:  # the homes are shared by the whole session: leave them as they were
+        for h in cluster.hosts[:2]:
+            shutil.rmtree(h.home / "toolkit-jobs", ignore_errors=True)
 
 
 # --- local mode --------------------------------------------------------------------------------------------------

@@ -392,19 +392,33 @@ class Host:
     def preflight(self, python: str, workdir: str, ports: Sequence[int] = ()) -> None:
         """Check before starting anything that the host has `python`, that it imports toolkit, that `workdir`
         can be created, and that `ports` are free; raise PreflightFailed naming the first thing missing."""
+        # One interpreter for the import and every port (each start of Python costs ~0.1 s of CPU per host).
+        check = (
+            "import socket, sys\n"
+            "try:\n"
+            "    import toolkit\n"
+            "except Exception as e:\n"
+            "    print(f'{type(e).__name__}: {e}', file=sys.stderr)\n"
+            f"    sys.exit({_NO_TOOLKIT})\n"
+            "for p in sys.argv[1:]:\n"
+            "    s = socket.socket()\n"
+            "    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n"
+            "    try:\n"
+            "        s.bind(('', int(p)))\n"
+            "    except OSError:\n"
+            "        print(p)\n"
+            f"        sys.exit({_PORT_BUSY})\n"
+            "    finally:\n"
+            "        s.close()\n"
+        )
         script = (
-            'py=$1 wd=$2; shift 2\n'
+            'py=$1 wd=$2 check=$3; shift 3\n'
             f'case $py in */*) test -x "$py" ;; *) command -v "$py" >/dev/null 2>&1 ;; esac || exit {_NO_PYTHON}\n'
-            f'"$py" -c "import toolkit" || exit {_NO_TOOLKIT}\n'
             f'mkdir -p -- "$wd" && test -w "$wd" || exit {_NO_WORKDIR}\n'
-            'for p in "$@"; do\n'
-            '  "$py" -c "import socket, sys; s = socket.socket(); '
-            's.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind((\'\', int(sys.argv[1])))" "$p" '
-            f'2>/dev/null || {{ echo "$p"; exit {_PORT_BUSY}; }}\n'
-            'done\n'
+            'exec "$py" -c "$check" "$@"\n'
         )
         wd = _home_relative(workdir)
-        result = self.run(["sh", "-c", script, "sh", python, wd, *(str(p) for p in ports)])
+        result = self.run(["sh", "-c", script, "sh", python, wd, check, *(str(p) for p in ports)])
         if result.ok:
             return
         if result.connection_lost or result.exit_code not in (_NO_PYTHON, _NO_TOOLKIT, _NO_WORKDIR, _PORT_BUSY):

@@ -230,7 +230,7 @@ def train(settings: Settings, join: bool = False, join_timeout: float | None = N
     def start(host: Host) -> bool:
         """True if this call started the agent (False: it already ran)."""
         h = record.host(host.name)
-        if h.name == sched.name and not _agent_doc(host, h).get("alive"):
+        if h.name == sched.name and not _poll_status(host, h)["doc"]["alive"]:
             host.preflight(h.python, h.job_dir, ports=(port, port + 1))
         out = host.run([f"{h.job_dir}/launch.sh"], timeout=LAUNCH_TIMEOUT, check=True).stdout
         return "already running" not in out
@@ -322,7 +322,7 @@ def restart(settings: Settings, node: str | None, host_name: str | None) -> None
     def do(host: Host) -> str:
         if node is not None:
             return host.run([f"{h.job_dir}/recover.sh", node], timeout=LAUNCH_TIMEOUT, check=True).stdout.strip()
-        if not _agent_doc(host, h).get("alive"):
+        if not _poll_status(host, h)["doc"]["alive"]:
             return host.run([f"{h.job_dir}/launch.sh"], timeout=LAUNCH_TIMEOUT, check=True).stdout.strip()
         return "\n".join(host.run([f"{h.job_dir}/recover.sh", n], timeout=LAUNCH_TIMEOUT, check=True).stdout.strip()
                          for n in h.node_ids)
@@ -414,12 +414,6 @@ def collect_status(record: JobRecord, ssh: SshSettings, pool: HostPool | None = 
     results = run_on_all([_target(h, record.local) for h in chosen],
                          lambda host: _poll_status(host, record.host(host.name)), ssh, pool=pool)
     return [_host_status(record, name, r) for name, r in results.items()]
-
-
-def _agent_doc(host: Host, h: HostRecord) -> dict[str, Any]:
-    result = host.run([h.python, "-m", "toolkit.agent", "status", "--job-dir", h.job_dir], timeout=STATUS_TIMEOUT,
-                      check=True)
-    return json.loads(result.stdout)
 
 
 def _fetch_status(host: Host, h: HostRecord) -> dict[str, Any]:
