@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -168,6 +170,18 @@ def test_yaml_inventory(tmp_path: Path) -> None:
     path.write_text("all:\n  children:\n    workers:\n      hosts:\n        a: {slots: 2}\n        b:\n          slots: 3\n")
     inv = load_ansible_inventory(path)
     assert [(h.name, h.slots) for h in inv.worker_hosts] == [("a", 2), ("b", 3)]
+
+
+def test_torch_still_loads_after_two_ansible_parses(tmp_path: Path) -> None:
+    """ansible-core patches sys.intern on import and torch's compiler refuses the patched one: a process that
+    read an inventory must still be able to train (a fresh interpreter, since this one may have loaded torch)."""
+    path = tmp_path / "hosts.ini"
+    path.write_text("[workers]\nnode[1:2] slots=2\n")
+    code = ("import sys; from toolkit.inventory import load_ansible_inventory as load; "
+            f"assert len(load({str(path)!r}).hosts) == len(load({str(path)!r}).hosts) == 2; "
+            "import torch._dynamo; import torch; torch.optim.SGD([torch.zeros(1, requires_grad=True)]).step()")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
 
 
 def test_example_inventory_parses() -> None:

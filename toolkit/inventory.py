@@ -6,11 +6,14 @@ names the file and line (or the --hosts item), what is wrong and what to do.
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import re
+import socket
+import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Iterator, Mapping
 
 from toolkit.errors import UserError
 
@@ -271,8 +274,29 @@ def load_ansible_inventory(path: str | Path) -> Inventory:
     Ansible; then read toolkit's groups (scheduler, workers, spares) and vars."""
     path = Path(path).absolute()
     _read(path, "inventory")  # one clear line for a missing or unreadable file before Ansible sees it
-    data = _ansible_parse(path)
-    return _inventory_from_ansible(data, str(path))
+    with _ansible_patches():
+        data = _ansible_parse(path)
+        return _inventory_from_ansible(data, str(path))
+
+
+@contextlib.contextmanager
+def _ansible_patches() -> Iterator[None]:
+    """ansible-core (2.19+) replaces `sys.intern` and `socket.getaddrinfo` process-wide on import, to accept its
+    tagged str/int subclasses; torch refuses the replaced `sys.intern` when it loads its compiler. So Ansible gets
+    its versions only while it parses, and the rest of the process keeps the originals."""
+    saved = sys.intern, socket.getaddrinfo
+    try:
+        from ansible.module_utils._internal._patches import _socket_patch, _sys_intern_patch
+    except ImportError:  # older ansible-core patches nothing
+        patches: tuple[Any, ...] = ()
+    else:
+        patches = (_sys_intern_patch.SysInternPatch, _socket_patch.GetAddrInfoPatch)
+    for patch in patches:
+        patch.patch()  # idempotent; re-applies what a previous call restored
+    try:
+        yield
+    finally:
+        sys.intern, socket.getaddrinfo = saved
 
 
 def _ansible_parse(path: Path) -> Any:
