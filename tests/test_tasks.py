@@ -404,12 +404,33 @@ def test_local_mode_without_ssh(tmp_path: Path, job: str) -> None:
         assert os.readlink(f"/proc/{p['pid']}/cwd") == str(d)
     lines = ok(fleet("logs", "--job", job, "--rank", "1", "-n", "1", cwd=d)).stdout
     assert lines.startswith("localhost:worker:1 | epoch: 0, step: ")
+    follower = subprocess.Popen([str(BIN / "fleet"), "logs", "--job", job, "-f", "--node", "worker_0"], cwd=d,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    assert follower.stdout.readline().startswith("localhost:worker:0 | ")  # type: ignore[union-attr]
+    tails = _children(follower.pid)  # the tail it runs (in a session of its own)
+    assert tails
+    follower.send_signal(signal.SIGINT)
+    _, err = follower.communicate(timeout=30)
+    assert follower.returncode == 0 and "Traceback" not in err, err
+    wait_for("the local tail to be gone", lambda: not live(tails), bound=15)
     ok(fleet("stop", "--job", job, cwd=d))
     assert live(pids) == set()
 
     ok(fleet("train", "--join", "--job", job + "j", "--worker-num", "2", "--master-port", str(free_port_pair()),
              "--script-args", "--steps 3 --delay 0.1", cwd=d))  # never deployed: train deploys first
     assert (tmp_path / "work" / (job + "j") / "state" / "agent.json").is_file()
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                    out.append(int(entry.name))
+            except OSError:
+                continue
+    return out
 
 
 # --- pieces ------------------------------------------------------------------------------------------------------

@@ -31,7 +31,7 @@ import re
 import shutil
 import struct
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
@@ -258,6 +258,12 @@ class CheckpointManager:
     Use it as a context manager (or call ``close()``) so that an asynchronous write in flight is finished before
     the process exits; an ``atexit`` hook does the same for a process that forgets. One manager per directory:
     on start it deletes temp files left by a previous incarnation that died mid-write.
+
+    ``on_commit(step)`` is called once the file of ``step`` is durable (after the rename and the directory
+    fsync): on the caller's thread for a synchronous save, on the writer thread for an asynchronous one. Why a
+    hook: ``save`` returning is not the commit in async mode, and the job's record of the newest durable step
+    (``Runtime.committed``) must never run ahead of the disk. An exception from the hook is logged, never
+    turned into a failed checkpoint (the file is durable).
     """
 
     def __init__(
@@ -267,6 +273,7 @@ class CheckpointManager:
         *,
         async_write: bool = False,
         write_timeout: float = DEFAULT_WRITE_TIMEOUT,
+        on_commit: Callable[[int], None] | None = None,
     ) -> None:
         if keep_max < MIN_KEEP:
             raise ValueError(
@@ -279,6 +286,7 @@ class CheckpointManager:
         self.keep_max = keep_max
         self.async_write = async_write
         self.write_timeout = write_timeout
+        self.on_commit = on_commit
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
         except OSError as e:
@@ -381,6 +389,7 @@ class CheckpointManager:
         self._raise_pending()
         if not self.async_write:
             self._write(step, state)
+            self._committed(step)
             return
         with self._cond:
             if self._closed:
@@ -460,11 +469,21 @@ class CheckpointManager:
                 error = CheckpointError(f"checkpoint of step {step} in {self.directory} failed: {e!r}")
             finally:
                 del state
+                if error is None:
+                    self._committed(step)  # before the flush below returns: flush() means "committed and told"
                 with self._cond:
                     if error is not None:
                         self._error = error
                     self._busy = False
                     self._cond.notify_all()
+
+    def _committed(self, step: int) -> None:
+        if self.on_commit is None:
+            return
+        try:
+            self.on_commit(step)
+        except Exception as e:
+            log.error("on_commit hook for step %d in %s failed: %r", step, self.directory, e)
 
     def _raise_pending(self) -> None:
         with self._cond:

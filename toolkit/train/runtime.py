@@ -647,7 +647,8 @@ def init(backend: str | None = None, timeout: float = DEFAULT_TIMEOUT,
     collective may block before it fails (a stopped peer is otherwise waited on forever); it also bounds building
     a group. Under toolkit this blocks until every worker has registered (at most MS_TOPO_TIMEOUT).
     """
-    cfg = WorkerEnv.from_env(os.environ if env is None else env)
+    env = os.environ if env is None else env
+    cfg = WorkerEnv.from_env(env)
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() and cfg.mode != MODE_SINGLE else "gloo"
     if timeout <= 0:
@@ -664,7 +665,7 @@ def init(backend: str | None = None, timeout: float = DEFAULT_TIMEOUT,
         rt.generation = 0
         return rt
     if cfg.mode == MODE_TORCHRUN:
-        dist.init_process_group(backend, timeout=timedelta(seconds=timeout))
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout), **_torchrun_round(env, timeout))
         rt.rank, rt.world_size = dist.get_rank(), dist.get_world_size()
         rt.generation = 0
         return rt
@@ -679,6 +680,24 @@ def init(backend: str | None = None, timeout: float = DEFAULT_TIMEOUT,
         rt.close()
         raise
     return rt
+
+
+def _torchrun_round(env: Mapping[str, str], timeout: float) -> dict[str, Any]:
+    """Under torchrun on one node: this restart round's own keys in the agent's store.
+
+    Why: torchrun's agent keeps one store for every round and env:// reads the peers' addresses under the same
+    keys each round, so a restarted worker can read a dead incarnation's address and fail to connect, round after
+    round, until max_restarts is spent (the stale-key hang in REFERENCE.md). On one node every worker of a round
+    has the same TORCHELASTIC_RESTART_COUNT, so it names the round. Across nodes the counts can differ (a node
+    that joins later starts at 0): there env:// is left as it is."""
+    restart = env.get(E.TORCHELASTIC_RESTART_COUNT)
+    if (restart is None or env.get(E.TORCHELASTIC_USE_AGENT_STORE, "").lower() != "true"
+            or env.get(E.LOCAL_WORLD_SIZE) != env.get(E.WORLD_SIZE)):
+        return {}
+    store = dist.TCPStore(env[E.MASTER_ADDR], int(env[E.MASTER_PORT]), None, is_master=False,
+                          timeout=timedelta(seconds=timeout), use_libuv=True)
+    return {"store": dist.PrefixStore(f"toolkit/restart_{restart}/", store), "rank": int(env[E.RANK]),
+            "world_size": int(env[E.WORLD_SIZE])}
 
 
 def run_script(argv: Sequence[str], env: Mapping[str, str] | None = None) -> int:

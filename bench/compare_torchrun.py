@@ -1,0 +1,426 @@
+#!/usr/bin/env python3
+"""The sample (examples/train.py, 2 workers, gloo) under torchrun and under toolkit, side by side, in one run.
+
+Why: the claims that matter to a user are relative ones: a fault costs less than under torchrun, the launcher
+costs nothing while training, and a job starts no slower. Not a test: it prints medians and ratios (toolkit /
+torchrun); docs/benchmarks.md has the results and how to read them.
+
+    .venv/bin/python bench/compare_torchrun.py [--repeats 5] [--steady-epochs 120] [--json OUT]
+
+torchrun: `torchrun --nproc-per-node 2 --max-restarts 3 --rdzv-backend c10d --rdzv-endpoint 127.0.0.1:PORT
+--log-dir D --redirects 3 train.py ...` (a fresh port per run). toolkit: the local job that `fleet deploy train`
+runs on this machine: toolkit.plan.make_plan(local_inventory(2), ...) + toolkit.render, then `python -m
+toolkit.agent run --job-dir D` (scheduler, 2 workers, warm spare; default restart policy and timeouts).
+
+Metrics (every rank's step lines are followed in its log file; a line's time is when the follower saw it, at most
+POLL late, the same for both launchers):
+  launch    command start -> the first step line of every rank (fault runs, before the fault)
+  recovery  `kill -9` of rank 1 -> every rank has printed, in the new timeline (after its post-kill "resumed
+            from step" line), a step past the newest step any rank had printed in the old one
+  lost      steps recomputed: that newest old step minus the step the ranks resumed from
+  steady    steps/s of rank 0 over the second half of a fault-free run with --step-delay 0 (the first half holds
+            the start-up: imports, and under toolkit the warm spare's own import of torch)
+Faulted runs use --step-delay 0.05 and kill rank 1 at the first step >= 12 with step % 10 == 5 (half-way between
+two checkpoints), under toolkit once the warm spare is ready (as it is in a job that has been running a while).
+Every run must end with exit code 0; the final parameters' digests of all faulted runs are compared (they must
+all be equal: a fault changes nothing in the result). Runs alternate launchers so that load from others on the
+machine hits both alike. Every wait is bounded; a kill not recovered from (the launcher gave up, or no recovery
+within RECOVERY_BOUND) is counted and left out of the medians, and the run's process group is stopped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import secrets
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from toolkit.inventory import local_inventory  # noqa: E402
+from toolkit.plan import JobOptions, make_plan  # noqa: E402
+from toolkit.render import render_host, write_files  # noqa: E402
+
+EXAMPLES = ROOT / "examples"
+TORCHRUN = str(Path(sys.executable).parent / "torchrun")
+WORLD = 2
+VICTIM = 1
+INTERVAL = 10
+FAULT_ARGS = ["--epochs", "8", "--ckpt-interval", str(INTERVAL), "--step-delay", "0.05", "--timeout", "60"]
+POLL = 0.01  # s between looks at the logs (no event says a line was appended); the resolution of every figure
+RUN_BOUND = 300.0  # s for one whole run
+RECOVERY_BOUND = 90.0  # s for a recovery before it counts as hung
+SPARE_BOUND = 60.0  # s for the agent's warm spare to be ready
+STEP = re.compile(r"^epoch: \d+, step: (\d+), loss is")
+RESUMED = re.compile(r"^rank \d+: (?:resumed from step (\d+)|starting fresh)")
+FINAL = re.compile(r"^final parameters: \S+ sha256 ([0-9a-f]{64})$")
+DROP = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "CKPT_DIR", "DATA_PATH")
+
+
+def free_port_pair() -> int:
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        with socket.socket() as s2:
+            try:
+                s2.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError("no two consecutive free ports on 127.0.0.1")
+
+
+def base_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in DROP and not k.startswith(("MS_", "TOOLKIT_", "TORCHELASTIC"))}
+    env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+@dataclass
+class Event:
+    t: float
+    kind: str  # step, resumed, final
+    value: Any
+
+
+@dataclass
+class Follower:
+    """Follows the step, resume and final lines of every rank's log files in a thread. `files()` lists the
+    (rank, path) pairs to follow; new files (a restarted torchrun attempt) are picked up as they appear."""
+
+    files: Callable[[], list[tuple[int, Path]]]
+    events: dict[int, list[Event]] = field(default_factory=dict)
+    cond: threading.Condition = field(default_factory=threading.Condition)
+    _offsets: dict[Path, int] = field(default_factory=dict)
+    _partial: dict[Path, bytes] = field(default_factory=dict)
+    _stop: threading.Event = field(default_factory=threading.Event)
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        if not self._stop.is_set():
+            self._stop.set()
+            self._thread.join(5)
+            self._scan()
+
+    def _run(self) -> None:
+        while not self._stop.wait(POLL):
+            self._scan()
+
+    def _scan(self) -> None:
+        now = time.monotonic()
+        for rank, path in self.files():
+            try:
+                with open(path, "rb") as f:
+                    f.seek(self._offsets.get(path, 0))
+                    data = f.read()
+            except OSError:
+                continue
+            if not data:
+                continue
+            self._offsets[path] = self._offsets.get(path, 0) + len(data)
+            data = self._partial.pop(path, b"") + data
+            *lines, rest = data.split(b"\n")
+            if rest:
+                self._partial[path] = rest
+            found = []
+            for raw in lines:
+                line = raw.decode(errors="replace")
+                if m := STEP.match(line):
+                    found.append(Event(now, "step", int(m.group(1))))
+                elif m := RESUMED.match(line):
+                    found.append(Event(now, "resumed", int(m.group(1) or 0)))
+                elif m := FINAL.match(line):
+                    found.append(Event(now, "final", m.group(1)))
+            if found:
+                with self.cond:
+                    self.events.setdefault(rank, []).extend(found)
+                    self.cond.notify_all()
+
+    def wait(self, what: str, predicate: Callable[[dict[int, list[Event]]], Any], timeout: float) -> Any:
+        deadline = time.monotonic() + timeout
+        with self.cond:
+            while True:
+                value = predicate(self.events)
+                if value:
+                    return value
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"no {what} within {timeout:g} s")
+                self.cond.wait(left)
+
+    def last_step(self, rank: int) -> int:
+        with self.cond:
+            return max((e.value for e in self.events.get(rank, []) if e.kind == "step"), default=0)
+
+
+def first_steps(events: dict[int, list[Event]]) -> float | None:
+    if sorted(events) != list(range(WORLD)):
+        return None
+    firsts = [next((e.t for e in events[r] if e.kind == "step"), None) for r in range(WORLD)]
+    return None if None in firsts else max(firsts)
+
+
+def split_at_kill(events: list[Event], killed: float) -> tuple[list[Event], list[Event]]:
+    """A rank's events before its first resume after the kill (old timeline) and from it on (new timeline)."""
+    for i, e in enumerate(events):
+        if e.kind == "resumed" and e.t >= killed:
+            return events[:i], events[i:]
+    return events, []
+
+
+class Run:
+    """One launch of the sample; subclasses know how to start it, where its logs are and which pid is a rank."""
+
+    name = ""
+
+    def __init__(self, root: Path, args: list[str]) -> None:
+        self.root, self.args = root, args
+        self.proc: subprocess.Popen | None = None
+        self.follower = Follower(self.log_files)
+
+    def log_files(self) -> list[tuple[int, Path]]:
+        raise NotImplementedError
+
+    def pid_of(self, rank: int) -> int:
+        raise NotImplementedError
+
+    def ready_to_kill(self) -> None:
+        """Block until the launcher is in its steady state for a fault (toolkit: the warm spare is ready)."""
+
+    def start(self) -> float:
+        raise NotImplementedError
+
+    def wait_exit(self, timeout: float) -> int:
+        assert self.proc is not None
+        return self.proc.wait(timeout)
+
+    def kill_all(self) -> None:
+        """Bounded teardown of what we started: SIGTERM our launcher's process group, then SIGKILL it."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+
+
+class TorchrunRun(Run):
+    name = "torchrun"
+
+    def start(self) -> float:
+        t0 = time.monotonic()
+        argv = [TORCHRUN, "--nproc-per-node", str(WORLD), "--max-restarts", "3", "--rdzv-backend", "c10d",
+                "--rdzv-endpoint", f"127.0.0.1:{free_port_pair()}", "--log-dir", str(self.root / "logs"),
+                "--redirects", "3", str(EXAMPLES / "train.py"), *self.args]
+        with open(self.root / "torchrun.out", "wb") as out:
+            self.proc = subprocess.Popen(argv, cwd=self.root, env={**base_env(), "CKPT_DIR": str(self.root / "ckpt")},
+                                         stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True)
+        self.follower.start()
+        return t0
+
+    def log_files(self) -> list[tuple[int, Path]]:
+        found = sorted(self.root.glob("logs/*/attempt_*/*/stdout.log"), key=lambda p: p.parent.parent.name)
+        return [(int(p.parent.name), p) for p in found]
+
+    def pid_of(self, rank: int) -> int:
+        """The worker of `rank` among our torchrun's children (its environment names the rank)."""
+        assert self.proc is not None
+        children = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text().split()
+        for pid in children:
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            if f"RANK={rank}".encode() in env:
+                return int(pid)
+        raise RuntimeError(f"no worker of rank {rank} among torchrun's children {children}")
+
+
+class ToolkitRun(Run):
+    name = "toolkit"
+
+    def start(self) -> float:
+        t0 = time.monotonic()
+        options = JobOptions(job="cmp", script="train.py", script_args=" ".join(self.args),
+                             master_port=free_port_pair(), workdir=str(self.root), python=sys.executable)
+        plan = make_plan(local_inventory(WORLD), options, str(EXAMPLES))
+        (host,) = plan.hosts
+        self.dir = Path(host.job_dir)
+        write_files(render_host(plan, host, secrets.token_hex(16)), self.dir)
+        with open(self.root / "agent.out", "wb") as out:
+            self.proc = subprocess.Popen([sys.executable, "-m", "toolkit.agent", "run", "--job-dir", str(self.dir)],
+                                         env=base_env(), stdin=subprocess.DEVNULL, stdout=out, stderr=out,
+                                         start_new_session=True)
+        self.follower.start()
+        return t0
+
+    def doc(self) -> dict[str, Any]:
+        try:
+            return json.loads((self.dir / "state" / "agent.json").read_text())
+        except (OSError, ValueError):
+            return {}
+
+    def log_files(self) -> list[tuple[int, Path]]:
+        return [(r, self.dir / "logs" / f"worker_{r}.log") for r in range(WORLD)]
+
+    def pid_of(self, rank: int) -> int:
+        return next(p["pid"] for p in self.doc()["processes"] if p["node_id"] == f"worker_{rank}")
+
+    def ready_to_kill(self) -> None:
+        deadline = time.monotonic() + SPARE_BOUND
+        while not (self.doc().get("warm_spare") or {}).get("ready"):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the warm spare was not ready within {SPARE_BOUND:g} s")
+            time.sleep(POLL)
+
+    def kill_all(self) -> None:
+        """SIGTERM to the agent stops its children (bounded by its grace); SIGKILL its session if it must."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+
+
+def fault_run(run: Run) -> dict[str, Any]:
+    f = run.follower
+    t0 = run.start()
+    try:
+        launch = f.wait("first step of every rank", first_steps, RUN_BOUND) - t0
+        run.ready_to_kill()
+        now = f.last_step(VICTIM)
+        kill_at = next(s for s in range(max(now + 2, 12), 10**6) if s % INTERVAL == INTERVAL // 2)
+        f.wait(f"rank {VICTIM} at step {kill_at}", lambda _: f.last_step(VICTIM) >= kill_at, RUN_BOUND)
+        pid = run.pid_of(VICTIM)
+        killed = time.monotonic()
+        os.kill(pid, signal.SIGKILL)
+
+        def recovered(events: dict[int, list[Event]]) -> tuple[float, int, int] | str | None:
+            if run.proc.poll() is not None:
+                return f"exited {run.proc.returncode} without recovering"
+            parts = {r: split_at_kill(events.get(r, []), killed) for r in range(WORLD)}
+            if not all(new for _, new in parts.values()):
+                return None
+            reached = max((e.value for old, _ in parts.values() for e in old if e.kind == "step"), default=0)
+            past = [next((e.t for e in new if e.kind == "step" and e.value > reached), None)
+                    for _, new in parts.values()]
+            if None in past:
+                return None
+            return max(past) - killed, reached, parts[0][1][0].value
+
+        try:
+            outcome = f.wait("recovery", recovered, RECOVERY_BOUND)
+        except TimeoutError:
+            outcome = f"no recovery within {RECOVERY_BOUND:g} s"
+        if isinstance(outcome, str):
+            return {"launch": launch, "failed": outcome, "kill_at": kill_at}
+        mttr, reached, resumed = outcome
+        code = run.wait_exit(RUN_BOUND)
+        f.stop()
+        digest = next((e.value for e in f.events.get(0, []) if e.kind == "final"), None)
+        return {"launch": launch, "recovery": mttr, "lost": reached - resumed, "exit": code, "digest": digest,
+                "kill_at": kill_at, "reached": reached, "resumed": resumed}
+    finally:
+        f.stop()
+        run.kill_all()
+
+
+def steady_run(run: Run) -> dict[str, Any]:
+    f = run.follower
+    run.start()
+    try:
+        code = run.wait_exit(RUN_BOUND)
+        f.stop()
+        steps = [e for e in f.events.get(0, []) if e.kind == "step"]
+        half = steps[len(steps) // 2:]
+        rate = (len(half) - 1) / (half[-1].t - half[0].t)
+        digest = next((e.value for e in f.events.get(0, []) if e.kind == "final"), None)
+        return {"steady": rate, "exit": code, "digest": digest, "steps": len(steps)}
+    finally:
+        f.stop()
+        run.kill_all()
+
+
+def median(rows: list[dict[str, Any]], key: str) -> float | None:
+    values = [r[key] for r in rows if r.get(key) is not None]
+    return statistics.median(values) if values else None
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--steady-epochs", type=int, default=120, help="epochs of the fault-free run (23 steps each)")
+    ap.add_argument("--json", type=Path, default=None, help="write every run's figures here")
+    ap.add_argument("--keep", action="store_true", help="keep the run directories (logs) for inspection")
+    args = ap.parse_args()
+    steady_args = ["--epochs", str(args.steady_epochs), "--ckpt-interval", str(INTERVAL), "--step-delay", "0",
+                   "--timeout", "60"]
+    base = Path(tempfile.mkdtemp(prefix="cmp-", dir="/tmp"))  # short: unix socket paths are limited to 107 bytes
+    load = os.getloadavg()
+    print(f"{os.cpu_count()} CPUs, load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}; runs in {base}",
+          flush=True)
+    results: dict[str, dict[str, list[dict[str, Any]]]] = {n: {"fault": [], "steady": []} for n in ("toolkit", "torchrun")}
+    try:
+        for i in range(args.repeats):
+            for kind, fn, run_args in (("fault", fault_run, FAULT_ARGS), ("steady", steady_run, steady_args)):
+                for cls in ((ToolkitRun, TorchrunRun) if i % 2 == 0 else (TorchrunRun, ToolkitRun)):
+                    root = base / f"{cls.name}-{kind}-{i}"
+                    root.mkdir()
+                    row = fn(cls(root, run_args))
+                    results[cls.name][kind].append(row)
+                    shown = {k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items() if k != "digest"}
+                    print(f"{i + 1}/{args.repeats} {cls.name:8} {kind:6} {shown}", flush=True)
+    finally:
+        if not args.keep:
+            shutil.rmtree(base, ignore_errors=True)
+    load = os.getloadavg()
+    print(f"load average at the end {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
+
+    print(f"\nmedians over {args.repeats} runs each (2 workers, gloo, CPU)")
+    print(f"{'metric':<28}{'toolkit':>12}{'torchrun':>12}{'ratio':>10}{'target':>12}")
+    for label, kind, key, unit, target in (
+            ("launch to first step", "fault", "launch", "s", "<= 1.0"),
+            ("recovery (MTTR)", "fault", "recovery", "s", "<= 0.5"),
+            ("lost work", "fault", "lost", "steps", ""),
+            ("steady state", "steady", "steady", "steps/s", ">= 0.98")):
+        a, b = median(results["toolkit"][kind], key), median(results["torchrun"][kind], key)
+        ratio = f"{a / b:.2f}" if a is not None and b else "-"
+        fa = f"{a:.2f} {unit}" if a is not None else "-"
+        fb = f"{b:.2f} {unit}" if b is not None else "-"
+        print(f"{label:<28}{fa:>12}{fb:>12}{ratio:>10}{target:>12}")
+    failed = {n: sum(1 for r in results[n]["fault"] if r.get("failed")) for n in results}
+    bad = {n: sum(1 for k in ("fault", "steady") for r in results[n][k] if not r.get("failed") and r.get("exit") != 0)
+           for n in results}
+    fault_digests = {r.get("digest") for n in results for r in results[n]["fault"] if not r.get("failed")}
+    steady_digests = {r.get("digest") for n in results for r in results[n]["steady"]}
+    print(f"kills not recovered from: toolkit {failed['toolkit']}, torchrun {failed['torchrun']}; "
+          f"other runs not exiting 0: toolkit {bad['toolkit']}, torchrun {bad['torchrun']}")
+    print(f"final parameters: faulted runs {len(fault_digests)} distinct digest(s) {sorted(map(str, fault_digests))}; "
+          f"fault-free runs {len(steady_digests)} distinct digest(s)")
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1))
+    return 0 if len(fault_digests) == 1 and None not in fault_digests and not any(bad.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
