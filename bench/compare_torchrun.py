@@ -37,7 +37,6 @@ import re
 import secrets
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -49,8 +48,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
+from ports import free_port_pair  # noqa: E402
 from toolkit.inventory import local_inventory  # noqa: E402
 from toolkit.plan import JobOptions, make_plan  # noqa: E402
 from toolkit.render import render_host, write_files  # noqa: E402
@@ -70,19 +70,6 @@ RESUMED = re.compile(r"^rank \d+: (?:resumed from step (\d+)|starting fresh)")
 FINAL = re.compile(r"^final parameters: \S+ sha256 ([0-9a-f]{64})$")
 DROP = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "CKPT_DIR", "DATA_PATH")
 
-
-def free_port_pair() -> int:
-    for _ in range(100):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        with socket.socket() as s2:
-            try:
-                s2.bind(("127.0.0.1", port + 1))
-            except OSError:
-                continue
-        return port
-    raise RuntimeError("no two consecutive free ports on 127.0.0.1")
 
 
 def base_env() -> dict[str, str]:

@@ -37,10 +37,11 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 from toolkit import envvars as E  # noqa: E402
 from toolkit import protocol as P  # noqa: E402
+from ports import free_port_pair  # noqa: E402
 
 HEARTBEAT = 1.0
 
@@ -152,21 +153,6 @@ async def sim_main(port: int, token: str, world: int, ranks: list[int]) -> None:
 
 # ---------------------------------------------------------------- the driver
 
-
-def free_port_pair() -> int:
-    import socket
-
-    for _ in range(100):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        with socket.socket() as s2:
-            try:
-                s2.bind(("127.0.0.1", port + 1))
-            except OSError:
-                continue
-        return port
-    raise RuntimeError("no free port pair")
 
 
 class Sim:

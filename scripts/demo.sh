@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The main job: install, then show the launch plan of a 2-host sample job (no network).
+# The main job: install, then train the sample on this machine with 2 workers, kill -9 one mid-training, and
+# compare the result with an uninterrupted run (scripts/demo.py says how).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/install.sh
-exec .venv/bin/fleet plan --project examples --script train.py --hosts=node1:2,node2:2
+exec .venv/bin/python scripts/demo.py

@@ -422,6 +422,14 @@ class Cluster:
             return None
         return pid if _in_netns(pid, h.netns) else None
 
+    def inside_argv(self, name: str, argv: Sequence[str]) -> list[str]:
+        """argv that runs `argv` where the host's own processes run: its network, hostname and mount namespaces
+        (a mount made from outside does not reach the host's private mount namespace)."""
+        pid = self.sshd_pid(name)
+        if pid is None:
+            raise ClusterSetupError(f"{name} is down: its sshd is not running")
+        return ["nsenter", "--target", str(pid), "--net", "--uts", "--mount", "--", *argv]
+
     def start_sshd(self, name: str) -> None:
         """Start the host's sshd again (after `kill_host` or `stop_sshd`), as a rebooted host would."""
         if self.sshd_pid(name) is not None:

@@ -12,7 +12,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,6 +22,7 @@ from typing import Any, Callable, Iterator
 import pytest
 
 from cluster import Cluster
+from ports import free_port_pair
 
 REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
@@ -371,22 +371,6 @@ def test_fab_deploy_train_with_hosts_as_typed(cluster: Cluster, tmp_path: Path, 
 
 # --- local mode --------------------------------------------------------------------------------------------------
 
-
-def free_port_pair() -> int:
-    """A port whose successor is free too, on this machine (local mode listens on the real loopback)."""
-    for _ in range(50):
-        with socket.socket() as a:
-            a.bind(("127.0.0.1", 0))
-            p = a.getsockname()[1]
-            if p >= 65534:
-                continue
-            with socket.socket() as b:
-                try:
-                    b.bind(("127.0.0.1", p + 1))
-                except OSError:
-                    continue
-            return p
-    raise AssertionError("no free pair of ports")
 
 
 def test_local_mode_without_ssh(tmp_path: Path, job: str) -> None:

@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from toolkit import envvars as E
-from toolkit import procs
+from toolkit import netif, procs
 from toolkit import protocol as P
 from toolkit import standby
 from toolkit.errors import UserError
@@ -654,6 +654,10 @@ class Agent:
         self.ticks = procs.start_ticks(self.pid)
         self.started = time.time()
         self.base_env = dict(os.environ)  # a copy: the agent's own environment is never written
+        if E.GLOO_SOCKET_IFNAME not in self.base_env:  # gloo's own choice is loopback where the hostname misleads
+            interface = netif.interface_toward(spec.sched_host, spec.sched_port)
+            if interface is not None:
+                self.base_env[E.GLOO_SOCKET_IFNAME] = interface
         self.spare: Spare | None = None
         self.spare_timer: Timer | None = None
         self.spare_failures = 0

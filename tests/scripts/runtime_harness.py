@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
+from ports import free_port_pair
 from toolkit import envvars as E
 from toolkit import protocol as P
 
@@ -27,22 +28,6 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = Path(__file__).resolve().parent
 PYTHON = sys.executable
 
-
-def free_port_pair() -> int:
-    """A port P such that P and P + 1 are free now (control server and store)."""
-    for _ in range(200):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port >= 65535:
-            continue
-        with socket.socket() as s2:
-            try:
-                s2.bind(("127.0.0.1", port + 1))
-            except OSError:
-                continue
-        return port
-    raise RuntimeError("no two consecutive free ports on 127.0.0.1")
 
 
 class Proc:

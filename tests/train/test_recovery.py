@@ -14,7 +14,6 @@ import random
 import re
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,6 +23,7 @@ from typing import Any, Callable
 import pytest
 import torch
 
+from ports import free_port_pair
 from toolkit.inventory import local_inventory
 from toolkit.plan import JobOptions, make_plan
 from toolkit.render import render_host, write_files
@@ -51,19 +51,6 @@ def steps_total(world: int, epochs: int = 3, batch: int = 32, dataset: int = 144
     per_rank = -(-dataset // world)  # the sampler pads every shard to the same length
     return epochs * -(-per_rank // batch)
 
-
-def free_port_pair() -> int:
-    for _ in range(100):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        with socket.socket() as s2:
-            try:
-                s2.bind(("127.0.0.1", port + 1))
-            except OSError:
-                continue
-        return port
-    raise RuntimeError("no two consecutive free ports on 127.0.0.1")
 
 
 def clean_env() -> dict[str, str]:

@@ -5,7 +5,6 @@ and the progress datagrams to the host agent."""
 from __future__ import annotations
 
 import json
-import signal
 import socket
 import sys
 import time
@@ -16,7 +15,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 
-from runtime_harness import PYTHON, SCRIPTS, FakeAgent, Job, Proc, expected_weights, read_result  # noqa: E402
+from runtime_harness import FakeAgent, Job, Proc, expected_weights, read_result  # noqa: E402
 
 from toolkit import envvars as E  # noqa: E402
 from toolkit import protocol as P  # noqa: E402
@@ -109,6 +108,28 @@ def test_kill9_of_a_worker_rolls_everyone_back_and_ends_bitwise_equal(make_job) 
         assert result["generation"] == 1
     for r in (0, 1):
         assert "Traceback" not in workers[r].text()
+
+
+def test_survivors_stuck_in_a_collective_leave_for_a_relaunch(make_job) -> None:
+    """Gloo cannot interrupt a collective: after a fault, survivors can wait on each other until its timeout.
+    Once told of the new generation they get LEAVE_GROUP_WITHIN seconds; then they exit for their agent to
+    relaunch them, instead of stalling the job for the whole collective timeout (600 s here)."""
+    job = make_job(3, node_timeout=2.0)
+    sched = job.scheduler()
+    job.wait_serving(sched)
+    args = ["--steps", "20", "--out", str(job.root / "out"), "--timeout", "600", "--deadlock-at", "3"]
+    workers = {r: job.worker(r, args=args) for r in range(3)}
+    agent = FakeAgent(job, "localhost", [P.worker_node_id(r) for r in range(3)])
+    agent.start()
+    for r in range(3):
+        workers[r].wait_for(rf"rank {r} deadlocked at step 3", 120)
+    workers[2].kill()
+    agent.exited("worker_2", workers[2].pid, code=None, sig="SIGKILL")
+    told = time.monotonic()
+    for r in (0, 1):
+        assert workers[r].wait(R.LEAVE_GROUP_WITHIN + 60) == R.EXIT_REJOIN, workers[r].text()
+        workers[r].wait_for(r"still in a collective of generation 0 10 s after the job moved to generation 1", 1)
+    print(f"\nstuck survivors left {time.monotonic() - told:.1f} s after the fault")
 
 
 def test_a_duplicate_process_is_refused_with_the_reason(make_job) -> None:

@@ -1,0 +1,51 @@
+"""Fixtures of the fault matrix: the project deployed on the namespace cluster, and the uninterrupted baseline."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from cluster import Cluster
+from fault_harness import HOSTS, REPO, SCRIPT_ARGS, SLOTS, E2E
+
+
+@pytest.fixture(scope="session")
+def e2e(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> E2E:
+    hosts = cluster.names[:HOSTS]
+    project = tmp_path_factory.mktemp("e2e-project")
+    shutil.copy(REPO / "examples" / "train.py", project / "train.py")
+    shutil.copytree(REPO / "examples" / "MNIST_Data", project / "MNIST_Data")
+    inventory = project / "inventory.ini"
+    inventory.write_text(_inventory(cluster, hosts))
+    (project / "fabric.yaml").write_text(
+        "toolkit:\n"
+        f"  inventory: {inventory}\n"
+        f"  known_hosts: {cluster.known_hosts}\n"
+        "  script: train.py\n"
+        f"  script_args: '{SCRIPT_ARGS}'\n"
+        "  node_timeout: 3\n"
+        "  cluster_time_out: 90\n"
+        "  grace: 5\n"
+        "  max_restarts: 3\n"
+    )
+    return E2E(cluster, project, hosts, iter(range(21000, 22000, 2)))
+
+
+def _inventory(cluster: Cluster, hosts: list[str]) -> str:
+    lines = ["[workers]"]
+    for name in hosts:
+        h = cluster.host(name)
+        lines.append(f"{name} ansible_host={h.address} ansible_user=root ansible_ssh_private_key_file={cluster.key} "
+                     f"slots={SLOTS} workdir={h.workdir} python={cluster.python}")
+    return "\n".join(lines) + "\n"
+
+
+@pytest.fixture(scope="session")
+def baseline(e2e: E2E) -> str:
+    """The final parameters' digest of an uninterrupted run with the same seed: what every fault must match."""
+    job = e2e.job("baseline")
+    job.start()
+    digest = job.finish_ok()
+    job.wait_no_leftovers()
+    return digest

@@ -1,0 +1,169 @@
+"""The fault matrix's harness: the sample trainer deployed with `fleet deploy train --join` on namespace hosts, as
+a user runs it, with faults injected from outside while it trains.
+
+Polling reads the hosts' state/agent.json straight from their workdirs (the hosts share this filesystem): cheap
+enough to look often on a 2-core machine, where a `fleet status` per look would steal the trainer's CPU. What the
+user would check (status, logs, stop) goes through `fleet`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+from cluster import Cluster
+
+REPO = Path(__file__).resolve().parents[2]
+FLEET = str(Path(sys.executable).parent / "fleet")
+HOSTS, SLOTS = 3, 2
+POLL = 0.2  # s between looks at agent.json while waiting for a training state
+FINAL = re.compile(r"final parameters: (\S+) sha256 ([0-9a-f]{64})")
+# Small and quick, but long enough to hit mid-training: 1440 samples / 6 ranks / 16 = 15 steps per epoch.
+SCRIPT_ARGS = "--epochs 2 --batch-size 16 --ckpt-interval 4 --keep-max 3 --step-delay 0.25 --timeout 60"
+JOB_TIMEOUT = 240.0  # s for one job from deploy to its end, faults and recoveries included
+
+
+@dataclass
+class E2E:
+    cluster: Cluster
+    project: Path
+    hosts: list[str]
+    ports: Iterator[int]
+    baseline: dict[str, str] = field(default_factory=dict)
+
+    def job(self, name: str, *flags: str) -> "Job":
+        return Job(self, name, next(self.ports), flags)
+
+
+@dataclass
+class Job:
+    e2e: E2E
+    name: str
+    port: int
+    flags: tuple[str, ...]
+    runner: subprocess.Popen[str] | None = None
+
+    # -- the user's commands
+
+    def args(self) -> list[str]:
+        return ["--job", self.name, "--master-port", str(self.port), *self.flags]
+
+    def fleet(self, *args: str, timeout: float = 120.0, check: bool = True) -> subprocess.CompletedProcess[str]:
+        r = subprocess.run([FLEET, *args, *self.args()], cwd=self.e2e.project, capture_output=True, text=True,
+                           timeout=timeout)
+        if check and r.returncode != 0:
+            raise AssertionError(f"fleet {' '.join(args)} exited {r.returncode}:\n{r.stderr}\n{self.evidence()}")
+        return r
+
+    def start(self, *tasks: str) -> None:
+        """`fleet deploy train --join` in the background: it returns when the job ends."""
+        self.runner = subprocess.Popen([FLEET, *(tasks or ("deploy", "train")), "--join", *self.args()],
+                                       cwd=self.e2e.project, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                       text=True, start_new_session=True)
+
+    def join(self, timeout: float = JOB_TIMEOUT) -> tuple[int, str]:
+        assert self.runner is not None
+        try:
+            out, err = self.runner.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.runner.pid, signal.SIGKILL)
+            out, err = self.runner.communicate()
+            raise AssertionError(f"the job did not end within {timeout} s\n{err}\n{self.evidence()}") from None
+        return self.runner.returncode, out + err
+
+    def finish_ok(self) -> str:
+        """Join, expect success, and return the digest of the final parameters."""
+        code, output = self.join()
+        assert code == 0, f"fleet train --join exited {code}:\n{output}\n{self.evidence()}"
+        return self.digest()
+
+    def digest(self) -> str:
+        log = self.log("worker_0")
+        found = FINAL.findall(log)
+        assert found, f"no final parameters in worker_0.log:\n{log[-2000:]}"
+        return found[-1][1]
+
+    # -- looking at the hosts
+
+    def job_dir(self, host: str) -> Path:
+        return self.e2e.cluster.host(host).workdir / self.name
+
+    def agent(self, host: str) -> dict[str, Any]:
+        try:
+            return json.loads((self.job_dir(host) / "state" / "agent.json").read_text())
+        except (OSError, ValueError):
+            return {}
+
+    def processes(self) -> dict[str, dict[str, Any]]:
+        out = {}
+        for host in self.e2e.hosts:
+            for p in self.agent(host).get("processes") or []:
+                out[p["node_id"]] = {**p, "host": host}
+        return out
+
+    def host_of(self, node_id: str) -> str:
+        return self.processes()[node_id]["host"]
+
+    def log(self, node_id: str) -> str:
+        name = "scheduler.log" if node_id == "sched" else f"{node_id}.log"
+        for host in self.e2e.hosts:
+            path = self.job_dir(host) / "logs" / name
+            if path.exists():
+                return path.read_text(errors="replace")
+        return ""
+
+    def wait_for(self, what: str, predicate: Callable[[], Any], timeout: float = 120.0) -> Any:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            value = predicate()
+            if value:
+                return value
+            if self.runner is not None and self.runner.poll() is not None:
+                raise AssertionError(f"the job ended while waiting for {what}:\n{self.runner.stderr.read()}\n"
+                                     f"{self.evidence()}")
+            time.sleep(POLL)
+        raise AssertionError(f"timed out after {timeout} s waiting for {what}\n{self.evidence()}")
+
+    def wait_step(self, step: int, timeout: float = 120.0) -> dict[str, dict[str, Any]]:
+        """Until every worker reported at least `step` (and is running)."""
+
+        def reached() -> dict[str, dict[str, Any]] | None:
+            procs = {k: v for k, v in self.processes().items() if k != "sched"}
+            if len(procs) == HOSTS * SLOTS and all(
+                (p.get("step") or 0) >= step and p.get("state") == "running" for p in procs.values()
+            ):
+                return procs
+            return None
+
+        return self.wait_for(f"every worker past step {step}", reached, timeout)
+
+    def leftovers(self) -> dict[str, list[int]]:
+        """Processes still running in each host's namespace (sshd excluded): after a job, none may remain."""
+        left = {}
+        for host in self.e2e.hosts:
+            pids = self.e2e.cluster.workload_pids(host)
+            if pids:
+                left[host] = pids
+        return left
+
+    def wait_no_leftovers(self, timeout: float = 30.0) -> None:
+        self.wait_for("no process of the job left on any host", lambda: not self.leftovers(), timeout)
+
+    def evidence(self) -> str:
+        lines = []
+        for host in self.e2e.hosts:
+            doc = self.agent(host)
+            lines.append(f"--- {host} agent: {doc.get('state')} {doc.get('reason') or ''}")
+            logs = self.job_dir(host) / "logs"
+            for path in sorted(logs.glob("*.log")) if logs.exists() else []:
+                tail = path.read_text(errors="replace").splitlines()[-12:]
+                lines.append(f"--- {host}:{path.name}\n" + "\n".join(tail))
+        return "\n".join(lines)

@@ -1,0 +1,212 @@
+"""The fault matrix (issue 7): each scenario starts the sample with `fleet deploy train --join` on 3 hosts x 2
+workers, injects a real fault mid-training, and checks what a user would: the job finishes with final parameters
+bitwise equal to an uninterrupted run with the same seed, or, where it is meant to fail, it fails with a clear
+message and no process of the job is left on any host."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import time
+
+import pytest
+
+from fault_harness import E2E, Job
+
+KILL_AT = 6  # every worker past this step (a checkpoint every 4) when the fault hits
+
+
+def survivors_kept_running(job: Job, replaced: set[str]) -> None:
+    procs = job.processes()
+    for node, p in procs.items():
+        if node == "sched" or node in replaced:
+            continue
+        assert p["restarts"] == 0, f"{node} was restarted, but only {sorted(replaced)} died\n{job.evidence()}"
+    for node in replaced:
+        assert procs[node]["restarts"] >= 1, f"{node} was never relaunched\n{job.evidence()}"
+
+
+def test_uninterrupted_run(e2e: E2E, baseline: str) -> None:
+    assert re.fullmatch(r"[0-9a-f]{64}", baseline)
+
+
+@pytest.mark.parametrize("rank", [0, 3, 5], ids=["first", "middle", "last"])
+def test_kill_one_worker(e2e: E2E, baseline: str, rank: int) -> None:
+    job = e2e.job(f"kill-{rank}")
+    job.start()
+    victim = job.wait_step(KILL_AT)[f"worker_{rank}"]
+    os.kill(victim["pid"], signal.SIGKILL)
+    assert job.finish_ok() == baseline
+    survivors_kept_running(job, {f"worker_{rank}"})
+    job.wait_no_leftovers()
+
+
+def test_kill_two_workers_on_different_hosts(e2e: E2E, baseline: str) -> None:
+    job = e2e.job("kill-two")
+    job.start()
+    procs = job.wait_step(KILL_AT)
+    a, b = procs["worker_1"], procs["worker_4"]
+    assert a["host"] != b["host"]
+    os.kill(a["pid"], signal.SIGKILL)
+    os.kill(b["pid"], signal.SIGKILL)
+    assert job.finish_ok() == baseline
+    survivors_kept_running(job, {"worker_1", "worker_4"})
+    job.wait_no_leftovers()
+
+
+def test_kill_the_scheduler(e2e: E2E, baseline: str) -> None:
+    job = e2e.job("kill-sched")
+    job.start()
+    job.wait_step(KILL_AT)
+    sched = job.processes()["sched"]
+    os.kill(sched["pid"], signal.SIGKILL)
+    job.wait_for("the scheduler relaunched by its agent",
+                 lambda: job.processes()["sched"]["pid"] not in (None, sched["pid"]), timeout=30)
+    assert job.finish_ok() == baseline
+    survivors_kept_running(job, set())  # workers trained on while it was down: none restarted
+    job.wait_no_leftovers()
+
+
+def test_kill_one_hosts_agent(e2e: E2E, baseline: str) -> None:
+    job = e2e.job("kill-agent")
+    job.start()
+    job.wait_step(KILL_AT)
+    host = job.host_of("worker_2")
+    agent_pid = job.agent(host)["agent"]["pid"]
+    os.kill(agent_pid, signal.SIGKILL)
+    status = job.wait_for(
+        "fleet status to show the agent gone",
+        lambda: _gone(job.fleet("status", "--json", check=False).stdout, host), timeout=30)
+    assert {p["state"] for p in status["processes"] if p["host"] == host} == {"gone"}
+    assert not [pid for pid in e2e.cluster.workload_pids(host)], "workers kept running without their agent"
+    job.fleet("restart", "--host", host)
+    assert job.finish_ok() == baseline
+    job.wait_no_leftovers()
+
+
+def _gone(status_json: str, host: str) -> dict | None:
+    try:
+        status = json.loads(status_json)
+    except ValueError:
+        return None
+    agents = {h["host"]: h["agent"] for h in status["hosts"]}
+    return status if agents.get(host) == "gone" else None
+
+
+def test_whole_host_lost_then_restarted_by_the_operator(e2e: E2E, baseline: str) -> None:
+    job = e2e.job("host-lost")
+    job.start()
+    job.wait_step(KILL_AT)
+    host = job.host_of("worker_4")
+    with e2e.cluster.crashed(host):
+        time.sleep(1.0)  # the host is down for a moment; the operator notices
+    job.fleet("restart", "--host", host)
+    assert job.finish_ok() == baseline
+    job.wait_no_leftovers()
+
+
+def test_worker_hung_past_the_node_timeout(e2e: E2E, baseline: str) -> None:
+    job = e2e.job("sigstop")
+    job.start()
+    victim = job.wait_step(KILL_AT)["worker_2"]
+    os.kill(victim["pid"], signal.SIGSTOP)
+    job.wait_for("the hung worker fenced and replaced",
+                 lambda: job.processes()["worker_2"]["pid"] != victim["pid"], timeout=60)
+    assert job.finish_ok() == baseline
+    job.wait_no_leftovers()
+
+
+def test_host_cut_off_then_back(e2e: E2E, baseline: str) -> None:
+    job = e2e.job("partition")
+    job.start()
+    job.wait_step(KILL_AT)
+    host = job.host_of("worker_5")
+    with e2e.cluster.partitioned(host):
+        time.sleep(8.0)  # > node timeout (3 s): its workers are declared dead and fenced when they come back
+    assert job.finish_ok() == baseline
+    job.wait_no_leftovers()
+
+
+def test_truncated_newest_checkpoint_falls_back(e2e: E2E, baseline: str) -> None:
+    job = e2e.job("truncated")
+    job.start()
+    victim = job.wait_step(2 * 4 + 1)["worker_1"]  # two checkpoints on disk
+    os.kill(victim["pid"], signal.SIGKILL)
+    rank_dir = job.job_dir(victim["host"]) / "ckpt" / "rank_1"
+    newest = sorted(rank_dir.glob("step_*.ckpt"))[-1]
+    with open(newest, "r+b") as f:
+        f.truncate(newest.stat().st_size // 2)
+    assert job.finish_ok() == baseline
+    log = job.log("worker_1")
+    assert newest.name in log, f"the damaged checkpoint was not reported:\n{log[-3000:]}"
+    job.wait_no_leftovers()
+
+
+def test_checkpoint_storage_full_on_one_host(e2e: E2E) -> None:
+    job = e2e.job("disk-full")
+    host = e2e.hosts[1]
+    ckpt = job.job_dir(host) / "ckpt"
+    ckpt.mkdir(parents=True)
+    # One checkpoint file is ~326 kB: each of the host's two ranks writes its first, then neither fits a second.
+    subprocess.run(e2e.cluster.inside_argv(host, ["mount", "-t", "tmpfs", "-o", "size=900k", "tmpfs", str(ckpt)]),
+                   check=True, timeout=30)
+    try:
+        job.start()
+        code, output = job.join()
+        assert code != 0
+        assert "No space left" in output or "full" in output, output
+        assert host in output, output
+        job.wait_no_leftovers()
+        # Read where the host sees its tmpfs: every rank there still has intact checkpoints.
+        verify = ("import json, sys; from pathlib import Path; from toolkit.train.checkpoint import CheckpointManager\n"
+                  "found = {}\n"
+                  "for d in sorted(Path(sys.argv[1]).glob('rank_*')):\n"
+                  "    scan = CheckpointManager(d, keep_max=3).scan()\n"
+                  "    found[d.name] = [list(scan.intact), [str(bad.path) for bad in scan.damaged]]\n"
+                  "print(json.dumps(found))")
+        done = subprocess.run(e2e.cluster.inside_argv(host, [e2e.cluster.python, "-c", verify, str(ckpt)]),
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+        found = json.loads(done.stdout)
+        ranks = sorted(f"rank_{p['rank']}" for p in job.processes().values() if p.get("host") == host and
+                       p["node_id"] != "sched")
+        assert sorted(found) == ranks, found
+        for rank, (intact, damaged) in found.items():
+            assert intact and not damaged, f"{host} {rank}: intact {intact}, damaged {damaged}"
+    finally:
+        subprocess.run(e2e.cluster.inside_argv(host, ["umount", "-l", str(ckpt)]), check=False, timeout=30)
+
+
+def test_worker_that_crashes_on_every_start(e2e: E2E) -> None:
+    job = e2e.job("crash-loop")
+    job.fleet("deploy")
+    host = e2e.hosts[1]
+    env_file = job.job_dir(host) / "env" / "worker_3.env"
+    with open(env_file, "a") as f:  # the operator's mistake: a data path that does not exist on this host
+        f.write("export DATA_PATH=/nonexistent/MNIST_Data\n")
+    job.start("train")
+    code, output = job.join()
+    assert code != 0
+    assert "worker_3" in output and host in output, output
+    assert "/nonexistent/MNIST_Data" in output, output  # the log tail carries the cause
+    assert job.processes()["worker_3"]["restarts"] == 3
+    job.wait_no_leftovers()
+
+
+def test_stop_mid_run_then_train_resumes(e2e: E2E, baseline: str) -> None:
+    job = e2e.job("stop-resume")
+    job.start()
+    job.wait_step(KILL_AT)
+    job.fleet("stop", timeout=60)
+    assert not job.leftovers(), "fleet stop returned with processes of the job still running"
+    code, _ = job.join(timeout=30)
+    assert code != 0  # the job did not finish: it was stopped
+    stopped_at = max(int(s) for s in re.findall(r"stopped by SIGTERM at step (\d+)", job.log("worker_0")))
+    job.start("train")
+    assert job.finish_ok() == baseline
+    resumed = [int(s) for s in re.findall(r"resumed from step (\d+)", job.log("worker_0"))]
+    assert resumed and resumed[-1] == stopped_at, f"resumed at {resumed}, stopped at {stopped_at}"
+    job.wait_no_leftovers()
