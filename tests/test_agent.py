@@ -609,9 +609,11 @@ def test_warm_spare_takes_a_dead_workers_place(make_job):
     assert not first["worker_0"]["warm"]
     doc = job.wait_doc(lambda d: d["warm_spare"]["ready"], timeout=120)  # it imports torch: seconds
     spare = doc["warm_spare"]["pid"]
+    assert os.sched_getscheduler(spare) == os.SCHED_IDLE  # waiting, it takes only CPU the workers leave
     os.kill(first["worker_0"]["pid"], signal.SIGKILL)
     again = job.events.next()
     assert again["pid"] == spare and again["warm"]  # the spare, with torch and DDP's imports done
+    assert again["policies"] == first["worker_1"]["policies"] == [os.SCHED_OTHER]  # every thread, once a worker
     assert again["env"]["RANK"] == "0" and again["env"]["TORCHELASTIC_RESTART_COUNT"] == "1"
     assert again["argv"] == first["worker_0"]["argv"] and again["cwd"] == first["worker_0"]["cwd"]
     assert again["pgid"] == spare and again["sid"] == spare

@@ -60,6 +60,7 @@ def main() -> int:
         "event": "started", "pid": os.getpid(), "ppid": os.getppid(), "pgid": os.getpgid(0), "sid": os.getsid(0),
         "time": time.time(), "warm": warm, "cwd": os.getcwd(), "argv": sys.argv,
         "env": {k: os.environ.get(k) for k in ENV_KEYS}, "affinity": sorted(os.sched_getaffinity(0)),
+        "policies": sorted({os.sched_getscheduler(int(t)) for t in os.listdir("/proc/self/task")}),
         "grandchild": grandchild, "restart": restart,
     }
     send(args.events, event)
