@@ -89,8 +89,7 @@ def test_deploy_train_recover_stop(cluster: Cluster, tmp_path: Path) -> None:
     job_dirs = {n: cluster.host(n).workdir / job for n in hosts}
     run = {"inventory": inventory, "project": project, "env": env, "args": args}
     try:
-        playbook("deploy.yml", **run)
-        playbook("train.yml", **run)
+        playbook("train.yml", **run)  # imports deploy.yml, as a user would run it
         started = {n: wait_for(f"every process on {n} running", lambda d=d: running(d)) for n, d in job_dirs.items()}
         assert sorted(node for procs in started.values() for node in procs) == \
             ["sched"] + [f"worker_{i}" for i in range(HOSTS)]
