@@ -48,6 +48,7 @@ STATE_FILE = "scheduler.json"
 STATE_VERSION = 1
 LINGER = 2.0  # s to flush the last messages (finished, stop) before exiting
 MAX_WAIT = 30.0  # s: longest select() when no deadline is nearer
+COMMIT_PERSIST_INTERVAL = 1.0  # s: commits come from every rank at every checkpoint; written at most this often
 MAX_OUTBUF = 1 << 20  # bytes queued to one peer that has stopped reading before it is dropped
 RECV_SIZE = 1 << 16
 
@@ -223,6 +224,8 @@ class Scheduler:
         self.agents: dict[str, Conn] = {}
         self.node_host: dict[str, str] = dict(config.expected)
         self.dirty = False
+        self.commits_dirty = False  # only commits changed: persisted within COMMIT_PERSIST_INTERVAL
+        self.commits_persist_at = 0.0
         self.pending: set[Conn] = set()
         self.exit_code: int | None = None
         self.listener: socket.socket | None = None
@@ -626,7 +629,7 @@ class Scheduler:
         step = msg.get("step")
         if isinstance(step, int) and step > self.commits.get(member.rank, -1):
             self.commits[member.rank] = step
-            self.dirty = True
+            self.commits_dirty = True
 
     def _worker_done(self, conn: Conn, member: Member) -> None:
         log.info("%s finished (pid %s on %s)", member.node_id, member.pid, member.host)
@@ -719,6 +722,8 @@ class Scheduler:
             deadlines.append(self.gather_since + self.cfg.topo_timeout)
         if self.members:
             deadlines.append(self.hb_check_at)
+        if self.commits_dirty:
+            deadlines.append(self.commits_persist_at)
         return max(0.0, min(deadlines) - now)
 
     def _check_deadlines(self, now: float) -> None:
@@ -770,7 +775,9 @@ class Scheduler:
 
     def _persist(self, force: bool = False) -> None:
         path = self._state_path()
-        if path is None or not (self.dirty or force):
+        now = self.clock()
+        commits_due = self.commits_dirty and now >= self.commits_persist_at
+        if path is None or not (self.dirty or force or commits_due):
             return
         committed = min(self.commits.values()) if len(self.commits) == self.cfg.world_size else None
         state = {
@@ -786,7 +793,8 @@ class Scheduler:
             log.error("cannot persist the state to %s: %s (recovery after a scheduler crash would lose it)",
                       path, e.strerror)
             return
-        self.dirty = False
+        self.dirty = self.commits_dirty = False
+        self.commits_persist_at = now + COMMIT_PERSIST_INTERVAL
 
     def _restore(self) -> None:
         path = self._state_path()
