@@ -72,9 +72,11 @@ def run(job: str, workdir: Path, fault: bool) -> str:
     if code != 0:
         raise SystemExit(f"demo: `fleet train --join` exited {code}; the logs are under {workdir / job}/logs")
     subprocess.run([FLEET, "status", *fleet_args(job, workdir)], timeout=60)
-    log = (workdir / job / "logs" / "worker_0.log").read_text()
-    (digest,) = FINAL.findall(log)[-1:]
-    return digest
+    log = workdir / job / "logs" / "worker_0.log"
+    found = FINAL.findall(log.read_text())
+    if not found:
+        raise SystemExit(f"demo: no 'final parameters' line in {log}")
+    return found[-1]
 
 
 def main() -> int:

@@ -15,7 +15,7 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -37,7 +37,6 @@ class E2E:
     project: Path
     hosts: list[str]
     ports: Iterator[int]
-    baseline: dict[str, str] = field(default_factory=dict)
 
     def job(self, name: str, *flags: str) -> "Job":
         return Job(self, name, next(self.ports), flags)

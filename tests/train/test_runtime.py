@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import socket
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -15,6 +16,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 
+from ports import free_port_pair  # noqa: E402
 from runtime_harness import FakeAgent, Job, Proc, expected_weights, read_result  # noqa: E402
 
 from toolkit import envvars as E  # noqa: E402
@@ -128,14 +130,56 @@ def test_survivors_stuck_in_a_collective_leave_for_a_relaunch(make_job) -> None:
     agent.exited("worker_2", workers[2].pid, code=None, sig="SIGKILL")
     told = time.monotonic()
     bound = R.LEAVE_GROUP_WITHIN + 60
-    left = workers[0].wait_for(r"rank 0: generation changed from 0 to 1|still in a collective", bound)
+    left = workers[0].wait_for(r"rank 0: generation changed from 0 to 1|still in the group", bound)
     first = 0 if left.group(0).startswith("still") else 1
     other = 1 - first
     assert workers[first].wait(bound) == R.EXIT_REJOIN, workers[first].text()
-    workers[first].wait_for(r"still in a collective of generation 0 10 s after the job moved to generation 1", 1)
-    freed = workers[other].wait_for(rf"rank {other}: generation changed from 0 to 1|still in a collective", bound)
+    workers[first].wait_for(r"still in the group of generation 0 10 s after the job moved to generation 1", 1)
+    freed = workers[other].wait_for(rf"rank {other}: generation changed from 0 to 1|still in the group", bound)
     print(f"\nstuck survivors out of the collective {time.monotonic() - told:.1f} s after the fault "
           f"(worker_{other}: {freed.group(0)!r})")
+
+
+LEAVE_AFTER_FAILED_BUILD = """
+import datetime, sys
+import torch.distributed as dist
+from toolkit.train.runtime import Runtime
+port, rank = int(sys.argv[1]), int(sys.argv[2])
+store = dist.TCPStore("127.0.0.1", port, None, is_master=rank == 0, timeout=datetime.timedelta(seconds=60))
+if rank == 0:
+    try:  # a generation whose peer never comes: the build fails
+        dist.init_process_group("gloo", store=dist.PrefixStore("gen1/", store), rank=0, world_size=2,
+                                timeout=datetime.timedelta(seconds=1))
+    except Exception:
+        print("build of gen1 failed", flush=True)
+    Runtime.__new__(Runtime)._leave()
+dist.init_process_group("gloo", store=dist.PrefixStore("gen2/", store), rank=rank, world_size=2,
+                        timeout=datetime.timedelta(seconds=20))
+print("gen2 formed", flush=True)
+"""
+
+
+def test_after_a_failed_group_build_a_fresh_peer_is_met(tmp_path: Path) -> None:
+    """torch names a group's store keys by a per-process counter that a failed build leaves advanced; a survivor
+    whose build failed must still meet a freshly started replacement in the next generation."""
+    port = free_port_pair()
+    argv = [sys.executable, "-c", LEAVE_AFTER_FAILED_BUILD, str(port)]
+    survivor = subprocess.Popen([*argv, "0"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        seen = []
+        for line in survivor.stdout:  # type: ignore[union-attr]  # ends by itself: every wait in it is bounded
+            seen.append(line)
+            if line.strip() == "build of gen1 failed":
+                break
+        else:
+            raise AssertionError("".join(seen))
+        fresh = subprocess.run([*argv, "1"], capture_output=True, text=True, timeout=60)
+        assert fresh.returncode == 0 and "gen2 formed" in fresh.stdout, fresh.stdout + fresh.stderr
+        out, _ = survivor.communicate(timeout=60)
+        assert survivor.returncode == 0 and "gen2 formed" in out, out
+    finally:
+        survivor.kill()
+        survivor.wait()
 
 
 def test_a_duplicate_process_is_refused_with_the_reason(make_job) -> None:

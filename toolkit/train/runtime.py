@@ -218,12 +218,12 @@ class _Channel:
         self.closing = threading.Event()
         self.finishing = False  # `done` sent: read until the scheduler closes, send nothing more
         self.thread: threading.Thread | None = None
-        # When the training thread must have let go of the broken group (None: not holding one, or waiting for
-        # the next generation to form). Gloo cannot interrupt a collective: survivors of a fault can wait on each
-        # other in one until its timeout (a minute, say), so one that is still stuck by then leaves and is
-        # relaunched by its agent (EXIT_REJOIN), which costs seconds from a warm spare.
+        # The generation whose group the training thread holds or is building (None while it waits for one to
+        # form), and when it must have let go of it once the job moved on. Gloo cannot interrupt a collective or
+        # the build of a group: survivors of a fault can wait on each other in one until its timeout (a minute,
+        # say), so one still stuck by then leaves and is relaunched by its agent (EXIT_REJOIN), from a warm spare.
+        self.holding: int | None = None
         self.leave_by: float | None = None
-        self.reforming = False
 
     # -- registration (main thread first, then the background thread on reconnects)
 
@@ -352,7 +352,7 @@ class _Channel:
             elif op == P.STOP:
                 self.stop_reason = str(msg.get("reason", "stopped by the scheduler"))
             self.cond.notify_all()
-        self._arm_leave()
+        self.arm_leave()
         if self.exit_on_new_generation and self.generation is not None and self.announced != self.generation:
             _say(self.cfg.node_id, f"the job moved to generation {self.announced}; this script cannot re-form in "
                                    f"place: exiting with code {EXIT_REJOIN} for its agent to relaunch it")
@@ -362,10 +362,9 @@ class _Channel:
         elif op == P.STOP:
             _say(self.cfg.node_id, f"the scheduler stopped the job: {msg.get('reason')}")
 
-    def _arm_leave(self) -> None:
+    def arm_leave(self) -> None:
         with self.cond:
-            if self.generation is not None and self.announced != self.generation and self.leave_by is None \
-                    and not self.reforming:
+            if self.holding is not None and self.announced != self.holding and self.leave_by is None:
                 self.leave_by = time.monotonic() + self.leave_within()
 
     def leave_within(self) -> float:
@@ -375,9 +374,9 @@ class _Channel:
         with self.cond:
             late = self.leave_by is not None and time.monotonic() > self.leave_by and not self.finishing
         if late:
-            _say(self.cfg.node_id, f"still in a collective of generation {self.generation} {self.leave_within():g} s "
-                                   f"after the job moved to generation {self.announced} (gloo cannot interrupt it): "
-                                   f"exiting with code {EXIT_REJOIN} for its agent to relaunch it")
+            _say(self.cfg.node_id, f"still in the group of generation {self.holding} {self.leave_within():g} s after "
+                                   f"the job moved to generation {self.announced} (gloo cannot interrupt a "
+                                   f"collective): exiting with code {EXIT_REJOIN} for its agent to relaunch it")
             os._exit(EXIT_REJOIN)
 
     def _fenced(self, msg: dict[str, Any]) -> None:
@@ -554,13 +553,14 @@ class Runtime:
         deadline = started + self.cfg.topo_timeout + self.cfg.node_timeout
         while True:
             with ch.cond:  # waiting for the replacement is not being stuck
-                ch.reforming, ch.leave_by = True, None
+                ch.holding, ch.leave_by = None, None
             generation, prefix = ch.wait_formed(self.generation, deadline)
             with ch.cond:  # destroying a group waits for its pending work, which may be stuck
                 ch.leave_by = time.monotonic() + ch.leave_within()
             self._leave()
             with ch.cond:
-                ch.leave_by = None
+                ch.holding, ch.leave_by = generation, None
+            ch.arm_leave()  # building a generation the job already left would wait out the whole timeout
             try:
                 self._build(generation, prefix)
             except Exception as e:  # a peer died while the group was being built: wait for the next generation
@@ -574,9 +574,7 @@ class Runtime:
                 _say(self.node_id, f"building generation {generation} failed ({_first_line(e)}); retrying")
                 continue
             previous, self.generation = self.generation, generation
-            with ch.cond:
-                ch.generation, ch.reforming = generation, False
-            ch._arm_leave()  # the job may have moved on again while this group was being built
+            ch.generation = generation
             _say(self.node_id, f"generation {generation}: process group of {self.world_size} ready in "
                                f"{time.monotonic() - started:.2f} s" + ("" if previous is None else
                                                                        f" (was {previous})"))
@@ -592,6 +590,10 @@ class Runtime:
     def _leave(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
+        else:
+            # A failed init_process_group leaves torch's group counter advanced, and that counter names the
+            # group's keys in the store: a fresh peer counts from 0, so this process must too.
+            dist.distributed_c10d._world.group_count = 0
         self._store = None
 
     # -- progress and the end
