@@ -26,8 +26,9 @@ FLEET = str(Path(sys.executable).parent / "fleet")
 HOSTS, SLOTS = 3, 2
 POLL = 0.2  # s between looks at agent.json while waiting for a training state
 FINAL = re.compile(r"final parameters: (\S+) sha256 ([0-9a-f]{64})")
-# Small and quick, but long enough to hit mid-training: 1440 samples / 6 ranks / 16 = 15 steps per epoch.
-SCRIPT_ARGS = "--epochs 2 --batch-size 16 --ckpt-interval 4 --keep-max 3 --step-delay 0.25 --timeout 60"
+# Small and quick, but long enough to hit mid-training: 1440 samples / 6 ranks / 16 = 15 steps per epoch. The
+# collective timeout (--timeout) bounds how long survivors can wait on each other in a broken collective.
+SCRIPT_ARGS = "--epochs 2 --batch-size 16 --ckpt-interval 4 --keep-max 3 --step-delay 0.25 --timeout 20"
 JOB_TIMEOUT = 240.0  # s for one job from deploy to its end, faults and recoveries included
 
 

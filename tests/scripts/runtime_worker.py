@@ -4,10 +4,7 @@ checkpoints every step (atomically) and, at start and after every generation cha
 newest step they all have. Any number of faults must end in exactly the weights of an uninterrupted run
 (runtime_harness.expected_weights).
 
-usage: runtime_worker.py --steps N --out DIR [--delay S] [--timeout S] [--no-done] [--deadlock-at STEP]
-
---deadlock-at: at that step ranks 0 and 1 each wait to receive from the other, a collective nobody completes
-(what survivors of a fault can be left in); the other ranks sleep.
+usage: runtime_worker.py --steps N --out DIR [--delay S] [--timeout S] [--no-done]
 """
 
 from __future__ import annotations
@@ -34,7 +31,6 @@ def main() -> int:
     parser.add_argument("--delay", type=float, default=0.0)
     parser.add_argument("--timeout", type=float, default=30.0)
     parser.add_argument("--no-done", action="store_true")
-    parser.add_argument("--deadlock-at", type=int, default=None)
     args = parser.parse_args()
 
     rt = train.init(timeout=args.timeout)
@@ -72,11 +68,6 @@ def main() -> int:
                     print(f"rank {rt.rank} generation {rt.generation} starts at step {step}", flush=True)
                 if step >= args.steps:
                     break
-                if step == args.deadlock_at:
-                    print(f"rank {rt.rank} deadlocked at step {step}", flush=True)
-                    if rt.rank < 2:
-                        dist.recv(torch.zeros(1), src=1 - rt.rank)
-                    time.sleep(3600)
                 g = torch.full((DIM,), float((rt.rank + 1) * (step + 1)), dtype=torch.float64)
                 dist.all_reduce(g)
                 w = w * 0.999 + g * 0.001

@@ -57,7 +57,6 @@ HANDSHAKE_WAIT = 10.0  # s to wait for the answer to `register`: giving up on an
 # connection the scheduler already counts as this worker's, and that close would read as our death
 PROGRESS_INTERVAL = 1.0  # s: at most one progress datagram to the agent per interval
 DONE_WAIT = 5.0  # s to hear the scheduler acknowledge `done` (by closing) before exiting anyway
-LEAVE_GROUP_WITHIN = 10.0  # s (at least; 2 x MS_NODE_TIMEOUT if more) to let go of a broken group once told
 
 EXIT_REJOIN = P.EXIT_REJOIN
 MODE_TOOLKIT = "toolkit"
@@ -218,12 +217,6 @@ class _Channel:
         self.closing = threading.Event()
         self.finishing = False  # `done` sent: read until the scheduler closes, send nothing more
         self.thread: threading.Thread | None = None
-        # The generation whose group the training thread holds or is building (None while it waits for one to
-        # form), and when it must have let go of it once the job moved on. Gloo cannot interrupt a collective or
-        # the build of a group: survivors of a fault can wait on each other in one until its timeout (a minute,
-        # say), so one still stuck by then leaves and is relaunched by its agent (EXIT_REJOIN), from a warm spare.
-        self.holding: int | None = None
-        self.leave_by: float | None = None
 
     # -- registration (main thread first, then the background thread on reconnects)
 
@@ -296,7 +289,6 @@ class _Channel:
         next_beat = time.monotonic()
         rejected_since: float | None = None
         while not self.closing.is_set():
-            self._check_stuck()
             sock = self.sock
             if sock is None:
                 try:
@@ -352,7 +344,6 @@ class _Channel:
             elif op == P.STOP:
                 self.stop_reason = str(msg.get("reason", "stopped by the scheduler"))
             self.cond.notify_all()
-        self.arm_leave()
         if self.exit_on_new_generation and self.generation is not None and self.announced != self.generation:
             _say(self.cfg.node_id, f"the job moved to generation {self.announced}; this script cannot re-form in "
                                    f"place: exiting with code {EXIT_REJOIN} for its agent to relaunch it")
@@ -361,23 +352,6 @@ class _Channel:
             _say(self.cfg.node_id, f"the job moved to generation {msg['generation']}")
         elif op == P.STOP:
             _say(self.cfg.node_id, f"the scheduler stopped the job: {msg.get('reason')}")
-
-    def arm_leave(self) -> None:
-        with self.cond:
-            if self.holding is not None and self.announced != self.holding and self.leave_by is None:
-                self.leave_by = time.monotonic() + self.leave_within()
-
-    def leave_within(self) -> float:
-        return max(LEAVE_GROUP_WITHIN, 2 * self.cfg.node_timeout)
-
-    def _check_stuck(self) -> None:
-        with self.cond:
-            late = self.leave_by is not None and time.monotonic() > self.leave_by and not self.finishing
-        if late:
-            _say(self.cfg.node_id, f"still in the group of generation {self.holding} {self.leave_within():g} s after "
-                                   f"the job moved to generation {self.announced} (gloo cannot interrupt a "
-                                   f"collective): exiting with code {EXIT_REJOIN} for its agent to relaunch it")
-            os._exit(EXIT_REJOIN)
 
     def _fenced(self, msg: dict[str, Any]) -> None:
         _say(self.cfg.node_id, f"fenced by the scheduler: {msg.get('reason')}; exiting with code {P.EXIT_FENCED}")
@@ -552,15 +526,8 @@ class Runtime:
         started = time.monotonic()
         deadline = started + self.cfg.topo_timeout + self.cfg.node_timeout
         while True:
-            with ch.cond:  # waiting for the replacement is not being stuck
-                ch.holding, ch.leave_by = None, None
             generation, prefix = ch.wait_formed(self.generation, deadline)
-            with ch.cond:  # destroying a group waits for its pending work, which may be stuck
-                ch.leave_by = time.monotonic() + ch.leave_within()
             self._leave()
-            with ch.cond:
-                ch.holding, ch.leave_by = generation, None
-            ch.arm_leave()  # building a generation the job already left would wait out the whole timeout
             try:
                 self._build(generation, prefix)
             except Exception as e:  # a peer died while the group was being built: wait for the next generation
