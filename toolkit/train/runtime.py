@@ -548,11 +548,16 @@ class Runtime:
             return self.group
 
     def _build(self, generation: int, prefix: str) -> None:
-        timeout = timedelta(seconds=self.timeout)
+        """A build waits for every rank's address, and a survivor of a fault may first spend up to one collective
+        timeout leaving the old group (gloo cannot interrupt a collective, and the survivors can be left waiting
+        on each other): a replacement that gave up sooner would die just as they arrive. So the build gets room
+        for that, and collectives get their own timeout afterwards."""
+        build = timedelta(seconds=2 * self.timeout + self.cfg.node_timeout)
         self._store = dist.TCPStore(self.cfg.store_host, self.cfg.store_port, None, is_master=False,
-                                    timeout=timeout, use_libuv=True)
+                                    timeout=build, use_libuv=True)
         dist.init_process_group(self.backend, store=dist.PrefixStore(prefix, self._store), rank=self.rank,
-                                world_size=self.world_size, timeout=timeout)
+                                world_size=self.world_size, timeout=build)
+        dist.distributed_c10d._set_pg_timeout(timedelta(seconds=self.timeout))
 
     def _leave(self) -> None:
         if dist.is_initialized():
@@ -648,8 +653,9 @@ def init(backend: str | None = None, timeout: float = DEFAULT_TIMEOUT,
     """Join the job described by the environment and return its Runtime, with the default process group built.
 
     `backend`: "gloo" or "nccl" (default: nccl when CUDA is available, else gloo). `timeout`: seconds one
-    collective may block before it fails (a stopped peer is otherwise waited on forever); it also bounds building
-    a group. Under toolkit this blocks until every worker has registered (at most MS_TOPO_TIMEOUT).
+    collective may block before it fails (a stopped peer is otherwise waited on forever); building a group may
+    take twice that plus MS_NODE_TIMEOUT. Under toolkit this blocks until every worker has registered (at most
+    MS_TOPO_TIMEOUT).
     """
     env = os.environ if env is None else env
     cfg = WorkerEnv.from_env(env)
