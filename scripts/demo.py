@@ -48,7 +48,9 @@ def status(job: str, workdir: Path) -> dict:
 def wait_for_step(job: str, workdir: Path, runner: subprocess.Popen) -> dict[str, dict]:
     deadline = time.monotonic() + STEP_TIMEOUT
     while time.monotonic() < deadline and runner.poll() is None:
-        workers = {p["node_id"]: p for p in status(job, workdir).get("processes", []) if p["role"] == "worker"}
+        # Running with a pid: until `deploy` has written this run's job record, status may show an earlier run's.
+        workers = {p["node_id"]: p for p in status(job, workdir).get("processes", [])
+                   if p["role"] == "worker" and p.get("state") == "running" and p.get("pid")}
         if len(workers) == WORKERS and all((p.get("step") or 0) >= KILL_AFTER_STEP for p in workers.values()):
             return workers
         time.sleep(STATUS_INTERVAL)

@@ -1,0 +1,21 @@
+"""The README's main job (scripts/demo.sh runs it after the install): it must keep working as written."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+DEMO = Path(__file__).resolve().parent.parent / "scripts" / "demo.py"
+
+
+@pytest.mark.timeout(600)
+def test_the_demo_recovers_from_kill_9_and_ends_bitwise_equal() -> None:
+    done = subprocess.run([sys.executable, str(DEMO)], capture_output=True, text=True, timeout=540)
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-4000:]
+    assert "=== demo: kill -9 worker_1 (pid " in out
+    assert "1 restart(s), last exit: killed by SIGKILL" in out
+    assert "=== demo: bitwise equal: the fault changed nothing in the result" in out
