@@ -89,7 +89,21 @@ def test_deploy_train_recover_stop(cluster: Cluster, tmp_path: Path) -> None:
     job_dirs = {n: cluster.host(n).workdir / job for n in hosts}
     run = {"inventory": inventory, "project": project, "env": env, "args": args}
     try:
+        # a file or directory removed from the project is removed from the hosts at the next deploy
+        (project / "gone.py").write_text("x = 1\n")
+        (project / "pkg").mkdir()
+        (project / "pkg" / "gone.py").write_text("y = 2\n")
+        playbook("deploy.yml", **run)
+        for d in job_dirs.values():
+            assert (d / "project" / "pkg" / "gone.py").read_text() == "y = 2\n"
+            (d / "project" / "__pycache__").mkdir()
+            (d / "project" / "__pycache__" / "train.cpython-311.pyc").write_bytes(b"cache")
+        (project / "gone.py").unlink()
+        shutil.rmtree(project / "pkg")
+
         playbook("train.yml", **run)  # imports deploy.yml, as a user would run it
+        for d in job_dirs.values():
+            assert sorted(p.name for p in (d / "project").iterdir()) == ["__pycache__", "fabric.yaml", "train.py"]
         started = {n: wait_for(f"every process on {n} running", lambda d=d: running(d)) for n, d in job_dirs.items()}
         assert sorted(node for procs in started.values() for node in procs) == \
             ["sched"] + [f"worker_{i}" for i in range(HOSTS)]
