@@ -25,6 +25,7 @@ from runtime_harness import (  # noqa: E402
     Job,
     Proc,
     expected_weights,
+    job_factory,
     read_result,
 )
 
@@ -37,18 +38,8 @@ HEARTBEAT = 0.3
 
 @pytest.fixture
 def make_job(tmp_path: Path) -> Iterator[Callable[..., Job]]:
-    jobs: list[Job] = []
-
-    def make(world: int, **kw) -> Job:
-        root = tmp_path / f"job{len(jobs)}"
-        root.mkdir()
-        job = Job(root, world, **kw)
-        jobs.append(job)
-        return job
-
-    yield make
-    for job in jobs:
-        job.cleanup()
+    with job_factory(tmp_path) as make:
+        yield make
 
 
 def started(job: Job, env: dict[str, str] | None = None) -> Proc:

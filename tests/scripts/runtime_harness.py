@@ -17,8 +17,9 @@ import subprocess
 import sys
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 from ports import free_port_pair
 from toolkit import envvars as E
@@ -281,6 +282,24 @@ class FakeAgent(threading.Thread):
                 if left <= 0:
                     raise AssertionError(f"agent got no {op!r} within {timeout} s; got {self.messages}")
                 self.cond.wait(left)
+
+
+@contextmanager
+def job_factory(root: Path) -> Iterator[Callable[..., Job]]:
+    """make(world, **kw) -> a Job in its own directory under root; every job made is cleaned up at the end."""
+    jobs: list[Job] = []
+
+    def make(world: int, **kw: Any) -> Job:
+        job_root = root / f"job{len(jobs)}"
+        job_root.mkdir()
+        jobs.append(Job(job_root, world, **kw))
+        return jobs[-1]
+
+    try:
+        yield make
+    finally:
+        for job in jobs:
+            job.cleanup()
 
 
 def expected_weights(world: int, steps: int, dim: int = 4) -> list[float]:

@@ -17,7 +17,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 
 from ports import free_port_pair  # noqa: E402
-from runtime_harness import FakeAgent, Job, Proc, expected_weights, read_result  # noqa: E402
+from runtime_harness import FakeAgent, Job, Proc, expected_weights, job_factory, read_result  # noqa: E402
 
 from toolkit import envvars as E  # noqa: E402
 from toolkit import protocol as P  # noqa: E402
@@ -28,18 +28,8 @@ pytestmark = pytest.mark.timeout(180)
 
 @pytest.fixture
 def make_job(tmp_path: Path) -> Iterator[Callable[..., Job]]:
-    jobs: list[Job] = []
-
-    def make(world: int, **kw) -> Job:
-        root = tmp_path / f"job{len(jobs)}"
-        root.mkdir()
-        job = Job(root, world, **kw)
-        jobs.append(job)
-        return job
-
-    yield make
-    for job in jobs:
-        job.cleanup()
+    with job_factory(tmp_path) as make:
+        yield make
 
 
 def bare_env(job: Job) -> dict[str, str]:
