@@ -34,7 +34,6 @@ import argparse
 import json
 import os
 import re
-import secrets
 import shutil
 import signal
 import statistics
@@ -50,12 +49,9 @@ from typing import Any, Callable
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
+from local_job import EXAMPLES, LocalJob, clean_env  # noqa: E402
 from ports import free_port_pair  # noqa: E402
-from toolkit.inventory import local_inventory  # noqa: E402
-from toolkit.plan import JobOptions, make_plan  # noqa: E402
-from toolkit.render import render_host, write_files  # noqa: E402
 
-EXAMPLES = ROOT / "examples"
 TORCHRUN = str(Path(sys.executable).parent / "torchrun")
 WORLD = 2
 VICTIM = 1
@@ -68,14 +64,10 @@ SPARE_BOUND = 60.0  # s for the agent's warm spare to be ready
 STEP = re.compile(r"^epoch: \d+, step: (\d+), loss is")
 RESUMED = re.compile(r"^rank \d+: (?:resumed from step (\d+)|starting fresh)")
 FINAL = re.compile(r"^final parameters: \S+ sha256 ([0-9a-f]{64})$")
-DROP = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "CKPT_DIR", "DATA_PATH")
-
 
 
 def base_env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in DROP and not k.startswith(("MS_", "TOOLKIT_", "TORCHELASTIC"))}
-    env["OMP_NUM_THREADS"] = "1"
-    return env
+    return {**clean_env(), "OMP_NUM_THREADS": "1"}
 
 
 @dataclass
@@ -245,48 +237,26 @@ class ToolkitRun(Run):
 
     def start(self) -> float:
         t0 = time.monotonic()
-        options = JobOptions(job="cmp", script="train.py", script_args=" ".join(self.args),
-                             master_port=free_port_pair(), workdir=str(self.root), python=sys.executable)
-        plan = make_plan(local_inventory(WORLD), options, str(EXAMPLES))
-        (host,) = plan.hosts
-        self.dir = Path(host.job_dir)
-        write_files(render_host(plan, host, secrets.token_hex(16)), self.dir)
-        with open(self.root / "agent.out", "wb") as out:
-            self.proc = subprocess.Popen([sys.executable, "-m", "toolkit.agent", "run", "--job-dir", str(self.dir)],
-                                         env=base_env(), stdin=subprocess.DEVNULL, stdout=out, stderr=out,
-                                         start_new_session=True)
+        self.job = LocalJob(self.root, WORLD, self.args, job="cmp")  # fleet's defaults, as `fleet deploy` plans
+        self.proc = self.job.start(base_env())
         self.follower.start()
         return t0
 
-    def doc(self) -> dict[str, Any]:
-        try:
-            return json.loads((self.dir / "state" / "agent.json").read_text())
-        except (OSError, ValueError):
-            return {}
-
     def log_files(self) -> list[tuple[int, Path]]:
-        return [(r, self.dir / "logs" / f"worker_{r}.log") for r in range(WORLD)]
+        return [(r, self.job.dir / "logs" / f"worker_{r}.log") for r in range(WORLD)]
 
     def pid_of(self, rank: int) -> int:
-        return next(p["pid"] for p in self.doc()["processes"] if p["node_id"] == f"worker_{rank}")
+        return self.job.procs()[f"worker_{rank}"]["pid"]
 
     def ready_to_kill(self) -> None:
         deadline = time.monotonic() + SPARE_BOUND
-        while not (self.doc().get("warm_spare") or {}).get("ready"):
+        while not (self.job.doc().get("warm_spare") or {}).get("ready"):
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the warm spare was not ready within {SPARE_BOUND:g} s")
             time.sleep(POLL)
 
     def kill_all(self) -> None:
-        """SIGTERM to the agent stops its children (bounded by its grace); SIGKILL its session if it must."""
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(10)
+        self.job.cleanup()
 
 
 def fault_run(run: Run) -> dict[str, Any]:
@@ -384,7 +354,7 @@ def main() -> int:
     print(f"load average at the end {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
 
     print(f"\nmedians over {args.repeats} runs each (2 workers, gloo, CPU)")
-    print(f"{'metric':<28}{'toolkit':>12}{'torchrun':>12}{'ratio':>10}{'target':>12}")
+    print(f"{'metric':<28}{'toolkit':>16}{'torchrun':>16}{'ratio':>10}{'target':>12}")
     for label, kind, key, unit, target in (
             ("launch to first step", "fault", "launch", "s", "<= 1.0"),
             ("recovery (MTTR)", "fault", "recovery", "s", "<= 0.5"),
@@ -394,7 +364,7 @@ def main() -> int:
         ratio = f"{a / b:.2f}" if a is not None and b else "-"
         fa = f"{a:.2f} {unit}" if a is not None else "-"
         fb = f"{b:.2f} {unit}" if b is not None else "-"
-        print(f"{label:<28}{fa:>12}{fb:>12}{ratio:>10}{target:>12}")
+        print(f"{label:<28}{fa:>16}{fb:>16}{ratio:>10}{target:>12}")
     failed = {n: sum(1 for r in results[n]["fault"] if r.get("failed")) for n in results}
     bad = {n: sum(1 for k in ("fault", "steady") for r in results[n][k] if not r.get("failed") and r.get("exit") != 0)
            for n in results}

@@ -154,7 +154,6 @@ async def sim_main(port: int, token: str, world: int, ranks: list[int]) -> None:
 # ---------------------------------------------------------------- the driver
 
 
-
 class Sim:
     def __init__(self, port: int, token: str, world: int, ranks: list[int]) -> None:
         self.proc = subprocess.Popen(

@@ -643,7 +643,6 @@ def _home_shares(python: str) -> tuple[str, ...]:
     return tuple(sorted(shares))
 
 
-
 def _base36(number: int) -> str:
     digits = "0123456789abcdefghijklmnopqrstuvwxyz"
     out = ""

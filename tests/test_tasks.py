@@ -23,6 +23,7 @@ import pytest
 
 from cluster import Cluster
 from ports import free_port_pair
+from toolkit.procs import proc_info
 
 REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
@@ -372,7 +373,6 @@ def test_fab_deploy_train_with_hosts_as_typed(cluster: Cluster, tmp_path: Path, 
 # --- local mode --------------------------------------------------------------------------------------------------
 
 
-
 def test_local_mode_without_ssh(tmp_path: Path, job: str) -> None:
     d = tmp_path / "local"
     d.mkdir()
@@ -406,15 +406,8 @@ def test_local_mode_without_ssh(tmp_path: Path, job: str) -> None:
 
 
 def _children(pid: int) -> list[int]:
-    out = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
-                    out.append(int(entry.name))
-            except OSError:
-                continue
-    return out
+    infos = (proc_info(int(name)) for name in os.listdir("/proc") if name.isdigit())
+    return [info.pid for info in infos if info is not None and info.ppid == pid]
 
 
 # --- pieces ------------------------------------------------------------------------------------------------------

@@ -30,7 +30,6 @@ SCRIPTS = Path(__file__).resolve().parent
 PYTHON = sys.executable
 
 
-
 class Proc:
     """A child process whose combined output is collected line by line, so a test waits on what it prints (an
     event) instead of sleeping."""

@@ -12,7 +12,6 @@ import json
 import os
 import random
 import re
-import secrets
 import signal
 import subprocess
 import sys
@@ -23,13 +22,9 @@ from typing import Any, Callable
 import pytest
 import torch
 
+from local_job import EXAMPLES, STEP_LINE, LocalJob, clean_env
 from ports import free_port_pair
-from toolkit.inventory import local_inventory
-from toolkit.plan import JobOptions, make_plan
-from toolkit.render import render_host, write_files
 
-REPO = Path(__file__).resolve().parents[2]
-EXAMPLES = REPO / "examples"
 TORCHRUN = str(Path(sys.executable).parent / "torchrun")
 INTERVAL = 4
 ARGS = ["--epochs", "3", "--ckpt-interval", str(INTERVAL), "--keep-max", "3", "--timeout", "30"]
@@ -37,12 +32,9 @@ STEP_DELAY = "0.15"  # s per step in the faulted run: time for the warm spare to
 JOB_TIMEOUT = 240.0  # s for one job on a loaded 2-core machine; normally ~20 s
 SPARE_TIMEOUT = 60.0  # s for the agent's warm spare to import torch
 POLL = 0.02  # s between looks at a log or agent.json: no event tells that a line was appended
-STEP_LINE = re.compile(r"^epoch: (\d+), step: (\d+), loss is", re.M)
 FINAL = re.compile(r"^final parameters: (\S+) sha256 ([0-9a-f]{64})$", re.M)
 RESUMED = re.compile(r"^rank (\d+): resumed from step (\d+) ", re.M)
 CHANGED = re.compile(r"^rank (\d+): generation 0 -> 1 at step (\d+)", re.M)
-ENV_DROP = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "CKPT_DIR",
-            "DATA_PATH", "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_RESTART_COUNT")
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -50,11 +42,6 @@ pytestmark = pytest.mark.timeout(600)
 def steps_total(world: int, epochs: int = 3, batch: int = 32, dataset: int = 1440) -> int:
     per_rank = -(-dataset // world)  # the sampler pads every shard to the same length
     return epochs * -(-per_rank // batch)
-
-
-
-def clean_env() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if k not in ENV_DROP and not k.startswith(("MS_", "TOOLKIT_"))}
 
 
 def until(what: str, predicate: Callable[[], Any], timeout: float, evidence: Callable[[], str]) -> Any:
@@ -68,70 +55,9 @@ def until(what: str, predicate: Callable[[], Any], timeout: float, evidence: Cal
         time.sleep(POLL)
 
 
-class LocalJob:
-    """A job rendered for this machine (plan + render as `fleet deploy` does) and run by `python -m toolkit.agent`."""
-
-    def __init__(self, root: Path, workers: int, args: list[str], warm_spare: bool = True,
-                 ckpt_dir: Path | None = None) -> None:
-        self.workers = workers
-        options = JobOptions(job="rec", script="train.py", script_args=" ".join(args), master_port=free_port_pair(),
-                             workdir=str(root), python=sys.executable, node_timeout=3, cluster_time_out=120, grace=5,
-                             warm_spare=warm_spare, ckpt_dir=str(ckpt_dir) if ckpt_dir else None)
-        plan = make_plan(local_inventory(workers), options, str(EXAMPLES))
-        (host,) = plan.hosts
-        self.dir = Path(host.job_dir)
-        write_files(render_host(plan, host, secrets.token_hex(16)), self.dir)
-        self.agent: subprocess.Popen | None = None
-
-    def start(self) -> None:
-        out = open(self.dir / "agent.out", "wb")
-        with out:
-            self.agent = subprocess.Popen([sys.executable, "-m", "toolkit.agent", "run", "--job-dir", str(self.dir)],
-                                          env=clean_env(), stdin=subprocess.DEVNULL, stdout=out, stderr=out,
-                                          start_new_session=True)
-
-    def doc(self) -> dict[str, Any]:
-        try:
-            return json.loads((self.dir / "state" / "agent.json").read_text())
-        except (OSError, ValueError):
-            return {}
-
-    def procs(self) -> dict[str, dict[str, Any]]:
-        return {p["node_id"]: p for p in self.doc().get("processes", [])}
-
-    def log(self, name: str) -> str:
-        try:
-            return (self.dir / "logs" / name).read_text(errors="replace")
-        except OSError:
-            return ""
-
-    def last_step(self, rank: int) -> int:
-        steps = STEP_LINE.findall(self.log(f"worker_{rank}.log"))
-        return int(steps[-1][1]) if steps else 0
-
-    def evidence(self) -> str:
-        parts = [f"--- agent.json state: {self.doc().get('state')} {self.doc().get('reason') or ''}"]
-        for path in sorted((self.dir / "logs").glob("*.log")):
-            parts.append(f"--- {path.name}\n" + "\n".join(path.read_text(errors="replace").splitlines()[-15:]))
-        return "\n".join(parts)
-
-    def finish(self, timeout: float) -> int:
-        assert self.agent is not None
-        try:
-            return self.agent.wait(timeout)
-        except subprocess.TimeoutExpired:
-            raise AssertionError(f"the agent did not end the job within {timeout} s\n{self.evidence()}") from None
-
-    def cleanup(self) -> None:
-        """SIGTERM the agent we started (it stops its children), bounded; then SIGKILL its own session."""
-        if self.agent is None or self.agent.poll() is not None:
-            return
-        self.agent.send_signal(signal.SIGTERM)
-        try:
-            self.agent.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.agent.pid, signal.SIGKILL)
-            self.agent.wait(10)
+def local_job(root: Path, world: int, args: list[str], **options: Any) -> LocalJob:
+    """Short timeouts: a fault is noticed in seconds, and a test that goes wrong ends soon."""
+    return LocalJob(root, world, args, job="rec", node_timeout=3, cluster_time_out=120, grace=5, **options)
 
 
 @pytest.fixture(scope="module")
@@ -186,7 +112,7 @@ def test_kill9_of_a_worker_recovers_in_place_and_ends_bitwise_equal(tmp_path, wo
     rng = random.Random(seed)
     total = steps_total(world)
     victim = rng.randrange(world)
-    job = LocalJob(tmp_path, world, ARGS + ["--step-delay", STEP_DELAY if warm else "0.05"], warm_spare=warm)
+    job = local_job(tmp_path, world, ARGS + ["--step-delay", STEP_DELAY if warm else "0.05"], warm_spare=warm)
     try:
         job.start()
         spare = None
@@ -262,7 +188,7 @@ def test_sigterm_under_the_agent_saves_last_words_and_loses_no_step(tmp_path, re
     ref_path, ref_digest = reference(world)
     rng = random.Random()
     args = ARGS + ["--step-delay", "0.05"]
-    first = LocalJob(tmp_path / "first", world, args, warm_spare=False)
+    first = local_job(tmp_path / "first", world, args, warm_spare=False)
     ckpt = first.dir / "ckpt"
     try:
         first.start()
@@ -294,7 +220,7 @@ def test_sigterm_under_the_agent_saves_last_words_and_loses_no_step(tmp_path, re
         assert (ckpt / f"rank_{r}" / f"step_{saved:012d}.ckpt").is_file()
         assert first.procs()[f"worker_{r}"]["last_exit"]["code"] == 128 + signal.SIGTERM
 
-    second = LocalJob(tmp_path / "second", world, ARGS, ckpt_dir=ckpt)
+    second = local_job(tmp_path / "second", world, ARGS, ckpt_dir=str(ckpt))
     try:
         second.start()
         assert second.finish(JOB_TIMEOUT) == 0, second.evidence()

@@ -1,0 +1,98 @@
+"""The sample trainer (examples/train.py) as a local job, planned and rendered as `fleet deploy` does it and run by
+the real host agent (`python -m toolkit.agent run`) started directly: for the tests and benchmarks that watch the
+agent's files and pids without the fleet command around it."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Mapping
+
+from ports import free_port_pair
+from toolkit.inventory import local_inventory
+from toolkit.plan import JobOptions, make_plan
+from toolkit.render import render_host, write_files
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+ENV_DROP = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "CKPT_DIR",
+            "DATA_PATH")
+STOP_WAIT = 30.0  # s for the agent to stop its children after SIGTERM (its grace period and some)
+KILL_WAIT = 10.0  # s for its session to go after SIGKILL
+STEP_LINE = re.compile(r"^epoch: (\d+), step: (\d+), loss is", re.M)
+
+
+def clean_env() -> dict[str, str]:
+    """This process's environment without any job's variables: a test may itself run under torchrun or fleet."""
+    return {k: v for k, v in os.environ.items()
+            if k not in ENV_DROP and not k.startswith(("MS_", "TOOLKIT_", "TORCHELASTIC_"))}
+
+
+class LocalJob:
+    """`options` are JobOptions fields (node_timeout, grace, warm_spare, ckpt_dir, ...); the rest are fleet's
+    defaults."""
+
+    def __init__(self, root: Path, workers: int, args: list[str], job: str = "local", **options: Any) -> None:
+        self.workers = workers
+        job_options = JobOptions(job=job, script="train.py", script_args=" ".join(args), master_port=free_port_pair(),
+                                 workdir=str(root), python=sys.executable, **options)
+        plan = make_plan(local_inventory(workers), job_options, str(EXAMPLES))
+        (host,) = plan.hosts
+        self.dir = Path(host.job_dir)
+        write_files(render_host(plan, host, secrets.token_hex(16)), self.dir)
+        self.agent: subprocess.Popen | None = None
+
+    def start(self, env: Mapping[str, str] | None = None) -> subprocess.Popen:
+        with open(self.dir / "agent.out", "wb") as out:
+            self.agent = subprocess.Popen([sys.executable, "-m", "toolkit.agent", "run", "--job-dir", str(self.dir)],
+                                          env=clean_env() if env is None else dict(env), stdin=subprocess.DEVNULL,
+                                          stdout=out, stderr=out, start_new_session=True)
+        return self.agent
+
+    def doc(self) -> dict[str, Any]:
+        try:
+            return json.loads((self.dir / "state" / "agent.json").read_text())
+        except (OSError, ValueError):
+            return {}  # not written yet (every write is a rename, so never half)
+
+    def procs(self) -> dict[str, dict[str, Any]]:
+        return {p["node_id"]: p for p in self.doc().get("processes", [])}
+
+    def log(self, name: str) -> str:
+        try:
+            return (self.dir / "logs" / name).read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def last_step(self, rank: int) -> int:
+        steps = STEP_LINE.findall(self.log(f"worker_{rank}.log"))
+        return int(steps[-1][1]) if steps else 0
+
+    def evidence(self) -> str:
+        parts = [f"--- agent.json state: {self.doc().get('state')} {self.doc().get('reason') or ''}"]
+        for path in sorted((self.dir / "logs").glob("*.log")):
+            parts.append(f"--- {path.name}\n" + "\n".join(path.read_text(errors="replace").splitlines()[-15:]))
+        return "\n".join(parts)
+
+    def finish(self, timeout: float) -> int:
+        assert self.agent is not None
+        try:
+            return self.agent.wait(timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"the agent did not end the job within {timeout} s\n{self.evidence()}") from None
+
+    def cleanup(self) -> None:
+        """SIGTERM the agent we started (it stops its children), bounded; then SIGKILL its own session."""
+        if self.agent is None or self.agent.poll() is not None:
+            return
+        self.agent.send_signal(signal.SIGTERM)
+        try:
+            self.agent.wait(STOP_WAIT)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.agent.pid, signal.SIGKILL)
+            self.agent.wait(KILL_WAIT)
