@@ -459,14 +459,25 @@ class Cluster:
         return _netns_pids(self.host(name).netns)
 
     def workload_pids(self, name: str) -> list[int]:
-        """Processes of the host other than its sshd and sshd's own session processes: what a test started
-        there. Used to check that nothing is left running."""
-        sshd = self.sshd_pid(name)
-        out = []
-        for pid in self.netns_pids(name):
-            if pid == sshd or _is_sshd_session(pid, sshd):
-                continue
-            out.append(pid)
+        """Processes of the host other than sshd's own (the listener and its per-connection processes, also
+        those orphaned when a listener was restarted): what a test started there. Used to check that nothing is
+        left running."""
+        return [pid for pid in self.netns_pids(name) if not _is_sshd(pid)]
+
+    def unauthenticated(self, name: str) -> list[ProcessInfo]:
+        """sshd's processes for connections that never logged in (`sshd: [accepted]`, `[net]`): a client that
+        gave up on a host without closing its connection leaves them behind until LoginGraceTime."""
+        found = [describe(pid) for pid in self.netns_pids(name) if _is_sshd(pid)]
+        return [info for info in found if info is not None and info.live
+                and info.command in ("sshd: [accepted]", "sshd: [net]")]
+
+    def workload(self, names: Sequence[str] | None = None) -> dict[str, list[ProcessInfo]]:
+        """The live workload of each named host (all by default), described; hosts with none are left out."""
+        out = {}
+        for name in names if names is not None else self.names:
+            found = [info for info in map(describe, self.workload_pids(name)) if info is not None and info.live]
+            if found:
+                out[name] = found
         return out
 
     def kill_host(self, name: str) -> list[int]:
@@ -779,22 +790,52 @@ def _start_time(pid: int) -> int | None:
     return int(stat.rsplit(")", 1)[1].split()[19])
 
 
-def _is_sshd_session(pid: int, listener: int | None) -> bool:
-    """A process of an SSH session's plumbing: an sshd whose ancestry leads to the listening sshd."""
+def _is_sshd(pid: int) -> bool:
+    """A process of sshd's own: the listener, a per-connection process (`sshd: [accepted]`, `sshd: [net]`,
+    `sshd: root@notty`), whoever its parent now is. A session's command is never one: sshd execs a shell."""
     try:
-        if os.readlink(f"/proc/{pid}/exe") != SSHD:
-            return False
+        return os.readlink(f"/proc/{pid}/exe") == SSHD
     except OSError:
         return False
-    current = pid
-    for _ in range(8):
-        try:
-            current = int(Path(f"/proc/{current}/stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError):
-            return False
-        if current == listener:
-            return True
-    return False
+
+
+@dataclass(frozen=True)
+class ProcessInfo:
+    """What a leftover-process assertion prints about one process."""
+
+    pid: int
+    ppid: int
+    state: str
+    age: float  # s since it started
+    command: str
+
+    @property
+    def live(self) -> bool:
+        return self.state not in ("Z", "X")
+
+    def __str__(self) -> str:
+        return f"pid {self.pid} (parent {self.ppid}, state {self.state}, age {self.age:.1f} s): {self.command}"
+
+
+def describe(pid: int) -> ProcessInfo | None:
+    """pid, parent, state, age and command line of a process, or None if it is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    fields = stat.rsplit(")", 1)[1].split()
+    command = " ".join(part.decode(errors="replace") for part in raw.split(b"\0") if part)
+    if not command:
+        command = "[" + stat[stat.index("(") + 1:stat.rindex(")")] + "]"
+    age = uptime - int(fields[19]) / os.sysconf("SC_CLK_TCK")
+    return ProcessInfo(pid, int(fields[1]), fields[0], age, command)
+
+
+def format_workload(found: dict[str, list[ProcessInfo]]) -> str:
+    """One line per leftover process, under its host: what an assertion about leftovers prints."""
+    return "\n".join(f"  {host}: {info}" for host, infos in found.items() for info in infos)
 
 
 def _tail(path: Path, lines: int = 3) -> str:

@@ -41,6 +41,7 @@ pytestmark = pytest.mark.timeout(60)
 
 POLL = 0.02  # s between looks while waiting for a remote process to appear
 WAIT = 20.0
+CLOSE_WAIT = 30.0  # s for a host to notice a closed connection, on a busy machine
 
 
 def settings(cluster: Cluster, **kw: object) -> SshSettings:
@@ -268,6 +269,15 @@ def test_unknown_host_key_is_refused(cluster: Cluster, targets: list[Target], tm
         assert error.startswith(f"{t.name}: host key unknown: {t.hostname} is not in {empty}")
         assert "--accept-new-host-keys" in error and "\n" not in error
     assert empty.read_text() == ""
+    assert_no_unauthenticated_connections(cluster)
+
+
+def assert_no_unauthenticated_connections(cluster: Cluster) -> None:
+    """A refused host leaves no half-open connection behind (its sshd would hold it until LoginGraceTime)."""
+    deadline = time.monotonic() + CLOSE_WAIT
+    while left := {n: infos for n in cluster.names if (infos := cluster.unauthenticated(n))}:
+        assert time.monotonic() < deadline, f"connections left open: {left}"
+        time.sleep(0.1)
 
 
 def test_accept_new_saves_keys_once_and_they_are_then_checked(
@@ -316,6 +326,7 @@ def test_wrong_key_is_an_authentication_failure(cluster: Cluster, targets: list[
     assert str(e.value).startswith(f"{t.name}: authentication failed for user root at {t.hostname}:22 with {wrong}")
     with pytest.raises(AuthenticationFailed, match=rf"^{t.name}: SSH key file {tmp_path}/nope not found"):
         open_host(Target(t.name, t.hostname, t.port, t.user, str(tmp_path / "nope")), settings(cluster))
+    assert_no_unauthenticated_connections(cluster)
 
 
 # --- ssh_config ------------------------------------------------------------------------------------------------

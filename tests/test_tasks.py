@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterator
 
 import pytest
 
-from cluster import Cluster
+from cluster import Cluster, ProcessInfo, describe, format_workload
 from ports import free_port_pair
 from toolkit.procs import proc_info
 
@@ -29,6 +29,7 @@ REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 WORKER = Path(__file__).resolve().parent / "scripts" / "tasks_worker.py"
 WAIT = 60.0  # s: bound of every wait on the job to reach a state
+LEFTOVER_WAIT = 90.0  # s for every process of a stopped job to be gone, on a busy machine
 POLL = 0.3  # s between looks while waiting
 COMMAND_TIMEOUT = 120.0
 LONG = "--steps 100000 --delay 0.2"  # a job that runs until it is stopped
@@ -50,14 +51,15 @@ def ok(r: subprocess.CompletedProcess[str]) -> subprocess.CompletedProcess[str]:
     return r
 
 
-def wait_for(what: str, condition: Callable[[], Any], bound: float = WAIT) -> Any:
+def wait_for(what: str, condition: Callable[[], Any], bound: float = WAIT,
+             evidence: Callable[[], str] | None = None) -> Any:
     deadline = time.monotonic() + bound
     while True:
         value = condition()
         if value:
             return value
         if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: not within {bound:.0f}s")
+            raise AssertionError(f"{what}: not within {bound:.0f}s" + (f"\n{evidence()}" if evidence else ""))
         time.sleep(POLL)
 
 
@@ -75,24 +77,19 @@ def all_running(project: Path, job: str, min_step: int = 1) -> dict[str, Any] | 
 
 def live(pids: list[int]) -> set[int]:
     """Those still running (a zombie awaiting this machine's slow reaper has exited)."""
-    out = set()
-    for pid in pids:
-        try:
-            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
-                out.add(pid)
-        except (FileNotFoundError, ProcessLookupError):
-            pass
-    return out
+    return {pid for pid in pids if (info := describe(pid)) is not None and info.live}
 
 
-def leftovers(cluster: Cluster, names: list[str] | None = None, ignore: set[int] = frozenset()) -> dict[str, set[int]]:
-    """What still runs on the hosts besides sshd: processes found through each host's network namespace."""
-    found = {n: live(cluster.workload_pids(n)) - ignore for n in (names or cluster.names)}
-    return {n: pids for n, pids in found.items() if pids}
+def assert_nothing_left(cluster: Cluster, ignore: frozenset[int] = frozenset()) -> None:
+    """No process of the job on any host (found through the hosts' network namespaces, sshd's own excluded, and
+    `ignore`: what the test itself started there); bounded generously, since a loaded machine takes its time to
+    tear processes down."""
+    def left() -> dict[str, list[ProcessInfo]]:
+        found = {n: [i for i in infos if i.pid not in ignore] for n, infos in cluster.workload().items()}
+        return {n: infos for n, infos in found.items() if infos}
 
-
-def assert_nothing_left(cluster: Cluster, ignore: set[int] = frozenset()) -> None:
-    wait_for("no process of the job left on any host", lambda: not leftovers(cluster, ignore=ignore), bound=15)
+    wait_for("no process of the job left on any host", lambda: not left(), bound=LEFTOVER_WAIT,
+             evidence=lambda: "still running:\n" + format_workload(left()))
 
 
 @pytest.fixture
@@ -242,7 +239,7 @@ def test_unreachable_host_starts_nothing_anywhere(cluster: Cluster, project: Pat
                                 "unreachable")
         assert victim.address in first
         assert "stopped the job again on node1, node2, node3: no process of it is left there" in r.stderr
-        assert_nothing_left(cluster, ignore=set())
+        assert_nothing_left(cluster)
 
         r = fleet("--connect-timeout", "2", "status", "--job", job, cwd=project)  # the others still answer
         assert r.returncode != 0 and "Traceback" not in r.stderr
@@ -277,7 +274,7 @@ def test_busy_scheduler_port_starts_nothing_anywhere(cluster: Cluster, project: 
         assert r.returncode != 0 and "Traceback" not in r.stderr
         assert (f"root cause: {sched.name}: port {port} is already in use; stop what listens there or choose "
                 "another --master-port") in r.stderr.splitlines()[0]
-        assert_nothing_left(cluster, ignore={squatter.pid})
+        assert_nothing_left(cluster, ignore=frozenset({squatter.pid}))
     finally:
         squatter.kill()
         squatter.wait(timeout=10)
@@ -403,6 +400,49 @@ def test_local_mode_without_ssh(tmp_path: Path, job: str) -> None:
     ok(fleet("train", "--join", "--job", job + "j", "--worker-num", "2", "--master-port", str(free_port_pair()),
              "--script-args", "--steps 3 --delay 0.1", cwd=d))  # never deployed: train deploys first
     assert (tmp_path / "work" / (job + "j") / "state" / "agent.json").is_file()
+
+
+def test_a_finished_job_is_not_started_again_by_accident(tmp_path: Path, job: str) -> None:
+    d = tmp_path / "again"
+    d.mkdir()
+    shutil.copy(WORKER, d / "train.py")
+    work = tmp_path / "work"
+    flags = ["--job", job, "--worker-num", "2", "--master-port", str(free_port_pair()), "--workdir", str(work),
+             "--no-warm-spare", "--script-args", "--steps 3 --delay 0.1"]
+    ok(fleet("deploy", "train", "--join", *flags, cwd=d))
+    r = fleet("train", "--join", *flags, cwd=d)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert f"error: job {job} already finished at step 3" in r.stderr
+    assert "'fleet train --fresh'" in r.stderr and "'fleet train --again'" in r.stderr
+    assert {p["state"] for p in status(d, job)["processes"]} == {"succeeded"}  # nothing was started
+
+    r = ok(fleet("train", "--join", "--again", *flags, cwd=d))
+    assert f"job {job} succeeded" in r.stderr
+    assert ok(fleet("logs", "--job", job, "--rank", "0", "-n", "100", cwd=d)).stdout.count("step: 3,") == 2
+
+    r = fleet("train", "--fresh", "--again", *flags, cwd=d)
+    assert r.returncode == 2 and "--fresh and --again both given" in r.stderr
+    (work / job / "ckpt" / "rank_0").mkdir(parents=True)  # what a script that checkpoints would have left
+    (work / job / "ckpt" / "rank_0" / "step_3").write_text("state")
+    r = ok(fleet("train", "--join", "--fresh", *flags, cwd=d))
+    assert f"job {job} succeeded" in r.stderr
+    moved = sorted(p.name for p in (work / job).iterdir() if ".previous-" in p.name)
+    assert len(moved) == 2 and moved[0].startswith("ckpt.previous-") and moved[1].startswith("recovery.previous-")
+    stamp = moved[0].split(".previous-")[1]
+    assert moved[1] == f"recovery.previous-{stamp}"
+    assert (work / job / moved[0] / "rank_0" / "step_3").read_text() == "state"  # moved aside, not deleted
+    assert (work / job / "state" / f"agent.previous-{stamp}.json").is_file()
+
+    # A deploy elsewhere that fails half-way: status shows where the job now lives, not the finished run
+    elsewhere = tmp_path / "elsewhere"
+    (elsewhere / job).mkdir(parents=True)
+    (elsewhere / job / "env").write_text("in the way")  # the job's layout cannot be made
+    moved_flags = [str(elsewhere) if f == str(work) else f for f in flags]
+    assert fleet("deploy", *moved_flags, cwd=d).returncode == 2
+    assert {p["state"] for p in status(d, job)["processes"]} == {"not started"}
+    (elsewhere / job / "env").unlink()
+    r = ok(fleet("train", "--join", *moved_flags, cwd=d))  # the incomplete deploy is done again first
+    assert f"deployed job {job}" in r.stderr and f"job {job} succeeded" in r.stderr
 
 
 def _children(pid: int) -> list[int]:

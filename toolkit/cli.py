@@ -159,10 +159,14 @@ def deploy(settings: Settings) -> None:
 @cluster_task(own={
     "join": (False, "wait until the job ends, printing changes; exit 0 only if every worker succeeded"),
     "join_timeout": ("", "with --join: stop waiting after this many seconds (the job keeps running)"),
+    "fresh": (False, "a job that finished: train it again from the start (its checkpoints and state are moved "
+                     "aside, not deleted)"),
+    "again": (False, "a job that finished: run it once more from its final checkpoints (e.g. with more epochs)"),
 })
-def train(settings: Settings, join: bool, join_timeout: str) -> None:
+def train(settings: Settings, join: bool, join_timeout: str, fresh: bool, again: bool) -> None:
     """Start the job on every host at once (all or nothing); deploys it first if it never was."""
-    tasks.train(settings, join=join, join_timeout=_seconds("--join-timeout", join_timeout))
+    tasks.train(settings, join=join, join_timeout=_seconds("--join-timeout", join_timeout), fresh=fresh,
+                again=again)
 
 
 @cluster_task(own={"json": (False, "print the status as JSON")})

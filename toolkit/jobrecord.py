@@ -29,6 +29,7 @@ class HostRecord:
     job_dir: str  # absolute, resolved on the host at deploy
     python: str
     node_ids: tuple[str, ...]
+    ckpt_dir: str | None = None  # CKPT_DIR of the host's workers, absolute (None: none runs there)
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,7 @@ class JobRecord:
     processes: tuple[dict[str, Any], ...]  # host, role, node_id, rank, local_rank, log (relative to the job dir)
     ssh: dict[str, Any]  # known_hosts, accept_new_host_keys, ssh_config, identities, connect_timeout, parallel
     grace: float = 10.0  # s between SIGTERM and SIGKILL on the hosts (stop waits that long and a margin)
+    deployed: bool = True  # False while a deploy is under way (or if it failed): `train` deploys again
 
     @property
     def world_size(self) -> int:
@@ -111,6 +113,7 @@ def load(project: Path, job: str | None) -> JobRecord:
         processes=tuple(data["processes"]),
         ssh=data["ssh"],
         grace=float(data.get("grace", 10.0)),
+        deployed=bool(data.get("deployed", True)),
     )
 
 

@@ -125,6 +125,14 @@ class HostPlan:
     def name(self) -> str:
         return self.host.name
 
+    @property
+    def ckpt_dir(self) -> str | None:
+        """Where this host's workers keep their checkpoints (CKPT_DIR made absolute), None if it runs none."""
+        for p in self.processes:
+            if p.rank is not None:
+                return posixpath.join(p.cwd, p.env[E.CKPT_DIR])
+        return None
+
 
 @dataclass(frozen=True)
 class LaunchPlan:

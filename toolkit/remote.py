@@ -826,13 +826,22 @@ class SshHost(Host):
             sftp.mkdir(remote)
 
     def close(self) -> None:
-        """Close the connection and any ProxyJump hops under it (Fabric leaves those open)."""
+        """Close the connection and any ProxyJump hops under it (Fabric leaves those open).
+
+        Fabric's own close() does nothing for a connection whose open() failed (a refused host key or login
+        leaves paramiko's transport running and Fabric never recorded it): the paramiko client is closed directly,
+        and with it the TCP connection, so the server's pre-authentication process ends too."""
         import fabric
 
         hop: Any = self._conn
         while isinstance(hop, fabric.Connection):
             with contextlib.suppress(Exception):
                 hop.close()
+            with contextlib.suppress(Exception):
+                hop.client.close()
+            sock = hop.connect_kwargs.get("sock")
+            if isinstance(sock, socket.socket):
+                sock.close()
             hop = hop.gateway
 
 

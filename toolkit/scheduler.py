@@ -812,7 +812,10 @@ class Scheduler:
                 f"{path} belongs to job {state.get('job')!r} with {state.get('world_size')} workers, not "
                 f"{self.cfg.job!r} with {self.cfg.world_size}; point {E.MS_RECOVERY_PATH} elsewhere or remove it")
         if state.get("status") != "running":
-            log.info("previous run of job %s ended (%s); starting afresh", self.cfg.job, state.get("status"))
+            log.info("the previous run of job %s %s (committed step %s): this run starts at generation 0, its "
+                     "workers resume from their own checkpoints%s", self.cfg.job, state.get("status"),
+                     state.get("committed_step"), "; 'fleet train --fresh' starts a finished job over"
+                     if state.get("status") == "finished" else "")
             self.fenced = set(state.get("fenced", []))
             return
         now = self.clock()

@@ -136,6 +136,9 @@ def deploy(settings: Settings) -> JobRecord:
     )
     plan = make_plan(inventory, settings.options, str(settings.project) if settings.local else None)
     token = jobrecord.token(settings.project, plan.job)
+    # Recorded before the upload (marked incomplete until it is done): from now on `status` looks where this
+    # deploy puts the job, never at an earlier deploy's job directories as if they were this one's.
+    jobrecord.save(settings.project, replace(_record(plan, settings), deployed=False))
 
     def upload(host: Host) -> SyncStats:
         hp = plan.host_plan(host.name)
@@ -192,6 +195,7 @@ def _record(plan: LaunchPlan, settings: Settings) -> JobRecord:
             job_dir=h.job_dir,
             python=h.python,
             node_ids=tuple(p.node_id for p in h.processes),
+            ckpt_dir=h.ckpt_dir,
         )
         for h in plan.hosts
     )
@@ -215,17 +219,27 @@ def _record(plan: LaunchPlan, settings: Settings) -> JobRecord:
 # --- train -------------------------------------------------------------------------------------------------------
 
 
-def train(settings: Settings, join: bool = False, join_timeout: float | None = None) -> None:
+def train(settings: Settings, join: bool = False, join_timeout: float | None = None, fresh: bool = False,
+          again: bool = False) -> None:
     """Start the deployed job on every host at once (deploying it first if it never was); all or nothing: if a
-    host fails to start, what started elsewhere is stopped. With `join`, wait for the job to end."""
+    host fails to start, what started elsewhere is stopped. With `join`, wait for the job to end.
+
+    A job whose every host finished successfully is not started again by accident (its workers would resume
+    from their final checkpoints and end at once): `fresh` starts it over (its checkpoints and state are moved
+    aside, never deleted), `again` runs it once more from where it ended (with more epochs, say)."""
+    if fresh and again:
+        raise UserError("--fresh and --again both given: start the job over (--fresh) or go on from where it "
+                        "ended (--again), not both")
+    record = None
     if jobrecord.exists(settings.project, settings.options.job):
         record = jobrecord.load(settings.project, settings.options.job)
         _check_same_hosts(settings, record)
-    else:
+    if record is None or not record.deployed:  # never deployed, or its last deploy did not complete
         record = deploy(settings)
     ssh = record_ssh(record, settings)
     sched = record.host(record.scheduler_host)
     port = record.sched_port
+    _previous_run(record, ssh, fresh=fresh, again=again)
 
     def start(host: Host) -> bool:
         """True if this call started the agent (False: it already ran)."""
@@ -247,6 +261,69 @@ def train(settings: Settings, join: bool = False, join_timeout: float | None = N
          "follow it with 'fleet status' and 'fleet logs -f', end it with 'fleet stop'")
     if join:
         join_job(record, ssh, join_timeout)
+
+
+@dataclass(frozen=True)
+class Finished:
+    """A run that ended with every host's agent succeeded: the job is done."""
+
+    step: int | None  # the last step any worker reported
+    at: str | None  # when the last agent recorded it (its own clock)
+
+
+def finished_run(hosts: list[HostStatus]) -> Finished | None:
+    """The job's previous run, if every host reached says it succeeded (None while anything runs, or ended
+    otherwise: a stopped or failed run is resumed by the next `train`)."""
+    if not hosts or not all(h.reached and h.agent == "succeeded" for h in hosts):
+        return None
+    steps = [p.step for h in hosts for p in h.processes if p.role == "worker" and p.step is not None]
+    stamps = [h.updated_at for h in hosts if h.updated_at]
+    return Finished(max(steps) if steps else None, max(stamps) if stamps else None)
+
+
+# Moves a run's checkpoints, scheduler state and agent.json aside under one stamp (a shared checkpoint directory
+# is moved once: the first host's mv wins, the others find nothing to move).
+_ARCHIVE_SCRIPT = r"""
+d=$1 ckpt=$2 stamp=$3
+for p in "$ckpt" "$d/recovery"; do
+    if [ -e "$p" ]; then mv -- "$p" "$p.previous-$stamp" && echo "moved $p to $p.previous-$stamp"; fi
+done
+if [ -e "$d/state/agent.json" ]; then mv -- "$d/state/agent.json" "$d/state/agent.previous-$stamp.json"; fi
+exit 0
+"""
+
+
+def _previous_run(record: JobRecord, ssh: SshSettings, fresh: bool, again: bool) -> None:
+    """Refuse to start a finished job again unless told how (see `train`); with `fresh`, move its previous run
+    aside on every host, so that the new run starts from step 0 and no status shows the old run's processes."""
+    hosts = collect_status(record, ssh)
+    alive = [h.host for h in hosts if h.alive]
+    if alive:
+        if fresh:
+            raise UserError(f"job {record.job} is running on {', '.join(alive)}: stop it first ('fleet stop'), "
+                            "then 'fleet train --fresh' starts it over")
+        return
+    done = finished_run(hosts)
+    if done is not None and not (fresh or again):
+        step = f" at step {done.step}" if done.step is not None else ""
+        when = f" ({done.at})" if done.at else ""
+        raise UserError(f"job {record.job} already finished{step}{when}: nothing to train. 'fleet train --fresh' "
+                        "trains it again from the start (its checkpoints and state are moved aside, not deleted), "
+                        "'fleet train --again' goes on from its final checkpoints (e.g. with more epochs), or "
+                        "deploy it under another --job name")
+    if not fresh:
+        return
+    stamp = time.strftime("%Y%m%dT%H%M%S")
+
+    def archive(host: Host) -> str:
+        h = record.host(host.name)
+        return host.run(["sh", "-c", _ARCHIVE_SCRIPT, "sh", h.job_dir, h.ckpt_dir or f"{h.job_dir}/ckpt", stamp],
+                        timeout=STATUS_TIMEOUT, check=True).stdout.strip()
+
+    moved = _fan_out("moving the previous run aside", record_targets(record), archive, ssh)
+    for name, text in moved.items():
+        for line in text.splitlines():
+            _say(f"{name}: {line}")
 
 
 def _check_same_hosts(settings: Settings, record: JobRecord) -> None:
@@ -367,11 +444,16 @@ class HostStatus:
     reason: str | None  # why the agent ended
     failure: Mapping[str, Any] | None = field(default=None, hash=False, compare=False)  # the give-up evidence
     processes: tuple[ProcStatus, ...] = ()
+    updated_at: str | None = None  # when the agent last wrote its state (the host's clock)
 
 
 _STATUS_SCRIPT = r"""
 py=$1 d=$2
-"$py" -m toolkit.agent status --job-dir "$d" || exit
+if [ -f "$d/host.json" ]; then
+    "$py" -m toolkit.agent status --job-dir "$d" || exit
+else
+    echo '{"state": "absent", "alive": false, "processes": []}'
+fi
 printf '\036\n'
 date +%s.%N
 find "$d/logs" -maxdepth 1 -name '*.log' -printf '%T@ %f\n' 2>/dev/null
@@ -487,8 +569,9 @@ def _host_status(record: JobRecord, name: str, result: HostResult[dict[str, Any]
             state = "gone"
         procs.append(_proc(name, p, got, state, now, mtimes))
     pid = (doc.get("agent") or {}).get("pid")
+    updated = doc.get("updated_at")
     return HostStatus(name, True, None, agent, alive, pid if isinstance(pid, int) else None, doc.get("reason"),
-                      doc.get("failure"), tuple(procs))
+                      doc.get("failure"), tuple(procs), updated if isinstance(updated, str) else None)
 
 
 def _proc(host: str, p: Mapping[str, Any], got: Mapping[str, Any], state: str, now: float | None,

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from cluster import Cluster
+from cluster import Cluster, ProcessInfo, format_workload
 
 REPO = Path(__file__).resolve().parents[2]
 FLEET = str(Path(sys.executable).parent / "fleet")
@@ -30,6 +30,7 @@ FINAL = re.compile(r"final parameters: (\S+) sha256 ([0-9a-f]{64})")
 # collective timeout (--timeout) bounds how long survivors can wait on each other in a broken collective.
 SCRIPT_ARGS = "--epochs 2 --batch-size 16 --ckpt-interval 4 --keep-max 3 --step-delay 0.25 --timeout 20"
 JOB_TIMEOUT = 240.0  # s for one job from deploy to its end, faults and recoveries included
+LEFTOVER_WAIT = 90.0  # s for every process of an ended job (or a killed agent's) to be gone, on a busy machine
 
 
 @dataclass
@@ -50,6 +51,7 @@ class Job:
     port: int
     flags: tuple[str, ...]
     runner: subprocess.Popen[str] | None = None
+    output: str | None = None  # what `fleet ... --join` printed, once it ended
 
     # -- the user's commands
 
@@ -65,19 +67,24 @@ class Job:
 
     def start(self, *tasks: str) -> None:
         """`fleet deploy train --join` in the background: it returns when the job ends."""
+        self.output = None
         self.runner = subprocess.Popen([FLEET, *(tasks or ("deploy", "train")), "--join", *self.args()],
                                        cwd=self.e2e.project, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                        text=True, start_new_session=True)
 
     def join(self, timeout: float = JOB_TIMEOUT) -> tuple[int, str]:
         assert self.runner is not None
+        if self.output is not None:
+            return self.runner.returncode, self.output
         try:
             out, err = self.runner.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
             os.killpg(self.runner.pid, signal.SIGKILL)
             out, err = self.runner.communicate()
+            self.output = out + err
             raise AssertionError(f"the job did not end within {timeout} s\n{err}\n{self.evidence()}") from None
-        return self.runner.returncode, out + err
+        self.output = out + err
+        return self.runner.returncode, self.output
 
     def finish_ok(self) -> str:
         """Join, expect success, and return the digest of the final parameters."""
@@ -120,17 +127,23 @@ class Job:
                 return path.read_text(errors="replace")
         return ""
 
-    def wait_for(self, what: str, predicate: Callable[[], Any], timeout: float = 120.0) -> Any:
+    def wait_for(self, what: str, predicate: Callable[[], Any], timeout: float = 120.0,
+                 while_running: bool = True, evidence: Callable[[], str] | None = None) -> Any:
+        """Poll `predicate` until it is true (its value is returned) or `timeout` passes. With `while_running`,
+        the job ending first is a failure too (the condition can no longer come about); the assertion carries the
+        runner's output, the hosts' logs and `evidence()`."""
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        while True:
             value = predicate()
             if value:
                 return value
-            if self.runner is not None and self.runner.poll() is not None:
-                raise AssertionError(f"the job ended while waiting for {what}:\n{self.runner.stderr.read()}\n"
-                                     f"{self.evidence()}")
+            more = f"\n{evidence()}" if evidence else ""
+            if while_running and self.runner is not None and self.output is None and self.runner.poll() is not None:
+                _, output = self.join()
+                raise AssertionError(f"the job ended while waiting for {what}:\n{output}{more}\n{self.evidence()}")
+            if time.monotonic() > deadline:
+                raise AssertionError(f"timed out after {timeout} s waiting for {what}{more}\n{self.evidence()}")
             time.sleep(POLL)
-        raise AssertionError(f"timed out after {timeout} s waiting for {what}\n{self.evidence()}")
 
     def wait_step(self, step: int, timeout: float = 120.0) -> dict[str, dict[str, Any]]:
         """Until every worker reported at least `step` (and is running)."""
@@ -145,17 +158,16 @@ class Job:
 
         return self.wait_for(f"every worker past step {step}", reached, timeout)
 
-    def leftovers(self) -> dict[str, list[int]]:
-        """Processes still running in each host's namespace (sshd excluded): after a job, none may remain."""
-        left = {}
-        for host in self.e2e.hosts:
-            pids = self.e2e.cluster.workload_pids(host)
-            if pids:
-                left[host] = pids
-        return left
+    def leftovers(self, hosts: list[str] | None = None) -> dict[str, list[ProcessInfo]]:
+        """Processes still running in each host's namespace (sshd's own excluded): after a job, none may remain."""
+        return self.e2e.cluster.workload(hosts if hosts is not None else self.e2e.hosts)
 
-    def wait_no_leftovers(self, timeout: float = 30.0) -> None:
-        self.wait_for("no process of the job left on any host", lambda: not self.leftovers(), timeout)
+    def wait_no_leftovers(self, hosts: list[str] | None = None, timeout: float = LEFTOVER_WAIT) -> None:
+        """Every process of the job gone from `hosts` (all by default), bounded generously for a busy machine;
+        on timeout the assertion lists each process left with its parent, command line and age."""
+        self.wait_for("no process of the job left on " + (", ".join(hosts) if hosts else "any host"),
+                      lambda: not self.leftovers(hosts), timeout, while_running=False,
+                      evidence=lambda: "still running:\n" + format_workload(self.leftovers(hosts)))
 
     def evidence(self) -> str:
         lines = []

@@ -14,6 +14,7 @@ import time
 
 import pytest
 
+from cluster import format_workload
 from fault_harness import E2E, Job
 
 KILL_AT = 6  # every worker past this step (a checkpoint every 4) when the fault hits
@@ -81,7 +82,7 @@ def test_kill_one_hosts_agent(e2e: E2E, baseline: str) -> None:
         "fleet status to show the agent gone",
         lambda: _gone(job.fleet("status", "--json", check=False).stdout, host), timeout=30)
     assert {p["state"] for p in status["processes"] if p["host"] == host} == {"gone"}
-    assert not [pid for pid in e2e.cluster.workload_pids(host)], "workers kept running without their agent"
+    job.wait_no_leftovers([host])  # its workers and its warm spare died with it (parent-death signal)
     job.fleet("restart", "--host", host)
     assert job.finish_ok() == baseline
     job.wait_no_leftovers()
@@ -201,7 +202,8 @@ def test_stop_mid_run_then_train_resumes(e2e: E2E, baseline: str) -> None:
     job.start()
     job.wait_step(KILL_AT)
     job.fleet("stop", timeout=60)
-    assert not job.leftovers(), "fleet stop returned with processes of the job still running"
+    left = job.leftovers()  # `stop` verified this on every host before it returned
+    assert not left, "fleet stop returned with processes of the job still running:\n" + format_workload(left)
     code, _ = job.join(timeout=30)
     assert code != 0  # the job did not finish: it was stopped
     stopped_at = max(int(s) for s in re.findall(r"stopped by SIGTERM at step (\d+)", job.log("worker_0")))
