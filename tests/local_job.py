@@ -96,3 +96,70 @@ class LocalJob:
         except subprocess.TimeoutExpired:
             os.killpg(self.agent.pid, signal.SIGKILL)
             self.agent.wait(KILL_WAIT)
+
+
+FLEET = str(Path(sys.executable).parent / "fleet")
+
+
+class FleetRun:
+    """A local job as a user runs it: `fleet deploy train --join` in the background, from `cwd`, on a copy of
+    a project; the agent's files are read straight from the job directory (a status per look would steal CPU)."""
+
+    def __init__(self, cwd: Path, job: str, flags: list[str]) -> None:
+        self.cwd, self.job = cwd, job
+        self.flags = ["--job", job, "--master-port", str(free_port_pair()), *flags]
+        self.workdir = Path(flags[flags.index("--workdir") + 1]) if "--workdir" in flags else None
+        self.runner: subprocess.Popen[str] | None = None
+        self.output: str | None = None
+
+    @property
+    def dir(self) -> Path:
+        assert self.workdir is not None, "give --workdir"
+        return self.workdir / self.job
+
+    def start(self, *tasks: str) -> None:
+        self.output = None
+        self.runner = subprocess.Popen([FLEET, *(tasks or ("deploy", "train")), "--join", *self.flags], cwd=self.cwd,
+                                       env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                       start_new_session=True)
+
+    def join(self, timeout: float) -> tuple[int, str]:
+        assert self.runner is not None
+        if self.output is None:
+            try:
+                self.output, _ = self.runner.communicate(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.runner.pid, signal.SIGKILL)
+                self.output, _ = self.runner.communicate()
+                raise AssertionError(f"the job did not end within {timeout} s\n{self.output}\n{self.evidence()}") \
+                    from None
+        return self.runner.returncode, self.output
+
+    def doc(self) -> dict[str, Any]:
+        try:
+            return json.loads((self.dir / "state" / "agent.json").read_text())
+        except (OSError, ValueError):
+            return {}
+
+    def procs(self) -> dict[str, dict[str, Any]]:
+        return {p["node_id"]: p for p in self.doc().get("processes", [])}
+
+    def log(self, name: str) -> str:
+        try:
+            return (self.dir / "logs" / name).read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def evidence(self) -> str:
+        parts = [f"--- agent.json state: {self.doc().get('state')} {self.doc().get('reason') or ''}"]
+        for path in sorted((self.dir / "logs").glob("*.log")) if self.workdir else []:
+            parts.append(f"--- {path.name}\n" + "\n".join(path.read_text(errors="replace").splitlines()[-15:]))
+        return "\n".join(parts)
+
+    def stop(self) -> None:
+        """Whatever happened: nothing of the job left running (`fleet stop`, bounded)."""
+        if self.runner is not None and self.runner.poll() is None:
+            subprocess.run([FLEET, "stop", "--job", self.job], cwd=self.cwd, env=clean_env(), capture_output=True,
+                           timeout=STOP_WAIT + 30)
+            os.killpg(self.runner.pid, signal.SIGKILL)
+            self.runner.wait(KILL_WAIT)

@@ -77,17 +77,26 @@ def test_local_plan_without_hosts(project: Path) -> None:
         (["--hosts=a", "--master-port=abc"], "error: --master-port='abc': expected a whole number"),
         (["--hosts=a:2", "--worker-num=3"], "--worker-num 3 is more than the 2 slots of --hosts"),
         (["--hosts=a", "--job=../x"], "--job '../x': a job name"),
-        (["--hosts=a", "--script=nope.py"], "--script nope.py: no such file in"),
+        (["deploy", "--hosts=a", "--script=nope.py"], "--script nope.py: no such file in"),
         (["--hosts=a", "--project=nowhere"], "nowhere: not a directory"),
         (["--inventory", "inv.ini"], "inv.ini:2: not a valid Ansible inventory"),
     ],
 )
 def test_bad_input_is_one_line_without_traceback(project: Path, args: list[str], message: str) -> None:
     (project / "inv.ini").write_text("[workers]\nfoo bar\n")
-    r = run("fleet", "plan", *args, cwd=project)
+    task = [] if args[0] == "deploy" else ["plan"]
+    r = run("fleet", *task, *args, cwd=project)
     assert r.returncode == 2
     assert message in r.stderr
     assert "Traceback" not in r.stderr and r.stderr.strip().count("\n") == 0
+
+
+def test_plan_needs_no_script_and_says_so(project: Path) -> None:
+    """The README's first line, typed at the repository root: a plan is a preview, the script can come later."""
+    r = run("fleet", "plan", "--hosts=node1:4,node2:4", cwd=REPO)
+    assert r.returncode == 0, r.stderr
+    assert "worker_7" in r.stdout
+    assert f"note: train.py is not in {REPO} (yet): deploy will need it there" in r.stderr
 
 
 def test_conflicting_shared_flags_between_tasks(project: Path) -> None:

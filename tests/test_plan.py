@@ -42,7 +42,7 @@ def test_uneven_slots_rank_host_by_host() -> None:
         assert p.env[E.MS_SCHED_HOST] == p.env[E.MASTER_ADDR] == "a"
         assert (p.env[E.MS_SCHED_PORT], p.env[E.MASTER_PORT]) == ("8118", "8119")
         assert p.env[E.CKPT_DIR] == "toolkit-jobs/demo/ckpt"
-        assert p.argv == ("python3", "train.py") and p.cwd == "toolkit-jobs/demo/project"
+        assert p.argv == ("python3", "-m", "toolkit.train", "train.py") and p.cwd == "toolkit-jobs/demo/project"
     sched = plan.process("sched")
     assert (sched.host, sched.role, sched.rank, sched.argv[1:]) == ("a", E.ROLE_SCHED, None, ("-m", "toolkit.scheduler"))
     assert sched.env[E.MS_NODE_ID] == "sched" and E.RANK not in sched.env
@@ -106,7 +106,8 @@ def test_bad_job_options(kw: dict, message: str) -> None:
 
 def test_script_args_split_like_a_shell() -> None:
     plan = make_plan(parse_hosts("a"), opts(script="t.py", script_args="--name 'my run' --lr=0.1 \"$HOME\""))
-    assert plan.process("worker_0").argv == ("python3", "t.py", "--name", "my run", "--lr=0.1", "$HOME")
+    assert plan.process("worker_0").argv == ("python3", "-m", "toolkit.train", "t.py", "--name", "my run", "--lr=0.1",
+                                             "$HOME")
 
 
 def test_same_cluster_three_ways_gives_the_same_plan(tmp_path: Path) -> None:
@@ -137,8 +138,12 @@ def test_unknown_node_is_named_with_the_known_ones() -> None:
         plan.process("worker_9")
 
 
-def test_torchrun_scripts_run_through_the_wrapper() -> None:
+def test_every_script_runs_through_the_wrapper_and_torchrun_script_forces_restart_recovery() -> None:
+    plan = make_plan(parse_hosts("a:2"), opts(script="t.py", script_args="--x 1"))
+    assert plan.process("worker_1").argv == ("python3", "-m", "toolkit.train", "t.py", "--x", "1")
+    assert E.TOOLKIT_RECOVERY not in plan.process("worker_1").env  # auto: the script's own calls decide
     plan = make_plan(parse_hosts("a:2"), opts(script="t.py", script_args="--x 1", torchrun_script=True))
     assert plan.process("worker_1").argv == ("python3", "-m", "toolkit.train", "t.py", "--x", "1")
+    assert plan.process("worker_1").env[E.TOOLKIT_RECOVERY] == "restart"
     assert plan.expected_hosts() == {"worker_0": "a", "worker_1": "a"}
     assert plan.process("sched").env[E.TOOLKIT_EXPECTED] == "toolkit-jobs/demo/expected.json"

@@ -385,7 +385,7 @@ def test_a_wrapped_unmodified_script_restarts_the_world_with_fresh_keys(make_job
     job = make_job(2, node_timeout=6.0)
     sched = started(job)
     script = str(SCRIPTS / "runtime_torchrun_script.py")
-    wrapped = [PYTHON, "-c", "import sys; from toolkit.train.runtime import main; sys.exit(main())", script,
+    wrapped = [PYTHON, "-c", "import sys; from toolkit.train.wrapper import main; sys.exit(main())", script,
                "--steps", "40", "--delay", "0.05"]
     first = {r: job.start(wrapped, job.worker_env(r), f"worker_{r}.log") for r in range(2)}
     first[1].wait_for(r"rank 1/2 step 5 ", 120)
@@ -396,7 +396,7 @@ def test_a_wrapped_unmodified_script_restarts_the_world_with_fresh_keys(make_job
     digests = []
     for r, proc in again.items():
         assert proc.wait(120) == 0, proc.text()
-        proc.wait_for(r"running .* in generation 1 ", 1)
+        proc.wait_for(r"the script.s process group: generation 1, restart recovery", 1)
         digests.append(proc.wait_for(rf"rank {r} params ([0-9a-f]{{64}})", 1).group(1))
     assert digests[0] == digests[1]
     assert sched.wait(20) == 0, sched.text()

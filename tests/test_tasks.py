@@ -67,8 +67,8 @@ def status(project: Path, job: str, *core: str) -> dict[str, Any]:
     return json.loads(ok(fleet(*core, "status", "--job", job, "--json", cwd=project)).stdout)
 
 
-def all_running(project: Path, job: str, min_step: int = 1) -> dict[str, Any] | None:
-    doc = status(project, job)
+def all_running(project: Path, job: str = "", min_step: int = 1, job_flag: bool = True) -> dict[str, Any] | None:
+    doc = status(project, job) if job_flag else status_here(project)
     procs = doc["processes"]
     running = all(p["state"] == "running" and p["pid"] for p in procs)
     stepping = all(p["step"] is not None and p["step"] >= min_step for p in procs if p["role"] == "worker")
@@ -443,6 +443,36 @@ def test_a_finished_job_is_not_started_again_by_accident(tmp_path: Path, job: st
     (elsewhere / job / "env").unlink()
     r = ok(fleet("train", "--join", *moved_flags, cwd=d))  # the incomplete deploy is done again first
     assert f"deployed job {job}" in r.stderr and f"job {job} succeeded" in r.stderr
+
+
+def test_tasks_read_every_flag_from_the_job_record(tmp_path: Path, job: str) -> None:
+    """Deployed from a parent directory with non-default --project, --script, --worker-num and --workdir: every
+    later task typed there (or in the project) needs no flag, and a flag that contradicts the record is refused."""
+    project = tmp_path / "proj"
+    (project / "src").mkdir(parents=True)
+    shutil.copy(WORKER, project / "src" / "run.py")
+    work = tmp_path / "elsewhere"
+    ok(fleet("deploy", "train", "--project", "proj", "--script", "src/run.py", "--worker-num", "3", "--workdir",
+             str(work), "--job", job, "--master-port", str(free_port_pair()), "--no-warm-spare", "--grace", "3",
+             "--script-args", LONG, cwd=tmp_path))
+    doc = wait_for("three workers stepping", lambda: all_running(tmp_path, job_flag=False))
+    assert sorted(p["node_id"] for p in doc["processes"]) == ["sched", "worker_0", "worker_1", "worker_2"]
+    assert ok(fleet("status", cwd=project)).stdout.count("running") == 4  # from the project too
+    lines = ok(fleet("logs", "--rank", "2", "-n", "1", cwd=tmp_path)).stdout
+    assert lines.startswith("localhost:worker:2 | epoch: 0, step: ")
+    r = fleet("status", "--worker-num", "2", "--script", "src/run.py", cwd=tmp_path)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert f"error: --worker-num 2, but job {job} was deployed with 3: run 'fleet deploy'" in r.stderr
+    r = fleet("stop", "--workdir", str(tmp_path / "other"), cwd=tmp_path)
+    assert r.returncode == 2 and "--workdir" in r.stderr and str(work) in r.stderr
+    assert all(p["state"] == "running" for p in status_here(tmp_path)["processes"])  # nothing was stopped
+    r = ok(fleet("stop", cwd=tmp_path))
+    assert "no process of the job is left" in r.stderr
+    assert {p["state"] for p in status_here(tmp_path)["processes"]} <= {"stopped", "succeeded"}
+
+
+def status_here(cwd: Path) -> dict[str, Any]:
+    return json.loads(ok(fleet("status", "--json", cwd=cwd)).stdout)
 
 
 def _children(pid: int) -> list[int]:

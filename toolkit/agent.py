@@ -403,6 +403,7 @@ class Slot:
         self.last_pid: int | None = None  # the latest incarnation (running or not): what `stop` verifies
         self.last_ticks: int | None = None
         self.seen_dead: float | None = None  # monotonic time the latest death was seen, until the relaunch
+        self.recovery: str | None = None  # how the worker said it recovers (protocol.RECOVERY_*), once it did
 
     def document(self, policy: RestartPolicy) -> dict[str, Any]:
         c = self.child
@@ -415,7 +416,7 @@ class Slot:
             "restarts": max(0, self.launches - 1), "counted_restarts": self.counted,
             "max_restarts": policy.max_restarts, "next_start_at": iso(self.next_start),
             "last_exit": self.last_exit, "exits": self.exits,
-            "step": self.step, "epoch": self.epoch, "step_at": iso(self.step_at),
+            "step": self.step, "epoch": self.epoch, "step_at": iso(self.step_at), "recovery": self.recovery,
             "cpus": sorted(self.cpus) if self.cpus else None,
             "log_file": self.spec.log_file, "argv": list(self.spec.argv),
         }
@@ -1195,9 +1196,13 @@ class Agent:
             try:
                 msg = json.loads(data)
                 slot = self.slots[msg["node_id"]]
-                step = msg["step"]
-            except (ValueError, KeyError, TypeError):
+            except (ValueError, KeyError, TypeError, RecursionError):
                 continue
+            recovery = msg.get("recovery")
+            if recovery in (P.RECOVERY_IN_PLACE, P.RECOVERY_RESTART) and recovery != slot.recovery:
+                slot.recovery = recovery
+                self.progress_dirty = True
+            step = msg.get("step")
             if not isinstance(step, int) or isinstance(step, bool):
                 continue
             slot.step, slot.step_at, slot.progressed = step, time.time(), True

@@ -21,7 +21,7 @@ from invoke.parser import ParserContext
 
 from toolkit import tasks
 from toolkit.errors import UserError
-from toolkit.settings import OPTION_NAMES, OPTIONS, CoreFlags, Settings, resolve
+from toolkit.settings import OPTION_NAMES, OPTIONS, CoreFlags, Request
 
 
 class ClusterContext(Context):
@@ -31,9 +31,9 @@ class ClusterContext(Context):
         super().__init__(config=config)
         self._set(core=core, given=given)
 
-    def settings(self) -> Settings:
+    def request(self) -> Request:
         section = self.config.get("toolkit") or {}
-        return resolve(self.given, dict(section), self.core, Path.cwd())
+        return Request(self.given, dict(section), self.core, Path.cwd())
 
 
 class ClusterCall(Call):
@@ -114,7 +114,8 @@ class _Task(Task):
 
 def cluster_task(own: dict[str, tuple[Any, str]] | None = None, short: dict[str, str] | None = None) -> Callable:
     """Declare a task taking the shared flags plus its `own` ones ({name: (default, help)}). The body receives
-    (settings, **own flags); user errors become one line on stderr and exit code 2."""
+    (request, **own flags): what the command line asked, resolved by the task as far as it needs (see
+    settings.Request); user errors become one line on stderr and exit code 2."""
     own = own or {}
 
     def decorate(body: Callable[..., Any]) -> Task:
@@ -122,7 +123,7 @@ def cluster_task(own: dict[str, tuple[Any, str]] | None = None, short: dict[str,
             if not isinstance(c, ClusterContext):
                 raise Exit("error: run toolkit tasks through 'fleet' or the project's fabfile.py", code=2)
             try:
-                return body(c.settings(), **{k: flags[k] for k in own})
+                return body(c.request(), **{k: flags[k] for k in own})
             except UserError as e:
                 raise Exit(f"error: {e}", code=e.exit_code) from None
 
@@ -145,15 +146,16 @@ def _param(name: str, default: Any) -> inspect.Parameter:
 
 
 @cluster_task(own={"json": (False, "print the plan as JSON"), "render": ("", "write every host's files under DIR/<host>/")})
-def plan(settings: Settings, json: bool, render: str) -> None:
+def plan(request: Request, json: bool, render: str) -> None:
     """Show what would run where (hosts, node ids, ranks, ports), without touching the network."""
-    tasks.show_plan(settings, as_json=json, render_dir=Path(render) if render else None)
+    tasks.show_plan(request.settings(script_required=False), as_json=json,
+                    render_dir=Path(render) if render else None)
 
 
 @cluster_task()
-def deploy(settings: Settings) -> None:
+def deploy(request: Request) -> None:
     """Copy the job to every host: its rendered launch files and the project directory (only what changed)."""
-    tasks.deploy(settings)
+    tasks.deploy(request.settings())
 
 
 @cluster_task(own={
@@ -163,16 +165,16 @@ def deploy(settings: Settings) -> None:
                      "aside, not deleted)"),
     "again": (False, "a job that finished: run it once more from its final checkpoints (e.g. with more epochs)"),
 })
-def train(settings: Settings, join: bool, join_timeout: str, fresh: bool, again: bool) -> None:
+def train(request: Request, join: bool, join_timeout: str, fresh: bool, again: bool) -> None:
     """Start the job on every host at once (all or nothing); deploys it first if it never was."""
-    tasks.train(settings, join=join, join_timeout=_seconds("--join-timeout", join_timeout), fresh=fresh,
+    tasks.train(request, join=join, join_timeout=_seconds("--join-timeout", join_timeout), fresh=fresh,
                 again=again)
 
 
 @cluster_task(own={"json": (False, "print the status as JSON")})
-def status(settings: Settings, json: bool) -> None:
+def status(request: Request, json: bool) -> None:
     """Every process of the job: host, node id, rank, pid, state, restarts, last step, age of its last log line."""
-    tasks.status(settings, as_json=json)
+    tasks.status(request.job_ref(), as_json=json)
 
 
 @cluster_task(
@@ -185,25 +187,25 @@ def status(settings: Settings, json: bool) -> None:
     },
     short={"follow": "f", "lines": "n"},
 )
-def logs(settings: Settings, node: str, rank: str, host: str, follow: bool, lines: int) -> None:
+def logs(request: Request, node: str, rank: str, host: str, follow: bool, lines: int) -> None:
     """The processes' logs (scheduler.log, worker_<rank>.log), each line prefixed host:role:rank."""
-    tasks.logs(settings, node=node or None, rank=_whole("--rank", rank), host_name=host or None, follow=follow,
-               lines=lines)
+    tasks.logs(request.job_ref(), node=node or None, rank=_whole("--rank", rank), host_name=host or None,
+               follow=follow, lines=lines)
 
 
 @cluster_task()
-def stop(settings: Settings) -> None:
+def stop(request: Request) -> None:
     """Stop the job on every host (SIGTERM, grace period, SIGKILL) and verify that nothing of it is left."""
-    tasks.stop(settings)
+    tasks.stop(request.job_ref())
 
 
 @cluster_task(own={
     "node": ("", "restart this process (e.g. worker_3) with the same environment, as recover.sh does"),
     "host": ("", "restart every process of this host (starts its agent if it is gone)"),
 })
-def restart(settings: Settings, node: str, host: str) -> None:
+def restart(request: Request, node: str, host: str) -> None:
     """Restart one process, or one host's processes, by hand; the agent keeps supervising them."""
-    tasks.restart(settings, node=node or None, host_name=host or None)
+    tasks.restart(request.job_ref(), node=node or None, host_name=host or None)
 
 
 def _seconds(flag: str, text: str) -> float | None:

@@ -39,4 +39,5 @@ TOOLKIT_JOB = "TOOLKIT_JOB"
 TOOLKIT_TOKEN_FILE = "TOOLKIT_TOKEN_FILE"
 TOOLKIT_AGENT_SOCKET = "TOOLKIT_AGENT_SOCKET"
 TOOLKIT_HEARTBEAT_INTERVAL = "TOOLKIT_HEARTBEAT_INTERVAL"
+TOOLKIT_RECOVERY = "TOOLKIT_RECOVERY"  # worker: "restart" (--torchrun-script) forces restart recovery; default auto
 TOOLKIT_EXPECTED = "TOOLKIT_EXPECTED"  # scheduler: JSON file {node_id: host}, for the formation-timeout message

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +43,8 @@ class JobRecord:
     ssh: dict[str, Any]  # known_hosts, accept_new_host_keys, ssh_config, identities, connect_timeout, parallel
     grace: float = 10.0  # s between SIGTERM and SIGKILL on the hosts (stop waits that long and a margin)
     deployed: bool = True  # False while a deploy is under way (or if it failed): `train` deploys again
+    options: dict[str, Any] = field(default_factory=dict)  # the JobOptions it was deployed with (flags typed later
+    # must agree with them)
 
     @property
     def world_size(self) -> int:
@@ -73,30 +75,65 @@ def record_path(project: Path, job: str) -> Path:
     return project / RECORD_DIR / f"{job}.json"
 
 
-def save(project: Path, record: JobRecord) -> Path:
+def save(project: Path, record: JobRecord, typed_in: Path | None = None) -> Path:
+    """Write the record in the project's .toolkit/; with `typed_in` (the directory the command was typed in, if
+    it is not the project), also a pointer there, so that the next command typed there finds the job without
+    --project."""
     path = record_path(project, record.job)
+    _write(path, asdict(record))
+    if typed_in is not None and typed_in.resolve() != project.resolve():
+        _write(record_path(typed_in, record.job), {"see": str(project.resolve())})
+    return path
+
+
+def _write(path: Path, data: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    data = asdict(record)
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(data, indent=2) + "\n")
     tmp.replace(path)
+
+
+def locate(where: Path, job: str) -> Path:
+    """The record of `job` as seen from `where`: its own, or the one its pointer names."""
+    path = record_path(where, job)
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return path
+    if isinstance(data, dict) and isinstance(data.get("see"), str) and set(data) == {"see"}:
+        return record_path(Path(data["see"]), job)
     return path
 
 
 def exists(project: Path, job: str) -> bool:
-    return record_path(project, job).is_file()
+    return locate(project, job).is_file()
 
 
-def load(project: Path, job: str | None) -> JobRecord:
-    """The record of `job`, or of the project's only job when no name was given."""
+def deployed_jobs(project: Path) -> list[str]:
+    return sorted(p.stem for p in (project / RECORD_DIR).glob("*.json"))
+
+
+def choose(project: Path, job: str | None, default: str | None = None) -> str | None:
+    """The job a command means: the one named; else the project's only job; else, among several, the one named
+    `default` (the project's default job name). None if the project has no record to choose from."""
+    if job is not None:
+        return job
+    found = deployed_jobs(project)
+    if len(found) == 1:
+        return found[0]
+    if default is not None and default in found:
+        return default
+    if len(found) > 1:
+        raise UserError(f"{project} has several jobs ({', '.join(found)}); pick one with --job NAME")
+    return None
+
+
+def load(project: Path, job: str | None, default: str | None = None) -> JobRecord:
+    """The record of `job` (see `choose` when no name was given)."""
+    job = choose(project, job, default)
     if job is None:
-        found = sorted(p.stem for p in (project / RECORD_DIR).glob("*.json"))
-        if not found:
-            raise UserError(f"no job deployed from {project}; run 'fleet deploy train' (or pass --project DIR)")
-        if len(found) > 1:
-            raise UserError(f"{project} has several jobs ({', '.join(found)}); pick one with --job NAME")
-        job = found[0]
-    path = record_path(project, job)
+        raise UserError(f"no job deployed from {project}; run 'fleet deploy train' there (or pass --project DIR)")
+    path = locate(project, job)
     try:
         data = json.loads(path.read_text())
         hosts = tuple(HostRecord(**{**h, "node_ids": tuple(h["node_ids"])}) for h in data["hosts"])
@@ -114,6 +151,7 @@ def load(project: Path, job: str | None) -> JobRecord:
         ssh=data["ssh"],
         grace=float(data.get("grace", 10.0)),
         deployed=bool(data.get("deployed", True)),
+        options=dict(data.get("options") or {}),
     )
 
 

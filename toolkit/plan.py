@@ -15,6 +15,7 @@ from typing import Iterator, Mapping
 
 from toolkit import envvars as E
 from toolkit.errors import UserError
+from toolkit.protocol import RECOVERY_RESTART as P_RECOVERY_RESTART
 from toolkit.protocol import worker_node_id
 from toolkit.inventory import Host, Inventory
 
@@ -54,7 +55,7 @@ class JobOptions:
     grace: float = 10.0
     bind_core: bool = False
     warm_spare: bool = True
-    torchrun_script: bool = False  # the script never calls toolkit.train.init(): run it through the wrapper
+    torchrun_script: bool = False  # recover by relaunching every worker even if the script uses toolkit.train
 
     def __post_init__(self) -> None:
         if not _JOB_NAME.match(self.job):
@@ -249,6 +250,8 @@ def make_plan(inventory: Inventory, options: JobOptions, local_project_dir: str 
             }
             if options.data_path is not None:
                 env[E.DATA_PATH] = options.data_path
+            if options.torchrun_script:
+                env[E.TOOLKIT_RECOVERY] = P_RECOVERY_RESTART
             by_host[host.name].append(
                 Process(
                     host=host.name,
@@ -306,7 +309,9 @@ def _dir_env(jd: str) -> dict[str, str]:
 
 
 def _wrapper(options: JobOptions) -> tuple[str, ...]:
-    return ("-m", "toolkit.train") if options.torchrun_script else ()
+    """Every worker runs its script through `python -m toolkit.train` (toolkit.train.wrapper): a torchrun-style
+    script is registered on its behalf, a toolkit.train script registers itself."""
+    return ("-m", "toolkit.train")
 
 
 def _python(host: Host, options: JobOptions) -> str:

@@ -5,16 +5,23 @@ over TCP to MS_SCHED_HOST:MS_SCHED_PORT. Every message has an "op".
 
 Worker conversation (one connection per worker process, kept for its whole life; its EOF is a death signal):
 
-    worker -> register {token, node_id, rank, world_size, incarnation, pid, host, generation, rejoin}
+    worker -> register {token, node_id, rank, world_size, incarnation, pid, host, generation, rejoin, recovery}
     sched  -> welcome {rank, world_size, generation, job}     or reject {reason, retry} / fenced {reason}, then close
     sched  -> formed {generation, prefix}   every rank of `generation` is registered: build the process group over
                                             PrefixStore(prefix, store)
     worker -> heartbeat {step}              every TOOLKIT_HEARTBEAT_INTERVAL; any message counts as one
     sched  -> generation {generation}       a member died: leave the current process group, wait for `formed`
     worker -> commit {step}                 this rank committed a checkpoint of `step`
+    worker -> recovered {generation, step, source, from_rank, recomputed, seconds, bytes}
+                                            this rank trains again in `generation` from the state of `step`,
+                                            taken from `source` ("peer", "checkpoint" or "initial")
     worker -> done {}                       clean finish; the EOF that follows is not a death
     sched  -> stop {reason}                 the job failed; stop training
     sched  -> fenced {reason}               this incarnation was declared dead: exit at once, never write again
+
+`recovery` says how the worker recovers from a peer's death: "in-place" (it called toolkit.train.init(): it re-forms
+the group and goes on) or "restart" (a torchrun-style script under `python -m toolkit.train`: it exits and its
+agent relaunches it, to resume from its own checkpoints).
 
 `incarnation` is random per process: it tells a relaunched worker (new incarnation, accepted once the old one is
 known dead) from the old process coming back after SIGCONT or a healed partition (old incarnation: fenced).
@@ -40,6 +47,7 @@ FINISHED = "finished"
 REGISTER = "register"
 HEARTBEAT = "heartbeat"
 COMMIT = "commit"
+RECOVERED = "recovered"
 DONE = "done"
 # scheduler -> worker (and REJECT to an agent with a wrong token; STOP to workers too)
 WELCOME = "welcome"
@@ -47,6 +55,10 @@ REJECT = "reject"
 FENCED = "fenced"
 GENERATION = "generation"
 FORMED = "formed"
+
+# How a worker recovers from a peer's death (the `recovery` field of `register`).
+RECOVERY_IN_PLACE = "in-place"
+RECOVERY_RESTART = "restart"
 
 # A fenced worker exits with this code, so its agent (and its log) can tell fencing from a crash.
 EXIT_FENCED = 75

@@ -490,6 +490,8 @@ class Scheduler:
                 member.step = step if isinstance(step, int) else member.step
             elif op == P.COMMIT:
                 self._commit(member, msg)
+            elif op == P.RECOVERED:
+                self._recovered(member, msg)
             elif op == P.DONE:
                 self._worker_done(conn, member)
             else:
@@ -562,7 +564,10 @@ class Scheduler:
             self.members[rank] = Member(rank, node_id, inc, pid, host, conn.addr, now, conn)
             self.hb_check_at = min(self.hb_check_at, now + self.cfg.node_timeout)
             self.node_host.setdefault(node_id, host)
-            log.info("registered %s (%s): %d of %d", node_id, where, len(self.members), self.cfg.world_size)
+            recovery = msg.get("recovery") if msg.get("recovery") in (P.RECOVERY_IN_PLACE, P.RECOVERY_RESTART) \
+                else "unknown"
+            log.info("registered %s (%s, %s recovery): %d of %d", node_id, where, recovery, len(self.members),
+                     self.cfg.world_size)
             self.dirty = True
         self._send(conn, P.WELCOME, rank=rank, world_size=self.cfg.world_size, generation=self.generation,
                    job=self.cfg.job)
@@ -630,6 +635,14 @@ class Scheduler:
         if isinstance(step, int) and step > self.commits.get(member.rank, -1):
             self.commits[member.rank] = step
             self.commits_dirty = True
+
+    def _recovered(self, member: Member, msg: dict[str, Any]) -> None:
+        step, source, recomputed = msg.get("step"), msg.get("source"), msg.get("recomputed")
+        origin = {"peer": f"rank {msg.get('from_rank')}'s memory", "checkpoint":
+                  f"the checkpoint of rank {msg.get('from_rank')}", "initial": "the initial state"}.get(
+                      str(source), str(source))
+        log.info("%s trains again in generation %s from step %s, taken from %s in %s s; %s step(s) recomputed",
+                 member.node_id, msg.get("generation"), step, origin, msg.get("seconds"), recomputed)
 
     def _worker_done(self, conn: Conn, member: Member) -> None:
         log.info("%s finished (pid %s on %s)", member.node_id, member.pid, member.host)

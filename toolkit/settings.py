@@ -11,7 +11,7 @@ from typing import Any, Mapping
 
 from toolkit.errors import UserError
 from toolkit.inventory import Inventory, load_ansible_inventory, load_hostfile, local_inventory, parse_hosts
-from toolkit.plan import DEFAULT_WORKDIR, JobOptions
+from toolkit.plan import DEFAULT_WORKDIR, JobOptions, make_plan
 
 
 @dataclass(frozen=True)
@@ -43,8 +43,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("grace", float, 10.0, "seconds between SIGTERM and SIGKILL when stopping"),
     Option("bind_core", bool, False, "pin each worker to its own CPUs"),
     Option("warm_spare", bool, True, "keep a pre-started interpreter per host for fast replacement"),
-    Option("torchrun_script", bool, False, "the script is written for torchrun (env://, no toolkit.train): "
-           "register it on its behalf; a fault then restarts every worker"),
+    Option("torchrun_script", bool, False, "recover by relaunching every worker (from its own checkpoints) even "
+           "if the script uses toolkit.train; torchrun-style scripts are recognised without it"),
     Option("parallel", int, 32, "hosts contacted at once"),
     Option("accept_new_host_keys", bool, False, "add unknown SSH host keys to known_hosts (never changed ones)"),
     Option("known_hosts", str, "~/.ssh/known_hosts", "known_hosts file that SSH host keys are checked against"),
@@ -78,14 +78,91 @@ class Settings:
         return self.inventory.local
 
 
-def resolve(given: Mapping[str, Any], config: Mapping[str, Any], core: CoreFlags, cwd: Path) -> Settings:
-    """`given` holds only the flags typed on the command line; `config` is the `toolkit:` config section."""
+# The options that are part of a deployed job (the record keeps them): typed again later, they must agree with it.
+JOB_OPTIONS = ("script", "script_args", "worker_num", "master_port", "cluster_time_out", "node_timeout", "recovery",
+               "data_path", "ckpt_dir", "workdir", "python", "max_restarts", "grace", "bind_core", "warm_spare",
+               "torchrun_script")
+
+
+@dataclass(frozen=True)
+class Request:
+    """What one command line asked for, before anything is resolved: the flags typed (`given`), the project's
+    config (`toolkit:` in fabric.yaml), Fabric's own flags, and where it was typed.
+
+    Why not resolve at once: a task that plans a job (plan, deploy, and train of a job never deployed) needs every
+    input to be valid, its script included; a task that works on a deployed job (status, logs, stop, restart,
+    train of a deployed job) only needs to find the job's record, and reads the rest from it."""
+
+    given: Mapping[str, Any]
+    config: Mapping[str, Any]
+    core: CoreFlags
+    cwd: Path
+
+    def settings(self, script_required: bool = True) -> Settings:
+        return resolve(self.given, self.config, self.core, self.cwd, script_required=script_required)
+
+    def job_ref(self) -> JobRef:
+        """Where to find the deployed job's record: in --project if given, else where the command is typed (the
+        project itself, or where `deploy --project DIR` was typed: a pointer there names the project)."""
+        values = _values(self.given, self.config)
+        project = (self.cwd / str(values.get("project", "."))).resolve()
+        if not project.is_dir():
+            raise UserError(f"--project {project}: not a directory; give the project directory the job was deployed "
+                            "from")
+        return JobRef(project, values.get("job"), self)
+
+    def contradictions(self, job: str, options: Mapping[str, Any], hosts: tuple[str, ...], local: bool) -> list[str]:
+        """The typed flags whose value differs from what job `job` was deployed with, one line each."""
+        typed = _values(self.given, {})
+        out = []
+        for name in JOB_OPTIONS:
+            if name not in typed or name not in options:
+                continue
+            value = typed[name]
+            if name == "workdir" and local:
+                value = str((self.cwd / Path(value).expanduser()).resolve())
+            if value != options[name]:
+                flag = "--" + name.replace("_", "-")
+                out.append(f"{flag} {value!r}, but job {job} was deployed with {options[name]!r}")
+        if self.core.hosts or self.given.get("hostfile") or self.given.get("inventory"):
+            settings = self.settings(script_required=False)
+            planned = tuple(h.name for h in make_plan(settings.inventory, settings.options, str(settings.project)).hosts)
+            if local or planned != hosts:
+                where = "this machine" if local else ", ".join(hosts)
+                out.append(f"the hosts typed would run it on {', '.join(planned)}, but job {job} was deployed to "
+                           f"{where}")
+        return out
+
+
+@dataclass(frozen=True)
+class JobRef:
+    """Which deployed job a task works on: the project whose record it is in, its name (None: the project's only
+    job, or among several the one named after the project), and the request, to check what was typed against the
+    record."""
+
+    project: Path
+    job: str | None
+    request: Request
+
+    @property
+    def default_job(self) -> str:
+        return _job_name(self.project)
+
+
+def _values(given: Mapping[str, Any], config: Mapping[str, Any]) -> dict[str, Any]:
     unknown = sorted(set(config) - OPTION_NAMES)
     if unknown:
         raise UserError(f"fabric.yaml: unknown setting toolkit.{unknown[0]}; known: {', '.join(sorted(OPTION_NAMES))}")
     values = {o.name: _convert(o, config[o.name], f"fabric.yaml: toolkit.{o.name}") for o in OPTIONS if o.name in config}
     values.update({o.name: _convert(o, given[o.name], "--" + o.name.replace("_", "-")) for o in OPTIONS if o.name in given})
+    return values
 
+
+def resolve(given: Mapping[str, Any], config: Mapping[str, Any], core: CoreFlags, cwd: Path,
+            script_required: bool = True) -> Settings:
+    """`given` holds only the flags typed on the command line; `config` is the `toolkit:` config section. With
+    `script_required` (deploy, train) the training script must exist in the project; a plan is shown without."""
+    values = _values(given, config)
     inventory = _inventory(given, config, core.hosts, values, cwd)
     project = (cwd / str(values.get("project", "."))).resolve()
     if not project.is_dir():
@@ -99,7 +176,7 @@ def resolve(given: Mapping[str, Any], config: Mapping[str, Any], core: CoreFlags
         workdir = str((cwd / Path(workdir).expanduser()).resolve())
     python = values.get("python") or (sys.executable if local else "python3")
     script = values.get("script", "train.py")
-    if not Path(script).is_absolute() and not (project / script).is_file():
+    if script_required and not Path(script).is_absolute() and not (project / script).is_file():
         raise UserError(f"--script {script}: no such file in {project}; pass --project DIR or the script's path in it")
 
     options = JobOptions(

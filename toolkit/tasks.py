@@ -30,6 +30,7 @@ from toolkit import jobrecord
 from toolkit.errors import UserError
 from toolkit.jobrecord import HostRecord, JobRecord
 from toolkit.plan import LaunchPlan, make_plan
+from toolkit.protocol import RECOVERY_IN_PLACE, RECOVERY_RESTART
 from toolkit.remote import (
     DEFAULT_EXCLUDE,
     AuthenticationFailed,
@@ -49,7 +50,7 @@ from toolkit.remote import (
     run_on_all,
 )
 from toolkit.render import RenderedFile, plan_json, render_host, write_files
-from toolkit.settings import Settings
+from toolkit.settings import JOB_OPTIONS, CoreFlags, JobRef, Request, Settings
 
 PROJECT_EXCLUDE = DEFAULT_EXCLUDE + (".toolkit",)
 LAUNCH_TIMEOUT = 60.0  # s for launch.sh to report the agent up
@@ -84,6 +85,9 @@ def launch_plan(settings: Settings) -> LaunchPlan:
 
 def show_plan(settings: Settings, as_json: bool = False, render_dir: Path | None = None) -> None:
     plan = launch_plan(settings)
+    script = Path(settings.options.script)
+    if not script.is_absolute() and not (settings.project / script).is_file():
+        _say(f"note: {script} is not in {settings.project} (yet): deploy will need it there (--project DIR, --script)")
     if render_dir is not None:
         token = secrets.token_hex(16)  # a preview: the job's real token is made at deploy
         for host in plan.hosts:
@@ -138,7 +142,7 @@ def deploy(settings: Settings) -> JobRecord:
     token = jobrecord.token(settings.project, plan.job)
     # Recorded before the upload (marked incomplete until it is done): from now on `status` looks where this
     # deploy puts the job, never at an earlier deploy's job directories as if they were this one's.
-    jobrecord.save(settings.project, replace(_record(plan, settings), deployed=False))
+    jobrecord.save(settings.project, replace(_record(plan, settings), deployed=False), typed_in=Path.cwd())
 
     def upload(host: Host) -> SyncStats:
         hp = plan.host_plan(host.name)
@@ -157,7 +161,7 @@ def deploy(settings: Settings) -> JobRecord:
 
     stats = _fan_out("deploying", targets, upload, ssh, line=line)
     record = _record(plan, settings)
-    path = jobrecord.save(settings.project, record)
+    path = jobrecord.save(settings.project, record, typed_in=Path.cwd())
     total = _sum_stats(stats.values())
     _say(f"deployed job {plan.job} to {len(stats)} host(s): {total.files_sent} file(s) sent "
          f"({_size(total.bytes_sent)}), {total.files_unchanged} unchanged; job record {_rel(path)}")
@@ -213,13 +217,24 @@ def _record(plan: LaunchPlan, settings: Settings) -> JobRecord:
         "parallel": settings.parallel,
     }
     return JobRecord(plan.job, plan.local, plan.scheduler_host, plan.sched_port, hosts, processes, ssh,
-                     grace=plan.options.grace)
+                     grace=plan.options.grace, options={name: getattr(plan.options, name) for name in JOB_OPTIONS})
 
 
 # --- train -------------------------------------------------------------------------------------------------------
 
 
-def train(settings: Settings, join: bool = False, join_timeout: float | None = None, fresh: bool = False,
+def load_record(ref: JobRef) -> JobRecord:
+    """The deployed job a command means, checked against what was typed: a flag that contradicts the record is
+    an error (deploy again to change the job), never silently ignored."""
+    record = jobrecord.load(ref.project, ref.job, ref.default_job)
+    wrong = ref.request.contradictions(record.job, record.options, tuple(h.name for h in record.hosts), record.local)
+    if wrong:
+        raise UserError("; ".join(wrong) + f": run 'fleet deploy' with the new values to change job {record.job} "
+                        "(or leave the flags out: every task reads them from the job record)")
+    return record
+
+
+def train(request: Request, join: bool = False, join_timeout: float | None = None, fresh: bool = False,
           again: bool = False) -> None:
     """Start the deployed job on every host at once (deploying it first if it never was); all or nothing: if a
     host fails to start, what started elsewhere is stopped. With `join`, wait for the job to end.
@@ -230,13 +245,14 @@ def train(settings: Settings, join: bool = False, join_timeout: float | None = N
     if fresh and again:
         raise UserError("--fresh and --again both given: start the job over (--fresh) or go on from where it "
                         "ended (--again), not both")
+    ref = request.job_ref()
     record = None
-    if jobrecord.exists(settings.project, settings.options.job):
-        record = jobrecord.load(settings.project, settings.options.job)
-        _check_same_hosts(settings, record)
+    name = jobrecord.choose(ref.project, ref.job, ref.default_job)
+    if name is not None and jobrecord.exists(ref.project, name):
+        record = load_record(ref)
     if record is None or not record.deployed:  # never deployed, or its last deploy did not complete
-        record = deploy(settings)
-    ssh = record_ssh(record, settings)
+        record = deploy(request.settings())
+    ssh = record_ssh(record, request.core)
     sched = record.host(record.scheduler_host)
     port = record.sched_port
     _previous_run(record, ssh, fresh=fresh, again=again)
@@ -326,17 +342,6 @@ def _previous_run(record: JobRecord, ssh: SshSettings, fresh: bool, again: bool)
             _say(f"{name}: {line}")
 
 
-def _check_same_hosts(settings: Settings, record: JobRecord) -> None:
-    if settings.local:
-        return  # no hosts typed: the deployed ones
-    given = [h.name for h in launch_plan(settings).hosts]
-    deployed = [h.name for h in record.hosts]
-    if given != deployed or record.local:
-        where = "this machine" if record.local else ", ".join(deployed)
-        raise UserError(f"job {record.job} was deployed to {where}, not {', '.join(given)}; run 'fleet deploy' "
-                        "with these hosts first (or give no hosts to use the deployed ones)")
-
-
 def _roll_back(record: JobRecord, ssh: SshSettings, results: Mapping[str, HostResult[bool]]) -> None:
     """Stop the job where this train started it (or may have), then raise the start failure."""
     never = (HostUnreachable, AuthenticationFailed, UnknownHostKey, ChangedHostKey, PreflightFailed)
@@ -365,10 +370,10 @@ echo "$2: nothing deployed in $1: nothing to stop"
 """
 
 
-def stop(settings: Settings) -> None:
+def stop(ref: JobRef) -> None:
     """Stop the job on every host (SIGTERM, grace, SIGKILL) and verify that no process of it remains."""
-    record = jobrecord.load(settings.project, settings.options.job)
-    ssh = record_ssh(record, settings)
+    record = load_record(ref)
+    ssh = record_ssh(record, ref.request.core)
     with rich_progress("stopping", len(record.hosts), line=_result_line) as progress:
         results = run_on_all(record_targets(record), lambda host: _stop_one(host, record), ssh, progress=progress)
     try:
@@ -388,12 +393,12 @@ def _stop_one(host: Host, record: JobRecord) -> str:
 # --- restart -----------------------------------------------------------------------------------------------------
 
 
-def restart(settings: Settings, node: str | None, host_name: str | None) -> None:
+def restart(ref: JobRef, node: str | None, host_name: str | None) -> None:
     """Restart one process by hand through its agent, with the same environment (`--node`, what recover.sh
     does on the host), or every process of one host (`--host`; starts the host's agent if it is gone)."""
     if (node is None) == (host_name is None):
         raise UserError("restart needs exactly one of --node NODE_ID (e.g. worker_3) or --host HOST")
-    record = jobrecord.load(settings.project, settings.options.job)
+    record = load_record(ref)
     h = record.host(record.process(node)["host"]) if node is not None else record.host(host_name)  # type: ignore
 
     def do(host: Host) -> str:
@@ -404,7 +409,7 @@ def restart(settings: Settings, node: str | None, host_name: str | None) -> None
         return "\n".join(host.run([f"{h.job_dir}/recover.sh", n], timeout=LAUNCH_TIMEOUT, check=True).stdout.strip()
                          for n in h.node_ids)
 
-    out = check_all(run_on_all([_target(h, record.local)], do, record_ssh(record, settings)))[h.name]
+    out = check_all(run_on_all([_target(h, record.local)], do, record_ssh(record, ref.request.core)))[h.name]
     _say(out or f"restarted {node or host_name}")
 
 
@@ -425,6 +430,7 @@ class ProcStatus:
     step: int | None
     log_age: float | None  # s since its log was last written, by the host's clock
     last_exit: str | None  # "exit code 3", "killed by SIGKILL"
+    recovery: str | None = None  # how the worker said it recovers (protocol.RECOVERY_*), once it has
 
     @property
     def prefix(self) -> str:
@@ -474,12 +480,12 @@ exit 0
 """
 
 
-def status(settings: Settings, as_json: bool = False) -> None:
+def status(ref: JobRef, as_json: bool = False) -> None:
     """One table of every process of the job (or JSON); a host that cannot be asked gets a row saying so, and
     the command then ends non-zero after listing the failed hosts."""
-    record = jobrecord.load(settings.project, settings.options.job)
+    record = load_record(ref)
     results = run_on_all(record_targets(record), lambda host: _fetch_status(host, record.host(host.name)),
-                         record_ssh(record, settings))
+                         record_ssh(record, ref.request.core))
     hosts = [_host_status(record, name, r) for name, r in results.items()]
     if as_json:
         print(json.dumps(_status_json(record, hosts), indent=2))
@@ -596,7 +602,31 @@ def _proc(host: str, p: Mapping[str, Any], got: Mapping[str, Any], state: str, n
         step=step if isinstance(step, int) else None,
         log_age=age,
         last_exit=how,
+        recovery=got.get("recovery") if got.get("recovery") in (RECOVERY_IN_PLACE, RECOVERY_RESTART) else None,
     )
+
+
+# What each recovery mode means, and why a job runs in it: status says it in one line.
+RECOVERY_WHY = {
+    RECOVERY_IN_PLACE: "in place: the script uses toolkit.train, so after a fault the survivors re-form the group "
+                       "and the replacement takes the state from a peer",
+    RECOVERY_RESTART: "restart: the script initialises torch.distributed itself (a torchrun-style script), so a "
+                      "fault relaunches every worker, which resume from the script's own checkpoints",
+}
+
+
+def recovery_mode(processes: list[ProcStatus], forced: bool = False) -> dict[str, str] | None:
+    """The job's recovery mode as its workers reported it ({"mode", "why"}), None before any did."""
+    modes = {p.recovery for p in processes if p.role == "worker" and p.recovery}
+    if not modes:
+        return None
+    mode = RECOVERY_RESTART if RECOVERY_RESTART in modes else RECOVERY_IN_PLACE
+    why = RECOVERY_WHY[mode]
+    if forced and mode == RECOVERY_RESTART:
+        why = "restart: --torchrun-script asks for it: a fault relaunches every worker"
+    elif len(modes) > 1:
+        why += " (some workers use toolkit.train, some do not: the job restarts as a whole)"
+    return {"mode": mode, "why": why}
 
 
 def _status_json(record: JobRecord, hosts: list[HostStatus]) -> dict[str, Any]:
@@ -604,6 +634,7 @@ def _status_json(record: JobRecord, hosts: list[HostStatus]) -> dict[str, Any]:
         "job": record.job,
         "scheduler": {"host": record.scheduler_host, "port": record.sched_port},
         "world_size": record.world_size,
+        "recovery": recovery_mode([p for h in hosts for p in h.processes], bool(record.options.get("torchrun_script"))),
         "hosts": [{k: v for k, v in asdict(h).items() if k != "processes"} for h in hosts],
         "processes": [asdict(p) for h in hosts for p in h.processes],
     }
@@ -623,6 +654,9 @@ def _print_status(record: JobRecord, hosts: list[HostStatus]) -> None:
         note = _host_note(h)
         if note:
             _say(note)
+    mode = recovery_mode([p for h in hosts for p in h.processes], bool(record.options.get("torchrun_script")))
+    if mode is not None:
+        _say(f"recovery: {mode['why']}")
 
 
 def _host_note(h: HostStatus) -> str | None:
@@ -646,18 +680,18 @@ _TAIL_HEADER = re.compile(r"^==> (.*) <==$")
 _TAIL_MISSING = re.compile(r"cannot open '(.*)' for reading")
 
 
-def logs(settings: Settings, node: str | None = None, rank: int | None = None, host_name: str | None = None,
+def logs(ref: JobRef, node: str | None = None, rank: int | None = None, host_name: str | None = None,
          follow: bool = False, lines: int = LOG_LINES) -> None:
     """The last `lines` lines of the chosen processes' logs (msrun's names: scheduler.log, worker_<rank>.log),
     each prefixed host:role:rank; with `follow`, keep printing new lines from every host until Ctrl-C."""
     if lines < 0:
         raise UserError(f"-n {lines}: give 0 or more lines")
-    record = jobrecord.load(settings.project, settings.options.job)
+    record = load_record(ref)
     chosen = _choose(record, node, rank, host_name)
     by_host: dict[str, list[Mapping[str, Any]]] = {}
     for p in chosen:
         by_host.setdefault(p["host"], []).append(p)
-    ssh = record_ssh(record, settings)
+    ssh = record_ssh(record, ref.request.core)
     targets = [_target(record.host(n), record.local) for n in by_host]
     out = _Printer()
 
@@ -947,10 +981,9 @@ def ssh_settings(settings: Settings) -> SshSettings:
     )
 
 
-def record_ssh(record: JobRecord, settings: Settings | None = None) -> SshSettings:
+def record_ssh(record: JobRecord, core: CoreFlags | None = None) -> SshSettings:
     """How deploy reached the hosts; Fabric's own flags typed now (-S, -i, -t) take precedence."""
     s = record.ssh
-    core = settings.core if settings is not None else None
     return SshSettings(
         known_hosts=s["known_hosts"],
         accept_new_host_keys=s["accept_new_host_keys"],

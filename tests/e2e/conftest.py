@@ -49,3 +49,21 @@ def baseline(e2e: E2E) -> str:
     digest = job.finish_ok()
     job.wait_no_leftovers()
     return digest
+
+
+@pytest.fixture(scope="session")
+def ddp_e2e(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> E2E:
+    """examples/ddp deployed on 3 hosts of one slot each (fabric.yaml holds only where the hosts are and their
+    keys: every recovery setting is the default). Checkpoints go to a directory every host sees, as a lab's NFS
+    would be: a torchrun-style script's rank 0 writes the checkpoint every rank resumes from."""
+    hosts = cluster.names[:HOSTS]
+    project = tmp_path_factory.mktemp("ddp-project")
+    shutil.copytree(REPO / "examples" / "ddp", project, dirs_exist_ok=True)
+    inventory = project / "inventory.ini"
+    inventory.write_text(_inventory(cluster, hosts).replace(f"slots={SLOTS}", "slots=1"))
+    (project / "fabric.yaml").write_text(
+        "toolkit:\n"
+        f"  inventory: {inventory}\n"
+        f"  known_hosts: {cluster.known_hosts}\n"
+    )
+    return E2E(cluster, project, hosts, iter(range(22000, 23000, 2)))

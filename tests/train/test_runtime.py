@@ -105,7 +105,7 @@ def test_kill9_of_a_worker_rolls_everyone_back_and_ends_bitwise_equal(make_job) 
 LEAVE_AFTER_FAILED_BUILD = """
 import datetime, sys
 import torch.distributed as dist
-from toolkit.train.runtime import Runtime
+from toolkit.train.runtime import leave_group
 port, rank = int(sys.argv[1]), int(sys.argv[2])
 store = dist.TCPStore("127.0.0.1", port, None, is_master=rank == 0, timeout=datetime.timedelta(seconds=60))
 if rank == 0:
@@ -114,7 +114,7 @@ if rank == 0:
                                 timeout=datetime.timedelta(seconds=1))
     except Exception:
         print("build of gen1 failed", flush=True)
-    Runtime.__new__(Runtime)._leave()
+    leave_group()
 dist.init_process_group("gloo", store=dist.PrefixStore("gen2/", store), rank=rank, world_size=2,
                         timeout=datetime.timedelta(seconds=20))
 print("gen2 formed", flush=True)
@@ -182,7 +182,7 @@ def test_progress_datagrams_reach_the_agent_socket(make_job, tmp_path: Path) -> 
     steps = []
     while not steps or steps[-1] != 3:
         msg = json.loads(sink.recv(4096))
-        assert set(msg) == {"node_id", "step", "epoch"}
+        assert set(msg) == {"node_id", "step", "epoch", "recovery"}
         steps.append(msg["step"])
     assert steps == sorted(steps) and steps[-1] == 3
     assert proc.wait(60) == 0

@@ -1,5 +1,11 @@
-"""The training side of toolkit: `init()` joins the job and returns a Runtime (rank, world size, process group,
-generations); the sampler and checkpoints live in `toolkit.train.data` and `toolkit.train.checkpoint`."""
+"""The training side of toolkit.
+
+- `init()` joins the job and returns a Runtime (rank, world size, process group, generations): what
+  `dist.init_process_group()` is for a plain script.
+- `Trainer` gives a data-parallel loop in-place recovery with no lost step (toolkit.train.trainer).
+- `python -m toolkit.train SCRIPT` runs any script as a worker (toolkit.train.wrapper).
+- The sampler and checkpoints live in `toolkit.train.data` and `toolkit.train.checkpoint`.
+"""
 
 from toolkit.train.runtime import (
     GenerationChanged,
@@ -10,13 +16,18 @@ from toolkit.train.runtime import (
     WorkerEnv,
     init,
 )
+from toolkit.train.trainer import PeerLost, Terminated, Trainer, TrainerError
 
 __all__ = [
     "GenerationChanged",
     "JobStopped",
+    "PeerLost",
     "RegistrationError",
     "Runtime",
     "RuntimeConfigError",
+    "Terminated",
+    "Trainer",
+    "TrainerError",
     "WorkerEnv",
     "init",
 ]

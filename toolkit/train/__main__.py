@@ -1,5 +1,5 @@
-"""`python -m toolkit.train SCRIPT [ARGS...]`: run an unmodified torchrun-style script as a toolkit worker."""
+"""`python -m toolkit.train SCRIPT [ARGS...]`: run a training script as a toolkit worker (toolkit.train.wrapper)."""
 
-from toolkit.train.runtime import main
+from toolkit.train.wrapper import main
 
 raise SystemExit(main())

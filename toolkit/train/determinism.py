@@ -59,7 +59,10 @@ def ordered_allreduce_hook(group: Any, bucket: dist.GradBucket) -> torch.futures
     parts = [torch.empty_like(buf) for _ in range(world)]
     fut = dist.all_gather(parts, buf, group=pg, async_op=True).get_future()
 
-    def reduce(_: torch.futures.Future[Any]) -> torch.Tensor:
+    def reduce(gathered: torch.futures.Future[Any]) -> torch.Tensor:
+        # A failed all-gather (a peer died) must fail the bucket, not sum the half-filled buffers: then() runs
+        # this callback on an errored future too, and value() is what re-raises its error.
+        gathered.value()
         total = parts[0].clone()
         for p in parts[1:]:
             total.add_(p)

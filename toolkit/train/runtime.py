@@ -48,6 +48,8 @@ import torch.distributed as dist
 from toolkit import envvars as E
 from toolkit import protocol as P
 from toolkit.errors import UserError
+from toolkit.train import fence as fence_mod
+from toolkit.train.fence import Fence
 
 DEFAULT_TIMEOUT = 30.0  # s: bound of one collective and of building a process group
 CONNECT_RETRY = 0.25  # s between attempts to reach a scheduler that is not (yet) up
@@ -106,6 +108,7 @@ class WorkerEnv:
     node_timeout: float = 6.0
     topo_timeout: float = 600.0
     agent_socket: str | None = None
+    restart_only: bool = False  # TOOLKIT_RECOVERY=restart: recover by relaunching even a toolkit.train script
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> "WorkerEnv":
@@ -156,7 +159,15 @@ class WorkerEnv:
             node_timeout=node_timeout,
             topo_timeout=_float(env, E.MS_TOPO_TIMEOUT, 600.0),
             agent_socket=env.get(E.TOOLKIT_AGENT_SOCKET) or None,
+            restart_only=_recovery(env),
         )
+
+
+def _recovery(env: Mapping[str, str]) -> bool:
+    value = (env.get(E.TOOLKIT_RECOVERY) or "auto").strip().lower()
+    if value not in ("auto", P.RECOVERY_RESTART):
+        raise RuntimeConfigError(f"{E.TOOLKIT_RECOVERY}={value!r}: expected auto or {P.RECOVERY_RESTART}")
+    return value == P.RECOVERY_RESTART
 
 
 def _int(env: Mapping[str, str], name: str, default: int) -> int:
@@ -201,9 +212,11 @@ class _Channel:
     the spot, before it can write anything into the new generation.
     """
 
-    def __init__(self, cfg: WorkerEnv, exit_on_new_generation: bool = False) -> None:
+    def __init__(self, cfg: WorkerEnv, exit_on_new_generation: bool = False, fence: Fence | None = None) -> None:
         self.cfg = cfg
         self.exit_on_new_generation = exit_on_new_generation  # for scripts that cannot re-form in place
+        self.fence = fence  # tripped when a newer generation is announced: the blocked collective returns
+        self.recovery = P.RECOVERY_RESTART if exit_on_new_generation else P.RECOVERY_IN_PLACE
         self.incarnation = secrets.token_hex(8)
         self.cond = threading.Condition()
         self.announced: int | None = None  # newest generation the scheduler told us about
@@ -227,7 +240,7 @@ class _Channel:
             sock.sendall(P.encode(
                 P.REGISTER, token=self.cfg.token, node_id=self.cfg.node_id, rank=self.cfg.rank,
                 world_size=self.cfg.world_size, incarnation=self.incarnation, pid=os.getpid(),
-                host=socket.gethostname(), generation=self.generation, rejoin=rejoin))
+                host=socket.gethostname(), generation=self.generation, rejoin=rejoin, recovery=self.recovery))
             lines = P.LineBuffer()
             deadline = time.monotonic() + timeout
             while True:
@@ -344,6 +357,12 @@ class _Channel:
             elif op == P.STOP:
                 self.stop_reason = str(msg.get("reason", "stopped by the scheduler"))
             self.cond.notify_all()
+            announced = self.announced
+        if self.fence is not None and announced is not None:
+            cut = self.fence.overtaken(announced)
+            if cut:
+                _say(self.cfg.node_id, f"generation {announced} announced: abandoned the group of generation "
+                                       f"{self.fence.generation} ({cut} connection(s) shut down)")
         if self.exit_on_new_generation and self.generation is not None and self.announced != self.generation:
             _say(self.cfg.node_id, f"the job moved to generation {self.announced}; this script cannot re-form in "
                                    f"place: exiting with code {EXIT_REJOIN} for its agent to relaunch it")
@@ -468,7 +487,9 @@ class Runtime:
         self.generation: int | None = None
         self._channel: _Channel | None = None
         self._store: Any = None
+        self._fence = Fence()
         self._progress_sock: socket.socket | None = None
+        self._progress_lock = threading.Lock()  # progress comes from the training thread and the checkpoint writer
         self._progress_sent = 0.0
         self._epoch: int | None = None
         self._closed = False
@@ -502,15 +523,22 @@ class Runtime:
         except (GenerationChanged, JobStopped):
             raise
         except Exception as e:
-            ch = self._channel
-            if ch is None or not _looks_collective(e):
+            changed = self.changed_by(e)
+            if changed is None:
                 raise
-            bound = self.cfg.node_timeout + 2 * self.cfg.heartbeat_interval + 1.0
-            new = ch.wait_change(self.generation, bound)
-            if new is None:
-                raise
-            raise GenerationChanged(self.generation, new) from e
+            raise changed from e
         self.check()
+
+    def changed_by(self, error: BaseException) -> GenerationChanged | None:
+        """Whether `error` (raised by a step) is a collective broken by the job moving to a new generation: if it
+        looks like one, wait (bounded by the heartbeat rules) for the scheduler's word. Returns the
+        GenerationChanged to raise instead, or None if the error is the step's own."""
+        ch = self._channel
+        if ch is None or not _looks_collective(error):
+            return None
+        bound = self.cfg.node_timeout + 2 * self.cfg.heartbeat_interval + 1.0
+        new = ch.wait_change(self.generation, bound)
+        return None if new is None else GenerationChanged(self.generation, new)
 
     def reform(self) -> dist.ProcessGroup:
         """Leave the broken group, wait (bounded by MS_TOPO_TIMEOUT) until every rank of the newest generation has
@@ -553,19 +581,23 @@ class Runtime:
         on each other): a replacement that gave up sooner would die just as they arrive. So the build gets room
         for that, and collectives get their own timeout afterwards."""
         build = timedelta(seconds=2 * self.timeout + self.cfg.node_timeout)
+        self._fence.arm(generation)
+        before = fence_mod.tcp_sockets()
         self._store = dist.TCPStore(self.cfg.store_host, self.cfg.store_port, None, is_master=False,
                                     timeout=build, use_libuv=True)
+        self._fence.add_sockets(fence_mod.opened_since(before))  # a new generation during the build cuts it short
+        if self._channel is not None:
+            self._fence.overtaken(self._channel.announced or generation)
         dist.init_process_group(self.backend, store=dist.PrefixStore(prefix, self._store), rank=self.rank,
                                 world_size=self.world_size, timeout=build)
+        self._fence.add_sockets(fence_mod.opened_since(before))
+        if self.backend == "nccl":
+            self._fence.add_group(dist.group.WORLD)
         dist.distributed_c10d._set_pg_timeout(timedelta(seconds=self.timeout))
 
     def _leave(self) -> None:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        else:
-            # A failed init_process_group leaves torch's group counter advanced, and that counter names the
-            # group's keys in the store: a fresh peer counts from 0, so this process must too.
-            dist.distributed_c10d._world.group_count = 0
+        self._fence.disarm()
+        leave_group()
         self._store = None
 
     # -- progress and the end
@@ -580,24 +612,35 @@ class Runtime:
             self._progress(step, epoch, now)
 
     def committed(self, step: int) -> None:
-        """A checkpoint of `step` is durable on this rank: the scheduler persists the newest step every rank has."""
+        """A checkpoint of `step` is durable on this rank: the scheduler persists the newest step every rank has.
+        Safe to call from a checkpoint writer thread."""
         if self._channel is not None:
             self._channel.send(P.COMMIT, step=step)
         self._progress(step, self._epoch, time.monotonic())
+
+    def recovered(self, step: int, source: str, from_rank: int | None, recomputed: int, seconds: float,
+                  nbytes: int) -> None:
+        """Tell the scheduler this rank trains again in its generation, from the state of `step` taken from
+        `source` ("peer", "checkpoint", "initial"), and how many steps it had done that are now done again."""
+        if self._channel is not None:
+            self._channel.send(P.RECOVERED, generation=self.generation, step=step, source=source,
+                               from_rank=from_rank, recomputed=recomputed, seconds=round(seconds, 4), bytes=nbytes)
 
     def _progress(self, step: int, epoch: int | None, now: float) -> None:
         path = self.cfg.agent_socket
         self._progress_sent = now
         if not path:
             return
-        try:
-            if self._progress_sock is None:
-                self._progress_sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-                self._progress_sock.setblocking(False)
-            payload = json.dumps({"node_id": self.node_id, "step": step, "epoch": epoch}).encode()
-            self._progress_sock.sendto(payload, path)
-        except OSError:
-            pass  # the agent may be restarting; progress is advisory
+        recovery = self._channel.recovery if self._channel is not None else None
+        payload = json.dumps({"node_id": self.node_id, "step": step, "epoch": epoch, "recovery": recovery}).encode()
+        with self._progress_lock:
+            try:
+                if self._progress_sock is None:
+                    self._progress_sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+                    self._progress_sock.setblocking(False)
+                self._progress_sock.sendto(payload, path)
+            except OSError:
+                pass  # the agent may be restarting; progress is advisory
 
     def done(self) -> None:
         """Training ended cleanly on this rank: the scheduler counts it finished (not dead) and exits 0 once every
@@ -625,6 +668,28 @@ class Runtime:
             self.done()
         else:
             self.close()
+
+
+def leave_group() -> None:
+    """Destroy the default process group, or, if building it failed, undo what the failed build left behind."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    else:
+        # A failed init_process_group leaves torch's group counter advanced, and that counter names the group's
+        # keys in the store: a fresh peer counts from 0, so this process must too.
+        dist.distributed_c10d._world.group_count = 0
+
+
+def notify_agent(cfg: WorkerEnv, message: dict[str, Any]) -> None:
+    """One progress datagram to the host agent (TOOLKIT_AGENT_SOCKET), best effort: the agent may be restarting."""
+    if not cfg.agent_socket:
+        return
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+            sock.setblocking(False)
+            sock.sendto(json.dumps(message).encode(), cfg.agent_socket)
+    except OSError:
+        pass
 
 
 def _readable(sock: socket.socket, timeout: float) -> bool:
@@ -679,7 +744,7 @@ def init(backend: str | None = None, timeout: float = DEFAULT_TIMEOUT,
         rt.rank, rt.world_size = dist.get_rank(), dist.get_world_size()
         rt.generation = 0
         return rt
-    channel = _Channel(cfg)
+    channel = _Channel(cfg, exit_on_new_generation=cfg.restart_only, fence=rt._fence)
     deadline = time.monotonic() + cfg.topo_timeout
     channel.join(deadline)
     channel.start()
@@ -708,93 +773,3 @@ def _torchrun_round(env: Mapping[str, str], timeout: float) -> dict[str, Any]:
                           timeout=timedelta(seconds=timeout), use_libuv=True)
     return {"store": dist.PrefixStore(f"toolkit/restart_{restart}/", store), "rank": int(env[E.RANK]),
             "world_size": int(env[E.WORLD_SIZE])}
-
-
-def run_script(argv: Sequence[str], env: Mapping[str, str] | None = None) -> int:
-    """Run an unmodified torchrun-style script (`dist.init_process_group()` from env://) as a toolkit worker:
-    `python -m toolkit.train SCRIPT [ARGS...]`.
-
-    Why: a plain script never registers, so the scheduler cannot watch it, and torch's env:// puts every
-    incarnation's keys under the same names in one store, which is how torchrun's restarted workers hang on a dead
-    peer's stale address (REFERENCE.md). Here the process registers and heartbeats like any worker, and env://
-    resolves to the scheduler's store under the current generation's prefix, so a relaunched rank only ever meets
-    keys of its own generation. Such a script cannot re-form in place: when the job moves to a new generation this
-    process exits with EXIT_REJOIN and its agent relaunches it (restart-the-world, as torchrun, but without the
-    stale-key hang). Outside toolkit (no MS_ROLE) the script simply runs.
-    """
-    if not argv:
-        raise RuntimeConfigError("usage: python -m toolkit.train SCRIPT [ARGS...]: name the training script")
-    script = argv[0]
-    if not Path(script).is_file():
-        raise RuntimeConfigError(f"{script}: no such training script (relative to {Path.cwd()})")
-    cfg = WorkerEnv.from_env(os.environ if env is None else env)
-    channel = None
-    if cfg.mode == MODE_TOOLKIT:
-        channel = _Channel(cfg, exit_on_new_generation=True)
-        deadline = time.monotonic() + cfg.topo_timeout
-        channel.join(deadline)
-        channel.start()
-        generation, prefix = channel.wait_formed(None, deadline + cfg.node_timeout)
-        with channel.cond:
-            channel.generation = generation
-            moved = channel.announced != generation
-        if moved:
-            _say(cfg.node_id, f"generation {generation} was abandoned before the script started; exiting with code "
-                              f"{EXIT_REJOIN} for its agent to relaunch it")
-            return EXIT_REJOIN
-        _hook_env_rendezvous(cfg, prefix)
-        _say(cfg.node_id, f"running {script} in generation {generation} (env:// -> the scheduler's store)")
-    sys.argv = list(argv)  # the script reads its own arguments, as under `python SCRIPT ARGS`
-    code = _run_path(script)
-    if channel is not None:
-        if code == 0:
-            channel.done()
-        else:
-            channel.close()
-    return code
-
-
-def _hook_env_rendezvous(cfg: WorkerEnv, prefix: str) -> None:
-    # `torch.distributed.rendezvous` is also the name of a function there: import the module by its path
-    rdzv = importlib.import_module("torch.distributed.rendezvous")
-    handlers = getattr(rdzv, "_rendezvous_handlers", None)
-    if not isinstance(handlers, dict) or "env" not in handlers:
-        raise RuntimeConfigError("this torch version has no env:// rendezvous table to bind to the scheduler's "
-                                 "store; call toolkit.train.init() in the script instead")
-
-    def env_handler(url: str, timeout: timedelta = timedelta(seconds=DEFAULT_TIMEOUT), **_: Any) -> Iterator:
-        store = dist.TCPStore(cfg.store_host, cfg.store_port, None, is_master=False, timeout=timeout,
-                              use_libuv=True)
-        yield dist.PrefixStore(prefix, store), cfg.rank, cfg.world_size
-        raise RuntimeError("env:// under toolkit does not re-rendezvous in place: the process is relaunched")
-
-    handlers["env"] = env_handler
-
-
-def _run_path(script: str) -> int:
-    try:
-        runpy.run_path(script, run_name="__main__")
-    except SystemExit as e:
-        if e.code is None:
-            return 0
-        if isinstance(e.code, int):
-            return e.code
-        print(e.code, file=sys.stderr, flush=True)
-        return 1
-    except KeyboardInterrupt:
-        return 130
-    except BaseException:  # the script's own failure: show it as python would, exit non-zero
-        import traceback
-
-        traceback.print_exc()
-        return 1
-    return 0
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of `python -m toolkit.train` (a bad invocation is one line on stderr and exit code 2)."""
-    try:
-        return run_script(sys.argv[1:] if argv is None else argv)
-    except UserError as e:
-        print(f"toolkit.train: error: {e}", file=sys.stderr, flush=True)
-        return 2

@@ -1,0 +1,226 @@
+"""A user's own training script under toolkit, as a user runs it (`fleet deploy train --join`, default recovery
+flags, never --torchrun-script):
+
+- an unmodified torchrun DDP script (examples/ddp/plain.py: env://, DistributedSampler, DataLoader workers, its
+  own torch.save checkpoint) survives kill -9 of any worker and a SIGSTOPped one, and finishes with its final
+  checkpoint at the requested step: restart recovery, found out by the wrapper on its own;
+- the same script ported to toolkit.train (examples/ddp/ported.py, a diff of about ten lines) recovers in place
+  from a kill -9 at a random step with no step recomputed and ends bitwise equal to an uninterrupted run;
+- a DataLoader (num_workers 0 and 2) resumes at the exact sample mid-epoch.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+import torch
+
+from local_job import EXAMPLES, FLEET, FleetRun, clean_env
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+JOB_TIMEOUT = 300.0  # s for one job on a loaded 2-core machine; normally ~20 s
+POLL = 0.05  # s between looks at a log: no event tells that a line was appended
+STEP = re.compile(r"^epoch (\d+) step (\d+) loss", re.M)
+PLAIN_ARGS = "--epochs 3 --step-delay 0.04"
+EXIT_REJOIN = 76
+
+pytestmark = pytest.mark.timeout(900)
+
+
+def steps_total(world: int, epochs: int = 3, dataset: int = 2048, batch: int = 32) -> int:
+    return epochs * -(-(-(-dataset // world)) // batch)
+
+
+def until(what: str, predicate: Callable[[], Any], run: FleetRun, timeout: float = JOB_TIMEOUT) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if run.runner is not None and run.runner.poll() is not None:
+            raise AssertionError(f"the job ended while waiting for {what}:\n{run.join(1)[1]}\n{run.evidence()}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}\n{run.evidence()}")
+        time.sleep(POLL)
+
+
+def last_step(run: FleetRun, rank: int) -> int:
+    steps = STEP.findall(run.log(f"worker_{rank}.log"))
+    return int(steps[-1][1]) if steps else 0
+
+
+def project(tmp_path: Path) -> Path:
+    d = tmp_path / "ddp"
+    if not d.exists():
+        shutil.copytree(EXAMPLES / "ddp", d)
+    return d
+
+
+def plain_run(tmp_path: Path, world: int, *flags: str) -> FleetRun:
+    return FleetRun(tmp_path, "plain", ["--project", str(project(tmp_path)), "--script", "plain.py", "--worker-num",
+                                        str(world), "--workdir", str(tmp_path / "work"), "--script-args", PLAIN_ARGS,
+                                        *flags])
+
+
+def exits(run: FleetRun, node: str) -> list[dict[str, Any]]:
+    return run.procs()[node]["exits"]
+
+
+def assert_finished_at(run: FleetRun, ckpt: Path, total: int) -> None:
+    code, output = run.join(JOB_TIMEOUT)
+    assert code == 0, f"{output}\n{run.evidence()}"
+    assert torch.load(ckpt / "plain.pt", weights_only=True)["step"] == total
+    for node, p in run.procs().items():
+        assert p["state"] == "succeeded", f"{node}: {p['state']}\n{run.evidence()}"
+
+
+# --- an unmodified torchrun script ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_an_unmodified_torchrun_script_survives_kill_9_and_sigstop(tmp_path: Path, world: int) -> None:
+    """2 workers: kill -9 of rank 0. 3 workers: kill -9 of another rank, then SIGSTOP of a third one past the
+    node timeout (the default 6 s). Every fault relaunches every worker, which resume from plain.pt."""
+    rng = random.Random()
+    run = plain_run(tmp_path, world)
+    total = steps_total(world)
+    victim = 0 if world == 2 else rng.choice([1, 2])
+    try:
+        run.start()
+        until("every rank past its first checkpoint", lambda: min(last_step(run, r) for r in range(world)) > 12, run)
+        pid = run.procs()[f"worker_{victim}"]["pid"]
+        os.kill(pid, signal.SIGKILL)
+        # The fault took effect: the victim died of it, every other worker left its broken group to be relaunched,
+        # and all resumed from the script's own checkpoint.
+        until("every worker relaunched and resumed",
+              lambda: all(re.search(r"^rank \d+: resumed from step [1-9]", run.log(f"worker_{r}.log"), re.M)
+                          for r in range(world)), run)
+        assert exits(run, f"worker_{victim}")[0] == {**exits(run, f"worker_{victim}")[0], "pid": pid,
+                                                      "signal": "SIGKILL"}
+        for r in set(range(world)) - {victim}:
+            assert exits(run, f"worker_{r}")[0]["code"] == EXIT_REJOIN, run.evidence()
+        if world == 3:
+            stopped = ({0, 1, 2} - {victim}).pop()
+            resumed = last_step(run, stopped)
+            until("training again", lambda: last_step(run, stopped) > resumed + 5, run)
+            pid = run.procs()[f"worker_{stopped}"]["pid"]
+            os.kill(pid, signal.SIGSTOP)
+            until(f"worker_{stopped} declared dead and killed by its agent",
+                  lambda: any(e["pid"] == pid and e["signal"] == "SIGKILL" for e in exits(run, f"worker_{stopped}")),
+                  run)
+            assert re.search(rf"worker_{stopped} \(pid {pid} .*\) is dead: sent no heartbeat", run.log("scheduler.log"))
+        assert_finished_at(run, run.dir / "ckpt", total)
+        status = fleet_status(tmp_path)
+        assert status["recovery"]["mode"] == "restart" and "torchrun-style script" in status["recovery"]["why"]
+    finally:
+        run.stop()
+
+
+def fleet_status(cwd: Path) -> dict[str, Any]:
+    done = subprocess.run([FLEET, "status", "--json"], cwd=cwd, env=clean_env(), capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+# --- the usual data path ------------------------------------------------------------------------------------
+
+
+INDICES = SCRIPTS / "indices_worker.py"
+BATCH_LINE = re.compile(r"^step (\d+): ([\d ]+)$", re.M)
+PER_EPOCH = {"distributed": 13, "random": 26}  # indices_worker: 203 samples (2 replicas for the first), batches of 8
+
+
+def indices_run(ckpt: Path, *args: str) -> list[tuple[int, str]]:
+    done = subprocess.run([sys.executable, str(INDICES), *args], env={**clean_env(), "CKPT_DIR": str(ckpt)},
+                          capture_output=True, text=True, timeout=JOB_TIMEOUT)
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stdout[-2000:] + done.stderr[-3000:]
+    return [(int(s), ids) for s, ids in BATCH_LINE.findall(done.stdout)]
+
+
+@pytest.mark.parametrize("sampler", ["distributed", "random"])
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_dataloader_resumes_at_the_exact_sample_mid_epoch(tmp_path: Path, workers: int, sampler: str) -> None:
+    flags = ["--workers", str(workers), "--sampler", sampler]
+    per_epoch = PER_EPOCH[sampler]
+    whole = indices_run(tmp_path / "whole", *flags)
+    assert [s for s, _ in whole] == list(range(1, 3 * per_epoch + 1))
+    stop = random.Random().choice([k for k in range(2, 3 * per_epoch - 1) if k % per_epoch])  # never at an edge
+    first = indices_run(tmp_path / "cut", *flags, "--stop-at", str(stop))
+    assert [s for s, _ in first] == list(range(1, stop + 1)), f"stopped at {stop}"
+    second = indices_run(tmp_path / "cut", *flags)
+    assert second and second[0][0] == stop + 1, f"resumed at {second[:1]}, stopped at {stop}"
+    assert first + second == whole, f"{sampler} sampler, {workers} workers, stopped mid-epoch at step {stop}"
+
+
+# --- the same script, ported ------------------------------------------------------------------------------------
+
+
+RESUMED = re.compile(r"^rank (\d+): resumed from step (\d+) .* out of (rank \d+'s memory).*: (\d+) step\(s\) "
+                     r"recomputed$", re.M)
+
+
+def ported_run(tmp_path: Path, name: str) -> FleetRun:
+    return FleetRun(tmp_path, name, ["--project", str(project(tmp_path)), "--script", "ported.py", "--worker-num",
+                                     "3", "--workdir", str(tmp_path / "work"), "--script-args", PLAIN_ARGS])
+
+
+def final_model(run: FleetRun) -> dict[str, torch.Tensor]:
+    from toolkit.train.checkpoint import CheckpointManager
+
+    found = CheckpointManager(run.dir / "ckpt" / "rank_0", keep_max=3).load_latest()
+    assert found is not None, run.evidence()
+    step, state = found
+    assert step == state["step"] == steps_total(3), run.evidence()
+    return state["model"]
+
+
+def test_the_ported_script_recovers_in_place_with_no_lost_step_and_a_bitwise_equal_result(tmp_path: Path) -> None:
+    plain = (EXAMPLES / "ddp" / "plain.py").read_text().split('"""', 2)[2].splitlines()
+    ported = (EXAMPLES / "ddp" / "ported.py").read_text().split('"""', 2)[2].splitlines()
+    added = [line for line in difflib.ndiff(plain, ported) if line.startswith("+ ")]
+    assert len(added) <= 12, "the port is meant to be about ten lines:\n" + "\n".join(added)
+
+    reference = ported_run(tmp_path, "reference")
+    try:
+        reference.start()
+        assert reference.join(JOB_TIMEOUT)[0] == 0, reference.evidence()
+    finally:
+        reference.stop()
+    rng = random.Random()
+    run = ported_run(tmp_path, "faulted")
+    victim, target = rng.randrange(3), rng.randint(8, steps_total(3) - 20)
+    try:
+        run.start()
+        until(f"step {target}", lambda: last_step(run, victim) >= target, run)
+        pids = {r: run.procs()[f"worker_{r}"]["pid"] for r in range(3)}
+        os.kill(pids[victim], signal.SIGKILL)
+        code, output = run.join(JOB_TIMEOUT)
+        assert code == 0, output + run.evidence()
+    finally:
+        run.stop()
+    why = f"(worker_{victim} killed at step {target})"
+    for r in range(3):
+        p = run.procs()[f"worker_{r}"]
+        assert p["restarts"] == (1 if r == victim else 0), f"worker_{r} {why}\n{run.evidence()}"
+        if r != victim:
+            assert p["last_pid"] == pids[r], f"survivor worker_{r} was restarted {why}"
+        found = RESUMED.findall(run.log(f"worker_{r}.log"))
+        assert len(found) == 1 and found[0][3] == "0", f"worker_{r}: {found} {why}\n{run.evidence()}"
+    assert len({step for r in range(3) for _, step, _, _ in RESUMED.findall(run.log(f"worker_{r}.log"))}) == 1
+    want, got = final_model(reference), final_model(run)
+    assert sorted(want) == sorted(got)
+    for k in want:
+        assert want[k].numpy().tobytes() == got[k].numpy().tobytes(), f"{k} differs {why}"

@@ -1,0 +1,459 @@
+"""In-place recovery for a data-parallel training loop, in about ten changed lines of the user's script.
+
+    rt = toolkit.train.init()                         # instead of dist.init_process_group()
+    ...                                               # model, optimizer, sampler and loader as before
+    trainer = toolkit.train.Trainer(rt, model, optimizer, loader, ckpt_dir=CKPT_DIR, ckpt_every=50)
+    for x, y in trainer.batches(epochs):              # instead of both loops and set_epoch
+        with trainer.step():                          # one training step: a fault inside it is not an error
+            optimizer.zero_grad()
+            loss = loss_fn(trainer.model(x), y)       # trainer.model: the DDP wrapper of the current group
+            loss.backward()
+            optimizer.step()
+    trainer.finish()                                  # final checkpoint, then tell the scheduler
+
+What it gives, under toolkit's launcher: a worker that dies costs no restart of the others and no lost step. The
+survivors abandon the broken group at once (toolkit.train.fence), re-form it with the replacement, and every rank
+takes the current state (model, optimizer, the extra state handed over) from a survivor: the one at the newest
+step, since a fault inside a collective can leave ranks a step apart (a collective completed on one rank is a
+complete sum there). Data position and randomness are functions of the step, so the replacement needs nothing
+else: the loader is positioned at the step's batch (toolkit.train.loader) and torch's, Python's and numpy's
+global generators are seeded from (seed, rank, step) before each step's batch is drawn. The result is bitwise the
+one an uninterrupted run gives (with the rank-ordered allreduce, `deterministic=True`). Checkpoints (asynchronous,
+verified, every `ckpt_every` steps, their commits told to the scheduler) are for when no survivor holds the state:
+a whole-job restart, or a world of one. SIGTERM: every rank agrees at the next step boundary and saves that step
+(last words); the ranks that got the signal leave (exit 143), the others go on and meet the replacement.
+
+Under torchrun or alone the same script runs: a fault there ends the process with one line and exit code 1
+(PeerLost) for the launcher to restart the world, which resumes from the newest checkpoint.
+
+What a step may contain: anything, as long as every collective of the step runs inside `trainer.step()` (a
+collective outside it fails like any other error when a peer dies). Extra state (an LR scheduler, a grad scaler)
+must be the same on every rank, as everything replicated in data parallelism is; pass it as `state={...}`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import io
+import os
+import random
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Iterator, Mapping
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from toolkit.train import checkpoint, determinism
+from toolkit.train.checkpoint import CheckpointManager
+from toolkit.train.loader import Positioner
+from toolkit.train.runtime import MODE_TOOLKIT, GenerationChanged, JobStopped, Runtime, _first_line, _looks_collective
+
+EXIT_TERMINATED = 128 + signal.SIGTERM
+FROM_PEER, FROM_CHECKPOINT, FROM_INITIAL = "peer", "checkpoint", "initial"
+
+
+class PeerLost(SystemExit):
+    """A collective failed because a peer is gone, under a launcher that cannot re-form the group in place
+    (torchrun, or none): the process ends with this one line and exit code 1, for the launcher to restart."""
+
+
+class Terminated(SystemExit):
+    """SIGTERM: the last-words checkpoint is durable (or there was no group to save with); the process ends."""
+
+
+class TrainerError(RuntimeError):
+    """The training loop uses the Trainer wrongly; the message says how to fix it."""
+
+
+class Trainer:
+    """See the module docstring. `model` and `optimizer` are the user's (the Trainer never replaces them);
+    `loader` a DataLoader over a map-style dataset; `state` extra objects with state_dict/load_state_dict
+    that are part of the training state. Checkpoints go to `ckpt_dir`/rank_<r>/ (default: CKPT_DIR from the
+    environment, else ./ckpt), every `ckpt_every` steps, `keep` per rank. `seed` makes each step's randomness a
+    function of the step (None: leave the generators alone; then a recovered run is not bitwise the same).
+    `ddp` holds extra DistributedDataParallel arguments."""
+
+    def __init__(self, runtime: Runtime, model: nn.Module, optimizer: torch.optim.Optimizer, loader: Any, *,
+                 state: Mapping[str, Any] | None = None, ckpt_dir: str | Path | None = None, ckpt_every: int = 100,
+                 keep: int = 3, seed: int | None = 0, deterministic: bool = True, async_ckpt: bool = True,
+                 ddp: Mapping[str, Any] | None = None) -> None:
+        if ckpt_every < 1:
+            raise TrainerError(f"ckpt_every={ckpt_every}: give a number of steps of at least 1")
+        extra = dict(state or {})
+        for name, obj in extra.items():
+            if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
+                raise TrainerError(f"state[{name!r}] has no state_dict()/load_state_dict(): hand over objects that "
+                                   "can be saved and restored (an LR scheduler, a GradScaler, a module)")
+        self.rt = runtime
+        self.module = model
+        self.optimizer = optimizer
+        self.extra = extra
+        self.seed = seed
+        self.deterministic = deterministic
+        self.ckpt_every = ckpt_every
+        self.ddp_args = dict(ddp or {})
+        self.position = Positioner(loader)
+        root = Path(ckpt_dir) if ckpt_dir is not None else Path(_env_ckpt_dir())
+        self.manager = CheckpointManager(root / f"rank_{runtime.rank}", keep_max=keep, async_write=async_ckpt,
+                                         on_commit=runtime.committed)
+        self.step_count = 0  # optimizer steps done: the job's global step, the same on every rank
+        self._live = False  # this process holds a training state of its own (it has trained or received one)
+        self._saved = -1
+        self._ddp: nn.Module | None = None
+        self._batches: Iterator[Any] | None = None
+        self._batches_at: tuple[int, int] | None = None  # (epoch, batch) the iterator yields next
+        self._need_sync = True
+        self._entered = True  # the previous batch went through step(): nothing to complain about at the start
+        self._applied = 0  # optimizer steps seen by the post-hook (a step that ran before a fault still counts)
+        self._hook = optimizer.register_step_post_hook(self._on_optimizer_step)
+        self._initial = checkpoint.snapshot(self._capture())  # step 0, when no rank holds anything newer
+        self._stop = threading.Event()
+        self._interrupt = False  # SIGTERM raises Terminated at once (while blocked forming a group)
+        self._previous_handler = _install_sigterm(self._on_sigterm)
+        self._finished = False
+
+    # -- what the loop sees
+
+    @property
+    def model(self) -> nn.Module:
+        """The model to call in a step: the DistributedDataParallel wrapper of the current group (the module
+        itself in a world of one). It changes when the group is re-formed: use it inside the step."""
+        if self._ddp is None:
+            raise TrainerError("trainer.model is only there inside the loop over trainer.batches()")
+        return self._ddp
+
+    @property
+    def epoch(self) -> int:
+        return self.position.where(self.step_count)[0]
+
+    def batches(self, epochs: int) -> Iterator[Any]:
+        """The batches of `epochs` epochs from where the job stands: after a fault, the interrupted batch again
+        (or the next one, if the state taken over already includes it). Each must be trained inside step()."""
+        if epochs < 1:
+            raise TrainerError(f"epochs={epochs}: give at least 1")
+        total = epochs * self.position.per_epoch
+        while True:
+            if not self._entered:
+                raise TrainerError("each batch from trainer.batches() must be trained inside `with trainer.step():` "
+                                   "(it is what makes a fault in the step recoverable)")
+            if self._need_sync:
+                self._sync()
+            if self.step_count >= total:
+                return
+            batch = self._next_batch()
+            self._entered = False
+            yield batch
+
+    @contextlib.contextmanager
+    def step(self) -> Iterator[int]:
+        """One training step; `as` gives its number (step_count + 1). A collective that fails because a peer
+        died, or a new generation announced, ends the step without an error: the state it reached is kept or
+        discarded and the loop goes on from there. What the block does after optimizer.step() (printing the
+        loss) happens once per step whatever the faults."""
+        self._entered = True
+        applied = self._applied
+        try:  # not rt.guard(): a context manager must run its block, even in a generation already left
+            yield self.step_count + 1
+            leaving = self._agree_stop()
+            self.rt.check()
+        except GenerationChanged as e:
+            self._abandoned(applied, e.new)
+            return
+        except JobStopped:
+            raise
+        except Exception as e:
+            changed = self.rt.changed_by(e)
+            if changed is not None:
+                self._abandoned(applied, changed.new)
+                return
+            if self.rt.mode != MODE_TOOLKIT and _looks_collective(e):
+                raise PeerLost(f"rank {self.rt.rank}: a collective failed, a peer is gone ({_first_line(e)}); "
+                               "this launcher cannot re-form the group in place: exiting for a restart") from None
+            raise
+        self.step_count += 1
+        self._live = True
+        self.rt.report(self.step_count, self.epoch)
+        if self.step_count % self.ckpt_every == 0:
+            self._save()
+        if leaving is not None:
+            self._leave(leaving)
+
+    def finish(self) -> None:
+        """The end of training: the final checkpoint durable on every rank, then `done` for the scheduler (a
+        peer dying meanwhile is recovered like any fault, then finishing goes on)."""
+        if self._finished:
+            return
+        while True:
+            try:
+                with self.rt.guard():
+                    self._save()
+                    self.manager.flush()
+                    if self.rt.world_size > 1:
+                        dist.barrier()  # nobody says done while a peer may still need the state
+                break
+            except GenerationChanged:
+                self._need_sync = True
+                self._sync()
+        self._close()
+        self.rt.done()
+
+    def close(self) -> None:
+        """Release without finishing (an error ends the loop): checkpoints in flight are completed."""
+        if not self._finished:
+            self._close()
+            self.rt.close()
+
+    def __enter__(self) -> Trainer:
+        return self
+
+    def __exit__(self, exc_type: Any, *_: Any) -> None:
+        if exc_type is None:
+            self.finish()
+        else:
+            self.close()
+
+    # -- faults
+
+    def _on_optimizer_step(self, *_: Any) -> None:
+        self._applied += 1
+
+    def _abandoned(self, applied_before: int, generation: int) -> None:
+        """The step ended by a fault. If this rank's optimizer step ran, its allreduce had completed (a complete
+        sum of every rank's gradients), so the state it holds is the next step's: keep it, the others may need it."""
+        kept = self._applied != applied_before
+        if kept:
+            self.step_count += 1
+        self._live = True
+        self._need_sync = True
+        self._batches = None
+        print(f"rank {self.rt.rank}: generation {self.rt.generation} -> {generation} at step {self.step_count} "
+              f"({'the step was complete here' if kept else 'the step in flight is redone'}): re-forming the group",
+              flush=True)
+
+    def _sync(self) -> None:
+        """(Re-)form the group, agree on the newest state any rank holds and give it to every rank, wrap the model
+        for the group, position the data. Repeats, bounded by the runtime's timeouts, while faults keep coming."""
+        while True:
+            started = time.monotonic()
+            self._ddp = None
+            gc.collect()  # the old DDP's reducer holds the broken group and hooks the parameters
+            with self._interruptible():
+                self.rt.reform()
+            try:
+                with self.rt.guard():
+                    source, from_rank, nbytes, before = self._agree_state()
+                    self._wrap()
+                break
+            except GenerationChanged:
+                continue
+        self._need_sync = False
+        self._batches = None
+        # Only a survivor's memory tells how far the job had got; a restart from a checkpoint leaves it to the
+        # scheduler, which heard every rank's step (-1: not known here).
+        recomputed = max(0, before - self.step_count) if source == FROM_PEER else -1 if source == FROM_CHECKPOINT \
+            else 0
+        seconds = time.monotonic() - started
+        self.rt.recovered(self.step_count, source, from_rank, recomputed, seconds, nbytes)
+        what = {FROM_PEER: f"rank {from_rank}'s memory", FROM_CHECKPOINT: f"rank {from_rank}'s checkpoint",
+                FROM_INITIAL: "the initial state"}[source]
+        if source == FROM_INITIAL:
+            print(f"rank {self.rt.rank}: starting fresh", flush=True)
+        else:
+            epoch, batch = self.position.where(self.step_count)
+            print(f"rank {self.rt.rank}: resumed from step {self.step_count} (epoch {epoch}, batch {batch} of "
+                  f"{self.position.per_epoch}) out of {what} in {seconds:.2f} s ({nbytes / 1e6:.2f} MB), generation "
+                  f"{self.rt.generation}" + (f": {recomputed} step(s) recomputed" if recomputed >= 0 else ""),
+                  flush=True)
+
+    def _agree_state(self) -> tuple[str, int, int, int]:
+        """Collective. Returns (source, rank it came from, bytes moved, the newest step any rank had reached)."""
+        held = self.step_count if self._live else -1
+        newest = self.manager.scan().intact if not self._live else ()
+        on_disk = newest[-1] if newest else -1
+        mine = torch.tensor([held, on_disk], dtype=torch.int64, device=self.rt.device)
+        if self.rt.world_size > 1:
+            every = [torch.empty_like(mine) for _ in range(self.rt.world_size)]
+            dist.all_gather(every, mine)
+            table = [tuple(int(v) for v in t.tolist()) for t in every]
+        else:
+            table = [(held, on_disk)]
+        best_held = max(h for h, _ in table)
+        reached = max(max(h for h, _ in table), max(d for _, d in table))
+        if best_held >= 0:
+            source, src = FROM_PEER, min(r for r, (h, _) in enumerate(table) if h == best_held)
+        elif max(d for _, d in table) >= 0:
+            best = max(d for _, d in table)
+            source, src = FROM_CHECKPOINT, min(r for r, (_, d) in enumerate(table) if d == best)
+        else:
+            source, src = FROM_INITIAL, 0
+        if self.rt.rank == src:
+            if source == FROM_CHECKPOINT:
+                state = self.manager.load(table[src][1])
+            elif source == FROM_INITIAL:
+                state = self._initial
+            else:
+                state = self._capture()
+            payload = _serialize(state)
+        else:
+            payload = b""
+        payload = self._broadcast(payload, src)
+        if self.rt.rank != src or source != FROM_PEER:
+            self._restore(_deserialize(payload))
+        self._live = True
+        return source, src, len(payload), reached
+
+    def _broadcast(self, payload: bytes, src: int) -> bytes:
+        if self.rt.world_size == 1:
+            return payload
+        size = torch.tensor([len(payload)], dtype=torch.int64, device=self.rt.device)
+        dist.broadcast(size, src)
+        buf = (torch.frombuffer(bytearray(payload), dtype=torch.uint8) if self.rt.rank == src
+               else torch.empty(int(size.item()), dtype=torch.uint8))
+        if self.rt.device.type != "cpu":
+            buf = buf.to(self.rt.device)
+        dist.broadcast(buf, src)
+        return payload if self.rt.rank == src else bytes(buf.cpu().numpy())
+
+    def _wrap(self) -> None:
+        if self.rt.world_size == 1:
+            self._ddp = self.module
+            return
+        ddp = nn.parallel.DistributedDataParallel(self.module, process_group=self.rt.group, **self.ddp_args)
+        if self.deterministic:
+            ddp.register_comm_hook(self.rt.group, determinism.ordered_allreduce_hook)
+        self._ddp = ddp
+
+    # -- state
+
+    def _capture(self) -> dict[str, Any]:
+        return {"step": self.step_count, "model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "extra": {name: obj.state_dict() for name, obj in self.extra.items()}}
+
+    def _restore(self, state: dict[str, Any]) -> None:
+        self.module.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        for name, obj in self.extra.items():
+            obj.load_state_dict(state["extra"][name])
+        self.step_count = int(state["step"])
+
+    def _save(self) -> None:
+        if self._saved != self.step_count:
+            self.manager.save(self.step_count, self._capture())
+            self._saved = self.step_count
+
+    # -- data and randomness
+
+    def _next_batch(self) -> Any:
+        at = self.position.where(self.step_count)
+        if self._batches is None or self._batches_at != at:
+            self._batches = None  # a worker pool of the old iterator goes before the next one starts
+            self._seed("epoch", at[0])  # the epoch's order and the workers' seeds, the same for a resumed epoch
+            self._batches = self.position.iterate(*at)
+        self._seed("step", self.step_count + 1)
+        batch = next(self._batches)
+        self._batches_at = (at[0], at[1] + 1)  # past the epoch's end this matches no step: a new iterator then
+        return batch
+
+    def _seed(self, what: str, number: int) -> None:
+        if self.seed is None:
+            return
+        value = _mix(self.seed, self.rt.rank, 0 if what == "step" else 1, number)
+        torch.manual_seed(value)
+        random.seed(value)
+        np.random.seed(value % (1 << 32))
+
+    # -- SIGTERM
+
+    def _on_sigterm(self, _signum: int, _frame: Any) -> None:
+        self._stop.set()
+        if self._interrupt:
+            self._interrupt = False
+            raise Terminated(EXIT_TERMINATED)
+
+    @contextlib.contextmanager
+    def _interruptible(self) -> Iterator[None]:
+        """While blocked forming a group there is nothing to agree or save with: SIGTERM leaves at once."""
+        if self._stop.is_set():
+            raise Terminated(EXIT_TERMINATED)
+        self._interrupt = True
+        try:
+            yield
+        finally:
+            self._interrupt = False
+
+    def _agree_stop(self) -> bool | None:
+        """Collective at the end of every step: did any rank get SIGTERM? None if not; else whether this rank
+        is one that leaves (outside toolkit every rank does: the launcher restarts the world)."""
+        mine = 1 if self._stop.is_set() else 0
+        if self.rt.world_size > 1:
+            flag = torch.tensor([mine], dtype=torch.int32, device=self.rt.device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            anyone = bool(flag.item())
+        else:
+            anyone = bool(mine)
+        if not anyone:
+            return None
+        return self.rt.mode != MODE_TOOLKIT or bool(mine)
+
+    def _leave(self, leaving: bool) -> None:
+        self._save()
+        self.manager.flush()
+        if leaving:
+            print(f"rank {self.rt.rank}: stopped by SIGTERM at step {self.step_count}, checkpoint saved", flush=True)
+            self.close()
+            raise Terminated(EXIT_TERMINATED if self.rt.mode == MODE_TOOLKIT else 0)
+        print(f"rank {self.rt.rank}: a peer stops by SIGTERM at step {self.step_count}, checkpoint saved; training "
+              "goes on", flush=True)
+
+    def _close(self) -> None:
+        self._finished = True
+        self._hook.remove()
+        self._ddp = None
+        self._batches = None
+        try:
+            self.manager.close()
+        finally:
+            if self._previous_handler is not None:
+                signal.signal(signal.SIGTERM, self._previous_handler)
+
+
+def _serialize(state: dict[str, Any]) -> bytes:
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    return buf.getvalue()
+
+
+def _deserialize(payload: bytes) -> dict[str, Any]:
+    return torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
+
+
+def _mix(*numbers: int) -> int:
+    """A 63-bit seed from a few integers (splitmix64 steps): neighbouring steps and ranks get unrelated seeds."""
+    x = 0x9E3779B97F4A7C15
+    for n in numbers:
+        x = (x ^ (n & 0xFFFFFFFFFFFFFFFF)) * 0xBF58476D1CE4E5B9 & 0xFFFFFFFFFFFFFFFF
+        x = (x ^ (x >> 31)) * 0x94D049BB133111EB & 0xFFFFFFFFFFFFFFFF
+    return x >> 1
+
+
+def _env_ckpt_dir() -> str:
+    return os.environ.get("CKPT_DIR") or "ckpt"
+
+
+def _install_sigterm(handler: Any) -> Any:
+    """Take SIGTERM where nobody else did (the default action), from the main thread only; returns what to put
+    back, or None if the Trainer did not take it."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    if signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, None):
+        print("toolkit.train.Trainer: SIGTERM already has a handler: no last-words checkpoint", file=sys.stderr,
+              flush=True)
+        return None
+    return signal.signal(signal.SIGTERM, handler)

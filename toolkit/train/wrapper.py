@@ -1,0 +1,159 @@
+"""`python -m toolkit.train SCRIPT [ARGS...]`: how every worker of a toolkit job runs its training script.
+
+Why a wrapper at all: a script written for torchrun (`dist.init_process_group()` from env://) never registers
+with the scheduler, so nothing would notice a stuck peer, and env:// puts every incarnation's keys under the same
+names in one store: a relaunched rank can read a dead incarnation's address and wait on it forever (torchrun's
+stale-key hang, REFERENCE.md). The wrapper makes such a script a toolkit worker without changing a line of it.
+
+What it does, and when: nothing until the script asks for a process group. Then, in that call:
+- a script that calls `toolkit.train.init()` registers itself for in-place recovery (survivors re-form the group
+  and the replacement takes the state from a peer); the wrapper stays out of the way;
+- a script that calls `dist.init_process_group()` with env:// (or tcp:// to MASTER_ADDR:MASTER_PORT) reaches the
+  wrapper's rendezvous handler, which registers on the script's behalf for restart recovery, waits until every
+  rank has, and hands torch the store under this generation's own key prefix. When the job moves to a new
+  generation (a peer died), this process exits with EXIT_REJOIN and its agent relaunches it at once, outside its
+  crash budget: every worker starts again from its own checkpoints, as under torchrun, but a relaunched rank only
+  ever meets keys of its own generation, and a stuck peer is found by its heartbeats, so it never hangs.
+A script that never asks for a group just runs. Outside toolkit (no MS_ROLE) the script runs as under `python`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import runpy
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+from urllib.parse import urlparse
+
+import torch.distributed as dist
+
+from toolkit import protocol as P
+from toolkit.errors import UserError
+from toolkit.train.runtime import (
+    DEFAULT_TIMEOUT,
+    MODE_TOOLKIT,
+    RuntimeConfigError,
+    WorkerEnv,
+    _Channel,
+    _say,
+    notify_agent,
+)
+
+EXIT_REJOIN = P.EXIT_REJOIN
+HOOKED = ("env", "tcp")  # the rendezvous schemes that reach the job's store
+
+
+class ScriptSession:
+    """The registration the wrapper makes on a torchrun-style script's behalf, started by its first rendezvous."""
+
+    def __init__(self, cfg: WorkerEnv) -> None:
+        self.cfg = cfg
+        self.channel: _Channel | None = None
+
+    def install(self) -> None:
+        """Route env:// (and tcp:// naming this job's store) through `rendezvous`."""
+        # `torch.distributed.rendezvous` is also the name of a function there: import the module by its path
+        rdzv = importlib.import_module("torch.distributed.rendezvous")
+        handlers = getattr(rdzv, "_rendezvous_handlers", None)
+        if not isinstance(handlers, dict) or not all(s in handlers for s in HOOKED):
+            raise RuntimeConfigError("this torch version has no env:// rendezvous table to bind to the scheduler's "
+                                     "store; call toolkit.train.init() in the script instead")
+        originals = {scheme: handlers[scheme] for scheme in HOOKED}
+
+        def handler(url: str, timeout: timedelta = timedelta(seconds=DEFAULT_TIMEOUT), **kwargs: Any) -> Iterator:
+            parsed = urlparse(url)
+            if parsed.scheme == "tcp" and (parsed.hostname, parsed.port) != (self.cfg.store_host,
+                                                                             self.cfg.store_port):
+                return originals["tcp"](url, timeout=timeout, **kwargs)  # somewhere else: not the job's store
+            return self.rendezvous(timeout)
+
+        for scheme in HOOKED:
+            handlers[scheme] = handler
+
+    def rendezvous(self, timeout: timedelta) -> Iterator[tuple[Any, int, int]]:
+        if self.channel is not None:
+            raise RuntimeError("a second init_process_group() in one process: under toolkit a torchrun-style script "
+                               "forms its group once; a fault relaunches the process")
+        channel = _Channel(self.cfg, exit_on_new_generation=True)
+        self.channel = channel
+        deadline = time.monotonic() + self.cfg.topo_timeout
+        channel.join(deadline)
+        channel.start()
+        generation, prefix = channel.wait_formed(None, deadline + self.cfg.node_timeout)
+        with channel.cond:
+            channel.generation = generation
+            moved = channel.announced != generation
+        if moved:
+            _say(self.cfg.node_id, f"generation {generation} was abandoned before the script's group was built; "
+                                   f"exiting with code {EXIT_REJOIN} for the agent to relaunch it")
+            sys.stdout.flush()
+            os._exit(EXIT_REJOIN)
+        _say(self.cfg.node_id, f"the script's process group: generation {generation}, restart recovery (a fault "
+                               "relaunches every worker, which resume from their own checkpoints)")
+        notify_agent(self.cfg, {"node_id": self.cfg.node_id, "recovery": P.RECOVERY_RESTART})
+        store = dist.TCPStore(self.cfg.store_host, self.cfg.store_port, None, is_master=False, timeout=timeout,
+                              use_libuv=True)
+        yield dist.PrefixStore(prefix, store), self.cfg.rank, self.cfg.world_size
+        raise RuntimeError("env:// under toolkit does not re-rendezvous in place: the process is relaunched")
+
+    def end(self, code: int) -> None:
+        """The script returned: a clean finish is `done` (not a death) for the scheduler."""
+        if self.channel is None:
+            return
+        if code == 0:
+            self.channel.done()
+        else:
+            self.channel.close()
+
+
+def run_script(argv: Sequence[str], env: dict[str, str] | None = None) -> int:
+    """Run SCRIPT ARGS as `python SCRIPT ARGS` would, as a toolkit worker (see the module docstring); returns the
+    exit status."""
+    if not argv:
+        raise RuntimeConfigError("usage: python -m toolkit.train SCRIPT [ARGS...]: name the training script")
+    script = argv[0]
+    if not Path(script).is_file():
+        raise RuntimeConfigError(f"{script}: no such training script (relative to {Path.cwd()})")
+    cfg = WorkerEnv.from_env(os.environ if env is None else env)
+    session = ScriptSession(cfg) if cfg.mode == MODE_TOOLKIT else None
+    if session is not None:
+        session.install()
+    sys.argv = list(argv)  # the script reads its own arguments, as under `python SCRIPT ARGS`
+    sys.path[0] = str(Path(script).resolve().parent)  # and imports its neighbours, as under `python SCRIPT`
+    code = _run_path(script)
+    if session is not None:
+        session.end(code)
+    return code
+
+
+def _run_path(script: str) -> int:
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as e:
+        if e.code is None:
+            return 0
+        if isinstance(e.code, int):
+            return e.code
+        print(e.code, file=sys.stderr, flush=True)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    except BaseException:  # noqa: BLE001 - the script's own failure: show it as python would, exit non-zero
+        import traceback
+
+        traceback.print_exc()
+        return 1
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of `python -m toolkit.train` (a bad invocation is one line on stderr and exit code 2)."""
+    try:
+        return run_script(sys.argv[1:] if argv is None else argv)
+    except UserError as e:
+        print(f"toolkit.train: error: {e}", file=sys.stderr, flush=True)
+        return 2
