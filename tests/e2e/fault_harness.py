@@ -26,9 +26,9 @@ FLEET = str(Path(sys.executable).parent / "fleet")
 HOSTS, SLOTS = 3, 2
 POLL = 0.2  # s between looks at agent.json while waiting for a training state
 FINAL = re.compile(r"final parameters: (\S+) sha256 ([0-9a-f]{64})")
-# Small and quick, but long enough to hit mid-training: 1440 samples / 6 ranks / 16 = 15 steps per epoch. The
-# collective timeout (--timeout) bounds how long survivors can wait on each other in a broken collective.
-SCRIPT_ARGS = "--epochs 2 --batch-size 16 --ckpt-interval 4 --keep-max 3 --step-delay 0.25 --timeout 20"
+# Small and quick, but long enough to hit mid-training: 1440 samples / 6 ranks / 16 = 15 steps per epoch. The sample's
+# default collective timeout (120 s): survivors abandon a broken collective when the new generation is announced.
+SCRIPT_ARGS = "--epochs 2 --batch-size 16 --ckpt-interval 4 --keep-max 3 --step-delay 0.25"
 JOB_TIMEOUT = 240.0  # s for one job from deploy to its end, faults and recoveries included
 LEFTOVER_WAIT = 90.0  # s for every process of an ended job (or a killed agent's) to be gone, on a busy machine
 
