@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import re
 import shutil
 import signal
@@ -61,7 +62,7 @@ POLL = 0.01  # s between looks at the logs (no event says a line was appended); 
 RUN_BOUND = 300.0  # s for one whole run
 RECOVERY_BOUND = 90.0  # s for a recovery before it counts as hung
 SPARE_BOUND = 60.0  # s for the agent's warm spare to be ready
-STEP = re.compile(r"^epoch: \d+, step: (\d+), loss is")
+STEP = re.compile(r"^epoch:? \d+,? step:? (\d+),? loss")  # the sample's line, and examples/ddp's
 RESUMED = re.compile(r"^rank \d+: (?:resumed from step (\d+)|starting fresh)")
 FINAL = re.compile(r"^final parameters: \S+ sha256 ([0-9a-f]{64})$")
 
@@ -150,11 +151,31 @@ class Follower:
             return max((e.value for e in self.events.get(rank, []) if e.kind == "step"), default=0)
 
 
-def first_steps(events: dict[int, list[Event]]) -> float | None:
-    if sorted(events) != list(range(WORLD)):
+def first_steps(events: dict[int, list[Event]], world: int = WORLD) -> float | None:
+    if sorted(events) != list(range(world)):
         return None
-    firsts = [next((e.t for e in events[r] if e.kind == "step"), None) for r in range(WORLD)]
+    firsts = [next((e.t for e in events[r] if e.kind == "step"), None) for r in range(world)]
     return None if None in firsts else max(firsts)
+
+
+def recovered_after(run: Run, killed: float) -> Callable[[dict[int, list[Event]]], Any]:
+    """A predicate for Follower.wait: (seconds from `killed` until every rank printed, in its new timeline, a step
+    past the newest step any rank had printed in the old one; that newest step; the step resumed from), or a
+    string if the launcher gave up, or None while recovering."""
+    def recovered(events: dict[int, list[Event]]) -> tuple[float, int, int] | str | None:
+        if run.proc.poll() is not None:
+            return f"exited {run.proc.returncode} without recovering"
+        parts = {r: split_at_kill(events.get(r, []), killed) for r in range(run.world)}
+        if not all(new for _, new in parts.values()):
+            return None
+        reached = max((e.value for old, _ in parts.values() for e in old if e.kind == "step"), default=0)
+        past = [next((e.t for e in new if e.kind == "step" and e.value > reached), None)
+                for _, new in parts.values()]
+        if None in past:
+            return None
+        return max(past) - killed, reached, parts[0][1][0].value
+
+    return recovered
 
 
 def split_at_kill(events: list[Event], killed: float) -> tuple[list[Event], list[Event]]:
@@ -205,12 +226,15 @@ class Run:
 
 class TorchrunRun(Run):
     name = "torchrun"
+    script = EXAMPLES / "train.py"
+    world = WORLD
+    max_restarts = 3
 
     def start(self) -> float:
         t0 = time.monotonic()
-        argv = [TORCHRUN, "--nproc-per-node", str(WORLD), "--max-restarts", "3", "--rdzv-backend", "c10d",
-                "--rdzv-endpoint", f"127.0.0.1:{free_port_pair()}", "--log-dir", str(self.root / "logs"),
-                "--redirects", "3", str(EXAMPLES / "train.py"), *self.args]
+        argv = [TORCHRUN, "--nproc-per-node", str(self.world), "--max-restarts", str(self.max_restarts),
+                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port_pair()}", "--log-dir",
+                str(self.root / "logs"), "--redirects", "3", str(self.script), *self.args]
         with open(self.root / "torchrun.out", "wb") as out:
             self.proc = subprocess.Popen(argv, cwd=self.root, env={**base_env(), "CKPT_DIR": str(self.root / "ckpt")},
                                          stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True)
@@ -234,16 +258,21 @@ class TorchrunRun(Run):
 
 class ToolkitRun(Run):
     name = "toolkit"
+    script = EXAMPLES / "train.py"
+    world = WORLD
+    options: dict[str, Any] = {}
 
     def start(self) -> float:
         t0 = time.monotonic()
-        self.job = LocalJob(self.root, WORLD, self.args, job="cmp")  # fleet's defaults, as `fleet deploy` plans
+        # fleet's defaults, as `fleet deploy` plans (the script in its project directory)
+        self.job = LocalJob(self.root, self.world, self.args, job="cmp", project=self.script.parent,
+                            script=self.script.name, **self.options)
         self.proc = self.job.start(base_env())
         self.follower.start()
         return t0
 
     def log_files(self) -> list[tuple[int, Path]]:
-        return [(r, self.job.dir / "logs" / f"worker_{r}.log") for r in range(WORLD)]
+        return [(r, self.job.dir / "logs" / f"worker_{r}.log") for r in range(self.world)]
 
     def pid_of(self, rank: int) -> int:
         return self.job.procs()[f"worker_{rank}"]["pid"]
@@ -271,22 +300,8 @@ def fault_run(run: Run) -> dict[str, Any]:
         pid = run.pid_of(VICTIM)
         killed = time.monotonic()
         os.kill(pid, signal.SIGKILL)
-
-        def recovered(events: dict[int, list[Event]]) -> tuple[float, int, int] | str | None:
-            if run.proc.poll() is not None:
-                return f"exited {run.proc.returncode} without recovering"
-            parts = {r: split_at_kill(events.get(r, []), killed) for r in range(WORLD)}
-            if not all(new for _, new in parts.values()):
-                return None
-            reached = max((e.value for old, _ in parts.values() for e in old if e.kind == "step"), default=0)
-            past = [next((e.t for e in new if e.kind == "step" and e.value > reached), None)
-                    for _, new in parts.values()]
-            if None in past:
-                return None
-            return max(past) - killed, reached, parts[0][1][0].value
-
         try:
-            outcome = f.wait("recovery", recovered, RECOVERY_BOUND)
+            outcome = f.wait("recovery", recovered_after(run, killed), RECOVERY_BOUND)
         except TimeoutError:
             outcome = f"no recovery within {RECOVERY_BOUND:g} s"
         if isinstance(outcome, str):
@@ -300,6 +315,100 @@ def fault_run(run: Run) -> dict[str, Any]:
     finally:
         f.stop()
         run.kill_all()
+
+
+def random_kills_run(run: Run, kills: int, rng: random.Random, step_time: float) -> list[dict[str, Any]]:
+    """`kills` kills in one run, each of a random rank at a uniformly random moment of about two steps, once every
+    rank has trained two steps past the previous recovery (and, under toolkit, the warm spare is ready: a job
+    that has been running a while). One row per kill: recovery, lost, or why it failed."""
+    f = run.follower
+    run.start()
+    rows: list[dict[str, Any]] = []
+    try:
+        f.wait("first step of every rank", lambda ev: first_steps(ev, run.world), RUN_BOUND)
+        for _ in range(kills):
+            run.ready_to_kill()
+            base = {r: f.last_step(r) for r in range(run.world)}
+            f.wait("every rank training", lambda _: all(f.last_step(r) >= base[r] + 2 for r in range(run.world)),
+                   RUN_BOUND)
+            time.sleep(rng.uniform(0.0, 2 * step_time))
+            victim = rng.randrange(run.world)
+            pid = run.pid_of(victim)
+            killed = time.monotonic()
+            os.kill(pid, signal.SIGKILL)
+            try:
+                outcome = f.wait("recovery", recovered_after(run, killed), RECOVERY_BOUND)
+            except TimeoutError:
+                outcome = f"no recovery within {RECOVERY_BOUND:g} s"
+            if isinstance(outcome, str):
+                rows.append({"victim": victim, "failed": outcome})
+                break
+            mttr, reached, resumed = outcome
+            rows.append({"victim": victim, "recovery": mttr, "lost": reached - resumed, "reached": reached})
+        return rows
+    finally:
+        f.stop()
+        run.kill_all()
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+
+
+def random_kills(args: argparse.Namespace, base: Path) -> int:
+    """Random-moment kills: the sample on 3 workers under both launchers, and examples/ddp's plain script (as it is)
+    under both and its port under toolkit."""
+    rng = random.Random(args.seed)
+    step_time = 0.07  # s per step with --step-delay 0.05 on 3 workers here
+    long_run = ["--epochs", "400", "--ckpt-interval", str(INTERVAL), "--step-delay", "0.05"]
+    plain = ["--epochs", "400", "--ckpt-every", str(INTERVAL), "--step-delay", "0.05", "--workers", "0"]
+    ddp = EXAMPLES / "ddp"
+    cases = [
+        ("sample", "toolkit", _launcher(ToolkitRun, EXAMPLES / "train.py", 3), long_run),
+        ("sample", "torchrun", _launcher(TorchrunRun, EXAMPLES / "train.py", 3), long_run),
+        ("plain script", "toolkit", _launcher(ToolkitRun, ddp / "plain.py", 3), plain),
+        ("plain script", "torchrun", _launcher(TorchrunRun, ddp / "plain.py", 3), plain),
+        ("ported script", "toolkit", _launcher(ToolkitRun, ddp / "ported.py", 3), plain),
+    ]
+    rows: dict[tuple[str, str], list[dict[str, Any]]] = {(c, n): [] for c, n, _, _ in cases}
+    per_run = args.kills_per_run
+    i = 0
+    while any(len(v) < args.random_kills for v in rows.values()):
+        for case, name, cls, run_args in cases:
+            if len(rows[(case, name)]) >= args.random_kills:
+                continue
+            root = base / f"{name}-{case.replace(' ', '-')}-{i}"
+            root.mkdir()
+            got = random_kills_run(cls(root, run_args), min(per_run, args.random_kills - len(rows[(case, name)])),
+                                   rng, step_time)
+            rows[(case, name)] += got
+            ok = [r for r in got if "recovery" in r]
+            print(f"{case:14} {name:8} run {i}: {len(ok)} kill(s) recovered, MTTR "
+                  f"{[round(r['recovery'], 2) for r in ok]}, lost {[r['lost'] for r in ok]}"
+                  + (f"; {got[-1]['failed']}" if got and "failed" in got[-1] else ""), flush=True)
+        i += 1
+    print(f"\nrandom-moment kills, 3 workers: MTTR over the kills recovered from, lost steps")
+    print(f"{'script':<16}{'launcher':<10}{'kills':>6}{'p50':>9}{'p95':>9}{'max':>9}{'lost p50':>10}{'lost max':>10}"
+          f"{'failed':>8}")
+    for (case, name), got in rows.items():
+        ok = [r for r in got if "recovery" in r]
+        times = [r["recovery"] for r in ok]
+        lost = [r["lost"] for r in ok]
+        if not times:
+            print(f"{case:<16}{name:<10}{len(got):>6}{'-':>9}{'-':>9}{'-':>9}{'-':>10}{'-':>10}{len(got):>8}")
+            continue
+        print(f"{case:<16}{name:<10}{len(got):>6}{percentile(times, 0.5):>8.2f}s{percentile(times, 0.95):>8.2f}s"
+              f"{max(times):>8.2f}s{percentile(lost, 0.5):>10.0f}{max(lost):>10}{len(got) - len(ok):>8}")
+    if args.json:
+        args.json.write_text(json.dumps({f"{c}/{n}": v for (c, n), v in rows.items()}, indent=1))
+    return 0
+
+
+def _launcher(cls: type[Run], script: Path, world: int) -> type[Run]:
+    """A Run class for `script` on `world` workers (torchrun may restart as often as it is killed here)."""
+    return type(f"{cls.__name__}_{script.stem}", (cls,), {"script": script, "world": world, "max_restarts": 100,
+                                                          "options": {"max_restarts": 100}})
 
 
 def steady_run(run: Run) -> dict[str, Any]:
@@ -329,7 +438,18 @@ def main() -> int:
     ap.add_argument("--steady-epochs", type=int, default=120, help="epochs of the fault-free run (23 steps each)")
     ap.add_argument("--json", type=Path, default=None, help="write every run's figures here")
     ap.add_argument("--keep", action="store_true", help="keep the run directories (logs) for inspection")
+    ap.add_argument("--random-kills", type=int, default=0, metavar="N",
+                    help="instead: N kills at random moments per script and launcher (3 workers)")
+    ap.add_argument("--kills-per-run", type=int, default=10, help="with --random-kills: kills in one run")
+    ap.add_argument("--seed", type=int, default=None, help="with --random-kills: the victims' and moments' seed")
     args = ap.parse_args()
+    if args.random_kills:
+        base = Path(tempfile.mkdtemp(prefix="cmp-", dir="/tmp"))
+        try:
+            return random_kills(args, base)
+        finally:
+            if not args.keep:
+                shutil.rmtree(base, ignore_errors=True)
     steady_args = ["--epochs", str(args.steady_epochs), "--ckpt-interval", str(INTERVAL), "--step-delay", "0",
                    "--timeout", "60"]
     base = Path(tempfile.mkdtemp(prefix="cmp-", dir="/tmp"))  # short: unix socket paths are limited to 107 bytes

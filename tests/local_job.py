@@ -37,11 +37,12 @@ class LocalJob:
     """`options` are JobOptions fields (node_timeout, grace, warm_spare, ckpt_dir, ...); the rest are fleet's
     defaults."""
 
-    def __init__(self, root: Path, workers: int, args: list[str], job: str = "local", **options: Any) -> None:
+    def __init__(self, root: Path, workers: int, args: list[str], job: str = "local", project: Path = EXAMPLES,
+                 script: str = "train.py", **options: Any) -> None:
         self.workers = workers
-        job_options = JobOptions(job=job, script="train.py", script_args=" ".join(args), master_port=free_port_pair(),
+        job_options = JobOptions(job=job, script=script, script_args=" ".join(args), master_port=free_port_pair(),
                                  workdir=str(root), python=sys.executable, **options)
-        plan = make_plan(local_inventory(workers), job_options, str(EXAMPLES))
+        plan = make_plan(local_inventory(workers), job_options, str(project))
         (host,) = plan.hosts
         self.dir = Path(host.job_dir)
         write_files(render_host(plan, host, secrets.token_hex(16)), self.dir)
