@@ -64,8 +64,8 @@ for _ in range(repeats):
     size = int(n)
     for k, v in (("serialize", t1 - t0), ("broadcast", t2 - t1), ("load", t3 - t2), ("total", t3 - t0)):
         times[k].append(v)
-if rank == 1:
-    print(json.dumps({"bytes": size, **{k: statistics.median(v) for k, v in times.items()}}), flush=True)
+if rank in (0, 1):  # the source serialises, a receiver loads
+    print(json.dumps({"rank": rank, "bytes": size, **{k: statistics.median(v) for k, v in times.items()}}), flush=True)
 dist.destroy_process_group()
 """
 
@@ -78,7 +78,9 @@ def measure(world: int, mb: float, repeats: int) -> dict[str, float]:
     out = [p.communicate(timeout=600)[0] for p in procs]
     if any(p.returncode for p in procs):
         raise SystemExit(f"a worker failed: {[p.returncode for p in procs]}")
-    return json.loads(next(o for o in out if o.strip()))
+    source, receiver = (json.loads(o) for o in out[:2])
+    return {**receiver, "serialize": source["serialize"],
+            "total": source["serialize"] + receiver["broadcast"] + receiver["load"]}
 
 
 def main() -> int:

@@ -262,6 +262,13 @@ def test_max_restarts_then_give_up_and_healthy_run_refills_the_budget():
     assert A.RestartPolicy(max_restarts=0).after_failure(0, 1.0).give_up
 
 
+def test_a_process_that_trained_before_it_died_is_relaunched_at_once_but_still_counted():
+    policy = A.RestartPolicy(max_restarts=3, backoff_base=1.0, backoff_max=30.0, healthy_reset=300.0)
+    assert policy.after_failure(2, ran_for=5.0, progressed=True) == A.RestartDecision(False, 0.0, 3)
+    assert policy.after_failure(2, ran_for=5.0, progressed=False) == A.RestartDecision(False, 2.0, 3)
+    assert policy.after_failure(3, ran_for=5.0, progressed=True).give_up
+
+
 @given(st.integers(0, 200), st.floats(0, 100), st.floats(0, 1000))
 def test_backoff_is_monotonic_and_bounded(counted, base, cap):
     policy = A.RestartPolicy(max_restarts=1000, backoff_base=base, backoff_max=cap)

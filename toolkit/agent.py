@@ -8,7 +8,9 @@ socket, the progress socket, the scheduler link, signals (through the wakeup fd)
 
 Restart policy, per process (`max_restarts`, default 3; `backoff_base`, `backoff_max`, `healthy_reset`):
 the first restart is immediate (time to recovery matters), the next ones wait backoff_base * 2^(k-1) seconds,
-capped at backoff_max; a process that ran healthy_reset seconds before dying starts its count again. Past
+capped at backoff_max, unless the process had trained since its launch (reported a step or joined its group: a
+crash loop never does), which restarts at once; a process that ran healthy_reset seconds before dying starts its
+count again. Past
 max_restarts the job fails: the agent reports `gave_up` with the exit status and the last lines of the log,
 stops every local child and exits non-zero (the scheduler stops the other hosts). Compared with torchrun:
 torchrun's --max-restarts (0 by default on its command line, 3 in its LaunchConfig) is one budget for the whole
@@ -120,12 +122,16 @@ class RestartPolicy:
             return 0.0
         return min(self.backoff_base * 2.0 ** min(counted - 1, 62), self.backoff_max)
 
-    def after_failure(self, counted: int, ran_for: float) -> RestartDecision:
+    def after_failure(self, counted: int, ran_for: float, progressed: bool = False) -> RestartDecision:
+        """What to do after a failed exit, `counted` restarts already counted. Every failure counts against
+        max_restarts (a run of healthy_reset seconds refills the budget). The backoff is for crash loops, which
+        never get to train: a process that had made progress (reported a step, or joined its group) since its
+        launch is relaunched at once, however many faults came before."""
         if ran_for >= self.healthy_reset:
             counted = 0
         if counted >= self.max_restarts:
             return RestartDecision(True, 0.0, counted)
-        return RestartDecision(False, self.backoff(counted), counted + 1)
+        return RestartDecision(False, 0.0 if progressed else self.backoff(counted), counted + 1)
 
 
 @dataclass(frozen=True)
@@ -912,7 +918,7 @@ class Agent:
             self.log(node, f"pid {pid} {status.describe()} (told to by the scheduler); relaunching now")
             self._launch(slot, f"relaunch after {status.describe()}")
             return
-        decision = self.spec.policy.after_failure(slot.counted, ran)
+        decision = self.spec.policy.after_failure(slot.counted, ran, slot.progressed)
         if decision.give_up:
             self._give_up(slot, pid, status, ran)
             return
@@ -1199,9 +1205,11 @@ class Agent:
             except (ValueError, KeyError, TypeError, RecursionError):
                 continue
             recovery = msg.get("recovery")
-            if recovery in (P.RECOVERY_IN_PLACE, P.RECOVERY_RESTART) and recovery != slot.recovery:
-                slot.recovery = recovery
-                self.progress_dirty = True
+            if recovery in (P.RECOVERY_IN_PLACE, P.RECOVERY_RESTART):
+                slot.progressed = True  # it got as far as its process group: not a crash loop
+                if recovery != slot.recovery:
+                    slot.recovery = recovery
+                    self.progress_dirty = True
             step = msg.get("step")
             if not isinstance(step, int) or isinstance(step, bool):
                 continue
