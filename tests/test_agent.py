@@ -71,7 +71,8 @@ class Events:
 
 
 class FakeScheduler:
-    """Accepts agent connections on 127.0.0.1 and records their messages; can send kill/stop/finished."""
+    """Accepts agent connections on 127.0.0.1, answers their hello as the scheduler does (challenge, proof) and
+    records their messages (a hello gets "proven": whether it proved the token); can send kill/stop/finished."""
 
     def __init__(self, port: int = 0) -> None:
         self.srv = socket.create_server(("127.0.0.1", port), reuse_port=False)
@@ -93,6 +94,11 @@ class FakeScheduler:
 
     def _read(self, conn: socket.socket) -> None:
         lines = P.LineBuffer()
+        nonce = P.new_nonce()
+        try:
+            conn.sendall(P.encode(P.CHALLENGE, nonce=nonce))
+        except OSError:
+            return
         while True:
             try:
                 data = conn.recv(65536)
@@ -102,6 +108,9 @@ class FakeScheduler:
                 self.messages.put({"op": "<eof>"})
                 return
             for msg in lines.feed(data):
+                if msg["op"] == P.AGENT_HELLO:
+                    msg["proven"] = P.check_client(TOKEN, nonce, msg)
+                    conn.sendall(P.encode(P.WELCOME, proof=P.server_proof(TOKEN, nonce, msg["nonce"])))
                 self.messages.put(msg)
 
     def next(self, op: str, timeout: float = EVENT_WAIT) -> dict:
@@ -319,7 +328,7 @@ def test_kill_9_worker_is_relaunched_with_same_env_and_rank_and_job_completes(ma
     agent = job.run_agent()
     first = job.events.started(2)
     hello = sched.next(P.AGENT_HELLO)
-    assert hello["token"] == TOKEN and hello["host"] == "hostA" and hello["node_ids"] == ["worker_0", "worker_1"]
+    assert hello["proven"] is True and hello["host"] == "hostA" and hello["node_ids"] == ["worker_0", "worker_1"]
     victim = first["worker_0"]
     os.kill(victim["pid"], signal.SIGKILL)
     again = job.events.next()
@@ -553,7 +562,8 @@ def test_supervision_goes_on_without_a_scheduler_and_reports_wait_coalesced(make
     assert doc["scheduler"]["link"] != "up"
     late = FakeScheduler(port)  # the scheduler comes (back) up
     try:
-        assert late.next(P.AGENT_HELLO, timeout=EVENT_WAIT)["token"] == TOKEN
+        hello = late.next(P.AGENT_HELLO, timeout=EVENT_WAIT)
+        assert hello["proven"] is True and "token" not in hello  # the token itself never travels
         got = [late.next(P.EXITED)]
         # one report per node, the latest: worker_0 exited 0 last
         assert got[0]["node_id"] == "worker_0" and got[0]["pid"] == third["pid"] and got[0]["code"] == 0

@@ -60,3 +60,54 @@ def test_agent_contract_names_are_kept() -> None:
     assert (P.AGENT_HELLO, P.EXITED, P.GAVE_UP, P.KILL, P.STOP, P.FINISHED) == (
         "agent_hello", "exited", "gave_up", "kill", "stop", "finished")
     assert P.worker_node_id(3) == "worker_3"
+
+
+# --- hostile input ----------------------------------------------------------------------------------------------
+
+
+@given(st.binary(max_size=2048))
+def test_any_bytes_are_messages_or_one_protocol_error(data: bytes) -> None:
+    try:
+        for msg in P.LineBuffer().feed(data + b"\n"):
+            assert isinstance(msg, dict) and isinstance(msg["op"], str)
+    except P.ProtocolError:
+        pass
+
+
+@pytest.mark.parametrize("line", [
+    b'{"op": "register", "rank": ' + b"9" * 5000 + b"}",  # past Python's int-digit limit (ValueError)
+    b"[" * 200_000,  # past the recursion limit (RecursionError)
+    b'{"op": "register", "x": ' + b"[" * 50_000 + b"]" * 50_000 + b"}",
+    b'{"op": "register", "rank": 1e999999}',  # an infinite number
+    b'{"op": "register", "rank": NaN}',
+])
+def test_lines_that_broke_the_scheduler_are_protocol_errors(line: bytes) -> None:
+    with pytest.raises(P.ProtocolError):
+        P.decode(line)
+
+
+def test_a_line_over_the_limit_is_refused_even_with_its_newline() -> None:
+    buf = P.LineBuffer(limit=100)
+    with pytest.raises(P.ProtocolError, match="longer than 100"):
+        buf.feed(b"x" * 101 + b"\n")
+
+
+def test_the_handshake_proves_the_token_both_ways_and_never_carries_it() -> None:
+    server_nonce = P.new_nonce()
+    hello, client_nonce = P.hello(P.REGISTER, "the-token", server_nonce, node_id="worker_1", rank=1)
+    msg = P.decode(hello.strip())
+    assert b"the-token" not in hello and "token" not in msg
+    assert P.check_client("the-token", server_nonce, msg)
+    assert not P.check_client("another-token", server_nonce, msg)
+    assert not P.check_client("the-token", P.new_nonce(), msg)  # replayed on another connection
+    assert not P.check_client("the-token", server_nonce, {**msg, "node_id": "worker_0"})  # claims someone else
+    assert not P.check_client("the-token", server_nonce, {**msg, "token": "the-token"})  # the plain form
+    answer = {"op": P.WELCOME, "proof": P.server_proof("the-token", server_nonce, client_nonce)}
+    assert P.check_server("the-token", server_nonce, client_nonce, answer)
+    assert not P.check_server("another-token", server_nonce, client_nonce, answer)
+    assert not P.check_server("the-token", server_nonce, client_nonce, {"op": P.WELCOME})
+
+
+def test_fields_of_the_wrong_type_are_not_numbers() -> None:
+    assert P.whole({"rank": True}, "rank") is None and P.whole({"rank": "1"}, "rank") is None
+    assert P.whole({"rank": 3}, "rank") == 3 and P.whole({}, "rank", 7) == 7

@@ -55,6 +55,7 @@ from toolkit import protocol as P
 from toolkit import standby
 from toolkit.errors import UserError
 from toolkit.procs import Child, ExitStatus, LaunchSpec
+from toolkit.session import Unproven, open_session
 
 # Named intervals and bounds.
 LINK_RETRY_INTERVAL = 1.0  # s between attempts to reach the scheduler while it is down
@@ -71,6 +72,7 @@ STOP_MARGIN = 10.0  # s beyond the grace period that `stop` waits for the agent 
 LOG_TAIL_LINES = 20
 QUEUE_LIMIT = 1000  # reports held for the scheduler while it is unreachable
 MAX_CONTROL_LINE = 64 << 10
+GAVE_UP_TAIL_BYTES = 8 << 10  # of the log tail sent with gave_up (a message is at most protocol.MAX_LINE)
 EXIT_HISTORY = 10
 
 EXIT_OK = 0
@@ -443,7 +445,10 @@ class Spare:
 class SchedulerLink:
     """The agent's one connection to the scheduler, driven by the agent's selector. Never blocks the loop: a
     down scheduler means reports wait in a queue (an `exited` per node coalesced to the latest) and a reconnect
-    is tried every LINK_RETRY_INTERVAL."""
+    is tried every LINK_RETRY_INTERVAL.
+
+    States: down -> connecting (TCP) -> hello (the server's challenge answered, its proof awaited) -> up. Nothing
+    the scheduler says is acted on, and no report is sent, before it proved the job token (toolkit.protocol)."""
 
     def __init__(self, spec: HostSpec, sel: selectors.BaseSelector, timers: Timers, log: AgentLog,
                  on_message: Callable[[dict[str, Any]], None], on_change: Callable[[], None]) -> None:
@@ -457,6 +462,8 @@ class SchedulerLink:
         self.lines = P.LineBuffer()
         self.retry: Timer | None = None
         self.connect_timer: Timer | None = None
+        self.nonces: tuple[str, str] | None = None  # (server's, ours) while the hello is unanswered
+        self.token = ""  # read from the token file at each connection (a re-deploy may have replaced it)
         self.closed = False
         self._said_down = False
 
@@ -496,6 +503,8 @@ class SchedulerLink:
             self._down(os.strerror(err))
             return
         self.sock = sock
+        self.lines = P.LineBuffer()
+        self.nonces = None
         self._set("connecting")
         self.sel.register(sock, selectors.EVENT_WRITE, self._on_event)
         self.connect_timer = self.timers.after(LINK_CONNECT_TIMEOUT, lambda: self._drop("connect timed out"))
@@ -503,12 +512,13 @@ class SchedulerLink:
     def _on_event(self, mask: int) -> None:
         if self.sock is None:
             return
-        if self.state == "connecting":
+        if self.state == "connecting" and mask & selectors.EVENT_WRITE and self.nonces is None:
             err = self.sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
             if err:
                 self._drop(os.strerror(err))
                 return
-            self._connected()
+            self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self.sel.modify(self.sock, selectors.EVENT_READ, self._on_event)  # the challenge comes first
             return
         if mask & selectors.EVENT_READ:
             try:
@@ -524,41 +534,60 @@ class SchedulerLink:
             if data:
                 try:
                     messages = self.lines.feed(data)
+                    for msg in messages:
+                        if not self._handle(msg) or self.sock is None:
+                            return
                 except P.ProtocolError as e:
                     self._drop(f"bad message from the scheduler: {e}")
                     return
-                for msg in messages:
-                    if msg["op"] == P.REJECT:
-                        self.log("agent", f"the scheduler rejected this agent: {msg.get('reason')}")
-                        self._drop("rejected", LINK_REJECTED_RETRY)
-                        return
-                    self.on_message(msg)
-                    if self.sock is None:
-                        return
         if mask & selectors.EVENT_WRITE and self.sock is not None:
             self._pump()
 
-    def _connected(self) -> None:
-        if self.connect_timer:
-            self.connect_timer.cancel()
-        try:
-            token = self.spec.token_file.read_text(encoding="utf-8").strip()
-        except OSError as e:
-            self._drop(f"cannot read the job token {self.spec.token_file}: {e}")
-            return
-        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self.lines = P.LineBuffer()
-        self.wbuf = bytearray(P.encode(P.AGENT_HELLO, token=token, host=self.spec.host,
-                                       node_ids=[p.node_id for p in self.spec.processes]))
-        self._set("up")
-        self._said_down = False
-        self.log("agent", f"connected to the scheduler at {self.spec.sched_host}:{self.spec.sched_port}")
-        self._pump()
+    def _handle(self, msg: dict[str, Any]) -> bool:
+        """One message; False once the link was dropped."""
+        if self.state == "connecting":
+            server_nonce = P.challenge_nonce(msg)
+            try:
+                token = self.spec.token_file.read_text(encoding="utf-8").strip()
+            except OSError as e:
+                self._drop(f"cannot read the job token {self.spec.token_file}: {e}")
+                return False
+            hello, nonce = P.hello(P.AGENT_HELLO, token, server_nonce, host=self.spec.host,
+                                   node_ids=[p.node_id for p in self.spec.processes])
+            self.nonces = (server_nonce, nonce)
+            self.token = token
+            self.wbuf = bytearray(hello)
+            self._set("hello")
+            self._pump()
+            return self.sock is not None
+        if self.state == "hello":
+            assert self.nonces is not None
+            if not P.check_server(self.token, *self.nonces, msg):
+                reason = str(msg.get("reason"))[:300] if msg.get("op") == P.REJECT else f"{msg['op'][:40]} unproven"
+                self.log("agent", f"the scheduler's answer did not prove the job token ({reason}): a wrong token "
+                                  "here, or not this job's scheduler")
+                self._drop("unproven answer", LINK_REJECTED_RETRY)
+                return False
+            if msg["op"] == P.REJECT:
+                self.log("agent", f"the scheduler rejected this agent: {str(msg.get('reason'))[:300]}")
+                self._drop("rejected", LINK_REJECTED_RETRY)
+                return False
+            if self.connect_timer:
+                self.connect_timer.cancel()
+            self.nonces = None
+            self._set("up")
+            self._said_down = False
+            self.log("agent", f"connected to the scheduler at {self.spec.sched_host}:{self.spec.sched_port}")
+            self._pump()
+            return self.sock is not None
+        self.on_message(msg)
+        return True
 
     def _pump(self) -> None:
-        for _, msg in self.queue:
-            self.wbuf += msg
-        self.queue.clear()
+        if self.state == "up":
+            for _, msg in self.queue:
+                self.wbuf += msg
+            self.queue.clear()
         while self.wbuf:
             try:
                 n = self.sock.send(self.wbuf)
@@ -578,6 +607,7 @@ class SchedulerLink:
             self.sock.close()
             self.sock = None
         self.wbuf.clear()
+        self.nonces = None
         self._down(why, retry)
 
     def _down(self, why: str, retry: float = LINK_RETRY_INTERVAL) -> None:
@@ -596,7 +626,7 @@ class SchedulerLink:
         self.closed = True
         if self.retry:
             self.retry.cancel()
-        if not self.queue and not self.wbuf:
+        if not self.queue and not (self.state == "up" and self.wbuf):
             return True
         deadline = time.monotonic() + timeout
         if self.state != "up":
@@ -606,11 +636,16 @@ class SchedulerLink:
                 self.sock = None
             try:
                 token = self.spec.token_file.read_text(encoding="utf-8").strip()
-                self.sock = socket.create_connection((self.spec.sched_host, self.spec.sched_port), timeout=timeout)
-            except OSError:
+                fields = {"host": self.spec.host, "node_ids": [p.node_id for p in self.spec.processes]}
+                session = open_session((self.spec.sched_host, self.spec.sched_port), token, P.AGENT_HELLO, fields,
+                                       timeout, min(timeout, LINK_CONNECT_TIMEOUT))
+            except (OSError, P.ProtocolError, Unproven):
                 return False
-            self.wbuf = bytearray(P.encode(P.AGENT_HELLO, token=token, host=self.spec.host,
-                                           node_ids=[p.node_id for p in self.spec.processes]))
+            if session.reply.get("op") != P.WELCOME:
+                session.sock.close()
+                return False
+            self.sock = session.sock
+            self.wbuf = bytearray()
         else:
             self.sel.unregister(self.sock)
         for _, msg in self.queue:
@@ -954,7 +989,7 @@ class Agent:
         for line in tail:
             self.log(spec.node_id, f"| {line}")
         self.link.report(P.GAVE_UP, node_id=spec.node_id, code=status.code, signal=status.signal_name,
-                         log_tail="\n".join(tail))
+                         log_tail="\n".join(tail)[-GAVE_UP_TAIL_BYTES:])
         self._finish("failed", EXIT_FAILED, reason)
 
     # -- warm spare

@@ -1,14 +1,26 @@
-"""The scheduler's wire contract, shared by the scheduler, the worker runtime and the agent.
+"""The scheduler's wire contract, shared by the scheduler, the worker runtime, the agent and the store client.
 
-Both sides import the names from here so they cannot drift apart. Framing: one JSON object per line, UTF-8,
-over TCP to MS_SCHED_HOST:MS_SCHED_PORT. Every message has an "op".
+Both sides import the names from here so they cannot drift apart. Framing: one JSON object per line, UTF-8, over
+TCP to MS_SCHED_HOST:MS_SCHED_PORT (the control server) or MASTER_PORT (the job's store). Every message has an
+"op". Every peer treats what it reads as hostile: a line is bounded (`LineBuffer`), and `decode` turns anything
+that is not a message (bad UTF-8, bad JSON, numbers past Python's digit limit, nesting past the recursion limit,
+a JSON value that is not an object with an "op") into one ProtocolError.
+
+Authentication (both ports): the job token never crosses the network. On connect the server sends
+`challenge {nonce}`; the client's first message carries its own `nonce` and `proof` = HMAC-SHA256(token, "client",
+server nonce, client nonce, the op, who it claims to be); the server's answer carries `proof` = HMAC(token,
+"server", both nonces), which the client checks before it believes anything the server says (a process that took
+the scheduler's port while the scheduler restarted learns nothing and can order nothing). A first message with a
+plain `token` field, or none of these, is refused.
 
 Worker conversation (one connection per worker process, kept for its whole life; its EOF is a death signal):
 
-    worker -> register {token, node_id, rank, world_size, incarnation, pid, host, generation, rejoin, recovery}
-    sched  -> welcome {rank, world_size, generation, job}     or reject {reason, retry} / fenced {reason}, then close
+    sched  -> challenge {nonce}
+    worker -> register {nonce, proof, node_id, rank, world_size, incarnation, pid, host, generation, rejoin,
+                        recovery}
+    sched  -> welcome {proof, rank, world_size, generation, job}   or reject {reason, retry} / fenced {reason}
     sched  -> formed {generation, prefix}   every rank of `generation` is registered: build the process group over
-                                            PrefixStore(prefix, store)
+                                            PrefixStore(prefix, the job's store)
     worker -> heartbeat {step}              every TOOLKIT_HEARTBEAT_INTERVAL; any message counts as one
     sched  -> generation {generation}       a member died: leave the current process group, wait for `formed`
     worker -> commit {step}                 this rank committed a checkpoint of `step`
@@ -18,6 +30,13 @@ Worker conversation (one connection per worker process, kept for its whole life;
     worker -> done {}                       clean finish; the EOF that follows is not a death
     sched  -> stop {reason}                 the job failed; stop training
     sched  -> fenced {reason}               this incarnation was declared dead: exit at once, never write again
+
+Agent conversation: `agent_hello {nonce, proof, host, node_ids}` answered by `welcome {proof}`; then the agent
+reports `exited` and `gave_up`, the scheduler sends `kill`, `stop` and `finished` (docs/architecture.md).
+
+Store conversation (MASTER_PORT): `store_hello {nonce, proof, node_id}` answered by `welcome {proof}`; then
+`kv {id, cmd, ...}` requests, each answered by `kv_reply {id, ok, ...}` (toolkit/scheduler/kvstore.py has the
+commands); keys and values travel base64-encoded.
 
 `recovery` says how the worker recovers from a peer's death: "in-place" (it called toolkit.train.init(): it re-forms
 the group and goes on) or "restart" (a torchrun-style script under `python -m toolkit.train`: it exits and its
@@ -29,11 +48,21 @@ known dead) from the old process coming back after SIGCONT or a healed partition
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
+import math
+import secrets
 from typing import Any
 
-MAX_LINE = 1 << 20
+MAX_LINE = 64 << 10  # bytes of one control message (the longest, gave_up, carries a bounded log tail)
+MAX_STORE_LINE = 512 << 10  # bytes of one store message (a value of up to MAX_STORE_VALUE, base64)
+MAX_STORE_VALUE = 256 << 10
+MAX_PREAUTH_LINE = 4 << 10  # bytes of a first message: hellos are small
+NONCE_BYTES = 16
 
+# both ways, before anything else
+CHALLENGE = "challenge"
 # agent -> scheduler
 AGENT_HELLO = "agent_hello"
 EXITED = "exited"
@@ -55,6 +84,12 @@ REJECT = "reject"
 FENCED = "fenced"
 GENERATION = "generation"
 FORMED = "formed"
+# store client <-> scheduler
+STORE_HELLO = "store_hello"
+KV = "kv"
+KV_REPLY = "kv_reply"
+
+HELLOS = (REGISTER, AGENT_HELLO, STORE_HELLO)  # the first message of a connection, authenticated
 
 # How a worker recovers from a peer's death (the `recovery` field of `register`).
 RECOVERY_IN_PLACE = "in-place"
@@ -76,26 +111,36 @@ def encode(op: str, **fields: Any) -> bytes:
 
 
 def decode(line: bytes) -> dict[str, Any]:
-    if len(line) > MAX_LINE:
-        raise ProtocolError(f"message of {len(line)} bytes exceeds {MAX_LINE}")
+    """One message from one line; any other input is a ProtocolError, never another exception."""
     try:
-        msg = json.loads(line)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ProtocolError(f"not a JSON line: {e}") from None
+        msg = json.loads(line, parse_constant=_no_constant, parse_float=_finite)
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:  # ValueError: bad JSON, too many digits
+        raise ProtocolError(f"not a JSON line: {type(e).__name__}: {str(e)[:100]}") from None
     if not isinstance(msg, dict) or not isinstance(msg.get("op"), str):
         raise ProtocolError("message without an 'op'")
     return msg
 
 
+def _no_constant(name: str) -> float:
+    raise ValueError(f"{name} is not a number of this protocol")
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text[:20]} is not a finite number")
+    return value
+
+
 class LineBuffer:
     """Reassembles messages from the arbitrary chunks a non-blocking socket returns.
 
-    A peer that sends a line longer than MAX_LINE without a newline is cut off instead of growing the buffer
-    without bound (a stuck or hostile client must not exhaust the scheduler's memory).
-    """
+    A peer that sends a line longer than `limit` (with or without its newline) is cut off instead of growing the
+    buffer without bound: a stuck or hostile client must not exhaust the receiver's memory."""
 
-    def __init__(self) -> None:
+    def __init__(self, limit: int = MAX_LINE) -> None:
         self._buf = bytearray()
+        self.limit = limit
 
     def feed(self, data: bytes) -> list[dict[str, Any]]:
         self._buf += data
@@ -104,23 +149,99 @@ class LineBuffer:
             end = self._buf.find(b"\n")
             if end < 0:
                 break
+            if end > self.limit:
+                raise ProtocolError(f"line longer than {self.limit} bytes")
             line = bytes(self._buf[:end])
             del self._buf[: end + 1]
             if line.strip():
                 messages.append(decode(line))
-        if len(self._buf) > MAX_LINE:
-            raise ProtocolError(f"line longer than {MAX_LINE} bytes")
+        if len(self._buf) > self.limit:
+            raise ProtocolError(f"line longer than {self.limit} bytes")
         return messages
 
 
+# --- authentication ------------------------------------------------------------------------------------------
+
+
+def new_nonce() -> str:
+    return secrets.token_hex(NONCE_BYTES)
+
+
+def proof(token: str, side: str, server_nonce: str, client_nonce: str, *claims: str) -> str:
+    """HMAC-SHA256 with the job token over who speaks (`side`: "client" or "server"), both nonces and what the
+    speaker claims (op and identity): it proves knowledge of the token without revealing it, for this connection
+    only."""
+    text = "\0".join(("toolkit-v1", side, server_nonce, client_nonce, *claims))
+    return hmac.new(token.encode(), text.encode(), hashlib.sha256).hexdigest()
+
+
+def client_proof(token: str, server_nonce: str, client_nonce: str, op: str, who: str) -> str:
+    return proof(token, "client", server_nonce, client_nonce, op, who)
+
+
+def server_proof(token: str, server_nonce: str, client_nonce: str) -> str:
+    return proof(token, "server", server_nonce, client_nonce)
+
+
+def hello_subject(msg: dict[str, Any]) -> str:
+    """Who a first message claims to be (part of what its proof covers)."""
+    field = "host" if msg.get("op") == AGENT_HELLO else "node_id"
+    value = msg.get(field)
+    return value if isinstance(value, str) else ""
+
+
+def check_client(token: str, server_nonce: str, msg: dict[str, Any]) -> bool:
+    """Whether a first message proves the token (constant-time); a plain `token` field never does."""
+    nonce, given = msg.get("nonce"), msg.get("proof")
+    if "token" in msg or not isinstance(nonce, str) or not isinstance(given, str) or not 16 <= len(nonce) <= 128:
+        return False
+    want = client_proof(token, server_nonce, nonce, str(msg["op"]), hello_subject(msg))
+    return hmac.compare_digest(want.encode(), given.encode())
+
+
+def check_server(token: str, server_nonce: str, client_nonce: str, msg: dict[str, Any]) -> bool:
+    given = msg.get("proof")
+    return isinstance(given, str) and hmac.compare_digest(
+        server_proof(token, server_nonce, client_nonce).encode(), given.encode())
+
+
+def hello(op: str, token: str, server_nonce: str, **fields: Any) -> tuple[bytes, str]:
+    """The authenticated first message `op` (who: fields["node_id"] or fields["host"]) and the client nonce its
+    answer's proof must cover."""
+    nonce = new_nonce()
+    who = fields.get("host" if op == AGENT_HELLO else "node_id", "")
+    return encode(op, nonce=nonce, proof=client_proof(token, server_nonce, nonce, op, str(who)), **fields), nonce
+
+
+def challenge_nonce(msg: dict[str, Any]) -> str:
+    """The server nonce of a `challenge`; ProtocolError for anything else."""
+    nonce = msg.get("nonce")
+    if msg.get("op") != CHALLENGE or not isinstance(nonce, str) or not 16 <= len(nonce) <= 128:
+        raise ProtocolError(f"expected a challenge first, got {str(msg.get('op'))[:40]!r}")
+    return nonce
+
+
+# --- fields --------------------------------------------------------------------------------------------------
+
+
+def whole(msg: dict[str, Any], name: str, default: int | None = None) -> int | None:
+    """An integer field (never a bool), or `default` when it is missing or of another type."""
+    value = msg.get(name)
+    return value if isinstance(value, int) and not isinstance(value, bool) else default
+
+
 def store_prefix(job: str, boot: str, generation: int) -> str:
-    """Key prefix of one generation's process group in the scheduler's TCPStore.
+    """Key prefix of one generation's process group in the job's store.
 
     `boot` is random per scheduler start: a restarted scheduler serves a new, empty store, and keys of a process
     group that was being built when it died can never be confused with the next attempt's (torchrun's stale-key
-    hang, docs in REFERENCE.md).
-    """
+    hang, docs in REFERENCE.md)."""
     return f"{job}/{boot}/gen{generation}/"
+
+
+def generation_prefix(job: str, boot: str) -> str:
+    """What every store prefix of this scheduler start begins with."""
+    return f"{job}/{boot}/gen"
 
 
 def worker_node_id(rank: int) -> str:

@@ -188,6 +188,28 @@ class Client:
         self.lines = P.LineBuffer()
         self.queue: list[dict[str, Any]] = []
         self.incarnation = secrets.token_hex(8)
+        self.server_nonce: str | None = None
+        self.client_nonce: str | None = None
+
+    def challenge(self) -> str:
+        """The server's nonce (its first message on every connection)."""
+        if self.server_nonce is None:
+            self.server_nonce = P.challenge_nonce(self.recv())
+        return self.server_nonce
+
+    def say_hello(self, op: str, token: str, plain: bool = False, **fields: Any) -> None:
+        """The first message: authenticated as toolkit does it (a proof over the nonces), or `plain`: the token
+        itself, as before the handshake existed (refused)."""
+        if plain:
+            self.challenge()
+            self.send(op, token=token, **fields)
+            return
+        data, self.client_nonce = P.hello(op, token, self.challenge(), **fields)
+        self.sock.sendall(data)
+
+    def proven(self, job: Job, msg: dict[str, Any]) -> bool:
+        """Whether an answer to the hello proves the job token (the scheduler is the real one)."""
+        return P.check_server(job.token, self.challenge(), self.client_nonce or "", msg)
 
     @property
     def local_addr(self) -> str:
@@ -198,13 +220,13 @@ class Client:
         self.sock.sendall(P.encode(op, **fields))
 
     def register(self, job: Job, rank: int, token: str | None = None, pid: int | None = None,
-                 incarnation: str | None = None, rejoin: bool = False) -> None:
-        self.send(P.REGISTER, token=job.token if token is None else token, node_id=P.worker_node_id(rank),
-                  rank=rank, world_size=job.world, incarnation=incarnation or self.incarnation,
-                  pid=pid if pid is not None else 100000 + rank, host="testhost", generation=None, rejoin=rejoin)
+                 incarnation: str | None = None, rejoin: bool = False, plain: bool = False) -> None:
+        self.say_hello(P.REGISTER, job.token if token is None else token, plain, node_id=P.worker_node_id(rank),
+                       rank=rank, world_size=job.world, incarnation=incarnation or self.incarnation,
+                       pid=pid if pid is not None else 100000 + rank, host="testhost", generation=None, rejoin=rejoin)
 
-    def hello(self, job: Job, host: str, node_ids: list[str], token: str | None = None) -> None:
-        self.send(P.AGENT_HELLO, token=job.token if token is None else token, host=host, node_ids=node_ids)
+    def hello(self, job: Job, host: str, node_ids: list[str], token: str | None = None, plain: bool = False) -> None:
+        self.say_hello(P.AGENT_HELLO, job.token if token is None else token, plain, host=host, node_ids=node_ids)
 
     def recv(self, timeout: float = 10.0) -> dict[str, Any] | None:
         """The next message, or None once the scheduler closed the connection."""

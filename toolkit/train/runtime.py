@@ -48,7 +48,9 @@ import torch.distributed as dist
 from toolkit import envvars as E
 from toolkit import protocol as P
 from toolkit.errors import UserError
+from toolkit.session import Unproven, open_session
 from toolkit.train import fence as fence_mod
+from toolkit.train import store as job_store
 from toolkit.train.fence import Fence
 
 DEFAULT_TIMEOUT = 30.0  # s: bound of one collective and of building a process group
@@ -234,36 +236,22 @@ class _Channel:
     # -- registration (main thread first, then the background thread on reconnects)
 
     def register(self, rejoin: bool, timeout: float) -> None:
-        sock = socket.create_connection((self.cfg.sched_host, self.cfg.sched_port), timeout=CONNECT_TIMEOUT)
-        try:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            sock.sendall(P.encode(
-                P.REGISTER, token=self.cfg.token, node_id=self.cfg.node_id, rank=self.cfg.rank,
-                world_size=self.cfg.world_size, incarnation=self.incarnation, pid=os.getpid(),
-                host=socket.gethostname(), generation=self.generation, rejoin=rejoin, recovery=self.recovery))
-            lines = P.LineBuffer()
-            deadline = time.monotonic() + timeout
-            while True:
-                sock.settimeout(max(0.01, deadline - time.monotonic()))
-                data = sock.recv(65536)
-                if not data:
-                    raise ConnectionError("the scheduler closed the connection during registration")
-                messages = lines.feed(data)
-                for i, msg in enumerate(messages):
-                    if msg["op"] == P.FENCED:
-                        self._fenced(msg)
-                    if msg["op"] == P.REJECT:
-                        raise _Rejected(str(msg.get("reason", "rejected")), bool(msg.get("retry")))
-                    if msg["op"] == P.WELCOME:
-                        sock.settimeout(SEND_TIMEOUT)
-                        with self.send_lock:
-                            self.sock, self.lines = sock, lines
-                        for later in messages[i:]:
-                            self._handle(later)
-                        return
-        except BaseException:
-            sock.close()
-            raise
+        fields = {"node_id": self.cfg.node_id, "rank": self.cfg.rank, "world_size": self.cfg.world_size,
+                  "incarnation": self.incarnation, "pid": os.getpid(), "host": socket.gethostname(),
+                  "generation": self.generation, "rejoin": rejoin, "recovery": self.recovery}
+        session = open_session((self.cfg.sched_host, self.cfg.sched_port), self.cfg.token, P.REGISTER, fields,
+                               timeout, CONNECT_TIMEOUT)
+        msg = session.reply
+        if msg["op"] != P.WELCOME:
+            session.sock.close()
+            if msg["op"] == P.FENCED:
+                self._fenced(msg)
+            raise _Rejected(str(msg.get("reason", "rejected"))[:1000], bool(msg.get("retry")))
+        session.sock.settimeout(SEND_TIMEOUT)
+        with self.send_lock:
+            self.sock, self.lines = session.sock, session.lines
+        for later in [msg, *session.queued]:
+            self._handle(later)
 
     def join(self, deadline: float) -> None:
         """First registration: retry while the scheduler is not up yet (it starts alongside the workers) and
@@ -280,7 +268,7 @@ class _Channel:
                 if not r.retry or now - rejected_since > patience or now > deadline:
                     raise RegistrationError(f"{self.cfg.node_id}: the scheduler at {self.cfg.sched_host}:"
                                             f"{self.cfg.sched_port} rejected it: {r.reason}") from None
-            except (OSError, P.ProtocolError) as e:
+            except (OSError, P.ProtocolError, Unproven) as e:
                 if now > deadline:
                     raise RegistrationError(
                         f"{self.cfg.node_id}: cannot reach the scheduler at {self.cfg.sched_host}:"
@@ -320,7 +308,7 @@ class _Channel:
                         return
                     if now - rejected_since > 2 * self.cfg.node_timeout:
                         self._fenced({"reason": f"replaced while disconnected: {r.reason}"})
-                except (OSError, P.ProtocolError):
+                except (OSError, P.ProtocolError, Unproven):
                     pass
                 self.closing.wait(CONNECT_RETRY)
                 continue
@@ -345,17 +333,24 @@ class _Channel:
                 self._drop(sock)
 
     def _handle(self, msg: dict[str, Any]) -> None:
+        """One message of the (authenticated) scheduler; a malformed one is a ProtocolError, which drops the
+        connection like any broken one (the reader reconnects)."""
         op = msg["op"]
         if op == P.FENCED:
             self._fenced(msg)
+        generation = P.whole(msg, "generation")
+        if op in (P.WELCOME, P.GENERATION, P.FORMED) and (generation is None or generation < 0):
+            raise P.ProtocolError(f"{op} without a generation")
+        if op == P.FORMED and not isinstance(msg.get("prefix"), str):
+            raise P.ProtocolError("formed without a store prefix")
         with self.cond:
             if op == P.WELCOME or op == P.GENERATION:
-                self.announced = int(msg["generation"])
+                self.announced = generation
             elif op == P.FORMED:
-                self.formed = (int(msg["generation"]), str(msg["prefix"]))
-                self.announced = self.formed[0]
+                self.formed = (generation, msg["prefix"])
+                self.announced = generation
             elif op == P.STOP:
-                self.stop_reason = str(msg.get("reason", "stopped by the scheduler"))
+                self.stop_reason = str(msg.get("reason", "stopped by the scheduler"))[:2000]
             self.cond.notify_all()
             announced = self.announced
         if self.fence is not None and announced is not None:
@@ -373,7 +368,8 @@ class _Channel:
             _say(self.cfg.node_id, f"the scheduler stopped the job: {msg.get('reason')}")
 
     def _fenced(self, msg: dict[str, Any]) -> None:
-        _say(self.cfg.node_id, f"fenced by the scheduler: {msg.get('reason')}; exiting with code {P.EXIT_FENCED}")
+        _say(self.cfg.node_id, f"fenced by the scheduler: {str(msg.get('reason'))[:1000]}; exiting with code "
+                               f"{P.EXIT_FENCED}")
         os._exit(P.EXIT_FENCED)
 
     def _stop(self, reason: str) -> None:
@@ -583,8 +579,7 @@ class Runtime:
         build = timedelta(seconds=2 * self.timeout + self.cfg.node_timeout)
         self._fence.arm(generation)
         before = fence_mod.tcp_sockets()
-        self._store = dist.TCPStore(self.cfg.store_host, self.cfg.store_port, None, is_master=False,
-                                    timeout=build, use_libuv=True)
+        self._store = job_store.connect(self.cfg.store_host, self.cfg.store_port, self.cfg.token, self.node_id, build)
         self._fence.add_sockets(fence_mod.opened_since(before))  # a new generation during the build cuts it short
         if self._channel is not None:
             self._fence.overtaken(self._channel.announced or generation)
@@ -598,7 +593,9 @@ class Runtime:
     def _leave(self) -> None:
         self._fence.disarm()
         leave_group()
-        self._store = None
+        if self._store is not None:
+            self._store.close()
+            self._store = None
 
     # -- progress and the end
 

@@ -1,0 +1,118 @@
+"""What the scheduler reads from its environment (the process contract, docs/architecture.md), validated once:
+a bad value is one line naming the variable, and nothing is started."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+from typing import Mapping
+
+from toolkit import envvars as E
+from toolkit.errors import UserError
+
+DEFAULT_PORT = 8118  # MS_SCHED_PORT when none is given (msrun's); the store uses the next one
+TOOLKIT_EXPECTED = E.TOOLKIT_EXPECTED
+
+
+class ConfigError(UserError):
+    """The scheduler's environment is incomplete or wrong; nothing was started."""
+
+
+@dataclass(frozen=True)
+class Config:
+    """Everything the scheduler reads from its environment, validated once."""
+
+    job: str
+    host: str
+    port: int
+    store_port: int
+    world_size: int
+    topo_timeout: float
+    node_timeout: float
+    recovery: bool
+    recovery_path: Path | None
+    token: str = field(repr=False)
+    expected: Mapping[str, str] = field(default_factory=dict, hash=False)
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> "Config":
+        role = env.get(E.MS_ROLE, E.ROLE_SCHED)
+        if role != E.ROLE_SCHED:
+            raise ConfigError(f"{E.MS_ROLE}={role}: the scheduler runs where {E.MS_ROLE}={E.ROLE_SCHED}")
+        port = _int(env, E.MS_SCHED_PORT, DEFAULT_PORT)
+        store_port = _int(env, E.MASTER_PORT, port + 1)
+        for name, value in ((E.MS_SCHED_PORT, port), (E.MASTER_PORT, store_port)):
+            if not 1 <= value <= 65535:
+                raise ConfigError(f"{name}={value}: not a TCP port (1-65535)")
+        if store_port == port:
+            raise ConfigError(f"{E.MASTER_PORT}={store_port} equals {E.MS_SCHED_PORT}: the store needs its own port")
+        if E.MS_WORKER_NUM not in env:
+            raise ConfigError(f"{E.MS_WORKER_NUM} is not set: give the total number of workers")
+        world = _int(env, E.MS_WORKER_NUM, 0)
+        if world < 1:
+            raise ConfigError(f"{E.MS_WORKER_NUM}={world}: a job needs at least 1 worker")
+        topo = _float(env, E.MS_TOPO_TIMEOUT, 600.0)
+        node = _float(env, E.MS_NODE_TIMEOUT, 6.0)
+        if not (0 < topo < math.inf and 0 < node < math.inf):
+            raise ConfigError(f"{E.MS_TOPO_TIMEOUT} and {E.MS_NODE_TIMEOUT} must be positive, finite seconds")
+        recovery = env.get(E.MS_ENABLE_RECOVERY, "0").strip().lower() in ("1", "true", "yes", "on")
+        rpath = env.get(E.MS_RECOVERY_PATH)
+        if recovery and not rpath:
+            raise ConfigError(f"{E.MS_ENABLE_RECOVERY}=1 needs {E.MS_RECOVERY_PATH}: the directory for the state")
+        token_file = env.get(E.TOOLKIT_TOKEN_FILE)
+        if not token_file:
+            raise ConfigError(f"{E.TOOLKIT_TOKEN_FILE} is not set: workers register with the job token in that file")
+        try:
+            token = Path(token_file).read_text().strip()
+        except OSError as e:
+            raise ConfigError(f"{E.TOOLKIT_TOKEN_FILE}={token_file}: cannot read the job token ({e.strerror})") from None
+        if not token:
+            raise ConfigError(f"{E.TOOLKIT_TOKEN_FILE}={token_file}: the token file is empty; render the job again")
+        return cls(
+            job=env.get(E.TOOLKIT_JOB) or "job",
+            host=env.get(E.MS_SCHED_HOST) or "127.0.0.1",
+            port=port,
+            store_port=store_port,
+            world_size=world,
+            topo_timeout=topo,
+            node_timeout=node,
+            recovery=recovery,
+            recovery_path=Path(rpath) if rpath else None,
+            token=token,
+            expected=MappingProxyType(_expected_hosts(env.get(TOOLKIT_EXPECTED))),
+        )
+
+
+def _int(env: Mapping[str, str], name: str, default: int) -> int:
+    raw = env.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        return int(raw.strip(), 10)
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r}: expected a whole number") from None
+
+
+def _float(env: Mapping[str, str], name: str, default: float) -> float:
+    raw = env.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        return float(raw.strip())
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r}: expected a number of seconds") from None
+
+
+def _expected_hosts(path: str | None) -> dict[str, str]:
+    if not path:
+        return {}
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{TOOLKIT_EXPECTED}={path}: not a readable JSON file ({e})") from None
+    if not isinstance(data, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in data.items()):
+        raise ConfigError(f"{TOOLKIT_EXPECTED}={path}: expected a JSON object mapping node ids to host names")
+    return data

@@ -1,0 +1,498 @@
+"""The scheduler's decisions: who is a member of the job, when a member is dead, when a generation is formed, when
+the job has finished or failed. Pure: no sockets, no clock, no files. Each event (a registration, a heartbeat, an
+agent's report, a lost connection, the passing of time) is a method call with the time; it returns the actions
+the server then applies (send a message, close a connection, log, exit) and updates the state that the server
+persists (`snapshot()`, `dirty`). Modelled on torch elastic's rendezvous, where a state handler returns an action
+and an executor applies it.
+
+Peers are the server's connection ids: the membership knows which peer is which worker or agent, never a socket.
+
+The rules, in one place:
+- A rank is held by one live incarnation. Its second claimant is rejected (retry later) until the holder is known
+  dead: its connection closed, its agent reported its exit, or its heartbeats stopped for node_timeout.
+- A dead incarnation is fenced for good: if it comes back (SIGCONT, a healed partition) it is told to exit.
+- A death while the job is formed moves it to a new generation, announced to every member; while it is gathering,
+  the death only removes the member (one generation per fault, not a cascade).
+- A generation is formed once every rank not done has a connected member; the formation has a deadline
+  (topo_timeout) that fails the job, naming who never came and where it was expected.
+- When every rank is done the job has finished; when an agent gives up on a process, it has failed.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from toolkit import envvars as E
+from toolkit import protocol as P
+
+EXIT_OK = 0
+EXIT_FAILED = 1  # a node gave up: the job failed
+EXIT_FORMATION = 3  # MS_TOPO_TIMEOUT passed before every worker registered
+
+RUNNING, FINISHED, FAILED = "running", "finished", "failed"
+INFO, WARNING, ERROR = logging.INFO, logging.WARNING, logging.ERROR
+
+
+# --- actions -------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Send:
+    """Send `op` to `peer`; with `close`, close the connection once it is written (and read nothing more)."""
+
+    peer: int
+    op: str
+    fields: Mapping[str, Any] = field(default_factory=dict)
+    close: bool = False
+
+
+@dataclass(frozen=True)
+class Close:
+    """Drop the connection now (a replaced one: nothing more to tell it)."""
+
+    peer: int
+
+
+@dataclass(frozen=True)
+class Log:
+    level: int
+    text: str
+
+
+@dataclass(frozen=True)
+class Exit:
+    """The scheduler's work is over: flush what is queued and exit with `code`."""
+
+    code: int
+
+
+@dataclass(frozen=True)
+class DropKeys:
+    """The job left the generations under `prefix` behind: their store keys can go."""
+
+    prefix: str
+
+
+Action = Send | Close | Log | Exit | DropKeys
+
+
+# --- state ---------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Member:
+    """The live incarnation that holds a rank."""
+
+    rank: int
+    node_id: str
+    incarnation: str
+    pid: int
+    host: str
+    addr: str
+    last_seen: float
+    peer: int | None = None  # its connection; None while it has not (re)connected
+    step: int | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"rank": self.rank, "node_id": self.node_id, "incarnation": self.incarnation, "pid": self.pid,
+                "host": self.host, "addr": self.addr}
+
+
+@dataclass(frozen=True)
+class Peer:
+    """What a connection is, once it said who it is."""
+
+    role: str  # "worker", "agent", "finished" (a worker that said done)
+    rank: int | None = None
+    host: str | None = None
+    addr: str = ""
+
+
+def rank_of(node_id: str) -> int | None:
+    """The rank in a worker node id (`worker_<rank>`), None for anything else (`sched`)."""
+    prefix = P.worker_node_id(0)[:-1]
+    if node_id.startswith(prefix) and node_id[len(prefix):].isdigit():
+        return int(node_id[len(prefix):])
+    return None
+
+
+def how(code: Any, sig: Any) -> str:
+    return f"signal {sig}" if sig else f"exit code {code}"
+
+
+class Membership:
+    """See the module docstring. `boot` names this scheduler start in the store prefixes; `expected` maps node ids
+    to the host the plan put them on (for the formation-timeout message)."""
+
+    def __init__(self, job: str, world_size: int, node_timeout: float, topo_timeout: float, boot: str,
+                 address: str, expected: Mapping[str, str] | None = None, now: float = 0.0) -> None:
+        self.job, self.world_size, self.boot, self.address = job, world_size, boot, address
+        self.node_timeout, self.topo_timeout = node_timeout, topo_timeout
+        self.members: dict[int, Member] = {}
+        self.peers: dict[int, Peer] = {}
+        self.agents: dict[str, int] = {}  # host -> peer
+        self.node_host: dict[str, str] = dict(expected or {})
+        self.done: set[int] = set()
+        self.fenced: set[str] = set()
+        self.commits: dict[int, int] = {}
+        self.generation = 0
+        self.formed = False
+        self.status = RUNNING
+        self.failure = ""
+        self.ever_registered = False
+        self.ever_formed = False
+        self.unmanaged = False
+        self.gather_since: float | None = now
+        self.hb_check_at = math.inf  # no member's heartbeat can expire before this
+        self.dirty = False  # membership changed: persist before what depends on it is sent
+        self.commits_dirty = False  # only commits changed: persisted at the server's own pace
+
+    # -- what the server asks
+
+    def prefix(self) -> str:
+        return P.store_prefix(self.job, self.boot, self.generation)
+
+    def next_deadline(self) -> float:
+        deadlines = [self.hb_check_at] if self.members else []
+        if self.gather_since is not None and not self.unmanaged and self.status == RUNNING:
+            deadlines.append(self.gather_since + self.topo_timeout)
+        return min(deadlines, default=math.inf)
+
+    def snapshot(self) -> dict[str, Any]:
+        """The state to persist (MS_ENABLE_RECOVERY): what a restarted scheduler needs to go on with the job."""
+        committed = min(self.commits.values()) if len(self.commits) == self.world_size else None
+        return {
+            "job": self.job, "world_size": self.world_size, "status": self.status, "failure": self.failure,
+            "generation": self.generation, "formed": self.formed,
+            "members": [m.to_json() for m in sorted(self.members.values(), key=lambda m: m.rank)],
+            "done": sorted(self.done), "fenced": sorted(self.fenced),
+            "commits": {str(r): s for r, s in sorted(self.commits.items())}, "committed_step": committed,
+        }
+
+    def restore(self, state: Mapping[str, Any], now: float) -> list[Action]:
+        """Go on with a job a previous scheduler ran (its persisted snapshot): members get node_timeout to
+        reconnect before they are declared dead."""
+        if state.get("status") != RUNNING:
+            self.fenced = set(state.get("fenced", []))
+            finished = state.get("status") == FINISHED
+            return [Log(INFO, f"the previous run of job {self.job} {state.get('status')} (committed step "
+                              f"{state.get('committed_step')}): this run starts at generation 0, its workers resume "
+                              "from their own checkpoints" + ("; 'fleet train --fresh' starts a finished job over"
+                                                              if finished else ""))]
+        self.generation = int(state["generation"])
+        self.formed = bool(state["formed"])
+        self.gather_since = None if self.formed else now
+        self.done = {int(r) for r in state.get("done", [])}
+        self.fenced = set(state.get("fenced", []))
+        self.commits = {int(r): int(s) for r, s in state.get("commits", {}).items()}
+        for m in state.get("members", []):
+            self.members[int(m["rank"])] = Member(int(m["rank"]), m["node_id"], m["incarnation"], int(m["pid"]),
+                                                  m["host"], m["addr"], now, None)
+            self.node_host.setdefault(m["node_id"], m["host"])
+        self.ever_registered = bool(self.members) or bool(self.fenced)
+        self.ever_formed = self.formed or self.generation > 0
+        self.hb_check_at = now + self.node_timeout
+        return [Log(INFO, f"resumed job {self.job} from its persisted state: generation {self.generation} "
+                          f"({'formed' if self.formed else 'gathering'}), {len(self.members)} members waiting to "
+                          f"reconnect within {self.node_timeout:g} s")]
+
+    def started(self, now: float) -> None:
+        """Peers can reach the server from now: deadlines count from here, not from the server's own start."""
+        if self.gather_since is not None:
+            self.gather_since = now
+        for member in self.members.values():
+            member.last_seen = now
+        self.hb_check_at = now + self.node_timeout if self.members else math.inf
+
+    # -- events
+
+    def register(self, peer: int, addr: str, msg: Mapping[str, Any], now: float) -> list[Action]:
+        """A worker's authenticated `register` on connection `peer` from `addr`."""
+        node_id, rank, inc = msg.get("node_id"), P.whole(dict(msg), "rank"), msg.get("incarnation")
+        pid, host = P.whole(dict(msg), "pid"), msg.get("host")
+        if not (isinstance(node_id, str) and rank is not None and isinstance(inc, str) and 0 < len(inc) <= 64
+                and pid is not None and isinstance(host, str) and len(node_id) <= 256 and len(host) <= 256):
+            return [Log(WARNING, f"rejected malformed registration from {addr}"),
+                    Send(peer, P.REJECT, {"reason": "malformed register message", "retry": False}, close=True)]
+        world = msg.get("world_size")
+        if world != self.world_size or not 0 <= rank < self.world_size:
+            reason = (f"{node_id} claims rank {rank} of {world} workers, but the job has {self.world_size} "
+                      f"({E.MS_WORKER_NUM}); render the job again")
+            return [Log(WARNING, f"rejected {node_id} from {addr}: {reason}"),
+                    Send(peer, P.REJECT, {"reason": reason, "retry": False}, close=True)]
+        where = f"pid {pid} on {host}, {addr}"
+        if inc in self.fenced:
+            return [Log(WARNING, f"fenced {node_id} ({where}): that incarnation was declared dead; told it to exit"),
+                    Send(peer, P.FENCED, {"reason": f"{node_id} (pid {pid}) was declared dead; a replacement takes "
+                                                    "its place"}, close=True)]
+        if self.status != RUNNING:
+            return [Send(peer, P.REJECT, {"reason": f"the job has {self.status}", "retry": False}, close=True)]
+        if rank in self.done:
+            return [Send(peer, P.REJECT, {"reason": f"{node_id} already finished", "retry": False}, close=True)]
+        current = self.members.get(rank)
+        if current is not None and current.incarnation != inc:
+            reason = (f"{node_id} is held by a live process (pid {current.pid} on {current.host}, {current.addr}, "
+                      f"heard from {now - current.last_seen:.1f} s ago)")
+            return [Log(WARNING, f"rejected {node_id} from {where}: {reason}"),
+                    Send(peer, P.REJECT, {"reason": reason, "retry": True}, close=True)]
+        out: list[Action] = []
+        self.peers[peer] = Peer("worker", rank=rank, addr=addr)
+        self.ever_registered = True
+        if current is not None:
+            old = current.peer
+            current.peer, current.addr, current.last_seen = peer, addr, now
+            if old is not None and old != peer:
+                self.peers.pop(old, None)
+                out.append(Close(old))
+            out.append(Log(INFO, f"{node_id} reconnected ({where}), generation {self.generation}"))
+        else:
+            self.members[rank] = Member(rank, node_id, inc, pid, host, addr, now, peer)
+            self.hb_check_at = min(self.hb_check_at, now + self.node_timeout)
+            self.node_host.setdefault(node_id, host)
+            recovery = msg.get("recovery") if msg.get("recovery") in (P.RECOVERY_IN_PLACE, P.RECOVERY_RESTART) \
+                else "unknown"
+            out.append(Log(INFO, f"registered {node_id} ({where}, {recovery} recovery): {len(self.members)} of "
+                                 f"{self.world_size}"))
+            self.dirty = True
+        out.append(Send(peer, P.WELCOME, {"rank": rank, "world_size": self.world_size, "generation": self.generation,
+                                          "job": self.job}))
+        if self.formed:
+            out.append(Send(peer, P.FORMED, {"generation": self.generation, "prefix": self.prefix()}))
+        else:
+            out += self._maybe_form(now)
+        return out
+
+    def agent_hello(self, peer: int, addr: str, msg: Mapping[str, Any]) -> list[Action]:
+        host, node_ids = msg.get("host"), msg.get("node_ids")
+        if not isinstance(host, str) or not 0 < len(host) <= 256 or not isinstance(node_ids, list) \
+                or len(node_ids) > 4096:
+            return [Send(peer, P.REJECT, {"reason": "malformed agent_hello", "retry": False}, close=True)]
+        out: list[Action] = []
+        self.peers[peer] = Peer("agent", host=host, addr=addr)
+        old = self.agents.get(host)
+        if old is not None and old != peer:
+            self.peers.pop(old, None)
+            out.append(Close(old))
+        self.agents[host] = peer
+        names = [n for n in node_ids if isinstance(n, str) and len(n) <= 256]
+        for node_id in names:
+            self.node_host[node_id] = host
+        out += [Log(INFO, f"agent of {host} connected from {addr}, supervising {', '.join(names) or 'nothing'}"),
+                Send(peer, P.WELCOME, {})]
+        if self.status == FINISHED:
+            out.append(Send(peer, P.FINISHED))
+        elif self.status == FAILED:
+            out.append(Send(peer, P.STOP, {"reason": self.failure}))
+        return out
+
+    def message(self, peer: int, msg: Mapping[str, Any], now: float) -> list[Action]:
+        """Any later message of an identified peer."""
+        who = self.peers.get(peer)
+        op = msg["op"]
+        if who is None or who.role == "finished":
+            return []
+        if who.role == "agent":
+            if op == P.EXITED:
+                return self._exited(who, msg, now)
+            if op == P.GAVE_UP:
+                return self._gave_up(who, msg)
+            if op == P.HEARTBEAT:
+                return []
+            return [Log(WARNING, f"agent of {who.host} sent unknown op {op[:40]!r} (ignored)")]
+        member = self.members.get(who.rank) if who.rank is not None else None
+        if member is None or member.peer != peer:
+            return []
+        member.last_seen = now
+        if op == P.HEARTBEAT:
+            member.step = P.whole(dict(msg), "step", member.step)
+            return []
+        if op == P.COMMIT:
+            step = P.whole(dict(msg), "step")
+            if step is not None and step > self.commits.get(member.rank, -1):
+                self.commits[member.rank] = step
+                self.commits_dirty = True
+            return []
+        if op == P.RECOVERED:
+            return [self._recovered(member, msg)]
+        if op == P.DONE:
+            self.peers[peer] = Peer("finished", rank=member.rank, addr=who.addr)
+            out: list[Action] = [Log(INFO, f"{member.node_id} finished (pid {member.pid} on {member.host})")]
+            self._retire(member)
+            return out + self._mark_done(member.rank)
+        return [Log(WARNING, f"{member.node_id} sent unknown op {op[:40]!r} (ignored)")]
+
+    def lost(self, peer: int, reason: str, now: float) -> list[Action]:
+        """A connection ended. For a worker that had not said `done` this is its death: the kernel closes the socket
+        of a process that exits, so this is as immediate as its agent's `exited` report."""
+        who = self.peers.pop(peer, None)
+        if who is None:
+            return []
+        if who.role == "worker" and who.rank is not None:
+            member = self.members.get(who.rank)
+            if member is not None and member.peer == peer:
+                return self._death(member, reason, kill=True, now=now)
+        elif who.role == "agent" and who.host is not None and self.agents.get(who.host) == peer:
+            del self.agents[who.host]
+            return [Log(INFO, f"agent of {who.host} disconnected ({reason})")]
+        return []
+
+    def tick(self, now: float) -> list[Action]:
+        """The passing of time: heartbeats that stopped, a formation that took too long."""
+        out: list[Action] = []
+        if self.status != RUNNING:
+            return out
+        if now >= self.hb_check_at:
+            # Heartbeats only move last_seen later, so the earliest expiry found here is a safe bound for the next
+            # scan: with hundreds of members, most calls skip the scan.
+            for member in list(self.members.values()):
+                silent = now - member.last_seen
+                if silent >= self.node_timeout:
+                    what = "did not reconnect" if member.peer is None else "sent no heartbeat"
+                    out += self._death(member, f"{what} for {silent:.1f} s ({E.MS_NODE_TIMEOUT}={self.node_timeout:g})",
+                                       kill=True, now=now)
+            self.hb_check_at = min((m.last_seen + self.node_timeout for m in self.members.values()), default=math.inf)
+        if (self.status == RUNNING and self.gather_since is not None and not self.unmanaged
+                and now >= self.gather_since + self.topo_timeout):
+            out += self._formation_timeout()
+        return out
+
+    # -- decisions
+
+    def _maybe_form(self, now: float) -> list[Action]:
+        if self.formed or self.status != RUNNING:
+            return []
+        present = sum(1 for m in self.members.values() if m.peer is not None)
+        if present < self.world_size:
+            return []
+        self.formed = self.ever_formed = True
+        self.dirty = True
+        since = self.gather_since if self.gather_since is not None else now
+        self.gather_since = None
+        out: list[Action] = [Log(INFO, f"generation {self.generation} formed: {self.world_size} workers in "
+                                       f"{now - since:.3f} s; store prefix {self.prefix()}")]
+        out += [Send(m.peer, P.FORMED, {"generation": self.generation, "prefix": self.prefix()})
+                for m in self.members.values() if m.peer is not None]
+        if self.generation > 0:  # the generations before are over: their store keys can go
+            out += [DropKeys(P.store_prefix(self.job, self.boot, g)) for g in range(self.generation)]
+        return out
+
+    def _death(self, member: Member, reason: str, kill: bool, now: float) -> list[Action]:
+        """Declare `member` dead: fence its incarnation, have its agent kill it if it may still exist, and, if the
+        job was formed, move everyone to a new generation."""
+        if self.members.get(member.rank) is not member:
+            return []
+        del self.members[member.rank]
+        self.fenced.add(member.incarnation)
+        self.dirty = True
+        out: list[Action] = []
+        if member.peer is not None:
+            self.peers.pop(member.peer, None)
+            out.append(Send(member.peer, P.FENCED, {"reason": f"declared dead: {reason}"}, close=True))
+        agent = self.agents.get(self.node_host.get(member.node_id, ""))
+        if kill and agent is not None:
+            out.append(Send(agent, P.KILL, {"node_id": member.node_id, "pid": member.pid}))
+        if self.status != RUNNING:
+            return out
+        if self.formed:
+            self.generation += 1
+            self.formed = False
+            self.gather_since = now
+            out.append(Log(WARNING, f"{member.node_id} (pid {member.pid} on {member.host}) is dead: {reason}; "
+                                    f"generation {self.generation} begins, waiting for its replacement"))
+            out += [Send(m.peer, P.GENERATION, {"generation": self.generation}) for m in self.members.values()
+                    if m.peer is not None]
+        else:
+            out.append(Log(WARNING, f"{member.node_id} (pid {member.pid} on {member.host}) is dead: {reason}; "
+                                    f"generation {self.generation} still gathering"))
+        return out
+
+    def _retire(self, member: Member) -> None:
+        """A member that ended cleanly leaves without a generation change: nothing to recover from."""
+        if self.members.get(member.rank) is member:
+            del self.members[member.rank]
+            self.dirty = True
+
+    def _mark_done(self, rank: int) -> list[Action]:
+        if rank not in self.done:
+            self.done.add(rank)
+            self.dirty = True
+        if len(self.done) < self.world_size or self.status != RUNNING:
+            return []
+        self.status = FINISHED
+        return ([Log(INFO, f"all {self.world_size} workers finished: job {self.job} done")]
+                + [Send(agent, P.FINISHED) for agent in self.agents.values()] + [Exit(EXIT_OK)])
+
+    def _fail(self, reason: str, code: int) -> list[Action]:
+        if self.status != RUNNING:
+            return []
+        self.status = FAILED
+        self.failure = reason
+        self.dirty = True
+        return ([Log(ERROR, f"job {self.job} failed: {reason}")]
+                + [Send(agent, P.STOP, {"reason": reason}) for agent in self.agents.values()]
+                + [Send(m.peer, P.STOP, {"reason": reason}) for m in self.members.values() if m.peer is not None]
+                + [Exit(code)])
+
+    def _exited(self, agent: Peer, msg: Mapping[str, Any], now: float) -> list[Action]:
+        node_id, pid = msg.get("node_id"), P.whole(dict(msg), "pid")
+        code, sig = P.whole(dict(msg), "code"), msg.get("signal") if isinstance(msg.get("signal"), str) else None
+        if not isinstance(node_id, str):
+            return []
+        node_id = node_id[:256]
+        rank = rank_of(node_id)
+        if rank is None or rank >= self.world_size:
+            return [Log(INFO, f"agent of {agent.host}: {node_id} (pid {pid}) exited with {how(code, sig)}")]
+        member = self.members.get(rank)
+        if code == 0 and sig is None:
+            out: list[Action] = [Log(INFO, f"{node_id} (pid {pid} on {agent.host}) exited 0")]
+            if member is not None and member.pid == pid:
+                self._retire(member)
+            return out + self._mark_done(rank)
+        if member is not None and member.pid == pid:
+            return self._death(member, f"its agent on {agent.host} saw it exit with {how(code, sig)}", kill=False,
+                               now=now)
+        return [Log(INFO, f"{node_id} (pid {pid} on {agent.host}) exited with {how(code, sig)}")]
+
+    def _gave_up(self, agent: Peer, msg: Mapping[str, Any]) -> list[Action]:
+        node_id = str(msg.get("node_id", "?"))[:256]
+        tail = msg.get("log_tail") if isinstance(msg.get("log_tail"), str) else ""
+        last = " | ".join(line for line in tail.strip().splitlines()[-5:])[-2000:]
+        sig = msg.get("signal") if isinstance(msg.get("signal"), str) else None
+        reason = (f"{node_id} on {agent.host} failed after its last allowed restart "
+                  f"({how(P.whole(dict(msg), 'code'), sig)})" + (f"; last log lines: {last}" if last else ""))
+        return self._fail(reason, EXIT_FAILED)
+
+    def _recovered(self, member: Member, msg: Mapping[str, Any]) -> Log:
+        m = dict(msg)
+        source = msg.get("source")
+        origin = {"peer": f"rank {P.whole(m, 'from_rank')}'s memory",
+                  "checkpoint": f"the checkpoint of rank {P.whole(m, 'from_rank')}",
+                  "initial": "the initial state"}.get(source if isinstance(source, str) else "", "?")
+        seconds = msg.get("seconds") if isinstance(msg.get("seconds"), (int, float)) else None
+        return Log(INFO, f"{member.node_id} trains again in generation {P.whole(m, 'generation')} from step "
+                         f"{P.whole(m, 'step')}, taken from {origin} in {seconds} s; {P.whole(m, 'recomputed')} "
+                         "step(s) recomputed")
+
+    def _formation_timeout(self) -> list[Action]:
+        missing = [r for r in range(self.world_size)
+                   if r not in self.done and (r not in self.members or self.members[r].peer is None)]
+        attested = [r for r in missing if self.node_host.get(P.worker_node_id(r)) in self.agents]
+        if not self.ever_registered and missing and len(attested) == len(missing):
+            self.unmanaged = True
+            self.gather_since = None
+            return [Log(WARNING, f"no worker registered within {E.MS_TOPO_TIMEOUT}={self.topo_timeout:g} s, but every "
+                                 "one runs under its agent: treating them as scripts that never form a process group "
+                                 "(no heartbeats or generations; their agents' exit reports end the job)")]
+        names = []
+        for r in missing:
+            node_id = P.worker_node_id(r)
+            host = self.node_host.get(node_id)
+            names.append(f"{node_id} (expected on {host})" if host else node_id)
+        what = f"re-forming generation {self.generation}" if self.ever_formed else "cluster formation"
+        reason = (f"{what} timed out after {self.topo_timeout:g} s ({E.MS_TOPO_TIMEOUT}): {len(missing)} of "
+                  f"{self.world_size} workers never registered: {', '.join(names)}; check their logs "
+                  f"(logs/worker_<rank>.log) and that they reach {self.address}")
+        return self._fail(reason, EXIT_FORMATION)

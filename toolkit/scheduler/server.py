@@ -1,0 +1,459 @@
+"""The scheduler's transport: two listeners on MS_SCHED_HOST, one thread, one selector.
+
+- MS_SCHED_PORT: the control server (toolkit.protocol), through which workers register and heartbeat and agents
+  report exits. What to do about each message is decided by `Membership`; this module only carries messages.
+- MASTER_PORT: the job's store (`KVStore`), which process groups bootstrap from.
+
+Every connection is hostile until it proves the job token (toolkit.protocol's challenge-response), and bounded
+before and after: a first message of at most MAX_PREAUTH_LINE bytes within PREAUTH_TIMEOUT, at most MAX_PREAUTH
+such connections (MAX_PREAUTH_PER_IP from one address), lines of at most MAX_LINE (MAX_STORE_LINE on the store),
+at most MAX_OUTBUF queued for a peer that stopped reading. When the process runs out of file descriptors, the
+listeners pause for ACCEPT_PAUSE instead of spinning, and say so at most once per LOG_EVERY.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import secrets
+import selectors
+import signal
+import socket
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from toolkit import envvars as E
+from toolkit import protocol as P
+from toolkit.scheduler import state as S
+from toolkit.scheduler.config import Config, ConfigError
+from toolkit.scheduler.kvstore import KVStore
+from toolkit.scheduler.membership import Close, DropKeys, Exit, Log, Membership, Send
+
+log = logging.getLogger("toolkit.scheduler")
+
+EXIT_FAILED = 1
+LINGER = 2.0  # s to flush the last messages (finished, stop) before exiting
+MAX_WAIT = 30.0  # s: longest select() when no deadline is nearer
+COMMIT_PERSIST_INTERVAL = 1.0  # s: commits come from every rank at every checkpoint; written at most this often
+MAX_OUTBUF = 1 << 20  # bytes queued to one peer that has stopped reading before it is dropped
+RECV_SIZE = 1 << 16
+PREAUTH_TIMEOUT = 10.0  # s for a new connection to prove the token
+MAX_PREAUTH = 256  # connections not yet authenticated, in all
+MAX_PREAUTH_PER_IP = 64  # ... from one address
+ACCEPT_PAUSE = 0.5  # s the listeners rest after accept() failed for want of descriptors or memory
+LOG_EVERY = 10.0  # s: a repeated warning (refused connections, no descriptors) is logged at most this often
+RESOURCE_ERRORS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
+CONTROL, STORE = "control", "store"
+
+
+@dataclass(eq=False)
+class Conn:
+    """One connection. `authed` once its first message proved the token; `prove` until the first reply carried
+    the server's own proof."""
+
+    id: int
+    sock: socket.socket
+    addr: str
+    ip: str
+    kind: str  # CONTROL or STORE
+    nonce: str
+    deadline: float  # pre-authentication deadline
+    lines: P.LineBuffer = field(default_factory=lambda: P.LineBuffer(P.MAX_PREAUTH_LINE))
+    out: bytearray = field(default_factory=bytearray)
+    client_nonce: str | None = None
+    authed: bool = False
+    prove: bool = False
+    closing: bool = False  # close once `out` is flushed; further input is ignored
+    closed: bool = False
+
+
+class RateLimited:
+    """A warning said at most once per LOG_EVERY, with how often it happened meanwhile."""
+
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self.clock = clock
+        self.next: dict[str, float] = {}
+        self.count: dict[str, int] = {}
+
+    def warn(self, key: str, text: str) -> None:
+        now = self.clock()
+        self.count[key] = self.count.get(key, 0) + 1
+        if now >= self.next.get(key, 0.0):
+            n = self.count.pop(key)
+            log.warning("%s%s", text, f" ({n} times in the last {LOG_EVERY:g} s)" if n > 1 else "")
+            self.next[key] = now + LOG_EVERY
+
+
+class Server:
+    """Serves one job until its Membership says exit (or a signal comes); `serve()` returns the exit code."""
+
+    def __init__(self, config: Config, clock: Callable[[], float] = time.monotonic) -> None:
+        self.cfg = config
+        self.clock = clock
+        self.boot = secrets.token_hex(8)
+        self.members = Membership(config.job, config.world_size, config.node_timeout, config.topo_timeout,
+                                  self.boot, f"{config.host}:{config.port}", config.expected, clock())
+        self.kv = KVStore()
+        self.sel = selectors.DefaultSelector()
+        self.conns: dict[int, Conn] = {}
+        self.ids = iter(range(1, 1 << 62))
+        self.listeners: dict[str, socket.socket] = {}
+        self.paused_until = 0.0
+        self.pending: set[Conn] = set()
+        self.exit_code: int | None = None
+        self.signalled = ""
+        self.commits_persist_at = 0.0
+        self.said = RateLimited(clock)
+        self._wake_r, self._wake_w = socket.socketpair()
+
+    # -- life cycle
+
+    def serve(self) -> int:
+        path = self._state_path()
+        if path is not None:
+            doc = S.load(path, self.cfg.job, self.cfg.world_size)
+            if doc is not None:
+                self._apply(self.members.restore(doc, self.clock()))
+        self.listeners[CONTROL] = self._bind(self.cfg.port, f"{E.MS_SCHED_HOST}:{E.MS_SCHED_PORT}", "")
+        self.listeners[STORE] = self._bind(self.cfg.store_port, E.MASTER_PORT, "the store ")
+        for kind, sock in self.listeners.items():
+            sock.listen(4096)
+            sock.setblocking(False)
+            self.sel.register(sock, selectors.EVENT_READ, kind)
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self.sel.register(self._wake_r, selectors.EVENT_READ, "wake")
+        self._install_signals()
+        self.members.started(self.clock())  # deadlines count from when peers can reach us
+        log.info("job %s: control server on %s:%d, store on %s:%d; waiting for %d workers (MS_TOPO_TIMEOUT %g s, "
+                 "MS_NODE_TIMEOUT %g s, recovery %s)", self.cfg.job, self.cfg.host, self.cfg.port, self.cfg.host,
+                 self.cfg.store_port, self.cfg.world_size, self.cfg.topo_timeout, self.cfg.node_timeout,
+                 "on" if self.cfg.recovery else "off")
+        try:
+            self._loop()
+            self._linger()
+        finally:
+            self._persist(force=True)
+            self._shutdown()
+        return self.exit_code if self.exit_code is not None else EXIT_FAILED
+
+    def _bind(self, port: int, what: str, store: str) -> socket.socket:
+        family = socket.AF_INET6 if ":" in self.cfg.host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((self.cfg.host, port))
+        except OSError as e:
+            sock.close()
+            why = "address already in use" if e.errno == errno.EADDRINUSE else (e.strerror or str(e))
+            raise ConfigError(f"cannot serve {store}on {self.cfg.host}:{port} ({what}): {why}; is another job using "
+                              "the port, or is the address not this host's?") from None
+        return sock
+
+    def _install_signals(self) -> None:
+        def on_signal(signum: int, _frame: Any) -> None:
+            if self.exit_code is None:
+                self.exit_code = 128 + signum
+                self.signalled = signal.Signals(signum).name
+            try:
+                self._wake_w.send(b"x")
+            except OSError:
+                pass
+
+        signal.signal(signal.SIGTERM, on_signal)
+        signal.signal(signal.SIGINT, on_signal)
+
+    def _loop(self) -> None:
+        while self.exit_code is None:
+            for key, mask in self.sel.select(self._timeout(self.clock())):
+                self._event(key, mask)
+            now = self.clock()
+            self._expire(now)
+            self._apply(self.members.tick(now))
+            self._resume_listeners(now)
+            self._persist()
+            self._flush()
+        if self.signalled:
+            log.info("stopped by %s; state persisted; workers keep training and reconnect to a restarted "
+                     "scheduler", self.signalled)
+
+    def _event(self, key: selectors.SelectorKey, mask: int) -> None:
+        if key.data in (CONTROL, STORE):
+            self._accept(key.data)
+        elif key.data == "wake":
+            try:
+                while self._wake_r.recv(4096):
+                    pass
+            except BlockingIOError:
+                pass
+        else:
+            conn: Conn = key.data
+            if mask & selectors.EVENT_READ and not conn.closed:
+                self._read(conn)
+            if mask & selectors.EVENT_WRITE and not conn.closed:
+                self._write(conn)
+
+    def _timeout(self, now: float) -> float:
+        deadlines = [now + MAX_WAIT, self.members.next_deadline(), self.kv.next_deadline()]
+        deadlines += [c.deadline for c in self.conns.values() if not c.authed]
+        if self.members.commits_dirty:
+            deadlines.append(self.commits_persist_at)
+        if self.paused_until:
+            deadlines.append(self.paused_until)
+        return max(0.0, min(deadlines) - now)
+
+    def _linger(self) -> None:
+        """Give `finished`/`stop` a bounded moment to reach the agents before the sockets close."""
+        deadline = self.clock() + LINGER
+        self._persist()
+        self._flush()
+        while any(c.out and not c.closed for c in self.pending) and self.clock() < deadline:
+            for key, mask in self.sel.select(max(0.0, deadline - self.clock())):
+                if isinstance(key.data, Conn):
+                    if mask & selectors.EVENT_WRITE:
+                        self._write(key.data)
+                    elif mask & selectors.EVENT_READ:
+                        self._read(key.data)
+
+    def _shutdown(self) -> None:
+        for conn in list(self.conns.values()):
+            self._close(conn)
+        for sock in self.listeners.values():
+            try:
+                self.sel.unregister(sock)
+            except (KeyError, ValueError):
+                pass
+            sock.close()
+        self.sel.close()
+        self._wake_r.close()
+        self._wake_w.close()
+
+    # -- connections
+
+    def _accept(self, kind: str) -> None:
+        listener = self.listeners[kind]
+        while True:
+            try:
+                sock, addr = listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as e:
+                if e.errno in RESOURCE_ERRORS:
+                    self._pause_listeners(e)
+                return
+            ip = str(addr[0])
+            unauthed = [c for c in self.conns.values() if not c.authed]
+            if len(unauthed) >= MAX_PREAUTH or sum(1 for c in unauthed if c.ip == ip) >= MAX_PREAUTH_PER_IP:
+                sock.close()
+                self.said.warn("refused", f"refused connections: {len(unauthed)} are still to authenticate (at most "
+                                          f"{MAX_PREAUTH}, {MAX_PREAUTH_PER_IP} from one address; latest from {ip})")
+                continue
+            sock.setblocking(False)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            conn = Conn(next(self.ids), sock, f"{addr[0]}:{addr[1]}", ip, kind, P.new_nonce(),
+                        self.clock() + PREAUTH_TIMEOUT)
+            self.conns[conn.id] = conn
+            self.sel.register(sock, selectors.EVENT_READ, conn)
+            self._send(conn, P.CHALLENGE, nonce=conn.nonce)
+
+    def _pause_listeners(self, e: OSError) -> None:
+        """Out of descriptors (or memory): the connection waits in the kernel's backlog while the listeners rest;
+        connections that never authenticate expire meanwhile and free theirs."""
+        self.said.warn("resources", f"cannot accept connections: {e.strerror}; pausing the listeners for "
+                                    f"{ACCEPT_PAUSE:g} s")
+        if not self.paused_until:
+            for sock in self.listeners.values():
+                self.sel.unregister(sock)
+        self.paused_until = self.clock() + ACCEPT_PAUSE
+
+    def _resume_listeners(self, now: float) -> None:
+        if self.paused_until and now >= self.paused_until:
+            self.paused_until = 0.0
+            for kind, sock in self.listeners.items():
+                self.sel.register(sock, selectors.EVENT_READ, kind)
+
+    def _expire(self, now: float) -> None:
+        for conn in [c for c in self.conns.values() if not c.authed and not c.closing and now >= c.deadline]:
+            self.said.warn("preauth", f"dropped {conn.addr}: it did not authenticate within {PREAUTH_TIMEOUT:g} s")
+            self._drop(conn, "did not authenticate")
+        for reply in self.kv.expire(now):
+            conn = self.conns.get(reply.peer)
+            if conn is not None:
+                self._queue(conn, reply.message())
+
+    def _read(self, conn: Conn) -> None:
+        try:
+            data = conn.sock.recv(RECV_SIZE)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as e:
+            self._drop(conn, f"connection error ({e.strerror})")
+            return
+        if not data:
+            self._drop(conn, "connection closed")
+            return
+        if conn.closing:
+            return
+        try:
+            messages = conn.lines.feed(data)
+        except P.ProtocolError as e:
+            self.said.warn(f"protocol:{conn.ip}", f"dropped {conn.addr}: {e}")
+            self._drop(conn, f"protocol error ({e})")
+            return
+        for msg in messages:
+            if conn.closed or conn.closing:
+                return
+            self._dispatch(conn, msg)
+
+    def _dispatch(self, conn: Conn, msg: dict[str, Any]) -> None:
+        now = self.clock()
+        if not conn.authed:
+            self._hello(conn, msg, now)
+        elif conn.kind == STORE:
+            if msg["op"] != P.KV:
+                self._drop(conn, f"unexpected {msg['op'][:40]!r} on the store")
+                return
+            for reply in self.kv.request(conn.id, msg, now):
+                target = self.conns.get(reply.peer)
+                if target is not None:
+                    self._queue(target, reply.message())
+        else:
+            self._apply(self.members.message(conn.id, msg, now))
+
+    def _hello(self, conn: Conn, msg: dict[str, Any], now: float) -> None:
+        op = msg["op"]
+        expected = (P.STORE_HELLO,) if conn.kind == STORE else (P.REGISTER, P.AGENT_HELLO)
+        subject = P.hello_subject(msg)[:80] or "?"
+        if op not in expected:
+            log.warning("rejected %s: %r before authenticating", conn.addr, op[:40])
+            self._send(conn, P.REJECT, reason=f"expected {' or '.join(expected)} first", retry=False)
+            conn.closing = True
+            return
+        if "token" in msg:
+            reason = ("the job token in the clear is refused: this peer's toolkit is older than the scheduler's; "
+                      "install the same toolkit on every host")
+        elif not P.check_client(self.cfg.token, conn.nonce, msg):
+            reason = "wrong or missing job token"
+        else:
+            reason = ""
+        if reason:
+            what = {P.REGISTER: f"registration of {subject}", P.AGENT_HELLO: "agent hello",
+                    P.STORE_HELLO: f"store connection of {subject}"}[op]
+            host = f" (host {subject})" if op == P.AGENT_HELLO else ""
+            log.warning("rejected %s from %s%s: %s", what, conn.addr, host, reason)
+            self._send(conn, P.REJECT, reason=reason, retry=False)
+            conn.closing = True
+            return
+        conn.authed, conn.prove, conn.client_nonce = True, True, str(msg["nonce"])
+        conn.lines.limit = P.MAX_STORE_LINE if conn.kind == STORE else P.MAX_LINE
+        if op == P.STORE_HELLO:
+            self._send(conn, P.WELCOME)
+        elif op == P.REGISTER:
+            self._apply(self.members.register(conn.id, conn.addr, msg, now))
+        else:
+            self._apply(self.members.agent_hello(conn.id, conn.addr, msg))
+
+    # -- applying the membership's actions
+
+    def _apply(self, actions: list[Any]) -> None:
+        for action in actions:
+            if isinstance(action, Send):
+                conn = self.conns.get(action.peer)
+                if conn is not None:
+                    self._send(conn, action.op, **action.fields)
+                    if action.close:
+                        conn.closing = True
+            elif isinstance(action, Close):
+                conn = self.conns.get(action.peer)
+                if conn is not None:
+                    self._close(conn)
+            elif isinstance(action, Log):
+                log.log(action.level, "%s", action.text)
+            elif isinstance(action, Exit):
+                if self.exit_code is None:
+                    self.exit_code = action.code
+            elif isinstance(action, DropKeys):
+                self.kv.drop_prefix(action.prefix)
+
+    def _send(self, conn: Conn, op: str, **fields: Any) -> None:
+        if conn.prove and conn.client_nonce is not None:  # the first answer to a hello proves we hold the token
+            fields = {**fields, "proof": P.server_proof(self.cfg.token, conn.nonce, conn.client_nonce)}
+            conn.prove = False
+        self._queue(conn, P.encode(op, **fields))
+
+    def _queue(self, conn: Conn, data: bytes) -> None:
+        if conn.closed:
+            return
+        conn.out += data
+        self.pending.add(conn)
+
+    def _flush(self) -> None:
+        pending, self.pending = self.pending, set()
+        for conn in pending:
+            if conn.closed:
+                continue
+            if len(conn.out) > MAX_OUTBUF:
+                self._drop(conn, "stopped reading its messages")
+                continue
+            self._write(conn)
+            if conn.out and not conn.closed:
+                self.pending.add(conn)
+
+    def _write(self, conn: Conn) -> None:
+        try:
+            sent = conn.sock.send(conn.out)
+        except (BlockingIOError, InterruptedError):
+            sent = 0
+        except OSError:
+            self._drop(conn, "connection closed while sending")
+            return
+        del conn.out[:sent]
+        if not conn.out:
+            if conn.closing:
+                self._close(conn)
+                return
+            self.sel.modify(conn.sock, selectors.EVENT_READ, conn)
+        else:
+            self.sel.modify(conn.sock, selectors.EVENT_READ | selectors.EVENT_WRITE, conn)
+
+    def _close(self, conn: Conn) -> None:
+        if conn.closed:
+            return
+        conn.closed = True
+        self.conns.pop(conn.id, None)
+        try:
+            self.sel.unregister(conn.sock)
+        except (KeyError, ValueError):
+            pass
+        conn.sock.close()
+        self.kv.forget(conn.id)
+
+    def _drop(self, conn: Conn, reason: str) -> None:
+        """A connection ended (or is ended): for a member, its death (Membership.lost)."""
+        self._close(conn)
+        if conn.authed and conn.kind == CONTROL:
+            self._apply(self.members.lost(conn.id, reason, self.clock()))
+
+    # -- persistence
+
+    def _state_path(self) -> Path | None:
+        if not self.cfg.recovery or self.cfg.recovery_path is None:
+            return None
+        return self.cfg.recovery_path / S.STATE_FILE
+
+    def _persist(self, force: bool = False) -> None:
+        path = self._state_path()
+        now = self.clock()
+        commits_due = self.members.commits_dirty and now >= self.commits_persist_at
+        if path is None or not (self.members.dirty or force or commits_due):
+            return
+        try:
+            S.save(path, self.members.snapshot())
+        except OSError as e:
+            log.error("cannot persist the state to %s: %s (recovery after a scheduler crash would lose it)",
+                      path, e.strerror)
+            return
+        self.members.dirty = self.members.commits_dirty = False
+        self.commits_persist_at = now + COMMIT_PERSIST_INTERVAL

@@ -1,0 +1,59 @@
+"""The scheduler's persisted state, `<MS_RECOVERY_PATH>/scheduler.json`: what a restarted scheduler needs to go on
+with the job (Membership.snapshot()), written durably before anything that depends on it is sent, so a scheduler
+killed with -9 and started again never hands out a generation twice."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Mapping
+
+from toolkit import atomicfile
+from toolkit.atomicfile import Durability
+from toolkit.errors import UserError
+
+STATE_FILE = "scheduler.json"
+VERSION = 1
+
+
+class StateError(UserError):
+    """The persisted state cannot be used; the message says which file and what to do."""
+
+
+def load(path: Path, job: str, world_size: int) -> dict[str, Any] | None:
+    """The state of `job` in `path`, or None if there is none yet."""
+    try:
+        doc = json.loads(path.read_bytes())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, RecursionError) as e:
+        raise StateError(f"{path}: unreadable scheduler state ({e}); move it away to start the job afresh") from None
+    if not isinstance(doc, dict) or doc.get("version") != VERSION:
+        raise StateError(f"{path}: not a scheduler state of this toolkit (version {VERSION}); move it away to start "
+                         "the job afresh")
+    if doc.get("job") != job or doc.get("world_size") != world_size:
+        raise StateError(f"{path} belongs to job {doc.get('job')!r} with {doc.get('world_size')} workers, not {job!r} "
+                         f"with {world_size}; point MS_RECOVERY_PATH elsewhere or remove it")
+    try:
+        _check(doc)
+    except (KeyError, TypeError, ValueError) as e:
+        raise StateError(f"{path}: damaged scheduler state ({type(e).__name__}: {e}); move it away to start the "
+                         "job afresh") from None
+    return doc
+
+
+def save(path: Path, snapshot: Mapping[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    atomicfile.write(path, json.dumps({"version": VERSION, **snapshot}, indent=1), durability=Durability.DURABLE)
+
+
+def _check(doc: Mapping[str, Any]) -> None:
+    """Every field a restore reads has the type it expects (a damaged file must not become a traceback)."""
+    if doc.get("status") != "running":
+        return
+    int(doc["generation"])
+    bool(doc["formed"])
+    [int(r) for r in doc.get("done", [])]
+    {int(r): int(s) for r, s in dict(doc.get("commits", {})).items()}
+    for m in doc.get("members", []):
+        int(m["rank"]), int(m["pid"]), str(m["node_id"]), str(m["incarnation"]), str(m["host"]), str(m["addr"])

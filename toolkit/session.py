@@ -1,0 +1,66 @@
+"""A blocking, authenticated connection to the scheduler (its control port or the job's store), for the worker
+runtime, the store client and the agent's last words: connect, answer the server's challenge with a proof of the
+job token, and accept the answer only if it proves the token too (toolkit.protocol has the scheme and why).
+
+The agent's everyday link is non-blocking and does the same steps in its event loop (toolkit.agent)."""
+
+from __future__ import annotations
+
+import socket
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from toolkit import protocol as P
+
+
+class Unproven(Exception):
+    """The peer answered without proving it holds the job token: a wrong token on this side, or not this job's
+    scheduler (something else took its address)."""
+
+
+@dataclass
+class Session:
+    """An open connection whose peer proved the token: `reply` is its answer to the hello (welcome, reject,
+    fenced), `queued` what came with it."""
+
+    sock: socket.socket
+    lines: P.LineBuffer
+    reply: dict[str, Any]
+    queued: list[dict[str, Any]] = field(default_factory=list)
+
+
+def open_session(address: tuple[str, int], token: str, op: str, fields: dict[str, Any], timeout: float,
+                 connect_timeout: float, limit: int = P.MAX_LINE) -> Session:
+    """Connect to `address` (host, port) and say `op` (register, agent_hello, store_hello) with `fields`, bounded
+    by `timeout` for the whole exchange. OSError for the network, ProtocolError for a peer that does not speak the
+    protocol, Unproven for one that cannot prove the token."""
+    deadline = time.monotonic() + timeout
+    sock = socket.create_connection(address, timeout=connect_timeout)
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        lines = P.LineBuffer(limit)
+        pending: list[dict[str, Any]] = []
+
+        def next_message() -> dict[str, Any]:
+            while not pending:
+                sock.settimeout(max(0.01, deadline - time.monotonic()))
+                data = sock.recv(65536)
+                if not data:
+                    raise ConnectionError("the scheduler closed the connection during the handshake")
+                pending.extend(lines.feed(data))
+            return pending.pop(0)
+
+        server_nonce = P.challenge_nonce(next_message())
+        hello, client_nonce = P.hello(op, token, server_nonce, **fields)
+        sock.sendall(hello)
+        reply = next_message()
+        if not P.check_server(token, server_nonce, client_nonce, reply):
+            said = (f"it said: {str(reply.get('reason'))[:300]}" if reply.get("op") == P.REJECT
+                    else f"{str(reply.get('op'))[:40]} without a proof")
+            raise Unproven(f"the answer did not prove the job token ({said}); a wrong token on this host, or not "
+                           "this job's scheduler")
+        return Session(sock, lines, reply, pending)
+    except BaseException:
+        sock.close()
+        raise
