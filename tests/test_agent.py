@@ -679,3 +679,22 @@ def test_stop_verifies_the_last_incarnations_are_gone(make_job):
     assert w0["pid"] is None and w0["last_pid"] == ev["pid"] and w0["state"] == "stopped"
     assert_all_gone([ev["pid"], ev["grandchild"]])
     assert job.cli("stop").stdout.strip() == "hostA: agent was not running; no process of the job is left"
+
+
+def test_stop_never_signals_what_it_cannot_prove_is_the_jobs(make_job):
+    """A pid file without the agent's start time, and an agent.json whose group has no leader start time, name
+    processes that are not the job's (pids are reused): stop leaves them alone."""
+    job = make_job([["--block"]])
+    stranger = subprocess.Popen(["sleep", "300"], start_new_session=True)  # its own group: pgid == pid
+    try:
+        job.spec.state_dir.mkdir(parents=True, exist_ok=True)
+        job.spec.pid_file.write_text(f"{stranger.pid}\n")
+        job.spec.agent_json.write_text(json.dumps({"processes": [
+            {"node_id": "worker_0", "pgid": stranger.pid},
+            {"node_id": "worker_1", "last_pid": stranger.pid, "last_start_ticks": None}]}))
+        out = job.cli("stop")
+        assert out.returncode == 0, out.stderr
+        assert stranger.poll() is None and procs.is_running(stranger.pid), "stop signalled an unrelated process"
+    finally:
+        stranger.kill()
+        stranger.wait(10)

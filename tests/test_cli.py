@@ -6,6 +6,7 @@ import json
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -108,3 +109,40 @@ def test_unknown_config_setting(project: Path) -> None:
     (project / "fabric.yaml").write_text("toolkit:\n  wokrer_num: 3\n")
     r = run("fleet", "plan", cwd=project)
     assert r.returncode == 2 and "fabric.yaml: unknown setting toolkit.wokrer_num" in r.stderr
+
+
+@pytest.mark.parametrize("args,message", [
+    (["plan", "--hosts="], "--hosts item 1: empty"),
+    (["plan", "--hosts=a:1000000000"], "slots=1000000000: more than 4096 workers on one host"),
+    (["plan", "--hosts=a", "--grace=nan"], "--grace='nan': expected a finite number"),
+    (["plan", "--hosts=a", "--node-timeout=inf"], "--node-timeout='inf': expected a finite number"),
+    (["plan", "--workdir=/tmp/" + "d" * 90], "is too deep for the agent's sockets"),
+    (["logs", "-n", "abc"], "error: -n/--lines 'abc': expected a whole number"),
+    (["status", "--nope"], "error: No idea what '--nope' is!; 'fleet --help' lists the tasks"),
+])
+def test_hostile_or_mistyped_flags_are_one_line_and_exit_2(project: Path, args: list[str], message: str) -> None:
+    started = time.monotonic()
+    r = run("fleet", *args, cwd=project)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert message in r.stderr and "Traceback" not in r.stderr and r.stderr.strip().count("\n") == 0, r.stderr
+    assert time.monotonic() - started < 30  # a billion slots used to eat memory for 30 s
+
+
+@pytest.mark.parametrize("change", [{"hosts": []}, {"grace": "abc"}, {"ssh": {}}, {"hosts": [{"name": 3}]},
+                                    {"processes": [7]}, {"local": "yes"}])
+def test_a_damaged_job_record_is_one_line(project: Path, change: dict) -> None:
+    ok = run("fleet", "plan", cwd=project)  # make a valid record by hand from a deploy-like document
+    assert ok.returncode == 0
+    record = {"job": "j", "local": True, "scheduler_host": "localhost", "sched_port": 9000,
+              "hosts": [{"name": "localhost", "hostname": "localhost", "port": None, "user": None, "key_file": None,
+                         "job_dir": "/tmp/j", "python": "python3", "node_ids": ["sched", "worker_0"]}],
+              "processes": [{"host": "localhost", "role": "MS_WORKER", "node_id": "worker_0", "rank": 0,
+                             "local_rank": 0, "log": "logs/worker_0.log"}],
+              "ssh": {"known_hosts": "k", "accept_new_host_keys": False, "ssh_config": None, "identities": [],
+                      "connect_timeout": None, "parallel": 4}, "grace": 3}
+    path = project / ".toolkit" / "jobs" / "j.json"
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({**record, **change}))
+    r = run("fleet", "status", cwd=project)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert f"{path}: damaged job record:" in r.stderr and "deploy the job again" in r.stderr

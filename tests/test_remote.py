@@ -3,7 +3,9 @@ keys, one-line errors per host, bounded waits on cut-off hosts, incremental sync
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -26,6 +28,7 @@ from toolkit.remote import (
     CommandFailed,
     ConnectionLost,
     Host,
+    HostStalled,
     HostUnreachable,
     LocalHost,
     PreflightFailed,
@@ -429,6 +432,50 @@ def test_open_connection_to_a_cut_off_host_reports_connection_lost(cluster: Clus
         assert result.connection_lost and result.exit_code is None and not result.ok
         with pytest.raises(ConnectionLost, match=rf"^{victim.name}: connection lost"):
             result.check()
+
+
+def sshd_session(host: Host) -> int:
+    """The pid of the sshd process serving `host`'s connection (`sshd: root@notty`): the parent of the command's
+    parent (sshd -> the login shell, replaced by `timeout` -> sh)."""
+    pid = int(host.run(["sh", "-c", 'read -r _ _ _ ppid _ < /proc/$PPID/stat; echo "$ppid"'], timeout=10,
+                       check=True).stdout)
+    assert Path(f"/proc/{pid}/cmdline").read_bytes().startswith(b"sshd"), pid
+    return pid
+
+
+def test_a_stalled_ssh_session_is_reported_within_the_bound(cluster: Cluster, targets: list[Target]) -> None:
+    """The sshd process serving our connection is SIGSTOPped: the host still answers TCP (keepalives are ACKed by
+    its kernel) but nothing else. A command, the liveness probe and an sftp write each end within their bound,
+    saying the host stopped answering."""
+    victim = cluster.hosts[-1]
+    host = open_host(by_name(targets, victim.name), settings(cluster, dead_after=3))
+    session = None
+    try:
+        session = sshd_session(host)
+        os.kill(session, signal.SIGSTOP)
+        started = time.monotonic()
+        with pytest.raises(HostStalled, match=rf"^{victim.name}: stopped answering: command exec true got no answer"):
+            host.run(["true"], timeout=5)
+        took = time.monotonic() - started
+        assert took < 60, f"run(timeout=5) took {took:.0f} s on a stalled session"  # it hung forever before
+        assert not host.alive()
+    finally:
+        if session is not None:
+            with contextlib.suppress(ProcessLookupError):  # its sshd may have ended it with the connection
+                os.kill(session, signal.SIGCONT)
+        host.close()
+    stalled = open_host(by_name(targets, victim.name), settings(cluster, dead_after=3))
+    try:
+        session = sshd_session(stalled)
+        os.kill(session, signal.SIGSTOP)
+        started = time.monotonic()
+        with pytest.raises(HostStalled, match="stopped answering"):
+            stalled.write(str(victim.workdir / "stalled"), "x")
+        assert time.monotonic() - started < 60
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(session, signal.SIGCONT)
+        stalled.close()
 
 
 def test_command_in_flight_on_a_crashed_host_is_connection_lost(cluster: Cluster, targets: list[Target]) -> None:

@@ -24,6 +24,7 @@ import pytest
 from cluster import Cluster, ProcessInfo, describe, format_workload
 from ports import free_port_pair
 from toolkit.procs import proc_info
+from toolkit.remote import LocalHost
 
 REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
@@ -492,3 +493,34 @@ def test_tail_output_is_split_by_file_and_keeps_blank_lines() -> None:
         parse(line)
     assert got == [("h:worker:0", "one"), ("h:worker:0", ""), ("h:worker:0", "two"), ("h:worker:1", "three"),
                    ("h:worker:0", "four")]
+
+
+def test_deploy_refuses_a_job_directory_others_could_change_and_keeps_its_own_private(tmp_path: Path,
+                                                                                    job: str) -> None:
+    d = tmp_path / "proj"
+    d.mkdir()
+    shutil.copy(WORKER, d / "train.py")
+    (d / "link-out").symlink_to(Path.home() / ".bashrc")  # a link out of the project: never followed
+    (d / "link-in").symlink_to(d / "train.py")
+    work = tmp_path / "shared"
+    flags = ["--job", job, "--workdir", str(work), "--worker-num", "1", "--master-port", str(free_port_pair())]
+    (work / job).mkdir(parents=True)
+    os.chown(work / job, 12345, 12345)  # another local user made the job directory first
+    r = fleet("deploy", *flags, cwd=d)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert f"{work / job} belongs to uid 12345, not to you (uid 0): another user made it" in r.stderr
+    assert not (work / job / "launch.sh").exists()
+    os.chown(work / job, 0, 0)
+    os.chmod(work, 0o777)  # a workdir every local user may write
+    r = fleet("deploy", *flags, cwd=d)
+    assert r.returncode == 2 and f"{work} is writable by other users (mode 777)" in r.stderr, r.stderr
+    os.chmod(work, 0o755)
+    r = ok(fleet("deploy", *flags, cwd=d))
+    for sub in ("", "env", "logs", "state", "recovery", "ckpt"):
+        assert (work / job / sub).stat().st_mode & 0o777 == 0o700, sub
+    assert (work / job / "token").stat().st_mode & 0o777 == 0o600
+
+    copy = tmp_path / "copy"  # what deploy does to a remote host's project copy, with this machine as the host
+    stats = LocalHost().sync_dir(d, str(copy), delete=True)
+    assert stats.outside == ("link-out",) and (copy / "link-in").read_bytes() == WORKER.read_bytes()
+    assert not (copy / "link-out").exists()

@@ -37,6 +37,7 @@ import fcntl
 import heapq
 import itertools
 import json
+import math
 import os
 import select
 import selectors
@@ -49,6 +50,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from toolkit import atomicfile
 from toolkit import envvars as E
 from toolkit import netif, procs
 from toolkit import protocol as P
@@ -215,7 +217,7 @@ def load_spec(job_dir: str | Path) -> HostSpec:
 
     if get(doc, "version", int, "version") != 1:
         raise UserError(f"{where}: version {doc['version']} is not supported by this toolkit (1); update toolkit")
-    nonneg = lambda v: v >= 0  # noqa: E731
+    nonneg = lambda v: 0 <= v < math.inf  # noqa: E731
     sched = get(doc, "scheduler", dict, "scheduler")
     policy = RestartPolicy(
         max_restarts=get(doc, "max_restarts", int, "max_restarts", 3, nonneg, "give 0 or more"),
@@ -300,14 +302,6 @@ def iso(t: float | None) -> str | None:
     return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(t)) + f".{int(t * 1000) % 1000:03d}Z"
 
 
-def write_atomic(path: Path, text: str) -> None:
-    """Readers see the old document or the new one, never a part: a temp file in the same directory, renamed."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-    os.replace(tmp, path)
-
-
 # --- the agent's own log ------------------------------------------------------------------------------------
 
 
@@ -315,9 +309,9 @@ class AgentLog:
     """Lines `time host:who: message` appended to logs/agent.log, and to stderr when that is somewhere else."""
 
     def __init__(self, path: Path, host: str) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         self.host = host
-        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
         mine = os.fstat(self._fd)
         try:
             err = os.fstat(2)
@@ -747,9 +741,9 @@ class Agent:
 
     def _setup(self) -> None:
         spec = self.spec
-        spec.state_dir.mkdir(parents=True, exist_ok=True)
+        spec.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         self._reclaim_previous()
-        write_atomic(spec.pid_file, f"{self.pid} {self.ticks}\n")
+        atomicfile.write(spec.pid_file, f"{self.pid} {self.ticks}\n")
         self._wake_r, wake_w = socket.socketpair()
         self._wake_w = wake_w
         for s in (self._wake_r, wake_w):
@@ -1292,15 +1286,15 @@ class Agent:
     def _write(self) -> None:
         self.progress_dirty = False
         self.last_write = time.monotonic()
-        write_atomic(self.spec.agent_json, json.dumps(self.document(), indent=1) + "\n")
+        atomicfile.write(self.spec.agent_json, json.dumps(self.document(), indent=1) + "\n")
 
 
 # --- entry points --------------------------------------------------------------------------------------------
 
 
 def _lock(spec: HostSpec) -> int | None:
-    spec.state_dir.mkdir(parents=True, exist_ok=True)
-    fd = os.open(spec.lock_file, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    spec.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    fd = os.open(spec.lock_file, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -1309,15 +1303,19 @@ def _lock(spec: HostSpec) -> int | None:
     return fd
 
 
-def read_pid_file(spec: HostSpec) -> tuple[int, int | None] | None:
+def read_pid_file(spec: HostSpec) -> tuple[int, int] | None:
+    """(pid, start ticks) from the pid file; None if it is missing or not in that form. A pid alone is never
+    trusted: pids are reused, and a pid file from before a reboot (or written by someone else) would name an
+    unrelated process that `stop` would then signal."""
     try:
         fields = spec.pid_file.read_text().split()
-        return int(fields[0]), (int(fields[1]) if len(fields) > 1 and fields[1].isdigit() else None)
+        pid, ticks = int(fields[0]), int(fields[1])
     except (OSError, ValueError, IndexError):
         return None
+    return (pid, ticks) if pid > 1 and ticks >= 0 else None
 
 
-def running_agent(spec: HostSpec) -> tuple[int, int | None] | None:
+def running_agent(spec: HostSpec) -> tuple[int, int] | None:
     """(pid, ticks) of this job's live agent: the pid file names a process that exists with the same start time."""
     rec = read_pid_file(spec)
     if rec is not None and procs.is_running(*rec):
@@ -1358,7 +1356,7 @@ def start(spec: HostSpec, timeout: float = START_TIMEOUT, overrides: list[str] |
     if rec is not None:
         print(f"{spec.host}: agent of job {spec.job} already running (pid {rec[0]})")
         return EXIT_OK
-    spec.agent_log.parent.mkdir(parents=True, exist_ok=True)
+    spec.agent_log.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     r, w = os.pipe()
     os.set_inheritable(w, True)
     argv = [sys.executable, "-m", "toolkit.agent", "run", "--job-dir", str(spec.job_dir), "--ready-fd", str(w),
@@ -1366,7 +1364,7 @@ def start(spec: HostSpec, timeout: float = START_TIMEOUT, overrides: list[str] |
     try:
         pid = os.posix_spawn(sys.executable, argv, dict(os.environ), setsid=True, file_actions=[
             (os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0),
-            (os.POSIX_SPAWN_OPEN, 1, str(spec.agent_log), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644),
+            (os.POSIX_SPAWN_OPEN, 1, str(spec.agent_log), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600),
             (os.POSIX_SPAWN_DUP2, 1, 2),
         ])
     finally:
@@ -1475,17 +1473,21 @@ def stop(spec: HostSpec, timeout: float | None = None) -> int:
     return EXIT_OK
 
 
-def _recorded_groups(spec: HostSpec) -> list[tuple[str, int, int | None]]:
-    """(node_id, pgid, leader start ticks) of every process the last agent.json names."""
+def _recorded_groups(spec: HostSpec) -> list[tuple[str, int, int]]:
+    """(node_id, pgid, leader start ticks) of every process the last agent.json names. An entry without its
+    leader's start time is skipped: a group id alone may name someone else's processes by now."""
     try:
         doc = json.loads(spec.agent_json.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return []
     out = []
     for p in doc.get("processes", []) if isinstance(doc, dict) else []:
+        if not isinstance(p, dict):
+            continue
         pgid = p.get("pgid") or p.get("last_pid")  # a session leader's pgid is its pid
         ticks = p.get("start_ticks") if p.get("pgid") else p.get("last_start_ticks")
-        if isinstance(pgid, int) and pgid > 1 and (ticks is None or isinstance(ticks, int)):
+        if (isinstance(pgid, int) and not isinstance(pgid, bool) and pgid > 1 and isinstance(ticks, int)
+                and not isinstance(ticks, bool)):
             out.append((str(p.get("node_id")), pgid, ticks))
     return out
 
@@ -1509,8 +1511,8 @@ def with_overrides(spec: HostSpec, args: argparse.Namespace) -> tuple[HostSpec, 
         spec = dataclasses.replace(spec, policy=dataclasses.replace(spec.policy, max_restarts=args.max_restarts))
         flags += ["--max-restarts", str(args.max_restarts)]
     if args.grace is not None:
-        if args.grace < 0:
-            raise UserError(f"--grace {args.grace}: give 0 or more seconds")
+        if not 0 <= args.grace < math.inf:
+            raise UserError(f"--grace {args.grace}: give 0 or more seconds, a finite number")
         spec = dataclasses.replace(spec, grace=args.grace)
         flags += ["--grace", str(args.grace)]
     for name in ("bind_core", "warm_spare"):

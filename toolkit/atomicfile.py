@@ -25,7 +25,7 @@ class Durability(enum.Enum):
     DURABLE = "durable"
 
 
-def write(path: str | Path, data: bytes | str, mode: int = 0o600,
+def write(path: str | Path, data: bytes | bytearray | memoryview | str, mode: int = 0o600,
           durability: Durability = Durability.VISIBLE) -> None:
     """Replace `path` with `data`, atomically, with `mode` (not subject to the umask). OSError on failure, with
     the temporary file removed."""

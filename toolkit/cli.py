@@ -17,6 +17,7 @@ from typing import Any, Callable
 import fabric
 import fabric.main
 from invoke import Call, Collection, Context, Exit, Task
+from invoke.exceptions import ParseError
 from invoke.parser import ParserContext
 
 from toolkit import tasks
@@ -183,14 +184,15 @@ def status(request: Request, json: bool) -> None:
         "rank": ("", "only the worker of this rank"),
         "host": ("", "only the processes of this host"),
         "follow": (False, "keep printing new lines until Ctrl-C"),
-        "lines": (tasks.LOG_LINES, "lines of each log to show first"),
+        "lines": ("", f"lines of each log to show first [{tasks.LOG_LINES}]"),
     },
     short={"follow": "f", "lines": "n"},
 )
-def logs(request: Request, node: str, rank: str, host: str, follow: bool, lines: int) -> None:
+def logs(request: Request, node: str, rank: str, host: str, follow: bool, lines: str) -> None:
     """The processes' logs (scheduler.log, worker_<rank>.log), each line prefixed host:role:rank."""
+    count = _whole("-n/--lines", lines)
     tasks.logs(request.job_ref(), node=node or None, rank=_whole("--rank", rank), host_name=host or None,
-               follow=follow, lines=lines)
+               follow=follow, lines=tasks.LOG_LINES if count is None else count)
 
 
 @cluster_task()
@@ -234,11 +236,33 @@ def namespace() -> Collection:
 
 
 def use_cluster_executor() -> None:
-    """For fabfile.py: make `fab` run toolkit's tasks once per cluster rather than once per host."""
-    fabric.main.program.executor_class = ClusterExecutor
+    """For fabfile.py: make `fab` run toolkit's tasks once per cluster rather than once per host, and exit 2 on a
+    command line it cannot parse, as `fleet` does."""
+    program = fabric.main.program
+    program.executor_class = ClusterExecutor
+    for name in ("parse_core", "parse_tasks"):
+        setattr(program, name, _usage_errors_exit_2(getattr(program, name), "fab"))
+
+
+def _usage_errors_exit_2(step: Callable[..., None], binary: str) -> Callable[..., None]:
+    """invoke exits 1 on a flag it does not know; a usage error is exit code 2 (README), with the way to help."""
+    def parse(*args: Any) -> None:
+        try:
+            step(*args)
+        except ParseError as e:
+            raise Exit(f"error: {e}; '{binary} --help' lists the tasks, '{binary} TASK --help' their flags",
+                       code=2) from None
+
+    return parse
 
 
 class Fleet(fabric.main.Fab):
+    def parse_core(self, argv: Any) -> None:
+        _usage_errors_exit_2(super().parse_core, "fleet")(argv)
+
+    def parse_tasks(self) -> None:
+        _usage_errors_exit_2(super().parse_tasks, "fleet")()
+
     def parse_collection(self) -> None:
         super().parse_collection()
         # `fleet` has no fabfile to anchor the project config on: read ./fabric.yaml, as fab would next to it.

@@ -22,6 +22,7 @@ LOCALHOST = "localhost"
 _NAME = re.compile(r"^[A-Za-z0-9_](?:[A-Za-z0-9._-]*[A-Za-z0-9_])?$")
 _USER = re.compile(r"^[A-Za-z_][A-Za-z0-9._-]*$")
 _SLOTS_HELP = "slots must be a whole number of at least 1"
+MAX_SLOTS = 4096  # workers on one host: more is a typo, and would only make the planner eat memory
 
 
 class InventoryError(UserError):
@@ -45,6 +46,9 @@ class Host:
     def __post_init__(self) -> None:
         if not isinstance(self.slots, int) or isinstance(self.slots, bool) or self.slots < 1:
             raise InventoryError(f"host {self.name}: slots={self.slots!r}: {_SLOTS_HELP}")
+        if self.slots > MAX_SLOTS:
+            raise InventoryError(f"host {self.name}: slots={self.slots}: more than {MAX_SLOTS} workers on one host; "
+                                 "give the number of processes the host really runs")
         if self.port is not None and not 1 <= self.port <= 65535:
             raise InventoryError(f"host {self.name}: SSH port {self.port} is outside 1-65535")
 

@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from toolkit import atomicfile
 from toolkit.errors import UserError
 
 RECORD_DIR = ".toolkit/jobs"
@@ -87,10 +88,8 @@ def save(project: Path, record: JobRecord, typed_in: Path | None = None) -> Path
 
 
 def _write(path: Path, data: dict[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(data, indent=2) + "\n")
-    tmp.replace(path)
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    atomicfile.write(path, json.dumps(data, indent=2) + "\n")
 
 
 def locate(where: Path, job: str) -> Path:
@@ -136,23 +135,76 @@ def load(project: Path, job: str | None, default: str | None = None) -> JobRecor
     path = locate(project, job)
     try:
         data = json.loads(path.read_text())
-        hosts = tuple(HostRecord(**{**h, "node_ids": tuple(h["node_ids"])}) for h in data["hosts"])
     except FileNotFoundError:
         raise UserError(f"job {job} was never deployed from {project}; run 'fleet deploy --job {job}' first") from None
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise UserError(f"{path}: unreadable job record ({e}); deploy the job again") from None
+    except (OSError, ValueError, RecursionError) as e:
+        raise UserError(f"{path}: unreadable job record ({type(e).__name__}: {e}); deploy the job again") from None
+    try:
+        return _parse(data)
+    except RecordError as e:
+        raise UserError(f"{path}: damaged job record: {e}; deploy the job again (fleet deploy)") from None
+
+
+class RecordError(ValueError):
+    """A field of the record is missing or of the wrong type."""
+
+
+def _parse(data: Any) -> JobRecord:
+    """Every field checked for its type, so that a damaged record is one line, never a traceback later."""
+    if not isinstance(data, dict):
+        raise RecordError("not a JSON object")
+
+    def field_(obj: dict[str, Any], name: str, kind: type | tuple[type, ...], where: str = "") -> Any:
+        value = obj.get(name)
+        if not isinstance(value, kind) or isinstance(value, bool) and bool not in (kind if isinstance(kind, tuple)
+                                                                                   else (kind,)):
+            raise RecordError(f"{where}{name} is {json.dumps(value)[:60]}")
+        return value
+
+    hosts_raw = field_(data, "hosts", list)
+    if not hosts_raw:
+        raise RecordError("hosts is empty")
+    hosts = []
+    for i, h in enumerate(hosts_raw):
+        where = f"hosts[{i}]."
+        if not isinstance(h, dict):
+            raise RecordError(f"hosts[{i}] is not an object")
+        port = h.get("port")
+        if port is not None and (not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536):
+            raise RecordError(f"{where}port is {json.dumps(port)[:60]}")
+        node_ids = field_(h, "node_ids", list, where)
+        ckpt = h.get("ckpt_dir")
+        hosts.append(HostRecord(
+            name=field_(h, "name", str, where), hostname=field_(h, "hostname", str, where), port=port,
+            user=h.get("user") if isinstance(h.get("user"), str) else None,
+            key_file=h.get("key_file") if isinstance(h.get("key_file"), str) else None,
+            job_dir=field_(h, "job_dir", str, where), python=field_(h, "python", str, where),
+            node_ids=tuple(str(n) for n in node_ids), ckpt_dir=ckpt if isinstance(ckpt, str) else None))
+    processes = field_(data, "processes", list)
+    for i, p in enumerate(processes):
+        where = f"processes[{i}]."
+        if not isinstance(p, dict):
+            raise RecordError(f"processes[{i}] is not an object")
+        for name in ("host", "node_id", "role", "log"):
+            field_(p, name, str, where)
+        if p.get("rank") is not None:
+            field_(p, "rank", int, where)
+    ssh = field_(data, "ssh", dict)
+    for name in ("known_hosts", "accept_new_host_keys", "ssh_config", "identities", "connect_timeout", "parallel"):
+        if name not in ssh:
+            raise RecordError(f"ssh.{name} is missing")
+    grace = data.get("grace", 10.0)
+    if isinstance(grace, bool) or not isinstance(grace, (int, float)) or not 0 <= grace < 86400:
+        raise RecordError(f"grace is {json.dumps(grace)[:60]}")
+    port = field_(data, "sched_port", int)
+    options = data.get("options") or {}
+    if not isinstance(options, dict):
+        raise RecordError("options is not an object")
     return JobRecord(
-        job=data["job"],
-        local=data["local"],
-        scheduler_host=data["scheduler_host"],
-        sched_port=data["sched_port"],
-        hosts=hosts,
-        processes=tuple(data["processes"]),
-        ssh=data["ssh"],
-        grace=float(data.get("grace", 10.0)),
-        deployed=bool(data.get("deployed", True)),
-        options=dict(data.get("options") or {}),
-    )
+        job=field_(data, "job", str), local=field_(data, "local", bool),
+        scheduler_host=field_(data, "scheduler_host", str), sched_port=port, hosts=tuple(hosts),
+        processes=tuple(processes), ssh=ssh, grace=float(grace), deployed=bool(data.get("deployed", True)),
+        options=dict(options))
 
 
 def token(project: Path, job: str) -> str:

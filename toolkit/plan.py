@@ -6,6 +6,8 @@ environment is known before anything starts and stays the same across restarts.
 
 from __future__ import annotations
 
+import math
+import os
 import posixpath
 import re
 import shlex
@@ -71,6 +73,9 @@ class JobOptions:
             raise PlanError(f"--worker-num {self.worker_num}: a job needs at least 1 worker")
         if self.cluster_time_out < 1:
             raise PlanError(f"--cluster-time-out {self.cluster_time_out}: give a positive number of seconds")
+        for flag, value in (("--node-timeout", self.node_timeout), ("--grace", self.grace)):
+            if not math.isfinite(value):
+                raise PlanError(f"{flag} {value}: give a finite number of seconds")
         if not 0 < self.heartbeat_interval < self.node_timeout:
             raise PlanError(
                 f"--node-timeout {self.node_timeout}: must be longer than the heartbeat interval "
@@ -271,6 +276,8 @@ def make_plan(inventory: Inventory, options: JobOptions, local_project_dir: str 
         for h in inventory.hosts
         if h.name in by_host
     )
+    for hp in hosts:
+        _check_socket_paths(hp)
     return LaunchPlan(
         job=options.job,
         options=options,
@@ -282,6 +289,23 @@ def make_plan(inventory: Inventory, options: JobOptions, local_project_dir: str 
         world_size=world,
         hosts=hosts,
     )
+
+
+MAX_SOCKET_PATH = 107  # bytes of a unix socket path (sun_path, with its NUL): the agent's sockets are in the job dir
+AGENT_SOCKETS = ("state/agent.sock", "state/progress.sock")
+
+
+def _check_socket_paths(hp: HostPlan) -> None:
+    """The agent's control and progress sockets live in the job directory: a job directory too deep for a unix
+    socket would deploy and then fail at the first `status`. Known only for absolute job dirs (a remote workdir
+    relative to home is resolved at deploy, which plans again)."""
+    if not posixpath.isabs(hp.job_dir):
+        return
+    for name in AGENT_SOCKETS:
+        path = posixpath.join(hp.job_dir, name)
+        if len(os.fsencode(path)) > MAX_SOCKET_PATH:
+            raise PlanError(f"{hp.name}: the job directory {hp.job_dir} is too deep for the agent's sockets ({path} "
+                            f"is over {MAX_SOCKET_PATH} bytes); choose a shorter --workdir or --job name")
 
 
 def _common_env(inventory: Inventory, options: JobOptions, sched: Host, world: int) -> dict[str, str]:

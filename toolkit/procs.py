@@ -174,7 +174,7 @@ def spawn(spec: LaunchSpec) -> Child:
     """
     log_fd = -1
     if spec.log_file is not None:
-        log_fd = os.open(spec.log_file, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        log_fd = os.open(spec.log_file, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
         if spec.marker:
             os.write(log_fd, (spec.marker.rstrip("\n") + "\n").encode(errors="replace"))
     prctl = ctypes.CDLL(None, use_errno=True).prctl

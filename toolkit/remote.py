@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Generic, Iterator, Mapping, Sequence, TypeVar
 
+from toolkit import atomicfile
 from toolkit.errors import UserError
 
 DEFAULT_PARALLEL = 32
@@ -38,6 +39,7 @@ _ENV_NAME = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ_0123456789"
 _NO_PYTHON, _NO_TOOLKIT, _NO_WORKDIR, _PORT_BUSY = 10, 11, 12, 13
 _KILL_AFTER = 1.0  # s between a timed-out command's SIGTERM and SIGKILL
 STREAM_POLL = 1.0  # s: longest one read of a streaming command waits before it looks at its stop event
+MIN_TRANSFER_RATE = 1e6  # bytes/s an sftp transfer may not fall below before it counts as stalled
 _STREAM_HEADER = "toolkit-stream"
 
 T = TypeVar("T")
@@ -59,7 +61,7 @@ class SshSettings:
     connect_timeout: float | None = None  # None: ssh_config's ConnectTimeout, else DEFAULT_CONNECT_TIMEOUT
     keepalive_interval: float = 5.0
     dead_after: float = 15.0
-    command_timeout: float | None = None  # default bound of run(); None: none
+    command_timeout: float = 300.0  # default bound of run() on the host (every remote call has one)
     parallel: int = DEFAULT_PARALLEL
 
     def __post_init__(self) -> None:
@@ -149,6 +151,15 @@ class PreflightFailed(RemoteError):
     pass
 
 
+class HostStalled(RemoteError):
+    """The host (its sshd session, or the network) stopped answering within the call's bound."""
+
+
+def _stalled(what: str, seconds: float) -> str:
+    return (f"stopped answering: {what} got no answer within {seconds:g} s (the host, its SSH session or the network "
+            "stalled); the connection was closed")
+
+
 @dataclass(frozen=True)
 class CommandResult:
     """What one command did. `exit_code` is None when there is none: the connection was lost (the far side
@@ -197,6 +208,7 @@ class SyncStats:
     files_unchanged: int = 0
     dirs_created: int = 0
     removed: int = 0
+    outside: tuple[str, ...] = ()  # symlinks to something out of the directory: never followed, never sent
 
 
 @dataclass(frozen=True)
@@ -287,7 +299,7 @@ class Host:
         if not local_dir.is_dir():
             raise UserError(f"{local_dir}: not a directory; nothing to copy to {self.name}")
         remote_dir = _home_relative(remote_dir)
-        local_files, local_dirs = _scan(local_dir, exclude)
+        local_files, local_dirs, outside = _scan(local_dir, exclude)
         listing = self.run(
             f"mkdir -p -- {shlex.quote(remote_dir)} && find {shlex.quote(remote_dir)} -mindepth 1 "
             "-printf '%y %s %T@ %m %P\\0'"
@@ -327,7 +339,7 @@ class Host:
             sent += 1
             nbytes += size
         return SyncStats(files_sent=sent, bytes_sent=nbytes, files_unchanged=unchanged,
-                         dirs_created=dirs_created, removed=len(stale))
+                         dirs_created=dirs_created, removed=len(stale), outside=tuple(outside))
 
     def detach(
         self,
@@ -549,16 +561,9 @@ class LocalHost(Host):
 
     def _write_bytes(self, remote: str, data: bytes, mode: int) -> None:
         dest = self._path(remote)
-        tmp = dest.with_name(f".{dest.name}.{uuid.uuid4().hex[:8]}.tmp")
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
-            with os.fdopen(fd, "wb") as out:
-                out.write(data)
-            os.chmod(tmp, mode)
-            os.replace(tmp, dest)
+            atomicfile.write(dest, data, mode=mode)
         except OSError as e:
-            with contextlib.suppress(OSError):
-                tmp.unlink()
             raise CommandFailed(self.name, f"cannot write {dest}: {e.strerror}") from None
 
     def _mkdir(self, remote: str) -> None:
@@ -611,6 +616,7 @@ class SshHost(Host):
             known_hosts.apply(hop.client, hop.host, hop.port)
             hop = hop.gateway
         self._conn = conn
+        self.stalled = False  # the last liveness probe got no answer on a live connection
         self._open()
 
     def _open(self) -> None:
@@ -683,32 +689,72 @@ class SshHost(Host):
         return self._conn
 
     def alive(self) -> bool:
-        """Whether the connection still works: one round trip (bounded by the keepalive rules)."""
+        """Whether the connection still works: one round trip, bounded by dead_after. paramiko's own wait has no
+        bound (a host whose session process is stopped never answers), so it runs in a thread that is abandoned,
+        with the connection closed under it, when the bound passes."""
         transport = self._conn.transport
         if transport is None or not transport.is_active():
             return False
-        transport.global_request("keepalive@openssh.com", wait=True)
+        asker = threading.Thread(target=transport.global_request, args=("keepalive@openssh.com",),
+                                 kwargs={"wait": True}, daemon=True, name=f"keepalive:{self.name}")
+        asker.start()
+        asker.join(self.settings.dead_after)
+        if asker.is_alive():
+            self.stalled = True  # the connection was up, nobody answered on it
+            transport.close()  # ends the asker too
+            return False
         return transport.is_active()
+
+    @contextlib.contextmanager
+    def _bounded(self, seconds: float, what: str) -> Iterator[None]:
+        """Run the block under a watchdog: if it has not returned within `seconds`, the connection is closed,
+        which makes any paramiko call blocked in it return, and HostStalled says what hung. Every remote call
+        goes through one: paramiko waits without a bound in several places (channel requests, sftp replies)."""
+        fired = threading.Event()
+
+        def fire() -> None:
+            fired.set()
+            transport = self._conn.transport
+            if transport is not None:
+                transport.close()
+
+        timer = threading.Timer(seconds, fire)
+        timer.daemon = True
+        timer.start()
+        try:
+            yield
+        except Exception:
+            if fired.is_set():
+                raise HostStalled(self.name, _stalled(what, seconds)) from None
+            raise
+        finally:
+            timer.cancel()
+        if fired.is_set():
+            raise HostStalled(self.name, _stalled(what, seconds))
 
     def _run_text(self, text: str, timeout: float | None) -> CommandResult:
         import paramiko
 
         timeout = self.settings.command_timeout if timeout is None else timeout
-        sent, guard = text, None
-        if timeout is not None:
-            # Closing the channel would not stop the remote command: the host's own `timeout` kills its process
-            # group; the local bound only guards against a host that stops answering.
-            sent = f"exec timeout -k {_KILL_AFTER:g} {timeout:g} /bin/sh -c {shlex.quote(text)}"
-            guard = timeout + _KILL_AFTER + self.settings.dead_after
+        # Closing the channel would not stop the remote command: the host's own `timeout` kills its process group;
+        # the local bound only guards against a host that stops answering.
+        sent = f"exec timeout -k {_KILL_AFTER:g} {timeout:g} /bin/sh -c {shlex.quote(text)}"
+        guard = timeout + _KILL_AFTER + self.settings.dead_after
         start = time.monotonic()
         try:
-            code, out, err, finished = self._exec(sent, guard)
+            with self._bounded(guard + self.settings.dead_after, f"command {_short(text)}"):
+                code, out, err, finished = self._exec(sent, guard)
         except (paramiko.SSHException, EOFError, OSError) as e:
             if self.alive():
                 raise CommandFailed(self.name, f"SSH error while running {_short(text)}: {e}") from None
+            if self.stalled:
+                raise HostStalled(self.name, _stalled(f"command {_short(text)}", self.settings.dead_after)) from None
             return CommandResult(self.name, text, None, "", "", connection_lost=True)
         if not finished:
-            return CommandResult(self.name, text, None, out, err, timed_out=True, connection_lost=not self.alive())
+            lost = not self.alive()
+            if self.stalled:  # up, but nothing answers: not the command's timeout
+                raise HostStalled(self.name, _stalled(f"command {_short(text)}", guard))
+            return CommandResult(self.name, text, None, out, err, timed_out=True, connection_lost=lost)
         if code == -1:  # no exit status: the connection dropped, or a signal killed the command
             lost = not self.alive()
             return CommandResult(self.name, text, None, out, err, connection_lost=lost,
@@ -750,11 +796,12 @@ class SshHost(Host):
 
     def _stream_text(self, text: str, lines: _LineSplitter, stop: threading.Event,
                      poll: float) -> tuple[int | None, str, bool, bool]:
-        chan = self._conn.transport.open_session(timeout=self.settings.dead_after)
+        with self._bounded(2 * self.settings.dead_after, f"starting {_short(text)}"):
+            chan = self._conn.transport.open_session(timeout=self.settings.dead_after)
+            chan.exec_command(text)
         err: list[bytes] = []
         stopped = False
         try:
-            chan.exec_command(text)
             chan.shutdown_write()
             poller = select.poll()
             poller.register(chan.fileno(), select.POLLIN)
@@ -780,20 +827,25 @@ class SshHost(Host):
             chan.close()
 
     @contextlib.contextmanager
-    def _sftp_errors(self, what: str) -> Iterator[Any]:
+    def _sftp_errors(self, what: str, size: int = 0) -> Iterator[Any]:
+        """An sftp session for one transfer, bounded: dead_after, plus the time `size` bytes take at
+        MIN_TRANSFER_RATE."""
         import paramiko
 
         try:
-            yield self._conn.sftp()
+            with self._bounded(2 * self.settings.dead_after + size / MIN_TRANSFER_RATE, what):
+                yield self._conn.sftp()
         except (paramiko.SSHException, EOFError, OSError) as e:
             if not self.alive():
+                if self.stalled:
+                    raise HostStalled(self.name, _stalled(what, self.settings.dead_after)) from None
                 raise ConnectionLost(self.name, f"connection lost while {what} (host down or cut off)") from None
             reason = getattr(e, "strerror", None) or str(e) or type(e).__name__
             raise CommandFailed(self.name, f"{what}: {reason}") from None
 
     def _put_file(self, local: Path, remote: str, mode: int, mtime: int | None) -> None:
         tmp = _temp_name(remote)
-        with self._sftp_errors(f"copying {local} to {remote}") as sftp:
+        with self._sftp_errors(f"copying {local} to {remote}", local.stat().st_size) as sftp:
             try:
                 with open(local, "rb") as src, sftp.open(tmp, "wb") as f:
                     f.chmod(mode)  # before any data: a secret is never readable under a looser mode
@@ -810,7 +862,7 @@ class SshHost(Host):
 
     def _write_bytes(self, remote: str, data: bytes, mode: int) -> None:
         tmp = _temp_name(remote)
-        with self._sftp_errors(f"writing {remote}") as sftp:
+        with self._sftp_errors(f"writing {remote}", len(data)) as sftp:
             try:
                 with sftp.open(tmp, "wb") as f:
                     f.chmod(mode)
@@ -1169,27 +1221,51 @@ def _temp_name(path: str) -> str:
     return f"{head}/.{tail}.{uuid.uuid4().hex[:8]}.tmp" if head else f".{tail}.{uuid.uuid4().hex[:8]}.tmp"
 
 
-def _scan(root: Path, exclude: Sequence[str]) -> tuple[dict[str, tuple[int, int, int]], set[str]]:
+def _scan(root: Path, exclude: Sequence[str]) -> tuple[dict[str, tuple[int, int, int]], set[str], list[str]]:
+    """The files (size, mtime, mode) and directories under `root`, and the symlinks that point out of it. A
+    symlink is followed only to something inside `root`: a link to ~/.ssh/id_rsa in a project must never be
+    uploaded to every host."""
     files: dict[str, tuple[int, int, int]] = {}
     dirs: set[str] = set()
+    outside: list[str] = []
+    top = os.path.realpath(root)
+
+    def inside(path: str) -> bool:
+        return os.path.commonpath([top, os.path.realpath(path)]) == top
+
     for dirpath, dirnames, filenames in os.walk(root):
         rel_dir = os.path.relpath(dirpath, root)
-        dirnames[:] = sorted(d for d in dirnames if not any(fnmatch.fnmatch(d, p) for p in exclude)
-                             and not os.path.islink(os.path.join(dirpath, d)))
+
+        def rel(name: str) -> str:
+            return name if rel_dir == "." else f"{rel_dir}/{name}"
+
+        kept = []
+        for d in sorted(dirnames):
+            full = os.path.join(dirpath, d)
+            if any(fnmatch.fnmatch(d, p) for p in exclude):
+                continue
+            if os.path.islink(full):  # os.walk does not descend into linked directories; say those that lead out
+                if not inside(full):
+                    outside.append(rel(d))
+                continue
+            kept.append(d)
+        dirnames[:] = kept
         for d in dirnames:
-            dirs.add(d if rel_dir == "." else f"{rel_dir}/{d}")
+            dirs.add(rel(d))
         for name in filenames:
             if any(fnmatch.fnmatch(name, p) for p in exclude):
                 continue
             full = os.path.join(dirpath, name)
+            if os.path.islink(full) and not inside(full):
+                outside.append(rel(name))
+                continue
             try:
                 st = os.stat(full)
             except OSError:
                 continue  # a dangling symlink
             if stat.S_ISREG(st.st_mode):
-                files[name if rel_dir == "." else f"{rel_dir}/{name}"] = (
-                    st.st_size, int(st.st_mtime), stat.S_IMODE(st.st_mode))
-    return files, dirs
+                files[rel(name)] = (st.st_size, int(st.st_mtime), stat.S_IMODE(st.st_mode))
+    return files, dirs, outside
 
 
 def _socket_cause(e: BaseException, address: str) -> str:

@@ -7,7 +7,6 @@ filter they use for values is `quote` (Ansible has the same one): every value re
 from __future__ import annotations
 
 import json
-import os
 import re
 import shlex
 from dataclasses import dataclass
@@ -16,6 +15,7 @@ from typing import Any
 
 import jinja2
 
+from toolkit import atomicfile
 from toolkit.errors import UserError
 from toolkit.plan import EXPECTED_FILE, HostPlan, LaunchPlan, Process
 
@@ -143,16 +143,5 @@ def write_files(files: list[RenderedFile], job_dir: Path) -> None:
     """Write rendered files under `job_dir` (local mode, and `plan --render`), each with its mode from the start."""
     for f in files:
         path = job_dir / f.path
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        fd = _open_new(tmp, f.mode)
-        with open(fd, "w", encoding="utf-8") as out:
-            out.write(f.content)
-        tmp.replace(path)
-
-
-def _open_new(path: Path, mode: int) -> int:
-    path.unlink(missing_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
-    os.fchmod(fd, mode)  # umask must not widen or narrow what the plan asked for
-    return fd
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        atomicfile.write(path, f.content, mode=f.mode)

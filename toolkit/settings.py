@@ -3,6 +3,7 @@ defaults, resolved into one validated Settings. The option table here is the sin
 
 from __future__ import annotations
 
+import math
 import re
 import sys
 from dataclasses import dataclass
@@ -124,7 +125,7 @@ class Request:
             if value != options[name]:
                 flag = "--" + name.replace("_", "-")
                 out.append(f"{flag} {value!r}, but job {job} was deployed with {options[name]!r}")
-        if self.core.hosts or self.given.get("hostfile") or self.given.get("inventory"):
+        if self.core.hosts is not None or self.given.get("hostfile") or self.given.get("inventory"):
             settings = self.settings(script_required=False)
             planned = tuple(h.name for h in make_plan(settings.inventory, settings.options, str(settings.project)).hosts)
             if local or planned != hosts:
@@ -216,7 +217,7 @@ def _inventory(
     given: Mapping[str, Any], config: Mapping[str, Any], cli_hosts: str | None, values: Mapping[str, Any], cwd: Path
 ) -> Inventory:
     typed = [(k, v) for k, v in (("hosts", cli_hosts), ("hostfile", given.get("hostfile")),
-                                 ("inventory", given.get("inventory"))) if v]
+                                 ("inventory", given.get("inventory"))) if v is not None]  # '' is a typo, not "none"
     if not typed:
         typed = [(k, config[k]) for k in ("hostfile", "inventory") if config.get(k)]
     if len(typed) > 1:
@@ -249,9 +250,12 @@ def _convert(option: Option, value: Any, where: str) -> Any:
         try:
             if isinstance(value, bool):
                 raise ValueError
-            return kind(str(value).strip()) if kind is float else int(str(value).strip(), 10)
+            number = kind(str(value).strip()) if kind is float else int(str(value).strip(), 10)
         except ValueError:
             raise UserError(f"{where}={value!r}: expected a {'whole ' if kind is int else ''}number") from None
+        if not math.isfinite(number):
+            raise UserError(f"{where}={value!r}: expected a finite number")
+        return number
     return str(value)
 
 

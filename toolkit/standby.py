@@ -108,7 +108,7 @@ def become(spec: dict[str, Any]) -> None:
     argv = list(spec["argv"])
     sys.stdout.flush()
     sys.stderr.flush()
-    log = os.open(spec["log_file"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    log = os.open(spec["log_file"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
     os.dup2(log, 1)
     os.dup2(log, 2)
     os.close(log)

@@ -113,12 +113,22 @@ def show_plan(settings: Settings, as_json: bool = False, render_dir: Path | None
 # a second deploy of an unchanged job writes none of them.
 _LAYOUT_SCRIPT = r"""
 d=$1; shift
-mkdir -p -- "$d/env" "$d/logs" "$d/state" "$d/recovery" && cd -- "$d" || exit 1
+me=$(id -u)
+umask 077
+mkdir -p -- "${d%/*}" && mkdir -p -- "$d" || exit 1
+for p in "${d%/*}" "$d"; do
+    owner=$(stat -c %u -- "$p") mode=$(stat -c %a -- "$p")
+    [ "$owner" = "$me" ] || { echo "$p $owner $me"; exit 20; }
+    [ $((0$mode & 022)) -eq 0 ] || { echo "$p $mode"; exit 21; }
+done
+mkdir -p -- "$d/env" "$d/logs" "$d/state" "$d/recovery" "$d/ckpt" && cd -- "$d" \
+    && chmod 700 . env logs state recovery ckpt || exit 1
 for f; do
     [ -f "$f" ] && printf '%s %s\n' "$(stat -c %a -- "$f")" "$(sha256sum -- "$f")"
 done
 exit 0
 """
+_NOT_OURS, _OPEN_TO_OTHERS = 20, 21  # exit codes of the layout script
 
 
 def deploy(settings: Settings) -> JobRecord:
@@ -160,6 +170,10 @@ def deploy(settings: Settings) -> JobRecord:
                 + (f", {s.removed} removed" if s.removed else "") + f" ({r.seconds:.1f} s)")
 
     stats = _fan_out("deploying", targets, upload, ssh, line=line)
+    outside = sorted({name for st in stats.values() for name in st.outside})
+    if outside:
+        _say(f"not copied: {len(outside)} symlink(s) pointing out of {settings.project} ({', '.join(outside[:5])}"
+             + (", ..." if len(outside) > 5 else "") + "): toolkit never follows a link out of the project")
     record = _record(plan, settings)
     path = jobrecord.save(settings.project, record, typed_in=Path.cwd())
     total = _sum_stats(stats.values())
@@ -169,8 +183,16 @@ def deploy(settings: Settings) -> JobRecord:
 
 
 def _upload_rendered(host: Host, job_dir: str, files: list[RenderedFile]) -> SyncStats:
-    listing = host.run(["sh", "-c", _LAYOUT_SCRIPT, "sh", job_dir, *(f.path for f in files)],
-                       timeout=STATUS_TIMEOUT, check=True).stdout
+    result = host.run(["sh", "-c", _LAYOUT_SCRIPT, "sh", job_dir, *(f.path for f in files)], timeout=STATUS_TIMEOUT)
+    if result.exit_code == _NOT_OURS:
+        path, owner, me = (result.stdout.split() + ["?", "?", "?"])[:3]
+        raise UserError(f"{host.name}: {path} belongs to uid {owner}, not to you (uid {me}): another user made it, "
+                        "and could change what the job runs; remove it or choose a --workdir of your own")
+    if result.exit_code == _OPEN_TO_OTHERS:
+        path, mode = (result.stdout.split() + ["?", "?"])[:2]
+        raise UserError(f"{host.name}: {path} is writable by other users (mode {mode}): they could change what "
+                        f"the job runs; chmod go-w it, or choose a --workdir of your own")
+    listing = result.check().stdout
     there: dict[str, tuple[int, str]] = {}
     for entry in listing.splitlines():
         words = entry.split(None, 2)
@@ -533,15 +555,14 @@ def _poll_status(host: Host, h: HostRecord) -> dict[str, Any]:
 def _alive(pid_text: str, stat_text: str) -> tuple[bool, int | None]:
     words = pid_text.split()
     try:
-        pid = int(words[0])
-        ticks = int(words[1]) if len(words) > 1 else None
+        pid, ticks = int(words[0]), int(words[1])  # a pid alone is never trusted (pids are reused)
     except (IndexError, ValueError):
         return False, None
     fields = stat_text.rsplit(")", 1)[-1].split()
     if len(fields) < 20:
         return False, pid
     state, started = fields[0], fields[19]
-    return state not in ("Z", "X") and (ticks is None or str(ticks) == started), pid
+    return state not in ("Z", "X") and str(ticks) == started, pid
 
 
 def _clock_and_logs(text: str) -> dict[str, Any]:
@@ -1017,7 +1038,8 @@ def _result_line(r: HostResult[Any]) -> str | None:
 def _sum_stats(stats: Any) -> SyncStats:
     stats = list(stats)
     return SyncStats(*(sum(getattr(s, f) for s in stats) for f in
-                       ("files_sent", "bytes_sent", "files_unchanged", "dirs_created", "removed")))
+                       ("files_sent", "bytes_sent", "files_unchanged", "dirs_created", "removed")),
+                     outside=tuple(sorted({name for s in stats for name in s.outside})))
 
 
 def _table_console() -> Console:

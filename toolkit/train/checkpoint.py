@@ -41,12 +41,14 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from toolkit import atomicfile
+from toolkit.atomicfile import TMP_PREFIX, Durability
+
 log = logging.getLogger(__name__)
 
 MAGIC = b"TKCKPT01"
 HEADER = struct.Struct("<8sQQ32s")  # magic, step, payload length, sha256 of the payload
 FILE_RE = re.compile(r"^step_(\d{12})\.ckpt$")
-TMP_PREFIX = ".tmp-"
 MIN_KEEP = 2
 DEFAULT_WRITE_TIMEOUT = 600.0
 
@@ -176,14 +178,6 @@ def restore_rng_state(state: dict[str, Any]) -> None:
 # Durable writes
 
 
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _free_bytes(directory: Path) -> int | None:
     try:
         return shutil.disk_usage(directory).free
@@ -204,24 +198,13 @@ def write_error(e: OSError, directory: Path, what: str, size: int | None = None)
 
 
 def write_atomic(path: Path, data: bytes | memoryview, what: str | None = None) -> None:
-    """Write ``data`` to ``path`` so that ``path`` is either its old content or all of ``data``: temp file in the
-    same directory, fsync, rename, fsync the directory. On failure the temp file is removed and nothing else
-    touched; the error is a ``CheckpointError``."""
-    directory = path.parent
-    tmp = directory / f"{TMP_PREFIX}{path.name}.{os.getpid()}.{threading.get_ident()}"
+    """Write ``data`` to ``path`` so that ``path`` is either its old content or all of ``data``, durably
+    (toolkit.atomicfile, Durability.DURABLE). On failure nothing else is touched; the error is a
+    ``CheckpointError`` that says where, why and what to do."""
     try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        _fsync_dir(directory)
+        atomicfile.write(path, data, mode=0o600, durability=Durability.DURABLE)
     except OSError as e:
-        try:
-            tmp.unlink(missing_ok=True)
-        except OSError:
-            pass
-        raise write_error(e, directory, what or path.name, len(data)) from None
+        raise write_error(e, path.parent, what or path.name, len(data)) from None
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -375,7 +358,7 @@ class CheckpointManager:
         for s in removed:
             self.path_for(s).unlink(missing_ok=True)
         if removed:
-            _fsync_dir(self.directory)
+            atomicfile.fsync_dir(self.directory)
         return removed
 
     # --- writing ---

@@ -1,0 +1,219 @@
+"""The scheduler's decisions (toolkit.scheduler.membership), driven directly with a fake clock: the hard sequences
+(a death during formation, a fenced incarnation coming back, a second claim, commit races, a scheduler restart,
+deaths in a storm) in milliseconds, checking the actions returned. The process-level flows are in
+tests/test_scheduler.py."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from toolkit import protocol as P
+from toolkit.scheduler import kvstore
+from toolkit.scheduler.membership import Close, DropKeys, Exit, Log, Membership, Send
+
+NODE_TIMEOUT, TOPO_TIMEOUT = 3.0, 60.0
+
+
+def membership(world: int = 2, now: float = 0.0) -> Membership:
+    m = Membership("job", world, NODE_TIMEOUT, TOPO_TIMEOUT, "boot", "10.0.0.1:8118", {"worker_0": "hostA"}, now)
+    m.started(now)
+    return m
+
+
+def register(m: Membership, peer: int, rank: int, now: float, incarnation: str | None = None,
+             pid: int | None = None) -> list[Any]:
+    msg = {"op": P.REGISTER, "node_id": P.worker_node_id(rank), "rank": rank, "world_size": m.world_size,
+           "incarnation": incarnation or f"inc{peer}", "pid": pid or 1000 + peer, "host": "hostA",
+           "recovery": P.RECOVERY_IN_PLACE}
+    return m.register(peer, f"10.0.0.2:{peer}", msg, now)
+
+
+def sent(actions: list[Any], op: str | None = None) -> list[Send]:
+    return [a for a in actions if isinstance(a, Send) and (op is None or a.op == op)]
+
+
+def logged(actions: list[Any]) -> str:
+    return "\n".join(a.text for a in actions if isinstance(a, Log))
+
+
+def form(m: Membership, now: float = 0.0) -> None:
+    for rank in range(m.world_size):
+        register(m, 10 + rank, rank, now)
+    assert m.formed
+
+
+def test_formation_waits_for_every_rank_then_tells_each_the_prefix() -> None:
+    m = membership(3)
+    assert sent(register(m, 10, 0, 0.1), P.WELCOME) and not m.formed
+    register(m, 11, 1, 0.2)
+    out = register(m, 12, 2, 0.3)
+    formed = sent(out, P.FORMED)
+    assert {s.peer for s in formed} == {10, 11, 12} and m.formed
+    assert {s.fields["prefix"] for s in formed} == {P.store_prefix("job", "boot", 0)}
+    assert "generation 0 formed: 3 workers in 0.300 s" in logged(out)
+
+
+def test_a_death_while_formed_starts_one_generation_and_a_second_while_gathering_none() -> None:
+    m = membership(3)
+    form(m)
+    out = m.lost(11, "connection closed", 5.0)
+    assert [s.fields["generation"] for s in sent(out, P.GENERATION)] == [1, 1]
+    assert {s.peer for s in sent(out, P.GENERATION)} == {10, 12}
+    out = m.lost(12, "connection closed", 5.1)  # a second fault during the recovery: no cascade
+    assert not sent(out, P.GENERATION) and m.generation == 1
+    assert "generation 1 still gathering" in logged(out)
+    register(m, 21, 1, 6.0)
+    out = register(m, 22, 2, 6.1)
+    assert m.formed and m.generation == 1
+    assert DropKeys(P.store_prefix("job", "boot", 0)) in out  # generation 0's store keys can go
+
+
+def test_a_dead_incarnation_is_fenced_when_it_comes_back() -> None:
+    m = membership(2)
+    form(m)
+    m.tick(2.0)
+    register_again = {"op": P.HEARTBEAT}
+    m.message(10, register_again, 2.5)  # rank 0 heartbeats; rank 1 (peer 11, inc11) went silent
+    out = m.tick(0.1 + NODE_TIMEOUT + 0.5)
+    assert "worker_1 (pid 1011 on hostA) is dead: sent no heartbeat" in logged(out)
+    assert sent(out, P.FENCED)[0].peer == 11 and sent(out, P.FENCED)[0].close
+    back = register(m, 30, 1, 4.0, incarnation="inc11", pid=1011)  # SIGCONT, or a healed partition
+    assert [s.op for s in sent(back)] == [P.FENCED] and sent(back)[0].close
+    assert "fenced worker_1" in logged(back)
+    fresh = register(m, 31, 1, 4.1, incarnation="new")
+    assert sent(fresh, P.WELCOME) and sent(fresh, P.FORMED)[0].fields["generation"] == 1
+
+
+def test_a_second_claim_of_a_live_rank_is_rejected_with_retry() -> None:
+    m = membership(2)
+    register(m, 10, 0, 0.0)
+    out = register(m, 11, 0, 1.0, incarnation="other")
+    (reject,) = sent(out, P.REJECT)
+    assert reject.fields["retry"] is True and "held by a live process (pid 1010" in reject.fields["reason"]
+    out = m.lost(10, "connection closed", 2.0)  # its holder died: the claim succeeds at once
+    assert sent(register(m, 12, 0, 2.1, incarnation="other"), P.WELCOME)
+
+
+def test_a_reconnect_of_the_same_incarnation_replaces_its_old_connection() -> None:
+    m = membership(2)
+    form(m)
+    out = register(m, 40, 0, 1.0, incarnation="inc10")
+    assert Close(10) in out and sent(out, P.FORMED)  # same generation: it goes on where it was
+    assert "worker_0 reconnected" in logged(out)
+    assert m.lost(10, "closed", 1.1) == []  # the replaced connection's end is no death
+
+
+def test_commits_only_move_forward_and_finished_workers_end_the_job() -> None:
+    m = membership(2)
+    form(m)
+    for peer, step in ((10, 8), (10, 4), (11, 8), (11, 12)):  # a late commit of an older step changes nothing
+        m.message(peer, {"op": P.COMMIT, "step": step}, 1.0)
+    assert m.commits == {0: 8, 1: 12} and m.snapshot()["committed_step"] == 8
+    m.agent_hello(50, "10.0.0.3:1", {"op": P.AGENT_HELLO, "host": "hostA", "node_ids": ["worker_0"]})
+    assert m.message(10, {"op": P.DONE}, 2.0)[-1:] != [Exit(0)]
+    out = m.message(11, {"op": P.DONE}, 2.1)
+    assert Exit(0) in out and sent(out, P.FINISHED)[0].peer == 50
+    assert m.lost(10, "closed", 2.2) == [] and m.lost(11, "closed", 2.2) == []  # done: their EOF is no death
+
+
+def test_an_agents_exit_report_is_as_good_as_the_closed_connection() -> None:
+    m = membership(2)
+    form(m)
+    m.agent_hello(50, "a", {"op": P.AGENT_HELLO, "host": "hostA", "node_ids": ["worker_0", "worker_1"]})
+    out = m.message(50, {"op": P.EXITED, "node_id": "worker_1", "pid": 1011, "code": None, "signal": "SIGKILL"},
+                    1.0)
+    assert m.generation == 1 and "its agent on hostA saw it exit with signal SIGKILL" in logged(out)
+    assert not sent(out, P.KILL)  # it is known dead: nothing to kill
+    stale = m.message(50, {"op": P.EXITED, "node_id": "worker_1", "pid": 999, "code": 1}, 1.1)
+    assert m.generation == 1 and not sent(stale)  # an older incarnation's exit moves nothing
+
+
+def test_heartbeat_silence_has_the_agent_kill_what_may_still_run() -> None:
+    m = membership(2)
+    form(m)
+    m.agent_hello(50, "a", {"op": P.AGENT_HELLO, "host": "hostA", "node_ids": ["worker_0", "worker_1"]})
+    m.message(11, {"op": P.HEARTBEAT, "step": 3}, NODE_TIMEOUT)
+    out = m.tick(NODE_TIMEOUT + 0.01)
+    (kill,) = sent(out, P.KILL)
+    assert kill.peer == 50 and kill.fields == {"node_id": "worker_0", "pid": 1010}
+
+
+def test_formation_timeout_names_who_never_came_and_where() -> None:
+    m = membership(3)
+    register(m, 10, 1, 1.0)
+    for t in range(2, int(TOPO_TIMEOUT)):  # the one that came keeps its heartbeat
+        m.message(10, {"op": P.HEARTBEAT}, float(t))
+        assert m.tick(float(t)) == []
+    out = m.tick(TOPO_TIMEOUT)
+    assert Exit(3) in out
+    reason = sent(out, P.STOP)[0].fields["reason"]
+    assert "2 of 3 workers never registered: worker_0 (expected on hostA), worker_2" in reason
+
+
+def test_a_gave_up_report_fails_the_job_and_stops_everyone() -> None:
+    m = membership(2)
+    form(m)
+    m.agent_hello(50, "a", {"op": P.AGENT_HELLO, "host": "hostA", "node_ids": ["worker_0"]})
+    out = m.message(50, {"op": P.GAVE_UP, "node_id": "worker_0", "code": 1, "signal": None,
+                         "log_tail": "a\nValueError: bad data"}, 1.0)
+    assert Exit(1) in out and {s.peer for s in sent(out, P.STOP)} == {50, 10, 11}
+    assert "ValueError: bad data" in sent(out, P.STOP)[0].fields["reason"]
+    assert sent(register(m, 60, 0, 2.0, incarnation="late"), P.REJECT)  # a failed job takes nobody
+
+
+def test_a_restarted_scheduler_gives_members_node_timeout_to_reconnect() -> None:
+    m = membership(2)
+    form(m)
+    m.lost(11, "closed", 1.0)  # generation 1 gathering, worker_1 gone
+    again = membership(2, now=100.0)
+    again.restore(m.snapshot(), 100.0)
+    again.started(100.0)
+    assert again.generation == 1 and "inc11" in again.fenced
+    out = register(again, 70, 0, 100.5, incarnation="inc10")
+    assert "worker_0 reconnected" in logged(out)
+    out = again.tick(100.0 + NODE_TIMEOUT + 0.1)
+    assert not logged(out)  # worker_0 reconnected in time; worker_1 was never a member of the new state
+
+
+@pytest.mark.parametrize("field,value", [("rank", True), ("rank", "1"), ("pid", 2.5), ("incarnation", ""),
+                                         ("node_id", ["worker_0"]), ("world_size", 3), ("rank", 7)])
+def test_a_malformed_or_wrong_registration_is_refused_without_retry(field: str, value: Any) -> None:
+    m = membership(2)
+    msg = {"op": P.REGISTER, "node_id": "worker_1", "rank": 1, "world_size": 2, "incarnation": "i", "pid": 1,
+           "host": "h", field: value}
+    (reject,) = sent(m.register(10, "a", msg, 0.0))
+    assert reject.op == P.REJECT and reject.fields["retry"] is False and reject.close
+    assert m.members == {}
+
+
+# --- the store's core ------------------------------------------------------------------------------------------
+
+
+def test_a_get_waits_for_its_key_and_times_out() -> None:
+    kv = kvstore.KVStore()
+    assert kv.request(1, {"id": 1, "cmd": "get", "key": "k", "timeout": 5}, 0.0) == []
+    replies = {r.peer: r for r in kv.request(2, {"id": 9, "cmd": "set", "key": "k", "value": "dmFsdWU="}, 1.0)}
+    assert set(replies) == {1, 2}  # the set is answered, and it wakes the get waiting on its key
+    assert replies[1].ok and replies[1].fields["value"] == "dmFsdWU=" and replies[2].ok
+    assert kv.request(1, {"id": 2, "cmd": "get", "key": "other", "timeout": 5}, 2.0) == []
+    assert kv.next_deadline() == 7.0
+    (expired,) = kv.expire(7.0)
+    assert (expired.peer, expired.id, expired.ok, expired.fields["error"]) == (1, 2, False, "timeout")
+
+
+def test_the_store_is_bounded_and_forgets_generations() -> None:
+    kv = kvstore.KVStore(max_keys=2, max_bytes=1000)
+    assert kv.request(1, {"id": 1, "cmd": "set", "key": "job/b/gen0/a", "value": "eA=="}, 0)[0].ok
+    assert kv.request(1, {"id": 2, "cmd": "set", "key": "job/b/gen1/a", "value": "eA=="}, 0)[0].ok
+    full = kv.request(1, {"id": 3, "cmd": "set", "key": "job/b/gen1/b", "value": "eA=="}, 0)[0]
+    assert not full.ok and "full" in full.fields["error"]
+    assert kv.drop_prefix("job/b/gen0/") == 1
+    assert kv.request(1, {"id": 4, "cmd": "set", "key": "job/b/gen1/b", "value": "eA=="}, 0)[0].ok
+    add = kv.request(1, {"id": 5, "cmd": "add", "key": "n", "amount": 3}, 0)[0]
+    assert not add.ok  # a third key: refused, nothing half-done
+    for bad in ({"cmd": "get", "key": "k", "timeout": float("inf")}, {"cmd": "set", "key": "", "value": ""},
+                {"cmd": "set", "key": "k", "value": "!!"}, {"cmd": "wait", "keys": "k", "timeout": 1},
+                {"cmd": "drop_all"}):
+        assert not kv.request(1, {"id": 6, **bad}, 0)[0].ok, bad
