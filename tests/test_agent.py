@@ -698,3 +698,40 @@ def test_stop_never_signals_what_it_cannot_prove_is_the_jobs(make_job):
     finally:
         stranger.kill()
         stranger.wait(10)
+
+
+def test_the_agents_sockets_survive_arbitrary_bytes(make_job):
+    """The control socket (stream) and the progress socket (datagrams) fed random bytes, deep nesting, huge
+    numbers and wrong shapes: the agent answers `status` afterwards and its worker was never disturbed."""
+    import random
+
+    job = make_job([["--block"]])
+    agent = job.run_agent()
+    first = job.events.started(1)
+    rng = random.Random(11)
+    payloads = [b"[" * 100_000, b'{"op": "restart", "node_id": ' + b"9" * 5000 + b"}\n", b"\xff\xfe\n", b"null\n",
+                b'{"op": ["status"]}\n', b'{"op": "restart", "node_id": {"a": 1}}\n', b"x" * 200_000]
+    payloads += [bytes(rng.randrange(256) for _ in range(rng.randrange(1, 2000))) for _ in range(60)]
+    for payload in payloads:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.settimeout(10)
+            s.connect(str(job.spec.control_socket))
+            try:
+                s.sendall(payload)
+                s.shutdown(socket.SHUT_WR)
+                while s.recv(65536):
+                    pass
+            except (BrokenPipeError, ConnectionResetError):
+                pass
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as d:
+        for payload in payloads:
+            try:
+                d.sendto(payload[:4000], str(job.spec.progress_socket))
+            except OSError:
+                pass
+        d.sendto(json.dumps({"node_id": "worker_0", "step": True, "recovery": [1]}).encode(),
+                 str(job.spec.progress_socket))
+    assert agent.poll() is None
+    doc = json.loads(job.cli("status").stdout)
+    assert doc["alive"] is True and doc["processes"][0]["pid"] == first["worker_0"]["pid"]
+    assert doc["processes"][0]["restarts"] == 0

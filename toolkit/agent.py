@@ -1175,7 +1175,7 @@ class Agent:
             if line.strip():
                 try:
                     reply, after = self._control_request(json.loads(line))
-                except (ValueError, TypeError, AttributeError):
+                except (ValueError, TypeError, AttributeError, RecursionError):
                     reply, after = {"ok": False, "error": "not a JSON object line"}, None
                 try:
                     conn.settimeout(CLIENT_TIMEOUT)
