@@ -35,6 +35,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from toolkit.testing.events import Events
+
 ROOT = Path(__file__).resolve().parent.parent
 HEALTHY_RESET = 1.0  # s: a replacement that ran this long restarts its budget (the policy's first restart is 0 s)
 WAIT = 120.0  # s: bound of every wait for an event
@@ -60,23 +62,9 @@ select.select([], [], [], 600)
 '''
 
 
-class Events:
-    """Datagrams from the workers, kept until asked for (the two ranks' events interleave)."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = str(path)
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        self.sock.bind(self.path)
-        self.pending: list[dict] = []
-
-    def wait(self, event: str, rank: str, after: float = 0.0) -> dict:
-        self.sock.settimeout(WAIT)
-        while True:
-            for ev in self.pending:
-                if ev["event"] == event and ev["rank"] == rank and ev["t"] > after:
-                    self.pending.remove(ev)
-                    return ev
-            self.pending.append(json.loads(self.sock.recv(65536)))
+def wait_event(events: Events, event: str, rank: str, after: float = 0.0) -> dict:
+    """The first datagram `event` of `rank` sent after `after` (the two ranks' events interleave)."""
+    return events.match(lambda ev: ev["event"] == event and ev["rank"] == rank and ev["t"] > after, WAIT)
 
 
 def make_job(root: Path, events: Events, warm: bool) -> Path:
@@ -134,15 +122,15 @@ def run_agent(root: Path, kills: int, warm: bool) -> dict[str, list[float]]:
                              stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     out: dict[str, list[float]] = {"detect": [], "agent": [], "spawn": [], "first": [], "imported": []}
     try:
-        pid = events.wait("imported", "0")["pid"]
-        events.wait("imported", "1")
+        pid = wait_event(events, "imported", "0")["pid"]
+        wait_event(events, "imported", "1")
         for _ in range(kills):
             if warm:
                 wait_spare(job)
             t0 = time.time()
             os.kill(pid, signal.SIGKILL)
-            first = events.wait("first", "0", after=t0)
-            imported = events.wait("imported", "0", after=t0)
+            first = wait_event(events, "first", "0", t0)
+            imported = wait_event(events, "imported", "0", t0)
             out["detect"].append(log_time(job, f"pid {pid} killed by SIGKILL") - t0)
             pid = first["pid"]
             out["spawn"].append(log_time(job, f"started pid {pid} ") - t0)
@@ -171,14 +159,14 @@ def run_torchrun(root: Path, kills: int) -> dict[str, list[float]]:
                            stderr=subprocess.DEVNULL, start_new_session=True)
     out: dict[str, list[float]] = {"first": [], "imported": []}
     try:
-        pid = events.wait("imported", "0")["pid"]
-        events.wait("imported", "1")
+        pid = wait_event(events, "imported", "0")["pid"]
+        wait_event(events, "imported", "1")
         for _ in range(kills):
             t0 = time.time()
             os.kill(pid, signal.SIGKILL)
-            first = events.wait("first", "0", after=t0)
-            imported = events.wait("imported", "0", after=t0)
-            events.wait("imported", "1", after=t0)  # restart the world: rank 1 was restarted too
+            first = wait_event(events, "first", "0", t0)
+            imported = wait_event(events, "imported", "0", t0)
+            wait_event(events, "imported", "1", t0)  # restart the world: rank 1 was restarted too
             pid = first["pid"]
             out["first"].append(first["t"] - t0)
             out["imported"].append(imported["t"] - t0)

@@ -47,11 +47,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+from toolkit.testing.localjob import EXAMPLES, LocalJob, clean_env
+from toolkit.testing.ports import free_port_pair
 
-from local_job import EXAMPLES, LocalJob, clean_env  # noqa: E402
-from ports import free_port_pair  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 TORCHRUN = str(Path(sys.executable).parent / "torchrun")
 WORLD = 2
@@ -329,8 +328,8 @@ def random_kills_run(run: Run, kills: int, rng: random.Random, step_time: float)
         for _ in range(kills):
             run.ready_to_kill()
             base = {r: f.last_step(r) for r in range(run.world)}
-            f.wait("every rank training", lambda _: all(f.last_step(r) >= base[r] + 2 for r in range(run.world)),
-                   RUN_BOUND)
+            f.wait("every rank training",
+                   lambda _, base=base: all(f.last_step(r) >= base[r] + 2 for r in range(run.world)), RUN_BOUND)
             time.sleep(rng.uniform(0.0, 2 * step_time))
             victim = rng.randrange(run.world)
             pid = run.pid_of(victim)
@@ -388,7 +387,7 @@ def random_kills(args: argparse.Namespace, base: Path) -> int:
                   f"{[round(r['recovery'], 2) for r in ok]}, lost {[r['lost'] for r in ok]}"
                   + (f"; {got[-1]['failed']}" if got and "failed" in got[-1] else ""), flush=True)
         i += 1
-    print(f"\nrandom-moment kills, 3 workers: MTTR over the kills recovered from, lost steps")
+    print("\nrandom-moment kills, 3 workers: MTTR over the kills recovered from, lost steps")
     print(f"{'script':<16}{'launcher':<10}{'kills':>6}{'p50':>9}{'p95':>9}{'max':>9}{'lost p50':>10}{'lost max':>10}"
           f"{'failed':>8}")
     for (case, name), got in rows.items():
@@ -456,7 +455,8 @@ def main() -> int:
     load = os.getloadavg()
     print(f"{os.cpu_count()} CPUs, load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}; runs in {base}",
           flush=True)
-    results: dict[str, dict[str, list[dict[str, Any]]]] = {n: {"fault": [], "steady": []} for n in ("toolkit", "torchrun")}
+    results: dict[str, dict[str, list[dict[str, Any]]]] = {
+        n: {"fault": [], "steady": []} for n in ("toolkit", "torchrun")}
     try:
         for i in range(args.repeats):
             for kind, fn, run_args in (("fault", fault_run, FAULT_ARGS), ("steady", steady_run, steady_args)):

@@ -12,7 +12,7 @@ ratios show how much of the launch ratios is this shared CPU rather than the lau
 The times include starting `fleet` itself (Python, Fabric, rich: ~1 s here). The worker is
 tests/scripts/tasks_worker.py (plain Python: it waits until the scheduler listens, then steps), so "first step"
 also contains the scheduler's start (it imports torch). The job is deployed before the clock starts and stopped
-after; nothing of it is left. 
+after; nothing of it is left.
 Run as root: .venv/bin/python bench/launch.py [--repeat N] [--hosts 1,4,16]
 """
 
@@ -29,13 +29,11 @@ import time
 import uuid
 from pathlib import Path
 
+from toolkit.inventory import load_ansible_inventory
+from toolkit.remote import SshSettings, Target, check_all, run_on_all
+from toolkit.testing.cluster import Cluster
+
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "tests"))
-
-from cluster import Cluster  # noqa: E402
-
-from toolkit.inventory import load_ansible_inventory  # noqa: E402
-from toolkit.remote import SshSettings, Target, check_all, run_on_all  # noqa: E402
 
 FLEET = Path(sys.executable).parent / "fleet"
 WORKER = REPO / "tests" / "scripts" / "tasks_worker.py"

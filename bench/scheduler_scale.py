@@ -36,12 +36,11 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+from toolkit import envvars as E
+from toolkit import protocol as P
+from toolkit.testing.ports import free_port_pair
 
-from toolkit import envvars as E  # noqa: E402
-from toolkit import protocol as P  # noqa: E402
-from ports import free_port_pair  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 HEARTBEAT = 1.0
 
@@ -66,9 +65,10 @@ class SimWorker:
 
 async def sim_register(w: SimWorker, port: int, token: str, world: int) -> None:
     w.reader, w.writer = await asyncio.open_connection("127.0.0.1", port)
-    w.writer.write(P.encode(P.REGISTER, token=token, node_id=P.worker_node_id(w.rank), rank=w.rank,
-                            world_size=world, incarnation=w.incarnation, pid=os.getpid(), host="sim",
-                            generation=None, rejoin=False))
+    nonce = P.challenge_nonce(P.decode((await w.reader.readline()).strip()))
+    hello, _ = P.hello(P.REGISTER, token, nonce, node_id=P.worker_node_id(w.rank), rank=w.rank, world_size=world,
+                       incarnation=w.incarnation, pid=os.getpid(), host="sim", generation=None, rejoin=False)
+    w.writer.write(hello)
     await w.writer.drain()
     w.task = asyncio.create_task(sim_read(w))
 

@@ -12,13 +12,9 @@ import os
 import statistics
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-
-from cluster import Cluster  # noqa: E402
-
-from toolkit.remote import SshSettings, Target, check_all, open_host, run_on_all  # noqa: E402
+from toolkit.remote import SshSettings, Target, check_all, open_host, run_on_all
+from toolkit.testing.cluster import Cluster
 
 
 def fan_out(targets: list[Target], settings: SshSettings) -> float:
@@ -51,7 +47,7 @@ def main() -> int:
             times = [fan_out(targets[:n], settings) for _ in range(args.repeat)]
             medians[n] = statistics.median(times)
             print(f"{n:>6} {medians[n]:>9.3f} {min(times):>7.3f} {max(times):>7.3f}")
-        for a, b in zip(sizes[1:], sizes):
+        for a, b in zip(sizes[1:], sizes[:-1], strict=True):
             print(f"ratio {a}/{b} hosts: {medians[a] / medians[b]:.2f}  (serial would be {a / b:.0f})")
 
         serial = SshSettings(known_hosts=str(cluster.known_hosts), parallel=1)

@@ -22,10 +22,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
+from toolkit.testing.ports import free_port_pair
 
-from ports import free_port_pair  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 WORKER = r"""
 import json, statistics, sys, time
@@ -52,7 +51,10 @@ for _ in range(repeats):
     t1 = time.perf_counter()
     n = torch.tensor([len(payload)], dtype=torch.int64)
     dist.broadcast(n, 0)
-    buf = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if rank == 0 else torch.empty(int(n), dtype=torch.uint8)
+    if rank == 0:
+        buf = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    else:
+        buf = torch.empty(int(n), dtype=torch.uint8)
     dist.broadcast(buf, 0)
     t2 = time.perf_counter()
     if rank != 0:

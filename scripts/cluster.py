@@ -16,12 +16,11 @@ import argparse
 import sys
 from pathlib import Path
 
+from toolkit.testing.cluster import STATE_FILE, Cluster, ClusterSetupError
+
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "tests"))
 
-from cluster import STATE_FILE, Cluster, ClusterSetupError  # noqa: E402
-
-DEFAULT_DIR = Path("/tmp/toolkit-cluster")
+DEFAULT_DIR = Path("/run/toolkit-test-cluster")  # root-only, like the namespaces it holds
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -9,7 +9,7 @@ from typing import Any, Iterator
 
 import pytest
 
-from cluster import Cluster
+from toolkit.testing.cluster import Cluster
 
 HOSTS = int(os.environ.get("TOOLKIT_TEST_HOSTS", "4"))
 

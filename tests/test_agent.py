@@ -22,7 +22,10 @@ from hypothesis import strategies as st
 from toolkit import agent as A
 from toolkit import procs
 from toolkit import protocol as P
+from toolkit.agent.commands import read_pid_file as running_agent_record
+from toolkit.agent.log import LOG_TAIL_LINES
 from toolkit.errors import UserError
+from toolkit.testing.events import Events
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = str(Path(__file__).parent / "scripts" / "agent_worker.py")
@@ -34,40 +37,6 @@ TOKEN = "s3cret-token"
 
 
 # --- fixtures ---------------------------------------------------------------------------------------------
-
-
-class Events:
-    """Datagrams from tests/scripts/agent_worker.py: "I started", with pid, rank and environment."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = str(path)
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        self.sock.bind(self.path)
-        self.seen: list[dict] = []
-
-    def next(self, timeout: float = EVENT_WAIT) -> dict:
-        self.sock.settimeout(timeout)
-        ev = json.loads(self.sock.recv(65536))
-        self.seen.append(ev)
-        return ev
-
-    def drain(self) -> list[dict]:
-        """Every event already received (the senders are gone)."""
-        self.sock.setblocking(False)
-        try:
-            while True:
-                self.seen.append(json.loads(self.sock.recv(65536)))
-        except BlockingIOError:
-            pass
-        return self.seen
-
-    def started(self, n: int) -> dict[str, dict]:
-        """The next `n` start events by node id."""
-        out = {}
-        for _ in range(n):
-            ev = self.next()
-            out[ev["env"]["MS_NODE_ID"]] = ev
-        return out
 
 
 class FakeScheduler:
@@ -362,7 +331,7 @@ def test_crash_loop_fails_the_job_with_status_and_log_tail_and_leaves_nothing(ma
     gave_up = sched.next(P.GAVE_UP)
     assert gave_up["node_id"] == "worker_1" and gave_up["code"] == 3 and gave_up["signal"] is None
     tail = gave_up["log_tail"].splitlines()
-    assert tail[-1] == "exiting with 3" and tail[-2] == "worker_1 line 29" and len(tail) == A.LOG_TAIL_LINES
+    assert tail[-1] == "exiting with 3" and tail[-2] == "worker_1 line 29" and len(tail) == LOG_TAIL_LINES
     doc = job.doc()
     assert doc["state"] == "failed" and doc["exit_code"] == A.EXIT_FAILED
     failure = doc["failure"]
@@ -419,7 +388,7 @@ def test_kill_9_of_the_agent_leaves_no_worker_and_launch_again_recovers(make_job
     assert out.returncode == 0 and "agent started (pid" in out.stdout
     first = job.events.started(2)
     sched.next(P.AGENT_HELLO)
-    pid, ticks = A.read_pid_file(job.spec)
+    pid, ticks = running_agent_record(job.spec)
     assert procs.is_running(pid, ticks)
     again = job.cli("start")  # launch.sh is idempotent
     assert again.returncode == 0 and f"already running (pid {pid})" in again.stdout
@@ -659,7 +628,7 @@ def test_command_line_overrides_host_json(make_job):
     job = make_job([["--exit", "3"]], max_restarts=5)
     out = job.cli("start", "--max-restarts", "0", "--grace", "0.5")
     assert out.returncode == 0, out.stderr
-    pid, ticks = A.read_pid_file(job.spec)
+    pid, ticks = running_agent_record(job.spec)
     assert procs.wait_gone(pid, ticks, AGENT_WAIT)
     doc = json.loads(job.cli("status").stdout)
     assert doc["state"] == "failed" and doc["alive"] is False

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from cluster import REGISTRY, Cluster
 from toolkit.inventory import load_ansible_inventory
+from toolkit.testing.cluster import REGISTRY, Cluster
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -56,7 +56,7 @@ def test_hosts_reach_each_other_but_nothing_else(cluster: Cluster) -> None:
 def test_generated_inventory_is_what_the_launcher_reads(cluster: Cluster) -> None:
     inventory = load_ansible_inventory(cluster.inventory)
     assert [h.name for h in inventory.hosts] == cluster.names
-    for parsed, h in zip(inventory.hosts, cluster.hosts):
+    for parsed, h in zip(inventory.hosts, cluster.hosts, strict=True):
         assert (parsed.address, parsed.port, parsed.user, parsed.key_file) == (h.address, 22, "root", str(cluster.key))
         assert (parsed.slots, parsed.workdir, parsed.python) == (1, str(h.workdir), cluster.python)
     out = ssh(cluster, cluster.hosts[-1].name, f"{cluster.python} -c 'import toolkit; print(\"ok\")'")
@@ -105,9 +105,9 @@ def test_two_clusters_coexist_and_down_removes_only_its_own(cluster: Cluster) ->
 
 def test_a_cluster_whose_builder_died_is_removed_from_its_recorded_state(tmp_path: Path) -> None:
     directory = tmp_path / "orphan"
-    build = ("import os, sys; sys.path.insert(0, sys.argv[1]); from cluster import Cluster; "
-             "c = Cluster.up(2, dir=sys.argv[2]); print(c.state.id, flush=True); os._exit(0)")  # no teardown
-    out = subprocess.run([sys.executable, "-c", build, str(REPO / "tests"), str(directory)], capture_output=True,
+    build = ("import os, sys; from toolkit.testing.cluster import Cluster; "
+             "c = Cluster.up(2, dir=sys.argv[1]); print(c.state.id, flush=True); os._exit(0)")  # no teardown
+    out = subprocess.run([sys.executable, "-c", build, str(directory)], capture_output=True,
                          text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     cid = out.stdout.strip()
@@ -139,7 +139,7 @@ def _zombie(pid: int) -> bool:
 
 
 def test_up_refuses_bad_sizes() -> None:
-    from cluster import ClusterSetupError
+    from toolkit.testing.cluster import ClusterSetupError
 
     with pytest.raises(ClusterSetupError, match="1 to 250 hosts"):
         Cluster.up(0)

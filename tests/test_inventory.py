@@ -86,8 +86,10 @@ def test_hostfile_that_cannot_be_read(tmp_path: Path) -> None:
 
 BAD_INVENTORIES = [
     ("[workers\nfoo\n", ":1: not a valid Ansible inventory"),
-    ("[workers]\nfoo bar\n", ":2: not a valid Ansible inventory: Expected key=value host variable assignment, got: bar"),
-    ("[workers:children]\nnope\n", "not a valid Ansible inventory: Section [workers:children] includes undefined group 'nope'"),
+    ("[workers]\nfoo bar\n",
+     ":2: not a valid Ansible inventory: Expected key=value host variable assignment, got: bar"),
+    ("[workers:children]\nnope\n",
+     "not a valid Ansible inventory: Section [workers:children] includes undefined group 'nope'"),
     ("", "the inventory has no hosts; add hosts under a group such as [workers]"),
     ("[workers]\na slots=0\n", "host a: slots=0: slots must be a whole number of at least 1"),
     ("[workers]\na slots=abc\n", "host a: slots='abc'"),
@@ -167,7 +169,8 @@ def test_ansible_groups_ranges_and_vars(tmp_path: Path) -> None:
 
 def test_yaml_inventory(tmp_path: Path) -> None:
     path = tmp_path / "inv.yaml"
-    path.write_text("all:\n  children:\n    workers:\n      hosts:\n        a: {slots: 2}\n        b:\n          slots: 3\n")
+    path.write_text("all:\n  children:\n    workers:\n      hosts:\n"
+                    "        a: {slots: 2}\n        b:\n          slots: 3\n")
     inv = load_ansible_inventory(path)
     assert [(h.name, h.slots) for h in inv.worker_hosts] == [("a", 2), ("b", 3)]
 

@@ -9,21 +9,17 @@ import base64
 import json
 import os
 import random
-import resource
 import socket
-import sys
 import time
 from pathlib import Path
 from typing import Callable, Iterator
 
 import pytest
+from runtime_harness import PYTHON, Client, Job, Proc, job_factory
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
-
-from runtime_harness import PYTHON, Client, Job, Proc, job_factory  # noqa: E402
-
-from toolkit import protocol as P  # noqa: E402
-from toolkit.scheduler import server  # noqa: E402
+from toolkit import protocol as P
+from toolkit.scheduler import server
+from toolkit.testing import waits
 
 pytestmark = pytest.mark.timeout(300)
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -183,9 +179,9 @@ def test_descriptor_exhaustion_and_idle_strangers_cost_no_cpu_and_expire(make_jo
     spent = cpu_seconds(sched.pid) - before
     assert spent < 1.0, f"the scheduler spent {spent:.2f} s of CPU in 5 s of descriptor exhaustion"
     assert 1 <= sched.count(r"cannot accept connections") <= 2, sched.text()[-2000:]  # it ran out, said so once
-    deadline = time.monotonic() + server.PREAUTH_TIMEOUT + 30
-    while sched.count(r"did not authenticate within") == 0 and time.monotonic() < deadline:
-        time.sleep(0.5)
+    waits.wait_for("the idle connections cut off at the pre-authentication deadline",
+                   lambda: sched.count(r"did not authenticate within"), server.PREAUTH_TIMEOUT + 30, poll=0.5,
+                   evidence=lambda: sched.text()[-2000:])
     for s in idle:
         s.close()
     still_serving(job)

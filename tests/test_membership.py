@@ -118,6 +118,19 @@ def test_commits_only_move_forward_and_finished_workers_end_the_job() -> None:
     assert m.lost(10, "closed", 2.2) == [] and m.lost(11, "closed", 2.2) == []  # done: their EOF is no death
 
 
+def test_a_commit_racing_the_death_of_its_sender_changes_nothing() -> None:
+    m = membership(2)
+    form(m)
+    m.message(11, {"op": P.COMMIT, "step": 8}, 1.0)
+    silent = m.tick(NODE_TIMEOUT + 0.5)  # worker_0 fell silent: dead, its incarnation fenced; worker_1 was heard
+    assert "worker_0 (pid 1010 on hostA) is dead: sent no heartbeat" in logged(silent)
+    assert sorted(m.members) == [1] and m.generation == 1
+    assert m.message(10, {"op": P.COMMIT, "step": 40}, 3.6) == []  # in flight when it was declared dead
+    assert m.commits == {1: 8} and m.snapshot()["committed_step"] is None
+    out = register(m, 20, 0, 3.7, incarnation="inc10")  # and the fenced incarnation cannot come back to commit
+    assert sent(out, P.FENCED) and m.commits == {1: 8}
+
+
 def test_an_agents_exit_report_is_as_good_as_the_closed_connection() -> None:
     m = membership(2)
     form(m)

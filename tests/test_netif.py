@@ -3,8 +3,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from cluster import Cluster
 from toolkit.netif import interface_toward
+from toolkit.testing.cluster import Cluster
 
 
 def test_loopback_and_unresolvable() -> None:

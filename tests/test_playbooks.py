@@ -14,10 +14,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-from cluster import Cluster
-from ports import free_port_pair
 from test_tasks import BIN, COMMAND_TIMEOUT, LONG, REPO, WORKER, assert_nothing_left, fleet, ok, wait_for
+
+from toolkit.testing.cluster import Cluster
+from toolkit.testing.ports import free_port_pair
 
 PLAYBOOKS = REPO / "playbooks"
 HOSTS = 3

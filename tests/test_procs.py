@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import shlex
 import signal
@@ -15,25 +14,9 @@ import pytest
 
 from toolkit import procs
 from toolkit.procs import ExitStatus, LaunchSpec
+from toolkit.testing.events import EVENT_WAIT, Events
 
 WORKER = str(Path(__file__).parent / "scripts" / "agent_worker.py")
-EVENT_WAIT = 30.0
-
-
-class Events:
-    """Datagrams from tests/scripts/agent_worker.py: how a test learns that a process started, without polling."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = str(path)
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        self.sock.bind(self.path)
-
-    def next(self, timeout: float = EVENT_WAIT) -> dict:
-        self.sock.settimeout(timeout)
-        return json.loads(self.sock.recv(65536))
-
-    def close(self) -> None:
-        self.sock.close()
 
 
 @pytest.fixture

@@ -22,7 +22,7 @@ def test_messages_survive_any_chunking(op: str, body: dict, cuts: list[int]) -> 
     buf = P.LineBuffer()
     got = []
     points = sorted({min(c, len(wire)) for c in cuts} | {0, len(wire)})
-    for a, b in zip(points, points[1:]):
+    for a, b in zip(points[:-1], points[1:], strict=True):
         got += buf.feed(wire[a:b])
     assert got == [{"op": op, **body}, {"op": P.HEARTBEAT, "step": 7}]
 

@@ -13,13 +13,12 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Any, Iterator
 
 import pytest
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from cluster import Cluster
 from toolkit.inventory import load_ansible_inventory
 from toolkit.remote import (
     AuthenticationFailed,
@@ -39,10 +38,11 @@ from toolkit.remote import (
     open_host,
     run_on_all,
 )
+from toolkit.testing import waits
+from toolkit.testing.cluster import Cluster
 
 pytestmark = pytest.mark.timeout(60)
 
-POLL = 0.02  # s between looks while waiting for a remote process to appear
 WAIT = 20.0
 CLOSE_WAIT = 30.0  # s for a host to notice a closed connection, on a busy machine
 
@@ -63,14 +63,6 @@ def targets(cluster: Cluster) -> list[Target]:
 
 def by_name(targets: list[Target], name: str) -> Target:
     return next(t for t in targets if t.name == name)
-
-
-def wait_for(what: str, condition: Callable[[], object]) -> None:
-    deadline = time.monotonic() + WAIT
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: not within {WAIT:.0f}s")
-        time.sleep(POLL)
 
 
 def gone(pid: int) -> bool:
@@ -159,7 +151,7 @@ def test_a_timed_out_command_is_stopped_on_the_host(host_and_dir: tuple[Host, Pa
     result = host.run(["sh", "-c", 'echo $$ > "$1"; exec sleep 30', "sh", str(pidfile)], timeout=1)
     assert result.timed_out and result.exit_code is None and not result.ok and not result.connection_lost
     pid = int(pidfile.read_text())
-    wait_for(f"timed-out command (pid {pid}) to be gone", lambda: gone(pid))
+    waits.wait_for(f"timed-out command (pid {pid}) to be gone", lambda: gone(pid), WAIT)
 
 
 def test_a_command_killed_by_a_signal_is_not_a_lost_connection(host_and_dir: tuple[Host, Path]) -> None:
@@ -176,7 +168,8 @@ def test_detached_process_outlives_the_connection(host_and_dir: tuple[Host, Path
         host.close()
         assert not gone(pid)
         assert os.getsid(pid) == pid  # its own session: no hangup from the connection
-        wait_for("the detached process's log", lambda: (workdir / "detached.log").read_text() == "started\n")
+        log = workdir / "detached.log"
+        waits.wait_for("the detached process's log", lambda: log.read_text() == "started\n", WAIT)
     finally:
         os.kill(pid, 9)
 
@@ -277,10 +270,11 @@ def test_unknown_host_key_is_refused(cluster: Cluster, targets: list[Target], tm
 
 def assert_no_unauthenticated_connections(cluster: Cluster) -> None:
     """A refused host leaves no half-open connection behind (its sshd would hold it until LoginGraceTime)."""
-    deadline = time.monotonic() + CLOSE_WAIT
-    while left := {n: infos for n in cluster.names if (infos := cluster.unauthenticated(n))}:
-        assert time.monotonic() < deadline, f"connections left open: {left}"
-        time.sleep(0.1)
+    def left() -> dict[str, Any]:
+        return {n: infos for n in cluster.names if (infos := cluster.unauthenticated(n))}
+
+    waits.wait_for("no unauthenticated connection left open", lambda: not left(), CLOSE_WAIT,
+                   evidence=lambda: f"still open: {left()}")
 
 
 def test_accept_new_saves_keys_once_and_they_are_then_checked(
@@ -489,7 +483,7 @@ def test_command_in_flight_on_a_crashed_host_is_connection_lost(cluster: Cluster
             return any(Path(f"/proc/{p}/cmdline").read_bytes().startswith(b"sleep\x0030")
                        for p in cluster.workload_pids(victim.name) if Path(f"/proc/{p}").exists())
 
-        wait_for("the remote sleep to start", sleeping)
+        waits.wait_for("the remote sleep to start", sleeping, WAIT)
         with cluster.crashed(victim.name):
             runner.join(WAIT)
             assert not runner.is_alive()

@@ -8,16 +8,12 @@ import json
 import signal
 import socket
 import stat
-import sys
 import time
 from pathlib import Path
 from typing import Callable, Iterator
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
-
-from runtime_harness import (  # noqa: E402
+from runtime_harness import (
     PYTHON,
     SCRIPTS,
     Client,
@@ -29,8 +25,8 @@ from runtime_harness import (  # noqa: E402
     read_result,
 )
 
-from toolkit import protocol as P  # noqa: E402
-from toolkit import scheduler as S  # noqa: E402
+from toolkit import protocol as P
+from toolkit import scheduler as S
 
 pytestmark = pytest.mark.timeout(180)
 HEARTBEAT = 0.3

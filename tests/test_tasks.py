@@ -21,10 +21,11 @@ from typing import Any, Callable, Iterator
 
 import pytest
 
-from cluster import Cluster, ProcessInfo, describe, format_workload
-from ports import free_port_pair
 from toolkit.procs import proc_info
 from toolkit.remote import LocalHost
+from toolkit.testing import waits
+from toolkit.testing.cluster import Cluster, ProcessInfo, describe, format_workload
+from toolkit.testing.ports import free_port_pair
 
 REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
@@ -54,14 +55,7 @@ def ok(r: subprocess.CompletedProcess[str]) -> subprocess.CompletedProcess[str]:
 
 def wait_for(what: str, condition: Callable[[], Any], bound: float = WAIT,
              evidence: Callable[[], str] | None = None) -> Any:
-    deadline = time.monotonic() + bound
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: not within {bound:.0f}s" + (f"\n{evidence()}" if evidence else ""))
-        time.sleep(POLL)
+    return waits.wait_for(what, condition, bound, poll=POLL, evidence=evidence)
 
 
 def status(project: Path, job: str, *core: str) -> dict[str, Any]:
@@ -132,7 +126,7 @@ def test_deploy_train_status_logs_restart_stop(cluster: Cluster, project: Path, 
     r = ok(fleet("deploy", *flags, cwd=project))
     assert f"deployed job {job} to {len(cluster.hosts)} host(s)" in r.stderr
     job_dirs = {h.name: h.workdir / job for h in cluster.hosts}
-    for name, d in job_dirs.items():
+    for d in job_dirs.values():
         assert (d / "project" / "train.py").read_bytes() == WORKER.read_bytes()
         assert (d / "launch.sh").is_file() and (d / "recover.sh").is_file() and (d / "stop.sh").is_file()
         assert oct((d / "token").stat().st_mode & 0o777) == "0o600"
@@ -485,10 +479,10 @@ def _children(pid: int) -> list[int]:
 
 
 def test_tail_output_is_split_by_file_and_keeps_blank_lines() -> None:
-    from toolkit.tasks import _TailParser
+    from toolkit.tasks.scripts import TailParser
 
     got: list[tuple[str, str]] = []
-    parse = _TailParser({"/a.log": "h:worker:0", "/b.log": "h:worker:1"}, lambda p, line: got.append((p, line)))
+    parse = TailParser({"/a.log": "h:worker:0", "/b.log": "h:worker:1"}, lambda p, line: got.append((p, line)))
     for line in ["==> /a.log <==", "one", "", "two", "", "==> /b.log <==", "three", "", "==> /a.log <==", "four"]:
         parse(line)
     assert got == [("h:worker:0", "one"), ("h:worker:0", ""), ("h:worker:0", "two"), ("h:worker:1", "three"),
@@ -511,10 +505,10 @@ def test_deploy_refuses_a_job_directory_others_could_change_and_keeps_its_own_pr
     assert f"{work / job} belongs to uid 12345, not to you (uid 0): another user made it" in r.stderr
     assert not (work / job / "launch.sh").exists()
     os.chown(work / job, 0, 0)
-    os.chmod(work, 0o777)  # a workdir every local user may write
+    os.chmod(work, 0o777)  # noqa: S103 - the fault: a workdir every local user may write
     r = fleet("deploy", *flags, cwd=d)
     assert r.returncode == 2 and f"{work} is writable by other users (mode 777)" in r.stderr, r.stderr
-    os.chmod(work, 0o755)
+    os.chmod(work, 0o755)  # noqa: S103 - the usual mode of a workdir
     r = ok(fleet("deploy", *flags, cwd=d))
     for sub in ("", "env", "logs", "state", "recovery", "ckpt"):
         assert (work / job / sub).stat().st_mode & 0o777 == 0o700, sub

@@ -146,7 +146,8 @@ def _param(name: str, default: Any) -> inspect.Parameter:
     return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default)
 
 
-@cluster_task(own={"json": (False, "print the plan as JSON"), "render": ("", "write every host's files under DIR/<host>/")})
+@cluster_task(own={"json": (False, "print the plan as JSON"),
+                   "render": ("", "write every host's files under DIR/<host>/")})
 def plan(request: Request, json: bool, render: str) -> None:
     """Show what would run where (hosts, node ids, ranks, ports), without touching the network."""
     tasks.show_plan(request.settings(script_required=False), as_json=json,

@@ -1,4 +1,11 @@
-"""Names of the environment variables of the process contract (docs/architecture.md), in one place."""
+"""Names of the environment variables of the process contract (docs/architecture.md), and the values a process
+assumes when one is not set, in one place: the plan, the scheduler and the worker runtime all read them from here."""
+
+# Defaults of the contract (msrun's where it has one)
+DEFAULT_SCHED_PORT = 8118  # MS_SCHED_PORT; the job's store listens on the next port
+DEFAULT_TOPO_TIMEOUT = 600  # s, MS_TOPO_TIMEOUT: for every worker to join
+DEFAULT_NODE_TIMEOUT = 6.0  # s, MS_NODE_TIMEOUT: heartbeat silence after which a worker is dead
+DEFAULT_HEARTBEAT_INTERVAL = 1.0  # s, TOOLKIT_HEARTBEAT_INTERVAL
 
 # MindSpore dynamic networking (msrun's set)
 MS_ROLE = "MS_ROLE"
@@ -36,7 +43,7 @@ CKPT_DIR = "CKPT_DIR"
 
 # toolkit's own
 TOOLKIT_JOB = "TOOLKIT_JOB"
-TOOLKIT_TOKEN_FILE = "TOOLKIT_TOKEN_FILE"
+TOOLKIT_TOKEN_FILE = "TOOLKIT_TOKEN_FILE"  # noqa: S105 - a variable's name, not a secret
 TOOLKIT_AGENT_SOCKET = "TOOLKIT_AGENT_SOCKET"
 TOOLKIT_HEARTBEAT_INTERVAL = "TOOLKIT_HEARTBEAT_INTERVAL"
 TOOLKIT_RECOVERY = "TOOLKIT_RECOVERY"  # worker: "restart" (--torchrun-script) forces restart recovery; default auto

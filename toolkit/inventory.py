@@ -234,7 +234,8 @@ def parse_hostfile_text(text: str, path: str) -> Inventory:
             elif key == "max_slots":
                 max_slots = _parse_slots(value, f"{where}: max_slots")
             else:
-                raise InventoryError(f"{where}: unknown keyword {key!r}; a hostfile line is: host slots=N [max_slots=M]")
+                raise InventoryError(f"{where}: unknown keyword {key!r}; "
+                                     "a hostfile line is: host slots=N [max_slots=M]")
         if max_slots is not None and slots > max_slots:
             raise InventoryError(f"{where}: slots={slots} exceeds max_slots={max_slots} for {name}")
         _merge_host(hosts, Host(name=name, slots=slots, user=user, max_slots=max_slots), where)
@@ -313,7 +314,7 @@ def _ansible_parse(path: Path) -> Any:
     try:
         plugin.parse(data, DataLoader(), str(path), cache=False)
         InventoryData.reconcile_inventory(data)
-    except Exception as e:  # Ansible raises AnsibleParserError, ValueError, ...: all mean a malformed file
+    except Exception as e:  # noqa: BLE001 - Ansible raises AnsibleParserError, ValueError, ...: all mean a malformed file
         cause = e.__cause__ or e
         message = str(cause).splitlines()[0].removeprefix("Failed to parse inventory: ")
         line = getattr(plugin, "error_line", None) or (_yaml_error_line(path) if yaml_file else None)
@@ -356,7 +357,7 @@ def _yaml_error_line(path: Path) -> int | None:
         yaml.safe_load(path.read_text(encoding="utf-8"))
     except yaml.MarkedYAMLError as e:
         return e.problem_mark.line + 1 if e.problem_mark else None
-    except Exception:
+    except (OSError, UnicodeError, yaml.YAMLError):
         return None
     return None
 
@@ -452,7 +453,8 @@ def _host_from_vars(name: str, v: Mapping[str, Any], where: str) -> Host:
     user = text("ansible_user")
     if user is not None and not _USER.match(user):
         raise InventoryError(f"{where}: ansible_user={user!r} is not a user name")
-    assert slots is not None
+    if slots is None:  # set above on every path that reaches here
+        raise RuntimeError(f"{where}: no slots")
     return Host(
         name=name,
         slots=slots,

@@ -17,9 +17,9 @@ from typing import Iterator, Mapping
 
 from toolkit import envvars as E
 from toolkit.errors import UserError
+from toolkit.inventory import Host, Inventory
 from toolkit.protocol import RECOVERY_RESTART as P_RECOVERY_RESTART
 from toolkit.protocol import worker_node_id
-from toolkit.inventory import Host, Inventory
 
 SCHED_NODE_ID = "sched"
 EXPECTED_FILE = "expected.json"  # on the scheduler's host: where each node id is expected to run
@@ -44,10 +44,10 @@ class JobOptions:
     script: str = "train.py"
     script_args: str = ""
     worker_num: int | None = None  # None: every slot
-    master_port: int = 8118
-    cluster_time_out: int = 600
-    node_timeout: float = 6.0
-    heartbeat_interval: float = 1.0
+    master_port: int = E.DEFAULT_SCHED_PORT
+    cluster_time_out: int = E.DEFAULT_TOPO_TIMEOUT
+    node_timeout: float = E.DEFAULT_NODE_TIMEOUT
+    heartbeat_interval: float = E.DEFAULT_HEARTBEAT_INTERVAL
     recovery: bool = True
     data_path: str | None = None
     ckpt_dir: str | None = None

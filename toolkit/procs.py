@@ -39,7 +39,7 @@ def resolve_env(env_file: str, base: Mapping[str, str], cwd: str, timeout: float
     warm spare): the same shell reads the same file, so both paths agree on quoting and expansion."""
     script = 'set -a; . "$1" || exit 125; set +a; exec env -0'
     out = subprocess.run(
-        ["bash", "-c", script, ENV_SHIM_NAME, env_file],
+        ["bash", "-c", script, ENV_SHIM_NAME, env_file],  # noqa: S607 - the same bash env_argv runs, from PATH
         env=dict(base), cwd=cwd, stdin=subprocess.DEVNULL, capture_output=True, timeout=timeout, check=False,
     )
     if out.returncode != 0:
@@ -212,7 +212,8 @@ def spawn(spec: LaunchSpec) -> Child:
     return Child(popen, os.pidfd_open(popen.pid), spec.argv)
 
 
-def stop_all(children: Iterable[Child], grace: float, on_kill: Callable[[Child], None] | None = None) -> dict[int, ExitStatus]:
+def stop_all(children: Iterable[Child], grace: float,
+             on_kill: Callable[[Child], None] | None = None) -> dict[int, ExitStatus]:
     """SIGTERM every child's group, wait up to `grace` seconds for all of them, SIGKILL the groups still there,
     reap. Returns the exit status by pid. `on_kill(child)` is told of each child that needed SIGKILL."""
     live = [c for c in children if c.alive]

@@ -15,7 +15,7 @@ from typing import Any
 
 import jinja2
 
-from toolkit import atomicfile
+from toolkit import atomicfile, hostspec
 from toolkit.errors import UserError
 from toolkit.plan import EXPECTED_FILE, HostPlan, LaunchPlan, Process
 
@@ -39,7 +39,7 @@ def environment() -> jinja2.Environment:
     env = jinja2.Environment(
         loader=jinja2.FileSystemLoader(TEMPLATES),
         undefined=jinja2.StrictUndefined,
-        autoescape=False,
+        autoescape=False,  # noqa: S701 - shell scripts, not HTML: values are shell-quoted by the templates
         trim_blocks=True,
         lstrip_blocks=True,
         keep_trailing_newline=True,
@@ -48,7 +48,8 @@ def environment() -> jinja2.Environment:
     return env
 
 
-def render_host(plan: LaunchPlan, host: HostPlan, token: str, jinja: jinja2.Environment | None = None) -> list[RenderedFile]:
+def render_host(plan: LaunchPlan, host: HostPlan, token: str,
+                jinja: jinja2.Environment | None = None) -> list[RenderedFile]:
     """Every file of `host`'s job directory: scripts, host.json, one env file per process, the token (0600)."""
     jinja = jinja or environment()
     context = {
@@ -80,35 +81,13 @@ def env_file(process: Process) -> str:
 
 
 def host_spec(plan: LaunchPlan, host: HostPlan) -> dict[str, Any]:
-    """The agent's input (host.json): what to run on this host and how to supervise it."""
+    """The agent's input (host.json, toolkit.hostspec): what to run on this host and how to supervise it."""
     o = plan.options
-    return {
-        "version": 1,
-        "job": plan.job,
-        "host": host.name,
-        "scheduler": {"host": plan.sched_address, "port": plan.sched_port},
-        "token_file": "token",
-        "max_restarts": o.max_restarts,
-        "backoff_base": 1.0,
-        "backoff_max": 30.0,
-        "healthy_reset": 300.0,
-        "grace": o.grace,
-        "bind_core": o.bind_core,
-        "warm_spare": o.warm_spare,
-        "processes": [
-            {
-                "node_id": p.node_id,
-                "role": p.role,
-                "rank": p.rank,
-                "local_rank": p.local_rank,
-                "argv": list(p.argv),
-                "cwd": p.cwd,
-                "env_file": env_file(p),
-                "log_file": f"logs/{p.log_name}",
-            }
-            for p in host.processes
-        ],
-    }
+    processes = [{"node_id": p.node_id, "role": p.role, "rank": p.rank, "local_rank": p.local_rank,
+                  "argv": list(p.argv), "cwd": p.cwd, "env_file": env_file(p), "log_file": f"logs/{p.log_name}"}
+                 for p in host.processes]
+    return hostspec.document(plan.job, host.name, plan.sched_address, plan.sched_port, o.max_restarts, o.grace,
+                             o.bind_core, o.warm_spare, processes)
 
 
 def plan_json(plan: LaunchPlan) -> dict[str, Any]:

@@ -3,6 +3,7 @@ defaults, resolved into one validated Settings. The option table here is the sin
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 import sys
@@ -23,29 +24,34 @@ class Option:
     help: str
 
 
+def _job_option(name: str, kind: type, help: str) -> Option:
+    """A flag that is a field of JobOptions: its default is JobOptions', the one place it is defined."""
+    return Option(name, kind, next(f.default for f in dataclasses.fields(JobOptions) if f.name == name), help)
+
+
 # Every cluster task takes these flags; given to any task of one command line, they apply to all its tasks.
 OPTIONS: tuple[Option, ...] = (
     Option("hostfile", str, None, "OpenMPI hostfile ('host slots=N [max_slots=M]' lines)"),
     Option("inventory", str, None, "Ansible inventory, INI or YAML (groups scheduler, workers, spares)"),
     Option("job", str, None, "job name (default: the project directory's name)"),
     Option("project", str, ".", "project directory: the script's code, copied to every host"),
-    Option("script", str, "train.py", "training script, relative to the project directory"),
-    Option("script_args", str, "", "arguments of the script, one string split as a shell would"),
+    _job_option("script", str, "training script, relative to the project directory"),
+    _job_option("script_args", str, "arguments of the script, one string split as a shell would"),
     Option("worker_num", int, None, "total workers (default: every slot; local: 1)"),
-    Option("master_port", int, 8118, "scheduler port (MS_SCHED_PORT); the store uses the next one"),
-    Option("cluster_time_out", int, 600, "seconds to wait for every worker to join (MS_TOPO_TIMEOUT)"),
-    Option("node_timeout", float, 6.0, "seconds of heartbeat silence after which a worker is dead"),
-    Option("recovery", bool, True, "persist scheduler state and resume after faults (MS_ENABLE_RECOVERY)"),
+    _job_option("master_port", int, "scheduler port (MS_SCHED_PORT); the store uses the next one"),
+    _job_option("cluster_time_out", int, "seconds to wait for every worker to join (MS_TOPO_TIMEOUT)"),
+    _job_option("node_timeout", float, "seconds of heartbeat silence after which a worker is dead"),
+    _job_option("recovery", bool, "persist scheduler state and resume after faults (MS_ENABLE_RECOVERY)"),
     Option("data_path", str, None, "data root for the script (DATA_PATH)"),
     Option("ckpt_dir", str, None, "checkpoint root (CKPT_DIR; default <job dir>/ckpt)"),
     Option("workdir", str, None, f"base directory of jobs on each host (default ~/{DEFAULT_WORKDIR})"),
     Option("python", str, None, "python on the hosts (default python3; local: this interpreter)"),
-    Option("max_restarts", int, 3, "restarts of one process before the job fails"),
-    Option("grace", float, 10.0, "seconds between SIGTERM and SIGKILL when stopping"),
-    Option("bind_core", bool, False, "pin each worker to its own CPUs"),
-    Option("warm_spare", bool, True, "keep a pre-started interpreter per host for fast replacement"),
-    Option("torchrun_script", bool, False, "recover by relaunching every worker (from its own checkpoints) even "
-           "if the script uses toolkit.train; torchrun-style scripts are recognised without it"),
+    _job_option("max_restarts", int, "restarts of one process before the job fails"),
+    _job_option("grace", float, "seconds between SIGTERM and SIGKILL when stopping"),
+    _job_option("bind_core", bool, "pin each worker to its own CPUs"),
+    _job_option("warm_spare", bool, "keep a pre-started interpreter per host for fast replacement"),
+    _job_option("torchrun_script", bool, "recover by relaunching every worker (from its own checkpoints) even if "
+                "the script uses toolkit.train; torchrun-style scripts are recognised without it"),
     Option("parallel", int, 32, "hosts contacted at once"),
     Option("accept_new_host_keys", bool, False, "add unknown SSH host keys to known_hosts (never changed ones)"),
     Option("known_hosts", str, "~/.ssh/known_hosts", "known_hosts file that SSH host keys are checked against"),
@@ -127,7 +133,8 @@ class Request:
                 out.append(f"{flag} {value!r}, but job {job} was deployed with {options[name]!r}")
         if self.core.hosts is not None or self.given.get("hostfile") or self.given.get("inventory"):
             settings = self.settings(script_required=False)
-            planned = tuple(h.name for h in make_plan(settings.inventory, settings.options, str(settings.project)).hosts)
+            plan = make_plan(settings.inventory, settings.options, str(settings.project))
+            planned = tuple(h.name for h in plan.hosts)
             if local or planned != hosts:
                 where = "this machine" if local else ", ".join(hosts)
                 out.append(f"the hosts typed would run it on {', '.join(planned)}, but job {job} was deployed to "
@@ -154,8 +161,10 @@ def _values(given: Mapping[str, Any], config: Mapping[str, Any]) -> dict[str, An
     unknown = sorted(set(config) - OPTION_NAMES)
     if unknown:
         raise UserError(f"fabric.yaml: unknown setting toolkit.{unknown[0]}; known: {', '.join(sorted(OPTION_NAMES))}")
-    values = {o.name: _convert(o, config[o.name], f"fabric.yaml: toolkit.{o.name}") for o in OPTIONS if o.name in config}
-    values.update({o.name: _convert(o, given[o.name], "--" + o.name.replace("_", "-")) for o in OPTIONS if o.name in given})
+    values = {o.name: _convert(o, config[o.name], f"fabric.yaml: toolkit.{o.name}")
+              for o in OPTIONS if o.name in config}
+    values.update({o.name: _convert(o, given[o.name], "--" + o.name.replace("_", "-"))
+                   for o in OPTIONS if o.name in given})
     return values
 
 
@@ -163,43 +172,26 @@ def resolve(given: Mapping[str, Any], config: Mapping[str, Any], core: CoreFlags
             script_required: bool = True) -> Settings:
     """`given` holds only the flags typed on the command line; `config` is the `toolkit:` config section. With
     `script_required` (deploy, train) the training script must exist in the project; a plan is shown without."""
-    values = _values(given, config)
+    values = {o.name: o.default for o in OPTIONS} | _values(given, config)
     inventory = _inventory(given, config, core.hosts, values, cwd)
-    project = (cwd / str(values.get("project", "."))).resolve()
+    project = (cwd / str(values["project"])).resolve()
     if not project.is_dir():
         raise UserError(f"--project {project}: not a directory; give the directory that holds the training script")
-    job = values.get("job") or _job_name(project)
+    job = values["job"] or _job_name(project)
     local = inventory.local
-    workdir = values.get("workdir")
+    workdir = values["workdir"]
     if workdir is None:
         workdir = str(Path.home() / DEFAULT_WORKDIR) if local else DEFAULT_WORKDIR
     elif local:
         workdir = str((cwd / Path(workdir).expanduser()).resolve())
-    python = values.get("python") or (sys.executable if local else "python3")
-    script = values.get("script", "train.py")
+    python = values["python"] or (sys.executable if local else "python3")
+    script = values["script"]
     if script_required and not Path(script).is_absolute() and not (project / script).is_file():
         raise UserError(f"--script {script}: no such file in {project}; pass --project DIR or the script's path in it")
 
-    options = JobOptions(
-        job=job,
-        script=script,
-        script_args=values.get("script_args", ""),
-        worker_num=values.get("worker_num"),
-        master_port=values.get("master_port", 8118),
-        cluster_time_out=values.get("cluster_time_out", 600),
-        node_timeout=values.get("node_timeout", 6.0),
-        recovery=values.get("recovery", True),
-        data_path=values.get("data_path"),
-        ckpt_dir=values.get("ckpt_dir"),
-        workdir=workdir,
-        python=python,
-        max_restarts=values.get("max_restarts", 3),
-        grace=values.get("grace", 10.0),
-        bind_core=values.get("bind_core", False),
-        warm_spare=values.get("warm_spare", True),
-        torchrun_script=values.get("torchrun_script", False),
-    )
-    parallel = values.get("parallel", 32)
+    job_fields = {f.name for f in dataclasses.fields(JobOptions)} & OPTION_NAMES
+    options = JobOptions(**{**{n: values[n] for n in job_fields}, "job": job, "workdir": workdir, "python": python})
+    parallel = values["parallel"]
     if parallel < 1:
         raise UserError(f"--parallel {parallel}: give at least 1")
     return Settings(
@@ -207,8 +199,8 @@ def resolve(given: Mapping[str, Any], config: Mapping[str, Any], core: CoreFlags
         inventory=inventory,
         project=project,
         parallel=parallel,
-        accept_new_host_keys=values.get("accept_new_host_keys", False),
-        known_hosts=str(Path(values.get("known_hosts", "~/.ssh/known_hosts")).expanduser()),
+        accept_new_host_keys=values["accept_new_host_keys"],
+        known_hosts=str(Path(values["known_hosts"]).expanduser()),
         core=core,
     )
 

@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in WARM_MODULES:
         try:
             importlib.import_module(name)
-        except Exception as e:  # a spare without one module is still worth having
+        except Exception as e:  # noqa: BLE001 - a spare without one module is still worth having
             print(f"standby: could not pre-import {name}: {e}", file=sys.stderr, flush=True)
     link.sendall(READY)
     data = _read_spec(link)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import shutil
 
 import pytest
+from fault_harness import E2E, HOSTS, REPO, SCRIPT_ARGS, SLOTS
 
-from cluster import Cluster
-from fault_harness import HOSTS, REPO, SCRIPT_ARGS, SLOTS, E2E
+from toolkit.testing.cluster import Cluster
 
 
 @pytest.fixture(scope="session")

@@ -14,12 +14,12 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from cluster import Cluster, ProcessInfo, format_workload
+from toolkit.testing import waits
+from toolkit.testing.cluster import Cluster, ProcessInfo, format_workload
 
 REPO = Path(__file__).resolve().parents[2]
 FLEET = str(Path(sys.executable).parent / "fleet")
@@ -31,6 +31,10 @@ FINAL = re.compile(r"final parameters: (\S+) sha256 ([0-9a-f]{64})")
 SCRIPT_ARGS = "--epochs 2 --batch-size 16 --ckpt-interval 4 --keep-max 3 --step-delay 0.25"
 JOB_TIMEOUT = 240.0  # s for one job from deploy to its end, faults and recoveries included
 LEFTOVER_WAIT = 90.0  # s for every process of an ended job (or a killed agent's) to be gone, on a busy machine
+
+
+DEAD_LINE = re.compile(r"^.* (worker_\d+) \(pid \d+ on \S+\) is dead: ([^;]+);", re.M)
+FORMED_LINE = re.compile(r"generation (\d+) formed:")
 
 
 @dataclass
@@ -127,23 +131,37 @@ class Job:
                 return path.read_text(errors="replace")
         return ""
 
+    # -- what the scheduler decided (its log is the record of its decisions)
+
+    def declared_dead(self) -> dict[str, list[str]]:
+        """Node id -> the reasons the scheduler gave, each time it declared that node's incarnation dead."""
+        out: dict[str, list[str]] = {}
+        for node, reason in DEAD_LINE.findall(self.log("sched")):
+            out.setdefault(node, []).append(reason)
+        return out
+
+    def generation(self) -> int:
+        """The newest generation the scheduler formed (0 before the first)."""
+        return max((int(g) for g in FORMED_LINE.findall(self.log("sched"))), default=0)
+
+    def workers_on(self, host: str) -> dict[str, int]:
+        """Node id -> pid of the workers the agent of `host` runs now."""
+        return {n: p["pid"] for n, p in self.processes().items() if p["host"] == host and n != "sched"}
+
     def wait_for(self, what: str, predicate: Callable[[], Any], timeout: float = 120.0,
                  while_running: bool = True, evidence: Callable[[], str] | None = None) -> Any:
         """Poll `predicate` until it is true (its value is returned) or `timeout` passes. With `while_running`,
         the job ending first is a failure too (the condition can no longer come about); the assertion carries the
         runner's output, the hosts' logs and `evidence()`."""
-        deadline = time.monotonic() + timeout
-        while True:
-            value = predicate()
-            if value:
-                return value
-            more = f"\n{evidence()}" if evidence else ""
+        def ended() -> str | None:
             if while_running and self.runner is not None and self.output is None and self.runner.poll() is not None:
-                _, output = self.join()
-                raise AssertionError(f"the job ended while waiting for {what}:\n{output}{more}\n{self.evidence()}")
-            if time.monotonic() > deadline:
-                raise AssertionError(f"timed out after {timeout} s waiting for {what}{more}\n{self.evidence()}")
-            time.sleep(POLL)
+                return f"the job ended:\n{self.join()[1]}"
+            return None
+
+        def more() -> str:
+            return (f"{evidence()}\n" if evidence else "") + self.evidence()
+
+        return waits.wait_for(what, predicate, timeout, poll=POLL, evidence=more, ended=ended)
 
     def wait_step(self, step: int, timeout: float = 120.0) -> dict[str, dict[str, Any]]:
         """Until every worker reported at least `step` (and is running)."""

@@ -10,12 +10,11 @@ import os
 import re
 import signal
 import subprocess
-import time
 
 import pytest
-
-from cluster import format_workload
 from fault_harness import E2E, Job
+
+from toolkit.testing.cluster import format_workload
 
 KILL_AT = 6  # every worker past this step (a checkpoint every 4) when the fault hits
 
@@ -102,10 +101,21 @@ def test_whole_host_lost_then_restarted_by_the_operator(e2e: E2E, baseline: str)
     job.start()
     job.wait_step(KILL_AT)
     host = job.host_of("worker_4")
-    with e2e.cluster.crashed(host):
-        time.sleep(1.0)  # the host is down for a moment; the operator notices
+    lost = job.workers_on(host)
+    before = job.generation()
+    with e2e.cluster.crashed(host):  # every process of the host dies at once: agent, workers, spare, sshd
+        job.wait_for(f"the scheduler to declare the workers of {host} dead",
+                     lambda: set(lost) <= set(job.declared_dead()))
+        status = job.wait_for(f"fleet status to report the agent of {host} gone",
+                              lambda: _gone(job.fleet("status", "--json", check=False).stdout, host), timeout=60)
+        assert {p["state"] for p in status["processes"] if p["host"] == host} == {"gone"}, status
+    assert job.generation() > before, "the survivors never moved to a new generation"
     job.fleet("restart", "--host", host)
+    job.wait_for(f"new workers on {host}", lambda: all(job.workers_on(host).get(n) not in (None, pid)
+                                                       for n, pid in lost.items()))
     assert job.finish_ok() == baseline
+    survivors = {n for n in job.processes() if n != "sched" and n not in lost}
+    assert not survivors & set(job.declared_dead()), job.declared_dead()  # only the lost host's workers died
     job.wait_no_leftovers()
 
 
@@ -125,8 +135,16 @@ def test_host_cut_off_then_back(e2e: E2E, baseline: str) -> None:
     job.start()
     job.wait_step(KILL_AT)
     host = job.host_of("worker_5")
-    with e2e.cluster.partitioned(host):
-        time.sleep(8.0)  # > node timeout (3 s): its workers are declared dead and fenced when they come back
+    cut = job.workers_on(host)
+    before = job.generation()
+    with e2e.cluster.partitioned(host):  # its processes live on, unheard: past the node timeout they are dead
+        job.wait_for(f"the scheduler to declare the workers of {host} dead for their silence",
+                     lambda: all(any("heartbeat" in why for why in job.declared_dead().get(n, ())) for n in cut))
+    assert job.generation() > before, "the survivors never moved to a new generation"
+    # Back on the network, the declared-dead incarnations are fenced (told to exit, or killed by their agent)
+    # and replaced, rather than rejoining as if nothing happened.
+    job.wait_for(f"the cut-off workers of {host} fenced and replaced",
+                 lambda: all(job.workers_on(host).get(n) not in (None, pid) for n, pid in cut.items()))
     assert job.finish_ok() == baseline
     job.wait_no_leftovers()
 

@@ -12,7 +12,6 @@ import signal
 import time
 
 import pytest
-
 from fault_harness import E2E, HOSTS, SLOTS, Job
 
 ARGS = "--epochs 8 --batch-size 16 --ckpt-interval 4 --keep-max 3 --step-delay 0.08"
@@ -45,7 +44,7 @@ def test_kills_at_random_moments_across_hosts_lose_no_step(e2e: E2E, long_baseli
     past = {r: 0 for r in range(WORLD)}
     kills = []
     for _ in range(KILLS):
-        job.wait_for("every rank training", lambda: all(steps(job, r) >= past[r] + 2 for r in range(WORLD)))
+        job.wait_for("every rank training", lambda past=past: all(steps(job, r) >= past[r] + 2 for r in range(WORLD)))
         time.sleep(rng.uniform(0.0, 0.25))  # about two steps: any moment of a step
         victim = rng.randrange(WORLD)
         pid = job.processes()[f"worker_{victim}"]["pid"]

@@ -21,9 +21,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping
 
-from ports import free_port_pair
 from toolkit import envvars as E
 from toolkit import protocol as P
+from toolkit.testing.ports import free_port_pair
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = Path(__file__).resolve().parent
@@ -71,7 +71,7 @@ class Proc:
                 left = deadline - time.monotonic()
                 if left <= 0 or (self.popen.poll() is not None and not self._reader.is_alive()):
                     raise AssertionError(f"no line matching {pattern!r} from pid {self.pid} within {timeout} s; "
-                                         f"output:\n{self.text()[-4000:]}")
+                                         f"output:\n{self.text()[-4000:]}") from None
                 self.cond.wait(min(left, 0.5))
 
     def count(self, pattern: str) -> int:
@@ -87,7 +87,8 @@ class Proc:
         try:
             code = self.popen.wait(timeout)
         except subprocess.TimeoutExpired:
-            raise AssertionError(f"pid {self.pid} still running after {timeout} s; output:\n{self.text()[-4000:]}")
+            output = self.text()[-4000:]
+            raise AssertionError(f"pid {self.pid} still running after {timeout} s; output:\n{output}") from None
         self._reader.join(5)
         return code
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import math
 import os
 import random
 import re
@@ -27,7 +28,7 @@ from typing import Any, Callable
 import pytest
 import torch
 
-from local_job import EXAMPLES, FLEET, FleetRun, clean_env
+from toolkit.testing.localjob import EXAMPLES, FLEET, FleetRun, clean_env
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 JOB_TIMEOUT = 300.0  # s for one job on a loaded 2-core machine; normally ~20 s
@@ -40,7 +41,7 @@ pytestmark = pytest.mark.timeout(900)
 
 
 def steps_total(world: int, epochs: int = 3, dataset: int = 2048, batch: int = 32) -> int:
-    return epochs * -(-(-(-dataset // world)) // batch)
+    return epochs * math.ceil(math.ceil(dataset / world) / batch)
 
 
 def until(what: str, predicate: Callable[[], Any], run: FleetRun, timeout: float = JOB_TIMEOUT) -> Any:

@@ -22,8 +22,8 @@ from typing import Any, Callable
 import pytest
 import torch
 
-from local_job import EXAMPLES, STEP_LINE, LocalJob, clean_env
-from ports import free_port_pair
+from toolkit.testing.localjob import EXAMPLES, STEP_LINE, LocalJob, clean_env
+from toolkit.testing.ports import free_port_pair
 
 TORCHRUN = str(Path(sys.executable).parent / "torchrun")
 INTERVAL = 4

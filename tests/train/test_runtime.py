@@ -13,15 +13,12 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 import pytest
+from runtime_harness import FakeAgent, Job, Proc, expected_weights, job_factory, read_result
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-
-from ports import free_port_pair  # noqa: E402
-from runtime_harness import FakeAgent, Job, Proc, expected_weights, job_factory, read_result  # noqa: E402
-
-from toolkit import envvars as E  # noqa: E402
-from toolkit import protocol as P  # noqa: E402
-from toolkit.train import runtime as R  # noqa: E402
+from toolkit import envvars as E
+from toolkit import protocol as P
+from toolkit.testing.ports import free_port_pair
+from toolkit.train import runtime as R
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 import pytest
 
-from local_job import STEP_LINE, LocalJob
+from toolkit.testing.localjob import STEP_LINE, LocalJob
 
 WORLD = 4
 ARGS = ["--epochs", "8", "--ckpt-interval", "4", "--keep-max", "3"]
@@ -111,7 +111,7 @@ def test_kills_at_random_moments_lose_no_step_and_change_nothing(tmp_path: Path,
         job.start()
         past: dict[int, int] = {}
         for _ in range(10):
-            until("every rank training", lambda: training(job, past), job)
+            until("every rank training", lambda past=past: training(job, past), job)
             time.sleep(rng.uniform(0.0, 0.15))  # about two steps: any moment of a step
             victim = rng.randrange(WORLD)
             pid = pid_of(job, victim)

@@ -13,7 +13,6 @@ from typing import Mapping
 from toolkit import envvars as E
 from toolkit.errors import UserError
 
-DEFAULT_PORT = 8118  # MS_SCHED_PORT when none is given (msrun's); the store uses the next one
 TOOLKIT_EXPECTED = E.TOOLKIT_EXPECTED
 
 
@@ -42,7 +41,7 @@ class Config:
         role = env.get(E.MS_ROLE, E.ROLE_SCHED)
         if role != E.ROLE_SCHED:
             raise ConfigError(f"{E.MS_ROLE}={role}: the scheduler runs where {E.MS_ROLE}={E.ROLE_SCHED}")
-        port = _int(env, E.MS_SCHED_PORT, DEFAULT_PORT)
+        port = _int(env, E.MS_SCHED_PORT, E.DEFAULT_SCHED_PORT)
         store_port = _int(env, E.MASTER_PORT, port + 1)
         for name, value in ((E.MS_SCHED_PORT, port), (E.MASTER_PORT, store_port)):
             if not 1 <= value <= 65535:
@@ -54,8 +53,8 @@ class Config:
         world = _int(env, E.MS_WORKER_NUM, 0)
         if world < 1:
             raise ConfigError(f"{E.MS_WORKER_NUM}={world}: a job needs at least 1 worker")
-        topo = _float(env, E.MS_TOPO_TIMEOUT, 600.0)
-        node = _float(env, E.MS_NODE_TIMEOUT, 6.0)
+        topo = _float(env, E.MS_TOPO_TIMEOUT, E.DEFAULT_TOPO_TIMEOUT)
+        node = _float(env, E.MS_NODE_TIMEOUT, E.DEFAULT_NODE_TIMEOUT)
         if not (0 < topo < math.inf and 0 < node < math.inf):
             raise ConfigError(f"{E.MS_TOPO_TIMEOUT} and {E.MS_NODE_TIMEOUT} must be positive, finite seconds")
         recovery = env.get(E.MS_ENABLE_RECOVERY, "0").strip().lower() in ("1", "true", "yes", "on")
@@ -68,7 +67,8 @@ class Config:
         try:
             token = Path(token_file).read_text().strip()
         except OSError as e:
-            raise ConfigError(f"{E.TOOLKIT_TOKEN_FILE}={token_file}: cannot read the job token ({e.strerror})") from None
+            raise ConfigError(f"{E.TOOLKIT_TOKEN_FILE}={token_file}: cannot read the job token ({e.strerror})"
+                              ) from None
         if not token:
             raise ConfigError(f"{E.TOOLKIT_TOKEN_FILE}={token_file}: the token file is empty; render the job again")
         return cls(

@@ -109,7 +109,7 @@ def decode(data: bytes, path: Path, expect_step: int | None = None) -> dict[str,
         raise CorruptCheckpoint(f"{path}: {reason}")
     try:
         return torch.load(io.BytesIO(memoryview(data)[HEADER.size :]), map_location="cpu", weights_only=True)
-    except Exception as e:  # the checksum matched, so this is a file we did not write
+    except Exception as e:  # noqa: BLE001 - the checksum matched, so this is a file we did not write
         raise CorruptCheckpoint(f"{path}: checksum matches but the payload does not load ({e})") from None
 
 
@@ -448,7 +448,7 @@ class CheckpointManager:
                 self._write(step, state)
             except CheckpointError as e:
                 error = e
-            except Exception as e:  # keep the thread alive and surface the cause on the training thread
+            except Exception as e:  # noqa: BLE001 - keep the thread alive; the training thread raises it
                 error = CheckpointError(f"checkpoint of step {step} in {self.directory} failed: {e!r}")
             finally:
                 del state
@@ -465,7 +465,7 @@ class CheckpointManager:
             return
         try:
             self.on_commit(step)
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - the user's hook: a failure of it is logged, the commit stands
             log.error("on_commit hook for step %d in %s failed: %r", step, self.directory, e)
 
     def _raise_pending(self) -> None:

@@ -14,9 +14,9 @@ ones (exact where the sampler's order depends only on the epoch, as DistributedS
 
 Randomness: DistributedSampler's order depends only on (seed, epoch); a RandomSampler's and the workers' base seed
 come from torch's global generator, which the caller seeds per epoch before each new iterator, and the order is
-drawn at that moment, so it is the same whether an epoch starts at batch 0 or is resumed in the middle. Random augmentation inside worker processes
-is not replayed exactly after a mid-epoch resume (a batch may land on another worker): seed it from the sample
-index for that.
+drawn at that moment, so it is the same whether an epoch starts at batch 0 or is resumed in the middle. Random
+augmentation inside worker processes is not replayed exactly after a mid-epoch resume (a batch may land on another
+worker): seed it from the sample index for that.
 """
 
 from __future__ import annotations

@@ -27,10 +27,8 @@ Three modes, chosen from the environment so one script runs everywhere:
 from __future__ import annotations
 
 import contextlib
-import importlib
 import json
 import os
-import runpy
 import secrets
 import select
 import socket
@@ -40,7 +38,7 @@ import time
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
@@ -102,13 +100,13 @@ class WorkerEnv:
     node_id: str = "worker_0"
     job: str = "job"
     sched_host: str = "127.0.0.1"
-    sched_port: int = 8118
+    sched_port: int = E.DEFAULT_SCHED_PORT
     store_host: str = "127.0.0.1"
-    store_port: int = 8119
+    store_port: int = E.DEFAULT_SCHED_PORT + 1
     token: str = field(default="", repr=False)
-    heartbeat_interval: float = 1.0
-    node_timeout: float = 6.0
-    topo_timeout: float = 600.0
+    heartbeat_interval: float = E.DEFAULT_HEARTBEAT_INTERVAL
+    node_timeout: float = E.DEFAULT_NODE_TIMEOUT
+    topo_timeout: float = E.DEFAULT_TOPO_TIMEOUT
     agent_socket: str | None = None
     restart_only: bool = False  # TOOLKIT_RECOVERY=restart: recover by relaunching even a toolkit.train script
 
@@ -138,9 +136,9 @@ class WorkerEnv:
                 raise RuntimeConfigError(
                     f"{E.TOOLKIT_TOKEN_FILE}={token_file}: cannot read the job token ({e.strerror})") from None
         sched_host = env.get(E.MS_SCHED_HOST) or "127.0.0.1"
-        sched_port = _int(env, E.MS_SCHED_PORT, 8118)
-        interval = _float(env, E.TOOLKIT_HEARTBEAT_INTERVAL, 1.0)
-        node_timeout = _float(env, E.MS_NODE_TIMEOUT, 6.0)
+        sched_port = _int(env, E.MS_SCHED_PORT, E.DEFAULT_SCHED_PORT)
+        interval = _float(env, E.TOOLKIT_HEARTBEAT_INTERVAL, E.DEFAULT_HEARTBEAT_INTERVAL)
+        node_timeout = _float(env, E.MS_NODE_TIMEOUT, E.DEFAULT_NODE_TIMEOUT)
         if not 0 < interval < node_timeout:
             raise RuntimeConfigError(
                 f"{E.TOOLKIT_HEARTBEAT_INTERVAL}={interval:g} must be positive and shorter than "
@@ -159,7 +157,7 @@ class WorkerEnv:
             token=token,
             heartbeat_interval=interval,
             node_timeout=node_timeout,
-            topo_timeout=_float(env, E.MS_TOPO_TIMEOUT, 600.0),
+            topo_timeout=_float(env, E.MS_TOPO_TIMEOUT, E.DEFAULT_TOPO_TIMEOUT),
             agent_socket=env.get(E.TOOLKIT_AGENT_SOCKET) or None,
             restart_only=_recovery(env),
         )

@@ -240,7 +240,8 @@ class Cluster:
                 ):
                     break
             else:
-                raise ClusterSetupError(f"no free cluster id for pid {os.getpid()}; run scripts/cluster.py down --stale")
+                raise ClusterSetupError(f"no free cluster id for pid {os.getpid()}; "
+                                        "run scripts/cluster.py down --stale")
             subnet = _free_subnet(REGISTRY, os.getpid())
             if dir is None:
                 path, owns_dir = Path(tempfile.mkdtemp(prefix=f"toolkit-cluster-{cid}-")), True
@@ -507,7 +508,7 @@ class Cluster:
                         return
                 except OSError:
                     if time.monotonic() > deadline:
-                        raise ClusterSetupError(f"{name} is not reachable {READY_TIMEOUT:.0f}s after link up")
+                        raise ClusterSetupError(f"{name} is not reachable {READY_TIMEOUT:.0f}s after link up") from None
                     time.sleep(LINK_POLL)
 
     def replace_host_key(self, name: str) -> str:

@@ -14,12 +14,12 @@ import sys
 from pathlib import Path
 from typing import Any, Mapping
 
-from ports import free_port_pair
 from toolkit.inventory import local_inventory
 from toolkit.plan import JobOptions, make_plan
 from toolkit.render import render_host, write_files
+from toolkit.testing.ports import free_port_pair
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"  # in a source checkout (the editable install)
 ENV_DROP = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "CKPT_DIR",
             "DATA_PATH")
 STOP_WAIT = 30.0  # s for the agent to stop its children after SIGTERM (its grace period and some)

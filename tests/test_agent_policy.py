@@ -1,0 +1,64 @@
+"""The agent's decisions (toolkit.agent.policy), driven directly: what it does when a process exits, and when the
+scheduler speaks. The supervisor applying them is tested with real processes in test_agent.py."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from toolkit import protocol as P
+from toolkit.agent import policy
+from toolkit.agent.policy import FinishJob, GiveUp, Ignore, Kill, Relaunch, Settle, StopJob, Succeeded
+from toolkit.hostspec import RestartPolicy
+
+RULES = RestartPolicy(max_restarts=3, backoff_base=1.0, backoff_max=30.0, healthy_reset=300.0)
+CRASH = policy.Exited(code=1, ran_for=2.0, progressed=False, counted=0, manual=False, closing=False,
+                      finishing=False, others_running=True, others_succeeded=False)
+
+
+def exit_(**kw: object) -> policy.Exited:
+    return dataclasses.replace(CRASH, **kw)
+
+
+def test_a_crash_loop_backs_off_then_gives_up() -> None:
+    delays, counted = [], 0
+    for _ in range(3):
+        r = policy.on_exit(RULES, exit_(counted=counted), "exit code 1")
+        assert isinstance(r, Relaunch)
+        delays.append(r.delay)
+        counted = r.counted
+    assert delays == [0.0, 1.0, 2.0] and r.why == "restart 3 of 3 after exit code 1"
+    assert policy.on_exit(RULES, exit_(counted=3), "exit code 1") == GiveUp(3)
+
+
+def test_a_process_that_trained_restarts_at_once_a_long_healthy_run_refills_the_budget() -> None:
+    assert policy.on_exit(RULES, exit_(counted=2, progressed=True), "killed by SIGKILL") == Relaunch(
+        "restart 3 of 3 after killed by SIGKILL", 0.0, 3)
+    assert policy.on_exit(RULES, exit_(counted=3, ran_for=301.0), "killed by SIGKILL") == Relaunch(
+        "restart 1 of 3 after killed by SIGKILL", 0.0, 1)
+
+
+def test_exits_the_scheduler_or_the_operator_asked_for_are_not_counted() -> None:
+    for code in (P.EXIT_FENCED, P.EXIT_REJOIN):
+        r = policy.on_exit(RULES, exit_(code=code, counted=3), f"exit code {code}")
+        assert r == Relaunch(f"relaunch after exit code {code}", 0.0, 3)
+    assert policy.on_exit(RULES, exit_(manual=True, counted=3), "killed by SIGTERM") == Relaunch(
+        "restart requested by the operator", 0.0, 3)
+
+
+def test_success_and_closing() -> None:
+    assert policy.on_exit(RULES, exit_(code=0), "exit code 0") == Succeeded(False)
+    assert policy.on_exit(RULES, exit_(code=0, others_succeeded=True), "exit code 0") == Succeeded(True)
+    assert policy.on_exit(RULES, exit_(closing=True), "killed by SIGTERM") == Settle("stopped", False)
+    assert policy.on_exit(RULES, exit_(code=0, closing=True, finishing=True, others_running=False),
+                          "exit code 0") == Settle("succeeded", True)
+
+
+def test_the_schedulers_messages() -> None:
+    running = {"worker_0": 100}
+    assert policy.on_scheduler({"op": P.KILL, "node_id": "worker_0", "pid": 100}, running, False) == Kill("worker_0")
+    assert isinstance(policy.on_scheduler({"op": P.KILL, "node_id": "worker_0", "pid": 99}, running, False), Ignore)
+    assert isinstance(policy.on_scheduler({"op": P.KILL, "node_id": "worker_9"}, running, False), Ignore)
+    assert policy.on_scheduler({"op": P.STOP, "reason": "x failed"}, running, False) == StopJob("x failed")
+    assert policy.on_scheduler({"op": P.FINISHED}, running, False) == FinishJob()
+    assert isinstance(policy.on_scheduler({"op": P.FINISHED}, running, True), Ignore)
+    assert isinstance(policy.on_scheduler({"op": "nonsense"}, running, False), Ignore)

@@ -1,0 +1,35 @@
+"""The per-host agent: `python -m toolkit.agent --job-dir DIR` supervises one host's processes of one job.
+
+- policy.py      what to do when a process exits or the scheduler speaks (pure: facts in, a reaction out)
+- supervisor.py  the event loop that applies it: launching, the warm spare, the sockets, agent.json
+- link.py        the connection to the scheduler
+- log.py         the agent's own log; reading the children's
+- timers.py      the loop's deadlines
+- commands.py    the command line (run, start, stop, status, restart) and the client side of the sockets
+
+Its documents are defined in toolkit.hostspec (host.json, its input) and toolkit.agentdoc (agent.json, agent.pid,
+the control and progress sockets).
+"""
+
+from toolkit.agent.commands import (
+    EXIT_FAILED,
+    EXIT_OK,
+    EXIT_STOPPED,
+    EXIT_USAGE,
+    main,
+    request,
+    restart,
+    run,
+    running_agent,
+    start,
+    status,
+    stop,
+    with_overrides,
+)
+from toolkit.agent.supervisor import cpu_sets
+from toolkit.hostspec import HostSpec, ProcSpec, RestartDecision, RestartPolicy
+from toolkit.hostspec import load as load_spec
+
+__all__ = ["EXIT_FAILED", "EXIT_OK", "EXIT_STOPPED", "EXIT_USAGE", "HostSpec", "ProcSpec", "RestartDecision",
+           "RestartPolicy", "cpu_sets", "load_spec", "main", "request", "restart", "run", "running_agent", "start",
+           "status", "stop", "with_overrides"]

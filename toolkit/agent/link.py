@@ -1,0 +1,256 @@
+"""The agent's one connection to the scheduler (toolkit.protocol): hello, then `exited` and `gave_up` reports out,
+`kill`, `stop` and `finished` in. Driven by the supervisor's selector: never blocks its loop."""
+
+from __future__ import annotations
+
+import errno
+import os
+import selectors
+import socket
+import time
+from typing import Any, Callable
+
+from toolkit import protocol as P
+from toolkit.agent.log import AgentLog
+from toolkit.agent.timers import Timer, Timers
+from toolkit.hostspec import HostSpec
+from toolkit.session import Unproven, open_session
+
+LINK_RETRY_INTERVAL = 1.0  # s between attempts to reach the scheduler while it is down
+LINK_REJECTED_RETRY = 10.0  # s before trying again after the scheduler rejected us (e.g. a token being re-deployed)
+LINK_CONNECT_TIMEOUT = 3.0  # s for one TCP connect and handshake with the scheduler
+QUEUE_LIMIT = 1000  # reports held for the scheduler while it is unreachable
+
+
+class SchedulerLink:
+    """The agent's one connection to the scheduler, driven by the agent's selector. Never blocks the loop: a
+    down scheduler means reports wait in a queue (an `exited` per node coalesced to the latest) and a reconnect
+    is tried every LINK_RETRY_INTERVAL.
+
+    States: down -> connecting (TCP) -> hello (the server's challenge answered, its proof awaited) -> up. Nothing
+    the scheduler says is acted on, and no report is sent, before it proved the job token (toolkit.protocol)."""
+
+    def __init__(self, spec: HostSpec, sel: selectors.BaseSelector, timers: Timers, log: AgentLog,
+                 on_message: Callable[[dict[str, Any]], None], on_change: Callable[[], None]) -> None:
+        self.spec, self.sel, self.timers, self.log = spec, sel, timers, log
+        self.on_message, self.on_change = on_message, on_change
+        self.sock: socket.socket | None = None
+        self.state = "down"
+        self.since = time.time()
+        self.queue: list[tuple[str | None, bytes]] = []  # (node_id of a coalescible exited report, message)
+        self.wbuf = bytearray()
+        self.lines = P.LineBuffer()
+        self.retry: Timer | None = None
+        self.connect_timer: Timer | None = None
+        self.nonces: tuple[str, str] | None = None  # (server's, ours) while the hello is unanswered
+        self.token = ""  # read from the token file at each connection (a re-deploy may have replaced it)
+        self.closed = False
+        self._said_down = False
+
+    def start(self) -> None:
+        self._attempt()
+
+    def report(self, op: str, coalesce: str | None = None, **fields: Any) -> None:
+        msg = P.encode(op, **fields)
+        if coalesce is not None:
+            self.queue = [q for q in self.queue if q[0] != coalesce]
+        self.queue.append((coalesce, msg))
+        if len(self.queue) > QUEUE_LIMIT:
+            del self.queue[0]
+        if self.state == "up":
+            self._pump()
+
+    def _set(self, state: str) -> None:
+        if state != self.state:
+            self.state, self.since = state, time.time()
+            self.on_change()
+
+    def _attempt(self) -> None:
+        self.retry = None
+        if self.closed or self.state != "down":
+            return
+        try:
+            infos = socket.getaddrinfo(self.spec.sched_host, self.spec.sched_port, type=socket.SOCK_STREAM)
+            family, kind, proto, _, addr = infos[0]
+            sock = socket.socket(family, kind, proto)
+        except OSError as e:
+            self._down(f"cannot resolve {self.spec.sched_host}: {e}")
+            return
+        sock.setblocking(False)
+        err = sock.connect_ex(addr)
+        if err not in (0, errno.EINPROGRESS):
+            sock.close()
+            self._down(os.strerror(err))
+            return
+        self.sock = sock
+        self.lines = P.LineBuffer()
+        self.nonces = None
+        self._set("connecting")
+        self.sel.register(sock, selectors.EVENT_WRITE, self._on_event)
+        self.connect_timer = self.timers.after(LINK_CONNECT_TIMEOUT, lambda: self._drop("connect timed out"))
+
+    def _on_event(self, mask: int) -> None:
+        if self.sock is None:
+            return
+        if self.state == "connecting" and mask & selectors.EVENT_WRITE and self.nonces is None:
+            err = self.sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+            if err:
+                self._drop(os.strerror(err))
+                return
+            self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self.sel.modify(self.sock, selectors.EVENT_READ, self._on_event)  # the challenge comes first
+            return
+        if mask & selectors.EVENT_READ:
+            try:
+                data = self.sock.recv(65536)
+            except (BlockingIOError, InterruptedError):
+                data = None
+            except OSError as e:
+                self._drop(str(e))
+                return
+            if data == b"":
+                self._drop("the scheduler closed the connection")
+                return
+            if data:
+                try:
+                    messages = self.lines.feed(data)
+                    for msg in messages:
+                        if not self._handle(msg) or self.sock is None:
+                            return
+                except P.ProtocolError as e:
+                    self._drop(f"bad message from the scheduler: {e}")
+                    return
+        if mask & selectors.EVENT_WRITE and self.sock is not None:
+            self._pump()
+
+    def _handle(self, msg: dict[str, Any]) -> bool:
+        """One message; False once the link was dropped."""
+        if self.state == "connecting":
+            server_nonce = P.challenge_nonce(msg)
+            try:
+                token = self.spec.token_file.read_text(encoding="utf-8").strip()
+            except OSError as e:
+                self._drop(f"cannot read the job token {self.spec.token_file}: {e}")
+                return False
+            hello, nonce = P.hello(P.AGENT_HELLO, token, server_nonce, host=self.spec.host,
+                                   node_ids=[p.node_id for p in self.spec.processes])
+            self.nonces = (server_nonce, nonce)
+            self.token = token
+            self.wbuf = bytearray(hello)
+            self._set("hello")
+            self._pump()
+            return self.sock is not None
+        if self.state == "hello":
+            if self.nonces is None:  # a hello is sent with its nonces: this is a bug, not input
+                raise RuntimeError("scheduler link in state hello without nonces")
+            if not P.check_server(self.token, *self.nonces, msg):
+                reason = str(msg.get("reason"))[:300] if msg.get("op") == P.REJECT else f"{msg['op'][:40]} unproven"
+                self.log("agent", f"the scheduler's answer did not prove the job token ({reason}): a wrong token "
+                                  "here, or not this job's scheduler")
+                self._drop("unproven answer", LINK_REJECTED_RETRY)
+                return False
+            if msg["op"] == P.REJECT:
+                self.log("agent", f"the scheduler rejected this agent: {str(msg.get('reason'))[:300]}")
+                self._drop("rejected", LINK_REJECTED_RETRY)
+                return False
+            if self.connect_timer:
+                self.connect_timer.cancel()
+            self.nonces = None
+            self._set("up")
+            self._said_down = False
+            self.log("agent", f"connected to the scheduler at {self.spec.sched_host}:{self.spec.sched_port}")
+            self._pump()
+            return self.sock is not None
+        self.on_message(msg)
+        return True
+
+    def _pump(self) -> None:
+        if self.state == "up":
+            for _, msg in self.queue:
+                self.wbuf += msg
+            self.queue.clear()
+        while self.wbuf:
+            try:
+                n = self.sock.send(self.wbuf)
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError as e:
+                self._drop(str(e))
+                return
+            del self.wbuf[:n]
+        self.sel.modify(self.sock, selectors.EVENT_READ | (selectors.EVENT_WRITE if self.wbuf else 0), self._on_event)
+
+    def _drop(self, why: str, retry: float = LINK_RETRY_INTERVAL) -> None:
+        if self.connect_timer:
+            self.connect_timer.cancel()
+        if self.sock is not None:
+            self.sel.unregister(self.sock)
+            self.sock.close()
+            self.sock = None
+        self.wbuf.clear()
+        self.nonces = None
+        self._down(why, retry)
+
+    def _down(self, why: str, retry: float = LINK_RETRY_INTERVAL) -> None:
+        if self.closed:
+            return
+        if not self._said_down:
+            self.log("agent", f"scheduler {self.spec.sched_host}:{self.spec.sched_port} unreachable ({why}); "
+                              f"retrying every {retry:g} s, supervision goes on")
+            self._said_down = True
+        self._set("down")
+        if not self.closed:
+            self.retry = self.timers.after(retry, self._attempt)
+
+    def flush(self, timeout: float) -> bool:
+        """At exit: deliver what is queued within `timeout`, connecting if needed; True if nothing is left."""
+        self.closed = True
+        if self.retry:
+            self.retry.cancel()
+        if not self.queue and not (self.state == "up" and self.wbuf):
+            return True
+        deadline = time.monotonic() + timeout
+        if self.state != "up":
+            if self.sock is not None:
+                self.sel.unregister(self.sock)
+                self.sock.close()
+                self.sock = None
+            try:
+                token = self.spec.token_file.read_text(encoding="utf-8").strip()
+                fields = {"host": self.spec.host, "node_ids": [p.node_id for p in self.spec.processes]}
+                session = open_session((self.spec.sched_host, self.spec.sched_port), token, P.AGENT_HELLO, fields,
+                                       timeout, min(timeout, LINK_CONNECT_TIMEOUT))
+            except (OSError, P.ProtocolError, Unproven):
+                return False
+            if session.reply.get("op") != P.WELCOME:
+                session.sock.close()
+                return False
+            self.sock = session.sock
+            self.wbuf = bytearray()
+        else:
+            self.sel.unregister(self.sock)
+        for _, msg in self.queue:
+            self.wbuf += msg
+        self.queue.clear()
+        try:
+            self.sock.settimeout(max(0.05, deadline - time.monotonic()))
+            self.sock.sendall(self.wbuf)
+            self.wbuf.clear()
+            return True
+        except OSError:
+            return False
+
+    def close(self) -> None:
+        self.closed = True
+        self.state = "closed"
+        if self.retry:
+            self.retry.cancel()
+        if self.connect_timer:
+            self.connect_timer.cancel()
+        if self.sock is not None:
+            try:
+                self.sel.unregister(self.sock)
+            except (KeyError, ValueError):
+                pass
+            self.sock.close()
+            self.sock = None

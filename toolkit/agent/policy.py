@@ -1,0 +1,135 @@
+"""The agent's decisions: what to do when one of its processes exits, and when the scheduler says something. Pure:
+the facts come in as values (how long the process ran, whether it had trained, whether the operator asked for the
+restart), a reaction comes out, and the supervisor (toolkit.agent.supervisor) applies it, as the scheduler's server
+applies its membership's actions.
+
+The restart policy, per process (host.json's max_restarts, backoff_base, backoff_max, healthy_reset): the first
+restart is immediate (time to recovery matters), the next ones wait backoff_base * 2^(k-1) seconds, capped at
+backoff_max, unless the process had trained since its launch (reported a step or joined its group: a crash loop
+never does), which restarts at once; a process that ran healthy_reset seconds before dying starts its count again;
+past max_restarts the job fails. An exit the scheduler asked for (fenced, or a torchrun-style script leaving a
+broken generation) and one the operator asked for are relaunched at once and never counted. Compared with
+torchrun: its --max-restarts is one budget for the whole worker group that never refills, every failure restarts
+every worker, and there is no backoff (a crash loop ends in ~2 s).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from toolkit import protocol as P
+from toolkit.hostspec import RestartPolicy
+
+
+@dataclass(frozen=True)
+class Exited:
+    """What the supervisor knows when one of its processes exits."""
+
+    code: int | None  # None: killed by a signal
+    ran_for: float  # s since its launch
+    progressed: bool  # it reported a step, or joined its group, since its launch
+    counted: int  # restarts counted against max_restarts so far
+    manual: bool  # the operator asked for this restart (the exit was expected)
+    closing: bool  # the agent is finishing or stopping: nothing is relaunched
+    finishing: bool  # ... because the job finished: once nothing runs, the agent is done
+    others_running: bool  # another process of this host still runs
+    others_succeeded: bool  # every other process of this host has exited 0
+
+
+# --- reactions to an exit ---
+
+
+@dataclass(frozen=True)
+class Settle:
+    """The agent is closing: the process's final state is `state`; with `finish`, nothing runs any more and the
+    finishing agent is done."""
+
+    state: str
+    finish: bool
+
+
+@dataclass(frozen=True)
+class Relaunch:
+    """Start it again after `delay` s (0: now); `counted` is its new count of counted restarts."""
+
+    why: str
+    delay: float
+    counted: int
+
+
+@dataclass(frozen=True)
+class Succeeded:
+    """It finished; with `all_done`, every process of the host has, and the agent is done."""
+
+    all_done: bool
+
+
+@dataclass(frozen=True)
+class GiveUp:
+    """Its restarts are used up: the job has failed."""
+
+    counted: int
+
+
+def on_exit(policy: RestartPolicy, e: Exited, how: str) -> Settle | Relaunch | Succeeded | GiveUp:
+    """`how` describes the exit ("exit code 3", "killed by SIGKILL") for the reasons given."""
+    if e.closing:
+        return Settle("succeeded" if e.code == 0 else "stopped", e.finishing and not e.others_running)
+    if e.manual:
+        return Relaunch("restart requested by the operator", 0.0, e.counted)
+    if e.code == 0:
+        return Succeeded(e.others_succeeded)
+    if e.code in (P.EXIT_FENCED, P.EXIT_REJOIN):
+        # Not the process's fault: the scheduler fenced a stale incarnation, or a wrapped torchrun-style script
+        # left a broken generation. Relaunch at once, outside the crash budget.
+        return Relaunch(f"relaunch after {how}", 0.0, e.counted)
+    decision = policy.after_failure(e.counted, e.ran_for, e.progressed)
+    if decision.give_up:
+        return GiveUp(decision.counted)
+    return Relaunch(f"restart {decision.counted} of {policy.max_restarts} after {how}", decision.delay,
+                    decision.counted)
+
+
+# --- reactions to the scheduler ---
+
+
+@dataclass(frozen=True)
+class Kill:
+    """Fence a process the scheduler declared dead (it may still run, e.g. SIGSTOPped): SIGKILL its group; its
+    death is then handled like any other."""
+
+    node_id: str
+
+
+@dataclass(frozen=True)
+class StopJob:
+    """The job failed elsewhere: stop every child and exit non-zero."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class FinishJob:
+    """Every worker exited 0: cancel pending restarts, let what still runs end (grace), then exit 0."""
+
+
+@dataclass(frozen=True)
+class Ignore:
+    why: str
+
+
+def on_scheduler(msg: Mapping[str, Any], running: Mapping[str, int], closing: bool
+                 ) -> Kill | StopJob | FinishJob | Ignore:
+    """`running` maps node ids to the pid of their running incarnation."""
+    op = msg["op"]
+    if op == P.KILL:
+        node_id, pid = str(msg.get("node_id"))[:256], P.whole(dict(msg), "pid")
+        if node_id not in running or (pid is not None and pid != running[node_id]):
+            return Ignore(f"scheduler asked to kill {node_id} pid {pid}: not running here")
+        return Kill(node_id)
+    if op == P.STOP:
+        return StopJob(str(msg.get("reason") or "no reason given")[:2000])
+    if op == P.FINISHED:
+        return Ignore("already closing") if closing else FinishJob()
+    return Ignore(f"ignored a {str(op)[:40]!r} message from the scheduler")

@@ -1,0 +1,749 @@
+"""The per-host supervisor: it starts this host's processes (the scheduler if it lives here, and the workers)
+from host.json, each in its own session with its env file and log file, and keeps them alive. A child's death is an
+event on its pidfd, reported to the scheduler at once (so the others recover without waiting for a heartbeat to
+expire) and followed by what toolkit.agent.policy decides: a relaunch with the same environment and rank (from the
+warm spare when one is ready), a backoff, or giving up. One thread, one selector loop: children's pidfds, the
+control socket, the progress socket, the scheduler link, signals (through the wakeup fd) and timers.
+
+This module applies decisions and does the I/O; what to do is decided in policy.py. agent.json (toolkit.agentdoc)
+is rewritten atomically on every change of state and at most once per PROGRESS_WRITE_INTERVAL for progress.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import selectors
+import signal
+import socket
+import subprocess
+import sys
+import time
+from typing import Any, Callable
+
+from toolkit import atomicfile, netif, procs, standby
+from toolkit import envvars as E
+from toolkit import protocol as P
+from toolkit.agent import policy
+from toolkit.agent.link import SchedulerLink
+from toolkit.agent.log import AgentLog, iso, log_tail
+from toolkit.agent.timers import Timer, Timers
+from toolkit.agentdoc import ControlOp, recorded_groups
+from toolkit.errors import UserError
+from toolkit.hostspec import HostSpec, ProcSpec, RestartPolicy
+from toolkit.procs import Child, ExitStatus, LaunchSpec
+
+REPORT_FLUSH_TIMEOUT = 3.0  # s to deliver the last reports (gave_up) before exiting
+PROGRESS_WRITE_INTERVAL = 1.0  # s: agent.json is rewritten for progress at most this often
+SPARE_DELAY = 10.0  # s after a launch before the warm spare is (re)built, unless every worker already made progress
+SPARE_MAX_FAILURES = 3  # spares that die on their own before the agent stops making them
+IDLE_WAKE = 30.0  # s: the loop wakes at least this often (nothing depends on it; it bounds every select)
+CLIENT_TIMEOUT = 5.0  # s for one control-socket conversation, either side
+MAX_CONTROL_LINE = 64 << 10
+MAX_CONTROL_CLIENTS = 16  # control connections open at once (the socket is the operator's own: 0600)
+GAVE_UP_TAIL_BYTES = 8 << 10  # of the log tail sent with gave_up (a message is at most protocol.MAX_LINE)
+EXIT_HISTORY = 10
+AGENT_DOC_VERSION = 1
+
+EXIT_OK = 0
+EXIT_FAILED = 1  # a process passed max_restarts here, or the scheduler stopped the job
+EXIT_USAGE = 2  # bad host.json or command line (UserError)
+EXIT_STOPPED = 3  # stopped by the operator (SIGTERM, stop)
+
+
+def cpu_sets(cpus: set[int] | frozenset[int], n: int, host: str = "this host") -> list[frozenset[int]]:
+    """`n` disjoint CPU sets of equal size from `cpus`, in order (msrun's --bind_core: each worker its own)."""
+    if n == 0:
+        return []
+    ordered = sorted(cpus)
+    if len(ordered) < n:
+        raise UserError(f"{host}: bind_core needs one CPU per worker, but {n} workers share {len(ordered)} usable "
+                        f"CPUs ({','.join(map(str, ordered))}); run fewer workers there or turn bind_core off")
+    size = len(ordered) // n
+    return [frozenset(ordered[i * size:(i + 1) * size]) for i in range(n)]
+
+
+
+# --- runtime state of one process
+
+
+class Slot:
+    """What the agent knows of one process across its incarnations."""
+
+    def __init__(self, spec: ProcSpec, cpus: frozenset[int] | None) -> None:
+        self.spec = spec
+        self.cpus = cpus
+        self.child: Child | None = None
+        self.state = "pending"  # running, backoff, restarting, succeeded, failed, stopped
+        self.launches = 0
+        self.counted = 0
+        self.started_mono = 0.0
+        self.started_wall: float | None = None
+        self.warm = False
+        self.last_exit: dict[str, Any] | None = None
+        self.exits: list[dict[str, Any]] = []
+        self.step: int | None = None
+        self.epoch: int | None = None
+        self.step_at: float | None = None
+        self.progressed = False  # progress reported since the latest launch
+        self.timer: Timer | None = None
+        self.next_start: float | None = None
+        self.manual = False  # the operator asked for a restart: the coming death is expected and not counted
+        self.kill_timer: Timer | None = None
+        self.pids: list[int] = []
+        self.last_pid: int | None = None  # the latest incarnation (running or not): what `stop` verifies
+        self.last_ticks: int | None = None
+        self.seen_dead: float | None = None  # monotonic time the latest death was seen, until the relaunch
+        self.recovery: str | None = None  # how the worker said it recovers (protocol.RECOVERY_*), once it did
+
+    def document(self, policy: RestartPolicy) -> dict[str, Any]:
+        c = self.child
+        return {
+            "node_id": self.spec.node_id, "role": self.spec.role, "rank": self.spec.rank,
+            "local_rank": self.spec.local_rank, "state": self.state,
+            "pid": c.pid if c else None, "pgid": c.pgid if c else None, "start_ticks": c.start_ticks if c else None,
+            "last_pid": self.last_pid, "last_start_ticks": self.last_ticks,
+            "started_at": iso(self.started_wall), "warm": self.warm if c else None,
+            "restarts": max(0, self.launches - 1), "counted_restarts": self.counted,
+            "max_restarts": policy.max_restarts, "next_start_at": iso(self.next_start),
+            "last_exit": self.last_exit, "exits": self.exits,
+            "step": self.step, "epoch": self.epoch, "step_at": iso(self.step_at), "recovery": self.recovery,
+            "cpus": sorted(self.cpus) if self.cpus else None,
+            "log_file": self.spec.log_file, "argv": list(self.spec.argv),
+        }
+
+
+class Spare:
+    """A warm interpreter waiting on `sock` (see toolkit.standby)."""
+
+    def __init__(self, child: Child, sock: socket.socket, interpreter: str) -> None:
+        self.child, self.sock, self.interpreter = child, sock, interpreter
+        self.ready = False
+        self.started = time.monotonic()
+
+
+# --- the supervisor
+
+
+class Agent:
+    def __init__(self, spec: HostSpec, log: AgentLog) -> None:
+        self.spec, self.log = spec, log
+        self.sel = selectors.DefaultSelector()
+        self.timers = Timers()
+        workers = [p for p in spec.processes if p.is_worker]
+        sets = cpu_sets(os.sched_getaffinity(0), len(workers), spec.host) if spec.bind_core else []
+        by_node = dict(zip((p.node_id for p in workers), sets, strict=False))  # no sets without bind_core
+        self.slots = {p.node_id: Slot(p, by_node.get(p.node_id)) for p in spec.processes}
+        self.state = "starting"
+        self.reason: str | None = None
+        self.exit_code: int | None = None
+        self.failure: dict[str, Any] | None = None
+        self.closing = False  # finishing or stopping: nothing is relaunched any more
+        self.pid = os.getpid()
+        self.ticks = procs.start_ticks(self.pid)
+        self.started = time.time()
+        self.base_env = dict(os.environ)  # a copy: the agent's own environment is never written
+        if E.GLOO_SOCKET_IFNAME not in self.base_env:  # gloo's own choice is loopback where the hostname misleads
+            interface = netif.interface_toward(spec.sched_host, spec.sched_port)
+            if interface is not None:
+                self.base_env[E.GLOO_SOCKET_IFNAME] = interface
+        self.spare: Spare | None = None
+        self.spare_timer: Timer | None = None
+        self.spare_failures = 0
+        self.spare_enabled = spec.warm_spare and bool(workers)
+        self.progress_dirty = False
+        self.progress_timer: Timer | None = None
+        self.last_write = 0.0
+        self.link = SchedulerLink(spec, self.sel, self.timers, log, self._on_scheduler, self._changed)
+        self._stop_after: Timer | None = None
+        self._wake_r: socket.socket | None = None
+        self._control: socket.socket | None = None
+        self._clients: set[socket.socket] = set()  # control connections open now (at most MAX_CONTROL_CLIENTS)
+        self._progress: socket.socket | None = None
+
+    # -- life cycle
+
+    def run(self, ready: Callable[[str], None] | None = None) -> int:
+        try:
+            self._setup()
+        except BaseException:
+            self._close_sockets()
+            raise
+        self.log("agent", f"agent pid {self.pid} supervising {', '.join(self.slots)} of job {self.spec.job} "
+                          f"(max_restarts {self.spec.policy.max_restarts}, grace {self.spec.grace:g} s, "
+                          f"warm spare {'on' if self.spare_enabled else 'off'}"
+                          f"{', bind_core' if self.spec.bind_core else ''})")
+        for slot in sorted(self.slots.values(), key=lambda s: s.spec.is_worker):
+            self._launch(slot, "first start")
+        if self.state == "starting":
+            self.state = "running"
+        self._write()
+        self.link.start()
+        if self.spare_enabled:
+            self.spare_timer = self.timers.after(SPARE_DELAY, self._start_spare)
+        if ready is not None:
+            ready(f"ready {self.pid}")
+        while self.exit_code is None:
+            for key, mask in self.sel.select(self.timers.timeout(IDLE_WAKE)):
+                if self.sel.get_map().get(key.fd) is not key:
+                    continue  # unregistered by an earlier event of this batch
+                key.data(mask)
+                if self.exit_code is not None:
+                    break
+            self.timers.run_due()
+        return self._shutdown()
+
+    def _setup(self) -> None:
+        spec = self.spec
+        spec.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self._reclaim_previous()
+        atomicfile.write(spec.pid_file, f"{self.pid} {self.ticks}\n")
+        self._wake_r, wake_w = socket.socketpair()
+        self._wake_w = wake_w
+        for s in (self._wake_r, wake_w):
+            s.setblocking(False)
+        signal.set_wakeup_fd(wake_w.fileno(), warn_on_full_buffer=False)
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(sig, lambda *_: None)  # the number arrives through the wakeup fd
+        self.sel.register(self._wake_r, selectors.EVENT_READ, self._on_signal)
+
+        spec.control_socket.unlink(missing_ok=True)
+        self._control = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._control.bind(str(spec.control_socket))
+        os.chmod(spec.control_socket, 0o600)  # whoever can talk to it can stop the job
+        self._control.listen(16)
+        self._control.setblocking(False)
+        self.sel.register(self._control, selectors.EVENT_READ, self._on_accept)
+
+        spec.progress_socket.unlink(missing_ok=True)
+        self._progress = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self._progress.bind(str(spec.progress_socket))
+        os.chmod(spec.progress_socket, 0o600)
+        self._progress.setblocking(False)
+        self.sel.register(self._progress, selectors.EVENT_READ, self._on_progress)
+
+    def _reclaim_previous(self) -> None:
+        """A previous agent of this job was killed (we hold the lock, so it is not running): whatever is left
+        of the process groups it recorded must not run on unsupervised."""
+        try:
+            recorded = recorded_groups(self.spec.agent_json.read_text(encoding="utf-8"))
+        except OSError:
+            recorded = []
+        for node_id, pgid, ticks in recorded:
+            killed = procs.reclaim_group(pgid, ticks)
+            if killed:
+                self.log(node_id, f"killed {len(killed)} process(es) left running by the previous agent in "
+                                  f"group {pgid}: {killed}")
+
+    def _finish(self, state: str, code: int, reason: str | None) -> None:
+        """Leave the loop; _shutdown does the stopping."""
+        if self.exit_code is None:
+            self.state, self.exit_code, self.reason = state, code, reason
+            self.closing = True
+
+    def _shutdown(self) -> int:
+        for slot in self.slots.values():
+            for t in (slot.timer, slot.kill_timer):
+                if t:
+                    t.cancel()
+            slot.next_start = None
+        if self.spare_timer:
+            self.spare_timer.cancel()
+        live = [s for s in self.slots.values() if s.child is not None]
+        for slot in live:
+            self.sel.unregister(slot.child)  # reaped below, outside the loop
+        final_state = self.state
+        if live or self.spare:
+            self.state = "stopping"
+            self._write()
+        if (self.link.queue or self.link.wbuf) and not self.link.closed:
+            if not self.link.flush(REPORT_FLUSH_TIMEOUT):
+                self.log("agent", "could not deliver the last reports to the scheduler")
+        self.link.close()
+        if self.spare is not None:
+            for obj in (self.spare.child, self.spare.sock):
+                if obj in (k.fileobj for k in self.sel.get_map().values()):
+                    self.sel.unregister(obj)
+            self.spare.child.signal_group(signal.SIGKILL)  # holds no state worth a grace period
+            self.spare.child.wait(procs.KILL_WAIT)
+            self.spare.sock.close()
+            self.spare = None
+        if live:
+            names = {s.child.pid: s for s in live}
+            self.log("agent", f"stopping {', '.join(s.spec.node_id for s in live)}: SIGTERM, "
+                              f"then SIGKILL after {self.spec.grace:g} s")
+            out = procs.stop_all(
+                [s.child for s in live], self.spec.grace,
+                on_kill=lambda c: self.log(names[c.pid].spec.node_id,
+                                           f"pid {c.pid} still running after {self.spec.grace:g} s: SIGKILL"))
+            for pid, status in out.items():
+                slot = names[pid]
+                self._record_exit(slot, status)
+                self.log(slot.spec.node_id, f"pid {pid} stopped ({status.describe()})")
+            for slot in live:
+                slot.child = None
+                if slot.state not in ("succeeded", "failed"):
+                    slot.state = "stopped"
+        for slot in self.slots.values():
+            if slot.state in ("backoff", "pending", "restarting", "running"):
+                slot.state = "stopped"
+        self.state = final_state
+        self._write()
+        self.log("agent", f"agent exits: {self.state}" + (f" ({self.reason})" if self.reason else "")
+                 + f", exit status {self.exit_code}")
+        self._close_sockets()
+        return self.exit_code
+
+    def _close_sockets(self) -> None:
+        signal.set_wakeup_fd(-1)
+        for sock, path in ((self._control, self.spec.control_socket), (self._progress, self.spec.progress_socket)):
+            if sock is not None:
+                sock.close()
+                path.unlink(missing_ok=True)
+        for s in (self._wake_r, getattr(self, "_wake_w", None)):
+            if s is not None:
+                s.close()
+        self.sel.close()
+
+    # -- launching
+
+    def _launch(self, slot: Slot, why: str) -> None:
+        slot.timer, slot.next_start = None, None
+        if self.closing:
+            return
+        n = slot.launches
+        env = dict(self.base_env)
+        env[E.TORCHELASTIC_RESTART_COUNT] = str(n)
+        marker = (f"--- toolkit agent {self.spec.host}: start {slot.spec.node_id} #{n + 1} ({why}) "
+                  f"at {iso(time.time())} ---")
+        child = self._handoff(slot, env, marker)
+        slot.warm = child is not None
+        if child is None:
+            try:
+                child = procs.spawn(LaunchSpec(
+                    argv=tuple(procs.env_argv(slot.spec.env_file, slot.spec.argv)), env=env, cwd=slot.spec.cwd,
+                    log_file=slot.spec.log_file, cpus=slot.cpus, marker=marker))
+            except (OSError, subprocess.SubprocessError) as e:
+                self.log(slot.spec.node_id, f"could not start {' '.join(slot.spec.argv)}: {e}")
+                try:
+                    with open(slot.spec.log_file, "a", encoding="utf-8") as f:
+                        f.write(f"{marker}\ntoolkit agent: could not start: {e}\n")
+                except OSError:
+                    pass
+                slot.launches += 1
+                slot.started_mono, slot.started_wall = time.monotonic(), time.time()
+                slot.state = "running"
+                # as if it had died at once with "command not found": the normal policy applies
+                self.timers.after(0, lambda: self._after_exit(slot, None, ExitStatus(127, None)))
+                return
+        slot.child = child
+        slot.last_pid, slot.last_ticks = child.pid, child.start_ticks
+        slot.launches += 1
+        slot.pids = (slot.pids + [child.pid])[-EXIT_HISTORY:]
+        slot.started_mono, slot.started_wall = time.monotonic(), time.time()
+        slot.state = "running"
+        slot.progressed = False
+        self.sel.register(child, selectors.EVENT_READ, lambda _m, s=slot, c=child: self._on_child(s, c))
+        since = ""
+        if slot.seen_dead is not None:
+            since = f", {1000 * (time.monotonic() - slot.seen_dead):.1f} ms after its exit was seen"
+            slot.seen_dead = None
+        self.log(slot.spec.node_id, f"started pid {child.pid} ({why}{', warm spare' if slot.warm else ''}"
+                                    f"{', restart count ' + str(n) if n else ''}{since})")
+        self._write()
+
+    def _on_child(self, slot: Slot, child: Child) -> None:
+        self.sel.unregister(child)  # before reaping closes the pidfd
+        slot.seen_dead = time.monotonic()
+        status = child.reap()
+        if status is None:  # a pidfd is readable only once the process exited; stay safe anyway
+            self.sel.register(child, selectors.EVENT_READ, lambda _m: self._on_child(slot, child))
+            return
+        slot.child = None
+        self._after_exit(slot, child, status)
+
+    def _record_exit(self, slot: Slot, status: ExitStatus, pid: int | None = None) -> dict[str, Any]:
+        ran = time.monotonic() - slot.started_mono
+        rec = {**status.as_dict(), "pid": pid, "at": iso(time.time()), "ran_for": round(ran, 3)}
+        slot.last_exit = rec
+        slot.exits = (slot.exits + [rec])[-EXIT_HISTORY:]
+        return rec
+
+    def _after_exit(self, slot: Slot, child: Child | None, status: ExitStatus) -> None:
+        """Record the exit, tell the scheduler at once, and apply what policy.on_exit decides."""
+        pid = child.pid if child else None
+        ran = time.monotonic() - slot.started_mono
+        self._record_exit(slot, status, pid)
+        if slot.kill_timer:
+            slot.kill_timer.cancel()
+            slot.kill_timer = None
+        if pid is not None:
+            self.link.report(P.EXITED, coalesce=slot.spec.node_id, node_id=slot.spec.node_id, pid=pid,
+                             code=status.code, signal=status.signal_name)
+        others = [s for s in self.slots.values() if s is not slot]
+        facts = policy.Exited(
+            code=status.code if status.signal is None else None, ran_for=ran, progressed=slot.progressed,
+            counted=slot.counted, manual=slot.manual, closing=self.closing, finishing=self.state == "finishing",
+            others_running=any(s.child for s in others), others_succeeded=all(s.state == "succeeded" for s in others))
+        reaction = policy.on_exit(self.spec.policy, facts, status.describe())
+        slot.manual = False
+        node, how = slot.spec.node_id, status.describe()
+        if isinstance(reaction, policy.Settle):
+            slot.state = reaction.state
+            self.log(node, f"pid {pid} exited ({how})")
+            self._write()
+            if reaction.finish:
+                self._finish_now()
+        elif isinstance(reaction, policy.Succeeded):
+            slot.state = "succeeded"
+            self.log(node, f"pid {pid} finished (exit code 0 after {ran:.1f} s)")
+            self._write()
+            if reaction.all_done:
+                self._finish("succeeded", EXIT_OK, "every process of this host exited 0")
+        elif isinstance(reaction, policy.GiveUp):
+            self._give_up(slot, pid, status, ran)
+        else:
+            slot.counted = reaction.counted
+            if facts.manual:
+                self.log(node, f"pid {pid} ended ({how}) for the requested restart")
+            elif status.code in (P.EXIT_FENCED, P.EXIT_REJOIN):
+                self.log(node, f"pid {pid} {how} (told to by the scheduler); relaunching now")
+            else:
+                budget = f"restart {reaction.counted} of {self.spec.policy.max_restarts}"
+                when = "now" if reaction.delay <= 0 else f"in {reaction.delay:g} s"
+                self.log(node, f"pid {pid} {how} after {ran:.1f} s; restarting {when} ({budget})")
+            if reaction.delay <= 0:
+                self._launch(slot, reaction.why)
+            else:
+                slot.state = "backoff"
+                slot.next_start = time.time() + reaction.delay
+                slot.timer = self.timers.after(reaction.delay, lambda: self._launch(slot, reaction.why))
+                self._write()
+
+    def _give_up(self, slot: Slot, pid: int | None, status: ExitStatus, ran: float) -> None:
+        spec = slot.spec
+        tail = log_tail(spec.log_file)
+        n = slot.counted
+        self.failure = {
+            "host": self.spec.host, "node_id": spec.node_id, "rank": spec.rank, "pid": pid,
+            "code": status.code, "signal": status.signal_name, "status": status.describe(),
+            "restarts": n, "log_file": spec.log_file, "log_tail": tail, "at": iso(time.time()),
+        }
+        slot.state = "failed"
+        reason = f"{spec.node_id} {status.describe()} after {n} restart{'s' if n != 1 else ''} (max_restarts " \
+                 f"{self.spec.policy.max_restarts}); the job has failed"
+        where = f"rank {spec.rank}, " if spec.rank is not None else ""
+        self.log(spec.node_id, f"GAVE UP: {where}pid {pid} {status.describe()} after {ran:.1f} s, and its "
+                               f"{n} allowed restart(s) are used up; last {len(tail)} lines of {spec.log_file}:")
+        for line in tail:
+            self.log(spec.node_id, f"| {line}")
+        self.link.report(P.GAVE_UP, node_id=spec.node_id, code=status.code, signal=status.signal_name,
+                         log_tail="\n".join(tail)[-GAVE_UP_TAIL_BYTES:])
+        self._finish("failed", EXIT_FAILED, reason)
+
+    # -- warm spare
+
+    def _start_spare(self) -> None:
+        self.spare_timer = None
+        if self.closing or self.spare is not None or not self.spare_enabled:
+            return
+        template = next(p for p in self.spec.processes if p.is_worker)
+        interpreter = template.argv[0]
+        mine, theirs = socket.socketpair()
+        argv = [interpreter, "-m", "toolkit.standby", "--fd", str(theirs.fileno())]
+        try:
+            child = procs.spawn(LaunchSpec(
+                argv=tuple(procs.env_argv(template.env_file, argv)), env=self.base_env, cwd=str(self.spec.job_dir),
+                log_file=str(self.spec.standby_log), pass_fds=(theirs.fileno(),),
+                marker=f"--- toolkit agent {self.spec.host}: warm spare at {iso(time.time())} ---"))
+        except (OSError, subprocess.SubprocessError) as e:
+            mine.close()
+            self.log("agent", f"could not start a warm spare: {e}; workers restart cold")
+            self.spare_enabled = False
+            return
+        finally:
+            theirs.close()
+        mine.setblocking(False)
+        self.spare = Spare(child, mine, interpreter)
+        self.log("agent", f"warm spare pid {child.pid} starting (importing {', '.join(standby.WARM_MODULES)})")
+        self.sel.register(mine, selectors.EVENT_READ, lambda _m: self._on_spare_sock())
+        self.sel.register(child, selectors.EVENT_READ, lambda _m: self._on_spare_exit())
+        self._write()
+
+    def _on_spare_sock(self) -> None:
+        sp = self.spare
+        try:
+            data = sp.sock.recv(64)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if data == standby.READY:
+            sp.ready = True
+            self.log("agent", f"warm spare pid {sp.child.pid} ready after {time.monotonic() - sp.started:.1f} s")
+            self._write()
+        else:
+            self.sel.unregister(sp.sock)  # it went away: its pidfd tells the rest
+
+    def _on_spare_exit(self) -> None:
+        sp = self.spare
+        self.sel.unregister(sp.child)
+        status = sp.child.reap()
+        if status is None:
+            self.sel.register(sp.child, selectors.EVENT_READ, lambda _m: self._on_spare_exit())
+            return
+        try:
+            self.sel.unregister(sp.sock)
+        except (KeyError, ValueError):
+            pass
+        sp.sock.close()
+        self.spare = None
+        self.spare_failures += 1
+        tail = log_tail(self.spec.standby_log, 3)
+        self.log("agent", f"warm spare pid {sp.child.pid} {status.describe()}"
+                          + (f": {tail[-1]}" if tail else "") + f" (see {self.spec.standby_log})")
+        if self.spare_failures >= SPARE_MAX_FAILURES:
+            self.spare_enabled = False
+            self.log("agent", f"{self.spare_failures} warm spares died: no more spares, workers restart cold")
+        elif not self.closing:
+            self.spare_timer = self.timers.after(SPARE_DELAY, self._start_spare)
+        self._write()
+
+    def _handoff(self, slot: Slot, env: dict[str, str], marker: str) -> Child | None:
+        """Give `slot`'s place to the ready spare; None (and a cold start) if there is none or it cannot."""
+        sp = self.spare
+        if sp is None or not sp.ready or not standby.eligible(slot.spec.argv, sp.interpreter):
+            return None
+        try:
+            full = procs.resolve_env(slot.spec.env_file, env, slot.spec.cwd)
+        except (OSError, subprocess.SubprocessError) as e:
+            self.log(slot.spec.node_id, f"warm spare not used: {e}")
+            return None
+        payload = json.dumps({"argv": list(slot.spec.argv), "env": full, "cwd": slot.spec.cwd,
+                              "log_file": slot.spec.log_file,
+                              "cpus": sorted(slot.cpus) if slot.cpus else None}) + "\n"
+        try:
+            with open(slot.spec.log_file, "a", encoding="utf-8") as f:
+                f.write(marker + "\n")
+            sp.sock.settimeout(CLIENT_TIMEOUT)
+            sp.sock.sendall(payload.encode())
+        except OSError as e:
+            self.log(slot.spec.node_id, f"warm spare pid {sp.child.pid} did not take the handoff ({e})")
+            return None
+        self.sel.unregister(sp.sock)
+        self.sel.unregister(sp.child)
+        sp.sock.close()
+        self.spare = None
+        self.spare_failures = 0
+        self._schedule_spare()
+        return sp.child
+
+    def _schedule_spare(self) -> None:
+        if self.spare_enabled and not self.closing and self.spare is None:
+            if self.spare_timer:
+                self.spare_timer.cancel()
+            self.spare_timer = self.timers.after(SPARE_DELAY, self._start_spare)
+
+    # -- the scheduler's messages
+
+    def _on_scheduler(self, msg: dict[str, Any]) -> None:
+        running = {s.spec.node_id: s.child.pid for s in self.slots.values() if s.child is not None}
+        reaction = policy.on_scheduler(msg, running, self.closing)
+        if isinstance(reaction, policy.Kill):
+            slot = self.slots[reaction.node_id]
+            if slot.child is None:  # policy.Kill names only running node ids
+                raise RuntimeError(f"kill for {reaction.node_id}, which has no child")
+            self.log(slot.spec.node_id, f"the scheduler declared pid {slot.child.pid} dead: SIGKILL (fencing)")
+            slot.child.signal_group(signal.SIGKILL)
+        elif isinstance(reaction, policy.StopJob):
+            self.log("agent", f"the scheduler stopped the job: {reaction.reason}")
+            self._finish("failed", EXIT_FAILED, f"stopped by the scheduler: {reaction.reason}")
+        elif isinstance(reaction, policy.FinishJob):
+            self.log("agent", "the scheduler says the job finished")
+            self.link.close()  # it exits now; nothing more to tell it
+            self.closing = True
+            self.state = "finishing"
+            for slot in self.slots.values():
+                if slot.timer:
+                    slot.timer.cancel()
+                    slot.timer, slot.next_start, slot.state = None, None, "stopped"
+            if not any(s.child for s in self.slots.values()):
+                self._finish_now()
+            else:
+                self._stop_after = self.timers.after(self.spec.grace, self._finish_now)
+                self._write()
+        elif reaction.why != "already closing":
+            self.log("agent", reaction.why)
+
+    def _finish_now(self) -> None:
+        if self._stop_after:
+            self._stop_after.cancel()
+        self._finish("succeeded", EXIT_OK, "the scheduler said the job finished")
+
+    # -- signals, control socket, progress
+
+    def _on_signal(self, _mask: int) -> None:
+        try:
+            data = self._wake_r.recv(64)
+        except BlockingIOError:
+            return
+        for signum in data:
+            name = signal.Signals(signum).name
+            if signum == signal.SIGHUP:
+                self.log("agent", "SIGHUP ignored (the agent outlives the session that started it)")
+                continue
+            self.log("agent", f"{name} received: stopping")
+            self._finish("stopped", EXIT_STOPPED, f"stopped by {name}")
+
+    def _on_accept(self, _mask: int) -> None:
+        try:
+            conn, _ = self._control.accept()
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:  # out of descriptors: the client waits in the backlog, its own timeout bounds it
+            return
+        if len(self._clients) >= MAX_CONTROL_CLIENTS:
+            conn.close()
+            return
+        conn.setblocking(False)
+        self._clients.add(conn)
+        state = {"buf": b""}
+        deadline = self.timers.after(CLIENT_TIMEOUT, lambda: self._close_conn(conn))
+        self.sel.register(conn, selectors.EVENT_READ, lambda _m: self._on_conn(conn, state, deadline))
+
+    def _close_conn(self, conn: socket.socket) -> None:
+        self._clients.discard(conn)
+        try:
+            self.sel.unregister(conn)
+        except (KeyError, ValueError):
+            pass
+        conn.close()
+
+    def _on_conn(self, conn: socket.socket, state: dict, deadline: Timer) -> None:
+        try:
+            data = conn.recv(65536)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        state["buf"] += data
+        if not data or b"\n" in state["buf"] or len(state["buf"]) > MAX_CONTROL_LINE:
+            deadline.cancel()
+            line = state["buf"].split(b"\n", 1)[0]
+            if line.strip():
+                try:
+                    reply, after = self._control_request(json.loads(line))
+                except (ValueError, TypeError, AttributeError, RecursionError):
+                    reply, after = {"ok": False, "error": "not a JSON object line"}, None
+                try:
+                    conn.settimeout(CLIENT_TIMEOUT)
+                    conn.sendall(json.dumps(reply).encode() + b"\n")
+                except OSError:
+                    pass
+            else:
+                after = None
+            self._close_conn(conn)
+            if after is not None:
+                after()
+
+    def _control_request(self, req: Any) -> tuple[dict, Callable[[], None] | None]:
+        op = req.get("op") if isinstance(req, dict) else None
+        if op == ControlOp.STATUS:
+            return self.document(), None
+        if op == ControlOp.STOP:
+            self.log("agent", "stop requested on the control socket")
+            return {"ok": True}, lambda: self._finish("stopped", EXIT_STOPPED, "stop requested")
+        if op == ControlOp.RESTART:
+            return self._manual_restart(str(req.get("node_id"))[:256]), None
+        known = ", ".join(o.value for o in ControlOp)
+        return {"ok": False, "error": f"unknown op {str(op)[:40]!r}; one of {known}"}, None
+
+    def _manual_restart(self, node_id: str) -> dict:
+        slot = self.slots.get(node_id)
+        if slot is None:
+            return {"ok": False, "error": f"no process {node_id} on {self.spec.host}; this host runs "
+                                          f"{', '.join(self.slots)}"}
+        if self.closing:
+            return {"ok": False, "error": f"the agent on {self.spec.host} is {self.state}; nothing is restarted"}
+        self.log(node_id, "restart requested by the operator (not counted against max_restarts)")
+        if slot.child is None:
+            if slot.timer:
+                slot.timer.cancel()
+            self._launch(slot, "restart requested by the operator")
+            return {"ok": True, "node_id": node_id, "was_pid": None,
+                    "pid": slot.child.pid if slot.child else None}
+        child = slot.child
+        if not slot.manual:
+            slot.manual = True
+            slot.state = "restarting"
+            child.signal_group(signal.SIGTERM)
+            slot.kill_timer = self.timers.after(self.spec.grace, lambda: child.signal_group(signal.SIGKILL))
+            self._write()
+        return {"ok": True, "node_id": node_id, "was_pid": child.pid, "pid": None}
+
+    def _on_progress(self, _mask: int) -> None:
+        for _ in range(256):  # bounded per wake-up; the rest is read at the next one
+            try:
+                data = self._progress.recv(4096)
+            except BlockingIOError:
+                break
+            try:
+                msg = json.loads(data)
+                slot = self.slots[msg["node_id"]]
+            except (ValueError, KeyError, TypeError, RecursionError):
+                continue
+            recovery = msg.get("recovery")
+            if recovery in (P.RECOVERY_IN_PLACE, P.RECOVERY_RESTART):
+                slot.progressed = True  # it got as far as its process group: not a crash loop
+                if recovery != slot.recovery:
+                    slot.recovery = recovery
+                    self.progress_dirty = True
+            step = msg.get("step")
+            if not isinstance(step, int) or isinstance(step, bool):
+                continue
+            slot.step, slot.step_at, slot.progressed = step, time.time(), True
+            epoch = msg.get("epoch")
+            if isinstance(epoch, int):
+                slot.epoch = epoch
+            self.progress_dirty = True
+        if self.progress_dirty and self.progress_timer is None:
+            delay = self.last_write + PROGRESS_WRITE_INTERVAL - time.monotonic()
+            self.progress_timer = self.timers.after(delay, self._write_progress)
+        running = [s for s in self.slots.values() if s.spec.is_worker and s.state == "running"]
+        if (self.spare_enabled and self.spare is None and self.spare_timer is not None and running
+                and all(s.progressed for s in running)):
+            self.spare_timer.cancel()
+            self._start_spare()  # the job is running: building a spare no longer competes with its start
+
+    def _write_progress(self) -> None:
+        self.progress_timer = None
+        if self.progress_dirty:
+            self._write()
+
+    # -- agent.json
+
+    def _changed(self) -> None:
+        if self.exit_code is None:
+            self._write()
+
+    def document(self) -> dict[str, Any]:
+        sp = self.spare
+        return {
+            "version": AGENT_DOC_VERSION, "job": self.spec.job, "host": self.spec.host,
+            "job_dir": str(self.spec.job_dir),
+            "agent": {"pid": self.pid, "start_ticks": self.ticks, "started_at": iso(self.started),
+                      "python": sys.executable},
+            "state": self.state, "reason": self.reason, "exit_code": self.exit_code, "updated_at": iso(time.time()),
+            "scheduler": {"address": f"{self.spec.sched_host}:{self.spec.sched_port}", "link": self.link.state,
+                          "since": iso(self.link.since)},
+            "warm_spare": {"enabled": self.spare_enabled, "pid": sp.child.pid if sp else None,
+                           "ready": bool(sp and sp.ready)},
+            "bind_core": self.spec.bind_core,
+            "processes": [s.document(self.spec.policy) for s in self.slots.values()],
+            "failure": self.failure,
+        }
+
+    def _write(self) -> None:
+        self.progress_dirty = False
+        self.last_write = time.monotonic()
+        atomicfile.write(self.spec.agent_json, json.dumps(self.document(), indent=1) + "\n")

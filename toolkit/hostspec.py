@@ -1,0 +1,226 @@
+"""host.json: what one host runs and how its agent supervises it. The one definition of that document: its
+fields, version, defaults and validation (`load`), and how it is made from a launch plan (`document`), which the
+renderer writes and the Ansible playbooks copy. Read by the agent (`python -m toolkit.agent --job-dir DIR`).
+
+Every path in it is relative to the job directory (or absolute, in local mode). Every problem found when reading
+it is one line naming the file and the key, and what to do.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from toolkit import envvars as E
+from toolkit.errors import UserError
+
+VERSION = 1
+DEFAULT_MAX_RESTARTS = 3
+DEFAULT_BACKOFF_BASE = 1.0  # s
+DEFAULT_BACKOFF_MAX = 30.0  # s
+DEFAULT_HEALTHY_RESET = 300.0  # s
+DEFAULT_GRACE = 10.0  # s between SIGTERM and SIGKILL
+MAX_SOCKET_PATH = 107  # bytes of a unix socket path (sun_path, with its NUL)
+
+
+@dataclass(frozen=True)
+class ProcSpec:
+    """One process this host runs; paths are absolute."""
+
+    node_id: str
+    role: str
+    rank: int | None
+    local_rank: int | None
+    argv: tuple[str, ...]
+    cwd: str
+    env_file: str
+    log_file: str
+
+    @property
+    def is_worker(self) -> bool:
+        return self.role == E.ROLE_WORKER
+
+
+@dataclass(frozen=True)
+class RestartDecision:
+    give_up: bool
+    delay: float
+    counted: int  # restarts counted against max_restarts once this one is done
+
+
+@dataclass(frozen=True)
+class RestartPolicy:
+    max_restarts: int = DEFAULT_MAX_RESTARTS
+    backoff_base: float = DEFAULT_BACKOFF_BASE
+    backoff_max: float = DEFAULT_BACKOFF_MAX
+    healthy_reset: float = DEFAULT_HEALTHY_RESET
+
+    def backoff(self, counted: int) -> float:
+        """Delay before the restart that follows `counted` counted restarts: 0, base, 2 base, 4 base ... max."""
+        if counted <= 0:
+            return 0.0
+        return min(self.backoff_base * 2.0 ** min(counted - 1, 62), self.backoff_max)
+
+    def after_failure(self, counted: int, ran_for: float, progressed: bool = False) -> RestartDecision:
+        """What to do after a failed exit, `counted` restarts already counted. Every failure counts against
+        max_restarts (a run of healthy_reset seconds refills the budget). The backoff is for crash loops, which
+        never get to train: a process that had made progress (reported a step, or joined its group) since its
+        launch is relaunched at once, however many faults came before."""
+        if ran_for >= self.healthy_reset:
+            counted = 0
+        if counted >= self.max_restarts:
+            return RestartDecision(True, 0.0, counted)
+        return RestartDecision(False, 0.0 if progressed else self.backoff(counted), counted + 1)
+
+
+@dataclass(frozen=True)
+class HostSpec:
+    job: str
+    host: str
+    job_dir: Path
+    sched_host: str
+    sched_port: int
+    token_file: Path
+    policy: RestartPolicy
+    grace: float
+    bind_core: bool
+    warm_spare: bool
+    processes: tuple[ProcSpec, ...]
+
+    @property
+    def state_dir(self) -> Path:
+        return self.job_dir / "state"
+
+    @property
+    def agent_json(self) -> Path:
+        return self.state_dir / "agent.json"
+
+    @property
+    def pid_file(self) -> Path:
+        return self.state_dir / "agent.pid"
+
+    @property
+    def lock_file(self) -> Path:
+        return self.state_dir / "agent.lock"
+
+    @property
+    def control_socket(self) -> Path:
+        return self.state_dir / "agent.sock"
+
+    @property
+    def progress_socket(self) -> Path:
+        return self.state_dir / "progress.sock"
+
+    @property
+    def agent_log(self) -> Path:
+        return self.job_dir / "logs" / "agent.log"
+
+    @property
+    def standby_log(self) -> Path:
+        return self.job_dir / "logs" / "standby.log"
+
+    def proc(self, node_id: str) -> ProcSpec | None:
+        return next((p for p in self.processes if p.node_id == node_id), None)
+
+
+def load(job_dir: str | Path) -> HostSpec:
+    """Read and check host.json; every problem is one line naming the file and the key."""
+    job_dir = Path(job_dir).resolve()
+    path = job_dir / "host.json"
+    where = str(path)
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise UserError(f"{where}: no such file; --job-dir must be a job directory rendered by fleet deploy") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"{where}: cannot read it ({e})") from None
+    except json.JSONDecodeError as e:
+        raise UserError(f"{where}: line {e.lineno}: not valid JSON ({e.msg}); re-render the job") from None
+    if not isinstance(doc, dict):
+        raise UserError(f"{where}: expected a JSON object; re-render the job")
+
+    def get(obj: dict, key: str, kind: type | tuple, label: str, default: Any = ..., check=None, hint: str = ""):
+        if key not in obj:
+            if default is ...:
+                raise UserError(f"{where}: {label} is missing; re-render the job")
+            return default
+        value = obj[key]
+        bad = isinstance(value, bool) and bool not in (kind if isinstance(kind, tuple) else (kind,))
+        if bad or not isinstance(value, kind) or (check is not None and not check(value)):
+            raise UserError(f"{where}: {label}={json.dumps(value)}: {hint or 'wrong type'}")
+        return value
+
+    if get(doc, "version", int, "version") != 1:
+        raise UserError(f"{where}: version {doc['version']} is not supported by this toolkit (1); update toolkit")
+    nonneg = lambda v: 0 <= v < math.inf  # noqa: E731
+    sched = get(doc, "scheduler", dict, "scheduler")
+    policy = RestartPolicy(
+        max_restarts=get(doc, "max_restarts", int, "max_restarts", DEFAULT_MAX_RESTARTS, nonneg, "give 0 or more"),
+        backoff_base=float(get(doc, "backoff_base", (int, float), "backoff_base", DEFAULT_BACKOFF_BASE, nonneg,
+                               "give 0 or more")),
+        backoff_max=float(get(doc, "backoff_max", (int, float), "backoff_max", DEFAULT_BACKOFF_MAX, nonneg,
+                              "give 0 or more")),
+        healthy_reset=float(get(doc, "healthy_reset", (int, float), "healthy_reset", DEFAULT_HEALTHY_RESET,
+                                lambda v: 0 < v < math.inf,
+                                "give a positive number of seconds")),
+    )
+    raw = get(doc, "processes", list, "processes", check=lambda v: len(v) > 0, hint="a host runs at least one")
+    processes = []
+    seen: set[str] = set()
+    for i, p in enumerate(raw):
+        label = f"processes[{i}]"
+        if not isinstance(p, dict):
+            raise UserError(f"{where}: {label}: expected an object; re-render the job")
+        node_id = get(p, "node_id", str, f"{label}.node_id", check=lambda v: v and "/" not in v,
+                      hint="a non-empty name without '/'")
+        if node_id in seen:
+            raise UserError(f"{where}: {label}.node_id={node_id!r} appears twice; every process needs its own")
+        seen.add(node_id)
+        argv = get(p, "argv", list, f"{label}.argv", check=lambda v: v and all(isinstance(a, str) for a in v),
+                   hint="a non-empty list of strings")
+        opt_int = (int, type(None))
+        processes.append(ProcSpec(
+            node_id=node_id,
+            role=get(p, "role", str, f"{label}.role", check=lambda v: v in (E.ROLE_SCHED, E.ROLE_WORKER),
+                     hint=f"{E.ROLE_SCHED} or {E.ROLE_WORKER}"),
+            rank=get(p, "rank", opt_int, f"{label}.rank", None),
+            local_rank=get(p, "local_rank", opt_int, f"{label}.local_rank", None),
+            argv=tuple(argv),
+            cwd=str(job_dir / get(p, "cwd", str, f"{label}.cwd", ".")),
+            env_file=str(job_dir / get(p, "env_file", str, f"{label}.env_file")),
+            log_file=str(job_dir / get(p, "log_file", str, f"{label}.log_file", f"logs/{node_id}.log")),
+        ))
+    spec = HostSpec(
+        job=get(doc, "job", str, "job"),
+        host=get(doc, "host", str, "host"),
+        job_dir=job_dir,
+        sched_host=get(sched, "host", str, "scheduler.host"),
+        sched_port=get(sched, "port", int, "scheduler.port", check=lambda v: 0 < v < 65536, hint="not a port"),
+        token_file=job_dir / get(doc, "token_file", str, "token_file", "token"),
+        policy=policy,
+        grace=float(get(doc, "grace", (int, float), "grace", DEFAULT_GRACE, nonneg, "give 0 or more seconds")),
+        bind_core=get(doc, "bind_core", bool, "bind_core", False),
+        warm_spare=get(doc, "warm_spare", bool, "warm_spare", True),
+        processes=tuple(processes),
+    )
+    for sock in (spec.control_socket, spec.progress_socket):
+        if len(os.fsencode(str(sock))) > MAX_SOCKET_PATH:
+            raise UserError(f"{sock}: longer than a unix socket path may be ({MAX_SOCKET_PATH} bytes); use a shorter "
+                            "--workdir")
+    return spec
+
+
+def document(job: str, host: str, sched_address: str, sched_port: int, max_restarts: int, grace: float,
+             bind_core: bool, warm_spare: bool, processes: list[dict[str, Any]]) -> dict[str, Any]:
+    """host.json for one host: `processes` are dicts with node_id, role, rank, local_rank, argv, cwd, env_file and
+    log_file (what ProcSpec holds), paths relative to the job directory."""
+    return {
+        "version": VERSION, "job": job, "host": host, "scheduler": {"host": sched_address, "port": sched_port},
+        "token_file": "token", "max_restarts": max_restarts, "backoff_base": DEFAULT_BACKOFF_BASE,
+        "backoff_max": DEFAULT_BACKOFF_MAX, "healthy_reset": DEFAULT_HEALTHY_RESET, "grace": grace,
+        "bind_core": bind_core, "warm_spare": warm_spare, "processes": processes,
+    }

@@ -1,0 +1,147 @@
+"""Many hosts at once: a bounded parallel fan-out that returns a result per host (`run_on_all`, `check_all`), and a
+pool of open connections for loops that ask the same hosts again and again (`HostPool`)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, Mapping, Sequence, TypeVar
+
+from toolkit.errors import UserError
+from toolkit.remote.host import Host
+from toolkit.remote.hostkeys import KnownHosts
+from toolkit.remote.local import LocalHost
+from toolkit.remote.results import (
+    ClusterError,
+    ConnectionLost,
+    HostResult,
+    RemoteError,
+    _one_line,
+)
+from toolkit.remote.settings import SshSettings, Target, fabric_config
+from toolkit.remote.ssh import SshHost
+
+T = TypeVar("T")
+
+
+def open_host(target: Target, settings: SshSettings, known_hosts: KnownHosts | None = None) -> Host:
+    """A connected Host for the target: LocalHost for a local target, else SshHost (raises RemoteError).
+    Pass one KnownHosts when opening many hosts."""
+    if target.local:
+        return LocalHost(target.name, settings)
+    return SshHost(target, settings, known_hosts)
+
+
+class HostPool:
+    """Connections kept open across fan-outs, for loops that ask the same hosts again and again (`train --join`
+    polls every host each interval: a new connection each time costs a TCP handshake, a key exchange and a key
+    login per host and round). A connection that broke is dropped, and the next round opens a new one."""
+
+    def __init__(self) -> None:
+        self._hosts: dict[str, Host] = {}
+        self._lock = threading.Lock()
+
+    def get(self, target: Target, settings: SshSettings, known_hosts: KnownHosts | None) -> Host:
+        with self._lock:
+            host = self._hosts.pop(target.name, None)
+        if host is not None and (not isinstance(host, SshHost) or host.alive()):
+            return host
+        if host is not None:
+            host.close()
+        return open_host(target, settings, known_hosts)
+
+    def put(self, host: Host) -> None:
+        with self._lock:
+            old = self._hosts.pop(host.name, None)
+            self._hosts[host.name] = host
+        if old is not None and old is not host:
+            old.close()
+
+    def close(self) -> None:
+        with self._lock:
+            hosts, self._hosts = list(self._hosts.values()), {}
+        for host in hosts:
+            host.close()
+
+    def __enter__(self) -> HostPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def run_on_all(
+    targets: Sequence[Target],
+    fn: Callable[[Host], T],
+    settings: SshSettings,
+    progress: Callable[[HostResult[T]], None] | None = None,
+    fail_fast: bool = False,
+    pool: HostPool | None = None,
+) -> dict[str, HostResult[T]]:
+    """Connect to each target and call fn(host), at most settings.parallel at once, closing each connection
+    after (or, with a `pool`, keeping it there for the next fan-out unless it broke). Returns a result per host,
+    in target order; never raises for a host's failure (see check_all). With fail_fast, hosts not yet started
+    when one fails are skipped. `progress` is called (from worker threads) as each host finishes."""
+    names = [t.name for t in targets]
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if dupes:
+        raise UserError(f"host {dupes[0]} is listed twice; name each host once")
+    known_hosts = None
+    if any(not t.local for t in targets):
+        fabric_config(settings)  # a missing ssh_config is one error, not one per host
+        known_hosts = KnownHosts(settings)
+    failed = threading.Event()
+    first_failure: list[str] = []
+    lock = threading.Lock()
+
+    def one(target: Target) -> HostResult[T]:
+        start = time.monotonic()
+        if fail_fast and failed.is_set():
+            result: HostResult[T] = HostResult(target.name, False, error=f"{target.name}: not attempted: "
+                                               f"{first_failure[0]} failed first", skipped=True, finished=start)
+        else:
+            host: Host | None = None
+            keep = False  # give the connection back to the pool
+            try:
+                host = pool.get(target, settings, known_hosts) if pool else open_host(target, settings, known_hosts)
+                value = fn(host)
+                now = time.monotonic()
+                result = HostResult(target.name, True, value=value, seconds=now - start, finished=now)
+                keep = pool is not None
+            except Exception as e:  # noqa: BLE001 - every failure becomes this host's result
+                now = time.monotonic()
+                if isinstance(e, RemoteError):
+                    text = str(e)
+                elif isinstance(e, UserError):
+                    text = f"{target.name}: {' '.join(str(e).split())}"
+                else:  # a bug rather than a fault of the host: keep the type; the exception is in the result
+                    text = f"{target.name}: {_one_line(e)}"
+                result = HostResult(target.name, False, error=text, seconds=now - start, finished=now, exception=e)
+                keep = pool is not None and host is not None and not isinstance(e, ConnectionLost)
+                with lock:
+                    if not first_failure:
+                        first_failure.append(target.name)
+                failed.set()
+            finally:
+                if host is not None:
+                    if keep:
+                        pool.put(host)  # type: ignore[union-attr]
+                    else:
+                        host.close()
+        if progress is not None:
+            progress(result)
+        return result
+
+    if not targets:
+        return {}
+    with ThreadPoolExecutor(max_workers=min(settings.parallel, len(targets)), thread_name_prefix="ssh") as executor:
+        results = list(executor.map(one, targets))
+    return {r.host: r for r in results}
+
+
+def check_all(results: Mapping[str, HostResult[T]]) -> dict[str, T]:
+    """The values of a fan-out, or ClusterError listing every failed host (root cause first)."""
+    if any(not r.ok for r in results.values()):
+        raise ClusterError(results)
+    return {name: r.value for name, r in results.items()}  # type: ignore[misc]

@@ -1,0 +1,113 @@
+"""Copying a project to a host: incremental (one listing, then only what differs in size, mtime or mode), atomic
+per file, and never following a symlink out of the project (a link to ~/.ssh/id_rsa must not reach every host)."""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+import shlex
+import stat
+from pathlib import Path
+from typing import TYPE_CHECKING, Sequence
+
+from toolkit.errors import UserError
+from toolkit.remote.host import _home_relative
+from toolkit.remote.results import CommandFailed, ConnectionLost, SyncStats
+
+if TYPE_CHECKING:
+    from toolkit.remote.host import Host
+
+
+def sync_dir(host: "Host", local_dir: Path, remote_dir: str, exclude: Sequence[str], delete: bool) -> SyncStats:
+    """Make remote_dir on `host` hold local_dir's files (see the module docstring)."""
+    if not local_dir.is_dir():
+        raise UserError(f"{local_dir}: not a directory; nothing to copy to {host.name}")
+    remote_dir = _home_relative(remote_dir)
+    local_files, local_dirs, outside = _scan(local_dir, exclude)
+    listing = host.run(
+        f"mkdir -p -- {shlex.quote(remote_dir)} && find {shlex.quote(remote_dir)} -mindepth 1 "
+        "-printf '%y %s %T@ %m %P\\0'"
+    )
+    if not listing.ok:
+        raise (ConnectionLost if listing.connection_lost else CommandFailed)(
+            host.name, f"cannot list {remote_dir}: {listing.describe()}")
+    remote: dict[str, tuple[str, int, int, int]] = {}
+    for entry in listing.stdout.split("\0"):
+        if entry:
+            kind, size, mtime, mode, rel = entry.split(" ", 4)
+            remote[rel] = (kind, int(size), int(float(mtime)), int(mode, 8))
+
+    def excluded(rel: str) -> bool:
+        return any(fnmatch.fnmatch(part, pat) for part in rel.split("/") for pat in exclude)
+
+    stale = [rel for rel, info in remote.items()
+             if (rel in local_files and info[0] != "f") or (rel in local_dirs and info[0] != "d")]
+    if delete:
+        stale += [rel for rel in remote if rel not in local_files and rel not in local_dirs and not excluded(rel)]
+    stale = [rel for rel in stale if not any(rel.startswith(s + "/") for s in stale if s != rel)]
+    if stale:
+        host.run(["rm", "-rf", "--", *(f"{remote_dir}/{rel}" for rel in stale)], check=True)
+    for rel in stale:
+        remote.pop(rel, None)
+    dirs_created = 0
+    for rel in sorted(local_dirs):
+        if rel not in remote or remote[rel][0] != "d":
+            host._mkdir(f"{remote_dir}/{rel}")
+            dirs_created += 1
+    sent = unchanged = nbytes = 0
+    for rel, (size, mtime, mode) in sorted(local_files.items()):
+        if remote.get(rel) == ("f", size, mtime, mode):
+            unchanged += 1
+            continue
+        host._put_file(local_dir / rel, f"{remote_dir}/{rel}", mode, mtime)
+        sent += 1
+        nbytes += size
+    return SyncStats(files_sent=sent, bytes_sent=nbytes, files_unchanged=unchanged,
+                     dirs_created=dirs_created, removed=len(stale), outside=tuple(outside))
+
+
+
+def _scan(root: Path, exclude: Sequence[str]) -> tuple[dict[str, tuple[int, int, int]], set[str], list[str]]:
+    """The files (size, mtime, mode) and directories under `root`, and the symlinks that point out of it. A
+    symlink is followed only to something inside `root`: a link to ~/.ssh/id_rsa in a project must never be
+    uploaded to every host."""
+    files: dict[str, tuple[int, int, int]] = {}
+    dirs: set[str] = set()
+    outside: list[str] = []
+    top = os.path.realpath(root)
+
+    def inside(path: str) -> bool:
+        return os.path.commonpath([top, os.path.realpath(path)]) == top
+
+    for dirpath, dirnames, filenames in os.walk(root):
+        rel_dir = os.path.relpath(dirpath, root)
+
+        prefix = "" if rel_dir == "." else f"{rel_dir}/"
+
+        kept = []
+        for d in sorted(dirnames):
+            full = os.path.join(dirpath, d)
+            if any(fnmatch.fnmatch(d, p) for p in exclude):
+                continue
+            if os.path.islink(full):  # os.walk does not descend into linked directories; say those that lead out
+                if not inside(full):
+                    outside.append(prefix + d)
+                continue
+            kept.append(d)
+        dirnames[:] = kept
+        for d in dirnames:
+            dirs.add(prefix + d)
+        for name in filenames:
+            if any(fnmatch.fnmatch(name, p) for p in exclude):
+                continue
+            full = os.path.join(dirpath, name)
+            if os.path.islink(full) and not inside(full):
+                outside.append(prefix + name)
+                continue
+            try:
+                st = os.stat(full)
+            except OSError:
+                continue  # a dangling symlink
+            if stat.S_ISREG(st.st_mode):
+                files[prefix + name] = (st.st_size, int(st.st_mtime), stat.S_IMODE(st.st_mode))
+    return files, dirs, outside

@@ -1,0 +1,183 @@
+"""`plan` and `deploy`: what would run where, and making it so on every host (the job's layout, the rendered files, the
+project, the local job record)."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import secrets
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from toolkit import jobrecord
+from toolkit.errors import UserError
+from toolkit.jobrecord import HostRecord, JobRecord
+from toolkit.plan import LaunchPlan, make_plan
+from toolkit.remote import (
+    DEFAULT_EXCLUDE,
+    Host,
+    HostResult,
+    SyncStats,
+    Target,
+)
+from toolkit.render import RenderedFile, plan_json, render_host, write_files
+from toolkit.settings import JOB_OPTIONS, Settings
+from toolkit.tasks.hosts import STATUS_TIMEOUT, fan_out, ssh_settings
+from toolkit.tasks.output import dash, human_size, relative, say, table_console
+from toolkit.tasks.scripts import LAYOUT_NOT_OURS, LAYOUT_OPEN_TO_OTHERS, LAYOUT_SCRIPT
+
+PROJECT_EXCLUDE = DEFAULT_EXCLUDE + (".toolkit",)
+
+
+def launch_plan(settings: Settings) -> LaunchPlan:
+    return make_plan(settings.inventory, settings.options, str(settings.project) if settings.local else None)
+
+
+# --- plan --------------------------------------------------------------------------------------------------------
+
+
+def show_plan(settings: Settings, as_json: bool = False, render_dir: Path | None = None) -> None:
+    plan = launch_plan(settings)
+    script = Path(settings.options.script)
+    if not script.is_absolute() and not (settings.project / script).is_file():
+        say(f"note: {script} is not in {settings.project} (yet): deploy will need it there (--project DIR, --script)")
+    if render_dir is not None:
+        token = secrets.token_hex(16)  # a preview: the job's real token is made at deploy
+        for host in plan.hosts:
+            write_files(render_host(plan, host, token), render_dir / host.name)
+    if as_json:
+        print(json.dumps(plan_json(plan), indent=2))
+        return
+    table = Table(title=f"job {plan.job}: {plan.world_size} workers, scheduler {plan.sched_address}:{plan.sched_port}"
+                  f" (store {plan.store_port})")
+    for column in ("host", "node id", "rank", "local rank", "port", "command"):
+        table.add_column(column)
+    for p in plan.processes():
+        port = str(plan.sched_port) if p.rank is None else ""
+        table.add_row(p.host, p.node_id, dash(p.rank), dash(p.local_rank), port, " ".join(p.argv))
+    table_console().print(table)
+    if render_dir is not None:
+        Console(stderr=True).print(f"rendered files: {render_dir}/<host>/")
+
+
+def deploy(settings: Settings) -> JobRecord:
+    """Make every host's job directory (workdirs resolved on the host), upload the rendered files and the
+    project (only what changed), and write the local job record."""
+    plan = launch_plan(settings)
+    ssh = ssh_settings(settings)
+    targets = [Target.of(h.host, local=plan.local) for h in plan.hosts]
+
+    def prepare(host: Host) -> str:
+        hp = plan.host_plan(host.name)
+        workdir = hp.job_dir.rsplit("/", 1)[0]
+        host.preflight(hp.python, workdir)
+        return host.run(["sh", "-c", 'cd -- "$1" && pwd -P', "sh", workdir], check=True).stdout.strip()
+
+    workdirs = fan_out("checking hosts", targets, prepare, ssh)
+    inventory = settings.inventory.with_hosts(
+        replace(settings.inventory.host(name), workdir=path) for name, path in workdirs.items()
+    )
+    plan = make_plan(inventory, settings.options, str(settings.project) if settings.local else None)
+    token = jobrecord.token(settings.project, plan.job)
+    # Recorded before the upload (marked incomplete until it is done): from now on `status` looks where this
+    # deploy puts the job, never at an earlier deploy's job directories as if they were this one's.
+    jobrecord.save(settings.project, replace(_record(plan, settings), deployed=False), typed_in=Path.cwd())
+
+    def upload(host: Host) -> SyncStats:
+        hp = plan.host_plan(host.name)
+        stats = _upload_rendered(host, hp.job_dir, render_host(plan, hp, token))
+        if plan.local:
+            return stats
+        project = host.sync_dir(settings.project, f"{hp.job_dir}/project", exclude=PROJECT_EXCLUDE, delete=True)
+        return _sum_stats([stats, project])
+
+    def line(r: HostResult[SyncStats]) -> str:
+        if not r.ok or r.value is None:
+            return f"{r.error}"
+        s = r.value
+        return (f"{r.host}: {s.files_sent} file(s) sent ({human_size(s.bytes_sent)}), {s.files_unchanged} unchanged"
+                + (f", {s.removed} removed" if s.removed else "") + f" ({r.seconds:.1f} s)")
+
+    stats = fan_out("deploying", targets, upload, ssh, line=line)
+    outside = sorted({name for st in stats.values() for name in st.outside})
+    if outside:
+        say(f"not copied: {len(outside)} symlink(s) pointing out of {settings.project} ({', '.join(outside[:5])}"
+             + (", ..." if len(outside) > 5 else "") + "): toolkit never follows a link out of the project")
+    record = _record(plan, settings)
+    path = jobrecord.save(settings.project, record, typed_in=Path.cwd())
+    total = _sum_stats(stats.values())
+    say(f"deployed job {plan.job} to {len(stats)} host(s): {total.files_sent} file(s) sent "
+         f"({human_size(total.bytes_sent)}), {total.files_unchanged} unchanged; job record {relative(path)}")
+    return record
+
+
+def _upload_rendered(host: Host, job_dir: str, files: list[RenderedFile]) -> SyncStats:
+    result = host.run(["sh", "-c", LAYOUT_SCRIPT, "sh", job_dir, *(f.path for f in files)], timeout=STATUS_TIMEOUT)
+    if result.exit_code == LAYOUT_NOT_OURS:
+        path, owner, me = (result.stdout.split() + ["?", "?", "?"])[:3]
+        raise UserError(f"{host.name}: {path} belongs to uid {owner}, not to you (uid {me}): another user made it, "
+                        "and could change what the job runs; remove it or choose a --workdir of your own")
+    if result.exit_code == LAYOUT_OPEN_TO_OTHERS:
+        path, mode = (result.stdout.split() + ["?", "?"])[:2]
+        raise UserError(f"{host.name}: {path} is writable by other users (mode {mode}): they could change what "
+                        f"the job runs; chmod go-w it, or choose a --workdir of your own")
+    listing = result.check().stdout
+    there: dict[str, tuple[int, str]] = {}
+    for entry in listing.splitlines():
+        words = entry.split(None, 2)
+        if len(words) == 3:
+            with contextlib.suppress(ValueError):
+                there[words[2]] = (int(words[0], 8), words[1])
+    sent = nbytes = 0
+    for f in files:
+        data = f.content.encode()
+        if there.get(f.path) == (f.mode, hashlib.sha256(data).hexdigest()):
+            continue
+        host.write(f"{job_dir}/{f.path}", data, f.mode)
+        sent += 1
+        nbytes += len(data)
+    return SyncStats(files_sent=sent, bytes_sent=nbytes, files_unchanged=len(files) - sent)
+
+
+def _record(plan: LaunchPlan, settings: Settings) -> JobRecord:
+    hosts = tuple(
+        HostRecord(
+            name=h.name,
+            hostname=h.host.address or h.name,
+            port=h.host.port,
+            user=h.host.user,
+            key_file=h.host.key_file,
+            job_dir=h.job_dir,
+            python=h.python,
+            node_ids=tuple(p.node_id for p in h.processes),
+            ckpt_dir=h.ckpt_dir,
+        )
+        for h in plan.hosts
+    )
+    processes = tuple(
+        {"host": p.host, "role": p.role, "node_id": p.node_id, "rank": p.rank, "local_rank": p.local_rank,
+         "log": f"logs/{p.log_name}"}
+        for p in plan.processes()
+    )
+    ssh = {
+        "known_hosts": settings.known_hosts,
+        "accept_new_host_keys": settings.accept_new_host_keys,
+        "ssh_config": settings.core.ssh_config,
+        "identities": list(settings.core.identities),
+        "connect_timeout": settings.core.connect_timeout,
+        "parallel": settings.parallel,
+    }
+    return JobRecord(plan.job, plan.local, plan.scheduler_host, plan.sched_port, hosts, processes, ssh,
+                     grace=plan.options.grace, options={name: getattr(plan.options, name) for name in JOB_OPTIONS})
+
+
+def _sum_stats(stats: Any) -> SyncStats:
+    stats = list(stats)
+    return SyncStats(*(sum(getattr(s, f) for s in stats) for f in
+                       ("files_sent", "bytes_sent", "files_unchanged", "dirs_created", "removed")),
+                     outside=tuple(sorted({name for s in stats for name in s.outside})))

@@ -1,0 +1,79 @@
+"""Reaching the hosts of a job: SSH settings as deploy recorded them (Fabric's flags typed now win), one Target per
+host, and a fan-out with a progress line per host."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from toolkit import jobrecord
+from toolkit.errors import UserError
+from toolkit.jobrecord import HostRecord, JobRecord
+from toolkit.remote import (
+    Host,
+    HostResult,
+    SshSettings,
+    Target,
+    check_all,
+    rich_progress,
+    run_on_all,
+)
+from toolkit.settings import CoreFlags, JobRef, Settings
+
+LAUNCH_TIMEOUT = 60.0  # s for launch.sh to report the agent up
+STOP_TIMEOUT_EXTRA = 30.0  # s beyond the grace period for stop.sh to finish
+STATUS_TIMEOUT = 30.0  # s for one host's status or log command
+
+
+def load_record(ref: JobRef) -> JobRecord:
+    """The deployed job a command means, checked against what was typed: a flag that contradicts the record is
+    an error (deploy again to change the job), never silently ignored."""
+    record = jobrecord.load(ref.project, ref.job, ref.default_job)
+    wrong = ref.request.contradictions(record.job, record.options, tuple(h.name for h in record.hosts), record.local)
+    if wrong:
+        raise UserError("; ".join(wrong) + f": run 'fleet deploy' with the new values to change job {record.job} "
+                        "(or leave the flags out: every task reads them from the job record)")
+    return record
+
+
+def ssh_settings(settings: Settings) -> SshSettings:
+    return SshSettings(
+        known_hosts=settings.known_hosts,
+        accept_new_host_keys=settings.accept_new_host_keys,
+        ssh_config=settings.core.ssh_config,
+        identity_files=settings.core.identities,
+        connect_timeout=settings.core.connect_timeout,
+        parallel=settings.parallel,
+    )
+
+
+def record_ssh(record: JobRecord, core: CoreFlags | None = None) -> SshSettings:
+    """How deploy reached the hosts; Fabric's own flags typed now (-S, -i, -t) take precedence."""
+    s = record.ssh
+    return SshSettings(
+        known_hosts=s["known_hosts"],
+        accept_new_host_keys=s["accept_new_host_keys"],
+        ssh_config=(core.ssh_config if core and core.ssh_config else None) or s["ssh_config"],
+        identity_files=(core.identities if core and core.identities else None) or tuple(s["identities"]),
+        connect_timeout=(core.connect_timeout if core and core.connect_timeout else None) or s["connect_timeout"],
+        parallel=s["parallel"],
+    )
+
+
+def record_targets(record: JobRecord) -> list[Target]:
+    return [host_target(h, record.local) for h in record.hosts]
+
+
+def host_target(h: HostRecord, local: bool) -> Target:
+    hostname = None if h.hostname == h.name else h.hostname
+    return Target(h.name, hostname=hostname, port=h.port, user=h.user, key_file=h.key_file, local=local)
+
+
+def fan_out(what: str, targets: list[Target], fn: Callable[[Host], Any], ssh: SshSettings,
+             line: Callable[[HostResult[Any]], str | None] | None = None) -> dict[str, Any]:
+    with rich_progress(what, len(targets), line=line) as progress:
+        results: dict[str, HostResult[Any]] = run_on_all(targets, fn, ssh, progress=progress)
+    return check_all(results)
+
+
+def result_line(r: HostResult[Any]) -> str | None:
+    return (str(r.value) if r.value else None) if r.ok else r.error

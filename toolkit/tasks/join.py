@@ -1,0 +1,173 @@
+"""`train --join`: wait for the job to end, printing each change; the evidence when it failed."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Mapping
+
+from toolkit.agentdoc import FINAL_STATES
+from toolkit.errors import UserError
+from toolkit.jobrecord import JobRecord
+from toolkit.remote import (
+    Host,
+    HostPool,
+    SshSettings,
+    check_all,
+    run_on_all,
+)
+from toolkit.tasks.hosts import STATUS_TIMEOUT, host_target
+from toolkit.tasks.output import dash, emit, interrupt_sets, say
+from toolkit.tasks.status import HostStatus, ProcStatus, collect_status
+from toolkit.tasks.stop import stop_one
+
+FAILURE_TAIL_LINES = 10  # log lines shown for a process that ended badly, when its agent recorded none
+JOIN_POLL_INTERVAL = 2.0  # s between status polls of `train --join`: remote state cannot be waited on otherwise
+JOIN_GONE_AFTER = 60.0  # s a host may be unreachable, or its agent gone, before --join stops watching it
+JOIN_SETTLE = 30.0  # s beyond the grace period that --join waits, after a host failed, for the others to stop
+EXIT_JOB_FAILED = 1
+EXIT_INTERRUPTED = 130
+
+
+class JobFailed(UserError):
+    """`train --join` saw the job end badly (or stop being observable); the message holds the evidence."""
+
+    exit_code = EXIT_JOB_FAILED
+
+
+class Interrupted(UserError):
+    exit_code = EXIT_INTERRUPTED
+
+
+def join_job(record: JobRecord, ssh: SshSettings, timeout: float | None = None,
+             interval: float = JOIN_POLL_INTERVAL) -> None:
+    """Wait until the job ends, printing every change of state; return if every worker succeeded, else raise
+    JobFailed with the evidence (node, host, exit status, log tail). A host that cannot be asked, or whose
+    agent is gone, for JOIN_GONE_AFTER is no longer watched and counts as a failure. After a host failed, the
+    others get the grace period and JOIN_SETTLE to stop (the scheduler stops them); what still runs then is
+    stopped, so a failed job leaves nothing behind."""
+    if timeout is not None and timeout <= 0:
+        raise UserError(f"--join-timeout {timeout:g}: give a positive number of seconds")
+    begun = time.monotonic()
+    deadline = None if timeout is None else begun + timeout
+    interrupted = threading.Event()
+    seen: dict[tuple[str, str], tuple[Any, ...]] = {}
+    agents: dict[str, str] = {}
+    trouble_since: dict[str, float] = {}
+    unwatched: dict[str, str] = {}  # host -> why it is no longer watched
+    failed_at: float | None = None
+    last: dict[str, HostStatus] = {}
+    with HostPool() as pool, interrupt_sets(interrupted):
+        while True:
+            watched = [h for h in record.hosts if h.name not in unwatched]
+            now = time.monotonic()
+            for st in collect_status(record, ssh, pool, watched):
+                last[st.host] = st
+                _report_changes(st, seen, agents)
+                if st.agent == "unreachable" or st.agent == "gone":
+                    since = trouble_since.setdefault(st.host, now)
+                    if now - since >= JOIN_GONE_AFTER:
+                        why = (st.error or "unreachable") if st.agent == "unreachable" else "its agent is gone"
+                        unwatched[st.host] = f"{why} for {now - since:.0f} s"
+                        say(f"{st.host}: {unwatched[st.host]}: no longer watched")
+                else:
+                    trouble_since.pop(st.host, None)
+            states = {h.name: last[h.name].agent for h in record.hosts if h.name not in unwatched}
+            if all(s in FINAL_STATES for s in states.values()):
+                break
+            if failed_at is None and (unwatched or any(s in ("failed", "stopped") for s in states.values())):
+                failed_at = now
+            if failed_at is not None and now - failed_at > record.grace + JOIN_SETTLE:
+                running = [n for n, s in states.items() if s not in FINAL_STATES]
+                say(f"the job failed but is still running on {', '.join(running)} after "
+                     f"{now - failed_at:.0f} s: stopping it there")
+                check_all(run_on_all([host_target(record.host(n), record.local) for n in running],
+                                     lambda host: stop_one(host, record), ssh))
+                last.update({st.host: st for st in collect_status(record, ssh, pool,
+                                                                  [record.host(n) for n in running])})
+                break
+            wait = interval
+            if deadline is not None:
+                if now >= deadline:
+                    raise JobFailed(f"job {record.job} still runs after --join-timeout {timeout:g} s; it keeps "
+                                    "running: 'fleet status' to look, 'fleet stop' to end it")
+                wait = min(wait, deadline - now)
+            if interrupted.wait(wait):
+                raise Interrupted(f"stopped waiting for job {record.job}; it keeps running: 'fleet status' to "
+                                  "look, 'fleet stop' to end it")
+    hosts = [last[h.name] for h in record.hosts]
+    took = time.monotonic() - begun
+    if not unwatched and all(h.agent == "succeeded" for h in hosts):
+        say(f"job {record.job} succeeded: every worker exited 0 ({took:.1f} s)")
+        return
+    raise JobFailed(_failure_text(record, hosts, unwatched, took, _failed_tails(record, ssh, hosts)))
+
+
+def _failed_tails(record: JobRecord, ssh: SshSettings, hosts: list[HostStatus]) -> dict[str, list[str]]:
+    """The last log lines of every process that ended badly on a host that recorded no give-up evidence of its
+    own (a scheduler that stopped the job, a process stopped with an error status), best effort."""
+    wanted: dict[str, list[ProcStatus]] = {}
+    for h in hosts:
+        if h.reached and not h.failure:
+            bad = [p for p in h.processes if p.last_exit and p.last_exit != "exit code 0"
+                   and p.state not in ("running", "succeeded")]
+            if bad:
+                wanted[h.host] = bad
+    if not wanted:
+        return {}
+
+    def tails(host: Host) -> dict[str, list[str]]:
+        h = record.host(host.name)
+        out = {}
+        for p in wanted[host.name]:
+            log = f"{h.job_dir}/{record.process(p.node_id)['log']}"
+            result = host.run(["tail", "-n", str(FAILURE_TAIL_LINES), "--", log], timeout=STATUS_TIMEOUT)
+            out[p.node_id] = result.stdout.splitlines() if result.ok else []
+        return out
+
+    results = run_on_all([host_target(record.host(n), record.local) for n in wanted], tails, ssh)
+    return {node: lines for r in results.values() if r.ok and r.value for node, lines in r.value.items()}
+
+
+def _report_changes(st: HostStatus, seen: dict[tuple[str, str], tuple[Any, ...]], agents: dict[str, str]) -> None:
+    if agents.get(st.host) != st.agent:
+        agents[st.host] = st.agent
+        if st.agent not in ("running", "starting"):
+            why = f" ({st.reason})" if st.reason and st.agent in FINAL_STATES else ""
+            emit(f"{st.host}: agent {st.agent}{why}" if st.agent != "unreachable" else f"{st.error}")
+    for p in st.processes:
+        key = (p.state, p.pid, p.restarts)
+        if seen.get((p.host, p.node_id)) == key:
+            continue
+        seen[(p.host, p.node_id)] = key
+        parts = [p.state]
+        if p.pid is not None:
+            parts.append(f"pid {p.pid}")
+        if p.restarts:
+            parts.append(f"{p.restarts} restart(s)")
+        if p.last_exit and p.last_exit != "exit code 0":
+            parts.append(f"last exit: {p.last_exit}")
+        emit(f"{p.prefix} {', '.join(parts)}")
+
+
+def _failure_text(record: JobRecord, hosts: list[HostStatus], unwatched: Mapping[str, str], took: float,
+                  tails: Mapping[str, list[str]]) -> str:
+    lines = [f"job {record.job} failed after {took:.1f} s"]
+    causes = [h for h in hosts if h.failure]
+    for h in causes:
+        f = h.failure or {}
+        role = "sched" if f.get("rank") is None else "worker"
+        prefix = f"{h.host}:{role}:{dash(f.get('rank'))}"
+        lines.append(f"{f.get('node_id')} on {h.host} (rank {dash(f.get('rank'))}, pid {dash(f.get('pid'))}): "
+                     f"{f.get('status')} after {f.get('restarts', 0)} restart(s); last lines of {f.get('log_file')}:")
+        lines += [f"  {prefix} | {line}" for line in f.get("log_tail") or []]
+    for h in hosts:
+        if h.host in unwatched:
+            lines.append(f"{h.host}: {unwatched[h.host]}")
+        elif not h.failure and h.agent != "succeeded":
+            lines.append(f"{h.host}: {h.agent}" + (f": {h.reason}" if h.reason else ""))
+            for p in h.processes:
+                if p.node_id in tails:
+                    lines.append(f"  {p.node_id} on {h.host} ({p.state}, last exit: {p.last_exit}); last lines:")
+                    lines += [f"    {p.prefix} | {line}" for line in tails[p.node_id]]
+    return "\n".join(lines)

@@ -1,0 +1,122 @@
+"""`logs`: the processes' logs, each line prefixed host:role:rank, once or followed from every host at once."""
+
+from __future__ import annotations
+
+import shlex
+import sys
+import threading
+from dataclasses import replace
+from typing import Any, Mapping
+
+from toolkit.errors import UserError
+from toolkit.jobrecord import JobRecord
+from toolkit.remote import (
+    ClusterError,
+    Host,
+    HostResult,
+    check_all,
+    run_on_all,
+)
+from toolkit.settings import JobRef
+from toolkit.tasks.hosts import STATUS_TIMEOUT, host_target, load_record, record_ssh
+from toolkit.tasks.output import dash, interrupt_sets, say
+from toolkit.tasks.scripts import TailParser, missing_logs
+
+LOG_LINES = 20  # default of `logs -n`
+
+
+def logs(ref: JobRef, node: str | None = None, rank: int | None = None, host_name: str | None = None,
+         follow: bool = False, lines: int = LOG_LINES) -> None:
+    """The last `lines` lines of the chosen processes' logs (msrun's names: scheduler.log, worker_<rank>.log),
+    each prefixed host:role:rank; with `follow`, keep printing new lines from every host until Ctrl-C."""
+    if lines < 0:
+        raise UserError(f"-n {lines}: give 0 or more lines")
+    record = load_record(ref)
+    chosen = _choose(record, node, rank, host_name)
+    by_host: dict[str, list[Mapping[str, Any]]] = {}
+    for p in chosen:
+        by_host.setdefault(p["host"], []).append(p)
+    ssh = record_ssh(record, ref.request.core)
+    targets = [host_target(record.host(n), record.local) for n in by_host]
+    out = _Printer()
+
+    def files(name: str) -> dict[str, str]:
+        h = record.host(name)
+        return {f"{h.job_dir}/{p['log']}": _prefix(p) for p in by_host[name]}
+
+    if not follow:
+        def fetch(host: Host) -> tuple[list[tuple[str, str]], list[str]]:
+            paths = files(host.name)
+            result = host.run(["tail", "-v", "-n", str(lines), "--", *paths], timeout=STATUS_TIMEOUT)
+            if not result.ok and (result.exit_code is None or not (result.stdout or "cannot open" in result.stderr)):
+                result.check()
+            got: list[tuple[str, str]] = []
+            parser = TailParser(paths, lambda prefix, line: got.append((prefix, line)))
+            for line in result.stdout.splitlines():
+                parser(line)
+            return got, missing_logs(result.stderr, paths)
+
+        results = run_on_all(targets, fetch, ssh)
+        for r in results.values():
+            if r.ok and r.value is not None:
+                got, missing = r.value
+                for prefix, line in got:
+                    out.line(prefix, line)
+                for note in missing:
+                    say(note)
+        check_all(results)
+        return
+
+    stop_event = threading.Event()
+
+    def follow_one(host: Host) -> None:
+        paths = files(host.name)
+        parser = TailParser(paths, out.line)
+        # --pid: if this end vanishes without killing it, tail still ends once the SSH session's process does.
+        command = f'exec tail -v -F -n {lines} --pid="$PPID" -- ' + " ".join(shlex.quote(p) for p in paths)
+        result = host.stream(command, parser, stop_event)
+        for note in missing_logs(result.stderr, paths):
+            say(note)
+        if not result.stopped:
+            result.check()
+            raise UserError(f"{host.name}: tail ended on its own ({result.describe()})")
+
+    def ended(r: HostResult[None]) -> None:
+        if not r.ok and not stop_event.is_set():
+            say(f"{r.error}; no more lines from {r.host}")
+
+    with interrupt_sets(stop_event):
+        results = run_on_all(targets, follow_one, replace(ssh, parallel=max(1, len(targets))), progress=ended)
+    failed = {n: r for n, r in results.items() if not r.ok}
+    if failed:
+        raise ClusterError(results)
+
+
+def _choose(record: JobRecord, node: str | None, rank: int | None, host_name: str | None) -> list[Mapping[str, Any]]:
+    given = [x for x in (node, rank, host_name) if x is not None]
+    if len(given) > 1:
+        raise UserError("give one of --node, --rank or --host (or none for every process)")
+    if node is not None:
+        return [record.process(node)]
+    if rank is not None:
+        return [record.process_of_rank(rank)]
+    if host_name is not None:
+        record.host(host_name)
+        return [p for p in record.processes if p["host"] == host_name]
+    return list(record.processes)
+
+
+def _prefix(p: Mapping[str, Any]) -> str:
+    return f"{p['host']}:{'sched' if p['rank'] is None else 'worker'}:{dash(p['rank'])}"
+
+
+class _Printer:
+    """Whole lines to stdout from several threads at once, each with its prefix."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+
+    def line(self, prefix: str, text: str) -> None:
+        with self.lock:
+            sys.stdout.write(f"{prefix} | {text}\n")
+            sys.stdout.flush()

@@ -1,0 +1,125 @@
+"""The shell snippets toolkit runs on the hosts (POSIX sh, user values only as arguments), and the parsers of what
+they print. Each does its work in one round trip and without starting a Python where it can."""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from typing import Any, Callable, Mapping
+
+# Makes the job's layout and lists mode and checksum of the rendered files already there, in one round trip, so
+# a second deploy of an unchanged job writes none of them.
+LAYOUT_SCRIPT = r"""
+d=$1; shift
+me=$(id -u)
+umask 077
+mkdir -p -- "${d%/*}" && mkdir -p -- "$d" || exit 1
+for p in "${d%/*}" "$d"; do
+    owner=$(stat -c %u -- "$p") mode=$(stat -c %a -- "$p")
+    [ "$owner" = "$me" ] || { echo "$p $owner $me"; exit 20; }
+    [ $((0$mode & 022)) -eq 0 ] || { echo "$p $mode"; exit 21; }
+done
+mkdir -p -- "$d/env" "$d/logs" "$d/state" "$d/recovery" "$d/ckpt" && cd -- "$d" \
+    && chmod 700 . env logs state recovery ckpt || exit 1
+for f; do
+    [ -f "$f" ] && printf '%s %s\n' "$(stat -c %a -- "$f")" "$(sha256sum -- "$f")"
+done
+exit 0
+"""
+LAYOUT_NOT_OURS, LAYOUT_OPEN_TO_OTHERS = 20, 21  # exit codes of the layout script
+
+
+# Moves a run's checkpoints, scheduler state and agent.json aside under one stamp (a shared checkpoint directory
+# is moved once: the first host's mv wins, the others find nothing to move).
+ARCHIVE_SCRIPT = r"""
+d=$1 ckpt=$2 stamp=$3
+for p in "$ckpt" "$d/recovery"; do
+    if [ -e "$p" ]; then mv -- "$p" "$p.previous-$stamp" && echo "moved $p to $p.previous-$stamp"; fi
+done
+if [ -e "$d/state/agent.json" ]; then mv -- "$d/state/agent.json" "$d/state/agent.previous-$stamp.json"; fi
+exit 0
+"""
+
+
+STOP_SCRIPT = r"""
+if [ -x "$1/stop.sh" ]; then exec "$1/stop.sh"; fi
+echo "$2: nothing deployed in $1: nothing to stop"
+"""
+
+
+STATUS_SCRIPT = r"""
+py=$1 d=$2
+if [ -f "$d/host.json" ]; then
+    "$py" -m toolkit.agent status --job-dir "$d" || exit
+else
+    echo '{"state": "absent", "alive": false, "processes": []}'
+fi
+printf '\036\n'
+date +%s.%N
+find "$d/logs" -maxdepth 1 -name '*.log' -printf '%T@ %f\n' 2>/dev/null
+exit 0
+"""
+
+# What --join polls: the agent's own files, read without starting a Python on every host every interval.
+# Liveness is decided here as `agent status` decides it: the pid file's process exists, is no zombie and
+# started at the recorded clock tick, and agent.json was written by it.
+POLL_SCRIPT = r"""
+d=$1
+cat -- "$d/state/agent.pid" 2>/dev/null; printf '\036\n'
+{ read -r pid _ < "$d/state/agent.pid"; } 2>/dev/null && cat "/proc/$pid/stat" 2>/dev/null; printf '\036\n'
+cat -- "$d/state/agent.json" 2>/dev/null; printf '\036\n'
+date +%s.%N
+find "$d/logs" -maxdepth 1 -name '*.log' -printf '%T@ %f\n' 2>/dev/null
+exit 0
+"""
+
+
+def clock_and_logs(text: str) -> dict[str, Any]:
+    lines = text.splitlines()
+    try:
+        now = float(lines[0])
+    except (IndexError, ValueError):
+        now = None
+    mtimes = {}
+    for line in lines[1:]:
+        stamp, _, name = line.partition(" ")
+        with contextlib.suppress(ValueError):
+            mtimes[name] = float(stamp)
+    return {"now": now, "mtimes": mtimes}
+
+
+_TAIL_HEADER = re.compile(r"^==> (.*) <==$")
+_TAIL_MISSING = re.compile(r"cannot open '(.*)' for reading")
+
+
+def missing_logs(stderr: str, paths: Mapping[str, str]) -> list[str]:
+    notes = []
+    for line in stderr.splitlines():
+        m = _TAIL_MISSING.search(line)
+        if m and m.group(1) in paths:
+            notes.append(f"{paths[m.group(1)]}: no log yet ({m.group(1)})")
+    return notes
+
+
+class TailParser:
+    """`tail -v` output (a `==> path <==` header before each file's lines, a blank line before every header but
+    the first) -> (prefix, line) for each line of the logs."""
+
+    def __init__(self, prefixes: Mapping[str, str], emit: Callable[[str, str], None]) -> None:
+        self.prefixes = prefixes
+        self.emit = emit
+        self.current = next(iter(prefixes.values()), "?")
+        self.blank = False  # a blank line held back: it may be the separator before the next header
+
+    def __call__(self, line: str) -> None:
+        m = _TAIL_HEADER.match(line)
+        if m and m.group(1) in self.prefixes:
+            self.current, self.blank = self.prefixes[m.group(1)], False
+            return
+        if self.blank:
+            self.emit(self.current, "")
+            self.blank = False
+        if line == "":
+            self.blank = True
+            return
+        self.emit(self.current, line)

@@ -1,0 +1,162 @@
+"""`train`: start the job on every host at once, all or nothing, after checking what was typed against the job record
+and what its previous run left."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Mapping
+
+from toolkit import jobrecord
+from toolkit.errors import UserError
+from toolkit.jobrecord import JobRecord
+from toolkit.remote import (
+    AuthenticationFailed,
+    ChangedHostKey,
+    ClusterError,
+    Host,
+    HostResult,
+    HostUnreachable,
+    PreflightFailed,
+    SshSettings,
+    UnknownHostKey,
+    rich_progress,
+    run_on_all,
+)
+from toolkit.settings import Request
+from toolkit.tasks.deploy import deploy
+from toolkit.tasks.hosts import (
+    LAUNCH_TIMEOUT,
+    STATUS_TIMEOUT,
+    fan_out,
+    host_target,
+    load_record,
+    record_ssh,
+    record_targets,
+)
+from toolkit.tasks.join import join_job
+from toolkit.tasks.output import say
+from toolkit.tasks.scripts import ARCHIVE_SCRIPT
+from toolkit.tasks.status import HostStatus, collect_status, poll_status
+from toolkit.tasks.stop import stop_one
+
+
+def train(request: Request, join: bool = False, join_timeout: float | None = None, fresh: bool = False,
+          again: bool = False) -> None:
+    """Start the deployed job on every host at once (deploying it first if it never was); all or nothing: if a
+    host fails to start, what started elsewhere is stopped. With `join`, wait for the job to end.
+
+    A job whose every host finished successfully is not started again by accident (its workers would resume
+    from their final checkpoints and end at once): `fresh` starts it over (its checkpoints and state are moved
+    aside, never deleted), `again` runs it once more from where it ended (with more epochs, say)."""
+    if fresh and again:
+        raise UserError("--fresh and --again both given: start the job over (--fresh) or go on from where it "
+                        "ended (--again), not both")
+    ref = request.job_ref()
+    record = None
+    name = jobrecord.choose(ref.project, ref.job, ref.default_job)
+    if name is not None and jobrecord.exists(ref.project, name):
+        record = load_record(ref)
+    if record is None or not record.deployed:  # never deployed, or its last deploy did not complete
+        record = deploy(request.settings())
+    ssh = record_ssh(record, request.core)
+    sched = record.host(record.scheduler_host)
+    port = record.sched_port
+    _previous_run(record, ssh, fresh=fresh, again=again)
+
+    def start(host: Host) -> bool:
+        """True if this call started the agent (False: it already ran)."""
+        h = record.host(host.name)
+        if h.name == sched.name and not poll_status(host, h)["doc"]["alive"]:
+            host.preflight(h.python, h.job_dir, ports=(port, port + 1))
+        out = host.run([f"{h.job_dir}/launch.sh"], timeout=LAUNCH_TIMEOUT, check=True).stdout
+        return "already running" not in out
+
+    begun = time.monotonic()
+    with rich_progress("starting", len(record.hosts)) as progress:
+        results = run_on_all(record_targets(record), start, ssh, progress=progress, fail_fast=True)
+    if any(not r.ok for r in results.values()):
+        _roll_back(record, ssh, results)
+    fresh = sum(1 for r in results.values() if r.value)
+    already = "" if fresh == len(results) else f" ({len(results) - fresh} already running)"
+    say(f"job {record.job} started on {len(results)} host(s){already} in {time.monotonic() - begun:.1f} s: "
+         f"{record.world_size} worker(s), scheduler on {record.scheduler_host}:{port}; "
+         "follow it with 'fleet status' and 'fleet logs -f', end it with 'fleet stop'")
+    if join:
+        join_job(record, ssh, join_timeout)
+
+
+@dataclass(frozen=True)
+class Finished:
+    """A run that ended with every host's agent succeeded: the job is done."""
+
+    step: int | None  # the last step any worker reported
+    at: str | None  # when the last agent recorded it (its own clock)
+
+
+def finished_run(hosts: list[HostStatus]) -> Finished | None:
+    """The job's previous run, if every host reached says it succeeded (None while anything runs, or ended
+    otherwise: a stopped or failed run is resumed by the next `train`)."""
+    if not hosts or not all(h.reached and h.agent == "succeeded" for h in hosts):
+        return None
+    steps = [p.step for h in hosts for p in h.processes if p.role == "worker" and p.step is not None]
+    stamps = [h.updated_at for h in hosts if h.updated_at]
+    return Finished(max(steps) if steps else None, max(stamps) if stamps else None)
+
+
+def _previous_run(record: JobRecord, ssh: SshSettings, fresh: bool, again: bool) -> None:
+    """Refuse to start a finished job again unless told how (see `train`); with `fresh`, move its previous run
+    aside on every host, so that the new run starts from step 0 and no status shows the old run's processes."""
+    hosts = collect_status(record, ssh)
+    alive = [h.host for h in hosts if h.alive]
+    if alive:
+        if fresh:
+            raise UserError(f"job {record.job} is running on {', '.join(alive)}: stop it first ('fleet stop'), "
+                            "then 'fleet train --fresh' starts it over")
+        return
+    done = finished_run(hosts)
+    if done is not None and not (fresh or again):
+        step = f" at step {done.step}" if done.step is not None else ""
+        when = f" ({done.at})" if done.at else ""
+        raise UserError(f"job {record.job} already finished{step}{when}: nothing to train. 'fleet train --fresh' "
+                        "trains it again from the start (its checkpoints and state are moved aside, not deleted), "
+                        "'fleet train --again' goes on from its final checkpoints (e.g. with more epochs), or "
+                        "deploy it under another --job name")
+    if not fresh:
+        return
+    stamp = time.strftime("%Y%m%dT%H%M%S")
+
+    def archive(host: Host) -> str:
+        h = record.host(host.name)
+        return host.run(["sh", "-c", ARCHIVE_SCRIPT, "sh", h.job_dir, h.ckpt_dir or f"{h.job_dir}/ckpt", stamp],
+                        timeout=STATUS_TIMEOUT, check=True).stdout.strip()
+
+    moved = fan_out("moving the previous run aside", record_targets(record), archive, ssh)
+    for name, text in moved.items():
+        for line in text.splitlines():
+            say(f"{name}: {line}")
+
+
+def _roll_back(record: JobRecord, ssh: SshSettings, results: Mapping[str, HostResult[bool]]) -> None:
+    """Stop the job where this train started it (or may have), then raise the start failure."""
+    never = (HostUnreachable, AuthenticationFailed, UnknownHostKey, ChangedHostKey, PreflightFailed)
+    started = [record.host(n) for n, r in results.items()
+               if (r.ok and r.value) or (not r.ok and not r.skipped and not isinstance(r.exception, never))]
+    error = ClusterError(results)
+    lines = [str(error)]
+    if started:
+        stopped = run_on_all([host_target(h, record.local) for h in started],
+                             lambda host: stop_one(host, record), ssh)
+        ok = [n for n, r in stopped.items() if r.ok]
+        bad = [r for r in stopped.values() if not r.ok]
+        if ok:
+            lines.append(f"stopped the job again on {', '.join(ok)}: no process of it is left there")
+        lines += [f"could not stop it on {r.error}; run 'fleet stop' once the host is back" for r in bad]
+    else:
+        lines.append("nothing was started")
+    raise UserError("\n".join(lines))
+
+
+# Moves a run's checkpoints, scheduler state and agent.json aside under one stamp (a shared checkpoint directory
+# is moved once: the first host's mv wins, the others find nothing to move).
+

@@ -1,0 +1,233 @@
+"""`status`: every process of the job as its host's agent sees it, from the agents' own files, as a table or JSON."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any, Mapping
+
+from rich.table import Table
+
+from toolkit import agentdoc
+from toolkit.agentdoc import FINAL_STATES
+from toolkit.errors import UserError
+from toolkit.jobrecord import HostRecord, JobRecord
+from toolkit.protocol import RECOVERY_IN_PLACE, RECOVERY_RESTART
+from toolkit.remote import (
+    ClusterError,
+    Host,
+    HostPool,
+    HostResult,
+    SshSettings,
+    run_on_all,
+)
+from toolkit.settings import JobRef
+from toolkit.tasks.hosts import (
+    STATUS_TIMEOUT,
+    host_target,
+    load_record,
+    record_ssh,
+    record_targets,
+)
+from toolkit.tasks.output import dash, human_age, say, table_console
+from toolkit.tasks.scripts import POLL_SCRIPT, STATUS_SCRIPT, clock_and_logs
+
+
+@dataclass(frozen=True)
+class ProcStatus:
+    """One process as its host's agent sees it."""
+
+    host: str
+    node_id: str
+    role: str  # "sched" or "worker"
+    rank: int | None
+    pid: int | None
+    state: str  # the agent's (running, backoff, restarting, succeeded, failed, stopped), or gone, unreachable
+    restarts: int
+    step: int | None
+    log_age: float | None  # s since its log was last written, by the host's clock
+    last_exit: str | None  # "exit code 3", "killed by SIGKILL"
+    recovery: str | None = None  # how the worker said it recovers (protocol.RECOVERY_*), once it has
+
+    @property
+    def prefix(self) -> str:
+        """`host:role:rank`, what every line of output about this process starts with."""
+        return f"{self.host}:{self.role}:{dash(self.rank)}"
+
+
+@dataclass(frozen=True)
+class HostStatus:
+    host: str
+    reached: bool
+    error: str | None  # why the host could not be asked
+    agent: str  # the agent's state (starting, running, finishing, stopping, succeeded, failed, stopped), gone,
+    # absent (never started), unreachable
+    alive: bool
+    agent_pid: int | None
+    reason: str | None  # why the agent ended
+    failure: Mapping[str, Any] | None = field(default=None, hash=False, compare=False)  # the give-up evidence
+    processes: tuple[ProcStatus, ...] = ()
+    updated_at: str | None = None  # when the agent last wrote its state (the host's clock)
+
+
+def status(ref: JobRef, as_json: bool = False) -> None:
+    """One table of every process of the job (or JSON); a host that cannot be asked gets a row saying so, and
+    the command then ends non-zero after listing the failed hosts."""
+    record = load_record(ref)
+    results = run_on_all(record_targets(record), lambda host: _fetch_status(host, record.host(host.name)),
+                         record_ssh(record, ref.request.core))
+    hosts = [_host_status(record, name, r) for name, r in results.items()]
+    if as_json:
+        print(json.dumps(_status_json(record, hosts), indent=2))
+    else:
+        _print_status(record, hosts)
+    if any(not r.ok for r in results.values()):
+        raise ClusterError(results)
+
+
+def collect_status(record: JobRecord, ssh: SshSettings, pool: HostPool | None = None,
+                   hosts: list[HostRecord] | None = None) -> list[HostStatus]:
+    """Every host's status from its agent's files (cheap enough to poll; see POLL_SCRIPT)."""
+    chosen = record.hosts if hosts is None else hosts
+    results = run_on_all([host_target(h, record.local) for h in chosen],
+                         lambda host: poll_status(host, record.host(host.name)), ssh, pool=pool)
+    return [_host_status(record, name, r) for name, r in results.items()]
+
+
+def _fetch_status(host: Host, h: HostRecord) -> dict[str, Any]:
+    out = host.run(["sh", "-c", STATUS_SCRIPT, "sh", h.python, h.job_dir], timeout=STATUS_TIMEOUT, check=True)
+    doc_text, _, rest = out.stdout.partition("\x1e\n")
+    try:
+        doc = json.loads(doc_text)
+    except ValueError:
+        raise UserError(f"{h.name}: the agent's status is not JSON: {doc_text.strip()[:200]}") from None
+    return {"doc": doc, **clock_and_logs(rest)}
+
+
+def poll_status(host: Host, h: HostRecord) -> dict[str, Any]:
+    """The agent's files, judged as `agent status` judges them (toolkit.agentdoc): no Python started on the host."""
+    out = host.run(["sh", "-c", POLL_SCRIPT, "sh", h.job_dir], timeout=STATUS_TIMEOUT, check=True).stdout
+    pid_text, stat_text, doc_text, rest = (out.split("\x1e\n", 3) + ["", "", ""])[:4]
+    try:
+        doc = json.loads(doc_text) if doc_text.strip() else None
+    except (ValueError, RecursionError):
+        doc = None  # written atomically, so this is not a half-written file: treat as unknown
+    record = agentdoc.pid_record(pid_text)
+    running = record if record is not None and agentdoc.stat_matches(record, stat_text) else None
+    return {"doc": agentdoc.judge(doc if isinstance(doc, dict) else None, running), **clock_and_logs(rest)}
+
+
+def _host_status(record: JobRecord, name: str, result: HostResult[dict[str, Any]]) -> HostStatus:
+    expected = [p for p in record.processes if p["host"] == name]
+    if not result.ok or result.value is None:
+        procs = tuple(_proc(name, p, {}, "unreachable", None, {}) for p in expected)
+        return HostStatus(name, False, result.error, "unreachable", False, None, None, None, procs)
+    doc, now, mtimes = result.value["doc"], result.value["now"], result.value["mtimes"]
+    agent = str(doc.get("state") or "absent")
+    alive = bool(doc.get("alive"))
+    seen = {p.get("node_id"): p for p in doc.get("processes") or [] if isinstance(p, dict)}
+    procs = []
+    for p in expected:
+        got = seen.get(p["node_id"], {})
+        state = str(got.get("state") or ("not started" if agent == "absent" else "unknown"))
+        if agent == "gone" and state not in FINAL_STATES:
+            state = "gone"
+        procs.append(_proc(name, p, got, state, now, mtimes))
+    pid = (doc.get("agent") or {}).get("pid")
+    updated = doc.get("updated_at")
+    return HostStatus(name, True, None, agent, alive, pid if isinstance(pid, int) else None, doc.get("reason"),
+                      doc.get("failure"), tuple(procs), updated if isinstance(updated, str) else None)
+
+
+def _proc(host: str, p: Mapping[str, Any], got: Mapping[str, Any], state: str, now: float | None,
+          mtimes: Mapping[str, float]) -> ProcStatus:
+    log_name = p["log"].rsplit("/", 1)[-1]
+    age = None
+    if now is not None and log_name in mtimes:
+        age = max(0.0, now - mtimes[log_name])
+    last = got.get("last_exit") or None
+    how = None
+    if isinstance(last, dict):
+        how = f"killed by {last['signal']}" if last.get("signal") else f"exit code {last.get('code')}"
+    step = got.get("step")
+    return ProcStatus(
+        host=host,
+        node_id=p["node_id"],
+        role="worker" if p["rank"] is not None else "sched",
+        rank=p["rank"],
+        pid=got.get("pid") if state not in ("gone", "unreachable") else None,
+        state=state,
+        restarts=int(got.get("restarts") or 0),
+        step=step if isinstance(step, int) else None,
+        log_age=age,
+        last_exit=how,
+        recovery=got.get("recovery") if got.get("recovery") in (RECOVERY_IN_PLACE, RECOVERY_RESTART) else None,
+    )
+
+
+# What each recovery mode means, and why a job runs in it: status says it in one line.
+RECOVERY_WHY = {
+    RECOVERY_IN_PLACE: "in place: the script uses toolkit.train, so after a fault the survivors re-form the group "
+                       "and the replacement takes the state from a peer",
+    RECOVERY_RESTART: "restart: the script initialises torch.distributed itself (a torchrun-style script), so a "
+                      "fault relaunches every worker, which resume from the script's own checkpoints",
+}
+
+
+def recovery_mode(processes: list[ProcStatus], forced: bool = False) -> dict[str, str] | None:
+    """The job's recovery mode as its workers reported it ({"mode", "why"}), None before any did."""
+    modes = {p.recovery for p in processes if p.role == "worker" and p.recovery}
+    if not modes:
+        return None
+    mode = RECOVERY_RESTART if RECOVERY_RESTART in modes else RECOVERY_IN_PLACE
+    why = RECOVERY_WHY[mode]
+    if forced and mode == RECOVERY_RESTART:
+        why = "restart: --torchrun-script asks for it: a fault relaunches every worker"
+    elif len(modes) > 1:
+        why += " (some workers use toolkit.train, some do not: the job restarts as a whole)"
+    return {"mode": mode, "why": why}
+
+
+def _status_json(record: JobRecord, hosts: list[HostStatus]) -> dict[str, Any]:
+    return {
+        "job": record.job,
+        "scheduler": {"host": record.scheduler_host, "port": record.sched_port},
+        "world_size": record.world_size,
+        "recovery": recovery_mode([p for h in hosts for p in h.processes], bool(record.options.get("torchrun_script"))),
+        "hosts": [{k: v for k, v in asdict(h).items() if k != "processes"} for h in hosts],
+        "processes": [asdict(p) for h in hosts for p in h.processes],
+    }
+
+
+def _print_status(record: JobRecord, hosts: list[HostStatus]) -> None:
+    table = Table(title=f"job {record.job}: {record.world_size} worker(s) on {len(record.hosts)} host(s), "
+                        f"scheduler {record.scheduler_host}:{record.sched_port}")
+    for column in ("host", "node id", "rank", "pid", "state", "restarts", "last step", "log age"):
+        table.add_column(column, justify="right" if column in ("rank", "pid", "restarts", "last step") else "left")
+    for h in hosts:
+        for p in h.processes:
+            table.add_row(p.host, p.node_id, dash(p.rank), dash(p.pid), p.state, str(p.restarts), dash(p.step),
+                          human_age(p.log_age))
+    table_console().print(table)
+    for h in hosts:
+        note = _host_note(h)
+        if note:
+            say(note)
+    mode = recovery_mode([p for h in hosts for p in h.processes], bool(record.options.get("torchrun_script")))
+    if mode is not None:
+        say(f"recovery: {mode['why']}")
+
+
+def _host_note(h: HostStatus) -> str | None:
+    if not h.reached:
+        return None  # listed by the error that follows
+    if h.agent == "gone":
+        return (f"{h.host}: the agent is gone (it stopped without finishing the job): its processes show as gone; "
+                f"'fleet restart --host {h.host}' starts it again")
+    if h.agent == "absent":
+        return f"{h.host}: the job was never started here; 'fleet train' starts it"
+    if h.agent == "failed":
+        return f"{h.host}: failed: {h.reason or 'no reason recorded'}"
+    if h.agent == "stopped":
+        return f"{h.host}: stopped ({h.reason or 'by the operator'})"
+    return None

@@ -1,0 +1,70 @@
+"""`stop` and `restart`: end the job on every host and verify nothing is left; restart one process or one host by
+hand."""
+
+from __future__ import annotations
+
+from toolkit.errors import UserError
+from toolkit.jobrecord import JobRecord
+from toolkit.remote import (
+    ClusterError,
+    Host,
+    check_all,
+    rich_progress,
+    run_on_all,
+)
+from toolkit.settings import JobRef
+from toolkit.tasks.hosts import (
+    LAUNCH_TIMEOUT,
+    STOP_TIMEOUT_EXTRA,
+    host_target,
+    load_record,
+    record_ssh,
+    record_targets,
+    result_line,
+)
+from toolkit.tasks.output import say
+from toolkit.tasks.scripts import STOP_SCRIPT
+from toolkit.tasks.status import poll_status
+
+
+def stop(ref: JobRef) -> None:
+    """Stop the job on every host (SIGTERM, grace, SIGKILL) and verify that no process of it remains."""
+    record = load_record(ref)
+    ssh = record_ssh(record, ref.request.core)
+    with rich_progress("stopping", len(record.hosts), line=result_line) as progress:
+        results = run_on_all(record_targets(record), lambda host: stop_one(host, record), ssh, progress=progress)
+    try:
+        check_all(results)
+    except ClusterError as e:
+        raise UserError(f"{e}\nthe job may still run there: run 'fleet stop' again once the host answers") from None
+    say(f"job {record.job} stopped on {len(results)} host(s); each verified that no process of the job is left")
+
+
+def stop_one(host: Host, record: JobRecord) -> str:
+    h = record.host(host.name)
+    result = host.run(["sh", "-c", STOP_SCRIPT, "sh", h.job_dir, h.name],
+                      timeout=record.grace + STOP_TIMEOUT_EXTRA, check=True)
+    return result.stdout.strip()
+
+
+# --- restart -----------------------------------------------------------------------------------------------------
+
+
+def restart(ref: JobRef, node: str | None, host_name: str | None) -> None:
+    """Restart one process by hand through its agent, with the same environment (`--node`, what recover.sh
+    does on the host), or every process of one host (`--host`; starts the host's agent if it is gone)."""
+    if (node is None) == (host_name is None):
+        raise UserError("restart needs exactly one of --node NODE_ID (e.g. worker_3) or --host HOST")
+    record = load_record(ref)
+    h = record.host(record.process(node)["host"]) if node is not None else record.host(host_name)  # type: ignore
+
+    def do(host: Host) -> str:
+        if node is not None:
+            return host.run([f"{h.job_dir}/recover.sh", node], timeout=LAUNCH_TIMEOUT, check=True).stdout.strip()
+        if not poll_status(host, h)["doc"]["alive"]:
+            return host.run([f"{h.job_dir}/launch.sh"], timeout=LAUNCH_TIMEOUT, check=True).stdout.strip()
+        return "\n".join(host.run([f"{h.job_dir}/recover.sh", n], timeout=LAUNCH_TIMEOUT, check=True).stdout.strip()
+                         for n in h.node_ids)
+
+    out = check_all(run_on_all([host_target(h, record.local)], do, record_ssh(record, ref.request.core)))[h.name]
+    say(out or f"restarted {node or host_name}")
