@@ -34,7 +34,7 @@ LEFTOVER_WAIT = 90.0  # s for every process of an ended job (or a killed agent's
 
 
 DEAD_LINE = re.compile(r"^.* (worker_\d+) \(pid \d+ on \S+\) is dead: ([^;]+);", re.M)
-FORMED_LINE = re.compile(r"generation (\d+) formed:")
+GENERATION_LINE = re.compile(r"generation (\d+) (?:formed:|begins)")
 
 
 @dataclass
@@ -141,8 +141,8 @@ class Job:
         return out
 
     def generation(self) -> int:
-        """The newest generation the scheduler formed (0 before the first)."""
-        return max((int(g) for g in FORMED_LINE.findall(self.log("sched"))), default=0)
+        """The newest generation the scheduler began (a death begins one) or formed; 0 before the first."""
+        return max((int(g) for g in GENERATION_LINE.findall(self.log("sched"))), default=0)
 
     def workers_on(self, host: str) -> dict[str, int]:
         """Node id -> pid of the workers the agent of `host` runs now."""

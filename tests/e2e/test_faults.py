@@ -79,7 +79,7 @@ def test_kill_one_hosts_agent(e2e: E2E, baseline: str) -> None:
     os.kill(agent_pid, signal.SIGKILL)
     status = job.wait_for(
         "fleet status to show the agent gone",
-        lambda: _gone(job.fleet("status", "--json", check=False).stdout, host), timeout=30)
+        lambda: _agent_is(job.fleet("status", "--json", check=False).stdout, host, "gone"), timeout=30)
     assert {p["state"] for p in status["processes"] if p["host"] == host} == {"gone"}
     job.wait_no_leftovers([host])  # its workers and its warm spare died with it (parent-death signal)
     job.fleet("restart", "--host", host)
@@ -87,13 +87,14 @@ def test_kill_one_hosts_agent(e2e: E2E, baseline: str) -> None:
     job.wait_no_leftovers()
 
 
-def _gone(status_json: str, host: str) -> dict | None:
+def _agent_is(status_json: str, host: str, state: str) -> dict | None:
+    """The status document if it reports the agent of `host` in `state`."""
     try:
         status = json.loads(status_json)
     except ValueError:
         return None
     agents = {h["host"]: h["agent"] for h in status["hosts"]}
-    return status if agents.get(host) == "gone" else None
+    return status if agents.get(host) == state else None
 
 
 def test_whole_host_lost_then_restarted_by_the_operator(e2e: E2E, baseline: str) -> None:
@@ -106,9 +107,10 @@ def test_whole_host_lost_then_restarted_by_the_operator(e2e: E2E, baseline: str)
     with e2e.cluster.crashed(host):  # every process of the host dies at once: agent, workers, spare, sshd
         job.wait_for(f"the scheduler to declare the workers of {host} dead",
                      lambda: set(lost) <= set(job.declared_dead()))
-        status = job.wait_for(f"fleet status to report the agent of {host} gone",
-                              lambda: _gone(job.fleet("status", "--json", check=False).stdout, host), timeout=60)
-        assert {p["state"] for p in status["processes"] if p["host"] == host} == {"gone"}, status
+        status = job.wait_for(f"fleet status to report {host} unreachable",
+                              lambda: _agent_is(job.fleet("status", "--json", check=False).stdout, host,
+                                                "unreachable"), timeout=60)
+        assert {p["state"] for p in status["processes"] if p["host"] == host} == {"unreachable"}, status
     assert job.generation() > before, "the survivors never moved to a new generation"
     job.fleet("restart", "--host", host)
     job.wait_for(f"new workers on {host}", lambda: all(job.workers_on(host).get(n) not in (None, pid)
