@@ -42,14 +42,16 @@ def pid_record(text: str) -> tuple[int, int] | None:
 
 
 def stat_matches(record: tuple[int, int], stat_text: str) -> bool:
-    """Whether /proc/<pid>/stat's text shows the recorded process alive: no zombie, the recorded start time."""
+    """Whether /proc/<pid>/stat's text shows the recorded process alive: no zombie, the recorded start time. Pure:
+    `fleet status` reads the file over SSH and decides here, without a Python on the host."""
     fields = stat_text.rsplit(")", 1)[-1].split()
     return len(fields) >= 20 and fields[0] not in ("Z", "X") and fields[19] == str(record[1])
 
 
 def judge(doc: Mapping[str, Any] | None, running: tuple[int, int] | None) -> dict[str, Any]:
-    """agent.json as `status` reports it: with `alive` (its writer is the running agent) and the state `gone` when
-    the agent died before reaching a final state (`absent` without a document)."""
+    """agent.json as `status` reports it: with `alive` (its writer is the running agent) and the state `gone` when the
+    agent died before reaching a final state (`absent` without a document). Pure: `running` is the caller's finding
+    (commands.running_agent on the host, stat_matches over SSH); returns a new dict."""
     if doc is None:
         return {"state": ABSENT, "alive": False, "processes": []}
     agent = doc.get("agent") if isinstance(doc.get("agent"), Mapping) else {}

@@ -42,11 +42,14 @@ class ProcSpec:
 
     @property
     def is_worker(self) -> bool:
+        """A worker (MS_WORKER), as opposed to the scheduler."""
         return self.role == E.ROLE_WORKER
 
 
 @dataclass(frozen=True)
 class RestartDecision:
+    """What RestartPolicy.after_failure decided: give up (the job fails), or relaunch after `delay` s."""
+
     give_up: bool
     delay: float
     counted: int  # restarts counted against max_restarts once this one is done
@@ -54,6 +57,9 @@ class RestartDecision:
 
 @dataclass(frozen=True)
 class RestartPolicy:
+    """host.json's restart settings, the same for every process of the host (toolkit.agent.policy's docstring explains
+    the rule). Pure: `backoff` and `after_failure` only compute."""
+
     max_restarts: int = DEFAULT_MAX_RESTARTS
     backoff_base: float = DEFAULT_BACKOFF_BASE
     backoff_max: float = DEFAULT_BACKOFF_MAX
@@ -79,6 +85,10 @@ class RestartPolicy:
 
 @dataclass(frozen=True)
 class HostSpec:
+    """A checked host.json, made by `load`: what one host runs for one job, where its scheduler listens, and how its
+    agent supervises. Paths are absolute; the properties name the agent's own files in the job directory
+    (docs/architecture.md, remote layout)."""
+
     job: str
     host: str
     job_dir: Path
@@ -93,42 +103,56 @@ class HostSpec:
 
     @property
     def state_dir(self) -> Path:
+        """state/: the agent's own files (0700)."""
         return self.job_dir / "state"
 
     @property
     def agent_json(self) -> Path:
+        """state/agent.json: the agent's state, rewritten atomically on every change."""
         return self.state_dir / "agent.json"
 
     @property
     def pid_file(self) -> Path:
+        """state/agent.pid: "<pid> <start ticks>" of the running agent."""
         return self.state_dir / "agent.pid"
 
     @property
     def lock_file(self) -> Path:
+        """state/agent.lock: the flock the running agent holds."""
         return self.state_dir / "agent.lock"
 
     @property
     def control_socket(self) -> Path:
+        """state/agent.sock: the agent's control socket (stream, JSON lines)."""
         return self.state_dir / "agent.sock"
 
     @property
     def progress_socket(self) -> Path:
+        """state/progress.sock: the workers' progress datagrams (TOOLKIT_AGENT_SOCKET)."""
         return self.state_dir / "progress.sock"
 
     @property
     def agent_log(self) -> Path:
+        """logs/agent.log: the agent's own log."""
         return self.job_dir / "logs" / "agent.log"
 
     @property
     def standby_log(self) -> Path:
+        """logs/standby.log: the warm spare's output until it becomes a worker."""
         return self.job_dir / "logs" / "standby.log"
 
     def proc(self, node_id: str) -> ProcSpec | None:
+        """The process named `node_id`, or None if this host does not run it."""
         return next((p for p in self.processes if p.node_id == node_id), None)
 
 
 def load(job_dir: str | Path) -> HostSpec:
-    """Read and check host.json; every problem is one line naming the file and the key."""
+    """Read and check host.json; every problem is one line naming the file and the key.
+
+    `job_dir` is resolved, every path in the document is made absolute against it, and defaults are filled in. Raises
+    UserError (exit code 2) for a missing or unreadable file, invalid JSON, an unsupported version, a missing or
+    mistyped key (a bool is never taken for a number), a negative or infinite time or count, a node id given twice, and
+    a socket path longer than MAX_SOCKET_PATH."""
     job_dir = Path(job_dir).resolve()
     path = job_dir / "host.json"
     where = str(path)
@@ -217,7 +241,8 @@ def load(job_dir: str | Path) -> HostSpec:
 def document(job: str, host: str, sched_address: str, sched_port: int, max_restarts: int, grace: float,
              bind_core: bool, warm_spare: bool, processes: list[dict[str, Any]]) -> dict[str, Any]:
     """host.json for one host: `processes` are dicts with node_id, role, rank, local_rank, argv, cwd, env_file and
-    log_file (what ProcSpec holds), paths relative to the job directory."""
+    log_file (what ProcSpec holds), paths relative to the job directory. Pure. The backoff settings are always the
+    defaults: only max_restarts, grace, bind_core and warm_spare are options."""
     return {
         "version": VERSION, "job": job, "host": host, "scheduler": {"host": sched_address, "port": sched_port},
         "token_file": "token", "max_restarts": max_restarts, "backoff_base": DEFAULT_BACKOFF_BASE,

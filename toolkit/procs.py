@@ -63,14 +63,17 @@ class ExitStatus:
 
     @classmethod
     def from_returncode(cls, returncode: int) -> "ExitStatus":
+        """From a Popen returncode: a negative one is the signal that killed it."""
         return cls(None, -returncode) if returncode < 0 else cls(returncode, None)
 
     @property
     def ok(self) -> bool:
+        """Exited with code 0; a death by signal is never ok."""
         return self.code == 0
 
     @property
     def signal_name(self) -> str | None:
+        """The signal's name ("SIGKILL"), or "signal N" for a number without one; None when the process exited."""
         if self.signal is None:
             return None
         try:
@@ -79,9 +82,11 @@ class ExitStatus:
             return f"signal {self.signal}"
 
     def describe(self) -> str:
+        """How it ended, for logs and reasons: "exit code N" or "killed by SIGNAME"."""
         return f"exit code {self.code}" if self.signal is None else f"killed by {self.signal_name}"
 
     def as_dict(self) -> dict[str, object]:
+        """{"code", "signal"} (the signal by name), as agent.json and the `exited` report carry them."""
         return {"code": self.code, "signal": self.signal_name}
 
 
@@ -99,7 +104,9 @@ class LaunchSpec:
 
 
 class Child:
-    """A process we started and own until it is reaped. `fileno()` is its pidfd: readable once it exited."""
+    """A process we started and own until it is reaped. `fileno()` is its pidfd: readable once it exited. Made by
+    `spawn` only. Until `reap`, its zombie pins the pid and the group id, so signalling the group cannot reach someone
+    else's processes; not thread-safe."""
 
     def __init__(self, popen: subprocess.Popen, pidfd: int, argv: Sequence[str]) -> None:
         self._popen = popen
@@ -113,10 +120,12 @@ class Child:
         self.status: ExitStatus | None = None
 
     def fileno(self) -> int:
+        """The pidfd (-1 once reaped), so that a Child can be registered in a selector."""
         return self._pidfd
 
     @property
     def alive(self) -> bool:
+        """Not reaped yet: a child that exited but was not reaped is still `alive`."""
         return self.status is None
 
     def signal_group(self, sig: int) -> bool:
@@ -156,7 +165,8 @@ class Child:
         return self.status
 
     def wait(self, timeout: float) -> ExitStatus | None:
-        """Bounded wait for the exit, on the pidfd."""
+        """Bounded wait for the exit, on the pidfd: returns the status (see `reap`), or None if it still runs after
+        `timeout` s; it is not signalled."""
         if self.status is None:
             with selectors.DefaultSelector() as sel:
                 sel.register(self._pidfd, selectors.EVENT_READ)
@@ -171,7 +181,13 @@ def spawn(spec: LaunchSpec) -> Child:
     """Start `spec` as the leader of a new session whose parent-death signal is SIGKILL.
 
     Call it from the main thread only: the parent-death signal fires when the thread that forked exits.
-    """
+
+    The log file (None: /dev/null) is opened for appending (0600) and `marker` written to it before the start; stdin is
+    /dev/null. The signals the agent handles are blocked across the fork and reset to their defaults in the child, so
+    the child never writes into the agent's wakeup fd; a child whose parent died before the death signal was armed kills
+    itself. Raises OSError or SubprocessError when the log cannot be opened or the program cannot be executed. Run
+    through env_argv the program is bash, so a missing program shows as exit code 127 and an unreadable env file as 125,
+    not as an exception."""
     log_fd = -1
     if spec.log_file is not None:
         log_fd = os.open(spec.log_file, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
@@ -214,8 +230,9 @@ def spawn(spec: LaunchSpec) -> Child:
 
 def stop_all(children: Iterable[Child], grace: float,
              on_kill: Callable[[Child], None] | None = None) -> dict[int, ExitStatus]:
-    """SIGTERM every child's group, wait up to `grace` seconds for all of them, SIGKILL the groups still there,
-    reap. Returns the exit status by pid. `on_kill(child)` is told of each child that needed SIGKILL."""
+    """SIGTERM every child's group, wait up to `grace` seconds for all of them, SIGKILL the groups still there, reap.
+    Returns the exit status by pid. `on_kill(child)` is told of each child that needed SIGKILL. Bounded by about `grace`
+    plus KILL_WAIT; a child still not gone after that (stuck in the kernel) is missing from the result."""
     live = [c for c in children if c.alive]
     for c in live:
         c.signal_group(signal.SIGTERM)
@@ -238,6 +255,7 @@ KILL_WAIT = 10.0  # seconds for SIGKILLed processes to be gone; longer means the
 
 
 def _wait_exits(children: Sequence[Child], timeout: float) -> None:
+    """Wait until every child has exited and is reaped, or `timeout` s have passed."""
     deadline = time.monotonic() + timeout
     pending = [c for c in children if c.reap() is None]
     if not pending:
@@ -261,6 +279,9 @@ def _wait_exits(children: Sequence[Child], timeout: float) -> None:
 
 @dataclass(frozen=True)
 class ProcInfo:
+    """One process as /proc/<pid>/stat shows it: state letter, parent, process group, session, and start time in clock
+    ticks since boot."""
+
     pid: int
     state: str
     ppid: int
@@ -270,6 +291,7 @@ class ProcInfo:
 
 
 def proc_info(pid: int) -> ProcInfo | None:
+    """`pid`'s /proc/<pid>/stat, or None if there is no such process."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             data = f.read()
@@ -347,6 +369,9 @@ def wait_gone(pid: int, ticks: int | None, timeout: float) -> bool:
 
 
 def kill_quietly(pid: int, sig: int) -> bool:
+    """Send `sig` to `pid`; True if sent, False if the process is gone or is not ours to signal (EPERM). Other OSErrors
+    raise. By pid alone: the caller must have checked that the pid still names the process it means (start ticks, see
+    is_running)."""
     try:
         os.kill(pid, sig)
         return True

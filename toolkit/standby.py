@@ -46,6 +46,10 @@ def eligible(argv: list[str] | tuple[str, ...], interpreter: str) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """`python -m toolkit.standby --fd N`: warm up, wait for the handoff, become the worker. Imports WARM_MODULES (a
+    module that fails is reported on stderr and skipped), sends READY, then waits for the spec. Returns 0 when dismissed
+    (the agent closed its end) or when the script returns; otherwise it ends as the script does (an exception,
+    SystemExit included, propagates). Raises HandoffError for a spec over MAX_SPEC."""
     ap = argparse.ArgumentParser(prog="python -m toolkit.standby", description=__doc__.split("\n\n")[0])
     ap.add_argument("--fd", type=int, required=True, help="this end of the agent's socketpair")
     args = ap.parse_args(argv)
@@ -104,7 +108,11 @@ def _read_spec(link: socket.socket) -> bytes:
 
 
 def become(spec: dict[str, Any]) -> None:
-    """Turn this process into the worker described by `spec` and run it; returns only if the script does."""
+    """Turn this process into the worker described by `spec` and run it; returns only if the script does. stdout and
+    stderr are appended to its log file, stdin is /dev/null, the working directory is `cwd`, the environment is replaced
+    by exactly `env`, the CPUs are set, and torch's thread count follows OMP_NUM_THREADS (which torch read at its
+    import). The script or module then runs as `__main__`, as `python script.py` or `python -m module` would run it; its
+    exceptions propagate."""
     argv = list(spec["argv"])
     sys.stdout.flush()
     sys.stderr.flush()

@@ -48,6 +48,8 @@ __all__ = ["EXIT_FAILED", "EXIT_OK", "EXIT_STOPPED", "EXIT_USAGE", "main", "requ
 
 
 def _lock(spec: HostSpec) -> int | None:
+    """Take state/agent.lock without waiting: the fd that holds the flock, or None if another agent of the job holds it.
+    The lock lasts until the fd is closed or the process ends (close-on-exec: children never hold it)."""
     spec.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     fd = os.open(spec.lock_file, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
@@ -76,6 +78,12 @@ def running_agent(spec: HostSpec) -> tuple[int, int] | None:
 
 
 def run(spec: HostSpec, ready_fd: int | None = None) -> int:
+    """`run`: supervise in the foreground until the job ends here; returns the agent's exit code. Takes state/agent.lock
+    without waiting: when another agent of the job holds it, says so on stderr and returns EXIT_OK (launch.sh may run
+    twice). `ready_fd` (the pipe `start` waits on) gets "ready <pid>" once the agent is up, or "running <pid>" when
+    another one runs, and is closed; an agent that fails before says nothing (the pipe closes when it exits). A
+    UserError (e.g. bind_core without enough CPUs) is logged to agent.log and raised again. The lock is released when
+    this returns."""
     lock = _lock(spec)
     ready: Callable[[str], None] | None = None
     if ready_fd is not None:
@@ -103,7 +111,11 @@ def run(spec: HostSpec, ready_fd: int | None = None) -> int:
 
 
 def start(spec: HostSpec, timeout: float = START_TIMEOUT, overrides: list[str] | None = None) -> int:
-    """launch.sh: start the agent detached (its own session, stdout/stderr to agent.log) unless it runs."""
+    """launch.sh: start the agent detached (its own session, stdout/stderr to agent.log) unless it runs.
+
+    Returns EXIT_OK once the new agent says it is ready (or that another one runs); EXIT_FAILED if it says nothing
+    within `timeout` s (it is left running: see agent.log) or exits first (its last log line is printed). `overrides`
+    are the flags from `with_overrides`, passed on to the new agent."""
     rec = running_agent(spec)
     if rec is not None:
         print(f"{spec.host}: agent of job {spec.job} already running (pid {rec[0]})")
@@ -145,7 +157,9 @@ def start(spec: HostSpec, timeout: float = START_TIMEOUT, overrides: list[str] |
 
 
 def request(spec: HostSpec, msg: dict, timeout: float = CLIENT_TIMEOUT) -> dict:
-    """One conversation on the agent's control socket."""
+    """One conversation on the agent's control socket: `msg` as one JSON line out, the one-line JSON reply back. Each
+    socket operation is bounded by `timeout`. Raises OSError (no agent listening, a timeout, the connection closed
+    without an answer) or ValueError (a reply that is not JSON)."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
         s.settimeout(timeout)
         s.connect(str(spec.control_socket))
@@ -183,6 +197,10 @@ def status(spec: HostSpec) -> dict[str, Any]:
 
 
 def restart(spec: HostSpec, node_id: str) -> int:
+    """recover.sh: restart `node_id` through the running agent; returns EXIT_OK or EXIT_FAILED (the reason on stderr).
+    The restart is not counted against max_restarts. Raises UserError for a process this host does not run. Without a
+    running agent it starts one (`start`), which starts every process of the host. One control conversation, bounded by
+    CLIENT_TIMEOUT."""
     if spec.proc(node_id) is None:
         raise UserError(f"{spec.host}: no process {node_id!r} in this job here; this host runs "
                         f"{', '.join(p.node_id for p in spec.processes)}")
@@ -205,8 +223,12 @@ def restart(spec: HostSpec, node_id: str) -> int:
 
 
 def stop(spec: HostSpec, timeout: float | None = None) -> int:
-    """stop.sh: SIGTERM the agent, wait (bounded) for it to stop its processes, SIGKILL it if it must, then make
-    sure no process of the groups it recorded is left."""
+    """stop.sh: SIGTERM the agent, wait (bounded) for it to stop its processes, SIGKILL it if it must, then make sure no
+    process of the groups it recorded is left.
+
+    Returns EXIT_OK when nothing of the job is left, else EXIT_FAILED naming the survivors on stderr. The agent gets
+    `timeout` s (default grace + STOP_MARGIN), then procs.KILL_WAIT after its SIGKILL; each leftover process gets
+    procs.KILL_WAIT after its own. The agent is only signalled while its pid file's pid and start time still match."""
     timeout = spec.grace + STOP_MARGIN if timeout is None else timeout
     rec = running_agent(spec)
     said = f"{spec.host}: agent was not running"
@@ -228,6 +250,7 @@ def stop(spec: HostSpec, timeout: float | None = None) -> int:
 
 
 def _recorded_groups(spec: HostSpec) -> list[tuple[str, int, int]]:
+    """(node_id, pgid, leader start ticks) of the groups agent.json records; [] without a readable agent.json."""
     try:
         return recorded_groups(spec.agent_json.read_text(encoding="utf-8"))
     except OSError:
@@ -244,8 +267,8 @@ def _leftovers(spec: HostSpec) -> list[int]:
 
 
 def with_overrides(spec: HostSpec, args: argparse.Namespace) -> tuple[HostSpec, list[str]]:
-    """Apply --max-restarts/--grace/--bind-core/--warm-spare over host.json; also returns them as flags, which
-    `start` hands on to the detached agent."""
+    """Apply --max-restarts/--grace/--bind-core/--warm-spare over host.json; also returns them as flags, which `start`
+    hands on to the detached agent. Raises UserError for a negative --max-restarts or a negative or infinite --grace."""
     flags: list[str] = []
     if args.max_restarts is not None:
         if args.max_restarts < 0:
@@ -269,6 +292,9 @@ COMMANDS = ("run", "start", "stop", "status", "restart")
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The agent's command line: `[run|start|stop|status|restart] --job-dir DIR ...`, `run` when no command is given;
+    returns the exit code. A UserError (bad host.json, bad flag) is printed on stderr and gives its exit code (2);
+    argparse exits 2 itself for unknown arguments. `status` prints the judged agent.json on stdout."""
     argv = list(sys.argv[1:] if argv is None else argv)
     command = argv.pop(0) if argv and argv[0] in COMMANDS else "run"
     ap = argparse.ArgumentParser(prog=f"python -m toolkit.agent {command}",

@@ -48,9 +48,20 @@ class SchedulerLink:
         self._said_down = False
 
     def start(self) -> None:
+        """Make the first connection attempt; later ones run on timers. Called once, by Agent.run after the first
+        launches. Never blocks on the scheduler; resolving its name (getaddrinfo, at every attempt) is the one call
+        without a timeout of ours."""
         self._attempt()
 
     def report(self, op: str, coalesce: str | None = None, **fields: Any) -> None:
+        """Queue a report for the scheduler, and send it now if the link is up. Never blocks and never raises for
+        network trouble: what the socket does not take at once goes out when it is writable, and while the link is down
+        reports wait for the next successful hello.
+
+        With `coalesce` (a node id) a queued report with the same key is replaced: a node's `exited` reports collapse to
+        the latest while the scheduler is unreachable. At most QUEUE_LIMIT reports wait; beyond that the oldest is
+        dropped. Delivery is at most once: a report already moved to a connection that then drops is not sent again (the
+        scheduler also learns of a death when its heartbeats stop)."""
         msg = P.encode(op, **fields)
         if coalesce is not None:
             self.queue = [q for q in self.queue if q[0] != coalesce]
@@ -61,11 +72,14 @@ class SchedulerLink:
             self._pump()
 
     def _set(self, state: str) -> None:
+        """Change the link's state, stamp `since`, and tell the agent (agent.json shows the link)."""
         if state != self.state:
             self.state, self.since = state, time.time()
             self.on_change()
 
     def _attempt(self) -> None:
+        """Timer callback: start a non-blocking connect, unless the link is closed or not down. A failure schedules the
+        next attempt (`_down`); the connect and the handshake together get LINK_CONNECT_TIMEOUT."""
         self.retry = None
         if self.closed or self.state != "down":
             return
@@ -90,6 +104,8 @@ class SchedulerLink:
         self.connect_timer = self.timers.after(LINK_CONNECT_TIMEOUT, lambda: self._drop("connect timed out"))
 
     def _on_event(self, mask: int) -> None:
+        """Selector callback: complete the connect, read and handle messages, write what is buffered. A socket error,
+        EOF or a ProtocolError drops the link (a reconnect follows): nothing the scheduler sends makes it raise."""
         if self.sock is None:
             return
         if self.state == "connecting" and mask & selectors.EVENT_WRITE and self.nonces is None:
@@ -165,6 +181,9 @@ class SchedulerLink:
         return True
 
     def _pump(self) -> None:
+        """Send what the socket takes now, without blocking. Queued reports join the write buffer only once the link is
+        up (nothing but the hello goes out before the scheduler proved the token); the selector waits for writability
+        only while bytes remain. A send error drops the link."""
         if self.state == "up":
             for _, msg in self.queue:
                 self.wbuf += msg
@@ -181,6 +200,8 @@ class SchedulerLink:
         self.sel.modify(self.sock, selectors.EVENT_READ | (selectors.EVENT_WRITE if self.wbuf else 0), self._on_event)
 
     def _drop(self, why: str, retry: float = LINK_RETRY_INTERVAL) -> None:
+        """Close the connection, discard its unsent bytes (the hello, or reports already moved out of the queue), and
+        schedule a reconnect in `retry` s."""
         if self.connect_timer:
             self.connect_timer.cancel()
         if self.sock is not None:
@@ -192,6 +213,8 @@ class SchedulerLink:
         self._down(why, retry)
 
     def _down(self, why: str, retry: float = LINK_RETRY_INTERVAL) -> None:
+        """Mark the link down and schedule the next attempt in `retry` s; no-op once closed. Only the first failure
+        since the link was last up is logged."""
         if self.closed:
             return
         if not self._said_down:
@@ -203,7 +226,12 @@ class SchedulerLink:
             self.retry = self.timers.after(retry, self._attempt)
 
     def flush(self, timeout: float) -> bool:
-        """At exit: deliver what is queued within `timeout`, connecting if needed; True if nothing is left."""
+        """At exit: deliver what is queued within `timeout`, connecting if needed; True if nothing is left.
+
+        Blocking: called by Agent._shutdown only, after the loop. Marks the link closed, so no reconnect follows.
+        Without a live link it opens a fresh authenticated session (toolkit.session.open_session: the scheduler must
+        prove the token and welcome the agent), then sends everything in one sendall bounded by what is left of
+        `timeout`. False on any failure: unreachable, rejected, unproven, timed out."""
         self.closed = True
         if self.retry:
             self.retry.cancel()
@@ -241,6 +269,9 @@ class SchedulerLink:
             return False
 
     def close(self) -> None:
+        """Close the link for good: no more reconnects, the connection closed, state `closed`; queued reports are
+        abandoned. Idempotent. Called when the scheduler announced the end of the job (it exits now) and by
+        Agent._shutdown."""
         self.closed = True
         self.state = "closed"
         if self.retry:

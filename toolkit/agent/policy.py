@@ -73,7 +73,10 @@ class GiveUp:
 
 
 def on_exit(policy: RestartPolicy, e: Exited, how: str) -> Settle | Relaunch | Succeeded | GiveUp:
-    """`how` describes the exit ("exit code 3", "killed by SIGKILL") for the reasons given."""
+    """The reaction to one process's exit. Pure. In order: a closing agent only settles the final state; the operator's
+    restart relaunches at once, uncounted; exit 0 is success; EXIT_FENCED and EXIT_REJOIN relaunch at once, uncounted;
+    any other exit, a death by signal included, is a failure that RestartPolicy.after_failure counts, backs off or gives
+    up on. `how` describes the exit ("exit code 3", "killed by SIGKILL") for the reasons given."""
     if e.closing:
         return Settle("succeeded" if e.code == 0 else "stopped", e.finishing and not e.others_running)
     if e.manual:
@@ -116,12 +119,18 @@ class FinishJob:
 
 @dataclass(frozen=True)
 class Ignore:
+    """Nothing to do; the supervisor logs `why` (unless it is "already closing")."""
+
     why: str
 
 
 def on_scheduler(msg: Mapping[str, Any], running: Mapping[str, int], closing: bool
                  ) -> Kill | StopJob | FinishJob | Ignore:
-    """`running` maps node ids to the pid of their running incarnation."""
+    """The reaction to one message from the scheduler (the link has authenticated it). Pure. `kill` applies only to a
+    node running here, and only to its running pid when the message names one (a kill for an earlier incarnation is
+    ignored); `stop` fails the job here; `finished` ends it, unless the agent is already closing; anything else is
+    ignored. Strings taken from the message are cut to a bounded length. `running` maps node ids to the pid of their
+    running incarnation."""
     op = msg["op"]
     if op == P.KILL:
         node_id, pid = str(msg.get("node_id"))[:256], P.whole(dict(msg), "pid")

@@ -39,11 +39,11 @@ SPARE_DELAY = 10.0  # s after a launch before the warm spare is (re)built, unles
 SPARE_MAX_FAILURES = 3  # spares that die on their own before the agent stops making them
 IDLE_WAKE = 30.0  # s: the loop wakes at least this often (nothing depends on it; it bounds every select)
 CLIENT_TIMEOUT = 5.0  # s for one control-socket conversation, either side
-MAX_CONTROL_LINE = 64 << 10
+MAX_CONTROL_LINE = 64 << 10  # bytes of one control request; a longer one is answered as not a JSON object line
 MAX_CONTROL_CLIENTS = 16  # control connections open at once (the socket is the operator's own: 0600)
 GAVE_UP_TAIL_BYTES = 8 << 10  # of the log tail sent with gave_up (a message is at most protocol.MAX_LINE)
-EXIT_HISTORY = 10
-AGENT_DOC_VERSION = 1
+EXIT_HISTORY = 10  # exits (and pids) kept per process for agent.json
+AGENT_DOC_VERSION = 1  # agent.json's "version"
 
 EXIT_OK = 0
 EXIT_FAILED = 1  # a process passed max_restarts here, or the scheduler stopped the job
@@ -52,7 +52,9 @@ EXIT_STOPPED = 3  # stopped by the operator (SIGTERM, stop)
 
 
 def cpu_sets(cpus: set[int] | frozenset[int], n: int, host: str = "this host") -> list[frozenset[int]]:
-    """`n` disjoint CPU sets of equal size from `cpus`, in order (msrun's --bind_core: each worker its own)."""
+    """`n` disjoint CPU sets of equal size from `cpus`, in order (msrun's --bind_core: each worker its own). Pure. The
+    CPUs left over by the division go to no worker; `n` 0 gives no sets. Raises UserError, naming `host`, when there are
+    fewer CPUs than workers."""
     if n == 0:
         return []
     ordered = sorted(cpus)
@@ -68,7 +70,14 @@ def cpu_sets(cpus: set[int] | frozenset[int], n: int, host: str = "this host") -
 
 
 class Slot:
-    """What the agent knows of one process across its incarnations."""
+    """What the agent knows of one process across its incarnations.
+
+    `child` is the running incarnation (None between incarnations). `launches` counts every start (its restarts are
+    `launches - 1`, and the value before a start is that start's TORCHELASTIC_RESTART_COUNT); `counted` counts only the
+    restarts charged against max_restarts, as policy.on_exit decides. `state` is pending, running, backoff (a relaunch
+    timer is armed), restarting (the operator's restart: SIGTERM sent), succeeded, failed or stopped. `progressed` (a
+    step or the group joined since the latest launch) spares the next relaunch its backoff. Read and written by the
+    Agent's loop thread only."""
 
     def __init__(self, spec: ProcSpec, cpus: frozenset[int] | None) -> None:
         self.spec = spec
@@ -97,6 +106,10 @@ class Slot:
         self.recovery: str | None = None  # how the worker said it recovers (protocol.RECOVERY_*), once it did
 
     def document(self, policy: RestartPolicy) -> dict[str, Any]:
+        """This process's entry in agent.json's `processes`; no I/O. `pid`, `pgid` and `start_ticks` name the running
+        incarnation (None between incarnations), `last_pid` and `last_start_ticks` the latest one, running or not:
+        `stop` and the next agent find leftover groups from these (toolkit.agentdoc.recorded_groups), so a group is
+        always recorded with its leader's start time."""
         c = self.child
         return {
             "node_id": self.spec.node_id, "role": self.spec.role, "rank": self.spec.rank,
@@ -114,7 +127,10 @@ class Slot:
 
 
 class Spare:
-    """A warm interpreter waiting on `sock` (see toolkit.standby)."""
+    """A warm interpreter waiting on `sock` (see toolkit.standby). `child` is the standby process, `sock` the agent's
+    end of their socketpair, and `interpreter` the argv[0] it was started with: only a worker run by that same
+    interpreter can be handed to it (standby.eligible). `ready` turns True when it sent standby.READY (its imports are
+    done); only a ready spare takes a handoff."""
 
     def __init__(self, child: Child, sock: socket.socket, interpreter: str) -> None:
         self.child, self.sock, self.interpreter = child, sock, interpreter
@@ -126,7 +142,27 @@ class Spare:
 
 
 class Agent:
+    """The supervisor of one host's processes of one job. toolkit.agent.commands.run builds and runs one per agent
+    process while it holds state/agent.lock.
+
+    Threading: everything runs on the thread that calls `run`, which must be the main thread (signal.set_wakeup_fd, and
+    procs.spawn's parent-death signal, which fires when the forking thread ends); nothing here is thread-safe. The
+    selector's callbacks (`_on_*`) and the timers must not stall the loop: their waits on other processes are bounded (a
+    control reply and a spare handoff by CLIENT_TIMEOUT, reading an env file for the spare by procs.resolve_env's
+    timeout); besides local file I/O, only the resolution of the scheduler's name in a link attempt has no bound of
+    ours. Everything that waits longer (stopping children, the last reports) happens in `_shutdown`, after the loop.
+
+    Invariants: while the loop runs, a slot has a `child` exactly when that child's pidfd is registered in the selector;
+    once `closing` is set nothing is launched or relaunched; the first `_finish` fixes the exit code, state and reason;
+    agent.json is rewritten after every change of state (for progress alone, at most once per PROGRESS_WRITE_INTERVAL).
+    `state` goes starting -> running -> [finishing ->] [stopping ->] succeeded, failed or stopped, with exit code
+    EXIT_OK, EXIT_FAILED or EXIT_STOPPED."""
+
     def __init__(self, spec: HostSpec, log: AgentLog) -> None:
+        """Prepare the slots; no file, socket or process yet (`run` makes those). Raises UserError when bind_core asks
+        for more CPUs than this process may use. The agent's own environment is read once: children get a copy
+        (`base_env`), plus GLOO_SOCKET_IFNAME naming the interface of the route toward the scheduler unless it is set
+        already (a route lookup that may resolve the scheduler's name)."""
         self.spec, self.log = spec, log
         self.sel = selectors.DefaultSelector()
         self.timers = Timers()
@@ -164,6 +200,15 @@ class Agent:
     # -- life cycle
 
     def run(self, ready: Callable[[str], None] | None = None) -> int:
+        """Supervise until the job ends here; returns the agent's exit code (EXIT_OK, EXIT_FAILED or EXIT_STOPPED).
+
+        `_setup` makes the state files and sockets (on failure they are closed and the error propagates); then the
+        scheduler, if it lives here, is started before the workers, agent.json is written, the scheduler link starts,
+        the warm spare is armed, and `ready("ready <pid>")` is called once (commands.start waits for that line). The
+        loop dispatches selector events and due timers, waking at least every IDLE_WAKE s, until a callback calls
+        `_finish`; `_shutdown` then stops what is left and its exit code is returned. An exception out of a callback (a
+        bug, or agent.json unwritable) leaves run() without `_shutdown`: the children then die of their parent-death
+        signal when this process exits."""
         try:
             self._setup()
         except BaseException:
@@ -194,6 +239,12 @@ class Agent:
         return self._shutdown()
 
     def _setup(self) -> None:
+        """Create the agent's files and sockets, before anything is launched. In order: state/ (0700); the reclaim of a
+        previous agent's leftovers; agent.pid ("<pid> <start ticks>"); the signal wakeup socketpair (the SIGTERM, SIGINT
+        and SIGHUP handlers do nothing themselves: the numbers reach `_on_signal` through the selector); the control
+        socket (stream, 0600: whoever can connect can stop the job) and the progress socket (datagram, 0600). Stale
+        socket files are unlinked first, which is safe because the lock says no other agent of the job runs. Raises
+        OSError on failure."""
         spec = self.spec
         spec.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         self._reclaim_previous()
@@ -223,8 +274,10 @@ class Agent:
         self.sel.register(self._progress, selectors.EVENT_READ, self._on_progress)
 
     def _reclaim_previous(self) -> None:
-        """A previous agent of this job was killed (we hold the lock, so it is not running): whatever is left
-        of the process groups it recorded must not run on unsupervised."""
+        """A previous agent of this job was killed (we hold the lock, so it is not running): whatever is left of the
+        process groups it recorded must not run on unsupervised. Runs before this agent launches anything (agent.json is
+        still the previous agent's); only groups recorded with their leader's start time are touched
+        (procs.reclaim_group)."""
         try:
             recorded = recorded_groups(self.spec.agent_json.read_text(encoding="utf-8"))
         except OSError:
@@ -236,12 +289,22 @@ class Agent:
                                   f"group {pgid}: {killed}")
 
     def _finish(self, state: str, code: int, reason: str | None) -> None:
-        """Leave the loop; _shutdown does the stopping."""
+        """Leave the loop; _shutdown does the stopping. Returns at once. Only the first call counts: it fixes `state`,
+        the exit code and `reason` (a SIGTERM during a give-up changes nothing). Sets `closing`, so no exit from now on
+        is relaunched."""
         if self.exit_code is None:
             self.state, self.exit_code, self.reason = state, code, reason
             self.closing = True
 
     def _shutdown(self) -> int:
+        """After the loop: stop everything this agent started and return the exit code.
+
+        Blocking but bounded, by about REPORT_FLUSH_TIMEOUT (pending reports such as gave_up, over a fresh connection if
+        the link is down) + procs.KILL_WAIT (the spare gets SIGKILL at once: it holds no state) + grace +
+        procs.KILL_WAIT (each child's group gets SIGTERM, and SIGKILL if still there after `grace`). Pending restarts
+        and timers are cancelled first. Deaths seen here are recorded but neither reported (the link is closed by then)
+        nor relaunched. agent.json says `stopping` while anything is being stopped, then the final state; slots not
+        already succeeded or failed end `stopped`. The sockets are closed and unlinked last."""
         for slot in self.slots.values():
             for t in (slot.timer, slot.kill_timer):
                 if t:
@@ -295,6 +358,9 @@ class Agent:
         return self.exit_code
 
     def _close_sockets(self) -> None:
+        """Close what `_setup` opened; safe after a partial `_setup` (what was never made is skipped). Signals no longer
+        reach the wakeup fd, the control and progress sockets are closed and their files unlinked, and the selector is
+        closed."""
         signal.set_wakeup_fd(-1)
         for sock, path in ((self._control, self.spec.control_socket), (self._progress, self.spec.progress_socket)):
             if sock is not None:
@@ -308,6 +374,16 @@ class Agent:
     # -- launching
 
     def _launch(self, slot: Slot, why: str) -> None:
+        """Start `slot`'s next incarnation; a no-op once the agent is closing. `why` goes to the agent's log and to the
+        marker line written to the process's log before it starts.
+
+        The environment is `base_env` plus TORCHELASTIC_RESTART_COUNT (the launches so far); the process's env file is
+        applied on top by a shell (procs.env_argv), or for a handoff by procs.resolve_env. The ready warm spare takes
+        the place when it can (`_handoff`), else procs.spawn starts it cold. A spawn that fails (OSError,
+        SubprocessError) never raises: it counts as a launch and, one timer tick later, as an exit with code 127 (like a
+        command not found), so the restart policy applies to it as to any crash; no `exited` report goes out for it
+        (there was no pid). On success the child's pidfd is registered (-> `_on_child`), `progressed` is reset, and
+        agent.json is rewritten."""
         slot.timer, slot.next_start = None, None
         if self.closing:
             return
@@ -353,6 +429,10 @@ class Agent:
         self._write()
 
     def _on_child(self, slot: Slot, child: Child) -> None:
+        """Selector callback: `child`'s pidfd is readable, so it exited. The pidfd is unregistered before `reap` closes
+        it; reaping also SIGKILLs whatever is left of the child's group. `slot.child` is cleared and the status goes to
+        `_after_exit`. `seen_dead` starts the clock the relaunch's log line reports (from the death seen to the new
+        pid)."""
         self.sel.unregister(child)  # before reaping closes the pidfd
         slot.seen_dead = time.monotonic()
         status = child.reap()
@@ -363,6 +443,8 @@ class Agent:
         self._after_exit(slot, child, status)
 
     def _record_exit(self, slot: Slot, status: ExitStatus, pid: int | None = None) -> dict[str, Any]:
+        """Record an exit as `slot.last_exit` and in its history (the last EXIT_HISTORY); returns the record. In memory
+        only: the caller writes agent.json."""
         ran = time.monotonic() - slot.started_mono
         rec = {**status.as_dict(), "pid": pid, "at": iso(time.time()), "ran_for": round(ran, 3)}
         slot.last_exit = rec
@@ -370,7 +452,14 @@ class Agent:
         return rec
 
     def _after_exit(self, slot: Slot, child: Child | None, status: ExitStatus) -> None:
-        """Record the exit, tell the scheduler at once, and apply what policy.on_exit decides."""
+        """Record the exit, tell the scheduler at once, and apply what policy.on_exit decides. Runs on the loop thread,
+        from `_on_child` or, for a failed spawn (`child` None: nothing is reported), a timer.
+
+        The `exited` report is coalesced per node: while the scheduler is unreachable only a node's latest death waits
+        to be sent. A pending SIGKILL of the operator's restart is cancelled and the `manual` flag consumed. Reactions:
+        Settle (closing: the final state; a finishing agent finishes once nothing runs), Succeeded (exit 0; the agent
+        finishes with EXIT_OK once every process of the host has), GiveUp (`_give_up`), Relaunch (now, or in state
+        `backoff` with a timer; `slot.counted` takes the policy's count)."""
         pid = child.pid if child else None
         ran = time.monotonic() - slot.started_mono
         self._record_exit(slot, status, pid)
@@ -421,6 +510,10 @@ class Agent:
                 self._write()
 
     def _give_up(self, slot: Slot, pid: int | None, status: ExitStatus, ran: float) -> None:
+        """The job has failed here: `slot` died with its restarts used up. Sets `failure` for agent.json (with the last
+        lines of the process's log, also copied to the agent's log), reports `gave_up` to the scheduler (the tail cut to
+        GAVE_UP_TAIL_BYTES so the message fits protocol.MAX_LINE), and finishes `failed` with EXIT_FAILED; `_shutdown`
+        then stops the other processes and gives the report REPORT_FLUSH_TIMEOUT to reach the scheduler."""
         spec = slot.spec
         tail = log_tail(spec.log_file)
         n = slot.counted
@@ -444,6 +537,11 @@ class Agent:
     # -- warm spare
 
     def _start_spare(self) -> None:
+        """Timer callback: start a warm spare, unless the agent is closing, a spare exists, or spares are off. The spare
+        is `<interpreter> -m toolkit.standby` with the first worker's interpreter and env file (so it imports the same
+        torch), run in the job directory with its output in logs/standby.log and one end of a socketpair; it gets no
+        CPUs of its own (it takes the worker's at handoff). A spare that cannot be spawned turns spares off for good:
+        workers then restart cold."""
         self.spare_timer = None
         if self.closing or self.spare is not None or not self.spare_enabled:
             return
@@ -471,6 +569,9 @@ class Agent:
         self._write()
 
     def _on_spare_sock(self) -> None:
+        """Selector callback on the spare's socket: standby.READY marks the spare ready (its imports are done). Anything
+        else (EOF, an error) means it is going away: the socket is unregistered, and its pidfd (`_on_spare_exit`)
+        handles the rest."""
         sp = self.spare
         try:
             data = sp.sock.recv(64)
@@ -486,6 +587,9 @@ class Agent:
             self.sel.unregister(sp.sock)  # it went away: its pidfd tells the rest
 
     def _on_spare_exit(self) -> None:
+        """Selector callback: the spare died before any handoff. Its socket is closed and the failure counted; a new
+        spare is built after SPARE_DELAY, unless SPARE_MAX_FAILURES spares died with no handoff in between, which turns
+        spares off for the rest of this agent's life."""
         sp = self.spare
         self.sel.unregister(sp.child)
         status = sp.child.reap()
@@ -510,7 +614,14 @@ class Agent:
         self._write()
 
     def _handoff(self, slot: Slot, env: dict[str, str], marker: str) -> Child | None:
-        """Give `slot`'s place to the ready spare; None (and a cold start) if there is none or it cannot."""
+        """Give `slot`'s place to the ready spare; None (and a cold start) if there is none or it cannot.
+
+        Needs a ready spare and a worker argv it can run (standby.eligible). The worker's complete environment is
+        computed here (procs.resolve_env: bash reads the env file, blocking the loop up to that function's timeout), and
+        sent as one JSON line with argv, cwd, log file and CPUs after `marker` is appended to the worker's log; the send
+        is bounded by CLIENT_TIMEOUT. On success the spare's process becomes the worker (the returned Child, same pid,
+        which `_launch` registers), the count of failed spares is reset, and a new spare is scheduled. On failure the
+        spare is left as it is (if it died, its pidfd says so)."""
         sp = self.spare
         if sp is None or not sp.ready or not standby.eligible(slot.spec.argv, sp.interpreter):
             return None
@@ -539,6 +650,9 @@ class Agent:
         return sp.child
 
     def _schedule_spare(self) -> None:
+        """(Re)arm the spare timer for SPARE_DELAY from now if a spare is wanted and none exists: spares on, the agent
+        not closing. A timer already armed is replaced. Called after a handoff, so the next spare's imports do not
+        compete with the replacement's start."""
         if self.spare_enabled and not self.closing and self.spare is None:
             if self.spare_timer:
                 self.spare_timer.cancel()
@@ -547,6 +661,14 @@ class Agent:
     # -- the scheduler's messages
 
     def _on_scheduler(self, msg: dict[str, Any]) -> None:
+        """Apply policy.on_scheduler to one message from the scheduler. SchedulerLink calls it only once the link is up
+        (the scheduler has proved the job token).
+
+        `kill`: SIGKILL the node's group (fencing: an incarnation declared dead, e.g. SIGSTOPped, must lose its
+        sockets); its death then goes through `_on_child` like any other. `stop`: finish `failed` with EXIT_FAILED.
+        `finished`: close the link (the scheduler exits), cancel pending restarts, state `finishing`, and finish with
+        EXIT_OK once nothing runs, or after `grace` s (`_shutdown` stops the rest). Anything else is logged and ignored.
+        Raises RuntimeError only if the policy names a node without a child (a bug)."""
         running = {s.spec.node_id: s.child.pid for s in self.slots.values() if s.child is not None}
         reaction = policy.on_scheduler(msg, running, self.closing)
         if isinstance(reaction, policy.Kill):
@@ -576,6 +698,8 @@ class Agent:
             self.log("agent", reaction.why)
 
     def _finish_now(self) -> None:
+        """End a finishing agent with success (EXIT_OK): called when its last child has exited or when the grace period
+        after `finished` runs out; cancels that grace timer."""
         if self._stop_after:
             self._stop_after.cancel()
         self._finish("succeeded", EXIT_OK, "the scheduler said the job finished")
@@ -583,6 +707,9 @@ class Agent:
     # -- signals, control socket, progress
 
     def _on_signal(self, _mask: int) -> None:
+        """Selector callback on the wakeup socket: each byte is a signal number (signal.set_wakeup_fd). SIGHUP is
+        ignored (the agent outlives the SSH session that started it); SIGTERM (stop.sh) and SIGINT finish `stopped` with
+        EXIT_STOPPED."""
         try:
             data = self._wake_r.recv(64)
         except BlockingIOError:
@@ -596,6 +723,9 @@ class Agent:
             self._finish("stopped", EXIT_STOPPED, f"stopped by {name}")
 
     def _on_accept(self, _mask: int) -> None:
+        """Selector callback on the control socket: accept one connection, without blocking. It has CLIENT_TIMEOUT to
+        send its request. Beyond MAX_CONTROL_CLIENTS open at once a connection is closed unanswered; when accept fails
+        (e.g. out of descriptors) the client stays in the backlog, bounded by its own timeout."""
         try:
             conn, _ = self._control.accept()
         except (BlockingIOError, InterruptedError):
@@ -612,6 +742,7 @@ class Agent:
         self.sel.register(conn, selectors.EVENT_READ, lambda _m: self._on_conn(conn, state, deadline))
 
     def _close_conn(self, conn: socket.socket) -> None:
+        """Forget and close a control connection; idempotent (the reply path and the deadline may both call it)."""
         self._clients.discard(conn)
         try:
             self.sel.unregister(conn)
@@ -620,6 +751,11 @@ class Agent:
         conn.close()
 
     def _on_conn(self, conn: socket.socket, state: dict, deadline: Timer) -> None:
+        """Selector callback on a control connection: read one request, answer it, close. Input is buffered until a
+        newline, EOF or MAX_CONTROL_LINE bytes; the first line is answered (`_control_request`) with one JSON line, and
+        the connection closed: one request per connection. A line that is not a JSON object is answered `{"ok": false,
+        "error": ...}`; an empty one gets no answer. Sending the reply blocks for at most CLIENT_TIMEOUT. A deferred
+        action (stop) runs after the reply, so the client hears `ok` before the agent stops."""
         try:
             data = conn.recv(65536)
         except BlockingIOError:
@@ -647,6 +783,10 @@ class Agent:
                 after()
 
     def _control_request(self, req: Any) -> tuple[dict, Callable[[], None] | None]:
+        """One control request -> (reply, action to run once the reply is sent, or None). The ops are
+        agentdoc.ControlOp: `status` returns the agent.json document, `stop` replies ok and defers `_finish("stopped",
+        EXIT_STOPPED)`, `restart` is `_manual_restart`; anything else, a request that is not an object included, gets an
+        error naming the known ops."""
         op = req.get("op") if isinstance(req, dict) else None
         if op == ControlOp.STATUS:
             return self.document(), None
@@ -659,6 +799,14 @@ class Agent:
         return {"ok": False, "error": f"unknown op {str(op)[:40]!r}; one of {known}"}, None
 
     def _manual_restart(self, node_id: str) -> dict:
+        """The operator's restart of `node_id` (recover.sh); returns the control reply. It is never counted against
+        max_restarts.
+
+        Refused (`ok` false) for a node this host does not run, or once the agent is closing. A process not running (in
+        backoff, or exited 0 while others run) is launched now, its pending restart cancelled, and the reply has the new
+        pid (None if the spawn failed). A running one is marked `manual`, its group gets SIGTERM and, after `grace` s,
+        SIGKILL; `_after_exit` relaunches it at once, and the reply has `was_pid` and no new pid yet. Another request
+        while that restart is pending signals nothing more."""
         slot = self.slots.get(node_id)
         if slot is None:
             return {"ok": False, "error": f"no process {node_id} on {self.spec.host}; this host runs "
@@ -682,6 +830,14 @@ class Agent:
         return {"ok": True, "node_id": node_id, "was_pid": child.pid, "pid": None}
 
     def _on_progress(self, _mask: int) -> None:
+        """Selector callback on the progress socket: record the workers' progress. At most 256 datagrams are read per
+        wake-up (the rest wait for the next); any that is not JSON or names no process here is ignored.
+
+        A `recovery` field (the worker joined its group) or an integer `step` marks the process `progressed` since its
+        launch, which spares its next failure the backoff (hostspec.RestartPolicy.after_failure). agent.json is
+        rewritten for progress at most once per PROGRESS_WRITE_INTERVAL. Once every running worker has progressed, a
+        spare still waiting out SPARE_DELAY is started at once: the job is past its start, so building one no longer
+        competes with it."""
         for _ in range(256):  # bounded per wake-up; the rest is read at the next one
             try:
                 data = self._progress.recv(4096)
@@ -716,6 +872,8 @@ class Agent:
             self._start_spare()  # the job is running: building a spare no longer competes with its start
 
     def _write_progress(self) -> None:
+        """Timer callback of the progress rate limit: rewrite agent.json, unless a write since has already carried the
+        progress."""
         self.progress_timer = None
         if self.progress_dirty:
             self._write()
@@ -723,10 +881,14 @@ class Agent:
     # -- agent.json
 
     def _changed(self) -> None:
+        """SchedulerLink's callback when the link's state changes: rewrite agent.json while the loop runs (after it,
+        `_shutdown` writes the final document)."""
         if self.exit_code is None:
             self._write()
 
     def document(self) -> dict[str, Any]:
+        """The agent.json document, also the control socket's `status` reply. No I/O; its fields are those of
+        docs/architecture.md and toolkit.agentdoc (commands.status adds `alive`)."""
         sp = self.spare
         return {
             "version": AGENT_DOC_VERSION, "job": self.spec.job, "host": self.spec.host,
@@ -744,6 +906,8 @@ class Agent:
         }
 
     def _write(self) -> None:
+        """Rewrite agent.json atomically and note the time for the progress rate limit. atomicfile.write with VISIBLE
+        durability: a reader sees the old or the new document, never a mix. Raises OSError if it cannot be written."""
         self.progress_dirty = False
         self.last_write = time.monotonic()
         atomicfile.write(self.spec.agent_json, json.dumps(self.document(), indent=1) + "\n")
