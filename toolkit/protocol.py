@@ -107,6 +107,9 @@ class ProtocolError(Exception):
 
 
 def encode(op: str, **fields: Any) -> bytes:
+    """One message as its wire line: compact JSON of {"op": op, **fields} and a newline. Nothing is checked here: a
+    line past the receiver's limit (MAX_LINE, MAX_STORE_LINE, MAX_PREAUTH_LINE for a hello) gets the sender's
+    connection dropped."""
     return json.dumps({"op": op, **fields}, separators=(",", ":")).encode() + b"\n"
 
 
@@ -143,6 +146,10 @@ class LineBuffer:
         self.limit = limit
 
     def feed(self, data: bytes) -> list[dict[str, Any]]:
+        """Add a chunk; return the messages of the lines it completed (blank lines skipped), in order.
+
+        ProtocolError for a line over `limit` (complete, or still growing past it) or a line that is not a message
+        (`decode`); the messages of the same chunk are lost with it, and the caller drops the connection."""
         self._buf += data
         messages = []
         while True:
@@ -164,6 +171,8 @@ class LineBuffer:
 
 
 def new_nonce() -> str:
+    """A fresh random nonce (NONCE_BYTES bytes from `secrets`, hex): the server's per connection, the client's per
+    hello."""
     return secrets.token_hex(NONCE_BYTES)
 
 
@@ -176,10 +185,12 @@ def proof(token: str, side: str, server_nonce: str, client_nonce: str, *claims: 
 
 
 def client_proof(token: str, server_nonce: str, client_nonce: str, op: str, who: str) -> str:
+    """The client's proof in its hello: covers the op and who it claims to be (node id, or host for an agent)."""
     return proof(token, "client", server_nonce, client_nonce, op, who)
 
 
 def server_proof(token: str, server_nonce: str, client_nonce: str) -> str:
+    """The server's proof in its first answer to a hello (welcome, reject or fenced)."""
     return proof(token, "server", server_nonce, client_nonce)
 
 
@@ -200,6 +211,8 @@ def check_client(token: str, server_nonce: str, msg: dict[str, Any]) -> bool:
 
 
 def check_server(token: str, server_nonce: str, client_nonce: str, msg: dict[str, Any]) -> bool:
+    """Whether the server's answer to our hello proves the token for this connection (constant-time). A client
+    believes nothing, not even a reject or fenced, that fails this."""
     given = msg.get("proof")
     return isinstance(given, str) and hmac.compare_digest(
         server_proof(token, server_nonce, client_nonce).encode(), given.encode())

@@ -34,7 +34,13 @@ def open_session(address: tuple[str, int], token: str, op: str, fields: dict[str
                  connect_timeout: float, limit: int = P.MAX_LINE) -> Session:
     """Connect to `address` (host, port) and say `op` (register, agent_hello, store_hello) with `fields`, bounded
     by `timeout` for the whole exchange. OSError for the network, ProtocolError for a peer that does not speak the
-    protocol, Unproven for one that cannot prove the token."""
+    protocol, Unproven for one that cannot prove the token.
+
+    `connect_timeout` bounds the TCP connect alone; `limit` is the longest line accepted from the server
+    (P.MAX_STORE_LINE for the store). The reply is returned only once it proved the token, whatever it says: a
+    proven `reject` or `fenced` is the caller's to act on, an unproven one raises Unproven quoting its reason. The
+    socket is closed on any error; on success it is blocking, with the handshake's last timeout still set (callers
+    set their own)."""
     deadline = time.monotonic() + timeout
     sock = socket.create_connection(address, timeout=connect_timeout)
     try:
@@ -43,6 +49,8 @@ def open_session(address: tuple[str, int], token: str, op: str, fields: dict[str
         pending: list[dict[str, Any]] = []
 
         def next_message() -> dict[str, Any]:
+            """The next message from the server, each read bounded by what is left of the exchange's deadline (at
+            least 10 ms; socket.timeout, an OSError, when it passes); ConnectionError if the server closes first."""
             while not pending:
                 sock.settimeout(max(0.01, deadline - time.monotonic()))
                 data = sock.recv(65536)

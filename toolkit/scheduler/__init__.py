@@ -44,6 +44,9 @@ def _warn_if_token_readable(path: str) -> None:
 
 
 def main() -> int:
+    """The scheduler process: log to stdout, read the environment, warn if the token file is readable by others,
+    and serve the job; returns the exit code (above). Configuration, a busy port and an unusable state file are
+    one error line (in the log and on stderr) and EXIT_CONFIG."""
     logging.basicConfig(stream=sys.stdout, level=logging.INFO,
                         format="%(asctime)s.%(msecs)03d sched %(levelname)s %(message)s", datefmt="%Y-%m-%dT%H:%M:%S")
     try:

@@ -38,6 +38,13 @@ class Config:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> "Config":
+        """Read and validate `env` (the process's environment; reads the token file and the TOOLKIT_EXPECTED file).
+
+        Raises ConfigError, one line naming the variable, for: an MS_ROLE other than MS_SCHED (unset counts as
+        MS_SCHED); a port outside 1-65535, or MASTER_PORT equal to MS_SCHED_PORT; MS_WORKER_NUM unset or below 1;
+        timeouts not positive and finite; recovery on without MS_RECOVERY_PATH; a token file unset, unreadable or
+        empty; an expected-hosts file that is not a JSON object of strings. Defaults: MS_SCHED_PORT and the
+        timeouts from toolkit.envvars, MASTER_PORT that port plus 1, job "job", host 127.0.0.1, recovery off."""
         role = env.get(E.MS_ROLE, E.ROLE_SCHED)
         if role != E.ROLE_SCHED:
             raise ConfigError(f"{E.MS_ROLE}={role}: the scheduler runs where {E.MS_ROLE}={E.ROLE_SCHED}")

@@ -47,6 +47,7 @@ class Reply:
     fields: dict[str, Any] = field(default_factory=dict)
 
     def message(self) -> bytes:
+        """The encoded `kv_reply {id, ok, ...}` line."""
         return P.encode(P.KV_REPLY, id=self.id, ok=self.ok, **self.fields)
 
 
@@ -64,6 +65,11 @@ class StoreError(Exception):
 
 
 class KVStore:
+    """The store's state: keys to values, at most `max_keys` keys and `max_bytes` of keys and values together, and
+    at most one pending get or wait per connection (`waiters`). Every request is treated as hostile: a malformed or
+    refused one is an error reply to that request (StoreError inside), never an exception to the server. Peers are
+    the server's connection ids."""
+
     def __init__(self, max_keys: int = MAX_KEYS, max_bytes: int = MAX_BYTES) -> None:
         self.data: dict[str, bytes] = {}
         self.size = 0
@@ -71,6 +77,11 @@ class KVStore:
         self.waiters: dict[int, _Waiter] = {}
 
     def request(self, peer: int, msg: dict[str, Any], now: float) -> list[Reply]:
+        """Handle connection `peer`'s `kv` request at time `now`; returns the replies to send.
+
+        They go to `peer` (none yet if its get or wait must wait for keys: `expire` or a later write answers it) and
+        to any waiters a write (set, add, compare_set) woke. A request without an integer id, one sent while the
+        connection still waits, a malformed field, a full store or an unknown command is an error reply."""
         rid = msg.get("id")
         if not isinstance(rid, int) or isinstance(rid, bool):
             return [Reply(peer, -1, False, {"error": "request without an integer id"})]
@@ -91,6 +102,7 @@ class KVStore:
         return out
 
     def next_deadline(self) -> float:
+        """The earliest deadline of a pending get or wait, inf if none: when `expire` next has work."""
         return min((w.deadline for w in self.waiters.values()), default=math.inf)
 
     def forget(self, peer: int) -> None:

@@ -58,6 +58,8 @@ class Close:
 
 @dataclass(frozen=True)
 class Log:
+    """Log `text` at `level` (a `logging` level) in the scheduler's log."""
+
     level: int
     text: str
 
@@ -84,7 +86,12 @@ Action = Send | Close | Log | Exit | DropKeys
 
 @dataclass
 class Member:
-    """The live incarnation that holds a rank."""
+    """The live incarnation that holds a rank.
+
+    `incarnation` is random per process (toolkit.protocol); `last_seen` is when it last registered or sent anything
+    on its current connection (for a restored member: when the server started listening); `peer` is None only for a
+    restored member that has not reconnected yet; `step` is its last heartbeat's. Only `to_json`'s fields are
+    persisted."""
 
     rank: int
     node_id: str
@@ -97,13 +104,16 @@ class Member:
     step: int | None = None
 
     def to_json(self) -> dict[str, Any]:
+        """The persisted fields (Membership.snapshot): who holds the rank and where it runs. Liveness is not
+        persisted: a restarted scheduler gives every restored member node_timeout to reconnect."""
         return {"rank": self.rank, "node_id": self.node_id, "incarnation": self.incarnation, "pid": self.pid,
                 "host": self.host, "addr": self.addr}
 
 
 @dataclass(frozen=True)
 class Peer:
-    """What a connection is, once it said who it is."""
+    """What a connection is, once it said who it is: a worker (of `rank`), an agent (of `host`), or a worker that
+    said `done`, whose later messages and EOF mean nothing."""
 
     role: str  # "worker", "agent", "finished" (a worker that said done)
     rank: int | None = None
@@ -120,12 +130,23 @@ def rank_of(node_id: str) -> int | None:
 
 
 def how(code: Any, sig: Any) -> str:
+    """How a process ended, for a log line: "signal SIGKILL" when a signal is named, else "exit code N"."""
     return f"signal {sig}" if sig else f"exit code {code}"
 
 
 class Membership:
     """See the module docstring. `boot` names this scheduler start in the store prefixes; `expected` maps node ids
-    to the host the plan put them on (for the formation-timeout message)."""
+    to the host the plan put them on (for the formation-timeout message).
+
+    Every event method takes the time and returns the actions (Send, Close, Log, Exit, DropKeys) the server applies
+    in order. What peers send is treated as hostile: a malformed message is rejected, ignored or logged, and field
+    sizes are bounded before they are kept. `expected` also tells where a dead worker's agent is before that agent
+    has said hello; `address` (the control server's host:port) is named in the formation-timeout message; `now`
+    starts the first formation's clock, which `started` restarts once peers can connect.
+
+    What the server reads back: `dirty` (the membership changed: persist before sending what depends on it),
+    `commits_dirty` (only commit progress changed: persisted at the server's own pace), `next_deadline()` (when to
+    call `tick`) and `snapshot()` (what to persist)."""
 
     def __init__(self, job: str, world_size: int, node_timeout: float, topo_timeout: float, boot: str,
                  address: str, expected: Mapping[str, str] | None = None, now: float = 0.0) -> None:
@@ -153,16 +174,22 @@ class Membership:
     # -- what the server asks
 
     def prefix(self) -> str:
+        """The store key prefix of the current generation (protocol.store_prefix), sent in `formed`: each worker
+        builds its process group over PrefixStore(prefix, the job's store)."""
         return P.store_prefix(self.job, self.boot, self.generation)
 
     def next_deadline(self) -> float:
+        """The earliest time `tick` may have work: the next possible heartbeat expiry (while there are members)
+        and the formation deadline (while gathering, running and not unmanaged); inf when there is neither."""
         deadlines = [self.hb_check_at] if self.members else []
         if self.gather_since is not None and not self.unmanaged and self.status == RUNNING:
             deadlines.append(self.gather_since + self.topo_timeout)
         return min(deadlines, default=math.inf)
 
     def snapshot(self) -> dict[str, Any]:
-        """The state to persist (MS_ENABLE_RECOVERY): what a restarted scheduler needs to go on with the job."""
+        """The state to persist (MS_ENABLE_RECOVERY): what a restarted scheduler needs to go on with the job.
+
+        `committed_step` is the lowest step every rank has committed a checkpoint of, None until each rank has."""
         committed = min(self.commits.values()) if len(self.commits) == self.world_size else None
         return {
             "job": self.job, "world_size": self.world_size, "status": self.status, "failure": self.failure,
@@ -174,7 +201,12 @@ class Membership:
 
     def restore(self, state: Mapping[str, Any], now: float) -> list[Action]:
         """Go on with a job a previous scheduler ran (its persisted snapshot): members get node_timeout to
-        reconnect before they are declared dead."""
+        reconnect before they are declared dead.
+
+        A job that had already finished or failed is not resumed: only its fenced incarnations are kept (none of its
+        stale processes may register), this run starts at generation 0, and the one log line says so. Otherwise the
+        generation, whether it was formed, the done ranks, fenced incarnations, commits and members come back, the
+        members without a connection. `state` must have passed state.load's checks; returns the log actions."""
         if state.get("status") != RUNNING:
             self.fenced = set(state.get("fenced", []))
             finished = state.get("status") == FINISHED
@@ -200,7 +232,9 @@ class Membership:
                           f"reconnect within {self.node_timeout:g} s")]
 
     def started(self, now: float) -> None:
-        """Peers can reach the server from now: deadlines count from here, not from the server's own start."""
+        """Peers can reach the server from now: deadlines count from here, not from the server's own start.
+
+        Restarts the formation clock (if gathering) and every restored member's heartbeat clock."""
         if self.gather_since is not None:
             self.gather_since = now
         for member in self.members.values():
@@ -210,7 +244,17 @@ class Membership:
     # -- events
 
     def register(self, peer: int, addr: str, msg: Mapping[str, Any], now: float) -> list[Action]:
-        """A worker's authenticated `register` on connection `peer` from `addr`."""
+        """A worker's authenticated `register` on connection `peer` from `addr`.
+
+        Refused, each with the connection closed after the answer: a malformed message (incarnation of 1 to 64
+        characters, node id and host of at most 256) or a world size or rank that is not the job's (`reject`, no
+        retry: render the job again); a fenced incarnation (`fenced`: it must exit); a job that has ended or a rank
+        already done (`reject`, no retry); a rank held by another incarnation not yet known dead (`reject` with
+        retry: a relaunched worker retries until the holder's death is established).
+
+        The same incarnation again is a reconnect: it takes over from its old connection (closed) with no change of
+        generation. A new incarnation becomes the rank's member (`dirty`). Either is answered `welcome`, then
+        `formed` if the generation is formed; otherwise the generation forms if this was the last rank missing."""
         node_id, rank, inc = msg.get("node_id"), P.whole(dict(msg), "rank"), msg.get("incarnation")
         pid, host = P.whole(dict(msg), "pid"), msg.get("host")
         if not (isinstance(node_id, str) and rank is not None and isinstance(inc, str) and 0 < len(inc) <= 64
@@ -266,6 +310,13 @@ class Membership:
         return out
 
     def agent_hello(self, peer: int, addr: str, msg: Mapping[str, Any]) -> list[Action]:
+        """An agent's authenticated `agent_hello` on connection `peer`: the agent of `host`, supervising `node_ids`.
+
+        A malformed hello (host of 1 to 256 characters, a list of at most 4096 node ids) is rejected without retry.
+        Otherwise the node ids (strings of at most 256 characters) are recorded as on `host`, which is where a dead
+        worker's `kill` goes; a newer connection of the same host's agent replaces the old one (closed). Answered
+        `welcome`, followed at once by `finished` or `stop` if the job has already ended, so an agent that
+        reconnects after the end still learns it."""
         host, node_ids = msg.get("host"), msg.get("node_ids")
         if not isinstance(host, str) or not 0 < len(host) <= 256 or not isinstance(node_ids, list) \
                 or len(node_ids) > 4096:
@@ -289,7 +340,14 @@ class Membership:
         return out
 
     def message(self, peer: int, msg: Mapping[str, Any], now: float) -> list[Action]:
-        """Any later message of an identified peer."""
+        """Any later message of an identified peer.
+
+        From an agent: `exited` (a child's death or clean end), `gave_up` (the job fails); `heartbeat` is ignored and
+        anything else logged. From a worker, only the rank's current connection counts (a replaced or finished one
+        is ignored), and any message refreshes `last_seen`: `heartbeat` records the step; `commit` raises the rank's
+        committed step, never lowers it (`commits_dirty`); `recovered` is logged; `done` retires the member without
+        a new generation and may finish the job; an unknown op is logged and ignored. Messages of a peer that never
+        said hello are ignored."""
         who = self.peers.get(peer)
         op = msg["op"]
         if who is None or who.role == "finished":
@@ -326,7 +384,11 @@ class Membership:
 
     def lost(self, peer: int, reason: str, now: float) -> list[Action]:
         """A connection ended. For a worker that had not said `done` this is its death: the kernel closes the socket
-        of a process that exits, so this is as immediate as its agent's `exited` report."""
+        of a process that exits, so this is as immediate as its agent's `exited` report.
+
+        Only the rank's current connection counts (one its own reconnect replaced does not). An agent's connection
+        ending only forgets the agent: its workers are judged by their own connections and heartbeats. A finished
+        worker's EOF means nothing."""
         who = self.peers.pop(peer, None)
         if who is None:
             return []
@@ -340,7 +402,11 @@ class Membership:
         return []
 
     def tick(self, now: float) -> list[Action]:
-        """The passing of time: heartbeats that stopped, a formation that took too long."""
+        """The passing of time: heartbeats that stopped, a formation that took too long.
+
+        Does nothing once the job has ended. A member silent for node_timeout (no message, or a restored member that
+        did not reconnect) is declared dead, its agent told to kill it (`_death`). A gathering generation past
+        topo_timeout fails the job (`_formation_timeout`), unless its workers were found to be unmanaged scripts."""
         out: list[Action] = []
         if self.status != RUNNING:
             return out
@@ -362,6 +428,13 @@ class Membership:
     # -- decisions
 
     def _maybe_form(self, now: float) -> list[Action]:
+        """Form the current generation once world_size members are connected: tell each `formed` with the
+        generation's store prefix, stop the formation clock, mark the state `dirty`, and drop the store keys of
+        every earlier generation of this scheduler start (DropKeys). Nothing once formed or once the job has ended.
+
+        Note: this counts connected members against world_size, not the ranks still to finish that the module
+        docstring names; a rank that said `done` is no longer a member, so a generation that must re-form after
+        a rank finished does not form here and ends in the formation timeout."""
         if self.formed or self.status != RUNNING:
             return []
         present = sum(1 for m in self.members.values() if m.peer is not None)
@@ -381,7 +454,14 @@ class Membership:
 
     def _death(self, member: Member, reason: str, kill: bool, now: float) -> list[Action]:
         """Declare `member` dead: fence its incarnation, have its agent kill it if it may still exist, and, if the
-        job was formed, move everyone to a new generation."""
+        job was formed, move everyone to a new generation.
+
+        Nothing unless `member` still holds its rank (one death per incarnation). The member leaves and its
+        incarnation is fenced for good (`dirty`); its connection, if any, gets `fenced` and is closed; with `kill`
+        (not when its agent reported the exit) its host's agent, if connected, is told to SIGKILL the pid. While the
+        job runs: formed, it moves to generation+1, announced by `generation` to every connected member, and gathers
+        again from `now`; still gathering, the member is only removed (one generation per fault). The left
+        generation's store keys go when the next one forms."""
         if self.members.get(member.rank) is not member:
             return []
         del self.members[member.rank]
@@ -416,6 +496,8 @@ class Membership:
             self.dirty = True
 
     def _mark_done(self, rank: int) -> list[Action]:
+        """Record `rank` as done (`dirty`). Once every rank is, the job has finished (once): its agents are told
+        `finished` and the scheduler exits EXIT_OK."""
         if rank not in self.done:
             self.done.add(rank)
             self.dirty = True
@@ -426,6 +508,8 @@ class Membership:
                 + [Send(agent, P.FINISHED) for agent in self.agents.values()] + [Exit(EXIT_OK)])
 
     def _fail(self, reason: str, code: int) -> list[Action]:
+        """Fail the job, once (later calls do nothing): keep `reason` (persisted, and sent to agents that connect
+        later), send `stop` to every agent and connected member, and exit with `code`."""
         if self.status != RUNNING:
             return []
         self.status = FAILED
@@ -437,6 +521,12 @@ class Membership:
                 + [Exit(code)])
 
     def _exited(self, agent: Peer, msg: Mapping[str, Any], now: float) -> list[Action]:
+        """An agent's report that a child exited (`exited {node_id, pid, code, signal}`).
+
+        Not a worker of this job (the scheduler, a rank out of range): logged only. Exit 0 without a signal is a
+        clean end: the rank is done (its member retired if the pid is the current one). Any other end of the
+        current member's pid is its death, at once instead of after node_timeout, with no kill (the process is
+        gone). Another pid (an incarnation already replaced, or never registered) is logged only."""
         node_id, pid = msg.get("node_id"), P.whole(dict(msg), "pid")
         code, sig = P.whole(dict(msg), "code"), msg.get("signal") if isinstance(msg.get("signal"), str) else None
         if not isinstance(node_id, str):
@@ -457,6 +547,8 @@ class Membership:
         return [Log(INFO, f"{node_id} (pid {pid} on {agent.host}) exited with {how(code, sig)}")]
 
     def _gave_up(self, agent: Peer, msg: Mapping[str, Any]) -> list[Action]:
+        """An agent's process passed its max restarts: the job fails with EXIT_FAILED, the reason naming the node,
+        the host, how it ended and the last 5 lines of its log tail (at most 2000 characters)."""
         node_id = str(msg.get("node_id", "?"))[:256]
         tail = msg.get("log_tail") if isinstance(msg.get("log_tail"), str) else ""
         last = " | ".join(line for line in tail.strip().splitlines()[-5:])[-2000:]
@@ -466,6 +558,8 @@ class Membership:
         return self._fail(reason, EXIT_FAILED)
 
     def _recovered(self, member: Member, msg: Mapping[str, Any]) -> Log:
+        """The log line of a worker's `recovered` report: generation, step, where the state came from and how long
+        it took. Fields of the wrong type show as None or "?"; nothing else changes."""
         m = dict(msg)
         source = msg.get("source")
         origin = {"peer": f"rank {P.whole(m, 'from_rank')}'s memory",
@@ -477,6 +571,12 @@ class Membership:
                          "step(s) recomputed")
 
     def _formation_timeout(self) -> list[Action]:
+        """The formation deadline passed with ranks missing (neither done nor connected).
+
+        If no worker ever registered and every missing one's host has a connected agent, they are taken to be
+        scripts that never ask for a process group: the formation clock stops (`unmanaged`: no heartbeats or
+        generations) and their agents' exit reports end the job. Otherwise the job fails with EXIT_FORMATION,
+        naming each missing worker, the host it was expected on and the address it should reach."""
         missing = [r for r in range(self.world_size)
                    if r not in self.done and (r not in self.members or self.members[r].peer is None)]
         attested = [r for r in missing if self.node_host.get(P.worker_node_id(r)) in self.agents]

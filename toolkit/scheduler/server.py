@@ -51,7 +51,13 @@ CONTROL, STORE = "control", "store"
 @dataclass(eq=False)
 class Conn:
     """One connection. `authed` once its first message proved the token; `prove` until the first reply carried
-    the server's own proof."""
+    the server's own proof.
+
+    `kind` says which listener accepted it (CONTROL or STORE). Until `authed`, the connection must send a hello that
+    proves the token before `deadline` (PREAUTH_TIMEOUT after accept) in a line of at most P.MAX_PREAUTH_LINE bytes;
+    after, `lines` allows P.MAX_LINE (P.MAX_STORE_LINE on the store). `out` is what is queued for the peer (dropped
+    past MAX_OUTBUF). `closing`: a last message (a reject, `fenced`) is being flushed and input is ignored;
+    `closed`: the socket is gone and nothing more is queued."""
 
     id: int
     sock: socket.socket
@@ -70,7 +76,11 @@ class Conn:
 
 
 class RateLimited:
-    """A warning said at most once per LOG_EVERY, with how often it happened meanwhile."""
+    """A warning said at most once per LOG_EVERY, with how often it happened meanwhile.
+
+    Keeps hostile or broken peers (floods of refused connections, bad lines, a lack of descriptors) from flooding the
+    log: the first warning of a key is logged at once; later ones within LOG_EVERY are only counted, and the count
+    appears in the next warning of that key that is logged."""
 
     def __init__(self, clock: Callable[[], float]) -> None:
         self.clock = clock
@@ -78,6 +88,8 @@ class RateLimited:
         self.count: dict[str, int] = {}
 
     def warn(self, key: str, text: str) -> None:
+        """Count one occurrence of `key`; log `text` (with the count) unless `key` was logged less than LOG_EVERY
+        ago."""
         now = self.clock()
         self.count[key] = self.count.get(key, 0) + 1
         if now >= self.next.get(key, 0.0):
@@ -87,7 +99,13 @@ class RateLimited:
 
 
 class Server:
-    """Serves one job until its Membership says exit (or a signal comes); `serve()` returns the exit code."""
+    """Serves one job until its Membership says exit (or a signal comes); `serve()` returns the exit code.
+
+    One thread, one selector, non-blocking sockets: the two listeners, every connection, and a socketpair that a
+    signal writes to. The server owns the clock, the sockets and the files; `Membership` and `KVStore` are pure and
+    only return what to do, which the server turns into queued bytes, closed connections, log lines and the exit
+    code. `clock` (monotonic seconds) is injectable for tests. `boot` is random per start and names this start in
+    every store prefix, so keys of a previous scheduler start are never mistaken for this one's."""
 
     def __init__(self, config: Config, clock: Callable[[], float] = time.monotonic) -> None:
         self.cfg = config
@@ -111,6 +129,14 @@ class Server:
     # -- life cycle
 
     def serve(self) -> int:
+        """Run the job: restore the persisted state (recovery on), bind both listeners on cfg.host, serve until an
+        `Exit` action or SIGTERM/SIGINT, give the last messages up to LINGER s to leave, then persist the state and
+        close everything.
+
+        Returns the exit code: the Membership's (0 finished, 1 failed, 3 formation timeout), 128+signal, or
+        EXIT_FAILED if none was set. Raises StateError (an unusable state file) or ConfigError (a busy port, an
+        address not this host's) before anything is served; `toolkit.scheduler.main` turns both into exit code 2.
+        Heartbeat and formation deadlines count from when the listeners are up (Membership.started)."""
         path = self._state_path()
         if path is not None:
             doc = S.load(path, self.cfg.job, self.cfg.world_size)
@@ -140,6 +166,11 @@ class Server:
         return self.exit_code if self.exit_code is not None else EXIT_FAILED
 
     def _bind(self, port: int, what: str, store: str) -> socket.socket:
+        """A TCP socket bound (not yet listening) to cfg.host:`port`, IPv6 if the host is an IPv6 literal.
+
+        SO_REUSEADDR lets a restarted scheduler bind while its old connections linger in TIME_WAIT; a port another
+        process listens on is still refused. A failure is a ConfigError naming the address and its variable
+        (`what`); `store` ("the store " or "") says which listener it was."""
         family = socket.AF_INET6 if ":" in self.cfg.host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
         try:
@@ -153,7 +184,12 @@ class Server:
         return sock
 
     def _install_signals(self) -> None:
+        """SIGTERM and SIGINT end the loop with exit code 128+signal (the first signal's). Workers are told
+        nothing: their connections close, and they keep training and reconnect to a restarted scheduler."""
+
         def on_signal(signum: int, _frame: Any) -> None:
+            """Record the first signal and wake select() through the socketpair (the self-pipe trick); the loop
+            does the rest outside the handler."""
             if self.exit_code is None:
                 self.exit_code = 128 + signum
                 self.signalled = signal.Signals(signum).name
@@ -166,6 +202,14 @@ class Server:
         signal.signal(signal.SIGINT, on_signal)
 
     def _loop(self) -> None:
+        """The event loop, until `exit_code` is set (an Exit action or a signal).
+
+        Each pass: select() until the nearest deadline (`_timeout`: nothing polls), handle the ready sockets, expire
+        unauthenticated connections and timed-out store waits, let the membership act on the time
+        (Membership.tick), resume paused listeners, persist, and flush what was queued. Persisting comes before the
+        flush, so a membership change is on disk before that flush writes the messages it caused (a socket already
+        waiting to write may take its bytes earlier, during event handling); a state that cannot be written is
+        logged and retried at the next pass, and the messages go anyway."""
         while self.exit_code is None:
             for key, mask in self.sel.select(self._timeout(self.clock())):
                 self._event(key, mask)
@@ -180,6 +224,8 @@ class Server:
                      "scheduler", self.signalled)
 
     def _event(self, key: selectors.SelectorKey, mask: int) -> None:
+        """One ready selector key: a listener (accept what waits), the wake-up socket (drain it), or a connection
+        (read, then write; a connection closed by the read is not written)."""
         if key.data in (CONTROL, STORE):
             self._accept(key.data)
         elif key.data == "wake":
@@ -196,6 +242,8 @@ class Server:
                 self._write(conn)
 
     def _timeout(self, now: float) -> float:
+        """Seconds select() may sleep: until the nearest membership or store deadline, pre-authentication deadline,
+        due commit persist or end of a listener pause, and never more than MAX_WAIT; 0 if one has passed."""
         deadlines = [now + MAX_WAIT, self.members.next_deadline(), self.kv.next_deadline()]
         deadlines += [c.deadline for c in self.conns.values() if not c.authed]
         if self.members.commits_dirty:
@@ -205,7 +253,10 @@ class Server:
         return max(0.0, min(deadlines) - now)
 
     def _linger(self) -> None:
-        """Give `finished`/`stop` a bounded moment to reach the agents before the sockets close."""
+        """Give `finished`/`stop` a bounded moment to reach the agents before the sockets close.
+
+        At most LINGER s, and only while some connection still has output: only connections are served (writes,
+        or a read that notices an EOF); the listeners accept nothing more."""
         deadline = self.clock() + LINGER
         self._persist()
         self._flush()
@@ -218,6 +269,8 @@ class Server:
                         self._read(key.data)
 
     def _shutdown(self) -> None:
+        """Close every connection, the listeners, the selector and the wake-up pair. Connections are closed, not
+        dropped: the scheduler's end is not its members' death (nothing is reported to the membership)."""
         for conn in list(self.conns.values()):
             self._close(conn)
         for sock in self.listeners.values():
@@ -233,6 +286,13 @@ class Server:
     # -- connections
 
     def _accept(self, kind: str) -> None:
+        """Accept every connection waiting on listener `kind` and send each a `challenge` with a fresh nonce.
+
+        Admission is bounded before a byte is read: a new connection is closed at once while MAX_PREAUTH connections
+        are still unauthenticated, or MAX_PREAUTH_PER_IP from its address (a rate-limited warning says so). An
+        admitted one is non-blocking with TCP_NODELAY, and must prove the token within PREAUTH_TIMEOUT (`_expire`).
+        Out of descriptors or memory (RESOURCE_ERRORS) the listeners pause (`_pause_listeners`) instead of spinning
+        on a listener that stays readable; any other accept error waits for the next readiness."""
         listener = self.listeners[kind]
         while True:
             try:
@@ -260,7 +320,10 @@ class Server:
 
     def _pause_listeners(self, e: OSError) -> None:
         """Out of descriptors (or memory): the connection waits in the kernel's backlog while the listeners rest;
-        connections that never authenticate expire meanwhile and free theirs."""
+        connections that never authenticate expire meanwhile and free theirs.
+
+        Unregisters both listeners (once; a pause during a pause only extends it) until ACCEPT_PAUSE s from now,
+        when `_resume_listeners` registers them again; warned at most once per LOG_EVERY."""
         self.said.warn("resources", f"cannot accept connections: {e.strerror}; pausing the listeners for "
                                     f"{ACCEPT_PAUSE:g} s")
         if not self.paused_until:
@@ -269,12 +332,15 @@ class Server:
         self.paused_until = self.clock() + ACCEPT_PAUSE
 
     def _resume_listeners(self, now: float) -> None:
+        """Register the listeners again once a pause (`_pause_listeners`) is over."""
         if self.paused_until and now >= self.paused_until:
             self.paused_until = 0.0
             for kind, sock in self.listeners.items():
                 self.sel.register(sock, selectors.EVENT_READ, kind)
 
     def _expire(self, now: float) -> None:
+        """Drop the connections that did not authenticate by their deadline (they hold a descriptor and a
+        pre-authentication slot), and answer the store waits whose timeout passed with error "timeout"."""
         for conn in [c for c in self.conns.values() if not c.authed and not c.closing and now >= c.deadline]:
             self.said.warn("preauth", f"dropped {conn.addr}: it did not authenticate within {PREAUTH_TIMEOUT:g} s")
             self._drop(conn, "did not authenticate")
@@ -284,6 +350,12 @@ class Server:
                 self._queue(conn, reply.message())
 
     def _read(self, conn: Conn) -> None:
+        """Read what `conn` has (at most RECV_SIZE bytes) and dispatch each complete line.
+
+        EOF or a socket error drops the connection (for a member: its death). A line over the connection's limit, or
+        anything that is not a message (protocol.decode), is a protocol error that drops this one connection, warned
+        at most once per LOG_EVERY per address. Input on a closing connection is discarded, and messages after the
+        one that closed it are not dispatched."""
         try:
             data = conn.sock.recv(RECV_SIZE)
         except (BlockingIOError, InterruptedError):
@@ -308,6 +380,9 @@ class Server:
             self._dispatch(conn, msg)
 
     def _dispatch(self, conn: Conn, msg: dict[str, Any]) -> None:
+        """Route one message: an unauthenticated connection's first message is its hello (`_hello`); on the store
+        only `kv` requests are accepted (anything else drops the connection), and their replies may go to other
+        connections (waiters a write woke); on the control port every message goes to Membership.message."""
         now = self.clock()
         if not conn.authed:
             self._hello(conn, msg, now)
@@ -323,6 +398,15 @@ class Server:
             self._apply(self.members.message(conn.id, msg, now))
 
     def _hello(self, conn: Conn, msg: dict[str, Any], now: float) -> None:
+        """Authenticate a connection's first message and act on it.
+
+        It must be its port's hello (`store_hello` on the store; `register` or `agent_hello` on the control port)
+        with a client proof over this connection's nonce (protocol.check_client, constant-time). A plain `token`
+        field is refused with a line saying the peer's toolkit is older. Any refusal is a `reject {retry: false}`
+        carrying no proof, and the connection closes once it is written. Accepted: the connection is authed, its
+        line limit rises to P.MAX_LINE (P.MAX_STORE_LINE on the store), and its first reply carries the server's
+        proof: the store's `welcome` here; for a worker or an agent, whatever the membership sends it first
+        (`welcome`, or a `reject`/`fenced` the client can then trust)."""
         op = msg["op"]
         expected = (P.STORE_HELLO,) if conn.kind == STORE else (P.REGISTER, P.AGENT_HELLO)
         subject = P.hello_subject(msg)[:80] or "?"
@@ -358,6 +442,9 @@ class Server:
     # -- applying the membership's actions
 
     def _apply(self, actions: list[Any]) -> None:
+        """Carry out the membership's actions in order: Send queues a message (then closes after it, with `close`),
+        Close closes now, Log logs, Exit sets the exit code (the first one wins), DropKeys deletes a left
+        generation's store keys. A Send or Close for a connection that is already gone is skipped."""
         for action in actions:
             if isinstance(action, Send):
                 conn = self.conns.get(action.peer)
@@ -378,18 +465,24 @@ class Server:
                 self.kv.drop_prefix(action.prefix)
 
     def _send(self, conn: Conn, op: str, **fields: Any) -> None:
+        """Queue message `op` for `conn`. The first one after an accepted hello carries the server's proof
+        (HMAC over both nonces), which the client checks before it believes anything the scheduler says."""
         if conn.prove and conn.client_nonce is not None:  # the first answer to a hello proves we hold the token
             fields = {**fields, "proof": P.server_proof(self.cfg.token, conn.nonce, conn.client_nonce)}
             conn.prove = False
         self._queue(conn, P.encode(op, **fields))
 
     def _queue(self, conn: Conn, data: bytes) -> None:
+        """Append encoded bytes to `conn`'s output for the next flush; nothing is queued to a closed connection."""
         if conn.closed:
             return
         conn.out += data
         self.pending.add(conn)
 
     def _flush(self) -> None:
+        """Write what is queued, once per loop pass. A peer with more than MAX_OUTBUF bytes unsent has stopped
+        reading and is dropped (for a member, its death) instead of being buffered without bound; what a full
+        socket did not take stays pending, with EVENT_WRITE on."""
         pending, self.pending = self.pending, set()
         for conn in pending:
             if conn.closed:
@@ -402,6 +495,8 @@ class Server:
                 self.pending.add(conn)
 
     def _write(self, conn: Conn) -> None:
+        """One non-blocking send of `conn.out`. Once it is empty a closing connection is closed and others go back
+        to read-only interest; while bytes remain, EVENT_WRITE stays on. A send error drops the connection."""
         try:
             sent = conn.sock.send(conn.out)
         except (BlockingIOError, InterruptedError):
@@ -419,6 +514,8 @@ class Server:
             self.sel.modify(conn.sock, selectors.EVENT_READ | selectors.EVENT_WRITE, conn)
 
     def _close(self, conn: Conn) -> None:
+        """Close `conn` and forget it (connection table, selector, its pending store wait); idempotent. Tells the
+        membership nothing: `_drop` is for an end that means something."""
         if conn.closed:
             return
         conn.closed = True
@@ -431,7 +528,11 @@ class Server:
         self.kv.forget(conn.id)
 
     def _drop(self, conn: Conn, reason: str) -> None:
-        """A connection ended (or is ended): for a member, its death (Membership.lost)."""
+        """A connection ended (or is ended): for a member, its death (Membership.lost).
+
+        Closes it, then reports an authenticated control connection to the membership (for a worker that had not
+        said `done`: its death; for an agent: forgotten). The end of a store or an unauthenticated connection
+        means nothing to the membership."""
         self._close(conn)
         if conn.authed and conn.kind == CONTROL:
             self._apply(self.members.lost(conn.id, reason, self.clock()))
@@ -439,11 +540,16 @@ class Server:
     # -- persistence
 
     def _state_path(self) -> Path | None:
+        """Where the state is persisted (MS_RECOVERY_PATH/scheduler.json), or None when recovery is off."""
         if not self.cfg.recovery or self.cfg.recovery_path is None:
             return None
         return self.cfg.recovery_path / S.STATE_FILE
 
     def _persist(self, force: bool = False) -> None:
+        """Write Membership.snapshot() durably (state.save) if the membership changed (`dirty`), if `force`d (at
+        exit), or if commit progress changed and COMMIT_PERSIST_INTERVAL has passed since the last write (commits
+        come from every rank at every checkpoint). A failed write is logged as an error and leaves the flags set,
+        so the next pass tries again; the server goes on either way. Nothing is written with recovery off."""
         path = self._state_path()
         now = self.clock()
         commits_due = self.members.commits_dirty and now >= self.commits_persist_at

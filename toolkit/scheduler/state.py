@@ -43,6 +43,8 @@ def load(path: Path, job: str, world_size: int) -> dict[str, Any] | None:
 
 
 def save(path: Path, snapshot: Mapping[str, Any]) -> None:
+    """Replace `path` with `snapshot` (and the format VERSION), atomically and durably (the file and its directory
+    fsynced, mode 0600), creating the directory 0700 if needed. OSError if it cannot; the server logs it and retries."""
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     atomicfile.write(path, json.dumps({"version": VERSION, **snapshot}, indent=1), durability=Durability.DURABLE)
 

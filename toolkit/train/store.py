@@ -28,6 +28,18 @@ class StoreError(RuntimeError):
 
 
 class JobStore(dist.Store):
+    """torch.distributed.Store over one authenticated connection to the job's store: what Runtime._build and the
+    wrapper's rendezvous hand torch, under PrefixStore(the generation's prefix, ...).
+
+    Construct it through `connect`, which turns every failure into StoreError; here the handshake (bounded by
+    CONNECT_TIMEOUT and HANDSHAKE_TIMEOUT) raises OSError, ProtocolError or Unproven, and a refusal by the store
+    StoreError. `timeout` is the store's timeout: how long `get` and a `wait` without one wait for keys.
+
+    Every call is one request and its reply, serialized by a lock (safe to share between threads; replies are
+    matched by request id), each socket operation bounded by the request's own wait + SLACK + the store's timeout.
+    Every call raises StoreError when the store refuses it, times out, or the connection fails or is shut down (by
+    the fence: at once); torch reports it like a TCPStore error."""
+
     def __init__(self, host: str, port: int, token: str, node_id: str, timeout: timedelta) -> None:
         super().__init__()
         self._timeout = timeout
@@ -44,39 +56,61 @@ class JobStore(dist.Store):
     # -- torch.distributed.Store
 
     def set(self, key: str, value: Any) -> None:
+        """Store.set: set `key` to `value` (str, encoded UTF-8, or bytes), waking whoever waits for it; returns once
+        the store acknowledged it. StoreError for a value over P.MAX_STORE_VALUE (before sending) or a full store
+        (the server's key and byte bounds)."""
         self._call("set", key=key, value=_b64(value))
 
     def get(self, key: str) -> bytes:
+        """Store.get: the value of `key`, blocking until the key exists, at most the store's timeout (then
+        StoreError naming the key). The server refuses a timeout over kvstore.MAX_WAIT (3600 s): StoreError."""
         return base64.b64decode(self._call("get", key=key, timeout=self._seconds())["value"])
 
     def add(self, key: str, amount: int) -> int:
+        """Store.add: add `amount` to the integer in `key` (missing: 0) and return the new value; the value is kept
+        as decimal digits, so `get` returns them (as with TCPStore). Does not block. StoreError if the key holds
+        something else or |amount| > 2**62."""
         return int(self._call("add", key=key, amount=int(amount))["value"])
 
     def compare_set(self, key: str, expected: Any, desired: Any) -> bytes:
+        """Store.compare_set: set `key` to `desired` if it holds `expected` (or is missing and `expected` is empty);
+        returns what the key holds afterwards, or `expected` if it is missing and was not set (TCPStore's
+        semantics). Does not block."""
         return base64.b64decode(self._call("compare_set", key=key, expected=_b64(expected),
                                            desired=_b64(desired))["value"])
 
     def check(self, keys: list[str]) -> bool:
+        """Store.check: whether every key in `keys` (1 to 1024) exists now; does not wait."""
         return bool(self._call("check", keys=list(keys))["present"])
 
     def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
+        """Store.wait: block until every key in `keys` (1 to 1024) exists, at most `timeout` (default: the store's
+        timeout), then StoreError naming the keys. As for `get`, over 3600 s is refused."""
         seconds = timeout.total_seconds() if timeout is not None else self._seconds()
         self._call("wait", keys=list(keys), timeout=max(0.001, seconds))
 
     def delete_key(self, key: str) -> bool:
+        """Store.delete_key: delete `key`; whether it existed."""
         return bool(self._call("delete", key=key)["deleted"])
 
     def num_keys(self) -> int:
+        """Store.num_keys: how many keys the whole job's store holds, every prefix (PrefixStore passes it through);
+        the keys of generations the job has left are deleted by the scheduler."""
         return int(self._call("num_keys")["count"])
 
     def set_timeout(self, timeout: timedelta) -> None:
+        """Store.set_timeout: the wait of later `get` and default `wait` calls, and part of their socket bound;
+        client-side only."""
         self._timeout = timeout
 
     @property
     def timeout(self) -> timedelta:
+        """Store.timeout: the store's current timeout (see `set_timeout`)."""
         return self._timeout
 
     def close(self) -> None:
+        """Close the connection (toolkit's own, not part of torch's interface): the runtime closes the store when it
+        leaves a process group. Later calls raise StoreError."""
         self._sock.close()
 
     # -- the wire
