@@ -3,6 +3,10 @@ the project's `.toolkit/` so that `train`, `status`, `logs`, `stop` and `restart
 
 The job token lives beside it in its own 0600 file, made once per job and reused by every deploy, so a re-deploy
 never locks running processes out of their scheduler.
+
+Layout: `<project>/.toolkit/jobs/<job>.json` (the record, JSON, written atomically) and `<job>.token`. A deploy
+typed in another directory than the project leaves a pointer record there (`{"see": project}`) so later commands
+typed there find the job. Reading is strict (`load`): a damaged record is one UserError saying to deploy again.
 """
 
 from __future__ import annotations
@@ -22,6 +26,9 @@ RECORD_DIR = ".toolkit/jobs"
 
 @dataclass(frozen=True)
 class HostRecord:
+    """One host of a deployed job: how to reach it (as deploy did; see tasks.hosts.host_target) and where its job
+    lives, resolved on the host, so no later command has to resolve a relative workdir again."""
+
     name: str
     hostname: str  # what SSH connects to (may be an ssh_config alias)
     port: int | None
@@ -35,6 +42,11 @@ class HostRecord:
 
 @dataclass(frozen=True)
 class JobRecord:
+    """What deploy decided for a job, so `train`, `status`, `logs`, `stop` and `restart` need no host flags.
+
+    Saved by `save`, read back (validated) by `load`. The lookups (`host`, `process`, `process_of_rank`) raise
+    UserError naming what the job does have, so a mistyped name on the command line is one line."""
+
     job: str
     local: bool
     scheduler_host: str
@@ -49,15 +61,18 @@ class JobRecord:
 
     @property
     def world_size(self) -> int:
+        """The number of workers (processes with a rank; the scheduler has none)."""
         return sum(1 for p in self.processes if p["rank"] is not None)
 
     def host(self, name: str) -> HostRecord:
+        """The host named `name`; UserError listing the job's hosts if there is none."""
         for h in self.hosts:
             if h.name == name:
                 return h
         raise UserError(f"job {self.job} has no host {name!r}; its hosts: {', '.join(h.name for h in self.hosts)}")
 
     def process(self, node_id: str) -> dict[str, Any]:
+        """The process `node_id` ("sched", "worker_3"); UserError listing the job's node ids if there is none."""
         for p in self.processes:
             if p["node_id"] == node_id:
                 return p
@@ -66,6 +81,7 @@ class JobRecord:
         )
 
     def process_of_rank(self, rank: int) -> dict[str, Any]:
+        """The worker of global rank `rank`; UserError giving the range of ranks if there is none."""
         for p in self.processes:
             if p["rank"] == rank:
                 return p
@@ -73,13 +89,18 @@ class JobRecord:
 
 
 def record_path(project: Path, job: str) -> Path:
+    """Where the record of `job` lives under `project` (whether or not it exists, and without following a
+    pointer: see `locate`)."""
     return project / RECORD_DIR / f"{job}.json"
 
 
 def save(project: Path, record: JobRecord, typed_in: Path | None = None) -> Path:
     """Write the record in the project's .toolkit/; with `typed_in` (the directory the command was typed in, if
     it is not the project), also a pointer there, so that the next command typed there finds the job without
-    --project."""
+    --project.
+
+    Written atomically (a reader sees the old record or the new one, never half), mode 0600; .toolkit/jobs is
+    created (0700) if needed. Returns the record's path. OSError if it cannot be written."""
     path = record_path(project, record.job)
     _write(path, asdict(record))
     if typed_in is not None and typed_in.resolve() != project.resolve():
@@ -88,12 +109,15 @@ def save(project: Path, record: JobRecord, typed_in: Path | None = None) -> Path
 
 
 def _write(path: Path, data: dict[str, Any]) -> None:
+    """`data` as indented JSON at `path`, atomically (toolkit.atomicfile, mode 0600)."""
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     atomicfile.write(path, json.dumps(data, indent=2) + "\n")
 
 
 def locate(where: Path, job: str) -> Path:
-    """The record of `job` as seen from `where`: its own, or the one its pointer names."""
+    """The record of `job` as seen from `where`: its own, or the one its pointer names.
+
+    Follows one pointer, never a chain. A missing or unreadable file is returned as is (`load` reports it)."""
     path = record_path(where, job)
     try:
         data = json.loads(path.read_text())
@@ -105,16 +129,21 @@ def locate(where: Path, job: str) -> Path:
 
 
 def exists(project: Path, job: str) -> bool:
+    """Whether a record of `job` can be found from `project` (directly or through a pointer)."""
     return locate(project, job).is_file()
 
 
 def deployed_jobs(project: Path) -> list[str]:
+    """The names of the jobs with a record (or a pointer) under `project`, sorted."""
     return sorted(p.stem for p in (project / RECORD_DIR).glob("*.json"))
 
 
 def choose(project: Path, job: str | None, default: str | None = None) -> str | None:
     """The job a command means: the one named; else the project's only job; else, among several, the one named
-    `default` (the project's default job name). None if the project has no record to choose from."""
+    `default` (the project's default job name). None if the project has no record to choose from.
+
+    Raises UserError if several jobs are there and none is named or the default. The name is not checked
+    against the records (see `exists`, `load`)."""
     if job is not None:
         return job
     found = deployed_jobs(project)
@@ -128,7 +157,10 @@ def choose(project: Path, job: str | None, default: str | None = None) -> str | 
 
 
 def load(project: Path, job: str | None, default: str | None = None) -> JobRecord:
-    """The record of `job` (see `choose` when no name was given)."""
+    """The record of `job` (see `choose` when no name was given).
+
+    Raises UserError, with what to do, when there is no job to choose, the job was never deployed from
+    `project`, or the file is unreadable, not JSON, or fails the field checks (RecordError)."""
     job = choose(project, job, default)
     if job is None:
         raise UserError(f"no job deployed from {project}; run 'fleet deploy train' there (or pass --project DIR)")
@@ -208,7 +240,11 @@ def _parse(data: Any) -> JobRecord:
 
 
 def token(project: Path, job: str) -> str:
-    """The job's token, created on first use; never printed."""
+    """The job's token, created on first use; never printed.
+
+    64 hex digits (256 random bits), in `.toolkit/jobs/<job>.token` with mode 0600, created exclusively (an
+    existing token is never overwritten) and reused by every later deploy. deploy copies it to each host's job
+    directory; it never appears on a command line, in an environment or in a log (docs/security.md)."""
     path = project / RECORD_DIR / f"{job}.token"
     try:
         return path.read_text().strip()

@@ -1,5 +1,9 @@
 """Many hosts at once: a bounded parallel fan-out that returns a result per host (`run_on_all`, `check_all`), and a
-pool of open connections for loops that ask the same hosts again and again (`HostPool`)."""
+pool of open connections for loops that ask the same hosts again and again (`HostPool`).
+
+The tasks (toolkit.tasks) reach hosts only through these. A fan-out never lets one host's failure escape as an
+exception: each becomes that host's HostResult, so a task can report every host, roll back the ones that started,
+or raise one ClusterError (`check_all`) with the root cause first."""
 
 from __future__ import annotations
 
@@ -27,7 +31,11 @@ T = TypeVar("T")
 
 def open_host(target: Target, settings: SshSettings, known_hosts: KnownHosts | None = None) -> Host:
     """A connected Host for the target: LocalHost for a local target, else SshHost (raises RemoteError).
-    Pass one KnownHosts when opening many hosts."""
+    Pass one KnownHosts when opening many hosts.
+
+    For SSH, connecting is bounded by the connect timeout and checks the host key strictly; it raises
+    HostUnreachable, AuthenticationFailed, UnknownHostKey or ChangedHostKey, and UserError for a missing
+    ssh_config. The caller closes the host."""
     if target.local:
         return LocalHost(target.name, settings)
     return SshHost(target, settings, known_hosts)
@@ -36,13 +44,21 @@ def open_host(target: Target, settings: SshSettings, known_hosts: KnownHosts | N
 class HostPool:
     """Connections kept open across fan-outs, for loops that ask the same hosts again and again (`train --join`
     polls every host each interval: a new connection each time costs a TCP handshake, a key exchange and a key
-    login per host and round). A connection that broke is dropped, and the next round opens a new one."""
+    login per host and round). A connection that broke is dropped, and the next round opens a new one.
+
+    Used by `train --join` and `collect_status` through run_on_all's `pool`. Thread-safe: a host is taken out of
+    the pool while a worker uses it, so two threads never share a connection. Close it (or use `with`) to close
+    every pooled connection."""
 
     def __init__(self) -> None:
         self._hosts: dict[str, Host] = {}
         self._lock = threading.Lock()
 
     def get(self, target: Target, settings: SshSettings, known_hosts: KnownHosts | None) -> Host:
+        """The pooled connection to `target`, taken out of the pool, if it still answers; else a new one.
+
+        A pooled SshHost is probed first (`alive()`, one round trip bounded by dead_after); one that fails the
+        probe is closed. Opening a new one raises as `open_host` does."""
         with self._lock:
             host = self._hosts.pop(target.name, None)
         if host is not None and (not isinstance(host, SshHost) or host.alive()):
@@ -52,6 +68,7 @@ class HostPool:
         return open_host(target, settings, known_hosts)
 
     def put(self, host: Host) -> None:
+        """Keep `host` for the next fan-out; an older connection kept under the same name is closed."""
         with self._lock:
             old = self._hosts.pop(host.name, None)
             self._hosts[host.name] = host
@@ -59,6 +76,7 @@ class HostPool:
             old.close()
 
     def close(self) -> None:
+        """Close every pooled connection and empty the pool (it may be used again afterwards)."""
         with self._lock:
             hosts, self._hosts = list(self._hosts.values()), {}
         for host in hosts:
@@ -82,7 +100,14 @@ def run_on_all(
     """Connect to each target and call fn(host), at most settings.parallel at once, closing each connection
     after (or, with a `pool`, keeping it there for the next fan-out unless it broke). Returns a result per host,
     in target order; never raises for a host's failure (see check_all). With fail_fast, hosts not yet started
-    when one fails are skipped. `progress` is called (from worker threads) as each host finishes."""
+    when one fails are skipped. `progress` is called (from worker threads) as each host finishes.
+
+    A failure's `error` is one line starting with the host's name: a RemoteError's or UserError's text, or for
+    anything else (a bug, not the host's fault) the exception's type and message, with the exception kept in
+    `HostResult.exception`. Each host's calls are bounded by `settings` (connect timeout, command timeouts,
+    dead_after), so the fan-out ends even when hosts vanish. known_hosts is read once for all targets. Raises
+    UserError, before connecting anywhere, for a host listed twice, a missing ssh_config or an unreadable
+    known_hosts. With a pool, a connection is kept after a failure too, unless it was lost."""
     names = [t.name for t in targets]
     dupes = sorted({n for n in names if names.count(n) > 1})
     if dupes:
@@ -141,7 +166,10 @@ def run_on_all(
 
 
 def check_all(results: Mapping[str, HostResult[T]]) -> dict[str, T]:
-    """The values of a fan-out, or ClusterError listing every failed host (root cause first)."""
+    """The values of a fan-out, or ClusterError listing every failed host (root cause first).
+
+    All or nothing: one failed (or skipped) host raises, even if the others succeeded; the values are keyed by
+    host name in the results' order."""
     if any(not r.ok for r in results.values()):
         raise ClusterError(results)
     return {name: r.value for name, r in results.items()}  # type: ignore[misc]

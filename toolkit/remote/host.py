@@ -1,6 +1,10 @@
 """`Host`: a machine to run commands on and copy files to, as one interface over SSH (toolkit.remote.ssh) and over
 this machine without SSH (toolkit.remote.local). The transport-specific part is five methods; the rest (argv
-quoting, preflight, streams, sync) is here once."""
+quoting, preflight, streams, sync) is here once.
+
+Every call is bounded (commands by their timeout, default SshSettings.command_timeout; the rest by the transport's
+bounds, see SshHost) and fails as one line naming the host: a RemoteError kind from toolkit.remote.results, or a
+UserError for a local mistake (an unreadable local file, a `~user` path)."""
 
 from __future__ import annotations
 
@@ -35,7 +39,12 @@ _STREAM_HEADER = "toolkit-stream"
 
 class Host:
     """A machine to run commands on and copy files to. Paths are the host's: relative ones (and `~/...`) are
-    relative to the user's home there, as for ssh and sftp."""
+    relative to the user's home there, as for ssh and sftp.
+
+    Open ones come from `open_host` (or a HostPool); close with `close()` or a `with` block. A transport sets
+    `name` (the inventory name every error starts with) and `settings` (SshSettings: the bounds), and implements
+    `_run_text`, `_stream_text`, `_put_file`, `_write_bytes` and `_mkdir`. One Host is used by one thread at a
+    time (run_on_all gives each host its own worker)."""
 
     name: str
 
@@ -49,13 +58,24 @@ class Host:
     ) -> CommandResult:
         """Run an argv list (quoted with shlex.join) or a POSIX shell script given as one string (only for
         scripts toolkit writes: user values go in as argv or through shlex.quote). With check, a failure raises
-        the matching RemoteError."""
+        the matching RemoteError.
+
+        The command runs in the home directory (or `cwd`) with `env` exported, and is killed on the host after
+        `timeout` seconds (None: settings.command_timeout). Without check the result tells what happened (exit
+        status, timeout, signal, lost connection) and nothing is raised for the command's failure; with check a
+        failure raises ConnectionLost or CommandFailed. SshHost raises, check or not, HostStalled when the host
+        stops answering and CommandFailed for an SSH error on a live connection. ValueError for an empty argv or
+        an invalid environment variable name; UserError for a `~user` cwd."""
         text = command_text(command, cwd, env)
         result = self._run_text(text, timeout)
         return result.check() if check else result
 
     def put(self, local: str | Path, remote: str, mode: int | None = None) -> None:
-        """Copy a file, atomically (temp name, then rename), with the local file's mode unless `mode`."""
+        """Copy a file, atomically (temp name, then rename), with the local file's mode unless `mode`.
+
+        No byte is ever readable under a looser mode than `mode`; a failed copy leaves no temp file. Raises
+        UserError if the local file cannot be read; CommandFailed, ConnectionLost or HostStalled from the
+        transfer, which is bounded by its size (see SshSettings)."""
         local = Path(local)
         try:
             st = local.stat()
@@ -65,7 +85,7 @@ class Host:
 
     def write(self, remote: str, data: bytes | str, mode: int = 0o644) -> None:
         """Write `data` to a file, atomically, with `mode` (0o600 for secrets: the mode is set before the data
-        lands under its final name)."""
+        lands under its final name). Raises as `put` does; the directory must exist."""
         self._write_bytes(_home_relative(remote), data.encode() if isinstance(data, str) else data, mode)
 
     def sync_dir(
@@ -76,7 +96,10 @@ class Host:
         delete: bool = False,
     ) -> SyncStats:
         """Make remote_dir hold local_dir's files (toolkit.remote.transfer): incremental, never following a
-        symlink out of local_dir; with delete, remote files that are not local (and not excluded) are removed."""
+        symlink out of local_dir; with delete, remote files that are not local (and not excluded) are removed.
+
+        Returns what was sent, kept and removed, and the symlinks left out (`SyncStats.outside`: the caller says
+        so). Raises UserError if local_dir is not a directory, else as `run(check=True)` and `put` do."""
         from toolkit.remote.transfer import sync_dir
 
         return sync_dir(self, Path(local_dir), remote_dir, exclude, delete)
@@ -89,7 +112,10 @@ class Host:
         env: Mapping[str, str] | None = None,
     ) -> int:
         """Start argv in its own session, detached from this connection (stdin /dev/null, output to `log`,
-        relative to cwd), and return its pid. It outlives the connection."""
+        relative to cwd), and return its pid. It outlives the connection.
+
+        Returns once the process runs in its new session. Raises ValueError for an empty argv, ConnectionLost if
+        the connection dropped before the pid came back, CommandFailed if no pid came back (the shell's error)."""
         if not argv:
             raise ValueError("detach needs a command")
         # The child reports its own pid from inside its new session on fd 3 (the channel) and closes it before
@@ -115,7 +141,13 @@ class Host:
         """Run a command and hand each line of its stdout to on_line as it arrives (`tail -F` over SSH), until
         the command ends, the connection is lost, or `stop` is set. No read waits longer than `poll`. On stop,
         the command's process group on the host is killed (its leader reports its pid and group first), so a
-        follower never outlives the stream; stderr comes back in the result."""
+        follower never outlives the stream; stderr comes back in the result.
+
+        There is no overall timeout (`logs -f` streams until Ctrl-C); starting the command is bounded, and over
+        SSH a dead peer ends the stream through TCP_USER_TIMEOUT and keepalives. on_line runs in the calling
+        thread. Returns a CommandResult with empty stdout: `stopped` when `stop` ended it, else its exit status,
+        signal or lost connection; raises only if the command cannot be started (HostStalled if the host does
+        not answer)."""
         text = command_text(command)
         # sshd (and LocalHost) start the command as a session leader: its pid is its process group.
         wrapped = (f'read -r _ _ _ _ g _ < /proc/$$/stat; echo "{_STREAM_HEADER} $$ $g"; '
@@ -134,7 +166,10 @@ class Host:
         return CommandResult(self.name, text, code, "", err)
 
     def _end_stream(self, header: tuple[int, int] | None) -> None:
-        """Kill a stream's command on the host: its whole process group when it leads one, else the pid."""
+        """Kill a stream's command on the host: its whole process group when it leads one, else the pid.
+
+        `header` is the (pid, pgid) the stream's wrapper printed first (None: it never did, nothing to kill).
+        SIGTERM, bounded by dead_after; the result is not checked (the command may have ended meanwhile)."""
         if header is None:
             return
         pid, pgid = header
@@ -143,7 +178,12 @@ class Host:
 
     def preflight(self, python: str, workdir: str, ports: Sequence[int] = ()) -> None:
         """Check before starting anything that the host has `python`, that it imports toolkit, that `workdir`
-        can be created, and that `ports` are free; raise PreflightFailed naming the first thing missing."""
+        can be created, and that `ports` are free; raise PreflightFailed naming the first thing missing.
+
+        One command (one round trip, one Python start), bounded by command_timeout. A port counts as free if it
+        can be bound on all IPv4 interfaces. If the check itself cannot run, raises ConnectionLost or CommandFailed
+        instead. Called by deploy (workdir only) and by train on the scheduler's host (with the job's two ports)
+        when no agent runs there yet."""
         # One interpreter for the import and every port (each start of Python costs ~0.1 s of CPU per host).
         check = (
             "import socket, sys\n"
@@ -190,6 +230,7 @@ class Host:
         raise PreflightFailed(self.name, cause)
 
     def close(self) -> None:
+        """Release the connection; a no-op here (LocalHost has none). Safe to call more than once."""
         pass
 
     def _lost(self) -> bool:
@@ -204,20 +245,29 @@ class Host:
 
     # the transport-specific part
     def _run_text(self, text: str, timeout: float | None) -> CommandResult:
+        """Run shell text (from command_text) with /bin/sh, killed after `timeout` (None: command_timeout); the
+        outcome as a CommandResult, never raising for the command's own failure."""
         raise NotImplementedError
 
     def _stream_text(self, text: str, lines: _LineSplitter, stop: threading.Event,
                      poll: float) -> tuple[int | None, str, bool, bool]:
-        """(exit status, stderr, finished, stopped); a negative status is a signal."""
+        """(exit status, stderr, finished, stopped); a negative status is a signal.
+
+        Feed stdout to `lines` until the command ends or `stop` is set (then kill it, see `_end_stream`); no
+        wait longer than `poll` between looks at `stop`. `finished` False: no exit status came back."""
         raise NotImplementedError
 
     def _put_file(self, local: Path, remote: str, mode: int, mtime: int | None) -> None:
+        """Copy `local` to `remote` (home-relative) atomically with `mode`, and `mtime` if given (sync compares
+        it); RemoteError on failure, with the temp file removed."""
         raise NotImplementedError
 
     def _write_bytes(self, remote: str, data: bytes, mode: int) -> None:
+        """Write `data` to `remote` atomically with `mode`, set before the data lands; RemoteError on failure."""
         raise NotImplementedError
 
     def _mkdir(self, remote: str) -> None:
+        """Create one directory (its parent exists); RemoteError on failure."""
         raise NotImplementedError
 
 
@@ -231,17 +281,20 @@ class _LineSplitter:
         self.header_seen = False
 
     def feed(self, data: bytes) -> None:
+        """Take the next chunk; complete lines go out, a partial last line waits for the rest."""
         self.buf += data
         *complete, self.buf = self.buf.split(b"\n")
         for raw in complete:
             self._line(_decode(raw))
 
     def flush(self) -> None:
+        """Hand out a last line that had no newline (at the end of the stream)."""
         if self.buf:
             self._line(_decode(self.buf))
             self.buf = b""
 
     def _line(self, line: str) -> None:
+        """The first line, if it is the header, sets `header` and is swallowed; every other line goes to on_line."""
         if not self.header_seen:
             self.header_seen = True
             words = line.split()
@@ -253,7 +306,10 @@ class _LineSplitter:
 
 def command_text(command: Sequence[str] | str, cwd: str | None = None, env: Mapping[str, str] | None = None) -> str:
     """The shell text for a command: argv quoted with shlex.join (and exec'd), a script as is; `cd` and
-    `export` lines (quoted) before it."""
+    `export` lines (quoted) before it.
+
+    What Host.run sends, so also what error messages show. A failed `cd` exits 1 before the command runs.
+    Raises ValueError for an empty argv or an environment variable name that is not [A-Za-z_][A-Za-z0-9_]*."""
     if isinstance(command, str):
         body = command
     else:
@@ -285,6 +341,7 @@ def _home_relative(path: str) -> str:
 
 
 def _temp_name(path: str) -> str:
+    """A hidden, unique name beside `path` for an atomic write (write there, then rename over `path`)."""
     head, _, tail = path.rpartition("/")
     return f"{head}/.{tail}.{uuid.uuid4().hex[:8]}.tmp" if head else f".{tail}.{uuid.uuid4().hex[:8]}.tmp"
 

@@ -1,5 +1,9 @@
 """Strict SSH host keys: every connection checks its host's key against known_hosts; an unknown key is refused unless
-accepting new keys was asked for (then it is recorded, under a lock), a changed key always is."""
+accepting new keys was asked for (then it is recorded, under a lock), a changed key always is.
+
+Fabric alone would accept any key (paramiko's AutoAddPolicy, no known_hosts read); SshHost applies `KnownHosts` to
+its connection and to every ProxyJump hop before connecting. The policy raises `_UnknownKey` (and paramiko raises
+BadHostKeyException); SshHost turns them into UnknownHostKey and ChangedHostKey (toolkit.remote.results)."""
 
 from __future__ import annotations
 
@@ -22,6 +26,8 @@ class _UnknownKey(Exception):
         self.key = key
 
     def describe(self, settings: SshSettings) -> str:
+        """The cause for UnknownHostKey: the key's type and fingerprint, and the ssh-keyscan line (`-p PORT` for a
+        non-standard port) or the flag that would accept it."""
         host = self.hostname
         scan = host[1:].replace("]:", " -p ") if host.startswith("[") else host
         return (f"host key unknown: {host} is not in {settings.known_hosts} ({self.key.get_name()} "
@@ -35,7 +41,10 @@ class KnownHosts:
 
     Checking: a changed key is always refused (paramiko raises BadHostKeyException before any policy is asked);
     an unknown one is refused unless accept_new_host_keys, in which case it is appended to the file (under a
-    lock, so parallel connections and processes do not lose lines)."""
+    lock, so parallel connections and processes do not lose lines).
+
+    Read once, under a shared lock; raises UserError if the file exists but cannot be read. A missing file means
+    no host is known. Built by run_on_all once per fan-out (and by SshHost when none is passed)."""
 
     def __init__(self, settings: SshSettings) -> None:
         import paramiko
@@ -52,7 +61,9 @@ class KnownHosts:
                 raise UserError(f"{self.path}: cannot read known_hosts ({e.strerror}); check the path") from None
 
     def apply(self, client: Any, hostname: str, port: int) -> None:
-        """Make `client` check the key of hostname:port against this file."""
+        """Make `client` check the key of hostname:port against this file: only that host's entries are loaded
+        into it (looked up as `host` on port 22, `[host]:port` otherwise, as OpenSSH writes them), and a policy
+        for a host without an entry is installed. Call before the client connects."""
         import paramiko
 
         name = hostname if int(port) == 22 else f"[{hostname}]:{port}"
@@ -73,6 +84,11 @@ class KnownHosts:
 
 
 def _append_known_host(path: Path, hostname: str, key: Any) -> None:
+    """Record a first-seen key (accept-new) in known_hosts, created 0600 in a 0700 directory if missing.
+
+    The file is re-read under an exclusive lock, so parallel connections (and other toolkit processes) neither
+    lose lines nor record a host twice: the same key already there is a no-op; a different key recorded since
+    this fan-out read the file raises paramiko.BadHostKeyException, reported as a changed key."""
     import paramiko
 
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)

@@ -20,7 +20,11 @@ from toolkit.remote.settings import LOCALHOST, SshSettings
 
 class LocalHost(Host):
     """This machine, without SSH (local mode): the same commands through /bin/sh, started in the home
-    directory like an SSH session, so tasks behave the same with and without hosts."""
+    directory like an SSH session, so tasks behave the same with and without hosts.
+
+    Each command gets its own session (process group), so a timeout or a stop kills everything it started and
+    nothing else. There is no connection to lose and no host to stall: results never have `connection_lost`,
+    and HostStalled is never raised; file errors raise CommandFailed. Made by `open_host` for a local Target."""
 
     def __init__(self, name: str = LOCALHOST, settings: SshSettings | None = None) -> None:
         self.name = name
@@ -28,9 +32,12 @@ class LocalHost(Host):
         self.home = Path.home()
 
     def _path(self, path: str) -> Path:
+        """A host path as the local Path it means: relative to home, absolute as is (Path's `/` keeps those)."""
         return self.home / path
 
     def _run_text(self, text: str, timeout: float | None) -> CommandResult:
+        """Run under /bin/sh in home, in a new session; past `timeout` (None: command_timeout) its whole process
+        group gets SIGKILL and the result says timed out. Output is collected in memory."""
         timeout = self.settings.command_timeout if timeout is None else timeout
         proc = subprocess.Popen(["/bin/sh", "-c", text], cwd=self.home, stdin=subprocess.DEVNULL,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
@@ -48,6 +55,9 @@ class LocalHost(Host):
 
     def _stream_text(self, text: str, lines: _LineSplitter, stop: threading.Event,
                      poll: float) -> tuple[int | None, str, bool, bool]:
+        """Read stdout and stderr with poll(2), at most `poll` s at a time between looks at `stop`. On stop (or
+        an exception) the session gets SIGTERM, then SIGKILL if it has not ended within dead_after. Always
+        `finished`: the exit status is known (negative for a signal)."""
         proc = subprocess.Popen(["/bin/sh", "-c", text], cwd=self.home, stdin=subprocess.DEVNULL,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
         err: list[bytes] = []
@@ -84,6 +94,8 @@ class LocalHost(Host):
         return code, _decode(b"".join(err)), True, stopped
 
     def _put_file(self, local: Path, remote: str, mode: int, mtime: int | None) -> None:
+        """Copy through a temp file created 0600 (so never looser than `mode` while data lands), then chmod,
+        utime and rename over the destination; CommandFailed on an OSError."""
         dest = self._path(remote)
         tmp = dest.with_name(f".{dest.name}.{uuid.uuid4().hex[:8]}.tmp")
         try:
@@ -101,6 +113,7 @@ class LocalHost(Host):
             raise CommandFailed(self.name, f"cannot write {dest}: {e.strerror}") from None
 
     def _write_bytes(self, remote: str, data: bytes, mode: int) -> None:
+        """toolkit.atomicfile's write (mode set before the data lands); CommandFailed on an OSError."""
         dest = self._path(remote)
         try:
             atomicfile.write(dest, data, mode=mode)
@@ -108,6 +121,7 @@ class LocalHost(Host):
             raise CommandFailed(self.name, f"cannot write {dest}: {e.strerror}") from None
 
     def _mkdir(self, remote: str) -> None:
+        """Create one directory (an existing one is fine); CommandFailed on an OSError."""
         try:
             self._path(remote).mkdir(exist_ok=True)
         except OSError as e:

@@ -14,7 +14,12 @@ def rich_progress(
     description: str, total: int, line: Callable[[HostResult[Any]], str | None] | None = None
 ) -> Iterator[Callable[[HostResult[Any]], None]]:
     """A progress callback for run_on_all that draws a rich progress bar (on stderr) while hosts finish, and
-    prints `line(result)` above the bar for each host that finishes (a line per host: what it did, or why not)."""
+    prints `line(result)` above the bar for each host that finishes (a line per host: what it did, or why not).
+
+    Pass the yielded callback as run_on_all's `progress`: it is safe to call from the fan-out's threads (one lock
+    around the bar and the printing). The bar counts finished hosts out of `total` and adds "(N failed)"; it is
+    transient (gone when the block ends) and only drawn on a terminal, while the lines (also on stderr) always
+    print. `line` returning None or "" prints nothing for that host."""
     from rich.console import Console
     from rich.progress import (
         BarColumn,

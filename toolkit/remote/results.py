@@ -13,7 +13,12 @@ T = TypeVar("T")
 
 
 class RemoteError(UserError):
-    """One host failed; the message is `<host>: <cause>` on one line."""
+    """One host failed; the message is `<host>: <cause>` on one line.
+
+    The base of every per-host error below: catch it to treat any host's failure alike. `host` is the inventory
+    name, `cause` the text after it, which ends with what to do where the fix is the user's. In a fan-out
+    (`run_on_all`) it becomes that host's `HostResult.error` instead of propagating; `check_all` turns those
+    into one ClusterError. Being a UserError, the command line prints it as one line and exits 2."""
 
     def __init__(self, host: str, cause: str) -> None:
         super().__init__(f"{host}: {cause}")
@@ -22,38 +27,76 @@ class RemoteError(UserError):
 
 
 class HostUnreachable(RemoteError):
-    pass
+    """No SSH session could be opened: the name does not resolve, the connection is refused, there is no route,
+    nothing answered within the connect timeout, or the SSH handshake (banner, key exchange) failed.
+
+    Raised by SshHost's constructor, so before anything ran on the host (`train` counts such a host as never
+    started). The user should check the host is up and its address (ansible_host / HostName) and port; a slow
+    network may need a longer connect timeout (-t or ssh_config's ConnectTimeout)."""
 
 
 class AuthenticationFailed(RemoteError):
-    pass
+    """The SSH server refused the login, there was no key to offer, or a configured key file does not exist.
+
+    Raised by SshHost's constructor, before anything ran. The user should fix the key named in the message
+    (inventory key file, --identity / -i, IdentityFile) or the host's authorized_keys for that user."""
 
 
 class UnknownHostKey(RemoteError):
-    pass
+    """The host's key is not in known_hosts and accepting new keys was not asked for (strict host keys).
+
+    Raised by SshHost's constructor (also for a ProxyJump hop), before any authentication. The message gives the
+    key's fingerprint: the user should verify it and add it (`ssh-keyscan HOST >> known_hosts`), or pass
+    --accept-new-host-keys to record keys seen for the first time."""
 
 
 class ChangedHostKey(RemoteError):
-    pass
+    """The host presented a key other than the one known_hosts holds for it: possibly someone in the middle.
+
+    Always refused, whatever --accept-new-host-keys says (also when another process recorded a different key
+    for a new host a moment earlier). Raised by SshHost's constructor, before any authentication. If the host
+    was reinstalled, the user removes the old key (`ssh-keygen -R`, as the message spells out) and connects
+    again; otherwise the user should find out who answers at that address."""
 
 
 class ConnectionLost(RemoteError):
-    pass
+    """An open connection went away during a call (host down, rebooted, or cut off): not the command's failure.
+
+    Raised by `CommandResult.check()` for a result with `connection_lost`, by transfers (sftp, the listing of a
+    sync) and by `Host.detach`. Whether the command ran on the host is unknown. `run_on_all` drops such a
+    connection from a HostPool rather than reusing it. The user should retry once the host answers (for
+    `stop`: run it again, the job may still run there)."""
 
 
 class CommandFailed(RemoteError):
-    pass
+    """A command or file operation on a reachable host failed: non-zero exit, killed by a signal, timed out, or
+    an sftp/SSH error on a live connection (no space, permission denied, a missing directory).
+
+    Raised by `CommandResult.check()` (so by `Host.run(check=True)`), by transfers, by `Host.detach` and by
+    LocalHost's file operations. The message ends with the command (shortened) and the last lines of its
+    output; the user should act on those."""
 
 
 class PreflightFailed(RemoteError):
-    pass
+    """`Host.preflight` found the host unfit before anything was started: no such python, python cannot import
+    toolkit, the workdir cannot be created or written, or a port the job needs is in use.
+
+    Nothing was started on that host (`train` does not try to stop the job there). The message names the one
+    thing missing and the fix: install Python or toolkit there (or set python= / --python), choose a writable
+    --workdir, or stop what listens on the port (or choose another --master-port)."""
 
 
 class HostStalled(RemoteError):
-    """The host (its sshd session, or the network) stopped answering within the call's bound."""
+    """The host (its sshd session, or the network) stopped answering within the call's bound.
+
+    Raised by SshHost when a watchdog fired (a command, an sftp transfer or a channel request past its bound)
+    or when the liveness probe got no answer within `dead_after` on a connection that still looked up (a
+    stopped sshd session, a silent firewall). The connection has been closed; whether the command ran is
+    unknown. The user should check the host and the network, then run the command again."""
 
 
 def _stalled(what: str, seconds: float) -> str:
+    """The cause text of a HostStalled: what got no answer, and within which bound."""
     return (f"stopped answering: {what} got no answer within {seconds:g} s (the host, its SSH session or the network "
             "stalled); the connection was closed")
 
@@ -75,6 +118,7 @@ class CommandResult:
 
     @property
     def ok(self) -> bool:
+        """Whether the command exited 0 (False for a lost connection, a timeout, a signal or a stop)."""
         return self.exit_code == 0
 
     def describe(self) -> str:
@@ -91,7 +135,8 @@ class CommandResult:
         return f"command {how}: {_short(self.command)}" + (f": {tail}" if tail else "")
 
     def check(self) -> CommandResult:
-        """Return self if the command succeeded, else raise the matching one-line error."""
+        """Return self if the command succeeded, else raise the matching one-line error: ConnectionLost when the
+        connection was lost, CommandFailed for every other failure (exit status, timeout, signal, stop)."""
         if self.ok:
             return self
         if self.connection_lost:
@@ -101,6 +146,9 @@ class CommandResult:
 
 @dataclass(frozen=True)
 class SyncStats:
+    """What one copy to a host did (`Host.sync_dir`, deploy's upload of the rendered files); deploy sums them over
+    the hosts for its summary line and warns about every path in `outside`."""
+
     files_sent: int = 0
     bytes_sent: int = 0
     files_unchanged: int = 0
@@ -126,7 +174,12 @@ class HostResult(Generic[T]):
 
 class ClusterError(UserError):
     """Some hosts failed. The first line names the root cause (the earliest failure); one line per failed host
-    follows."""
+    follows.
+
+    Raised by `check_all` (and by tasks that inspect a fan-out's results first) with the whole result map;
+    skipped hosts (fail_fast) are listed after the attempted ones. `results` keeps every host's result, `failures`
+    the failed ones in that order. The user should fix the root cause first: the later failures are often its
+    consequences. Constructing it from results without a failure is a bug (ValueError)."""
 
     def __init__(self, results: Mapping[str, HostResult[Any]]) -> None:
         self.results = dict(results)
@@ -142,10 +195,12 @@ class ClusterError(UserError):
 
     @property
     def root_cause(self) -> HostResult[Any]:
+        """The earliest attempted failure (a skipped host only if every failed host was skipped)."""
         return self.failures[0]
 
 
 def _signal_name(number: int) -> str:
+    """"SIGKILL" for 9; "signal N" for a number without a name."""
     try:
         return signal.Signals(number).name
     except ValueError:
@@ -153,19 +208,24 @@ def _signal_name(number: int) -> str:
 
 
 def _decode(data: bytes) -> str:
+    """Remote output as text; bytes that are not UTF-8 become U+FFFD rather than an error."""
     return data.decode("utf-8", errors="replace")
 
 
 def _tail(text: str, lines: int = 3, width: int = 300) -> str:
+    """The last non-blank `lines` of output joined with " | ", at most `width` characters: the gist of an error
+    for a one-line message."""
     tail = " | ".join(line.strip() for line in text.strip().splitlines()[-lines:] if line.strip())
     return tail[-width:]
 
 
 def _short(command: str, width: int = 120) -> str:
+    """A command on one line (whitespace collapsed), cut to `width` characters, for messages."""
     one = " ".join(command.split())
     return one if len(one) <= width else one[: width - 3] + "..."
 
 
 def _one_line(e: BaseException) -> str:
+    """An unexpected exception as `Type: message` on one line (the type tells a bug from a fault)."""
     text = " ".join(str(e).split())
     return f"{type(e).__name__}: {text}" if text else type(e).__name__

@@ -1,4 +1,7 @@
-"""How to reach hosts (`SshSettings`, `Target`) and the ssh_config Fabric reads (`fabric_config`)."""
+"""How to reach hosts (`SshSettings`, `Target`) and the ssh_config Fabric reads (`fabric_config`).
+
+Plain values, checked when made (a bad flag is one UserError before any connection): the tasks build them from the
+typed flags (deploy) or from the job record (every later command), and toolkit.remote reads them."""
 
 from __future__ import annotations
 
@@ -18,7 +21,13 @@ LOCALHOST = "localhost"
 class SshSettings:
     """How to reach hosts. `dead_after` bounds every wait on an open connection: data unacknowledged for that
     long (TCP_USER_TIMEOUT, with keepalives so there always is data) or a channel not opened in that time means
-    the host is gone."""
+    the host is gone.
+
+    The bounds, together: opening a connection waits `connect_timeout` per step (TCP connect, banner, login); a
+    command `command_timeout` unless the call gives its own; the liveness probe `dead_after`; a transfer
+    2 x dead_after plus its size at toolkit.remote.ssh.MIN_TRANSFER_RATE. Host keys are strict: an unknown one
+    is refused unless `accept_new_host_keys`, a changed one always. `parallel` caps the connections a fan-out
+    opens at once. Raises UserError for a non-positive bound or parallel."""
 
     known_hosts: str = "~/.ssh/known_hosts"
     accept_new_host_keys: bool = False
@@ -42,13 +51,17 @@ class SshSettings:
 
     @property
     def known_hosts_path(self) -> Path:
+        """`known_hosts` with `~` expanded (the file need not exist: with accept-new it is created)."""
         return Path(self.known_hosts).expanduser()
 
 
 @dataclass(frozen=True)
 class Target:
     """One host to reach: its inventory name, and what overrides ssh_config (None: ssh_config, then defaults).
-    A `local` target runs on this machine without SSH."""
+    A `local` target runs on this machine without SSH.
+
+    `name` is what every message and result is keyed by (unique within a fan-out); `hostname` is what SSH
+    connects to, which may be an ssh_config alias. Raises UserError for an empty name or a port outside 1-65535."""
 
     name: str
     hostname: str | None = None
@@ -65,7 +78,8 @@ class Target:
 
     @classmethod
     def of(cls, host: Any, local: bool = False) -> Target:
-        """From anything shaped like toolkit.inventory.Host (name, address, port, user, key_file)."""
+        """From anything shaped like toolkit.inventory.Host (name, address, port, user, key_file); an IPv6 address's
+        brackets are removed. Missing attributes are None (ssh_config decides)."""
         address = getattr(host, "address", None)
         return cls(
             name=host.name,
@@ -78,7 +92,11 @@ class Target:
 
 
 def fabric_config(settings: SshSettings) -> Any:
-    """A Fabric Config that reads settings.ssh_config (or the user's and system's ssh_config files)."""
+    """A Fabric Config that reads settings.ssh_config (or the user's and system's ssh_config files).
+
+    A new Config per call: Fabric's is not safe to share between the threads of a fan-out. Raises UserError when
+    an explicit ssh_config does not exist (run_on_all calls this once up front, so that is one error, not one per
+    host)."""
     import fabric
 
     if settings.ssh_config is None:

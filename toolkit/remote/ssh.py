@@ -1,6 +1,13 @@
 """`SshHost`: a host over SSH through Fabric, with what Fabric lacks made good here once: strict host keys
 (toolkit.remote.hostkeys), TCP options that notice a dead peer, keepalives, and a bound on every call (a watchdog
-closes a connection whose host stopped answering, since paramiko waits without bound in several places)."""
+closes a connection whose host stopped answering, since paramiko waits without bound in several places).
+
+The bounds (SshSettings): connecting, `connect_timeout` per step; opening a channel, `dead_after`; a command, its
+timeout, enforced on the host by `timeout(1)` and guarded here by a watchdog; an sftp transfer, 2 x dead_after plus
+its size at MIN_TRANSFER_RATE; the liveness probe, dead_after. A connection whose data goes unacknowledged for
+dead_after is ended by the kernel (TCP_USER_TIMEOUT; keepalives every keepalive_interval keep data flowing).
+Connecting, commands and transfers turn paramiko's and the socket's exceptions into the RemoteError kind that names
+the cause (toolkit.remote.results)."""
 
 from __future__ import annotations
 
@@ -43,7 +50,14 @@ MIN_TRANSFER_RATE = 1e6  # bytes/s an sftp transfer may not fall below before it
 
 class SshHost(Host):
     """A host over SSH (Fabric): connected when constructed (so an unreachable host, a failed login or a bad
-    host key raise here, as one line), with keepalives and bounded waits from then on."""
+    host key raise here, as one line), with keepalives and bounded waits from then on.
+
+    Construction raises HostUnreachable, AuthenticationFailed (also for a key file that does not exist),
+    UnknownHostKey or ChangedHostKey, having closed whatever it opened. ssh_config is honoured (HostName, User,
+    Port, IdentityFile, ProxyJump; every hop gets the same host-key checks). Keys: the target's key_file, then
+    settings.identity_files, then ssh_config's IdentityFile entries that exist; when any is given, only those
+    are offered (no default keys, no agent), else paramiko's defaults and the agent. `stalled` is set once a
+    liveness probe went unanswered on an open connection: later failures are then HostStalled."""
 
     def __init__(self, target: Target, settings: SshSettings, known_hosts: KnownHosts | None = None) -> None:
         import fabric
@@ -88,6 +102,7 @@ class SshHost(Host):
         self._open()
 
     def _open(self) -> None:
+        """Connect (see `_connect`) and start keepalives; on any failure close everything first, then raise."""
         try:
             self._connect()
         except BaseException:
@@ -107,6 +122,9 @@ class SshHost(Host):
         return sock
 
     def _connect(self) -> None:
+        """Open the connection, turning each way it can fail into one line with its remedy: an unknown or
+        changed host key, a refused login or no key to offer, an address that does not resolve, refuses, has no
+        route or does not answer within connect_timeout, or an SSH handshake that fails."""
         import paramiko
 
         conn = self._conn
@@ -201,6 +219,12 @@ class SshHost(Host):
             raise HostStalled(self.name, _stalled(what, seconds))
 
     def _run_text(self, text: str, timeout: float | None) -> CommandResult:
+        """Run under the host's `timeout -k 1 T /bin/sh -c TEXT`, which ends the command (and what it started in
+        its group) on the host. Here the wait is bounded by T + 1 s + dead_after (then the result says timed out),
+        and a watchdog one dead_after later closes the connection if even that wait hangs. Exit 124 or 137 after
+        at least T seconds counts as timed out. A failure with no answer to the liveness probe is a lost
+        connection (a result, not an exception) or, if the connection stalled, HostStalled; an SSH error on a
+        live connection is CommandFailed."""
         import paramiko
 
         timeout = self.settings.command_timeout if timeout is None else timeout
@@ -264,6 +288,10 @@ class SshHost(Host):
 
     def _stream_text(self, text: str, lines: _LineSplitter, stop: threading.Event,
                      poll: float) -> tuple[int | None, str, bool, bool]:
+        """Stream over a new channel: opening it is bounded (2 x dead_after, HostStalled past that); reading is
+        not, since a dead peer closes the transport (TCP_USER_TIMEOUT) and so the channel. On stop the command
+        is killed on the host (`_end_stream`) if the transport is still up. After the output ends, the exit
+        status is awaited for dead_after; none in that time comes back as not finished."""
         with self._bounded(2 * self.settings.dead_after, f"starting {_short(text)}"):
             chan = self._conn.transport.open_session(timeout=self.settings.dead_after)
             chan.exec_command(text)
@@ -312,6 +340,8 @@ class SshHost(Host):
             raise CommandFailed(self.name, f"{what}: {reason}") from None
 
     def _put_file(self, local: Path, remote: str, mode: int, mtime: int | None) -> None:
+        """sftp to a temp name beside `remote` (chmod first, pipelined writes), optional utime, then
+        posix_rename over it; the temp file is removed on any failure. Bounded by the file's size."""
         tmp = _temp_name(remote)
         with self._sftp_errors(f"copying {local} to {remote}", local.stat().st_size) as sftp:
             try:
@@ -329,6 +359,7 @@ class SshHost(Host):
                 raise
 
     def _write_bytes(self, remote: str, data: bytes, mode: int) -> None:
+        """As `_put_file`, from memory: chmod before the data, rename over `remote`, temp file removed on failure."""
         tmp = _temp_name(remote)
         with self._sftp_errors(f"writing {remote}", len(data)) as sftp:
             try:
@@ -342,10 +373,12 @@ class SshHost(Host):
                 raise
 
     def _mkdir(self, remote: str) -> None:
+        """One sftp mkdir; an existing path is an error (CommandFailed), callers create only what is missing."""
         with self._sftp_errors(f"creating {remote}") as sftp:
             sftp.mkdir(remote)
 
     def _lost(self) -> bool:
+        """Whether the connection is gone: a liveness probe, bounded by dead_after."""
         return not self.alive()
 
     def close(self) -> None:
@@ -369,6 +402,8 @@ class SshHost(Host):
 
 
 def _socket_cause(e: BaseException, address: str) -> str:
+    """Why a TCP connection to `address` failed, in words: refused, no route, network unreachable, timed out, or
+    the OS's own message."""
     code = getattr(e, "errno", None)
     if code == errno.ECONNREFUSED:
         return f"connection refused at {address} (no SSH server listening there)"
@@ -382,5 +417,6 @@ def _socket_cause(e: BaseException, address: str) -> str:
 
 
 def _temp_name(path: str) -> str:
+    """A hidden, unique name beside `path` for an atomic sftp write (write there, then rename over `path`)."""
     head, _, tail = path.rpartition("/")
     return f"{head}/.{tail}.{uuid.uuid4().hex[:8]}.tmp" if head else f".{tail}.{uuid.uuid4().hex[:8]}.tmp"

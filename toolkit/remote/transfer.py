@@ -1,5 +1,8 @@
 """Copying a project to a host: incremental (one listing, then only what differs in size, mtime or mode), atomic
-per file, and never following a symlink out of the project (a link to ~/.ssh/id_rsa must not reach every host)."""
+per file, and never following a symlink out of the project (a link to ~/.ssh/id_rsa must not reach every host).
+
+Reached through `Host.sync_dir` (deploy's project upload). Works the same over SshHost and LocalHost: it uses only
+Host.run, _mkdir and _put_file, so every step has the transport's bounds. The host needs GNU find (-printf)."""
 
 from __future__ import annotations
 
@@ -19,7 +22,14 @@ if TYPE_CHECKING:
 
 
 def sync_dir(host: "Host", local_dir: Path, remote_dir: str, exclude: Sequence[str], delete: bool) -> SyncStats:
-    """Make remote_dir on `host` hold local_dir's files (see the module docstring)."""
+    """Make remote_dir on `host` hold local_dir's files (see the module docstring).
+
+    One `find` lists the remote side (creating remote_dir if needed); a file is sent only if its size, mtime
+    (whole seconds) or mode differ, and is sent with the local mtime, so the next sync finds it unchanged.
+    Remote entries of the wrong kind (a directory where a file belongs, or the reverse) are removed first; with
+    `delete`, so are remote entries that are not local and not excluded (excluded names are never touched).
+    Returns SyncStats. Raises UserError if local_dir is not a directory, ConnectionLost or CommandFailed if the
+    listing or a removal fails, and what Host._put_file and _mkdir raise for a transfer."""
     if not local_dir.is_dir():
         raise UserError(f"{local_dir}: not a directory; nothing to copy to {host.name}")
     remote_dir = _home_relative(remote_dir)
@@ -38,12 +48,14 @@ def sync_dir(host: "Host", local_dir: Path, remote_dir: str, exclude: Sequence[s
             remote[rel] = (kind, int(size), int(float(mtime)), int(mode, 8))
 
     def excluded(rel: str) -> bool:
+        """Whether any component of a relative path matches an exclude pattern."""
         return any(fnmatch.fnmatch(part, pat) for part in rel.split("/") for pat in exclude)
 
     stale = [rel for rel, info in remote.items()
              if (rel in local_files and info[0] != "f") or (rel in local_dirs and info[0] != "d")]
     if delete:
         stale += [rel for rel in remote if rel not in local_files and rel not in local_dirs and not excluded(rel)]
+    # One rm for the lot; entries under a removed directory need no separate mention.
     stale = [rel for rel in stale if not any(rel.startswith(s + "/") for s in stale if s != rel)]
     if stale:
         host.run(["rm", "-rf", "--", *(f"{remote_dir}/{rel}" for rel in stale)], check=True)
@@ -70,7 +82,12 @@ def sync_dir(host: "Host", local_dir: Path, remote_dir: str, exclude: Sequence[s
 def _scan(root: Path, exclude: Sequence[str]) -> tuple[dict[str, tuple[int, int, int]], set[str], list[str]]:
     """The files (size, mtime, mode) and directories under `root`, and the symlinks that point out of it. A
     symlink is followed only to something inside `root`: a link to ~/.ssh/id_rsa in a project must never be
-    uploaded to every host."""
+    uploaded to every host.
+
+    Paths are relative to `root` with "/" separators. Excluded names (fnmatch on each name) are neither listed
+    nor descended into; only regular files are listed (sockets, fifos, dangling links are skipped). A symlink to
+    a file inside `root` is listed as that file; a symlinked directory inside `root` is not descended into (its
+    files are not sent); a link leading out is reported in the third value for the caller to mention."""
     files: dict[str, tuple[int, int, int]] = {}
     dirs: set[str] = set()
     outside: list[str] = []

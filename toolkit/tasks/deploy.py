@@ -1,5 +1,9 @@
 """`plan` and `deploy`: what would run where, and making it so on every host (the job's layout, the rendered files, the
-project, the local job record)."""
+project, the local job record).
+
+`plan` touches no host. `deploy` is safe to repeat: it writes only what changed (rendered files by checksum, the
+project by size, mtime and mode), reuses the job's token (so running processes keep their scheduler), and refuses
+job directories other users own or may write (docs/security.md). It starts nothing: `train` does."""
 
 from __future__ import annotations
 
@@ -35,6 +39,8 @@ PROJECT_EXCLUDE = DEFAULT_EXCLUDE + (".toolkit",)
 
 
 def launch_plan(settings: Settings) -> LaunchPlan:
+    """The plan for the typed settings (pure: no host is asked). A remote workdir relative to home stays
+    relative here; deploy plans again once the hosts have resolved it. Raises PlanError (a UserError)."""
     return make_plan(settings.inventory, settings.options, str(settings.project) if settings.local else None)
 
 
@@ -42,6 +48,10 @@ def launch_plan(settings: Settings) -> LaunchPlan:
 
 
 def show_plan(settings: Settings, as_json: bool = False, render_dir: Path | None = None) -> None:
+    """`fleet plan`: print which process runs where (a table on stdout, or the plan as JSON), without reaching any
+    host. With `render_dir`, also write every host's rendered files under `render_dir/<host>/` for inspection,
+    with a throwaway token (the job's real one is made by deploy). Notes on stderr when the script is not in the
+    project yet. Raises UserError for an impossible plan."""
     plan = launch_plan(settings)
     script = Path(settings.options.script)
     if not script.is_absolute() and not (settings.project / script).is_file():
@@ -67,12 +77,21 @@ def show_plan(settings: Settings, as_json: bool = False, render_dir: Path | None
 
 def deploy(settings: Settings) -> JobRecord:
     """Make every host's job directory (workdirs resolved on the host), upload the rendered files and the
-    project (only what changed), and write the local job record."""
+    project (only what changed), and write the local job record.
+
+    Two fan-outs, each raising ClusterError if any host fails: first every host's preflight (python, toolkit,
+    a writable workdir) and its workdir resolved to an absolute path there; then the upload. Between them the
+    record is saved marked not deployed, so a deploy that fails half-way is redone by the next `train`, and
+    `status` never reads an earlier deploy's directories as this one's. A job directory owned by another user,
+    or writable by others, is refused (UserError, naming it). Every remote call is bounded (STATUS_TIMEOUT for
+    the layout, command_timeout otherwise; transfers by their size). In local mode the project is not copied:
+    the job runs in place. Prints a line per host and a summary; returns the record it saved."""
     plan = launch_plan(settings)
     ssh = ssh_settings(settings)
     targets = [Target.of(h.host, local=plan.local) for h in plan.hosts]
 
     def prepare(host: Host) -> str:
+        """Preflight the host and return its workdir as an absolute path with symlinks resolved."""
         hp = plan.host_plan(host.name)
         workdir = hp.job_dir.rsplit("/", 1)[0]
         host.preflight(hp.python, workdir)
@@ -89,6 +108,7 @@ def deploy(settings: Settings) -> JobRecord:
     jobrecord.save(settings.project, replace(_record(plan, settings), deployed=False), typed_in=Path.cwd())
 
     def upload(host: Host) -> SyncStats:
+        """The job's layout and rendered files, then (remote hosts only) the project, mirrored with delete."""
         hp = plan.host_plan(host.name)
         stats = _upload_rendered(host, hp.job_dir, render_host(plan, hp, token))
         if plan.local:
@@ -97,6 +117,7 @@ def deploy(settings: Settings) -> JobRecord:
         return _sum_stats([stats, project])
 
     def line(r: HostResult[SyncStats]) -> str:
+        """A host's progress line: what it was sent, or its error."""
         if not r.ok or r.value is None:
             return f"{r.error}"
         s = r.value
@@ -117,6 +138,10 @@ def deploy(settings: Settings) -> JobRecord:
 
 
 def _upload_rendered(host: Host, job_dir: str, files: list[RenderedFile]) -> SyncStats:
+    """Make the job's layout (LAYOUT_SCRIPT: directories 0700, ownership and mode checked) and write the rendered
+    files whose mode or SHA-256 differ from what is there, in one listing round trip plus one write per changed
+    file. Raises UserError if the job directory or its workdir belongs to another user or is writable by others
+    (another user could change what the job runs), else what `Host.run(check=True)` and `Host.write` raise."""
     result = host.run(["sh", "-c", LAYOUT_SCRIPT, "sh", job_dir, *(f.path for f in files)], timeout=STATUS_TIMEOUT)
     if result.exit_code == LAYOUT_NOT_OURS:
         path, owner, me = (result.stdout.split() + ["?", "?", "?"])[:3]
@@ -145,6 +170,9 @@ def _upload_rendered(host: Host, job_dir: str, files: list[RenderedFile]) -> Syn
 
 
 def _record(plan: LaunchPlan, settings: Settings) -> JobRecord:
+    """The job record for `plan`: per host how to reach it and where its job lives, every process and its log, the
+    SSH settings as typed (later commands reach the hosts the same way), the grace period and the job options (a
+    later flag that contradicts them is refused, see tasks.hosts.load_record)."""
     hosts = tuple(
         HostRecord(
             name=h.name,
@@ -177,6 +205,7 @@ def _record(plan: LaunchPlan, settings: Settings) -> JobRecord:
 
 
 def _sum_stats(stats: Any) -> SyncStats:
+    """SyncStats added up field by field; `outside` becomes the sorted union of the links left out."""
     stats = list(stats)
     return SyncStats(*(sum(getattr(s, f) for s in stats) for f in
                        ("files_sent", "bytes_sent", "files_unchanged", "dirs_created", "removed")),

@@ -1,5 +1,9 @@
 """Reaching the hosts of a job: SSH settings as deploy recorded them (Fabric's flags typed now win), one Target per
-host, and a fan-out with a progress line per host."""
+host, and a fan-out with a progress line per host.
+
+Only deploy builds SSH settings from flags (`ssh_settings`); every later task reaches the hosts as the job record
+says (`record_ssh`, `record_targets`), so `status` or `stop` need no host flags and cannot reach different hosts
+than the job runs on. The timeouts below bound the tasks' own remote commands (on top of SshSettings' bounds)."""
 
 from __future__ import annotations
 
@@ -26,7 +30,10 @@ STATUS_TIMEOUT = 30.0  # s for one host's status or log command
 
 def load_record(ref: JobRef) -> JobRecord:
     """The deployed job a command means, checked against what was typed: a flag that contradicts the record is
-    an error (deploy again to change the job), never silently ignored."""
+    an error (deploy again to change the job), never silently ignored.
+
+    Raises UserError when no job was deployed from the project, the name is ambiguous, the record is unreadable
+    or damaged (jobrecord.load), or the typed flags contradict it. Reads local files only."""
     record = jobrecord.load(ref.project, ref.job, ref.default_job)
     wrong = ref.request.contradictions(record.job, record.options, tuple(h.name for h in record.hosts), record.local)
     if wrong:
@@ -36,6 +43,8 @@ def load_record(ref: JobRef) -> JobRecord:
 
 
 def ssh_settings(settings: Settings) -> SshSettings:
+    """SSH settings from the typed flags (deploy); the other bounds keep SshSettings' defaults. Raises UserError
+    for a non-positive timeout or --parallel."""
     return SshSettings(
         known_hosts=settings.known_hosts,
         accept_new_host_keys=settings.accept_new_host_keys,
@@ -60,20 +69,26 @@ def record_ssh(record: JobRecord, core: CoreFlags | None = None) -> SshSettings:
 
 
 def record_targets(record: JobRecord) -> list[Target]:
+    """One Target per host of the job, in the record's order (the order of every table and result)."""
     return [host_target(h, record.local) for h in record.hosts]
 
 
 def host_target(h: HostRecord, local: bool) -> Target:
+    """The Target for one recorded host. A hostname equal to the name (deploy records the name when the inventory
+    gave no address) is left to ssh_config, where the name may be an alias."""
     hostname = None if h.hostname == h.name else h.hostname
     return Target(h.name, hostname=hostname, port=h.port, user=h.user, key_file=h.key_file, local=local)
 
 
 def fan_out(what: str, targets: list[Target], fn: Callable[[Host], Any], ssh: SshSettings,
              line: Callable[[HostResult[Any]], str | None] | None = None) -> dict[str, Any]:
+    """run_on_all under a progress bar titled `what` (with `line(result)` printed per host), all or nothing: the
+    values by host name, or ClusterError naming every failed host, root cause first."""
     with rich_progress(what, len(targets), line=line) as progress:
         results: dict[str, HostResult[Any]] = run_on_all(targets, fn, ssh, progress=progress)
     return check_all(results)
 
 
 def result_line(r: HostResult[Any]) -> str | None:
+    """A progress line: the host's value as text (nothing if empty), or its error."""
     return (str(r.value) if r.value else None) if r.ok else r.error

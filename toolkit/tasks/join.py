@@ -1,4 +1,8 @@
-"""`train --join`: wait for the job to end, printing each change; the evidence when it failed."""
+"""`train --join`: wait for the job to end, printing each change; the evidence when it failed.
+
+Remote state cannot be waited on, so the job is polled every JOIN_POLL_INTERVAL: one cheap command per host
+(POLL_SCRIPT: the agent's files, no Python started) over connections kept open between polls (HostPool). The exit
+status tells a script what happened: 0 succeeded, 1 (JobFailed) failed, 130 (Interrupted) stopped watching."""
 
 from __future__ import annotations
 
@@ -30,12 +34,19 @@ EXIT_INTERRUPTED = 130
 
 
 class JobFailed(UserError):
-    """`train --join` saw the job end badly (or stop being observable); the message holds the evidence."""
+    """`train --join` saw the job end badly (or stop being observable); the message holds the evidence.
+
+    Also raised when --join-timeout passes (the job keeps running). Exits 1. The user reads the evidence (which
+    process, its exit status and last log lines), fixes the cause and runs `fleet train` again, or looks
+    further with `fleet status` and `fleet logs`."""
 
     exit_code = EXIT_JOB_FAILED
 
 
 class Interrupted(UserError):
+    """Ctrl-C while `train --join` waited: only the watching stopped, the job keeps running. Exits 130 (as a
+    shell does after SIGINT); `fleet status` to look, `fleet stop` to end it."""
+
     exit_code = EXIT_INTERRUPTED
 
 
@@ -45,7 +56,12 @@ def join_job(record: JobRecord, ssh: SshSettings, timeout: float | None = None,
     JobFailed with the evidence (node, host, exit status, log tail). A host that cannot be asked, or whose
     agent is gone, for JOIN_GONE_AFTER is no longer watched and counts as a failure. After a host failed, the
     others get the grace period and JOIN_SETTLE to stop (the scheduler stops them); what still runs then is
-    stopped, so a failed job leaves nothing behind."""
+    stopped, so a failed job leaves nothing behind.
+
+    Called by `train` with join. Every poll is bounded per host (STATUS_TIMEOUT, plus the SSH bounds); a failed
+    poll only marks that host unreachable for that round. Raises UserError for a non-positive `timeout`,
+    JobFailed when the job fails or `timeout` passes, Interrupted on Ctrl-C (main thread only), and ClusterError
+    if stopping what still runs after a failure fails on some host."""
     if timeout is not None and timeout <= 0:
         raise UserError(f"--join-timeout {timeout:g}: give a positive number of seconds")
     begun = time.monotonic()
@@ -117,6 +133,7 @@ def _failed_tails(record: JobRecord, ssh: SshSettings, hosts: list[HostStatus]) 
         return {}
 
     def tails(host: Host) -> dict[str, list[str]]:
+        """node_id -> last lines of its log (empty if it cannot be read), each read bounded by STATUS_TIMEOUT."""
         h = record.host(host.name)
         out = {}
         for p in wanted[host.name]:
@@ -130,6 +147,9 @@ def _failed_tails(record: JobRecord, ssh: SshSettings, hosts: list[HostStatus]) 
 
 
 def _report_changes(st: HostStatus, seen: dict[tuple[str, str], tuple[Any, ...]], agents: dict[str, str]) -> None:
+    """Print (timestamped, on stdout) what changed on one host since the last poll: the agent's new state unless
+    it is starting or running (with its reason once final; for an unreachable host, the error), and each process
+    whose state, pid or restart count changed. `seen` and `agents` hold the last poll's view and are updated."""
     if agents.get(st.host) != st.agent:
         agents[st.host] = st.agent
         if st.agent not in ("running", "starting"):
@@ -152,6 +172,9 @@ def _report_changes(st: HostStatus, seen: dict[tuple[str, str], tuple[Any, ...]]
 
 def _failure_text(record: JobRecord, hosts: list[HostStatus], unwatched: Mapping[str, str], took: float,
                   tails: Mapping[str, list[str]]) -> str:
+    """JobFailed's message: how long the job ran; for each host whose agent gave up, the process, its exit
+    status, restarts and the log tail the agent recorded; then each host no longer watched and why; then every
+    other host that did not succeed, with the log tails fetched by `_failed_tails`."""
     lines = [f"job {record.job} failed after {took:.1f} s"]
     causes = [h for h in hosts if h.failure]
     for h in causes:

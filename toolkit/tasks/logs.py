@@ -1,4 +1,7 @@
-"""`logs`: the processes' logs, each line prefixed host:role:rank, once or followed from every host at once."""
+"""`logs`: the processes' logs, each line prefixed host:role:rank, once or followed from every host at once.
+
+Logs are read with `tail` on the hosts (one command per host for all its chosen logs), never copied whole; lines
+go to stdout as `host:role:rank | line`, notes (a log not written yet, a host that stopped answering) to stderr."""
 
 from __future__ import annotations
 
@@ -28,7 +31,14 @@ LOG_LINES = 20  # default of `logs -n`
 def logs(ref: JobRef, node: str | None = None, rank: int | None = None, host_name: str | None = None,
          follow: bool = False, lines: int = LOG_LINES) -> None:
     """The last `lines` lines of the chosen processes' logs (msrun's names: scheduler.log, worker_<rank>.log),
-    each prefixed host:role:rank; with `follow`, keep printing new lines from every host until Ctrl-C."""
+    each prefixed host:role:rank; with `follow`, keep printing new lines from every host until Ctrl-C.
+
+    `node`, `rank` and `host_name` choose (at most one of them; none: every process). Without `follow`, one
+    `tail -n` per host bounded by STATUS_TIMEOUT; the lines are printed host by host once every host answered.
+    With `follow`, every host streams at once (one connection per host, whatever --parallel says) until
+    Ctrl-C, which kills each host's tail; a host whose stream ends is reported and the others go on. Raises
+    UserError for a negative `lines` or more than one choice, and ClusterError naming the hosts that could not
+    be read (after printing what the others gave)."""
     if lines < 0:
         raise UserError(f"-n {lines}: give 0 or more lines")
     record = load_record(ref)
@@ -46,6 +56,8 @@ def logs(ref: JobRef, node: str | None = None, rank: int | None = None, host_nam
 
     if not follow:
         def fetch(host: Host) -> tuple[list[tuple[str, str]], list[str]]:
+            """This host's (prefix, line) pairs and notes for its missing logs. tail exits 1 when a log is
+            missing: still an answer, unless tail did not finish or gave neither lines nor that complaint."""
             paths = files(host.name)
             result = host.run(["tail", "-v", "-n", str(lines), "--", *paths], timeout=STATUS_TIMEOUT)
             if not result.ok and (result.exit_code is None or not (result.stdout or "cannot open" in result.stderr)):
@@ -70,6 +82,7 @@ def logs(ref: JobRef, node: str | None = None, rank: int | None = None, host_nam
     stop_event = threading.Event()
 
     def follow_one(host: Host) -> None:
+        """Stream this host's logs until Ctrl-C; a tail that ends on its own is this host's failure."""
         paths = files(host.name)
         parser = TailParser(paths, out.line)
         # --pid: if this end vanishes without killing it, tail still ends once the SSH session's process does.
@@ -82,6 +95,7 @@ def logs(ref: JobRef, node: str | None = None, rank: int | None = None, host_nam
             raise UserError(f"{host.name}: tail ended on its own ({result.describe()})")
 
     def ended(r: HostResult[None]) -> None:
+        """Say at once when one host's stream failed (not at Ctrl-C), while the others keep streaming."""
         if not r.ok and not stop_event.is_set():
             say(f"{r.error}; no more lines from {r.host}")
 
@@ -93,6 +107,8 @@ def logs(ref: JobRef, node: str | None = None, rank: int | None = None, host_nam
 
 
 def _choose(record: JobRecord, node: str | None, rank: int | None, host_name: str | None) -> list[Mapping[str, Any]]:
+    """The record's processes the options name. Raises UserError for more than one option, or for a node, rank
+    or host the job does not have."""
     given = [x for x in (node, rank, host_name) if x is not None]
     if len(given) > 1:
         raise UserError("give one of --node, --rank or --host (or none for every process)")
@@ -107,6 +123,7 @@ def _choose(record: JobRecord, node: str | None, rank: int | None, host_name: st
 
 
 def _prefix(p: Mapping[str, Any]) -> str:
+    """`host:role:rank` of a recorded process ("-" for the scheduler's rank), as status's ProcStatus.prefix."""
     return f"{p['host']}:{'sched' if p['rank'] is None else 'worker'}:{dash(p['rank'])}"
 
 
@@ -117,6 +134,7 @@ class _Printer:
         self.lock = threading.Lock()
 
     def line(self, prefix: str, text: str) -> None:
+        """Write `prefix | text` and flush, under the lock, so lines of different hosts never interleave."""
         with self.lock:
             sys.stdout.write(f"{prefix} | {text}\n")
             sys.stdout.flush()

@@ -1,4 +1,7 @@
-"""What the tasks print: tables on stdout (as wide as they need off a terminal), notes on stderr, and small formats."""
+"""What the tasks print: tables on stdout (as wide as they need off a terminal), notes on stderr, and small formats.
+
+stdout carries what a script may parse (tables, JSON, log lines, --join's event lines); stderr the notes and
+progress meant for a person."""
 
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ from rich.console import Console
 
 
 def emit(text: str) -> None:
+    """One event line on stdout, stamped with the local time (HH:MM:SS) and flushed at once (`train --join`)."""
     stamp = time.strftime("%H:%M:%S")
     sys.stdout.write(f"{stamp} {text}\n")
     sys.stdout.flush()
@@ -27,14 +31,18 @@ def table_console() -> Console:
 
 
 def say(text: str) -> None:
+    """A note for the user on stderr, printed as is (no rich markup or highlighting: host names and paths may
+    hold brackets); long lines wrap softly instead of being cut."""
     Console(stderr=True, highlight=False, soft_wrap=True).print(text, markup=False)
 
 
 def dash(value: Any) -> str:
+    """"-" for None (no rank, no pid), else the value as text."""
     return "-" if value is None else str(value)
 
 
 def human_age(seconds: float | None) -> str:
+    """An age in whole seconds, minutes, or hours to a tenth ("42s", "7m", "1.5h"); "-" for None."""
     if seconds is None:
         return "-"
     if seconds < 60:
@@ -45,6 +53,7 @@ def human_age(seconds: float | None) -> str:
 
 
 def human_size(n: int) -> str:
+    """A byte count in decimal units ("512 B", "1.4 MB", "2.0 GB")."""
     for unit in ("B", "kB", "MB"):
         if n < 1000:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
@@ -53,6 +62,7 @@ def human_size(n: int) -> str:
 
 
 def relative(path: Path) -> str:
+    """`path` relative to the current directory if it is under it (shorter to read), else as given."""
     with contextlib.suppress(ValueError):
         return str(path.relative_to(Path.cwd()))
     return str(path)

@@ -1,5 +1,10 @@
 """The shell snippets toolkit runs on the hosts (POSIX sh, user values only as arguments), and the parsers of what
-they print. Each does its work in one round trip and without starting a Python where it can."""
+they print. Each does its work in one round trip and without starting a Python where it can.
+
+Every script is run as `host.run(["sh", "-c", SCRIPT, "sh", ARG...])`, so user values (paths, names) arrive as
+positional parameters and are never pasted into shell text. Scripts that print several parts separate them with a
+line holding only the ASCII record separator (0x1E), where tasks.status splits them. The host needs GNU coreutils
+and findutils (stat -c, sha256sum, find -printf, date +%N)."""
 
 from __future__ import annotations
 
@@ -41,12 +46,16 @@ exit 0
 """
 
 
+# Stops the job through the host's stop.sh (SIGTERM, grace, SIGKILL, verified); says so when nothing was deployed
+# in that directory, which is success too (nothing of the job can run there). Arguments: job dir, host name.
 STOP_SCRIPT = r"""
 if [ -x "$1/stop.sh" ]; then exec "$1/stop.sh"; fi
 echo "$2: nothing deployed in $1: nothing to stop"
 """
 
 
+# What `status` runs: the agent's own judgement (`python -m toolkit.agent status`, or "absent" when nothing was
+# deployed), then the host's clock and the mtime of each log, so log ages are measured by the host's clock.
 STATUS_SCRIPT = r"""
 py=$1 d=$2
 if [ -f "$d/host.json" ]; then
@@ -75,6 +84,9 @@ exit 0
 
 
 def clock_and_logs(text: str) -> dict[str, Any]:
+    """The tail of STATUS_SCRIPT's and POLL_SCRIPT's output: {"now": the host's clock (None if unreadable),
+    "mtimes": {log file name: mtime}}, both in the host's seconds since the epoch. Lines that do not parse are
+    skipped."""
     lines = text.splitlines()
     try:
         now = float(lines[0])
@@ -93,6 +105,8 @@ _TAIL_MISSING = re.compile(r"cannot open '(.*)' for reading")
 
 
 def missing_logs(stderr: str, paths: Mapping[str, str]) -> list[str]:
+    """One note per log that `tail` could not open (the process has not written it yet), from tail's stderr;
+    `paths` maps each log path to its process's prefix. Other complaints are not notes."""
     notes = []
     for line in stderr.splitlines():
         m = _TAIL_MISSING.search(line)
@@ -103,7 +117,11 @@ def missing_logs(stderr: str, paths: Mapping[str, str]) -> list[str]:
 
 class TailParser:
     """`tail -v` output (a `==> path <==` header before each file's lines, a blank line before every header but
-    the first) -> (prefix, line) for each line of the logs."""
+    the first) -> (prefix, line) for each line of the logs.
+
+    Feed it every line of output in order (it is the on_line of a stream); `prefixes` maps each path given to
+    tail to its process's prefix. A blank line is held back until the next line shows it was not a separator.
+    Lines before any header belong to the first path."""
 
     def __init__(self, prefixes: Mapping[str, str], emit: Callable[[str, str], None]) -> None:
         self.prefixes = prefixes
@@ -112,6 +130,7 @@ class TailParser:
         self.blank = False  # a blank line held back: it may be the separator before the next header
 
     def __call__(self, line: str) -> None:
+        """Take one line: a header switches the current prefix, anything else is emitted under it."""
         m = _TAIL_HEADER.match(line)
         if m and m.group(1) in self.prefixes:
             self.current, self.blank = self.prefixes[m.group(1)], False

@@ -1,5 +1,9 @@
 """`train`: start the job on every host at once, all or nothing, after checking what was typed against the job record
-and what its previous run left."""
+and what its previous run left.
+
+Starting a host means running its launch.sh, which starts the host's agent detached and returns (or says the agent
+already runs); the agents then start and supervise the processes. So `train` returns once every agent runs, not
+when the job is formed; `--join` (tasks.join) waits for the end."""
 
 from __future__ import annotations
 
@@ -48,7 +52,15 @@ def train(request: Request, join: bool = False, join_timeout: float | None = Non
 
     A job whose every host finished successfully is not started again by accident (its workers would resume
     from their final checkpoints and end at once): `fresh` starts it over (its checkpoints and state are moved
-    aside, never deleted), `again` runs it once more from where it ended (with more epochs, say)."""
+    aside, never deleted), `again` runs it once more from where it ended (with more epochs, say).
+
+    Hosts start in parallel with fail_fast (hosts not yet begun when one fails are skipped); each launch.sh is
+    bounded by LAUNCH_TIMEOUT. Before the scheduler's host starts, if no agent runs there, it is preflighted
+    with the scheduler's two ports (MS_SCHED_PORT, MASTER_PORT): a busy port fails the start, rolled back.
+    Hosts whose agent already runs are left as they are (and counted). Raises UserError for --fresh with
+    --again, for flags that contradict the record, for a finished job without --fresh/--again, or for --fresh
+    while the job runs; on a failed start, UserError with the ClusterError text and what the rollback did; what
+    deploy raises when it deploys first; with `join`, what join_job raises."""
     if fresh and again:
         raise UserError("--fresh and --again both given: start the job over (--fresh) or go on from where it "
                         "ended (--again), not both")
@@ -127,6 +139,7 @@ def _previous_run(record: JobRecord, ssh: SshSettings, fresh: bool, again: bool)
     stamp = time.strftime("%Y%m%dT%H%M%S")
 
     def archive(host: Host) -> str:
+        """Move this host's previous run aside (ARCHIVE_SCRIPT); returns its "moved ..." lines."""
         h = record.host(host.name)
         return host.run(["sh", "-c", ARCHIVE_SCRIPT, "sh", h.job_dir, h.ckpt_dir or f"{h.job_dir}/ckpt", stamp],
                         timeout=STATUS_TIMEOUT, check=True).stdout.strip()
@@ -138,7 +151,13 @@ def _previous_run(record: JobRecord, ssh: SshSettings, fresh: bool, again: bool)
 
 
 def _roll_back(record: JobRecord, ssh: SshSettings, results: Mapping[str, HostResult[bool]]) -> None:
-    """Stop the job where this train started it (or may have), then raise the start failure."""
+    """Stop the job where this train started it (or may have), then raise the start failure.
+
+    "May have": a host that failed after connecting (a launch.sh that timed out, a lost connection) may run
+    an agent; only hosts that failed before anything could run there (unreachable, login or host key refused,
+    preflight failed), were skipped, or whose agent already ran before this train are left alone. Always raises
+    UserError: the start failure (root cause first), then per host whether stopping worked, and `fleet stop` for
+    the hosts where it did not."""
     never = (HostUnreachable, AuthenticationFailed, UnknownHostKey, ChangedHostKey, PreflightFailed)
     started = [record.host(n) for n, r in results.items()
                if (r.ok and r.value) or (not r.ok and not r.skipped and not isinstance(r.exception, never))]

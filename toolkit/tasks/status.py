@@ -1,4 +1,9 @@
-"""`status`: every process of the job as its host's agent sees it, from the agents' own files, as a table or JSON."""
+"""`status`: every process of the job as its host's agent sees it, from the agents' own files, as a table or JSON.
+
+Two ways to ask a host, judged by the same rule (toolkit.agentdoc): `status` runs the agent's own `status` command
+(STATUS_SCRIPT); the pollers (`train` before starting, `train --join`, `restart`) read the agent's files with
+POLL_SCRIPT, starting no Python. Either way one bounded command per host (STATUS_TIMEOUT); the agent is asked,
+never its processes, and a host that cannot be asked becomes a row saying so rather than an exception."""
 
 from __future__ import annotations
 
@@ -57,6 +62,10 @@ class ProcStatus:
 
 @dataclass(frozen=True)
 class HostStatus:
+    """One host as its agent's files show it: the agent's state and whether it still runs, why it ended, the
+    give-up evidence (`failure`: node, rank, pid, status, restarts, log tail), and one ProcStatus per process
+    the record places there (`reached` False: the host could not be asked, see `error`)."""
+
     host: str
     reached: bool
     error: str | None  # why the host could not be asked
@@ -72,7 +81,11 @@ class HostStatus:
 
 def status(ref: JobRef, as_json: bool = False) -> None:
     """One table of every process of the job (or JSON); a host that cannot be asked gets a row saying so, and
-    the command then ends non-zero after listing the failed hosts."""
+    the command then ends non-zero after listing the failed hosts.
+
+    The table goes to stdout, notes per host (agent gone, never started, failed, stopped) and the recovery mode
+    to stderr. Raises ClusterError (after printing) if any host could not be asked; UserError from
+    load_record."""
     record = load_record(ref)
     results = run_on_all(record_targets(record), lambda host: _fetch_status(host, record.host(host.name)),
                          record_ssh(record, ref.request.core))
@@ -87,7 +100,10 @@ def status(ref: JobRef, as_json: bool = False) -> None:
 
 def collect_status(record: JobRecord, ssh: SshSettings, pool: HostPool | None = None,
                    hosts: list[HostRecord] | None = None) -> list[HostStatus]:
-    """Every host's status from its agent's files (cheap enough to poll; see POLL_SCRIPT)."""
+    """Every host's status from its agent's files (cheap enough to poll; see POLL_SCRIPT).
+
+    `hosts` limits it to some of the record's hosts; `pool` keeps the connections for the next poll. Never raises
+    for a host's failure: that host's status says `unreachable`, with the error. In the order of `hosts`."""
     chosen = record.hosts if hosts is None else hosts
     results = run_on_all([host_target(h, record.local) for h in chosen],
                          lambda host: poll_status(host, record.host(host.name)), ssh, pool=pool)
@@ -95,6 +111,8 @@ def collect_status(record: JobRecord, ssh: SshSettings, pool: HostPool | None = 
 
 
 def _fetch_status(host: Host, h: HostRecord) -> dict[str, Any]:
+    """{"doc": the agent's status document, "now", "mtimes"} from STATUS_SCRIPT (`python -m toolkit.agent
+    status` on the host). Raises what run(check=True) raises, and UserError if the agent's answer is not JSON."""
     out = host.run(["sh", "-c", STATUS_SCRIPT, "sh", h.python, h.job_dir], timeout=STATUS_TIMEOUT, check=True)
     doc_text, _, rest = out.stdout.partition("\x1e\n")
     try:
@@ -105,7 +123,11 @@ def _fetch_status(host: Host, h: HostRecord) -> dict[str, Any]:
 
 
 def poll_status(host: Host, h: HostRecord) -> dict[str, Any]:
-    """The agent's files, judged as `agent status` judges them (toolkit.agentdoc): no Python started on the host."""
+    """The agent's files, judged as `agent status` judges them (toolkit.agentdoc): no Python started on the host.
+
+    Returns {"doc", "now", "mtimes"} like `_fetch_status`; `doc["alive"]` is True only if the pid file names a
+    live process with the recorded start time that wrote agent.json. An unreadable agent.json counts as absent.
+    Raises what run(check=True) raises."""
     out = host.run(["sh", "-c", POLL_SCRIPT, "sh", h.job_dir], timeout=STATUS_TIMEOUT, check=True).stdout
     pid_text, stat_text, doc_text, rest = (out.split("\x1e\n", 3) + ["", "", ""])[:4]
     try:
@@ -118,6 +140,9 @@ def poll_status(host: Host, h: HostRecord) -> dict[str, Any]:
 
 
 def _host_status(record: JobRecord, name: str, result: HostResult[dict[str, Any]]) -> HostStatus:
+    """A host's HostStatus from its fan-out result. Processes follow the record, not the document: one the agent
+    does not mention shows as "not started" (no agent ever ran) or "unknown"; with the agent gone, every process
+    not in a final state shows as "gone"."""
     expected = [p for p in record.processes if p["host"] == name]
     if not result.ok or result.value is None:
         procs = tuple(_proc(name, p, {}, "unreachable", None, {}) for p in expected)
@@ -141,6 +166,9 @@ def _host_status(record: JobRecord, name: str, result: HostResult[dict[str, Any]
 
 def _proc(host: str, p: Mapping[str, Any], got: Mapping[str, Any], state: str, now: float | None,
           mtimes: Mapping[str, float]) -> ProcStatus:
+    """One process's ProcStatus: the recorded identity `p`, what the agent says of it (`got`), and its log's age
+    by the host's clock (None without a clock or a log). A pid is shown only while the host can be asked and
+    the agent is not gone; an unknown recovery mode is dropped."""
     log_name = p["log"].rsplit("/", 1)[-1]
     age = None
     if now is not None and log_name in mtimes:
@@ -189,6 +217,8 @@ def recovery_mode(processes: list[ProcStatus], forced: bool = False) -> dict[str
 
 
 def _status_json(record: JobRecord, hosts: list[HostStatus]) -> dict[str, Any]:
+    """`status --json`: the job, its scheduler, world size and recovery mode, the hosts (without their processes)
+    and every process, flat."""
     return {
         "job": record.job,
         "scheduler": {"host": record.scheduler_host, "port": record.sched_port},
@@ -200,6 +230,8 @@ def _status_json(record: JobRecord, hosts: list[HostStatus]) -> dict[str, Any]:
 
 
 def _print_status(record: JobRecord, hosts: list[HostStatus]) -> None:
+    """The table on stdout (one row per process, unreachable ones included), then notes and the recovery mode on
+    stderr."""
     table = Table(title=f"job {record.job}: {record.world_size} worker(s) on {len(record.hosts)} host(s), "
                         f"scheduler {record.scheduler_host}:{record.sched_port}")
     for column in ("host", "node id", "rank", "pid", "state", "restarts", "last step", "log age"):
@@ -219,6 +251,8 @@ def _print_status(record: JobRecord, hosts: list[HostStatus]) -> None:
 
 
 def _host_note(h: HostStatus) -> str | None:
+    """What to tell the user about a host whose agent is gone, absent, failed or stopped (with what to do), or
+    None; an unreachable host is left to the ClusterError that follows."""
     if not h.reached:
         return None  # listed by the error that follows
     if h.agent == "gone":

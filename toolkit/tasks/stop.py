@@ -1,5 +1,8 @@
 """`stop` and `restart`: end the job on every host and verify nothing is left; restart one process or one host by
-hand."""
+hand.
+
+Both act through what deploy put on each host (stop.sh, recover.sh, launch.sh), so the host's agent does the
+signalling: it signals only processes it can prove are the job's (pid and start time), never by name."""
 
 from __future__ import annotations
 
@@ -28,7 +31,11 @@ from toolkit.tasks.status import poll_status
 
 
 def stop(ref: JobRef) -> None:
-    """Stop the job on every host (SIGTERM, grace, SIGKILL) and verify that no process of it remains."""
+    """Stop the job on every host (SIGTERM, grace, SIGKILL) and verify that no process of it remains.
+
+    Every host in parallel, each bounded by the job's grace period plus STOP_TIMEOUT_EXTRA; a host where nothing
+    was deployed counts as stopped. Raises UserError listing the hosts that failed (root cause first) and
+    saying the job may still run there: run `fleet stop` again once they answer. Repeating it is harmless."""
     record = load_record(ref)
     ssh = record_ssh(record, ref.request.core)
     with rich_progress("stopping", len(record.hosts), line=result_line) as progress:
@@ -41,6 +48,9 @@ def stop(ref: JobRef) -> None:
 
 
 def stop_one(host: Host, record: JobRecord) -> str:
+    """Stop the job on one host through its stop.sh (STOP_SCRIPT) and return what it printed. Bounded by the
+    grace period plus STOP_TIMEOUT_EXTRA; raises CommandFailed (stop.sh could not verify that nothing is left,
+    or timed out), ConnectionLost or HostStalled. Used by `stop`, by train's rollback and by --join after a failure."""
     h = record.host(host.name)
     result = host.run(["sh", "-c", STOP_SCRIPT, "sh", h.job_dir, h.name],
                       timeout=record.grace + STOP_TIMEOUT_EXTRA, check=True)
@@ -52,13 +62,18 @@ def stop_one(host: Host, record: JobRecord) -> str:
 
 def restart(ref: JobRef, node: str | None, host_name: str | None) -> None:
     """Restart one process by hand through its agent, with the same environment (`--node`, what recover.sh
-    does on the host), or every process of one host (`--host`; starts the host's agent if it is gone)."""
+    does on the host), or every process of one host (`--host`; starts the host's agent if it is gone).
+
+    Exactly one of `node` and `host_name` (UserError otherwise, or for a name the job does not have). Each
+    recover.sh or launch.sh is bounded by LAUNCH_TIMEOUT; recover.sh starts the agent too if it is gone. Prints
+    what the host said; raises ClusterError if the host fails."""
     if (node is None) == (host_name is None):
         raise UserError("restart needs exactly one of --node NODE_ID (e.g. worker_3) or --host HOST")
     record = load_record(ref)
     h = record.host(record.process(node)["host"]) if node is not None else record.host(host_name)  # type: ignore
 
     def do(host: Host) -> str:
+        """recover.sh for the node; for a host, launch.sh if its agent is not alive, else recover.sh per node."""
         if node is not None:
             return host.run([f"{h.job_dir}/recover.sh", node], timeout=LAUNCH_TIMEOUT, check=True).stdout.strip()
         if not poll_status(host, h)["doc"]["alive"]:
