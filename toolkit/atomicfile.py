@@ -21,6 +21,9 @@ TMP_PREFIX = ".tmp-"
 
 
 class Durability(enum.Enum):
+    """How far a `write` must get before it returns (module docstring): VISIBLE renames only, DURABLE also
+    fsyncs the file and its directory."""
+
     VISIBLE = "visible"
     DURABLE = "durable"
 
@@ -55,6 +58,7 @@ def write(path: str | Path, data: bytes | bytearray | memoryview | str, mode: in
 
 
 def fsync_dir(directory: str | Path) -> None:
+    """fsync `directory` itself, so that renames and unlinks in it survive a machine crash; OSError on failure."""
     fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)

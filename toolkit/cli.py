@@ -33,20 +33,27 @@ class ClusterContext(Context):
         self._set(core=core, given=given)
 
     def request(self) -> Request:
+        """This command line's Request: the shared flags typed, the project config's `toolkit:` section, Fabric's
+        own flags, and the current directory. Nothing is resolved yet (settings.Request says why)."""
         section = self.config.get("toolkit") or {}
         return Request(self.given, dict(section), self.core, Path.cwd())
 
 
 class ClusterCall(Call):
+    """An invoke Call that carries Fabric's core flags and the shared flags into the context it makes, so that
+    every task of one command line sees the same ones."""
+
     def __init__(self, *args: Any, core: CoreFlags | None = None, given: dict[str, Any] | None = None, **kw: Any):
         super().__init__(*args, **kw)
         self.core = core or CoreFlags()
         self.given = given or {}
 
     def clone_data(self) -> dict[str, Any]:
+        """invoke's clone data plus `core` and `given`: a cloned call keeps them."""
         return {**super().clone_data(), "core": self.core, "given": self.given}
 
     def make_context(self, config: Any) -> ClusterContext:
+        """A ClusterContext, which is what `cluster_task` bodies require, instead of invoke's Context."""
         return ClusterContext(config, self.core, self.given)
 
 
@@ -54,10 +61,14 @@ class ClusterExecutor(fabric.Executor):
     """Runs each task once for the whole cluster (Fabric's own executor would run it once per host)."""
 
     def execute(self, *tasks: Any) -> dict[Task, Any]:
+        """Collect the shared flags typed after any of the tasks, then run them; a shared flag given twice with
+        different values exits with code 2."""
         self._given = _shared_flags([t for t in tasks if isinstance(t, ParserContext)])
         return super().execute(*tasks)
 
     def expand_calls(self, calls: list[Any], apply_hosts: bool = True) -> list[Any]:
+        """One ClusterCall per task, its pre- and post-tasks included, never one per `--hosts` entry; `apply_hosts`
+        is ignored. A `fab -H hosts -- command` remainder is not a task: exit code 2."""
         if self.core and self.core.remainder:
             raise Exit("error: 'fab -H hosts -- command' is not a toolkit task; run ssh or 'fab --list'", code=2)
         core = _core_flags(self.core[0].args) if self.core else CoreFlags()
@@ -116,7 +127,8 @@ class _Task(Task):
 def cluster_task(own: dict[str, tuple[Any, str]] | None = None, short: dict[str, str] | None = None) -> Callable:
     """Declare a task taking the shared flags plus its `own` ones ({name: (default, help)}). The body receives
     (request, **own flags): what the command line asked, resolved by the task as far as it needs (see
-    settings.Request); user errors become one line on stderr and exit code 2."""
+    settings.Request); a UserError becomes one line on stderr and its exit code (2, or the error's own: a job that
+    failed under `train --join` exits 1). Run outside a ClusterContext (plain invoke) the task exits 2."""
     own = own or {}
 
     def decorate(body: Callable[..., Any]) -> Task:
@@ -233,6 +245,7 @@ def _whole(flag: str, text: str) -> int | None:
 
 
 def namespace() -> Collection:
+    """The task set of `fleet` and of a project's fabfile.py: plan, deploy, train, status, logs, stop, restart."""
     return Collection(plan, deploy, train, status, logs, stop, restart)
 
 
@@ -258,13 +271,19 @@ def _usage_errors_exit_2(step: Callable[..., None], binary: str) -> Callable[...
 
 
 class Fleet(fabric.main.Fab):
+    """The `fleet` program: Fabric's, with usage errors exiting 2 and the project config read from ./fabric.yaml
+    (there is no fabfile to locate it by)."""
+
     def parse_core(self, argv: Any) -> None:
+        """Fabric's parsing of the core flags; a parse error exits 2 and says where help is."""
         _usage_errors_exit_2(super().parse_core, "fleet")(argv)
 
     def parse_tasks(self) -> None:
+        """Fabric's parsing of the tasks and their flags; a parse error exits 2 and says where help is."""
         _usage_errors_exit_2(super().parse_tasks, "fleet")()
 
     def parse_collection(self) -> None:
+        """Load the task collection, then the current directory's fabric.yaml as the project config."""
         super().parse_collection()
         # `fleet` has no fabfile to anchor the project config on: read ./fabric.yaml, as fab would next to it.
         self.config.set_project_location(os.getcwd())
@@ -272,6 +291,8 @@ class Fleet(fabric.main.Fab):
 
 
 def main(argv: list[str] | None = None) -> None:
+    """Entry point of the `fleet` console script; `argv` defaults to sys.argv. Exits through invoke: 0 on
+    success, 2 on a usage error, a UserError's `exit_code` (2 unless the error says otherwise) on a user error."""
     program = Fleet(
         name="fleet",
         binary="fleet",

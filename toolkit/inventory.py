@@ -31,7 +31,10 @@ class InventoryError(UserError):
 
 @dataclass(frozen=True)
 class Host:
-    """One machine of the cluster, with what toolkit needs to reach it and to place processes on it."""
+    """One machine of the cluster, with what toolkit needs to reach it and to place processes on it.
+
+    `slots` is the number of workers it runs (1 to MAX_SLOTS); `workdir` and `python`, when set, override --workdir
+    and --python for this host. Construction raises InventoryError for bad slots or an SSH port outside 1-65535."""
 
     name: str
     slots: int = 1
@@ -60,7 +63,11 @@ class Host:
 
 @dataclass(frozen=True)
 class Inventory:
-    """Hosts in order (ranks follow this order), with the scheduler's host and the hosts held in reserve."""
+    """Hosts in order (ranks follow this order), with the scheduler's host and the hosts held in reserve.
+
+    `workers` run the ranks, `spares` (Ansible group) are held in reserve, `scheduler` names the host of the
+    scheduler; every name refers to a host of `hosts`, and there is at least one worker host (InventoryError at
+    construction otherwise). `source` names where it came from in messages ("--hosts", a file path, "local")."""
 
     hosts: tuple[Host, ...]
     scheduler: str
@@ -81,6 +88,7 @@ class Inventory:
                 raise InventoryError(f"{self.source}: {role} names unknown host {unknown[0]}; define it first")
 
     def host(self, name: str) -> Host:
+        """The host called `name`; InventoryError if the inventory has none."""
         try:
             return self._by_name[name]
         except KeyError:
@@ -88,10 +96,12 @@ class Inventory:
 
     @property
     def worker_hosts(self) -> tuple[Host, ...]:
+        """The worker hosts, in `workers` order (the order ranks are assigned in)."""
         return tuple(self._by_name[n] for n in self.workers)
 
     @property
     def total_slots(self) -> int:
+        """Workers the inventory can hold: the slots of the worker hosts (spares not counted)."""
         return sum(h.slots for h in self.worker_hosts)
 
     def with_hosts(self, hosts: Iterable[Host]) -> Inventory:
@@ -245,6 +255,8 @@ def parse_hostfile_text(text: str, path: str) -> Inventory:
 
 
 def load_hostfile(path: str | Path) -> Inventory:
+    """Read and parse an OpenMPI hostfile (see parse_hostfile_text); InventoryError, naming the file, if it is
+    missing, unreadable, not UTF-8 or malformed."""
     return parse_hostfile_text(_read(path, "hostfile"), str(path))
 
 

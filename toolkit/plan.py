@@ -38,7 +38,13 @@ def log_name(node_id: str) -> str:
 
 @dataclass(frozen=True)
 class JobOptions:
-    """The flags every cluster task takes (msrun's where it has one); validated here, once."""
+    """The flags every cluster task takes (msrun's where it has one); validated here, once.
+
+    Construction raises PlanError, naming the flag, for a value no job can run with: a job name that is not a safe
+    directory name, a master port outside 1024-65534 (the store takes the next port), a worker count below 1, a
+    cluster timeout below 1 s, a non-finite node timeout or grace, a node timeout not longer than the heartbeat
+    interval, a negative grace or max restarts, an empty script, a newline or NUL in a path, script arguments a
+    shell could not split."""
 
     job: str
     script: str = "train.py"
@@ -97,12 +103,16 @@ class JobOptions:
 
     @property
     def script_argv(self) -> tuple[str, ...]:
+        """`script_args` split as a shell would (checked at construction, so this never raises)."""
         return tuple(shlex.split(self.script_args))
 
 
 @dataclass(frozen=True)
 class Process:
-    """One process of the job: the scheduler or a worker, with its complete environment."""
+    """One process of the job: the scheduler or a worker, with its complete environment.
+
+    `rank` and `local_rank` are None for the scheduler. `env` is read-only and is exactly what its env file
+    exports (docs/architecture.md); `cwd` is where it runs (`<job dir>/project`, or the project itself locally)."""
 
     host: str
     role: str
@@ -115,12 +125,16 @@ class Process:
 
     @property
     def log_name(self) -> str:
+        """Its log file's name in the job's `logs/`: scheduler.log or worker_<rank>.log."""
         return log_name(self.node_id)
 
 
 @dataclass(frozen=True)
 class HostPlan:
-    """What one host runs, and where the job lives there."""
+    """What one host runs, and where the job lives there.
+
+    `job_dir` is `<workdir>/<job>`; before deploy resolves it, a remote one may be relative to the login user's
+    home. `python` is the interpreter the host's processes and agent run with."""
 
     host: Host
     job_dir: str
@@ -129,6 +143,7 @@ class HostPlan:
 
     @property
     def name(self) -> str:
+        """The host's inventory name."""
         return self.host.name
 
     @property
@@ -142,6 +157,13 @@ class HostPlan:
 
 @dataclass(frozen=True)
 class LaunchPlan:
+    """What runs where for one job, with every environment: make_plan's result, plain immutable data.
+
+    `hosts` holds only the hosts that run something (the scheduler's, and those with workers), in inventory order;
+    ranks follow the order of the worker hosts. `sched_address` is how peers reach the scheduler's host
+    (MS_SCHED_HOST, MASTER_ADDR); `sched_port` is the control server (--master-port), `store_port` the job store
+    on the next port (MASTER_PORT). toolkit.render turns it into each host's files."""
+
     job: str
     options: JobOptions
     inventory: Inventory
@@ -154,13 +176,16 @@ class LaunchPlan:
 
     @property
     def local(self) -> bool:
+        """True for a job that runs on this machine without SSH."""
         return self.inventory.local
 
     def processes(self) -> Iterator[Process]:
+        """Every process, host by host in plan order; on its host the scheduler comes before the workers."""
         for host in self.hosts:
             yield from host.processes
 
     def process(self, node_id: str) -> Process:
+        """The process `node_id` (e.g. worker_3, sched); PlanError listing the job's node ids if there is none."""
         for p in self.processes():
             if p.node_id == node_id:
                 return p
@@ -168,6 +193,7 @@ class LaunchPlan:
         raise PlanError(f"no process {node_id!r} in job {self.job}; the job has: {known}")
 
     def host_plan(self, name: str) -> HostPlan:
+        """What host `name` runs; PlanError listing the job's hosts if it runs nothing in this job."""
         for h in self.hosts:
             if h.name == name:
                 return h
@@ -175,13 +201,18 @@ class LaunchPlan:
 
     @property
     def host_names(self) -> tuple[str, ...]:
+        """Names of the hosts that run something, in plan order."""
         return tuple(h.name for h in self.hosts)
 
     def expected_hosts(self) -> dict[str, str]:
+        """{node_id: host} of every worker: the scheduler host's expected.json (TOOLKIT_EXPECTED), from which the
+        formation-timeout message names where each missing worker should have started."""
         return {p.node_id: p.host for p in self.processes() if p.rank is not None}
 
 
 def job_dir(host: Host, options: JobOptions) -> str:
+    """`<workdir>/<job>` on `host`, the host's own workdir (inventory) taking precedence over --workdir. A relative
+    workdir is under the login user's home on that host; deploy resolves it and plans again."""
     return posixpath.join(host.workdir or options.workdir, options.job)
 
 
@@ -189,7 +220,11 @@ def make_plan(inventory: Inventory, options: JobOptions, local_project_dir: str 
     """Place the scheduler and every worker, assign ranks host by host, and build each process's environment.
 
     Processes run in `<job dir>/project`, where deploy copies the project; a local job (no SSH) runs in place, in
-    `local_project_dir`.
+    `local_project_dir`. Workers fill the worker hosts' slots in inventory order, so a --worker-num below the slot
+    count leaves the last slots (and hosts) out. Deterministic: the same inputs give the same plan, ranks included.
+
+    Raises PlanError when --worker-num exceeds the inventory's slots, when a local inventory comes without
+    `local_project_dir`, or when an absolute job directory is too deep for the agent's unix socket paths.
     """
     if inventory.local and local_project_dir is None:
         raise PlanError("a local job needs the project directory it runs in")

@@ -25,17 +25,22 @@ _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
 class RenderError(UserError):
-    """The plan holds something that cannot be rendered safely."""
+    """The plan holds something that cannot be rendered safely; the message is the one line shown to the user."""
 
 
 @dataclass(frozen=True)
 class RenderedFile:
+    """One file of a host's job directory: its path relative to the job directory, its text, and the mode it is
+    created with (0600 for the token and env files, 0755 for scripts, 0644 otherwise)."""
+
     path: str  # relative to the job directory
     content: str
     mode: int
 
 
 def environment() -> jinja2.Environment:
+    """The Jinja environment of templates/: an undefined variable is an error, not an empty string, and `quote`
+    (shlex.quote) is the filter that puts values into the shell. No HTML autoescaping: these are shell scripts."""
     env = jinja2.Environment(
         loader=jinja2.FileSystemLoader(TEMPLATES),
         undefined=jinja2.StrictUndefined,
@@ -50,7 +55,8 @@ def environment() -> jinja2.Environment:
 
 def render_host(plan: LaunchPlan, host: HostPlan, token: str,
                 jinja: jinja2.Environment | None = None) -> list[RenderedFile]:
-    """Every file of `host`'s job directory: scripts, host.json, one env file per process, the token (0600)."""
+    """Every file of `host`'s job directory: scripts, host.json, one env file per process, the token (0600), and
+    on the scheduler's host expected.json. Writes nothing; RenderError if an environment variable name is unsafe."""
     jinja = jinja or environment()
     context = {
         "job": plan.job,
@@ -69,6 +75,8 @@ def render_host(plan: LaunchPlan, host: HostPlan, token: str,
 
 
 def render_env(process: Process, jinja: jinja2.Environment | None = None) -> str:
+    """The env file of `process`: one `export NAME='value'` line per variable, values shell-quoted. RenderError
+    if a variable name is not a shell name (it could not be exported, or would inject code)."""
     bad = [name for name in process.env if not _ENV_NAME.match(name)]
     if bad:
         raise RenderError(f"{process.node_id}: {bad[0]!r} is not an environment variable name")
@@ -77,6 +85,7 @@ def render_env(process: Process, jinja: jinja2.Environment | None = None) -> str
 
 
 def env_file(process: Process) -> str:
+    """Where the env file of `process` lives, relative to the job directory: env/<node_id>.env."""
     return f"env/{process.node_id}.env"
 
 

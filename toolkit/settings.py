@@ -18,6 +18,11 @@ from toolkit.plan import DEFAULT_WORKDIR, JobOptions, make_plan
 
 @dataclass(frozen=True)
 class Option:
+    """One shared flag: `name` is the attribute (the flag is `--name` with dashes, the config key `toolkit.name`),
+    `kind` the type typed and configured values are converted to (bool, int, float or str), `default` the value
+    when neither gives one, `help` the flag's help text (the command line appends the default where it says
+    something)."""
+
     name: str
     kind: type
     default: Any
@@ -72,6 +77,10 @@ class CoreFlags:
 
 @dataclass(frozen=True)
 class Settings:
+    """Everything a task that plans a job needs, resolved and validated by `resolve`: the job's options, its hosts,
+    the project directory (absolute), and how to reach the hosts (hosts contacted at once, the host-key policy and
+    known_hosts file, Fabric's own flags)."""
+
     options: JobOptions
     inventory: Inventory
     project: Path
@@ -82,6 +91,7 @@ class Settings:
 
     @property
     def local(self) -> bool:
+        """True for a job on this machine without SSH (no hosts given by flag or config)."""
         return self.inventory.local
 
 
@@ -106,11 +116,13 @@ class Request:
     cwd: Path
 
     def settings(self, script_required: bool = True) -> Settings:
+        """Resolve the request for a task that plans a job (see `resolve`); UserError names the first bad input."""
         return resolve(self.given, self.config, self.core, self.cwd, script_required=script_required)
 
     def job_ref(self) -> JobRef:
         """Where to find the deployed job's record: in --project if given, else where the command is typed (the
-        project itself, or where `deploy --project DIR` was typed: a pointer there names the project)."""
+        project itself, or where `deploy --project DIR` was typed: a pointer there names the project). UserError if
+        the project directory does not exist or a typed flag or config entry is invalid."""
         values = _values(self.given, self.config)
         project = (self.cwd / str(values.get("project", "."))).resolve()
         if not project.is_dir():
@@ -154,6 +166,7 @@ class JobRef:
 
     @property
     def default_job(self) -> str:
+        """The job name made from the project directory's name: what --job defaults to."""
         return _job_name(self.project)
 
 
@@ -171,7 +184,14 @@ def _values(given: Mapping[str, Any], config: Mapping[str, Any]) -> dict[str, An
 def resolve(given: Mapping[str, Any], config: Mapping[str, Any], core: CoreFlags, cwd: Path,
             script_required: bool = True) -> Settings:
     """`given` holds only the flags typed on the command line; `config` is the `toolkit:` config section. With
-    `script_required` (deploy, train) the training script must exist in the project; a plan is shown without."""
+    `script_required` (deploy, train) the training script must exist in the project; a plan is shown without.
+
+    A typed flag beats the config, which beats the Option's default. Without a host source (--hosts, --hostfile,
+    --inventory, or a hostfile/inventory in the config) the job is local: --worker-num workers (default 1) on this
+    machine, --workdir made absolute (default ~/toolkit-jobs), this interpreter as --python. Raises UserError
+    (InventoryError and PlanError are ones) for the first bad input: an unknown config key, a value of the wrong
+    type, two host sources, a malformed host source, a project that is not a directory, a missing script, flags
+    JobOptions rejects, --parallel below 1."""
     values = {o.name: o.default for o in OPTIONS} | _values(given, config)
     inventory = _inventory(given, config, core.hosts, values, cwd)
     project = (cwd / str(values["project"])).resolve()

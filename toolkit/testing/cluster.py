@@ -64,26 +64,32 @@ class ClusterHost:
 
     @property
     def home(self) -> Path:
+        """The host's private home, bind-mounted over /root in its namespaces."""
         return Path(self.dir) / "home"
 
     @property
     def workdir(self) -> Path:
+        """The host's workdir for jobs (the inventory's `workdir`)."""
         return Path(self.dir) / "work"
 
     @property
     def host_key(self) -> Path:
+        """The private host key its sshd serves (the public half next to it, `.pub`)."""
         return Path(self.dir) / "ssh_host_ed25519_key"
 
     @property
     def sshd_config(self) -> Path:
+        """Its sshd's configuration file."""
         return Path(self.dir) / "sshd_config"
 
     @property
     def pid_file(self) -> Path:
+        """Its sshd's pidfile, written once sshd listens; absent while the host is down."""
         return Path(self.dir) / "sshd.pid"
 
     @property
     def sshd_log(self) -> Path:
+        """Its sshd's log (and the output of the host's init)."""
         return Path(self.dir) / "sshd.log"
 
     def public_key(self) -> str:
@@ -108,10 +114,12 @@ class ClusterState:
     home_shares: tuple[str, ...] = ()  # entries of root's real home that the private homes show (the python)
 
     def to_json(self) -> str:
+        """The text of cluster.json."""
         return json.dumps(asdict(self), indent=1)
 
     @staticmethod
     def from_json(text: str) -> ClusterState:
+        """Parse cluster.json (as `to_json` writes it); ValueError, KeyError or TypeError if it is not one."""
         data = json.loads(text)
         data["hosts"] = tuple(ClusterHost(**h) for h in data["hosts"])
         data["owner"] = tuple(data["owner"]) if data["owner"] else None
@@ -132,17 +140,21 @@ class Cluster:
 
     @property
     def dir(self) -> Path:
+        """The cluster's directory: cluster.json, keys, known_hosts, ssh_config, inventory, hosts/."""
         return Path(self.state.dir)
 
     @property
     def hosts(self) -> tuple[ClusterHost, ...]:
+        """The hosts, node1 first."""
         return self.state.hosts
 
     @property
     def names(self) -> list[str]:
+        """The hosts' inventory names, node1 first."""
         return [h.name for h in self.hosts]
 
     def host(self, name: str) -> ClusterHost:
+        """The host called `name`; KeyError listing the cluster's hosts if there is none."""
         for h in self.hosts:
             if h.name == name:
                 return h
@@ -155,18 +167,22 @@ class Cluster:
 
     @property
     def known_hosts(self) -> Path:
+        """known_hosts with every host's key as built (not updated by `replace_host_key`)."""
         return self.dir / "known_hosts"
 
     @property
     def ssh_config(self) -> Path:
+        """ssh_config for `ssh -F`: every host by name and address, key-only, strict host keys."""
         return self.dir / "ssh_config"
 
     @property
     def inventory(self) -> Path:
+        """The Ansible inventory (INI) of the cluster: every host a worker, with `slots` each."""
         return self.dir / "inventory.ini"
 
     @property
     def python(self) -> str:
+        """The interpreter the inventory names (`python` and ansible_python_interpreter)."""
         return self.state.python
 
     def known_hosts_lines(self, names: Sequence[str] | None = None) -> list[str]:
@@ -175,6 +191,7 @@ class Cluster:
         return [f"{h.address},{h.name} {h.public_key()}" for h in chosen]
 
     def write_known_hosts(self, path: str | Path, names: Sequence[str] | None = None) -> Path:
+        """Write `known_hosts_lines(names)` to `path` (replacing it) and return the path."""
         path = Path(path)
         path.write_text("".join(line + "\n" for line in self.known_hosts_lines(names)))
         return path
@@ -522,6 +539,8 @@ class Cluster:
 
     @contextlib.contextmanager
     def partitioned(self, name: str) -> Iterator[ClusterHost]:
+        """The host cut off the network inside the block (`link_down`), plugged back in after it (`link_up`: once its
+        sshd, if running, accepts connections again)."""
         self.link_down(name)
         try:
             yield self.host(name)
@@ -530,6 +549,8 @@ class Cluster:
 
     @contextlib.contextmanager
     def crashed(self, name: str) -> Iterator[ClusterHost]:
+        """The host crashed inside the block (`kill_host`), booted again after it (its sshd started unless the
+        block did that already); processes killed stay dead."""
         self.kill_host(name)
         try:
             yield self.host(name)
@@ -584,6 +605,8 @@ class Cluster:
 
     @classmethod
     def load(cls, dir: str | Path) -> Cluster:
+        """Attach to the cluster recorded in `dir` (by another process, e.g. `scripts/cluster.py up`), to use or
+        tear it down; ClusterSetupError if `dir` holds none."""
         path = Path(dir) / STATE_FILE
         try:
             return cls(ClusterState.from_json(path.read_text()))
@@ -812,6 +835,7 @@ class ProcessInfo:
 
     @property
     def live(self) -> bool:
+        """True unless the process is a zombie (Z) or dead (X)."""
         return self.state not in ("Z", "X")
 
     def __str__(self) -> str:

@@ -12,7 +12,8 @@ EVENT_WAIT = 30.0  # s for one event to arrive
 
 
 class Events:
-    """A unix datagram socket at `path`; every event received is kept in `seen`."""
+    """A unix datagram socket at `path`; every event received is kept in `seen`. Waiting for an event that does
+    not arrive within its timeout (EVENT_WAIT by default) raises TimeoutError."""
 
     def __init__(self, path: str | Path) -> None:
         self.path = str(path)
@@ -63,4 +64,5 @@ class Events:
         return out
 
     def close(self) -> None:
+        """Close the socket; the socket file at `path` is not removed."""
         self.sock.close()

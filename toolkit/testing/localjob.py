@@ -34,8 +34,9 @@ def clean_env() -> dict[str, str]:
 
 
 class LocalJob:
-    """`options` are JobOptions fields (node_timeout, grace, warm_spare, ckpt_dir, ...); the rest are fleet's
-    defaults."""
+    """A local job of `workers` workers running `script` (default: the sample trainer) from `project` with `args`,
+    its files rendered under `root`/`job` at construction; `start` runs its agent. `options` are JobOptions fields
+    (node_timeout, grace, warm_spare, ckpt_dir, ...); the rest are fleet's defaults. Call `cleanup` when done."""
 
     def __init__(self, root: Path, workers: int, args: list[str], job: str = "local", project: Path = EXAMPLES,
                  script: str = "train.py", **options: Any) -> None:
@@ -49,6 +50,8 @@ class LocalJob:
         self.agent: subprocess.Popen | None = None
 
     def start(self, env: Mapping[str, str] | None = None) -> subprocess.Popen:
+        """Start the job's agent in a session of its own (output to agent.out in the job dir) and return it; `env`
+        defaults to `clean_env()`."""
         with open(self.dir / "agent.out", "wb") as out:
             self.agent = subprocess.Popen([sys.executable, "-m", "toolkit.agent", "run", "--job-dir", str(self.dir)],
                                           env=clean_env() if env is None else dict(env), stdin=subprocess.DEVNULL,
@@ -56,31 +59,38 @@ class LocalJob:
         return self.agent
 
     def doc(self) -> dict[str, Any]:
+        """The agent's state/agent.json as it is now; {} before the agent first writes it."""
         try:
             return json.loads((self.dir / "state" / "agent.json").read_text())
         except (OSError, ValueError):
             return {}  # not written yet (every write is a rename, so never half)
 
     def procs(self) -> dict[str, dict[str, Any]]:
+        """agent.json's processes by node id ({} before it is written)."""
         return {p["node_id"]: p for p in self.doc().get("processes", [])}
 
     def log(self, name: str) -> str:
+        """The text of logs/`name` (e.g. worker_0.log); "" while it does not exist."""
         try:
             return (self.dir / "logs" / name).read_text(errors="replace")
         except OSError:
             return ""
 
     def last_step(self, rank: int) -> int:
+        """The newest step rank `rank` printed (the sample trainer's `epoch: E, step: S, loss is` lines); 0 if none."""
         steps = STEP_LINE.findall(self.log(f"worker_{rank}.log"))
         return int(steps[-1][1]) if steps else 0
 
     def evidence(self) -> str:
+        """What a failed assertion prints: the agent's state and the last 15 lines of every log."""
         parts = [f"--- agent.json state: {self.doc().get('state')} {self.doc().get('reason') or ''}"]
         for path in sorted((self.dir / "logs").glob("*.log")):
             parts.append(f"--- {path.name}\n" + "\n".join(path.read_text(errors="replace").splitlines()[-15:]))
         return "\n".join(parts)
 
     def finish(self, timeout: float) -> int:
+        """Wait up to `timeout` s for the agent (started by `start`) to end the job; its exit code (0 succeeded,
+        1 failed, 2 bad input, 3 stopped). AssertionError with the evidence if it does not end in time."""
         assert self.agent is not None
         try:
             return self.agent.wait(timeout)
@@ -115,16 +125,21 @@ class FleetRun:
 
     @property
     def dir(self) -> Path:
+        """The job directory, `<--workdir>/<job>`: what doc, procs, log and evidence read. AssertionError unless the
+        flags give --workdir."""
         assert self.workdir is not None, "give --workdir"
         return self.workdir / self.job
 
     def start(self, *tasks: str) -> None:
+        """Run `fleet TASKS --join` (default: deploy train) in the background, in a session of its own."""
         self.output = None
         self.runner = subprocess.Popen([FLEET, *(tasks or ("deploy", "train")), "--join", *self.flags], cwd=self.cwd,
                                        env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                        start_new_session=True)
 
     def join(self, timeout: float) -> tuple[int, str]:
+        """(exit code, output) of the fleet command, waiting up to `timeout` s; past it the command is killed and
+        AssertionError carries its output and the evidence. A second call returns the same result."""
         assert self.runner is not None
         if self.output is None:
             try:
@@ -137,21 +152,25 @@ class FleetRun:
         return self.runner.returncode, self.output
 
     def doc(self) -> dict[str, Any]:
+        """The agent's state/agent.json as it is now; {} before the agent first writes it."""
         try:
             return json.loads((self.dir / "state" / "agent.json").read_text())
         except (OSError, ValueError):
             return {}
 
     def procs(self) -> dict[str, dict[str, Any]]:
+        """agent.json's processes by node id ({} before it is written)."""
         return {p["node_id"]: p for p in self.doc().get("processes", [])}
 
     def log(self, name: str) -> str:
+        """The text of logs/`name` (e.g. worker_0.log); "" while it does not exist."""
         try:
             return (self.dir / "logs" / name).read_text(errors="replace")
         except OSError:
             return ""
 
     def evidence(self) -> str:
+        """What a failed assertion prints: the agent's state and the last 15 lines of every log."""
         parts = [f"--- agent.json state: {self.doc().get('state')} {self.doc().get('reason') or ''}"]
         for path in sorted((self.dir / "logs").glob("*.log")) if self.workdir else []:
             parts.append(f"--- {path.name}\n" + "\n".join(path.read_text(errors="replace").splitlines()[-15:]))

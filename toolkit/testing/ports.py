@@ -8,7 +8,8 @@ ATTEMPTS = 200
 
 
 def free_port_pair() -> int:
-    """A port P such that P and P + 1 are free now: a job's control server and its store."""
+    """A port P such that P and P + 1 are free now: a job's control server and its store. Free now only: another
+    process may take them before the job binds. RuntimeError if no such pair turns up in ATTEMPTS tries."""
     for _ in range(ATTEMPTS):
         with socket.socket() as a:
             a.bind(("127.0.0.1", 0))

@@ -90,6 +90,7 @@ class Scan:
 
 
 def checkpoint_name(step: int) -> str:
+    """The file name of `step`'s checkpoint, ``step_<012d>.ckpt``: zero-padded, so names sort as steps do."""
     return f"step_{step:012d}.ckpt"
 
 
@@ -165,6 +166,8 @@ def capture_rng_state() -> dict[str, Any]:
 
 
 def restore_rng_state(state: dict[str, Any]) -> None:
+    """Set torch's, Python's and numpy's global generators (CUDA's too, if saved and available here) to a
+    ``capture_rng_state`` result, so the randomness that followed the capture replays exactly."""
     torch.set_rng_state(state["torch"])
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
@@ -296,6 +299,7 @@ class CheckpointManager:
     # --- listing and reading ---
 
     def path_for(self, step: int) -> Path:
+        """Where the checkpoint of ``step`` is, or would be, in this rank's directory."""
         return self.directory / checkpoint_name(step)
 
     def steps_on_disk(self) -> list[int]:
@@ -330,6 +334,9 @@ class CheckpointManager:
         return Scan(tuple(intact), tuple(damaged))
 
     def load(self, step: int) -> dict[str, Any]:
+        """The verified state of ``step``'s checkpoint, tensors on CPU. ``CheckpointError`` if the file is missing
+        or unreadable, ``CorruptCheckpoint`` if it fails verification or does not load; nothing falls back here
+        (``load_latest`` and ``resume`` do)."""
         path = self.path_for(step)
         try:
             data = path.read_bytes()

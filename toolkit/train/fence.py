@@ -79,6 +79,7 @@ class Fence:
     tripped: bool = False
 
     def arm(self, generation: int) -> None:
+        """Start recording the group being built for `generation`: forget what was recorded before, clear a trip."""
         with self._lock:
             self._sockets, self._groups = {}, []
             self.generation, self.tripped = generation, False
@@ -90,6 +91,8 @@ class Fence:
             self.generation, self.tripped = None, False
 
     def add_sockets(self, sockets: dict[int, int]) -> None:
+        """Record sockets the group's build opened ({descriptor: inode}, from `opened_since`); if the fence has
+        already tripped, shut them down at once."""
         with self._lock:
             self._sockets.update(sockets)
             if self.tripped:

@@ -112,6 +112,11 @@ class WorkerEnv:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> "WorkerEnv":
+        """Read and validate `env`. The mode follows from it: MS_ROLE=MS_WORKER is toolkit (the token read from
+        TOOLKIT_TOKEN_FILE); RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT without MS_ROLE is torchrun; neither
+        is a world of one. RuntimeConfigError, naming the variable, for another MS_ROLE, no world size, a rank
+        outside it, an unreadable token file, a value that is not a number, a heartbeat interval not shorter than
+        MS_NODE_TIMEOUT, or a TOOLKIT_RECOVERY other than auto or restart."""
         role = env.get(E.MS_ROLE)
         if role is not None and role != E.ROLE_WORKER:
             raise RuntimeConfigError(f"{E.MS_ROLE}={role}: a training script runs where {E.MS_ROLE}={E.ROLE_WORKER}")
@@ -234,6 +239,10 @@ class _Channel:
     # -- registration (main thread first, then the background thread on reconnects)
 
     def register(self, rejoin: bool, timeout: float) -> None:
+        """One registration over a new authenticated connection, the whole exchange bounded by `timeout` s; on
+        `welcome` the connection becomes the channel's and the messages that came with it are handled. Raises
+        _Rejected (the scheduler's reason, and whether to retry), or OSError, ProtocolError or Unproven when the
+        scheduler cannot be reached or proven; a `fenced` answer ends the process with EXIT_FENCED."""
         fields = {"node_id": self.cfg.node_id, "rank": self.cfg.rank, "world_size": self.cfg.world_size,
                   "incarnation": self.incarnation, "pid": os.getpid(), "host": socket.gethostname(),
                   "generation": self.generation, "rejoin": rejoin, "recovery": self.recovery}
@@ -279,6 +288,7 @@ class _Channel:
         return max(HANDSHAKE_WAIT, 2 * self.cfg.node_timeout)
 
     def start(self) -> None:
+        """Start the control thread (reading, heartbeats, reconnects), once `join` has registered."""
         self.thread = threading.Thread(target=self._run, name="toolkit-control", daemon=True)
         self.thread.start()
 
@@ -454,6 +464,8 @@ class _Channel:
         self.close()
 
     def close(self) -> None:
+        """Stop the control thread (bounded join) and close the connection; without a `done` first, the scheduler
+        takes the close as this worker's death."""
         self.closing.set()
         with self.send_lock:
             sock, self.sock = self.sock, None

@@ -131,6 +131,7 @@ class Trainer:
 
     @property
     def epoch(self) -> int:
+        """The epoch the next step trains in: a function of `step_count` and the loader's batches per epoch."""
         return self.position.where(self.step_count)[0]
 
     def batches(self, epochs: int) -> Iterator[Any]:

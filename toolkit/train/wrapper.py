@@ -56,7 +56,8 @@ class ScriptSession:
         self.channel: _Channel | None = None
 
     def install(self) -> None:
-        """Route env:// (and tcp:// naming this job's store) through `rendezvous`."""
+        """Route env:// (and tcp:// naming this job's store) through `rendezvous`; tcp:// elsewhere keeps torch's
+        handler. RuntimeConfigError if this torch has no rendezvous table to hook."""
         # `torch.distributed.rendezvous` is also the name of a function there: import the module by its path
         rdzv = importlib.import_module("torch.distributed.rendezvous")
         handlers = getattr(rdzv, "_rendezvous_handlers", None)
@@ -76,6 +77,14 @@ class ScriptSession:
             handlers[scheme] = handler
 
     def rendezvous(self, timeout: timedelta) -> Iterator[tuple[Any, int, int]]:
+        """torch's rendezvous for the script's `init_process_group()`: register for restart recovery, wait until the
+        generation has formed (bounded by MS_TOPO_TIMEOUT plus MS_NODE_TIMEOUT), and yield once (the job store under
+        the generation's key prefix, rank, world size). `timeout` bounds the store connection.
+
+        RegistrationError if the scheduler cannot be reached or refuses this worker, JobStopped if the job stopped
+        or the generation did not form in time; the process exits EXIT_REJOIN if the generation was left before the
+        group was built. RuntimeError on a second `init_process_group()`, or when torch asks for another round:
+        under toolkit a torchrun-style process forms its group once and is relaunched after a fault."""
         if self.channel is not None:
             raise RuntimeError("a second init_process_group() in one process: under toolkit a torchrun-style script "
                                "forms its group once; a fault relaunches the process")
