@@ -230,3 +230,21 @@ def test_the_store_is_bounded_and_forgets_generations() -> None:
                 {"cmd": "set", "key": "k", "value": "!!"}, {"cmd": "wait", "keys": "k", "timeout": 1},
                 {"cmd": "drop_all"}):
         assert not kv.request(1, {"id": 6, **bad}, 0)[0].ok, bad
+
+
+@pytest.mark.parametrize("recovery", [P.RECOVERY_IN_PLACE, P.RECOVERY_RESTART])
+def test_a_death_after_a_rank_finished_ends_the_job_at_once(recovery: str) -> None:
+    m = membership(2)
+    for rank in range(2):
+        msg = {"op": P.REGISTER, "node_id": P.worker_node_id(rank), "rank": rank, "world_size": 2,
+               "incarnation": f"inc{rank}", "pid": 1000 + rank, "host": "hostA", "recovery": recovery}
+        m.register(10 + rank, f"10.0.0.2:{rank}", msg, 0.0)
+    assert m.formed
+    m.message(10, {"op": P.DONE}, 1.0)  # rank 0 passed the final barrier and said so
+    out = m.lost(11, "closed", 1.1)  # rank 1 dies before saying it: no generation can form without rank 0
+    assert m.generation == 0 and not sent(out, P.GENERATION)
+    if recovery == P.RECOVERY_IN_PLACE:  # past the final barrier, its final checkpoint is durable
+        assert Exit(0) in out and "counts as finished" in logged(out)
+    else:
+        assert Exit(1) in out and "worker_1 (pid 1001 on hostA) is dead" in logged(out)
+        assert "cannot form a new generation" in logged(out)

@@ -11,6 +11,7 @@ typed there find the job. Reading is strict (`load`): a damaged record is one Us
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -242,17 +243,24 @@ def _parse(data: Any) -> JobRecord:
 def token(project: Path, job: str) -> str:
     """The job's token, created on first use; never printed.
 
-    64 hex digits (256 random bits), in `.toolkit/jobs/<job>.token` with mode 0600, created exclusively (an
-    existing token is never overwritten) and reused by every later deploy. deploy copies it to each host's job
-    directory; it never appears on a command line, in an environment or in a log (docs/security.md)."""
+    64 hex digits (256 random bits), in `.toolkit/jobs/<job>.token` with mode 0600, and reused by every later
+    deploy. It appears whole or not at all: written to a private file first, then linked into place, which fails
+    if a token is there already (two deploys at once agree on the first one; none is ever overwritten). deploy
+    copies it to each host's job directory; it never appears on a command line, in an environment or in a log
+    (docs/security.md)."""
     path = project / RECORD_DIR / f"{job}.token"
     try:
         return path.read_text().strip()
     except FileNotFoundError:
         pass
     path.parent.mkdir(parents=True, exist_ok=True)
-    value = secrets.token_hex(32)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with open(fd, "w") as f:
-        f.write(value + "\n")
-    return value
+    draft = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}")
+    fd = os.open(draft, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        with open(fd, "w") as f:
+            f.write(secrets.token_hex(32) + "\n")
+        with contextlib.suppress(FileExistsError):
+            os.link(draft, path)
+    finally:
+        draft.unlink()
+    return path.read_text().strip()

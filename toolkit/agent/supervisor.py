@@ -11,6 +11,7 @@ is rewritten atomically on every change of state and at most once per PROGRESS_W
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import selectors
@@ -63,7 +64,6 @@ def cpu_sets(cpus: set[int] | frozenset[int], n: int, host: str = "this host") -
                         f"CPUs ({','.join(map(str, ordered))}); run fewer workers there or turn bind_core off")
     size = len(ordered) // n
     return [frozenset(ordered[i * size:(i + 1) * size]) for i in range(n)]
-
 
 
 # --- runtime state of one process
@@ -207,8 +207,8 @@ class Agent:
         the warm spare is armed, and `ready("ready <pid>")` is called once (commands.start waits for that line). The
         loop dispatches selector events and due timers, waking at least every IDLE_WAKE s, until a callback calls
         `_finish`; `_shutdown` then stops what is left and its exit code is returned. An exception out of a callback (a
-        bug, or agent.json unwritable) leaves run() without `_shutdown`: the children then die of their parent-death
-        signal when this process exits."""
+        bug, or agent.json unwritable) fails the agent: it is logged, `_shutdown` still stops every child (within its
+        bound), and the exception propagates."""
         try:
             self._setup()
         except BaseException:
@@ -228,14 +228,21 @@ class Agent:
             self.spare_timer = self.timers.after(SPARE_DELAY, self._start_spare)
         if ready is not None:
             ready(f"ready {self.pid}")
-        while self.exit_code is None:
-            for key, mask in self.sel.select(self.timers.timeout(IDLE_WAKE)):
-                if self.sel.get_map().get(key.fd) is not key:
-                    continue  # unregistered by an earlier event of this batch
-                key.data(mask)
-                if self.exit_code is not None:
-                    break
-            self.timers.run_due()
+        try:
+            while self.exit_code is None:
+                for key, mask in self.sel.select(self.timers.timeout(IDLE_WAKE)):
+                    if self.sel.get_map().get(key.fd) is not key:
+                        continue  # unregistered by an earlier event of this batch
+                    key.data(mask)
+                    if self.exit_code is not None:
+                        break
+                self.timers.run_due()
+        except BaseException as e:
+            self.log("agent", f"internal error, stopping everything: {type(e).__name__}: {e}")
+            self._finish("failed", EXIT_FAILED, f"agent error: {type(e).__name__}: {e}")
+            with contextlib.suppress(Exception):
+                self._shutdown()
+            raise
         return self._shutdown()
 
     def _setup(self) -> None:

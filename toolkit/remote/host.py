@@ -11,7 +11,6 @@ from __future__ import annotations
 import shlex
 import stat
 import threading
-import uuid
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
@@ -325,25 +324,6 @@ def command_text(command: Sequence[str] | str, cwd: str | None = None, env: Mapp
             raise ValueError(f"environment variable name {name!r} is not valid")
         lines.append(f"export {name}={shlex.quote(str(value))}")
     return "\n".join(lines + [body])
-
-
-def _home_relative(path: str) -> str:
-    """`~` and `~/x` as paths relative to the home directory (where sessions start and sftp resolves relative
-    paths), since a quoted `~` is not expanded."""
-    path = str(path)
-    if path == "~":
-        return "."
-    if path.startswith("~/"):
-        return path[2:] or "."
-    if path.startswith("~"):
-        raise UserError(f"{path}: ~user paths are not supported; give an absolute path or one relative to home")
-    return path
-
-
-def _temp_name(path: str) -> str:
-    """A hidden, unique name beside `path` for an atomic write (write there, then rename over `path`)."""
-    head, _, tail = path.rpartition("/")
-    return f"{head}/.{tail}.{uuid.uuid4().hex[:8]}.tmp" if head else f".{tail}.{uuid.uuid4().hex[:8]}.tmp"
 
 
 def _home_relative(path: str) -> str:

@@ -292,9 +292,14 @@ class SshHost(Host):
         not, since a dead peer closes the transport (TCP_USER_TIMEOUT) and so the channel. On stop the command
         is killed on the host (`_end_stream`) if the transport is still up. After the output ends, the exit
         status is awaited for dead_after; none in that time comes back as not finished."""
+        import paramiko
+
         with self._bounded(2 * self.settings.dead_after, f"starting {_short(text)}"):
-            chan = self._conn.transport.open_session(timeout=self.settings.dead_after)
-            chan.exec_command(text)
+            try:
+                chan = self._conn.transport.open_session(timeout=self.settings.dead_after)
+                chan.exec_command(text)
+            except (paramiko.SSHException, OSError, EOFError) as e:
+                raise ConnectionLost(self.name, f"could not start {_short(text)}: {e or type(e).__name__}") from None
         err: list[bytes] = []
         stopped = False
         try:

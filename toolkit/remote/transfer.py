@@ -78,7 +78,6 @@ def sync_dir(host: "Host", local_dir: Path, remote_dir: str, exclude: Sequence[s
                      dirs_created=dirs_created, removed=len(stale), outside=tuple(outside))
 
 
-
 def _scan(root: Path, exclude: Sequence[str]) -> tuple[dict[str, tuple[int, int, int]], set[str], list[str]]:
     """The files (size, mtime, mode) and directories under `root`, and the symlinks that point out of it. A
     symlink is followed only to something inside `root`: a link to ~/.ssh/id_rsa in a project must never be

@@ -34,7 +34,7 @@ from toolkit import protocol as P
 MAX_KEYS = 1 << 16
 MAX_BYTES = 64 << 20  # keys and values together
 MAX_KEY = 1 << 10
-MAX_WAIT = 3600.0  # s: the longest a get or wait may ask for
+MAX_WAIT = 86400.0  # s: the longest a get or wait may ask for (a group build waits 2 x its collective timeout)
 
 
 @dataclass(frozen=True)

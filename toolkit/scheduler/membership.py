@@ -13,9 +13,11 @@ The rules, in one place:
 - A dead incarnation is fenced for good: if it comes back (SIGCONT, a healed partition) it is told to exit.
 - A death while the job is formed moves it to a new generation, announced to every member; while it is gathering,
   the death only removes the member (one generation per fault, not a cascade).
-- A generation is formed once every rank not done has a connected member; the formation has a deadline
-  (topo_timeout) that fails the job, naming who never came and where it was expected.
-- When every rank is done the job has finished; when an agent gives up on a process, it has failed.
+- A generation is formed once every rank has a connected member; the formation has a deadline (topo_timeout)
+  that fails the job, naming who never came and where it was expected.
+- When every rank is done the job has finished; when an agent gives up on a process, it has failed. A death after
+  some rank is done forms no generation (the finished ranks are gone): an in-place member has finished too (a
+  rank is done only after the final barrier), any other fails the job at once.
 """
 
 from __future__ import annotations
@@ -102,12 +104,13 @@ class Member:
     last_seen: float
     peer: int | None = None  # its connection; None while it has not (re)connected
     step: int | None = None
+    recovery: str = "unknown"  # how it recovers (P.RECOVERY_IN_PLACE / RECOVERY_RESTART), as it registered
 
     def to_json(self) -> dict[str, Any]:
         """The persisted fields (Membership.snapshot): who holds the rank and where it runs. Liveness is not
         persisted: a restarted scheduler gives every restored member node_timeout to reconnect."""
         return {"rank": self.rank, "node_id": self.node_id, "incarnation": self.incarnation, "pid": self.pid,
-                "host": self.host, "addr": self.addr}
+                "host": self.host, "addr": self.addr, "recovery": self.recovery}
 
 
 @dataclass(frozen=True)
@@ -222,7 +225,8 @@ class Membership:
         self.commits = {int(r): int(s) for r, s in state.get("commits", {}).items()}
         for m in state.get("members", []):
             self.members[int(m["rank"])] = Member(int(m["rank"]), m["node_id"], m["incarnation"], int(m["pid"]),
-                                                  m["host"], m["addr"], now, None)
+                                                  m["host"], m["addr"], now, None,
+                                                  recovery=str(m.get("recovery", "unknown")))
             self.node_host.setdefault(m["node_id"], m["host"])
         self.ever_registered = bool(self.members) or bool(self.fenced)
         self.ever_formed = self.formed or self.generation > 0
@@ -293,11 +297,11 @@ class Membership:
                 out.append(Close(old))
             out.append(Log(INFO, f"{node_id} reconnected ({where}), generation {self.generation}"))
         else:
-            self.members[rank] = Member(rank, node_id, inc, pid, host, addr, now, peer)
-            self.hb_check_at = min(self.hb_check_at, now + self.node_timeout)
-            self.node_host.setdefault(node_id, host)
             recovery = msg.get("recovery") if msg.get("recovery") in (P.RECOVERY_IN_PLACE, P.RECOVERY_RESTART) \
                 else "unknown"
+            self.members[rank] = Member(rank, node_id, inc, pid, host, addr, now, peer, recovery=recovery)
+            self.hb_check_at = min(self.hb_check_at, now + self.node_timeout)
+            self.node_host.setdefault(node_id, host)
             out.append(Log(INFO, f"registered {node_id} ({where}, {recovery} recovery): {len(self.members)} of "
                                  f"{self.world_size}"))
             self.dirty = True
@@ -431,10 +435,7 @@ class Membership:
         """Form the current generation once world_size members are connected: tell each `formed` with the
         generation's store prefix, stop the formation clock, mark the state `dirty`, and drop the store keys of
         every earlier generation of this scheduler start (DropKeys). Nothing once formed or once the job has ended.
-
-        Note: this counts connected members against world_size, not the ranks still to finish that the module
-        docstring names; a rank that said `done` is no longer a member, so a generation that must re-form after
-        a rank finished does not form here and ends in the formation timeout."""
+        (A death after a rank is done never gets here: `_death_after_done`.)"""
         if self.formed or self.status != RUNNING:
             return []
         present = sum(1 for m in self.members.values() if m.peer is not None)
@@ -476,6 +477,8 @@ class Membership:
             out.append(Send(agent, P.KILL, {"node_id": member.node_id, "pid": member.pid}))
         if self.status != RUNNING:
             return out
+        if self.done:
+            return out + self._death_after_done(member, reason)
         if self.formed:
             self.generation += 1
             self.formed = False
@@ -494,6 +497,21 @@ class Membership:
         if self.members.get(member.rank) is member:
             del self.members[member.rank]
             self.dirty = True
+
+    def _death_after_done(self, member: Member, reason: str) -> list[Action]:
+        """A member died after other ranks finished: no new generation can form, the finished ranks are gone.
+        A rank says `done` only after the final barrier, which every rank passes with its final checkpoint
+        durable; so an in-place (toolkit.train) member that dies now has finished its training and counts as
+        done. Any other member's state is unknown: the job fails at once, saying why, rather than waiting out
+        the formation timeout."""
+        finished = ", ".join(P.worker_node_id(r) for r in sorted(self.done))
+        who = f"{member.node_id} (pid {member.pid} on {member.host})"
+        if member.recovery == P.RECOVERY_IN_PLACE:
+            return [Log(WARNING, f"{who} is dead: {reason}, after {finished} finished: every rank had passed the "
+                                 "final barrier with its final checkpoint durable, so it counts as finished")
+                    ] + self._mark_done(member.rank)
+        return self._fail(f"{who} is dead: {reason}, after {finished} finished; the finished ranks cannot form a "
+                          "new generation with its replacement: start the job again (train --again)", EXIT_FAILED)
 
     def _mark_done(self, rank: int) -> list[Action]:
         """Record `rank` as done (`dirty`). Once every rank is, the job has finished (once): its agents are told

@@ -66,6 +66,8 @@ def relative(path: Path) -> str:
     with contextlib.suppress(ValueError):
         return str(path.relative_to(Path.cwd()))
     return str(path)
+
+
 @contextlib.contextmanager
 def interrupt_sets(event: threading.Event) -> Iterator[None]:
     """Ctrl-C (SIGINT) sets `event` instead of raising in the middle of a fan-out, so every thread can end its

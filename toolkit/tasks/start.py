@@ -174,8 +174,3 @@ def _roll_back(record: JobRecord, ssh: SshSettings, results: Mapping[str, HostRe
     else:
         lines.append("nothing was started")
     raise UserError("\n".join(lines))
-
-
-# Moves a run's checkpoints, scheduler state and agent.json aside under one stamp (a shared checkpoint directory
-# is moved once: the first host's mv wins, the others find nothing to move).
-

@@ -171,15 +171,21 @@ class FleetRun:
 
     def evidence(self) -> str:
         """What a failed assertion prints: the agent's state and the last 15 lines of every log."""
-        parts = [f"--- agent.json state: {self.doc().get('state')} {self.doc().get('reason') or ''}"]
-        for path in sorted((self.dir / "logs").glob("*.log")) if self.workdir else []:
+        if self.workdir is None:
+            return "(no --workdir: the job's files are not known to this test)"
+        doc = self.doc()
+        parts = [f"--- agent.json state: {doc.get('state')} {doc.get('reason') or ''}"]
+        for path in sorted((self.dir / "logs").glob("*.log")):
             parts.append(f"--- {path.name}\n" + "\n".join(path.read_text(errors="replace").splitlines()[-15:]))
         return "\n".join(parts)
 
     def stop(self) -> None:
-        """Whatever happened: nothing of the job left running (`fleet stop`, bounded)."""
-        if self.runner is not None and self.runner.poll() is None:
-            subprocess.run([FLEET, "stop", "--job", self.job], cwd=self.cwd, env=clean_env(), capture_output=True,
-                           timeout=STOP_WAIT + 30)
+        """Whatever happened: nothing of the job left running (`fleet stop`, bounded). The agents run detached from
+        the `fleet` runner, so they are stopped even when the runner has ended (or was killed by `join`)."""
+        if self.runner is None:
+            return
+        subprocess.run([FLEET, "stop", "--job", self.job], cwd=self.cwd, env=clean_env(), capture_output=True,
+                       timeout=STOP_WAIT + 30)
+        if self.runner.poll() is None:
             os.killpg(self.runner.pid, signal.SIGKILL)
             self.runner.wait(KILL_WAIT)

@@ -63,7 +63,7 @@ class JobStore(dist.Store):
 
     def get(self, key: str) -> bytes:
         """Store.get: the value of `key`, blocking until the key exists, at most the store's timeout (then
-        StoreError naming the key). The server refuses a timeout over kvstore.MAX_WAIT (3600 s): StoreError."""
+        StoreError naming the key). The server refuses a timeout over kvstore.MAX_WAIT (a day): StoreError."""
         return base64.b64decode(self._call("get", key=key, timeout=self._seconds())["value"])
 
     def add(self, key: str, amount: int) -> int:
@@ -85,7 +85,7 @@ class JobStore(dist.Store):
 
     def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
         """Store.wait: block until every key in `keys` (1 to 1024) exists, at most `timeout` (default: the store's
-        timeout), then StoreError naming the keys. As for `get`, over 3600 s is refused."""
+        timeout), then StoreError naming the keys. As for `get`, over a day is refused."""
         seconds = timeout.total_seconds() if timeout is not None else self._seconds()
         self._call("wait", keys=list(keys), timeout=max(0.001, seconds))
 
