@@ -37,6 +37,15 @@ from toolkit.train.data import DataError, load_mnist
 HERE = Path(__file__).resolve().parent
 
 
+def interval(text: str) -> int | str:
+    """--ckpt-interval: a whole number of steps >= 1, or auto."""
+    if text == "auto":
+        return text
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a number of steps >= 1, or auto")
+    return int(text)
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="Train a small CNN on 8x8 digits, data parallel, recoverable.")
     p.add_argument("--epochs", type=int, default=3)
@@ -44,7 +53,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--momentum", type=float, default=0.9)
     p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--ckpt-interval", type=int, default=10, help="steps between checkpoints")
+    p.add_argument("--ckpt-interval", type=interval, default=10,
+                   help="steps between checkpoints, or 'auto': chosen from the measured stall and the job's faults")
     p.add_argument("--keep-max", type=int, default=3, help="checkpoints kept per rank (>= 2)")
     p.add_argument("--async", dest="async_ckpt", action=argparse.BooleanOptionalAction, default=True,
                    help="write checkpoints in the background (default) or synchronously (--no-async)")
@@ -56,7 +66,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="DDP's default allreduce instead of the rank-ordered one (faster, not bit-reproducible)")
     p.add_argument("--step-delay", type=float, default=0.0, help="extra seconds per step (a slower model)")
     args = p.parse_args(argv)
-    for name in ("epochs", "batch_size", "ckpt_interval", "log_every", "threads"):
+    for name in ("epochs", "batch_size", "log_every", "threads"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.keep_max < checkpoint.MIN_KEEP:
@@ -119,6 +129,7 @@ def train(args: argparse.Namespace) -> int:
             loss = F.cross_entropy(trainer.model(x), y)
             loss.backward()
             optimizer.step()
+            trainer.report(loss)  # for fleet status and fleet report (read at most once a second)
             if step % args.log_every == 0:
                 print(f"epoch: {trainer.epoch}, step: {step}, loss is {loss.item():.6f}", flush=True)
         time.sleep(args.step_delay)

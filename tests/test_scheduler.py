@@ -322,7 +322,10 @@ def test_a_restarted_scheduler_waits_for_its_members_then_declares_the_absent_de
     newcomer.register(job, 1, pid=3)
     welcome(newcomer)
     prefix = again.wait_for(r"generation 1 formed: .* store prefix (\S+)", 5).group(1)
-    assert back.expect(P.FORMED) == {"op": P.FORMED, "generation": 1, "prefix": prefix}
+    formed = back.expect(P.FORMED)
+    assert {k: formed[k] for k in ("op", "generation", "prefix", "faults")} == {
+        "op": P.FORMED, "generation": 1, "prefix": prefix, "faults": 1}  # the history for the checkpoint interval
+    assert formed["uptime"] > 0
     assert newcomer.expect(P.FORMED)["prefix"] == prefix
     old_prefix = sched.wait_for(r"generation 0 formed: .* store prefix (\S+)", 1).group(1)
     assert prefix.split("/")[1] != old_prefix.split("/")[1]  # a new store: a new boot id in every key

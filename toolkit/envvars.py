@@ -6,6 +6,8 @@ DEFAULT_SCHED_PORT = 8118  # MS_SCHED_PORT; the job's store listens on the next 
 DEFAULT_TOPO_TIMEOUT = 600  # s, MS_TOPO_TIMEOUT: for every worker to join
 DEFAULT_NODE_TIMEOUT = 6.0  # s, MS_NODE_TIMEOUT: heartbeat silence after which a worker is dead
 DEFAULT_HEARTBEAT_INTERVAL = 1.0  # s, TOOLKIT_HEARTBEAT_INTERVAL
+DEFAULT_STRAGGLER_FACTOR = 1.5  # TOOLKIT_STRAGGLER_FACTOR: own work per step vs the others' median that names a
+#                                 straggler (between nvidia-resiliency-ext's 1.33, its score 0.75, and DLRover's 2)
 
 # MindSpore dynamic networking (msrun's set)
 MS_ROLE = "MS_ROLE"
@@ -47,4 +49,6 @@ TOOLKIT_TOKEN_FILE = "TOOLKIT_TOKEN_FILE"  # noqa: S105 - a variable's name, not
 TOOLKIT_AGENT_SOCKET = "TOOLKIT_AGENT_SOCKET"
 TOOLKIT_HEARTBEAT_INTERVAL = "TOOLKIT_HEARTBEAT_INTERVAL"
 TOOLKIT_RECOVERY = "TOOLKIT_RECOVERY"  # worker: "restart" (--torchrun-script) forces restart recovery; default auto
+TOOLKIT_STRAGGLER_FACTOR = "TOOLKIT_STRAGGLER_FACTOR"  # scheduler: see DEFAULT_STRAGGLER_FACTOR
+TOOLKIT_PACE = "TOOLKIT_PACE"  # worker: "0" turns step timing off (to measure what it costs); default on
 TOOLKIT_EXPECTED = "TOOLKIT_EXPECTED"  # scheduler: JSON file {node_id: host}, for the formation-timeout message

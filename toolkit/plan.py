@@ -64,6 +64,7 @@ class JobOptions:
     bind_core: bool = False
     warm_spare: bool = True
     torchrun_script: bool = False  # recover by relaunching every worker even if the script uses toolkit.train
+    straggler_factor: float = E.DEFAULT_STRAGGLER_FACTOR  # own work per step vs the others' median: a straggler
 
     def __post_init__(self) -> None:
         if not _JOB_NAME.match(self.job):
@@ -89,6 +90,9 @@ class JobOptions:
             )
         if self.max_restarts < 0:
             raise PlanError(f"--max-restarts {self.max_restarts}: give 0 or more")
+        if not 1 < self.straggler_factor < math.inf:
+            raise PlanError(f"--straggler-factor {self.straggler_factor}: give a factor above 1 (1.5: a rank whose own "
+                            "work per step takes 1.5 times the others' median is named a straggler)")
         if self.grace < 0:
             raise PlanError(f"--grace {self.grace}: give 0 or more seconds")
         if not self.script.strip():
@@ -263,6 +267,7 @@ def make_plan(inventory: Inventory, options: JobOptions, local_project_dir: str 
             env=MappingProxyType({
                 **common, **_dir_env(jd), E.MS_ROLE: E.ROLE_SCHED, E.MS_NODE_ID: SCHED_NODE_ID,
                 E.TOOLKIT_EXPECTED: posixpath.join(jd, EXPECTED_FILE),
+                E.TOOLKIT_STRAGGLER_FACTOR: _num(options.straggler_factor),
             }),
         )
     )

@@ -19,9 +19,13 @@ Worker conversation (one connection per worker process, kept for its whole life;
     worker -> register {nonce, proof, node_id, rank, world_size, incarnation, pid, host, generation, rejoin,
                         recovery}
     sched  -> welcome {proof, rank, world_size, generation, job}   or reject {reason, retry} / fenced {reason}
-    sched  -> formed {generation, prefix}   every rank of `generation` is registered: build the process group over
-                                            PrefixStore(prefix, the job's store)
-    worker -> heartbeat {step}              every TOOLKIT_HEARTBEAT_INTERVAL; any message counts as one
+    sched  -> formed {generation, prefix, faults, uptime}
+                                            every rank of `generation` is registered: build the process group over
+                                            PrefixStore(prefix, the job's store); faults and uptime (s) are the
+                                            ledger's, for the workers' checkpoint interval
+    worker -> heartbeat {step, step_time, busy, loss, ckpt_stall, ckpts, ckpt_every, ckpt_why}
+                                            every TOOLKIT_HEARTBEAT_INTERVAL; any message counts as one; all but
+                                            step optional (toolkit.train.pace, `pace_fields`)
     sched  -> generation {generation}       a member died: leave the current process group, wait for `formed`
     worker -> commit {step}                 this rank committed a checkpoint of `step`
     worker -> recovered {generation, step, source, from_rank, recomputed, seconds, bytes}
@@ -241,6 +245,37 @@ def whole(msg: dict[str, Any], name: str, default: int | None = None) -> int | N
     """An integer field (never a bool), or `default` when it is missing or of another type."""
     value = msg.get(name)
     return value if isinstance(value, int) and not isinstance(value, bool) else default
+
+
+def finite_number(value: Any) -> bool:
+    """A JSON number (int or float, never a bool) that is finite."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+MAX_PACE_SECONDS = 1e7  # s: a step time, busy time or total stall past this is nonsense from a peer
+MAX_LOSS = 1e30
+MAX_WHY = 400  # characters of a heartbeat's ckpt_why
+
+
+def pace_fields(msg: dict[str, Any]) -> dict[str, Any]:
+    """The valid pace fields of a heartbeat (toolkit.train.pace): numbers finite and in range, counts whole and
+    non-negative, `ckpt_why` a short string; anything else is dropped (a peer's figures are hostile input too)."""
+    out: dict[str, Any] = {}
+    for name in ("step_time", "busy", "ckpt_stall"):
+        v = msg.get(name)
+        if finite_number(v) and 0 <= v <= MAX_PACE_SECONDS:
+            out[name] = float(v)
+    loss = msg.get("loss")
+    if finite_number(loss) and abs(loss) <= MAX_LOSS:
+        out["loss"] = float(loss)
+    for name in ("ckpts", "ckpt_every"):
+        v = whole(msg, name)
+        if v is not None and 0 <= v < 1 << 40:
+            out[name] = v
+    why = msg.get("ckpt_why")
+    if isinstance(why, str):
+        out["ckpt_why"] = why[:MAX_WHY]
+    return out
 
 
 def store_prefix(job: str, boot: str, generation: int) -> str:

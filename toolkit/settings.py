@@ -55,6 +55,8 @@ OPTIONS: tuple[Option, ...] = (
     _job_option("grace", float, "seconds between SIGTERM and SIGKILL when stopping"),
     _job_option("bind_core", bool, "pin each worker to its own CPUs"),
     _job_option("warm_spare", bool, "keep a pre-started interpreter per host for fast replacement"),
+    _job_option("straggler_factor", float, "name a rank a straggler when its own work per step takes this many "
+                "times the others' median (default 1.5)"),
     _job_option("torchrun_script", bool, "recover by relaunching every worker (from its own checkpoints) even if "
                 "the script uses toolkit.train; torchrun-style scripts are recognised without it"),
     Option("parallel", int, 32, "hosts contacted at once"),

@@ -35,6 +35,7 @@ class Config:
     recovery_path: Path | None
     token: str = field(repr=False)
     expected: Mapping[str, str] = field(default_factory=dict, hash=False)
+    straggler_factor: float = E.DEFAULT_STRAGGLER_FACTOR
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> "Config":
@@ -64,6 +65,10 @@ class Config:
         node = _float(env, E.MS_NODE_TIMEOUT, E.DEFAULT_NODE_TIMEOUT)
         if not (0 < topo < math.inf and 0 < node < math.inf):
             raise ConfigError(f"{E.MS_TOPO_TIMEOUT} and {E.MS_NODE_TIMEOUT} must be positive, finite seconds")
+        factor = _float(env, E.TOOLKIT_STRAGGLER_FACTOR, E.DEFAULT_STRAGGLER_FACTOR)
+        if not 1 < factor < math.inf:
+            raise ConfigError(f"{E.TOOLKIT_STRAGGLER_FACTOR}={factor:g}: give a factor above 1 (e.g. 1.5: a rank whose "
+                              "own work per step takes 1.5x the others' median is a straggler)")
         recovery = env.get(E.MS_ENABLE_RECOVERY, "0").strip().lower() in ("1", "true", "yes", "on")
         rpath = env.get(E.MS_RECOVERY_PATH)
         if recovery and not rpath:
@@ -90,6 +95,7 @@ class Config:
             recovery_path=Path(rpath) if rpath else None,
             token=token,
             expected=MappingProxyType(_expected_hosts(env.get(TOOLKIT_EXPECTED))),
+            straggler_factor=factor,
         )
 
 

@@ -80,7 +80,23 @@ class DropKeys:
     prefix: str
 
 
-Action = Send | Close | Log | Exit | DropKeys
+@dataclass(frozen=True)
+class Note:
+    """A fact for the goodput ledger, the straggler tracking and the live view (toolkit.scheduler.journal): a
+    death, a formed generation, a recovery, a heartbeat's pace figures. It changes nothing here; the server hands
+    it on with the time."""
+
+    kind: str
+    fields: Mapping[str, Any] = field(default_factory=dict)
+
+
+Action = Send | Close | Log | Exit | DropKeys | Note
+
+# Causes of a death, as the ledger names them (the ledger may refine "connection closed" once the agent reports
+# how the process ended, and name a host lost when its agent went at the same time).
+CAUSE_CLOSED = "connection closed"
+CAUSE_SILENCE = "heartbeat silence"
+CAUSE_NOT_BACK = "did not reconnect"
 
 
 # --- state ---------------------------------------------------------------------------------------------------
@@ -233,7 +249,8 @@ class Membership:
         self.hb_check_at = now + self.node_timeout
         return [Log(INFO, f"resumed job {self.job} from its persisted state: generation {self.generation} "
                           f"({'formed' if self.formed else 'gathering'}), {len(self.members)} members waiting to "
-                          f"reconnect within {self.node_timeout:g} s")]
+                          f"reconnect within {self.node_timeout:g} s"),
+                Note("restored", {"generation": self.generation})]
 
     def started(self, now: float) -> None:
         """Peers can reach the server from now: deadlines count from here, not from the server's own start.
@@ -274,6 +291,7 @@ class Membership:
         where = f"pid {pid} on {host}, {addr}"
         if inc in self.fenced:
             return [Log(WARNING, f"fenced {node_id} ({where}): that incarnation was declared dead; told it to exit"),
+                    Note("fenced", {"node_id": node_id, "pid": pid, "host": host}),
                     Send(peer, P.FENCED, {"reason": f"{node_id} (pid {pid}) was declared dead; a replacement takes "
                                                     "its place"}, close=True)]
         if self.status != RUNNING:
@@ -370,7 +388,8 @@ class Membership:
         member.last_seen = now
         if op == P.HEARTBEAT:
             member.step = P.whole(dict(msg), "step", member.step)
-            return []
+            return [Note("pace", {"rank": member.rank, "node_id": member.node_id, "host": member.host,
+                                  "pid": member.pid, "step": member.step, **P.pace_fields(dict(msg))})]
         if op == P.COMMIT:
             step = P.whole(dict(msg), "step")
             if step is not None and step > self.commits.get(member.rank, -1):
@@ -378,7 +397,7 @@ class Membership:
                 self.commits_dirty = True
             return []
         if op == P.RECOVERED:
-            return [self._recovered(member, msg)]
+            return self._recovered(member, msg)
         if op == P.DONE:
             self.peers[peer] = Peer("finished", rank=member.rank, addr=who.addr)
             out: list[Action] = [Log(INFO, f"{member.node_id} finished (pid {member.pid} on {member.host})")]
@@ -402,7 +421,8 @@ class Membership:
                 return self._death(member, reason, kill=True, now=now)
         elif who.role == "agent" and who.host is not None and self.agents.get(who.host) == peer:
             del self.agents[who.host]
-            return [Log(INFO, f"agent of {who.host} disconnected ({reason})")]
+            return [Log(INFO, f"agent of {who.host} disconnected ({reason})"),
+                    Note("agent_lost", {"host": who.host, "reason": reason})]
         return []
 
     def tick(self, now: float) -> list[Action]:
@@ -422,7 +442,8 @@ class Membership:
                 if silent >= self.node_timeout:
                     what = "did not reconnect" if member.peer is None else "sent no heartbeat"
                     out += self._death(member, f"{what} for {silent:.1f} s ({E.MS_NODE_TIMEOUT}={self.node_timeout:g})",
-                                       kill=True, now=now)
+                                       kill=True, now=now, cause=CAUSE_NOT_BACK if member.peer is None
+                                       else CAUSE_SILENCE, silent_for=silent)
             self.hb_check_at = min((m.last_seen + self.node_timeout for m in self.members.values()), default=math.inf)
         if (self.status == RUNNING and self.gather_since is not None and not self.unmanaged
                 and now >= self.gather_since + self.topo_timeout):
@@ -446,14 +467,16 @@ class Membership:
         since = self.gather_since if self.gather_since is not None else now
         self.gather_since = None
         out: list[Action] = [Log(INFO, f"generation {self.generation} formed: {self.world_size} workers in "
-                                       f"{now - since:.3f} s; store prefix {self.prefix()}")]
+                                       f"{now - since:.3f} s; store prefix {self.prefix()}"),
+                             Note("formed", {"generation": self.generation, "seconds": now - since})]
         out += [Send(m.peer, P.FORMED, {"generation": self.generation, "prefix": self.prefix()})
                 for m in self.members.values() if m.peer is not None]
         if self.generation > 0:  # the generations before are over: their store keys can go
             out += [DropKeys(P.store_prefix(self.job, self.boot, g)) for g in range(self.generation)]
         return out
 
-    def _death(self, member: Member, reason: str, kill: bool, now: float) -> list[Action]:
+    def _death(self, member: Member, reason: str, kill: bool, now: float, cause: str = CAUSE_CLOSED,
+               silent_for: float = 0.0) -> list[Action]:
         """Declare `member` dead: fence its incarnation, have its agent kill it if it may still exist, and, if the
         job was formed, move everyone to a new generation.
 
@@ -468,7 +491,12 @@ class Membership:
         del self.members[member.rank]
         self.fenced.add(member.incarnation)
         self.dirty = True
-        out: list[Action] = []
+        out: list[Action] = [Note("death", {
+            "node_id": member.node_id, "rank": member.rank, "host": member.host, "pid": member.pid,
+            "cause": cause, "reason": reason, "silent_for": silent_for, "step": member.step,
+            "recovery": member.recovery, "begins": self.formed and self.status == RUNNING and not self.done,
+            "generation": self.generation + 1 if self.formed and self.status == RUNNING and not self.done
+            else self.generation})]
         if member.peer is not None:
             self.peers.pop(member.peer, None)
             out.append(Send(member.peer, P.FENCED, {"reason": f"declared dead: {reason}"}, close=True))
@@ -522,7 +550,7 @@ class Membership:
         if len(self.done) < self.world_size or self.status != RUNNING:
             return []
         self.status = FINISHED
-        return ([Log(INFO, f"all {self.world_size} workers finished: job {self.job} done")]
+        return ([Log(INFO, f"all {self.world_size} workers finished: job {self.job} done"), Note("finished")]
                 + [Send(agent, P.FINISHED) for agent in self.agents.values()] + [Exit(EXIT_OK)])
 
     def _fail(self, reason: str, code: int) -> list[Action]:
@@ -533,7 +561,7 @@ class Membership:
         self.status = FAILED
         self.failure = reason
         self.dirty = True
-        return ([Log(ERROR, f"job {self.job} failed: {reason}")]
+        return ([Log(ERROR, f"job {self.job} failed: {reason}"), Note("failed", {"reason": reason})]
                 + [Send(agent, P.STOP, {"reason": reason}) for agent in self.agents.values()]
                 + [Send(m.peer, P.STOP, {"reason": reason}) for m in self.members.values() if m.peer is not None]
                 + [Exit(code)])
@@ -559,10 +587,12 @@ class Membership:
             if member is not None and member.pid == pid:
                 self._retire(member)
             return out + self._mark_done(rank)
+        note = Note("exited", {"node_id": node_id, "rank": rank, "host": agent.host, "pid": pid, "code": code,
+                               "signal": sig})
         if member is not None and member.pid == pid:
-            return self._death(member, f"its agent on {agent.host} saw it exit with {how(code, sig)}", kill=False,
-                               now=now)
-        return [Log(INFO, f"{node_id} (pid {pid} on {agent.host}) exited with {how(code, sig)}")]
+            return [note] + self._death(member, f"its agent on {agent.host} saw it exit with {how(code, sig)}",
+                                        kill=False, now=now, cause=how(code, sig))
+        return [note, Log(INFO, f"{node_id} (pid {pid} on {agent.host}) exited with {how(code, sig)}")]
 
     def _gave_up(self, agent: Peer, msg: Mapping[str, Any]) -> list[Action]:
         """An agent's process passed its max restarts: the job fails with EXIT_FAILED, the reason naming the node,
@@ -575,18 +605,22 @@ class Membership:
                   f"({how(P.whole(dict(msg), 'code'), sig)})" + (f"; last log lines: {last}" if last else ""))
         return self._fail(reason, EXIT_FAILED)
 
-    def _recovered(self, member: Member, msg: Mapping[str, Any]) -> Log:
-        """The log line of a worker's `recovered` report: generation, step, where the state came from and how long
-        it took. Fields of the wrong type show as None or "?"; nothing else changes."""
+    def _recovered(self, member: Member, msg: Mapping[str, Any]) -> list[Action]:
+        """A worker's `recovered` report: its log line (generation, step, where the state came from and how long it
+        took; fields of the wrong type show as None or "?") and a Note for the ledger."""
         m = dict(msg)
         source = msg.get("source")
         origin = {"peer": f"rank {P.whole(m, 'from_rank')}'s memory",
                   "checkpoint": f"the checkpoint of rank {P.whole(m, 'from_rank')}",
                   "initial": "the initial state"}.get(source if isinstance(source, str) else "", "?")
-        seconds = msg.get("seconds") if isinstance(msg.get("seconds"), (int, float)) else None
-        return Log(INFO, f"{member.node_id} trains again in generation {P.whole(m, 'generation')} from step "
-                         f"{P.whole(m, 'step')}, taken from {origin} in {seconds} s; {P.whole(m, 'recomputed')} "
-                         "step(s) recomputed")
+        seconds = msg.get("seconds") if P.finite_number(msg.get("seconds")) else None
+        return [Log(INFO, f"{member.node_id} trains again in generation {P.whole(m, 'generation')} from step "
+                          f"{P.whole(m, 'step')}, taken from {origin} in {seconds} s; {P.whole(m, 'recomputed')} "
+                          "step(s) recomputed"),
+                Note("recovered", {"node_id": member.node_id, "rank": member.rank,
+                                   "generation": P.whole(m, "generation"), "step": P.whole(m, "step"),
+                                   "source": source if isinstance(source, str) else None,
+                                   "recomputed": P.whole(m, "recomputed"), "seconds": seconds})]
 
     def _formation_timeout(self) -> list[Action]:
         """The formation deadline passed with ranks missing (neither done nor connected).

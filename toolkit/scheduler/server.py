@@ -28,8 +28,9 @@ from toolkit import envvars as E
 from toolkit import protocol as P
 from toolkit.scheduler import state as S
 from toolkit.scheduler.config import Config, ConfigError
+from toolkit.scheduler.journal import Journal
 from toolkit.scheduler.kvstore import KVStore
-from toolkit.scheduler.membership import Close, DropKeys, Exit, Log, Membership, Send
+from toolkit.scheduler.membership import Close, DropKeys, Exit, Log, Membership, Note, Send
 
 log = logging.getLogger("toolkit.scheduler")
 
@@ -114,6 +115,8 @@ class Server:
         self.members = Membership(config.job, config.world_size, config.node_timeout, config.topo_timeout,
                                   self.boot, f"{config.host}:{config.port}", config.expected, clock())
         self.kv = KVStore()
+        self.journal = Journal(config.recovery_path, config.job, config.world_size, 1.0 / config.straggler_factor,
+                               clock)
         self.sel = selectors.DefaultSelector()
         self.conns: dict[int, Conn] = {}
         self.ids = iter(range(1, 1 << 62))
@@ -137,6 +140,7 @@ class Server:
         EXIT_FAILED if none was set. Raises StateError (an unusable state file) or ConfigError (a busy port, an
         address not this host's) before anything is served; `toolkit.scheduler.main` turns both into exit code 2.
         Heartbeat and formation deadlines count from when the listeners are up (Membership.started)."""
+        self._apply(self.journal.restore())  # first: the membership's restore notes go into the ledger read back
         path = self._state_path()
         if path is not None:
             doc = S.load(path, self.cfg.job, self.cfg.world_size)
@@ -161,7 +165,10 @@ class Server:
             self._loop()
             self._linger()
         finally:
+            if self.signalled:
+                self.journal.stopped(f"the scheduler was stopped by {self.signalled}")
             self._persist(force=True)
+            self.journal.close()
             self._shutdown()
         return self.exit_code if self.exit_code is not None else EXIT_FAILED
 
@@ -216,6 +223,7 @@ class Server:
             now = self.clock()
             self._expire(now)
             self._apply(self.members.tick(now))
+            self._apply(self.journal.tick())
             self._resume_listeners(now)
             self._persist()
             self._flush()
@@ -244,7 +252,8 @@ class Server:
     def _timeout(self, now: float) -> float:
         """Seconds select() may sleep: until the nearest membership or store deadline, pre-authentication deadline,
         due commit persist or end of a listener pause, and never more than MAX_WAIT; 0 if one has passed."""
-        deadlines = [now + MAX_WAIT, self.members.next_deadline(), self.kv.next_deadline()]
+        deadlines = [now + MAX_WAIT, self.members.next_deadline(), self.kv.next_deadline(),
+                     self.journal.next_deadline()]
         deadlines += [c.deadline for c in self.conns.values() if not c.authed]
         if self.members.commits_dirty:
             deadlines.append(self.commits_persist_at)
@@ -449,7 +458,8 @@ class Server:
             if isinstance(action, Send):
                 conn = self.conns.get(action.peer)
                 if conn is not None:
-                    self._send(conn, action.op, **action.fields)
+                    extra = self.journal.history() if action.op == P.FORMED else {}  # for the checkpoint interval
+                    self._send(conn, action.op, **action.fields, **extra)
                     if action.close:
                         conn.closing = True
             elif isinstance(action, Close):
@@ -463,6 +473,8 @@ class Server:
                     self.exit_code = action.code
             elif isinstance(action, DropKeys):
                 self.kv.drop_prefix(action.prefix)
+            elif isinstance(action, Note):
+                self._apply(self.journal.note(action))
 
     def _send(self, conn: Conn, op: str, **fields: Any) -> None:
         """Queue message `op` for `conn`. The first one after an accepted hello carries the server's proof

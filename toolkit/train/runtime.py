@@ -50,6 +50,7 @@ from toolkit.session import Unproven, open_session
 from toolkit.train import fence as fence_mod
 from toolkit.train import store as job_store
 from toolkit.train.fence import Fence
+from toolkit.train.pace import StepPace
 
 DEFAULT_TIMEOUT = 30.0  # s: bound of one collective and of building a process group
 CONNECT_RETRY = 0.25  # s between attempts to reach a scheduler that is not (yet) up
@@ -109,6 +110,7 @@ class WorkerEnv:
     topo_timeout: float = E.DEFAULT_TOPO_TIMEOUT
     agent_socket: str | None = None
     restart_only: bool = False  # TOOLKIT_RECOVERY=restart: recover by relaunching even a toolkit.train script
+    pace: bool = True  # TOOLKIT_PACE: time the steps for the scheduler (toolkit.train.pace); "0" turns it off
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> "WorkerEnv":
@@ -165,6 +167,7 @@ class WorkerEnv:
             topo_timeout=_float(env, E.MS_TOPO_TIMEOUT, E.DEFAULT_TOPO_TIMEOUT),
             agent_socket=env.get(E.TOOLKIT_AGENT_SOCKET) or None,
             restart_only=_recovery(env),
+            pace=(env.get(E.TOOLKIT_PACE) or "1").strip() != "0",
         )
 
 
@@ -229,6 +232,8 @@ class _Channel:
         self.stop_reason: str | None = None
         self.generation: int | None = None  # generation of the group this process holds (sent when rejoining)
         self.step: int | None = None
+        self.history: tuple[int, float, float] | None = None  # (faults, job uptime s, when told): the ledger's
+        self.beat: dict[str, Any] = {}  # the latest StepPace.summary() (and checkpoint interval): sent with heartbeats
         self.sock: socket.socket | None = None
         self.lines = P.LineBuffer()
         self.send_lock = threading.Lock()
@@ -331,7 +336,7 @@ class _Channel:
                         self._handle(msg)
                 if time.monotonic() >= next_beat and not self.finishing:
                     next_beat = time.monotonic() + self.cfg.heartbeat_interval
-                    self.send(P.HEARTBEAT, step=self.step, strict=True)
+                    self.send(P.HEARTBEAT, strict=True, step=self.step, **self.beat)
                 elif self.finishing:
                     next_beat = time.monotonic() + DONE_WAIT
             except (OSError, ValueError, P.ProtocolError) as e:
@@ -357,6 +362,9 @@ class _Channel:
             elif op == P.FORMED:
                 self.formed = (generation, msg["prefix"])
                 self.announced = generation
+                faults, uptime = P.whole(msg, "faults"), msg.get("uptime")
+                if faults is not None and faults >= 0 and P.finite_number(uptime) and uptime >= 0:
+                    self.history = (faults, float(uptime), time.monotonic())
             elif op == P.STOP:
                 self.stop_reason = str(msg.get("reason", "stopped by the scheduler"))[:2000]
             self.cond.notify_all()
@@ -499,6 +507,7 @@ class Runtime:
         self._progress_sent = 0.0
         self._epoch: int | None = None
         self._closed = False
+        self.pace = StepPace()  # this rank's step times, loss and checkpoint stalls (training thread only)
 
     @property
     def group(self) -> dist.ProcessGroup:
@@ -609,14 +618,43 @@ class Runtime:
 
     # -- progress and the end
 
-    def report(self, step: int, epoch: int | None = None) -> None:
-        """Tell the host agent (and the scheduler, in heartbeats) how far training got; cheap to call every step."""
+    def report(self, step: int, epoch: int | None = None, *, loss: Any = None, busy: float | None = None) -> None:
+        """Tell the host agent (and the scheduler, in heartbeats) how far training got; cheap to call every step.
+
+        `step` ended now. `loss` (a float or a one-element tensor; None: not reported) is sampled at most once per
+        pace.SAMPLE_INTERVAL, since reading a device tensor waits for the device. `busy` is the seconds of the
+        step this rank spent on its own work before its last gradient bucket went to the allreduce (the Trainer
+        measures it; see toolkit.train.pace). The figures reach the scheduler with the next heartbeat."""
+        now = time.monotonic()
+        if self.cfg.pace:
+            self.pace.step(step, now, busy)
+            if loss is not None and self.pace.wants_loss(now):
+                self.pace.sample_loss(loss, now)
         if self._channel is not None:
             self._channel.step = step
         self._epoch = epoch
-        now = time.monotonic()
         if now - self._progress_sent >= PROGRESS_INTERVAL:
+            self.publish_pace()
             self._progress(step, epoch, now)
+
+    def fault_history(self) -> tuple[int, float] | None:
+        """The job's faults so far and its age in seconds, as the scheduler's ledger last said (with the generation
+        it formed), aged by the time since; None before the scheduler said it."""
+        h = self._channel.history if self._channel is not None else None
+        if h is None:
+            return None
+        faults, uptime, told = h
+        return faults, uptime + (time.monotonic() - told)
+
+    def checkpoint_stalled(self, seconds: float) -> None:
+        """The training thread was blocked `seconds` by a checkpoint save (the goodput ledger's checkpoint time)."""
+        self.pace.checkpoint(seconds)
+
+    def publish_pace(self, **extra: Any) -> None:
+        """Hand the current pace figures (and `extra` fields such as the checkpoint interval in use) to the
+        heartbeat thread. Called on the training thread: the figures are computed here, never by the reader."""
+        if self._channel is not None:
+            self._channel.beat = {**self._channel.beat, **(self.pace.summary() if self.cfg.pace else {}), **extra}
 
     def committed(self, step: int) -> None:
         """A checkpoint of `step` is durable on this rank: the scheduler persists the newest step every rank has.

@@ -49,8 +49,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-from toolkit.train import checkpoint, determinism
+from toolkit.train import checkpoint, determinism, interval
 from toolkit.train.checkpoint import CheckpointManager
 from toolkit.train.loader import Positioner
 from toolkit.train.runtime import MODE_TOOLKIT, GenerationChanged, JobStopped, Runtime, _first_line, _looks_collective
@@ -76,16 +77,31 @@ class Trainer:
     """See the module docstring. `model` and `optimizer` are the user's (the Trainer never replaces them);
     `loader` a DataLoader over a map-style dataset; `state` extra objects with state_dict/load_state_dict
     that are part of the training state. Checkpoints go to `ckpt_dir`/rank_<r>/ (default: CKPT_DIR from the
-    environment, else ./ckpt), every `ckpt_every` steps, `keep` per rank. `seed` makes each step's randomness a
-    function of the step (None: leave the generators alone; then a recovered run is not bitwise the same).
-    `ddp` holds extra DistributedDataParallel arguments."""
+    environment, else ./ckpt), every `ckpt_every` steps, `keep` per rank; `ckpt_every="auto"` chooses the interval
+    from the job's own data (toolkit.train.interval: the measured stall and the observed MTBF, within
+    `ckpt_bounds` steps, `prior_mtbf` s assumed until a fault). `seed` makes each step's randomness a function of
+    the step (None: leave the generators alone; then a recovered run is not bitwise the same). `ddp` holds extra
+    DistributedDataParallel arguments.
+
+    Each step is timed for the scheduler (toolkit.train.pace): its wall time, and the time this rank worked before
+    handing its last gradient bucket to the allreduce, which names a straggler; `report(loss=...)` adds the loss
+    to what `fleet status` and `fleet report` show."""
 
     def __init__(self, runtime: Runtime, model: nn.Module, optimizer: torch.optim.Optimizer, loader: Any, *,
-                 state: Mapping[str, Any] | None = None, ckpt_dir: str | Path | None = None, ckpt_every: int = 100,
-                 keep: int = 3, seed: int | None = 0, deterministic: bool = True, async_ckpt: bool = True,
-                 ddp: Mapping[str, Any] | None = None) -> None:
-        if ckpt_every < 1:
-            raise TrainerError(f"ckpt_every={ckpt_every}: give a number of steps of at least 1")
+                 state: Mapping[str, Any] | None = None, ckpt_dir: str | Path | None = None,
+                 ckpt_every: int | str = 100, keep: int = 3, seed: int | None = 0, deterministic: bool = True,
+                 async_ckpt: bool = True, ddp: Mapping[str, Any] | None = None,
+                 ckpt_bounds: tuple[int, int] = interval.DEFAULT_BOUNDS,
+                 prior_mtbf: float = interval.DEFAULT_PRIOR_MTBF) -> None:
+        self._chooser: interval.IntervalChooser | None = None
+        if ckpt_every == "auto":
+            try:
+                self._chooser = interval.IntervalChooser(ckpt_bounds, prior_mtbf)
+            except ValueError as e:
+                raise TrainerError(str(e)) from None
+            ckpt_every = self._chooser.current.steps
+        elif isinstance(ckpt_every, bool) or not isinstance(ckpt_every, int) or ckpt_every < 1:
+            raise TrainerError(f"ckpt_every={ckpt_every!r}: give a number of steps of at least 1, or \"auto\"")
         extra = dict(state or {})
         for name, obj in extra.items():
             if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
@@ -113,6 +129,10 @@ class Trainer:
         self._entered = True  # the previous batch went through step(): nothing to complain about at the start
         self._applied = 0  # optimizer steps seen by the post-hook (a step that ran before a fault still counts)
         self._hook = optimizer.register_step_post_hook(self._on_optimizer_step)
+        self._buckets = _BucketClock()  # when this rank handed its last gradient bucket to the allreduce
+        self._step_began: float | None = None  # the end of the previous step: where this step's own work starts
+        self._loss: Any = None
+        self._next_ckpt = self.ckpt_every
         self._initial = checkpoint.snapshot(self._capture())  # step 0, when no rank holds anything newer
         self._stop = threading.Event()
         self._interrupt = False  # SIGTERM raises Terminated at once (while blocked forming a group)
@@ -160,6 +180,8 @@ class Trainer:
         loss) happens once per step whatever the faults."""
         self._entered = True
         applied = self._applied
+        began = self._step_began if self._step_began is not None else time.monotonic()
+        self._buckets.last = None
         try:  # not rt.guard(): a context manager must run its block, even in a generation already left
             yield self.step_count + 1
             leaving = self._agree_stop()
@@ -180,11 +202,21 @@ class Trainer:
             raise
         self.step_count += 1
         self._live = True
-        self.rt.report(self.step_count, self.epoch)
-        if self.step_count % self.ckpt_every == 0:
+        ended = time.monotonic()
+        busy = ended - began if self._ddp is self.module else (
+            self._buckets.last - began if self._buckets.last is not None and self._buckets.last >= began else None)
+        self.rt.report(self.step_count, self.epoch, loss=self._loss, busy=busy)
+        self._loss = None
+        self._step_began = ended
+        if self._checkpoint_due():
             self._save()
         if leaving is not None:
             self._leave(leaving)
+
+    def report(self, loss: Any) -> None:
+        """The loss of the step in progress (a float or a one-element tensor), for `fleet status` and `fleet
+        report`. Cheap: it is read (which waits for the device) at most once per second."""
+        self._loss = loss
 
     def finish(self) -> None:
         """The end of training: the final checkpoint durable on every rank, then `done` for the scheduler (a
@@ -327,9 +359,13 @@ class Trainer:
             self._ddp = self.module
             return
         ddp = nn.parallel.DistributedDataParallel(self.module, process_group=self.rt.group, **self.ddp_args)
-        if self.deterministic:
-            ddp.register_comm_hook(self.rt.group, determinism.ordered_allreduce_hook)
+        inner = determinism.ordered_allreduce_hook if self.deterministic else (
+            default_hooks.allreduce_hook if self.rt.cfg.pace else None)
+        if inner is not None:
+            self._buckets.group, self._buckets.inner = self.rt.group, inner
+            ddp.register_comm_hook(self._buckets, _timed_hook)
         self._ddp = ddp
+        self._step_began = None  # a new group: the time since the last step is a recovery, not this rank's work
 
     # -- state
 
@@ -345,9 +381,35 @@ class Trainer:
         self.step_count = int(state["step"])
 
     def _save(self) -> None:
+        """Checkpoint the current step (once), timing the stall for the goodput ledger and the interval."""
         if self._saved != self.step_count:
+            began = time.monotonic()
             self.manager.save(self.step_count, self._capture())
+            stalled = time.monotonic() - began
             self._saved = self.step_count
+            self.rt.checkpoint_stalled(stalled)
+            if self._chooser is not None:
+                self._chooser.stalled(stalled)
+            self._choose_interval()
+            self._step_began = None  # the stall is not the next step's work
+
+    def _checkpoint_due(self) -> bool:
+        if self._chooser is None:
+            return self.step_count % self.ckpt_every == 0
+        return self.step_count >= self._next_ckpt
+
+    def _choose_interval(self) -> None:
+        """After a checkpoint: when the next is due, and what the heartbeats tell the scheduler about it."""
+        if self._chooser is None:
+            self.rt.publish_pace(ckpt_every=self.ckpt_every, ckpt_why=f"{self.ckpt_every} steps: fixed (ckpt_every)")
+            return
+        history = self.rt.fault_history()
+        if history is not None:
+            self._chooser.history(*history)
+        choice = self._chooser.update(self.rt.pace.summary().get("step_time"))
+        self.ckpt_every = choice.steps
+        self._next_ckpt = self.step_count + choice.steps
+        self.rt.publish_pace(ckpt_every=choice.steps, ckpt_why=choice.why)
 
     # -- data and randomness
 
@@ -423,6 +485,24 @@ class Trainer:
         finally:
             if self._previous_handler is not None:
                 signal.signal(signal.SIGTERM, self._previous_handler)
+
+
+class _BucketClock:
+    """DDP comm hook state: the inner hook to call and when this rank handed a step's last bucket to it."""
+
+    def __init__(self) -> None:
+        self.group: Any = None
+        self.inner: Any = None
+        self.last: float | None = None
+
+
+def _timed_hook(state, bucket):  # type: ignore[no-untyped-def]  # DDP rejects the annotations as strings
+    """Note the time of the last bucket (this rank's backward is done: what follows is waiting for peers), then
+    reduce as the inner hook does. Unannotated: this module's postponed annotations are strings, and DDP's
+    ``register_comm_hook`` refuses a ``bucket`` annotation that is not ``dist.GradBucket`` itself."""
+    if bucket.is_last():
+        state.last = time.monotonic()
+    return state.inner(state.group, bucket)
 
 
 def _serialize(state: dict[str, Any]) -> bytes:

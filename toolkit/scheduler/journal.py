@@ -1,0 +1,248 @@
+"""The scheduler's record of a run for its operator: it feeds the membership's Notes to the goodput ledger
+(toolkit.scheduler.ledger) and the straggler tracking (toolkit.scheduler.stragglers), and writes the documents of
+toolkit.rundoc (live.json, ledger.json, metrics.jsonl) into the recovery directory.
+
+The server calls `note` for each Note and `tick` on every pass of its loop (`next_deadline` says when the next
+write or evaluation is due, so its select() never polls). Writes are bounded in frequency (named intervals below)
+and in size (the ledger's lists and the metrics file are capped), and a write that fails is logged once a minute
+and retried: the record must never stop the job. Without a recovery directory nothing is written (the tracking
+and the messages still work).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from toolkit import atomicfile, rundoc
+from toolkit.scheduler.ledger import Ledger
+from toolkit.scheduler.membership import Log, Note
+from toolkit.scheduler.stragglers import EVAL_INTERVAL, Cleared, Named, Stragglers
+
+LIVE_INTERVAL = 1.0  # s between rewrites of live.json (what `fleet status` reads)
+LEDGER_INTERVAL = 5.0  # s: the ledger is written at most this often, except at once when an incident changes
+METRICS_INTERVAL = 1.0  # s between metrics samples at first; doubled each time the file is thinned
+MAX_METRICS = 10_000  # samples kept in metrics.jsonl: past this, every other one goes
+WRITE_ERROR_EVERY = 60.0  # s between log lines about a record that cannot be written
+
+log = logging.getLogger("toolkit.scheduler")
+
+
+class Journal:
+    """See the module docstring. `directory` is the recovery directory (None: nothing is written); `clock` the
+    server's monotonic clock, `wall` the time of day (persisted times are wall-clock)."""
+
+    def __init__(self, directory: Path | None, job: str, world_size: int, threshold: float,
+                 clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time) -> None:
+        self.dir = directory
+        self.job = job
+        self.world_size = world_size
+        self.clock, self.wall = clock, wall
+        self.stragglers = Stragglers(threshold)
+        self.ledger = Ledger(job, world_size, wall())
+        self.status = "running"
+        self.generation = 0
+        self.formed = False
+        now = clock()
+        self.live_at = self.eval_at = self.metrics_at = now
+        self.ledger_at = now + LEDGER_INTERVAL
+        self.metrics_interval = METRICS_INTERVAL
+        self.metrics_lines = 0
+        self.error_said = -math.inf
+
+    def restore(self) -> list[Log]:
+        """Read back the ledger of this run (after a scheduler restart, or `train` after `stop`); a damaged or
+        foreign one is moved aside and a new ledger starts. Returns what to log."""
+        if self.dir is None:
+            return []
+        path = self.dir / rundoc.LEDGER_FILE
+        try:
+            text = path.read_text()
+        except FileNotFoundError:
+            return []
+        except OSError as e:
+            return [Log(logging.WARNING, f"cannot read the ledger {path} ({e.strerror}); a new one starts")]
+        try:
+            ledger = Ledger.from_json(json.loads(text))
+            if ledger.job != self.job or ledger.world_size != self.world_size or ledger.outcome in ("finished",
+                                                                                                    "failed"):
+                raise ValueError(f"it is job {ledger.job!r}'s with {ledger.world_size} workers, {ledger.outcome}")
+        except (KeyError, TypeError, ValueError, RecursionError) as e:
+            aside = path.with_name(f"{path.name}.{int(self.wall())}.unused")
+            try:
+                path.rename(aside)
+            except OSError:
+                pass
+            return [Log(logging.WARNING, f"the ledger {path} is not this run's ({e}); moved to {aside.name}, a new "
+                                         "one starts")]
+        ledger.resume(self.wall())
+        self.ledger = ledger
+        self.metrics_lines = self._count_metrics()
+        return [Log(logging.INFO, f"ledger of job {self.job} read back: {ledger.incident_count} incident(s) so far")]
+
+    # -- facts
+
+    def note(self, note: Note) -> list[Log]:
+        """A membership Note: into the ledger and the straggler tracking. Returns what to log."""
+        now, wall = self.clock(), self.wall()
+        out: list[Log] = []
+        f = note.fields
+        if note.kind == "pace":
+            self.stragglers.observe(f, now)
+        elif note.kind == "death":
+            for c in self.stragglers.forget(f["rank"]):
+                self.ledger.straggler_cleared(c.rank, wall)
+            self.generation = f["generation"]
+            self.formed = self.formed and not f["begins"]
+        elif note.kind == "formed":
+            self.generation, self.formed = f["generation"], True
+        elif note.kind in ("finished", "failed"):
+            self.status = note.kind
+        self.ledger.note(note.kind, f, wall)
+        if note.kind == "death":
+            inc = self.ledger.incidents[-1]
+            out.append(Log(logging.INFO, f"ledger: incident {inc.number}: {inc.cause} "
+                                         f"({', '.join(p['node_id'] for p in inc.processes)})"))
+        return out
+
+    def history(self) -> dict[str, Any]:
+        """What `formed` tells the workers for their checkpoint interval: the faults so far and the job's age."""
+        return {"faults": self.ledger.incident_count, "uptime": round(self.ledger.uptime(self.wall()), 3)}
+
+    def stopped(self, why: str) -> None:
+        """The scheduler is stopped by a signal: the ledger says so (a later start resumes it)."""
+        self.ledger.stopped(why, self.wall())
+
+    # -- time
+
+    def next_deadline(self) -> float:
+        """When `tick` has something to do next (monotonic)."""
+        due = [self.eval_at]
+        if self.dir is not None:
+            due += [self.live_at, self.metrics_at]
+            if self.ledger.dirty:
+                due.append(self.clock() if self.ledger.urgent else self.ledger_at)
+        return min(due)
+
+    def tick(self) -> list[Log]:
+        """Evaluate stragglers and write what is due; returns what to log."""
+        now, wall = self.clock(), self.wall()
+        out: list[Log] = []
+        if now >= self.eval_at:
+            self.eval_at = now + EVAL_INTERVAL
+            for event in self.stragglers.evaluate(now):
+                out.append(self._straggler(event, wall))
+        if self.dir is None:
+            return out
+        if self.ledger.dirty and (self.ledger.urgent or now >= self.ledger_at):
+            self._write_ledger(now)
+        if now >= self.metrics_at:
+            self.metrics_at = now + self.metrics_interval
+            self._sample(wall)
+        if now >= self.live_at:
+            self.live_at = now + LIVE_INTERVAL
+            self._write(rundoc.LIVE_FILE, json.dumps(self.live(now, wall)))
+        return out
+
+    def close(self) -> None:
+        """The scheduler exits: the ledger and live.json as they end."""
+        if self.dir is not None:
+            now = self.clock()
+            self._write_ledger(now)
+            self._write(rundoc.LIVE_FILE, json.dumps(self.live(now, self.wall())))
+
+    # -- documents
+
+    def live(self, now: float, wall: float) -> dict[str, Any]:
+        """live.json's document (toolkit.rundoc)."""
+        ranks = {}
+        for r, fig in sorted(self.stragglers.ranks.items()):
+            score = self.stragglers.scores.get(r)
+            step_time = fig.figures.get("step_time")
+            ranks[str(r)] = {
+                "node_id": fig.node_id, "host": fig.host, "pid": fig.pid, "step": fig.step,
+                "steps_per_s": round(1.0 / step_time, 3) if step_time else None,
+                "step_time": step_time, "busy": fig.figures.get("busy"), "loss": fig.figures.get("loss"),
+                "heartbeat_age": round(now - fig.seen_at, 3), "score": round(score, 3) if score else None,
+                "straggler": r in self.stragglers.flagged, "ckpt_every": fig.figures.get("ckpt_every"),
+            }
+        last = self.ledger.incidents[-1] if self.ledger.incidents else None
+        return {
+            "version": rundoc.LIVE_VERSION, "job": self.job, "updated_at": wall, "status": self.status,
+            "generation": self.generation, "formed": self.formed, "world_size": self.world_size, "ranks": ranks,
+            "stragglers": [{"rank": n.rank, "node_id": n.node_id, "host": n.host, "factor": round(n.factor, 2)}
+                           for n in self.stragglers.flagged.values()],
+            "last_incident": None if last is None else {
+                "number": last.number, "cause": last.cause, "at": last.detected_at, "step": last.step,
+                "processes": [p["node_id"] for p in last.processes], "hosts": sorted({p["host"] for p in
+                                                                                     last.processes}),
+                "time_to_recover": last.time_to_recover, "recomputed": last.recomputed},
+            "incidents": self.ledger.incident_count,
+            "goodput": self.ledger.goodput(wall),
+        }
+
+    def _straggler(self, event: Named | Cleared, wall: float) -> Log:
+        if isinstance(event, Named):
+            self.ledger.straggler(event.rank, event.node_id, event.host, event.factor, event.busy, event.median,
+                                  wall)
+            return Log(logging.WARNING, f"straggler: {event.node_id} (rank {event.rank}) on {event.host} works "
+                                        f"{event.factor:.2f}x as long per step as the median of the others "
+                                        f"({event.busy:.4f} s vs {event.median:.4f} s)")
+        self.ledger.straggler_cleared(event.rank, wall)
+        return Log(logging.INFO, f"straggler no more: {event.node_id} (rank {event.rank}) on {event.host}")
+
+    def _write_ledger(self, now: float) -> None:
+        if self._write(rundoc.LEDGER_FILE, json.dumps(self.ledger.to_json(self.wall()), indent=1)):
+            self.ledger.dirty = self.ledger.urgent = False
+        self.ledger_at = now + LEDGER_INTERVAL
+
+    def _sample(self, wall: float) -> None:
+        """Append one metrics line; thin the file when it passes MAX_METRICS."""
+        ranks = {r: [f.step, f.figures.get("loss"), f.figures.get("step_time"), f.figures.get("busy")]
+                 for r, f in self.stragglers.ranks.items() if f.step is not None}
+        if not ranks or self.dir is None:
+            return
+        path = self.dir / rundoc.METRICS_FILE
+        try:
+            with open(path, "a") as fh:
+                fh.write(rundoc.metric_line(wall, self.generation, ranks) + "\n")
+            self.metrics_lines += 1
+            if self.metrics_lines > MAX_METRICS:
+                kept = path.read_text().splitlines()[::2]
+                atomicfile.write(path, "\n".join(kept) + "\n")
+                self.metrics_lines = len(kept)
+                self.metrics_interval *= 2
+        except OSError as e:
+            self._say_error(path, e)
+
+    def _count_metrics(self) -> int:
+        if self.dir is None:
+            return 0
+        try:
+            with open(self.dir / rundoc.METRICS_FILE, "rb") as fh:
+                return sum(1 for _ in fh)
+        except OSError:
+            return 0
+
+    def _write(self, name: str, text: str) -> bool:
+        """Replace `name` in the recovery directory with `text` (atomically); False if it could not be."""
+        if self.dir is None:
+            return False
+        path = self.dir / name
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+            atomicfile.write(path, text)
+            return True
+        except OSError as e:
+            self._say_error(path, e)
+            return False
+
+    def _say_error(self, path: Path, e: OSError) -> None:
+        now = self.clock()
+        if now - self.error_said >= WRITE_ERROR_EVERY:
+            self.error_said = now
+            log.warning("cannot write %s (%s); the run's record lags, the job goes on", path, e.strerror or e)

@@ -1,0 +1,326 @@
+"""The goodput ledger: every incident of a job, what it cost, and how much of the wall time trained for good.
+
+An incident is one fault: the first death that moves a formed job to a new generation, with every death while
+that generation gathers (a lost host's ranks die together). For each: its cause (the process's exit code or
+signal as its agent saw it, heartbeat silence, a closed connection, a host lost with its agent, a member that did
+not reconnect to a restarted scheduler), the processes and hosts, when it failed (for silence: when the rank was
+last heard, not when the silence was noticed), when it was detected, when the replacement generation formed, when
+every rank trained again (their `recovered` reports; for restart-recovery scripts, the first step after the
+formation), and how many steps were computed again.
+
+Goodput = time in steps that survive / wall time. The wall time since the job started splits into:
+  startup      until the first step (launch, imports, the first formation)
+  recovery     from each failure until every rank trains again (detection included)
+  recomputed   the steps trained again after a recovery, at the step time of the moment
+  checkpoint   the training thread blocked in checkpoint saves (mean over ranks: they stall together)
+  productive   the rest: steps that count.
+Straggler episodes and the checkpoint intervals workers chose are kept alongside.
+
+Pure: facts come in with the time (wall-clock seconds, since the ledger outlives the scheduler process: it is
+persisted by toolkit.scheduler.journal and read back after a scheduler restart); nothing here does I/O.
+The document's fields are defined by `to_json`; toolkit.rundoc reads it for `fleet report`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Mapping
+
+from toolkit.rundoc import LEDGER_VERSION as VERSION
+from toolkit.scheduler.membership import CAUSE_CLOSED, CAUSE_SILENCE
+
+HOST_LOST_WINDOW = 10.0  # s: deaths on a host this close to its agent's disconnection are the host's loss
+MAX_INCIDENTS = 10_000  # kept in the document (the oldest go first); counts stay exact
+MAX_EPISODES = 1_000  # straggler episodes and interval changes kept
+
+
+@dataclass
+class Incident:
+    """One fault and what it cost; times are wall-clock seconds."""
+
+    number: int
+    cause: str
+    failed_at: float
+    detected_at: float
+    generation: int  # the generation it began (or that was gathering when it happened)
+    step: int | None  # the newest step any rank had reported when it was detected
+    step_time: float | None  # the job's step time then (for the recomputation's cost)
+    recovery: str  # in-place, restart or unknown: how its first process's script recovers
+    processes: list[dict[str, Any]] = field(default_factory=list)  # node_id, rank, host, pid, cause, reason
+    formed_at: float | None = None
+    recovered_at: float | None = None
+    recomputed: int | None = None
+    recovered_ranks: list[int] = field(default_factory=list)
+    fenced: list[dict[str, Any]] = field(default_factory=list)  # incarnations that came back and were refused
+
+    @property
+    def time_to_recover(self) -> float | None:
+        """Seconds from the failure until every rank trained again (None while it has not)."""
+        return None if self.recovered_at is None else self.recovered_at - self.failed_at
+
+
+class Ledger:
+    """The ledger of one job (see the module docstring). `world_size` ranks; `started_at` when the job started."""
+
+    def __init__(self, job: str, world_size: int, started_at: float) -> None:
+        self.job = job
+        self.world_size = world_size
+        self.started_at = started_at
+        self.incidents: list[Incident] = []
+        self.incident_count = 0
+        self.generations: list[dict[str, Any]] = []  # generation, formed_at, seconds (the gathering)
+        self.stragglers: list[dict[str, Any]] = []  # rank, node_id, host, since, until, factor, busy, median
+        self.intervals: list[dict[str, Any]] = []  # at, rank, steps, why
+        self.scheduler_restarts: list[float] = []
+        self.first_step_at: float | None = None
+        self.last_step: int | None = None
+        self.step_time: float | None = None
+        self.ended_at: float | None = None
+        self.outcome: str | None = None  # finished, failed, stopped
+        self.failure: str | None = None
+        self._stall: dict[int, list[float]] = {}  # rank -> [stall of its earlier processes, its current counter]
+        self._agent_lost: dict[str, float] = {}  # host -> when its agent disconnected
+        self._formed_at: float | None = None  # the current generation's formation (restart-mode recovery)
+        self.paused = 0.0  # s the job was stopped by its operator and started again
+        self.restarting = 0.0  # s from such a start again until it stepped
+        self._awaiting_step: float | None = None
+        self.dirty = False  # changed since the last write
+        self.urgent = False  # an incident changed: write now, not at the ledger interval
+
+    # -- facts
+
+    def note(self, kind: str, fields: Mapping[str, Any], now: float) -> None:
+        """A membership Note (toolkit.scheduler.membership.Note) at wall time `now`."""
+        handler = getattr(self, f"_on_{kind}", None)
+        if handler is not None:
+            handler(fields, now)
+
+    def _on_death(self, f: Mapping[str, Any], now: float) -> None:
+        cause = f["cause"]
+        lost_at = self._agent_lost.get(f["host"])
+        if lost_at is not None and abs(now - lost_at) <= HOST_LOST_WINDOW and cause in (CAUSE_CLOSED, CAUSE_SILENCE):
+            cause = f"host lost ({f['host']}: its agent went too)"
+        proc = {"node_id": f["node_id"], "rank": f["rank"], "host": f["host"], "pid": f["pid"], "cause": cause,
+                "reason": f["reason"]}
+        open_ = self._gathering()
+        if f["begins"] or open_ is None:
+            self.incident_count += 1
+            self.incidents.append(Incident(
+                number=self.incident_count, cause=cause, failed_at=now - float(f.get("silent_for") or 0.0),
+                detected_at=now, generation=f["generation"], step=self.last_step, step_time=self.step_time,
+                recovery=f.get("recovery") or "unknown", processes=[proc]))
+            del self.incidents[:-MAX_INCIDENTS]
+        else:
+            open_.processes.append(proc)
+        self._changed(urgent=True)
+
+    def _on_exited(self, f: Mapping[str, Any], now: float) -> None:
+        """An agent said how a process ended: a death noted as "connection closed" gets its real cause."""
+        how = f"signal {f['signal']}" if f.get("signal") else f"exit code {f.get('code')}"
+        for inc in reversed(self.incidents[-3:]):
+            for p in inc.processes:
+                if p["node_id"] == f["node_id"] and p["pid"] == f["pid"] and p["cause"] == CAUSE_CLOSED:
+                    p["cause"] = how
+                    if inc.cause == CAUSE_CLOSED:
+                        inc.cause = how
+                    self._changed(urgent=True)
+                    return
+
+    def _on_agent_lost(self, f: Mapping[str, Any], now: float) -> None:
+        host = f["host"]
+        self._agent_lost[host] = now
+        for inc in self.incidents[-3:]:
+            if now - inc.detected_at > HOST_LOST_WINDOW:
+                continue
+            for p in inc.processes:
+                if p["host"] == host and p["cause"] in (CAUSE_CLOSED, CAUSE_SILENCE):
+                    p["cause"] = f"host lost ({host}: its agent went too)"
+            if all(p["host"] == host for p in inc.processes) and inc.cause in (CAUSE_CLOSED, CAUSE_SILENCE):
+                inc.cause = f"host lost ({host}: its agent went too)"
+                self._changed(urgent=True)
+
+    def _on_formed(self, f: Mapping[str, Any], now: float) -> None:
+        generation = f["generation"]
+        self.generations.append({"generation": generation, "formed_at": now, "seconds": f.get("seconds")})
+        del self.generations[:-MAX_INCIDENTS]
+        self._formed_at = now
+        for inc in self.incidents[-3:]:
+            if inc.formed_at is None and generation >= inc.generation:
+                inc.formed_at = now
+        self._changed(urgent=True)
+
+    def _on_recovered(self, f: Mapping[str, Any], now: float) -> None:
+        for inc in reversed(self.incidents[-3:]):
+            if inc.formed_at is None or inc.recovered_at is not None:
+                continue
+            if f.get("generation") is not None and f["generation"] < inc.generation:
+                continue
+            if f["rank"] not in inc.recovered_ranks:
+                inc.recovered_ranks.append(f["rank"])
+            if f.get("recomputed") is not None:
+                inc.recomputed = max(inc.recomputed or 0, f["recomputed"])
+            if len(inc.recovered_ranks) >= self.world_size:
+                inc.recovered_at = now
+            self._changed(urgent=True)
+            return
+
+    def _on_pace(self, f: Mapping[str, Any], now: float) -> None:
+        step = f.get("step")
+        if isinstance(step, int):
+            if step >= 1 and self.first_step_at is None:
+                self.first_step_at = now
+                self._changed()
+            if step >= 1 and self._awaiting_step is not None:
+                self.restarting += now - self._awaiting_step
+                self._awaiting_step = None
+                self._changed()
+            self.last_step = step if self.last_step is None else max(self.last_step, step)
+            for inc in self.incidents[-3:]:  # restart recovery: no `recovered` report; the first step tells
+                if (inc.recovery != "in-place" and inc.formed_at is not None and inc.recovered_at is None
+                        and step >= 1 and now > inc.formed_at):
+                    inc.recovered_at = now
+                    self._changed(urgent=True)
+        if "step_time" in f:
+            self.step_time = f["step_time"]
+        if "ckpt_stall" in f:
+            base, last = self._stall.get(f["rank"], [0.0, 0.0])
+            if f["ckpt_stall"] < last:  # a new process of the rank: its counter started again
+                base += last
+            self._stall[f["rank"]] = [base, f["ckpt_stall"]]
+            self._changed()
+        if "ckpt_every" in f:
+            prev = next((i for i in reversed(self.intervals) if i["rank"] == f["rank"]), None)
+            if prev is None or prev["steps"] != f["ckpt_every"]:
+                self.intervals.append({"at": now, "rank": f["rank"], "steps": f["ckpt_every"],
+                                       "why": f.get("ckpt_why", "")})
+                del self.intervals[:-MAX_EPISODES]
+                self._changed()
+
+    def _on_fenced(self, f: Mapping[str, Any], now: float) -> None:
+        for inc in reversed(self.incidents):
+            if any(p["node_id"] == f["node_id"] and p["pid"] == f["pid"] for p in inc.processes):
+                inc.fenced.append({"at": now, "node_id": f["node_id"], "pid": f["pid"], "host": f["host"]})
+                self._changed(urgent=True)
+                return
+
+    def _on_restored(self, f: Mapping[str, Any], now: float) -> None:
+        self.scheduler_restarts.append(now)
+        self._changed(urgent=True)
+
+    def _on_finished(self, f: Mapping[str, Any], now: float) -> None:
+        self._end("finished", None, now)
+
+    def _on_failed(self, f: Mapping[str, Any], now: float) -> None:
+        self._end("failed", f.get("reason"), now)
+
+    def stopped(self, why: str, now: float) -> None:
+        """The scheduler was stopped (a signal) while the job ran: the run ends here unless it is restarted."""
+        if self.outcome is None:
+            self._end("stopped", why, now)
+
+    def straggler(self, rank: int, node_id: str, host: str, factor: float, busy: float, median: float,
+                  now: float) -> None:
+        """A rank was named a straggler (toolkit.scheduler.stragglers.Named)."""
+        self.stragglers.append({"rank": rank, "node_id": node_id, "host": host, "since": now, "until": None,
+                                "factor": round(factor, 3), "busy": busy, "median": median})
+        del self.stragglers[:-MAX_EPISODES]
+        self._changed(urgent=True)
+
+    def straggler_cleared(self, rank: int, now: float) -> None:
+        """A straggler verdict on `rank` ended (it caught up, or it died)."""
+        for ep in reversed(self.stragglers):
+            if ep["rank"] == rank and ep["until"] is None:
+                ep["until"] = now
+                self._changed(urgent=True)
+                return
+
+    def _end(self, outcome: str, failure: str | None, now: float) -> None:
+        self.outcome, self.failure, self.ended_at = outcome, failure, now
+        self._changed(urgent=True)
+
+    def _gathering(self) -> Incident | None:
+        """The newest incident whose replacement generation has not formed yet."""
+        if self.incidents and self.incidents[-1].formed_at is None:
+            return self.incidents[-1]
+        return None
+
+    def _changed(self, urgent: bool = False) -> None:
+        self.dirty = True
+        self.urgent = self.urgent or urgent
+
+    # -- figures
+
+    def uptime(self, now: float) -> float:
+        """Seconds since the job started (its first scheduler start)."""
+        return max(0.0, now - self.started_at)
+
+    def goodput(self, now: float) -> dict[str, Any]:
+        """The wall time so far (or until the job ended) split as the module docstring says, in seconds, and
+        goodput = productive / wall."""
+        end = self.ended_at if self.ended_at is not None else now
+        wall = max(0.0, end - self.started_at - self.paused)
+        first = self.first_step_at if self.first_step_at is not None else end
+        startup = max(0.0, min(first, end) - self.started_at) + self.restarting
+        recovery = recomputed = 0.0
+        for i, inc in enumerate(self.incidents):
+            following = self.incidents[i + 1].detected_at if i + 1 < len(self.incidents) else end
+            until = inc.recovered_at if inc.recovered_at is not None else following
+            recovery += max(0.0, min(until, end) - max(inc.failed_at, first))
+            if inc.recomputed and inc.step_time:
+                recomputed += inc.recomputed * inc.step_time
+        stalls = [base + last for base, last in self._stall.values()]
+        checkpoint = sum(stalls) / len(stalls) if stalls else 0.0
+        productive = max(0.0, wall - startup - recovery - recomputed - checkpoint)
+        return {"wall": round(wall, 3), "startup": round(startup, 3), "recovery": round(recovery, 3),
+                "recomputed": round(recomputed, 3), "checkpoint": round(checkpoint, 3),
+                "productive": round(productive, 3), "goodput": round(productive / wall, 4) if wall > 0 else None}
+
+    # -- the document
+
+    def to_json(self, now: float) -> dict[str, Any]:
+        """The persisted document (ledger.json), with the goodput as of `now`."""
+        return {
+            "version": VERSION, "job": self.job, "world_size": self.world_size, "started_at": self.started_at,
+            "ended_at": self.ended_at, "outcome": self.outcome, "failure": self.failure, "updated_at": now,
+            "first_step_at": self.first_step_at, "last_step": self.last_step, "step_time": self.step_time,
+            "incident_count": self.incident_count,
+            "incidents": [{**asdict(i), "time_to_recover": i.time_to_recover} for i in self.incidents],
+            "generations": self.generations, "stragglers": self.stragglers, "intervals": self.intervals,
+            "scheduler_restarts": self.scheduler_restarts,
+            "checkpoint_stall": {str(r): [round(b, 4), round(last, 4)] for r, (b, last) in self._stall.items()},
+            "paused": round(self.paused, 3), "restarting": round(self.restarting, 3),
+            "goodput": self.goodput(now),
+        }
+
+    @classmethod
+    def from_json(cls, doc: Mapping[str, Any]) -> Ledger:
+        """A ledger read back (after a scheduler restart). KeyError, TypeError or ValueError if the document is
+        not one `to_json` wrote; the journal then starts a new ledger and says so."""
+        if doc.get("version") != VERSION:
+            raise ValueError(f"ledger version {doc.get('version')!r}, expected {VERSION}")
+        led = cls(str(doc["job"]), int(doc["world_size"]), float(doc["started_at"]))
+        led.incident_count = int(doc["incident_count"])
+        fields = set(Incident.__dataclass_fields__)
+        led.incidents = [Incident(**{k: v for k, v in i.items() if k in fields}) for i in doc["incidents"]]
+        led.generations = list(doc["generations"])
+        led.stragglers = list(doc["stragglers"])
+        led.intervals = list(doc["intervals"])
+        led.scheduler_restarts = [float(t) for t in doc["scheduler_restarts"]]
+        led.first_step_at = doc.get("first_step_at")
+        led.last_step = doc.get("last_step")
+        led.step_time = doc.get("step_time")
+        for r, (base, last) in dict(doc["checkpoint_stall"]).items():
+            led._stall[int(r)] = [float(base), float(last)]
+        led.ended_at, led.outcome, led.failure = doc.get("ended_at"), doc.get("outcome"), doc.get("failure")
+        led.paused = float(doc.get("paused", 0.0))
+        led.restarting = float(doc.get("restarting", 0.0))
+        return led
+
+    def resume(self, now: float) -> None:
+        """The job goes on after its scheduler was stopped (`fleet stop`, then `train` again): the time it was
+        stopped is not the job's (`paused`), the time until it steps again is start-up (`restarting`)."""
+        if self.outcome == "stopped" and self.ended_at is not None:
+            self.paused += max(0.0, now - self.ended_at)
+            self.outcome = self.ended_at = self.failure = None
+            self._awaiting_step = now
+            self._changed(urgent=True)
