@@ -35,6 +35,7 @@ from toolkit.train.checkpoint import CheckpointError
 from toolkit.train.data import DataError, load_mnist
 
 HERE = Path(__file__).resolve().parent
+WORK_SLICE = 0.005  # s: --step-delay is slept in slices this long, each counted only up to its own length
 
 
 def interval(text: str) -> int | str:
@@ -44,6 +45,17 @@ def interval(text: str) -> int | str:
     if not text.isdigit() or int(text) < 1:
         raise argparse.ArgumentTypeError(f"{text!r}: give a number of steps >= 1, or auto")
     return int(text)
+
+
+def model_time(seconds: float) -> None:
+    """Stand in for `seconds` of device work, as --step-delay asks: short sleeps of which only the time the process
+    ran counts, so a process that is stopped or starved (a straggler made on purpose with SIGSTOP bursts) takes
+    longer, as a slow device would, instead of finding its sleep over when it wakes."""
+    left = seconds
+    while left > 0:
+        began = time.monotonic()
+        time.sleep(min(WORK_SLICE, left))
+        left -= min(time.monotonic() - began, WORK_SLICE)
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -64,7 +76,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=120.0, help="seconds a collective may block")
     p.add_argument("--plain-allreduce", action="store_true",
                    help="DDP's default allreduce instead of the rank-ordered one (faster, not bit-reproducible)")
-    p.add_argument("--step-delay", type=float, default=0.0, help="extra seconds per step (a slower model)")
+    p.add_argument("--step-delay", type=float, default=0.0,
+                   help="extra seconds of work per step (a slower model; not done while the process is stopped)")
     args = p.parse_args(argv)
     for name in ("epochs", "batch_size", "log_every", "threads"):
         if getattr(args, name) < 1:
@@ -132,7 +145,7 @@ def train(args: argparse.Namespace) -> int:
             trainer.report(loss)  # for fleet status and fleet report (read at most once a second)
             if step % args.log_every == 0:
                 print(f"epoch: {trainer.epoch}, step: {step}, loss is {loss.item():.6f}", flush=True)
-        time.sleep(args.step_delay)
+        model_time(args.step_delay)
     trainer.finish()
     if rt.rank == 0:
         final = args.final_out or ckpt_dir / "final.pt"

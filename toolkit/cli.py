@@ -185,10 +185,25 @@ def train(request: Request, join: bool, join_timeout: str, fresh: bool, again: b
                 again=again)
 
 
-@cluster_task(own={"json": (False, "print the status as JSON")})
-def status(request: Request, json: bool) -> None:
-    """Every process of the job: host, node id, rank, pid, state, restarts, last step, age of its last log line."""
-    tasks.status(request.job_ref(), as_json=json)
+@cluster_task(
+    own={
+        "json": (False, "print the status as JSON (with --watch: one JSON object per line at each refresh)"),
+        "watch": (False, "refresh the table in place until the job ends (exit 0 if it succeeded); Ctrl-C stops "
+                         "watching, not the job"),
+        "interval": ("", f"seconds between refreshes of --watch [{tasks.WATCH_INTERVAL:g}]"),
+    },
+    short={"watch": "w"},
+)
+def status(request: Request, json: bool, watch: bool, interval: str) -> None:
+    """Every process of the job: host, node id, rank, pid, state, restarts, step, steps/s, loss, heartbeat age,
+    stragglers, the last incident; --watch keeps it live."""
+    seconds = _seconds("--interval", interval)
+    if seconds is not None and not watch:
+        raise UserError("--interval is the refresh of --watch; add --watch")
+    if watch:
+        tasks.watch(request.job_ref(), tasks.WATCH_INTERVAL if seconds is None else seconds, as_json=json)
+    else:
+        tasks.status(request.job_ref(), as_json=json)
 
 
 @cluster_task(

@@ -388,7 +388,7 @@ class Membership:
         member.last_seen = now
         if op == P.HEARTBEAT:
             member.step = P.whole(dict(msg), "step", member.step)
-            return [Note("pace", {"rank": member.rank, "node_id": member.node_id, "host": member.host,
+            return [Note("pace", {"rank": member.rank, "node_id": member.node_id, "host": self._host_of(member),
                                   "pid": member.pid, "step": member.step, **P.pace_fields(dict(msg))})]
         if op == P.COMMIT:
             step = P.whole(dict(msg), "step")
@@ -475,6 +475,11 @@ class Membership:
             out += [DropKeys(P.store_prefix(self.job, self.boot, g)) for g in range(self.generation)]
         return out
 
+    def _host_of(self, member: Member) -> str:
+        """The host a member runs on as the operator names it (the plan's, or its agent's), else as the worker
+        named itself (its hostname, which need not be the inventory's name)."""
+        return self.node_host.get(member.node_id) or str(member.host)
+
     def _death(self, member: Member, reason: str, kill: bool, now: float, cause: str = CAUSE_CLOSED,
                silent_for: float = 0.0) -> list[Action]:
         """Declare `member` dead: fence its incarnation, have its agent kill it if it may still exist, and, if the
@@ -492,7 +497,7 @@ class Membership:
         self.fenced.add(member.incarnation)
         self.dirty = True
         out: list[Action] = [Note("death", {
-            "node_id": member.node_id, "rank": member.rank, "host": member.host, "pid": member.pid,
+            "node_id": member.node_id, "rank": member.rank, "host": self._host_of(member), "pid": member.pid,
             "cause": cause, "reason": reason, "silent_for": silent_for, "step": member.step,
             "recovery": member.recovery, "begins": self.formed and self.status == RUNNING and not self.done,
             "generation": self.generation + 1 if self.formed and self.status == RUNNING and not self.done

@@ -55,28 +55,32 @@ echo "$2: nothing deployed in $1: nothing to stop"
 
 
 # What `status` runs: the agent's own judgement (`python -m toolkit.agent status`, or "absent" when nothing was
-# deployed), then the host's clock and the mtime of each log, so log ages are measured by the host's clock.
+# deployed), the scheduler's live.json when a third argument names it (the scheduler host), then the host's clock
+# and the mtime of each log, so log ages are measured by the host's clock.
 STATUS_SCRIPT = r"""
-py=$1 d=$2
+py=$1 d=$2 live=$3
 if [ -f "$d/host.json" ]; then
     "$py" -m toolkit.agent status --job-dir "$d" || exit
 else
     echo '{"state": "absent", "alive": false, "processes": []}'
 fi
 printf '\036\n'
+[ -n "$live" ] && head -c 4194304 -- "$live" 2>/dev/null; printf '\036\n'
 date +%s.%N
 find "$d/logs" -maxdepth 1 -name '*.log' -printf '%T@ %f\n' 2>/dev/null
 exit 0
 """
 
-# What --join polls: the agent's own files, read without starting a Python on every host every interval.
-# Liveness is decided here as `agent status` decides it: the pid file's process exists, is no zombie and
-# started at the recorded clock tick, and agent.json was written by it.
+# What --join and `status --watch` poll: the agent's own files, read without starting a Python on every host every
+# interval, and the scheduler's live.json when a second argument names it. Liveness is decided here as `agent
+# status` decides it: the pid file's process exists, is no zombie and started at the recorded clock tick, and
+# agent.json was written by it.
 POLL_SCRIPT = r"""
-d=$1
+d=$1 live=$2
 cat -- "$d/state/agent.pid" 2>/dev/null; printf '\036\n'
 { read -r pid _ < "$d/state/agent.pid"; } 2>/dev/null && cat "/proc/$pid/stat" 2>/dev/null; printf '\036\n'
 cat -- "$d/state/agent.json" 2>/dev/null; printf '\036\n'
+[ -n "$live" ] && head -c 4194304 -- "$live" 2>/dev/null; printf '\036\n'
 date +%s.%N
 find "$d/logs" -maxdepth 1 -name '*.log' -printf '%T@ %f\n' 2>/dev/null
 exit 0

@@ -3,17 +3,22 @@
 Two ways to ask a host, judged by the same rule (toolkit.agentdoc): `status` runs the agent's own `status` command
 (STATUS_SCRIPT); the pollers (`train` before starting, `train --join`, `restart`) read the agent's files with
 POLL_SCRIPT, starting no Python. Either way one bounded command per host (STATUS_TIMEOUT); the agent is asked,
-never its processes, and a host that cannot be asked becomes a row saying so rather than an exception."""
+never its processes, and a host that cannot be asked becomes a row saying so rather than an exception.
+
+The scheduler host's command also reads the scheduler's live.json (toolkit.rundoc): the generation, each rank's
+pace, loss and heartbeat age, the stragglers and the last incident, which the agents cannot know."""
 
 from __future__ import annotations
 
 import json
+import posixpath
 from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping
 
+from rich.markup import escape
 from rich.table import Table
 
-from toolkit import agentdoc
+from toolkit import agentdoc, rundoc
 from toolkit.agentdoc import FINAL_STATES
 from toolkit.errors import UserError
 from toolkit.jobrecord import HostRecord, JobRecord
@@ -53,6 +58,10 @@ class ProcStatus:
     log_age: float | None  # s since its log was last written, by the host's clock
     last_exit: str | None  # "exit code 3", "killed by SIGKILL"
     recovery: str | None = None  # how the worker said it recovers (protocol.RECOVERY_*), once it has
+    steps_per_s: float | None = None  # the scheduler's figures (live.json) for this worker, while it reports
+    loss: float | None = None
+    heartbeat_age: float | None = None  # s since the scheduler last heard from it
+    straggler: float | None = None  # named a straggler: its own work per step over the others' median
 
     @property
     def prefix(self) -> str:
@@ -77,6 +86,20 @@ class HostStatus:
     failure: Mapping[str, Any] | None = field(default=None, hash=False, compare=False)  # the give-up evidence
     processes: tuple[ProcStatus, ...] = ()
     updated_at: str | None = None  # when the agent last wrote its state (the host's clock)
+    live: Mapping[str, Any] | None = field(default=None, hash=False, compare=False)  # the scheduler host's
+    # live.json (toolkit.rundoc), if this host runs the scheduler and it could be read
+
+
+def live_path(record: JobRecord) -> tuple[str, str]:
+    """The host that runs the scheduler and the path there of its live.json (in MS_RECOVERY_PATH, which the plan
+    puts in `<job dir>/recovery`)."""
+    name = record.process("sched")["host"]
+    return name, posixpath.join(record.host(name).job_dir, "recovery", rundoc.LIVE_FILE)
+
+
+def job_live(hosts: list[HostStatus]) -> Mapping[str, Any] | None:
+    """The scheduler's live.json as the scheduler host's status read it, or None."""
+    return next((h.live for h in hosts if h.live is not None), None)
 
 
 def status(ref: JobRef, as_json: bool = False) -> None:
@@ -87,9 +110,11 @@ def status(ref: JobRef, as_json: bool = False) -> None:
     to stderr. Raises ClusterError (after printing) if any host could not be asked; UserError from
     load_record."""
     record = load_record(ref)
-    results = run_on_all(record_targets(record), lambda host: _fetch_status(host, record.host(host.name)),
+    sched, live = live_path(record)
+    results = run_on_all(record_targets(record),
+                         lambda host: _fetch_status(host, record.host(host.name), live if host.name == sched else ""),
                          record_ssh(record, ref.request.core))
-    hosts = [_host_status(record, name, r) for name, r in results.items()]
+    hosts = host_statuses(record, results)
     if as_json:
         print(json.dumps(_status_json(record, hosts), indent=2))
     else:
@@ -105,44 +130,57 @@ def collect_status(record: JobRecord, ssh: SshSettings, pool: HostPool | None = 
     `hosts` limits it to some of the record's hosts; `pool` keeps the connections for the next poll. Never raises
     for a host's failure: that host's status says `unreachable`, with the error. In the order of `hosts`."""
     chosen = record.hosts if hosts is None else hosts
+    sched, live = live_path(record)
     results = run_on_all([host_target(h, record.local) for h in chosen],
-                         lambda host: poll_status(host, record.host(host.name)), ssh, pool=pool)
-    return [_host_status(record, name, r) for name, r in results.items()]
+                         lambda host: poll_status(host, record.host(host.name), live if host.name == sched else ""),
+                         ssh, pool=pool)
+    return host_statuses(record, results)
 
 
-def _fetch_status(host: Host, h: HostRecord) -> dict[str, Any]:
-    """{"doc": the agent's status document, "now", "mtimes"} from STATUS_SCRIPT (`python -m toolkit.agent
-    status` on the host). Raises what run(check=True) raises, and UserError if the agent's answer is not JSON."""
-    out = host.run(["sh", "-c", STATUS_SCRIPT, "sh", h.python, h.job_dir], timeout=STATUS_TIMEOUT, check=True)
-    doc_text, _, rest = out.stdout.partition("\x1e\n")
+def host_statuses(record: JobRecord, results: Mapping[str, HostResult[dict[str, Any]]]) -> list[HostStatus]:
+    """Each polled host's HostStatus (in the order of `results`), the scheduler's live figures (read on its host)
+    joined into every host's workers."""
+    live = next((r.value["live"] for r in results.values() if r.ok and r.value and r.value.get("live")), None)
+    return [_host_status(record, name, r, live) for name, r in results.items()]
+
+
+def _fetch_status(host: Host, h: HostRecord, live_file: str = "") -> dict[str, Any]:
+    """{"doc": the agent's status document, "live": live.json's document or None, "now", "mtimes"} from
+    STATUS_SCRIPT (`python -m toolkit.agent status` on the host; `live_file` only on the scheduler's host). Raises
+    what run(check=True) raises, and UserError if the agent's answer is not JSON."""
+    out = host.run(["sh", "-c", STATUS_SCRIPT, "sh", h.python, h.job_dir, live_file], timeout=STATUS_TIMEOUT,
+                   check=True)
+    doc_text, live_text, rest = (out.stdout.split("\x1e\n", 2) + ["", ""])[:3]
     try:
         doc = json.loads(doc_text)
     except ValueError:
         raise UserError(f"{h.name}: the agent's status is not JSON: {doc_text.strip()[:200]}") from None
-    return {"doc": doc, **clock_and_logs(rest)}
+    return {"doc": doc, "live": rundoc.read_live(live_text), **clock_and_logs(rest)}
 
 
-def poll_status(host: Host, h: HostRecord) -> dict[str, Any]:
+def poll_status(host: Host, h: HostRecord, live_file: str = "") -> dict[str, Any]:
     """The agent's files, judged as `agent status` judges them (toolkit.agentdoc): no Python started on the host.
 
-    Returns {"doc", "now", "mtimes"} like `_fetch_status`; `doc["alive"]` is True only if the pid file names a
-    live process with the recorded start time that wrote agent.json. An unreadable agent.json counts as absent.
-    Raises what run(check=True) raises."""
-    out = host.run(["sh", "-c", POLL_SCRIPT, "sh", h.job_dir], timeout=STATUS_TIMEOUT, check=True).stdout
-    pid_text, stat_text, doc_text, rest = (out.split("\x1e\n", 3) + ["", "", ""])[:4]
+    Returns {"doc", "live", "now", "mtimes"} like `_fetch_status`; `doc["alive"]` is True only if the pid file
+    names a live process with the recorded start time that wrote agent.json. An unreadable agent.json counts as
+    absent. Raises what run(check=True) raises."""
+    out = host.run(["sh", "-c", POLL_SCRIPT, "sh", h.job_dir, live_file], timeout=STATUS_TIMEOUT, check=True).stdout
+    pid_text, stat_text, doc_text, live_text, rest = (out.split("\x1e\n", 4) + ["", "", "", ""])[:5]
     try:
         doc = json.loads(doc_text) if doc_text.strip() else None
     except (ValueError, RecursionError):
         doc = None  # written atomically, so this is not a half-written file: treat as unknown
     record = agentdoc.pid_record(pid_text)
     running = record if record is not None and agentdoc.stat_matches(record, stat_text) else None
-    return {"doc": agentdoc.judge(doc if isinstance(doc, dict) else None, running), **clock_and_logs(rest)}
+    return {"doc": agentdoc.judge(doc if isinstance(doc, dict) else None, running),
+            "live": rundoc.read_live(live_text), **clock_and_logs(rest)}
 
 
-def _host_status(record: JobRecord, name: str, result: HostResult[dict[str, Any]]) -> HostStatus:
-    """A host's HostStatus from its fan-out result. Processes follow the record, not the document: one the agent
-    does not mention shows as "not started" (no agent ever ran) or "unknown"; with the agent gone, every process
-    not in a final state shows as "gone"."""
+def _host_status(record: JobRecord, name: str, result: HostResult[dict[str, Any]],
+                 live: Mapping[str, Any] | None = None) -> HostStatus:
+    """A host's HostStatus from its fan-out result and the scheduler's live document. Processes follow the record,
+    not the document: one the agent does not mention shows as "not started" (no agent ever ran) or "unknown";
+    with the agent gone, every process not in a final state shows as "gone"."""
     expected = [p for p in record.processes if p["host"] == name]
     if not result.ok or result.value is None:
         procs = tuple(_proc(name, p, {}, "unreachable", None, {}) for p in expected)
@@ -157,18 +195,37 @@ def _host_status(record: JobRecord, name: str, result: HostResult[dict[str, Any]
         state = str(got.get("state") or ("not started" if agent == "absent" else "unknown"))
         if agent == "gone" and state not in FINAL_STATES:
             state = "gone"
-        procs.append(_proc(name, p, got, state, now, mtimes))
+        figures = _live_rank(live, p)
+        if (state == "running" and int(got.get("restarts") or 0) > 0 and live is not None and live.get("ranks")
+                and figures.get("pid") != got.get("pid")):
+            state = "restarting"  # relaunched by its agent, not yet back with the scheduler (no heartbeat yet)
+        procs.append(_proc(name, p, got, state, now, mtimes, figures))
     pid = (doc.get("agent") or {}).get("pid")
     updated = doc.get("updated_at")
     return HostStatus(name, True, None, agent, alive, pid if isinstance(pid, int) else None, doc.get("reason"),
-                      doc.get("failure"), tuple(procs), updated if isinstance(updated, str) else None)
+                      doc.get("failure"), tuple(procs), updated if isinstance(updated, str) else None,
+                      result.value.get("live"))
+
+
+def _live_rank(live: Mapping[str, Any] | None, p: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The scheduler's figures for the worker `p` (live.json's entry for its rank, if that is this node), or {}."""
+    if live is None or p["rank"] is None:
+        return {}
+    entry = (live.get("ranks") or {}).get(str(p["rank"]))
+    return entry if isinstance(entry, dict) and entry.get("node_id") == p["node_id"] else {}
+
+
+def _number(value: Any) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
 def _proc(host: str, p: Mapping[str, Any], got: Mapping[str, Any], state: str, now: float | None,
-          mtimes: Mapping[str, float]) -> ProcStatus:
-    """One process's ProcStatus: the recorded identity `p`, what the agent says of it (`got`), and its log's age
-    by the host's clock (None without a clock or a log). A pid is shown only while the host can be asked and
-    the agent is not gone; an unknown recovery mode is dropped."""
+          mtimes: Mapping[str, float], figures: Mapping[str, Any] | None = None) -> ProcStatus:
+    """One process's ProcStatus: the recorded identity `p`, what the agent says of it (`got`), its log's age
+    by the host's clock (None without a clock or a log), and the scheduler's `figures` for it (live.json). A pid
+    is shown only while the host can be asked and the agent is not gone; an unknown recovery mode is dropped; the
+    step is the later of the agent's and the scheduler's."""
+    figures = figures or {}
     log_name = p["log"].rsplit("/", 1)[-1]
     age = None
     if now is not None and log_name in mtimes:
@@ -177,7 +234,9 @@ def _proc(host: str, p: Mapping[str, Any], got: Mapping[str, Any], state: str, n
     how = None
     if isinstance(last, dict):
         how = f"killed by {last['signal']}" if last.get("signal") else f"exit code {last.get('code')}"
-    step = got.get("step")
+    steps = [v for v in (got.get("step"), figures.get("step")) if isinstance(v, int) and not isinstance(v, bool)]
+    score = _number(figures.get("score"))
+    straggler = round(1 / score, 2) if figures.get("straggler") is True and score else None
     return ProcStatus(
         host=host,
         node_id=p["node_id"],
@@ -186,10 +245,14 @@ def _proc(host: str, p: Mapping[str, Any], got: Mapping[str, Any], state: str, n
         pid=got.get("pid") if state not in ("gone", "unreachable") else None,
         state=state,
         restarts=int(got.get("restarts") or 0),
-        step=step if isinstance(step, int) else None,
+        step=max(steps) if steps else None,
         log_age=age,
         last_exit=how,
         recovery=got.get("recovery") if got.get("recovery") in (RECOVERY_IN_PLACE, RECOVERY_RESTART) else None,
+        steps_per_s=_number(figures.get("steps_per_s")),
+        loss=_number(figures.get("loss")),
+        heartbeat_age=_number(figures.get("heartbeat_age")) if state == "running" else None,
+        straggler=straggler,
     )
 
 
@@ -217,37 +280,104 @@ def recovery_mode(processes: list[ProcStatus], forced: bool = False) -> dict[str
 
 
 def _status_json(record: JobRecord, hosts: list[HostStatus]) -> dict[str, Any]:
-    """`status --json`: the job, its scheduler, world size and recovery mode, the hosts (without their processes)
-    and every process, flat."""
+    """`status --json`: the job, its scheduler, world size and recovery mode, the scheduler's live document (None
+    until it wrote one), the hosts (without their processes) and every process, flat."""
     return {
         "job": record.job,
         "scheduler": {"host": record.scheduler_host, "port": record.sched_port},
         "world_size": record.world_size,
         "recovery": recovery_mode([p for h in hosts for p in h.processes], bool(record.options.get("torchrun_script"))),
-        "hosts": [{k: v for k, v in asdict(h).items() if k != "processes"} for h in hosts],
+        "live": job_live(hosts),
+        "hosts": [{k: v for k, v in asdict(h).items() if k not in ("processes", "live")} for h in hosts],
         "processes": [asdict(p) for h in hosts for p in h.processes],
     }
 
 
-def _print_status(record: JobRecord, hosts: list[HostStatus]) -> None:
-    """The table on stdout (one row per process, unreachable ones included), then notes and the recovery mode on
-    stderr."""
-    table = Table(title=f"job {record.job}: {record.world_size} worker(s) on {len(record.hosts)} host(s), "
-                        f"scheduler {record.scheduler_host}:{record.sched_port}")
-    for column in ("host", "node id", "rank", "pid", "state", "restarts", "last step", "log age"):
-        table.add_column(column, justify="right" if column in ("rank", "pid", "restarts", "last step") else "left")
+# How a process's state stands out in the table (rich styles); states not listed are plain.
+STATE_STYLE = {"running": "green", "succeeded": "green", "starting": "cyan", "connecting": "cyan",
+               "restarting": "bold yellow", "backoff": "bold yellow", "stopping": "yellow", "failed": "bold red",
+               "gone": "bold red", "unreachable": "bold red", "fenced": "bold red", "stopped": "magenta"}
+LAGGING_AFTER = 5.0  # s without a heartbeat at the scheduler before a running worker's row says it lags
+
+
+def status_table(record: JobRecord, hosts: list[HostStatus], title: str | None = None) -> Table:
+    """One row per process: where it runs, its state as its agent sees it, and the scheduler's figures (step,
+    steps/s, loss, heartbeat age; a straggler's factor). Shared by `status` and `status --watch`. Dead,
+    restarting, fenced and unreachable states are coloured, and so are lagging workers (heartbeat older than
+    LAGGING_AFTER while running) and stragglers."""
+    live = job_live(hosts)
+    if title is None:
+        title = f"job {record.job}: {record.world_size} worker(s) on {len(record.hosts)} host(s), " \
+                f"scheduler {record.scheduler_host}:{record.sched_port}"
+        if live is not None:
+            title += f", generation {live.get('generation')}"
+    table = Table(title=title)
+    right = ("rank", "pid", "restarts", "step", "steps/s", "loss", "heartbeat")
+    for column in ("host", "node id", "rank", "pid", "state", "restarts", "step", "steps/s", "loss", "heartbeat",
+                   "log age", "note"):
+        table.add_column(column, justify="right" if column in right else "left")
     for h in hosts:
         for p in h.processes:
-            table.add_row(p.host, p.node_id, dash(p.rank), dash(p.pid), p.state, str(p.restarts), dash(p.step),
-                          human_age(p.log_age))
-    table_console().print(table)
+            note, style = process_note(p)
+            table.add_row(p.host, p.node_id, dash(p.rank), dash(p.pid), f"[{STATE_STYLE.get(p.state, '')}]"
+                          f"{escape(p.state)}" if p.state in STATE_STYLE else escape(p.state), str(p.restarts),
+                          dash(p.step), _fixed(p.steps_per_s, 2), _fixed(p.loss, 4),
+                          human_age(p.heartbeat_age) if p.heartbeat_age is not None else "-",
+                          human_age(p.log_age), f"[{style}]{escape(note)}" if note else "")
+    return table
+
+
+def process_note(p: ProcStatus) -> tuple[str, str]:
+    """What stands out about a process (a straggler and by how much, a lagging heartbeat, its last bad exit) and
+    the style to show it in; ("", "") for nothing."""
+    if p.straggler is not None:
+        return f"straggler: {p.straggler:.2f}x the others' own work per step", "bold magenta"
+    if p.state == "running" and p.heartbeat_age is not None and p.heartbeat_age > LAGGING_AFTER:
+        return f"lagging: no heartbeat for {p.heartbeat_age:.0f} s", "bold yellow"
+    if p.last_exit and p.last_exit != "exit code 0":
+        return f"last exit: {p.last_exit}", "red" if p.state != "running" else "yellow"
+    return "", ""
+
+
+def _fixed(value: float | None, digits: int) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def _print_status(record: JobRecord, hosts: list[HostStatus]) -> None:
+    """The table on stdout (one row per process, unreachable ones included), then notes, the stragglers, the last
+    incident and the recovery mode on stderr."""
+    table_console().print(status_table(record, hosts))
     for h in hosts:
         note = _host_note(h)
         if note:
             say(note)
+    for line in live_lines(job_live(hosts)):
+        say(line)
     mode = recovery_mode([p for h in hosts for p in h.processes], bool(record.options.get("torchrun_script")))
     if mode is not None:
         say(f"recovery: {mode['why']}")
+
+
+def live_lines(live: Mapping[str, Any] | None) -> list[str]:
+    """The scheduler's view in a few lines: each straggler (host, rank, by how much), the last incident (cause,
+    processes, step, time to recover, steps recomputed) and the goodput so far. Empty without a live document."""
+    if live is None:
+        return []
+    lines = [f"straggler: {s.get('node_id')} (rank {s.get('rank')}) on {s.get('host')}: its own work per step "
+             f"takes {s.get('factor')}x the median of the others" for s in live.get("stragglers") or []
+             if isinstance(s, dict)]
+    inc = live.get("last_incident")
+    if isinstance(inc, dict):
+        took = inc.get("time_to_recover")
+        recovered = "not recovered yet" if took is None else f"recovered in {took:.2f} s"
+        recomputed = "" if inc.get("recomputed") is None else f", {inc['recomputed']} step(s) recomputed"
+        procs, where = (", ".join(map(str, inc.get(k) or [])) for k in ("processes", "hosts"))
+        lines.append(f"last incident (#{inc.get('number')} of {live.get('incidents')}): {inc.get('cause')}: "
+                     f"{procs} on {where} at step {dash(inc.get('step'))}; {recovered}{recomputed}")
+    goodput = live.get("goodput")
+    if isinstance(goodput, dict) and _number(goodput.get("goodput")) is not None:
+        lines.append(f"goodput so far: {100 * goodput['goodput']:.1f}% of {human_age(_number(goodput.get('wall')))}")
+    return lines
 
 
 def _host_note(h: HostStatus) -> str | None:

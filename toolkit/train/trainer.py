@@ -114,6 +114,7 @@ class Trainer:
         self.seed = seed
         self.deterministic = deterministic
         self.ckpt_every = ckpt_every
+        self._published: int | None = None  # the agreed interval last published (auto), with its reason
         self.ddp_args = dict(ddp or {})
         self.position = Positioner(loader)
         root = Path(ckpt_dir) if ckpt_dir is not None else Path(_env_ckpt_dir())
@@ -132,7 +133,6 @@ class Trainer:
         self._buckets = _BucketClock()  # when this rank handed its last gradient bucket to the allreduce
         self._step_began: float | None = None  # the end of the previous step: where this step's own work starts
         self._loss: Any = None
-        self._next_ckpt = self.ckpt_every
         self._initial = checkpoint.snapshot(self._capture())  # step 0, when no rank holds anything newer
         self._stop = threading.Event()
         self._interrupt = False  # SIGTERM raises Terminated at once (while blocked forming a group)
@@ -394,9 +394,7 @@ class Trainer:
             self._step_began = None  # the stall is not the next step's work
 
     def _checkpoint_due(self) -> bool:
-        if self._chooser is None:
-            return self.step_count % self.ckpt_every == 0
-        return self.step_count >= self._next_ckpt
+        return self.step_count % self.ckpt_every == 0  # the interval every rank agreed on in this step
 
     def _choose_interval(self) -> None:
         """After a checkpoint: when the next is due, and what the heartbeats tell the scheduler about it."""
@@ -406,10 +404,8 @@ class Trainer:
         history = self.rt.fault_history()
         if history is not None:
             self._chooser.history(*history)
-        choice = self._chooser.update(self.rt.pace.summary().get("step_time"))
-        self.ckpt_every = choice.steps
-        self._next_ckpt = self.step_count + choice.steps
-        self.rt.publish_pace(ckpt_every=choice.steps, ckpt_why=choice.why)
+        self._chooser.update(self.rt.pace.summary().get("step_time"))  # proposed at the next step's agreement
+        self._published = None  # the reason changed: publish the agreed interval with it
 
     # -- data and randomness
 
@@ -453,14 +449,25 @@ class Trainer:
 
     def _agree_stop(self) -> bool | None:
         """Collective at the end of every step: did any rank get SIGTERM? None if not; else whether this rank
-        is one that leaves (outside toolkit every rank does: the launcher restarts the world)."""
+        is one that leaves (outside toolkit every rank does: the launcher restarts the world).
+
+        The same collective agrees on the checkpoint interval: each rank proposes its own (with `ckpt_every="auto"`
+        each measures its own stall) and all take the largest, so every rank checkpoints at the same steps (a
+        replacement that starts at the lower bound takes the survivors' interval at its first step)."""
         mine = 1 if self._stop.is_set() else 0
+        proposal = self._chooser.current.steps if self._chooser is not None else self.ckpt_every
         if self.rt.world_size > 1:
-            flag = torch.tensor([mine], dtype=torch.int32, device=self.rt.device)
+            flag = torch.tensor([mine, proposal], dtype=torch.int64, device=self.rt.device)
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-            anyone = bool(flag.item())
+            anyone, self.ckpt_every = bool(flag[0].item()), int(flag[1].item())
         else:
-            anyone = bool(mine)
+            anyone, self.ckpt_every = bool(mine), proposal
+        if self._chooser is not None and self.ckpt_every != self._published:
+            self._published = self.ckpt_every
+            own = self._chooser.current.why
+            why = own if self.ckpt_every == proposal else (
+                f"{self.ckpt_every} steps: the largest of the ranks' proposals (this rank's: {own})")
+            self.rt.publish_pace(ckpt_every=self.ckpt_every, ckpt_why=why)
         if not anyone:
             return None
         return self.rt.mode != MODE_TOOLKIT or bool(mine)

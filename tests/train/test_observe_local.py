@@ -1,0 +1,98 @@
+"""The operator's figures from a local job run by the real agent and scheduler: a rank slowed on purpose (SIGSTOP /
+SIGCONT bursts) is named a straggler with its host and rank after an even stretch that names nobody, and the
+checkpoint interval chosen with `--ckpt-interval auto` is one interval for every rank, with its reason."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+
+from toolkit import rundoc
+from toolkit.testing.localjob import LocalJob
+
+WORLD = 3
+ARGS = ["--epochs", "10", "--batch-size", "16", "--ckpt-interval", "auto", "--step-delay", "0.1"]
+EVEN_STEPS = 40  # steps before the slowing: ~5 s of straggler evaluations that must name nobody
+BURST_STOP, BURST_RUN = 0.06, 0.03  # s stopped, then running, in turn, finer than a step: a third of its speed
+TIMEOUT = 240.0  # s for each wait on a loaded 2-core machine
+POLL = 0.1
+
+pytestmark = pytest.mark.timeout(600)
+
+
+def until(what: str, predicate: Callable[[], Any], job: LocalJob) -> Any:
+    deadline = time.monotonic() + TIMEOUT
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if job.agent is not None and job.agent.poll() is not None:
+            raise AssertionError(f"the job ended while waiting for {what}\n{job.evidence()}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {TIMEOUT} s waiting for {what}\n{job.evidence()}")
+        time.sleep(POLL)
+
+
+def live(job: LocalJob) -> dict[str, Any]:
+    try:
+        return rundoc.read_live((job.dir / "recovery" / rundoc.LIVE_FILE).read_text()) or {}
+    except OSError:
+        return {}
+
+
+def bursts(job: LocalJob, node: str, stop: threading.Event) -> None:
+    while not stop.is_set():
+        pid = job.procs().get(node, {}).get("pid")
+        if not pid:
+            stop.wait(BURST_RUN)
+            continue
+        try:
+            os.kill(pid, signal.SIGSTOP)
+            stop.wait(BURST_STOP)
+        finally:
+            with contextlib.suppress(ProcessLookupError):  # it may have ended meanwhile
+                os.kill(pid, signal.SIGCONT)
+        stop.wait(BURST_RUN)
+
+
+def test_a_slowed_rank_is_named_and_the_auto_interval_is_shared(tmp_path: Path) -> None:
+    job = LocalJob(tmp_path, WORLD, ARGS, job="observe", node_timeout=5, cluster_time_out=120, grace=5)
+    job.start()
+    stop = threading.Event()
+    slower = threading.Thread(target=bursts, args=(job, "worker_2", stop), daemon=True)
+    try:
+        until(f"every rank past step {EVEN_STEPS}", lambda: all(job.last_step(r) >= EVEN_STEPS for r in range(WORLD)),
+              job)
+        sched = job.log("scheduler.log")
+        assert "straggler: " not in sched, sched
+        figures = live(job)
+        assert figures["stragglers"] == [] and all(r["score"] for r in figures["ranks"].values()), figures
+        chosen = {r["ckpt_every"] for r in figures["ranks"].values()}
+        assert len(chosen) == 1 and chosen.pop() > 10, figures  # Young's interval, above the lower bound
+
+        slower.start()
+        named = until("worker_2 named a straggler", lambda: re.search(
+            r"straggler: worker_2 \(rank 2\) on localhost works (\S+)x", job.log("scheduler.log")), job)
+        assert float(named.group(1)) >= 1.5
+        assert not re.search(r"straggler: worker_[01] ", job.log("scheduler.log"))
+        flagged = until("live.json naming it", lambda: live(job).get("stragglers"), job)
+        assert [(s["rank"], s["host"]) for s in flagged] == [(2, "localhost")]
+    finally:
+        stop.set()
+        if slower.is_alive():
+            slower.join(10)
+        job.cleanup()
+    ledger = json.loads((job.dir / "recovery" / rundoc.LEDGER_FILE).read_text())
+    assert [(s["rank"], s["host"]) for s in ledger["stragglers"]] == [(2, "localhost")]
+    latest = {i["rank"]: i for i in ledger["intervals"]}  # each rank's last change of interval, with its reason
+    assert set(latest) == set(range(WORLD)), ledger["intervals"]
+    assert len({i["steps"] for i in latest.values()}) == 1 and all("Young" in i["why"] for i in latest.values())
