@@ -80,7 +80,7 @@ def report_data(ledger: Mapping[str, Any], metrics: Sequence[Mapping[str, Any]])
         until = _num(gens[i + 1]["formed_at"]) if i + 1 < len(gens) else end
         generations.append({"generation": number, "start": round(_num(g["formed_at"]) - t0, 3),
                             "end": round(max(until, _num(g["formed_at"])) - t0, 3),
-                            **_step_range(number, incidents, last_step)})
+                            **_step_range(number, i == 0, incidents, last_step)})
     stragglers = [{"rank": s.get("rank"), "node_id": s.get("node_id"), "host": s.get("host"),
                    "factor": s.get("factor"), "start": round(_num(s.get("since")) - t0, 3),
                    "end": None if _num(s.get("until")) is None else round(_num(s["until"]) - t0, 3)}
@@ -99,12 +99,17 @@ def report_data(ledger: Mapping[str, Any], metrics: Sequence[Mapping[str, Any]])
     }
 
 
-def _step_range(generation: int, incidents: list[dict[str, Any]], last_step: int | None) -> dict[str, Any]:
+def _step_range(generation: int, first_listed: bool, incidents: list[dict[str, Any]],
+                last_step: int | None) -> dict[str, Any]:
     """The steps `generation` trained: from where the incident that began it resumed (step 0 for the first
-    generation) to the step the next incident struck at (or the job's newest step). From the ledger, not from
-    the metrics samples: a sample taken while a generation gathers still shows the previous one's steps."""
+    generation listed; None where no incident says) to the step the next incident struck at (or the job's newest
+    step heard). From the ledger, not from the metrics samples: a sample taken while a generation gathers still
+    shows the previous one's steps."""
     began = next((i for i in incidents if i["generation"] == generation), None)
-    first = 0 if began is None else began["resumed_from"] if began["resumed_from"] is not None else began["step"]
+    if began is None:
+        first = 0 if first_listed else None
+    else:
+        first = began["resumed_from"] if began["resumed_from"] is not None else began["step"]
     following = [i["step"] for i in incidents if isinstance(i["generation"], int) and i["generation"] > generation
                  and i["step"] is not None]
     last = following[0] if following else last_step

@@ -6,7 +6,9 @@ signal as its agent saw it, heartbeat silence, a closed connection, a host lost 
 not reconnect to a restarted scheduler), the processes and hosts, when it failed (for silence: when the rank was
 last heard, not when the silence was noticed), when it was detected, when the replacement generation formed, when
 every rank trained again (their `recovered` reports; for restart-recovery scripts, the first step after the
-formation), and how many steps were computed again.
+formation), the step they trained again from, and how many steps were computed again (what the survivors had done
+beyond that step; after a restart from checkpoints, the newest step heard in heartbeats minus the step resumed
+from; unknown for restart-recovery scripts, which do not report their recovery).
 
 Goodput = time in steps that survive / wall time. The wall time since the job started splits into:
   startup      until the first step (launch, imports, the first formation)
