@@ -223,6 +223,13 @@ def logs(request: Request, node: str, rank: str, host: str, follow: bool, lines:
                follow=follow, lines=tasks.LOG_LINES if count is None else count)
 
 
+@cluster_task(own={"out": ("", "write the PNG here [<job>-report.png in the current directory]"),
+                   "json": (False, "print the report's data as JSON instead of tables (a PNG only with --out)")})
+def report(request: Request, out: str, json: bool) -> None:
+    """The run's picture and summary: loss per rank, generations, incidents, step rate, stragglers, goodput."""
+    tasks.report(request.job_ref(), out=out or None, as_json=json)
+
+
 @cluster_task()
 def stop(request: Request) -> None:
     """Stop the job on every host (SIGTERM, grace period, SIGKILL) and verify that nothing of it is left."""
@@ -260,8 +267,9 @@ def _whole(flag: str, text: str) -> int | None:
 
 
 def namespace() -> Collection:
-    """The task set of `fleet` and of a project's fabfile.py: plan, deploy, train, status, logs, stop, restart."""
-    return Collection(plan, deploy, train, status, logs, stop, restart)
+    """The task set of `fleet` and of a project's fabfile.py: plan, deploy, train, status, logs, report, stop,
+    restart."""
+    return Collection(plan, deploy, train, status, logs, report, stop, restart)
 
 
 def use_cluster_executor() -> None:

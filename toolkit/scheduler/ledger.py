@@ -6,7 +6,9 @@ signal as its agent saw it, heartbeat silence, a closed connection, a host lost 
 not reconnect to a restarted scheduler), the processes and hosts, when it failed (for silence: when the rank was
 last heard, not when the silence was noticed), when it was detected, when the replacement generation formed, when
 every rank trained again (their `recovered` reports; for restart-recovery scripts, the first step after the
-formation), and how many steps were computed again.
+formation), the step they trained again from, and how many steps were computed again (what the survivors had done
+beyond that step; after a restart from checkpoints, the newest step heard in heartbeats minus the step resumed
+from; unknown for restart-recovery scripts, which do not report their recovery).
 
 Goodput = time in steps that survive / wall time. The wall time since the job started splits into:
   startup      until the first step (launch, imports, the first formation)
@@ -43,13 +45,14 @@ class Incident:
     failed_at: float
     detected_at: float
     generation: int  # the generation it began (or that was gathering when it happened)
-    step: int | None  # the newest step any rank had reported when it was detected
+    step: int | None  # the newest step the ranks had reported (heartbeats) when it was detected
     step_time: float | None  # the job's step time then (for the recomputation's cost)
     recovery: str  # in-place, restart or unknown: how its first process's script recovers
     processes: list[dict[str, Any]] = field(default_factory=list)  # node_id, rank, host, pid, cause, reason
     formed_at: float | None = None
     recovered_at: float | None = None
     recomputed: int | None = None
+    resumed_from: int | None = None  # the step the ranks trained again from (their `recovered` reports)
     recovered_ranks: list[int] = field(default_factory=list)
     fenced: list[dict[str, Any]] = field(default_factory=list)  # incarnations that came back and were refused
 
@@ -84,6 +87,7 @@ class Ledger:
         self.paused = 0.0  # s the job was stopped by its operator and started again
         self.restarting = 0.0  # s from such a start again until it stepped
         self._awaiting_step: float | None = None
+        self._rank_step: dict[int, int] = {}  # rank -> the step its latest heartbeat carried (not persisted)
         self.dirty = False  # changed since the last write
         self.urgent = False  # an incident changed: write now, not at the ledger interval
 
@@ -102,12 +106,14 @@ class Ledger:
             cause = f"host lost ({f['host']}: its agent went too)"
         proc = {"node_id": f["node_id"], "rank": f["rank"], "host": f["host"], "pid": f["pid"], "cause": cause,
                 "reason": f["reason"]}
+        steps = [s for s in (*self._rank_step.values(), f.get("step")) if isinstance(s, int)]
+        self._rank_step.pop(f["rank"], None)
         open_ = self._gathering()
         if f["begins"] or open_ is None:
             self.incident_count += 1
             self.incidents.append(Incident(
                 number=self.incident_count, cause=cause, failed_at=now - float(f.get("silent_for") or 0.0),
-                detected_at=now, generation=f["generation"], step=self.last_step, step_time=self.step_time,
+                detected_at=now, generation=f["generation"], step=max(steps, default=None), step_time=self.step_time,
                 recovery=f.get("recovery") or "unknown", processes=[proc]))
             del self.incidents[:-MAX_INCIDENTS]
         else:
@@ -157,8 +163,13 @@ class Ledger:
                 continue
             if f["rank"] not in inc.recovered_ranks:
                 inc.recovered_ranks.append(f["rank"])
-            if f.get("recomputed") is not None:
-                inc.recomputed = max(inc.recomputed or 0, f["recomputed"])
+            step, recomputed = f.get("step"), f.get("recomputed")
+            if isinstance(step, int) and step >= 0:
+                inc.resumed_from = step if inc.resumed_from is None else min(inc.resumed_from, step)
+            if recomputed is not None and recomputed < 0 and isinstance(step, int) and inc.step is not None:
+                recomputed = max(0, inc.step - step)  # from a checkpoint: the ranks' own last steps were lost
+            if recomputed is not None and recomputed >= 0:
+                inc.recomputed = max(inc.recomputed or 0, recomputed)
             if len(inc.recovered_ranks) >= self.world_size:
                 inc.recovered_at = now
             self._changed(urgent=True)
@@ -175,6 +186,7 @@ class Ledger:
                 self._awaiting_step = None
                 self._changed()
             self.last_step = step if self.last_step is None else max(self.last_step, step)
+            self._rank_step[f["rank"]] = step
             for inc in self.incidents[-3:]:  # restart recovery: no `recovered` report; the first step tells
                 if (inc.recovery != "in-place" and inc.formed_at is not None and inc.recovered_at is None
                         and step >= 1 and now > inc.formed_at):

@@ -1,0 +1,218 @@
+"""The goodput ledger (toolkit.scheduler.ledger) driven with membership Notes and a fake clock (wall seconds passed
+in), and its persistence through the journal (toolkit.scheduler.journal) across a scheduler restart."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from toolkit import rundoc
+from toolkit.scheduler.journal import Journal
+from toolkit.scheduler.ledger import Ledger
+from toolkit.scheduler.membership import CAUSE_CLOSED, CAUSE_SILENCE, Note
+
+T0 = 1_000.0  # the job's start, wall-clock s
+
+
+def death(rank: int, cause: str, generation: int, begins: bool = True, silent_for: float = 0.0,
+          host: str = "h1", step: int | None = None, recovery: str = "in-place") -> dict[str, Any]:
+    return {"node_id": f"worker_{rank}", "rank": rank, "host": host, "pid": 100 + rank, "cause": cause,
+            "reason": "test", "silent_for": silent_for, "step": step, "recovery": recovery, "begins": begins,
+            "generation": generation}
+
+
+def pace(rank: int, step: int, **figures: Any) -> dict[str, Any]:
+    return {"rank": rank, "node_id": f"worker_{rank}", "host": "h1", "pid": 100 + rank, "step": step, **figures}
+
+
+def recovered(rank: int, generation: int, step: int, recomputed: int) -> dict[str, Any]:
+    return {"node_id": f"worker_{rank}", "rank": rank, "generation": generation, "step": step, "source": "peer",
+            "recomputed": recomputed, "seconds": 1.0}
+
+
+def started(world: int = 2) -> Ledger:
+    """Generation 0 formed at T0+10, the first step at T0+12 with a step time of 0.5 s, both ranks at step 10 by
+    T0+20."""
+    led = Ledger("job", world, T0)
+    led.note("formed", {"generation": 0, "seconds": 10.0}, T0 + 10)
+    for r in range(world):
+        led.note("pace", pace(r, 1), T0 + 12)
+    for r in range(world):
+        led.note("pace", pace(r, 10, step_time=0.5, ckpt_stall=0.0), T0 + 20)
+    return led
+
+
+def test_a_kill_recovered_in_place() -> None:
+    led = started()
+    led.note("death", death(1, CAUSE_CLOSED, 1), T0 + 21)  # the connection closed first
+    led.note("exited", {"node_id": "worker_1", "rank": 1, "host": "h1", "pid": 101, "code": None,
+                        "signal": "SIGKILL"}, T0 + 21.1)
+    (inc,) = led.incidents
+    assert inc.cause == "signal SIGKILL" and inc.processes[0]["cause"] == "signal SIGKILL"
+    assert (inc.failed_at, inc.detected_at, inc.step, inc.generation) == (T0 + 21, T0 + 21, 10, 1)
+    led.note("formed", {"generation": 1, "seconds": 3.0}, T0 + 24)
+    led.note("recovered", recovered(0, 1, 10, 0), T0 + 25)
+    assert inc.recovered_at is None and inc.time_to_recover is None  # one rank of two trains again
+    led.note("recovered", recovered(1, 1, 10, 0), T0 + 26)
+    assert (inc.formed_at, inc.recovered_at, inc.time_to_recover) == (T0 + 24, T0 + 26, 5.0)
+    assert (inc.resumed_from, inc.recomputed, sorted(inc.recovered_ranks)) == (10, 0, [0, 1])
+    led.note("finished", {}, T0 + 40)
+    assert led.goodput(T0 + 99) == {"wall": 40.0, "startup": 12.0, "recovery": 5.0, "recomputed": 0.0,
+                                    "checkpoint": 0.0, "productive": 23.0, "goodput": 0.575}
+
+
+def test_heartbeat_silence_dates_the_failure_from_the_last_heartbeat() -> None:
+    led = started()
+    led.note("death", death(0, CAUSE_SILENCE, 1, silent_for=3.5), T0 + 24)
+    led.note("exited", {"node_id": "worker_0", "rank": 0, "host": "h1", "pid": 100, "code": None,
+                        "signal": "SIGKILL"}, T0 + 24.2)  # its agent killed it: silence stays the cause
+    (inc,) = led.incidents
+    assert inc.cause == CAUSE_SILENCE and (inc.failed_at, inc.detected_at) == (T0 + 20.5, T0 + 24)
+    led.note("formed", {"generation": 1}, T0 + 26)
+    for r in (0, 1):
+        led.note("recovered", recovered(r, 1, 10, 0), T0 + 27)
+    assert inc.time_to_recover == 6.5
+    assert led.goodput(T0 + 30)["recovery"] == 6.5
+
+
+def test_deaths_while_gathering_join_the_incident_and_a_lost_host_is_named() -> None:
+    led = started(world=4)
+    led.note("death", death(2, CAUSE_CLOSED, 1, host="h2"), T0 + 21)
+    led.note("death", death(3, CAUSE_CLOSED, 1, begins=False, host="h2"), T0 + 21.2)
+    led.note("agent_lost", {"host": "h2", "reason": "closed"}, T0 + 21.3)
+    (inc,) = led.incidents
+    assert [p["node_id"] for p in inc.processes] == ["worker_2", "worker_3"]
+    assert inc.cause == "host lost (h2: its agent went too)"
+    assert {p["cause"] for p in inc.processes} == {inc.cause}
+    led.note("formed", {"generation": 1}, T0 + 30)
+    led.note("death", death(0, CAUSE_CLOSED, 2, host="h1"), T0 + 31)  # a new fault once formed: a new incident
+    assert led.incident_count == 2 and led.incidents[0].recovered_at is None
+    # The first never recovered: its recovery time runs until the second began, without counting time twice.
+    led.note("formed", {"generation": 2}, T0 + 33)
+    for r in range(4):
+        led.note("recovered", recovered(r, 2, 10, 0), T0 + 34)
+    assert led.incidents[1].recovered_at == T0 + 34
+    assert led.goodput(T0 + 40)["recovery"] == (31 - 21) + (34 - 31)
+
+
+def test_recovery_from_a_checkpoint_counts_the_steps_lost() -> None:
+    led = started()
+    led.note("pace", pace(0, 13, step_time=0.5), T0 + 22)
+    led.note("pace", pace(1, 12, step_time=0.5), T0 + 22)
+    led.note("death", death(0, CAUSE_CLOSED, 1, step=13), T0 + 23)
+    led.note("death", death(1, CAUSE_CLOSED, 1, begins=False, step=12), T0 + 23)
+    inc = led.incidents[0]
+    assert inc.step == 13  # the newest step any rank was heard at
+    led.note("formed", {"generation": 1}, T0 + 30)
+    for r in (0, 1):  # the workers do not know how far the job had got: the ledger does
+        led.note("recovered", recovered(r, 1, 8, -1), T0 + 31)
+    assert (inc.resumed_from, inc.recomputed) == (8, 5)
+    assert led.goodput(T0 + 40)["recomputed"] == 5 * 0.5
+
+
+def test_restart_recovery_ends_at_the_first_step_after_the_formation() -> None:
+    led = started()
+    led.note("death", death(1, CAUSE_CLOSED, 1, recovery="restart"), T0 + 21)
+    led.note("formed", {"generation": 1}, T0 + 25)
+    led.note("pace", pace(0, 10), T0 + 24)  # an old heartbeat, before the formation: not yet
+    inc = led.incidents[0]
+    assert inc.recovered_at is None
+    led.note("pace", pace(0, 9), T0 + 27)
+    assert inc.recovered_at == T0 + 27 and inc.time_to_recover == 6
+
+
+def test_checkpoint_stalls_are_summed_over_restarts_and_averaged_over_ranks() -> None:
+    led = started()
+    led.note("pace", pace(0, 11, ckpt_stall=2.0), T0 + 21)
+    led.note("pace", pace(1, 11, ckpt_stall=1.0), T0 + 21)
+    led.note("pace", pace(1, 12, ckpt_stall=0.5), T0 + 22)  # a new process of rank 1: its counter started again
+    led.note("finished", {}, T0 + 40)
+    assert led.goodput(T0 + 40)["checkpoint"] == (2.0 + 1.5) / 2
+
+
+def test_interval_changes_and_stragglers_are_kept() -> None:
+    led = started()
+    led.note("pace", pace(0, 11, ckpt_every=10, ckpt_why="10 steps: floor"), T0 + 21)
+    led.note("pace", pace(0, 12, ckpt_every=10, ckpt_why="10 steps: floor"), T0 + 22)
+    led.note("pace", pace(0, 13, ckpt_every=25, ckpt_why="25 steps: Young"), T0 + 23)
+    assert [(i["steps"], i["at"]) for i in led.intervals] == [(10, T0 + 21), (25, T0 + 23)]
+    led.straggler(1, "worker_1", "h1", 2.0, 0.2, 0.1, T0 + 24)
+    led.straggler_cleared(1, T0 + 30)
+    assert led.stragglers == [{"rank": 1, "node_id": "worker_1", "host": "h1", "since": T0 + 24, "until": T0 + 30,
+                               "factor": 2.0, "busy": 0.2, "median": 0.1}]
+
+
+def test_round_trip_and_resume_after_a_stop() -> None:
+    led = started()
+    led.note("death", death(1, CAUSE_SILENCE, 1, silent_for=2.0), T0 + 24)
+    led.note("formed", {"generation": 1}, T0 + 25)
+    for r in (0, 1):
+        led.note("recovered", recovered(r, 1, 10, 0), T0 + 26)
+    led.note("pace", pace(0, 12, ckpt_stall=1.0), T0 + 27)
+    led.note("pace", pace(1, 12, ckpt_stall=1.0), T0 + 27)
+    led.stopped("the scheduler was stopped by SIGTERM", T0 + 30)
+    doc = json.loads(json.dumps(led.to_json(T0 + 30)))
+    assert rundoc.read_ledger(json.dumps(doc)) == doc
+    back = Ledger.from_json(doc)
+    assert back.to_json(T0 + 30) == doc
+    assert doc["goodput"]["wall"] == 30.0 and doc["outcome"] == "stopped"
+    # `train` again 100 s later: the stop is paused time, the time until the first step start-up.
+    back.resume(T0 + 130)
+    assert back.outcome is None and back.paused == 100.0
+    back.note("pace", pace(0, 13, ckpt_stall=0.2), T0 + 140)  # a new process: its stall counter starts again
+    back.note("finished", {}, T0 + 150)
+    gp = back.goodput(T0 + 150)
+    assert (gp["wall"], gp["startup"], gp["recovery"], gp["checkpoint"]) == (50.0, 12.0 + 10.0, 4.0, 1.1)
+    assert gp["productive"] == pytest.approx(50.0 - 22.0 - 4.0 - 1.1)
+
+
+def test_from_json_refuses_another_version() -> None:
+    doc = started().to_json(T0 + 20)
+    with pytest.raises(ValueError, match="version"):
+        Ledger.from_json({**doc, "version": 99})
+    assert rundoc.read_ledger(json.dumps({**doc, "version": 99})) is None
+
+
+class Clock:
+    """Both of the journal's clocks, moved by hand."""
+
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def mono(self) -> float:
+        return self.t
+
+    def wall(self) -> float:
+        return T0 + self.t
+
+
+def test_the_journal_persists_the_ledger_across_a_scheduler_restart(tmp_path: Path) -> None:
+    clock = Clock()
+    journal = Journal(tmp_path, "job", 2, 0.75, clock=clock.mono, wall=clock.wall)
+    clock.t = 10
+    journal.note(Note("formed", {"generation": 0, "seconds": 10.0}))
+    clock.t = 12
+    for r in (0, 1):
+        journal.note(Note("pace", pace(r, 5, step_time=0.5, loss=2.0)))
+    clock.t = 15
+    logs = journal.note(Note("death", death(1, CAUSE_CLOSED, 1)))
+    assert "incident 1: connection closed (worker_1)" in logs[0].text
+    journal.tick()  # an incident is written at once
+    assert json.loads((tmp_path / "ledger.json").read_text())["incident_count"] == 1
+    assert rundoc.read_metrics((tmp_path / "metrics.jsonl").read_text())[-1]["ranks"]["0"][:2] == [5, 2.0]
+    journal.stopped("the scheduler was stopped by SIGKILL")
+    journal.close()
+
+    clock.t = 20  # a new scheduler process: the same ledger goes on, the time it was down paused
+    again = Journal(tmp_path, "job", 2, 0.75, clock=clock.mono, wall=clock.wall)
+    assert "1 incident(s) so far" in again.restore()[0].text
+    assert again.ledger.incident_count == 1 and again.ledger.paused == 5.0
+    assert again.history()["faults"] == 1
+
+    other = Journal(tmp_path, "another", 2, 0.75, clock=clock.mono, wall=clock.wall)
+    (warning,) = other.restore()  # another job's ledger is moved aside, never mixed in
+    assert "not this run's" in warning.text and not (tmp_path / "ledger.json").exists()
+    assert list(tmp_path.glob("ledger.json.*.unused"))
