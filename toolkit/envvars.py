@@ -1,5 +1,6 @@
 """Names of the environment variables of the process contract (docs/architecture.md), and the values a process
-assumes when one is not set, in one place: the plan, the scheduler and the worker runtime all read them from here."""
+assumes when one is not set, in one place: the plan, the scheduler and the worker runtime all read them from here.
+Also the Slurm variables fleet reads inside an allocation."""
 
 # Defaults of the contract (msrun's where it has one)
 DEFAULT_SCHED_PORT = 8118  # MS_SCHED_PORT; the job's store listens on the next port
@@ -48,3 +49,9 @@ TOOLKIT_AGENT_SOCKET = "TOOLKIT_AGENT_SOCKET"
 TOOLKIT_HEARTBEAT_INTERVAL = "TOOLKIT_HEARTBEAT_INTERVAL"
 TOOLKIT_RECOVERY = "TOOLKIT_RECOVERY"  # worker: "restart" (--torchrun-script) forces restart recovery; default auto
 TOOLKIT_EXPECTED = "TOOLKIT_EXPECTED"  # scheduler: JSON file {node_id: host}, for the formation-timeout message
+
+# Slurm's, read (never set) by fleet inside an allocation: its hosts and slots (toolkit/slurm.py)
+SLURM_JOB_NODELIST = "SLURM_JOB_NODELIST"  # the allocation's hosts, a hostlist: gpu[01-04,07]
+SLURM_TASKS_PER_NODE = "SLURM_TASKS_PER_NODE"  # tasks of each host, in order: 4(x3),2
+SLURM_NTASKS_PER_NODE = "SLURM_NTASKS_PER_NODE"  # --ntasks-per-node, when given: one count for every host
+SLURM_JOB_ID = "SLURM_JOB_ID"
