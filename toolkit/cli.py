@@ -34,9 +34,10 @@ class ClusterContext(Context):
 
     def request(self) -> Request:
         """This command line's Request: the shared flags typed, the project config's `toolkit:` section, Fabric's
-        own flags, and the current directory. Nothing is resolved yet (settings.Request says why)."""
+        own flags, the current directory and the environment (a Slurm allocation's hosts). Nothing is resolved yet
+        (settings.Request says why)."""
         section = self.config.get("toolkit") or {}
-        return Request(self.given, dict(section), self.core, Path.cwd())
+        return Request(self.given, dict(section), self.core, Path.cwd(), dict(os.environ))
 
 
 class ClusterCall(Call):
@@ -304,6 +305,20 @@ class Fleet(fabric.main.Fab):
     def parse_tasks(self) -> None:
         """Fabric's parsing of the tasks and their flags; a parse error exits 2 and says where help is."""
         _usage_errors_exit_2(super().parse_tasks, "fleet")()
+
+    def print_help(self) -> None:
+        """Fabric's help (core flags, subcommands), then where a job's hosts come from: those flags belong to the
+        tasks, so the core help alone would not name them."""
+        super().print_help()
+        print("Hosts of a job (given to plan, deploy or train; the other tasks read them from the job record):\n")
+        helps = {o.name: o.help for o in OPTIONS}
+        self.print_columns([
+            ("-H STRING, --hosts=STRING", "[user@]host[:slots],... as mpirun -H"),
+            ("--hostfile=STRING", helps["hostfile"]),
+            ("--inventory=STRING", helps["inventory"]),
+            ("--slurm", helps["slurm"]),
+            ("(none of them)", "this machine, without SSH (--worker-num workers)"),
+        ])
 
     def parse_collection(self) -> None:
         """Load the task collection, then the current directory's fabric.yaml as the project config."""

@@ -1,5 +1,6 @@
 """Names of the environment variables of the process contract (docs/architecture.md), and the values a process
-assumes when one is not set, in one place: the plan, the scheduler and the worker runtime all read them from here."""
+assumes when one is not set, in one place: the plan, the scheduler and the worker runtime all read them from here.
+Also the Slurm variables fleet reads inside an allocation."""
 
 # Defaults of the contract (msrun's where it has one)
 DEFAULT_SCHED_PORT = 8118  # MS_SCHED_PORT; the job's store listens on the next port
@@ -52,3 +53,9 @@ TOOLKIT_RECOVERY = "TOOLKIT_RECOVERY"  # worker: "restart" (--torchrun-script) f
 TOOLKIT_STRAGGLER_FACTOR = "TOOLKIT_STRAGGLER_FACTOR"  # scheduler: see DEFAULT_STRAGGLER_FACTOR
 TOOLKIT_PACE = "TOOLKIT_PACE"  # worker: "0" turns step timing off (to measure what it costs); default on
 TOOLKIT_EXPECTED = "TOOLKIT_EXPECTED"  # scheduler: JSON file {node_id: host}, for the formation-timeout message
+
+# Slurm's, read (never set) by fleet inside an allocation: its hosts and slots (toolkit/slurm.py)
+SLURM_JOB_NODELIST = "SLURM_JOB_NODELIST"  # the allocation's hosts, a hostlist: gpu[01-04,07]
+SLURM_TASKS_PER_NODE = "SLURM_TASKS_PER_NODE"  # tasks of each host, in order: 4(x3),2
+SLURM_NTASKS_PER_NODE = "SLURM_NTASKS_PER_NODE"  # --ntasks-per-node, when given: one count for every host
+SLURM_JOB_ID = "SLURM_JOB_ID"

@@ -67,7 +67,9 @@ class Inventory:
 
     `workers` run the ranks, `spares` (Ansible group) are held in reserve, `scheduler` names the host of the
     scheduler; every name refers to a host of `hosts`, and there is at least one worker host (InventoryError at
-    construction otherwise). `source` names where it came from in messages ("--hosts", a file path, "local")."""
+    construction otherwise). `source` names where it came from in messages ("--hosts", a file path, "local");
+    `note`, when set, is said with the plan and at deploy: where the hosts came from when no flag shows it (a Slurm
+    allocation picked up from the environment) and how processes are started there."""
 
     hosts: tuple[Host, ...]
     scheduler: str
@@ -75,6 +77,7 @@ class Inventory:
     spares: tuple[str, ...] = ()
     source: str = "--hosts"
     local: bool = False
+    note: str = ""
     _by_name: Mapping[str, Host] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -144,7 +147,7 @@ def _split_host_item(item: str, where: str) -> tuple[str | None, str, int]:
         if sep and ":" in slots_text:
             raise InventoryError(f"{where}: too many ':'; write host:slots (put IPv6 addresses in brackets)")
         slots_text = slots_text if sep else None
-    _check_name(name, where)
+    check_name(name, where)
     slots = 1 if slots_text is None else _parse_slots(slots_text, where + ": slots")
     return user, name, slots
 
@@ -158,7 +161,9 @@ def _split_user(item: str, where: str) -> tuple[str | None, str]:
     return user, rest
 
 
-def _check_name(name: str, where: str) -> None:
+def check_name(name: str, where: str) -> None:
+    """InventoryError naming `where` unless `name` is a host name or address toolkit accepts (letters, digits,
+    '.', '-', '_'; an IPv6 address in brackets): names end up in ssh argv and rendered files."""
     if _NAME.match(name) or _is_ipv6(name.removeprefix("[").removesuffix("]")):
         return
     raise InventoryError(
@@ -228,7 +233,7 @@ def parse_hostfile_text(text: str, path: str) -> Inventory:
         user, name = _split_user(token, where)
         if ":" in name and not _is_ipv6(name.removeprefix("[").removesuffix("]")):
             raise InventoryError(f"{where}: {token!r}: a hostfile gives slots as 'slots=N', not 'host:N'")
-        _check_name(name, where)
+        check_name(name, where)
         slots, max_slots = 1, None
         seen: set[str] = set()
         for word in words:
@@ -437,7 +442,7 @@ def _inventory_from_ansible(data: Any, source: str) -> Inventory:
 
 
 def _host_from_vars(name: str, v: Mapping[str, Any], where: str) -> Host:
-    _check_name(name, where)
+    check_name(name, where)
 
     def text(key: str) -> str | None:
         value = v.get(key)
@@ -461,7 +466,7 @@ def _host_from_vars(name: str, v: Mapping[str, Any], where: str) -> Host:
     port = number("ansible_port", None, 1, 65535, "the SSH port must be a number from 1 to 65535")
     address = text("ansible_host")
     if address is not None:
-        _check_name(address, f"{where}: ansible_host")
+        check_name(address, f"{where}: ansible_host")
     user = text("ansible_user")
     if user is not None and not _USER.match(user):
         raise InventoryError(f"{where}: ansible_user={user!r} is not a user name")

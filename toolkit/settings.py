@@ -14,6 +14,7 @@ from typing import Any, Mapping
 from toolkit.errors import UserError
 from toolkit.inventory import Inventory, load_ansible_inventory, load_hostfile, local_inventory, parse_hosts
 from toolkit.plan import DEFAULT_WORKDIR, JobOptions, make_plan
+from toolkit.slurm import in_allocation, slurm_inventory
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,9 @@ def _job_option(name: str, kind: type, help: str) -> Option:
 OPTIONS: tuple[Option, ...] = (
     Option("hostfile", str, None, "OpenMPI hostfile ('host slots=N [max_slots=M]' lines)"),
     Option("inventory", str, None, "Ansible inventory, INI or YAML (groups scheduler, workers, spares)"),
+    Option("slurm", bool, False, "hosts from the Slurm allocation this runs in: SLURM_JOB_NODELIST, slots from "
+           "SLURM_TASKS_PER_NODE (else SLURM_NTASKS_PER_NODE, else 1 per host); the default inside an allocation "
+           "when no other host source is given. Processes start over SSH, not srun"),
     Option("job", str, None, "job name (default: the project directory's name)"),
     Option("project", str, ".", "project directory: the script's code, copied to every host"),
     _job_option("script", str, "training script, relative to the project directory"),
@@ -106,7 +110,8 @@ JOB_OPTIONS = ("script", "script_args", "worker_num", "master_port", "cluster_ti
 @dataclass(frozen=True)
 class Request:
     """What one command line asked for, before anything is resolved: the flags typed (`given`), the project's
-    config (`toolkit:` in fabric.yaml), Fabric's own flags, and where it was typed.
+    config (`toolkit:` in fabric.yaml), Fabric's own flags, where it was typed, and the environment it was typed in
+    (read for a Slurm allocation's variables only, never written).
 
     Why not resolve at once: a task that plans a job (plan, deploy, and train of a job never deployed) needs every
     input to be valid, its script included; a task that works on a deployed job (status, logs, stop, restart,
@@ -116,10 +121,12 @@ class Request:
     config: Mapping[str, Any]
     core: CoreFlags
     cwd: Path
+    environ: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     def settings(self, script_required: bool = True) -> Settings:
         """Resolve the request for a task that plans a job (see `resolve`); UserError names the first bad input."""
-        return resolve(self.given, self.config, self.core, self.cwd, script_required=script_required)
+        return resolve(self.given, self.config, self.core, self.cwd, script_required=script_required,
+                       environ=self.environ)
 
     def job_ref(self) -> JobRef:
         """Where to find the deployed job's record: in --project if given, else where the command is typed (the
@@ -145,7 +152,7 @@ class Request:
             if value != options[name]:
                 flag = "--" + name.replace("_", "-")
                 out.append(f"{flag} {value!r}, but job {job} was deployed with {options[name]!r}")
-        if self.core.hosts is not None or self.given.get("hostfile") or self.given.get("inventory"):
+        if self.core.hosts is not None or any(self.given.get(k) for k in ("hostfile", "inventory", "slurm")):
             settings = self.settings(script_required=False)
             plan = make_plan(settings.inventory, settings.options, str(settings.project))
             planned = tuple(h.name for h in plan.hosts)
@@ -184,18 +191,20 @@ def _values(given: Mapping[str, Any], config: Mapping[str, Any]) -> dict[str, An
 
 
 def resolve(given: Mapping[str, Any], config: Mapping[str, Any], core: CoreFlags, cwd: Path,
-            script_required: bool = True) -> Settings:
-    """`given` holds only the flags typed on the command line; `config` is the `toolkit:` config section. With
-    `script_required` (deploy, train) the training script must exist in the project; a plan is shown without.
+            script_required: bool = True, environ: Mapping[str, str] | None = None) -> Settings:
+    """`given` holds only the flags typed on the command line; `config` is the `toolkit:` config section; `environ`
+    the environment (only a Slurm allocation's variables are read). With `script_required` (deploy, train) the
+    training script must exist in the project; a plan is shown without.
 
     A typed flag beats the config, which beats the Option's default. Without a host source (--hosts, --hostfile,
-    --inventory, or a hostfile/inventory in the config) the job is local: --worker-num workers (default 1) on this
-    machine, --workdir made absolute (default ~/toolkit-jobs), this interpreter as --python. Raises UserError
-    (InventoryError and PlanError are ones) for the first bad input: an unknown config key, a value of the wrong
-    type, two host sources, a malformed host source, a project that is not a directory, a missing script, flags
-    JobOptions rejects, --parallel below 1."""
+    --inventory, --slurm, or a hostfile/inventory/slurm in the config) the hosts are the Slurm allocation's when
+    `environ` has SLURM_JOB_NODELIST (unless the config says `slurm: false`), else the job is local: --worker-num
+    workers (default 1) on this machine, --workdir made absolute (default ~/toolkit-jobs), this interpreter as
+    --python. Raises UserError (InventoryError and PlanError are ones) for the first bad input: an unknown config
+    key, a value of the wrong type, two host sources, a malformed host source (a Slurm variable included), a
+    project that is not a directory, a missing script, flags JobOptions rejects, --parallel below 1."""
     values = {o.name: o.default for o in OPTIONS} | _values(given, config)
-    inventory = _inventory(given, config, core.hosts, values, cwd)
+    inventory = _inventory(given, config, core.hosts, values, cwd, environ or {})
     project = (cwd / str(values["project"])).resolve()
     if not project.is_dir():
         raise UserError(f"--project {project}: not a directory; give the directory that holds the training script")
@@ -227,19 +236,24 @@ def resolve(given: Mapping[str, Any], config: Mapping[str, Any], core: CoreFlags
     )
 
 
-def _inventory(
-    given: Mapping[str, Any], config: Mapping[str, Any], cli_hosts: str | None, values: Mapping[str, Any], cwd: Path
-) -> Inventory:
+def _inventory(given: Mapping[str, Any], config: Mapping[str, Any], cli_hosts: str | None, values: Mapping[str, Any],
+               cwd: Path, environ: Mapping[str, str]) -> Inventory:
     typed = [(k, v) for k, v in (("hosts", cli_hosts), ("hostfile", given.get("hostfile")),
                                  ("inventory", given.get("inventory"))) if v is not None]  # '' is a typo, not "none"
+    typed += [("slurm", True)] if given.get("slurm") else []
     if not typed:
         typed = [(k, config[k]) for k in ("hostfile", "inventory") if config.get(k)]
+        typed += [("slurm", True)] if values["slurm"] else []
     if len(typed) > 1:
         flags = " and ".join("--" + k for k, _ in typed)
-        raise UserError(f"{flags} both given: describe the hosts one way (--hosts, --hostfile or --inventory)")
+        raise UserError(f"{flags} both given: describe the hosts one way (--hosts, --hostfile, --inventory or --slurm)")
+    if not typed and "slurm" not in given and "slurm" not in config and in_allocation(environ):
+        typed = [("slurm", True)]  # inside an allocation, with no other source: its hosts, not this machine
     if not typed:
         return local_inventory(values.get("worker_num") or 1)
     kind, value = typed[0]
+    if kind == "slurm":
+        return slurm_inventory(environ)
     if kind == "hosts":
         return parse_hosts(str(value))
     path = Path(str(value)).expanduser()

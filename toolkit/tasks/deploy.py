@@ -53,6 +53,8 @@ def show_plan(settings: Settings, as_json: bool = False, render_dir: Path | None
     with a throwaway token (the job's real one is made by deploy). Notes on stderr when the script is not in the
     project yet. Raises UserError for an impossible plan."""
     plan = launch_plan(settings)
+    if settings.inventory.note:
+        say(f"note: {settings.inventory.note}")
     script = Path(settings.options.script)
     if not script.is_absolute() and not (settings.project / script).is_file():
         say(f"note: {script} is not in {settings.project} (yet): deploy will need it there (--project DIR, --script)")
@@ -87,6 +89,8 @@ def deploy(settings: Settings) -> JobRecord:
     the layout, command_timeout otherwise; transfers by their size). In local mode the project is not copied:
     the job runs in place. Prints a line per host and a summary; returns the record it saved."""
     plan = launch_plan(settings)
+    if settings.inventory.note:
+        say(f"note: {settings.inventory.note}")
     ssh = ssh_settings(settings)
     targets = [Target.of(h.host, local=plan.local) for h in plan.hosts]
 
