@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -271,3 +272,37 @@ def test_record_refuses_a_relative_workdir(tmp_path: Path) -> None:
     assert r.stderr.splitlines() == ["error: host n2: job directory jobs/j is relative; give the hosts an absolute "
                                      "workdir (workdir=/path in the inventory, or --workdir /path)"]
     assert not (tmp_path / ".toolkit").exists()
+
+
+def test_incomplete_deploy_starts_nothing(cluster: Cluster, tmp_path: Path) -> None:
+    """A host the playbooks cannot reach: train.yml names it, starts nothing, and the job record stays marked
+    incomplete (as after a failed `fleet deploy`, so that `fleet train` deploys again)."""
+    real = cluster.hosts[0]
+    line = next(x for x in cluster.inventory.read_text().splitlines() if x.startswith(f"{real.name} "))
+    inventory = tmp_path / "inventory.ini"
+    # the same host under another name, on a port where no sshd listens: refused at once
+    ghost = re.sub(r"ansible_port=\d+", "ansible_port=1", line.replace(f"{real.name} ", "ghost ", 1))
+    inventory.write_text(f"[workers]\n{line}\n{ghost}\n")
+    project = tmp_path / "proj"
+    project.mkdir()
+    shutil.copy(WORKER, project / "train.py")
+    job = f"p{uuid.uuid4().hex[:8]}"
+    extra_vars = json.dumps({"project": str(project), "fleet": str(BIN / "fleet"),
+                             "fleet_args": ["--job", job, "--master-port", str(free_port_pair())]})
+    control = Path(tempfile.mkdtemp(prefix="pb", dir="/tmp"))
+    try:
+        r = subprocess.run([str(BIN / "ansible-playbook"), "-i", str(inventory), str(PLAYBOOKS / "train.yml"),
+                            "-e", extra_vars], cwd=project, env=ansible_env(cluster, tmp_path, control),
+                           capture_output=True, text=True, timeout=PLAYBOOK_TIMEOUT)
+        assert r.returncode != 0
+        assert "the deploy did not complete on ghost: the job record stays marked incomplete" in r.stdout, r.stdout
+        assert "PLAY [Start every host's agent]" not in r.stdout
+        record = json.loads((project / ".toolkit" / "jobs" / f"{job}.json").read_text())
+        assert record["deployed"] is False and [h["name"] for h in record["hosts"]] == [real.name, "ghost"]
+        assert (real.workdir / job / "host.json").is_file()  # the reachable host was deployed
+        assert not (real.workdir / job / "state" / "agent.json").exists()  # and nothing was started there
+    finally:
+        subprocess.run(["ssh", "-F", str(cluster.ssh_config), "-o", f"ControlPath={control}/%C", "-O", "exit",
+                        real.address], capture_output=True, timeout=COMMAND_TIMEOUT)
+        shutil.rmtree(control, ignore_errors=True)
+    assert_nothing_left(cluster)
