@@ -196,7 +196,6 @@ def test_deploy_train_recover_stop(cluster: Cluster, tmp_path: Path) -> None:
         # status.yml shows the same table, row for row
         shown = table_rows(playbook("status.yml", **run).stdout)
         assert [row[:6] for row in shown] == rows_of(status_here(project))
-        assert len(shown) == HOSTS + 1
 
         # fleet logs -f follows every worker the playbooks started
         follower = subprocess.Popen([str(BIN / "fleet"), "logs", "-f", "-n", "0"], cwd=project,
