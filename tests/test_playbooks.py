@@ -1,20 +1,38 @@
 """The Ansible playbooks (playbooks/*.yml) end to end, as a user runs them: ansible-playbook against the namespace
 cluster's real sshd hosts, host keys checked against the cluster's known_hosts. The job is the task tests' worker
-(tests/scripts/tasks_worker.py); what the playbooks render must be what `fleet plan --render` renders."""
+(tests/scripts/tasks_worker.py); what the playbooks render must be what `fleet plan --render` renders, and the job
+record they write the one `fleet deploy` writes: a job the playbooks started is followed, restarted, stopped and
+started again with `fleet`, and status.yml shows the table of `fleet status`."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
+import signal
 import subprocess
 import tempfile
+import time
 import uuid
 from pathlib import Path
 from typing import Any
 
 import pytest
-from test_tasks import BIN, COMMAND_TIMEOUT, LONG, REPO, WORKER, assert_nothing_left, fleet, ok, wait_for
+from test_tasks import (
+    BIN,
+    COMMAND_TIMEOUT,
+    LONG,
+    REPO,
+    WAIT,
+    WORKER,
+    all_running,
+    assert_nothing_left,
+    fleet,
+    ok,
+    status_here,
+    wait_for,
+)
 
 from toolkit.testing.cluster import Cluster
 from toolkit.testing.ports import free_port_pair
@@ -73,6 +91,22 @@ def running(job_dir: Path) -> dict[str, dict[str, Any]] | None:
     return procs if all(p["state"] == "running" and p["pid"] for p in procs.values()) else None
 
 
+def table_rows(ansible_output: str) -> list[list[str]]:
+    """The body rows of the rich table that status.yml's debug task prints (one JSON string per line: the cells
+    between the table's light vertical bars)."""
+    return [[cell.strip() for cell in line.split("\u2502")[1:-1]] for line in ansible_output.splitlines()
+            if "\u2502" in line]
+
+
+def rows_of(doc: dict[str, Any]) -> list[list[str]]:
+    """`fleet status --json`'s processes as the table shows them: host, node id, rank, pid, state, restarts."""
+    def cell(v: Any) -> str:
+        return "-" if v is None else str(v)
+
+    return [[p["host"], p["node_id"], cell(p["rank"]), cell(p["pid"]), p["state"], str(p["restarts"])]
+            for p in doc["processes"]]
+
+
 def test_deploy_train_recover_stop(cluster: Cluster, tmp_path: Path) -> None:
     hosts = cluster.names[:HOSTS]
     inventory = tmp_path / "inventory.ini"
@@ -81,7 +115,9 @@ def test_deploy_train_recover_stop(cluster: Cluster, tmp_path: Path) -> None:
     project = tmp_path / "proj"
     project.mkdir()
     shutil.copy(WORKER, project / "train.py")
-    (project / "fabric.yaml").write_text("toolkit:\n  warm_spare: false\n  grace: 3\n")
+    # known_hosts for fleet's own commands (status, logs, stop, train) on the job the playbooks started
+    (project / "fabric.yaml").write_text(f"toolkit:\n  known_hosts: {cluster.known_hosts}\n  warm_spare: false\n"
+                                         "  grace: 3\n")
     job = f"p{uuid.uuid4().hex[:8]}"
     args = ["--job", job, "--master-port", str(free_port_pair()), "--script-args", LONG]
     control = Path(tempfile.mkdtemp(prefix="pb", dir="/tmp"))
@@ -147,10 +183,70 @@ def test_deploy_train_recover_stop(cluster: Cluster, tmp_path: Path) -> None:
             assert {k: p["pid"] for k, p in now.items() if k != "worker_1"} == \
                 {k: p["pid"] for k, p in procs.items() if k != "worker_1"}
 
+        # the playbooks wrote fleet's job record: fleet finds the job with no flag (the project's only job) and
+        # shows it where the plan put it, with the pids the hosts' agents report
+        planned = json.loads(ok(fleet("plan", "--json", "--inventory", str(inventory), *args, cwd=project)).stdout)
+        doc = wait_for("fleet status: every process running and stepping",
+                       lambda: all_running(project, min_step=2, job_flag=False))
+        assert [(p["host"], p["node_id"], p["rank"]) for p in doc["processes"]] == \
+            [(p["host"], p["node_id"], p["rank"]) for p in planned["processes"]]
+        agents = {node: p["pid"] for d in job_dirs.values() for node, p in (running(d) or {}).items()}
+        assert {p["node_id"]: p["pid"] for p in doc["processes"]} == agents
+
+        # status.yml shows the same table, row for row
+        shown = table_rows(playbook("status.yml", **run).stdout)
+        assert [row[:6] for row in shown] == rows_of(status_here(project))
+
+        # fleet logs -f follows every worker the playbooks started
+        follower = subprocess.Popen([str(BIN / "fleet"), "logs", "-f", "-n", "0"], cwd=project,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            seen: set[str] = set()
+            deadline = time.monotonic() + WAIT
+            while len(seen) < HOSTS and time.monotonic() < deadline:
+                line = follower.stdout.readline()  # type: ignore[union-attr]
+                if "| epoch: 0, step:" in line:
+                    seen.add(line.split(" | ")[0])
+            assert seen == {f"{p['host']}:worker:{p['rank']}" for p in planned["processes"] if p["rank"] is not None}
+        finally:
+            follower.send_signal(signal.SIGINT)
+            _, err = follower.communicate(timeout=COMMAND_TIMEOUT)
+        assert follower.returncode == 0 and "Traceback" not in err, err
+
+        # fleet restart restarts one process, and nothing else
+        before = {p["node_id"]: p["pid"] for p in status_here(project)["processes"]}
+        ok(fleet("restart", "--node", "worker_2", cwd=project))
+
+        def restarted_by_fleet() -> dict[str, int] | None:
+            doc = all_running(project, job_flag=False)
+            pids = doc and {p["node_id"]: p["pid"] for p in doc["processes"]}
+            return pids if pids and pids["worker_2"] != before["worker_2"] else None
+
+        now = wait_for("worker_2 restarted by fleet", restarted_by_fleet)
+        assert {k: v for k, v in now.items() if k != "worker_2"} == {k: v for k, v in before.items() if k != "worker_2"}
+
+        # fleet stop ends it everywhere; fleet train starts it again from the record (no deploy)
+        r = ok(fleet("stop", cwd=project))
+        assert "no process of the job is left" in r.stderr
+        assert_nothing_left(cluster)
+        r = ok(fleet("train", cwd=project))
+        assert f"job {job} started on {HOSTS} host(s)" in r.stderr and "deployed" not in r.stderr
+        doc = wait_for("every process running again", lambda: all_running(project, min_step=2, job_flag=False))
+        assert not {p["pid"] for p in doc["processes"]} & set(now.values())
+        for p in doc["processes"]:
+            assert p["pid"] in cluster.workload_pids(p["host"])
+
         playbook("stop.yml", **run)
         assert_nothing_left(cluster)
         assert {p["state"] for d in job_dirs.values() for p in (agent_doc(d) or {"processes": []})["processes"]} \
             <= {"stopped", "succeeded"}
+
+        # the record the playbooks wrote is the one fleet deploy writes for the same inputs
+        written = json.loads((project / ".toolkit" / "jobs" / f"{job}.json").read_text())
+        assert written["deployed"] is True
+        ok(fleet("deploy", "--inventory", str(inventory), *args, cwd=project))
+        assert json.loads((project / ".toolkit" / "jobs" / f"{job}.json").read_text()) == written
+        assert local_token.read_text().strip() == token
     finally:
         for n, d in job_dirs.items():  # whatever happened, leave the session's cluster with nothing running
             if (d / "stop.sh").exists():
@@ -161,3 +257,51 @@ def test_deploy_train_recover_stop(cluster: Cluster, tmp_path: Path) -> None:
                             cluster.host(n).address], capture_output=True, timeout=COMMAND_TIMEOUT)
         shutil.rmtree(control, ignore_errors=True)
         assert_nothing_left(cluster)
+
+
+def test_record_refuses_a_relative_workdir(tmp_path: Path) -> None:
+    """`fleet record` reaches no host, so it cannot resolve a relative workdir there: one line naming the host,
+    and nothing written."""
+    (tmp_path / "train.py").write_text("")
+    inventory = tmp_path / "inventory.ini"
+    inventory.write_text("[workers]\nn1 ansible_host=10.0.0.1 workdir=/srv/jobs\n"
+                         "n2 ansible_host=10.0.0.2 workdir=jobs\n")
+    r = fleet("record", "--inventory", str(inventory), "--job", "j", cwd=tmp_path)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.splitlines() == ["error: host n2: job directory jobs/j is relative; give the hosts an absolute "
+                                     "workdir (workdir=/path in the inventory, or --workdir /path)"]
+    assert not (tmp_path / ".toolkit").exists()
+
+
+def test_incomplete_deploy_starts_nothing(cluster: Cluster, tmp_path: Path) -> None:
+    """A host the playbooks cannot reach: train.yml names it, starts nothing, and the job record stays marked
+    incomplete (as after a failed `fleet deploy`, so that `fleet train` deploys again)."""
+    real = cluster.hosts[0]
+    line = next(x for x in cluster.inventory.read_text().splitlines() if x.startswith(f"{real.name} "))
+    inventory = tmp_path / "inventory.ini"
+    # the same host under another name, on a port where no sshd listens: refused at once
+    ghost = re.sub(r"ansible_port=\d+", "ansible_port=1", line.replace(f"{real.name} ", "ghost ", 1))
+    inventory.write_text(f"[workers]\n{line}\n{ghost}\n")
+    project = tmp_path / "proj"
+    project.mkdir()
+    shutil.copy(WORKER, project / "train.py")
+    job = f"p{uuid.uuid4().hex[:8]}"
+    extra_vars = json.dumps({"project": str(project), "fleet": str(BIN / "fleet"),
+                             "fleet_args": ["--job", job, "--master-port", str(free_port_pair())]})
+    control = Path(tempfile.mkdtemp(prefix="pb", dir="/tmp"))
+    try:
+        r = subprocess.run([str(BIN / "ansible-playbook"), "-i", str(inventory), str(PLAYBOOKS / "train.yml"),
+                            "-e", extra_vars], cwd=project, env=ansible_env(cluster, tmp_path, control),
+                           capture_output=True, text=True, timeout=PLAYBOOK_TIMEOUT)
+        assert r.returncode != 0
+        assert "the deploy did not complete on ghost: the job record stays marked incomplete" in r.stdout, r.stdout
+        assert "PLAY [Start every host's agent]" not in r.stdout
+        record = json.loads((project / ".toolkit" / "jobs" / f"{job}.json").read_text())
+        assert record["deployed"] is False and [h["name"] for h in record["hosts"]] == [real.name, "ghost"]
+        assert (real.workdir / job / "host.json").is_file()  # the reachable host was deployed
+        assert not (real.workdir / job / "state" / "agent.json").exists()  # and nothing was started there
+    finally:
+        subprocess.run(["ssh", "-F", str(cluster.ssh_config), "-o", f"ControlPath={control}/%C", "-O", "exit",
+                        real.address], capture_output=True, timeout=COMMAND_TIMEOUT)
+        shutil.rmtree(control, ignore_errors=True)
+    assert_nothing_left(cluster)

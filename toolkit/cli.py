@@ -173,6 +173,13 @@ def deploy(request: Request) -> None:
     tasks.deploy(request.settings())
 
 
+@cluster_task(own={"deployed": (False, "every host has the job's files now (without it, the record says a deploy "
+                                   "is under way and 'fleet train' deploys again)")})
+def record(request: Request, deployed: bool) -> None:
+    """Write the job record (and make the job token) for a deploy done by the Ansible playbooks; reaches no host."""
+    tasks.record_deploy(request.settings(), deployed=deployed)
+
+
 @cluster_task(own={
     "join": (False, "wait until the job ends, printing changes; exit 0 only if every worker succeeded"),
     "join_timeout": ("", "with --join: stop waiting after this many seconds (the job keeps running)"),
@@ -268,9 +275,9 @@ def _whole(flag: str, text: str) -> int | None:
 
 
 def namespace() -> Collection:
-    """The task set of `fleet` and of a project's fabfile.py: plan, deploy, train, status, logs, report, stop,
-    restart."""
-    return Collection(plan, deploy, train, status, logs, report, stop, restart)
+    """The task set of `fleet` and of a project's fabfile.py: plan, deploy, record, train, status, logs, report,
+    stop, restart."""
+    return Collection(plan, deploy, record, train, status, logs, report, stop, restart)
 
 
 def use_cluster_executor() -> None:

@@ -1,5 +1,5 @@
 """`plan` and `deploy`: what would run where, and making it so on every host (the job's layout, the rendered files, the
-project, the local job record).
+project, the local job record); `record`: the same job record for a deploy the Ansible playbooks made.
 
 `plan` touches no host. `deploy` is safe to repeat: it writes only what changed (rendered files by checksum, the
 project by size, mtime and mode), reuses the job's token (so running processes keep their scheduler), and refuses
@@ -138,6 +138,26 @@ def deploy(settings: Settings) -> JobRecord:
     total = _sum_stats(stats.values())
     say(f"deployed job {plan.job} to {len(stats)} host(s): {total.files_sent} file(s) sent "
          f"({human_size(total.bytes_sent)}), {total.files_unchanged} unchanged; job record {relative(path)}")
+    return record
+
+
+def record_deploy(settings: Settings, deployed: bool) -> JobRecord:
+    """`fleet record`: the job record (and the job token, made once per job) for a deploy done by other means, the
+    Ansible playbooks, which render the same files and then call this on the control node: with `deployed` False
+    before they touch a host, True once every host has its files. The record is the one `deploy` would write, so
+    `status`, `logs`, `stop`, `restart` and `train` work on a job the playbooks started.
+
+    Reaches no host, so it cannot resolve a workdir there: every host's job directory must be absolute, else
+    UserError naming the host (a relative one would be resolved differently on the hosts). Returns the record."""
+    plan = launch_plan(settings)
+    relative_dirs = [h for h in plan.hosts if not h.job_dir.startswith("/")]
+    if relative_dirs:
+        h = relative_dirs[0]
+        raise UserError(f"host {h.name}: job directory {h.job_dir} is relative; give the hosts an absolute workdir "
+                        "(workdir=/path in the inventory, or --workdir /path)")
+    jobrecord.token(settings.project, plan.job)
+    record = replace(_record(plan, settings), deployed=deployed)
+    jobrecord.save(settings.project, record, typed_in=Path.cwd())
     return record
 
 
