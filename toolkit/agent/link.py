@@ -31,8 +31,12 @@ class SchedulerLink:
     the scheduler says is acted on, and no report is sent, before it proved the job token (toolkit.protocol)."""
 
     def __init__(self, spec: HostSpec, sel: selectors.BaseSelector, timers: Timers, log: AgentLog,
-                 on_message: Callable[[dict[str, Any]], None], on_change: Callable[[], None]) -> None:
+                 on_message: Callable[[dict[str, Any]], None], on_change: Callable[[], None],
+                 hello_fields: Callable[[], dict[str, Any]] | None = None) -> None:
         self.spec, self.sel, self.timers, self.log = spec, sel, timers, log
+        # what the hello says: the host and the node ids it supervises now (a spare's grow when it takes over)
+        self.hello_fields = hello_fields or (lambda: {"host": spec.host,
+                                                      "node_ids": [p.node_id for p in spec.processes]})
         self.on_message, self.on_change = on_message, on_change
         self.sock: socket.socket | None = None
         self.state = "down"
@@ -148,8 +152,7 @@ class SchedulerLink:
             except OSError as e:
                 self._drop(f"cannot read the job token {self.spec.token_file}: {e}")
                 return False
-            hello, nonce = P.hello(P.AGENT_HELLO, token, server_nonce, host=self.spec.host,
-                                   node_ids=[p.node_id for p in self.spec.processes])
+            hello, nonce = P.hello(P.AGENT_HELLO, token, server_nonce, **self.hello_fields())
             self.nonces = (server_nonce, nonce)
             self.token = token
             self.wbuf = bytearray(hello)
@@ -245,7 +248,7 @@ class SchedulerLink:
                 self.sock = None
             try:
                 token = self.spec.token_file.read_text(encoding="utf-8").strip()
-                fields = {"host": self.spec.host, "node_ids": [p.node_id for p in self.spec.processes]}
+                fields = self.hello_fields()
                 session = open_session((self.spec.sched_host, self.spec.sched_port), token, P.AGENT_HELLO, fields,
                                        timeout, min(timeout, LINK_CONNECT_TIMEOUT))
             except (OSError, P.ProtocolError, Unproven):
