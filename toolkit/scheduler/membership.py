@@ -252,13 +252,11 @@ class Membership:
         reconnect before they are declared dead.
 
         A job that had already finished or failed is not resumed: only its fenced incarnations are kept (none of its
-        stale processes may register), this run starts at generation 0, and the one log line says so. Otherwise the
-        generation, whether it was formed, the done ranks, fenced incarnations, commits and members come back, the
-        members without a connection. `state` must have passed state.load's checks; returns the log actions."""
-        self.replaced = [dict(r) for r in state.get("replaced", [])]
-        for r in self.replaced:
-            for node_id in r["node_ids"]:
-                self.node_host[node_id] = r["by"]
+        stale processes may register; its replaced hosts are not: the new run runs as deployed), this run starts at
+        generation 0, and the one log line says so. Otherwise the
+        generation, whether it was formed, the done ranks, fenced incarnations, commits, replaced hosts (still fenced,
+        their ranks still on the spares) and members come back, the members without a connection. `state` must have
+        passed state.load's checks; returns the log actions."""
         if state.get("status") != RUNNING:
             self.fenced = set(state.get("fenced", []))
             finished = state.get("status") == FINISHED
@@ -272,6 +270,10 @@ class Membership:
         self.done = {int(r) for r in state.get("done", [])}
         self.fenced = set(state.get("fenced", []))
         self.commits = {int(r): int(s) for r, s in state.get("commits", {}).items()}
+        self.replaced = [dict(r) for r in state.get("replaced", [])]  # the hosts fenced, and where their ranks went
+        for r in self.replaced:
+            for node_id in r["node_ids"]:
+                self.node_host[node_id] = r["by"]
         for m in state.get("members", []):
             self.members[int(m["rank"])] = Member(int(m["rank"]), m["node_id"], m["incarnation"], int(m["pid"]),
                                                   m["host"], m["addr"], now, None,

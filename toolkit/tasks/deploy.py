@@ -184,6 +184,7 @@ def _record(plan: LaunchPlan, settings: Settings) -> JobRecord:
             python=h.python,
             node_ids=tuple(p.node_id for p in h.processes),
             ckpt_dir=h.ckpt_dir,
+            spare=h.spare,
         )
         for h in plan.hosts
     )
