@@ -333,9 +333,11 @@ def test_a_lost_host_is_taken_over_by_a_spare_after_host_timeout_and_fenced_for_
 
 def test_no_replacement_while_the_hosts_agent_is_connected_or_its_ranks_live() -> None:
     m = spare_job()
-    for peer in (12, 13):  # both workers die, the agent stays: it relaunches them (no host is lost)
+    for peer in (12, 13):  # both workers die, the agent stays (and heartbeats): it relaunches them
         m.lost(peer, "connection closed", 1.0)
-    assert not sent(m.tick(1.0 + 10 * HOST_TIMEOUT), P.TAKEOVER)
+    for t in range(1, 40):
+        m.message(2, {"op": P.HEARTBEAT}, float(t))
+        assert not sent(m.tick(float(t)), P.TAKEOVER)
     m = spare_job()
     m.lost(2, "connection closed", 1.0)  # the agent alone was killed: its workers train on
     m.message(12, {"op": P.HEARTBEAT}, 1.0 + HOST_TIMEOUT)
@@ -347,7 +349,25 @@ def test_no_replacement_while_the_hosts_agent_is_connected_or_its_ranks_live() -
     m.lost(1, "connection closed", 1.0)  # the scheduler's host is never replaced (its agent may be restarting)
     for peer in (10, 11):
         m.lost(peer, "connection closed", 1.0)
+    for peer in (2, 12, 13):  # hostB is well
+        m.message(peer, {"op": P.HEARTBEAT}, 1.0 + 10 * HOST_TIMEOUT)
     assert not sent(m.tick(1.0 + 10 * HOST_TIMEOUT), P.TAKEOVER)
+
+
+def test_a_host_cut_off_is_lost_when_its_agent_falls_silent_with_its_connection_open() -> None:
+    m = spare_job()
+    m.message(2, {"op": P.HEARTBEAT}, 1.0)  # hostB's agent, last heard at 1.0; then its cable is pulled
+    beat(m, 2.0)
+    m.message(12, {"op": P.HEARTBEAT}, 1.0)
+    m.message(13, {"op": P.HEARTBEAT}, 1.0)
+    out = m.tick(1.0 + NODE_TIMEOUT)  # its workers die by silence: no connection closed
+    assert "worker_2 (pid 1012 on hostA) is dead: sent no heartbeat" in logged(out)
+    beat(m, 1.0 + HOST_TIMEOUT - 0.1)
+    assert not sent(m.tick(1.0 + HOST_TIMEOUT - 0.1), P.TAKEOVER)
+    out = m.tick(1.0 + HOST_TIMEOUT)
+    assert [(s.peer, s.fields["host"]) for s in sent(out, P.TAKEOVER)] == [(3, "hostB")]
+    assert [(s.peer, s.close) for s in sent(out, P.STOP)] == [(2, True)]  # its silent link is told and dropped
+    assert "its agent unheard for 10.0 s" in m.replaced[0]["reason"]
 
 
 def test_before_the_job_formed_a_missing_host_is_left_to_the_formation_timeout() -> None:

@@ -216,7 +216,9 @@ class Agent:
         except BaseException:
             self._close_sockets()
             raise
-        self.log("agent", f"agent pid {self.pid} supervising {', '.join(self.slots)} of job {self.spec.job} "
+        what = f"supervising {', '.join(self.slots)}" if self.slots else \
+            f"standing by as a spare for {len(self.spec.standby)} worker(s)"
+        self.log("agent", f"agent pid {self.pid} {what} of job {self.spec.job} "
                           f"(max_restarts {self.spec.policy.max_restarts}, grace {self.spec.grace:g} s, "
                           f"warm spare {'on' if self.spare_enabled else 'off'}"
                           f"{', bind_core' if self.spec.bind_core else ''})")

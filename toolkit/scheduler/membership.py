@@ -182,6 +182,7 @@ class Membership:
         self.spare_hosts: list[str] = []  # hosts whose agent said it is a spare, in the order they said so
         self.replaced: list[dict[str, Any]] = []  # {host, by, node_ids, reason}, in order (persisted)
         self.agent_gone: dict[str, float] = {}  # host -> since when its agent has been disconnected
+        self.agent_seen: dict[str, float] = {}  # host -> when its connected agent last said anything (it heartbeats)
         self.waiting_spare: set[str] = set()  # lost hosts that found no free spare (said once)
         self.last_tick = -math.inf
         self.members: dict[int, Member] = {}
@@ -217,8 +218,10 @@ class Membership:
         if self.gather_since is not None and not self.unmanaged and self.status == RUNNING:
             deadlines.append(self.gather_since + self.topo_timeout)
         if self.host_timeout > 0 and self.status == RUNNING:  # a host may be found lost then (tick checks it)
-            deadlines += [since + self.host_timeout for host, since in self.agent_gone.items()
-                          if host not in self.waiting_spare and since + self.host_timeout > self.last_tick]
+            for host in self.worker_hosts():
+                since = self._agent_silent_since(host)
+                if since is not None and host not in self.waiting_spare and since + self.host_timeout > self.last_tick:
+                    deadlines.append(since + self.host_timeout)
         return min(deadlines, default=math.inf)
 
     def fenced_hosts(self) -> dict[str, str]:
@@ -401,6 +404,7 @@ class Membership:
         out: list[Action] = []
         self.peers[peer] = Peer("agent", host=host, addr=addr)
         self.agent_gone.pop(host, None)
+        self.agent_seen[host] = now
         self.waiting_spare.discard(host)
         if msg.get("spare") is True and host not in self.spare_hosts:
             self.spare_hosts.append(host)
@@ -441,6 +445,9 @@ class Membership:
         if who is None or who.role == "finished":
             return []
         if who.role == "agent":
+            if who.host is not None and self.agents.get(who.host) == peer:
+                self.agent_seen[who.host] = now
+                self.waiting_spare.discard(who.host)
             if op == P.EXITED:
                 return self._exited(who, msg, now)
             if op == P.GAVE_UP:
@@ -568,31 +575,36 @@ class Membership:
         holding = set(self.worker_hosts())
         return [h for h in self.spare_hosts if h in self.agents and h not in used and h not in holding]
 
+    def _agent_silent_since(self, host: str) -> float | None:
+        """Since when `host`'s agent has not been heard: its disconnection, or, while connected, its last message
+        (agents heartbeat; a host cut off leaves its connection open without a word). None if never known."""
+        if host in self.agents:
+            return self.agent_seen.get(host)
+        return self.agent_gone.get(host)
+
     def _check_lost(self, now: float) -> list[Action]:
         """Hand each lost host's ranks to a free spare. A host is lost when the job has formed and runs with no rank
         finished, automatic replacement is on (host_timeout > 0), it is not the scheduler's nor already replaced, its
-        agent has been gone for host_timeout, and none of its ranks is held by a member (they died: by silence, by
-        not coming back, or with their connections). Without a free spare the host waits (said once), as it would
-        without spares: the job goes on if its agent comes back."""
+        agent has been gone or silent for host_timeout (a pulled cable closes no connection), and none of its ranks is
+        held by a member (they died: by silence, by not coming back, or with their connections). Without a free spare
+        the host waits (said once), as it would without spares: the job goes on if its agent comes back."""
         if self.host_timeout <= 0 or self.status != RUNNING or not self.ever_formed or self.done:
             return []
         out: list[Action] = []
-        hosts = self.worker_hosts()
-        for host, since in list(self.agent_gone.items()):
-            node_ids = hosts.get(host)
-            if (not node_ids or host == self.sched_host or host in self.fenced_hosts()
-                    or now - since < self.host_timeout
-                    or any(rank_of(n) in self.members for n in node_ids)):
+        for host, node_ids in self.worker_hosts().items():
+            since = self._agent_silent_since(host)
+            if (since is None or host == self.sched_host or host in self.fenced_hosts()
+                    or now - since < self.host_timeout or any(rank_of(n) in self.members for n in node_ids)):
                 continue
             free = self._free_spares()
             if not free:
                 if host not in self.waiting_spare:
                     self.waiting_spare.add(host)
-                    out.append(Log(WARNING, f"host {host} is lost (its agent gone for {now - since:.1f} s, "
+                    out.append(Log(WARNING, f"host {host} is lost (its agent unheard for {now - since:.1f} s, "
                                             f"{', '.join(node_ids)} dead) and no spare is free: waiting for it to "
                                             "come back ('fleet restart --host' starts its agent) or for a spare"))
                 continue
-            out += self._take_over(host, free[0], f"its agent gone for {now - since:.1f} s and its workers dead "
+            out += self._take_over(host, free[0], f"its agent unheard for {now - since:.1f} s and its workers dead "
                                                   f"(TOOLKIT_HOST_TIMEOUT={self.host_timeout:g})", now)
         return out
 
