@@ -128,6 +128,12 @@ def plan_json(plan: LaunchPlan) -> dict[str, Any]:
             }
             for p in plan.processes()
         ],
+        # a spare host's standby workers, in the same form: their env files are rendered on the spare too
+        "standby": [
+            {"host": p.host, "role": p.role, "node_id": p.node_id, "rank": p.rank, "local_rank": p.local_rank,
+             "argv": list(p.argv), "cwd": p.cwd, "env": dict(p.env)}
+            for h in plan.hosts for p in h.standby
+        ],
     }
 
 

@@ -718,14 +718,14 @@ class Agent:
         status` reads the job's new layout, and the next hello names the new node ids."""
         standby = {p.node_id: p for p in self.spec.standby}
         self.log("agent", f"taking over {reaction.host}: starting {', '.join(reaction.node_ids)} (the scheduler "
-                          f"declared {reaction.host} lost)")
+                          f"replaced {reaction.host} by this spare host)")
         self.took_over.append({"host": reaction.host, "node_ids": list(reaction.node_ids), "seq": seq,
                                "at": iso(time.time())})
         for node_id in reaction.node_ids:
             slot = Slot(standby[node_id], None)
             self.slots[node_id] = slot
             self._launch(slot, f"takeover of {reaction.host}")
-        self.spare_enabled = self.spec.warm_spare
+        self.spare_enabled = self.spec.warm_spare and self.spare_failures < SPARE_MAX_FAILURES
         self._schedule_spare()
         self._write()
 
