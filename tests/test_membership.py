@@ -267,7 +267,10 @@ def spare_job(now: float = 0.0) -> Membership:
     agent(m, 3, "s1", [], now, spare=True)
     agent(m, 4, "s2", [], now, spare=True)
     for rank in range(4):
-        register(m, 10 + rank, rank, now)
+        m.register(10 + rank, f"10.0.0.2:{rank}", {
+            "op": P.REGISTER, "node_id": P.worker_node_id(rank), "rank": rank, "world_size": 4,
+            "incarnation": f"inc{rank}", "pid": 1010 + rank, "host": "hostA" if rank < 2 else "hostB",
+            "recovery": P.RECOVERY_IN_PLACE}, now)
     assert m.formed
     return m
 
@@ -361,7 +364,7 @@ def test_a_host_cut_off_is_lost_when_its_agent_falls_silent_with_its_connection_
     m.message(12, {"op": P.HEARTBEAT}, 1.0)
     m.message(13, {"op": P.HEARTBEAT}, 1.0)
     out = m.tick(1.0 + NODE_TIMEOUT)  # its workers die by silence: no connection closed
-    assert "worker_2 (pid 1012 on hostA) is dead: sent no heartbeat" in logged(out)
+    assert "worker_2 (pid 1012 on hostB) is dead: sent no heartbeat" in logged(out)
     beat(m, 1.0 + HOST_TIMEOUT - 0.1)
     assert not sent(m.tick(1.0 + HOST_TIMEOUT - 0.1), P.TAKEOVER)
     out = m.tick(1.0 + HOST_TIMEOUT)
@@ -436,3 +439,16 @@ def test_a_spare_is_used_once_and_a_replaced_host_cannot_be_replaced_again() -> 
     assert sent(out)[0].op == P.WELCOME and sent(out, P.TAKEOVER)[0].fields == {
         "host": "s1", "node_ids": ["worker_2", "worker_3"], "seq": 2}
     assert "no spare is free" in sent(replace(m, "s2"))[0].fields["reason"]
+
+
+def test_the_ledger_names_the_replacement_in_the_lost_hosts_incident() -> None:
+    from toolkit.scheduler.ledger import Ledger
+
+    m = spare_job()
+    ledger = Ledger("job", 4, 0.0)
+    out = crash_host_b(m, 5.0)
+    beat(m, 5.0 + HOST_TIMEOUT)
+    out += m.tick(5.0 + HOST_TIMEOUT)
+    for note in (a for a in out if isinstance(a, Note)):
+        ledger.note(note.kind, note.fields, 100.0)
+    assert [i.cause for i in ledger.incidents] == ["host hostB lost, replaced by spare s1"]
