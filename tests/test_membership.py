@@ -452,3 +452,10 @@ def test_the_ledger_names_the_replacement_in_the_lost_hosts_incident() -> None:
     for note in (a for a in out if isinstance(a, Note)):
         ledger.note(note.kind, note.fields, 100.0)
     assert [i.cause for i in ledger.incidents] == ["host hostB lost, replaced by spare s1"]
+
+
+def test_spares_are_used_in_the_inventorys_order_not_the_order_their_agents_connected() -> None:
+    m = spare_job()
+    m.spare_hosts = ["s2", "s1"]  # as TOOLKIT_SPARES gives them (Config.spares); s1's agent said hello first
+    out = replace(m, "hostB")
+    assert sent(out)[0].fields["spare"] == "s2" and [s.peer for s in sent(out, P.TAKEOVER)] == [4]

@@ -169,6 +169,6 @@ def test_spare_hosts_run_nothing_and_stand_by_for_every_worker(tmp_path: Path) -
         assert p.cwd == "/srv/jobs/demo/project"
     spec = next(h["spec"] for h in plan_json(plan)["hosts"] if h["host"] == "s")
     assert spec["processes"] == [] and [p["node_id"] for p in spec["standby"]] == [f"worker_{r}" for r in range(4)]
-    assert by_node["sched"].env[E.TOOLKIT_HOST_TIMEOUT] == "60"
+    assert by_node["sched"].env[E.TOOLKIT_HOST_TIMEOUT] == "60" and by_node["sched"].env[E.TOOLKIT_SPARES] == "s"
     with pytest.raises(PlanError, match="--host-timeout -1"):
         opts(host_timeout=-1)

@@ -55,4 +55,5 @@ TOOLKIT_STRAGGLER_FACTOR = "TOOLKIT_STRAGGLER_FACTOR"  # scheduler: see DEFAULT_
 TOOLKIT_PACE = "TOOLKIT_PACE"  # worker: "0" turns step timing off (to measure what it costs); default on
 TOOLKIT_HOST = "TOOLKIT_HOST"  # worker: the inventory name of its host (what it registers as; a lost host is fenced)
 TOOLKIT_HOST_TIMEOUT = "TOOLKIT_HOST_TIMEOUT"  # scheduler: see DEFAULT_HOST_TIMEOUT
+TOOLKIT_SPARES = "TOOLKIT_SPARES"  # scheduler: the inventory's spare hosts, comma-separated, in the order they are used
 TOOLKIT_EXPECTED = "TOOLKIT_EXPECTED"  # scheduler: JSON file {node_id: host}, for the formation-timeout message

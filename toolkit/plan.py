@@ -283,6 +283,7 @@ def make_plan(inventory: Inventory, options: JobOptions, local_project_dir: str 
                 E.TOOLKIT_EXPECTED: posixpath.join(jd, EXPECTED_FILE),
                 E.TOOLKIT_STRAGGLER_FACTOR: _num(options.straggler_factor),
                 E.TOOLKIT_HOST_TIMEOUT: _num(options.host_timeout),
+                E.TOOLKIT_SPARES: ",".join(n for n in inventory.spares if n != sched.name),
             }),
         )
     )

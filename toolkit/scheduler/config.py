@@ -37,6 +37,7 @@ class Config:
     expected: Mapping[str, str] = field(default_factory=dict, hash=False)
     straggler_factor: float = E.DEFAULT_STRAGGLER_FACTOR
     host_timeout: float = E.DEFAULT_HOST_TIMEOUT  # 0: no automatic replacement by a spare
+    spares: tuple[str, ...] = ()  # the inventory's spare hosts, in the order they are used
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> "Config":
@@ -102,6 +103,7 @@ class Config:
             expected=MappingProxyType(_expected_hosts(env.get(TOOLKIT_EXPECTED))),
             straggler_factor=factor,
             host_timeout=host_timeout,
+            spares=tuple(n for n in env.get(E.TOOLKIT_SPARES, "").split(",") if n),
         )
 
 

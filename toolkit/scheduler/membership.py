@@ -29,7 +29,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from toolkit import envvars as E
 from toolkit import protocol as P
@@ -174,14 +174,16 @@ class Membership:
 
     def __init__(self, job: str, world_size: int, node_timeout: float, topo_timeout: float, boot: str,
                  address: str, expected: Mapping[str, str] | None = None, now: float = 0.0,
-                 host_timeout: float = E.DEFAULT_HOST_TIMEOUT) -> None:
+                 host_timeout: float = E.DEFAULT_HOST_TIMEOUT, spares: Sequence[str] = ()) -> None:
         self.job, self.world_size, self.boot, self.address = job, world_size, boot, address
         self.node_timeout, self.topo_timeout = node_timeout, topo_timeout
         self.host_timeout = host_timeout  # <= 0: no automatic replacement (the operator's `replace` only)
         self.sched_host: str | None = None  # whose agent supervises the scheduler: never replaced
-        self.spare_hosts: list[str] = []  # hosts whose agent said it is a spare, in the order they said so
+        self.spare_hosts: list[str] = list(spares)  # spare hosts in the order they are used: the inventory's, then
+        # any other whose agent says it is a spare
         self.replaced: list[dict[str, Any]] = []  # {host, by, node_ids, reason}, in order (persisted)
         self.agent_gone: dict[str, float] = {}  # host -> since when its agent has been disconnected
+        self.agent_spare: dict[str, bool] = {}  # host -> its agent said it is a spare (it has the standby files)
         self.agent_seen: dict[str, float] = {}  # host -> when its connected agent last said anything (it heartbeats)
         self.waiting_spare: set[str] = set()  # lost hosts that found no free spare (said once)
         self.last_tick = -math.inf
@@ -218,9 +220,8 @@ class Membership:
         if self.gather_since is not None and not self.unmanaged and self.status == RUNNING:
             deadlines.append(self.gather_since + self.topo_timeout)
         if self.host_timeout > 0 and self.status == RUNNING:  # a host may be found lost then (tick checks it)
-            for host in self.worker_hosts():
-                since = self._agent_silent_since(host)
-                if since is not None and host not in self.waiting_spare and since + self.host_timeout > self.last_tick:
+            for host, since in self._agents_unheard():
+                if host not in self.waiting_spare and since + self.host_timeout > self.last_tick:
                     deadlines.append(since + self.host_timeout)
         return min(deadlines, default=math.inf)
 
@@ -406,6 +407,7 @@ class Membership:
         self.agent_gone.pop(host, None)
         self.agent_seen[host] = now
         self.waiting_spare.discard(host)
+        self.agent_spare[host] = msg.get("spare") is True
         if msg.get("spare") is True and host not in self.spare_hosts:
             self.spare_hosts.append(host)
         old = self.agents.get(host)
@@ -570,17 +572,18 @@ class Membership:
     # -- decisions
 
     def _free_spares(self) -> list[str]:
-        """Spare hosts whose agent is connected and that hold no ranks (never took over, never replaced)."""
+        """Spare hosts whose agent is connected and said it is a spare, and that hold no ranks (never took over, never
+        replaced), in the order they are used (the inventory's)."""
         used = {r["by"] for r in self.replaced} | set(self.fenced_hosts())
         holding = set(self.worker_hosts())
-        return [h for h in self.spare_hosts if h in self.agents and h not in used and h not in holding]
+        return [h for h in self.spare_hosts if h in self.agents and h not in used and h not in holding
+                and self.agent_spare.get(h)]
 
-    def _agent_silent_since(self, host: str) -> float | None:
-        """Since when `host`'s agent has not been heard: its disconnection, or, while connected, its last message
-        (agents heartbeat; a host cut off leaves its connection open without a word). None if never known."""
-        if host in self.agents:
-            return self.agent_seen.get(host)
-        return self.agent_gone.get(host)
+    def _agents_unheard(self) -> list[tuple[str, float]]:
+        """(host, since when its agent has not been heard) for every host known: since its disconnection, or, while
+        connected, since its last message (agents heartbeat; a host cut off leaves its connection open, silent)."""
+        return ([(h, t) for h, t in self.agent_gone.items() if h not in self.agents]
+                + [(h, t) for h, t in self.agent_seen.items() if h in self.agents])
 
     def _check_lost(self, now: float) -> list[Action]:
         """Hand each lost host's ranks to a free spare. A host is lost when the job has formed and runs with no rank
@@ -591,10 +594,12 @@ class Membership:
         if self.host_timeout <= 0 or self.status != RUNNING or not self.ever_formed or self.done:
             return []
         out: list[Action] = []
-        for host, node_ids in self.worker_hosts().items():
-            since = self._agent_silent_since(host)
-            if (since is None or host == self.sched_host or host in self.fenced_hosts()
-                    or now - since < self.host_timeout or any(rank_of(n) in self.members for n in node_ids)):
+        stale = [(h, since) for h, since in self._agents_unheard() if now - since >= self.host_timeout]
+        hosts = self.worker_hosts() if stale else {}  # most passes stop here: every agent heartbeats
+        for host, since in stale:
+            node_ids = hosts.get(host)
+            if (not node_ids or host == self.sched_host or host in self.fenced_hosts()
+                    or any(rank_of(n) in self.members for n in node_ids)):
                 continue
             free = self._free_spares()
             if not free:

@@ -114,7 +114,7 @@ class Server:
         self.boot = secrets.token_hex(8)
         self.members = Membership(config.job, config.world_size, config.node_timeout, config.topo_timeout,
                                   self.boot, f"{config.host}:{config.port}", config.expected, clock(),
-                                  config.host_timeout)
+                                  config.host_timeout, config.spares)
         self.kv = KVStore()
         self.journal = Journal(config.recovery_path, config.job, config.world_size, 1.0 / config.straggler_factor,
                                clock)
