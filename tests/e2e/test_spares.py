@@ -115,6 +115,9 @@ def test_a_spare_takes_over_a_lost_host_and_another_by_hand(spares_e2e: E2E) -> 
     # by hand: the other spare takes c's ranks while the job runs
     steps = [p.get("step") or 0 for p in holders(job, c).values()]
     assert max(steps) < LAST_STEP - 10, f"the job is nearly done (step {max(steps)}): too late for a replacement"
+    refused = job.fleet("replace", "--host", a, check=False)  # the scheduler's host: one line saying why not
+    assert refused.returncode == 2 and refused.stderr.strip().splitlines() == [
+        f"error: the scheduler refused: host {a} runs the scheduler: it cannot be replaced while the job runs"]
     out = job.fleet("replace", "--host", c, "--with", d)
     assert f"{c} replaced by {d}" in out.stdout + out.stderr
     job.wait_for(f"{d} holding the ranks, training", lambda: set(holders(job, d)) == lost and all(
