@@ -40,6 +40,9 @@ def test_takeovers_move_the_ranks_in_the_schedulers_order_and_are_idempotent() -
     assert [h.name for h in new.live_hosts] == ["a", "s2"]
     assert new.with_takeovers(moves) == new and record().with_takeovers([]) == record()
     assert record().with_takeovers([{"host": "zz", "by": "s1", "node_ids": ["worker_1"], "seq": 1}]) == record()
+    only_last = record().with_takeovers(moves[:1])  # s1's agent could not be asked: b's own replacement unseen
+    assert [(h.name, h.node_ids, h.replaced_by) for h in only_last.hosts] == [
+        ("a", ("sched", "worker_0"), None), ("b", (), "s2"), ("s1", (), "s2"), ("s2", ("worker_1", "worker_2"), None)]
 
 
 def test_the_updated_record_is_written_where_the_project_finds_it_and_reads_back(tmp_path: Path) -> None:

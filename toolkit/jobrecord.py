@@ -75,14 +75,15 @@ class JobRecord:
     def with_takeovers(self, takeovers: list[dict[str, Any]]) -> JobRecord:
         """The record after the spares' takeovers (each {host: the lost host, by: the spare, node_ids, seq}, as the
         spares' agents recorded them), applied in the scheduler's order (`seq`): the processes move to the spare, the
-        lost host keeps no node id and names its replacement. Pure and idempotent (the same takeovers again change
-        nothing); a takeover naming a host the record does not have is skipped."""
+        lost host keeps no node id and names its replacement (so does an earlier holder of those ranks whose own
+        replacement was never seen: its spare was unreachable when asked). Pure and idempotent (the same takeovers
+        again change nothing); a takeover naming a host the record does not have is skipped."""
         hosts = {h.name: h for h in self.hosts}
         processes = [dict(p) for p in self.processes]
         for t in sorted(takeovers, key=lambda t: t["seq"]):
             lost, by = hosts.get(t["host"]), hosts.get(t["by"])
-            if lost is None or by is None or by.name == lost.name:
-                continue
+            if lost is None or by is None or by.name == lost.name or lost.replaced_by is not None:
+                continue  # unknown, or applied already
             moved = set(t["node_ids"])
             for p in processes:
                 if p["node_id"] in moved:
@@ -91,10 +92,12 @@ class JobRecord:
             if ckpt is None and lost.ckpt_dir is not None:  # the spare's workers use its own job directory
                 ckpt = (by.job_dir + lost.ckpt_dir[len(lost.job_dir):] if lost.ckpt_dir.startswith(lost.job_dir + "/")
                         else lost.ckpt_dir)
+            for name, h in hosts.items():  # the lost host, and any earlier holder of those ranks not seen replaced
+                if name != by.name and (name == lost.name or moved & set(h.node_ids)):
+                    hosts[name] = replace(h, node_ids=tuple(n for n in h.node_ids if n not in moved),
+                                          replaced_by=h.replaced_by or by.name)
             hosts[by.name] = replace(by, node_ids=tuple(sorted(set(by.node_ids) | moved, key=_rank_key)),
                                      ckpt_dir=ckpt)
-            hosts[lost.name] = replace(lost, node_ids=tuple(n for n in lost.node_ids if n not in moved),
-                                       replaced_by=by.name)
         return replace(self, hosts=tuple(hosts[h.name] for h in self.hosts), processes=tuple(processes))
 
     def host(self, name: str) -> HostRecord:
