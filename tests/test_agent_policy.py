@@ -62,3 +62,15 @@ def test_the_schedulers_messages() -> None:
     assert policy.on_scheduler({"op": P.FINISHED}, running, False) == FinishJob()
     assert isinstance(policy.on_scheduler({"op": P.FINISHED}, running, True), Ignore)
     assert isinstance(policy.on_scheduler({"op": "nonsense"}, running, False), Ignore)
+
+
+def test_a_spare_takes_over_what_stands_by_here_once() -> None:
+    standby = ["worker_2", "worker_3"]
+    msg = {"op": P.TAKEOVER, "host": "hostB", "node_ids": ["worker_2", "worker_3"], "seq": 1}
+    assert policy.on_scheduler(msg, {}, False, standby) == policy.TakeOver("hostB", ("worker_2", "worker_3"))
+    again = policy.on_scheduler(msg, {"worker_2": 5}, False, standby, ["worker_2", "worker_3"])  # sent again
+    assert isinstance(again, Ignore) and again.why == "already took over hostB (worker_2, worker_3)"
+    other = policy.on_scheduler({**msg, "node_ids": ["worker_9"]}, {}, False, standby)
+    assert isinstance(other, Ignore) and "worker_9 not standing by here" in other.why
+    assert isinstance(policy.on_scheduler(msg, {}, True, standby), Ignore)  # closing: nothing starts
+    assert isinstance(policy.on_scheduler({**msg, "node_ids": "worker_2"}, {}, False, standby), Ignore)

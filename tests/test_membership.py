@@ -5,13 +5,14 @@ tests/test_scheduler.py."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import pytest
 
 from toolkit import protocol as P
 from toolkit.scheduler import kvstore
-from toolkit.scheduler.membership import Close, DropKeys, Exit, Log, Membership, Send
+from toolkit.scheduler.membership import Close, DropKeys, Exit, Log, Membership, Note, Send
 
 NODE_TIMEOUT, TOPO_TIMEOUT = 3.0, 60.0
 
@@ -248,3 +249,213 @@ def test_a_death_after_a_rank_finished_ends_the_job_at_once(recovery: str) -> No
     else:
         assert Exit(1) in out and "worker_1 (pid 1001 on hostA) is dead" in logged(out)
         assert "cannot form a new generation" in logged(out)
+
+
+# --- spares: a lost host's ranks taken over, the lost host fenced ------------------------------------------------
+
+HOST_TIMEOUT = 10.0
+
+
+def spare_job(now: float = 0.0) -> Membership:
+    """4 ranks: the scheduler and worker_0-1 on hostA, worker_2-3 on hostB; spares s1 and s2. Formed at `now`."""
+    m = Membership("job", 4, NODE_TIMEOUT, TOPO_TIMEOUT, "boot", "10.0.0.1:8118",
+                   {"worker_0": "hostA", "worker_1": "hostA", "worker_2": "hostB", "worker_3": "hostB"}, now,
+                   host_timeout=HOST_TIMEOUT)
+    m.started(now)
+    agent(m, 1, "hostA", ["sched", "worker_0", "worker_1"], now)
+    agent(m, 2, "hostB", ["worker_2", "worker_3"], now)
+    agent(m, 3, "s1", [], now, spare=True)
+    agent(m, 4, "s2", [], now, spare=True)
+    for rank in range(4):
+        m.register(10 + rank, f"10.0.0.2:{rank}", {
+            "op": P.REGISTER, "node_id": P.worker_node_id(rank), "rank": rank, "world_size": 4,
+            "incarnation": f"inc{rank}", "pid": 1010 + rank, "host": "hostA" if rank < 2 else "hostB",
+            "recovery": P.RECOVERY_IN_PLACE}, now)
+    assert m.formed
+    return m
+
+
+def agent(m: Membership, peer: int, host: str, node_ids: list[str], now: float, spare: bool = False) -> list[Any]:
+    return m.agent_hello(peer, f"10.0.0.9:{peer}", {"op": P.AGENT_HELLO, "host": host, "node_ids": node_ids,
+                                                   "spare": spare}, now)
+
+
+def beat(m: Membership, now: float) -> None:
+    """hostA's workers (peers 10 and 11) heartbeat at `now`."""
+    for peer in (10, 11):
+        m.message(peer, {"op": P.HEARTBEAT, "step": 1}, now)
+
+
+def crash_host_b(m: Membership, now: float) -> list[Any]:
+    """hostB's link goes down: its agent's connection and its workers' heartbeats stop."""
+    out = m.lost(2, "connection closed", now)
+    for peer in (12, 13):
+        out += m.lost(peer, "connection closed", now)
+    return out
+
+
+def test_a_lost_host_is_taken_over_by_a_spare_after_host_timeout_and_fenced_for_good() -> None:
+    m = spare_job()
+    crash_host_b(m, 5.0)
+    assert m.generation == 1 and not m.formed
+    beat(m, 5.0 + HOST_TIMEOUT - 0.1)
+    assert not sent(m.tick(5.0 + HOST_TIMEOUT - 0.1), P.TAKEOVER)  # not yet: the host may come back
+    assert m.next_deadline() == pytest.approx(5.0 + HOST_TIMEOUT)  # when it is lost, the server wakes
+    out = m.tick(5.0 + HOST_TIMEOUT)
+    takeover = sent(out, P.TAKEOVER)
+    assert [(t.peer, t.fields["host"], t.fields["node_ids"], t.fields["seq"]) for t in takeover] == [
+        (3, "hostB", ["worker_2", "worker_3"], 1)]
+    assert m.dirty and m.snapshot()["replaced"] == [
+        {"host": "hostB", "by": "s1", "node_ids": ["worker_2", "worker_3"], "reason": m.replaced[0]["reason"]}]
+    assert "host hostB replaced by spare s1" in logged(out)
+    assert [a.kind for a in out if isinstance(a, Note)] == ["replaced"]
+    assert m.node_host["worker_2"] == "s1"  # the formation-timeout message would name the spare now
+    # the spare's workers register for the ranks and the generation forms: the job goes on
+    for rank in (2, 3):
+        msg = {"op": P.REGISTER, "node_id": P.worker_node_id(rank), "rank": rank, "world_size": 4,
+               "incarnation": f"spare{rank}", "pid": 50 + rank, "host": "s1", "recovery": P.RECOVERY_IN_PLACE}
+        out = m.register(30 + rank, "10.0.0.8:1", msg, 15.5)
+    assert m.formed and m.generation == 1
+    # hostB comes back: its agent is told to stop (after a proven welcome), its workers to exit
+    back = agent(m, 40, "hostB", ["worker_2", "worker_3"], 30.0)
+    assert [(s.op, s.close) for s in sent(back)] == [(P.WELCOME, False), (P.STOP, True)]
+    assert "replaced by s1" in sent(back, P.STOP)[0].fields["reason"]
+    assert "refused the agent of hostB" in logged(back) and m.agents.get("hostB") is None
+    old = {"op": P.REGISTER, "node_id": "worker_2", "rank": 2, "world_size": 4, "incarnation": "fresh", "pid": 7,
+           "host": "hostB", "recovery": P.RECOVERY_IN_PLACE}
+    assert [s.op for s in sent(m.register(41, "10.0.0.3:1", old, 30.0))] == [P.FENCED]
+    # a restarted scheduler keeps refusing it
+    again = Membership("job", 4, NODE_TIMEOUT, TOPO_TIMEOUT, "boot2", "10.0.0.1:8118", {}, 40.0,
+                       host_timeout=HOST_TIMEOUT)
+    again.restore(m.snapshot(), 40.0)
+    assert [s.op for s in sent(again.register(1, "10.0.0.3:1", old, 41.0))] == [P.FENCED]
+    assert sent(agent(again, 2, "hostB", [], 41.0), P.STOP)
+    assert sent(agent(again, 3, "s1", [], 41.0, spare=True), P.TAKEOVER)  # a restarted spare agent is told again
+    assert not sent(agent(again, 4, "s1", ["worker_2", "worker_3"], 42.0, spare=True), P.TAKEOVER)
+
+
+def test_no_replacement_while_the_hosts_agent_is_connected_or_its_ranks_live() -> None:
+    m = spare_job()
+    for peer in (12, 13):  # both workers die, the agent stays (and heartbeats): it relaunches them
+        m.lost(peer, "connection closed", 1.0)
+    for t in range(1, 40):
+        m.message(2, {"op": P.HEARTBEAT}, float(t))
+        assert not sent(m.tick(float(t)), P.TAKEOVER)
+    m = spare_job()
+    m.lost(2, "connection closed", 1.0)  # the agent alone was killed: its workers train on
+    m.message(12, {"op": P.HEARTBEAT}, 1.0 + HOST_TIMEOUT)
+    m.message(13, {"op": P.HEARTBEAT}, 1.0 + HOST_TIMEOUT)
+    m.message(10, {"op": P.HEARTBEAT}, 1.0 + HOST_TIMEOUT)
+    m.message(11, {"op": P.HEARTBEAT}, 1.0 + HOST_TIMEOUT)
+    assert not sent(m.tick(1.0 + HOST_TIMEOUT + 0.1), P.TAKEOVER)
+    m = spare_job()
+    m.lost(1, "connection closed", 1.0)  # the scheduler's host is never replaced (its agent may be restarting)
+    for peer in (10, 11):
+        m.lost(peer, "connection closed", 1.0)
+    for peer in (2, 12, 13):  # hostB is well
+        m.message(peer, {"op": P.HEARTBEAT}, 1.0 + 10 * HOST_TIMEOUT)
+    assert not sent(m.tick(1.0 + 10 * HOST_TIMEOUT), P.TAKEOVER)
+
+
+def test_a_host_cut_off_is_lost_when_its_agent_falls_silent_with_its_connection_open() -> None:
+    m = spare_job()
+    m.message(2, {"op": P.HEARTBEAT}, 1.0)  # hostB's agent, last heard at 1.0; then its cable is pulled
+    beat(m, 2.0)
+    m.message(12, {"op": P.HEARTBEAT}, 1.0)
+    m.message(13, {"op": P.HEARTBEAT}, 1.0)
+    out = m.tick(1.0 + NODE_TIMEOUT)  # its workers die by silence: no connection closed
+    assert "worker_2 (pid 1012 on hostB) is dead: sent no heartbeat" in logged(out)
+    beat(m, 1.0 + HOST_TIMEOUT - 0.1)
+    assert not sent(m.tick(1.0 + HOST_TIMEOUT - 0.1), P.TAKEOVER)
+    out = m.tick(1.0 + HOST_TIMEOUT)
+    assert [(s.peer, s.fields["host"]) for s in sent(out, P.TAKEOVER)] == [(3, "hostB")]
+    assert [(s.peer, s.close) for s in sent(out, P.STOP)] == [(2, True)]  # its silent link is told and dropped
+    assert "its agent unheard for 10.0 s" in m.replaced[0]["reason"]
+
+
+def test_before_the_job_formed_a_missing_host_is_left_to_the_formation_timeout() -> None:
+    m = Membership("job", 2, NODE_TIMEOUT, TOPO_TIMEOUT, "boot", "a:1", {"worker_0": "hostA", "worker_1": "hostB"},
+                   0.0, host_timeout=HOST_TIMEOUT)
+    m.started(0.0)
+    agent(m, 3, "s1", [], 0.0, spare=True)
+    assert not sent(m.tick(2 * HOST_TIMEOUT), P.TAKEOVER)
+
+
+def test_without_a_free_spare_a_lost_host_waits_and_a_spare_that_connects_later_takes_it() -> None:
+    m = spare_job()
+    m.lost(3, "connection closed", 0.5)  # both spares' agents are gone
+    m.lost(4, "connection closed", 0.5)
+    crash_host_b(m, 1.0)
+    out = m.tick(1.0 + HOST_TIMEOUT)
+    assert not sent(out, P.TAKEOVER) and "no spare is free" in logged(out)
+    assert not logged(m.tick(2.0 + HOST_TIMEOUT))  # said once, and no busy deadline
+    assert m.next_deadline() == math.inf or m.next_deadline() > 2.0 + HOST_TIMEOUT
+    out = agent(m, 5, "s2", [], 30.0, spare=True)
+    assert [(s.peer, s.fields["host"]) for s in sent(out, P.TAKEOVER)] == [(5, "hostB")]
+
+
+def test_automatic_replacement_is_off_with_host_timeout_zero() -> None:
+    m = spare_job()
+    m.host_timeout = 0
+    crash_host_b(m, 1.0)
+    assert not sent(m.tick(1e6), P.TAKEOVER)
+
+
+def replace(m: Membership, host: Any, spare: Any = None, now: float = 5.0) -> list[Any]:
+    return m.replace(99, {"op": P.REPLACE, "node_id": "operator", "host": host, "spare": spare}, now)
+
+
+def test_the_operators_replace_moves_a_live_hosts_ranks_to_the_named_spare_at_once() -> None:
+    m = spare_job()
+    out = replace(m, "hostB", "s2")
+    reply = sent(out)[0]
+    assert (reply.peer, reply.op, reply.close) == (99, P.WELCOME, True)
+    assert reply.fields == {"host": "hostB", "spare": "s2", "node_ids": ["worker_2", "worker_3"]}
+    assert [(s.peer, s.fields["reason"][:26]) for s in sent(out, P.STOP)] == [(2, "host hostB was replaced by")]
+    assert {s.peer for s in sent(out, P.FENCED)} == {12, 13}  # its live workers are fenced
+    assert m.generation == 1 and [s.peer for s in sent(out, P.TAKEOVER)] == [4]
+    assert "replaced by the operator" in m.replaced[0]["reason"]
+
+
+@pytest.mark.parametrize(("host", "spare", "why"), [
+    ("hostC", None, "host hostC runs no worker of the job; the hosts with workers: hostA, hostB"),
+    ("hostA", None, "host hostA runs the scheduler"),
+    ("hostB", "hostA", "hostA cannot take over hostB: it is not a spare host of this job"),
+    ("hostB", "s9", "s9 cannot take over hostB: it is not a spare host"),
+])
+def test_the_operators_replace_is_refused_with_a_reason(host: str, spare: str | None, why: str) -> None:
+    m = spare_job()
+    out = replace(m, host, spare)
+    assert [(s.op, s.close) for s in sent(out)] == [(P.REJECT, True)]
+    assert why in sent(out)[0].fields["reason"] and not m.replaced
+
+
+def test_a_spare_is_used_once_and_a_replaced_host_cannot_be_replaced_again() -> None:
+    m = spare_job()
+    replace(m, "hostB", "s1")
+    assert "s1 cannot take over s1: it already holds ranks" in sent(replace(m, "s1", "s1"))[0].fields["reason"]
+    assert "already replaced by s1" in sent(replace(m, "hostB"))[0].fields["reason"]
+    out = replace(m, "s1")  # the spare that took over is a worker host now: another spare can replace it
+    assert sent(out)[0].op == P.WELCOME and sent(out, P.TAKEOVER)[0].fields == {
+        "host": "s1", "node_ids": ["worker_2", "worker_3"], "seq": 2}
+    assert "no spare is free" in sent(replace(m, "s2"))[0].fields["reason"]
+
+
+def test_the_ledger_names_the_replacement_in_the_lost_hosts_incident() -> None:
+    from toolkit.scheduler.ledger import Ledger
+
+    m = spare_job()
+    ledger = Ledger("job", 4, 0.0)
+    out = crash_host_b(m, 5.0)
+    beat(m, 5.0 + HOST_TIMEOUT)
+    out += m.tick(5.0 + HOST_TIMEOUT)
+    for note in (a for a in out if isinstance(a, Note)):
+        ledger.note(note.kind, note.fields, 100.0)
+    assert [i.cause for i in ledger.incidents] == ["host hostB lost, replaced by spare s1"]
+
+
+def test_spares_are_used_in_the_inventorys_order_not_the_order_their_agents_connected() -> None:
+    m = spare_job()
+    m.spare_hosts = ["s2", "s1"]  # as TOOLKIT_SPARES gives them (Config.spares); s1's agent said hello first
+    out = replace(m, "hostB")
+    assert sent(out)[0].fields["spare"] == "s2" and [s.peer for s in sent(out, P.TAKEOVER)] == [4]

@@ -14,7 +14,7 @@ WORKER_KEYS = {
     E.MS_ENABLE_RECOVERY, E.MS_RECOVERY_PATH, E.RANK_ID, E.RANK_SIZE, E.DEVICE_ID, E.MASTER_ADDR, E.MASTER_PORT,
     E.RANK, E.WORLD_SIZE, E.LOCAL_RANK, E.LOCAL_WORLD_SIZE, E.GROUP_RANK, E.TORCHELASTIC_USE_AGENT_STORE,
     E.OMP_NUM_THREADS, E.CKPT_DIR, E.TOOLKIT_JOB, E.TOOLKIT_TOKEN_FILE, E.TOOLKIT_AGENT_SOCKET,
-    E.TOOLKIT_HEARTBEAT_INTERVAL,
+    E.TOOLKIT_HEARTBEAT_INTERVAL, E.TOOLKIT_HOST,
 }
 
 
@@ -148,3 +148,27 @@ def test_every_script_runs_through_the_wrapper_and_torchrun_script_forces_restar
     assert plan.process("worker_1").env[E.TOOLKIT_RECOVERY] == "restart"
     assert plan.expected_hosts() == {"worker_0": "a", "worker_1": "a"}
     assert plan.process("sched").env[E.TOOLKIT_EXPECTED] == "toolkit-jobs/demo/expected.json"
+
+
+def test_spare_hosts_run_nothing_and_stand_by_for_every_worker(tmp_path: Path) -> None:
+    inv = tmp_path / "inventory.ini"
+    inv.write_text("[workers]\na slots=2\nb slots=2\n[spares]\ns workdir=/srv/jobs\n")
+    plan = make_plan(load_ansible_inventory(str(inv)), opts(workdir="/w"))
+    assert plan.host_names == ("a", "b", "s")
+    spare = plan.host_plan("s")
+    assert spare.spare and spare.processes == ()
+    assert [p.node_id for p in plan.processes()] == ["sched", "worker_0", "worker_1", "worker_2", "worker_3"]
+    by_node = {p.node_id: p for p in plan.processes()}
+    for p in spare.standby:  # each worker as the spare would run it: its rank's variables, the spare's directories
+        same = by_node[p.node_id]
+        assert (p.rank, p.local_rank, p.host) == (same.rank, same.local_rank, "s")
+        for key in (E.RANK, E.LOCAL_RANK, E.LOCAL_WORLD_SIZE, E.GROUP_RANK, E.MASTER_ADDR, E.WORLD_SIZE):
+            assert p.env[key] == same.env[key]
+        assert p.env[E.TOOLKIT_HOST] == "s" and same.env[E.TOOLKIT_HOST] == same.host
+        assert p.env[E.TOOLKIT_AGENT_SOCKET] == "/srv/jobs/demo/state/progress.sock"
+        assert p.cwd == "/srv/jobs/demo/project"
+    spec = next(h["spec"] for h in plan_json(plan)["hosts"] if h["host"] == "s")
+    assert spec["processes"] == [] and [p["node_id"] for p in spec["standby"]] == [f"worker_{r}" for r in range(4)]
+    assert by_node["sched"].env[E.TOOLKIT_HOST_TIMEOUT] == "60" and by_node["sched"].env[E.TOOLKIT_SPARES] == "s"
+    with pytest.raises(PlanError, match="--host-timeout -1"):
+        opts(host_timeout=-1)

@@ -122,3 +122,19 @@ def test_templates_pass_every_value_through_quote() -> None:
             if not expr.endswith("| quote") and expr != "name":  # env names are checked by render_env
                 raw.append(f"{template.name}: {{{{ {expr} }}}}")
     assert raw == []
+
+
+def test_a_spare_host_gets_every_workers_env_file_and_a_standby_host_json(tmp_path: Path) -> None:
+    from toolkit import hostspec
+    from toolkit.inventory import load_ansible_inventory
+
+    inv = tmp_path / "inventory.ini"
+    inv.write_text("[workers]\na slots=1\nb slots=1\n[spares]\ns\n")
+    plan = make_plan(load_ansible_inventory(str(inv)), JobOptions(job="demo", workdir=str(tmp_path / "w")))
+    files = render_host(plan, plan.host_plan("s"), "t" * 64)
+    assert {f.path for f in files} >= {"host.json", "env/worker_0.env", "env/worker_1.env", "token", "launch.sh"}
+    write_files(files, tmp_path / "s")
+    spec = hostspec.load(tmp_path / "s")
+    assert spec.spare and spec.processes == ()
+    assert [p.node_id for p in spec.standby] == ["worker_0", "worker_1"]
+    assert read_env_file(tmp_path / "s" / "env" / "worker_1.env")["RANK"] == "1"

@@ -253,6 +253,15 @@ def restart(request: Request, node: str, host: str) -> None:
     tasks.restart(request.job_ref(), node=node or None, host_name=host or None)
 
 
+@cluster_task(own={
+    "host": ("", "the host whose ranks a spare takes over now (it is fenced from the job)"),
+    "spare": ("", "the spare host that takes them (also --with; default: the first free spare)"),
+}, short={"spare": "with"})
+def replace(request: Request, host: str, spare: str) -> None:
+    """Hand a host's ranks to a spare host now (as the scheduler does by itself for a host it finds lost)."""
+    tasks.replace(request.job_ref(), host or None, spare or None)
+
+
 def _seconds(flag: str, text: str) -> float | None:
     if not text:
         return None
@@ -276,8 +285,8 @@ def _whole(flag: str, text: str) -> int | None:
 
 def namespace() -> Collection:
     """The task set of `fleet` and of a project's fabfile.py: plan, deploy, record, train, status, logs, report,
-    stop, restart."""
-    return Collection(plan, deploy, record, train, status, logs, report, stop, restart)
+    stop, restart, replace."""
+    return Collection(plan, deploy, record, train, status, logs, report, stop, restart, replace)
 
 
 def use_cluster_executor() -> None:

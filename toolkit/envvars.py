@@ -7,6 +7,8 @@ DEFAULT_SCHED_PORT = 8118  # MS_SCHED_PORT; the job's store listens on the next 
 DEFAULT_TOPO_TIMEOUT = 600  # s, MS_TOPO_TIMEOUT: for every worker to join
 DEFAULT_NODE_TIMEOUT = 6.0  # s, MS_NODE_TIMEOUT: heartbeat silence after which a worker is dead
 DEFAULT_HEARTBEAT_INTERVAL = 1.0  # s, TOOLKIT_HEARTBEAT_INTERVAL
+DEFAULT_HOST_TIMEOUT = 60.0  # s, TOOLKIT_HOST_TIMEOUT: a host whose ranks are dead and whose agent is gone this long
+#                             is lost for good: a spare takes its ranks (only once the job has formed)
 DEFAULT_STRAGGLER_FACTOR = 1.5  # TOOLKIT_STRAGGLER_FACTOR: own work per step vs the others' median that names a
 #                                 straggler (between nvidia-resiliency-ext's 1.33, its score 0.75, and DLRover's 2)
 
@@ -52,6 +54,9 @@ TOOLKIT_HEARTBEAT_INTERVAL = "TOOLKIT_HEARTBEAT_INTERVAL"
 TOOLKIT_RECOVERY = "TOOLKIT_RECOVERY"  # worker: "restart" (--torchrun-script) forces restart recovery; default auto
 TOOLKIT_STRAGGLER_FACTOR = "TOOLKIT_STRAGGLER_FACTOR"  # scheduler: see DEFAULT_STRAGGLER_FACTOR
 TOOLKIT_PACE = "TOOLKIT_PACE"  # worker: "0" turns step timing off (to measure what it costs); default on
+TOOLKIT_HOST = "TOOLKIT_HOST"  # worker: the inventory name of its host (what it registers as; a lost host is fenced)
+TOOLKIT_HOST_TIMEOUT = "TOOLKIT_HOST_TIMEOUT"  # scheduler: see DEFAULT_HOST_TIMEOUT
+TOOLKIT_SPARES = "TOOLKIT_SPARES"  # scheduler: the inventory's spare hosts, comma-separated, in the order they are used
 TOOLKIT_EXPECTED = "TOOLKIT_EXPECTED"  # scheduler: JSON file {node_id: host}, for the formation-timeout message
 
 # Slurm's, read (never set) by fleet inside an allocation: its hosts and slots (toolkit/slurm.py)

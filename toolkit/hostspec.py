@@ -100,6 +100,12 @@ class HostSpec:
     bind_core: bool
     warm_spare: bool
     processes: tuple[ProcSpec, ...]
+    standby: tuple[ProcSpec, ...] = ()  # a spare host's: every worker it could take over (none runs at first)
+
+    @property
+    def spare(self) -> bool:
+        """A spare host's agent: it starts nothing and waits for the scheduler's `takeover`."""
+        return bool(self.standby)
 
     @property
     def state_dir(self) -> Path:
@@ -192,32 +198,43 @@ def load(job_dir: str | Path) -> HostSpec:
                                 lambda v: 0 < v < math.inf,
                                 "give a positive number of seconds")),
     )
-    raw = get(doc, "processes", list, "processes", check=lambda v: len(v) > 0, hint="a host runs at least one")
-    processes = []
-    seen: set[str] = set()
-    for i, p in enumerate(raw):
-        label = f"processes[{i}]"
-        if not isinstance(p, dict):
-            raise UserError(f"{where}: {label}: expected an object; re-render the job")
-        node_id = get(p, "node_id", str, f"{label}.node_id", check=lambda v: v and "/" not in v,
-                      hint="a non-empty name without '/'")
-        if node_id in seen:
-            raise UserError(f"{where}: {label}.node_id={node_id!r} appears twice; every process needs its own")
-        seen.add(node_id)
-        argv = get(p, "argv", list, f"{label}.argv", check=lambda v: v and all(isinstance(a, str) for a in v),
-                   hint="a non-empty list of strings")
-        opt_int = (int, type(None))
-        processes.append(ProcSpec(
-            node_id=node_id,
-            role=get(p, "role", str, f"{label}.role", check=lambda v: v in (E.ROLE_SCHED, E.ROLE_WORKER),
-                     hint=f"{E.ROLE_SCHED} or {E.ROLE_WORKER}"),
-            rank=get(p, "rank", opt_int, f"{label}.rank", None),
-            local_rank=get(p, "local_rank", opt_int, f"{label}.local_rank", None),
-            argv=tuple(argv),
-            cwd=str(job_dir / get(p, "cwd", str, f"{label}.cwd", ".")),
-            env_file=str(job_dir / get(p, "env_file", str, f"{label}.env_file")),
-            log_file=str(job_dir / get(p, "log_file", str, f"{label}.log_file", f"logs/{node_id}.log")),
-        ))
+    def procs(key: str) -> tuple[ProcSpec, ...]:
+        """The process list under `key`, each checked; node ids unique within it."""
+        out = []
+        seen: set[str] = set()
+        for i, p in enumerate(doc.get(key) or []):
+            label = f"{key}[{i}]"
+            if not isinstance(p, dict):
+                raise UserError(f"{where}: {label}: expected an object; re-render the job")
+            node_id = get(p, "node_id", str, f"{label}.node_id", check=lambda v: v and "/" not in v,
+                          hint="a non-empty name without '/'")
+            if node_id in seen:
+                raise UserError(f"{where}: {label}.node_id={node_id!r} appears twice; every process needs its own")
+            seen.add(node_id)
+            argv = get(p, "argv", list, f"{label}.argv", check=lambda v: v and all(isinstance(a, str) for a in v),
+                       hint="a non-empty list of strings")
+            opt_int = (int, type(None))
+            out.append(ProcSpec(
+                node_id=node_id,
+                role=get(p, "role", str, f"{label}.role", check=lambda v: v in (E.ROLE_SCHED, E.ROLE_WORKER),
+                         hint=f"{E.ROLE_SCHED} or {E.ROLE_WORKER}"),
+                rank=get(p, "rank", opt_int, f"{label}.rank", None),
+                local_rank=get(p, "local_rank", opt_int, f"{label}.local_rank", None),
+                argv=tuple(argv),
+                cwd=str(job_dir / get(p, "cwd", str, f"{label}.cwd", ".")),
+                env_file=str(job_dir / get(p, "env_file", str, f"{label}.env_file")),
+                log_file=str(job_dir / get(p, "log_file", str, f"{label}.log_file", f"logs/{node_id}.log")),
+            ))
+        return tuple(out)
+
+    get(doc, "processes", list, "processes")
+    get(doc, "standby", list, "standby", [])
+    processes, standby = procs("processes"), procs("standby")
+    if not processes and not standby:
+        raise UserError(f"{where}: processes=[]: a host runs at least one process, or is a spare (standby); "
+                        "re-render the job")
+    if any(not p.is_worker for p in standby):
+        raise UserError(f"{where}: standby: only workers stand by on a spare host; re-render the job")
     spec = HostSpec(
         job=get(doc, "job", str, "job"),
         host=get(doc, "host", str, "host"),
@@ -229,7 +246,8 @@ def load(job_dir: str | Path) -> HostSpec:
         grace=float(get(doc, "grace", (int, float), "grace", DEFAULT_GRACE, nonneg, "give 0 or more seconds")),
         bind_core=get(doc, "bind_core", bool, "bind_core", False),
         warm_spare=get(doc, "warm_spare", bool, "warm_spare", True),
-        processes=tuple(processes),
+        processes=processes,
+        standby=standby,
     )
     for sock in (spec.control_socket, spec.progress_socket):
         if len(os.fsencode(str(sock))) > MAX_SOCKET_PATH:
@@ -239,13 +257,16 @@ def load(job_dir: str | Path) -> HostSpec:
 
 
 def document(job: str, host: str, sched_address: str, sched_port: int, max_restarts: int, grace: float,
-             bind_core: bool, warm_spare: bool, processes: list[dict[str, Any]]) -> dict[str, Any]:
+             bind_core: bool, warm_spare: bool, processes: list[dict[str, Any]],
+             standby: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """host.json for one host: `processes` are dicts with node_id, role, rank, local_rank, argv, cwd, env_file and
-    log_file (what ProcSpec holds), paths relative to the job directory. Pure. The backoff settings are always the
-    defaults: only max_restarts, grace, bind_core and warm_spare are options."""
+    log_file (what ProcSpec holds), paths relative to the job directory; `standby` (a spare host's; then `processes`
+    is empty) the workers it could take over, in the same form. Pure. The backoff settings are always the defaults:
+    only max_restarts, grace, bind_core and warm_spare are options."""
+    extra = {"standby": standby} if standby else {}
     return {
         "version": VERSION, "job": job, "host": host, "scheduler": {"host": sched_address, "port": sched_port},
         "token_file": "token", "max_restarts": max_restarts, "backoff_base": DEFAULT_BACKOFF_BASE,
         "backoff_max": DEFAULT_BACKOFF_MAX, "healthy_reset": DEFAULT_HEALTHY_RESET, "grace": grace,
-        "bind_core": bind_core, "warm_spare": warm_spare, "processes": processes,
+        "bind_core": bind_core, "warm_spare": warm_spare, "processes": processes, **extra,
     }

@@ -15,7 +15,7 @@ import contextlib
 import json
 import os
 import secrets
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +39,8 @@ class HostRecord:
     python: str
     node_ids: tuple[str, ...]
     ckpt_dir: str | None = None  # CKPT_DIR of the host's workers, absolute (None: none runs there)
+    spare: bool = False  # an inventory spare: deployed to, its agent started, running nothing until a takeover
+    replaced_by: str | None = None  # a lost (or replaced) host: the spare that took its ranks; it is fenced
 
 
 @dataclass(frozen=True)
@@ -65,6 +67,39 @@ class JobRecord:
         """The number of workers (processes with a rank; the scheduler has none)."""
         return sum(1 for p in self.processes if p["rank"] is not None)
 
+    @property
+    def live_hosts(self) -> tuple[HostRecord, ...]:
+        """The hosts still part of the job: every host but those replaced by a spare (fenced by the scheduler)."""
+        return tuple(h for h in self.hosts if h.replaced_by is None)
+
+    def with_takeovers(self, takeovers: list[dict[str, Any]]) -> JobRecord:
+        """The record after the spares' takeovers (each {host: the lost host, by: the spare, node_ids, seq}, as the
+        spares' agents recorded them), applied in the scheduler's order (`seq`): the processes move to the spare, the
+        lost host keeps no node id and names its replacement (so does an earlier holder of those ranks whose own
+        replacement was never seen: its spare was unreachable when asked). Pure and idempotent (the same takeovers
+        again change nothing); a takeover naming a host the record does not have is skipped."""
+        hosts = {h.name: h for h in self.hosts}
+        processes = [dict(p) for p in self.processes]
+        for t in sorted(takeovers, key=lambda t: t["seq"]):
+            lost, by = hosts.get(t["host"]), hosts.get(t["by"])
+            if lost is None or by is None or by.name == lost.name or lost.replaced_by is not None:
+                continue  # unknown, or applied already
+            moved = set(t["node_ids"])
+            for p in processes:
+                if p["node_id"] in moved:
+                    p["host"] = by.name
+            ckpt = by.ckpt_dir
+            if ckpt is None and lost.ckpt_dir is not None:  # the spare's workers use its own job directory
+                ckpt = (by.job_dir + lost.ckpt_dir[len(lost.job_dir):] if lost.ckpt_dir.startswith(lost.job_dir + "/")
+                        else lost.ckpt_dir)
+            for name, h in hosts.items():  # the lost host, and any earlier holder of those ranks not seen replaced
+                if name != by.name and (name == lost.name or moved & set(h.node_ids)):
+                    hosts[name] = replace(h, node_ids=tuple(n for n in h.node_ids if n not in moved),
+                                          replaced_by=h.replaced_by or by.name)
+            hosts[by.name] = replace(by, node_ids=tuple(sorted(set(by.node_ids) | moved, key=_rank_key)),
+                                     ckpt_dir=ckpt)
+        return replace(self, hosts=tuple(hosts[h.name] for h in self.hosts), processes=tuple(processes))
+
     def host(self, name: str) -> HostRecord:
         """The host named `name`; UserError listing the job's hosts if there is none."""
         for h in self.hosts:
@@ -87,6 +122,21 @@ class JobRecord:
             if p["rank"] == rank:
                 return p
         raise UserError(f"job {self.job} has no rank {rank}; ranks are 0 to {self.world_size - 1}")
+
+
+def _rank_key(node_id: str) -> tuple[int, str]:
+    """Order node ids as the plan does: the scheduler first, then workers by rank."""
+    tail = node_id.rsplit("_", 1)[-1]
+    return (int(tail) if tail.isdigit() else -1, node_id)
+
+
+def update(project: Path, record: JobRecord) -> Path:
+    """Rewrite the record where `project` finds it (its own, or the one its pointer names): a later change of the
+    job's layout (a spare's takeover) goes where deploy wrote it. Returns the path; OSError if it cannot be
+    written."""
+    path = locate(project, record.job)
+    _write(path, asdict(record))
+    return path
 
 
 def record_path(project: Path, job: str) -> Path:
@@ -207,12 +257,14 @@ def _parse(data: Any) -> JobRecord:
             raise RecordError(f"{where}port is {json.dumps(port)[:60]}")
         node_ids = field_(h, "node_ids", list, where)
         ckpt = h.get("ckpt_dir")
+        replaced_by = h.get("replaced_by")
         hosts.append(HostRecord(
             name=field_(h, "name", str, where), hostname=field_(h, "hostname", str, where), port=port,
             user=h.get("user") if isinstance(h.get("user"), str) else None,
             key_file=h.get("key_file") if isinstance(h.get("key_file"), str) else None,
             job_dir=field_(h, "job_dir", str, where), python=field_(h, "python", str, where),
-            node_ids=tuple(str(n) for n in node_ids), ckpt_dir=ckpt if isinstance(ckpt, str) else None))
+            node_ids=tuple(str(n) for n in node_ids), ckpt_dir=ckpt if isinstance(ckpt, str) else None,
+            spare=h.get("spare") is True, replaced_by=replaced_by if isinstance(replaced_by, str) else None))
     processes = field_(data, "processes", list)
     for i, p in enumerate(processes):
         where = f"processes[{i}]."

@@ -65,6 +65,7 @@ class JobOptions:
     warm_spare: bool = True
     torchrun_script: bool = False  # recover by relaunching every worker even if the script uses toolkit.train
     straggler_factor: float = E.DEFAULT_STRAGGLER_FACTOR  # own work per step vs the others' median: a straggler
+    host_timeout: float = E.DEFAULT_HOST_TIMEOUT  # s a host's ranks dead, its agent gone: lost, a spare takes over
 
     def __post_init__(self) -> None:
         if not _JOB_NAME.match(self.job):
@@ -95,6 +96,9 @@ class JobOptions:
                             "work per step takes 1.5 times the others' median is named a straggler)")
         if self.grace < 0:
             raise PlanError(f"--grace {self.grace}: give 0 or more seconds")
+        if not 0 <= self.host_timeout < math.inf:
+            raise PlanError(f"--host-timeout {self.host_timeout}: give 0 or more seconds (how long a host's agent may "
+                            "be gone, its workers dead, before a spare takes its ranks; 0: only 'fleet replace')")
         if not self.script.strip():
             raise PlanError("--script is empty: name the training script, e.g. --script train.py")
         for name, value in (("--workdir", self.workdir), ("--python", self.python), ("--script", self.script)):
@@ -144,6 +148,12 @@ class HostPlan:
     job_dir: str
     python: str
     processes: tuple[Process, ...]
+    standby: tuple[Process, ...] = ()
+
+    @property
+    def spare(self) -> bool:
+        """A spare host: it runs nothing until it takes over a lost host's ranks (see `standby`)."""
+        return bool(self.standby)
 
     @property
     def name(self) -> str:
@@ -163,10 +173,11 @@ class HostPlan:
 class LaunchPlan:
     """What runs where for one job, with every environment: make_plan's result, plain immutable data.
 
-    `hosts` holds only the hosts that run something (the scheduler's, and those with workers), in inventory order;
-    ranks follow the order of the worker hosts. `sched_address` is how peers reach the scheduler's host
-    (MS_SCHED_HOST, MASTER_ADDR); `sched_port` is the control server (--master-port), `store_port` the job store
-    on the next port (MASTER_PORT). toolkit.render turns it into each host's files."""
+    `hosts` holds the hosts that run something (the scheduler's, and those with workers), in inventory order, then
+    the spare hosts (HostPlan.spare: nothing runs there until one takes over a lost host's ranks); ranks follow the
+    order of the worker hosts. `sched_address` is how peers reach the scheduler's host (MS_SCHED_HOST, MASTER_ADDR);
+    `sched_port` is the control server (--master-port), `store_port` the job store on the next port (MASTER_PORT).
+    toolkit.render turns it into each host's files."""
 
     job: str
     options: JobOptions
@@ -184,7 +195,8 @@ class LaunchPlan:
         return self.inventory.local
 
     def processes(self) -> Iterator[Process]:
-        """Every process, host by host in plan order; on its host the scheduler comes before the workers."""
+        """Every process, host by host in plan order; on its host the scheduler comes before the workers. A spare's
+        standby processes are not among them (they run only after a takeover)."""
         for host in self.hosts:
             yield from host.processes
 
@@ -205,7 +217,7 @@ class LaunchPlan:
 
     @property
     def host_names(self) -> tuple[str, ...]:
-        """Names of the hosts that run something, in plan order."""
+        """Names of the job's hosts (spares last), in plan order."""
         return tuple(h.name for h in self.hosts)
 
     def expected_hosts(self) -> dict[str, str]:
@@ -225,7 +237,9 @@ def make_plan(inventory: Inventory, options: JobOptions, local_project_dir: str 
 
     Processes run in `<job dir>/project`, where deploy copies the project; a local job (no SSH) runs in place, in
     `local_project_dir`. Workers fill the worker hosts' slots in inventory order, so a --worker-num below the slot
-    count leaves the last slots (and hosts) out. Deterministic: the same inputs give the same plan, ranks included.
+    count leaves the last slots (and hosts) out. Each spare host (inventory.spares) comes last, running nothing, with
+    every worker as it would run there (`HostPlan.standby`). Deterministic: the same inputs give the same plan, ranks
+    included.
 
     Raises PlanError when --worker-num exceeds the inventory's slots, when a local inventory comes without
     `local_project_dir`, or when an absolute job directory is too deep for the agent's unix socket paths.
@@ -268,53 +282,66 @@ def make_plan(inventory: Inventory, options: JobOptions, local_project_dir: str 
                 **common, **_dir_env(jd), E.MS_ROLE: E.ROLE_SCHED, E.MS_NODE_ID: SCHED_NODE_ID,
                 E.TOOLKIT_EXPECTED: posixpath.join(jd, EXPECTED_FILE),
                 E.TOOLKIT_STRAGGLER_FACTOR: _num(options.straggler_factor),
+                E.TOOLKIT_HOST_TIMEOUT: _num(options.host_timeout),
+                E.TOOLKIT_SPARES: ",".join(n for n in inventory.spares if n != sched.name),
             }),
         )
     )
 
+    def worker(host: Host, rank: int, local_rank: int, n: int, group_rank: int) -> Process:
+        """Rank `rank` (local rank `local_rank` of `n`, host index `group_rank`) run from `host`'s job directory."""
+        jd = job_dir(host, options)
+        node_id = worker_node_id(rank)
+        env = {
+            **common,
+            **_dir_env(jd),
+            E.MS_ROLE: E.ROLE_WORKER,
+            E.MS_NODE_ID: node_id,
+            E.RANK_ID: str(rank),
+            E.RANK: str(rank),
+            E.LOCAL_RANK: str(local_rank),
+            E.DEVICE_ID: str(local_rank),
+            E.LOCAL_WORLD_SIZE: str(n),
+            E.GROUP_RANK: str(group_rank),
+            E.TOOLKIT_HEARTBEAT_INTERVAL: _num(options.heartbeat_interval),
+            E.TOOLKIT_AGENT_SOCKET: posixpath.join(jd, "state", "progress.sock"),
+            E.TOOLKIT_HOST: host.name,
+            E.TORCHELASTIC_USE_AGENT_STORE: "True",
+            E.CKPT_DIR: options.ckpt_dir or posixpath.join(jd, "ckpt"),
+        }
+        if options.data_path is not None:
+            env[E.DATA_PATH] = options.data_path
+        if options.torchrun_script:
+            env[E.TOOLKIT_RECOVERY] = P_RECOVERY_RESTART
+        return Process(
+            host=host.name,
+            role=E.ROLE_WORKER,
+            node_id=node_id,
+            rank=rank,
+            local_rank=local_rank,
+            argv=(_python(host, options), *_wrapper(options), options.script, *options.script_argv),
+            cwd=project or posixpath.join(jd, "project"),
+            env=MappingProxyType(env),
+        )
+
+    slots: list[tuple[str, int, int, int, int]] = []  # (host, rank, local rank, workers on the host, group rank)
     rank = 0
     for group_rank, (host, n) in enumerate(placement):
-        jd = job_dir(host, options)
         for local_rank in range(n):
-            node_id = worker_node_id(rank)
-            env = {
-                **common,
-                **_dir_env(jd),
-                E.MS_ROLE: E.ROLE_WORKER,
-                E.MS_NODE_ID: node_id,
-                E.RANK_ID: str(rank),
-                E.RANK: str(rank),
-                E.LOCAL_RANK: str(local_rank),
-                E.DEVICE_ID: str(local_rank),
-                E.LOCAL_WORLD_SIZE: str(n),
-                E.GROUP_RANK: str(group_rank),
-                E.TOOLKIT_HEARTBEAT_INTERVAL: _num(options.heartbeat_interval),
-                E.TOOLKIT_AGENT_SOCKET: posixpath.join(jd, "state", "progress.sock"),
-                E.TORCHELASTIC_USE_AGENT_STORE: "True",
-                E.CKPT_DIR: options.ckpt_dir or posixpath.join(jd, "ckpt"),
-            }
-            if options.data_path is not None:
-                env[E.DATA_PATH] = options.data_path
-            if options.torchrun_script:
-                env[E.TOOLKIT_RECOVERY] = P_RECOVERY_RESTART
-            by_host[host.name].append(
-                Process(
-                    host=host.name,
-                    role=E.ROLE_WORKER,
-                    node_id=node_id,
-                    rank=rank,
-                    local_rank=local_rank,
-                    argv=(_python(host, options), *_wrapper(options), options.script, *options.script_argv),
-                    cwd=project or posixpath.join(jd, "project"),
-                    env=MappingProxyType(env),
-                )
-            )
+            by_host[host.name].append(worker(host, rank, local_rank, n, group_rank))
+            slots.append((host.name, rank, local_rank, n, group_rank))
             rank += 1
 
     hosts = tuple(
         HostPlan(host=h, job_dir=job_dir(h, options), python=_python(h, options), processes=tuple(by_host[h.name]))
         for h in inventory.hosts
         if h.name in by_host
+    )
+    hosts += tuple(
+        HostPlan(host=h, job_dir=job_dir(h, options), python=_python(h, options), processes=(),
+                 standby=tuple(worker(h, r, lr, n, g) for _, r, lr, n, g in slots))
+        for h in (inventory.host(name) for name in inventory.spares)
+        if h.name not in by_host
     )
     for hp in hosts:
         _check_socket_paths(hp)

@@ -75,6 +75,9 @@ GAVE_UP = "gave_up"
 KILL = "kill"
 STOP = "stop"
 FINISHED = "finished"
+TAKEOVER = "takeover"  # to a spare's agent: {host, node_ids}: start these processes, the lost host's
+# operator (fleet replace, over SSH on the scheduler's host) -> scheduler: the first message of its connection
+REPLACE = "replace"  # {node_id: "operator", host, spare}: answered welcome {host, spare, node_ids} or reject
 
 # worker -> scheduler
 REGISTER = "register"
@@ -93,7 +96,7 @@ STORE_HELLO = "store_hello"
 KV = "kv"
 KV_REPLY = "kv_reply"
 
-HELLOS = (REGISTER, AGENT_HELLO, STORE_HELLO)  # the first message of a connection, authenticated
+HELLOS = (REGISTER, AGENT_HELLO, STORE_HELLO, REPLACE)  # the first message of a connection, authenticated
 
 # How a worker recovers from a peer's death (the `recovery` field of `register`).
 RECOVERY_IN_PLACE = "in-place"

@@ -66,7 +66,7 @@ def render_host(plan: LaunchPlan, host: HostPlan, token: str,
     }
     files = [RenderedFile(s, jinja.get_template(f"{s}.j2").render(context), 0o755) for s in SCRIPTS]
     files.append(RenderedFile("host.json", json.dumps(host_spec(plan, host), indent=2) + "\n", 0o644))
-    for p in host.processes:
+    for p in host.processes + host.standby:
         files.append(RenderedFile(env_file(p), render_env(p, jinja), 0o600))
     if host.name == plan.scheduler_host:
         files.append(RenderedFile(EXPECTED_FILE, json.dumps(plan.expected_hosts(), indent=2) + "\n", 0o644))
@@ -90,13 +90,17 @@ def env_file(process: Process) -> str:
 
 
 def host_spec(plan: LaunchPlan, host: HostPlan) -> dict[str, Any]:
-    """The agent's input (host.json, toolkit.hostspec): what to run on this host and how to supervise it."""
+    """The agent's input (host.json, toolkit.hostspec): what to run on this host and how to supervise it; on a spare,
+    nothing, and every worker it could take over (`standby`)."""
     o = plan.options
-    processes = [{"node_id": p.node_id, "role": p.role, "rank": p.rank, "local_rank": p.local_rank,
-                  "argv": list(p.argv), "cwd": p.cwd, "env_file": env_file(p), "log_file": f"logs/{p.log_name}"}
-                 for p in host.processes]
+
+    def entries(processes: tuple[Process, ...]) -> list[dict[str, Any]]:
+        return [{"node_id": p.node_id, "role": p.role, "rank": p.rank, "local_rank": p.local_rank,
+                 "argv": list(p.argv), "cwd": p.cwd, "env_file": env_file(p), "log_file": f"logs/{p.log_name}"}
+                for p in processes]
+
     return hostspec.document(plan.job, host.name, plan.sched_address, plan.sched_port, o.max_restarts, o.grace,
-                             o.bind_core, o.warm_spare, processes)
+                             o.bind_core, o.warm_spare, entries(host.processes), entries(host.standby))
 
 
 def plan_json(plan: LaunchPlan) -> dict[str, Any]:
@@ -123,6 +127,12 @@ def plan_json(plan: LaunchPlan) -> dict[str, Any]:
                 "env": dict(p.env),
             }
             for p in plan.processes()
+        ],
+        # a spare host's standby workers, in the same form: their env files are rendered on the spare too
+        "standby": [
+            {"host": p.host, "role": p.role, "node_id": p.node_id, "rank": p.rank, "local_rank": p.local_rank,
+             "argv": list(p.argv), "cwd": p.cwd, "env": dict(p.env)}
+            for h in plan.hosts for p in h.standby
         ],
     }
 

@@ -61,6 +61,8 @@ OPTIONS: tuple[Option, ...] = (
     _job_option("warm_spare", bool, "keep a pre-started interpreter per host for fast replacement"),
     _job_option("straggler_factor", float, "name a rank a straggler when its own work per step takes this many "
                 "times the others' median (default 1.5)"),
+    _job_option("host_timeout", float, "seconds a host's agent may be gone, its workers dead, before a spare of the "
+                "inventory takes its ranks (0: only 'fleet replace')"),
     _job_option("torchrun_script", bool, "recover by relaunching every worker (from its own checkpoints) even if "
                 "the script uses toolkit.train; torchrun-style scripts are recognised without it"),
     Option("parallel", int, 32, "hosts contacted at once"),
@@ -104,7 +106,7 @@ class Settings:
 # The options that are part of a deployed job (the record keeps them): typed again later, they must agree with it.
 JOB_OPTIONS = ("script", "script_args", "worker_num", "master_port", "cluster_time_out", "node_timeout", "recovery",
                "data_path", "ckpt_dir", "workdir", "python", "max_restarts", "grace", "bind_core", "warm_spare",
-               "torchrun_script")
+               "torchrun_script", "host_timeout")
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,8 @@ side of its sockets (used by launch.sh, recover.sh, stop.sh and fleet over SSH).
     python -m toolkit.agent restart --job-dir DIR N   restart process N through the agent (recover.sh)
     python -m toolkit.agent status --job-dir DIR      print agent.json, with "alive"
     python -m toolkit.agent stop --job-dir DIR        SIGTERM, bounded wait, SIGKILL; verify nothing is left
+    python -m toolkit.agent replace --job-dir DIR HOST [--with SPARE]
+                                                      ask the scheduler to hand HOST's ranks to a spare (fleet replace)
 
 A running agent holds state/agent.lock (a second agent for the job exits at once) and records itself in
 state/agent.pid as "<pid> <start ticks>": it is only ever signalled when both still match.
@@ -26,7 +28,9 @@ import sys
 from typing import Any, Callable
 
 from toolkit import hostspec, procs
+from toolkit import protocol as P
 from toolkit.agent import policy
+from toolkit.agent.link import LINK_CONNECT_TIMEOUT
 from toolkit.agent.log import AgentLog, log_tail
 from toolkit.agent.supervisor import (
     CLIENT_TIMEOUT,
@@ -39,12 +43,13 @@ from toolkit.agent.supervisor import (
 from toolkit.agentdoc import ControlOp, judge, pid_record, recorded_groups
 from toolkit.errors import UserError
 from toolkit.hostspec import HostSpec
+from toolkit.session import Unproven, open_session
 
 START_TIMEOUT = 30.0  # s for a detached agent to say it is up
 STOP_MARGIN = 10.0  # s beyond the grace period that `stop` waits for the agent to finish stopping
 
 __all__ = ["EXIT_FAILED", "EXIT_OK", "EXIT_STOPPED", "EXIT_USAGE", "main", "request", "restart", "run",
-           "running_agent", "start", "status", "stop"]
+           "replace", "running_agent", "start", "status", "stop"]
 
 
 def _lock(spec: HostSpec) -> int | None:
@@ -288,7 +293,31 @@ def with_overrides(spec: HostSpec, args: argparse.Namespace) -> tuple[HostSpec, 
     return spec, flags
 
 
-COMMANDS = ("run", "start", "stop", "status", "restart")
+COMMANDS = ("run", "start", "stop", "status", "restart", "replace")
+REPLACE_TIMEOUT = 10.0  # s for the scheduler to answer a replace request
+
+
+def replace(spec: HostSpec, host: str, spare: str | None) -> int:
+    """Ask the job's scheduler (host.json's address, the job token) to hand `host`'s ranks to `spare` (or to the first
+    free spare): an authenticated `replace` connection (toolkit.session), bounded by REPLACE_TIMEOUT. Prints the
+    answer: what moved where (EXIT_OK), or the scheduler's reason for refusing (EXIT_FAILED); a scheduler that cannot be
+    reached or proven is a UserError naming its address."""
+    where = f"{spec.sched_host}:{spec.sched_port}"
+    try:
+        token = spec.token_file.read_text(encoding="utf-8").strip()
+        session = open_session((spec.sched_host, spec.sched_port), token, P.REPLACE,
+                               {"node_id": "operator", "host": host, "spare": spare}, REPLACE_TIMEOUT,
+                               min(REPLACE_TIMEOUT, LINK_CONNECT_TIMEOUT))
+    except (OSError, P.ProtocolError, Unproven) as e:
+        raise UserError(f"cannot ask the scheduler at {where} to replace {host}: {e}; is the job running?") from None
+    session.sock.close()
+    reply = session.reply
+    if reply.get("op") != P.WELCOME:
+        print(f"{spec.host}: the scheduler refused: {str(reply.get('reason'))[:2000]}", file=sys.stderr)
+        return EXIT_FAILED
+    nodes = ", ".join(str(n) for n in reply.get("node_ids") or [])
+    print(f"{reply.get('host')} replaced by {reply.get('spare')}: it takes {nodes}; {reply.get('host')} is fenced")
+    return EXIT_OK
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -307,6 +336,9 @@ def main(argv: list[str] | None = None) -> int:
         ap.add_argument("--ready-fd", type=int, default=None, help=argparse.SUPPRESS)
     if command == "restart":
         ap.add_argument("node_id", help="the process to restart, e.g. worker_3")
+    if command == "replace":
+        ap.add_argument("host", help="the host whose ranks a spare takes over")
+        ap.add_argument("--with", dest="spare", default=None, help="the spare host (default: the first free one)")
     if command == "stop":
         ap.add_argument("--timeout", type=float, default=None,
                         help="seconds to wait for the agent before SIGKILL (default: grace + 10)")
@@ -331,6 +363,8 @@ def main(argv: list[str] | None = None) -> int:
             return restart(spec, args.node_id)
         if command == "stop":
             return stop(spec, args.timeout)
+        if command == "replace":
+            return replace(spec, args.host, args.spare)
         print(json.dumps(status(spec), indent=1))
         return EXIT_OK
     except UserError as e:

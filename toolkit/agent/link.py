@@ -1,5 +1,6 @@
-"""The agent's one connection to the scheduler (toolkit.protocol): hello, then `exited` and `gave_up` reports out,
-`kill`, `stop` and `finished` in. Driven by the supervisor's selector: never blocks its loop."""
+"""The agent's one connection to the scheduler (toolkit.protocol): hello, then heartbeats and the `exited` and
+`gave_up` reports out, `kill`, `stop`, `finished` and (to a spare) `takeover` in. Driven by the supervisor's
+selector: never blocks its loop."""
 
 from __future__ import annotations
 
@@ -20,6 +21,8 @@ LINK_RETRY_INTERVAL = 1.0  # s between attempts to reach the scheduler while it 
 LINK_REJECTED_RETRY = 10.0  # s before trying again after the scheduler rejected us (e.g. a token being re-deployed)
 LINK_CONNECT_TIMEOUT = 3.0  # s for one TCP connect and handshake with the scheduler
 QUEUE_LIMIT = 1000  # reports held for the scheduler while it is unreachable
+HEARTBEAT_INTERVAL = 1.0  # s between the agent's heartbeats while the link is up: a host cut off falls silent, and the
+#                           scheduler finds it lost (a pulled cable closes no connection)
 
 
 class SchedulerLink:
@@ -31,8 +34,12 @@ class SchedulerLink:
     the scheduler says is acted on, and no report is sent, before it proved the job token (toolkit.protocol)."""
 
     def __init__(self, spec: HostSpec, sel: selectors.BaseSelector, timers: Timers, log: AgentLog,
-                 on_message: Callable[[dict[str, Any]], None], on_change: Callable[[], None]) -> None:
+                 on_message: Callable[[dict[str, Any]], None], on_change: Callable[[], None],
+                 hello_fields: Callable[[], dict[str, Any]] | None = None) -> None:
         self.spec, self.sel, self.timers, self.log = spec, sel, timers, log
+        # what the hello says: the host and the node ids it supervises now (a spare's grow when it takes over)
+        self.hello_fields = hello_fields or (lambda: {"host": spec.host,
+                                                      "node_ids": [p.node_id for p in spec.processes]})
         self.on_message, self.on_change = on_message, on_change
         self.sock: socket.socket | None = None
         self.state = "down"
@@ -42,6 +49,7 @@ class SchedulerLink:
         self.lines = P.LineBuffer()
         self.retry: Timer | None = None
         self.connect_timer: Timer | None = None
+        self.beat_timer: Timer | None = None
         self.nonces: tuple[str, str] | None = None  # (server's, ours) while the hello is unanswered
         self.token = ""  # read from the token file at each connection (a re-deploy may have replaced it)
         self.closed = False
@@ -148,8 +156,7 @@ class SchedulerLink:
             except OSError as e:
                 self._drop(f"cannot read the job token {self.spec.token_file}: {e}")
                 return False
-            hello, nonce = P.hello(P.AGENT_HELLO, token, server_nonce, host=self.spec.host,
-                                   node_ids=[p.node_id for p in self.spec.processes])
+            hello, nonce = P.hello(P.AGENT_HELLO, token, server_nonce, **self.hello_fields())
             self.nonces = (server_nonce, nonce)
             self.token = token
             self.wbuf = bytearray(hello)
@@ -176,6 +183,7 @@ class SchedulerLink:
             self._said_down = False
             self.log("agent", f"connected to the scheduler at {self.spec.sched_host}:{self.spec.sched_port}")
             self._pump()
+            self._beat()
             return self.sock is not None
         self.on_message(msg)
         return True
@@ -199,11 +207,22 @@ class SchedulerLink:
             del self.wbuf[:n]
         self.sel.modify(self.sock, selectors.EVENT_READ | (selectors.EVENT_WRITE if self.wbuf else 0), self._on_event)
 
+    def _beat(self) -> None:
+        """Send a heartbeat now and every HEARTBEAT_INTERVAL while the link is up (never queued while it is down)."""
+        self.beat_timer = None
+        if self.closed or self.state != "up" or self.sock is None:
+            return
+        self.wbuf += P.encode(P.HEARTBEAT)
+        self._pump()
+        if not self.closed and self.state == "up":
+            self.beat_timer = self.timers.after(HEARTBEAT_INTERVAL, self._beat)
+
     def _drop(self, why: str, retry: float = LINK_RETRY_INTERVAL) -> None:
         """Close the connection, discard its unsent bytes (the hello, or reports already moved out of the queue), and
         schedule a reconnect in `retry` s."""
-        if self.connect_timer:
-            self.connect_timer.cancel()
+        for timer in (self.connect_timer, self.beat_timer):
+            if timer:
+                timer.cancel()
         if self.sock is not None:
             self.sel.unregister(self.sock)
             self.sock.close()
@@ -245,7 +264,7 @@ class SchedulerLink:
                 self.sock = None
             try:
                 token = self.spec.token_file.read_text(encoding="utf-8").strip()
-                fields = {"host": self.spec.host, "node_ids": [p.node_id for p in self.spec.processes]}
+                fields = self.hello_fields()
                 session = open_session((self.spec.sched_host, self.spec.sched_port), token, P.AGENT_HELLO, fields,
                                        timeout, min(timeout, LINK_CONNECT_TIMEOUT))
             except (OSError, P.ProtocolError, Unproven):
@@ -274,10 +293,9 @@ class SchedulerLink:
         Agent._shutdown."""
         self.closed = True
         self.state = "closed"
-        if self.retry:
-            self.retry.cancel()
-        if self.connect_timer:
-            self.connect_timer.cancel()
+        for timer in (self.retry, self.connect_timer, self.beat_timer):
+            if timer:
+                timer.cancel()
         if self.sock is not None:
             try:
                 self.sel.unregister(self.sock)

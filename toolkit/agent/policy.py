@@ -16,7 +16,7 @@ every worker, and there is no backoff (a crash loop ends in ~2 s).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Collection, Mapping
 
 from toolkit import protocol as P
 from toolkit.hostspec import RestartPolicy
@@ -118,20 +118,46 @@ class FinishJob:
 
 
 @dataclass(frozen=True)
+class TakeOver:
+    """This spare host takes over the lost `host`'s processes `node_ids`: start them (each for the first time here)."""
+
+    host: str
+    node_ids: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class Ignore:
     """Nothing to do; the supervisor logs `why` (unless it is "already closing")."""
 
     why: str
 
 
-def on_scheduler(msg: Mapping[str, Any], running: Mapping[str, int], closing: bool
-                 ) -> Kill | StopJob | FinishJob | Ignore:
+def on_scheduler(msg: Mapping[str, Any], running: Mapping[str, int], closing: bool,
+                 standby: Collection[str] = (), supervised: Collection[str] = ()
+                 ) -> Kill | StopJob | FinishJob | TakeOver | Ignore:
     """The reaction to one message from the scheduler (the link has authenticated it). Pure. `kill` applies only to a
     node running here, and only to its running pid when the message names one (a kill for an earlier incarnation is
-    ignored); `stop` fails the job here; `finished` ends it, unless the agent is already closing; anything else is
-    ignored. Strings taken from the message are cut to a bounded length. `running` maps node ids to the pid of their
-    running incarnation."""
+    ignored); `stop` fails the job here; `finished` ends it, unless the agent is already closing; `takeover` (to a spare
+    host's agent) starts the named processes, if every one stands by here (`standby`: the node ids of host.json's
+    standby list) and the agent is not closing: those it already supervises (`supervised`: a takeover sent again after
+    a reconnect) are left out, and with none left it is ignored; anything else is ignored. Strings taken from the
+    message are cut to a bounded length. `running` maps node ids to the pid of their running incarnation."""
     op = msg["op"]
+    if op == P.TAKEOVER:
+        host, node_ids = str(msg.get("host"))[:256], msg.get("node_ids")
+        if not isinstance(node_ids, list) or not node_ids or len(node_ids) > 4096:
+            return Ignore(f"ignored a malformed takeover of {host}")
+        names = [str(n)[:256] for n in node_ids]
+        unknown = [n for n in names if n not in standby]
+        if unknown:
+            return Ignore(f"cannot take over {host}: {', '.join(unknown[:5])} not standing by here (host.json "
+                          "standby); deploy the job again")
+        if closing:
+            return Ignore(f"the scheduler asked to take over {host}, but this agent is closing")
+        new = tuple(n for n in names if n not in supervised)
+        if not new:
+            return Ignore(f"already took over {host} ({', '.join(names)})")
+        return TakeOver(host, new)
     if op == P.KILL:
         node_id, pid = str(msg.get("node_id"))[:256], P.whole(dict(msg), "pid")
         if node_id not in running or (pid is not None and pid != running[node_id]):

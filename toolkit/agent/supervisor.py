@@ -190,7 +190,9 @@ class Agent:
         self.progress_dirty = False
         self.progress_timer: Timer | None = None
         self.last_write = 0.0
-        self.link = SchedulerLink(spec, self.sel, self.timers, log, self._on_scheduler, self._changed)
+        self.took_over: list[dict[str, Any]] = []  # a spare's takeovers: {host, node_ids, seq, at}
+        self.link = SchedulerLink(spec, self.sel, self.timers, log, self._on_scheduler, self._changed,
+                                  self._hello_fields)
         self._stop_after: Timer | None = None
         self._wake_r: socket.socket | None = None
         self._control: socket.socket | None = None
@@ -214,7 +216,9 @@ class Agent:
         except BaseException:
             self._close_sockets()
             raise
-        self.log("agent", f"agent pid {self.pid} supervising {', '.join(self.slots)} of job {self.spec.job} "
+        what = f"supervising {', '.join(self.slots)}" if self.slots else \
+            f"standing by as a spare for {len(self.spec.standby)} worker(s)"
+        self.log("agent", f"agent pid {self.pid} {what} of job {self.spec.job} "
                           f"(max_restarts {self.spec.policy.max_restarts}, grace {self.spec.grace:g} s, "
                           f"warm spare {'on' if self.spare_enabled else 'off'}"
                           f"{', bind_core' if self.spec.bind_core else ''})")
@@ -552,7 +556,7 @@ class Agent:
         self.spare_timer = None
         if self.closing or self.spare is not None or not self.spare_enabled:
             return
-        template = next(p for p in self.spec.processes if p.is_worker)
+        template = next(s.spec for s in self.slots.values() if s.spec.is_worker)
         interpreter = template.argv[0]
         mine, theirs = socket.socketpair()
         argv = [interpreter, "-m", "toolkit.standby", "--fd", str(theirs.fileno())]
@@ -677,8 +681,11 @@ class Agent:
         EXIT_OK once nothing runs, or after `grace` s (`_shutdown` stops the rest). Anything else is logged and ignored.
         Raises RuntimeError only if the policy names a node without a child (a bug)."""
         running = {s.spec.node_id: s.child.pid for s in self.slots.values() if s.child is not None}
-        reaction = policy.on_scheduler(msg, running, self.closing)
-        if isinstance(reaction, policy.Kill):
+        reaction = policy.on_scheduler(msg, running, self.closing, [p.node_id for p in self.spec.standby],
+                                       list(self.slots))
+        if isinstance(reaction, policy.TakeOver):
+            self._take_over(reaction, P.whole(msg, "seq"))
+        elif isinstance(reaction, policy.Kill):
             slot = self.slots[reaction.node_id]
             if slot.child is None:  # policy.Kill names only running node ids
                 raise RuntimeError(f"kill for {reaction.node_id}, which has no child")
@@ -703,6 +710,29 @@ class Agent:
                 self._write()
         elif reaction.why != "already closing":
             self.log("agent", reaction.why)
+
+    def _take_over(self, reaction: policy.TakeOver, seq: int | None) -> None:
+        """This spare host takes the lost host's processes: a slot each, from host.json's standby list (their env files
+        were rendered for this host at deploy), started at once; the warm spare is armed as on any worker host. The
+        takeover is recorded in agent.json (`took_over`, with the scheduler's sequence number `seq`), where `fleet
+        status` reads the job's new layout, and the next hello names the new node ids."""
+        standby = {p.node_id: p for p in self.spec.standby}
+        self.log("agent", f"taking over {reaction.host}: starting {', '.join(reaction.node_ids)} (the scheduler "
+                          f"replaced {reaction.host} by this spare host)")
+        self.took_over.append({"host": reaction.host, "node_ids": list(reaction.node_ids), "seq": seq,
+                               "at": iso(time.time())})
+        for node_id in reaction.node_ids:
+            slot = Slot(standby[node_id], None)
+            self.slots[node_id] = slot
+            self._launch(slot, f"takeover of {reaction.host}")
+        self.spare_enabled = self.spec.warm_spare and self.spare_failures < SPARE_MAX_FAILURES
+        self._schedule_spare()
+        self._write()
+
+    def _hello_fields(self) -> dict[str, Any]:
+        """What the agent's hello says: its host, the node ids it supervises now (a spare's grow with each takeover),
+        and whether it is a spare host's agent (the scheduler may hand it a lost host's ranks)."""
+        return {"host": self.spec.host, "node_ids": list(self.slots), "spare": self.spec.spare}
 
     def _finish_now(self) -> None:
         """End a finishing agent with success (EXIT_OK): called when its last child has exited or when the grace period
@@ -908,6 +938,7 @@ class Agent:
             "warm_spare": {"enabled": self.spare_enabled, "pid": sp.child.pid if sp else None,
                            "ready": bool(sp and sp.ready)},
             "bind_core": self.spec.bind_core,
+            "spare": self.spec.spare, "took_over": self.took_over,
             "processes": [s.document(self.spec.policy) for s in self.slots.values()],
             "failure": self.failure,
         }

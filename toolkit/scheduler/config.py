@@ -36,6 +36,8 @@ class Config:
     token: str = field(repr=False)
     expected: Mapping[str, str] = field(default_factory=dict, hash=False)
     straggler_factor: float = E.DEFAULT_STRAGGLER_FACTOR
+    host_timeout: float = E.DEFAULT_HOST_TIMEOUT  # 0: no automatic replacement by a spare
+    spares: tuple[str, ...] = ()  # the inventory's spare hosts, in the order they are used
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> "Config":
@@ -69,6 +71,10 @@ class Config:
         if not 1 < factor < math.inf:
             raise ConfigError(f"{E.TOOLKIT_STRAGGLER_FACTOR}={factor:g}: give a factor above 1 (e.g. 1.5: a rank whose "
                               "own work per step takes 1.5x the others' median is a straggler)")
+        host_timeout = _float(env, E.TOOLKIT_HOST_TIMEOUT, E.DEFAULT_HOST_TIMEOUT)
+        if not 0 <= host_timeout < math.inf:
+            raise ConfigError(f"{E.TOOLKIT_HOST_TIMEOUT}={host_timeout:g}: give 0 or more seconds (0: a spare takes a "
+                              "lost host's ranks only when the operator asks, with fleet replace)")
         recovery = env.get(E.MS_ENABLE_RECOVERY, "0").strip().lower() in ("1", "true", "yes", "on")
         rpath = env.get(E.MS_RECOVERY_PATH)
         if recovery and not rpath:
@@ -96,6 +102,8 @@ class Config:
             token=token,
             expected=MappingProxyType(_expected_hosts(env.get(TOOLKIT_EXPECTED))),
             straggler_factor=factor,
+            host_timeout=host_timeout,
+            spares=tuple(n for n in env.get(E.TOOLKIT_SPARES, "").split(",") if n),
         )
 
 

@@ -132,6 +132,14 @@ class Ledger:
                     self._changed(urgent=True)
                     return
 
+    def _on_replaced(self, f: Mapping[str, Any], now: float) -> None:
+        """A spare took a lost host's ranks: the incident that host's deaths opened names the replacement."""
+        for inc in reversed(self.incidents[-3:]):
+            if any(p["host"] == f["host"] for p in inc.processes):
+                inc.cause = f"host {f['host']} lost, replaced by spare {f['by']}"
+                self._changed(urgent=True)
+                return
+
     def _on_agent_lost(self, f: Mapping[str, Any], now: float) -> None:
         host = f["host"]
         self._agent_lost[host] = now

@@ -15,6 +15,10 @@ The rules, in one place:
   the death only removes the member (one generation per fault, not a cascade).
 - A generation is formed once every rank has a connected member; the formation has a deadline (topo_timeout)
   that fails the job, naming who never came and where it was expected.
+- A host whose ranks are all dead and whose agent has been gone for host_timeout (once the job has formed) is lost:
+  a free spare host (an agent that said `spare` in its hello) takes its node ids and ranks (`takeover`), and the
+  lost host is fenced for good (persisted): its agent is stopped if it comes back, its workers told to exit. The
+  operator's `replace` does the same at once, for a host alive or not. No spare free: the job waits, as before.
 - When every rank is done the job has finished; when an agent gives up on a process, it has failed. A death after
   some rank is done forms no generation (the finished ranks are gone): an in-place member has finished too (a
   rank is done only after the final barrier), any other fails the job at once.
@@ -25,7 +29,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from toolkit import envvars as E
 from toolkit import protocol as P
@@ -97,6 +101,7 @@ Action = Send | Close | Log | Exit | DropKeys | Note
 CAUSE_CLOSED = "connection closed"
 CAUSE_SILENCE = "heartbeat silence"
 CAUSE_NOT_BACK = "did not reconnect"
+CAUSE_REPLACED = "host replaced"
 
 
 # --- state ---------------------------------------------------------------------------------------------------
@@ -168,9 +173,20 @@ class Membership:
     call `tick`) and `snapshot()` (what to persist)."""
 
     def __init__(self, job: str, world_size: int, node_timeout: float, topo_timeout: float, boot: str,
-                 address: str, expected: Mapping[str, str] | None = None, now: float = 0.0) -> None:
+                 address: str, expected: Mapping[str, str] | None = None, now: float = 0.0,
+                 host_timeout: float = E.DEFAULT_HOST_TIMEOUT, spares: Sequence[str] = ()) -> None:
         self.job, self.world_size, self.boot, self.address = job, world_size, boot, address
         self.node_timeout, self.topo_timeout = node_timeout, topo_timeout
+        self.host_timeout = host_timeout  # <= 0: no automatic replacement (the operator's `replace` only)
+        self.sched_host: str | None = None  # whose agent supervises the scheduler: never replaced
+        self.spare_hosts: list[str] = list(spares)  # spare hosts in the order they are used: the inventory's, then
+        # any other whose agent says it is a spare
+        self.replaced: list[dict[str, Any]] = []  # {host, by, node_ids, reason}, in order (persisted)
+        self.agent_gone: dict[str, float] = {}  # host -> since when its agent has been disconnected
+        self.agent_spare: dict[str, bool] = {}  # host -> its agent said it is a spare (it has the standby files)
+        self.agent_seen: dict[str, float] = {}  # host -> when its connected agent last said anything (it heartbeats)
+        self.waiting_spare: set[str] = set()  # lost hosts that found no free spare (said once)
+        self.last_tick = -math.inf
         self.members: dict[int, Member] = {}
         self.peers: dict[int, Peer] = {}
         self.agents: dict[str, int] = {}  # host -> peer
@@ -203,7 +219,23 @@ class Membership:
         deadlines = [self.hb_check_at] if self.members else []
         if self.gather_since is not None and not self.unmanaged and self.status == RUNNING:
             deadlines.append(self.gather_since + self.topo_timeout)
+        if self.host_timeout > 0 and self.status == RUNNING:  # a host may be found lost then (tick checks it)
+            for host, since in self._agents_unheard():
+                if host not in self.waiting_spare and since + self.host_timeout > self.last_tick:
+                    deadlines.append(since + self.host_timeout)
         return min(deadlines, default=math.inf)
+
+    def fenced_hosts(self) -> dict[str, str]:
+        """Every replaced host -> the spare that took its ranks: such a host may never rejoin the job."""
+        return {r["host"]: r["by"] for r in self.replaced}
+
+    def worker_hosts(self) -> dict[str, list[str]]:
+        """Host -> the worker node ids it holds now (in rank order): the plan's placement, after replacements."""
+        out: dict[str, list[str]] = {}
+        for node_id, host in sorted(self.node_host.items(), key=lambda kv: rank_of(kv[0]) or 0):
+            if rank_of(node_id) is not None:
+                out.setdefault(host, []).append(node_id)
+        return out
 
     def snapshot(self) -> dict[str, Any]:
         """The state to persist (MS_ENABLE_RECOVERY): what a restarted scheduler needs to go on with the job.
@@ -216,6 +248,7 @@ class Membership:
             "members": [m.to_json() for m in sorted(self.members.values(), key=lambda m: m.rank)],
             "done": sorted(self.done), "fenced": sorted(self.fenced),
             "commits": {str(r): s for r, s in sorted(self.commits.items())}, "committed_step": committed,
+            "replaced": [dict(r) for r in self.replaced],
         }
 
     def restore(self, state: Mapping[str, Any], now: float) -> list[Action]:
@@ -223,9 +256,11 @@ class Membership:
         reconnect before they are declared dead.
 
         A job that had already finished or failed is not resumed: only its fenced incarnations are kept (none of its
-        stale processes may register), this run starts at generation 0, and the one log line says so. Otherwise the
-        generation, whether it was formed, the done ranks, fenced incarnations, commits and members come back, the
-        members without a connection. `state` must have passed state.load's checks; returns the log actions."""
+        stale processes may register; its replaced hosts are not: the new run runs as deployed), this run starts at
+        generation 0, and the one log line says so. Otherwise the
+        generation, whether it was formed, the done ranks, fenced incarnations, commits, replaced hosts (still fenced,
+        their ranks still on the spares) and members come back, the members without a connection. `state` must have
+        passed state.load's checks; returns the log actions."""
         if state.get("status") != RUNNING:
             self.fenced = set(state.get("fenced", []))
             finished = state.get("status") == FINISHED
@@ -239,6 +274,10 @@ class Membership:
         self.done = {int(r) for r in state.get("done", [])}
         self.fenced = set(state.get("fenced", []))
         self.commits = {int(r): int(s) for r, s in state.get("commits", {}).items()}
+        self.replaced = [dict(r) for r in state.get("replaced", [])]  # the hosts fenced, and where their ranks went
+        for r in self.replaced:
+            for node_id in r["node_ids"]:
+                self.node_host[node_id] = r["by"]
         for m in state.get("members", []):
             self.members[int(m["rank"])] = Member(int(m["rank"]), m["node_id"], m["incarnation"], int(m["pid"]),
                                                   m["host"], m["addr"], now, None,
@@ -261,6 +300,8 @@ class Membership:
         for member in self.members.values():
             member.last_seen = now
         self.hb_check_at = now + self.node_timeout if self.members else math.inf
+        for host in self.worker_hosts():  # no agent is connected yet: each has host_timeout to say hello
+            self.agent_gone.setdefault(host, now)
 
     # -- events
 
@@ -289,6 +330,12 @@ class Membership:
             return [Log(WARNING, f"rejected {node_id} from {addr}: {reason}"),
                     Send(peer, P.REJECT, {"reason": reason, "retry": False}, close=True)]
         where = f"pid {pid} on {host}, {addr}"
+        by = self.fenced_hosts().get(host)
+        if by is not None:
+            return [Log(WARNING, f"fenced {node_id} ({where}): host {host} was replaced by {by}; told it to exit"),
+                    Note("fenced", {"node_id": node_id, "pid": pid, "host": host}),
+                    Send(peer, P.FENCED, {"reason": f"host {host} was replaced by {by}: its processes may not rejoin "
+                                                    "the job"}, close=True)]
         if inc in self.fenced:
             return [Log(WARNING, f"fenced {node_id} ({where}): that incarnation was declared dead; told it to exit"),
                     Note("fenced", {"node_id": node_id, "pid": pid, "host": host}),
@@ -331,20 +378,38 @@ class Membership:
             out += self._maybe_form(now)
         return out
 
-    def agent_hello(self, peer: int, addr: str, msg: Mapping[str, Any]) -> list[Action]:
+    def agent_hello(self, peer: int, addr: str, msg: Mapping[str, Any], now: float = 0.0) -> list[Action]:
         """An agent's authenticated `agent_hello` on connection `peer`: the agent of `host`, supervising `node_ids`.
 
         A malformed hello (host of 1 to 256 characters, a list of at most 4096 node ids) is rejected without retry.
         Otherwise the node ids (strings of at most 256 characters) are recorded as on `host`, which is where a dead
         worker's `kill` goes; a newer connection of the same host's agent replaces the old one (closed). Answered
         `welcome`, followed at once by `finished` or `stop` if the job has already ended, so an agent that
-        reconnects after the end still learns it."""
+        reconnects after the end still learns it.
+
+        The agent of a replaced host is refused for good: `welcome` then `stop` (its agent stops its children and
+        exits), and it is not recorded. A spare host's agent (`spare: true`) is recorded as a spare; one that was
+        handed a takeover is sent it again (it may have restarted), and a lost host waiting for a spare is served."""
         host, node_ids = msg.get("host"), msg.get("node_ids")
         if not isinstance(host, str) or not 0 < len(host) <= 256 or not isinstance(node_ids, list) \
                 or len(node_ids) > 4096:
             return [Send(peer, P.REJECT, {"reason": "malformed agent_hello", "retry": False}, close=True)]
+        by = self.fenced_hosts().get(host)
+        if by is not None:
+            reason = (f"host {host} was replaced by {by} in job {self.job}: it is fenced and may not rejoin; "
+                      "its processes are stopped")
+            return [Log(WARNING, f"refused the agent of {host} ({addr}): the host was replaced by {by}; told it to "
+                                 "stop its processes"),
+                    Note("refused", {"host": host, "by": by}),
+                    Send(peer, P.WELCOME, {}), Send(peer, P.STOP, {"reason": reason}, close=True)]
         out: list[Action] = []
         self.peers[peer] = Peer("agent", host=host, addr=addr)
+        self.agent_gone.pop(host, None)
+        self.agent_seen[host] = now
+        self.waiting_spare.discard(host)
+        self.agent_spare[host] = msg.get("spare") is True
+        if msg.get("spare") is True and host not in self.spare_hosts:
+            self.spare_hosts.append(host)
         old = self.agents.get(host)
         if old is not None and old != peer:
             self.peers.pop(old, None)
@@ -353,12 +418,19 @@ class Membership:
         names = [n for n in node_ids if isinstance(n, str) and len(n) <= 256]
         for node_id in names:
             self.node_host[node_id] = host
+            if rank_of(node_id) is None:
+                self.sched_host = host
         out += [Log(INFO, f"agent of {host} connected from {addr}, supervising {', '.join(names) or 'nothing'}"),
                 Send(peer, P.WELCOME, {})]
         if self.status == FINISHED:
             out.append(Send(peer, P.FINISHED))
         elif self.status == FAILED:
             out.append(Send(peer, P.STOP, {"reason": self.failure}))
+        else:
+            for seq, r in enumerate(self.replaced, 1):
+                if r["by"] == host and not set(r["node_ids"]) <= set(names):
+                    out.append(Send(peer, P.TAKEOVER, {"host": r["host"], "node_ids": r["node_ids"], "seq": seq}))
+            out += self._check_lost(now)
         return out
 
     def message(self, peer: int, msg: Mapping[str, Any], now: float) -> list[Action]:
@@ -375,6 +447,9 @@ class Membership:
         if who is None or who.role == "finished":
             return []
         if who.role == "agent":
+            if who.host is not None and self.agents.get(who.host) == peer:
+                self.agent_seen[who.host] = now
+                self.waiting_spare.discard(who.host)
             if op == P.EXITED:
                 return self._exited(who, msg, now)
             if op == P.GAVE_UP:
@@ -421,6 +496,7 @@ class Membership:
                 return self._death(member, reason, kill=True, now=now)
         elif who.role == "agent" and who.host is not None and self.agents.get(who.host) == peer:
             del self.agents[who.host]
+            self.agent_gone[who.host] = now
             return [Log(INFO, f"agent of {who.host} disconnected ({reason})"),
                     Note("agent_lost", {"host": who.host, "reason": reason})]
         return []
@@ -445,12 +521,128 @@ class Membership:
                                        kill=True, now=now, cause=CAUSE_NOT_BACK if member.peer is None
                                        else CAUSE_SILENCE, silent_for=silent)
             self.hb_check_at = min((m.last_seen + self.node_timeout for m in self.members.values()), default=math.inf)
+        out += self._check_lost(now)
+        self.last_tick = now
         if (self.status == RUNNING and self.gather_since is not None and not self.unmanaged
                 and now >= self.gather_since + self.topo_timeout):
             out += self._formation_timeout()
         return out
 
+    def replace(self, peer: int, msg: Mapping[str, Any], now: float) -> list[Action]:
+        """The operator's `replace {host, spare}` (fleet replace, on its own authenticated connection `peer`): the
+        spare (`spare`, or the first free one) takes `host`'s ranks now, whether `host` is alive or not, exactly as
+        for a lost host (`_take_over`). Answered on `peer`, which is then closed: `welcome {host, spare, node_ids}`,
+        or `reject {reason}` naming what to do when the job has ended or some rank finished, `host` runs no worker,
+        runs the scheduler or was replaced already, or the spare is unknown, not connected, in use, or there is
+        none."""
+        host, spare = msg.get("host"), msg.get("spare")
+        hosts = self.worker_hosts()
+        reason = ""
+        if self.status != RUNNING:
+            reason = f"job {self.job} has {self.status}: nothing to replace"
+        elif self.done:
+            reason = f"some ranks of job {self.job} have finished: a replacement could not rejoin them"
+        elif not isinstance(host, str) or host not in hosts or host in self.fenced_hosts():
+            what = ("was already replaced by " + self.fenced_hosts()[host]) if host in self.fenced_hosts() \
+                else "runs no worker of the job"
+            reason = f"host {str(host)[:256]} {what}; the hosts with workers: {', '.join(sorted(hosts))}"
+        elif host == self.sched_host:
+            reason = f"host {host} runs the scheduler: it cannot be replaced while the job runs"
+        if not reason:
+            free = self._free_spares()
+            if spare is not None and not isinstance(spare, str):
+                reason = "malformed replace: spare is not a host name"
+            elif spare is not None and spare not in free:
+                why = ("its agent is not connected" if spare not in self.agents else "it already holds ranks") \
+                    if spare in self.spare_hosts else "it is not a spare host of this job (the inventory's [spares])"
+                reason = (f"{spare[:256]} cannot take over {host}: {why}; free spares: "
+                          f"{', '.join(free) or 'none'}")
+            elif not free:
+                reason = (f"no spare is free to take over {host} (spares with an agent: "
+                          f"{', '.join(s for s in self.spare_hosts if s in self.agents) or 'none'}); add a host to "
+                          "the inventory's [spares], deploy and train")
+        if reason:
+            return [Log(WARNING, f"refused to replace {str(host)[:256]}: {reason}"),
+                    Send(peer, P.REJECT, {"reason": reason, "retry": False}, close=True)]
+        chosen = spare if isinstance(spare, str) else self._free_spares()[0]
+        node_ids = hosts[host]
+        return ([Send(peer, P.WELCOME, {"host": host, "spare": chosen, "node_ids": node_ids}, close=True)]
+                + self._take_over(host, chosen, "replaced by the operator (fleet replace)", now))
+
     # -- decisions
+
+    def _free_spares(self) -> list[str]:
+        """Spare hosts whose agent is connected and said it is a spare, and that hold no ranks (never took over, never
+        replaced), in the order they are used (the inventory's)."""
+        used = {r["by"] for r in self.replaced} | set(self.fenced_hosts())
+        holding = set(self.worker_hosts())
+        return [h for h in self.spare_hosts if h in self.agents and h not in used and h not in holding
+                and self.agent_spare.get(h)]
+
+    def _agents_unheard(self) -> list[tuple[str, float]]:
+        """(host, since when its agent has not been heard) for every host known: since its disconnection, or, while
+        connected, since its last message (agents heartbeat; a host cut off leaves its connection open, silent)."""
+        return ([(h, t) for h, t in self.agent_gone.items() if h not in self.agents]
+                + [(h, t) for h, t in self.agent_seen.items() if h in self.agents])
+
+    def _check_lost(self, now: float) -> list[Action]:
+        """Hand each lost host's ranks to a free spare. A host is lost when the job has formed and runs with no rank
+        finished, automatic replacement is on (host_timeout > 0), it is not the scheduler's nor already replaced, its
+        agent has been gone or silent for host_timeout (a pulled cable closes no connection), and none of its ranks is
+        held by a member (they died: by silence, by not coming back, or with their connections). Without a free spare
+        the host waits (said once), as it would without spares: the job goes on if its agent comes back."""
+        if self.host_timeout <= 0 or self.status != RUNNING or not self.ever_formed or self.done:
+            return []
+        out: list[Action] = []
+        stale = [(h, since) for h, since in self._agents_unheard() if now - since >= self.host_timeout]
+        hosts = self.worker_hosts() if stale else {}  # most passes stop here: every agent heartbeats
+        for host, since in stale:
+            node_ids = hosts.get(host)
+            if (not node_ids or host == self.sched_host or host in self.fenced_hosts()
+                    or any(rank_of(n) in self.members for n in node_ids)):
+                continue
+            free = self._free_spares()
+            if not free:
+                if host not in self.waiting_spare:
+                    self.waiting_spare.add(host)
+                    out.append(Log(WARNING, f"host {host} is lost (its agent unheard for {now - since:.1f} s, "
+                                            f"{', '.join(node_ids)} dead) and no spare is free: waiting for it to "
+                                            "come back ('fleet restart --host' starts its agent) or for a spare"))
+                continue
+            out += self._take_over(host, free[0], f"its agent unheard for {now - since:.1f} s and its workers dead "
+                                                  f"(TOOLKIT_HOST_TIMEOUT={self.host_timeout:g})", now)
+        return out
+
+    def _take_over(self, host: str, spare: str, reason: str, now: float) -> list[Action]:
+        """`spare` takes `host`'s node ids and ranks: the replacement is recorded (`dirty`: persisted before the
+        takeover is sent), `host` is fenced for good (its agent, if connected, told to stop and dropped; its live
+        members declared dead, which moves a formed job to a new generation), its node ids are placed on `spare`,
+        and `spare`'s agent is sent `takeover {host, node_ids, seq}` (seq: the replacement's number, 1 up, which
+        orders replacements for `fleet status`). The spare's workers then register for the ranks like any
+        replacement and recover as the job's mode allows (in place from a peer, or a restart from checkpoints)."""
+        node_ids = self.worker_hosts()[host]
+        self.replaced.append({"host": host, "by": spare, "node_ids": node_ids, "reason": reason})
+        self.dirty = True
+        self.agent_gone.pop(host, None)
+        self.waiting_spare.discard(host)
+        out: list[Action] = [
+            Log(WARNING, f"host {host} replaced by spare {spare}: {reason}; {spare} takes {', '.join(node_ids)}; "
+                         f"{host} is fenced: its agent and workers are refused from now on"),
+            Note("replaced", {"host": host, "by": spare, "node_ids": node_ids, "reason": reason})]
+        agent = self.agents.pop(host, None)
+        if agent is not None:
+            self.peers.pop(agent, None)
+            out.append(Send(agent, P.STOP, {"reason": f"host {host} was replaced by {spare} ({reason}): it is "
+                                                      "fenced from the job"}, close=True))
+        for node_id in node_ids:
+            member = self.members.get(rank_of(node_id) or 0)
+            if member is not None and member.node_id == node_id:
+                out += self._death(member, f"its host {host} was replaced by {spare}", kill=False, now=now,
+                                   cause=CAUSE_REPLACED)
+            self.node_host[node_id] = spare
+        out.append(Send(self.agents[spare], P.TAKEOVER, {"host": host, "node_ids": node_ids,
+                                                          "seq": len(self.replaced)}))
+        return out
 
     def _maybe_form(self, now: float) -> list[Action]:
         """Form the current generation once world_size members are connected: tell each `formed` with the

@@ -113,7 +113,8 @@ class Server:
         self.clock = clock
         self.boot = secrets.token_hex(8)
         self.members = Membership(config.job, config.world_size, config.node_timeout, config.topo_timeout,
-                                  self.boot, f"{config.host}:{config.port}", config.expected, clock())
+                                  self.boot, f"{config.host}:{config.port}", config.expected, clock(),
+                                  config.host_timeout, config.spares)
         self.kv = KVStore()
         self.journal = Journal(config.recovery_path, config.job, config.world_size, 1.0 / config.straggler_factor,
                                clock)
@@ -409,7 +410,8 @@ class Server:
     def _hello(self, conn: Conn, msg: dict[str, Any], now: float) -> None:
         """Authenticate a connection's first message and act on it.
 
-        It must be its port's hello (`store_hello` on the store; `register` or `agent_hello` on the control port)
+        It must be its port's hello (`store_hello` on the store; `register`, `agent_hello` or the operator's
+        `replace` on the control port)
         with a client proof over this connection's nonce (protocol.check_client, constant-time). A plain `token`
         field is refused with a line saying the peer's toolkit is older. Any refusal is a `reject {retry: false}`
         carrying no proof, and the connection closes once it is written. Accepted: the connection is authed, its
@@ -417,7 +419,7 @@ class Server:
         proof: the store's `welcome` here; for a worker or an agent, whatever the membership sends it first
         (`welcome`, or a `reject`/`fenced` the client can then trust)."""
         op = msg["op"]
-        expected = (P.STORE_HELLO,) if conn.kind == STORE else (P.REGISTER, P.AGENT_HELLO)
+        expected = (P.STORE_HELLO,) if conn.kind == STORE else (P.REGISTER, P.AGENT_HELLO, P.REPLACE)
         subject = P.hello_subject(msg)[:80] or "?"
         if op not in expected:
             log.warning("rejected %s: %r before authenticating", conn.addr, op[:40])
@@ -433,7 +435,7 @@ class Server:
             reason = ""
         if reason:
             what = {P.REGISTER: f"registration of {subject}", P.AGENT_HELLO: "agent hello",
-                    P.STORE_HELLO: f"store connection of {subject}"}[op]
+                    P.STORE_HELLO: f"store connection of {subject}", P.REPLACE: "replace request"}[op]
             host = f" (host {subject})" if op == P.AGENT_HELLO else ""
             log.warning("rejected %s from %s%s: %s", what, conn.addr, host, reason)
             self._send(conn, P.REJECT, reason=reason, retry=False)
@@ -445,8 +447,10 @@ class Server:
             self._send(conn, P.WELCOME)
         elif op == P.REGISTER:
             self._apply(self.members.register(conn.id, conn.addr, msg, now))
+        elif op == P.REPLACE:  # the operator's (fleet replace): answered, then closed
+            self._apply(self.members.replace(conn.id, msg, now))
         else:
-            self._apply(self.members.agent_hello(conn.id, conn.addr, msg))
+            self._apply(self.members.agent_hello(conn.id, conn.addr, msg, now))
 
     # -- applying the membership's actions
 

@@ -51,6 +51,10 @@ def save(path: Path, snapshot: Mapping[str, Any]) -> None:
 
 def _check(doc: Mapping[str, Any]) -> None:
     """Every field a restore reads has the type it expects (a damaged file must not become a traceback)."""
+    for r in doc.get("replaced", []):
+        if not (isinstance(r["host"], str) and isinstance(r["by"], str)
+                and all(isinstance(n, str) for n in r["node_ids"])):
+            raise ValueError(f"replaced: {str(r)[:80]}")
     if doc.get("status") != "running":
         return
     int(doc["generation"])

@@ -72,6 +72,9 @@ def show_plan(settings: Settings, as_json: bool = False, render_dir: Path | None
     for p in plan.processes():
         port = str(plan.sched_port) if p.rank is None else ""
         table.add_row(p.host, p.node_id, dash(p.rank), dash(p.local_rank), port, " ".join(p.argv))
+    for h in plan.hosts:
+        if h.spare:
+            table.add_row(h.name, "(spare)", "-", "-", "", "nothing until it takes over a lost host's ranks")
     table_console().print(table)
     if render_dir is not None:
         Console(stderr=True).print(f"rendered files: {render_dir}/<host>/")
@@ -208,6 +211,7 @@ def _record(plan: LaunchPlan, settings: Settings) -> JobRecord:
             python=h.python,
             node_ids=tuple(p.node_id for p in h.processes),
             ckpt_dir=h.ckpt_dir,
+            spare=h.spare,
         )
         for h in plan.hosts
     )

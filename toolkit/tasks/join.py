@@ -6,8 +6,10 @@ status tells a script what happened: 0 succeeded, 1 (JobFailed) failed, 130 (Int
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
+from pathlib import Path
 from typing import Any, Mapping
 
 from toolkit.agentdoc import FINAL_STATES
@@ -51,7 +53,7 @@ class Interrupted(UserError):
 
 
 def join_job(record: JobRecord, ssh: SshSettings, timeout: float | None = None,
-             interval: float = JOIN_POLL_INTERVAL) -> None:
+             interval: float = JOIN_POLL_INTERVAL, project: Path | None = None) -> None:
     """Wait until the job ends, printing every change of state; return if every worker succeeded, else raise
     JobFailed with the evidence (node, host, exit status, log tail). A host that cannot be asked, or whose
     agent is gone, for JOIN_GONE_AFTER is no longer watched and counts as a failure. After a host failed, the
@@ -75,9 +77,14 @@ def join_job(record: JobRecord, ssh: SshSettings, timeout: float | None = None,
     last: dict[str, HostStatus] = {}
     with HostPool() as pool, interrupt_sets(interrupted):
         while True:
-            watched = [h for h in record.hosts if h.name not in unwatched]
+            watched = [h for h in record.live_hosts if h.name not in unwatched]
             now = time.monotonic()
-            for st in collect_status(record, ssh, pool, watched):
+            record, polled = collect_status(record, ssh, pool, watched, project)
+            for name in [n for n in last if record.host(n).replaced_by]:
+                del last[name]
+                unwatched.pop(name, None)
+                trouble_since.pop(name, None)
+            for st in polled:
                 last[st.host] = st
                 _report_changes(st, seen, agents)
                 if st.agent == "unreachable" or st.agent == "gone":
@@ -88,19 +95,22 @@ def join_job(record: JobRecord, ssh: SshSettings, timeout: float | None = None,
                         say(f"{st.host}: {unwatched[st.host]}: no longer watched")
                 else:
                     trouble_since.pop(st.host, None)
-            states = {h.name: last[h.name].agent for h in record.hosts if h.name not in unwatched}
+            states = {h.name: last[h.name].agent for h in record.live_hosts if h.name not in unwatched}
             if all(s in FINAL_STATES for s in states.values()):
                 break
-            if failed_at is None and (unwatched or any(s in ("failed", "stopped") for s in states.values())):
+            failing = bool(unwatched) or any(s in ("failed", "stopped") for s in states.values())
+            if not failing:  # e.g. the failed host was found replaced by a spare: the job goes on
+                failed_at = None
+            elif failed_at is None:
                 failed_at = now
             if failed_at is not None and now - failed_at > record.grace + JOIN_SETTLE:
                 running = [n for n, s in states.items() if s not in FINAL_STATES]
                 say(f"the job failed but is still running on {', '.join(running)} after "
                      f"{now - failed_at:.0f} s: stopping it there")
                 check_all(run_on_all([host_target(record.host(n), record.local) for n in running],
-                                     lambda host: stop_one(host, record), ssh))
-                last.update({st.host: st for st in collect_status(record, ssh, pool,
-                                                                  [record.host(n) for n in running])})
+                                     functools.partial(stop_one, record=record), ssh))
+                record, polled = collect_status(record, ssh, pool, [record.host(n) for n in running])
+                last.update({st.host: st for st in polled})
                 break
             wait = interval
             if deadline is not None:
@@ -111,7 +121,7 @@ def join_job(record: JobRecord, ssh: SshSettings, timeout: float | None = None,
             if interrupted.wait(wait):
                 raise Interrupted(f"stopped waiting for job {record.job}; it keeps running: 'fleet status' to "
                                   "look, 'fleet stop' to end it")
-    hosts = [last[h.name] for h in record.hosts]
+    hosts = [last[h.name] for h in record.live_hosts]
     took = time.monotonic() - begun
     if not unwatched and all(h.agent == "succeeded" for h in hosts):
         say(f"job {record.job} succeeded: every worker exited 0 ({took:.1f} s)")

@@ -85,8 +85,9 @@ def train(request: Request, join: bool = False, join_timeout: float | None = Non
         return "already running" not in out
 
     begun = time.monotonic()
-    with rich_progress("starting", len(record.hosts)) as progress:
-        results = run_on_all(record_targets(record), start, ssh, progress=progress, fail_fast=True)
+    with rich_progress("starting", len(record.live_hosts)) as progress:
+        results = run_on_all([host_target(h, record.local) for h in record.live_hosts], start, ssh, progress=progress,
+                             fail_fast=True)
     if any(not r.ok for r in results.values()):
         _roll_back(record, ssh, results)
     fresh = sum(1 for r in results.values() if r.value)
@@ -95,7 +96,7 @@ def train(request: Request, join: bool = False, join_timeout: float | None = Non
          f"{record.world_size} worker(s), scheduler on {record.scheduler_host}:{port}; "
          "follow it with 'fleet status' and 'fleet logs -f', end it with 'fleet stop'")
     if join:
-        join_job(record, ssh, join_timeout)
+        join_job(record, ssh, join_timeout, project=ref.project)
 
 
 @dataclass(frozen=True)
@@ -119,7 +120,7 @@ def finished_run(hosts: list[HostStatus]) -> Finished | None:
 def _previous_run(record: JobRecord, ssh: SshSettings, fresh: bool, again: bool) -> None:
     """Refuse to start a finished job again unless told how (see `train`); with `fresh`, move its previous run
     aside on every host, so that the new run starts from step 0 and no status shows the old run's processes."""
-    hosts = collect_status(record, ssh)
+    _, hosts = collect_status(record, ssh)
     alive = [h.host for h in hosts if h.alive]
     if alive:
         if fresh:

@@ -13,12 +13,13 @@ from __future__ import annotations
 import json
 import posixpath
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any, Mapping
 
 from rich.markup import escape
 from rich.table import Table
 
-from toolkit import agentdoc, rundoc
+from toolkit import agentdoc, jobrecord, rundoc
 from toolkit.agentdoc import FINAL_STATES
 from toolkit.errors import UserError
 from toolkit.jobrecord import HostRecord, JobRecord
@@ -37,7 +38,6 @@ from toolkit.tasks.hosts import (
     host_target,
     load_record,
     record_ssh,
-    record_targets,
 )
 from toolkit.tasks.output import dash, human_age, say, table_console
 from toolkit.tasks.scripts import POLL_SCRIPT, STATUS_SCRIPT, clock_and_logs
@@ -88,6 +88,8 @@ class HostStatus:
     updated_at: str | None = None  # when the agent last wrote its state (the host's clock)
     live: Mapping[str, Any] | None = field(default=None, hash=False, compare=False)  # the scheduler host's
     # live.json (toolkit.rundoc), if this host runs the scheduler and it could be read
+    took_over: tuple[Mapping[str, Any], ...] = field(default=(), hash=False, compare=False)  # a spare's takeovers:
+    # {host (the lost one), by (this one), node_ids, seq}, as its agent recorded them
 
 
 def live_path(record: JobRecord) -> tuple[str, str]:
@@ -106,15 +108,18 @@ def status(ref: JobRef, as_json: bool = False) -> None:
     """One table of every process of the job (or JSON); a host that cannot be asked gets a row saying so, and
     the command then ends non-zero after listing the failed hosts.
 
-    The table goes to stdout, notes per host (agent gone, never started, failed, stopped) and the recovery mode
-    to stderr. Raises ClusterError (after printing) if any host could not be asked; UserError from
-    load_record."""
+    The job's layout is the spares' word: a spare whose agent took over a lost host's ranks shows them, and the job
+    record is updated to say so (`settle_layout`); a replaced host is no longer asked (it is fenced from the job),
+    only named in a note. The table goes to stdout, notes per host (agent gone, never started, failed, stopped,
+    replaced) and the recovery mode to stderr. Raises ClusterError (after printing) if any host still part of the job
+    could not be asked; UserError from load_record."""
     record = load_record(ref)
     sched, live = live_path(record)
-    results = run_on_all(record_targets(record),
+    results = run_on_all([host_target(h, record.local) for h in record.live_hosts],
                          lambda host: _fetch_status(host, record.host(host.name), live if host.name == sched else ""),
                          record_ssh(record, ref.request.core))
-    hosts = host_statuses(record, results)
+    record, hosts = settle_layout(record, results, ref.project)
+    results = {name: r for name, r in results.items() if name in {h.host for h in hosts}}
     if as_json:
         print(json.dumps(_status_json(record, hosts), indent=2))
     else:
@@ -124,17 +129,38 @@ def status(ref: JobRef, as_json: bool = False) -> None:
 
 
 def collect_status(record: JobRecord, ssh: SshSettings, pool: HostPool | None = None,
-                   hosts: list[HostRecord] | None = None) -> list[HostStatus]:
-    """Every host's status from its agent's files (cheap enough to poll; see POLL_SCRIPT).
+                   hosts: list[HostRecord] | None = None, project: Path | None = None
+                   ) -> tuple[JobRecord, list[HostStatus]]:
+    """Every host's status from its agent's files (cheap enough to poll; see POLL_SCRIPT), and the record with the
+    layout the spares report (`settle_layout`; saved where `project` finds it, if given).
 
-    `hosts` limits it to some of the record's hosts; `pool` keeps the connections for the next poll. Never raises
-    for a host's failure: that host's status says `unreachable`, with the error. In the order of `hosts`."""
-    chosen = record.hosts if hosts is None else hosts
+    `hosts` limits it to some of the record's hosts (default: those not replaced); `pool` keeps the connections for
+    the next poll. Never raises for a host's failure: that host's status says `unreachable`, with the error. In the
+    order of `hosts`, less any found replaced."""
+    chosen = list(record.live_hosts) if hosts is None else hosts
     sched, live = live_path(record)
     results = run_on_all([host_target(h, record.local) for h in chosen],
                          lambda host: poll_status(host, record.host(host.name), live if host.name == sched else ""),
                          ssh, pool=pool)
-    return host_statuses(record, results)
+    return settle_layout(record, results, project)
+
+
+def settle_layout(record: JobRecord, results: Mapping[str, HostResult[dict[str, Any]]],
+                  project: Path | None = None) -> tuple[JobRecord, list[HostStatus]]:
+    """The record after the takeovers the spares' agents report (JobRecord.with_takeovers), and each host's status
+    judged by it; a host found replaced is left out. When the layout changed and `project` is given, the record is
+    rewritten (jobrecord.update) so that every later command sees the spare holding the ranks."""
+    hosts = host_statuses(record, results)
+    takeovers = [t for h in hosts for t in h.took_over]
+    new = record.with_takeovers(takeovers)
+    if new == record:
+        return record, hosts
+    if project is not None:
+        jobrecord.update(project, new)
+        for h in new.hosts:
+            if h.replaced_by and record.host(h.name).replaced_by is None:
+                say(f"{h.name} was replaced by spare {h.replaced_by}, which runs its ranks now; job record updated")
+    return new, [h for h in host_statuses(new, results) if new.host(h.host).replaced_by is None]
 
 
 def host_statuses(record: JobRecord, results: Mapping[str, HostResult[dict[str, Any]]]) -> list[HostStatus]:
@@ -204,7 +230,7 @@ def _host_status(record: JobRecord, name: str, result: HostResult[dict[str, Any]
     updated = doc.get("updated_at")
     return HostStatus(name, True, None, agent, alive, pid if isinstance(pid, int) else None, doc.get("reason"),
                       doc.get("failure"), tuple(procs), updated if isinstance(updated, str) else None,
-                      result.value.get("live"))
+                      live=result.value.get("live"), took_over=_takeovers(name, doc.get("took_over")))
 
 
 def _live_rank(live: Mapping[str, Any] | None, p: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -217,6 +243,16 @@ def _live_rank(live: Mapping[str, Any] | None, p: Mapping[str, Any]) -> Mapping[
 
 def _number(value: Any) -> float | None:
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def _takeovers(name: str, raw: Any) -> tuple[dict[str, Any], ...]:
+    """A spare agent's `took_over` list as {host, by: `name`, node_ids, seq}; malformed entries are skipped."""
+    out = []
+    for t in raw if isinstance(raw, list) else []:
+        if (isinstance(t, dict) and isinstance(t.get("host"), str) and isinstance(t.get("seq"), int)
+                and isinstance(t.get("node_ids"), list) and all(isinstance(n, str) for n in t["node_ids"])):
+            out.append({"host": t["host"], "by": name, "node_ids": list(t["node_ids"]), "seq": t["seq"]})
+    return tuple(out)
 
 
 def _proc(host: str, p: Mapping[str, Any], got: Mapping[str, Any], state: str, now: float | None,
@@ -288,7 +324,9 @@ def _status_json(record: JobRecord, hosts: list[HostStatus]) -> dict[str, Any]:
         "world_size": record.world_size,
         "recovery": recovery_mode([p for h in hosts for p in h.processes], bool(record.options.get("torchrun_script"))),
         "live": job_live(hosts),
-        "hosts": [{k: v for k, v in asdict(h).items() if k not in ("processes", "live")} for h in hosts],
+        "hosts": [{k: v for k, v in asdict(h).items() if k not in ("processes", "live", "took_over")} for h in hosts],
+        "replaced": {h.name: h.replaced_by for h in record.hosts if h.replaced_by},
+        "spares": [h.name for h in record.hosts if h.spare and not h.node_ids and not h.replaced_by],
         "processes": [asdict(p) for h in hosts for p in h.processes],
     }
 
@@ -307,7 +345,7 @@ def status_table(record: JobRecord, hosts: list[HostStatus], title: str | None =
     LAGGING_AFTER while running) and stragglers."""
     live = job_live(hosts)
     if title is None:
-        title = f"job {record.job}: {record.world_size} worker(s) on {len(record.hosts)} host(s), " \
+        title = f"job {record.job}: {record.world_size} worker(s) on {len(record.live_hosts)} host(s), " \
                 f"scheduler {record.scheduler_host}:{record.sched_port}"
         if live is not None:
             title += f", generation {live.get('generation')}"
@@ -353,6 +391,12 @@ def _print_status(record: JobRecord, hosts: list[HostStatus]) -> None:
             say(note)
     for line in live_lines(job_live(hosts)):
         say(line)
+    for h in record.hosts:
+        if h.replaced_by:
+            say(f"{h.name}: replaced by spare {h.replaced_by}, which runs its ranks; the scheduler refuses its agent "
+                "and workers (fenced)")
+        elif h.spare and not h.node_ids:
+            say(f"{h.name}: spare, standing by (it takes over a lost host's ranks)")
     mode = recovery_mode([p for h in hosts for p in h.processes], bool(record.options.get("torchrun_script")))
     if mode is not None:
         say(f"recovery: {mode['why']}")

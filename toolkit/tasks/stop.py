@@ -35,11 +35,16 @@ def stop(ref: JobRef) -> None:
 
     Every host in parallel, each bounded by the job's grace period plus STOP_TIMEOUT_EXTRA; a host where nothing
     was deployed counts as stopped. Raises UserError listing the hosts that failed (root cause first) and
-    saying the job may still run there: run `fleet stop` again once they answer. Repeating it is harmless."""
+    saying the job may still run there: run `fleet stop` again once they answer. Repeating it is harmless. A host
+    replaced by a spare is stopped too if it answers (a healed partition may have left processes there); if it does
+    not, that is only said: the scheduler fences it from the job anyway."""
     record = load_record(ref)
     ssh = record_ssh(record, ref.request.core)
     with rich_progress("stopping", len(record.hosts), line=result_line) as progress:
         results = run_on_all(record_targets(record), lambda host: stop_one(host, record), ssh, progress=progress)
+    for name in [n for n, r in results.items() if not r.ok and record.host(n).replaced_by]:
+        say(f"{name} (replaced by {record.host(name).replaced_by}) could not be stopped: {results.pop(name).error}; "
+            "it is fenced from the job")
     try:
         check_all(results)
     except ClusterError as e:

@@ -30,11 +30,11 @@ from toolkit.tasks.join import Interrupted, JobFailed
 from toolkit.tasks.output import human_age, interrupt_sets, table_console
 from toolkit.tasks.status import (
     HostStatus,
-    host_statuses,
     live_lines,
     live_path,
     poll_status,
     recovery_mode,
+    settle_layout,
     status_table,
 )
 
@@ -73,7 +73,7 @@ def watch_view(record: JobRecord, answers: Mapping[str, Answer], now: float, int
     silent = max(SILENT_AFTER * interval, SILENT_MIN)
     results: dict[str, HostResult[dict[str, Any]]] = {}
     connecting = set()
-    for h in record.hosts:
+    for h in record.live_hosts:
         a = answers.get(h.name) or Answer()
         if a.result is not None and a.result.ok and a.answered_at is not None and now - a.answered_at <= silent:
             results[h.name] = a.result
@@ -85,7 +85,8 @@ def watch_view(record: JobRecord, answers: Mapping[str, Answer], now: float, int
         elif why is None and since is not None:
             why = f"{h.name}: no answer for {human_age(now - since)}"
         results[h.name] = HostResult(h.name, False, error=why or f"{h.name}: connecting")
-    hosts = [_connecting(h) if h.host in connecting else h for h in host_statuses(record, results)]
+    _, settled = settle_layout(record, results)  # a spare that took over a lost host's ranks shows them
+    hosts = [_connecting(h) if h.host in connecting else h for h in settled]
     live = next((h.live for h in hosts if h.live is not None), None)
     if live is None:  # the scheduler's host is silent: its last figures, marked by their age, beat none
         sched = answers.get(live_path(record)[0])
@@ -122,7 +123,7 @@ def view_json(record: JobRecord, view: View) -> dict[str, Any]:
 def render(record: JobRecord, view: View, interval: float) -> Group:
     """The table and, under it, each unreachable host, the stragglers, the last incident and the goodput."""
     live = view.live
-    title = f"job {record.job}: {record.world_size} worker(s) on {len(record.hosts)} host(s)"
+    title = f"job {record.job}: {record.world_size} worker(s) on {len(record.live_hosts)} host(s)"
     if live is not None:
         title += f", generation {live.get('generation')}" + ("" if live.get("formed") else " (forming)")
     title += f" · every {interval:g} s · {time.strftime('%H:%M:%S')}"
@@ -144,10 +145,10 @@ class Pollers:
         self.record, self.ssh, self.interval, self.stop = record, ssh, interval, stop
         self.sched, self.live_file = live_path(record)
         self.lock = threading.Condition()  # notified at each answer
-        self._answers = {h.name: Answer() for h in record.hosts}
+        self._answers = {h.name: Answer() for h in record.live_hosts}
         self.pool = HostPool()
         self.threads = [threading.Thread(target=self._poll, args=(h,), name=f"watch {h.name}", daemon=True)
-                        for h in record.hosts]
+                        for h in record.live_hosts]
 
     def start(self) -> None:
         """Start every poller."""

@@ -249,7 +249,8 @@ class _Channel:
         _Rejected (the scheduler's reason, and whether to retry), or OSError, ProtocolError or Unproven when the
         scheduler cannot be reached or proven; a `fenced` answer ends the process with EXIT_FENCED."""
         fields = {"node_id": self.cfg.node_id, "rank": self.cfg.rank, "world_size": self.cfg.world_size,
-                  "incarnation": self.incarnation, "pid": os.getpid(), "host": socket.gethostname(),
+                  "incarnation": self.incarnation, "pid": os.getpid(),
+                  "host": os.environ.get(E.TOOLKIT_HOST) or socket.gethostname(),  # the inventory's name: fencing
                   "generation": self.generation, "rejoin": rejoin, "recovery": self.recovery}
         session = open_session((self.cfg.sched_host, self.cfg.sched_port), self.cfg.token, P.REGISTER, fields,
                                timeout, CONNECT_TIMEOUT)
