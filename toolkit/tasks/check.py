@@ -10,6 +10,7 @@ one table on stdout, then one line per problem (the host and the fix) in the err
 from __future__ import annotations
 
 import json
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -85,10 +86,8 @@ def run_check(record: JobRecord, ssh: SshSettings, project: Path, data: Sequence
 
     def gather(host: Host) -> dict[str, Any]:
         h = record.host(host.name)
-        args = {"project": str(project) if record.local else f"{h.job_dir}/project", "exclude": PROJECT_EXCLUDE,
-                "data": paths, "job_dir": h.job_dir, "disk_path": h.ckpt_dir or f"{h.job_dir}/ckpt",
-                "ports": ports if h.name == sched else [], "env_names": decide.ENV_NAMES,
-                "env_prefixes": decide.ENV_PREFIXES}
+        args = facts_args(str(project) if record.local else f"{h.job_dir}/project", h.job_dir,
+                          h.ckpt_dir or f"{h.job_dir}/ckpt", paths, ports if h.name == sched else [])
         sent = time.time()
         out = _probe(host, h, "facts", args, FACTS_TIMEOUT)
         times[h.name] = (sent, time.time())
@@ -107,6 +106,13 @@ def run_check(record: JobRecord, ssh: SshSettings, project: Path, data: Sequence
                 report.rows[h]["matmul"] = report.rows[h]["all-reduce"] = "skipped"
     _health(record, ssh, {h: facts[h] for h in fit}, limits, report)
     return report
+
+
+def facts_args(project: str, job_dir: str, ckpt_dir: str, data: Sequence[str], ports: Sequence[int]) -> dict[str, Any]:
+    """The probe's `facts` arguments for one host (also what playbooks/check.yml sends, through `main`)."""
+    return {"project": project, "exclude": PROJECT_EXCLUDE, "data": list(data), "job_dir": job_dir,
+            "disk_path": ckpt_dir, "ports": list(ports), "env_names": decide.ENV_NAMES,
+            "env_prefixes": decide.ENV_PREFIXES}
 
 
 def _probe(host: Host, h: HostRecord, mode: str, args: Mapping[str, Any], timeout: float) -> dict[str, Any]:
@@ -139,11 +145,11 @@ def _reached(results: Mapping[str, HostResult[dict[str, Any]]], report: Report) 
     return out
 
 
-def _decide_facts(record: JobRecord, facts: Mapping[str, dict[str, Any]], local: Mapping[str, Any],
-                  times: Mapping[str, tuple[float, float]], limits: Limits, report: Report) -> None:
-    sched = record.scheduler_host
+def facts_problems(facts: Mapping[str, dict[str, Any]], sched: str, local: Mapping[str, Any] | None,
+                   times: Mapping[str, tuple[float, float]], limits: Limits) -> tuple[list[Problem], dict[str, float]]:
+    """Every problem the facts show (no project comparison without `local`), and each host's clock skew."""
     found = decide.version_problems(facts, sched)
-    if not record.local:
+    if local is not None:
         found += decide.project_problems({h: f["project"] for h, f in facts.items()}, local)
     data: dict[str, dict[str, Any]] = {}
     for h, f in facts.items():
@@ -156,6 +162,13 @@ def _decide_facts(record: JobRecord, facts: Mapping[str, dict[str, Any]], local:
     found += decide.disk_problems({h: f["disk"] for h, f in facts.items()}, limits.min_free_bytes)
     skews = {h: decide.clock_skew(f["clock"], *times[h]) for h, f in facts.items()}
     found += decide.clock_problems(skews, limits.max_skew)
+    return found, skews
+
+
+def _decide_facts(record: JobRecord, facts: Mapping[str, dict[str, Any]], local: Mapping[str, Any],
+                  times: Mapping[str, tuple[float, float]], limits: Limits, report: Report) -> None:
+    found, skews = facts_problems(facts, record.scheduler_host, None if record.local else local, times, limits)
+    sched = record.scheduler_host
     report.problems += found
     for h, f in facts.items():
         row = report.rows[h]
@@ -169,7 +182,7 @@ def _decide_facts(record: JobRecord, facts: Mapping[str, dict[str, Any]], local:
             row["ports"] = ", ".join(f"{p} {'free' if v['free'] else 'ours' if v['ours'] else 'taken'}"
                                      for p, v in f["ports"].items())
     hashed = sum(m.get("hashed", 0) for f in facts.values() for m in f["data"].values())
-    if data:
+    if any(f["data"] for f in facts.values()):
         say(f"data: {hashed} file(s) hashed, the rest taken from the hosts' manifest caches")
 
 
@@ -246,3 +259,40 @@ def print_report(record: JobRecord, report: Report) -> None:
             cells[1] = "unreachable"
         table.add_row(*cells)
     table_console().print(table)
+
+
+def main(argv: Sequence[str]) -> int:
+    """`python -m toolkit.tasks.check probe|decide` for playbooks/check.yml (the controller's side of the same
+    check, facts phase).
+
+    `probe`: stdin {"plan": fleet plan --json}; stdout {"script", "source", "hosts": {host: {"job_dir", "env_file",
+    "python", "args"}}}. `decide PROJECT`: stdin {"plan", "window": [sent, received], "facts": {host: facts}};
+    prints one line per problem on stdout and returns 2 if there is any, else 0."""
+    doc = json.loads(sys.stdin.read())
+    plan = doc["plan"]
+    sched = plan["scheduler"]
+    if argv[0] == "probe":
+        hosts = {}
+        for h in plan["hosts"]:
+            procs = [p for p in plan["processes"] if p["host"] == h["host"]]
+            worker = next((p for p in procs if p["rank"] is not None), procs[0])
+            env = worker["env"]
+            data = [env["DATA_PATH"]] if env.get("DATA_PATH") else []
+            ports = [sched["port"], sched["store_port"]] if h["host"] == sched["host"] else []
+            hosts[h["host"]] = {"job_dir": h["job_dir"], "env_file": f"env/{worker['node_id']}.env",
+                                "python": h["python"], "args": facts_args(
+                                    f"{h['job_dir']}/project", h["job_dir"], env.get("CKPT_DIR") or
+                                    f"{h['job_dir']}/ckpt", data, ports)}
+        print(json.dumps({"script": PROBE_SCRIPT, "source": Path(probe.__file__).read_text(), "hosts": hosts}))
+        return 0
+    facts = doc["facts"]
+    window = tuple(doc["window"])
+    found, _ = facts_problems(facts, sched["host"], probe.manifest(argv[1], PROJECT_EXCLUDE),
+                              {h: window for h in facts}, Limits())
+    for p in found:
+        print(p.line())
+    return 2 if found else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
