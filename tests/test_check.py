@@ -147,6 +147,17 @@ def test_each_bad_host_is_named_with_one_line(job: Job, tmp_path: Path) -> None:
     ok(job.check())
 
 
+def test_a_host_whose_key_changed_is_named_and_the_others_are_still_checked(job: Job) -> None:
+    victim = job.cluster.names[3]
+    with job.cluster.host_key_changed(victim):
+        r = job.check()
+    assert r.returncode == 2
+    (line,) = job.problems(r)
+    assert line.startswith(f"{victim}: ssh: host key for ") and "CHANGED" in line, line
+    row = next(line for line in r.stdout.splitlines() if f" {job.cluster.names[0]} " in line)
+    assert re.search(r"node\d+ [\d.]+ s", row), row  # the others' health test ran: their all-reduces were timed
+
+
 @pytest.fixture
 def slow_link(job: Job) -> Iterator[str]:
     """The third host's link made slow: a token bucket of RATE on both ends of its cable (the bridge's end and the

@@ -22,8 +22,9 @@ from toolkit.check import decide, probe
 from toolkit.check.decide import Problem
 from toolkit.errors import UserError
 from toolkit.jobrecord import HostRecord, JobRecord
-from toolkit.remote import DEFAULT_EXCLUDE, Host, HostResult, SshSettings, rich_progress, run_on_all
+from toolkit.remote import Host, HostResult, RemoteError, SshSettings, rich_progress, run_on_all
 from toolkit.settings import JobRef
+from toolkit.tasks.deploy import PROJECT_EXCLUDE
 from toolkit.tasks.hosts import load_record, record_ssh, record_targets
 from toolkit.tasks.output import human_size, say, table_console
 from toolkit.tasks.scripts import PROBE_SCRIPT
@@ -36,7 +37,6 @@ MATMUL = {"matmul_size": 256, "matmul_iters": 100, "matmul_reps": 3}  # reps of 
 # a CFS period (100 ms), so that a CPU quota shows in every rep rather than in some
 ALLREDUCE = {"allreduce_size": 1024, "allreduce_iters": 20}  # small: measures latency more than bandwidth
 NOT_FOUND = 127  # the shell's exit status when the interpreter is missing
-PROJECT_EXCLUDE = DEFAULT_EXCLUDE + (".toolkit",)  # what deploy never copies (tasks.deploy.PROJECT_EXCLUDE)
 
 
 @dataclass(frozen=True)
@@ -100,10 +100,8 @@ def run_check(record: JobRecord, ssh: SshSettings, project: Path, data: Sequence
     _decide_facts(record, facts, local, times, limits, report)
     bad_versions = {p.host for p in report.problems if p.check in ("python", "torch", "toolkit")}
     fit = [h for h in facts if h not in bad_versions]
-    if len(fit) < len(facts):
-        for h in facts:
-            if h not in fit:
-                report.rows[h]["matmul"] = report.rows[h]["all-reduce"] = "skipped"
+    for h in bad_versions & set(facts):
+        report.rows[h]["matmul"] = report.rows[h]["all-reduce"] = "skipped"
     _health(record, ssh, {h: facts[h] for h in fit}, limits, report)
     return report
 
@@ -131,15 +129,16 @@ def _probe(host: Host, h: HostRecord, mode: str, args: Mapping[str, Any], timeou
 
 
 def _reached(results: Mapping[str, HostResult[dict[str, Any]]], report: Report) -> dict[str, dict[str, Any]]:
-    """The hosts that answered; every other one becomes an `ssh` problem (the error says which: unreachable,
-    host key unknown or changed, login refused, interpreter missing)."""
+    """The hosts that answered; every other one becomes a problem: `ssh` (unreachable, host key unknown or
+    changed, login refused, the command failed) or `probe` (no interpreter, no answer)."""
     out = {}
     for name, r in results.items():
         if r.ok and r.value is not None:
             out[name] = r.value
         else:
             text = (r.error or "failed").removeprefix(f"{name}: ")
-            report.problems.append(Problem(name, "ssh", text, "fix the host or its entry in the inventory, then "
+            what = "ssh" if isinstance(r.exception, RemoteError) else "probe"
+            report.problems.append(Problem(name, what, text, "fix the host or its entry in the inventory, then "
                                            "check again"))
             report.rows[name]["state"] = "unreachable"
     return out
