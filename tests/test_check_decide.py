@@ -171,6 +171,8 @@ def test_manifest_digest_ignores_mtimes_and_uses_its_cache(tmp_path: Path) -> No
     changed = probe.manifest(str(data), ("__pycache__",), str(cache))
     assert changed["digest"] != first["digest"] and changed["hashed"] == 1
     assert probe.manifest(str(tmp_path / "nothing"), (), str(cache)) == {"error": "missing"}
+    uncached = probe.manifest(str(data), ("__pycache__",), cache_dir=None)
+    assert uncached == {**changed, "hashed": 2} and len(list(cache.iterdir())) == 1
 
 
 def test_problem_line_is_one_line() -> None:

@@ -75,7 +75,7 @@ def manifest(path, exclude=(), cache_dir=CACHE_DIR):
     The digest covers each file's path relative to `path`, size and SHA-256 (not mtimes, which differ between
     copies). Symlinks that lead out of the tree are left out (deploy never copies them); names matching
     `exclude` are skipped. `hashed` counts the files actually read: the others matched the cache on size and
-    mtime. The cache is written atomically; failing to write it is not an error."""
+    mtime. The cache is written atomically; failing to write it is not an error. `cache_dir` None: no cache."""
     root = os.path.realpath(os.path.expanduser(path))
     if not os.path.exists(root):
         return {"error": "missing"}
@@ -93,14 +93,17 @@ def manifest(path, exclude=(), cache_dir=CACHE_DIR):
                 if os.path.islink(full) and not os.path.realpath(full).startswith(root + os.sep):
                     continue
                 entries.append((rel, full))
-    cache_file = os.path.join(os.path.expanduser(cache_dir), hashlib.sha256(root.encode()).hexdigest() + ".json")
-    try:
-        with open(cache_file) as f:
-            cache = json.load(f)
-        if not isinstance(cache, dict):
+    cache_file = None
+    cache = {}
+    if cache_dir is not None:
+        cache_file = os.path.join(os.path.expanduser(cache_dir), hashlib.sha256(root.encode()).hexdigest() + ".json")
+        try:
+            with open(cache_file) as f:
+                cache = json.load(f)
+            if not isinstance(cache, dict):
+                cache = {}
+        except (OSError, ValueError):
             cache = {}
-    except (OSError, ValueError):
-        cache = {}
     fresh = {}
     hashed = total = 0
     digest = hashlib.sha256()
@@ -118,7 +121,7 @@ def manifest(path, exclude=(), cache_dir=CACHE_DIR):
         fresh[rel] = [st.st_size, st.st_mtime_ns, sha]
         total += st.st_size
         digest.update(f"{rel}\0{st.st_size}\0{sha}\n".encode())
-    if fresh != cache:
+    if cache_file is not None and fresh != cache:
         try:
             os.makedirs(os.path.dirname(cache_file), mode=0o700, exist_ok=True)
             tmp = f"{cache_file}.{os.getpid()}.tmp"

@@ -96,7 +96,7 @@ def run_check(record: JobRecord, ssh: SshSettings, project: Path, data: Sequence
     with rich_progress("checking hosts", len(record.hosts)) as progress:
         results = run_on_all(record_targets(record), gather, ssh, progress=progress)
     facts = _reached(results, report)
-    local = probe.manifest(str(project), PROJECT_EXCLUDE)
+    local = probe.manifest(str(project), PROJECT_EXCLUDE, cache_dir=None)  # a project is small: read it whole
     _decide_facts(record, facts, local, times, limits, report)
     bad_versions = {p.host for p in report.problems if p.check in ("python", "torch", "toolkit")}
     fit = [h for h in facts if h not in bad_versions]
@@ -286,7 +286,7 @@ def main(argv: Sequence[str]) -> int:
         return 0
     facts = doc["facts"]
     window = tuple(doc["window"])
-    found, _ = facts_problems(facts, sched["host"], probe.manifest(argv[1], PROJECT_EXCLUDE),
+    found, _ = facts_problems(facts, sched["host"], probe.manifest(argv[1], PROJECT_EXCLUDE, cache_dir=None),
                               {h: window for h in facts}, Limits())
     for p in found:
         print(p.line())
