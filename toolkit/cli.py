@@ -21,6 +21,7 @@ from invoke.exceptions import ParseError
 from invoke.parser import ParserContext
 
 from toolkit import tasks
+from toolkit.check.decide import DEFAULT_MAX_SKEW, DEFAULT_MIN_FREE_GB, DEFAULT_SLOW_FACTOR
 from toolkit.errors import UserError
 from toolkit.settings import OPTION_NAMES, OPTIONS, CoreFlags, Request
 
@@ -126,7 +127,8 @@ class _Task(Task):
 
 
 def cluster_task(own: dict[str, tuple[Any, str]] | None = None, short: dict[str, str] | None = None) -> Callable:
-    """Declare a task taking the shared flags plus its `own` ones ({name: (default, help)}). The body receives
+    """Declare a task taking the shared flags plus its `own` ones ({name: (default, help)}; a list default makes
+    a flag that may be given several times, collected in a list). The body receives
     (request, **own flags): what the command line asked, resolved by the task as far as it needs (see
     settings.Request); a UserError becomes one line on stderr and its exit code (2, or the error's own: a job that
     failed under `train --join` exits 1). Run outside a ClusterContext (plain invoke) the task exits 2."""
@@ -150,7 +152,8 @@ def cluster_task(own: dict[str, tuple[Any, str]] | None = None, short: dict[str,
         help_ = {name: text for name, (_, text) in own.items()}
         help_.update({o.name: o.help + (f" [{o.default}]" if o.default not in (None, "", False, True) else "")
                       for o in OPTIONS})
-        return _Task(run, short or {}, name=body.__name__.rstrip("_"), help=help_)
+        iterable = [name for name, (default, _) in own.items() if isinstance(default, list)]
+        return _Task(run, short or {}, name=body.__name__.rstrip("_"), help=help_, iterable=iterable)
 
     return decorate
 
@@ -186,11 +189,28 @@ def record(request: Request, deployed: bool) -> None:
     "fresh": (False, "a job that finished: train it again from the start (its checkpoints and state are moved "
                      "aside, not deleted)"),
     "again": (False, "a job that finished: run it once more from its final checkpoints (e.g. with more epochs)"),
+    "no_check": (False, "start without checking the hosts first (see 'fleet check')"),
 })
-def train(request: Request, join: bool, join_timeout: str, fresh: bool, again: bool) -> None:
-    """Start the job on every host at once (all or nothing); deploys it first if it never was."""
+def train(request: Request, join: bool, join_timeout: str, fresh: bool, again: bool, no_check: bool) -> None:
+    """Start the job on every host at once (all or nothing), after checking them; deploys it first if it never was."""
     tasks.train(request, join=join, join_timeout=_seconds("--join-timeout", join_timeout), fresh=fresh,
-                again=again)
+                again=again, check=not no_check)
+
+
+@cluster_task(own={
+    "data": ([], "a data path to compare across hosts (besides --data-path); relative: to the project; repeatable"),
+    "min_free_gb": ("", f"GB that must be free at each host's checkpoint directory [{DEFAULT_MIN_FREE_GB:g}]"),
+    "max_clock_skew": ("", f"seconds a host's clock may be off this machine's [{DEFAULT_MAX_SKEW:g}]"),
+    "slow_factor": ("", f"times the median beyond which a host or link is slow [{DEFAULT_SLOW_FACTOR:g}]"),
+})
+def check(request: Request, data: list[str], min_free_gb: str, max_clock_skew: str, slow_factor: str) -> None:
+    """Check the deployed job's hosts before training: versions, project, data, environment, ports, disk, clock,
+    and a timed matmul and all-reduce; one line per problem, naming the host and the fix."""
+    free = _number("--min-free-gb", min_free_gb, DEFAULT_MIN_FREE_GB, zero=True)
+    tasks.check(request.job_ref(), data=tuple(data or ()), limits=tasks.Limits(
+        min_free_bytes=int(free * 1e9),
+        max_skew=_number("--max-clock-skew", max_clock_skew, DEFAULT_MAX_SKEW),
+        slow_factor=_number("--slow-factor", slow_factor, DEFAULT_SLOW_FACTOR)))
 
 
 @cluster_task(
@@ -274,6 +294,18 @@ def _seconds(flag: str, text: str) -> float | None:
     return value
 
 
+def _number(flag: str, text: str, default: float, zero: bool = False) -> float:
+    if text == "":
+        return default
+    try:
+        value = float(text)
+    except ValueError:
+        raise UserError(f"{flag} {text!r}: expected a number") from None
+    if not (value >= 0 if zero else value > 0) or value != value or value == float("inf"):
+        raise UserError(f"{flag} {text}: give a {'non-negative' if zero else 'positive'} finite number")
+    return value
+
+
 def _whole(flag: str, text: str) -> int | None:
     if text == "":
         return None
@@ -284,9 +316,9 @@ def _whole(flag: str, text: str) -> int | None:
 
 
 def namespace() -> Collection:
-    """The task set of `fleet` and of a project's fabfile.py: plan, deploy, record, train, status, logs, report,
-    stop, restart, replace."""
-    return Collection(plan, deploy, record, train, status, logs, report, stop, restart, replace)
+    """The task set of `fleet` and of a project's fabfile.py: plan, deploy, record, check, train, status, logs,
+    report, stop, restart, replace."""
+    return Collection(plan, deploy, record, check, train, status, logs, report, stop, restart, replace)
 
 
 def use_cluster_executor() -> None:

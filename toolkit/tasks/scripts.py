@@ -146,3 +146,14 @@ class TailParser:
             self.blank = True
             return
         self.emit(self.current, line)
+
+
+# Runs the check's probe (toolkit.check.probe, given as source) with the host's interpreter in the environment
+# one of its workers gets: the login environment plus the process's env file, from the job directory. Arguments:
+# job dir, env file (relative to it), python, then the probe's source and its arguments. Exit 127: no python.
+PROBE_SCRIPT = r"""
+d=$1 envf=$2 py=$3; shift 3
+cd -- "$d" || exit 1
+if [ -f "$envf" ]; then set -a; . "./$envf" || exit 1; set +a; fi
+exec "$py" -c "$@"
+"""

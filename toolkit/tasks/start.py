@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Mapping
 
 from toolkit import jobrecord
@@ -28,6 +29,7 @@ from toolkit.remote import (
     run_on_all,
 )
 from toolkit.settings import Request
+from toolkit.tasks.check import failure_text, print_report, run_check
 from toolkit.tasks.deploy import deploy
 from toolkit.tasks.hosts import (
     LAUNCH_TIMEOUT,
@@ -46,7 +48,7 @@ from toolkit.tasks.stop import stop_one
 
 
 def train(request: Request, join: bool = False, join_timeout: float | None = None, fresh: bool = False,
-          again: bool = False) -> None:
+          again: bool = False, check: bool = True) -> None:
     """Start the deployed job on every host at once (deploying it first if it never was); all or nothing: if a
     host fails to start, what started elsewhere is stopped. With `join`, wait for the job to end.
 
@@ -60,7 +62,11 @@ def train(request: Request, join: bool = False, join_timeout: float | None = Non
     Hosts whose agent already runs are left as they are (and counted). Raises UserError for --fresh with
     --again, for flags that contradict the record, for a finished job without --fresh/--again, or for --fresh
     while the job runs; on a failed start, UserError with the ClusterError text and what the rollback did; what
-    deploy raises when it deploys first; with `join`, what join_job raises."""
+    deploy raises when it deploys first; with `join`, what join_job raises.
+
+    With `check` (the default; `--no-check` turns it off), the hosts of a job on hosts (not a local one) are
+    checked first, after any deploy (tasks.check): a problem refuses the start (UserError listing them) before
+    anything is started; a host or link that is only slow is a warning."""
     if fresh and again:
         raise UserError("--fresh and --again both given: start the job over (--fresh) or go on from where it "
                         "ended (--again), not both")
@@ -72,6 +78,8 @@ def train(request: Request, join: bool = False, join_timeout: float | None = Non
     if record is None or not record.deployed:  # never deployed, or its last deploy did not complete
         record = deploy(request.settings())
     ssh = record_ssh(record, request.core)
+    if check and not record.local:
+        _check_first(record, ssh, ref.project)
     sched = record.host(record.scheduler_host)
     port = record.sched_port
     _previous_run(record, ssh, fresh=fresh, again=again)
@@ -97,6 +105,20 @@ def train(request: Request, join: bool = False, join_timeout: float | None = Non
          "follow it with 'fleet status' and 'fleet logs -f', end it with 'fleet stop'")
     if join:
         join_job(record, ssh, join_timeout, project=ref.project)
+
+
+def _check_first(record: JobRecord, ssh: SshSettings, project: Path) -> None:
+    """`train`'s check: the table and UserError on a problem (nothing has been started); slow hosts are warned of."""
+    report = run_check(record, ssh, project)
+    refuse = [p for p in report.problems if not p.slow]
+    if refuse:
+        print_report(record, report)
+        raise UserError(failure_text(report.problems) + "\nnothing was started; fix these (or pass --no-check to "
+                        "start anyway)")
+    for p in report.problems:
+        say(f"warning: {p.line()}")
+    say(f"checked {len(record.hosts)} host(s): they agree" + (" (some are slow, see the warnings)"
+                                                              if report.problems else ""))
 
 
 @dataclass(frozen=True)
