@@ -19,6 +19,7 @@ import argparse
 import hashlib
 import io
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -35,7 +36,7 @@ from toolkit.train.checkpoint import CheckpointError
 from toolkit.train.data import DataError, load_mnist
 
 HERE = Path(__file__).resolve().parent
-WORK_SLICE = 0.005  # s: --step-delay is slept in slices this long, each counted only up to its own length
+WORK_SLICE = 0.005  # s: --step-delay is slept in slices this long; a slice the process was stopped in counts nothing
 
 
 def interval(text: str) -> int | str:
@@ -47,15 +48,29 @@ def interval(text: str) -> int | str:
     return int(text)
 
 
-def model_time(seconds: float) -> None:
-    """Stand in for `seconds` of device work, as --step-delay asks: short sleeps of which only the time the process
-    ran counts, so a process that is stopped or starved (a straggler made on purpose with SIGSTOP bursts) takes
-    longer, as a slow device would, instead of finding its sleep over when it wakes."""
+class Continued:
+    """Counts the SIGCONTs this process received, i.e. the times it was stopped (SIGSTOP) and continued."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        signal.signal(signal.SIGCONT, self._continued)
+
+    def _continued(self, *_: object) -> None:
+        self.count += 1
+
+
+def model_time(seconds: float, continued: Continued) -> None:
+    """Stand in for `seconds` of device work, as --step-delay asks: short sleeps, each counted unless the process
+    was stopped during it, so a process stopped again and again (a straggler made on purpose with SIGSTOP bursts)
+    takes longer, as a slow device would, instead of finding its sleep over when it wakes. A busy machine's late
+    wake-ups count: they are not the process being slow."""
     left = seconds
     while left > 0:
+        seen = continued.count
         began = time.monotonic()
         time.sleep(min(WORK_SLICE, left))
-        left -= min(time.monotonic() - began, WORK_SLICE)
+        if continued.count == seen:
+            left -= time.monotonic() - began
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -133,6 +148,7 @@ def train(args: argparse.Namespace) -> int:
     rt = toolkit.train.init(timeout=args.timeout)
     sampler = DistributedSampler(dataset, rt.world_size, rt.rank, shuffle=True, seed=args.seed)
     loader = DataLoader(dataset, batch_size=args.batch_size, sampler=sampler)
+    continued = Continued()  # for --step-delay: time stopped is not work done
     trainer = toolkit.train.Trainer(rt, model, optimizer, loader, ckpt_dir=ckpt_dir, ckpt_every=args.ckpt_interval,
                                     keep=args.keep_max, seed=args.seed, async_ckpt=args.async_ckpt,
                                     deterministic=not args.plain_allreduce)
@@ -145,7 +161,7 @@ def train(args: argparse.Namespace) -> int:
             trainer.report(loss)  # for fleet status and fleet report (read at most once a second)
             if step % args.log_every == 0:
                 print(f"epoch: {trainer.epoch}, step: {step}, loss is {loss.item():.6f}", flush=True)
-        model_time(args.step_delay)
+        model_time(args.step_delay, continued)
     trainer.finish()
     if rt.rank == 0:
         final = args.final_out or ckpt_dir / "final.pt"

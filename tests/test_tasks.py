@@ -104,8 +104,13 @@ def project(tmp_path: Path, cluster: Cluster) -> Path:
 
 
 @pytest.fixture
-def job() -> str:
-    return f"t{uuid.uuid4().hex[:8]}"
+def job(project: Path) -> Iterator[str]:
+    """A fresh job name. Whatever the test did, nothing of that job runs after it: a job it deployed is stopped,
+    so one failed test does not leave processes that fail the next ones' leftover checks."""
+    name = f"t{uuid.uuid4().hex[:8]}"
+    yield name
+    if (project / ".toolkit" / "jobs" / f"{name}.json").exists():
+        fleet("stop", "--job", name, cwd=project)
 
 
 @pytest.fixture(scope="session")
@@ -152,7 +157,8 @@ def test_deploy_train_status_logs_restart_stop(cluster: Cluster, project: Path, 
         assert p["log_age"] is not None and p["log_age"] < 30
 
     table = ok(fleet("status", "--job", job, cwd=project)).stdout
-    for word in ("host", "node id", "rank", "pid", "state", "restarts", "last step", "log age", "worker_3"):
+    for word in ("host", "node id", "rank", "pid", "state", "restarts", "step", "steps/s", "loss", "heartbeat",
+                 "log age", "note", "worker_3"):
         assert word in table
 
     lines = ok(fleet("logs", "--job", job, "--rank", "1", "-n", "3", cwd=project)).stdout.splitlines()
