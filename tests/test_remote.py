@@ -102,8 +102,10 @@ def test_runs_on_every_host_in_parallel_from_the_generated_inventory(cluster: Cl
 
     results = check_all(run_on_all(targets, identify, settings(cluster)))
     assert {name: hostname for name, (hostname, _) in results.items()} == {n: n for n in cluster.names}
-    shown = " ".join(cluster.state.home_shares)  # a private home per host: root's real one (.bashrc) is hidden
-    assert all(home_listing == shown for _, home_listing in results.values())
+    # A private home per host: root's real one (.bashrc) is hidden; what toolkit itself keeps there (the pre-flight
+    # check's manifest cache, ~/.cache, after a check ran on the shared cluster) is the host's own.
+    shown = set(cluster.state.home_shares)
+    assert all(set(home_listing.split()) - {".cache"} == shown for _, home_listing in results.values()), results
 
 
 def test_fan_out_never_exceeds_parallel(cluster: Cluster, targets: list[Target]) -> None:

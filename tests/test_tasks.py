@@ -104,13 +104,15 @@ def project(tmp_path: Path, cluster: Cluster) -> Path:
 
 
 @pytest.fixture
-def job(project: Path) -> Iterator[str]:
-    """A fresh job name. Whatever the test did, nothing of that job runs after it: a job it deployed is stopped,
-    so one failed test does not leave processes that fail the next ones' leftover checks."""
+def job(tmp_path: Path) -> Iterator[str]:
+    """A fresh job name. Whatever the test did, nothing of that job runs after it: a job it deployed (from any
+    project under tmp_path) is stopped, so one failed test does not leave processes that fail the next ones'
+    leftover checks."""
     name = f"t{uuid.uuid4().hex[:8]}"
     yield name
-    if (project / ".toolkit" / "jobs" / f"{name}.json").exists():
-        fleet("stop", "--job", name, cwd=project)
+    for record in tmp_path.rglob(f"{name}.json"):
+        if record.parent.name == "jobs" and record.parent.parent.name == ".toolkit":
+            fleet("stop", "--job", name, cwd=record.parents[2])
 
 
 @pytest.fixture(scope="session")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import shutil
 
 import pytest
-from fault_harness import E2E, HOSTS, REPO, SCRIPT_ARGS, SLOTS
+from fault_harness import E2E, HOSTS, LONG_ARGS, REPO, SCRIPT_ARGS, SLOTS
 
 from toolkit.testing.cluster import Cluster
 
@@ -45,6 +45,17 @@ def _inventory(cluster: Cluster, hosts: list[str]) -> str:
 def baseline(e2e: E2E) -> str:
     """The final parameters' digest of an uninterrupted run with the same seed: what every fault must match."""
     job = e2e.job("baseline")
+    job.start()
+    digest = job.finish_ok()
+    job.wait_no_leftovers()
+    return digest
+
+
+@pytest.fixture(scope="session")
+def long_baseline(e2e: E2E) -> str:
+    """The digest of an uninterrupted run of LONG_ARGS on 6 ranks: what the random kills across hosts and the spares'
+    takeovers must match (the spares' 2 hosts x 3 slots are 6 ranks too)."""
+    job = e2e.job("long-baseline", "--script-args", f"{LONG_ARGS} --step-delay 0.02")
     job.start()
     digest = job.finish_ok()
     job.wait_no_leftovers()

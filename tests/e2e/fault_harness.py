@@ -29,6 +29,10 @@ FINAL = re.compile(r"final parameters: (\S+) sha256 ([0-9a-f]{64})")
 # Small and quick, but long enough to hit mid-training: 1440 samples / 6 ranks / 16 = 15 steps per epoch. The sample's
 # default collective timeout (120 s): survivors abandon a broken collective when the new generation is announced.
 SCRIPT_ARGS = "--epochs 2 --batch-size 16 --ckpt-interval 4 --keep-max 3 --step-delay 0.25"
+# The longer runs (random kills, spares): 120 steps. The final parameters depend on the world size (6) and these
+# arguments, not on the hosts the ranks run on nor on --step-delay (a wait), so one uninterrupted run is the
+# reference for all of them (conftest.long_baseline).
+LONG_ARGS = "--epochs 8 --batch-size 16 --ckpt-interval 4 --keep-max 3"
 JOB_TIMEOUT = 240.0  # s for one job from deploy to its end, faults and recoveries included
 LEFTOVER_WAIT = 90.0  # s for every process of an ended job (or a killed agent's) to be gone, on a busy machine
 

@@ -14,7 +14,7 @@ import json
 import shutil
 
 import pytest
-from fault_harness import E2E, REPO, Job
+from fault_harness import E2E, LONG_ARGS, REPO, Job
 
 from toolkit.testing.cluster import Cluster
 
@@ -22,7 +22,7 @@ SLOTS = 3
 KILL_AT = 6  # every worker past this step (a checkpoint every 4) when the host crashes
 # 1440 samples / 6 ranks / 16 = 15 steps per epoch, 120 in all: long enough for a takeover, a refused host and a
 # replacement by hand before the end, on a busy 2-core machine (each takeover waits for the spare's cold start).
-SCRIPT_ARGS = "--epochs 8 --batch-size 16 --ckpt-interval 4 --keep-max 3 --step-delay 0.4"
+SCRIPT_ARGS = f"{LONG_ARGS} --step-delay 0.4"
 LAST_STEP = 8 * 15
 HOST_TIMEOUT = 4  # s: a host whose agent is gone this long, its workers dead, is lost
 
@@ -64,14 +64,11 @@ def holders(job: Job, host: str) -> dict[str, dict]:
             if p["node_id"] != "sched" and p.get("state") == "running" and p.get("pid")}
 
 
-def test_a_spare_takes_over_a_lost_host_and_another_by_hand(spares_e2e: E2E) -> None:
+def test_a_spare_takes_over_a_lost_host_and_another_by_hand(spares_e2e: E2E, long_baseline: str) -> None:
     a, b = spares_e2e.hosts[:2]
     spares = spares_e2e.hosts[2:]
     cluster = spares_e2e.cluster
-    clean = spares_e2e.job("spares-clean")
-    clean.start()
-    baseline = clean.finish_ok()
-    clean.wait_no_leftovers()
+    baseline = long_baseline  # an uninterrupted run of the same arguments on 6 ranks (tests/e2e/conftest.py)
 
     job = spares_e2e.job("spares")
     job.start()

@@ -11,24 +11,14 @@ import re
 import signal
 import time
 
-import pytest
-from fault_harness import E2E, HOSTS, SLOTS, Job
+from fault_harness import E2E, HOSTS, LONG_ARGS, SLOTS, Job
 
-ARGS = "--epochs 8 --batch-size 16 --ckpt-interval 4 --keep-max 3 --step-delay 0.08"
+ARGS = f"{LONG_ARGS} --step-delay 0.08"
 KILLS = 10
 STEP = re.compile(r"^epoch: (\d+), step: (\d+), loss is", re.M)
 RECOVERED = re.compile(r"^rank (\d+): resumed from step (\d+) .* out of rank \d+'s (memory|checkpoint).*?"
                        r"(?:: (\d+) step\(s\) recomputed)?$", re.M)
 WORLD = HOSTS * SLOTS
-
-
-@pytest.fixture(scope="module")
-def long_baseline(e2e: E2E) -> str:
-    job = e2e.job("zero-baseline", "--script-args", ARGS)
-    job.start()
-    digest = job.finish_ok()
-    job.wait_no_leftovers()
-    return digest
 
 
 def steps(job: Job, rank: int) -> int:
