@@ -16,7 +16,7 @@ from fault_harness import E2E, LONG_ARGS, Job
 from toolkit.testing.cluster import format_workload
 
 KILL_AT = 6  # every worker past this step (a checkpoint every 4) when the fault hits
-KILL_EVERY = 30  # steps between the kills of one job (of 120): each well after the previous recovery
+KILL_EVERY = 25  # steps between the faults of one job (of 120): each well after the previous recovery
 
 
 def survivors_kept_running(job: Job, replaced: set[str]) -> None:
@@ -33,10 +33,11 @@ def test_uninterrupted_run(e2e: E2E, baseline: str) -> None:
     assert re.fullmatch(r"[0-9a-f]{64}", baseline)
 
 
-def test_kill_the_first_middle_and_last_worker_in_turn(e2e: E2E, long_baseline: str) -> None:
+def test_kill_the_first_middle_and_last_worker_then_two_on_different_hosts(e2e: E2E, long_baseline: str) -> None:
     """Ranks 0, 3 and 5 (on the first, middle and last host) killed one after the other in one job, each once every
-    rank trains past the next mark: each is declared dead and relaunched, the others keep running, and the result
-    is the uninterrupted run's. (One job for the three: each would otherwise pay a job's start-up.)"""
+    rank trains past the next mark, then ranks 1 and 4 (two hosts) at once: each is declared dead and relaunched,
+    the only survivor of it all (rank 2) keeps running, and the result is the uninterrupted run's. (One job for the
+    four faults: each would otherwise pay a job's start-up.)"""
     job = e2e.job("kill-each", "--script-args", f"{LONG_ARGS} --step-delay 0.1")
     job.start()
     for n, rank in enumerate((0, 3, 5)):
@@ -44,21 +45,15 @@ def test_kill_the_first_middle_and_last_worker_in_turn(e2e: E2E, long_baseline: 
         victim = job.wait_step(KILL_AT + KILL_EVERY * n)[node]
         os.kill(victim["pid"], signal.SIGKILL)
         job.wait_for(f"{node} declared dead", lambda node=node: job.declared_dead().get(node))
-    assert job.finish_ok() == long_baseline
-    survivors_kept_running(job, {"worker_0", "worker_3", "worker_5"})
-    job.wait_no_leftovers()
-
-
-def test_kill_two_workers_on_different_hosts(e2e: E2E, baseline: str) -> None:
-    job = e2e.job("kill-two")
-    job.start()
-    procs = job.wait_step(KILL_AT)
+    procs = job.wait_step(KILL_AT + KILL_EVERY * 3)
     a, b = procs["worker_1"], procs["worker_4"]
     assert a["host"] != b["host"]
     os.kill(a["pid"], signal.SIGKILL)
     os.kill(b["pid"], signal.SIGKILL)
-    assert job.finish_ok() == baseline
-    survivors_kept_running(job, {"worker_1", "worker_4"})
+    job.wait_for("both declared dead", lambda: job.declared_dead().get("worker_1") and
+                 job.declared_dead().get("worker_4"))
+    assert job.finish_ok() == long_baseline
+    survivors_kept_running(job, {"worker_0", "worker_3", "worker_5", "worker_1", "worker_4"})
     job.wait_no_leftovers()
 
 
