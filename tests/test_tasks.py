@@ -270,8 +270,11 @@ def test_busy_scheduler_port_starts_nothing_anywhere(cluster: Cluster, project: 
     sched = cluster.hosts[0]
     ok(fleet("deploy", "--job", job, "--master-port", port, "--script-args", LONG, cwd=project))
     squatter = subprocess.Popen(cluster.netns_argv(sched.name, [
-        sys.executable, "-c", "import socket, sys; s = socket.socket(); s.bind(('', int(sys.argv[1]))); s.listen();"
-        " print('up', flush=True); sys.stdin.read()", port]), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        # SO_REUSEADDR as any server sets it: the port may still hold TIME_WAIT connections of an earlier pre-flight
+        # check's pair stores (they use the ports after a job's pair), which would fail a plain bind.
+        sys.executable, "-c", "import socket, sys; s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, "
+        "socket.SO_REUSEADDR, 1); s.bind(('', int(sys.argv[1]))); s.listen(); print('up', flush=True); "
+        "sys.stdin.read()", port]), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert squatter.stdout.readline() == "up\n"  # type: ignore[union-attr]
         r = fleet("train", "--no-check", "--job", job, cwd=project)
@@ -442,7 +445,8 @@ def test_a_finished_job_is_not_started_again_by_accident(tmp_path: Path, job: st
     (elsewhere / job).mkdir(parents=True)
     (elsewhere / job / "env").write_text("in the way")  # the job's layout cannot be made
     moved_flags = [str(elsewhere) if f == str(work) else f for f in flags]
-    assert fleet("deploy", *moved_flags, cwd=d).returncode == 2
+    r = fleet("deploy", *moved_flags, cwd=d)
+    assert r.returncode == 2 and str(elsewhere / job / "env") in r.stderr, r.stderr  # failed where it was meant to
     assert {p["state"] for p in status(d, job)["processes"]} == {"not started"}
     (elsewhere / job / "env").unlink()
     r = ok(fleet("train", "--join", *moved_flags, cwd=d))  # the incomplete deploy is done again first
