@@ -222,10 +222,10 @@ def test_stop_mid_run_then_train_resumes(e2e: E2E, baseline: str) -> None:
     job.start()
     job.wait_step(KILL_AT)
     job.fleet("stop", timeout=60)
-    left = job.leftovers()  # `stop` verified this on every host before it returned
-    assert not left, "fleet stop returned with processes of the job still running:\n" + format_workload(left)
-    code, _ = job.join(timeout=30)
+    code, _ = job.join(timeout=60)  # the foreground `fleet train` sees the stop and ends, its status polls with it
     assert code != 0  # the job did not finish: it was stopped
+    left = job.leftovers()  # `stop` verified this on every host before it returned: no wait here
+    assert not left, "fleet stop returned with processes of the job still running:\n" + format_workload(left)
     stopped_at = max(int(s) for s in re.findall(r"stopped by SIGTERM at step (\d+)", job.log("worker_0")))
     job.start("train")
     assert job.finish_ok() == baseline
