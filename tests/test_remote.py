@@ -39,7 +39,7 @@ from toolkit.remote import (
     run_on_all,
 )
 from toolkit.testing import waits
-from toolkit.testing.cluster import Cluster
+from toolkit.testing.cluster import Cluster, describe
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -67,10 +67,8 @@ def by_name(targets: list[Target], name: str) -> Target:
 
 def gone(pid: int) -> bool:
     """Exited (a zombie awaiting this machine's slow reaper counts as exited). Hosts share the PID space."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
-    except FileNotFoundError:
-        return True
+    info = describe(pid)
+    return info is None or not info.live
 
 
 @pytest.fixture(params=["local", "ssh"])
@@ -482,8 +480,8 @@ def test_command_in_flight_on_a_crashed_host_is_connection_lost(cluster: Cluster
         runner.start()
 
         def sleeping() -> bool:
-            return any(Path(f"/proc/{p}/cmdline").read_bytes().startswith(b"sleep\x0030")
-                       for p in cluster.workload_pids(victim.name) if Path(f"/proc/{p}").exists())
+            return any(info is not None and info.command == "sleep 30"
+                       for info in map(describe, cluster.workload_pids(victim.name)))
 
         waits.wait_for("the remote sleep to start", sleeping, WAIT)
         with cluster.crashed(victim.name):

@@ -226,7 +226,13 @@ def test_stop_mid_run_then_train_resumes(e2e: E2E, baseline: str) -> None:
     assert code != 0  # the job did not finish: it was stopped
     left = job.leftovers()  # `stop` verified this on every host before it returned: no wait here
     assert not left, "fleet stop returned with processes of the job still running:\n" + format_workload(left)
-    stopped_at = max(int(s) for s in re.findall(r"stopped by SIGTERM at step (\d+)", job.log("worker_0")))
+    # the hosts get their SIGTERM one after another: a rank that learns of the stop from a peer saves at the agreed
+    # step too ("a peer stops"), then its own SIGTERM ends it while the group re-forms; the newest save is the stop's
+    saved = [int(step) for host in e2e.hosts for log in (job.job_dir(host) / "logs").glob("worker_*.log")
+             for step in re.findall(r"(?:stopped|a peer stops) by SIGTERM at step (\d+), checkpoint saved",
+                                    log.read_text(errors="replace"))]
+    assert saved, "no worker saved a checkpoint when it was stopped:\n" + job.evidence()
+    stopped_at = max(saved)
     job.start("train")
     assert job.finish_ok() == baseline
     resumed = [int(s) for s in re.findall(r"resumed from step (\d+)", job.log("worker_0"))]
