@@ -136,3 +136,12 @@ def _exited(pid: int) -> bool:
     """Gone, or a zombie awaiting its reaper."""
     info = describe(pid)
     return info is None or not info.live
+
+
+def test_up_refuses_bad_sizes() -> None:
+    from toolkit.testing.cluster import ClusterSetupError
+
+    with pytest.raises(ClusterSetupError, match="1 to 250 hosts"):
+        Cluster.up(0)
+    with pytest.raises(ClusterSetupError, match="1 to 250 hosts"):
+        Cluster.up(251)
