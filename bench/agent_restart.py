@@ -27,7 +27,6 @@ import json
 import os
 import shlex
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -36,6 +35,7 @@ import time
 from pathlib import Path
 
 from toolkit.testing.events import Events
+from toolkit.testing.ports import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 HEALTHY_RESET = 1.0  # s: a replacement that ran this long restarts its budget (the policy's first restart is 0 s)
@@ -82,9 +82,7 @@ def make_job(root: Path, events: Events, warm: bool) -> Path:
         processes.append({"node_id": node, "role": "MS_WORKER", "rank": rank, "local_rank": rank,
                           "argv": [sys.executable, "worker.py", events.path], "cwd": "project",
                           "env_file": f"env/{node}.env", "log_file": f"logs/{node}.log"})
-    with socket.socket() as s:  # a port nobody serves: no scheduler, the agent works on without it
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()  # a port nobody serves: no scheduler, the agent works on without it
     spec = {"version": 1, "job": "bench", "host": "local", "scheduler": {"host": "127.0.0.1", "port": port},
             "token_file": "token", "max_restarts": 1000, "backoff_base": 1.0, "backoff_max": 30.0,
             "healthy_reset": HEALTHY_RESET, "grace": 2.0, "bind_core": False, "warm_spare": warm,

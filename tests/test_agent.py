@@ -26,6 +26,7 @@ from toolkit.agent.commands import read_pid_file as running_agent_record
 from toolkit.agent.log import LOG_TAIL_LINES
 from toolkit.errors import UserError
 from toolkit.testing.events import Events
+from toolkit.testing.ports import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = str(Path(__file__).parent / "scripts" / "agent_worker.py")
@@ -111,12 +112,6 @@ def sched():
     s = FakeScheduler()
     yield s
     s.close()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Job:

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from toolkit.testing.ports import free_port
 
 
 @pytest.fixture
@@ -23,13 +24,6 @@ def tiny_tmpfs(tmp_path: Path) -> Iterator[Path]:
         yield mnt
     finally:
         subprocess.run(["umount", "-l", str(mnt)], check=False, timeout=30)
-
-
-def free_port() -> int:
-    """A port nothing listens on right now (the OS picks it), for a fresh TCPStore per round."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="session")
