@@ -16,12 +16,11 @@ from toolkit.train.runtime import (
     WorkerEnv,
     init,
 )
-from toolkit.train.trainer import PeerLost, Terminated, Trainer, TrainerError
+from toolkit.train.trainer import Terminated, Trainer, TrainerError
 
 __all__ = [
     "GenerationChanged",
     "JobStopped",
-    "PeerLost",
     "RegistrationError",
     "Runtime",
     "RuntimeConfigError",

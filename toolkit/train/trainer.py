@@ -24,7 +24,7 @@ a whole-job restart, or a world of one. SIGTERM: every rank agrees at the next s
 (last words); the ranks that got the signal leave (exit 143), the others go on and meet the replacement.
 
 Under torchrun or alone the same script runs: a fault there ends the process with one line and exit code 1
-(PeerLost) for the launcher to restart the world, which resumes from the newest checkpoint.
+(EXIT_PEER_LOST) for the launcher to restart the world, which resumes from the newest checkpoint.
 
 What a step may contain: anything, as long as every collective of the step runs inside `trainer.step()` (a
 collective outside it fails like any other error when a peer dies). Extra state (an LR scheduler, a grad scaler)
@@ -43,7 +43,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any, Iterator, Mapping, NoReturn
 
 import numpy as np
 import torch
@@ -57,12 +57,8 @@ from toolkit.train.loader import Positioner
 from toolkit.train.runtime import MODE_TOOLKIT, GenerationChanged, JobStopped, Runtime, _first_line, _looks_collective
 
 EXIT_TERMINATED = 128 + signal.SIGTERM
+EXIT_PEER_LOST = 1  # under torchrun or alone: a peer is gone, the launcher restarts the world
 FROM_PEER, FROM_CHECKPOINT, FROM_INITIAL = "peer", "checkpoint", "initial"
-
-
-class PeerLost(SystemExit):
-    """A collective failed because a peer is gone, under a launcher that cannot re-form the group in place
-    (torchrun, or none): the process ends with this one line and exit code 1, for the launcher to restart."""
 
 
 class Terminated(SystemExit):
@@ -197,8 +193,8 @@ class Trainer:
                 self._abandoned(applied, changed.new)
                 return
             if self.rt.mode != MODE_TOOLKIT and _looks_collective(e):
-                raise PeerLost(f"rank {self.rt.rank}: a collective failed, a peer is gone ({_first_line(e)}); "
-                               "this launcher cannot re-form the group in place: exiting for a restart") from None
+                self._end_for_restart(f"rank {self.rt.rank}: a collective failed, a peer is gone ({_first_line(e)}); "
+                                      "this launcher cannot re-form the group in place: exiting for a restart")
             raise
         self.step_count += 1
         self._live = True
@@ -427,6 +423,19 @@ class Trainer:
         torch.manual_seed(value)
         random.seed(value)
         np.random.seed(value % (1 << 32))
+
+    def _end_for_restart(self, why: str) -> NoReturn:
+        """Under torchrun or alone a peer is gone: the checkpoint in flight made durable, `why` on stderr, exit code 1
+        at once, for the launcher to restart the world. os._exit, not SystemExit: the interpreter's teardown would
+        destroy the broken gloo group, whose transport thread may then throw (std::terminate: SIGABRT instead of
+        exit 1, seen in CI)."""
+        try:
+            self.manager.flush()
+        except Exception as e:  # noqa: BLE001 - the restart resumes from the newest checkpoint that is whole
+            print(f"rank {self.rt.rank}: the checkpoint in flight was not saved: {_first_line(e)}", file=sys.stderr)
+        print(why, file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(EXIT_PEER_LOST)
 
     # -- SIGTERM
 
