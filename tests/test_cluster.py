@@ -3,6 +3,7 @@ client and toolkit's own inventory parser, so a mistake in the generated files s
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -13,7 +14,7 @@ import pytest
 
 from toolkit.inventory import load_ansible_inventory
 from toolkit.testing import waits
-from toolkit.testing.cluster import REGISTRY, Cluster, describe
+from toolkit.testing.cluster import REGISTRY, Cluster, describe, exited
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -83,7 +84,8 @@ def test_crashing_a_host_kills_everything_in_it_even_detached_processes(cluster:
                        lambda: _commands(cluster.workload_pids(victim.name)) >= {"sleep 300", "sleep 301"}, WAIT,
                        evidence=lambda: str(_commands(cluster.workload_pids(victim.name))))
     except BaseException:
-        os.killpg(session, signal.SIGKILL)  # the cluster is shared: leave nothing for the next test to find
+        with contextlib.suppress(ProcessLookupError):  # the cluster is shared: leave nothing for the next test
+            os.killpg(session, signal.SIGKILL)
         raise
     with cluster.crashed(victim.name) as h:
         assert cluster.netns_pids(h.name) == []
@@ -103,7 +105,7 @@ def test_two_clusters_coexist_and_down_removes_only_its_own(cluster: Cluster) ->
         assert other.down() == []
     assert not {h.netns for h in other.hosts} & netns_names()
     assert not Path(f"/sys/class/net/{other.state.bridge}").exists()
-    assert all(_exited(pid) for pid in sshd if pid)
+    assert all(exited(pid) for pid in sshd if pid)
     assert not Path(other.state.dir).exists() and not (REGISTRY / f"{other.state.id}.json").exists()
     assert other.down() == []  # twice is harmless
     assert ssh(cluster, cluster.hosts[0].name, "hostname").stdout.strip() == cluster.hosts[0].name
@@ -130,12 +132,6 @@ def test_a_cluster_whose_builder_died_is_removed_from_its_recorded_state(tmp_pat
 def _commands(pids: list[int]) -> set[str]:
     """The command lines of those of `pids` still running (one may exit while it is read: it is left out)."""
     return {info.command for info in map(describe, pids) if info is not None and info.live}
-
-
-def _exited(pid: int) -> bool:
-    """Gone, or a zombie awaiting its reaper."""
-    info = describe(pid)
-    return info is None or not info.live
 
 
 def test_up_refuses_bad_sizes() -> None:

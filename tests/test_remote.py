@@ -39,7 +39,7 @@ from toolkit.remote import (
     run_on_all,
 )
 from toolkit.testing import waits
-from toolkit.testing.cluster import Cluster, describe
+from toolkit.testing.cluster import Cluster, describe, exited
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -63,12 +63,6 @@ def targets(cluster: Cluster) -> list[Target]:
 
 def by_name(targets: list[Target], name: str) -> Target:
     return next(t for t in targets if t.name == name)
-
-
-def gone(pid: int) -> bool:
-    """Exited (a zombie awaiting this machine's slow reaper counts as exited). Hosts share the PID space."""
-    info = describe(pid)
-    return info is None or not info.live
 
 
 @pytest.fixture(params=["local", "ssh"])
@@ -151,7 +145,7 @@ def test_a_timed_out_command_is_stopped_on_the_host(host_and_dir: tuple[Host, Pa
     result = host.run(["sh", "-c", 'echo $$ > "$1"; exec sleep 30', "sh", str(pidfile)], timeout=1)
     assert result.timed_out and result.exit_code is None and not result.ok and not result.connection_lost
     pid = int(pidfile.read_text())
-    waits.wait_for(f"timed-out command (pid {pid}) to be gone", lambda: gone(pid), WAIT)
+    waits.wait_for(f"timed-out command (pid {pid}) to be gone", lambda: exited(pid), WAIT)
 
 
 def test_a_command_killed_by_a_signal_is_not_a_lost_connection(host_and_dir: tuple[Host, Path]) -> None:
@@ -166,7 +160,7 @@ def test_detached_process_outlives_the_connection(host_and_dir: tuple[Host, Path
     pid = host.detach(["sh", "-c", "echo started; exec sleep 60"], "detached.log", cwd=str(workdir))
     try:
         host.close()
-        assert not gone(pid)
+        assert not exited(pid)
         assert os.getsid(pid) == pid  # its own session: no hangup from the connection
         log = workdir / "detached.log"
         waits.wait_for("the detached process's log", lambda: log.read_text() == "started\n", WAIT)

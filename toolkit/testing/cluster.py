@@ -858,6 +858,12 @@ def describe(pid: int) -> ProcessInfo | None:
     return ProcessInfo(pid, int(fields[1]), fields[0], age, command)
 
 
+def exited(pid: int) -> bool:
+    """Gone, or a zombie awaiting its reaper (this machine's reaper may be slow): what "no longer runs" means."""
+    info = describe(pid)
+    return info is None or not info.live
+
+
 def format_workload(found: dict[str, list[ProcessInfo]]) -> str:
     """One line per leftover process, under its host: what an assertion about leftovers prints."""
     return "\n".join(f"  {host}: {info}" for host, infos in found.items() for info in infos)
