@@ -86,6 +86,14 @@ def test_a_slowed_rank_is_named_and_the_auto_interval_is_shared(tmp_path: Path) 
         assert not re.search(r"straggler: worker_[01] ", job.log("scheduler.log"))
         flagged = until("live.json naming it", lambda: live(job).get("stragglers"), job)
         assert [(s["rank"], s["host"]) for s in flagged] == [(2, "localhost")]
+        stop.set()
+        slower.join(10)
+        # The ledger records each rank's changes of interval as its heartbeats bring them (one a second, the file
+        # every few seconds), so just after a change the ranks' latest entries can differ; read it while the job
+        # runs until one snapshot shows every rank's latest. The job's stop could cut off a change in flight.
+        intervals = until("the ledger's latest interval of every rank, one interval", lambda: shared_interval(job),
+                          job)
+        assert all("Young" in i["why"] for i in intervals.values()), intervals
     finally:
         stop.set()
         if slower.is_alive():
@@ -93,6 +101,16 @@ def test_a_slowed_rank_is_named_and_the_auto_interval_is_shared(tmp_path: Path) 
         job.cleanup()
     ledger = json.loads((job.dir / "recovery" / rundoc.LEDGER_FILE).read_text())
     assert [(s["rank"], s["host"]) for s in ledger["stragglers"]] == [(2, "localhost")]
-    latest = {i["rank"]: i for i in ledger["intervals"]}  # each rank's last change of interval, with its reason
-    assert set(latest) == set(range(WORLD)), ledger["intervals"]
-    assert len({i["steps"] for i in latest.values()}) == 1 and all("Young" in i["why"] for i in latest.values())
+
+
+def shared_interval(job: LocalJob) -> dict[int, dict[str, Any]] | None:
+    """Each rank's latest change of interval (with its reason) in the ledger on disk, if every rank has one and
+    they are one interval; else None."""
+    try:
+        ledger = json.loads((job.dir / "recovery" / rundoc.LEDGER_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    latest = {i["rank"]: i for i in ledger["intervals"]}
+    if set(latest) != set(range(WORLD)) or len({i["steps"] for i in latest.values()}) != 1:
+        return None
+    return latest
