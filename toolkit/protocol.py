@@ -281,6 +281,24 @@ def pace_fields(msg: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+MAX_CAUSE = 300  # characters of a failure's cause (`exited`, `gave_up`, `kill`): one line
+
+
+def one_line(text: str) -> str:
+    """`text`'s first non-empty line, stripped, without control characters, cut to MAX_CAUSE characters: how a
+    cause (an exception's message, a reason) travels and is shown."""
+    line = next((s.strip() for s in text.splitlines() if s.strip()), "")
+    line = "".join(c for c in line if c.isprintable())
+    return line if len(line) <= MAX_CAUSE else line[:MAX_CAUSE - 3] + "..."
+
+
+def cause_field(msg: dict[str, Any]) -> str | None:
+    """A message's `cause` (the first cause of an exit, or why a kill was asked) as one bounded line; None when it is
+    missing, empty or not a string."""
+    cause = msg.get("cause")
+    return (one_line(cause) or None) if isinstance(cause, str) else None
+
+
 def store_prefix(job: str, boot: str, generation: int) -> str:
     """Key prefix of one generation's process group in the job's store.
 

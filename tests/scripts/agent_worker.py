@@ -20,7 +20,7 @@ import time
 BLOCK_LIMIT = 120.0  # a blocked worker that nobody kills exits on its own, so a broken test cannot hang forever
 
 ENV_KEYS = ("RANK", "LOCAL_RANK", "MS_NODE_ID", "MS_ROLE", "TORCHELASTIC_RESTART_COUNT", "WORLD_SIZE",
-            "TOOLKIT_AGENT_SOCKET", "EXTRA", "OMP_NUM_THREADS")
+            "TOOLKIT_AGENT_SOCKET", "EXTRA", "OMP_NUM_THREADS", "TORCHELASTIC_ERROR_FILE")
 
 
 def main() -> int:
@@ -38,6 +38,7 @@ def main() -> int:
     ap.add_argument("--ignore-term", action="store_true")
     ap.add_argument("--grandchild", action="store_true")
     ap.add_argument("--progress", type=int, default=0)
+    ap.add_argument("--error", default=None, help="write this message to TORCHELASTIC_ERROR_FILE (as @record does)")
     args = ap.parse_args()
 
     warm = "torch._dynamo" in sys.modules  # true only when a warm spare ran us
@@ -71,6 +72,9 @@ def main() -> int:
     for step in range(1, args.progress + 1):
         send(agent_sock, {"node_id": os.environ.get("MS_NODE_ID"), "step": step, "epoch": 0})
 
+    if args.error is not None:
+        with open(os.environ["TORCHELASTIC_ERROR_FILE"], "w") as f:
+            json.dump({"message": {"message": args.error, "extraInfo": {"py_callstack": "...", "timestamp": "0"}}}, f)
     blocked = args.block or (args.block_until_restart is not None and restart < args.block_until_restart)
     if blocked:
         select.select([], [], [], BLOCK_LIMIT)

@@ -100,9 +100,10 @@ def on_exit(policy: RestartPolicy, e: Exited, how: str) -> Settle | Relaunch | S
 @dataclass(frozen=True)
 class Kill:
     """Fence a process the scheduler declared dead (it may still run, e.g. SIGSTOPped): SIGKILL its group; its
-    death is then handled like any other."""
+    death is then handled like any other, its first cause the scheduler's `cause` unless it had one of its own."""
 
     node_id: str
+    cause: str = "declared dead"
 
 
 @dataclass(frozen=True)
@@ -162,7 +163,7 @@ def on_scheduler(msg: Mapping[str, Any], running: Mapping[str, int], closing: bo
         node_id, pid = str(msg.get("node_id"))[:256], P.whole(dict(msg), "pid")
         if node_id not in running or (pid is not None and pid != running[node_id]):
             return Ignore(f"scheduler asked to kill {node_id} pid {pid}: not running here")
-        return Kill(node_id)
+        return Kill(node_id, P.cause_field(dict(msg)) or "declared dead")
     if op == P.STOP:
         return StopJob(str(msg.get("reason") or "no reason given")[:2000])
     if op == P.FINISHED:

@@ -268,8 +268,9 @@ def _proc(host: str, p: Mapping[str, Any], got: Mapping[str, Any], state: str, n
         age = max(0.0, now - mtimes[log_name])
     last = got.get("last_exit") or None
     how = None
-    if isinstance(last, dict):
-        how = f"killed by {last['signal']}" if last.get("signal") else f"exit code {last.get('code')}"
+    if isinstance(last, dict):  # its first cause when the agent found one (the script's error, the fencing)
+        how = last.get("cause") if isinstance(last.get("cause"), str) else (
+            f"killed by {last['signal']}" if last.get("signal") else f"exit code {last.get('code')}")
     steps = [v for v in (got.get("step"), figures.get("step")) if isinstance(v, int) and not isinstance(v, bool)]
     score = _number(figures.get("score"))
     straggler = round(1 / score, 2) if figures.get("straggler") is True and score else None
