@@ -143,7 +143,7 @@ class ScriptSession:
             return 0
         if ch.generation is None or (error is not None and not _looks_collective(error)):
             return code
-        what = _first_line(error) if error is not None else f"exit code {code}"
+        what = f"{type(error).__name__}: {_first_line(error)}" if error is not None else f"exit code {code}"
         _say(self.cfg.node_id, f"the script failed ({what}); waiting up to {self.cfg.word_wait:g} s for the "
                                "scheduler's word (a peer's death breaks the collectives before it is announced)")
         try:
@@ -152,9 +152,7 @@ class ScriptSession:
             return code
         if moved is None:
             return code
-        _say(self.cfg.node_id, f"the job moved to generation {moved}: the failure was a peer's death; exiting with "
-                               f"code {EXIT_REJOIN} for the agent to relaunch this worker")
-        exit_now(EXIT_REJOIN)
+        exit_now(EXIT_REJOIN)  # the control thread said why (it may exit first: _Channel._handle)
 
 
 def run_script(argv: Sequence[str], env: dict[str, str] | None = None) -> int:
