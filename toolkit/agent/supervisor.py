@@ -331,8 +331,11 @@ class Agent:
         the link is down) + procs.KILL_WAIT (the spare gets SIGKILL at once: it holds no state) + grace +
         procs.KILL_WAIT (each child's group gets SIGTERM, and SIGKILL if still there after `grace`). Pending restarts
         and timers are cancelled first. Deaths seen here are recorded but neither reported (the link is closed by then)
-        nor relaunched. agent.json says `stopping` while anything is being stopped, then the final state; slots not
-        already succeeded or failed end `stopped`. The sockets are closed and unlinked last."""
+        nor relaunched. When this agent failed and its reports reached the scheduler, a scheduler it runs is given
+        grace to exit on its own once the workers are stopped: it has the failure to record (a SIGTERM could come
+        first and leave the job "stopped" with no cause). agent.json says `stopping` while anything is being
+        stopped, then the final state; slots not already succeeded or failed end `stopped`. The sockets are closed
+        and unlinked last."""
         for slot in self.slots.values():
             for t in (slot.timer, slot.kill_timer):
                 if t:
@@ -347,8 +350,10 @@ class Agent:
         if live or self.spare:
             self.state = "stopping"
             self._write()
+        delivered = not self.link.closed
         if (self.link.queue or self.link.wbuf) and not self.link.closed:
-            if not self.link.flush(REPORT_FLUSH_TIMEOUT):
+            delivered = self.link.flush(REPORT_FLUSH_TIMEOUT)
+            if not delivered:
                 self.log("agent", "could not deliver the last reports to the scheduler")
         self.link.close()
         if self.spare is not None:
@@ -359,22 +364,20 @@ class Agent:
             self.spare.child.wait(procs.KILL_WAIT)
             self.spare.sock.close()
             self.spare = None
-        if live:
-            names = {s.child.pid: s for s in live}
-            self.log("agent", f"stopping {', '.join(s.spec.node_id for s in live)}: SIGTERM, "
-                              f"then SIGKILL after {self.spec.grace:g} s")
-            out = procs.stop_all(
-                [s.child for s in live], self.spec.grace,
-                on_kill=lambda c: self.log(names[c.pid].spec.node_id,
-                                           f"pid {c.pid} still running after {self.spec.grace:g} s: SIGKILL"))
-            for pid, status in out.items():
-                slot = names[pid]
+        told = final_state == "failed" and delivered  # a scheduler here has the failure, and ends on it
+        workers = [s for s in live if s.spec.is_worker or not told]
+        self._stop_children(workers)
+        for slot in (s for s in live if s not in workers):
+            status = slot.child.wait(self.spec.grace)
+            if status is None:
+                self._stop_children([slot])
+            else:
                 self._record_exit(slot, status)
-                self.log(slot.spec.node_id, f"pid {pid} stopped ({status.describe()})")
-            for slot in live:
-                slot.child = None
-                if slot.state not in ("succeeded", "failed"):
-                    slot.state = "stopped"
+                self.log(slot.spec.node_id, f"pid {slot.child.pid} exited ({status.describe()})")
+        for slot in live:
+            slot.child = None
+            if slot.state not in ("succeeded", "failed"):
+                slot.state = "stopped"
         for slot in self.slots.values():
             if slot.state in ("backoff", "pending", "restarting", "running"):
                 slot.state = "stopped"
@@ -384,6 +387,23 @@ class Agent:
                  + f", exit status {self.exit_code}")
         self._close_sockets()
         return self.exit_code
+
+    def _stop_children(self, slots: list[Slot]) -> None:
+        """SIGTERM the groups of `slots`' children, SIGKILL what is left after grace (procs.stop_all), and record how
+        each ended. Blocking, bounded by about grace + procs.KILL_WAIT."""
+        if not slots:
+            return
+        names = {s.child.pid: s for s in slots}
+        self.log("agent", f"stopping {', '.join(s.spec.node_id for s in slots)}: SIGTERM, "
+                          f"then SIGKILL after {self.spec.grace:g} s")
+        out = procs.stop_all(
+            [s.child for s in slots], self.spec.grace,
+            on_kill=lambda c: self.log(names[c.pid].spec.node_id,
+                                       f"pid {c.pid} still running after {self.spec.grace:g} s: SIGKILL"))
+        for pid, status in out.items():
+            slot = names[pid]
+            self._record_exit(slot, status)
+            self.log(slot.spec.node_id, f"pid {pid} stopped ({status.describe()})")
 
     def _close_sockets(self) -> None:
         """Close what `_setup` opened; safe after a partial `_setup` (what was never made is skipped). Signals no longer

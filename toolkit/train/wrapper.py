@@ -130,18 +130,18 @@ class ScriptSession:
 
         A failure once the script's group was formed may be a peer's death seen first: the peer's connections reset
         before the scheduler's word reached this process, and the script raised (or exited non-zero) on it. So,
-        unless the error is plainly the script's own (an exception that is no collective failure), wait up to
-        WorkerEnv.word_wait for that word: if the job moved on, this process exits EXIT_REJOIN (relaunched outside
-        its crash budget; its control thread may exit first, as on any new generation); if not (or the job
-        stopped), the failure is the script's own and `code` stands. The connection stays open until the process
-        exits: closed earlier, it would read as a death the scheduler fences."""
+        unless the error is plainly the script's own (an exception that is no collective failure, or a world of
+        one), wait up to WorkerEnv.word_wait for that word: if the job moved on, this process exits EXIT_REJOIN
+        (relaunched outside its crash budget; its control thread may exit first, as on any new generation); if not
+        (or the job stopped), the failure is the script's own and `code` stands. The connection stays open until
+        the process exits: closed earlier, it would read as a death the scheduler fences."""
         ch = self.channel
         if ch is None:
             return code
         if code == 0:
             ch.done()
             return 0
-        if ch.generation is None or (error is not None and not _looks_collective(error)):
+        if ch.generation is None or self.cfg.world_size == 1 or (error is not None and not _looks_collective(error)):
             return code
         what = f"{type(error).__name__}: {_first_line(error)}" if error is not None else f"exit code {code}"
         _say(self.cfg.node_id, f"the script failed ({what}); waiting up to {self.cfg.word_wait:g} s for the "
