@@ -234,7 +234,8 @@ def test_a_sigstopped_worker_is_declared_dead_killed_by_its_agent_and_replaced(m
     line = sched.wait_for(r"worker_1 \(pid \d+ on .*\) is dead: sent no heartbeat", 30).string
     assert f"pid {workers[1].pid}" in line
     sched.wait_for(r"generation 1 begins", 5)
-    assert agent.wait_message(P.KILL, 10) == {"op": P.KILL, "node_id": "worker_1", "pid": workers[1].pid}
+    assert agent.wait_message(P.KILL, 10) == {"op": P.KILL, "node_id": "worker_1", "pid": workers[1].pid,
+                                              "cause": "heartbeat silence"}
     sched.wait_for(r"generation 1 formed: 3 workers", 120)
     for proc in (workers[0], workers[2], replaced[1]):
         assert proc.wait(120) == 0, proc.text()

@@ -557,8 +557,8 @@ class Membership:
         for node_id, pid in list(running.items())[:4096]:
             rank = rank_of(node_id) if isinstance(node_id, str) else None
             member = self.members.get(rank) if rank is not None else None
-            if (member is not None and member.node_id == node_id and P.whole({"pid": pid}, "pid") == member.pid
-                    and self.node_host.get(node_id) == host):
+            if (member is not None and member.node_id == node_id and isinstance(pid, int)
+                    and not isinstance(pid, bool) and pid == member.pid and self.node_host.get(node_id) == host):
                 member.vouched_at = now
 
     def _alive_though_silent(self, member: Member, silent: float, now: float, out: list[Action]) -> bool:

@@ -21,7 +21,9 @@ global generators are seeded from (seed, rank, step) before each step's batch is
 one an uninterrupted run gives (with the rank-ordered allreduce, `deterministic=True`). Checkpoints (asynchronous,
 verified, every `ckpt_every` steps, their commits told to the scheduler) are for when no survivor holds the state:
 a whole-job restart, or a world of one. SIGTERM: every rank agrees at the next step boundary and saves that step
-(last words); the ranks that got the signal leave (exit 143), the others go on and meet the replacement.
+(last words); the ranks that got the signal leave (exit 143), the others go on and meet the replacement. A rank
+whose own SIGTERM comes later (during the agreement, or after it while its peers leave) leaves with the step it
+saved or holds, at once, without waiting for a scheduler that may be stopping too.
 
 Under torchrun or alone the same script runs: a fault there ends the process with one line and exit code 1
 (EXIT_PEER_LOST) for the launcher to restart the world, which resumes from the newest checkpoint.
