@@ -329,7 +329,8 @@ class Agent:
 
         Blocking but bounded, by about REPORT_FLUSH_TIMEOUT (pending reports such as gave_up, over a fresh connection if
         the link is down) + procs.KILL_WAIT (the spare gets SIGKILL at once: it holds no state) + grace +
-        procs.KILL_WAIT (each child's group gets SIGTERM, and SIGKILL if still there after `grace`). Pending restarts
+        procs.KILL_WAIT (each child's group gets SIGTERM, and SIGKILL if still there after `grace`), and `grace` more
+        when a failing agent lets the scheduler it runs end on its own (below). Pending restarts
         and timers are cancelled first. Deaths seen here are recorded but neither reported (the link is closed by then)
         nor relaunched. When this agent failed and its reports reached the scheduler, a scheduler it runs is given
         grace to exit on its own once the workers are stopped: it has the failure to record (a SIGTERM could come
