@@ -526,7 +526,7 @@ class CheckpointManager:
         self._raise_pending()
 
     def close(self, timeout: float | None = None) -> None:
-        """Flush, stop the writer thread, close the directory."""
+        """Flush and stop the writer thread (reading goes on working)."""
         try:
             self.flush(timeout)
         finally:
@@ -536,8 +536,6 @@ class CheckpointManager:
             if self._thread is not None:
                 self._thread.join(timeout=self.write_timeout if timeout is None else timeout)
                 atexit.unregister(self._at_exit)
-            if self._thread is None or not self._thread.is_alive():
-                self.dir.close()
 
     def __enter__(self) -> CheckpointManager:
         return self

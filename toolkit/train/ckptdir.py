@@ -17,6 +17,7 @@ import logging
 import os
 import shutil
 import stat
+import weakref
 from collections import defaultdict
 from pathlib import Path
 from typing import Any, Callable
@@ -63,16 +64,15 @@ class HostDir:
             raise DirectoryError(str(e)) from None
         except OSError as e:
             raise DirectoryError(_os_reason(e, self.path)) from None
+        self._closer = weakref.finalize(self, os.close, self.fd)  # with the object: readers may outlive a close()
         st = os.fstat(self.fd)
         if st.st_uid != os.geteuid() or st.st_mode & privatedir.OTHERS_WRITE:  # what was opened, not what was checked
-            os.close(self.fd)
+            self._closer()
             raise DirectoryError(f"checkpoint directory {self.path} changed while it was checked; {PRIVATE_FIX}")
 
     def close(self) -> None:
-        """Close the directory fd (once)."""
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
+        """Close the directory fd now (else it closes when the object goes)."""
+        self._closer()
 
     def listing(self) -> Listing:
         """What the directory holds, by name only: {step: {parts: {part indices present}}}."""

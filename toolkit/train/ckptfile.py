@@ -156,20 +156,28 @@ def default_key(env: Mapping[str, str]) -> bytes:
 
 
 class _MacWriter:
-    """The file object ``torch.save`` writes to: every chunk into the MAC and the file, nothing kept in memory."""
+    """The file object ``torch.save`` writes to: every chunk into the MAC and the file, nothing kept in memory. A
+    failed write (ENOSPC) is kept and raised after ``torch.save`` returns: raised inside it, torch's own clean-up
+    would replace it with an unrelated error."""
 
     def __init__(self, fd: int, mac: Any) -> None:
         self.fd = fd
         self.mac = mac
         self.length = 0
+        self.error: OSError | None = None
 
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
-        self.mac.update(view)
         n = len(view)
-        while view:
-            view = view[os.write(self.fd, view):]
         self.length += n
+        if self.error is not None:
+            return n
+        self.mac.update(view)
+        try:
+            while view:
+                view = view[os.write(self.fd, view):]
+        except OSError as e:
+            self.error = e
         return n
 
     def flush(self) -> None:
@@ -190,7 +198,11 @@ def write_part(dir_fd: int, name: PartName, obj: Any, key: bytes) -> int:
             os.pwrite(fd, bytes(HEADER.size), 0)
             os.lseek(fd, HEADER.size, os.SEEK_SET)
             out = _MacWriter(fd, _mac(key))
-            torch.save(obj, out)
+            try:
+                torch.save(obj, out)
+            finally:
+                if out.error is not None:
+                    raise out.error
             fields = FIELDS.pack(MAGIC, name.step, name.part, name.parts, out.length)
             out.mac.update(fields)
             os.pwrite(fd, fields + out.mac.digest(), 0)
