@@ -412,9 +412,10 @@ class CheckpointManager:
         return None if bad is None else f"{bad[0]}: {bad[1]}"
 
     def scan(self) -> Scan:
-        """Verify every copy on this host (for one process alone); damaged ones are logged and skipped."""
+        """Verify every complete copy on this host (for one process alone); damaged ones are logged and skipped.
+        Copies with a part missing (being written, or their writer died) are neither."""
         intact, damaged = [], []
-        for step in sorted(self.dir.listing()):
+        for step in self.steps_on_disk():
             bad = _first_bad(self.dir, step, self.placement.local_world)
             if bad is None:
                 intact.append(step)

@@ -107,6 +107,8 @@ class Trainer:
             if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
                 raise TrainerError(f"state[{name!r}] has no state_dict()/load_state_dict(): hand over objects that "
                                    "can be saved and restored (an LR scheduler, a GradScaler, a module)")
+        _check_loadable({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                         "extra": {name: obj.state_dict() for name, obj in extra.items()}})
         self.rt = runtime
         self.module = model
         self.optimizer = optimizer
@@ -132,7 +134,6 @@ class Trainer:
         self._step_began: float | None = None  # the end of the previous step: where this step's own work starts
         self._loss: Any = None
         self._initial = checkpoint.snapshot(self._capture())  # step 0, when no rank holds anything newer
-        _check_loadable(self._initial)
         self._staging_wait = 0.0  # s the optimizer waited for the last checkpoint's staging (part of its stall)
         self._pre_hook = optimizer.register_step_pre_hook(self._before_optimizer_step)
         self._stop = threading.Event()
