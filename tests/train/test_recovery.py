@@ -226,7 +226,7 @@ def test_sigterm_under_the_agent_saves_last_words_and_loses_no_step(tmp_path, re
         assert len(list(ckpt.glob(f"host_*/step_{saved:012d}.p{r}of{world}.ckpt"))) == 1, sorted(ckpt.rglob("*"))
         assert first.procs()[f"worker_{r}"]["last_exit"]["code"] == 128 + signal.SIGTERM
 
-    second = local_job(tmp_path / "second", world, ARGS, ckpt_dir=str(ckpt))
+    second = local_job(tmp_path / "second", world, ARGS, ckpt_dir=str(ckpt), token=first.token)  # the same job
     try:
         second.start()
         assert second.finish(JOB_TIMEOUT) == 0, second.evidence()

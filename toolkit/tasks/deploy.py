@@ -122,10 +122,9 @@ def deploy(settings: Settings) -> JobRecord:
         hp = plan.host_plan(host.name)
         stats = _upload_rendered(host, hp.job_dir, render_host(plan, hp, token))
         if not plan.local:
-            project = host.sync_dir(settings.project, f"{hp.job_dir}/project", exclude=PROJECT_EXCLUDE, delete=True)
-            stats = _sum_stats([stats, project])
-        if settings.options.ckpt_dir is not None:
-            _check_ckpt_dir(host, hp)
+            stats = _sum_stats([stats, host.sync_dir(settings.project, f"{hp.job_dir}/project",
+                                                     exclude=PROJECT_EXCLUDE, delete=True)])
+        _check_ckpt_dir(host, hp, settings.options.ckpt_dir)
         return stats
 
     def line(r: HostResult[SyncStats]) -> str:
@@ -201,12 +200,13 @@ def _upload_rendered(host: Host, job_dir: str, files: list[RenderedFile]) -> Syn
     return SyncStats(files_sent=sent, bytes_sent=nbytes, files_unchanged=len(files) - sent)
 
 
-def _check_ckpt_dir(host: Host, hp: HostPlan) -> None:
-    """Make the host's --ckpt-dir (as its workers resolve it) and check that only the operator can change it
-    (toolkit.privatedir: another user who can write there could plant checkpoints the job resumes); UserError
-    naming the host and the directory otherwise. Spares are checked too: their workers may take over."""
+def _check_ckpt_dir(host: Host, hp: HostPlan, given: str | None) -> None:
+    """If --ckpt-dir was `given`: make it on the host (as its workers resolve it) and check that only the operator
+    can change it (toolkit.privatedir: another user who can write there could plant checkpoints the job resumes);
+    UserError naming the host and the directory otherwise. Spares are checked too: their workers may take over.
+    (The default, `<job dir>/ckpt`, is made private with the job directory.)"""
     workers = [p for p in (*hp.processes, *hp.standby) if p.rank is not None]
-    if not workers:
+    if given is None or not workers:
         return
     path = posixpath.join(workers[0].cwd, workers[0].env[E.CKPT_DIR])
     result = host.run([hp.python, "-m", "toolkit.privatedir", path, "checkpoint directory",
