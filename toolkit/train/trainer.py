@@ -76,10 +76,11 @@ class Trainer:
     `loader` a DataLoader over a map-style dataset; `state` extra objects with state_dict/load_state_dict
     that are part of the training state (everything must load with `torch.load(weights_only=True)`: checked here).
     Checkpoints go to `ckpt_dir`/host_<host>/ (default: CKPT_DIR from the environment, else ./ckpt; a directory
-    only this user can change), one copy per host, every `ckpt_every` steps, `keep` copies; `ckpt_every="auto"`
-    chooses the interval
-    from the job's own data (toolkit.train.interval: the measured stall and the observed MTBF, within
-    `ckpt_bounds` steps, `prior_mtbf` s assumed until a fault). `seed` makes each step's randomness a function of
+    only this user can change), one copy per host, every `ckpt_every` steps, `keep` copies (`async_ckpt`: written in
+    the background, the parameters and optimizer state copied during the next forward and backward, so they must
+    change only in optimizer.step()); `ckpt_every="auto"` chooses the interval from the job's own data
+    (toolkit.train.interval: the measured stall and the observed MTBF, within `ckpt_bounds` steps, `prior_mtbf` s
+    assumed until a fault). `seed` makes each step's randomness a function of
     the step (None: leave the generators alone; then a recovered run is not bitwise the same). `ddp` holds extra
     DistributedDataParallel arguments.
 
