@@ -148,9 +148,9 @@ class HostDir:
                                     self.refuse(name))
                         continue
                     self.remove(name)
-                    log.warning("checkpoint %s: removed: the job resumes from %s and this newer copy is not complete "
-                                "on this host (a later write of the step must never complete it)",
-                                self.path / name.name, after)
+                    log.warning("checkpoint %s: removed: the job resumes from %s and this newer copy is not whole "
+                                "on this host (a part missing or refused; a later write of the step must never "
+                                "complete it)", self.path / name.name, after)
         self.remove_temps(writes)
 
     def remove(self, name: PartName) -> None:
