@@ -65,7 +65,9 @@ MAX_LINE = 64 << 10  # bytes of one control message (the longest, gave_up, carri
 MAX_STORE_LINE = 512 << 10  # bytes of one store message (a value of up to MAX_STORE_VALUE, base64)
 MAX_STORE_VALUE = 256 << 10
 MAX_STORE_KEYS = 1024  # keys in one store request (wait, check, multi_get)
-MAX_STORE_REPLY = 32 << 20  # bytes of one store reply (a multi_get's values), read once the server proved the token
+# bytes of one store reply (a multi_get's values), read once the server proved the token; at most what the scheduler
+# queues for one peer (server.MAX_OUTBUF): a longer multi_get is refused, and the client asks for fewer keys
+MAX_STORE_REPLY = 1 << 20
 MAX_PREAUTH_LINE = 4 << 10  # bytes of a first message: hellos are small
 NONCE_BYTES = 16
 

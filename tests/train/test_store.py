@@ -145,6 +145,22 @@ def test_connect_retries_a_refusing_store_until_it_serves(served) -> None:
     assert all(job_store.RETRY_FIRST / 2 <= p <= job_store.RETRY_MAX for p in pauses)
 
 
+def test_a_multi_get_too_long_for_one_reply_is_asked_in_parts(served) -> None:
+    job, _ = served
+    store = job_store.connect("127.0.0.1", job.port + 1, job.token, "worker_0", timedelta(seconds=60))
+    try:
+        keys = [f"test/big/{i}" for i in range(9)]
+        for i, key in enumerate(keys):
+            store.set(key, bytes([i]) * P.MAX_STORE_VALUE)
+        with pytest.raises(job_store.StoreError, match="ask for fewer keys"):  # what one request would get
+            store._call("multi_get", keys=keys, timeout=1)
+        assert store.multi_get(keys) == [bytes([i]) * P.MAX_STORE_VALUE for i in range(9)]
+        for key in keys:
+            store.delete_key(key)
+    finally:
+        store.close()
+
+
 def test_connect_gives_up_at_its_deadline(served) -> None:
     gate = Gate(0, drop=0)  # never listens: every connect is refused
     try:

@@ -11,7 +11,8 @@ Requests (`kv` messages; keys are strings, values base64 on the wire and here):
     set {key, value}                      -> ok
     get {key, timeout}                    -> ok {value} once the key exists; error "timeout" after `timeout` s
     multi_get {keys, timeout}             -> ok {values: [...]} in the order of `keys`, once every key exists;
-                                             error "timeout" {keys: the missing ones} after `timeout` s
+                                             error "timeout" {keys: the missing ones} after `timeout` s; error
+                                             {limit} if the reply would be over P.MAX_STORE_REPLY bytes
     add {key, amount}                     -> ok {value: the new integer} (the value is kept as decimal digits)
     compare_set {key, expected, desired}  -> ok {value: what the key holds afterwards}
     check {keys}                          -> ok {present: bool}
@@ -202,9 +203,7 @@ class KVStore:
         if cmd == "set":
             return [Reply(peer, rid, True)] + self._set(self._live(_key(msg)), _value(msg, "value"))
         if cmd in ("get", "wait", "multi_get"):
-            keys = (_key(msg),) if cmd == "get" else _keys(msg)
-            for key in keys:
-                self._live(key)
+            keys = (self._live(_key(msg)),) if cmd == "get" else self._live_keys(_keys(msg))
             return self._wait(peer, rid, str(cmd), keys, now + _timeout(msg))
         if cmd == "add":
             return self._add(peer, rid, self._live(_key(msg)), msg.get("amount"))
@@ -283,14 +282,13 @@ class KVStore:
     def _complete(self, w: _Waiter) -> list[Reply]:
         """The answer to `w` if every key exists (and `w` is no longer parked); else `w` waits for those missing
         (a key present when it asked may have been deleted since)."""
-        w.missing = {k for k in w.keys if k not in self.data}
+        w.missing = set(w.keys).difference(self.data)
         if w.missing:
             for key in w.missing:
                 self.waiting.setdefault(key, set()).add(w.peer)
-                generation = self._generation(key)
-                if generation is not None and generation not in w.generations:
-                    w.generations.add(generation)
-                    self.waiting_in.setdefault(generation, set()).add(w.peer)
+            for generation in self._generations(w.missing) - w.generations:
+                w.generations.add(generation)
+                self.waiting_in.setdefault(generation, set()).add(w.peer)
             return []
         if self.waiters.get(w.peer) is w:
             self._unpark(w)
@@ -323,11 +321,12 @@ class KVStore:
             return Reply(w.peer, w.id, True, {"value": self.data[w.keys[0]]})
         if w.cmd == "wait":
             return Reply(w.peer, w.id, True)
-        values = tuple(self.data[k] for k in w.keys)
-        size = sum(len(v) + 3 for v in values) + REPLY_OVERHEAD
+        values = tuple(map(self.data.__getitem__, w.keys))
+        size = sum(map(len, values)) + 3 * len(values) + REPLY_OVERHEAD
         if size > P.MAX_STORE_REPLY:
             return Reply(w.peer, w.id, False, {"error": f"a multi_get reply of {size} bytes is over the "
-                                                        f"{P.MAX_STORE_REPLY}-byte limit: ask for fewer keys"})
+                                                        f"{P.MAX_STORE_REPLY}-byte limit: ask for fewer keys",
+                                               "limit": P.MAX_STORE_REPLY})
         return Reply(w.peer, w.id, True, values=values)
 
     def _generation(self, key: str) -> str | None:
@@ -338,12 +337,29 @@ class KVStore:
         end = key.find("/", len(start))
         return key[:end + 1] if end >= 0 else None
 
+    def _generations(self, keys: set[str] | tuple[str, ...]) -> set[str]:
+        """The generation prefixes `keys` are filed under (`_generation` of each, inline: a multi_get has 128)."""
+        start = self.generation_prefix
+        if start is None:
+            return set()
+        n = len(start)
+        found = {k[:k.find("/", n) + 1] for k in keys if k.startswith(start)}
+        found.discard("")  # a key with no "/" after the generation number is under none
+        return found
+
     def _live(self, key: str) -> str:
         """`key`, unless it belongs to a generation the job has left."""
         generation = self._generation(key)
         if generation is not None and generation in self.over:
             raise StoreError(f"{GENERATION_OVER}: the job has left {generation} (key {key[:100]!r})")
         return key
+
+    def _live_keys(self, keys: tuple[str, ...]) -> tuple[str, ...]:
+        """`keys`, unless one belongs to a generation the job has left."""
+        left = self._generations(keys) & self.over if self.over else None
+        if left:
+            raise StoreError(f"{GENERATION_OVER}: the job has left {min(left)}")
+        return keys
 
 
 def _key(msg: dict[str, Any], name: str = "key") -> str:
@@ -354,10 +370,12 @@ def _key(msg: dict[str, Any], name: str = "key") -> str:
 
 
 def _keys(msg: dict[str, Any]) -> tuple[str, ...]:
+    """Field `keys`: a list of 1 to MAX_MULTI strings of 1 to MAX_KEY characters (checked in bulk: gloo sends 128)."""
     keys = msg.get("keys")
-    if not isinstance(keys, list) or not 1 <= len(keys) <= MAX_MULTI:
-        raise StoreError(f"keys must be a list of 1 to {MAX_MULTI} keys")
-    return tuple(_key({"key": k}) for k in keys)
+    if not isinstance(keys, list) or not 1 <= len(keys) <= MAX_MULTI or set(map(type, keys)) != {str} \
+            or not 0 < min(map(len, keys)) <= max(map(len, keys)) <= MAX_KEY:
+        raise StoreError(f"keys must be a list of 1 to {MAX_MULTI} strings of 1 to {MAX_KEY} characters")
+    return tuple(keys)
 
 
 def _value(msg: dict[str, Any], name: str) -> str:

@@ -41,6 +41,10 @@ class StoreError(RuntimeError):
     """The store refused a request, or it timed out; torch reports it like a TCPStore error."""
 
 
+class _TooLong(StoreError):
+    """The store's reply to a multi_get would be over P.MAX_STORE_REPLY bytes: ask for fewer keys."""
+
+
 class StoreRefused(StoreError):
     """The store proved the job token and refused this connection; `retry` is its word on trying again."""
 
@@ -95,11 +99,21 @@ class JobStore(dist.Store):
     def multi_get(self, keys: list[str]) -> list[bytes]:
         """Store.multi_get: the values of `keys` in order, blocking until every one exists, at most the store's
         timeout for all of them (then StoreError naming the missing keys). One request per P.MAX_STORE_KEYS keys
-        (gloo asks for 128 at a time); StoreError if the values of one request are over P.MAX_STORE_REPLY bytes."""
+        (gloo asks for 128 at a time); a request whose values would be over P.MAX_STORE_REPLY bytes is asked again
+        in halves (values are at most P.MAX_STORE_VALUE bytes, so one always fits)."""
         deadline = time.monotonic() + self._seconds()
         values: list[bytes] = []
-        for batch in _batches(list(keys)):
-            got = self._call("multi_get", keys=batch, timeout=max(0.001, deadline - time.monotonic())).get("values")
+        pending = list(_batches(list(keys)))
+        while pending:
+            batch = pending.pop(0)
+            try:
+                reply = self._call("multi_get", keys=batch, timeout=max(0.001, deadline - time.monotonic()))
+            except _TooLong:
+                if len(batch) == 1:
+                    raise
+                pending[:0] = [batch[:len(batch) // 2], batch[len(batch) // 2:]]
+                continue
+            got = reply.get("values")
             if not isinstance(got, list) or len(got) != len(batch):
                 raise StoreError(f"the job's store at {self._address}: a multi_get reply without its "
                                  f"{len(batch)} values")
@@ -186,7 +200,8 @@ class JobStore(dist.Store):
                 missing = reply.get("keys") if isinstance(reply.get("keys"), list) else fields.get("keys")
                 raise StoreError(f"the job's store at {self._address}: timed out after {fields.get('timeout'):.3g} s "
                                  f"waiting for {_names(missing or [fields.get('key')])}")
-            raise StoreError(f"the job's store at {self._address} refused {cmd}: {error}")
+            raise (_TooLong if "limit" in reply else StoreError)(f"the job's store at {self._address} refused "
+                                                                 f"{cmd}: {error}")
         return reply
 
     def _read(self) -> dict[str, Any]:
