@@ -34,7 +34,6 @@ HANDSHAKE_TIMEOUT = 10.0  # s for the challenge and the answer
 SLACK = 5.0  # s the client waits beyond a timed wait's own timeout for the server's answer
 RETRY_FIRST = 0.05  # s: the first pause before connecting again to a store that refused or reset the connection
 RETRY_MAX = 1.0  # s: the longest pause between two attempts (doubling from RETRY_FIRST, jittered)
-RECV_SIZE = 1 << 20
 
 
 class StoreError(RuntimeError):
@@ -206,7 +205,7 @@ class JobStore(dist.Store):
 
     def _read(self) -> dict[str, Any]:
         while not self._queued:
-            data = self._sock.recv(RECV_SIZE)
+            data = self._sock.recv(1 << 16)
             if not data:
                 raise ConnectionError("the scheduler closed the store connection")
             self._queued.extend(self._lines.feed(data))
