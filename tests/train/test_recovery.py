@@ -268,7 +268,8 @@ def test_sigterm_in_every_order_saves_the_agreed_step_on_every_rank_and_loses_no
                                  (incarnations(first.log(f"worker_{r}.log")) + [""] * 9)[launch])], JOB_TIMEOUT,
                              first.evidence)
                 assert said == [step], f"round {n + 1} ({arm}, {points}): rank {r} said {said}\n{first.evidence()}"
-                assert (ckpt / f"rank_{r}" / f"step_{step:012d}.ckpt").is_file(), f"round {n + 1}: rank {r}"
+                parts = list(ckpt.glob(f"host_*/step_{step:012d}.p{r}of{world}.ckpt"))  # its share of the copy
+                assert len(parts) == 1, f"round {n + 1}: rank {r}: {sorted(ckpt.rglob('*'))}"
         assert done.returncode == 0, done.stdout + done.stderr
         assert first.finish(30) == 3, first.evidence()  # EXIT_STOPPED: stopped by the operator
     finally:
@@ -287,7 +288,7 @@ def test_sigterm_in_every_order_saves_the_agreed_step_on_every_rank_and_loses_no
     assert "rank 0: a peer stops by SIGTERM at step 26, checkpoint saved; training goes on" in first.log("worker_0.log")
 
     saved = ROUNDS[-1][2]
-    second = local_job(tmp_path / "second", world, ARGS, ckpt_dir=str(ckpt))
+    second = local_job(tmp_path / "second", world, ARGS, ckpt_dir=str(ckpt), token=first.token)  # the same job
     try:
         second.start()
         assert second.finish(JOB_TIMEOUT) == 0, second.evidence()
