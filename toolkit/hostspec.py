@@ -11,10 +11,11 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from toolkit import agentdoc
 from toolkit import envvars as E
 from toolkit.errors import UserError
 
@@ -101,6 +102,8 @@ class HostSpec:
     warm_spare: bool
     processes: tuple[ProcSpec, ...]
     standby: tuple[ProcSpec, ...] = ()  # a spare host's: every worker it could take over (none runs at first)
+    job_id: str = ""  # the job directory's agentdoc.JOB_ID_FILE: which project's job it holds ("": none written)
+    origin: str = ""  # ... and where that job was deployed from (for people)
 
     @property
     def spare(self) -> bool:
@@ -249,6 +252,14 @@ def load(job_dir: str | Path) -> HostSpec:
         processes=processes,
         standby=standby,
     )
+    try:
+        with open(job_dir / agentdoc.JOB_ID_FILE, encoding="utf-8", errors="replace") as f:
+            job_id, origin = agentdoc.read_identity(f.read(agentdoc.MAX_IDENTITY))
+        spec = replace(spec, job_id=job_id, origin=origin)
+    except FileNotFoundError:
+        pass  # rendered by hand or by an older deploy: no identity to compare
+    except OSError as e:
+        raise UserError(f"{job_dir / agentdoc.JOB_ID_FILE}: cannot read it ({e})") from None
     for sock in (spec.control_socket, spec.progress_socket):
         if len(os.fsencode(str(sock))) > MAX_SOCKET_PATH:
             raise UserError(f"{sock}: longer than a unix socket path may be ({MAX_SOCKET_PATH} bytes); use a shorter "

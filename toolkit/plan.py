@@ -24,7 +24,7 @@ from toolkit.protocol import worker_node_id
 SCHED_NODE_ID = "sched"
 EXPECTED_FILE = "expected.json"  # on the scheduler's host: where each node id is expected to run
 DEFAULT_WORKDIR = "toolkit-jobs"  # relative: under the login user's home on each host
-_JOB_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+_JOB_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")  # whole name: fullmatch (a `$` would let "\n" through)
 
 
 class PlanError(UserError):
@@ -68,7 +68,7 @@ class JobOptions:
     host_timeout: float = E.DEFAULT_HOST_TIMEOUT  # s a host's ranks dead, its agent gone: lost, a spare takes over
 
     def __post_init__(self) -> None:
-        if not _JOB_NAME.match(self.job):
+        if not _JOB_NAME.fullmatch(self.job):
             raise PlanError(
                 f"--job {self.job!r}: a job name is 1-64 letters, digits, '.', '_' or '-', starting with a letter "
                 "or digit (it names directories on every host)"

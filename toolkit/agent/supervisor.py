@@ -929,7 +929,7 @@ class Agent:
         sp = self.spare
         return {
             "version": AGENT_DOC_VERSION, "job": self.spec.job, "host": self.spec.host,
-            "job_dir": str(self.spec.job_dir),
+            "job_dir": str(self.spec.job_dir), "job_id": self.spec.job_id,
             "agent": {"pid": self.pid, "start_ticks": self.ticks, "started_at": iso(self.started),
                       "python": sys.executable},
             "state": self.state, "reason": self.reason, "exit_code": self.exit_code, "updated_at": iso(time.time()),

@@ -23,6 +23,7 @@ from toolkit import agentdoc, jobrecord, rundoc
 from toolkit.agentdoc import FINAL_STATES
 from toolkit.errors import UserError
 from toolkit.jobrecord import HostRecord, JobRecord
+from toolkit.printable import clean
 from toolkit.protocol import RECOVERY_IN_PLACE, RECOVERY_RESTART
 from toolkit.remote import (
     ClusterError,
@@ -90,6 +91,7 @@ class HostStatus:
     # live.json (toolkit.rundoc), if this host runs the scheduler and it could be read
     took_over: tuple[Mapping[str, Any], ...] = field(default=(), hash=False, compare=False)  # a spare's takeovers:
     # {host (the lost one), by (this one), node_ids, seq}, as its agent recorded them
+    other_job: str | None = None  # the job directory holds another project's job of this name (where it is from)
 
 
 def live_path(record: JobRecord) -> tuple[str, str]:
@@ -212,6 +214,11 @@ def _host_status(record: JobRecord, name: str, result: HostResult[dict[str, Any]
         procs = tuple(_proc(name, p, {}, "unreachable", None, {}) for p in expected)
         return HostStatus(name, False, result.error, "unreachable", False, None, None, None, procs)
     doc, now, mtimes = result.value["doc"], result.value["now"], result.value["mtimes"]
+    there = doc.get("job_id")
+    if isinstance(there, str) and there and record.job_id and there != record.job_id:  # not this job: show none of it
+        procs = tuple(_proc(name, p, {}, OTHER_JOB, None, {}) for p in expected)
+        return HostStatus(name, True, None, OTHER_JOB, bool(doc.get("alive")), None, None, None, procs,
+                          other_job=clean(doc.get("job_dir") or "its job directory", 400))
     agent = str(doc.get("state") or "absent")
     alive = bool(doc.get("alive"))
     seen = {p.get("node_id"): p for p in doc.get("processes") or [] if isinstance(p, dict)}
@@ -231,6 +238,9 @@ def _host_status(record: JobRecord, name: str, result: HostResult[dict[str, Any]
     return HostStatus(name, True, None, agent, alive, pid if isinstance(pid, int) else None, doc.get("reason"),
                       doc.get("failure"), tuple(procs), updated if isinstance(updated, str) else None,
                       live=result.value.get("live"), took_over=_takeovers(name, doc.get("took_over")))
+
+
+OTHER_JOB = "another project's"  # the state of a host (and its processes) whose job directory is not this job's
 
 
 def _live_rank(live: Mapping[str, Any] | None, p: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -429,6 +439,10 @@ def _host_note(h: HostStatus) -> str | None:
     None; an unreachable host is left to the ClusterError that follows."""
     if not h.reached:
         return None  # listed by the error that follows
+    if h.other_job is not None:
+        return (f"{h.host}: {h.other_job} holds another project's job of this name"
+                f"{' (running)' if h.alive else ''}, not this one: its processes are not shown, and no command of "
+                "this project acts on it; deploy this job under another --job name (or --workdir)")
     if h.agent == "gone":
         return (f"{h.host}: the agent is gone (it stopped without finishing the job): its processes show as gone; "
                 f"'fleet restart --host {h.host}' starts it again")

@@ -19,8 +19,10 @@ from toolkit.settings import JobRef
 from toolkit.tasks.hosts import (
     LAUNCH_TIMEOUT,
     STOP_TIMEOUT_EXTRA,
+    OtherJob,
     host_target,
     load_record,
+    other_job,
     record_ssh,
     record_targets,
     result_line,
@@ -42,6 +44,8 @@ def stop(ref: JobRef) -> None:
     ssh = record_ssh(record, ref.request.core)
     with rich_progress("stopping", len(record.hosts), line=result_line) as progress:
         results = run_on_all(record_targets(record), lambda host: stop_one(host, record), ssh, progress=progress)
+    for name in [n for n, r in results.items() if isinstance(r.exception, OtherJob)]:
+        say(f"{results.pop(name).error}; nothing of this job runs there")
     for name in [n for n, r in results.items() if not r.ok and record.host(n).replaced_by]:
         say(f"{name} (replaced by {record.host(name).replaced_by}) could not be stopped: {results.pop(name).error}; "
             "it is fenced from the job")
@@ -55,11 +59,13 @@ def stop(ref: JobRef) -> None:
 def stop_one(host: Host, record: JobRecord) -> str:
     """Stop the job on one host through its stop.sh (STOP_SCRIPT) and return what it printed. Bounded by the
     grace period plus STOP_TIMEOUT_EXTRA; raises CommandFailed (stop.sh could not verify that nothing is left,
-    or timed out), ConnectionLost or HostStalled. Used by `stop`, by train's rollback and by --join after a failure."""
+    or timed out), ConnectionLost or HostStalled, and OtherJob where the job directory holds another project's job
+    (left running). Used by `stop`, by train's rollback and by --join after a failure."""
     h = record.host(host.name)
-    result = host.run(["sh", "-c", STOP_SCRIPT, "sh", h.job_dir, h.name],
-                      timeout=record.grace + STOP_TIMEOUT_EXTRA, check=True)
-    return result.stdout.strip()
+    result = host.run(["sh", "-c", STOP_SCRIPT, "sh", h.job_dir, h.name, record.job_id],
+                      timeout=record.grace + STOP_TIMEOUT_EXTRA)
+    other_job(host.name, result)
+    return result.check().stdout.strip()
 
 
 # --- restart -----------------------------------------------------------------------------------------------------
