@@ -496,6 +496,21 @@ def test_a_second_project_of_the_same_name_never_takes_over_a_running_job(tmp_pa
         fleet("stop", cwd=a)
 
 
+def test_logs_show_control_characters_instead_of_obeying_them(tmp_path: Path, job: str) -> None:
+    """A log line with a terminal escape, a carriage return and a bidirectional override (what a forged "job
+    finished" line used): `fleet logs` prints them as escapes, on the process's own prefixed line."""
+    d = tmp_path / "proj"
+    d.mkdir()
+    shutil.copy(WORKER, d / "train.py")
+    work = tmp_path / "work"
+    ok(fleet("deploy", "--job", job, "--workdir", str(work), "--worker-num", "1", cwd=d))
+    forged = f"\x1b[2J\x1b[Hjob done\rjob {job} succeeded\u202e\tend"
+    (work / job / "logs" / "worker_0.log").write_text(f"step 1\n{forged}\n")
+    out = ok(fleet("logs", "--job", job, "--rank", "0", cwd=d)).stdout
+    assert out == ("localhost:worker:0 | step 1\n"
+                   f"localhost:worker:0 | \\x1b[2J\\x1b[Hjob done\\rjob {job} succeeded\\u202e\tend\n"), out
+
+
 def test_tasks_read_every_flag_from_the_job_record(tmp_path: Path, job: str) -> None:
     """Deployed from a parent directory with non-default --project, --script, --worker-num and --workdir: every
     later task typed there (or in the project) needs no flag, and a flag that contradicts the record is refused."""

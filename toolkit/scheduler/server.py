@@ -26,6 +26,7 @@ from typing import Any, Callable
 
 from toolkit import envvars as E
 from toolkit import protocol as P
+from toolkit.printable import clean
 from toolkit.scheduler import state as S
 from toolkit.scheduler.config import Config, ConfigError
 from toolkit.scheduler.journal import Journal
@@ -45,6 +46,7 @@ MAX_PREAUTH = 256  # connections not yet authenticated, in all
 MAX_PREAUTH_PER_IP = 64  # ... from one address
 ACCEPT_PAUSE = 0.5  # s the listeners rest after accept() failed for want of descriptors or memory
 LOG_EVERY = 10.0  # s: a repeated warning (refused connections, no descriptors) is logged at most this often
+MAX_LOG_TEXT = 4096  # characters of one log line's text (a failed job's reason carries a log tail of 2000)
 RESOURCE_ERRORS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 CONTROL, STORE = "control", "store"
 
@@ -77,26 +79,41 @@ class Conn:
 
 
 class RateLimited:
-    """A warning said at most once per LOG_EVERY, with how often it happened meanwhile.
+    """Warnings said at most once per LOG_EVERY per key, the rest summed up: what keeps hostile or broken peers
+    (floods of rejected or refused connections, bad lines, a lack of descriptors) from flooding the log.
 
-    Keeps hostile or broken peers (floods of refused connections, bad lines, a lack of descriptors) from flooding the
-    log: the first warning of a key is logged at once; later ones within LOG_EVERY are only counted, and the count
-    appears in the next warning of that key that is logged."""
+    The first warning of a key is logged at once; later ones within LOG_EVERY are only counted, and once the window
+    is over (`flush`, called by the server's loop at `next_deadline`) one line says how many there were and the
+    latest of them. So a flood that lasts costs one line per key per LOG_EVERY; callers use a fixed set of keys
+    (never one per address, which a peer could multiply). Texts go through printable.clean at the sink."""
 
     def __init__(self, clock: Callable[[], float]) -> None:
         self.clock = clock
-        self.next: dict[str, float] = {}
-        self.count: dict[str, int] = {}
+        self.next: dict[str, float] = {}  # when the key may be logged again
+        self.held: dict[str, tuple[int, str]] = {}  # key -> (occurrences not logged yet, the latest text)
 
     def warn(self, key: str, text: str) -> None:
-        """Count one occurrence of `key`; log `text` (with the count) unless `key` was logged less than LOG_EVERY
-        ago."""
+        """Count one occurrence of `key`; log `text` unless `key` was logged less than LOG_EVERY ago (then it is
+        held for the summary)."""
         now = self.clock()
-        self.count[key] = self.count.get(key, 0) + 1
-        if now >= self.next.get(key, 0.0):
-            n = self.count.pop(key)
-            log.warning("%s%s", text, f" ({n} times in the last {LOG_EVERY:g} s)" if n > 1 else "")
+        if now >= self.next.get(key, 0.0) and key not in self.held:
+            log.warning("%s", clean(text, MAX_LOG_TEXT))
             self.next[key] = now + LOG_EVERY
+            return
+        count, _ = self.held.get(key, (0, ""))
+        self.held[key] = (count + 1, text)
+
+    def flush(self, now: float) -> None:
+        """Log the summary of every key whose window is over: how many were held back, and the latest."""
+        for key in [k for k in self.held if now >= self.next.get(k, 0.0)]:
+            count, latest = self.held.pop(key)
+            log.warning("%s", clean(f"{count} more like this in the last {LOG_EVERY:g} s; the latest: {latest}",
+                                    MAX_LOG_TEXT))
+            self.next[key] = now + LOG_EVERY
+
+    def next_deadline(self) -> float | None:
+        """When the next summary is due (None: nothing is held)."""
+        return min((self.next.get(k, 0.0) for k in self.held), default=None)
 
 
 class Server:
@@ -223,6 +240,7 @@ class Server:
                 self._event(key, mask)
             now = self.clock()
             self._expire(now)
+            self.said.flush(now)
             self._apply(self.members.tick(now))
             self._apply(self.journal.tick())
             self._resume_listeners(now)
@@ -260,6 +278,9 @@ class Server:
             deadlines.append(self.commits_persist_at)
         if self.paused_until:
             deadlines.append(self.paused_until)
+        summary = self.said.next_deadline()
+        if summary is not None:
+            deadlines.append(summary)
         return max(0.0, min(deadlines) - now)
 
     def _linger(self) -> None:
@@ -381,7 +402,7 @@ class Server:
         try:
             messages = conn.lines.feed(data)
         except P.ProtocolError as e:
-            self.said.warn(f"protocol:{conn.ip}", f"dropped {conn.addr}: {e}")
+            self.said.warn("protocol", f"dropped {conn.addr}: {e}")
             self._drop(conn, f"protocol error ({e})")
             return
         for msg in messages:
@@ -414,15 +435,16 @@ class Server:
         `replace` on the control port)
         with a client proof over this connection's nonce (protocol.check_client, constant-time). A plain `token`
         field is refused with a line saying the peer's toolkit is older. Any refusal is a `reject {retry: false}`
-        carrying no proof, and the connection closes once it is written. Accepted: the connection is authed, its
-        line limit rises to P.MAX_LINE (P.MAX_STORE_LINE on the store), and its first reply carries the server's
-        proof: the store's `welcome` here; for a worker or an agent, whatever the membership sends it first
+        carrying no proof, and the connection closes once it is written; it is logged rate-limited (one line per
+        kind of refusal per LOG_EVERY, then a summary), the claimed name cleaned. Accepted: the connection is
+        authed, its line limit rises to P.MAX_LINE (P.MAX_STORE_LINE on the store), and its first reply carries the
+        server's proof: the store's `welcome` here; for a worker or an agent, whatever the membership sends it first
         (`welcome`, or a `reject`/`fenced` the client can then trust)."""
         op = msg["op"]
         expected = (P.STORE_HELLO,) if conn.kind == STORE else (P.REGISTER, P.AGENT_HELLO, P.REPLACE)
-        subject = P.hello_subject(msg)[:80] or "?"
+        subject = P.hello_subject(msg)[:80] or "?"  # what the peer claims: cleaned where it is logged
         if op not in expected:
-            log.warning("rejected %s: %r before authenticating", conn.addr, op[:40])
+            self.said.warn("rejected:unexpected", f"rejected {conn.addr}: {op[:40]!r} before authenticating")
             self._send(conn, P.REJECT, reason=f"expected {' or '.join(expected)} first", retry=False)
             conn.closing = True
             return
@@ -437,7 +459,7 @@ class Server:
             what = {P.REGISTER: f"registration of {subject}", P.AGENT_HELLO: "agent hello",
                     P.STORE_HELLO: f"store connection of {subject}", P.REPLACE: "replace request"}[op]
             host = f" (host {subject})" if op == P.AGENT_HELLO else ""
-            log.warning("rejected %s from %s%s: %s", what, conn.addr, host, reason)
+            self.said.warn(f"rejected:{op}:{reason[:20]}", f"rejected {what} from {conn.addr}{host}: {reason}")
             self._send(conn, P.REJECT, reason=reason, retry=False)
             conn.closing = True
             return
@@ -470,8 +492,8 @@ class Server:
                 conn = self.conns.get(action.peer)
                 if conn is not None:
                     self._close(conn)
-            elif isinstance(action, Log):
-                log.log(action.level, "%s", action.text)
+            elif isinstance(action, Log):  # peers' strings in it (node ids, hosts, log tails) shown, never obeyed
+                log.log(action.level, "%s", clean(action.text, MAX_LOG_TEXT))
             elif isinstance(action, Exit):
                 if self.exit_code is None:
                     self.exit_code = action.code
