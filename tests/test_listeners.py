@@ -185,14 +185,21 @@ def _listeners() -> list[tuple[str, int]]:
 
 
 def test_descriptor_exhaustion_and_idle_strangers_cost_no_cpu_and_expire(make_job, tmp_path: Path) -> None:
-    """With ulimit -n 64 and 120 connections that never authenticate: no accept spin (the scheduler's CPU over
-    the siege stays near zero, its log does not flood), the strangers are dropped at the pre-authentication
+    """With ulimit -n 64 (below what the job's size asks, which the scheduler says), most of it held by 50
+    authenticated store connections, and 120 connections that never authenticate: no accept spin (the scheduler's
+    CPU over the siege stays near zero, its log does not flood), the strangers are dropped at the pre-authentication
     deadline, and a legitimate worker is served after."""
     job = make_job(1)
     sched = Proc([PYTHON, "-c", "import resource, sys; resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64)); "
                   "from toolkit.scheduler import main; sys.exit(main())"], job.sched_env(), job.logs / "sched.log")
     job.procs.append(sched)
     job.wait_serving(sched)
+    members = []
+    for i in range(50):  # token holders: their connections are not the table's to bound
+        c = Client(job.port + 1)
+        c.say_hello(P.STORE_HELLO, job.token, node_id=f"worker_{i}")
+        assert c.recv()["op"] == P.WELCOME
+        members.append(c)
     before = cpu_seconds(sched.pid)
     idle = []
     for _ in range(120):
@@ -204,11 +211,14 @@ def test_descriptor_exhaustion_and_idle_strangers_cost_no_cpu_and_expire(make_jo
     spent = cpu_seconds(sched.pid) - before
     assert spent < 1.0, f"the scheduler spent {spent:.2f} s of CPU in 5 s of descriptor exhaustion"
     assert 1 <= sched.count(r"cannot accept connections") <= 2, sched.text()[-2000:]  # it ran out, said so once
+    assert sched.count(r"the descriptor limit \(RLIMIT_NOFILE 64\) is below the \d+ a job of 1 workers needs") == 1
     waits.wait_for("the idle connections cut off at the pre-authentication deadline",
                    lambda: sched.count(r"did not authenticate within"), server.PREAUTH_TIMEOUT + 30, poll=0.5,
                    evidence=lambda: sched.text()[-2000:])
     for s in idle:
         s.close()
+    for c in members:
+        c.close()
     still_serving(job)
 
 

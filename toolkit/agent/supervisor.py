@@ -25,7 +25,7 @@ from typing import Any, Callable
 from toolkit import atomicfile, netif, procs, standby
 from toolkit import envvars as E
 from toolkit import protocol as P
-from toolkit.agent import policy
+from toolkit.agent import openfiles, policy
 from toolkit.agent.link import SchedulerLink
 from toolkit.agent.log import AgentLog, iso, log_tail
 from toolkit.agent.timers import Timer, Timers
@@ -104,6 +104,7 @@ class Slot:
         self.last_ticks: int | None = None
         self.seen_dead: float | None = None  # monotonic time the latest death was seen, until the relaunch
         self.recovery: str | None = None  # how the worker said it recovers (protocol.RECOVERY_*), once it did
+        self.files: openfiles.Trend | None = None  # the running incarnation's open files (workers)
 
     def document(self, policy: RestartPolicy) -> dict[str, Any]:
         """This process's entry in agent.json's `processes`; no I/O. `pid`, `pgid` and `start_ticks` name the running
@@ -122,6 +123,7 @@ class Slot:
             "last_exit": self.last_exit, "exits": self.exits,
             "step": self.step, "epoch": self.epoch, "step_at": iso(self.step_at), "recovery": self.recovery,
             "cpus": sorted(self.cpus) if self.cpus else None,
+            "open_files": self.files.document() if self.files else None,
             "log_file": self.spec.log_file, "argv": list(self.spec.argv),
         }
 
@@ -191,6 +193,7 @@ class Agent:
         self.progress_timer: Timer | None = None
         self.last_write = 0.0
         self.took_over: list[dict[str, Any]] = []  # a spare's takeovers: {host, node_ids, seq, at}
+        self.nofile = 0  # the workers' open-file limit (run raises it to the hard limit)
         self.link = SchedulerLink(spec, self.sel, self.timers, log, self._on_scheduler, self._changed,
                                   self._hello_fields)
         self._stop_after: Timer | None = None
@@ -216,12 +219,14 @@ class Agent:
         except BaseException:
             self._close_sockets()
             raise
+        before, self.nofile = openfiles.raise_limit()  # gloo keeps a descriptor for every connection to its port
         what = f"supervising {', '.join(self.slots)}" if self.slots else \
             f"standing by as a spare for {len(self.spec.standby)} worker(s)"
         self.log("agent", f"agent pid {self.pid} {what} of job {self.spec.job} "
                           f"(max_restarts {self.spec.policy.max_restarts}, grace {self.spec.grace:g} s, "
                           f"warm spare {'on' if self.spare_enabled else 'off'}"
-                          f"{', bind_core' if self.spec.bind_core else ''})")
+                          f"{', bind_core' if self.spec.bind_core else ''}, open files {self.nofile}"
+                          f"{f' (raised from {before})' if self.nofile > before else ''})")
         for slot in sorted(self.slots.values(), key=lambda s: s.spec.is_worker):
             self._launch(slot, "first start")
         if self.state == "starting":
@@ -230,6 +235,7 @@ class Agent:
         self.link.start()
         if self.spare_enabled:
             self.spare_timer = self.timers.after(SPARE_DELAY, self._start_spare)
+        self.timers.after(openfiles.SAMPLE_INTERVAL, self._count_open_files)
         if ready is not None:
             ready(f"ready {self.pid}")
         try:
@@ -430,6 +436,7 @@ class Agent:
         slot.started_mono, slot.started_wall = time.monotonic(), time.time()
         slot.state = "running"
         slot.progressed = False
+        slot.files = openfiles.Trend(self.nofile) if slot.spec.is_worker else None
         self.sel.register(child, selectors.EVENT_READ, lambda _m, s=slot, c=child: self._on_child(s, c))
         since = ""
         if slot.seen_dead is not None:
@@ -511,7 +518,8 @@ class Agent:
             else:
                 budget = f"restart {reaction.counted} of {self.spec.policy.max_restarts}"
                 when = "now" if reaction.delay <= 0 else f"in {reaction.delay:g} s"
-                self.log(node, f"pid {pid} {how} after {ran:.1f} s; restarting {when} ({budget})")
+                files = slot.files.cause() if slot.files else ""
+                self.log(node, f"pid {pid} {how} after {ran:.1f} s{files}; restarting {when} ({budget})")
             if reaction.delay <= 0:
                 self._launch(slot, reaction.why)
             else:
@@ -528,14 +536,15 @@ class Agent:
         spec = slot.spec
         tail = log_tail(spec.log_file)
         n = slot.counted
+        files = slot.files.cause() if slot.files else ""
         self.failure = {
             "host": self.spec.host, "node_id": spec.node_id, "rank": spec.rank, "pid": pid,
-            "code": status.code, "signal": status.signal_name, "status": status.describe(),
+            "code": status.code, "signal": status.signal_name, "status": status.describe() + files,
             "restarts": n, "log_file": spec.log_file, "log_tail": tail, "at": iso(time.time()),
         }
         slot.state = "failed"
-        reason = f"{spec.node_id} {status.describe()} after {n} restart{'s' if n != 1 else ''} (max_restarts " \
-                 f"{self.spec.policy.max_restarts}); the job has failed"
+        reason = f"{spec.node_id} {status.describe()}{files} after {n} restart{'s' if n != 1 else ''} " \
+                 f"(max_restarts {self.spec.policy.max_restarts}); the job has failed"
         where = f"rank {spec.rank}, " if spec.rank is not None else ""
         self.log(spec.node_id, f"GAVE UP: {where}pid {pid} {status.describe()} after {ran:.1f} s, and its "
                                f"{n} allowed restart(s) are used up; last {len(tail)} lines of {spec.log_file}:")
@@ -544,6 +553,25 @@ class Agent:
         self.link.report(P.GAVE_UP, node_id=spec.node_id, code=status.code, signal=status.signal_name,
                          log_tail="\n".join(tail)[-GAVE_UP_TAIL_BYTES:])
         self._finish("failed", EXIT_FAILED, reason)
+
+    def _count_open_files(self) -> None:
+        """Timer callback, every openfiles.SAMPLE_INTERVAL: count each running worker's open files and warn (agent
+        log, agent.json) when they climb (openfiles.Trend); re-arms itself unless the agent is closing."""
+        changed = False
+        for slot in self.slots.values():
+            if slot.child is None or slot.files is None:
+                continue
+            n = openfiles.count(slot.child.pid)
+            if n is None:
+                continue
+            warning = slot.files.sample(n, slot.progressed)
+            if warning:
+                self.log(slot.spec.node_id, f"pid {slot.child.pid} {warning}")
+            changed = changed or bool(warning)
+        if changed:
+            self._write()
+        if not self.closing:
+            self.timers.after(openfiles.SAMPLE_INTERVAL, self._count_open_files)
 
     # -- warm spare
 

@@ -5,16 +5,18 @@
 - MASTER_PORT: the job's store (`KVStore`), which process groups bootstrap from.
 
 Every connection is hostile until it proves the job token (toolkit.protocol's challenge-response), and bounded
-before and after: a first message of at most MAX_PREAUTH_LINE bytes within PREAUTH_TIMEOUT, at most MAX_PREAUTH
-such connections (MAX_PREAUTH_PER_IP from one address), lines of at most MAX_LINE (MAX_STORE_LINE on the store),
-at most MAX_OUTBUF queued for a peer that stopped reading. When the process runs out of file descriptors, the
-listeners pause for ACCEPT_PAUSE instead of spinning, and say so at most once per LOG_EVERY.
+before and after: a first message of at most MAX_PREAUTH_LINE bytes within PREAUTH_TIMEOUT, a table of such
+connections sized for the job that makes room for a newcomer by closing the oldest (toolkit.scheduler.admission: a
+flood never locks a worker out), lines of at most MAX_LINE (MAX_STORE_LINE on the store), at most MAX_OUTBUF queued
+for a peer that stopped reading, at most ACCEPT_BATCH accepts between reads. When the process runs out of file
+descriptors, the listeners pause for ACCEPT_PAUSE instead of spinning, and say so at most once per LOG_EVERY.
 """
 
 from __future__ import annotations
 
 import errno
 import logging
+import resource
 import secrets
 import selectors
 import signal
@@ -28,6 +30,7 @@ from toolkit import envvars as E
 from toolkit import protocol as P
 from toolkit.printable import clean
 from toolkit.scheduler import state as S
+from toolkit.scheduler.admission import Admission, Limits
 from toolkit.scheduler.config import Config, ConfigError
 from toolkit.scheduler.journal import Journal
 from toolkit.scheduler.kvstore import KVStore
@@ -42,8 +45,7 @@ COMMIT_PERSIST_INTERVAL = 1.0  # s: commits come from every rank at every checkp
 MAX_OUTBUF = 1 << 20  # bytes queued to one peer that has stopped reading before it is dropped
 RECV_SIZE = 1 << 16
 PREAUTH_TIMEOUT = 10.0  # s for a new connection to prove the token
-MAX_PREAUTH = 256  # connections not yet authenticated, in all
-MAX_PREAUTH_PER_IP = 64  # ... from one address
+ACCEPT_BATCH = 64  # connections accepted per readiness of a listener: the hellos already there are read in between
 ACCEPT_PAUSE = 0.5  # s the listeners rest after accept() failed for want of descriptors or memory
 LOG_EVERY = 10.0  # s: a repeated warning (refused connections, no descriptors) is logged at most this often
 MAX_LOG_TEXT = 4096  # characters of one log line's text (a failed job's reason carries a log tail of 2000)
@@ -140,6 +142,8 @@ class Server:
         self.ids = iter(range(1, 1 << 62))
         self.listeners: dict[str, socket.socket] = {}
         self.paused_until = 0.0
+        self.hosts = len(set(config.expected.values()) | set(config.spares)) or 1
+        self.admission = Admission(Limits.for_job(config.world_size, self.hosts, _nofile()), PREAUTH_TIMEOUT)
         self.pending: set[Conn] = set()
         self.exit_code: int | None = None
         self.signalled = ""
@@ -158,6 +162,7 @@ class Server:
         EXIT_FAILED if none was set. Raises StateError (an unusable state file) or ConfigError (a busy port, an
         address not this host's) before anything is served; `toolkit.scheduler.main` turns both into exit code 2.
         Heartbeat and formation deadlines count from when the listeners are up (Membership.started)."""
+        self._raise_nofile()
         self._apply(self.journal.restore())  # first: the membership's restore notes go into the ledger read back
         path = self._state_path()
         if path is not None:
@@ -189,6 +194,24 @@ class Server:
             self.journal.close()
             self._shutdown()
         return self.exit_code if self.exit_code is not None else EXIT_FAILED
+
+    def _raise_nofile(self) -> None:
+        """Raise the soft descriptor limit to the hard one (every member holds two connections, and the table of
+        connections waiting to authenticate is sized from what is left: admission.Limits), and say in one line if
+        even that is too low for the job's size."""
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft != hard:
+            try:
+                resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            except (ValueError, OSError):
+                pass
+        nofile = _nofile()
+        self.admission.limits = Limits.for_job(self.cfg.world_size, self.hosts, nofile)
+        needed = Limits.fds_needed(self.cfg.world_size, self.hosts)
+        if nofile < needed:
+            log.warning("the descriptor limit (RLIMIT_NOFILE %d) is below the %d a job of %d workers needs: raise "
+                        "the hard limit (ulimit -Hn, limits.conf) on %s", nofile, needed, self.cfg.world_size,
+                        self.cfg.host)
 
     def _bind(self, port: int, what: str, store: str) -> socket.socket:
         """A TCP socket bound (not yet listening) to cfg.host:`port`, IPv6 if the host is an IPv6 literal.
@@ -273,7 +296,9 @@ class Server:
         due commit persist or end of a listener pause, and never more than MAX_WAIT; 0 if one has passed."""
         deadlines = [now + MAX_WAIT, self.members.next_deadline(), self.kv.next_deadline(),
                      self.journal.next_deadline()]
-        deadlines += [c.deadline for c in self.conns.values() if not c.authed]
+        waiting = self.admission.next_deadline()
+        if waiting is not None:
+            deadlines.append(waiting)
         if self.members.commits_dirty:
             deadlines.append(self.commits_persist_at)
         if self.paused_until:
@@ -317,15 +342,17 @@ class Server:
     # -- connections
 
     def _accept(self, kind: str) -> None:
-        """Accept every connection waiting on listener `kind` and send each a `challenge` with a fresh nonce.
+        """Accept what waits on listener `kind` (CONTROL or STORE), at most ACCEPT_BATCH at a time (the listener
+        stays readable for the next pass, and the hellos already received are read in between).
 
-        Admission is bounded before a byte is read: a new connection is closed at once while MAX_PREAUTH connections
-        are still unauthenticated, or MAX_PREAUTH_PER_IP from its address (a rate-limited warning says so). An
-        admitted one is non-blocking with TCP_NODELAY, and must prove the token within PREAUTH_TIMEOUT (`_expire`).
-        Out of descriptors or memory (RESOURCE_ERRORS) the listeners pause (`_pause_listeners`) instead of spinning
-        on a listener that stays readable; any other accept error waits for the next readiness."""
+        Admission is bounded before a byte is read, and never by refusing the newcomer: when the table of connections
+        waiting to authenticate is full (for its address, or in all) the oldest one waiting is closed to make room
+        (admission.Admission; a rate-limited warning says so). An admitted connection is non-blocking with
+        TCP_NODELAY, and must prove the token within PREAUTH_TIMEOUT (`_expire`). Out of descriptors or memory
+        (RESOURCE_ERRORS) the listeners pause (`_pause_listeners`) instead of spinning on a listener that stays
+        readable; any other accept error waits for the next readiness."""
         listener = self.listeners[kind]
-        while True:
+        for _ in range(ACCEPT_BATCH):
             try:
                 sock, addr = listener.accept()
             except (BlockingIOError, InterruptedError):
@@ -335,16 +362,18 @@ class Server:
                     self._pause_listeners(e)
                 return
             ip = str(addr[0])
-            unauthed = [c for c in self.conns.values() if not c.authed]
-            if len(unauthed) >= MAX_PREAUTH or sum(1 for c in unauthed if c.ip == ip) >= MAX_PREAUTH_PER_IP:
-                sock.close()
-                self.said.warn("refused", f"refused connections: {len(unauthed)} are still to authenticate (at most "
-                                          f"{MAX_PREAUTH}, {MAX_PREAUTH_PER_IP} from one address; latest from {ip})")
-                continue
+            now = self.clock()
+            conn = Conn(next(self.ids), sock, f"{addr[0]}:{addr[1]}", ip, kind, P.new_nonce(), now + PREAUTH_TIMEOUT)
+            victim = self.conns.get(self.admission.admit(conn.id, ip, now) or 0)
+            if victim is not None:
+                lim = self.admission.limits
+                self.said.warn("evicted", f"closed {victim.addr}, which had not authenticated after "
+                                          f"{now - victim.deadline + PREAUTH_TIMEOUT:.1f} s, to make room for "
+                                          f"{conn.addr}: {len(self.admission)} connections are waiting to "
+                                          f"authenticate (at most {lim.total}, {lim.per_address} from one address)")
+                self._close(victim)
             sock.setblocking(False)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conn = Conn(next(self.ids), sock, f"{addr[0]}:{addr[1]}", ip, kind, P.new_nonce(),
-                        self.clock() + PREAUTH_TIMEOUT)
             self.conns[conn.id] = conn
             self.sel.register(sock, selectors.EVENT_READ, conn)
             self._send(conn, P.CHALLENGE, nonce=conn.nonce)
@@ -372,7 +401,7 @@ class Server:
     def _expire(self, now: float) -> None:
         """Drop the connections that did not authenticate by their deadline (they hold a descriptor and a
         pre-authentication slot), and answer the store waits whose timeout passed with error "timeout"."""
-        for conn in [c for c in self.conns.values() if not c.authed and not c.closing and now >= c.deadline]:
+        for conn in [self.conns[i] for i in self.admission.expired(now) if i in self.conns]:
             self.said.warn("preauth", f"dropped {conn.addr}: it did not authenticate within {PREAUTH_TIMEOUT:g} s")
             self._drop(conn, "did not authenticate")
         for reply in self.kv.expire(now):
@@ -464,6 +493,7 @@ class Server:
             conn.closing = True
             return
         conn.authed, conn.prove, conn.client_nonce = True, True, str(msg["nonce"])
+        self.admission.done(conn.id)
         conn.lines.limit = P.MAX_STORE_LINE if conn.kind == STORE else P.MAX_LINE
         if op == P.STORE_HELLO:
             self._send(conn, P.WELCOME)
@@ -558,6 +588,7 @@ class Server:
             return
         conn.closed = True
         self.conns.pop(conn.id, None)
+        self.admission.done(conn.id)
         try:
             self.sel.unregister(conn.sock)
         except (KeyError, ValueError):
@@ -601,3 +632,8 @@ class Server:
             return
         self.members.dirty = self.members.commits_dirty = False
         self.commits_persist_at = now + COMMIT_PERSIST_INTERVAL
+
+
+def _nofile() -> int:
+    """The soft limit of descriptors this process may open."""
+    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]

@@ -10,16 +10,19 @@ from __future__ import annotations
 
 import base64
 import threading
+import time
 from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
 
 from toolkit import protocol as P
-from toolkit.session import Unproven, open_session
+from toolkit.session import ClosedEarly, Unproven, open_session
 
 CONNECT_TIMEOUT = 2.0  # s for the TCP connect
-HANDSHAKE_TIMEOUT = 10.0  # s for the challenge and the answer
+HANDSHAKE_TIMEOUT = 10.0  # s for the challenge and the answer (all attempts together)
+HANDSHAKE_ATTEMPTS = 4  # connections tried when the store closes one before the handshake is over
+RETRY_PAUSE = 0.1  # s before the second attempt (then 2x, 3x)
 SLACK = 5.0  # s the client waits beyond a timed wait's own timeout for the server's answer
 
 
@@ -157,8 +160,22 @@ def _b64(value: Any) -> str:
 
 
 def connect(host: str, port: int, token: str, node_id: str, timeout: timedelta) -> JobStore:
-    """The job's store, or StoreError if it cannot be reached and trusted within the handshake bound."""
-    try:
-        return JobStore(host, port, token, node_id, timeout)
-    except (OSError, P.ProtocolError, Unproven) as e:
-        raise StoreError(f"cannot use the job's store at {host}:{port}: {e}") from None
+    """The job's store, or StoreError if it cannot be reached and trusted within the handshake bound.
+
+    A connection the store closed before the handshake ended (under a flood of strangers the scheduler makes room
+    by closing the oldest connections still waiting to authenticate: toolkit.scheduler.admission) is tried again,
+    up to HANDSHAKE_ATTEMPTS times within HANDSHAKE_TIMEOUT; a refused connection, a timeout or an unproven answer
+    is not."""
+    deadline = time.monotonic() + HANDSHAKE_TIMEOUT
+    attempt = 1
+    while True:
+        try:
+            return JobStore(host, port, token, node_id, timeout)
+        except (ConnectionResetError, BrokenPipeError, ClosedEarly) as e:
+            pause = RETRY_PAUSE * attempt
+            if attempt == HANDSHAKE_ATTEMPTS or time.monotonic() + pause > deadline:
+                raise StoreError(f"cannot use the job's store at {host}:{port}: {e} ({attempt} attempts)") from None
+        except (OSError, P.ProtocolError, Unproven) as e:
+            raise StoreError(f"cannot use the job's store at {host}:{port}: {e}") from None
+        time.sleep(pause)
+        attempt += 1
