@@ -496,6 +496,27 @@ def test_a_second_project_of_the_same_name_never_takes_over_a_running_job(tmp_pa
         fleet("stop", cwd=a)
 
 
+def test_status_says_when_a_rank_keeps_failing_at_the_same_step(tmp_path: Path, job: str) -> None:
+    """--restart-refill reaches the agent through host.json; a rank that fails at the same step every time uses up
+    its budget and `status` says where and how it keeps failing."""
+    d = tmp_path / "proj"
+    d.mkdir()
+    shutil.copy(WORKER, d / "train.py")
+    work = tmp_path / "work"
+    flags = ["--job", job, "--workdir", str(work), "--worker-num", "1", "--master-port", str(free_port_pair()),
+             "--no-warm-spare", "--max-restarts", "1", "--restart-refill", "progress"]
+    r = fleet("deploy", "train", "--join", *flags, "--script-args", "--steps 20 --delay 0.05 --fail-rank 0 "
+              "--fail-step 4", cwd=d)
+    assert r.returncode != 0 and "worker_0" in r.stderr, r.stderr
+    spec = json.loads((work / job / "host.json").read_text())
+    assert spec["restart_refill"] == "progress" and spec["max_restarts"] == 1
+    out = fleet("status", "--job", job, cwd=d)
+    assert ("localhost:worker:0 (worker_0): failed 2 times in a row at step 3, each time with exit code 3: it does "
+            "not get past it") in out.stderr, out.stderr
+    r = fleet("deploy", *flags[:-1], "soon", cwd=d)
+    assert r.returncode == 2 and "--restart-refill 'soon': give 'progress'" in r.stderr, r.stderr
+
+
 def test_logs_show_control_characters_instead_of_obeying_them(tmp_path: Path, job: str) -> None:
     """A log line with a terminal escape, a carriage return and a bidirectional override (what a forged "job
     finished" line used): `fleet logs` prints them as escapes, on the process's own prefixed line."""

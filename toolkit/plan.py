@@ -16,6 +16,7 @@ from types import MappingProxyType
 from typing import Iterator, Mapping
 
 from toolkit import envvars as E
+from toolkit import hostspec
 from toolkit.errors import UserError
 from toolkit.inventory import Host, Inventory
 from toolkit.protocol import RECOVERY_RESTART as P_RECOVERY_RESTART
@@ -60,6 +61,7 @@ class JobOptions:
     workdir: str = DEFAULT_WORKDIR
     python: str = "python3"
     max_restarts: int = 3
+    restart_refill: str = hostspec.REFILL_PROGRESS  # when a process's count of failures starts again (hostspec)
     grace: float = 10.0
     bind_core: bool = False
     warm_spare: bool = True
@@ -91,6 +93,10 @@ class JobOptions:
             )
         if self.max_restarts < 0:
             raise PlanError(f"--max-restarts {self.max_restarts}: give 0 or more")
+        try:
+            hostspec.parse_refill(self.restart_refill)
+        except ValueError as e:
+            raise PlanError(f"--restart-refill {e}") from None
         if not 1 < self.straggler_factor < math.inf:
             raise PlanError(f"--straggler-factor {self.straggler_factor}: give a factor above 1 (1.5: a rank whose own "
                             "work per step takes 1.5 times the others' median is named a straggler)")

@@ -100,7 +100,8 @@ def host_spec(plan: LaunchPlan, host: HostPlan) -> dict[str, Any]:
                 for p in processes]
 
     return hostspec.document(plan.job, host.name, plan.sched_address, plan.sched_port, o.max_restarts, o.grace,
-                             o.bind_core, o.warm_spare, entries(host.processes), entries(host.standby))
+                             o.bind_core, o.warm_spare, entries(host.processes), entries(host.standby),
+                             o.restart_refill)
 
 
 def plan_json(plan: LaunchPlan) -> dict[str, Any]:

@@ -22,7 +22,7 @@ import sys
 import time
 from typing import Any, Callable
 
-from toolkit import atomicfile, netif, procs, standby
+from toolkit import atomicfile, netif, procs, standby, stepfile
 from toolkit import envvars as E
 from toolkit import protocol as P
 from toolkit.agent import openfiles, policy
@@ -31,7 +31,7 @@ from toolkit.agent.log import AgentLog, iso, log_tail
 from toolkit.agent.timers import Timer, Timers
 from toolkit.agentdoc import ControlOp, recorded_groups
 from toolkit.errors import UserError
-from toolkit.hostspec import HostSpec, ProcSpec, RestartPolicy
+from toolkit.hostspec import REFILL_TIME, HostSpec, ProcSpec, RestartPolicy
 from toolkit.procs import Child, ExitStatus, LaunchSpec
 
 REPORT_FLUSH_TIMEOUT = 3.0  # s to deliver the last reports (gave_up) before exiting
@@ -105,6 +105,9 @@ class Slot:
         self.seen_dead: float | None = None  # monotonic time the latest death was seen, until the relaunch
         self.recovery: str | None = None  # how the worker said it recovers (protocol.RECOVERY_*), once it did
         self.files: openfiles.Trend | None = None  # the running incarnation's open files (workers)
+        self.reached: int | None = None  # the highest step the running incarnation reported (datagrams)
+        self.failed_at: int | None = None  # the furthest step this count's failures reached (the restart budget)
+        self.same_failure: dict[str, Any] | None = None  # policy.repeated_failure of `exits`
 
     def document(self, policy: RestartPolicy) -> dict[str, Any]:
         """This process's entry in agent.json's `processes`; no I/O. `pid`, `pgid` and `start_ticks` name the running
@@ -124,6 +127,7 @@ class Slot:
             "step": self.step, "epoch": self.epoch, "step_at": iso(self.step_at), "recovery": self.recovery,
             "cpus": sorted(self.cpus) if self.cpus else None,
             "open_files": self.files.document() if self.files else None,
+            "failed_at": self.failed_at, "same_failure": self.same_failure,
             "log_file": self.spec.log_file, "argv": list(self.spec.argv),
         }
 
@@ -407,6 +411,9 @@ class Agent:
         n = slot.launches
         env = dict(self.base_env)
         env[E.TORCHELASTIC_RESTART_COUNT] = str(n)
+        if slot.spec.is_worker and self._fresh_step_file(slot):
+            env[E.TOOLKIT_STEP_FILE] = str(self.spec.step_file(slot.spec.node_id))
+        slot.reached = None
         marker = (f"--- toolkit agent {self.spec.host}: start {slot.spec.node_id} #{n + 1} ({why}) "
                   f"at {iso(time.time())} ---")
         child = self._handoff(slot, env, marker)
@@ -446,6 +453,23 @@ class Agent:
                                     f"{', restart count ' + str(n) if n else ''}{since})")
         self._write()
 
+    def _fresh_step_file(self, slot: Slot) -> bool:
+        """Make the worker's step file hold no step before its launch (toolkit.stepfile); False (said in the log)
+        if it cannot be made: the worker then reports its steps by datagram only."""
+        try:
+            stepfile.reset(self.spec.step_file(slot.spec.node_id))
+        except OSError as e:
+            self.log(slot.spec.node_id, f"cannot make its step file ({e}): the restart budget knows its steps only "
+                                        "from its progress reports")
+            return False
+        return True
+
+    def _reached(self, slot: Slot) -> int | None:
+        """The last step the incarnation that just ended completed: its step file (exact, whatever the death), or
+        the highest step it reported by datagram (a lower bound); None if neither says one."""
+        steps = [s for s in (stepfile.read(self.spec.step_file(slot.spec.node_id)), slot.reached) if s is not None]
+        return max(steps) if steps else None
+
     def _on_child(self, slot: Slot, child: Child) -> None:
         """Selector callback: `child`'s pidfd is readable, so it exited. The pidfd is unregistered before `reap` closes
         it; reaping also SIGKILLs whatever is left of the child's group. `slot.child` is cleared and the status goes to
@@ -480,7 +504,9 @@ class Agent:
         `backoff` with a timer; `slot.counted` takes the policy's count)."""
         pid = child.pid if child else None
         ran = time.monotonic() - slot.started_mono
-        self._record_exit(slot, status, pid)
+        reached = self._reached(slot) if slot.spec.is_worker else None
+        record = self._record_exit(slot, status, pid)
+        record["step"] = reached
         if slot.kill_timer:
             slot.kill_timer.cancel()
             slot.kill_timer = None
@@ -491,9 +517,20 @@ class Agent:
         facts = policy.Exited(
             code=status.code if status.signal is None else None, ran_for=ran, progressed=slot.progressed,
             counted=slot.counted, manual=slot.manual, closing=self.closing, finishing=self.state == "finishing",
-            others_running=any(s.child for s in others), others_succeeded=all(s.state == "succeeded" for s in others))
+            others_running=any(s.child for s in others), others_succeeded=all(s.state == "succeeded" for s in others),
+            reached=reached, failed_at=slot.failed_at)
         reaction = policy.on_exit(self.spec.policy, facts, status.describe())
         slot.manual = False
+        if isinstance(reaction, policy.GiveUp) or isinstance(reaction, policy.Relaunch) and reaction.failure:
+            record["failure"] = True
+            forgiven = self.spec.policy.forgives(ran, reached, slot.failed_at) and slot.counted > 0
+            slot.failed_at, slot.same_failure = reaction.failed_at, policy.repeated_failure(slot.exits)
+            if forgiven:
+                rule = self.spec.policy
+                why = (f"it ran {ran:.1f} s, at least the {rule.healthy_reset:g} s of restart_refill"
+                       if rule.refill == REFILL_TIME else f"it got to step {reached}" +
+                       (f", past step {facts.failed_at} where it failed last" if facts.failed_at is not None else ""))
+                self.log(slot.spec.node_id, f"{why}: its count of restarts starts again")
         node, how = slot.spec.node_id, status.describe()
         if isinstance(reaction, policy.Settle):
             slot.state = reaction.state
@@ -923,6 +960,7 @@ class Agent:
             if not isinstance(step, int) or isinstance(step, bool):
                 continue
             slot.step, slot.step_at, slot.progressed = step, time.time(), True
+            slot.reached = step if slot.reached is None else max(slot.reached, step)
             epoch = msg.get("epoch")
             if isinstance(epoch, int):
                 slot.epoch = epoch

@@ -63,6 +63,7 @@ class ProcStatus:
     loss: float | None = None
     heartbeat_age: float | None = None  # s since the scheduler last heard from it
     straggler: float | None = None  # named a straggler: its own work per step over the others' median
+    repeating: str | None = None  # it keeps failing the same way: how (the agent's policy.repeated_failure)
 
     @property
     def prefix(self) -> str:
@@ -299,7 +300,19 @@ def _proc(host: str, p: Mapping[str, Any], got: Mapping[str, Any], state: str, n
         loss=_number(figures.get("loss")),
         heartbeat_age=_number(figures.get("heartbeat_age")) if state == "running" else None,
         straggler=straggler,
+        repeating=_repeating(got.get("same_failure")),
     )
+
+
+def _repeating(same: Any) -> str | None:
+    """The agent's `same_failure` ({times, step, code, signal}: a process failing again and again the same way) as
+    words, or None."""
+    if not isinstance(same, dict) or not isinstance(same.get("times"), int):
+        return None
+    how = f"killed by {clean(same['signal'], 40)}" if same.get("signal") else f"exit code {same.get('code')}"
+    step = same.get("step")
+    where = f"at step {step}" if isinstance(step, int) else "before reporting any step"
+    return f"failed {same['times']} times in a row {where}, each time with {how}: it does not get past it"
 
 
 # What each recovery mode means, and why a job runs in it: status says it in one line.
@@ -399,6 +412,9 @@ def _print_status(record: JobRecord, hosts: list[HostStatus]) -> None:
         note = _host_note(h)
         if note:
             say(note)
+        for p in h.processes:
+            if p.repeating:
+                say(f"{p.prefix} ({p.node_id}): {p.repeating}")
     for line in live_lines(job_live(hosts)):
         say(line)
     for h in record.hosts:
