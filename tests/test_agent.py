@@ -231,7 +231,8 @@ def test_max_restarts_then_give_up_and_the_refill_rule_time_refills_after_a_heal
     policy = A.RestartPolicy(max_restarts=2, backoff_base=1.0, backoff_max=30.0, healthy_reset=60.0, refill="time")
     assert policy.after_failure(2, ran_for=1.0).give_up
     assert policy.after_failure(1, ran_for=1.0) == A.RestartDecision(False, 1.0, 2)
-    assert policy.after_failure(2, ran_for=60.0) == A.RestartDecision(False, 0.0, 1)
+    assert policy.after_failure(2, ran_for=60.0) == A.RestartDecision(False, 0.0, 1, None,
+                                                                      "it ran 60.0 s (restart_refill 60 s)")
     assert A.RestartPolicy(max_restarts=0).after_failure(0, 1.0).give_up
     assert A.RestartPolicy(max_restarts=2, healthy_reset=60.0).after_failure(2, ran_for=1e6).give_up  # progress
 

@@ -34,7 +34,8 @@ def test_a_process_that_trained_restarts_at_once_and_progress_past_its_last_fail
     assert policy.on_exit(RULES, exit_(counted=2, progressed=True), "killed by SIGKILL") == Relaunch(
         "restart 3 of 3 after killed by SIGKILL", 0.0, 3, failure=True)
     forgiven = policy.on_exit(RULES, exit_(counted=3, progressed=True, reached=41, failed_at=40), "killed by SIGKILL")
-    assert forgiven == Relaunch("restart 1 of 3 after killed by SIGKILL", 0.0, 1, failure=True, failed_at=41)
+    assert forgiven == Relaunch("restart 1 of 3 after killed by SIGKILL; the count started again: it got to step 41, "
+                                "past step 40 where it failed before", 0.0, 1, failure=True, failed_at=41)
 
 
 class FakeClock:

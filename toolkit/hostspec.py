@@ -56,6 +56,7 @@ class RestartDecision:
     delay: float
     counted: int  # restarts counted against max_restarts once this one is done
     failed_at: int | None = None  # the furthest step the failures of this count reached (None: none reported)
+    refilled: str = ""  # why the count started again with this failure ("": it did not, or it was the first)
 
 
 @dataclass(frozen=True)
@@ -99,12 +100,17 @@ class RestartPolicy:
         step, or joined its group) since its launch is relaunched at once, however many faults came before. The
         decision carries the furthest step of this count's failures, the next failure's `failed_at` (a run that
         falls back to an earlier checkpoint and fails there again has not got past the furthest)."""
+        refilled = ""
         if self.forgives(ran_for, reached, failed_at):
+            if counted:
+                refilled = (f"it ran {ran_for:.1f} s (restart_refill {self.healthy_reset:g} s)" if self.refill ==
+                            REFILL_TIME else f"it got to step {reached}" +
+                            (f", past step {failed_at} where it failed before" if failed_at is not None else ""))
             counted, failed_at = 0, None
         mark = max((s for s in (failed_at, reached) if s is not None), default=None)
         if counted >= self.max_restarts:
             return RestartDecision(True, 0.0, counted, mark)
-        return RestartDecision(False, 0.0 if progressed else self.backoff(counted), counted + 1, mark)
+        return RestartDecision(False, 0.0 if progressed else self.backoff(counted), counted + 1, mark, refilled)
 
 
 def parse_refill(text: str) -> tuple[str, float]:

@@ -99,7 +99,8 @@ def on_exit(policy: RestartPolicy, e: Exited, how: str) -> Settle | Relaunch | S
     decision = policy.after_failure(e.counted, e.ran_for, e.progressed, e.reached, e.failed_at)
     if decision.give_up:
         return GiveUp(decision.counted, decision.failed_at)
-    return Relaunch(f"restart {decision.counted} of {policy.max_restarts} after {how}", decision.delay,
+    refilled = f"; the count started again: {decision.refilled}" if decision.refilled else ""
+    return Relaunch(f"restart {decision.counted} of {policy.max_restarts} after {how}{refilled}", decision.delay,
                     decision.counted, failure=True, failed_at=decision.failed_at)
 
 

@@ -20,6 +20,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Any, Callable
 
 from toolkit import atomicfile, netif, procs, standby, stepfile
@@ -31,7 +32,7 @@ from toolkit.agent.log import AgentLog, iso, log_tail
 from toolkit.agent.timers import Timer, Timers
 from toolkit.agentdoc import ControlOp, recorded_groups
 from toolkit.errors import UserError
-from toolkit.hostspec import REFILL_TIME, HostSpec, ProcSpec, RestartPolicy
+from toolkit.hostspec import HostSpec, ProcSpec, RestartPolicy
 from toolkit.procs import Child, ExitStatus, LaunchSpec
 
 REPORT_FLUSH_TIMEOUT = 3.0  # s to deliver the last reports (gave_up) before exiting
@@ -79,9 +80,10 @@ class Slot:
     step or the group joined since the latest launch) spares the next relaunch its backoff. Read and written by the
     Agent's loop thread only."""
 
-    def __init__(self, spec: ProcSpec, cpus: frozenset[int] | None) -> None:
+    def __init__(self, spec: ProcSpec, cpus: frozenset[int] | None, step_file: Path | None = None) -> None:
         self.spec = spec
         self.cpus = cpus
+        self.step_file = step_file if spec.is_worker else None  # toolkit.stepfile: the step of a death, exactly
         self.child: Child | None = None
         self.state = "pending"  # running, backoff, restarting, succeeded, failed, stopped
         self.launches = 0
@@ -108,6 +110,33 @@ class Slot:
         self.reached: int | None = None  # the highest step the running incarnation reported (datagrams)
         self.failed_at: int | None = None  # the furthest step this count's failures reached (the restart budget)
         self.same_failure: dict[str, Any] | None = None  # policy.repeated_failure of `exits`
+
+    def fresh_steps(self) -> str | None:
+        """Before a launch: make the step file hold no step (and forget the steps reported). Returns why it could
+        not be made (then the restart budget has the progress datagrams only), or None."""
+        self.reached = None
+        if self.step_file is None:
+            return None
+        try:
+            stepfile.reset(self.step_file)
+        except OSError as e:
+            self.step_file = None
+            return f"cannot make its step file ({e}): the restart budget knows its steps from its progress reports"
+        return None
+
+    def reached_step(self) -> int | None:
+        """After an exit: the last step the incarnation completed, from its step file (exact, whatever the death) or
+        the highest step it reported by datagram (a lower bound); None if neither says one."""
+        steps = [s for s in (stepfile.read(self.step_file) if self.step_file else None, self.reached) if s is not None]
+        return max(steps) if steps else None
+
+    def judged(self, reaction: Any, record: dict[str, Any]) -> None:
+        """After an exit: if the restart budget judged it (a counted relaunch or the give-up), mark its record a
+        failure, keep the count's furthest step, and see whether it keeps failing the same way."""
+        if not (isinstance(reaction, policy.GiveUp) or isinstance(reaction, policy.Relaunch) and reaction.failure):
+            return
+        record["failure"] = True
+        self.failed_at, self.same_failure = reaction.failed_at, policy.repeated_failure(self.exits)
 
     def document(self, policy: RestartPolicy) -> dict[str, Any]:
         """This process's entry in agent.json's `processes`; no I/O. `pid`, `pgid` and `start_ticks` name the running
@@ -175,7 +204,7 @@ class Agent:
         workers = [p for p in spec.processes if p.is_worker]
         sets = cpu_sets(os.sched_getaffinity(0), len(workers), spec.host) if spec.bind_core else []
         by_node = dict(zip((p.node_id for p in workers), sets, strict=False))  # no sets without bind_core
-        self.slots = {p.node_id: Slot(p, by_node.get(p.node_id)) for p in spec.processes}
+        self.slots = {p.node_id: Slot(p, by_node.get(p.node_id), spec.step_file(p.node_id)) for p in spec.processes}
         self.state = "starting"
         self.reason: str | None = None
         self.exit_code: int | None = None
@@ -411,9 +440,11 @@ class Agent:
         n = slot.launches
         env = dict(self.base_env)
         env[E.TORCHELASTIC_RESTART_COUNT] = str(n)
-        if slot.spec.is_worker and self._fresh_step_file(slot):
-            env[E.TOOLKIT_STEP_FILE] = str(self.spec.step_file(slot.spec.node_id))
-        slot.reached = None
+        trouble = slot.fresh_steps()
+        if trouble:
+            self.log(slot.spec.node_id, trouble)
+        if slot.step_file is not None:
+            env[E.TOOLKIT_STEP_FILE] = str(slot.step_file)
         marker = (f"--- toolkit agent {self.spec.host}: start {slot.spec.node_id} #{n + 1} ({why}) "
                   f"at {iso(time.time())} ---")
         child = self._handoff(slot, env, marker)
@@ -453,23 +484,6 @@ class Agent:
                                     f"{', restart count ' + str(n) if n else ''}{since})")
         self._write()
 
-    def _fresh_step_file(self, slot: Slot) -> bool:
-        """Make the worker's step file hold no step before its launch (toolkit.stepfile); False (said in the log)
-        if it cannot be made: the worker then reports its steps by datagram only."""
-        try:
-            stepfile.reset(self.spec.step_file(slot.spec.node_id))
-        except OSError as e:
-            self.log(slot.spec.node_id, f"cannot make its step file ({e}): the restart budget knows its steps only "
-                                        "from its progress reports")
-            return False
-        return True
-
-    def _reached(self, slot: Slot) -> int | None:
-        """The last step the incarnation that just ended completed: its step file (exact, whatever the death), or
-        the highest step it reported by datagram (a lower bound); None if neither says one."""
-        steps = [s for s in (stepfile.read(self.spec.step_file(slot.spec.node_id)), slot.reached) if s is not None]
-        return max(steps) if steps else None
-
     def _on_child(self, slot: Slot, child: Child) -> None:
         """Selector callback: `child`'s pidfd is readable, so it exited. The pidfd is unregistered before `reap` closes
         it; reaping also SIGKILLs whatever is left of the child's group. `slot.child` is cleared and the status goes to
@@ -484,11 +498,12 @@ class Agent:
         slot.child = None
         self._after_exit(slot, child, status)
 
-    def _record_exit(self, slot: Slot, status: ExitStatus, pid: int | None = None) -> dict[str, Any]:
-        """Record an exit as `slot.last_exit` and in its history (the last EXIT_HISTORY); returns the record. In memory
-        only: the caller writes agent.json."""
+    def _record_exit(self, slot: Slot, status: ExitStatus, pid: int | None = None,
+                     step: int | None = None) -> dict[str, Any]:
+        """Record an exit as `slot.last_exit` and in its history (the last EXIT_HISTORY), with the `step` the
+        incarnation had reached; returns the record. In memory only: the caller writes agent.json."""
         ran = time.monotonic() - slot.started_mono
-        rec = {**status.as_dict(), "pid": pid, "at": iso(time.time()), "ran_for": round(ran, 3)}
+        rec = {**status.as_dict(), "pid": pid, "at": iso(time.time()), "ran_for": round(ran, 3), "step": step}
         slot.last_exit = rec
         slot.exits = (slot.exits + [rec])[-EXIT_HISTORY:]
         return rec
@@ -504,9 +519,7 @@ class Agent:
         `backoff` with a timer; `slot.counted` takes the policy's count)."""
         pid = child.pid if child else None
         ran = time.monotonic() - slot.started_mono
-        reached = self._reached(slot) if slot.spec.is_worker else None
-        record = self._record_exit(slot, status, pid)
-        record["step"] = reached
+        record = self._record_exit(slot, status, pid, slot.reached_step())
         if slot.kill_timer:
             slot.kill_timer.cancel()
             slot.kill_timer = None
@@ -518,19 +531,10 @@ class Agent:
             code=status.code if status.signal is None else None, ran_for=ran, progressed=slot.progressed,
             counted=slot.counted, manual=slot.manual, closing=self.closing, finishing=self.state == "finishing",
             others_running=any(s.child for s in others), others_succeeded=all(s.state == "succeeded" for s in others),
-            reached=reached, failed_at=slot.failed_at)
+            reached=record["step"], failed_at=slot.failed_at)
         reaction = policy.on_exit(self.spec.policy, facts, status.describe())
         slot.manual = False
-        if isinstance(reaction, policy.GiveUp) or isinstance(reaction, policy.Relaunch) and reaction.failure:
-            record["failure"] = True
-            forgiven = self.spec.policy.forgives(ran, reached, slot.failed_at) and slot.counted > 0
-            slot.failed_at, slot.same_failure = reaction.failed_at, policy.repeated_failure(slot.exits)
-            if forgiven:
-                rule = self.spec.policy
-                why = (f"it ran {ran:.1f} s, at least the {rule.healthy_reset:g} s of restart_refill"
-                       if rule.refill == REFILL_TIME else f"it got to step {reached}" +
-                       (f", past step {facts.failed_at} where it failed last" if facts.failed_at is not None else ""))
-                self.log(slot.spec.node_id, f"{why}: its count of restarts starts again")
+        slot.judged(reaction, record)
         node, how = slot.spec.node_id, status.describe()
         if isinstance(reaction, policy.Settle):
             slot.state = reaction.state
@@ -555,8 +559,8 @@ class Agent:
             else:
                 budget = f"restart {reaction.counted} of {self.spec.policy.max_restarts}"
                 when = "now" if reaction.delay <= 0 else f"in {reaction.delay:g} s"
-                files = slot.files.cause() if slot.files else ""
-                self.log(node, f"pid {pid} {how} after {ran:.1f} s{files}; restarting {when} ({budget})")
+                self.log(node, f"pid {pid} {how} after {ran:.1f} s{slot.files.cause() if slot.files else ''}; "
+                               f"restarting {when} ({budget})")
             if reaction.delay <= 0:
                 self._launch(slot, reaction.why)
             else:
@@ -787,7 +791,7 @@ class Agent:
         self.took_over.append({"host": reaction.host, "node_ids": list(reaction.node_ids), "seq": seq,
                                "at": iso(time.time())})
         for node_id in reaction.node_ids:
-            slot = Slot(standby[node_id], None)
+            slot = Slot(standby[node_id], None, self.spec.step_file(node_id))
             self.slots[node_id] = slot
             self._launch(slot, f"takeover of {reaction.host}")
         self.spare_enabled = self.spec.warm_spare and self.spare_failures < SPARE_MAX_FAILURES

@@ -119,12 +119,11 @@ def deploy(settings: Settings) -> JobRecord:
     )
     plan = make_plan(inventory, settings.options, str(settings.project) if settings.local else None)
     token = jobrecord.token(settings.project, plan.job)
-    identity = Identity(jobrecord.job_id(token), hashlib.sha256(f"{token}\n".encode()).hexdigest(),
-                        _origin(settings.project))
+    identity = Identity.of(token, settings.project)
     # Recorded before the upload (marked incomplete until it is done): from now on `status` looks where this
     # deploy puts the job, never at an earlier deploy's job directories as if they were this one's.
-    jobrecord.save(settings.project, replace(_record(plan, settings, identity.job_id), deployed=False),
-                   typed_in=Path.cwd())
+    record = _record(plan, settings, identity.job_id)
+    jobrecord.save(settings.project, replace(record, deployed=False), typed_in=Path.cwd())
 
     def upload(host: Host) -> SyncStats:
         """The job's layout and rendered files, then (remote hosts only) the project, mirrored with delete."""
@@ -148,7 +147,6 @@ def deploy(settings: Settings) -> JobRecord:
     if outside:
         say(f"not copied: {len(outside)} symlink(s) pointing out of {settings.project} ({', '.join(outside[:5])}"
              + (", ..." if len(outside) > 5 else "") + "): toolkit never follows a link out of the project")
-    record = _record(plan, settings, identity.job_id)
     path = jobrecord.save(settings.project, record, typed_in=Path.cwd())
     total = _sum_stats(stats.values())
     say(f"deployed job {plan.job} to {len(stats)} host(s): {total.files_sent} file(s) sent "
@@ -186,10 +184,12 @@ class Identity:
     token_sum: str
     origin: str
 
-
-def _origin(project: Path) -> str:
-    """Where a job is deployed from, as one line for people: the project's path and this machine's name."""
-    return clean(f"project {project.resolve()} on {socket.gethostname()}", 400)
+    @classmethod
+    def of(cls, token: str, project: Path) -> Identity:
+        """The identity of the job whose token is `token`, deployed from `project` (its path and this machine's
+        name, as one line for people)."""
+        return cls(jobrecord.job_id(token), hashlib.sha256(f"{token}\n".encode()).hexdigest(),
+                   clean(f"project {project.resolve()} on {socket.gethostname()}", 400))
 
 
 def _upload_rendered(host: Host, job_dir: str, files: list[RenderedFile], identity: Identity,

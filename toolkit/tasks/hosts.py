@@ -36,11 +36,13 @@ class OtherJob(PreflightFailed):
     done there, and that job was left as it is."""
 
 
-def other_job(host: str, result: CommandResult) -> None:
-    """Raise OtherJob with the agent's line if `result` is its EXIT_OTHER_JOB (launch.sh or stop.sh --job-id)."""
+def unless_other_job(host: str, result: CommandResult) -> CommandResult:
+    """`result`, unless it is the agent's EXIT_OTHER_JOB (launch.sh or stop.sh --job-id): then OtherJob with the
+    agent's line."""
     if result.exit_code == EXIT_OTHER_JOB:
         line = (result.stderr.strip().splitlines() or ["another project's job is there"])[-1]
         raise OtherJob(host, line.removeprefix(f"{host}: "))
+    return result
 
 
 def load_record(ref: JobRef) -> JobRecord:

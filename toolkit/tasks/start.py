@@ -37,9 +37,9 @@ from toolkit.tasks.hosts import (
     fan_out,
     host_target,
     load_record,
-    other_job,
     record_ssh,
     record_targets,
+    unless_other_job,
 )
 from toolkit.tasks.join import join_job
 from toolkit.tasks.output import say
@@ -91,10 +91,9 @@ def train(request: Request, join: bool = False, join_timeout: float | None = Non
         h = record.host(host.name)
         if h.name == sched.name and not poll_status(host, h)["doc"]["alive"]:
             host.preflight(h.python, h.job_dir, ports=(port, port + 1))
-        argv = [f"{h.job_dir}/launch.sh"] + (["--job-id", record.job_id] if record.job_id else [])
-        result = host.run(argv, timeout=LAUNCH_TIMEOUT)
-        other_job(host.name, result)
-        return "already running" not in result.check().stdout
+        launch = host.run([f"{h.job_dir}/launch.sh"] + (["--job-id", record.job_id] if record.job_id else []),
+                          timeout=LAUNCH_TIMEOUT)
+        return "already running" not in unless_other_job(host.name, launch).check().stdout
 
     begun = time.monotonic()
     with rich_progress("starting", len(record.live_hosts)) as progress:

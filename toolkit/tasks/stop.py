@@ -22,10 +22,10 @@ from toolkit.tasks.hosts import (
     OtherJob,
     host_target,
     load_record,
-    other_job,
     record_ssh,
     record_targets,
     result_line,
+    unless_other_job,
 )
 from toolkit.tasks.output import say
 from toolkit.tasks.scripts import STOP_SCRIPT
@@ -64,8 +64,7 @@ def stop_one(host: Host, record: JobRecord) -> str:
     h = record.host(host.name)
     result = host.run(["sh", "-c", STOP_SCRIPT, "sh", h.job_dir, h.name, record.job_id],
                       timeout=record.grace + STOP_TIMEOUT_EXTRA)
-    other_job(host.name, result)
-    return result.check().stdout.strip()
+    return unless_other_job(host.name, result).check().stdout.strip()
 
 
 # --- restart -----------------------------------------------------------------------------------------------------
