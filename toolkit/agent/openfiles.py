@@ -2,29 +2,17 @@
 
 gloo accepts every TCP connection to a worker's port and keeps a descriptor for each one that never completes its
 handshake, for good; at the process's limit gloo aborts ("accept: Too many open files", SIGABRT). toolkit cannot
-change gloo, so the agent raises its workers' soft limit to the hard one (`raise_limit`), samples each worker's count
-every SAMPLE_INTERVAL (`count`), and judges the trend here (`Trend`, pure): a count that doubles from its low since
-the worker joined its group (and by CLIMB_MIN at least) is named in the agent's log, in agent.json, and in the cause
-of the worker's death if it dies (docs/security.md, "Gloo's port")."""
+change gloo, so the agent raises its workers' soft limit to the hard one (procs.raise_open_files), samples each
+worker's count every SAMPLE_INTERVAL (`count`), and judges the trend here (`Trend`, pure): a count that doubles from
+its low since the worker joined its group (and by CLIMB_MIN at least) is named in the agent's log, in agent.json, and
+in the cause of the worker's death if it dies (docs/security.md, "Gloo's port")."""
 
 from __future__ import annotations
 
 import os
-import resource
 
 SAMPLE_INTERVAL = 10.0  # s between two counts of a worker's open files (nothing tells when they change)
 CLIMB_MIN = 256  # a count this far above its low (and at least twice it) is climbing
-
-
-def raise_limit() -> tuple[int, int]:
-    """Raise this process's soft RLIMIT_NOFILE to its hard limit (children inherit it); returns (before, after)."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft < hard:
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-        except (ValueError, OSError):
-            return soft, soft
-    return soft, max(soft, hard)
 
 
 def count(pid: int) -> int | None:

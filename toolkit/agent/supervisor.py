@@ -252,7 +252,7 @@ class Agent:
         except BaseException:
             self._close_sockets()
             raise
-        before, self.nofile = openfiles.raise_limit()  # gloo keeps a descriptor for every connection to its port
+        before, self.nofile = procs.raise_open_files()  # gloo keeps a descriptor for every connection to its port
         what = f"supervising {', '.join(self.slots)}" if self.slots else \
             f"standing by as a spare for {len(self.spec.standby)} worker(s)"
         self.log("agent", f"agent pid {self.pid} {what} of job {self.spec.job} "

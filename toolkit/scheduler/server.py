@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from toolkit import envvars as E
+from toolkit import procs
 from toolkit import protocol as P
 from toolkit.printable import clean
 from toolkit.scheduler import state as S
@@ -199,13 +200,7 @@ class Server:
         """Raise the soft descriptor limit to the hard one (every member holds two connections, and the table of
         connections waiting to authenticate is sized from what is left: admission.Limits), and say in one line if
         even that is too low for the job's size."""
-        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-        if soft != hard:
-            try:
-                resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-            except (ValueError, OSError):
-                pass
-        nofile = _nofile()
+        _, nofile = procs.raise_open_files()
         self.admission.limits = Limits.for_job(self.cfg.world_size, self.hosts, nofile)
         needed = Limits.fds_needed(self.cfg.world_size, self.hosts)
         if nofile < needed:
