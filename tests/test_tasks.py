@@ -473,11 +473,18 @@ def test_a_second_project_of_the_same_name_never_takes_over_a_running_job(tmp_pa
         first = wait_for("A's job running", lambda: (a / ".toolkit" / "jobs" / "mnist.json").is_file()
                          and all_running(a, "mnist"))
         token = (work / "mnist" / "token").read_bytes()
-        for args in (("train", *flags), ("stop",), ("deploy", "train", "--join", *flags)):  # B's record: deployed
+        said = {  # B's record says deployed: each command of B reaches A's job directory, and leaves it alone
+            ("train", *flags): f"{work / 'mnist'} holds another project's job of this name (running): nothing was "
+                               "started",
+            ("stop",): f"{work / 'mnist'} holds another project's job mnist (project {a} on ",
+            ("restart", "--node", "worker_0"): f"{work / 'mnist'} holds another project's job mnist: nothing was "
+                                               "restarted",
+            ("deploy", "train", "--join", *flags): f"{work / 'mnist'} holds another project's job mnist (project {a} "
+                                                   "on ",
+        }
+        for args, line in said.items():
             r = fleet(*args, cwd=b)
-            assert "Traceback" not in r.stderr, r.stderr
-            assert f"{work / 'mnist'} holds another project's job mnist (project {a} on " in r.stderr \
-                or f"{work / 'mnist'} holds another project's job of this name (running)" in r.stderr, (args, r.stderr)
+            assert line in r.stderr and "Traceback" not in r.stderr, (args, r.stderr)
             assert r.returncode == (0 if args == ("stop",) else 2), (args, r.returncode, r.stderr)
         r = subprocess.run([str(work / "mnist" / "launch.sh"), "--job-id", "0" * 32], capture_output=True, text=True,
                            timeout=COMMAND_TIMEOUT)  # launch.sh itself: "already running" only for this job

@@ -83,11 +83,17 @@ def restart(ref: JobRef, node: str | None, host_name: str | None) -> None:
     h = record.host(record.process(node)["host"]) if node is not None else record.host(host_name)  # type: ignore
 
     def do(host: Host) -> str:
-        """recover.sh for the node; for a host, launch.sh if its agent is not alive, else recover.sh per node."""
+        """recover.sh for the node; for a host, launch.sh if its agent is not alive, else recover.sh per node. Never
+        in a job directory that holds another project's job (OtherJob)."""
+        doc = poll_status(host, h)["doc"]
+        if doc.get("job_id") and record.job_id and doc["job_id"] != record.job_id:
+            raise OtherJob(host.name, f"{h.job_dir} holds another project's job {record.job}: nothing was restarted")
         if node is not None:
             return host.run([f"{h.job_dir}/recover.sh", node], timeout=LAUNCH_TIMEOUT, check=True).stdout.strip()
-        if not poll_status(host, h)["doc"]["alive"]:
-            return host.run([f"{h.job_dir}/launch.sh"], timeout=LAUNCH_TIMEOUT, check=True).stdout.strip()
+        if not doc["alive"]:
+            launch = host.run([f"{h.job_dir}/launch.sh", "--job-id", record.job_id] if record.job_id else
+                              [f"{h.job_dir}/launch.sh"], timeout=LAUNCH_TIMEOUT)
+            return unless_other_job(host.name, launch).check().stdout.strip()
         return "\n".join(host.run([f"{h.job_dir}/recover.sh", n], timeout=LAUNCH_TIMEOUT, check=True).stdout.strip()
                          for n in h.node_ids)
 
