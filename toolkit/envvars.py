@@ -55,6 +55,7 @@ CKPT_DIR = "CKPT_DIR"
 TOOLKIT_JOB = "TOOLKIT_JOB"
 TOOLKIT_TOKEN_FILE = "TOOLKIT_TOKEN_FILE"  # noqa: S105 - a variable's name, not a secret
 TOOLKIT_AGENT_SOCKET = "TOOLKIT_AGENT_SOCKET"
+TOOLKIT_STEP_FILE = "TOOLKIT_STEP_FILE"  # set by the agent: where the worker keeps its latest step (toolkit.stepfile)
 TOOLKIT_HEARTBEAT_INTERVAL = "TOOLKIT_HEARTBEAT_INTERVAL"
 TOOLKIT_RECOVERY = "TOOLKIT_RECOVERY"  # worker: "restart" (--torchrun-script) forces restart recovery; default auto
 TOOLKIT_STRAGGLER_FACTOR = "TOOLKIT_STRAGGLER_FACTOR"  # scheduler: see DEFAULT_STRAGGLER_FACTOR

@@ -40,6 +40,7 @@ def main() -> int:
     ap.add_argument("--grandchild", action="store_true")
     ap.add_argument("--progress", type=int, default=0)
     ap.add_argument("--error", default=None, help="write this message to TORCHELASTIC_ERROR_FILE (as @record does)")
+    ap.add_argument("--linger", type=float, default=0.0, help="seconds to wait before exiting")
     args = ap.parse_args()
 
     warm = "torch._dynamo" in sys.modules  # true only when a warm spare ran us
@@ -80,6 +81,7 @@ def main() -> int:
     if blocked:
         select.select([], [], [], BLOCK_LIMIT)
         return 4
+    time.sleep(args.linger)
     code = args.exit
     if args.exit_until_restart is not None and restart >= args.exit_until_restart:
         code = 0
