@@ -48,7 +48,7 @@ from toolkit.tasks.stop import stop_one
 
 
 def train(request: Request, join: bool = False, join_timeout: float | None = None, fresh: bool = False,
-          again: bool = False, check: bool = True) -> None:
+          again: bool = False, check: bool = True, verb: str = "fleet train") -> None:
     """Start the deployed job on every host at once (deploying it first if it never was); all or nothing: if a
     host fails to start, what started elsewhere is stopped. With `join`, wait for the job to end.
 
@@ -66,7 +66,8 @@ def train(request: Request, join: bool = False, join_timeout: float | None = Non
 
     With `check` (the default; `--no-check` turns it off), the hosts of a job on hosts (not a local one) are
     checked first, after any deploy (tasks.check): a problem refuses the start (UserError listing them) before
-    anything is started; a host or link that is only slow is a warning."""
+    anything is started; a host or link that is only slow is a warning. `verb` is the command the messages tell
+    the user to type again (`fleet run` passes its own)."""
     if fresh and again:
         raise UserError("--fresh and --again both given: start the job over (--fresh) or go on from where it "
                         "ended (--again), not both")
@@ -82,7 +83,7 @@ def train(request: Request, join: bool = False, join_timeout: float | None = Non
         _check_first(record, ssh, ref.project)
     sched = record.host(record.scheduler_host)
     port = record.sched_port
-    _previous_run(record, ssh, fresh=fresh, again=again)
+    _previous_run(record, ssh, fresh=fresh, again=again, verb=verb)
 
     def start(host: Host) -> bool:
         """True if this call started the agent (False: it already ran)."""
@@ -139,7 +140,7 @@ def finished_run(hosts: list[HostStatus]) -> Finished | None:
     return Finished(max(steps) if steps else None, max(stamps) if stamps else None)
 
 
-def _previous_run(record: JobRecord, ssh: SshSettings, fresh: bool, again: bool) -> None:
+def _previous_run(record: JobRecord, ssh: SshSettings, fresh: bool, again: bool, verb: str = "fleet train") -> None:
     """Refuse to start a finished job again unless told how (see `train`); with `fresh`, move its previous run
     aside on every host, so that the new run starts from step 0 and no status shows the old run's processes."""
     _, hosts = collect_status(record, ssh)
@@ -147,15 +148,15 @@ def _previous_run(record: JobRecord, ssh: SshSettings, fresh: bool, again: bool)
     if alive:
         if fresh:
             raise UserError(f"job {record.job} is running on {', '.join(alive)}: stop it first ('fleet stop'), "
-                            "then 'fleet train --fresh' starts it over")
+                            f"then '{verb} --fresh' starts it over")
         return
     done = finished_run(hosts)
     if done is not None and not (fresh or again):
         step = f" at step {done.step}" if done.step is not None else ""
         when = f" ({done.at})" if done.at else ""
-        raise UserError(f"job {record.job} already finished{step}{when}: nothing to train. 'fleet train --fresh' "
+        raise UserError(f"job {record.job} already finished{step}{when}: nothing to train. '{verb} --fresh' "
                         "trains it again from the start (its checkpoints and state are moved aside, not deleted), "
-                        "'fleet train --again' goes on from its final checkpoints (e.g. with more epochs), or "
+                        f"'{verb} --again' goes on from its final checkpoints (e.g. with more epochs), or "
                         "deploy it under another --job name")
     if not fresh:
         return
