@@ -260,3 +260,13 @@ def test_train_with_other_script_arguments_says_what_to_type(project: Path) -> N
     assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
     assert ("error: the script's arguments '--lr 0.1' are not the ones job " in r.stderr
             and "('--epochs 3'): 'fleet deploy train -- --lr 0.1' deploys and starts them" in r.stderr)
+
+
+def test_output_cut_short_by_head_is_no_traceback(project: Path) -> None:
+    """`fleet plan --json | head`: the reader leaves early; fleet ends quietly, as a Unix tool killed by SIGPIPE."""
+    proc = subprocess.Popen([str(BIN / "fleet"), "plan", "--hosts=a:2000", "--json"], cwd=project,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stdout.readline() == "{\n"
+    proc.stdout.close()  # more than a pipe's buffer is still to come: the next write fails with EPIPE
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 141 and err == "", err

@@ -279,8 +279,7 @@ def _inventory(given: Mapping[str, Any], config: Mapping[str, Any], cli_hosts: s
         typed += [("slurm", True)] if values["slurm"] else []
     if len(typed) > 1:
         flags = " and ".join("--" + k for k, _ in typed)
-        raise UserError(f"{flags} both given: describe the hosts one way (--hosts, --hostfile, --inventory or --slurm; "
-                        "--standalone: this machine only)")
+        raise UserError(f"{flags} both given: describe the hosts one way (--hosts, --hostfile, --inventory or --slurm)")
     if not typed and "slurm" not in given and "slurm" not in config and in_allocation(environ):
         typed = [("slurm", True)]  # inside an allocation, with no other source: its hosts, not this machine
     if not typed or typed[0][0] == "standalone":
