@@ -42,6 +42,7 @@ from toolkit.tasks.hosts import (
 )
 from toolkit.tasks.join import join_job
 from toolkit.tasks.output import say
+from toolkit.tasks.rerun import move_checkpoints, project_checkpoints, refuse_size_change, workdir_of
 from toolkit.tasks.scripts import ARCHIVE_SCRIPT
 from toolkit.tasks.status import HostStatus, collect_status, poll_status
 from toolkit.tasks.stop import stop_one
@@ -83,7 +84,7 @@ def train(request: Request, join: bool = False, join_timeout: float | None = Non
         _check_first(record, ssh, ref.project)
     sched = record.host(record.scheduler_host)
     port = record.sched_port
-    _previous_run(record, ssh, fresh=fresh, again=again, verb=verb)
+    _previous_run(record, ssh, fresh=fresh, again=again, verb=verb, project=ref.project)
 
     def start(host: Host) -> bool:
         """True if this call started the agent (False: it already ran)."""
@@ -140,15 +141,19 @@ def finished_run(hosts: list[HostStatus]) -> Finished | None:
     return Finished(max(steps) if steps else None, max(stamps) if stamps else None)
 
 
-def _previous_run(record: JobRecord, ssh: SshSettings, fresh: bool, again: bool, verb: str = "fleet train") -> None:
-    """Refuse to start a finished job again unless told how (see `train`); with `fresh`, move its previous run
-    aside on every host, so that the new run starts from step 0 and no status shows the old run's processes."""
+def _previous_run(record: JobRecord, ssh: SshSettings, fresh: bool, again: bool, verb: str = "fleet train",
+                  project: Path = Path(".")) -> None:
+    """Refuse to start a finished job again unless told how (see `train`), and a job whose previous run had another
+    number of workers unless `fresh` (tasks.rerun); with `fresh`, move its previous run aside on every host, so
+    that the new run starts from step 0 and no status shows the old run's processes: its checkpoints, state, and
+    the checkpoints its scripts wrote in their project (`project`: where a local job runs; rerun says which)."""
     _, hosts = collect_status(record, ssh)
     alive = [h.host for h in hosts if h.alive]
     if alive:
         if fresh:
             raise UserError(f"job {record.job} is running on {', '.join(alive)}: stop it first ('fleet stop'), "
                             f"then '{verb} --fresh' starts it over")
+        refuse_size_change(record, ssh, verb, running=True)
         return
     done = finished_run(hosts)
     if done is not None and not (fresh or again):
@@ -159,14 +164,19 @@ def _previous_run(record: JobRecord, ssh: SshSettings, fresh: bool, again: bool,
                         f"'{verb} --again' goes on from its final checkpoints (e.g. with more epochs), or "
                         "deploy it under another --job name")
     if not fresh:
+        refuse_size_change(record, ssh, verb)
         return
     stamp = time.strftime("%Y%m%dT%H%M%S")
+    written = project_checkpoints(record, ssh, project, {h.host: h.updated_at for h in hosts})
 
     def archive(host: Host) -> str:
-        """Move this host's previous run aside (ARCHIVE_SCRIPT); returns its "moved ..." lines."""
+        """Move this host's previous run aside (ARCHIVE_SCRIPT, move_checkpoints); returns its "moved ..." lines."""
         h = record.host(host.name)
-        return host.run(["sh", "-c", ARCHIVE_SCRIPT, "sh", h.job_dir, h.ckpt_dir or f"{h.job_dir}/ckpt", stamp],
-                        timeout=STATUS_TIMEOUT, check=True).stdout.strip()
+        moved = host.run(["sh", "-c", ARCHIVE_SCRIPT, "sh", h.job_dir, h.ckpt_dir or f"{h.job_dir}/ckpt", stamp],
+                         timeout=STATUS_TIMEOUT, check=True).stdout.strip()
+        files = written.get(host.name, [])
+        return "\n".join(filter(None, [moved, move_checkpoints(host, h, workdir_of(h, record.local, project), files,
+                                                                stamp)]))
 
     moved = fan_out("moving the previous run aside", record_targets(record), archive, ssh)
     for name, text in moved.items():
