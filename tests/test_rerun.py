@@ -1,6 +1,7 @@
-"""A job run again, as a user runs it on this machine (`fleet run`, `fleet train` as real subprocesses): --fresh
-with a plain script that keeps its checkpoint in the project (the workers' working directory), and a change of
-the worker count between runs. The worker is tests/scripts/resume_worker.py (plain Python, no torch)."""
+"""Jobs on this machine as a user runs them (`fleet run`, `fleet train` as real subprocesses): `fleet run` with
+torchrun's spellings and the script's arguments last, then the same job run again: --fresh with a plain script
+that keeps its checkpoint in the project (the workers' working directory), and a change of the worker count
+between runs. The worker is tests/scripts/resume_worker.py (plain Python, no torch)."""
 
 from __future__ import annotations
 
@@ -54,14 +55,26 @@ def project(tmp_path: Path) -> Path:
     return d
 
 
-def test_fresh_moves_aside_the_checkpoints_a_plain_script_wrote_in_its_project(project: Path, tmp_path: Path) -> None:
+def test_run_locally_then_fresh_moves_aside_the_checkpoints_the_script_wrote(project: Path, tmp_path: Path) -> None:
     work = tmp_path / "w"
     flags = ["--job", "fr", "--workdir", str(work), "--master-port", str(free_port_pair()), "--no-warm-spare",
              "--grace", "3"]
     (project / "pretrained.pt").write_text("the user's, from before the job")
     hour_ago = time.time() - 3600
     os.utime(project / "pretrained.pt", (hour_ago, hour_ago))
-    ok(fleet("run", "--nproc-per-node", "2", *flags, "train.py", "--steps", "3", cwd=project))
+    # `fleet run` as torchrun takes it: torchrun's flag spellings, the script and its arguments last
+    ok(fleet("run", "--nproc_per_node", "2", "--max-restarts", "1", *flags, "train.py", "--steps", "3", "--name",
+             "a b", "--", "--x=1", cwd=project))
+    contract = json.loads(next(line for line in (work / "fr" / "logs" / "worker_1.log").read_text().splitlines()
+                               if line.startswith("contract "))[len("contract "):])
+    assert contract["argv"] == ["--steps", "3", "--name", "a b", "--", "--x=1"]
+    port = int(flags[flags.index("--master-port") + 1])
+    assert contract["env"] == {
+        "RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "0",
+        "GROUP_WORLD_SIZE": "1", "ROLE_NAME": "default", "ROLE_RANK": "1", "ROLE_WORLD_SIZE": "2",
+        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port + 1), "MS_SCHED_PORT": str(port),
+        "TORCHELASTIC_RUN_ID": "fr", "TORCHELASTIC_MAX_RESTARTS": "1", "TORCHELASTIC_RESTART_COUNT": "0",
+        "TORCHELASTIC_USE_AGENT_STORE": "True"}
     assert json.loads((project / "checkpoints" / "last-1.pt").read_text()) == {"step": 3}
     (project / "later.pt").write_text("the user's, added after the run")  # after the run's end: not the job's
     later = time.time() + 60
