@@ -19,6 +19,7 @@ A script that never asks for a group just runs. Outside toolkit (no MS_ROLE) the
 
 from __future__ import annotations
 
+import gc
 import importlib
 import os
 import runpy
@@ -166,3 +167,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UserError as e:
         print(f"toolkit.train: error: {e}", file=sys.stderr, flush=True)
         return 2
+    finally:
+        # The interpreter's last garbage collections walk every object torch made: seconds of a finished worker's
+        # exit (the job's end, and `train --join`, wait for it). Frozen objects are left to the process's end.
+        gc.freeze()
