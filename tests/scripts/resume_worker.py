@@ -4,9 +4,11 @@ given its own `Trainer(ckpt_dir="my_ckpt")` would); at start it resumes from `ch
 there. No torch (the tests start several jobs on two shared cores): the "checkpoint" is a JSON line.
 
 Prints `resumed from checkpoints/last-<r>.pt at step N` or `starting at step 0`, then `step S` lines, then `done`.
-Also prints `contract {json}`: its arguments and the environment variables of the launch contract it sees.
+Also prints `contract {json}`: its arguments and the environment variables of the launch contract it sees. With
+`--hold FILE` it trains on (beyond --steps) while FILE exists in its working directory: a job that runs until the
+test lets it end.
 
-usage: resume_worker.py [--steps N] [--delay S] [ANY OTHER ARGUMENTS...]
+usage: resume_worker.py [--steps N] [--delay S] [--hold FILE] [ANY OTHER ARGUMENTS...]
 """
 
 from __future__ import annotations
@@ -28,13 +30,16 @@ CONTRACT = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK"
 def main(argv: list[str]) -> int:
     steps = int(argv[argv.index("--steps") + 1]) if "--steps" in argv else 3
     delay = float(argv[argv.index("--delay") + 1]) if "--delay" in argv else 0.05
+    hold = Path(argv[argv.index("--hold") + 1]) if "--hold" in argv else None
     rank = int(os.environ.get("RANK", "0"))
     print("contract " + json.dumps({"argv": argv, "env": {k: os.environ.get(k) for k in CONTRACT}}), flush=True)
     wait_for_scheduler()
     last = Path(f"checkpoints/last-{rank}.pt")
     start = json.loads(last.read_text())["step"] if last.exists() else 0
     print(f"resumed from {last} at step {start}" if start else "starting at step 0", flush=True)
-    for step in range(start + 1, steps + 1):
+    step = start
+    while step < steps or (hold is not None and hold.exists()):
+        step += 1
         mine = Path(f"my_ckpt/rank_{rank}/step_{step:04d}.ckpt")
         mine.parent.mkdir(parents=True, exist_ok=True)
         mine.write_text(json.dumps({"step": step}))
