@@ -125,6 +125,8 @@ def test_unknown_config_setting(project: Path) -> None:
                                      "scheduler"),
     (["plan", "--hosts=a,b", "--nnodes", "3"], "error: --nnodes 3, but 2 host(s) would run workers (a, b)"),
     (["plan", "--hosts=a", "--standalone"], "error: --hosts and --standalone both given"),
+    (["plan", "--nnodes=1:2"], "error: --nnodes='1:2': toolkit runs the hosts it is given, it does not grow or "
+                               "shrink a job"),
     (["plan", "--nproc-per-node", "0"], "error: --nproc-per-node 0: give 1 to 4096 workers per host"),
     (["run", "--worker-num", "2"], "error: fleet run: name the training script after the flags"),
     (["run", "--script", "t.py", "t.py"], "error: run: unknown flag --script"),

@@ -8,8 +8,10 @@ is checked in one of these ways (COMMANDS says which):
 - RUN_LOCAL: typed in a project directory on this machine (no hosts): it runs, as typed, and succeeds.
 - RUN_CLUSTER: typed in a project directory whose commands reach `node1`, `node2` (the namespace test cluster's
   hosts, named so): the user's ~/.ssh/config and known_hosts name them (HOME is a test home holding the cluster's),
-  the project's fabric.yaml says which python the hosts have. The commands run in CLUSTER_ORDER, in the states a
-  user would type them in (a running job for status, logs and restart, a stopped one for `train --join`, ...).
+  the project's fabric.yaml says which python the hosts have. `fleet run` there is also the test of `fleet run` on
+  hosts: an unknown flag starts nothing, the script gets its arguments and torchrun's variables. The others run in
+  `cluster_sequence`, in the states a user types them in (a running job for status, logs and restart, a stopped
+  one for `train --join`, ...).
   `fleet deploy train --slurm` runs in a Slurm allocation's environment (SLURM_* variables naming node[1-2]).
 - HELP: needs what the test cluster has not (a spare host node9; 20 GB free where checkpoints go): typed with
   `--help` appended, it parses every flag given and prints the task's help.
@@ -25,14 +27,20 @@ and with `--hold FILE` (the cluster project's default arguments) trains until FI
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
+import pty
 import re
+import select
 import shlex
 import shutil
 import signal
+import struct
 import subprocess
 import sys
+import termios
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -55,7 +63,7 @@ COMMANDS = {
     "scripts/test.sh": COVERED,
     ". .venv/bin/activate": RUN_CLONE,
     "fleet run --nproc-per-node 2 train.py --lr 0.1": RUN_LOCAL,
-    "fleet run --hosts=node1:4,node2:4 train.py --lr 0.1": RUN_CLUSTER,
+    "fleet run --hosts=node1,node2 --nproc-per-node 4 train.py --lr 0.1": RUN_CLUSTER,
     "fleet plan --hosts=node1:4,node2:4": RUN_CLUSTER,
     "fleet deploy train --slurm": RUN_CLUSTER,
     "fleet deploy --hosts=node1:4,node2:4 --data-path /data/mnist": RUN_CLUSTER,
@@ -123,26 +131,38 @@ class User:
         return r
 
     def interrupted(self, command: str, cwd: Path, first: str, expect: int) -> str:
-        """Run `command` until a line containing `first` shows, then Ctrl-C it (as the reader ends a follow)."""
-        proc = subprocess.Popen(["bash", "-c", self.script(f"exec {command}", cwd)],
-                                env=self.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                start_new_session=True)
-        assert proc.stdout is not None
-        seen = []
+        """Run `command` on a terminal (a pty: what `--watch` draws on) until its output shows `first`, then Ctrl-C
+        it, as the reader ends a follow; bounded by COMMAND_TIMEOUT."""
+        main, terminal = pty.openpty()
+        fcntl.ioctl(terminal, termios.TIOCSWINSZ, struct.pack("HHHH", 50, 200, 0, 0))  # 50 rows, 200 columns
+        proc = subprocess.Popen(["bash", "-c", self.script(f"exec {command}", cwd)], env=self.env, stdin=terminal,
+                                stdout=terminal, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        os.close(terminal)
+        seen = b""
+        deadline = time.monotonic() + COMMAND_TIMEOUT
         try:
-            for line in proc.stdout:
-                seen.append(line)
-                if first in line:
-                    break
+            while first.encode() not in seen and time.monotonic() < deadline:
+                if select.select([main], [], [], max(0.0, deadline - time.monotonic()))[0]:
+                    try:
+                        seen += os.read(main, 65536)
+                    except OSError:  # the command ended: its terminal is gone
+                        break
             os.killpg(proc.pid, signal.SIGINT)
-            out, err = proc.communicate(timeout=COMMAND_TIMEOUT)
+            while select.select([main], [], [], max(0.0, deadline - time.monotonic()))[0]:
+                try:  # drain the terminal until the command ends: a full pty would block its last writes
+                    if not os.read(main, 65536):
+                        break
+                except OSError:
+                    break
+            _, err = proc.communicate(timeout=COMMAND_TIMEOUT)
         finally:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
-        text = "".join(seen) + out
-        assert proc.returncode == expect and "Traceback" not in err, (
-            f"README: {command!r}: exit {proc.returncode}\nstdout:\n{text}\nstderr:\n{err}")
+            os.close(main)
+        text = seen.decode(errors="replace")
+        assert first in text and proc.returncode == expect and "Traceback" not in err, (
+            f"README: {command!r}: exit {proc.returncode}\nterminal:\n{text}\nstderr:\n{err}")
         return text
 
 
@@ -157,7 +177,7 @@ def project(path: Path, cluster: Cluster | None = None, port: int = 0) -> Path:
             f"  master_port: {port}\n"
             "  warm_spare: false\n"
             "  grace: 3\n"
-            "  script_args: --hold hold --delay 0.2\n"
+            "  script_args: --hold hold --delay 0.2 --in-ckpt-dir\n"
         )
         (path / "hold").write_text("the job trains until this file is gone\n")
     return path
@@ -202,8 +222,7 @@ def test_the_readme_commands_run_as_typed(cluster: Cluster, tmp_path: Path) -> N
 
         ran = project(tmp_path / f"r{uuid.uuid4().hex[:6]}", cluster, port=9960)
         jobs.append(ran)
-        r = user.run("fleet run --hosts=node1:4,node2:4 train.py --lr 0.1", ran)
-        assert f"job {ran.name} succeeded: every worker exited 0" in r.stderr
+        fleet_run_on_the_cluster(user, ran, hosts)
 
         job = project(tmp_path / f"c{uuid.uuid4().hex[:6]}", cluster, port=9970)
         jobs.append(job)
@@ -219,6 +238,26 @@ def test_the_readme_commands_run_as_typed(cluster: Cluster, tmp_path: Path) -> N
                    LEFTOVER_WAIT, evidence=lambda: format_workload(cluster.workload(["node1", "node2"])))
 
 
+def fleet_run_on_the_cluster(user: User, ran: Path, hosts: list[Any]) -> None:
+    """`fleet run` as torchrun is typed, on two hosts: an unknown flag starts nothing; then the script's arguments
+    reach it word for word and it sees torchrun's (and msrun's) variables."""
+    r = user.run("fleet run --hosts=node1,node2 --nproc-per-node 4 --dry-run train.py --lr 0.1", ran, expect=2)
+    assert "error: run: unknown flag --dry-run" in r.stderr
+    assert not any((h.home / "toolkit-jobs" / ran.name).exists() for h in hosts)  # nothing deployed, nothing run
+    r = user.run("fleet run --hosts=node1,node2 --nproc-per-node 4 train.py --lr 0.1", ran)
+    assert f"job {ran.name} succeeded: every worker exited 0" in r.stderr
+    for rank, host in ((3, "node1"), (4, "node2")):
+        log = user.run(f"fleet logs --rank {rank} -n 200", ran).stdout.replace(f"{host}:worker:{rank} | ", "")
+        seen = json.loads(next(line for line in log.splitlines() if line.startswith("contract "))[len("contract "):])
+        assert seen["argv"] == ["--lr", "0.1"]
+        assert seen["env"] == {
+            "RANK": str(rank), "WORLD_SIZE": "8", "LOCAL_RANK": str(rank % 4), "LOCAL_WORLD_SIZE": "4",
+            "GROUP_RANK": str(rank // 4), "GROUP_WORLD_SIZE": "2", "ROLE_NAME": "default", "ROLE_RANK": str(rank),
+            "ROLE_WORLD_SIZE": "8", "MASTER_ADDR": "node1", "MASTER_PORT": "9961", "MS_SCHED_PORT": "9960",
+            "TORCHELASTIC_RUN_ID": ran.name, "TORCHELASTIC_MAX_RESTARTS": "3", "TORCHELASTIC_RESTART_COUNT": "0",
+            "TORCHELASTIC_USE_AGENT_STORE": "True"}
+
+
 def cluster_sequence(user: User, job: Path, hosts: list[Any]) -> None:
     """The RUN_CLUSTER commands, each once as typed, in the states a user types them in."""
     def wait(what: str, state: str) -> None:
@@ -232,15 +271,13 @@ def cluster_sequence(user: User, job: Path, hosts: list[Any]) -> None:
     wait("8 workers stepping", "running")
     assert user.run("fleet status", job).stdout.count("running") == 9  # the scheduler and 8 workers
     assert "worker_7" in user.interrupted("fleet status --watch", job, "worker_7", expect=130)
-    assert "node2:worker:3 | " in user.interrupted("fleet logs --rank 3 -f", job, "node2:worker:3 | ", expect=0)
+    assert "node1:worker:3 | " in user.interrupted("fleet logs --rank 3 -f", job, "node1:worker:3 | ", expect=0)
     user.run("fleet restart --node worker_3", job)
     user.run("fleet restart --host node2", job)
     wait("8 workers stepping after the restarts", "running")
     assert "no process of the job is left" in user.run("fleet stop", job).stderr
     assert f"job {job.name} started on 2 host(s)" in user.run("fab deploy train --hosts=node1:4,node2:4", job).stderr
     wait("8 workers stepping again", "running")
-    user.run("fleet report", job)
-    assert (job / f"{job.name}-report.png").is_file()
 
     user.run("fleet stop", job)  # (again, for `train --join` below: it starts a stopped job)
     (job / "hold").unlink()
@@ -249,12 +286,14 @@ def cluster_sequence(user: User, job: Path, hosts: list[Any]) -> None:
     r = user.run("fleet train --join", job)
     assert f"job {job.name} succeeded" in r.stderr
     log = user.run("fleet logs --rank 0 -n 1000", job).stdout
-    assert "resumed from checkpoints/last-0.pt at step " in log  # from the script's own checkpoint
+    assert "/checkpoints/last-0.pt at step " in log  # resumed from the script's own checkpoint (in $CKPT_DIR)
     r = user.run("fleet train --fresh", job)
-    assert "moved " in r.stderr and "checkpoint file(s) the last runs wrote in the project" in r.stderr
+    assert "moved " in r.stderr and "/ckpt.previous-" in r.stderr
     wait("the fresh run to succeed", "succeeded")
     log = user.run("fleet logs --rank 0 -n 1000", job).stdout
     assert log.rsplit("starting at step 0", 1)[-1].count("resumed from") == 0  # the fresh run began at 0
+    user.run("fleet report", job)  # last: its PNG lands in the project, which the next train's check would see
+    assert (job / f"{job.name}-report.png").is_file()
 
 
 def ansible(user: User, job: Path, cluster: Cluster, lines: list[str]) -> None:

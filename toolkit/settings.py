@@ -297,6 +297,9 @@ def _inventory(given: Mapping[str, Any], config: Mapping[str, Any], cli_hosts: s
 def _convert(option: Option, value: Any, where: str) -> Any:
     if value is None:
         return None
+    if option.name == "nnodes" and ":" in str(value):
+        raise UserError(f"{where}={value!r}: toolkit runs the hosts it is given, it does not grow or shrink a job "
+                        "between a minimum and a maximum (torchrun's MIN:MAX); give one number, or leave --nnodes out")
     kind = option.kind
     if kind is bool:
         if isinstance(value, bool):

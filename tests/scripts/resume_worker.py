@@ -6,9 +6,9 @@ there. No torch (the tests start several jobs on two shared cores): the "checkpo
 Prints `resumed from checkpoints/last-<r>.pt at step N` or `starting at step 0`, then `step S` lines, then `done`.
 Also prints `contract {json}`: its arguments and the environment variables of the launch contract it sees. With
 `--hold FILE` it trains on (beyond --steps) while FILE exists in its working directory: a job that runs until the
-test lets it end.
+test lets it end. With `--in-ckpt-dir` both checkpoints go under $CKPT_DIR instead, as a well-behaved script does.
 
-usage: resume_worker.py [--steps N] [--delay S] [--hold FILE] [ANY OTHER ARGUMENTS...]
+usage: resume_worker.py [--steps N] [--delay S] [--hold FILE] [--in-ckpt-dir] [ANY OTHER ARGUMENTS...]
 """
 
 from __future__ import annotations
@@ -34,15 +34,25 @@ def main(argv: list[str]) -> int:
     rank = int(os.environ.get("RANK", "0"))
     print("contract " + json.dumps({"argv": argv, "env": {k: os.environ.get(k) for k in CONTRACT}}), flush=True)
     wait_for_scheduler()
-    last = Path(f"checkpoints/last-{rank}.pt")
+    root = Path(os.environ["CKPT_DIR"]) if "--in-ckpt-dir" in argv else Path()
+    last = root / f"checkpoints/last-{rank}.pt"
     start = json.loads(last.read_text())["step"] if last.exists() else 0
     print(f"resumed from {last} at step {start}" if start else "starting at step 0", flush=True)
+    agent = os.environ.get("TOOLKIT_AGENT_SOCKET")
+    progress = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    node = os.environ.get("MS_NODE_ID", f"worker_{rank}")
     step = start
     while step < steps or (hold is not None and hold.exists()):
         step += 1
-        mine = Path(f"my_ckpt/rank_{rank}/step_{step:04d}.ckpt")
-        mine.parent.mkdir(parents=True, exist_ok=True)
-        mine.write_text(json.dumps({"step": step}))
+        if agent:  # the step for fleet status, as toolkit.train reports it
+            try:
+                progress.sendto(json.dumps({"node_id": node, "step": step, "epoch": 0}).encode(), agent)
+            except OSError:
+                pass  # the agent may be restarting; progress is advisory
+        if step <= steps:  # (held on, it writes no more of these: a held job may run for minutes)
+            mine = root / f"my_ckpt/rank_{rank}/step_{step:04d}.ckpt"
+            mine.parent.mkdir(parents=True, exist_ok=True)
+            mine.write_text(json.dumps({"step": step}))
         last.parent.mkdir(parents=True, exist_ok=True)
         Path(f"{last}.tmp").write_text(json.dumps({"step": step}))
         os.replace(f"{last}.tmp", last)
