@@ -301,6 +301,7 @@ def test_kill_9_worker_is_relaunched_with_same_env_and_rank_and_job_completes(ma
     assert {k: v for k, v in again["env"].items() if k != "TORCHELASTIC_RESTART_COUNT"} == \
            {k: v for k, v in victim["env"].items() if k != "TORCHELASTIC_RESTART_COUNT"}
     assert (victim["env"]["TORCHELASTIC_RESTART_COUNT"], again["env"]["TORCHELASTIC_RESTART_COUNT"]) == ("0", "1")
+    assert victim["env"]["GLOO_ENABLE_STORE_V2_API"] == victim["env"]["GLOO_ENABLE_RANK_AS_SEQUENCE_NUMBER"] == "1"
     assert again["argv"] == victim["argv"] and again["cwd"] == str(job.dir / "project")
     exited = sched.next(P.EXITED)
     while exited["pid"] != victim["pid"]:
@@ -449,11 +450,14 @@ def test_manual_restart_goes_through_the_agent_and_is_not_counted(make_job):
     job = make_job([["--block"]])
     agent = job.run_agent()
     first = job.events.next()
-    job.write_env("worker_0", {"MS_NODE_ID": "worker_0", "RANK": "0", "EXTRA": "edited by the operator"})
+    job.write_env("worker_0", {"MS_NODE_ID": "worker_0", "RANK": "0", "EXTRA": "edited by the operator",
+                               "GLOO_ENABLE_RANK_AS_SEQUENCE_NUMBER": "0"})
     out = job.cli("restart", "worker_0")
     assert out.returncode == 0 and f"restarting worker_0 (pid {first['pid']} gets SIGTERM" in out.stdout
     second = job.events.next()
     assert second["pid"] != first["pid"] and second["env"]["EXTRA"] == "edited by the operator"
+    assert first["env"]["GLOO_ENABLE_RANK_AS_SEQUENCE_NUMBER"] == "1"  # the agent's default ...
+    assert second["env"]["GLOO_ENABLE_RANK_AS_SEQUENCE_NUMBER"] == "0"  # ... and the operator's word wins over it
     doc = job.wait_doc(lambda d: d["processes"][0]["pid"] == second["pid"])
     w0 = doc["processes"][0]
     assert (w0["restarts"], w0["counted_restarts"], w0["state"]) == (1, 0, "running")

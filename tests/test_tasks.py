@@ -14,6 +14,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -526,6 +527,19 @@ def test_deploy_refuses_a_job_directory_others_could_change_and_keeps_its_own_pr
     for sub in ("", "env", "logs", "state", "recovery", "ckpt"):
         assert (work / job / sub).stat().st_mode & 0o777 == 0o700, sub
     assert (work / job / "token").stat().st_mode & 0o777 == 0o600
+
+    ckpt = Path(tempfile.mkdtemp(prefix="tk-ckpt-", dir="/tmp"))  # --ckpt-dir where every local user may write
+    try:
+        ckpt.chmod(0o1777)
+        r = fleet("deploy", *flags, "--ckpt-dir", str(ckpt), cwd=d)
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 2 and f"checkpoint directory {ckpt} is writable by other users (mode 1777)" in lines[-1]
+        assert "--ckpt-dir" in lines[-1] and "Traceback" not in r.stderr, r.stderr
+        ckpt.chmod(0o700)
+        ok(fleet("deploy", *flags, "--ckpt-dir", str(ckpt / "mnist"), cwd=d))
+        assert (ckpt / "mnist").stat().st_mode & 0o777 == 0o700
+    finally:
+        shutil.rmtree(ckpt)
 
     copy = tmp_path / "copy"  # what deploy does to a remote host's project copy, with this machine as the host
     stats = LocalHost().sync_dir(d, str(copy), delete=True)

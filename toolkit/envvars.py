@@ -48,6 +48,10 @@ TORCHELASTIC_RUN_ID = "TORCHELASTIC_RUN_ID"  # the job's name (torchrun: --rdzv-
 DEFAULT_ROLE_NAME = "default"  # torchrun's --role default
 OMP_NUM_THREADS = "OMP_NUM_THREADS"
 GLOO_SOCKET_IFNAME = "GLOO_SOCKET_IFNAME"  # set by the agent: the interface toward the scheduler
+# set to 1 by the agent unless the user set them: gloo's bootstrap reads its peers with multi_get, 128 at a time, and
+# a rank's value does not grow with the world size (toolkit.train.store; every rank must agree on both)
+GLOO_ENABLE_STORE_V2_API = "GLOO_ENABLE_STORE_V2_API"
+GLOO_ENABLE_RANK_AS_SEQUENCE_NUMBER = "GLOO_ENABLE_RANK_AS_SEQUENCE_NUMBER"
 
 # the training script's data and checkpoints
 DATA_PATH = "DATA_PATH"

@@ -20,7 +20,8 @@ import time
 BLOCK_LIMIT = 120.0  # a blocked worker that nobody kills exits on its own, so a broken test cannot hang forever
 
 ENV_KEYS = ("RANK", "LOCAL_RANK", "MS_NODE_ID", "MS_ROLE", "TORCHELASTIC_RESTART_COUNT", "WORLD_SIZE",
-            "TOOLKIT_AGENT_SOCKET", "EXTRA", "OMP_NUM_THREADS")
+            "TOOLKIT_AGENT_SOCKET", "EXTRA", "OMP_NUM_THREADS", "GLOO_ENABLE_STORE_V2_API",
+            "GLOO_ENABLE_RANK_AS_SEQUENCE_NUMBER")
 
 
 def main() -> int:

@@ -162,7 +162,8 @@ class Agent:
         """Prepare the slots; no file, socket or process yet (`run` makes those). Raises UserError when bind_core asks
         for more CPUs than this process may use. The agent's own environment is read once: children get a copy
         (`base_env`), plus GLOO_SOCKET_IFNAME naming the interface of the route toward the scheduler unless it is set
-        already (a route lookup that may resolve the scheduler's name)."""
+        already (a route lookup that may resolve the scheduler's name), and GLOO_ENABLE_STORE_V2_API=1 and
+        GLOO_ENABLE_RANK_AS_SEQUENCE_NUMBER=1 unless set (gloo's bootstrap in about N/128 store requests per rank)."""
         self.spec, self.log = spec, log
         self.sel = selectors.DefaultSelector()
         self.timers = Timers()
@@ -183,6 +184,8 @@ class Agent:
             interface = netif.interface_toward(spec.sched_host, spec.sched_port)
             if interface is not None:
                 self.base_env[E.GLOO_SOCKET_IFNAME] = interface
+        for name in (E.GLOO_ENABLE_STORE_V2_API, E.GLOO_ENABLE_RANK_AS_SEQUENCE_NUMBER):  # bootstrap: O(N/128) requests
+            self.base_env.setdefault(name, "1")
         self.spare: Spare | None = None
         self.spare_timer: Timer | None = None
         self.spare_failures = 0

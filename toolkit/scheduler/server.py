@@ -29,7 +29,7 @@ from toolkit import protocol as P
 from toolkit.scheduler import state as S
 from toolkit.scheduler.config import Config, ConfigError
 from toolkit.scheduler.journal import Journal
-from toolkit.scheduler.kvstore import KVStore
+from toolkit.scheduler.kvstore import KVStore, bounds
 from toolkit.scheduler.membership import Close, DropKeys, Exit, Log, Membership, Note, Send
 
 log = logging.getLogger("toolkit.scheduler")
@@ -115,7 +115,7 @@ class Server:
         self.members = Membership(config.job, config.world_size, config.node_timeout, config.topo_timeout,
                                   self.boot, f"{config.host}:{config.port}", config.expected, clock(),
                                   config.host_timeout, config.spares)
-        self.kv = KVStore()
+        self.kv = KVStore(*bounds(config.world_size), generation_prefix=P.generation_prefix(config.job, self.boot))
         self.journal = Journal(config.recovery_path, config.job, config.world_size, 1.0 / config.straggler_factor,
                                clock)
         self.sel = selectors.DefaultSelector()

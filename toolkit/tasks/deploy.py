@@ -3,13 +3,15 @@ project, the local job record); `record`: the same job record for a deploy the A
 
 `plan` touches no host. `deploy` is safe to repeat: it writes only what changed (rendered files by checksum, the
 project by size, mtime and mode), reuses the job's token (so running processes keep their scheduler), and refuses
-job directories other users own or may write (docs/security.md). It starts nothing: `train` does."""
+job directories, and a --ckpt-dir, that other users own or may write (docs/security.md). It starts nothing: `train`
+does."""
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
 import json
+import posixpath
 import secrets
 from dataclasses import replace
 from pathlib import Path
@@ -18,10 +20,11 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from toolkit import jobrecord
+from toolkit import envvars as E
+from toolkit import jobrecord, privatedir
 from toolkit.errors import UserError
 from toolkit.jobrecord import HostRecord, JobRecord
-from toolkit.plan import LaunchPlan, make_plan
+from toolkit.plan import HostPlan, LaunchPlan, make_plan
 from toolkit.remote import (
     DEFAULT_EXCLUDE,
     Host,
@@ -118,10 +121,11 @@ def deploy(settings: Settings) -> JobRecord:
         """The job's layout and rendered files, then (remote hosts only) the project, mirrored with delete."""
         hp = plan.host_plan(host.name)
         stats = _upload_rendered(host, hp.job_dir, render_host(plan, hp, token))
-        if plan.local:
-            return stats
-        project = host.sync_dir(settings.project, f"{hp.job_dir}/project", exclude=PROJECT_EXCLUDE, delete=True)
-        return _sum_stats([stats, project])
+        if not plan.local:
+            stats = _sum_stats([stats, host.sync_dir(settings.project, f"{hp.job_dir}/project",
+                                                     exclude=PROJECT_EXCLUDE, delete=True)])
+        _check_ckpt_dir(host, hp, settings.options.ckpt_dir)
+        return stats
 
     def line(r: HostResult[SyncStats]) -> str:
         """A host's progress line: what it was sent, or its error."""
@@ -194,6 +198,22 @@ def _upload_rendered(host: Host, job_dir: str, files: list[RenderedFile]) -> Syn
         sent += 1
         nbytes += len(data)
     return SyncStats(files_sent=sent, bytes_sent=nbytes, files_unchanged=len(files) - sent)
+
+
+def _check_ckpt_dir(host: Host, hp: HostPlan, given: str | None) -> None:
+    """If --ckpt-dir was `given`: make it on the host (as its workers resolve it) and check that only the operator
+    can change it (toolkit.privatedir: another user who can write there could plant checkpoints the job resumes);
+    UserError naming the host and the directory otherwise. Spares are checked too: their workers may take over.
+    (The default, `<job dir>/ckpt`, is made private with the job directory.)"""
+    workers = [p for p in (*hp.processes, *hp.standby) if p.rank is not None]
+    if given is None or not workers:
+        return
+    path = posixpath.join(workers[0].cwd, workers[0].env[E.CKPT_DIR])
+    result = host.run([hp.python, "-m", "toolkit.privatedir", path, "checkpoint directory",
+                       "choose a --ckpt-dir of your own"], timeout=STATUS_TIMEOUT)
+    if result.exit_code == privatedir.EXIT_NOT_PRIVATE and result.stdout.strip():
+        raise UserError(f"{host.name}: {result.stdout.strip().splitlines()[-1]}")
+    result.check()
 
 
 def _record(plan: LaunchPlan, settings: Settings) -> JobRecord:
