@@ -117,3 +117,13 @@ def test_a_new_worker_count_is_refused_before_anything_starts(project: Path, tmp
     after = agent_doc(work, "sz")
     assert after["state"] == "succeeded" and [p["node_id"] for p in after["processes"]] == ["sched", "worker_0"]
     assert all(p["restarts"] == 0 for p in after["processes"])
+
+
+def test_what_fresh_takes_for_a_checkpoint() -> None:
+    from toolkit.tasks.rerun import checkpoint_like
+
+    for path in ("./checkpoints/last.pt", "./model.PTH", "./out/step_10.ckpt", "./my_ckpt/rank_0/state",
+                 "./Checkpoints/epoch3/weights.safetensors", "./run/opt.pkl"):
+        assert checkpoint_like(path), path
+    for path in ("./train.py", "./ckpt_utils/io.py", "./results.csv", "./logs/events.out.tfevents.1", "./notes.txt"):
+        assert not checkpoint_like(path), path

@@ -113,10 +113,11 @@ exit 0
 
 
 def checkpoint_like(path: str) -> bool:
-    """Whether `path` (relative) has a checkpoint's name, or lies under a directory named like checkpoints."""
+    """Whether `path` (relative) has a checkpoint's name, or lies under a directory named like checkpoints (and is
+    no Python source: code is never taken for a checkpoint)."""
     parts = path.lower().split("/")
     return (any(fnmatch.fnmatchcase(parts[-1], pattern) for pattern in CHECKPOINT_NAMES)
-            or any(word in part for part in parts[:-1] for word in CHECKPOINT_DIRS))
+            or (not parts[-1].endswith(".py") and any(word in part for part in parts[:-1] for word in CHECKPOINT_DIRS)))
 
 
 def workdir_of(h: HostRecord, local: bool, project: Path) -> str:
