@@ -51,6 +51,7 @@ SSH_CORE = (
     FlagDoc("-t, --connect-timeout S", "seconds to connect to a host over SSH"),
 )
 HELP = FlagDoc("-h, --help", "this help")
+WORKER_COUNTS = ("nproc_per_node", "nnodes", "worker_num")  # listed with the hosts, after where they come from
 FOOTER = ("-h, --help: this help. A flag typed after any task applies to every task of the line; --flag_name works "
           "too; defaults: ./fabric.yaml, 'toolkit:'.")
 
@@ -83,8 +84,10 @@ def program_help(binary: str, tasks: list[TaskDoc]) -> str:
     for t in tasks:
         out += _wrapped(t.name.ljust(width), t.summary, indent=2)
     out += ["", "Hosts (for plan, deploy, train, run; the other tasks read the job record):"]
-    hosts = [HOSTS] + [option_doc(o) for o in OPTIONS if o.group == "hosts"]
-    out += _flag_lines(hosts + [FlagDoc("(none of them)", "this machine, without SSH")])
+    group = [o for o in OPTIONS if o.group == "hosts"]
+    out += _flag_lines([HOSTS] + [option_doc(o) for o in group if o.name not in WORKER_COUNTS]
+                       + [FlagDoc("(none of them)", "this machine, without SSH")]
+                       + [option_doc(o) for o in group if o.name in WORKER_COUNTS])
     out += ["", "Other:"]
     out += _flag_lines([FlagDoc("-h, --help", f"this help; '{binary} TASK --help': a task's flags"),
                         FlagDoc("-V, --version", "toolkit's version")])
