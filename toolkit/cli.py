@@ -13,6 +13,7 @@ that JobOptions splits again, the same list).
 
 from __future__ import annotations
 
+import gc
 import inspect
 import os
 import shlex
@@ -671,6 +672,8 @@ def main(argv: list[str] | None = None) -> None:
         # Python would print the error again when it flushes stdout at exit: point stdout at /dev/null first.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         sys.exit(EXIT_PIPE)
+    finally:
+        gc.freeze()  # the interpreter's last collections over every module fleet loaded: no use at its exit
 
 
 def _version() -> str:
