@@ -46,6 +46,7 @@ TORCHELASTIC_RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"
 TORCHELASTIC_MAX_RESTARTS = "TORCHELASTIC_MAX_RESTARTS"  # --max-restarts (toolkit's budget is per process)
 TORCHELASTIC_RUN_ID = "TORCHELASTIC_RUN_ID"  # the job's name (torchrun: --rdzv-id)
 DEFAULT_ROLE_NAME = "default"  # torchrun's --role default
+TORCHELASTIC_ERROR_FILE = "TORCHELASTIC_ERROR_FILE"  # set by the agent per process incarnation (torch's @record)
 OMP_NUM_THREADS = "OMP_NUM_THREADS"
 GLOO_SOCKET_IFNAME = "GLOO_SOCKET_IFNAME"  # set by the agent: the interface toward the scheduler
 # set to 1 by the agent unless the user set them: gloo's bootstrap reads its peers with multi_get, 128 at a time, and
@@ -61,6 +62,7 @@ CKPT_DIR = "CKPT_DIR"
 TOOLKIT_JOB = "TOOLKIT_JOB"
 TOOLKIT_TOKEN_FILE = "TOOLKIT_TOKEN_FILE"  # noqa: S105 - a variable's name, not a secret
 TOOLKIT_AGENT_SOCKET = "TOOLKIT_AGENT_SOCKET"
+TOOLKIT_STEP_FILE = "TOOLKIT_STEP_FILE"  # set by the agent: where the worker keeps its latest step (toolkit.stepfile)
 TOOLKIT_HEARTBEAT_INTERVAL = "TOOLKIT_HEARTBEAT_INTERVAL"
 TOOLKIT_RECOVERY = "TOOLKIT_RECOVERY"  # worker: "restart" (--torchrun-script) forces restart recovery; default auto
 TOOLKIT_STRAGGLER_FACTOR = "TOOLKIT_STRAGGLER_FACTOR"  # scheduler: see DEFAULT_STRAGGLER_FACTOR

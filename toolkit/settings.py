@@ -66,6 +66,7 @@ OPTIONS: tuple[Option, ...] = (
     _job_option("script_args", str, "its arguments as one string (or after --)", "ARGS"),
     _job_option("master_port", int, "scheduler P, torch's store P+1 (MASTER_PORT)", "P"),
     _job_option("max_restarts", int, "restarts of each process before the job fails", "N"),
+    _job_option("restart_refill", str, "refills the restarts: progress, never or S", "WHEN"),
     _job_option("node_timeout", float, "heartbeat silence after which a worker is dead", "S"),
     _job_option("cluster_time_out", int, "seconds for every worker to join", "S"),
     _job_option("host_timeout", float, "agent gone, workers dead: a spare takes over", "S"),
@@ -120,7 +121,7 @@ class Settings:
 # The options that are part of a deployed job (the record keeps them): typed again later, they must agree with it.
 JOB_OPTIONS = ("script", "script_args", "worker_num", "nproc_per_node", "nnodes", "master_port", "cluster_time_out",
                "node_timeout", "recovery", "data_path", "ckpt_dir", "workdir", "python", "max_restarts", "grace",
-               "bind_core", "warm_spare", "torchrun_script", "host_timeout")
+               "bind_core", "warm_spare", "torchrun_script", "host_timeout", "restart_refill")
 
 
 # How deploy reached the hosts, kept in the job record's `ssh` (every later task reaches them the same way): typed

@@ -20,12 +20,13 @@ import socket
 import subprocess
 import sys
 import time
-from typing import Any, Callable
+from pathlib import Path
+from typing import Any, Callable, Iterable
 
-from toolkit import atomicfile, netif, procs, standby
+from toolkit import atomicfile, netif, procs, standby, stepfile
 from toolkit import envvars as E
 from toolkit import protocol as P
-from toolkit.agent import policy
+from toolkit.agent import causes, openfiles, policy
 from toolkit.agent.link import SchedulerLink
 from toolkit.agent.log import AgentLog, iso, log_tail
 from toolkit.agent.timers import Timer, Timers
@@ -66,6 +67,19 @@ def cpu_sets(cpus: set[int] | frozenset[int], n: int, host: str = "this host") -
     return [frozenset(ordered[i * size:(i + 1) * size]) for i in range(n)]
 
 
+def running(slots: Iterable[Slot]) -> dict[str, int]:
+    """node_id -> pid of every child alive and not stopped (/proc state other than T, t, Z, X): what the agent vouches
+    for in its heartbeats. A worker busy in a call that holds its GIL sends no heartbeat of its own, but it runs: the
+    scheduler does not take it for a hung one. A SIGSTOPped one is left out, so its silence stays a death."""
+    out = {}
+    for slot in slots:
+        child = slot.child
+        info = procs.proc_info(child.pid) if child is not None else None
+        if child is not None and info is not None and info.state not in ("T", "t", "Z", "X"):
+            out[slot.spec.node_id] = child.pid
+    return out
+
+
 # --- runtime state of one process
 
 
@@ -79,9 +93,10 @@ class Slot:
     step or the group joined since the latest launch) spares the next relaunch its backoff. Read and written by the
     Agent's loop thread only."""
 
-    def __init__(self, spec: ProcSpec, cpus: frozenset[int] | None) -> None:
+    def __init__(self, spec: ProcSpec, cpus: frozenset[int] | None, step_file: Path | None = None) -> None:
         self.spec = spec
         self.cpus = cpus
+        self.step_file = step_file if spec.is_worker else None  # toolkit.stepfile: the step of a death, exactly
         self.child: Child | None = None
         self.state = "pending"  # running, backoff, restarting, succeeded, failed, stopped
         self.launches = 0
@@ -104,6 +119,39 @@ class Slot:
         self.last_ticks: int | None = None
         self.seen_dead: float | None = None  # monotonic time the latest death was seen, until the relaunch
         self.recovery: str | None = None  # how the worker said it recovers (protocol.RECOVERY_*), once it did
+        self.error_file: Path | None = None  # the running incarnation's TORCHELASTIC_ERROR_FILE
+        self.fenced: str | None = None  # the scheduler's cause, once it had the running incarnation killed
+        self.files: openfiles.Trend | None = None  # the running incarnation's open files (workers)
+        self.reached: int | None = None  # the highest step the running incarnation reported (datagrams)
+        self.failed_at: int | None = None  # the furthest step this count's failures reached (the restart budget)
+        self.same_failure: dict[str, Any] | None = None  # policy.repeated_failure of `exits`
+
+    def fresh_steps(self) -> str | None:
+        """Before a launch: make the step file hold no step (and forget the steps reported). Returns why it could
+        not be made (then the restart budget has the progress datagrams only), or None."""
+        self.reached = None
+        if self.step_file is None:
+            return None
+        try:
+            stepfile.reset(self.step_file)
+        except OSError as e:
+            self.step_file = None
+            return f"cannot make its step file ({e}): the restart budget knows its steps from its progress reports"
+        return None
+
+    def reached_step(self) -> int | None:
+        """After an exit: the last step the incarnation completed, from its step file (exact, whatever the death) or
+        the highest step it reported by datagram (a lower bound); None if neither says one."""
+        steps = [s for s in (stepfile.read(self.step_file) if self.step_file else None, self.reached) if s is not None]
+        return max(steps) if steps else None
+
+    def judged(self, reaction: Any, record: dict[str, Any]) -> None:
+        """After an exit: if the restart budget judged it (a counted relaunch or the give-up), mark its record a
+        failure, keep the count's furthest step, and see whether it keeps failing the same way."""
+        if not (isinstance(reaction, policy.GiveUp) or isinstance(reaction, policy.Relaunch) and reaction.failure):
+            return
+        record["failure"] = True
+        self.failed_at, self.same_failure = reaction.failed_at, policy.repeated_failure(self.exits)
 
     def document(self, policy: RestartPolicy) -> dict[str, Any]:
         """This process's entry in agent.json's `processes`; no I/O. `pid`, `pgid` and `start_ticks` name the running
@@ -122,6 +170,8 @@ class Slot:
             "last_exit": self.last_exit, "exits": self.exits,
             "step": self.step, "epoch": self.epoch, "step_at": iso(self.step_at), "recovery": self.recovery,
             "cpus": sorted(self.cpus) if self.cpus else None,
+            "open_files": self.files.document() if self.files else None,
+            "failed_at": self.failed_at, "same_failure": self.same_failure,
             "log_file": self.spec.log_file, "argv": list(self.spec.argv),
         }
 
@@ -170,7 +220,7 @@ class Agent:
         workers = [p for p in spec.processes if p.is_worker]
         sets = cpu_sets(os.sched_getaffinity(0), len(workers), spec.host) if spec.bind_core else []
         by_node = dict(zip((p.node_id for p in workers), sets, strict=False))  # no sets without bind_core
-        self.slots = {p.node_id: Slot(p, by_node.get(p.node_id)) for p in spec.processes}
+        self.slots = {p.node_id: Slot(p, by_node.get(p.node_id), spec.step_file(p.node_id)) for p in spec.processes}
         self.state = "starting"
         self.reason: str | None = None
         self.exit_code: int | None = None
@@ -194,8 +244,9 @@ class Agent:
         self.progress_timer: Timer | None = None
         self.last_write = 0.0
         self.took_over: list[dict[str, Any]] = []  # a spare's takeovers: {host, node_ids, seq, at}
+        self.nofile = 0  # the workers' open-file limit (run raises it to the hard limit)
         self.link = SchedulerLink(spec, self.sel, self.timers, log, self._on_scheduler, self._changed,
-                                  self._hello_fields)
+                                  self._hello_fields, lambda: {"running": running(self.slots.values())})
         self._stop_after: Timer | None = None
         self._wake_r: socket.socket | None = None
         self._control: socket.socket | None = None
@@ -219,12 +270,14 @@ class Agent:
         except BaseException:
             self._close_sockets()
             raise
+        before, self.nofile = procs.raise_open_files()  # gloo keeps a descriptor for every connection to its port
         what = f"supervising {', '.join(self.slots)}" if self.slots else \
             f"standing by as a spare for {len(self.spec.standby)} worker(s)"
         self.log("agent", f"agent pid {self.pid} {what} of job {self.spec.job} "
                           f"(max_restarts {self.spec.policy.max_restarts}, grace {self.spec.grace:g} s, "
                           f"warm spare {'on' if self.spare_enabled else 'off'}"
-                          f"{', bind_core' if self.spec.bind_core else ''})")
+                          f"{', bind_core' if self.spec.bind_core else ''}, open files {self.nofile}"
+                          f"{f' (raised from {before})' if self.nofile > before else ''})")
         for slot in sorted(self.slots.values(), key=lambda s: s.spec.is_worker):
             self._launch(slot, "first start")
         if self.state == "starting":
@@ -233,6 +286,7 @@ class Agent:
         self.link.start()
         if self.spare_enabled:
             self.spare_timer = self.timers.after(SPARE_DELAY, self._start_spare)
+        self.timers.after(openfiles.SAMPLE_INTERVAL, self._count_open_files)
         if ready is not None:
             ready(f"ready {self.pid}")
         try:
@@ -261,6 +315,7 @@ class Agent:
         OSError on failure."""
         spec = self.spec
         spec.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        spec.errors_dir.mkdir(exist_ok=True, mode=0o700)
         self._reclaim_previous()
         atomicfile.write(spec.pid_file, f"{self.pid} {self.ticks}\n")
         self._wake_r, wake_w = socket.socketpair()
@@ -315,10 +370,14 @@ class Agent:
 
         Blocking but bounded, by about REPORT_FLUSH_TIMEOUT (pending reports such as gave_up, over a fresh connection if
         the link is down) + procs.KILL_WAIT (the spare gets SIGKILL at once: it holds no state) + grace +
-        procs.KILL_WAIT (each child's group gets SIGTERM, and SIGKILL if still there after `grace`). Pending restarts
+        procs.KILL_WAIT (each child's group gets SIGTERM, and SIGKILL if still there after `grace`), and `grace` more
+        when a failing agent lets the scheduler it runs end on its own (below). Pending restarts
         and timers are cancelled first. Deaths seen here are recorded but neither reported (the link is closed by then)
-        nor relaunched. agent.json says `stopping` while anything is being stopped, then the final state; slots not
-        already succeeded or failed end `stopped`. The sockets are closed and unlinked last."""
+        nor relaunched. When this agent failed and its reports reached the scheduler, a scheduler it runs is given
+        grace to exit on its own once the workers are stopped: it has the failure to record (a SIGTERM could come
+        first and leave the job "stopped" with no cause). agent.json says `stopping` while anything is being
+        stopped, then the final state; slots not already succeeded or failed end `stopped`. The sockets are closed
+        and unlinked last."""
         for slot in self.slots.values():
             for t in (slot.timer, slot.kill_timer):
                 if t:
@@ -333,8 +392,10 @@ class Agent:
         if live or self.spare:
             self.state = "stopping"
             self._write()
+        delivered = not self.link.closed
         if (self.link.queue or self.link.wbuf) and not self.link.closed:
-            if not self.link.flush(REPORT_FLUSH_TIMEOUT):
+            delivered = self.link.flush(REPORT_FLUSH_TIMEOUT)
+            if not delivered:
                 self.log("agent", "could not deliver the last reports to the scheduler")
         self.link.close()
         if self.spare is not None:
@@ -345,22 +406,20 @@ class Agent:
             self.spare.child.wait(procs.KILL_WAIT)
             self.spare.sock.close()
             self.spare = None
-        if live:
-            names = {s.child.pid: s for s in live}
-            self.log("agent", f"stopping {', '.join(s.spec.node_id for s in live)}: SIGTERM, "
-                              f"then SIGKILL after {self.spec.grace:g} s")
-            out = procs.stop_all(
-                [s.child for s in live], self.spec.grace,
-                on_kill=lambda c: self.log(names[c.pid].spec.node_id,
-                                           f"pid {c.pid} still running after {self.spec.grace:g} s: SIGKILL"))
-            for pid, status in out.items():
-                slot = names[pid]
+        told = final_state == "failed" and delivered  # a scheduler here has the failure, and ends on it
+        workers = [s for s in live if s.spec.is_worker or not told]
+        self._stop_children(workers)
+        for slot in (s for s in live if s not in workers):
+            status = slot.child.wait(self.spec.grace)
+            if status is None:
+                self._stop_children([slot])
+            else:
                 self._record_exit(slot, status)
-                self.log(slot.spec.node_id, f"pid {pid} stopped ({status.describe()})")
-            for slot in live:
-                slot.child = None
-                if slot.state not in ("succeeded", "failed"):
-                    slot.state = "stopped"
+                self.log(slot.spec.node_id, f"pid {slot.child.pid} exited ({status.describe()})")
+        for slot in live:
+            slot.child = None
+            if slot.state not in ("succeeded", "failed"):
+                slot.state = "stopped"
         for slot in self.slots.values():
             if slot.state in ("backoff", "pending", "restarting", "running"):
                 slot.state = "stopped"
@@ -370,6 +429,23 @@ class Agent:
                  + f", exit status {self.exit_code}")
         self._close_sockets()
         return self.exit_code
+
+    def _stop_children(self, slots: list[Slot]) -> None:
+        """SIGTERM the groups of `slots`' children, SIGKILL what is left after grace (procs.stop_all), and record how
+        each ended. Blocking, bounded by about grace + procs.KILL_WAIT."""
+        if not slots:
+            return
+        names = {s.child.pid: s for s in slots}
+        self.log("agent", f"stopping {', '.join(s.spec.node_id for s in slots)}: SIGTERM, "
+                          f"then SIGKILL after {self.spec.grace:g} s")
+        out = procs.stop_all(
+            [s.child for s in slots], self.spec.grace,
+            on_kill=lambda c: self.log(names[c.pid].spec.node_id,
+                                       f"pid {c.pid} still running after {self.spec.grace:g} s: SIGKILL"))
+        for pid, status in out.items():
+            slot = names[pid]
+            self._record_exit(slot, status)
+            self.log(slot.spec.node_id, f"pid {pid} stopped ({status.describe()})")
 
     def _close_sockets(self) -> None:
         """Close what `_setup` opened; safe after a partial `_setup` (what was never made is skipped). Signals no longer
@@ -391,8 +467,9 @@ class Agent:
         """Start `slot`'s next incarnation; a no-op once the agent is closing. `why` goes to the agent's log and to the
         marker line written to the process's log before it starts.
 
-        The environment is `base_env` plus TORCHELASTIC_RESTART_COUNT (the launches so far); the process's env file is
-        applied on top by a shell (procs.env_argv), or for a handoff by procs.resolve_env. The ready warm spare takes
+        The environment is `base_env` plus TORCHELASTIC_RESTART_COUNT (the launches so far) and TORCHELASTIC_ERROR_FILE
+        (this incarnation's own, removed first if an earlier agent left it: causes.error_file); the process's env file
+        is applied on top by a shell (procs.env_argv), or for a handoff by procs.resolve_env. The ready warm spare takes
         the place when it can (`_handoff`), else procs.spawn starts it cold. A spawn that fails (OSError,
         SubprocessError) never raises: it counts as a launch and, one timer tick later, as an exit with code 127 (like a
         command not found), so the restart policy applies to it as to any crash; no `exited` report goes out for it
@@ -404,6 +481,15 @@ class Agent:
         n = slot.launches
         env = dict(self.base_env)
         env[E.TORCHELASTIC_RESTART_COUNT] = str(n)
+        slot.error_file, slot.fenced = causes.error_file(self.spec.errors_dir, slot.spec.node_id, n), None
+        with contextlib.suppress(OSError):
+            slot.error_file.unlink(missing_ok=True)
+        env[E.TORCHELASTIC_ERROR_FILE] = str(slot.error_file)
+        trouble = slot.fresh_steps()
+        if trouble:
+            self.log(slot.spec.node_id, trouble)
+        if slot.step_file is not None:
+            env[E.TOOLKIT_STEP_FILE] = str(slot.step_file)
         marker = (f"--- toolkit agent {self.spec.host}: start {slot.spec.node_id} #{n + 1} ({why}) "
                   f"at {iso(time.time())} ---")
         child = self._handoff(slot, env, marker)
@@ -433,6 +519,7 @@ class Agent:
         slot.started_mono, slot.started_wall = time.monotonic(), time.time()
         slot.state = "running"
         slot.progressed = False
+        slot.files = openfiles.Trend(self.nofile) if slot.spec.is_worker else None
         self.sel.register(child, selectors.EVENT_READ, lambda _m, s=slot, c=child: self._on_child(s, c))
         since = ""
         if slot.seen_dead is not None:
@@ -456,11 +543,22 @@ class Agent:
         slot.child = None
         self._after_exit(slot, child, status)
 
-    def _record_exit(self, slot: Slot, status: ExitStatus, pid: int | None = None) -> dict[str, Any]:
-        """Record an exit as `slot.last_exit` and in its history (the last EXIT_HISTORY); returns the record. In memory
-        only: the caller writes agent.json."""
+    def _record_exit(self, slot: Slot, status: ExitStatus, pid: int | None = None,
+                     step: int | None = None) -> dict[str, Any]:
+        """Record an exit as `slot.last_exit` and in its history (the last EXIT_HISTORY), with the `step` the
+        incarnation had reached; returns the record. In memory only: the caller writes agent.json. Its `cause` is the
+        first cause (toolkit.agent.causes: the incarnation's error file, read and removed here, or the scheduler's
+        cause when the agent killed it for fencing), None when the code or signal says it all."""
         ran = time.monotonic() - slot.started_mono
-        rec = {**status.as_dict(), "pid": pid, "at": iso(time.time()), "ran_for": round(ran, 3)}
+        message = None
+        if slot.error_file is not None:
+            if not status.ok:
+                message = causes.read_error_file(slot.error_file)
+            with contextlib.suppress(OSError):
+                slot.error_file.unlink(missing_ok=True)
+            slot.error_file = None
+        rec = {**status.as_dict(), "pid": pid, "at": iso(time.time()), "ran_for": round(ran, 3), "step": step,
+               "cause": causes.first_cause(status, message, slot.fenced)}
         slot.last_exit = rec
         slot.exits = (slot.exits + [rec])[-EXIT_HISTORY:]
         return rec
@@ -476,21 +574,25 @@ class Agent:
         `backoff` with a timer; `slot.counted` takes the policy's count)."""
         pid = child.pid if child else None
         ran = time.monotonic() - slot.started_mono
-        self._record_exit(slot, status, pid)
+        record = self._record_exit(slot, status, pid, slot.reached_step())
+        cause = record["cause"]
         if slot.kill_timer:
             slot.kill_timer.cancel()
             slot.kill_timer = None
         if pid is not None:
             self.link.report(P.EXITED, coalesce=slot.spec.node_id, node_id=slot.spec.node_id, pid=pid,
-                             code=status.code, signal=status.signal_name)
+                             code=status.code, signal=status.signal_name, cause=cause)
         others = [s for s in self.slots.values() if s is not slot]
         facts = policy.Exited(
             code=status.code if status.signal is None else None, ran_for=ran, progressed=slot.progressed,
             counted=slot.counted, manual=slot.manual, closing=self.closing, finishing=self.state == "finishing",
-            others_running=any(s.child for s in others), others_succeeded=all(s.state == "succeeded" for s in others))
-        reaction = policy.on_exit(self.spec.policy, facts, status.describe())
+            others_running=any(s.child for s in others), others_succeeded=all(s.state == "succeeded" for s in others),
+            reached=record["step"], failed_at=slot.failed_at)
+        how = causes.describe(status, cause)
+        reaction = policy.on_exit(self.spec.policy, facts, how)
         slot.manual = False
-        node, how = slot.spec.node_id, status.describe()
+        slot.judged(reaction, record)
+        node = slot.spec.node_id
         if isinstance(reaction, policy.Settle):
             slot.state = reaction.state
             self.log(node, f"pid {pid} exited ({how})")
@@ -504,7 +606,7 @@ class Agent:
             if reaction.all_done:
                 self._finish("succeeded", EXIT_OK, "every process of this host exited 0")
         elif isinstance(reaction, policy.GiveUp):
-            self._give_up(slot, pid, status, ran)
+            self._give_up(slot, pid, status, ran, cause)
         else:
             slot.counted = reaction.counted
             if facts.manual:
@@ -514,7 +616,8 @@ class Agent:
             else:
                 budget = f"restart {reaction.counted} of {self.spec.policy.max_restarts}"
                 when = "now" if reaction.delay <= 0 else f"in {reaction.delay:g} s"
-                self.log(node, f"pid {pid} {how} after {ran:.1f} s; restarting {when} ({budget})")
+                self.log(node, f"pid {pid} {how} after {ran:.1f} s{slot.files.cause() if slot.files else ''}; "
+                               f"restarting {when} ({budget})")
             if reaction.delay <= 0:
                 self._launch(slot, reaction.why)
             else:
@@ -523,30 +626,52 @@ class Agent:
                 slot.timer = self.timers.after(reaction.delay, lambda: self._launch(slot, reaction.why))
                 self._write()
 
-    def _give_up(self, slot: Slot, pid: int | None, status: ExitStatus, ran: float) -> None:
-        """The job has failed here: `slot` died with its restarts used up. Sets `failure` for agent.json (with the last
-        lines of the process's log, also copied to the agent's log), reports `gave_up` to the scheduler (the tail cut to
-        GAVE_UP_TAIL_BYTES so the message fits protocol.MAX_LINE), and finishes `failed` with EXIT_FAILED; `_shutdown`
-        then stops the other processes and gives the report REPORT_FLUSH_TIMEOUT to reach the scheduler."""
+    def _give_up(self, slot: Slot, pid: int | None, status: ExitStatus, ran: float, cause: str | None) -> None:
+        """The job has failed here: `slot` died with its restarts used up (`cause`: its first cause, or None when its
+        status says it all). Sets `failure` for agent.json (with the last lines of the process's log, also copied to
+        the agent's log), reports `gave_up` to the scheduler (the tail cut to GAVE_UP_TAIL_BYTES so the message fits
+        protocol.MAX_LINE), and finishes `failed` with EXIT_FAILED; `_shutdown` then stops the other processes and
+        gives the report REPORT_FLUSH_TIMEOUT to reach the scheduler."""
         spec = slot.spec
         tail = log_tail(spec.log_file)
         n = slot.counted
+        files = slot.files.cause() if slot.files else ""
+        how = causes.describe(status, cause)
         self.failure = {
             "host": self.spec.host, "node_id": spec.node_id, "rank": spec.rank, "pid": pid,
-            "code": status.code, "signal": status.signal_name, "status": status.describe(),
-            "restarts": n, "log_file": spec.log_file, "log_tail": tail, "at": iso(time.time()),
+            "code": status.code, "signal": status.signal_name, "status": status.describe() + files,
+            "cause": how + files, "restarts": n, "log_file": spec.log_file, "log_tail": tail, "at": iso(time.time()),
         }
         slot.state = "failed"
-        reason = f"{spec.node_id} {status.describe()} after {n} restart{'s' if n != 1 else ''} (max_restarts " \
-                 f"{self.spec.policy.max_restarts}); the job has failed"
+        reason = f"{spec.node_id} {how}{files} after {n} restart{'s' if n != 1 else ''} " \
+                 f"(max_restarts {self.spec.policy.max_restarts}); the job has failed"
         where = f"rank {spec.rank}, " if spec.rank is not None else ""
-        self.log(spec.node_id, f"GAVE UP: {where}pid {pid} {status.describe()} after {ran:.1f} s, and its "
+        self.log(spec.node_id, f"GAVE UP: {where}pid {pid} {how} after {ran:.1f} s, and its "
                                f"{n} allowed restart(s) are used up; last {len(tail)} lines of {spec.log_file}:")
         for line in tail:
             self.log(spec.node_id, f"| {line}")
-        self.link.report(P.GAVE_UP, node_id=spec.node_id, code=status.code, signal=status.signal_name,
+        self.link.report(P.GAVE_UP, node_id=spec.node_id, code=status.code, signal=status.signal_name, cause=cause,
                          log_tail="\n".join(tail)[-GAVE_UP_TAIL_BYTES:])
         self._finish("failed", EXIT_FAILED, reason)
+
+    def _count_open_files(self) -> None:
+        """Timer callback, every openfiles.SAMPLE_INTERVAL: count each running worker's open files and warn (agent
+        log, agent.json) when they climb (openfiles.Trend); re-arms itself unless the agent is closing."""
+        changed = False
+        for slot in self.slots.values():
+            if slot.child is None or slot.files is None:
+                continue
+            n = openfiles.count(slot.child.pid)
+            if n is None:
+                continue
+            warning = slot.files.sample(n, slot.progressed)
+            if warning:
+                self.log(slot.spec.node_id, f"pid {slot.child.pid} {warning}")
+            changed = changed or bool(warning)
+        if changed:
+            self._write()
+        if not self.closing:
+            self.timers.after(openfiles.SAMPLE_INTERVAL, self._count_open_files)
 
     # -- warm spare
 
@@ -692,7 +817,9 @@ class Agent:
             slot = self.slots[reaction.node_id]
             if slot.child is None:  # policy.Kill names only running node ids
                 raise RuntimeError(f"kill for {reaction.node_id}, which has no child")
-            self.log(slot.spec.node_id, f"the scheduler declared pid {slot.child.pid} dead: SIGKILL (fencing)")
+            slot.fenced = reaction.cause
+            self.log(slot.spec.node_id, f"the scheduler declared pid {slot.child.pid} dead ({reaction.cause}): SIGKILL "
+                                        "(fencing)")
             slot.child.signal_group(signal.SIGKILL)
         elif isinstance(reaction, policy.StopJob):
             self.log("agent", f"the scheduler stopped the job: {reaction.reason}")
@@ -725,7 +852,7 @@ class Agent:
         self.took_over.append({"host": reaction.host, "node_ids": list(reaction.node_ids), "seq": seq,
                                "at": iso(time.time())})
         for node_id in reaction.node_ids:
-            slot = Slot(standby[node_id], None)
+            slot = Slot(standby[node_id], None, self.spec.step_file(node_id))
             self.slots[node_id] = slot
             self._launch(slot, f"takeover of {reaction.host}")
         self.spare_enabled = self.spec.warm_spare and self.spare_failures < SPARE_MAX_FAILURES
@@ -898,6 +1025,7 @@ class Agent:
             if not isinstance(step, int) or isinstance(step, bool):
                 continue
             slot.step, slot.step_at, slot.progressed = step, time.time(), True
+            slot.reached = step if slot.reached is None else max(slot.reached, step)
             epoch = msg.get("epoch")
             if isinstance(epoch, int):
                 slot.epoch = epoch
@@ -932,7 +1060,7 @@ class Agent:
         sp = self.spare
         return {
             "version": AGENT_DOC_VERSION, "job": self.spec.job, "host": self.spec.host,
-            "job_dir": str(self.spec.job_dir),
+            "job_dir": str(self.spec.job_dir), "job_id": self.spec.job_id,
             "agent": {"pid": self.pid, "start_ticks": self.ticks, "started_at": iso(self.started),
                       "python": sys.executable},
             "state": self.state, "reason": self.reason, "exit_code": self.exit_code, "updated_at": iso(time.time()),

@@ -146,7 +146,7 @@ class Placement:
     @property
     def dirname(self) -> str:
         """The host's directory under the checkpoint root: ``host_<name>`` (a digest for a name unsafe in a path)."""
-        if SAFE_HOST.match(self.host):
+        if SAFE_HOST.fullmatch(self.host):
             return f"host_{self.host}"
         return f"host_x{hashlib.blake2b(self.host.encode(), digest_size=8).hexdigest()}"
 

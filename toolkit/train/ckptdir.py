@@ -180,7 +180,7 @@ class HostDir:
         """Delete the temporary files whose final name `mine(PartName)` says are this writer's: left by an
         incarnation that died mid-write, never committed."""
         for entry in os.listdir(self.fd):
-            m = ckptfile.TEMP_RE.match(entry)
+            m = ckptfile.TEMP_RE.fullmatch(entry)
             final = PartName.parse(m.group(1)) if m else None
             if final is not None and mine(final):
                 try:

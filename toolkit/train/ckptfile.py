@@ -79,7 +79,7 @@ class PartName:
     @classmethod
     def parse(cls, name: str) -> PartName | None:
         """The PartName of a checkpoint file name, None for any other name (or an impossible part number)."""
-        m = NAME_RE.match(name)
+        m = NAME_RE.fullmatch(name)
         if m is None:
             return None
         step, part, parts = int(m.group(1)), int(m.group(2)), int(m.group(3))
