@@ -52,8 +52,7 @@ SSH_CORE = (
 )
 HELP = FlagDoc("-h, --help", "this help")
 WORKER_COUNTS = ("nproc_per_node", "nnodes", "worker_num")  # listed with the hosts, after where they come from
-FOOTER = ("-h, --help: this help. A flag typed after any task applies to every task of the line; --flag_name works "
-          "too; defaults: ./fabric.yaml, 'toolkit:'.")
+FOOTER = "-h, --help: this help. Flags apply to every task typed; defaults: ./fabric.yaml"
 
 
 def option_doc(o: Option) -> FlagDoc:
