@@ -8,6 +8,7 @@ import json
 import shutil
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -127,6 +128,18 @@ def test_the_figure_is_drawn_from_the_data(tmp_path: Path) -> None:
     assert {"rate-rank-0", "rate-rank-1", "incident-1", "incident-2"} <= rates
     widths = {p.get_gid(): p.get_width() for p in ax_good.patches}
     assert widths == {f"goodput-{k}": data["goodput"][k] for k in R.BREAKDOWN}
+
+
+def test_a_run_without_loss_or_generations_draws_without_a_warning(tmp_path: Path) -> None:
+    """A plain script that reports no loss: the loss panel has nothing to label, and matplotlib's "No artists with
+    labels found to put in legend" must not reach the user's terminal."""
+    ledger, metrics = two_faults()
+    data = R.report_data({**ledger, "generations": []}, [{**m, "ranks": {}} for m in metrics])
+    assert data["loss"] == {} and data["generations"] == []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fig = R.draw(data, tmp_path / "r.png")
+    assert fig.axes[0].get_legend() is None and (tmp_path / "r.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_the_tables_say_the_same(tmp_path: Path) -> None:
