@@ -82,7 +82,7 @@ def test_report_data_places_incidents_and_generations() -> None:
     assert (data["job"], data["outcome"], data["duration"], data["last_step"]) == ("demo", "finished", 41.0, 30)
     one, two = data["incidents"]
     assert (one["cause"], one["hosts"], one["step"], one["failed"], one["recovered"]) == \
-        ("signal SIGKILL", ["h2"], 10, 15.5, 20.0)
+        ("killed by SIGKILL", ["h2"], 10, 15.5, 20.0)
     assert (two["cause"], two["hosts"], two["processes"], two["failed"], two["detected_after"]) == \
         ("heartbeat silence", ["h1"], ["worker_0"], 25.0, 3.0)
     assert (two["resumed_from"], two["recomputed"], two["step"]) == (16, 4, 20)  # struck at 20, resumed at 16
@@ -134,7 +134,7 @@ def test_the_tables_say_the_same(tmp_path: Path) -> None:
     for table in R.summary_tables(R.report_data(*two_faults())):
         console.print(table)
     text = console.export_text()
-    assert "signal SIGKILL" in text and "heartbeat silence" in text and "3 generation(s)" in text
+    assert "killed by SIGKILL" in text and "heartbeat silence" in text and "3 generation(s)" in text
     assert "goodput" in text and "worker_0" in text
 
 
@@ -160,7 +160,7 @@ def test_fleet_report_locally(tmp_path: Path) -> None:
     (recovery / rundoc.METRICS_FILE).write_text("cut line\n" + "\n".join(json.dumps(m) for m in metrics) + "\n")
     r = fleet("report", *flags, cwd=project)
     assert r.returncode == 0, r.stderr
-    assert "signal SIGKILL" in r.stdout and (project / "rep-report.png").read_bytes()[:4] == b"\x89PNG"
+    assert "killed by SIGKILL" in r.stdout and (project / "rep-report.png").read_bytes()[:4] == b"\x89PNG"
     r = fleet("report", "--json", *flags, cwd=project)
     assert r.returncode == 0 and json.loads(r.stdout) == R.report_data(ledger, metrics), r.stderr
 

@@ -39,6 +39,7 @@ LOCAL_WORLD_SIZE = "LOCAL_WORLD_SIZE"
 GROUP_RANK = "GROUP_RANK"
 TORCHELASTIC_USE_AGENT_STORE = "TORCHELASTIC_USE_AGENT_STORE"
 TORCHELASTIC_RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"
+TORCHELASTIC_ERROR_FILE = "TORCHELASTIC_ERROR_FILE"  # set by the agent per process incarnation (torch's @record)
 OMP_NUM_THREADS = "OMP_NUM_THREADS"
 GLOO_SOCKET_IFNAME = "GLOO_SOCKET_IFNAME"  # set by the agent: the interface toward the scheduler
 # set to 1 by the agent unless the user set them: gloo's bootstrap reads its peers with multi_get, 128 at a time, and

@@ -183,9 +183,9 @@ def _report_changes(st: HostStatus, seen: dict[tuple[str, str], tuple[Any, ...]]
 
 def _failure_text(record: JobRecord, hosts: list[HostStatus], unwatched: Mapping[str, str], took: float,
                   tails: Mapping[str, list[str]]) -> str:
-    """JobFailed's message: how long the job ran; for each host whose agent gave up, the process, its exit
-    status, restarts and the log tail the agent recorded; then each host no longer watched and why; then every
-    other host that did not succeed, with the log tails fetched by `_failed_tails`."""
+    """JobFailed's message: how long the job ran; for each host whose agent gave up, the process, its first cause
+    (else its exit status), restarts and the log tail the agent recorded; then each host no longer watched and why;
+    then every other host that did not succeed, with the log tails fetched by `_failed_tails`."""
     lines = [f"job {record.job} failed after {took:.1f} s"]
     causes = [h for h in hosts if h.failure]
     for h in causes:
@@ -193,7 +193,8 @@ def _failure_text(record: JobRecord, hosts: list[HostStatus], unwatched: Mapping
         role = "sched" if f.get("rank") is None else "worker"
         prefix = f"{h.host}:{role}:{dash(f.get('rank'))}"
         lines.append(f"{f.get('node_id')} on {h.host} (rank {dash(f.get('rank'))}, pid {dash(f.get('pid'))}): "
-                     f"{f.get('status')} after {f.get('restarts', 0)} restart(s); last lines of {f.get('log_file')}:")
+                     f"{clean(f.get('cause') or f.get('status'), 600)} after {f.get('restarts', 0)} restart(s); "
+                     f"last lines of {f.get('log_file')}:")
         lines += [f"  {prefix} | {clean(line, None, tabs=True)}" for line in f.get("log_tail") or []]
     for h in hosts:
         if h.host in unwatched:

@@ -23,7 +23,8 @@ authenticated copy per host, its writing shared by the host's ranks, asynchronou
 commits told to the scheduler: toolkit.train.checkpoint) are for when no survivor holds the state: a whole-job
 restart, from the newest copy any host has, or a world of one. SIGTERM: every rank agrees at the next step boundary
 and saves that step (last words); the ranks that got the signal leave (exit 143), the others go on and meet the
-replacement.
+replacement. A rank whose own SIGTERM comes later (during the agreement, or after it while its peers leave) leaves
+with the step it saved or holds, at once, without waiting for a scheduler that may be stopping too.
 
 Under torchrun or alone the same script runs: a fault there ends the process with one line and exit code 1
 (EXIT_PEER_LOST) for the launcher to restart the world, which resumes from the newest checkpoint.
@@ -195,7 +196,7 @@ class Trainer:
         except JobStopped:
             raise
         except Exception as e:
-            changed = self.rt.changed_by(e)
+            changed = self._word_on(e, applied)
             if changed is not None:
                 self._abandoned(applied, changed.new)
                 return
@@ -228,7 +229,7 @@ class Trainer:
             return
         while True:
             try:
-                with self.rt.guard():
+                with self._guarded():
                     self._save()
                     self.manager.flush()
                     if self.rt.world_size > 1:
@@ -264,18 +265,58 @@ class Trainer:
         """The optimizer changes parameters and its state in place: the checkpoint in flight must have copied them."""
         self._staging_wait += self.manager.wait_staged()
 
-    def _abandoned(self, applied_before: int, generation: int) -> None:
-        """The step ended by a fault. If this rank's optimizer step ran, its allreduce had completed (a complete
-        sum of every rank's gradients), so the state it holds is the next step's: keep it, the others may need it."""
+    def _abandoned(self, applied_before: int, generation: int | None) -> None:
+        """The step ended by a fault (`generation`: the one announced; None: SIGTERM came before the word). If this
+        rank's optimizer step ran, its allreduce had completed (a complete sum of every rank's gradients), so the
+        state it holds is the next step's: keep it, the others may need it. A rank that got SIGTERM leaves now with
+        that state (`_last_words`): its peers may be leaving too, and nobody would re-form with it."""
         kept = self._applied != applied_before
         if kept:
             self.step_count += 1
         self._live = True
         self._need_sync = True
         self._batches = None
-        print(f"rank {self.rt.rank}: generation {self.rt.generation} -> {generation} at step {self.step_count} "
-              f"({'the step was complete here' if kept else 'the step in flight is redone'}): re-forming the group",
-              flush=True)
+        how = 'the step was complete here' if kept else 'the step in flight is redone'
+        if generation is None:
+            print(f"rank {self.rt.rank}: the group broke at step {self.step_count} ({how})", flush=True)
+        else:
+            print(f"rank {self.rt.rank}: generation {self.rt.generation} -> {generation} at step {self.step_count} "
+                  f"({how}): re-forming the group", flush=True)
+        if self._stop.is_set() and self.rt.mode == MODE_TOOLKIT:
+            self._last_words()
+
+    def _word_on(self, error: Exception, applied: int | None = None) -> GenerationChanged | None:
+        """After `error` ended a step (`applied`: the optimizer steps seen before it) or a recovery (None): the
+        GenerationChanged to act on if the job moved on, None if the error is the loop's own (Runtime.changed_by,
+        which waits a bounded time for the scheduler's word). SIGTERM, come before or during that wait, ends the
+        wait and the process with last words: when every rank is told to stop, the peers are leaving and the
+        scheduler too, so no word would come (the wait would outlast the agent's grace and end in SIGKILL)."""
+        if self.rt.mode != MODE_TOOLKIT or not _looks_collective(error):
+            return self.rt.changed_by(error)
+        try:
+            with self._interruptible():
+                return self.rt.changed_by(error)
+        except Terminated:
+            pass
+        if applied is not None:
+            self._abandoned(applied, None)  # SIGTERM came: ends in _last_words
+        self._last_words()
+
+    @contextlib.contextmanager
+    def _guarded(self) -> Iterator[None]:
+        """Runtime.guard() for the Trainer's own collectives (agreement, final barrier): a collective broken by a
+        new generation raises GenerationChanged, and SIGTERM ends the wait for the scheduler's word (`_word_on`)."""
+        self.rt.check()
+        try:
+            yield
+        except (GenerationChanged, JobStopped):
+            raise
+        except Exception as e:
+            changed = self._word_on(e)
+            if changed is None:
+                raise
+            raise changed from e
+        self.rt.check()
 
     def _sync(self) -> None:
         """(Re-)form the group, agree on the newest state any rank holds and give it to every rank, wrap the model
@@ -285,10 +326,13 @@ class Trainer:
             self.manager.wait_staged()  # restoring a state (and DDP's broadcast) writes the tensors being staged
             self._ddp = None
             gc.collect()  # the old DDP's reducer holds the broken group and hooks the parameters
-            with self._interruptible():
-                self.rt.reform()
             try:
-                with self.rt.guard():
+                with self._interruptible():
+                    self.rt.reform()
+            except Terminated:
+                self._last_words()
+            try:
+                with self._guarded():
                     source, from_rank, nbytes, before = self._agree_state()
                     self._wrap()
                 break
@@ -467,7 +511,8 @@ class Trainer:
 
     @contextlib.contextmanager
     def _interruptible(self) -> Iterator[None]:
-        """While blocked forming a group there is nothing to agree or save with: SIGTERM leaves at once."""
+        """While blocked forming a group or waiting for the scheduler's word there is nothing to agree with:
+        SIGTERM (come already, or while blocked) raises Terminated at once; the caller leaves with `_last_words`."""
         if self._stop.is_set():
             raise Terminated(EXIT_TERMINATED)
         self._interrupt = True
@@ -502,14 +547,32 @@ class Trainer:
         return self.rt.mode != MODE_TOOLKIT or bool(mine)
 
     def _leave(self, leaving: bool) -> None:
+        """A rank got SIGTERM by this step's agreement: every rank saves this step. Those that got it leave, and
+        so does one whose own SIGTERM came during or after the agreement (when every rank is told to stop, the
+        signals need not all land before the same boundary); the others go on and meet the replacements."""
         self._save()
         self.manager.flush()
-        if leaving:
-            print(f"rank {self.rt.rank}: stopped by SIGTERM at step {self.step_count}, checkpoint saved", flush=True)
-            self.close()
-            raise Terminated(EXIT_TERMINATED if self.rt.mode == MODE_TOOLKIT else 0)
+        if leaving or self._stop.is_set():
+            self._last_words()
         print(f"rank {self.rt.rank}: a peer stops by SIGTERM at step {self.step_count}, checkpoint saved; training "
               "goes on", flush=True)
+
+    def _last_words(self) -> NoReturn:
+        """Leave on SIGTERM: the state this rank holds saved (once: its share of the host's copy, whole when the
+        host's other ranks saved the same step, as at an agreement) and durable, then Terminated (exit 143 under
+        toolkit). Reached at a step boundary's agreement (`_leave`), or where no agreement can be had: the step
+        failed because peers left (their last words were the step this rank saved when they agreed, or the one it
+        holds), or the group is being re-formed. A rank that holds no state yet (a replacement still joining) has
+        nothing to save."""
+        if self._live:
+            self._save()
+            self.manager.flush()
+            print(f"rank {self.rt.rank}: stopped by SIGTERM at step {self.step_count}, checkpoint saved", flush=True)
+        else:
+            print(f"rank {self.rt.rank}: stopped by SIGTERM before it held a training state: nothing to save",
+                  flush=True)
+        self.close()
+        raise Terminated(EXIT_TERMINATED if self.rt.mode == MODE_TOOLKIT else 0)
 
     def _close(self) -> None:
         self._finished = True
