@@ -44,6 +44,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from toolkit import envvars as E
 from toolkit.testing.simjob import SimJob, percentile
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -55,40 +56,68 @@ COLUMNS = (f"{'N':>5} {'pattern':<13} {'formed':>7} {'built':>7} {'notice p50/ma
 
 
 def one_run(world: int, pattern: str, args: argparse.Namespace, workdir: Path, tree: Path | None) -> dict[str, Any]:
-    """One job: start, form, --steady seconds, one loss (rank N/2 + 3, or its host), finish. Its figures."""
-    with SimJob(world, workdir, patterns=(pattern,), tree=tree) as job:
-        job.start()
-        built, formation = job.form(args.bound)
-        steady = job.steady(args.steady)
-        loss = job.lose(min(world - 1, world // 2 + 3), host=args.kill == "host", bound=args.bound)
-        stats = job.stats()
-        code = job.finish(args.bound)
+    """One job: start, form, --steady seconds, one loss (rank N/2 + 3, or its host), finish. Its figures; a phase
+    that fails (its bound passed, or a process ended) leaves the figures so far, `failed` saying where and why, and
+    the scheduler's cost since the start in `so_far`."""
+    fig: dict[str, Any] = {"samples": [], "failed": None}
+    with SimJob(world, workdir, patterns=(pattern,), tree=tree, node_timeout=args.node_timeout) as job:
+        phase = "start"
+        try:
+            job.start()
+            phase = "formation"
+            built, formation = job.form(args.bound)
+            fig.update(formed=built.last(0) - job.go_at, built=built.last(2) - job.go_at, phases=[formation])
+            phase = "steady state"
+            steady = job.steady(args.steady)
+            fig.update(cpu=100 * steady.cpu_share, rss=steady.rss / 1e6, wr=steady.written / steady.wall / 1e3)
+            fig["phases"].append(steady)
+            phase = "loss"
+            loss = job.lose(min(world - 1, world // 2 + 3), host=args.kill == "host", bound=args.bound)
+            fig.update(p50=percentile(loss.notices, 0.5), max=max(loss.notices, default=0.0), reformed=loss.reformed,
+                       rebuilt=loss.rebuilt, inc_cpu=loss.phase.cpu, inc_mb=loss.phase.written / 1e6)
+            fig["phases"].append(loss.phase)
+            phase = "finish"
+            stats = job.stats()
+            code = job.finish(args.bound)
+        except AssertionError as e:
+            fig["failed"] = f"{phase} failed: {str(e).splitlines()[0][:300]}"
+            fig["so_far"] = job.so_far() if job.began is not None else None
+            stats, code = _stats_or_none(job), None
         log = job.log()
-        counts = stats["counts"]
-        phases = (formation, steady, loss.phase)
-        return {
-            "formed": built.last(0) - job.go_at, "built": built.last(2) - job.go_at,
-            "p50": percentile(loss.notices, 0.5), "max": max(loss.notices, default=0.0),
-            "reformed": loss.reformed, "rebuilt": loss.rebuilt,
-            "cpu": 100 * steady.cpu_share, "rss": steady.rss / 1e6, "hwm": max(p.hwm for p in phases) / 1e6,
-            "wr": steady.written / steady.wall / 1e3, "inc_cpu": loss.phase.cpu, "inc_mb": loss.phase.written / 1e6,
-            "refused": counts.get("refused", 0) + counts.get("unproven", 0) + len(log.refusals),
-            "burst": log.burst, "errors": len(log.errors) + counts.get("errors", 0) + (code != 0),
-            "queued": 100 * sum(p.queued for p in phases) / sum(p.wall for p in phases),
-            "client": any(p.client_bound for p in phases),
-            "samples": stats["samples"][:3] + log.errors[:3] + ([f"scheduler exit code {code}"] if code else []),
-        }
+    counts = stats["counts"] if stats else {}
+    phases = fig.pop("phases", [])
+    fig.update(refused=counts.get("refused", 0) + counts.get("unproven", 0) + len(log.refusals), burst=log.burst,
+               errors=len(log.errors) + counts.get("errors", 0) + (code not in (0, None)),
+               hwm=max(p.hwm for p in phases) / 1e6 if phases else None,
+               queued=100 * sum(p.queued for p in phases) / sum(p.wall for p in phases) if phases else None,
+               client=any(p.client_bound for p in phases))
+    fig["samples"] = ((stats["samples"][:3] if stats else []) + log.errors[:3]
+                      + ([f"scheduler exit code {code}"] if code else []))
+    return fig
+
+
+def _stats_or_none(job: SimJob) -> dict[str, Any] | None:
+    try:
+        return job.stats(10.0)
+    except AssertionError:
+        return None
+
+
+def _num(runs: list[dict[str, Any]], key: str, width: int, digits: int) -> str:
+    """The median of `key` over the runs that have it, or "-"."""
+    values = [r[key] for r in runs if r.get(key) is not None]
+    return f"{statistics.median(values):>{width}.{digits}f}" if values else f"{'-':>{width}}"
 
 
 def row(world: int, pattern: str, runs: list[dict[str, Any]]) -> str:
-    med = {k: statistics.median(r[k] for r in runs) for k in runs[0] if k not in ("client", "samples")}
     bound = "client" if any(r["client"] for r in runs) else "-"
     load = Path("/proc/loadavg").read_text().split()[0]
-    return (f"{world:>5} {pattern:<13} {med['formed']:>7.2f} {med['built']:>7.2f} "
-            f"{med['p50']:>7.3f}/{med['max']:<7.3f} {med['reformed']:>8.2f} {med['rebuilt']:>8.2f} "
-            f"{med['cpu']:>5.1f} {med['rss']:>5.0f} ({med['hwm']:>4.0f}) {med['wr']:>8.1f} {med['inc_cpu']:>7.2f} "
-            f"{med['inc_mb']:>7.2f} {med['refused']:>8.0f} {med['burst']:>5.0f} {med['errors']:>6.0f} "
-            f"{med['queued']:>7.0f} {bound:>6}  {load}")
+    notice = f"{_num(runs, 'p50', 7, 3)}/{_num(runs, 'max', 7, 3).strip():<7}"
+    return (f"{world:>5} {pattern:<13} {_num(runs, 'formed', 7, 2)} {_num(runs, 'built', 7, 2)} {notice} "
+            f"{_num(runs, 'reformed', 8, 2)} {_num(runs, 'rebuilt', 8, 2)} {_num(runs, 'cpu', 5, 1)} "
+            f"{_num(runs, 'rss', 5, 0)} ({_num(runs, 'hwm', 4, 0)}) {_num(runs, 'wr', 8, 1)} "
+            f"{_num(runs, 'inc_cpu', 7, 2)} {_num(runs, 'inc_mb', 7, 2)} {_num(runs, 'refused', 8, 0)} "
+            f"{_num(runs, 'burst', 5, 0)} {_num(runs, 'errors', 6, 0)} {_num(runs, 'queued', 7, 0)} {bound:>6}  {load}")
 
 
 def export(rev: str, into: Path) -> Path:
@@ -109,6 +138,8 @@ def main() -> int:
     parser.add_argument("--steady", type=float, default=10.0, help="seconds of steady state measured")
     parser.add_argument("--kill", choices=["rank", "host"], default="rank", help="lose one rank, or its whole host")
     parser.add_argument("--bound", type=float, default=600.0, help="s any one phase may take before the run fails")
+    parser.add_argument("--node-timeout", type=float, default=E.DEFAULT_NODE_TIMEOUT,
+                        help="MS_NODE_TIMEOUT for the scheduler (default: a deployed job's)")
     parser.add_argument("--baseline", default=None, help="a git revision whose scheduler to run instead of this tree's")
     parser.add_argument("--keep", type=Path, default=None, help="keep each run's logs and records under this directory")
     args = parser.parse_args()
@@ -124,6 +155,13 @@ def main() -> int:
                 runs = [one_run(world, pattern, args, base / f"{world}-{pattern}-{i}", tree)
                         for i in range(args.repeats)]
                 print(row(world, pattern, runs), flush=True)
+                for r in runs:
+                    if r["failed"]:
+                        so_far = r["so_far"]
+                        cost = "" if so_far is None else (f" (scheduler so far: {so_far.cpu:.1f} CPU-s in "
+                                                          f"{so_far.wall:.1f} s, {so_far.queued:.1f} s queued for a "
+                                                          f"CPU, RSS {so_far.rss / 1e6:.0f} MB)")
+                        print(f"      ! {r['failed']}{cost}", flush=True)
                 for sample in sorted({s for r in runs for s in r["samples"]})[:5]:
                     print(f"      ! {sample[:300]}", flush=True)
     return 0

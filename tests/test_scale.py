@@ -33,7 +33,7 @@ def test_256_ranks_form_lose_one_re_form_and_finish_with_nothing_refused(tmp_pat
         assert [r for r in survivors if loss.built.ranks[r][1] is None] == []
         assert loss.built.ranks[VICTIM][1] is None  # the replacement registered into generation 1: no notice
         incident = loss.incident
-        assert incident["cause"] == "signal SIGKILL", incident
+        assert incident["cause"] == "killed by SIGKILL", incident
         assert [(p["node_id"], p["rank"], p["host"]) for p in incident["processes"]] == \
             [(f"worker_{VICTIM}", VICTIM, f"sim{VICTIM // 8}")]
         assert incident["generation"] == 1 and sorted(incident["recovered_ranks"]) == list(range(WORLD))

@@ -13,8 +13,9 @@ torch's gloo and NCCL bootstraps):
   answer (toolkit.protocol); a connection closed or refused before that is counted as refused and tried again
   (a worker's control connection every CONTROL_RETRY, its store connection with STORE_RETRY_* backoff, an agent's
   every AGENT_RETRY);
-- an agent says `agent_hello {host, node_ids}`, heartbeats every AGENT_HEARTBEAT, reports a killed worker's
-  `exited {signal: SIGKILL}` and relaunches it (a new incarnation) after the driver's delay;
+- an agent says `agent_hello {host, node_ids}`, heartbeats every AGENT_HEARTBEAT naming its running workers
+  (`running {node_id: pid}`), reports a killed worker's `exited {signal: SIGKILL}` and relaunches it (a new
+  incarnation) after the driver's delay;
 - a worker `register`s (in-place recovery), heartbeats every HEARTBEAT_INTERVAL at its own phase within the second
   with every pace field, sends `commit` every COMMIT_EVERY steps; after each `formed` it opens a new store
   connection and runs the bootstrap patterns in order, then says `recovered`; a `generation` notice leaves the
@@ -115,8 +116,7 @@ class Link:
             self.sock.setsockopt(socket.IPPROTO_IP, getattr(socket, "IP_BIND_ADDRESS_NO_PORT", 24), 1)
             self.sock.bind((source, 0))
         code = self.sock.connect_ex((sim.host, port))
-        if code not in (0, errno.EINPROGRESS):
-            self.sim.timers.at(0.0, lambda: self._end(f"connect: {os.strerror(code)}"))
+        self.failed = 0 if code == errno.EINPROGRESS else code  # refused at once: said at the first event
         sim.sel.register(self.sock, selectors.EVENT_WRITE, self)
 
     @property
@@ -125,7 +125,7 @@ class Link:
 
     def on_event(self, mask: int) -> None:
         if self.state == "connecting":
-            code = self.sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+            code = self.failed or self.sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
             if code:
                 self._end(f"connect: {os.strerror(code)}")
                 return
@@ -601,7 +601,8 @@ class SimHost:
         old = self.workers[rank]
         old.kill()
         if self.agent is not None and self.agent.up:
-            self.agent.send(P.encode(P.EXITED, node_id=old.node_id, pid=old.pid, code=None, signal="SIGKILL"))
+            self.agent.send(P.encode(P.EXITED, node_id=old.node_id, pid=old.pid, code=None, signal="SIGKILL",
+                                     cause=None))
         self.sim.timers.at(self.sim.now + delay, lambda: self._relaunch(rank))
 
     def kill(self, delay: float) -> None:
@@ -631,7 +632,8 @@ class SimHost:
 
     def _beat(self) -> None:
         if self.alive and self.agent is not None and self.agent.up and not self.finished:
-            self.agent.send(P.encode(P.HEARTBEAT))
+            running = {w.node_id: w.pid for w in self.workers.values() if w.alive and not w.finishing}
+            self.agent.send(P.encode(P.HEARTBEAT, running=running))  # vouches for its children, as agents do
             self.sim.timers.at(self.sim.now + AGENT_HEARTBEAT, self._beat)
 
     def _line(self, line: bytes) -> None:
@@ -727,7 +729,10 @@ class Sim:
         self.channel.setblocking(False)
 
     def on_event(self, mask: int) -> None:
-        data = self.channel.recv(RECV_SIZE)
+        try:
+            data = self.channel.recv(RECV_SIZE)
+        except BlockingIOError:
+            return
         if not data:  # the driver is gone
             self.stopped = True
             return

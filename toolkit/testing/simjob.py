@@ -25,9 +25,9 @@ from __future__ import annotations
 import json
 import os
 import re
+import resource
 import secrets
 import selectors
-import signal
 import socket
 import statistics
 import sys
@@ -240,6 +240,8 @@ class SimJob:
         self.sel = selectors.DefaultSelector()
         self.generation = 0
         self.losses = 0
+        self.go_at = 0.0
+        self.began: tuple[Usage, list[float], float] | None = None
         self.sched_log = workdir / "scheduler.log"
         self.recovery = workdir / "recovery"
 
@@ -277,6 +279,12 @@ class SimJob:
         for i, hosts in enumerate(chunks):
             self.sims.append(self._spawn_sim(i, hosts, token))
         self._collect("ready", bound)
+        self.began = (self._usage(), self._sims_cpu(), time.monotonic())
+
+    def so_far(self) -> Phase:
+        """The scheduler's cost since the simulators were ready (what a failed phase leaves to report)."""
+        assert self.began is not None, "start() first"
+        return self._phase(*self.began)
 
     def _spawn_sim(self, index: int, hosts: list[int], token: Path) -> SimProcess:
         ours, theirs = socket.socketpair()
@@ -481,11 +489,8 @@ def main(argv: list[str]) -> int:
     if len(argv) < 4 or argv[0] != "--nofile" or argv[2] != "--":
         print("usage: python -m toolkit.testing.simjob --nofile SOFT -- PROGRAM [ARGS...]", file=sys.stderr)
         return 2
-    import resource
-
     _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (int(argv[1]), hard))
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
     os.execv(argv[3], argv[3:])  # noqa: S606 - the harness's own program, as an argument list
     return 0
 
