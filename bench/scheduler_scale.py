@@ -60,7 +60,9 @@ def one_run(world: int, pattern: str, args: argparse.Namespace, workdir: Path, t
     that fails (its bound passed, or a process ended) leaves the figures so far, `failed` saying where and why, and
     the scheduler's cost since the start in `so_far`."""
     fig: dict[str, Any] = {"samples": [], "failed": None}
-    with SimJob(world, workdir, patterns=(pattern,), tree=tree, node_timeout=args.node_timeout) as job:
+    profile = args.profile / f"{workdir.name}.pstats" if args.profile else None
+    with SimJob(world, workdir, patterns=(pattern,), tree=tree, node_timeout=args.node_timeout,
+                profile=profile) as job:
         phase = "start"
         try:
             job.start()
@@ -141,8 +143,12 @@ def main() -> int:
     parser.add_argument("--node-timeout", type=float, default=E.DEFAULT_NODE_TIMEOUT,
                         help="MS_NODE_TIMEOUT for the scheduler (default: a deployed job's)")
     parser.add_argument("--baseline", default=None, help="a git revision whose scheduler to run instead of this tree's")
+    parser.add_argument("--profile", type=Path, default=None, help="run the scheduler under cProfile, its statistics "
+                                                                   "into this directory (python -m pstats reads them)")
     parser.add_argument("--keep", type=Path, default=None, help="keep each run's logs and records under this directory")
     args = parser.parse_args()
+    if args.profile:
+        args.profile.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="sched-scale-") as tmp:
         base = args.keep or Path(tmp)
         tree = export(args.baseline, Path(tmp)) if args.baseline else None
@@ -160,7 +166,8 @@ def main() -> int:
                         so_far = r["so_far"]
                         cost = "" if so_far is None else (f" (scheduler so far: {so_far.cpu:.1f} CPU-s in "
                                                           f"{so_far.wall:.1f} s, {so_far.queued:.1f} s queued for a "
-                                                          f"CPU, RSS {so_far.rss / 1e6:.0f} MB)")
+                                                          f"CPU, RSS {so_far.rss / 1e6:.0f} MB; busiest simulator "
+                                                          f"{100 * so_far.sims:.0f}% of a core)")
                         print(f"      ! {r['failed']}{cost}", flush=True)
                 for sample in sorted({s for r in runs for s in r["samples"]})[:5]:
                     print(f"      ! {sample[:300]}", flush=True)

@@ -216,13 +216,13 @@ class SimJob:
     (toolkit.testing.simhosts.PATTERNS); `monitor` NCCL's once-a-second store check (default: with an nccl pattern);
     `per_host_ips` gives each simulated host its own loopback address (else all come from 127.0.0.1); `delay` is how
     long an agent takes to relaunch a killed worker; `nofile` a soft RLIMIT_NOFILE for the scheduler (it raises its
-    own); `tree` a source tree whose scheduler to run (default: this one). Use as a context manager: `close` stops
-    every process it started."""
+    own); `tree` a source tree whose scheduler to run (default: this one); `profile` a file for the scheduler's
+    cProfile statistics. Use as a context manager: `close` stops every process it started."""
 
     def __init__(self, world: int, workdir: Path, patterns: tuple[str, ...] = ("gloo",), monitor: bool | None = None,
                  sims: int | None = None, per_host_ips: bool = True, delay: float = 0.0, nofile: int | None = None,
                  node_timeout: float = E.DEFAULT_NODE_TIMEOUT, topo_timeout: float = 600.0,
-                 tree: Path | None = None) -> None:
+                 tree: Path | None = None, profile: Path | None = None) -> None:
         unknown = [p for p in patterns if p not in PATTERNS]
         if unknown or world < 2:
             raise ValueError(f"patterns {unknown} (known: {', '.join(PATTERNS)}), world {world} (at least 2)")
@@ -233,6 +233,7 @@ class SimJob:
         self.per_host_ips, self.delay, self.nofile = per_host_ips, delay, nofile
         self.node_timeout, self.topo_timeout = node_timeout, topo_timeout
         self.tree = tree or ROOT
+        self.profile = profile
         self.hosts = hosts
         self.port = 0
         self.sched: procs.Child | None = None
@@ -270,6 +271,8 @@ class SimJob:
                     E.TOOLKIT_TOKEN_FILE: str(token), E.TOOLKIT_EXPECTED: str(expected),
                     "PYTHONPATH": str(self.tree), "PYTHONDONTWRITEBYTECODE": "1"})
         argv = [sys.executable, "-m", "toolkit.scheduler"]
+        if self.profile is not None:  # cProfile writes its file when the scheduler returns (after done or SIGTERM)
+            argv[1:1] = ["-m", "cProfile", "-o", str(self.profile)]
         if self.nofile is not None:
             argv = [sys.executable, "-m", "toolkit.testing.simjob", "--nofile", str(self.nofile), "--", *argv]
         self.sched = procs.spawn(procs.LaunchSpec(tuple(argv), env, str(self.tree), str(self.sched_log)))
