@@ -17,11 +17,12 @@ not at the newest step any survivor holds takes the state (model, optimizer, the
 survivor at that step, tensor by tensor into its own storage (toolkit.train.transfer); a fault inside a collective
 can leave ranks a step apart (a collective completed on one rank is a complete sum there). Data position and
 randomness are functions of the step, so the replacement needs nothing else: the loader is positioned at the
-step's batch (toolkit.train.loader) and torch's, Python's and numpy's global generators are seeded from (seed, rank, step) before each step's batch is drawn. The result is bitwise the
-one an uninterrupted run gives (with the rank-ordered allreduce, `deterministic=True`). Checkpoints (asynchronous,
-verified, every `ckpt_every` steps, their commits told to the scheduler) are for when no survivor holds the state:
-a whole-job restart, or a world of one. SIGTERM: every rank agrees at the next step boundary and saves that step
-(last words); the ranks that got the signal leave (exit 143), the others go on and meet the replacement.
+step's batch (toolkit.train.loader) and torch's, Python's and numpy's global generators are seeded from (seed,
+rank, step) before each step's batch is drawn. The result is bitwise the one an uninterrupted run gives (with the
+rank-ordered allreduce, `deterministic=True`). Checkpoints (asynchronous, verified, every `ckpt_every` steps, their
+commits told to the scheduler) are for when no survivor holds the state: a whole-job restart, or a world of one.
+SIGTERM: every rank agrees at the next step boundary and saves that step (last words); the ranks that got the
+signal leave (exit 143), the others go on and meet the replacement.
 
 Under torchrun or alone the same script runs: a fault there ends the process with one line and exit code 1
 (EXIT_PEER_LOST) for the launcher to restart the world, which resumes from the newest checkpoint.

@@ -435,8 +435,10 @@ def _as_tensors(raw: Sequence[Any]) -> tuple[list[torch.Tensor], list[str]]:
             kinds.append(KIND_TENSOR)
             continue
         arr = np.asarray(v)
+        if not (arr.flags.c_contiguous and arr.flags.writeable):
+            arr = np.array(arr, order="C")  # (np.ascontiguousarray would make a scalar's 0-d array 1-d)
         try:
-            leaves.append(torch.from_numpy(np.ascontiguousarray(arr)))
+            leaves.append(torch.from_numpy(arr))
         except TypeError:
             raise TransferError(f"leaf {i} of the state is a numpy array of {arr.dtype}, which has no torch "
                                 "dtype") from None
