@@ -354,7 +354,9 @@ class Trainer:
         so it must be gone before the next one is built. Dropping the last reference frees it at once; a full
         gc.collect() (0.25-0.42 s in a process with a DataLoader, measured) runs only if something still holds it."""
         ddp, self._ddp = self._ddp, None
-        self._buckets.group = None
+        inner, self._buckets.state = self._buckets.state, None
+        if isinstance(inner, determinism.OrderedReducer):
+            inner.close()  # its thread's exchanges on the broken group have failed or end now
         if ddp is None or ddp is self.module:
             return
         alive = weakref.ref(ddp)
@@ -374,10 +376,12 @@ class Trainer:
             # the wrapper: collected now (young, ~1 ms) the wrapper is freed by _drop_ddp without a full collection.
             self._wrapped = True
             gc.collect(1)
-        inner = determinism.ordered_allreduce_hook if self.deterministic else (
-            default_hooks.allreduce_hook if self.rt.cfg.pace else None)
-        if inner is not None:
-            self._buckets.group, self._buckets.inner = self.rt.group, inner
+        if self.deterministic:
+            self._buckets.state, self._buckets.inner = determinism.OrderedReducer(self.rt.group), \
+                determinism.ordered_allreduce_hook
+        elif self.rt.cfg.pace:
+            self._buckets.state, self._buckets.inner = self.rt.group, default_hooks.allreduce_hook
+        if self.deterministic or self.rt.cfg.pace:
             ddp.register_comm_hook(self._buckets, _timed_hook)
         self._ddp = ddp
         self._step_began = None  # a new group: the time since the last step is a recovery, not this rank's work
@@ -518,7 +522,7 @@ class Trainer:
     def _close(self) -> None:
         self._finished = True
         self._hook.remove()
-        self._ddp = None
+        self._drop_ddp()
         self._batches = None
         try:
             self.manager.close()
@@ -528,10 +532,11 @@ class Trainer:
 
 
 class _BucketClock:
-    """DDP comm hook state: the inner hook to call and when this rank handed a step's last bucket to it."""
+    """DDP comm hook state: the inner hook to call (with its own state) and when this rank handed a step's last
+    bucket to it."""
 
     def __init__(self) -> None:
-        self.group: Any = None
+        self.state: Any = None
         self.inner: Any = None
         self.last: float | None = None
 
@@ -542,7 +547,7 @@ def _timed_hook(state, bucket):  # type: ignore[no-untyped-def]  # DDP rejects t
     ``register_comm_hook`` refuses a ``bucket`` annotation that is not ``dist.GradBucket`` itself."""
     if bucket.is_last():
         state.last = time.monotonic()
-    return state.inner(state.group, bucket)
+    return state.inner(state.state, bucket)
 
 
 def _mix(*numbers: int) -> int:
