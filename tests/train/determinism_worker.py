@@ -1,18 +1,25 @@
 """One rank of a real gloo group for the rank-ordered allreduce tests (tests/train/test_determinism.py).
 
-Usage: python determinism_worker.py RANK WORLD PORT
+Usage: python determinism_worker.py RANK WORLD PORT [abandoned]
 
 Each rank computes its own gradients of a small model (sizes that do not divide by the world) on its own batch,
 for two iterations. Printed (JSON): whether DDP with the rank-ordered hook gives, bit for bit, the rank-ordered
 mean computed by hand from every rank's gradients (all-gathered), with one large bucket and with many small ones,
 in the first iteration (DDP's initial bucket layout) and the second (after it rebuilt its buckets); the largest
 difference from DDP's own allreduce; and the bytes this rank wrote to its sockets per reduction with each.
+
+abandoned (world 2): DDP with the rank-ordered hook watching a fence that records none of the group's sockets (so
+only the fence's watchers can end a wait); rank 0 stops itself (SIGSTOP) before its second backward, so rank 1's
+reduction waits on it; rank 1 trips the fence on SIGUSR1 and prints how its backward ended, how long after the trip.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import sys
+import time
 from datetime import timedelta
 
 import torch
@@ -20,6 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from toolkit.train import determinism
+from toolkit.train.fence import Fence
 
 
 def model() -> nn.Module:
@@ -76,11 +84,41 @@ def sent_bytes() -> int:
         return next(int(line.split(":")[1]) for line in f if line.startswith("wchar"))
 
 
+def abandoned(rank: int) -> None:
+    fence = Fence()
+    fence.arm(1)  # no sockets recorded: a trip can only act through its watchers
+    m = model()
+    ddp = nn.parallel.DistributedDataParallel(m)
+    ddp.register_comm_hook(determinism.OrderedReducer(None, fence), determinism.ordered_allreduce_hook)
+    tripped: list[float] = []
+
+    def trip(*_: object) -> None:
+        tripped.append(time.monotonic())
+        fence.overtaken(2)
+
+    signal.signal(signal.SIGUSR1, trip)
+    ddp(batch(rank, 0)).square().sum().backward()
+    loss = ddp(batch(rank, 1)).square().sum()
+    print(json.dumps({"rank": rank, "backward": True}), flush=True)
+    if rank == 0:
+        os.kill(os.getpid(), signal.SIGSTOP)  # the test kills it
+    try:
+        loss.backward()
+        outcome = "completed"
+    except RuntimeError as e:
+        outcome = str(e).splitlines()[0][:200]
+    print(json.dumps({"rank": rank, "outcome": outcome,
+                      "after_trip": time.monotonic() - tripped[0] if tripped else None}), flush=True)
+    os._exit(0)  # the reducer's thread is still blocked on the stopped peer: leave without joining it
+
+
 def main() -> None:
     rank, world, port = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=timedelta(seconds=60))
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=120))
+    if sys.argv[4:] == ["abandoned"]:
+        abandoned(rank)
     refs = [ordered_mean(local_grads(rank, it), world) for it in range(2)]
     big, ordered_bytes = ddp_grads(rank, 2, None, True)
     small, _ = ddp_grads(rank, 2, 0.001, True)  # a bucket per parameter or so

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -43,3 +44,31 @@ def test_the_ordered_mean_is_layout_independent_and_close_to_a_plain_allreduce(n
         ring = 2 * (world - 1) / world * row["grad_bytes"]
         assert ring <= row["ordered_bytes"] <= 1.1 * ring + 64 * 1024, row
         assert row["ordered_bytes"] <= 1.1 * row["plain_bytes"] + 64 * 1024, row
+
+
+def test_a_reduction_waiting_on_a_stopped_peer_ends_when_the_fence_trips(new_port) -> None:
+    """Rank 0 stops before its backward; rank 1's reduction waits on it (the group's timeout is 120 s). Tripping
+    rank 1's fence, as the runtime does when a new generation is announced, ends its backward at once with an
+    error the runtime reads as a broken collective: nothing else can (a gloo receive cut mid-message is never
+    woken, toolkit.train.fence), so here the fence records no socket and only its watchers act."""
+    port = new_port()
+    procs = [subprocess.Popen([sys.executable, str(HERE / "determinism_worker.py"), str(r), "2", str(port),
+                               "abandoned"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"}) for r in range(2)]
+    try:
+        for p in procs:
+            line = ""
+            while '"backward"' not in line:
+                assert p.poll() is None, p.stderr.read()
+                line = p.stdout.readline()
+        os.kill(procs[1].pid, signal.SIGUSR1)
+        out, err = procs[1].communicate(timeout=PROC_TIMEOUT)
+        assert procs[1].returncode == 0, err[-3000:]
+        row = json.loads(out.strip().splitlines()[-1])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=10)
+    assert "gloo" in row["outcome"] and "abandoned" in row["outcome"], row
+    assert row["after_trip"] < 30, f"the backward waited for the group's timeout, not the trip: {row}"

@@ -85,6 +85,30 @@ def test_a_sender_killed_mid_transfer_leaves_the_receiver_to_another_holder(new_
     assert final["digest"] == out[1][-1]["digest"] and final["bytes"] >= 48 << 20
 
 
+def test_a_receive_cut_mid_message_returns_at_the_trip_not_at_the_timeout(new_port) -> None:
+    """gloo never wakes a receive whose message had begun to arrive when the connection broke (it waits out the
+    group's timeout, 120 s here). The sender of one 400 MB message is killed while it sends; the receiver's fence
+    is tripped, as the runtime trips it when a new generation is announced: the transfer ends at the trip. Up to
+    3 attempts, until the kill lands inside the message (the receiver holds its first bytes, not its last)."""
+    for _ in range(3):
+        procs = run_group("abandoned", 2, [new_port()])
+        for p in procs:  # both in the transfer
+            line = ""
+            while '"transferring"' not in line:
+                assert p.poll() is None, p.stderr.read()
+                line = p.stdout.readline()
+        time.sleep(0.05)  # the message on its way (a few tenths of a second on loopback)
+        os.kill(procs[0].pid, signal.SIGKILL)
+        time.sleep(0.5)  # the receiver has read what arrived
+        os.kill(procs[1].pid, signal.SIGUSR1)
+        (row,) = results(procs, {0: -signal.SIGKILL})[1]
+        if row["cut"]:
+            break
+    assert row["cut"], f"in 3 attempts the kill never landed inside the message: {row}"
+    assert row["outcome"].startswith("abandoned"), row
+    assert row["after_trip"] < 30, f"the receive waited for the group's timeout, not the trip: {row}"
+
+
 # -- the description and the layout (pure)
 
 def test_the_description_round_trips_what_json_cannot_say() -> None:

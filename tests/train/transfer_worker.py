@@ -10,12 +10,18 @@ exact: ranks 0 and 1 hold a trained state (model with tied, non-contiguous, floa
 killed: ranks 0 and 1 hold a state of 48 tensors of 1 MB; rank 2 receives it from rank 0 and, after its sixth
   tensor, waits (a slow receiver) and says so, so that the test can kill rank 0 in the middle of the transfer.
   Then ranks 1 and 2 form a new group on PORT2 and rank 1 sends.
+abandoned: world 2, the group built inside a fence as the runtime builds it (toolkit.train.fence); rank 0 sends
+  one 400 MB tensor and says so (the test kills it meanwhile); rank 1 receives it with the fence and trips the
+  fence on SIGUSR1 (as the runtime's control thread does when a new generation is announced), then prints how
+  the transfer ended and how long after the trip. The group's timeout is 120 s.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
+import signal
 import sys
 import time
 from datetime import timedelta
@@ -27,6 +33,7 @@ import torch.distributed as dist
 from torch import nn
 
 from toolkit.train import transfer
+from toolkit.train.fence import Abandoned, Fence, opened_since, tcp_sockets
 
 
 class Net(nn.Module):
@@ -179,11 +186,44 @@ def killed(rank: int, port: int, port2: int) -> None:
         dist.destroy_process_group()
 
 
+def abandoned(rank: int, port: int) -> None:
+    fence = Fence()
+    fence.arm(1)
+    before = tcp_sockets()
+    store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=timedelta(seconds=60))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=timedelta(seconds=120))
+    fence.add_sockets(opened_since(before))
+    state = {"big": torch.full((100_000_000,), float(1 - rank))}  # 400 MB: one message, received in place
+    tripped: list[float] = []
+
+    def trip(*_: Any) -> None:
+        tripped.append(time.monotonic())
+        fence.overtaken(2)
+
+    signal.signal(signal.SIGUSR1, trip)
+    dist.barrier()
+    print(json.dumps({"rank": rank, "transferring": True}), flush=True)
+    try:
+        transfer.share(state, [0], rank=rank, world=2, device=torch.device("cpu"), fence=fence)
+        outcome = "completed"
+    except Abandoned as e:
+        outcome = f"abandoned: {e}"
+    except RuntimeError as e:
+        outcome = f"failed: {str(e).splitlines()[0][:200]}"
+    ended = time.monotonic()
+    print(json.dumps({"rank": rank, "outcome": outcome, "after_trip": ended - tripped[0] if tripped else None,
+                      "cut": bool((state["big"][:1000] == 1.0).all() and (state["big"][-1000:] == 0.0).all())}),
+          flush=True)
+    os._exit(0)  # the abandoned receive is still blocked in gloo until its timeout: leave without joining it
+
+
 def main() -> None:
     scenario, rank, world, port = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
     torch.set_num_threads(1)
     if scenario == "exact":
         exact(rank, world, port)
+    elif scenario == "abandoned":
+        abandoned(rank, port)
     else:
         killed(rank, port, int(sys.argv[5]))
 

@@ -61,15 +61,22 @@ class OrderedReducer:
     On CPU (gloo) one thread per wrapper does each bucket's exchange while backward goes on, as DDP's own
     allreduce does on gloo's threads: gloo matches point-to-point messages by peer and tag (the bucket's index),
     so this thread cannot cross a collective issued by the training thread. On a GPU (NCCL) the exchange is issued
-    from the hook itself, in bucket order: NCCL orders it on the device, and the host does not wait."""
+    from the hook itself, in bucket order: NCCL orders it on the device, and the host does not wait.
 
-    def __init__(self, group: Any = None) -> None:
+    `fence` (toolkit.train.fence.Fence, optional): when it trips, the buckets not yet reduced fail at once, so
+    that backward returns with the error; the thread, which may be stuck in a receive gloo never wakes (see the
+    fence module), is left to its timeout."""
+
+    def __init__(self, group: Any = None, fence: Any = None) -> None:
         self.group = group
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
         self._queue: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
-        self._failed: BaseException | None = None  # an exchange failed: this wrapper's group is broken
+        self._lock = threading.Lock()
+        self._pending: list[torch.futures.Future] = []  # futures handed to DDP and not yet completed
+        self._failed: BaseException | None = None  # an exchange failed or the group was abandoned
+        self._unwatch = fence.watch(self._abandon) if fence is not None else None
 
     def __call__(self, bucket: dist.GradBucket) -> torch.futures.Future:
         buf = bucket.buffer()
@@ -79,6 +86,11 @@ class OrderedReducer:
             fut.set_result(buf)
             return fut
         fut = torch.futures.Future()
+        with self._lock:
+            if self._failed is not None:
+                fut.set_exception(self._failed)
+                return fut
+            self._pending.append(fut)
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="toolkit-ordered-allreduce", daemon=True)
             self._thread.start()
@@ -86,11 +98,33 @@ class OrderedReducer:
         return fut
 
     def close(self, timeout: float = CLOSE_WAIT) -> None:
-        """End the thread once the buckets queued are done or failed (bounded: a broken group fails at once)."""
+        """Stop watching the fence and end the thread once the buckets queued are done or failed (bounded: a
+        thread stuck in a receive of an abandoned group is left to its timeout)."""
+        if self._unwatch is not None:
+            self._unwatch()
         if self._thread is not None:
             self._queue.put(None)
             self._thread.join(timeout)
             self._thread = None
+
+    def _abandon(self) -> None:
+        """The fence tripped: fail every bucket not yet reduced (from the thread that tripped it)."""
+        self._finish(None, RuntimeError("gloo: the rank-ordered allreduce was abandoned: a new generation began and "
+                                        "the group's connections were shut down"))
+
+    def _finish(self, fut: torch.futures.Future | None, error: BaseException | None, buf: Any = None) -> None:
+        """Complete `fut` with `buf`, or fail it with `error` (every pending one if `fut` is None); once."""
+        with self._lock:
+            if error is not None and self._failed is None:
+                self._failed = error
+            todo = self._pending if fut is None else [fut]
+            for f in todo:
+                if f in self._pending:
+                    self._pending.remove(f)
+                    if error is None:
+                        f.set_result(buf)
+                    else:
+                        f.set_exception(self._failed or error)
 
     def _run(self) -> None:
         while True:
@@ -99,15 +133,14 @@ class OrderedReducer:
                 return
             buf, tag, fut = item
             if self._failed is not None:  # the group is broken: no more traffic on it
-                fut.set_exception(self._failed)
+                self._finish(fut, self._failed)
                 continue
             try:
                 _exchange(buf, self.group, self.rank, self.world, tag)
             except Exception as e:  # noqa: BLE001 - a peer died: the bucket fails, and DDP raises it in backward
-                self._failed = e
-                fut.set_exception(e)
+                self._finish(fut, e)
             else:
-                fut.set_result(buf)
+                self._finish(fut, None, buf)
 
 
 def ordered_allreduce_hook(state: OrderedReducer, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:

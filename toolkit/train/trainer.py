@@ -333,7 +333,7 @@ class Trainer:
         if receiving:
             self._live = self._pristine = False  # until the whole state is here, this rank holds no step's
         received, nbytes = transfer.share(self._capture(), holders, rank=self.rt.rank, world=self.rt.world_size,
-                                          device=self.rt.device)
+                                          device=self.rt.device, fence=self.rt.fence)
         if receiving:
             self._restore(received)
         self._live = True
@@ -377,7 +377,7 @@ class Trainer:
             self._wrapped = True
             gc.collect(1)
         if self.deterministic:
-            self._buckets.state, self._buckets.inner = determinism.OrderedReducer(self.rt.group), \
+            self._buckets.state, self._buckets.inner = determinism.OrderedReducer(self.rt.group, self.rt.fence), \
                 determinism.ordered_allreduce_hook
         elif self.rt.cfg.pace:
             self._buckets.state, self._buckets.inner = self.rt.group, default_hooks.allreduce_hook

@@ -14,14 +14,17 @@ the link moves 1.7-1.9 GB/s. Here the tensors travel as themselves:
   buffers of at most `PACK_BYTES` (one at a time: the extra memory is one buffer, never a copy of the state);
 - the description goes as JSON with tags for what JSON cannot say (tuples, int keys, exact floats, tensors): a
   peer's bytes are parsed and validated, never unpickled;
-- only the ranks that need the state receive it (point-to-point; a broadcast when every other rank needs it and
-  one rank holds it), and several holders share the receivers between them;
+- only the ranks that need the state receive it, point to point, and several holders share the receivers between
+  them (point to point also when one rank sends to all: gloo runs a broadcast on the group's own threads, and
+  one stuck there, see below, would hold up the group's destruction);
 - the transport device is the group's: gloo moves CPU tensors, NCCL moves device tensors between devices (tensors
   that live on the host under NCCL are packed onto the device for the trip). Nothing is staged through the host.
 
 A receiver's state is undefined while it receives (some tensors new, some old): the caller must not count it as a
 state of any step until `share` returns. A sender that dies mid-transfer makes the receive fail like any collective
-(the runtime turns that into a new generation, and another holder sends).
+(the runtime turns that into a new generation, and another holder sends). Given the group's fence, the transfer
+runs in a helper thread that a trip abandons: gloo never wakes a receive whose message had begun to arrive when
+the connection broke (toolkit.train.fence).
 """
 
 from __future__ import annotations
@@ -307,49 +310,50 @@ def assign(holders: Sequence[int], world: int) -> dict[int, int]:
 
 # -- the executor
 
-def share(state: Any, holders: Sequence[int], *, rank: int, world: int, device: torch.device,
-          group: Any = None) -> tuple[Any, int]:
+def share(state: Any, holders: Sequence[int], *, rank: int, world: int, device: torch.device, group: Any = None,
+          fence: Any = None) -> tuple[Any, int]:
     """Collective over `group` (every rank calls it with the same `holders`): the ranks not in `holders` receive
     the state the holders hold. A holder passes its state and gets (None, bytes it sent); a receiver passes its
     own state (its tensors are where matching ones are received) and gets (the state received, bytes received).
-    Tensors travel on `device` (the group's: CPU for gloo, the rank's GPU for NCCL)."""
+    Tensors travel on `device` (the group's: CPU for gloo, the rank's GPU for NCCL). With `fence` (the group's
+    toolkit.train.fence.Fence) a trip ends the wait at once (fence.Abandoned)."""
     senders = assign(holders, world)
     if world == 1 or not senders:
         return None, 0
-    broadcast = len(holders) == 1 and len(senders) == world - 1
     if rank in holders:
         mine = sorted(r for r, s in senders.items() if s == rank)
         if not mine:
             return None, 0
-        link = _Link(device, group, src=rank, peers=mine, broadcast=broadcast)
-        return None, _send(state, link)
-    link = _Link(device, group, src=senders[rank], peers=[rank], broadcast=broadcast)
-    return _receive(state, link)
+        link = _Link(device, group, src=rank, peers=mine)
+        return _run(lambda: (None, _send(state, link)), fence, device)
+    link = _Link(device, group, src=senders[rank], peers=[rank])
+    return _run(lambda: _receive(state, link), fence, device)
+
+
+def _run(fn: Any, fence: Any, device: torch.device) -> tuple[Any, int]:
+    """On CPU with a fence, in a helper thread the fence can abandon; else here (NCCL: the fence aborts the
+    communicator, which fails the call itself)."""
+    if fence is None or device.type != "cpu":
+        return fn()
+    return fence.call(fn, "state transfer")
 
 
 @dataclass
 class _Link:
-    """How one buffer moves: a broadcast from `src`, or point-to-point from `src` to each of `peers`."""
+    """How one buffer moves: point to point from `src` to each of `peers`."""
 
     device: torch.device
     group: Any
     src: int
     peers: list[int]
-    broadcast: bool
 
     def send(self, buf: torch.Tensor) -> None:
-        if self.broadcast:
-            dist.broadcast(buf, self.src, group=self.group)
-            return
         ops = [dist.P2POp(dist.isend, buf, peer, group=self.group) for peer in self.peers]
         for work in dist.batch_isend_irecv(ops):
             work.wait()
 
     def receive(self, buf: torch.Tensor) -> None:
-        if self.broadcast:
-            dist.broadcast(buf, self.src, group=self.group)
-        else:
-            dist.recv(buf, self.src, group=self.group)
+        dist.recv(buf, self.src, group=self.group)
 
 
 def _send(state: Any, link: _Link) -> int:
