@@ -98,13 +98,14 @@ class OrderedReducer:
         return fut
 
     def close(self, timeout: float = CLOSE_WAIT) -> None:
-        """Stop watching the fence and end the thread once the buckets queued are done or failed (bounded: a
-        thread stuck in a receive of an abandoned group is left to its timeout)."""
+        """Stop watching the fence and end the thread: once the buckets queued are done (bounded), or, if the group
+        failed, without waiting (its thread may be stuck in a receive gloo never wakes; it ends at its timeout)."""
         if self._unwatch is not None:
             self._unwatch()
         if self._thread is not None:
             self._queue.put(None)
-            self._thread.join(timeout)
+            if self._failed is None:
+                self._thread.join(timeout)
             self._thread = None
 
     def _abandon(self) -> None:
