@@ -58,20 +58,31 @@ if rank == 0:
 def capture():
     return {"step": 1, "model": model.state_dict(), "optimizer": opt.state_dict(), "extra": {}}
 
+def rss(field):
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
+
 times = {"raw": [], "transfer": [], "pickle": []}
+extra = []
 size = 0
 for _ in range(repeats):
     if rank != 0:
         opt = torch.optim.AdamW(model.parameters())  # a replacement's: never stepped
     dist.barrier()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset the peak resident size
+    before = rss("VmRSS")
     t0 = time.perf_counter()
     got, nbytes = transfer.share(capture(), [0], rank=rank, world=world, device=torch.device("cpu"))
     if got is not None:
         model.load_state_dict(got["model"])
         opt.load_state_dict(got["optimizer"])
     times["transfer"].append(time.perf_counter() - t0)
+    extra.append(rss("VmHWM") - max(before, rss("VmRSS")))  # transient: beyond what stays (the new moments)
+    del got  # the next repeat's optimizer starts empty: nothing else may hold this one's moments
     dist.barrier()
     size = nbytes if rank else size
+    dist.barrier()
     raw = torch.ones(max(size, 1), dtype=torch.uint8) if rank else None
     n = torch.tensor([nbytes], dtype=torch.int64)
     dist.broadcast(n, 0)
@@ -103,9 +114,11 @@ for _ in range(repeats):
         del payload
         times["pickle"].append(time.perf_counter() - t0)
     dist.barrier()
+peak = torch.tensor([max(extra)], dtype=torch.int64)
+dist.all_reduce(peak, op=dist.ReduceOp.MAX)
 if rank == 1:
-    print(json.dumps({"bytes": size, "width": width, **{k: statistics.median(v) for k, v in times.items() if v}}),
-          flush=True)
+    print(json.dumps({"bytes": size, "width": width, "extra": int(peak), **{k: statistics.median(v) for k, v in
+                                                                             times.items() if v}}), flush=True)
 dist.destroy_process_group()
 """
 
@@ -140,17 +153,19 @@ def main() -> int:
     load = os.getloadavg()
     print(f"{args.world} processes, gloo over loopback, {os.cpu_count()} CPUs, load average {load[0]:.2f}; medians "
           f"of {args.repeats}, measured on a receiver")
-    print(f"{'state':>10}{'raw broadcast':>20}{'transfer':>20}{'ratio':>8}" + (f"{'torch.save path':>20}"
-                                                                                if args.pickle else ""))
+    print(f"{'state':>10}{'raw broadcast':>20}{'transfer':>20}{'ratio':>8}{'extra memory':>14}"
+          + (f"{'torch.save path':>20}" if args.pickle else ""))
     for mb in (float(x) for x in args.sizes.split(",")):
         r = measure(args.world, mb, args.repeats, args.pickle and mb <= 600)
         gb = r["bytes"] / 1e9
         line = (f"{r['bytes'] / 1e6:>7.0f} MB{r['raw']:>9.3f} s {gb / r['raw']:>4.2f} GB/s"
-                f"{r['transfer']:>9.3f} s {gb / r['transfer']:>4.2f} GB/s{r['raw'] / r['transfer']:>8.2f}")
+                f"{r['transfer']:>9.3f} s {gb / r['transfer']:>4.2f} GB/s{r['raw'] / r['transfer']:>8.2f}"
+                f"{r['extra'] / 1e6:>11.0f} MB")
         if "pickle" in r:
             line += f"{r['pickle']:>9.3f} s {gb / r['pickle']:>4.2f} GB/s"
         print(line, flush=True)
-    print("ratio: the transfer's speed as a fraction of the raw broadcast's (target >= 0.5)")
+    print("ratio: the transfer's speed as a fraction of the raw broadcast's (target >= 0.5); extra memory: the most "
+          "any rank held during a transfer beyond its state before and after it (peak RSS)")
     return 0
 
 

@@ -68,15 +68,16 @@ def test_every_tensor_arrives_bit_exactly_into_the_receivers_own_storage(new_por
 
 
 def test_a_sender_killed_mid_transfer_leaves_the_receiver_to_another_holder(new_port) -> None:
-    """Rank 2 receives from rank 0 and is made slow after 6 of 48 tensors; rank 0 is killed then. The receive fails
+    """Rank 2 receives from rank 0, which is made slow after 6 of 48 tensors and killed then. The receive fails
     with part of the state written (the kill took effect mid-transfer), and in a new group rank 1 sends: the
     receiver ends with the holder's state bit for bit."""
     procs = run_group("killed", 3, [new_port(), new_port()])
     line = ""
     deadline = time.monotonic() + PROC_TIMEOUT
-    while '"waiting"' not in line:  # the receiver is in the middle of the transfer
-        assert time.monotonic() < deadline and procs[2].poll() is None, procs[2].stderr.read()
-        line = procs[2].stdout.readline()
+    while '"waiting"' not in line:  # the sender is in the middle of the transfer
+        assert time.monotonic() < deadline and procs[0].poll() is None, procs[0].stderr.read()
+        line = procs[0].stdout.readline()
+    time.sleep(0.5)  # what it sent has arrived
     os.kill(procs[0].pid, signal.SIGKILL)
     out = results(procs, {0: -signal.SIGKILL})
     failure, final = out[2][-2], out[2][-1]

@@ -7,9 +7,9 @@ exact: ranks 0 and 1 hold a trained state (model with tied, non-contiguous, floa
   (other initial values, an optimizer never stepped); rank 3 a survivor a step behind (its own optimizer state).
   Every rank prints the digest of its whole state after the transfer, where its parameters live, and the digest
   after one more step on the same batch.
-killed: ranks 0 and 1 hold a state of 48 tensors of 1 MB; rank 2 receives it from rank 0 and, after its sixth
-  tensor, waits (a slow receiver) and says so, so that the test can kill rank 0 in the middle of the transfer.
-  Then ranks 1 and 2 form a new group on PORT2 and rank 1 sends.
+killed: ranks 0 and 1 hold a state of 48 tensors of 1 MB; rank 0 sends it to rank 2 and, after its sixth tensor,
+  waits (a slow sender) and says so, so that the test can kill it in the middle of the transfer. Then ranks 1 and
+  2 form a new group on PORT2 and rank 1 sends.
 abandoned: world 2, the group built inside a fence as the runtime builds it (toolkit.train.fence); rank 0 sends
   one 400 MB tensor and says so (the test kills it meanwhile); rank 1 receives it with the fence and trips the
   fence on SIGUSR1 (as the runtime's control thread does when a new generation is announced), then prints how
@@ -154,29 +154,28 @@ def killed(rank: int, port: int, port2: int) -> None:
     state = {"step": 7, "layers": [torch.full((1 << 18,), fill + i) for i in range(48)]}  # 48 x 1 MB
     group(rank, 3, port)
     if rank == 2:
-        real = transfer._Link.receive
-        seen = [0]
-
-        def slow(link: transfer._Link, buf: torch.Tensor) -> None:
-            real(link, buf)
-            seen[0] += 1
-            if seen[0] == 2 + 6:  # header, description, six tensors
-                print(json.dumps({"rank": 2, "waiting": True}), flush=True)
-                time.sleep(3.0)  # a slow receiver: the sender is killed meanwhile
-
-        transfer._Link.receive = slow  # type: ignore[method-assign]
         try:
             transfer.share(state, [0, 1], rank=2, world=3, device=torch.device("cpu"))
             failed = None
         except RuntimeError as e:
             failed = str(e).splitlines()[0][:200]
-        transfer._Link.receive = real  # type: ignore[method-assign]
         new = sum(1 for i, t in enumerate(state["layers"]) if bool((t == 1.0 + i).all()))
         print(json.dumps({"rank": 2, "failed": failed, "received_before": new}), flush=True)
+    elif rank == 0:
+        real = transfer._Link.post_send
+        posted = [0]
+
+        def slow(link: transfer._Link, buf: torch.Tensor, tag: int) -> list:
+            if posted[0] == 2 + 6:  # header, description, six tensors posted: they go out meanwhile
+                print(json.dumps({"rank": 0, "waiting": True}), flush=True)
+                time.sleep(60)  # a slow sender: killed by the test meanwhile
+            posted[0] += 1
+            return real(link, buf, tag)
+
+        transfer._Link.post_send = slow  # type: ignore[method-assign]
+        transfer.share(state, [0, 1], rank=0, world=3, device=torch.device("cpu"))
     else:
         transfer.share(state, [0, 1], rank=rank, world=3, device=torch.device("cpu"))
-        if rank == 0:
-            time.sleep(60)  # killed by the test
     if rank == 1 or rank == 2:  # the survivors: a new group, the other holder sends
         dist.destroy_process_group()
         group(rank - 1, 2, port2)

@@ -40,6 +40,8 @@ import torch.distributed as dist
 
 DIRECT_MIN = 1 << 20  # bytes: a contiguous tensor at least this large travels as its own message
 PACK_BYTES = 64 << 20  # bytes: small tensors are packed into buffers of at most this size
+WINDOW_MESSAGES = 16  # messages in flight at once (gloo waits a round trip per message before its bytes move)
+WINDOW_BYTES = 2 * PACK_BYTES  # staging buffers (packed or copied messages) in flight at once
 ALIGN = 64  # bytes: each packed tensor starts at a multiple of this (any dtype can be viewed there)
 MAX_META = 256 << 20  # bytes: the longest description a receiver accepts
 MAX_DEPTH = 64  # nesting a receiver accepts in a description
@@ -189,9 +191,6 @@ class Layout:
     def total(self) -> int:
         return sum(self.messages)
 
-    def members(self, message: int) -> list[int]:
-        return [i for i, e in enumerate(self.entries) if e.alias is None and e.message == message]
-
     def encode(self, skeleton: Any) -> bytes:
         entries = [["alias", e.alias] if e.alias is not None else
                    [e.dtype, list(e.shape), e.home, e.kind, e.message, e.offset] for e in self.entries]
@@ -340,20 +339,48 @@ def _run(fn: Any, fence: Any, device: torch.device) -> tuple[Any, int]:
 
 @dataclass
 class _Link:
-    """How one buffer moves: point to point from `src` to each of `peers`."""
+    """How buffers move: point to point from `src` to each of `peers`, each message under its own tag."""
 
     device: torch.device
     group: Any
     src: int
     peers: list[int]
 
-    def send(self, buf: torch.Tensor) -> None:
-        ops = [dist.P2POp(dist.isend, buf, peer, group=self.group) for peer in self.peers]
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
+    def post_send(self, buf: torch.Tensor, tag: int) -> list[Any]:
+        ops = [dist.P2POp(dist.isend, buf, peer, group=self.group, tag=tag) for peer in self.peers]
+        return dist.batch_isend_irecv(ops)
 
-    def receive(self, buf: torch.Tensor) -> None:
-        dist.recv(buf, self.src, group=self.group)
+    def post_receive(self, buf: torch.Tensor, tag: int) -> list[Any]:
+        return dist.batch_isend_irecv([dist.P2POp(dist.irecv, buf, self.src, group=self.group, tag=tag)])
+
+
+class _Window:
+    """Messages in flight, oldest first: up to WINDOW_MESSAGES of them and WINDOW_BYTES of staging buffers, so that
+    the link never waits on a round trip between two messages (gloo's handshake per message) and the staging memory
+    stays bounded. `done(m, buf)` runs as each message completes, in order."""
+
+    def __init__(self, done: Any = None) -> None:
+        self.done = done
+        self.inflight: list[tuple[int, list[Any], torch.Tensor, int]] = []
+        self.staged = 0
+
+    def add(self, m: int, works: list[Any], buf: torch.Tensor, staged: int) -> None:
+        self.inflight.append((m, works, buf, staged))
+        self.staged += staged
+        while len(self.inflight) > WINDOW_MESSAGES or self.staged > WINDOW_BYTES:
+            self.finish_one()
+
+    def finish_one(self) -> None:
+        m, works, buf, staged = self.inflight.pop(0)
+        for work in works:
+            work.wait()
+        self.staged -= staged
+        if self.done is not None:
+            self.done(m, buf)
+
+    def drain(self) -> None:
+        while self.inflight:
+            self.finish_one()
 
 
 def _send(state: Any, link: _Link) -> int:
@@ -362,53 +389,73 @@ def _send(state: Any, link: _Link) -> int:
     layout = plan_layout(leaves, kinds, link.device)
     meta = layout.encode(skeleton)
     header = torch.tensor([MAGIC, VERSION, len(meta), layout.total], dtype=torch.int64, device=link.device)
-    link.send(header)
-    link.send(torch.frombuffer(bytearray(meta), dtype=torch.uint8).to(link.device))
-    for m, size in enumerate(layout.messages):
-        members = layout.members(m)
+    window = _Window()
+    window.add(-2, link.post_send(header, 0), header, 0)
+    meta_buf = torch.frombuffer(bytearray(meta), dtype=torch.uint8).to(link.device)
+    window.add(-1, link.post_send(meta_buf, 1), meta_buf, 0)
+    for m, members in enumerate(_by_message(layout)):
+        size = layout.messages[m]
         first = leaves[members[0]]
         if len(members) == 1 and first.device == link.device and first.is_contiguous() and _bytes(first).numel() \
                 == size:
-            link.send(_bytes(first))  # its own storage: no copy
+            window.add(m, link.post_send(_bytes(first), 2 + m), first, 0)  # its own storage: no copy
             continue
         buf = torch.empty(size, dtype=torch.uint8, device=link.device)
         for i in members:
             _typed(buf, layout.entries[i]).copy_(leaves[i])  # copy_ reads any strides, from any device
-        link.send(buf)
+        window.add(m, link.post_send(buf, 2 + m), buf, size)
+    window.drain()
     return len(meta) + header.numel() * 8 + layout.total
 
 
 def _receive(own: Any, link: _Link) -> tuple[Any, int]:
     header = torch.empty(4, dtype=torch.int64, device=link.device)
-    link.receive(header)
+    _wait(link.post_receive(header, 0))
     magic, version, meta_len, total = (int(v) for v in header.tolist())
     if magic != MAGIC or version != VERSION or not 0 < meta_len <= MAX_META or total < 0:
         raise TransferError(f"rank {link.src} sent no state transfer of version {VERSION} of this format "
                             f"(header {[magic, version, meta_len, total]})")
     meta = torch.empty(meta_len, dtype=torch.uint8, device=link.device)
-    link.receive(meta)
+    _wait(link.post_receive(meta, 1))
     skeleton, layout = Layout.decode(meta.cpu().numpy().tobytes())
     if layout.total != total:
         raise TransferError(f"rank {link.src}'s state description does not match its header")
     dests = _destinations(own, skeleton, layout, link.device)
-    scratch: torch.Tensor | None = None
+    members = _by_message(layout)
+
+    def unpack(m: int, buf: torch.Tensor) -> None:
+        if buf.data_ptr() != dests[members[m][0]].data_ptr():  # staged: copy each tensor to its place
+            for i in members[m]:
+                dests[i].copy_(_typed(buf, layout.entries[i]))
+
+    window = _Window(unpack)
     for m, size in enumerate(layout.messages):
-        members = layout.members(m)
-        target = dests[members[0]] if len(members) == 1 else None
+        target = dests[members[m][0]] if len(members[m]) == 1 else None
         if target is not None and target.device == link.device and target.is_contiguous() and \
                 _bytes(target).numel() == size:
-            link.receive(_bytes(target))  # straight into the receiver's own storage
-            continue
-        if scratch is None or scratch.numel() < size:
-            scratch = torch.empty(size, dtype=torch.uint8, device=link.device)
-        buf = scratch[:size]
-        link.receive(buf)
-        for i in members:
-            dests[i].copy_(_typed(buf, layout.entries[i]))
+            window.add(m, link.post_receive(_bytes(target), 2 + m), target, 0)  # into the receiver's own storage
+        else:
+            buf = torch.empty(size, dtype=torch.uint8, device=link.device)
+            window.add(m, link.post_receive(buf, 2 + m), buf, size)
+    window.drain()
     values = [_as_leaf(dests[e.alias if e.alias is not None else i], layout.entries[e.alias if e.alias is not None
                                                                                      else i].kind)
               for i, e in enumerate(layout.entries)]
     return inflate(skeleton, values), meta_len + header.numel() * 8 + total
+
+
+def _wait(works: list[Any]) -> None:
+    for work in works:
+        work.wait()
+
+
+def _by_message(layout: Layout) -> list[list[int]]:
+    """The entries (not aliases) in each message, in order."""
+    out: list[list[int]] = [[] for _ in layout.messages]
+    for i, e in enumerate(layout.entries):
+        if e.alias is None and e.message >= 0:
+            out[e.message].append(i)
+    return out
 
 
 def _destinations(own: Any, skeleton: Any, layout: Layout, device: torch.device) -> list[torch.Tensor]:
