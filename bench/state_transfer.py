@@ -11,10 +11,13 @@ numbers (target: the transfer at >= 50% of the raw broadcast's speed).
 For each size, --world processes on this machine (gloo over loopback) build a model (a stack of Linear +
 LayerNorm layers: a realistic mix of large and small tensors) whose parameters and AdamW state add up to about
 that many MB. Rank 0 trains a step: it holds the state. The others are replacements: a model of their own
-(other values) and, before every repeat, a new optimizer that never stepped, as a process that has just started.
-Each repeat times, alternating: a raw broadcast of a buffer of the transfer's size (allocated and touched
-beforehand: the link's best case), and the Trainer's path (toolkit.train.transfer.share, then load_state_dict)
-until the receiver's model and optimizer hold the state. Medians; both are measured on the receivers.
+(other values). Each repeat times, on the receivers, one after the other:
+  transfer  the Trainer's path (toolkit.train.transfer.share, then load_state_dict) into a replacement whose
+            optimizer never stepped (a process that has just started: its optimizer state is new memory);
+  warm      the same into a receiver that holds the optimizer state already (a survivor a step behind);
+  raw       a broadcast of as many bytes into a buffer allocated and touched beforehand (the link's best case);
+  raw new   the same into a buffer allocated in the timing (new memory, as the replacement's optimizer state).
+Medians. The ratio is raw / transfer: the replacement's transfer against the link's best case.
 --pickle adds the previous path (torch.save into bytes, broadcast, torch.load) for sizes up to 600 MB.
 Memory: about twice the state per process.
 """
@@ -62,11 +65,13 @@ def rss(field):
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
 
-times = {"raw": [], "transfer": [], "pickle": []}
+times = {"raw": [], "raw_fresh": [], "transfer": [], "warm": [], "pickle": []}
 extra = []
 size = 0
-for _ in range(repeats):
-    if rank != 0:
+
+def timed_transfer(key, fresh):
+    global opt
+    if rank != 0 and fresh:
         opt = torch.optim.AdamW(model.parameters())  # a replacement's: never stepped
     dist.barrier()
     with open("/proc/self/clear_refs", "w") as f:
@@ -77,21 +82,27 @@ for _ in range(repeats):
     if got is not None:
         model.load_state_dict(got["model"])
         opt.load_state_dict(got["optimizer"])
-    times["transfer"].append(time.perf_counter() - t0)
+    times[key].append(time.perf_counter() - t0)
     extra.append(rss("VmHWM") - max(before, rss("VmRSS")))  # transient: beyond what stays (the new moments)
-    del got  # the next repeat's optimizer starts empty: nothing else may hold this one's moments
-    dist.barrier()
-    size = nbytes if rank else size
-    dist.barrier()
-    raw = torch.ones(max(size, 1), dtype=torch.uint8) if rank else None
-    n = torch.tensor([nbytes], dtype=torch.int64)
-    dist.broadcast(n, 0)
-    raw = raw if rank else torch.ones(int(n), dtype=torch.uint8)
+    return nbytes
+
+def timed_raw(key, nbytes, touched):
+    raw = torch.ones(nbytes, dtype=torch.uint8) if touched or rank == 0 else None
     dist.barrier()
     t0 = time.perf_counter()
+    if raw is None:
+        raw = torch.empty(nbytes, dtype=torch.uint8)
     dist.broadcast(raw, 0)
-    times["raw"].append(time.perf_counter() - t0)
-    del raw
+    times[key].append(time.perf_counter() - t0)
+
+for _ in range(repeats):
+    nbytes = timed_transfer("transfer", fresh=True)
+    n = torch.tensor([nbytes if rank else 0], dtype=torch.int64)
+    dist.all_reduce(n, op=dist.ReduceOp.MAX)
+    size = int(n)
+    timed_transfer("warm", fresh=False)  # into the optimizer state the previous transfer left
+    timed_raw("raw", size, touched=True)
+    timed_raw("raw_fresh", size, touched=False)
     if pickle:
         dist.barrier()
         t0 = time.perf_counter()
@@ -126,9 +137,9 @@ dist.destroy_process_group()
 def measure(world: int, mb: float, repeats: int, pickle: bool) -> dict[str, float]:
     port = free_port()
     env = {"OMP_NUM_THREADS": "1", "PATH": os.environ.get("PATH", "/usr/bin")}
-    procs = [subprocess.Popen([sys.executable, "-c", WORKER, str(r), str(world), str(port), str(mb), str(repeats),
-                               "1" if pickle else "0"], stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT)
-             for r in range(world)]
+    argv = [str(world), str(port), str(mb), str(repeats), "1" if pickle else "0"]
+    procs = [subprocess.Popen([sys.executable, "-X", "faulthandler", "-c", WORKER, str(r), *argv],
+                              stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT) for r in range(world)]
     try:
         out = [p.communicate(timeout=PROC_TIMEOUT)[0] for p in procs]
     finally:
@@ -153,14 +164,14 @@ def main() -> int:
     load = os.getloadavg()
     print(f"{args.world} processes, gloo over loopback, {os.cpu_count()} CPUs, load average {load[0]:.2f}; medians "
           f"of {args.repeats}, measured on a receiver")
-    print(f"{'state':>10}{'raw broadcast':>20}{'transfer':>20}{'ratio':>8}{'extra memory':>14}"
+    print(f"{'state':>10}{'raw':>18}{'transfer':>18}{'ratio':>7}{'warm':>9}{'raw new':>9}{'extra memory':>14}"
           + (f"{'torch.save path':>20}" if args.pickle else ""))
     for mb in (float(x) for x in args.sizes.split(",")):
         r = measure(args.world, mb, args.repeats, args.pickle and mb <= 600)
         gb = r["bytes"] / 1e9
-        line = (f"{r['bytes'] / 1e6:>7.0f} MB{r['raw']:>9.3f} s {gb / r['raw']:>4.2f} GB/s"
-                f"{r['transfer']:>9.3f} s {gb / r['transfer']:>4.2f} GB/s{r['raw'] / r['transfer']:>8.2f}"
-                f"{r['extra'] / 1e6:>11.0f} MB")
+        line = (f"{r['bytes'] / 1e6:>7.0f} MB{r['raw']:>7.3f} s {gb / r['raw']:>4.2f} GB/s"
+                f"{r['transfer']:>7.3f} s {gb / r['transfer']:>4.2f} GB/s{r['raw'] / r['transfer']:>7.2f}"
+                f"{r['warm']:>7.3f} s{r['raw_fresh']:>7.3f} s{r['extra'] / 1e6:>11.0f} MB")
         if "pickle" in r:
             line += f"{r['pickle']:>9.3f} s {gb / r['pickle']:>4.2f} GB/s"
         print(line, flush=True)
