@@ -12,8 +12,10 @@ MTTR percentiles, lost steps and whether every run ended bitwise equal to an uni
 Each run: the script under one launcher, --kills-per-run kills, each of a uniformly random rank at a uniformly
 random moment of about two steps, once every rank trained 2 steps past the previous recovery (under toolkit, also
 once the warm spare is ready); then the run goes to its end. MTTR and lost work are defined as in
-bench/compare_torchrun.py (kill -> every rank past the newest step any rank had printed; steps done again). A
-reference run without faults (toolkit) gives the digest every run must end with. Runs alternate launchers.
+bench/compare_torchrun.py (kill -> every rank past the newest step any rank had printed; steps done again), so the
+MTTR includes at least one step; "resumed" is kill -> every rank has printed its `resumed from step` line (the
+recovery without that step). A reference run without faults (toolkit) gives the digest every run must end with.
+Runs alternate launchers.
 """
 
 from __future__ import annotations
@@ -81,7 +83,11 @@ def run_with_kills(run: Run, kills: int, rng: random.Random, step_time: float) -
             if isinstance(outcome, str):
                 return {"kills": rows, "failed": outcome}
             mttr, reached, resumed = outcome
-            rows.append({"victim": victim, "recovery": mttr, "lost": reached - resumed})
+            with f.cond:
+                back = [next((e.t for e in f.events.get(r, []) if e.kind == "resumed" and e.t >= killed), None)
+                        for r in range(run.world)]
+            rows.append({"victim": victim, "recovery": mttr, "lost": reached - resumed,
+                         "resumed": max(back) - killed if None not in back else None})
         code = run.wait_exit(LONG_RUN)
         f.stop()
         digest = next((e.value for e in f.events.get(0, []) if e.kind == "final"), None)
@@ -145,8 +151,8 @@ def main() -> int:
             shutil.rmtree(base, ignore_errors=True)
     print(f"\n{WORLD} workers, {int(sizes[0][0]) / 1e6:.0f} MB of model + optimizer state per rank, kills at random "
           "moments")
-    print(f"{'launcher':<10}{'kills':>6}{'p50':>9}{'p95':>9}{'max':>9}{'lost mean':>11}{'lost max':>10}"
-          f"{'bitwise runs':>14}")
+    print(f"{'launcher':<10}{'kills':>6}{'p50':>9}{'p95':>9}{'max':>9}{'resumed p50':>13}{'lost mean':>11}"
+          f"{'lost max':>10}{'bitwise runs':>14}")
     p50 = {}
     for name, rows in results.items():
         kills = [k for r in rows for k in r["kills"]]
@@ -156,8 +162,10 @@ def main() -> int:
             print(f"{name:<10}{0:>6}")
             continue
         p50[name] = percentile(times, 0.5)
+        back = [k["resumed"] for k in kills if k["resumed"] is not None]
+        shown = f"{percentile(back, 0.5):.2f}s" if back else "-"
         print(f"{name:<10}{len(kills):>6}{p50[name]:>8.2f}s{percentile(times, 0.95):>8.2f}s{max(times):>8.2f}s"
-              f"{statistics.mean(k['lost'] for k in kills):>11.1f}{max(k['lost'] for k in kills):>10}"
+              f"{shown:>13}{statistics.mean(k['lost'] for k in kills):>11.1f}{max(k['lost'] for k in kills):>10}"
               f"{same:>9} of {len(rows)}")
     if len(p50) == 2:
         print(f"MTTR p50 toolkit / torchrun: {p50['toolkit'] / p50['torchrun']:.2f} (target <= 0.3); steps "
