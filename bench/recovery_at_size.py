@@ -10,8 +10,9 @@ MTTR percentiles, lost steps and whether every run ended bitwise equal to an uni
     .venv/bin/python bench/recovery_at_size.py [--runs 3] [--kills-per-run 4] [--epochs 2]
 
 Each run: the script under one launcher, --kills-per-run kills, each of a uniformly random rank at a uniformly
-random moment of about two steps, once every rank trained 2 steps past the previous recovery (under toolkit, also
-once the warm spare is ready); then the run goes to its end. MTTR and lost work are defined as in
+random moment of about two steps, the first once the first checkpoint is written (step --ckpt-every), each once
+every rank trained 2 steps past the previous recovery (under toolkit, also once the warm spare is ready); then the
+run goes to its end. MTTR and lost work are defined as in
 bench/compare_torchrun.py (kill -> every rank past the newest step any rank had printed; steps done again), so the
 MTTR includes at least one step; "resumed" is kill -> every rank has printed its `resumed from step` line (the
 recovery without that step). A reference run without faults (toolkit) gives the digest every run must end with.
@@ -36,7 +37,6 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from compare_torchrun import (  # noqa: E402 - the sibling bench's launchers and log follower
-    RECOVERY_BOUND,
     RUN_BOUND,
     Run,
     ToolkitRun,
@@ -52,6 +52,7 @@ WORLD = 3
 RECOMPUTED = re.compile(r"^rank \d+: resumed from step \d+ .*: (\d+) step\(s\) recomputed$", re.M)
 STATE = re.compile(r"^state: (\d+) bytes of model \+ optimizer, peak RSS (\d+) MB$", re.M)
 LONG_RUN = 3 * RUN_BOUND  # s for a whole run at this size on a loaded machine
+RECOVERY_BOUND = 900.0  # s: a restart of the world that redoes its steps since a checkpoint, on a loaded machine
 
 
 def launcher(cls: type[Run]) -> type[Run]:
@@ -59,13 +60,16 @@ def launcher(cls: type[Run]) -> type[Run]:
                                                         "options": {"max_restarts": 100}})
 
 
-def run_with_kills(run: Run, kills: int, rng: random.Random, step_time: float) -> dict[str, Any]:
-    """The run with `kills` random-moment kills, then to its end: one row per kill, the exit code, the digest."""
+def run_with_kills(run: Run, kills: int, rng: random.Random, step_time: float, first: int = 0) -> dict[str, Any]:
+    """The run with `kills` random-moment kills (the first once every rank is past step `first`: a checkpoint
+    exists), then to its end: one row per kill, the exit code, the digest."""
     f = run.follower
     run.start()
     rows: list[dict[str, Any]] = []
     try:
         f.wait("first step of every rank", lambda ev: first_steps(ev, run.world), LONG_RUN)
+        f.wait(f"every rank past step {first}", lambda _: all(f.last_step(r) > first for r in range(run.world)),
+               LONG_RUN)
         for _ in range(kills):
             run.ready_to_kill()
             base = {r: f.last_step(r) for r in range(run.world)}
@@ -138,7 +142,7 @@ def main() -> int:
                 root = base / f"{cls.name}-{i}"
                 root.mkdir()
                 run = launcher(cls)(root, script_args)
-                row = run_with_kills(run, args.kills_per_run, rng, step_time)
+                row = run_with_kills(run, args.kills_per_run, rng, step_time, first=args.ckpt_every)
                 if cls is ToolkitRun:
                     recomputed += [int(n) for n in RECOMPUTED.findall(logs_of(run))]
                 results[cls.name].append(row)
