@@ -19,10 +19,11 @@ can leave ranks a step apart (a collective completed on one rank is a complete s
 randomness are functions of the step, so the replacement needs nothing else: the loader is positioned at the
 step's batch (toolkit.train.loader) and torch's, Python's and numpy's global generators are seeded from (seed,
 rank, step) before each step's batch is drawn. The result is bitwise the one an uninterrupted run gives (with the
-rank-ordered allreduce, `deterministic=True`). Checkpoints (asynchronous, verified, every `ckpt_every` steps, their
-commits told to the scheduler) are for when no survivor holds the state: a whole-job restart, or a world of one.
-SIGTERM: every rank agrees at the next step boundary and saves that step (last words); the ranks that got the
-signal leave (exit 143), the others go on and meet the replacement.
+rank-ordered allreduce, `deterministic=True`). Checkpoints (one authenticated copy per host, its writing shared by
+the host's ranks, asynchronous, every `ckpt_every` steps, their commits told to the scheduler:
+toolkit.train.checkpoint) are for when no survivor holds the state: a whole-job restart, from the newest copy any
+host has, or a world of one. SIGTERM: every rank agrees at the next step boundary and saves that step (last
+words); the ranks that got the signal leave (exit 143), the others go on and meet the replacement.
 
 Under torchrun or alone the same script runs: a fault there ends the process with one line and exit code 1
 (EXIT_PEER_LOST) for the launcher to restart the world, which resumes from the newest checkpoint.
@@ -52,7 +53,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-from toolkit.train import determinism, interval, transfer
+from toolkit.train import checkpoint, ckptfile, determinism, interval, transfer
 from toolkit.train.checkpoint import CheckpointManager
 from toolkit.train.loader import Positioner, Replay
 from toolkit.train.runtime import MODE_TOOLKIT, GenerationChanged, JobStopped, Runtime, _first_line, _looks_collective
@@ -73,10 +74,13 @@ class TrainerError(RuntimeError):
 class Trainer:
     """See the module docstring. `model` and `optimizer` are the user's (the Trainer never replaces them);
     `loader` a DataLoader over a map-style dataset; `state` extra objects with state_dict/load_state_dict
-    that are part of the training state. Checkpoints go to `ckpt_dir`/rank_<r>/ (default: CKPT_DIR from the
-    environment, else ./ckpt), every `ckpt_every` steps, `keep` per rank; `ckpt_every="auto"` chooses the interval
-    from the job's own data (toolkit.train.interval: the measured stall and the observed MTBF, within
-    `ckpt_bounds` steps, `prior_mtbf` s assumed until a fault). `seed` makes each step's randomness a function of
+    that are part of the training state (everything must load with `torch.load(weights_only=True)`: checked here).
+    Checkpoints go to `ckpt_dir`/host_<host>/ (default: CKPT_DIR from the environment, else ./ckpt; a directory
+    only this user can change), one copy per host, every `ckpt_every` steps, `keep` copies (`async_ckpt`: written in
+    the background, the parameters and optimizer state copied during the next forward and backward, so they must
+    change only in optimizer.step()); `ckpt_every="auto"` chooses the interval from the job's own data
+    (toolkit.train.interval: the measured stall and the observed MTBF, within `ckpt_bounds` steps, `prior_mtbf` s
+    assumed until a fault). `seed` makes each step's randomness a function of
     the step (None: leave the generators alone; then a recovered run is not bitwise the same). `ddp` holds extra
     DistributedDataParallel arguments.
 
@@ -104,6 +108,8 @@ class Trainer:
             if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
                 raise TrainerError(f"state[{name!r}] has no state_dict()/load_state_dict(): hand over objects that "
                                    "can be saved and restored (an LR scheduler, a GradScaler, a module)")
+        _check_loadable({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                         "extra": {name: obj.state_dict() for name, obj in extra.items()}})
         self.rt = runtime
         self.module = model
         self.optimizer = optimizer
@@ -114,9 +120,7 @@ class Trainer:
         self._published: int | None = None  # the agreed interval last published (auto), with its reason
         self.ddp_args = dict(ddp or {})
         self.position = Positioner(loader)
-        root = Path(ckpt_dir) if ckpt_dir is not None else Path(_env_ckpt_dir())
-        self.manager = CheckpointManager(root / f"rank_{runtime.rank}", keep_max=keep, async_write=async_ckpt,
-                                         on_commit=runtime.committed)
+        self.manager = _manager(runtime, ckpt_dir, keep, async_ckpt)
         self.step_count = 0  # optimizer steps done: the job's global step, the same on every rank
         self._live = False  # this process holds a training state of its own (it has trained or received one)
         self._saved = -1
@@ -133,6 +137,8 @@ class Trainer:
         self._loss: Any = None
         self._pristine = True  # the state is still the one the user built (no transfer was received into it)
         self._wrapped = False  # a DDP wrapper was built in this process
+        self._staging_wait = 0.0  # s the optimizer waited for the last checkpoint's staging (part of its stall)
+        self._pre_hook = optimizer.register_step_pre_hook(self._before_optimizer_step)
         self._stop = threading.Event()
         self._interrupt = False  # SIGTERM raises Terminated at once (while blocked forming a group)
         self._previous_handler = _install_sigterm(self._on_sigterm)
@@ -256,6 +262,10 @@ class Trainer:
     def _on_optimizer_step(self, *_: Any) -> None:
         self._applied += 1
 
+    def _before_optimizer_step(self, *_: Any) -> None:
+        """The optimizer changes parameters and its state in place: the checkpoint in flight must have copied them."""
+        self._staging_wait += self.manager.wait_staged()
+
     def _abandoned(self, applied_before: int, generation: int) -> None:
         """The step ended by a fault. If this rank's optimizer step ran, its allreduce had completed (a complete
         sum of every rank's gradients), so the state it holds is the next step's: keep it, the others may need it."""
@@ -273,6 +283,7 @@ class Trainer:
         for the group, position the data. Repeats, bounded by the runtime's timeouts, while faults keep coming."""
         while True:
             started = time.monotonic()
+            self.manager.wait_staged()  # restoring a state writes the tensors being staged
             self._drop_ddp()
             with self._interruptible():
                 self.rt.reform()
@@ -306,29 +317,27 @@ class Trainer:
         any rank had reached).
 
         The ranks at the newest step held in memory give it to the others (toolkit.train.transfer); only when no
-        rank holds a state (a whole-job start) are the checkpoints verified: the newest intact one is loaded by a
-        rank that has it and given to the others; with none, the state one rank was built with is."""
+        rank holds a state (a whole-job start) do the checkpoints serve: the newest copy complete and authentic on
+        some host is read by the rank the agreement names and given to the others; with none, the state one rank
+        was built with is."""
         held = self.step_count if self._live else -1
-        listed = self.manager.steps_on_disk() if not self._live else []  # unverified: for the report only
-        table = self._gather([held, listed[-1] if listed else -1, int(self._pristine)])
-        best = max(h for h, _, _ in table)
-        reached = max(best, max(d for _, d, _ in table))
+        table = self._gather([held, int(self._pristine)])
+        best = max(h for h, _ in table)
+        found = self.manager.agree(device=self.rt.device) if best < 0 else None  # collective
+        reached = max(best, found.step if found is not None else -1)
         if best >= 0:
-            source, holders = FROM_PEER, [r for r, (h, _, _) in enumerate(table) if h == best]
-        else:
-            intact = self.manager.scan().intact
-            on_disk = [d for (d,) in self._gather([intact[-1] if intact else -1])]
-            if max(on_disk) >= 0:
-                source, holders = FROM_CHECKPOINT, [on_disk.index(max(on_disk))]
-            else:
-                pristine = [r for r, (_, _, p) in enumerate(table) if p]
-                if not pristine:
-                    raise TrainerError("no rank holds a training state (every one was lost in transfers) and there "
-                                       "is no checkpoint: restart the job")
-                source, holders = FROM_INITIAL, pristine[:1]
-            if self.rt.rank == holders[0] and source == FROM_CHECKPOINT:
-                self._restore(self.manager.load(on_disk[holders[0]]))
+            source, holders = FROM_PEER, [r for r, (h, _) in enumerate(table) if h == best]
+        elif found is not None:
+            source, holders = FROM_CHECKPOINT, [found.source]
+            if self.rt.rank == found.source:
+                self._restore(self.manager.load(found.step))
                 self._pristine = False
+        else:
+            pristine = [r for r, (_, p) in enumerate(table) if p]
+            if not pristine:
+                raise TrainerError("no rank holds a training state (every one was lost in transfers) and there is no "
+                                   "checkpoint: restart the job")
+            source, holders = FROM_INITIAL, pristine[:1]
         receiving = self.rt.rank not in holders
         if receiving:
             self._live = self._pristine = False  # until the whole state is here, this rank holds no step's
@@ -403,14 +412,23 @@ class Trainer:
         """Checkpoint the current step (once), timing the stall for the goodput ledger and the interval."""
         if self._saved != self.step_count:
             began = time.monotonic()
-            self.manager.save(self.step_count, self._capture())
-            stalled = time.monotonic() - began
+            self.manager.save(self.step_count, self._capture(), stable=self._optimizer_storages())
+            stalled = time.monotonic() - began + self._staging_wait
+            self._staging_wait = 0.0
             self._saved = self.step_count
             self.rt.checkpoint_stalled(stalled)
             if self._chooser is not None:
                 self._chooser.stalled(stalled)
             self._choose_interval()
             self._step_began = None  # the stall is not the next step's work
+
+    def _optimizer_storages(self) -> frozenset[int]:
+        """The storages only optimizer.step() changes (parameters, optimizer state): a checkpoint copies them while
+        the next step's forward and backward run, and the optimizer waits for that copy (_before_optimizer_step)."""
+        tensors = [p for group in self.optimizer.param_groups for p in group["params"]]
+        tensors += [v for per_param in self.optimizer.state.values() for v in per_param.values()
+                    if isinstance(v, torch.Tensor)]
+        return frozenset(t.untyped_storage().data_ptr() for t in tensors)
 
     def _checkpoint_due(self) -> bool:
         return self.step_count % self.ckpt_every == 0  # the interval every rank agreed on in this step
@@ -522,6 +540,7 @@ class Trainer:
     def _close(self) -> None:
         self._finished = True
         self._hook.remove()
+        self._pre_hook.remove()
         self._drop_ddp()
         self._batches = None
         try:
@@ -561,6 +580,39 @@ def _mix(*numbers: int) -> int:
 
 def _env_ckpt_dir() -> str:
     return os.environ.get("CKPT_DIR") or "ckpt"
+
+
+def _manager(runtime: Runtime, ckpt_dir: str | Path | None, keep: int, async_ckpt: bool) -> CheckpointManager:
+    """The rank's checkpoint manager: its host's copy under the root (ckpt_dir, else CKPT_DIR, else ./ckpt), its
+    share from the environment (checkpoint.Placement), the job's key (from its token; this user's key without one).
+    TrainerError, one line, for a layout or directory that cannot be used."""
+    root = Path(ckpt_dir) if ckpt_dir is not None else Path(_env_ckpt_dir())
+    try:
+        placement = checkpoint.Placement.from_env(os.environ, world_size=runtime.world_size)
+    except ValueError as e:
+        raise TrainerError(f"checkpoint layout: {e}") from None
+    key = ckptfile.job_key(runtime.cfg.token) if runtime.cfg.token else None
+    try:
+        return CheckpointManager(root, keep_max=keep, placement=placement, key=key, async_write=async_ckpt,
+                                 on_commit=runtime.committed)
+    except ValueError as e:
+        raise TrainerError(str(e)) from None
+
+
+def _check_loadable(state: dict[str, Any]) -> None:
+    """Every value of the training state must load with torch.load(weights_only=True), the only way toolkit reads
+    a state (from a peer after a fault, from a checkpoint): TrainerError naming the first that would not, now,
+    instead of a failed recovery later."""
+    found = checkpoint.first_unloadable(state)
+    if found is None:
+        return
+    where, kind = found
+    owner = {"model": "the model's state_dict()", "optimizer": "the optimizer's state_dict()"}.get(
+        where[0], f"state[{where[1]!r}].state_dict()" if where[0] == "extra" and len(where) > 1 else "the state")
+    inner = "".join(f"[{k!r}]" for k in where[2 if where[0] == "extra" else 1:])
+    raise TrainerError(f"{owner} holds a {kind} at {inner or 'its top'}, which a safe load (torch.load with "
+                       "weights_only=True) refuses: the state could not move to a replacement after a fault, nor be "
+                       "resumed from a checkpoint; return a Python number (float(x), int(x)) or a tensor instead")
 
 
 def _install_sigterm(handler: Any) -> Any:
