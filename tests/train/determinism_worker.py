@@ -10,7 +10,8 @@ difference from DDP's own allreduce; and the bytes this rank wrote to its socket
 
 abandoned (world 2): DDP with the rank-ordered hook watching a fence that records none of the group's sockets (so
 only the fence's watchers can end a wait); rank 0 stops itself (SIGSTOP) before its second backward, so rank 1's
-reduction waits on it; rank 1 trips the fence on SIGUSR1 and prints how its backward ended, how long after the trip.
+reduction waits on it; a thread of rank 1 trips the fence when the test says so on stdin (as the runtime's control
+thread does), and rank 1 prints how its backward ended, how long after the trip.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 from datetime import timedelta
 
@@ -92,11 +94,12 @@ def abandoned(rank: int) -> None:
     ddp.register_comm_hook(determinism.OrderedReducer(None, fence), determinism.ordered_allreduce_hook)
     tripped: list[float] = []
 
-    def trip(*_: object) -> None:
-        tripped.append(time.monotonic())
-        fence.overtaken(2)
+    def trip() -> None:  # as the runtime's control thread trips it: from another thread, when told (stdin)
+        if sys.stdin.readline().strip() == "trip":
+            tripped.append(time.monotonic())
+            fence.overtaken(2)
 
-    signal.signal(signal.SIGUSR1, trip)
+    threading.Thread(target=trip, daemon=True).start()
     ddp(batch(rank, 0)).square().sum().backward()
     loss = ddp(batch(rank, 1)).square().sum()
     print(json.dumps({"rank": rank, "backward": True}), flush=True)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -53,15 +52,16 @@ def test_a_reduction_waiting_on_a_stopped_peer_ends_when_the_fence_trips(new_por
     woken, toolkit.train.fence), so here the fence records no socket and only its watchers act."""
     port = new_port()
     procs = [subprocess.Popen([sys.executable, str(HERE / "determinism_worker.py"), str(r), "2", str(port),
-                               "abandoned"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              env={**os.environ, "OMP_NUM_THREADS": "1"}) for r in range(2)]
+                               "abandoned"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}) for r in range(2)]
     try:
         for p in procs:
             line = ""
             while '"backward"' not in line:
                 assert p.poll() is None, p.stderr.read()
                 line = p.stdout.readline()
-        os.kill(procs[1].pid, signal.SIGUSR1)
+        procs[1].stdin.write("trip\n")  # rank 1's fence trips, as at a new generation
+        procs[1].stdin.flush()
         out, err = procs[1].communicate(timeout=PROC_TIMEOUT)
         assert procs[1].returncode == 0, err[-3000:]
         row = json.loads(out.strip().splitlines()[-1])

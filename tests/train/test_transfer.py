@@ -28,8 +28,9 @@ PROC_TIMEOUT = 120.0  # s for one worker on a loaded machine; normally ~3 s
 
 def run_group(scenario: str, world: int, ports: list[int]) -> list[subprocess.Popen]:
     return [subprocess.Popen([sys.executable, str(HERE / "transfer_worker.py"), scenario, str(r), str(world),
-                              *map(str, ports)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                             env={**os.environ, "OMP_NUM_THREADS": "1"}) for r in range(world)]
+                              *map(str, ports)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+            for r in range(world)]
 
 
 def results(procs: list[subprocess.Popen], expect_codes: dict[int, int] | None = None) -> dict[int, list[dict]]:
@@ -101,7 +102,8 @@ def test_a_receive_cut_mid_message_returns_at_the_trip_not_at_the_timeout(new_po
         time.sleep(0.05)  # the message on its way (a few tenths of a second on loopback)
         os.kill(procs[0].pid, signal.SIGKILL)
         time.sleep(0.5)  # the receiver has read what arrived
-        os.kill(procs[1].pid, signal.SIGUSR1)
+        procs[1].stdin.write("trip\n")  # the receiver's fence trips, as at a new generation
+        procs[1].stdin.flush()
         (row,) = results(procs, {0: -signal.SIGKILL})[1]
         if row["cut"]:
             break
