@@ -527,6 +527,11 @@ class Runtime:
         """The current process group; it is also the default group, so plain `dist.*` calls and DDP use it."""
         return dist.group.WORLD
 
+    @property
+    def fence(self) -> Fence:
+        """The current group's fence: what abandons it when a new generation begins (`watch`, `call`)."""
+        return self._fence
+
     # -- generations
 
     def check(self) -> None:
