@@ -23,9 +23,10 @@ Worker conversation (one connection per worker process, kept for its whole life;
                                             every rank of `generation` is registered: build the process group over
                                             PrefixStore(prefix, the job's store); faults and uptime (s) are the
                                             ledger's, for the workers' checkpoint interval
-    worker -> heartbeat {step, step_time, busy, loss, ckpt_stall, ckpts, ckpt_every, ckpt_why}
+    worker -> heartbeat {step, step_time, busy, loss, ckpt_stall, ckpts, ckpt_every, ckpt_why, ckpt_step}
                                             every TOOLKIT_HEARTBEAT_INTERVAL; any message counts as one; all but
-                                            step optional (toolkit.train.pace, `pace_fields`)
+                                            step optional (toolkit.train.pace, `pace_fields`; ckpt_step: the
+                                            newest checkpoint a torchrun-style script reported)
     sched  -> generation {generation}       a member died: leave the current process group, wait for `formed`
     worker -> commit {step}                 this rank committed a checkpoint of `step`
     worker -> recovered {generation, step, source, from_rank, recomputed, seconds, bytes}
@@ -271,7 +272,7 @@ def pace_fields(msg: dict[str, Any]) -> dict[str, Any]:
     loss = msg.get("loss")
     if finite_number(loss) and abs(loss) <= MAX_LOSS:
         out["loss"] = float(loss)
-    for name in ("ckpts", "ckpt_every"):
+    for name in ("ckpts", "ckpt_every", "ckpt_step"):
         v = whole(msg, name)
         if v is not None and 0 <= v < 1 << 40:
             out[name] = v

@@ -125,6 +125,13 @@ def test_an_unmodified_torchrun_script_survives_kill_9_and_sigstop(tmp_path: Pat
         assert_finished_at(run, run.dir / "ckpt", total)
         status = fleet_status(tmp_path)
         assert status["recovery"]["mode"] == "restart" and "torchrun-style script" in status["recovery"]["why"]
+        # it reports no steps: the view says what is known, never a stale "not recovered yet" or "goodput 0%"
+        shown = fleet_text(tmp_path, "status", "--job", "plain").stderr
+        assert re.search(r"^last incident .*; its group formed again [\d.]+ s after the failure \(the script reports "
+                         r"no steps: when it trained again is not known\)$", shown, re.M), shown
+        assert re.search(r"^goodput: at most \d+\.\d% of ", shown, re.M), shown
+        gp = json.loads(fleet_text(tmp_path, "report", "--json", "--job", "plain").stdout)["goodput"]
+        assert gp["basis"] == "formations" and 0 < gp["goodput"] < 1 and "upper bound" in gp["note"], gp
     finally:
         run.stop()
 
@@ -225,3 +232,95 @@ def test_the_ported_script_recovers_in_place_with_no_lost_step_and_a_bitwise_equ
     assert sorted(want) == sorted(got)
     for k in want:
         assert want[k].numpy().tobytes() == got[k].numpy().tobytes(), f"{k} differs {why}"
+
+
+# --- a plain script's progress, with one line --------------------------------------------------------------------
+
+
+REPORTING = "reporting.py"
+RESUMED_PLAIN = re.compile(r"^rank 0: resumed from step (\d+)$", re.M)
+
+
+def reporting_script(project: Path) -> Path:
+    """plain.py with the lines docs/porting.md shows for progress without a port: the import, a report of each step
+    with its loss, and of each checkpoint."""
+    text = (project / "plain.py").read_text()
+    edits = [("import torch\n", "import torch\nfrom toolkit.train import report\n"),
+             ("            step += 1\n", "            step += 1\n            report(step, loss=loss)\n"),
+             ("                save(ckpt, model, optimizer, step)\n",
+              "                save(ckpt, model, optimizer, step)\n                report(step, checkpoint=True)\n")]
+    for old, new in edits:
+        assert text.count(old) == 1, old
+        text = text.replace(old, new)
+    path = project / REPORTING
+    path.write_text(text)
+    return path
+
+
+def fleet_text(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    done = subprocess.run([FLEET, *args], cwd=cwd, env=clean_env(), capture_output=True, text=True, timeout=120)
+    assert "Traceback" not in done.stderr, done.stderr
+    return done
+
+
+def test_a_plain_script_reporting_its_steps_shows_progress_and_what_a_fault_and_a_stop_cost(tmp_path: Path) -> None:
+    """plain.py plus toolkit.train.report (issue 26): its steps and loss show in `status`, `status --watch` and the
+    report's loss plot; a kill -9 is an incident that recovers at the first step reported after the restart,
+    resumed from the checkpoint the script reported; `fleet stop` then `fleet train` again is no incident."""
+    reporting_script(project(tmp_path))
+    run = FleetRun(tmp_path, "reporting", ["--project", str(project(tmp_path)), "--script", REPORTING,
+                                           "--worker-num", "2", "--workdir", str(tmp_path / "work"), "--script-args",
+                                           PLAIN_ARGS])
+    total = steps_total(2)
+    watcher = None
+    try:
+        run.start()
+        until("the job deployed", lambda: run.procs(), run)
+        watcher = subprocess.Popen([FLEET, "status", "--watch", "--json", "--interval", "1", "--job", "reporting"],
+                                   cwd=tmp_path, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                   text=True)
+        until("both ranks past the first checkpoint", lambda: min(last_step(run, r) for r in range(2)) > 12, run)
+        status = until("the scheduler's step and loss of both ranks", lambda: (lambda s: s if all(
+            isinstance(p["step"], int) and p["step"] > 10 and isinstance(p["loss"], float)
+            for p in s["processes"] if p["role"] == "worker") else None)(fleet_status(tmp_path)), run)
+        assert status["live"]["reports_steps"] is True
+        pid = run.procs()["worker_1"]["pid"]
+        os.kill(pid, signal.SIGKILL)
+        resumed = int(until("rank 0 resumed from the checkpoint", lambda: RESUMED_PLAIN.search(
+            run.log("worker_0.log")), run).group(1))
+        until("the incident recovered", lambda: (fleet_status(tmp_path)["live"]["last_incident"] or {}).get(
+            "time_to_recover"), run)
+        until("training well past the resume", lambda: min(last_step(run, r) for r in range(2)) > resumed + 15, run)
+        stopped = fleet_text(tmp_path, "stop", "--job", "reporting")
+        assert stopped.returncode == 0, stopped.stderr
+        assert run.join(JOB_TIMEOUT)[0] != 0  # the first --join ends with the stop
+        watched, _ = watcher.communicate(timeout=120)
+        run.start("train")  # again: it resumes from the script's checkpoint
+        code, output = run.join(JOB_TIMEOUT)
+        assert code == 0, f"{output}\n{run.evidence()}"
+    finally:
+        if watcher is not None and watcher.poll() is None:
+            watcher.kill()
+            watcher.wait(10)
+        run.stop()
+    refreshes = [json.loads(line) for line in watched.splitlines()]
+    assert any(all(isinstance(p["step"], int) and isinstance(p["loss"], float) for p in r["processes"]
+                   if p["role"] == "worker") for r in refreshes), refreshes[-1]
+
+    done = fleet_text(tmp_path, "status", "--job", "reporting")
+    assert done.returncode == 0, done.stderr
+    (line,) = [ln for ln in done.stderr.splitlines() if ln.startswith("last incident")]
+    assert re.match(r"last incident \(#1 of 1\): signal SIGKILL: worker_1(, worker_0)? on localhost at step \d+; "
+                    r"recovered in [\d.]+ s, \d+ step\(s\) recomputed$", line), done.stderr
+    assert "did not reconnect" not in done.stderr and "not recovered" not in done.stderr
+    (goodput,) = [ln for ln in done.stderr.splitlines() if ln.startswith("goodput: ")]
+    assert "at most" not in goodput, goodput
+
+    data = json.loads(fleet_text(tmp_path, "report", "--json", "--job", "reporting").stdout)
+    assert data["outcome"] == "finished" and total - 10 <= data["last_step"] <= total, data  # as heartbeats said
+    (inc,) = data["incidents"]
+    assert (inc["cause"], inc["processes"][0], inc["resumed_from"]) == ("signal SIGKILL", "worker_1", resumed), inc
+    assert inc["recomputed"] >= 0 and inc["time_to_recover"] > 0, inc
+    assert sorted(data["loss"]) == ["0", "1"] and all(len(s["step"]) >= 3 for s in data["loss"].values()), data["loss"]
+    gp = data["goodput"]
+    assert gp["basis"] == "steps" and 0 < gp["goodput"] < 1 and gp["productive"] > 0, gp
