@@ -45,6 +45,13 @@ def test_exits_the_scheduler_or_the_operator_asked_for_are_not_counted() -> None
         "restart requested by the operator", 0.0, 3)
 
 
+def test_a_worker_that_says_the_job_cannot_go_on_fails_it_at_once() -> None:
+    """EXIT_FATAL (the Trainer's divergence check): no restart, whatever the budget left; the operator's restart and a
+    closing agent still take precedence."""
+    assert policy.on_exit(RULES, exit_(code=P.EXIT_FATAL, counted=0, progressed=True), "exit code 77") == GiveUp(0)
+    assert policy.on_exit(RULES, exit_(code=P.EXIT_FATAL, closing=True), "exit code 77") == Settle("stopped", False)
+
+
 def test_success_and_closing() -> None:
     assert policy.on_exit(RULES, exit_(code=0), "exit code 0") == Succeeded(False)
     assert policy.on_exit(RULES, exit_(code=0, others_succeeded=True), "exit code 0") == Succeeded(True)

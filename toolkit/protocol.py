@@ -108,6 +108,9 @@ EXIT_FENCED = 75
 # A wrapped torchrun-style script (`python -m toolkit.train SCRIPT`) exits with this code when the job moves to a
 # new generation: it cannot re-form in place, so its agent relaunches it and it rejoins with fresh store keys.
 EXIT_REJOIN = 76
+# A worker found that the job cannot go on correctly (toolkit.train.divergence: the ranks' training state differs
+# after a recovery): its agent gives up at once, with no restart, and the job fails with the worker's one line.
+EXIT_FATAL = 77
 
 
 class ProtocolError(Exception):

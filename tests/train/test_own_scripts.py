@@ -185,13 +185,13 @@ def ported_run(tmp_path: Path, name: str) -> FleetRun:
                                      "3", "--workdir", str(tmp_path / "work"), "--script-args", PLAIN_ARGS])
 
 
-def final_model(run: FleetRun) -> dict[str, torch.Tensor]:
+def final_model(run: FleetRun, world: int = 3) -> dict[str, torch.Tensor]:
     from toolkit.train.checkpoint import CheckpointManager
 
     found = CheckpointManager(run.dir / "ckpt" / "rank_0", keep_max=3).load_latest()
     assert found is not None, run.evidence()
     step, state = found
-    assert step == state["step"] == steps_total(3), run.evidence()
+    assert step == state["step"] == steps_total(world), run.evidence()
     return state["model"]
 
 
@@ -324,3 +324,77 @@ def test_a_plain_script_reporting_its_steps_shows_progress_and_what_a_fault_and_
     assert sorted(data["loss"]) == ["0", "1"] and all(len(s["step"]) >= 3 for s in data["loss"].values()), data["loss"]
     gp = data["goodput"]
     assert gp["basis"] == "steps" and 0 < gp["goodput"] < 1 and gp["productive"] > 0, gp
+
+
+# --- a port that forgets its scheduler ----------------------------------------------------------------------------
+
+
+SCHEDULED = "scheduled.py"
+DIVERGED = re.compile(r"^rank \d: toolkit\.train: after the recovery at step (\d+), at step (\d+) the learning rate "
+                      r"differs between ranks .*: an LR scheduler is likely not handed over: pass it to the Trainer, "
+                      r"e\.g\. Trainer\(\.\.\., state=\{\"sched\": scheduler\}\); stopping the job", re.M)
+
+
+def scheduled_script(project: Path, handed_over: bool) -> str:
+    """ported.py with a LambdaLR stepped every step, handed to the Trainer in `state=` or forgotten."""
+    name = f"{'handed' if handed_over else 'forgotten'}-{SCHEDULED}"
+    text = (project / "ported.py").read_text()
+    state = ', state={"sched": scheduler}' if handed_over else ""
+    lambda_lr = "    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda e: 0.98 ** e)\n"
+    edits = [("    dataset = Teacher()\n", lambda_lr + "    dataset = Teacher()\n"),
+             ("ckpt_every=args.ckpt_every)", f"ckpt_every=args.ckpt_every{state})"),
+             ("            optimizer.step()\n", "            optimizer.step()\n            scheduler.step()\n")]
+    for old, new in edits:
+        assert text.count(old) == 1, old
+        text = text.replace(old, new)
+    (project / name).write_text(text)
+    return name
+
+
+def scheduled_run(tmp_path: Path, job: str, script: str) -> FleetRun:
+    return FleetRun(tmp_path, job, ["--project", str(project(tmp_path)), "--script", script, "--worker-num", "2",
+                                    "--workdir", str(tmp_path / "work"), "--script-args", f"{PLAIN_ARGS} --workers 0"])
+
+
+def test_a_port_that_forgets_its_scheduler_stops_after_a_recovery_and_one_that_hands_it_over_is_bitwise(
+        tmp_path: Path) -> None:
+    """Issue 26: without the scheduler in state= the replacement's LambdaLR restarts at epoch 0 and its learning rate
+    drifts from the survivor's; the check after the recovery stops the job with the one line. With it, the run
+    recovers and ends bitwise equal to an uninterrupted one (the check changes nothing)."""
+    handed, forgotten = (scheduled_script(project(tmp_path), h) for h in (True, False))
+    reference = scheduled_run(tmp_path, "reference", handed)
+    try:
+        reference.start()
+        assert reference.join(JOB_TIMEOUT)[0] == 0, reference.evidence()
+    finally:
+        reference.stop()
+    run, code, output, victim, why = killed_once(tmp_path, "handed", handed)
+    assert code == 0, f"{output}\n{run.evidence()} {why}"
+    assert "toolkit.train: after the recovery" not in run.log("worker_0.log") + run.log("worker_1.log"), why
+    want, got = final_model(reference, 2), final_model(run, 2)
+    assert all(want[k].numpy().tobytes() == got[k].numpy().tobytes() for k in want), f"differs {why}"
+
+    run, code, output, victim, why = killed_once(tmp_path, "forgotten", forgotten)
+    assert code != 0, f"{output}\n{run.evidence()} {why}"
+    found = DIVERGED.findall(run.log("worker_0.log") + run.log("worker_1.log"))
+    assert len(found) == 2 and int(found[0][1]) == int(found[0][0]) + 1, f"{found}\n{run.evidence()} {why}"
+    assert "an LR scheduler is likely not handed over" in output, output  # the failure shows the line
+    for r in range(2):
+        p = run.procs()[f"worker_{r}"]
+        assert p["exits"][-1]["code"] == 77 and p["restarts"] == (1 if r == victim else 0), (r, p, why)
+
+
+def killed_once(tmp_path: Path, job: str, script: str) -> tuple[FleetRun, int, str, int, str]:
+    """Run `script`, kill -9 a random worker at a random step, wait for the end: (run, exit code of --join, its
+    output, the victim, what happened)."""
+    run = scheduled_run(tmp_path, job, script)
+    rng = random.Random()
+    victim, target = rng.randrange(2), rng.randint(8, steps_total(2) - 30)
+    try:
+        run.start()
+        until(f"step {target}", lambda: last_step(run, victim) >= target, run)
+        os.kill(run.procs()[f"worker_{victim}"]["pid"], signal.SIGKILL)
+        code, output = run.join(JOB_TIMEOUT)
+    finally:
+        run.stop()
+    return run, code, output, victim, f"({script}: worker_{victim} killed at step {target})"
