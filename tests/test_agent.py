@@ -629,7 +629,7 @@ def test_a_worker_started_cold_holds_the_importing_spare_until_it_progresses(mak
     held = job.wait_doc(lambda d: d["warm_spare"]["held"])
     assert held["warm_spare"]["pid"] == spare and not held["warm_spare"]["ready"]
     assert procs_state(spare) == "T"  # stopped, not importing beside the cold start
-    assert f"warm spare pid {spare} held: a worker starts cold" in job.agent_log()
+    assert f"warm spare pid {spare} held: a worker restarts cold" in job.agent_log()
     os.kill(w0["pid"], signal.SIGUSR1)  # the replacement got as far as its group
     ready = job.wait_doc(lambda d: d["warm_spare"]["ready"], timeout=120)
     assert ready["warm_spare"]["pid"] == spare and not ready["warm_spare"]["held"]

@@ -142,10 +142,10 @@ class Spare:
 
 
 def cold_launches(slots: Iterable[Slot]) -> list[float]:
-    """When each worker started cold that has not progressed since was launched (monotonic s): what holds the warm
-    spare back (toolkit.agent.warmspare)."""
+    """When each worker relaunched cold that has not progressed since was launched (monotonic s): what holds the
+    warm spare back (toolkit.agent.warmspare). A first start is not a recovery: SPARE_DELAY paces the spare then."""
     return [s.started_mono for s in slots if s.spec.is_worker and s.child is not None and not s.warm
-            and not s.progressed]
+            and not s.progressed and s.launches > 1]
 
 
 # --- the supervisor
@@ -570,7 +570,7 @@ class Agent:
         if self.closing or self.spare is not None or not self.spare_enabled:
             return
         plan = warmspare.spare_plan(False, cold_launches(self.slots.values()), time.monotonic())
-        if not plan.run and plan.until is not None:  # a worker starts cold: importing now would slow it down
+        if not plan.run and plan.until is not None:  # a worker restarts cold: importing now would slow it down
             self.spare_timer = self.timers.after(plan.until - time.monotonic(), self._start_spare)
             return
         template = next(s.spec for s in self.slots.values() if s.spec.is_worker)
@@ -597,9 +597,9 @@ class Agent:
         self._write()
 
     def _hold_spare(self) -> None:
-        """Hold the warm spare (SIGSTOP to its group) while it imports and a worker starts cold beside it, let it go
-        on (SIGCONT) once none does (toolkit.agent.warmspare); a timer decides again when the hold's bound passes. A
-        ready spare is idle and never held."""
+        """Hold the warm spare (SIGSTOP to its group) while it imports and a worker relaunched cold starts beside it,
+        let it go on (SIGCONT) once none does (toolkit.agent.warmspare); a timer decides again when the hold's bound
+        passes. A ready spare is idle and never held."""
         sp = self.spare
         if sp is None or sp.ready:
             return
@@ -612,7 +612,7 @@ class Agent:
             sp.held = not plan.run
             sp.child.signal_group(signal.SIGSTOP if sp.held else signal.SIGCONT)
             self.log("agent", f"warm spare pid {sp.child.pid} " + (
-                "held: a worker starts cold, and the spare's imports would slow it down" if sp.held
+                "held: a worker restarts cold, and the spare's imports would slow it down" if sp.held
                 else "goes on importing"))
             self._write()
         if plan.until is not None:

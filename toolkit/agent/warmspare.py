@@ -1,13 +1,16 @@
-"""When the warm spare may import torch: never while a worker starts cold beside it. Pure: facts and a clock in.
+"""When the warm spare may import torch: never while a worker relaunched cold starts beside it. Pure: facts and a
+clock in.
 
 Why: a relaunch takes the spare only once it is ready (its imports done); until then the worker starts cold, at
 once. But a spare still importing (`import torch` and DDP's lazy imports, seconds of CPU and page cache) competes
-with that cold start, and with the survivors: on a loaded 2-core machine a kill 4 s after the start, while the
-spare was importing, took 10.2 s to recover where a cold start alone takes about half as long (a ready spare: 1.8
-s). So a spare that is not ready is held (SIGSTOP) while any worker started cold has not reached its process group
-yet (reported progress), and goes on (SIGCONT) after, keeping what it had imported; a spare not started yet waits
-as long. A relaunch before the spare is ready therefore costs what a cold start costs, never more, and the spare is
-ready for the next fault soon after. A ready spare is idle (blocked reading its socket) and never held.
+with that cold start: on a loaded 2-core machine a kill 4 s after the start, while the spare was importing, took
+10.2 s to recover (a ready spare: 1.8 s), and `bench/agent_restart.py --modes cold,early` shows the replacement's
+imports done later beside an importing spare than alone (docs/benchmarks.md). So a spare that is not ready is held
+(SIGSTOP) while any worker relaunched cold has not reached its process group yet (reported progress), and goes on
+(SIGCONT) after, keeping what it had imported; a spare not started yet waits as long. A relaunch before the spare
+is ready therefore costs what a cold start costs, and the spare is ready for the next fault soon after. A ready
+spare is idle (blocked reading its socket) and never held. The job's first start is not a relaunch: the agent's
+SPARE_DELAY paces the spare then, as before.
 
 Every hold is bounded: a worker that never reports progress (a script that never forms a process group) holds the
 spare at most HOLD_MAX seconds from its launch.
