@@ -2,9 +2,9 @@
 from host.json, each in its own session with its env file and log file, and keeps them alive. A child's death is an
 event on its pidfd, reported to the scheduler at once (so the others recover without waiting for a heartbeat to
 expire) and followed by what toolkit.agent.policy decides: a relaunch with the same environment and rank (from the
-warm spare when one is ready; one still importing is held while a worker starts cold: warmspare.py), a backoff, or
-giving up. One thread, one selector loop: children's pidfds, the
-control socket, the progress socket, the scheduler link, signals (through the wakeup fd) and timers.
+warm spare when one is ready; one still importing is held while a worker restarts cold: warmspare.py), a backoff,
+or giving up. One thread, one selector loop: children's pidfds, the control socket, the progress socket, the
+scheduler link, signals (through the wakeup fd) and timers.
 
 This module applies decisions and does the I/O; what to do is decided in policy.py. agent.json (toolkit.agentdoc)
 is rewritten atomically on every change of state and at most once per PROGRESS_WRITE_INTERVAL for progress.
@@ -137,7 +137,7 @@ class Spare:
         self.child, self.sock, self.interpreter = child, sock, interpreter
         self.ready = False
         self.started = time.monotonic()
-        self.held = False  # SIGSTOPped while a worker starts cold (toolkit.agent.warmspare)
+        self.held = False  # SIGSTOPped while a worker restarts cold (toolkit.agent.warmspare)
         self.hold_timer: Timer | None = None
 
 
