@@ -127,22 +127,31 @@ def test_restart_recovery_ends_at_the_first_step_after_the_formation() -> None:
 
 
 def test_a_torchrun_style_script_reporting_steps_and_checkpoints_is_measured_like_any_other() -> None:
-    """toolkit.train.report(step, checkpoint=True) from rank 0 only (it saves the one checkpoint): the ledger resumes
-    the incident from that checkpoint even when the steps are reported sparsely after the restart."""
+    """toolkit.train.report(step, checkpoint=True) from rank 0 only (it saves the one checkpoint): reported every 5th
+    step, the incident resumes from that checkpoint (it lies in the 5 steps before the first reported after)."""
     led = Ledger("job", 2, T0)
     led.note("formed", {"generation": 0, "seconds": 9.0, "recovery": ["restart"]}, T0 + 10)
-    led.note("pace", pace(0, 5, step_time=0.5), T0 + 12)
-    led.note("pace", pace(0, 20, step_time=0.5, ckpt_step=20), T0 + 18)
-    led.note("pace", pace(1, 23, step_time=0.5), T0 + 20)
-    led.note("death", death(1, CAUSE_CLOSED, 1, step=23, recovery="restart"), T0 + 21)
-    led.note("death", death(0, CAUSE_CLOSED, 1, begins=False, step=23, recovery="restart"), T0 + 21.5)
+    led.note("pace", pace(0, 5, step_time=0.5, stride=5), T0 + 12)
+    led.note("pace", pace(0, 20, step_time=0.5, ckpt_step=20, stride=5), T0 + 18)
+    led.note("pace", pace(1, 25, step_time=0.5, stride=5), T0 + 20)
+    led.note("death", death(1, CAUSE_CLOSED, 1, step=25, recovery="restart"), T0 + 21)
+    led.note("death", death(0, CAUSE_CLOSED, 1, begins=False, step=25, recovery="restart"), T0 + 21.5)
     led.note("formed", {"generation": 1, "recovery": ["restart"]}, T0 + 26)
-    led.note("pace", pace(1, 30), T0 + 29)  # every 10th step reported: the checkpoint says where it resumed
+    led.note("pace", pace(1, 25), T0 + 29)  # every 5th step reported: the checkpoint says where it resumed
     (inc,) = led.incidents
-    assert (inc.checkpoint, inc.resumed_from, inc.recomputed, inc.time_to_recover) == (20, 20, 3, 8.0)
+    assert (inc.checkpoint, inc.resumed_from, inc.recomputed, inc.time_to_recover) == (20, 20, 5, 8.0)
     led.note("finished", {}, T0 + 40)
     gp = led.goodput(T0 + 40)
-    assert (gp["basis"], gp["startup"], gp["recovery"], gp["recomputed"]) == ("steps", 12.0, 8.0, 1.5)
+    assert (gp["basis"], gp["startup"], gp["recovery"], gp["recomputed"]) == ("steps", 12.0, 8.0, 2.5)
+    # every step reported: the step before the first after the restart, even past a checkpoint heard before the
+    # fault (the survivors may save a newer one before they leave)
+    dense = Ledger("job", 2, T0)
+    dense.note("formed", {"generation": 0, "recovery": ["restart"]}, T0 + 10)
+    dense.note("pace", pace(0, 44, ckpt_step=40, stride=1), T0 + 20)
+    dense.note("death", death(1, CAUSE_CLOSED, 1, step=44, recovery="restart"), T0 + 21)
+    dense.note("formed", {"generation": 1, "recovery": ["restart"]}, T0 + 26)
+    dense.note("pace", pace(0, 53, first_step=51), T0 + 29)  # a heartbeat carries the latest step, and the first
+    assert (dense.incidents[0].resumed_from, dense.incidents[0].recomputed) == (50, 0)
     doc = led.to_json(T0 + 40)
     assert doc["recovery"] == "restart" and doc["checkpoint_step"] == 20
     assert Ledger.from_json(json.loads(json.dumps(doc))).to_json(T0 + 40) == doc

@@ -67,7 +67,7 @@ def test_hostile_pace_fields_are_dropped() -> None:
     got = P.pace_fields({"step_time": float("inf"), "busy": -1, "loss": "x", "ckpts": 2.5, "ckpt_every": 7,
                          "ckpt_stall": 0.1, "ckpt_why": "y" * 10_000, "ckpt_step": -3})
     assert set(got) == {"ckpt_every", "ckpt_stall", "ckpt_why"} and len(got["ckpt_why"]) <= P.MAX_WHY
-    assert P.pace_fields({"ckpt_step": 40})["ckpt_step"] == 40
+    assert P.pace_fields({"ckpt_step": 40, "stride": 10}) == {"ckpt_step": 40, "stride": 10}
 
 
 # -- stragglers

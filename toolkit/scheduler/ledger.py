@@ -9,9 +9,10 @@ every rank trained again (their `recovered` reports; for restart-recovery script
 formation), the step they trained again from, and how many steps were computed again (what the survivors had done
 beyond that step; after a restart from checkpoints, the newest step heard in heartbeats minus the step resumed
 from). A torchrun-style script reports no recovery: with toolkit.train.report it trained again at its first step
-after the formation, from the step before it (or from the newest checkpoint it reported, if older); without, only
-its group's formation is known. When a job its operator stopped is started again, the restored members that do not
-reconnect are no incident if none of them does (they were all stopped): that wait is start-up.
+after the formation, from the step before it (reporting every k-th step: from the checkpoint it reported if that
+lies in the k steps before, see `_resumed`); without, only its group's formation is known. When a job its
+operator stopped is started again, the restored members that do not reconnect are no incident if none of them does
+(they were all stopped): that wait is start-up.
 
 Goodput = time in steps that survive / wall time. The wall time since the job started splits into:
   startup      until the first step (launch, imports, the first formation)
@@ -97,6 +98,7 @@ class Ledger:
         self.restarting = 0.0  # s from such a start again until it stepped
         self._awaiting_step: float | None = None
         self._rank_step: dict[int, int] = {}  # rank -> the step its latest heartbeat carried (not persisted)
+        self._stride: dict[int, int] = {}  # rank -> steps between a torchrun-style script's reports (not persisted)
         self.recovery: str | None = None  # the job's recovery mode, as its members registered (protocol.RECOVERY_*)
         self.checkpoint_step: int | None = None  # the newest checkpoint a torchrun-style script reported
         self._after_stop = False  # started again after its operator stopped it, until the next formation
@@ -228,9 +230,10 @@ class Ledger:
                 if (inc.recovery != RECOVERY_IN_PLACE and inc.formed_at is not None and inc.recovered_at is None
                         and step >= 1 and now > inc.formed_at):
                     inc.recovered_at = now
-                    inc.resumed_from = step - 1 if inc.checkpoint is None else min(step - 1, inc.checkpoint)
-                    if inc.step is not None:
-                        inc.recomputed = max(0, inc.step - inc.resumed_from)
+                    if inc.resumed_from is None:  # no `recovered` report: the script's own first step tells
+                        inc.resumed_from = self._resumed(inc, f["rank"], min(step, f.get("first_step", step)))
+                        if inc.step is not None:
+                            inc.recomputed = max(0, inc.step - inc.resumed_from)
                     self._changed(urgent=True)
         if "step_time" in f:
             self.step_time = f["step_time"]
@@ -240,6 +243,8 @@ class Ledger:
                 base += last
             self._stall[f["rank"]] = [base, f["ckpt_stall"]]
             self._changed()
+        if "stride" in f:
+            self._stride[f["rank"]] = f["stride"]
         if "ckpt_step" in f and (self.checkpoint_step is None or f["ckpt_step"] > self.checkpoint_step):
             self.checkpoint_step = f["ckpt_step"]
             self._changed()
@@ -303,6 +308,18 @@ class Ledger:
     def _changed(self, urgent: bool = False) -> None:
         self.dirty = True
         self.urgent = self.urgent or urgent
+
+    def _resumed(self, inc: Incident, rank: int, first: int) -> int:
+        """The step a torchrun-style script resumed from, its first step reported after the restart being `first`:
+        the one before it when it reports every step; reported every k-th step, somewhere in the k before it: the
+        checkpoint it reported before the fault if that lies there, else the lowest (the steps recomputed are not
+        undercounted). The checkpoint alone would not do: survivors may save a newer one before they leave."""
+        stride = self._stride.get(rank, 1)
+        if stride <= 1:
+            return max(0, first - 1)
+        if inc.checkpoint is not None and first - stride <= inc.checkpoint < first:
+            return inc.checkpoint
+        return max(0, first - stride)
 
     def _stepless(self) -> bool:
         """A torchrun-style script that has reported no step (toolkit.train.report) so far: what it costs can only
