@@ -63,7 +63,9 @@ class DivergenceCheck:
         try:
             with rt.guard():
                 dist.all_gather(every, mine)
-        except GenerationChanged:
+        except GenerationChanged as e:
+            print(f"rank {rt.rank}: generation {rt.generation} -> {e.new} at step {step} (between two steps: "
+                  "nothing in flight): re-forming the group", flush=True)
             return False
         table = [[int(v) for v in t.tolist()] for t in every]
         line = verdict(table, self.since if self.since is not None else step, step)
