@@ -72,8 +72,8 @@ class ScriptReporter:
     wrapper made for it (`channel`), with the newest checkpoint reported (`ckpt_step`, also sent as a `commit`), the
     first step this process reported (`first_step`: after a restart, the one after where it resumed; a heartbeat
     carries the latest) and the stride of its reports (`stride`: how far that may be from where it resumed), and its
-    step to the host's agent at most once per PROGRESS_INTERVAL. Called on the script's thread; the
-    heartbeat thread only reads what is set here."""
+    step to the host's agent at most once per PROGRESS_INTERVAL. Called on the script's thread; the heartbeat thread
+    only reads what is set here."""
 
     def __init__(self, cfg: WorkerEnv, channel: _Channel) -> None:
         self.cfg = cfg
