@@ -1,30 +1,40 @@
 #!/usr/bin/env python3
-"""How long a checkpoint stalls the training loop: synchronous vs asynchronous save, ~10 M parameters.
+"""How long a checkpoint of a 600 MB state stalls training, side by side: a synchronous ``torch.save``, toolkit's
+synchronous save, and toolkit's asynchronous one as the Trainer uses it; and the bytes one host writes.
 
-Why: the checkpoint interval trades lost work against stall; an asynchronous save should cost only the
-in-memory snapshot, so checkpoints can be frequent and a fault loses few steps. Not a test: it prints numbers.
+Why: the checkpoint interval trades lost work against stall. An asynchronous checkpoint should cost the loop
+only the state's structure and its small tensors: the parameters and optimizer state are copied by the writer
+thread while the next step's forward and backward run, and the optimizer step waits only if that copy is not done
+(toolkit.train.checkpoint). Not a test: it prints numbers and ratios.
 
-    .venv/bin/python bench/checkpoint_stall.py [--repeats 7] [--dir /path/on/the/disk/to/measure]
+    .venv/bin/python bench/checkpoint_stall.py [--repeats 3] [--dir /path/on/the/disk/to/measure]
 
-For each mode it trains a few steps, then saves R times, one save every few steps, and reports medians of:
-the time ``save()`` blocks the loop (the stall), the time until the checkpoint is durable, and the step time
-while a background write is running (the writer competes for the CPU), next to the step time with no checkpoint.
+The state: an MLP and AdamW (parameters + two moments: 12 bytes per parameter), about 600 MB by default. For each
+mode it trains a few steps, then checkpoints R times, one every few steps, and reports medians of the stall (the
+time the training thread is blocked by the checkpoint: in ``save()``, and for the asynchronous mode also waiting
+before the next optimizer step), the time until the checkpoint is on disk, and the step time while a background
+write runs (the writer competes for the CPU and the disk) next to the step time with none. Then one host of
+``--host-ranks`` ranks writes one checkpoint between them: the bytes on disk against the state's size.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
-from toolkit.train import checkpoint, determinism
-from toolkit.train.checkpoint import CheckpointManager
+from toolkit.train import determinism
+from toolkit.train.checkpoint import CheckpointManager, Placement
+
+KEY = b"benchmark key, thirty-two bytes!"
 
 
 def build(width: int, depth: int) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -32,72 +42,117 @@ def build(width: int, depth: int) -> tuple[nn.Module, torch.optim.Optimizer]:
     for _ in range(depth):
         layers += [nn.Linear(width, width), nn.ReLU()]
     model = nn.Sequential(*layers, nn.Linear(width, 10))
-    return model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
 
 
-def step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> float:
-    t0 = time.perf_counter()
-    opt.zero_grad(set_to_none=True)
-    nn.functional.cross_entropy(model(x), y).backward()
-    opt.step()
-    return time.perf_counter() - t0
+def state_of(step: int, model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
+    return {"step": step, "model": model.state_dict(), "optimizer": opt.state_dict(), "extra": {}}
+
+
+def stable(model: nn.Module, opt: torch.optim.Optimizer) -> frozenset[int]:
+    """What the Trainer passes: the storages only optimizer.step() changes."""
+    tensors = list(model.parameters()) + [v for s in opt.state.values() for v in s.values() if torch.is_tensor(v)]
+    return frozenset(t.untyped_storage().data_ptr() for t in tensors)
+
+
+class Loop:
+    """A training loop that checkpoints the way the Trainer does, timing the stall."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        torch.manual_seed(0)
+        self.model, self.opt = build(args.width, args.depth)
+        self.x, self.y = torch.randn(args.batch, args.width), torch.randint(0, 10, (args.batch,))
+        self.waited = 0.0
+        self.manager: CheckpointManager | None = None
+        self.opt.register_step_pre_hook(self._before_step)
+
+    def _before_step(self, *_: Any) -> None:
+        if self.manager is not None:
+            self.waited += self.manager.wait_staged()
+
+    def step(self) -> float:
+        t0 = time.perf_counter()
+        self.opt.zero_grad(set_to_none=True)
+        nn.functional.cross_entropy(self.model(self.x), self.y).backward()
+        self.opt.step()
+        return time.perf_counter() - t0
 
 
 def run(mode: str, directory: Path, args: argparse.Namespace) -> dict[str, float]:
-    torch.manual_seed(0)
-    model, opt = build(args.width, args.depth)
-    x, y = torch.randn(args.batch, args.width), torch.randint(0, 10, (args.batch,))
+    loop = Loop(args)
     plain, during, stalls, durable = [], [], [], []
-    with CheckpointManager(directory / mode, keep_max=2, async_write=(mode == "async")) as m:
-        for _ in range(3):
-            step(model, opt, x, y)  # warm up (allocations, momentum buffers)
-        for s in range(1, args.repeats + 1):
-            for _ in range(args.between):
-                plain.append(step(model, opt, x, y))
-            state = {"step": s, "model": model.state_dict(), "optimizer": opt.state_dict(),
-                     "rng": checkpoint.capture_rng_state()}
-            t0 = time.perf_counter()
-            m.save(s, state)
-            stalls.append(time.perf_counter() - t0)
-            if mode == "async":
-                for _ in range(args.between):  # the loop goes on while the writer works
-                    during.append(step(model, opt, x, y))
-            m.flush()
-            durable.append(time.perf_counter() - t0)
-    return {
-        "stall": statistics.median(stalls),
-        "durable": statistics.median(durable),
-        "step": statistics.median(plain),
-        "step_during": statistics.median(during) if during else float("nan"),
-        "size": m.path_for(args.repeats).stat().st_size,
-    }
+    for _ in range(2):
+        loop.step()  # warm up: AdamW's moments exist from the first step
+    if mode != "torch.save":
+        loop.manager = CheckpointManager(directory / mode, keep_max=2, placement=Placement("bench"), key=KEY,
+                                         async_write=mode == "async")
+    for s in range(1, args.repeats + 1):
+        for _ in range(args.between):
+            plain.append(loop.step())
+        state = state_of(s, loop.model, loop.opt)
+        t0 = time.perf_counter()
+        if loop.manager is None:
+            torch.save(state, directory / f"torch-{s % 2}.pt")
+        else:
+            loop.manager.save(s, state, stable=stable(loop.model, loop.opt))
+        blocked = time.perf_counter() - t0
+        loop.waited = 0.0
+        if mode == "async":
+            for _ in range(args.between):  # the loop goes on while the writer stages and writes
+                during.append(loop.step())
+            loop.manager.flush()
+        stalls.append(blocked + loop.waited)
+        durable.append(time.perf_counter() - t0)
+    if loop.manager is not None:
+        loop.manager.close()
+    return {"stall": statistics.median(stalls), "durable": statistics.median(durable),
+            "step": statistics.median(plain), "step_during": statistics.median(during) if during else float("nan")}
+
+
+def host_bytes(directory: Path, ranks: int, args: argparse.Namespace) -> tuple[int, int]:
+    """(bytes of the state's tensors, bytes one host of `ranks` ranks writes for one checkpoint)."""
+    loop = Loop(args)
+    loop.step()
+    state = state_of(1, loop.model, loop.opt)
+    size = sum(t.nbytes for t in state["model"].values()) + sum(
+        v.nbytes for s in loop.opt.state.values() for v in s.values() if torch.is_tensor(v))
+    managers = [CheckpointManager(directory / "host", placement=Placement("h", r, ranks), key=KEY)
+                for r in range(ranks)]
+    for m in managers:
+        m.save(1, state)
+    written = sum(p.stat().st_size for p in managers[0].directory.iterdir() if p.is_file())
+    return size, written
 
 
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--width", type=int, default=1600)
-    p.add_argument("--depth", type=int, default=4, help="hidden layers of width x width")
-    p.add_argument("--batch", type=int, default=64)
-    p.add_argument("--repeats", type=int, default=7, help="saves per mode (medians are reported)")
-    p.add_argument("--between", type=int, default=3, help="training steps between saves")
+    p.add_argument("--width", type=int, default=2500)
+    p.add_argument("--depth", type=int, default=8, help="hidden layers of width x width")
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--repeats", type=int, default=3, help="checkpoints per mode (medians are reported)")
+    p.add_argument("--between", type=int, default=3, help="training steps between checkpoints")
+    p.add_argument("--host-ranks", type=int, default=4, help="ranks of the host that shares one checkpoint")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--dir", type=Path, default=None, help="where to write (default: a temp dir under /tmp)")
     args = p.parse_args(argv)
     determinism.configure(args.threads)
     params = sum(t.numel() for t in build(args.width, args.depth)[0].parameters())
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
-        results = {mode: run(mode, Path(tmp), args) for mode in ("sync", "async")}
-    size = results["sync"]["size"] / 1e6
-    print(f"model: {params / 1e6:.2f} M parameters, checkpoint {size:.1f} MB (model + SGD momentum + RNG), "
-          f"{args.repeats} saves per mode, medians, {args.threads} thread(s)")
-    print(f"{'mode':<6} {'stall ms':>10} {'durable ms':>11} {'step ms':>9} {'step during write ms':>21}")
+        os.chmod(tmp, 0o700)
+        results = {mode: run(mode, Path(tmp), args) for mode in ("torch.save", "sync", "async")}
+        size, written = host_bytes(Path(tmp), args.host_ranks, args)
+    print(f"model: {params / 1e6:.1f} M parameters + AdamW = {size / 1e6:.0f} MB of state, {args.repeats} "
+          f"checkpoints per mode, medians, {args.threads} thread(s)")
+    print(f"{'mode':<11} {'stall ms':>10} {'durable ms':>11} {'step ms':>9} {'step during write ms':>21}")
     for mode, r in results.items():
-        print(f"{mode:<6} {r['stall'] * 1e3:>10.1f} {r['durable'] * 1e3:>11.1f} {r['step'] * 1e3:>9.1f} "
+        print(f"{mode:<11} {r['stall'] * 1e3:>10.1f} {r['durable'] * 1e3:>11.1f} {r['step'] * 1e3:>9.1f} "
               f"{r['step_during'] * 1e3:>21.1f}")
-    ratio = results["sync"]["stall"] / results["async"]["stall"]
-    print(f"async stall is {ratio:.1f}x shorter than sync "
-          f"({results['async']['stall'] / results['async']['step']:.2f} steps vs "
-          f"{results['sync']['stall'] / results['sync']['step']:.2f} steps)")
+    base = results["torch.save"]["stall"]
+    print(f"async stall / torch.save: {results['async']['stall'] / base:.3f} ({results['async']['stall'] * 1e3:.1f} ms "
+          f"vs {base * 1e3:.0f} ms); toolkit sync / torch.save: {results['sync']['stall'] / base:.2f}")
+    print(f"one host of {args.host_ranks} ranks wrote {written / 1e6:.0f} MB for one checkpoint of a "
+          f"{size / 1e6:.0f} MB state ({written / size:.3f}x the state; one copy per rank would be "
+          f"{args.host_ranks}x)")
     return 0
 
 

@@ -227,12 +227,14 @@ def test_backoff_first_restart_immediate_then_doubling_and_capped():
     assert delays == [0.0, 1.0, 2.0, 4.0, 5.0, 5.0]
 
 
-def test_max_restarts_then_give_up_and_healthy_run_refills_the_budget():
-    policy = A.RestartPolicy(max_restarts=2, backoff_base=1.0, backoff_max=30.0, healthy_reset=60.0)
+def test_max_restarts_then_give_up_and_the_refill_rule_time_refills_after_a_healthy_run():
+    policy = A.RestartPolicy(max_restarts=2, backoff_base=1.0, backoff_max=30.0, healthy_reset=60.0, refill="time")
     assert policy.after_failure(2, ran_for=1.0).give_up
     assert policy.after_failure(1, ran_for=1.0) == A.RestartDecision(False, 1.0, 2)
-    assert policy.after_failure(2, ran_for=60.0) == A.RestartDecision(False, 0.0, 1)
+    assert policy.after_failure(2, ran_for=60.0) == A.RestartDecision(False, 0.0, 1, None,
+                                                                      "it ran 60.0 s (restart_refill 60 s)")
     assert A.RestartPolicy(max_restarts=0).after_failure(0, 1.0).give_up
+    assert A.RestartPolicy(max_restarts=2, healthy_reset=60.0).after_failure(2, ran_for=1e6).give_up  # progress
 
 
 def test_a_process_that_trained_before_it_died_is_relaunched_at_once_but_still_counted():
@@ -301,6 +303,7 @@ def test_kill_9_worker_is_relaunched_with_same_env_and_rank_and_job_completes(ma
     assert {k: v for k, v in again["env"].items() if k != "TORCHELASTIC_RESTART_COUNT"} == \
            {k: v for k, v in victim["env"].items() if k != "TORCHELASTIC_RESTART_COUNT"}
     assert (victim["env"]["TORCHELASTIC_RESTART_COUNT"], again["env"]["TORCHELASTIC_RESTART_COUNT"]) == ("0", "1")
+    assert victim["env"]["GLOO_ENABLE_STORE_V2_API"] == victim["env"]["GLOO_ENABLE_RANK_AS_SEQUENCE_NUMBER"] == "1"
     assert again["argv"] == victim["argv"] and again["cwd"] == str(job.dir / "project")
     exited = sched.next(P.EXITED)
     while exited["pid"] != victim["pid"]:
@@ -342,6 +345,22 @@ def test_crash_loop_fails_the_job_with_status_and_log_tail_and_leaves_nothing(ma
     assert len(starts) == 3  # first start + max_restarts
     everything = [e["pid"] for e in job.events.seen] + [e["grandchild"] for e in job.events.seen if e["grandchild"]]
     assert_all_gone(everything)
+
+
+def test_a_late_crash_loop_at_the_same_step_gives_up_at_the_budget(make_job, sched):
+    """Every incarnation reports steps 1 to 5 and fails after running longer than healthy_reset (1 s here): the
+    budget used to refill after healthy_reset and restart it forever; now a failure at the same step counts, however
+    long the run, and the agent says which step and how."""
+    job = make_job([["--progress", "5", "--linger", "1.5", "--exit", "1"]], port=sched.port, max_restarts=2,
+                   healthy_reset=1.0)
+    agent = job.run_agent()
+    assert agent.wait(AGENT_WAIT) == A.EXIT_FAILED
+    assert sched.next(P.GAVE_UP)["node_id"] == "worker_0"
+    assert len([e for e in job.events.drain() if e["env"]["MS_NODE_ID"] == "worker_0"]) == 3  # first + 2 restarts
+    proc = job.proc_doc("worker_0")
+    assert [e["ran_for"] > 1.0 and e["step"] for e in proc["exits"]] == [5, 5, 5]  # each ran past healthy_reset
+    assert proc["same_failure"] == {"times": 3, "step": 5, "code": 1, "signal": None} and proc["failed_at"] == 5
+    assert "starts again" not in job.agent_log()
 
 
 @pytest.mark.parametrize("code", [P.EXIT_FENCED, P.EXIT_REJOIN])
@@ -449,11 +468,14 @@ def test_manual_restart_goes_through_the_agent_and_is_not_counted(make_job):
     job = make_job([["--block"]])
     agent = job.run_agent()
     first = job.events.next()
-    job.write_env("worker_0", {"MS_NODE_ID": "worker_0", "RANK": "0", "EXTRA": "edited by the operator"})
+    job.write_env("worker_0", {"MS_NODE_ID": "worker_0", "RANK": "0", "EXTRA": "edited by the operator",
+                               "GLOO_ENABLE_RANK_AS_SEQUENCE_NUMBER": "0"})
     out = job.cli("restart", "worker_0")
     assert out.returncode == 0 and f"restarting worker_0 (pid {first['pid']} gets SIGTERM" in out.stdout
     second = job.events.next()
     assert second["pid"] != first["pid"] and second["env"]["EXTRA"] == "edited by the operator"
+    assert first["env"]["GLOO_ENABLE_RANK_AS_SEQUENCE_NUMBER"] == "1"  # the agent's default ...
+    assert second["env"]["GLOO_ENABLE_RANK_AS_SEQUENCE_NUMBER"] == "0"  # ... and the operator's word wins over it
     doc = job.wait_doc(lambda d: d["processes"][0]["pid"] == second["pid"])
     w0 = doc["processes"][0]
     assert (w0["restarts"], w0["counted_restarts"], w0["state"]) == (1, 0, "running")

@@ -23,18 +23,87 @@ def test_a_crash_loop_backs_off_then_gives_up() -> None:
     delays, counted = [], 0
     for _ in range(3):
         r = policy.on_exit(RULES, exit_(counted=counted), "exit code 1")
-        assert isinstance(r, Relaunch)
+        assert isinstance(r, Relaunch) and r.failure
         delays.append(r.delay)
         counted = r.counted
     assert delays == [0.0, 1.0, 2.0] and r.why == "restart 3 of 3 after exit code 1"
-    assert policy.on_exit(RULES, exit_(counted=3), "exit code 1") == GiveUp(3)
+    assert policy.on_exit(RULES, exit_(counted=3), "exit code 1") == GiveUp(3, None)
 
 
-def test_a_process_that_trained_restarts_at_once_a_long_healthy_run_refills_the_budget() -> None:
+def test_a_process_that_trained_restarts_at_once_and_progress_past_its_last_failure_refills_the_budget() -> None:
     assert policy.on_exit(RULES, exit_(counted=2, progressed=True), "killed by SIGKILL") == Relaunch(
-        "restart 3 of 3 after killed by SIGKILL", 0.0, 3)
-    assert policy.on_exit(RULES, exit_(counted=3, ran_for=301.0), "killed by SIGKILL") == Relaunch(
-        "restart 1 of 3 after killed by SIGKILL", 0.0, 1)
+        "restart 3 of 3 after killed by SIGKILL", 0.0, 3, failure=True)
+    forgiven = policy.on_exit(RULES, exit_(counted=3, progressed=True, reached=41, failed_at=40), "killed by SIGKILL")
+    assert forgiven == Relaunch("restart 1 of 3 after killed by SIGKILL; the count started again: it got to step 41, "
+                                "past step 40 where it failed before", 0.0, 1, failure=True, failed_at=41)
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def advance(self, seconds: float) -> float:
+        self.now += seconds
+        return self.now
+
+
+def run_incarnations(rules: RestartPolicy, lives: list[tuple[float, int | None]]) -> list[str]:
+    """Feed on_exit one incarnation after another, as the supervisor does: each lives `seconds` on a fake clock and
+    dies (exit code 1) having reached `step` (None: it reported none); the mark the decision carries is kept.
+    Returns what each death led to: "restart N" or "give up"."""
+    clock, counted, failed_at, out = FakeClock(), 0, None, []
+    for seconds, step in lives:
+        started = clock.now
+        ran = clock.advance(seconds) - started
+        r = policy.on_exit(rules, exit_(ran_for=ran, progressed=step is not None, counted=counted, reached=step,
+                                        failed_at=failed_at), "exit code 1")
+        if isinstance(r, GiveUp):
+            out.append("give up")
+            break
+        assert isinstance(r, Relaunch) and r.failure
+        counted, failed_at = r.counted, r.failed_at
+        out.append(f"restart {r.counted}")
+    return out
+
+
+def test_a_late_crash_loop_at_the_same_step_gives_up_at_the_budget_however_long_each_run() -> None:
+    """A script that resumes from its checkpoint and fails at the same step: each run longer than healthy_reset
+    (300 s) once refilled the budget every time; now the same step again counts."""
+    assert run_incarnations(RULES, [(3600.0, 120)] * 10) == ["restart 1", "restart 2", "restart 3", "give up"]
+
+
+def test_getting_past_the_step_of_the_last_failure_starts_the_count_again() -> None:
+    lives = [(5.0, 100), (5.0, 100), (5.0, 150), (5.0, 150), (5.0, 150), (5.0, 150)]
+    assert run_incarnations(RULES, lives) == ["restart 1", "restart 2", "restart 1", "restart 2", "restart 3",
+                                              "give up"]
+    behind = [(5.0, 100), (5.0, 90), (5.0, 100), (5.0, 95)]  # back and forth below step 100: never past it
+    assert run_incarnations(RULES, behind) == ["restart 1", "restart 2", "restart 3", "give up"]
+
+
+def test_a_script_that_reports_no_step_has_every_crash_counted_as_under_torchrun() -> None:
+    assert run_incarnations(RULES, [(86400.0, None)] * 5) == ["restart 1", "restart 2", "restart 3", "give up"]
+
+
+def test_the_refill_rules_never_and_time() -> None:
+    never = dataclasses.replace(RULES, refill="never")
+    assert run_incarnations(never, [(5.0, s) for s in (10, 20, 30, 40, 50)]) == [
+        "restart 1", "restart 2", "restart 3", "give up"]
+    timed = dataclasses.replace(RULES, refill="time", healthy_reset=60.0)
+    assert run_incarnations(timed, [(5.0, 10), (61.0, 10), (5.0, 10), (5.0, 10), (5.0, 10)]) == [
+        "restart 1", "restart 1", "restart 2", "restart 3", "give up"]
+
+
+def test_a_rank_that_keeps_failing_the_same_way_is_pointed_out() -> None:
+    def exits(*records: tuple[int | None, int | None, str | None, bool]) -> list[dict]:
+        return [{"step": s, "code": c, "signal": sig, "failure": f} for s, c, sig, f in records]
+
+    assert policy.repeated_failure(exits((120, 1, None, True))) is None
+    assert policy.repeated_failure(exits((90, 1, None, True), (120, 1, None, True), (120, 1, None, True))) == {
+        "times": 2, "step": 120, "code": 1, "signal": None}
+    assert policy.repeated_failure(exits((120, None, "SIGSEGV", True), (120, 1, None, True))) is None  # two ways
+    assert policy.repeated_failure(exits((120, 1, None, True), (120, 75, None, False))) is None  # then fenced
+    assert policy.repeated_failure(exits((None, 2, None, True), (None, 2, None, True), (None, 2, None, True)))[
+        "times"] == 3
 
 
 def test_exits_the_scheduler_or_the_operator_asked_for_are_not_counted() -> None:

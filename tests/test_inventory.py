@@ -36,6 +36,9 @@ BAD_HOSTS = [
     ("alice@a,bob@a", "item 2 ('bob@a'): host a listed again with user 'bob', before 'alice'"),
     ("[zz]:2", "'[zz]' is not a host name"),
     ("a.", "'a.' is not a host name"),
+    ("node1\n:2", "'node1\\n' is not a host name"),  # `$` with match let a trailing newline by
+    ("bob\n@a", "'bob\\n' is not a user name"),
+    ("[fe80::1%eth0\n]:2", "is not a host name"),  # ipaddress takes any zone text
 ]
 
 

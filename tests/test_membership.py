@@ -12,7 +12,7 @@ import pytest
 
 from toolkit import protocol as P
 from toolkit.scheduler import kvstore
-from toolkit.scheduler.membership import Close, DropKeys, Exit, Log, Membership, Note, Send
+from toolkit.scheduler.membership import Close, DropKeys, Exit, Log, Membership, Note, Send, rank_of
 
 NODE_TIMEOUT, TOPO_TIMEOUT = 3.0, 60.0
 
@@ -43,6 +43,12 @@ def form(m: Membership, now: float = 0.0) -> None:
     for rank in range(m.world_size):
         register(m, 10 + rank, rank, now)
     assert m.formed
+
+
+def test_a_rank_is_ascii_digits_only() -> None:
+    """str.isdigit takes "²" (and int() then raises): a node id a peer sends must not crash the scheduler."""
+    assert [rank_of(n) for n in ("worker_3", "worker_\u00b2", "worker_\u0661", "worker_1\n", "sched")] == \
+        [3, None, None, None, None]
 
 
 def test_formation_waits_for_every_rank_then_tells_each_the_prefix() -> None:

@@ -88,6 +88,7 @@ def test_more_workers_than_slots_is_an_error() -> None:
         ({"job": ""}, "--job '': a job name"),
         ({"job": ".hidden"}, "--job '.hidden'"),
         ({"job": "x" * 65}, "a job name is 1-64"),
+        ({"job": "evil\n"}, "--job 'evil\\n': a job name is 1-64"),  # `$` with match let a trailing newline by
         ({"master_port": 1023}, "--master-port 1023: choose a port from 1024 to 65534"),
         ({"master_port": 65535}, "--master-port 65535: choose a port from 1024 to 65534 (the store uses the next one)"),
         ({"worker_num": 0}, "--worker-num 0: a job needs at least 1 worker"),

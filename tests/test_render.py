@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from toolkit.inventory import parse_hosts
 from toolkit.plan import JobOptions, Process, make_plan
-from toolkit.render import TEMPLATES, render_env, render_host, write_files
+from toolkit.render import TEMPLATES, RenderError, render_env, render_host, write_files
 
 HOSTILE = [
     "plain",
@@ -54,6 +54,12 @@ def test_env_file_yields_exactly_the_hostile_values(tmp_path: Path) -> None:
     path.write_text(render_env(hostile_process(HOSTILE)))
     assert read_env_file(path) == {f"V{i}": v for i, v in enumerate(HOSTILE)}
     assert not Path("/tmp/pwned-by-toolkit").exists()
+
+
+def test_an_environment_variable_name_with_a_trailing_newline_is_refused() -> None:
+    process = Process("h", "MS_WORKER", "worker_0", 0, 0, ("python3",), "/tmp", MappingProxyType({"EVIL\n": "x"}))
+    with pytest.raises(RenderError, match="'EVIL\\\\n' is not an environment variable name"):
+        render_env(process)
 
 
 @settings(max_examples=60, deadline=None)

@@ -14,6 +14,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -453,6 +454,92 @@ def test_a_finished_job_is_not_started_again_by_accident(tmp_path: Path, job: st
     assert f"deployed job {job}" in r.stderr and f"job {job} succeeded" in r.stderr
 
 
+def test_a_second_project_of_the_same_name_never_takes_over_a_running_job(tmp_path: Path) -> None:
+    """Two checkouts named `mnist` (the same default job name, the same workdir): the second one's deploy, its train
+    on a stale record and its stop all refuse with one line naming the directory and the first project; the first
+    job keeps its token, keeps running and succeeds."""
+    a, b = tmp_path / "a" / "mnist", tmp_path / "b" / "mnist"
+    for d in (a, b):
+        d.mkdir(parents=True)
+        shutil.copy(WORKER, d / "train.py")
+    work, done = tmp_path / "work", tmp_path / "a-may-finish"
+    flags = ["--workdir", str(work), "--worker-num", "1", "--master-port", str(free_port_pair()), "--no-warm-spare",
+             "--grace", "3"]
+    ok(fleet("deploy", *flags, cwd=b))  # B deployed first; then its job directory was removed (its record stays)
+    shutil.rmtree(work / "mnist")
+    runner = subprocess.Popen([str(BIN / "fleet"), "deploy", "train", "--join", *flags, "--script-args",
+                               f"--steps 100000 --delay 0.2 --until {done}"], cwd=a, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        first = wait_for("A's job running", lambda: (a / ".toolkit" / "jobs" / "mnist.json").is_file()
+                         and all_running(a, "mnist"))
+        token = (work / "mnist" / "token").read_bytes()
+        said = {  # B's record says deployed: each command of B reaches A's job directory, and leaves it alone
+            ("train", *flags): f"{work / 'mnist'} holds another project's job of this name (running): nothing was "
+                               "started",
+            ("stop",): f"{work / 'mnist'} holds another project's job mnist (project {a} on ",
+            ("restart", "--node", "worker_0"): f"{work / 'mnist'} holds another project's job mnist: nothing was "
+                                               "restarted",
+            ("deploy", "train", "--join", *flags): f"{work / 'mnist'} holds another project's job mnist (project {a} "
+                                                   "on ",
+        }
+        for args, line in said.items():
+            r = fleet(*args, cwd=b)
+            assert line in r.stderr and "Traceback" not in r.stderr, (args, r.stderr)
+            assert r.returncode == (0 if args == ("stop",) else 2), (args, r.returncode, r.stderr)
+        r = subprocess.run([str(work / "mnist" / "launch.sh"), "--job-id", "0" * 32], capture_output=True, text=True,
+                           timeout=COMMAND_TIMEOUT)  # launch.sh itself: "already running" only for this job
+        assert r.returncode == 4 and "holds another project's job mnist" in r.stderr, r.stderr
+        assert (work / "mnist" / "token").read_bytes() == token
+        step = next(p["step"] for p in first["processes"] if p["role"] == "worker")
+        again = wait_for("A's job still running, further on", lambda: all_running(a, "mnist", min_step=step + 1))
+        assert [p["pid"] for p in again["processes"]] == [p["pid"] for p in first["processes"]]  # never restarted
+        done.touch()
+        out, _ = runner.communicate(timeout=COMMAND_TIMEOUT)
+        assert runner.returncode == 0 and "job mnist succeeded" in out, out
+    finally:
+        if runner.poll() is None:
+            os.killpg(runner.pid, signal.SIGKILL)
+            runner.wait()
+        fleet("stop", cwd=a)
+
+
+def test_status_says_when_a_rank_keeps_failing_at_the_same_step(tmp_path: Path, job: str) -> None:
+    """--restart-refill reaches the agent through host.json; a rank that fails at the same step every time uses up
+    its budget and `status` says where and how it keeps failing."""
+    d = tmp_path / "proj"
+    d.mkdir()
+    shutil.copy(WORKER, d / "train.py")
+    work = tmp_path / "work"
+    flags = ["--job", job, "--workdir", str(work), "--worker-num", "1", "--master-port", str(free_port_pair()),
+             "--no-warm-spare", "--max-restarts", "1", "--restart-refill", "progress"]
+    r = fleet("deploy", "train", "--join", *flags, "--script-args", "--steps 20 --delay 0.05 --fail-rank 0 "
+              "--fail-step 4", cwd=d)
+    assert r.returncode != 0 and "worker_0" in r.stderr, r.stderr
+    spec = json.loads((work / job / "host.json").read_text())
+    assert spec["restart_refill"] == "progress" and spec["max_restarts"] == 1
+    out = fleet("status", "--job", job, cwd=d)
+    assert ("localhost:worker:0 (worker_0): failed 2 times in a row at step 3, each time with exit code 3: it does "
+            "not get past it") in out.stderr, out.stderr
+    r = fleet("deploy", *flags[:-1], "soon", cwd=d)
+    assert r.returncode == 2 and "--restart-refill 'soon': give 'progress'" in r.stderr, r.stderr
+
+
+def test_logs_show_control_characters_instead_of_obeying_them(tmp_path: Path, job: str) -> None:
+    """A log line with a terminal escape, a carriage return and a bidirectional override (what a forged "job
+    finished" line used): `fleet logs` prints them as escapes, on the process's own prefixed line."""
+    d = tmp_path / "proj"
+    d.mkdir()
+    shutil.copy(WORKER, d / "train.py")
+    work = tmp_path / "work"
+    ok(fleet("deploy", "--job", job, "--workdir", str(work), "--worker-num", "1", cwd=d))
+    forged = f"\x1b[2J\x1b[Hjob done\rjob {job} succeeded\u202e\tend"
+    (work / job / "logs" / "worker_0.log").write_text(f"step 1\n{forged}\n")
+    out = ok(fleet("logs", "--job", job, "--rank", "0", cwd=d)).stdout
+    assert out == ("localhost:worker:0 | step 1\n"
+                   f"localhost:worker:0 | \\x1b[2J\\x1b[Hjob done\\rjob {job} succeeded\\u202e\tend\n"), out
+
+
 def test_tasks_read_every_flag_from_the_job_record(tmp_path: Path, job: str) -> None:
     """Deployed from a parent directory with non-default --project, --script, --worker-num and --workdir: every
     later task typed there (or in the project) needs no flag, and a flag that contradicts the record is refused."""
@@ -522,10 +609,30 @@ def test_deploy_refuses_a_job_directory_others_could_change_and_keeps_its_own_pr
     r = fleet("deploy", *flags, cwd=d)
     assert r.returncode == 2 and f"{work} is writable by other users (mode 777)" in r.stderr, r.stderr
     os.chmod(work, 0o755)  # noqa: S103 - the usual mode of a workdir
+    (work / job).rename(work / "elsewhere")
+    (work / job).symlink_to(work / "elsewhere")  # a job directory that is a link: whoever owns it decides
+    r = fleet("deploy", *flags, cwd=d)
+    assert r.returncode == 2 and f"{work / job} is a symbolic link (to {work / 'elsewhere'})" in r.stderr, r.stderr
+    assert "mode" not in r.stderr
+    (work / job).unlink()
+    (work / "elsewhere").rename(work / job)
     r = ok(fleet("deploy", *flags, cwd=d))
     for sub in ("", "env", "logs", "state", "recovery", "ckpt"):
         assert (work / job / sub).stat().st_mode & 0o777 == 0o700, sub
     assert (work / job / "token").stat().st_mode & 0o777 == 0o600
+
+    ckpt = Path(tempfile.mkdtemp(prefix="tk-ckpt-", dir="/tmp"))  # --ckpt-dir where every local user may write
+    try:
+        ckpt.chmod(0o1777)
+        r = fleet("deploy", *flags, "--ckpt-dir", str(ckpt), cwd=d)
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 2 and f"checkpoint directory {ckpt} is writable by other users (mode 1777)" in lines[-1]
+        assert "--ckpt-dir" in lines[-1] and "Traceback" not in r.stderr, r.stderr
+        ckpt.chmod(0o700)
+        ok(fleet("deploy", *flags, "--ckpt-dir", str(ckpt / "mnist"), cwd=d))
+        assert (ckpt / "mnist").stat().st_mode & 0o777 == 0o700
+    finally:
+        shutil.rmtree(ckpt)
 
     copy = tmp_path / "copy"  # what deploy does to a remote host's project copy, with this machine as the host
     stats = LocalHost().sync_dir(d, str(copy), delete=True)

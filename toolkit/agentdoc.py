@@ -5,7 +5,9 @@ from the files, without starting a Python on the host):
 - `state/agent.json`: the agent's state, rewritten atomically on every change (`STATES`, `FINAL_STATES`); whether
   its writer still runs is decided by one rule (`judge`);
 - `state/agent.sock`: its control socket, one JSON request per line (`ControlOp`) and one reply;
-- `state/progress.sock`: the workers' progress datagrams (`progress`).
+- `state/progress.sock`: the workers' progress datagrams (`progress`);
+- `job-id`: which job of which project the job directory holds (`JOB_ID_FILE`, `read_identity`), written once by
+  the first deploy (tasks.scripts.LAYOUT_SCRIPT) and compared by every later deploy, start and stop.
 """
 
 from __future__ import annotations
@@ -18,6 +20,19 @@ AGENT_STATES = ("starting", "running", "finishing", "stopping", "succeeded", "fa
 FINAL_STATES = ("succeeded", "failed", "stopped")  # an agent in one of these has exited for good
 GONE = "gone"  # what `status` says of an agent whose process is gone before reaching a final state
 ABSENT = "absent"  # never started here (no agent.json)
+
+
+JOB_ID_FILE = "job-id"  # in the job directory: "<job id>\n<project it was deployed from>\n"
+MAX_IDENTITY = 2048  # bytes of it read: it is two short lines
+EXIT_OTHER_JOB = 4  # the agent's `start`/`stop --job-id`: the directory holds another project's job (left alone)
+
+
+def read_identity(text: str) -> tuple[str, str]:
+    """(job id, where it was deployed from) from job-id's text; ("", "") when the text has no id. The second line
+    is only shown to people (with its control characters escaped by the caller)."""
+    lines = text[:MAX_IDENTITY].split("\n")
+    job_id = lines[0].strip()
+    return (job_id, lines[1].strip() if len(lines) > 1 else "") if job_id else ("", "")
 
 
 class ControlOp(str, enum.Enum):

@@ -1,7 +1,10 @@
 """The one way toolkit replaces a file: readers see the old content or the new, never a part of either.
 
 How: the data goes to a temporary file in the same directory (created with its final mode, so a secret is never
-readable under a looser one), which is renamed over the target. Durability is named, because the callers need
+readable under a looser one), which is renamed over the target. The temporary name is random and the file is
+created with O_EXCL | O_NOFOLLOW: a link or file planted at a name the writer will use is never followed or
+truncated (another user who could predict the name could otherwise make the writer overwrite a file of theirs
+choosing). Durability is named, because the callers need
 different things and the difference costs fsyncs:
 
 - VISIBLE: rename only. For documents rewritten often and worth only their newest version (agent.json, the local
@@ -13,11 +16,13 @@ different things and the difference costs fsyncs:
 from __future__ import annotations
 
 import enum
+import errno
 import os
-import threading
+import secrets
 from pathlib import Path
 
 TMP_PREFIX = ".tmp-"
+CREATE_ATTEMPTS = 8  # random temporary names tried before giving up (a collision means someone is planting them)
 
 
 class Durability(enum.Enum):
@@ -34,8 +39,8 @@ def write(path: str | Path, data: bytes | bytearray | memoryview | str, mode: in
     the temporary file removed."""
     path = Path(path)
     payload = data.encode() if isinstance(data, str) else data
-    tmp = path.with_name(f"{TMP_PREFIX}{path.name}.{os.getpid()}.{threading.get_ident()}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, mode)
+    fd, name = create_temp(str(path), mode)
+    tmp = path.with_name(name)
     try:
         try:
             os.fchmod(fd, mode)
@@ -55,6 +60,27 @@ def write(path: str | Path, data: bytes | bytearray | memoryview | str, mode: in
         raise
     if durability is Durability.DURABLE:
         fsync_dir(path.parent)
+
+
+def temp_name(final: str) -> str:
+    """A fresh temporary name for a file that will be renamed to `final`: TMP_PREFIX, `final`, 64 random bits."""
+    return f"{TMP_PREFIX}{final}.{secrets.token_hex(8)}"
+
+
+def create_temp(final: str, mode: int = 0o600, dir_fd: int | None = None) -> tuple[int, str]:
+    """Create a new empty file named `temp_name` of `final`'s name, next to `final` (a path, relative to `dir_fd`
+    if given), with O_EXCL and O_NOFOLLOW, so that nothing already there is followed or truncated. Returns the fd
+    and the new file's name (without the directory). OSError on failure."""
+    head, tail = os.path.split(final)
+    for _ in range(CREATE_ATTEMPTS):
+        name = os.path.join(head, temp_name(tail))
+        try:
+            fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode,
+                         dir_fd=dir_fd)
+        except FileExistsError:
+            continue
+        return fd, os.path.basename(name)
+    raise OSError(errno.EEXIST, f"{CREATE_ATTEMPTS} random temporary names for {final} were all taken")
 
 
 def fsync_dir(directory: str | Path) -> None:

@@ -41,6 +41,10 @@ TORCHELASTIC_USE_AGENT_STORE = "TORCHELASTIC_USE_AGENT_STORE"
 TORCHELASTIC_RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"
 OMP_NUM_THREADS = "OMP_NUM_THREADS"
 GLOO_SOCKET_IFNAME = "GLOO_SOCKET_IFNAME"  # set by the agent: the interface toward the scheduler
+# set to 1 by the agent unless the user set them: gloo's bootstrap reads its peers with multi_get, 128 at a time, and
+# a rank's value does not grow with the world size (toolkit.train.store; every rank must agree on both)
+GLOO_ENABLE_STORE_V2_API = "GLOO_ENABLE_STORE_V2_API"
+GLOO_ENABLE_RANK_AS_SEQUENCE_NUMBER = "GLOO_ENABLE_RANK_AS_SEQUENCE_NUMBER"
 
 # the training script's data and checkpoints
 DATA_PATH = "DATA_PATH"
@@ -50,6 +54,7 @@ CKPT_DIR = "CKPT_DIR"
 TOOLKIT_JOB = "TOOLKIT_JOB"
 TOOLKIT_TOKEN_FILE = "TOOLKIT_TOKEN_FILE"  # noqa: S105 - a variable's name, not a secret
 TOOLKIT_AGENT_SOCKET = "TOOLKIT_AGENT_SOCKET"
+TOOLKIT_STEP_FILE = "TOOLKIT_STEP_FILE"  # set by the agent: where the worker keeps its latest step (toolkit.stepfile)
 TOOLKIT_HEARTBEAT_INTERVAL = "TOOLKIT_HEARTBEAT_INTERVAL"
 TOOLKIT_RECOVERY = "TOOLKIT_RECOVERY"  # worker: "restart" (--torchrun-script) forces restart recovery; default auto
 TOOLKIT_STRAGGLER_FACTOR = "TOOLKIT_STRAGGLER_FACTOR"  # scheduler: see DEFAULT_STRAGGLER_FACTOR

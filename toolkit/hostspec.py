@@ -11,10 +11,11 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from toolkit import agentdoc
 from toolkit import envvars as E
 from toolkit.errors import UserError
 
@@ -22,7 +23,8 @@ VERSION = 1
 DEFAULT_MAX_RESTARTS = 3
 DEFAULT_BACKOFF_BASE = 1.0  # s
 DEFAULT_BACKOFF_MAX = 30.0  # s
-DEFAULT_HEALTHY_RESET = 300.0  # s
+DEFAULT_HEALTHY_RESET = 300.0  # s (the refill rule "time" only)
+REFILL_PROGRESS, REFILL_NEVER, REFILL_TIME = "progress", "never", "time"  # when the restart budget refills
 DEFAULT_GRACE = 10.0  # s between SIGTERM and SIGKILL
 MAX_SOCKET_PATH = 107  # bytes of a unix socket path (sun_path, with its NUL)
 
@@ -53,17 +55,25 @@ class RestartDecision:
     give_up: bool
     delay: float
     counted: int  # restarts counted against max_restarts once this one is done
+    failed_at: int | None = None  # the furthest step the failures of this count reached (None: none reported)
+    refilled: str = ""  # why the count started again with this failure ("": it did not, or it was the first)
 
 
 @dataclass(frozen=True)
 class RestartPolicy:
     """host.json's restart settings, the same for every process of the host (toolkit.agent.policy's docstring explains
-    the rule). Pure: `backoff` and `after_failure` only compute."""
+    the rule). Pure: `backoff` and `after_failure` only compute.
+
+    `refill` says when a process's count of failures starts again: REFILL_PROGRESS (the default) when the incarnation
+    that failed got past the step at which the previous failure happened, REFILL_NEVER as under torchrun, REFILL_TIME
+    after `healthy_reset` seconds of running (what toolkit did before: a script that resumes from its checkpoint and
+    fails at the same step later than that restarted forever)."""
 
     max_restarts: int = DEFAULT_MAX_RESTARTS
     backoff_base: float = DEFAULT_BACKOFF_BASE
     backoff_max: float = DEFAULT_BACKOFF_MAX
     healthy_reset: float = DEFAULT_HEALTHY_RESET
+    refill: str = REFILL_PROGRESS
 
     def backoff(self, counted: int) -> float:
         """Delay before the restart that follows `counted` counted restarts: 0, base, 2 base, 4 base ... max."""
@@ -71,16 +81,53 @@ class RestartPolicy:
             return 0.0
         return min(self.backoff_base * 2.0 ** min(counted - 1, 62), self.backoff_max)
 
-    def after_failure(self, counted: int, ran_for: float, progressed: bool = False) -> RestartDecision:
+    def forgives(self, ran_for: float, reached: int | None, failed_at: int | None) -> bool:
+        """Whether a failure starts the count again: by `refill`. `reached` is the last step the failed
+        incarnation completed (None: it reported none), `failed_at` the furthest step the failures counted so far
+        had reached (None: none, or no step). Progress means a step beyond it; an incarnation that reported no step
+        never made progress that toolkit can see, so under REFILL_PROGRESS every such crash counts."""
+        if self.refill == REFILL_TIME:
+            return ran_for >= self.healthy_reset
+        if self.refill == REFILL_PROGRESS:
+            return reached is not None and (failed_at is None or reached > failed_at)
+        return False
+
+    def after_failure(self, counted: int, ran_for: float, progressed: bool = False, reached: int | None = None,
+                      failed_at: int | None = None) -> RestartDecision:
         """What to do after a failed exit, `counted` restarts already counted. Every failure counts against
-        max_restarts (a run of healthy_reset seconds refills the budget). The backoff is for crash loops, which
-        never get to train: a process that had made progress (reported a step, or joined its group) since its
-        launch is relaunched at once, however many faults came before."""
-        if ran_for >= self.healthy_reset:
-            counted = 0
+        max_restarts unless `forgives` says the budget refills first (then this failure is the first of a new count).
+        The backoff is for crash loops, which never get to train: a process that had made progress (reported a
+        step, or joined its group) since its launch is relaunched at once, however many faults came before. The
+        decision carries the furthest step of this count's failures, the next failure's `failed_at` (a run that
+        falls back to an earlier checkpoint and fails there again has not got past the furthest)."""
+        refilled = ""
+        if self.forgives(ran_for, reached, failed_at):
+            if counted:
+                refilled = (f"it ran {ran_for:.1f} s (restart_refill {self.healthy_reset:g} s)" if self.refill ==
+                            REFILL_TIME else f"it got to step {reached}" +
+                            (f", past step {failed_at} where it failed before" if failed_at is not None else ""))
+            counted, failed_at = 0, None
+        mark = max((s for s in (failed_at, reached) if s is not None), default=None)
         if counted >= self.max_restarts:
-            return RestartDecision(True, 0.0, counted)
-        return RestartDecision(False, 0.0 if progressed else self.backoff(counted), counted + 1)
+            return RestartDecision(True, 0.0, counted, mark)
+        return RestartDecision(False, 0.0 if progressed else self.backoff(counted), counted + 1, mark, refilled)
+
+
+def parse_refill(text: str) -> tuple[str, float]:
+    """The refill rule as typed (`--restart-refill`): "progress", "never", or a number of seconds (the rule "time"),
+    as (rule, healthy_reset seconds). ValueError, saying what may be given, for anything else."""
+    value = text.strip().lower()
+    if value in (REFILL_PROGRESS, REFILL_NEVER):
+        return value, DEFAULT_HEALTHY_RESET
+    try:
+        seconds = float(value.removesuffix("s"))
+    except ValueError:
+        seconds = math.nan
+    if not 0 < seconds < math.inf:
+        raise ValueError(f"{text!r}: give 'progress' (the count of a process's failures starts again once it gets "
+                         "past the step where it failed last), 'never' (as torchrun) or a number of seconds (after "
+                         "that long a run)")
+    return REFILL_TIME, seconds
 
 
 @dataclass(frozen=True)
@@ -101,6 +148,8 @@ class HostSpec:
     warm_spare: bool
     processes: tuple[ProcSpec, ...]
     standby: tuple[ProcSpec, ...] = ()  # a spare host's: every worker it could take over (none runs at first)
+    job_id: str = ""  # the job directory's agentdoc.JOB_ID_FILE: which project's job it holds ("": none written)
+    origin: str = ""  # ... and where that job was deployed from (for people)
 
     @property
     def spare(self) -> bool:
@@ -146,6 +195,10 @@ class HostSpec:
     def standby_log(self) -> Path:
         """logs/standby.log: the warm spare's output until it becomes a worker."""
         return self.job_dir / "logs" / "standby.log"
+
+    def step_file(self, node_id: str) -> Path:
+        """state/<node_id>.step: the worker's latest step, for the restart budget (toolkit.stepfile)."""
+        return self.state_dir / f"{node_id}.step"
 
     def proc(self, node_id: str) -> ProcSpec | None:
         """The process named `node_id`, or None if this host does not run it."""
@@ -197,6 +250,9 @@ def load(job_dir: str | Path) -> HostSpec:
         healthy_reset=float(get(doc, "healthy_reset", (int, float), "healthy_reset", DEFAULT_HEALTHY_RESET,
                                 lambda v: 0 < v < math.inf,
                                 "give a positive number of seconds")),
+        refill=get(doc, "restart_refill", str, "restart_refill", REFILL_PROGRESS,
+                   lambda v: v in (REFILL_PROGRESS, REFILL_NEVER, REFILL_TIME),
+                   f"give {REFILL_PROGRESS}, {REFILL_NEVER} or {REFILL_TIME}"),
     )
     def procs(key: str) -> tuple[ProcSpec, ...]:
         """The process list under `key`, each checked; node ids unique within it."""
@@ -249,6 +305,14 @@ def load(job_dir: str | Path) -> HostSpec:
         processes=processes,
         standby=standby,
     )
+    try:
+        with open(job_dir / agentdoc.JOB_ID_FILE, encoding="utf-8", errors="replace") as f:
+            job_id, origin = agentdoc.read_identity(f.read(agentdoc.MAX_IDENTITY))
+        spec = replace(spec, job_id=job_id, origin=origin)
+    except FileNotFoundError:
+        pass  # rendered by hand or by an older deploy: no identity to compare
+    except OSError as e:
+        raise UserError(f"{job_dir / agentdoc.JOB_ID_FILE}: cannot read it ({e})") from None
     for sock in (spec.control_socket, spec.progress_socket):
         if len(os.fsencode(str(sock))) > MAX_SOCKET_PATH:
             raise UserError(f"{sock}: longer than a unix socket path may be ({MAX_SOCKET_PATH} bytes); use a shorter "
@@ -258,15 +322,17 @@ def load(job_dir: str | Path) -> HostSpec:
 
 def document(job: str, host: str, sched_address: str, sched_port: int, max_restarts: int, grace: float,
              bind_core: bool, warm_spare: bool, processes: list[dict[str, Any]],
-             standby: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+             standby: list[dict[str, Any]] | None = None, refill: str = REFILL_PROGRESS) -> dict[str, Any]:
     """host.json for one host: `processes` are dicts with node_id, role, rank, local_rank, argv, cwd, env_file and
     log_file (what ProcSpec holds), paths relative to the job directory; `standby` (a spare host's; then `processes`
-    is empty) the workers it could take over, in the same form. Pure. The backoff settings are always the defaults:
-    only max_restarts, grace, bind_core and warm_spare are options."""
+    is empty) the workers it could take over, in the same form; `refill` the budget's refill rule as typed
+    (`parse_refill`: checked by JobOptions). Pure. The backoff settings are always the defaults: only max_restarts,
+    the refill rule, grace, bind_core and warm_spare are options."""
     extra = {"standby": standby} if standby else {}
+    rule, seconds = parse_refill(refill)
     return {
         "version": VERSION, "job": job, "host": host, "scheduler": {"host": sched_address, "port": sched_port},
         "token_file": "token", "max_restarts": max_restarts, "backoff_base": DEFAULT_BACKOFF_BASE,
-        "backoff_max": DEFAULT_BACKOFF_MAX, "healthy_reset": DEFAULT_HEALTHY_RESET, "grace": grace,
+        "backoff_max": DEFAULT_BACKOFF_MAX, "restart_refill": rule, "healthy_reset": seconds, "grace": grace,
         "bind_core": bind_core, "warm_spare": warm_spare, "processes": processes, **extra,
     }

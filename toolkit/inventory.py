@@ -19,8 +19,10 @@ from toolkit.errors import UserError
 
 LOCALHOST = "localhost"
 
-_NAME = re.compile(r"^[A-Za-z0-9_](?:[A-Za-z0-9._-]*[A-Za-z0-9_])?$")
-_USER = re.compile(r"^[A-Za-z_][A-Za-z0-9._-]*$")
+# Whole-string patterns, always used with fullmatch: `$` with match would accept a trailing newline.
+_NAME = re.compile(r"[A-Za-z0-9_](?:[A-Za-z0-9._-]*[A-Za-z0-9_])?")
+_USER = re.compile(r"[A-Za-z_][A-Za-z0-9._-]*")
+_SCOPE = re.compile(r"[A-Za-z0-9._-]+")  # an IPv6 zone (interface name or index)
 _SLOTS_HELP = "slots must be a whole number of at least 1"
 MAX_SLOTS = 4096  # workers on one host: more is a typo, and would only make the planner eat memory
 
@@ -156,7 +158,7 @@ def _split_user(item: str, where: str) -> tuple[str | None, str]:
     if "@" not in item:
         return None, item
     user, _, rest = item.partition("@")
-    if not _USER.match(user):
+    if not _USER.fullmatch(user):
         raise InventoryError(f"{where}: {user!r} is not a user name; write user@host")
     return user, rest
 
@@ -164,7 +166,7 @@ def _split_user(item: str, where: str) -> tuple[str | None, str]:
 def check_name(name: str, where: str) -> None:
     """InventoryError naming `where` unless `name` is a host name or address toolkit accepts (letters, digits,
     '.', '-', '_'; an IPv6 address in brackets): names end up in ssh argv and rendered files."""
-    if _NAME.match(name) or _is_ipv6(name.removeprefix("[").removesuffix("]")):
+    if _NAME.fullmatch(name) or _is_ipv6(name.removeprefix("[").removesuffix("]")):
         return
     raise InventoryError(
         f"{where}: {name!r} is not a host name or address (letters, digits, '.', '-', '_'; IPv6 in brackets)"
@@ -172,6 +174,11 @@ def check_name(name: str, where: str) -> None:
 
 
 def _is_ipv6(text: str) -> bool:
+    """An IPv6 address, with at most a zone of letters, digits, '.', '_' or '-' (ipaddress takes any zone text,
+    a newline included)."""
+    _, percent, zone = text.partition("%")
+    if percent and not _SCOPE.fullmatch(zone):
+        return False
     try:
         ipaddress.IPv6Address(text)
     except ValueError:
@@ -468,7 +475,7 @@ def _host_from_vars(name: str, v: Mapping[str, Any], where: str) -> Host:
     if address is not None:
         check_name(address, f"{where}: ansible_host")
     user = text("ansible_user")
-    if user is not None and not _USER.match(user):
+    if user is not None and not _USER.fullmatch(user):
         raise InventoryError(f"{where}: ansible_user={user!r} is not a user name")
     if slots is None:  # set above on every path that reaches here
         raise RuntimeError(f"{where}: no slots")

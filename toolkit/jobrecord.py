@@ -12,6 +12,7 @@ typed there find the job. Reading is strict (`load`): a damaged record is one Us
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import secrets
@@ -61,6 +62,7 @@ class JobRecord:
     deployed: bool = True  # False while a deploy is under way (or if it failed): `train` deploys again
     options: dict[str, Any] = field(default_factory=dict)  # the JobOptions it was deployed with (flags typed later
     # must agree with them)
+    job_id: str = ""  # which job this is, beyond its name (`job_id`); "" only for a record no token backs
 
     @property
     def world_size(self) -> int:
@@ -127,7 +129,7 @@ class JobRecord:
 def _rank_key(node_id: str) -> tuple[int, str]:
     """Order node ids as the plan does: the scheduler first, then workers by rank."""
     tail = node_id.rsplit("_", 1)[-1]
-    return (int(tail) if tail.isdigit() else -1, node_id)
+    return (int(tail) if tail.isascii() and tail.isdigit() else -1, node_id)
 
 
 def update(project: Path, record: JobRecord) -> Path:
@@ -223,9 +225,13 @@ def load(project: Path, job: str | None, default: str | None = None) -> JobRecor
     except (OSError, ValueError, RecursionError) as e:
         raise UserError(f"{path}: unreadable job record ({type(e).__name__}: {e}); deploy the job again") from None
     try:
-        return _parse(data)
+        record = _parse(data)
     except RecordError as e:
         raise UserError(f"{path}: damaged job record: {e}; deploy the job again (fleet deploy)") from None
+    if not record.job_id:  # a record from before job ids: the token beside it says which job it is
+        with contextlib.suppress(OSError):
+            record = replace(record, job_id=job_id(path.with_suffix(".token").read_text().strip()))
+    return record
 
 
 class RecordError(ValueError):
@@ -289,7 +295,7 @@ def _parse(data: Any) -> JobRecord:
         job=field_(data, "job", str), local=field_(data, "local", bool),
         scheduler_host=field_(data, "scheduler_host", str), sched_port=port, hosts=tuple(hosts),
         processes=tuple(processes), ssh=ssh, grace=float(grace), deployed=bool(data.get("deployed", True)),
-        options=dict(options))
+        options=dict(options), job_id=data["job_id"] if isinstance(data.get("job_id"), str) else "")
 
 
 def token(project: Path, job: str) -> str:
@@ -316,3 +322,12 @@ def token(project: Path, job: str) -> str:
     finally:
         draft.unlink()
     return path.read_text().strip()
+
+
+def job_id(token: str) -> str:
+    """The job's id: what tells this job from another project's job of the same name in the same job directory.
+
+    Derived from the job's token (made once per job, at the first deploy, and kept), so it is fixed for the job's
+    life and needs no file of its own; one-way, so showing it (agent.json, the job directory's `job-id`) reveals
+    nothing of the token."""
+    return hashlib.sha256(b"toolkit job id\0" + token.encode()).hexdigest()[:32]

@@ -16,6 +16,7 @@ from types import MappingProxyType
 from typing import Iterator, Mapping
 
 from toolkit import envvars as E
+from toolkit import hostspec
 from toolkit.errors import UserError
 from toolkit.inventory import Host, Inventory
 from toolkit.protocol import RECOVERY_RESTART as P_RECOVERY_RESTART
@@ -24,7 +25,7 @@ from toolkit.protocol import worker_node_id
 SCHED_NODE_ID = "sched"
 EXPECTED_FILE = "expected.json"  # on the scheduler's host: where each node id is expected to run
 DEFAULT_WORKDIR = "toolkit-jobs"  # relative: under the login user's home on each host
-_JOB_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+_JOB_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")  # whole name: fullmatch (a `$` would let "\n" through)
 
 
 class PlanError(UserError):
@@ -60,6 +61,7 @@ class JobOptions:
     workdir: str = DEFAULT_WORKDIR
     python: str = "python3"
     max_restarts: int = 3
+    restart_refill: str = hostspec.REFILL_PROGRESS  # when a process's count of failures starts again (hostspec)
     grace: float = 10.0
     bind_core: bool = False
     warm_spare: bool = True
@@ -68,7 +70,7 @@ class JobOptions:
     host_timeout: float = E.DEFAULT_HOST_TIMEOUT  # s a host's ranks dead, its agent gone: lost, a spare takes over
 
     def __post_init__(self) -> None:
-        if not _JOB_NAME.match(self.job):
+        if not _JOB_NAME.fullmatch(self.job):
             raise PlanError(
                 f"--job {self.job!r}: a job name is 1-64 letters, digits, '.', '_' or '-', starting with a letter "
                 "or digit (it names directories on every host)"
@@ -91,6 +93,10 @@ class JobOptions:
             )
         if self.max_restarts < 0:
             raise PlanError(f"--max-restarts {self.max_restarts}: give 0 or more")
+        try:
+            hostspec.parse_refill(self.restart_refill)
+        except ValueError as e:
+            raise PlanError(f"--restart-refill {e}") from None
         if not 1 < self.straggler_factor < math.inf:
             raise PlanError(f"--straggler-factor {self.straggler_factor}: give a factor above 1 (1.5: a rank whose own "
                             "work per step takes 1.5 times the others' median is named a straggler)")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
+import resource
 import selectors
 import signal
 import subprocess
@@ -381,3 +382,17 @@ def kill_quietly(pid: int, sig: int) -> bool:
         if e.errno == errno.EPERM:
             return False
         raise
+
+
+def raise_open_files() -> tuple[int, int]:
+    """Raise this process's soft RLIMIT_NOFILE to its hard limit (children inherit it); returns (before, after).
+
+    The scheduler holds two connections per worker and the agent's workers hold one descriptor per gloo connection
+    (some of them strangers'); the soft limit is often 1024 where the hard one is far higher."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (ValueError, OSError):
+            return soft, soft
+    return soft, max(soft, hard)

@@ -43,7 +43,9 @@ reports `exited` and `gave_up`, the scheduler sends `kill`, `stop` and `finished
 
 Store conversation (MASTER_PORT): `store_hello {nonce, proof, node_id}` answered by `welcome {proof}`; then
 `kv {id, cmd, ...}` requests, each answered by `kv_reply {id, ok, ...}` (toolkit/scheduler/kvstore.py has the
-commands); keys and values travel base64-encoded.
+commands: set, get, multi_get, add, compare_set, check, wait, delete, num_keys); keys and values travel
+base64-encoded. A request line is at most MAX_STORE_LINE; a reply line at most MAX_STORE_REPLY (a multi_get's
+values together).
 
 `recovery` says how the worker recovers from a peer's death: "in-place" (it called toolkit.train.init(): it re-forms
 the group and goes on) or "restart" (a torchrun-style script under `python -m toolkit.train`: it exits and its
@@ -65,6 +67,10 @@ from typing import Any
 MAX_LINE = 64 << 10  # bytes of one control message (the longest, gave_up, carries a bounded log tail)
 MAX_STORE_LINE = 512 << 10  # bytes of one store message (a value of up to MAX_STORE_VALUE, base64)
 MAX_STORE_VALUE = 256 << 10
+MAX_STORE_KEYS = 1024  # keys in one store request (wait, check, multi_get)
+# bytes of one store reply (a multi_get's values), read once the server proved the token; at most what the scheduler
+# queues for one peer (server.MAX_OUTBUF): a longer multi_get is refused, and the client asks for fewer keys
+MAX_STORE_REPLY = 1 << 20
 MAX_PREAUTH_LINE = 4 << 10  # bytes of a first message: hellos are small
 NONCE_BYTES = 16
 

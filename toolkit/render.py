@@ -21,7 +21,7 @@ from toolkit.plan import EXPECTED_FILE, HostPlan, LaunchPlan, Process
 
 TEMPLATES = Path(__file__).resolve().parent / "templates"
 SCRIPTS = ("launch.sh", "recover.sh", "stop.sh")
-_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")  # fullmatch: `$` would accept a trailing newline
 
 
 class RenderError(UserError):
@@ -77,7 +77,7 @@ def render_host(plan: LaunchPlan, host: HostPlan, token: str,
 def render_env(process: Process, jinja: jinja2.Environment | None = None) -> str:
     """The env file of `process`: one `export NAME='value'` line per variable, values shell-quoted. RenderError
     if a variable name is not a shell name (it could not be exported, or would inject code)."""
-    bad = [name for name in process.env if not _ENV_NAME.match(name)]
+    bad = [name for name in process.env if not _ENV_NAME.fullmatch(name)]
     if bad:
         raise RenderError(f"{process.node_id}: {bad[0]!r} is not an environment variable name")
     jinja = jinja or environment()
@@ -100,7 +100,8 @@ def host_spec(plan: LaunchPlan, host: HostPlan) -> dict[str, Any]:
                 for p in processes]
 
     return hostspec.document(plan.job, host.name, plan.sched_address, plan.sched_port, o.max_restarts, o.grace,
-                             o.bind_core, o.warm_spare, entries(host.processes), entries(host.standby))
+                             o.bind_core, o.warm_spare, entries(host.processes), entries(host.standby),
+                             o.restart_refill)
 
 
 def plan_json(plan: LaunchPlan) -> dict[str, Any]:

@@ -277,4 +277,4 @@ def _num(v: Any) -> float | None:
 
 
 def _rank_key(rank: str) -> tuple[int, str]:
-    return (int(rank), "") if rank.isdigit() else (1 << 30, rank)
+    return (int(rank), "") if rank.isascii() and rank.isdigit() else (1 << 30, rank)

@@ -14,6 +14,11 @@ from typing import Any
 from toolkit import protocol as P
 
 
+class ClosedEarly(ConnectionError):
+    """The scheduler closed the connection before the handshake was over (a store or control port under a flood
+    closes the oldest connections still waiting to authenticate): trying again may work."""
+
+
 class Unproven(Exception):
     """The peer answered without proving it holds the job token: a wrong token on this side, or not this job's
     scheduler (something else took its address)."""
@@ -55,7 +60,7 @@ def open_session(address: tuple[str, int], token: str, op: str, fields: dict[str
                 sock.settimeout(max(0.01, deadline - time.monotonic()))
                 data = sock.recv(65536)
                 if not data:
-                    raise ConnectionError("the scheduler closed the connection during the handshake")
+                    raise ClosedEarly("the scheduler closed the connection during the handshake")
                 pending.extend(lines.feed(data))
             return pending.pop(0)
 

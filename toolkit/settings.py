@@ -56,6 +56,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("workdir", str, None, f"base directory of jobs on each host (default ~/{DEFAULT_WORKDIR})"),
     Option("python", str, None, "python on the hosts (default python3; local: this interpreter)"),
     _job_option("max_restarts", int, "restarts of one process before the job fails"),
+    _job_option("restart_refill", str, "when a process's count of restarts starts again: 'progress' (once it gets "
+                "past the step where it failed last), 'never' (as torchrun), or SECONDS of running"),
     _job_option("grace", float, "seconds between SIGTERM and SIGKILL when stopping"),
     _job_option("bind_core", bool, "pin each worker to its own CPUs"),
     _job_option("warm_spare", bool, "keep a pre-started interpreter per host for fast replacement"),
@@ -106,7 +108,7 @@ class Settings:
 # The options that are part of a deployed job (the record keeps them): typed again later, they must agree with it.
 JOB_OPTIONS = ("script", "script_args", "worker_num", "master_port", "cluster_time_out", "node_timeout", "recovery",
                "data_path", "ckpt_dir", "workdir", "python", "max_restarts", "grace", "bind_core", "warm_spare",
-               "torchrun_script", "host_timeout")
+               "torchrun_script", "host_timeout", "restart_refill")
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The same DDP script as plain.py, ported to toolkit.train (docs/porting.md shows the diff): under toolkit a
 fault costs no restart of the survivors and no step; the result is bitwise that of an uninterrupted run.
-Checkpoints (CKPT_DIR/rank_<r>/) serve whole-job restarts only.
+Checkpoints (CKPT_DIR/host_<host>/, one copy per host) serve whole-job restarts only.
 
     torchrun --nproc-per-node 2 examples/ddp/ported.py
 """

@@ -151,27 +151,12 @@ def test_host_cut_off_then_back(e2e: E2E, baseline: str) -> None:
     job.wait_no_leftovers()
 
 
-def test_truncated_newest_checkpoint_falls_back(e2e: E2E, baseline: str) -> None:
-    job = e2e.job("truncated")
-    job.start()
-    victim = job.wait_step(2 * 4 + 1)["worker_1"]  # two checkpoints on disk
-    os.kill(victim["pid"], signal.SIGKILL)
-    rank_dir = job.job_dir(victim["host"]) / "ckpt" / "rank_1"
-    newest = sorted(rank_dir.glob("step_*.ckpt"))[-1]
-    with open(newest, "r+b") as f:
-        f.truncate(newest.stat().st_size // 2)
-    assert job.finish_ok() == baseline
-    log = job.log("worker_1")
-    assert newest.name in log, f"the damaged checkpoint was not reported:\n{log[-3000:]}"
-    job.wait_no_leftovers()
-
-
 def test_checkpoint_storage_full_on_one_host(e2e: E2E) -> None:
     job = e2e.job("disk-full")
     host = e2e.hosts[1]
     ckpt = job.job_dir(host) / "ckpt"
     ckpt.mkdir(parents=True)
-    # One checkpoint file is ~326 kB: each of the host's two ranks writes its first, then neither fits a second.
+    # A checkpoint is ~326 kB, written once per host (each of its two ranks writes half): two fit, not a third.
     subprocess.run(e2e.cluster.inside_argv(host, ["mount", "-t", "tmpfs", "-o", "size=900k", "tmpfs", str(ckpt)]),
                    check=True, timeout=30)
     try:
@@ -182,21 +167,22 @@ def test_checkpoint_storage_full_on_one_host(e2e: E2E) -> None:
         assert host in output, output
         job.wait_no_leftovers()
         # Read where the host sees its tmpfs: every rank there still has intact checkpoints.
-        verify = ("import json, sys; from pathlib import Path; from toolkit.train.checkpoint import CheckpointManager\n"
+        verify = ("import json, sys; from pathlib import Path\n"
+                  "from toolkit.train.checkpoint import CheckpointManager, Placement\n"
+                  "from toolkit.train.ckptfile import job_key\n"
+                  "root, key = Path(sys.argv[1]), job_key(Path(sys.argv[2]).read_text().strip())\n"
                   "found = {}\n"
-                  "for d in sorted(Path(sys.argv[1]).glob('rank_*')):\n"
-                  "    scan = CheckpointManager(d, keep_max=3).scan()\n"
+                  "for d in sorted(root.glob('host_*')):\n"
+                  "    scan = CheckpointManager(root, 3, placement=Placement(d.name[5:]), key=key).scan()\n"
                   "    found[d.name] = [list(scan.intact), [str(bad.path) for bad in scan.damaged]]\n"
                   "print(json.dumps(found))")
-        done = subprocess.run(e2e.cluster.inside_argv(host, [e2e.cluster.python, "-c", verify, str(ckpt)]),
-                              capture_output=True, text=True, timeout=60)
+        argv = [e2e.cluster.python, "-c", verify, str(ckpt), str(job.job_dir(host) / "token")]
+        done = subprocess.run(e2e.cluster.inside_argv(host, argv), capture_output=True, text=True, timeout=60)
         assert done.returncode == 0, done.stderr
         found = json.loads(done.stdout)
-        ranks = sorted(f"rank_{p['rank']}" for p in job.processes().values() if p.get("host") == host and
-                       p["node_id"] != "sched")
-        assert sorted(found) == ranks, found
-        for rank, (intact, damaged) in found.items():
-            assert intact and not damaged, f"{host} {rank}: intact {intact}, damaged {damaged}"
+        assert sorted(found) == [f"host_{host}"], found  # one copy for the host's ranks
+        for name, (intact, damaged) in found.items():
+            assert intact and not damaged, f"{name}: intact {intact}, damaged {damaged}"
     finally:
         subprocess.run(e2e.cluster.inside_argv(host, ["umount", "-l", str(ckpt)]), check=False, timeout=30)
 
@@ -233,8 +219,19 @@ def test_stop_mid_run_then_train_resumes(e2e: E2E, baseline: str) -> None:
                                     log.read_text(errors="replace"))]
     assert saved, "no worker saved a checkpoint when it was stopped:\n" + job.evidence()
     stopped_at = max(saved)
+    # Each host keeps one copy. The first host's copy of the stop's step is damaged (half of one part), the second's
+    # gone: every rank resumes from the third host's, read there by its first rank and sent to the others.
+    first, second, third = e2e.hosts
+    damaged = job.job_dir(first) / "ckpt" / f"host_{first}" / f"step_{stopped_at:012d}.p1of2.ckpt"
+    with open(damaged, "r+b") as f:
+        f.truncate(damaged.stat().st_size // 2)
+    for part in (job.job_dir(second) / "ckpt" / f"host_{second}").glob(f"step_{stopped_at:012d}.*"):
+        part.unlink()
+    reader = min(p["rank"] for p in job.processes().values() if p.get("host") == third and p["node_id"] != "sched")
     job.start("train")
     assert job.finish_ok() == baseline
-    resumed = [int(s) for s in re.findall(r"resumed from step (\d+)", job.log("worker_0"))]
-    assert resumed and resumed[-1] == stopped_at, f"resumed at {resumed}, stopped at {stopped_at}"
+    for node in (p["node_id"] for p in job.processes().values() if p["node_id"] != "sched"):
+        resumed = re.findall(r"resumed from step (\d+) .* out of rank (\d+)'s checkpoint", job.log(node))
+        assert resumed and resumed[-1] == (str(stopped_at), str(reader)), f"{node}: {resumed}, stopped at {stopped_at}"
+    assert any(str(damaged) in job.log(f"worker_{r}") for r in range(2 * 3)), "the damaged part was not named"
     job.wait_no_leftovers()

@@ -20,7 +20,8 @@ import time
 BLOCK_LIMIT = 120.0  # a blocked worker that nobody kills exits on its own, so a broken test cannot hang forever
 
 ENV_KEYS = ("RANK", "LOCAL_RANK", "MS_NODE_ID", "MS_ROLE", "TORCHELASTIC_RESTART_COUNT", "WORLD_SIZE",
-            "TOOLKIT_AGENT_SOCKET", "EXTRA", "OMP_NUM_THREADS")
+            "TOOLKIT_AGENT_SOCKET", "EXTRA", "OMP_NUM_THREADS", "GLOO_ENABLE_STORE_V2_API",
+            "GLOO_ENABLE_RANK_AS_SEQUENCE_NUMBER")
 
 
 def main() -> int:
@@ -39,6 +40,7 @@ def main() -> int:
     ap.add_argument("--grandchild", action="store_true")
     ap.add_argument("--progress", type=int, default=0)
     ap.add_argument("--progress-on-usr1", action="store_true", help="report step 1 to the agent on SIGUSR1")
+    ap.add_argument("--linger", type=float, default=0.0, help="seconds to wait before exiting")
     args = ap.parse_args()
 
     warm = "torch._dynamo" in sys.modules  # true only when a warm spare ran us
@@ -79,6 +81,7 @@ def main() -> int:
     if blocked:
         select.select([], [], [], BLOCK_LIMIT)
         return 4
+    time.sleep(args.linger)
     code = args.exit
     if args.exit_until_restart is not None and restart >= args.exit_until_restart:
         code = 0

@@ -7,6 +7,7 @@ tests start many jobs on two shared cores). With --runtime it joins through tool
 the scheduler forms the job) and ends with rt.done().
 
 usage: tasks_worker.py [--steps N] [--delay S] [--runtime] [--fail-rank R [--fail-step S] [--fail-code C]]
+                       [--until FILE]
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ def main() -> int:
     ap.add_argument("--fail-rank", type=int, default=None, help="this rank fails (exits --fail-code)")
     ap.add_argument("--fail-step", type=int, default=0, help="... before this step (0: before training)")
     ap.add_argument("--fail-code", type=int, default=3)
+    ap.add_argument("--until", default=None, help="finish (exit 0) at the first step after this file exists")
     args = ap.parse_args()
 
     rank = int(os.environ.get("RANK", "0"))
@@ -48,6 +50,8 @@ def main() -> int:
     for step in range(1, args.steps + 1):
         if rank == args.fail_rank and step == args.fail_step:
             return fail(node, args.fail_code)
+        if args.until and os.path.exists(args.until):
+            break
         loss = 2.0 / (step + rank + 1)
         print(f"epoch: 0, step: {step}, loss is {loss:.3f}", flush=True)
         if rt is not None:

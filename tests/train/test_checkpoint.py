@@ -1,15 +1,19 @@
-"""Checkpoints on real files: atomic commit under a real SIGKILL, verification and fallback, keep_max, a really
-full disk and a read-only mount, the asynchronous writer, and the rollback agreement in real gloo groups."""
+"""Checkpoints on real files: one copy per host split between its ranks, authentication, atomic commit under a real
+SIGKILL, verification and fallback, keep_max, a really full disk and a read-only mount, the asynchronous writer and
+its staging, and the restart agreement in real gloo groups of simulated hosts."""
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import os
 import random
 import subprocess
 import sys
+import tempfile
 import textwrap
+from functools import cache
 from pathlib import Path
 
 import numpy as np
@@ -18,17 +22,18 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from toolkit.train import checkpoint
-from toolkit.train.checkpoint import (
-    CheckpointError,
-    CheckpointManager,
-    CorruptCheckpoint,
-    agree_on_step,
-    newest_common_step,
-)
+from toolkit.train import checkpoint, ckptfile, ckptparts
+from toolkit.train.checkpoint import CheckpointError, CheckpointManager, Choice, CorruptCheckpoint, Placement, choose
+from toolkit.train.ckptfile import BadPart, PartName
 
 HERE = Path(__file__).resolve().parent
 PROC_TIMEOUT = 60
+KEY = b"agreement test key, 32 bytes!!!!"  # the agreement worker's (tests/train/agree_worker.py)
+
+
+def manager(root: Path, host: str = "a", local_rank: int = 0, local_world: int = 1, **kw) -> CheckpointManager:
+    return CheckpointManager(root, kw.pop("keep_max", 2), placement=Placement(host, local_rank, local_world),
+                             key=kw.pop("key", KEY), **kw)
 
 
 def state_of(step: int, n: int = 1000) -> dict:
@@ -41,48 +46,166 @@ def assert_state(state: dict, step: int, n: int = 1000) -> None:
     assert torch.equal(state["opt"]["m"][0], torch.arange(3.0) * step)
 
 
-# --- format and verification ----------------------------------------------------------------------------------
+def files(d: Path) -> list[str]:
+    return sorted(p.name for p in d.iterdir() if p.is_file())
+
+
+# --- format, authentication, verification ------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("async_write", [False, True])
 def test_round_trip_keeps_every_tensor_and_value(tmp_path, async_write):
-    with CheckpointManager(tmp_path / "rank_0", keep_max=2, async_write=async_write) as m:
+    with manager(tmp_path, async_write=async_write) as m:
         m.save(7, state_of(7))
         m.flush()
         assert_state(m.load(7), 7)
         assert m.scan().intact == (7,)
-    assert (tmp_path / "rank_0" / "step_000000000007.ckpt").is_file()
+    assert files(tmp_path / "host_a") == ["step_000000000007.p0of1.ckpt"]
+    assert oct((tmp_path / "host_a" / "step_000000000007.p0of1.ckpt").stat().st_mode & 0o777) == "0o600"
+
+
+@cache
+def one_part() -> bytes:
+    with tempfile.TemporaryDirectory() as d:
+        fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            ckptfile.write_part(fd, PartName(3, 0, 1), state_of(3, n=50), KEY)
+        finally:
+            os.close(fd)
+        return (Path(d) / PartName(3, 0, 1).name).read_bytes()
 
 
 @settings(max_examples=60, deadline=None)
 @given(data=st.data())
 def test_any_truncation_or_flipped_byte_is_caught(data):
-    blob = checkpoint.encode(3, state_of(3, n=50))
+    blob, name = one_part(), PartName(3, 0, 1)
     cut = data.draw(st.integers(0, len(blob) - 1), label="truncate at")
-    assert checkpoint.verify_bytes(blob[:cut], 3) is not None
+    with pytest.raises(BadPart):
+        ckptfile.verify(memoryview(blob[:cut]), name, KEY)
     pos = data.draw(st.integers(0, len(blob) - 1), label="flip at")
-    bit = data.draw(st.integers(0, 7), label="bit")
     flipped = bytearray(blob)
-    flipped[pos] ^= 1 << bit
-    assert checkpoint.verify_bytes(bytes(flipped), 3) is not None
-    assert checkpoint.verify_bytes(blob, 3) is None
+    flipped[pos] ^= 1 << data.draw(st.integers(0, 7), label="bit")
+    with pytest.raises(BadPart):
+        ckptfile.verify(memoryview(bytes(flipped)), name, KEY)
+    assert ckptfile.verify(memoryview(blob), name, KEY) is not None
 
 
-def test_a_file_renamed_to_another_step_does_not_verify(tmp_path):
-    with CheckpointManager(tmp_path, keep_max=3) as m:
-        m.save(1, state_of(1))
-        os.replace(m.path_for(1), m.path_for(2))
-        with pytest.raises(CorruptCheckpoint, match="holds step 1, not the step 2"):
-            m.load(2)
+def test_a_file_of_another_key_or_renamed_does_not_verify():
+    blob = memoryview(one_part())
+    with pytest.raises(BadPart, match="fails authentication"):
+        ckptfile.verify(blob, PartName(3, 0, 1), b"another key of thirty-two bytes!")
+    with pytest.raises(BadPart, match="holds step 3 part 0 of 1, not what its name says"):
+        ckptfile.verify(blob, PartName(4, 0, 1), KEY)
+
+
+def test_the_job_key_comes_from_the_token_and_is_not_the_token(tmp_path):
+    token = tmp_path / "token"
+    token.write_text("ab" * 32 + "\n")
+    key = ckptfile.default_key({"TOOLKIT_TOKEN_FILE": str(token)})
+    assert key == ckptfile.job_key("ab" * 32) and len(key) == 32 and key != ("ab" * 32).encode()[:32]
+    assert ckptfile.job_key("cd" * 32) != key
+
+
+def test_this_users_key_is_made_once_and_must_stay_private(tmp_path):
+    env = {"XDG_CONFIG_HOME": str(tmp_path / "config")}
+    key = ckptfile.user_key(env)
+    path = tmp_path / "config" / "toolkit" / "checkpoint.key"
+    assert ckptfile.user_key(env) == key and len(key) == 32
+    assert oct(path.stat().st_mode & 0o777) == "0o600" and oct(path.parent.stat().st_mode & 0o777) == "0o700"
+    path.chmod(0o644)
+    with pytest.raises(ckptfile.KeyFileError, match=f"{path} is not a private file of yours.*remove it"):
+        ckptfile.user_key(env)
+    path.unlink()
+    path.symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(ckptfile.KeyFileError, match="cannot be read"):
+        ckptfile.user_key(env)
+
+
+# --- one copy per host, split between its ranks --------------------------------------------------------------------
+
+
+def varied_state(step: int) -> dict:
+    g = torch.Generator().manual_seed(step)
+    base = torch.randn(40, 30, generator=g)
+    return {
+        "step": step,
+        "model": collections.OrderedDict(w=torch.randn(300, 200, generator=g), b=torch.randn(200, generator=g),
+                                         half=torch.randn(64, generator=g).half(), t=base.t(), row=base[3]),
+        "optimizer": {"state": {0: {"step": torch.tensor(float(step)), "exp_avg": torch.randn(500, generator=g)}},
+                      "param_groups": [{"lr": 0.01, "params": [0, 1]}]},
+        "extra": {"sched": {"last_epoch": step, "names": ("a", None, 2.5)}, "flags": torch.tensor([True, False])},
+    }
+
+
+def assert_same(a, b) -> None:
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape
+        assert a.contiguous().numpy().tobytes() == b.contiguous().numpy().tobytes()
+    elif isinstance(a, dict):
+        assert type(a) is type(b) and list(a) == list(b)
+        for k in a:
+            assert_same(a[k], b[k])
+    elif isinstance(a, (list, tuple)):
+        assert type(a) is type(b) and len(a) == len(b)
+        for x, y in zip(a, b, strict=True):
+            assert_same(x, y)
+    else:
+        assert a == b
+
+
+@pytest.mark.parametrize("local_world", [1, 2, 3])
+def test_a_hosts_ranks_write_one_copy_between_them_and_any_process_reads_it(tmp_path, local_world):
+    state = varied_state(5)
+    ranks = [manager(tmp_path, "node1", r, local_world) for r in range(local_world)]
+    for m in ranks:
+        m.save(5, state)
+    host = tmp_path / "host_node1"
+    assert files(host) == [f"step_000000000005.p{r}of{local_world}.ckpt" for r in range(local_world)]
+    tensor_bytes = sum(t.nbytes for t in ckptparts.split(state, 1).tensors)
+    written = sum((host / f).stat().st_size for f in files(host))
+    assert tensor_bytes < written < tensor_bytes + local_world * 20_000, "the host writes the state once"
+    biggest = max(t.nbytes for t in ckptparts.split(state, 1).tensors)
+    sizes = [(host / f).stat().st_size for f in files(host)]
+    assert max(sizes) - min(sizes) <= biggest + 20_000, f"the ranks share the writing: {sizes}"
+    for m in ranks:
+        assert_same(m.load(5), state)
+        m.close()
+    with manager(tmp_path, "node1", 0, 1) as alone:  # another layout reads the copy too
+        assert_same(alone.load(5), state)
+
+
+def test_a_copy_missing_a_part_is_not_complete_and_the_previous_is_used(tmp_path):
+    ranks = [manager(tmp_path, "a", r, 2, keep_max=3) for r in range(2)]
+    for step in (1, 2):
+        for m in ranks:
+            m.save(step, state_of(step))
+    ranks[1].path_for(2).unlink()
+    assert ranks[0].steps_on_disk() == [1]
+    found = ranks[0].load_latest()
+    assert found is not None and found[0] == 1
+    assert_state(found[1], 1)
+
+
+def test_parts_that_do_not_fit_together_are_corrupt():
+    cut = ckptparts.split(varied_state(1), 2)
+    other = ckptparts.split(state_of(1), 2)
+    with pytest.raises(ValueError, match="disagree on the number of tensors"):
+        ckptparts.merge([cut.payload(0), other.payload(1)])
+    with pytest.raises(ValueError, match="in no part"):
+        ckptparts.merge([cut.payload(0)])
+    with pytest.raises(ValueError, match="in two parts"):
+        ckptparts.merge([cut.payload(0), cut.payload(0), cut.payload(1)])
+    assert_same(ckptparts.merge([cut.payload(1), cut.payload(0)]), varied_state(1))
 
 
 # --- atomic commit: a real crash between write and rename -------------------------------------------------------
 
 CRASH_BEFORE_RENAME = textwrap.dedent("""
     import os, signal, sys, torch
-    from toolkit.train.checkpoint import CheckpointManager
-    m = CheckpointManager(sys.argv[1], keep_max=2, async_write=sys.argv[2] == "async")
-    os.replace = lambda src, dst: os.kill(os.getpid(), signal.SIGKILL)   # die after write+fsync, before rename
+    from toolkit.train.checkpoint import CheckpointManager, Placement
+    m = CheckpointManager(sys.argv[1], keep_max=2, placement=Placement("a"), key=b"k" * 32,
+                          async_write=sys.argv[2] == "async")
+    os.rename = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)   # die after write+fsync, before rename
     m.save(2, {"step": 2, "w": torch.full((1000,), 2.0), "opt": {"m": [torch.arange(3.0) * 2]}})
     m.flush()
     print("survived", flush=True)
@@ -91,19 +214,20 @@ CRASH_BEFORE_RENAME = textwrap.dedent("""
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_sigkill_between_write_and_rename_leaves_the_old_checkpoint_valid(tmp_path, mode):
-    with CheckpointManager(tmp_path, keep_max=2) as m:
+    with manager(tmp_path, key=b"k" * 32) as m:
         m.save(1, state_of(1))
     proc = subprocess.run([sys.executable, "-c", CRASH_BEFORE_RENAME, str(tmp_path), mode],
                           capture_output=True, text=True, timeout=PROC_TIMEOUT)
     assert proc.returncode == -9, proc.stderr
-    leftovers = [p.name for p in tmp_path.iterdir() if p.name.startswith(checkpoint.TMP_PREFIX)]
+    host = tmp_path / "host_a"
+    leftovers = [p.name for p in host.iterdir() if p.name.startswith(checkpoint.TMP_PREFIX)]
     assert len(leftovers) == 1, "the crash should have left the fully written temp file behind"
-    with CheckpointManager(tmp_path, keep_max=2) as m:
+    with manager(tmp_path, key=b"k" * 32) as m:
         assert m.steps_on_disk() == [1]
         found = m.load_latest()
         assert found is not None and found[0] == 1
         assert_state(found[1], 1)
-    assert not [p for p in tmp_path.iterdir() if p.name.startswith(checkpoint.TMP_PREFIX)], "stale temp kept"
+    assert not [p for p in host.iterdir() if p.name.startswith(checkpoint.TMP_PREFIX)], "stale temp kept"
 
 
 # --- fallback -------------------------------------------------------------------------------------------------------
@@ -111,10 +235,10 @@ def test_sigkill_between_write_and_rename_leaves_the_old_checkpoint_valid(tmp_pa
 
 @pytest.mark.parametrize("damage", ["truncate", "flip", "empty"])
 def test_damaged_newest_is_reported_and_the_previous_one_used(tmp_path, damage, caplog):
-    with CheckpointManager(tmp_path, keep_max=3) as m:
+    with manager(tmp_path, keep_max=3) as m:
         for step in (10, 20, 30):
             m.save(step, state_of(step))
-    newest = tmp_path / "step_000000000030.ckpt"
+    newest = m.path_for(30)
     blob = newest.read_bytes()
     if damage == "truncate":
         newest.write_bytes(blob[: len(blob) // 2])
@@ -123,31 +247,22 @@ def test_damaged_newest_is_reported_and_the_previous_one_used(tmp_path, damage, 
     else:
         newest.write_bytes(b"")
     with caplog.at_level(logging.WARNING, logger="toolkit.train.checkpoint"):
-        m = CheckpointManager(tmp_path, keep_max=3)
-        found = m.load_latest()
-        scan = m.scan()
+        with manager(tmp_path, keep_max=3) as m:
+            found = m.load_latest()
+            scan = m.scan()
+            with pytest.raises(CorruptCheckpoint, match=f"^{newest}: "):
+                m.load(30)
     assert found is not None and found[0] == 20
     assert_state(found[1], 20)
     assert scan.intact == (10, 20) and [d.path for d in scan.damaged] == [newest]
     assert str(newest) in caplog.text
-    assert ("truncated" if damage != "flip" else "sha256") in scan.damaged[0].reason
+    assert ("truncated" if damage != "flip" else "fails authentication") in scan.damaged[0].reason
 
 
 def test_no_checkpoint_means_a_fresh_start(tmp_path):
-    with CheckpointManager(tmp_path / "new", keep_max=2) as m:
+    with manager(tmp_path / "new") as m:
         assert m.load_latest() is None
-        found = checkpoint.resume(m)
-    assert found.step is None and found.state is None
-
-
-def test_resume_discards_checkpoints_newer_than_the_agreed_step(tmp_path):
-    with CheckpointManager(tmp_path, keep_max=5) as m:
-        for s in (1, 2, 3):
-            m.save(s, state_of(s))
-        assert m.discard_after(2) == [3]
-        assert m.steps_on_disk() == [1, 2]
-        assert m.discard_after(None) == [1, 2]
-        assert m.steps_on_disk() == []
+        assert m.agree() is None
 
 
 # --- keep_max ----------------------------------------------------------------------------------------------------
@@ -156,7 +271,7 @@ def test_resume_discards_checkpoints_newer_than_the_agreed_step(tmp_path):
 @pytest.mark.parametrize("async_write", [False, True])
 @pytest.mark.parametrize("keep_max", [2, 3, 5])
 def test_keep_max_newest_are_kept(tmp_path, keep_max, async_write):
-    with CheckpointManager(tmp_path, keep_max=keep_max, async_write=async_write) as m:
+    with manager(tmp_path, keep_max=keep_max, async_write=async_write) as m:
         for step in range(1, 9):
             m.save(step, state_of(step, n=10))
             m.flush()
@@ -165,9 +280,21 @@ def test_keep_max_newest_are_kept(tmp_path, keep_max, async_write):
     assert all(m.verify(s) is None for s in m.steps_on_disk())
 
 
+def test_keep_counts_only_complete_copies(tmp_path):
+    ranks = [manager(tmp_path, "a", r, 2) for r in range(2)]
+    for step in (1, 2):
+        for m in ranks:
+            m.save(step, state_of(step, n=10))
+    ranks[0].save(3, state_of(3, n=10))  # rank 1 has not written its part of 3 yet: 1 and 2 stay
+    assert ranks[0].steps_on_disk() == [1, 2]
+    ranks[1].save(3, state_of(3, n=10))
+    assert ranks[0].steps_on_disk() == [2, 3] and files(ranks[0].directory) == [
+        f"step_00000000000{s}.p{r}of2.ckpt" for s in (2, 3) for r in range(2)]
+
+
 def test_keep_max_below_two_is_refused_with_the_reason(tmp_path):
     with pytest.raises(ValueError, match="keep_max must be >= 2.*nothing to fall back to"):
-        CheckpointManager(tmp_path, keep_max=1)
+        manager(tmp_path, keep_max=1)
 
 
 # --- full disk, read-only disk ---------------------------------------------------------------------------------------
@@ -175,8 +302,8 @@ def test_keep_max_below_two_is_refused_with_the_reason(tmp_path):
 
 @pytest.mark.parametrize("async_write", [False, True])
 def test_disk_full_is_one_clear_error_and_the_previous_checkpoint_stays(tiny_tmpfs, async_write):
-    d = tiny_tmpfs / "rank_0"
-    m = CheckpointManager(d, keep_max=2, async_write=async_write)
+    d = tiny_tmpfs / "ckpt"
+    m = manager(d, async_write=async_write)
     m.save(1, state_of(1, n=1000))  # ~5 KB
     m.flush()
     before = m.path_for(1).read_bytes()
@@ -188,45 +315,74 @@ def test_disk_full_is_one_clear_error_and_the_previous_checkpoint_stays(tiny_tmp
     assert str(d) in msg and "no space left on device" in msg and "CKPT_DIR" in msg and "untouched" in msg
     assert m.path_for(1).read_bytes() == before
     assert m.steps_on_disk() == [1] and m.verify(1) is None
-    assert not [p for p in d.iterdir() if p.name.startswith(checkpoint.TMP_PREFIX)], "temp file left on full disk"
+    assert not [p for p in m.directory.iterdir() if p.name.startswith(checkpoint.TMP_PREFIX)], "temp left"
     m.save(3, state_of(3, n=1000))  # the disk has room again for a small one: the manager goes on
     m.close()
     assert m.steps_on_disk() == [1, 3]
 
 
 def test_read_only_directory_is_one_clear_error_and_nothing_changes(tiny_tmpfs):
-    d = tiny_tmpfs / "rank_0"
-    with CheckpointManager(d, keep_max=2) as m:
+    d = tiny_tmpfs / "ckpt"
+    with manager(d) as m:
         m.save(1, state_of(1))
     subprocess.run(["mount", "-o", "remount,ro", str(tiny_tmpfs)], check=True, timeout=30)
     with pytest.raises(CheckpointError) as e:
         m.save(2, state_of(2))
     assert "read-only file system" in str(e.value) and str(d) in str(e.value)
     with pytest.raises(CheckpointError, match="read-only file system.*CKPT_DIR"):
-        CheckpointManager(d, keep_max=2)
+        manager(d)
     assert m.steps_on_disk() == [1] and m.verify(1) is None
 
 
 # --- asynchronous writer -------------------------------------------------------------------------------------------
 
 
-def test_async_snapshot_is_a_copy_not_an_alias(tmp_path):
-    model = torch.nn.Linear(64, 64)
+def trained() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.BatchNorm1d(64))
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    model(torch.ones(2, 64)).sum().backward()
+    model(torch.randn(8, 64)).sum().backward()
     opt.step()
+    return model, opt
+
+
+def test_async_snapshot_is_a_copy_not_an_alias(tmp_path):
+    model, opt = trained()
     expect = {k: v.clone() for k, v in model.state_dict().items()}
     momentum = opt.state_dict()["state"][0]["momentum_buffer"].clone()
-    with CheckpointManager(tmp_path, keep_max=2, async_write=True) as m:
+    with manager(tmp_path, async_write=True) as m:
         m.save(1, {"model": model.state_dict(), "optimizer": opt.state_dict()})
         with torch.no_grad():  # the training loop goes on at once and changes the live tensors in place
             for p in model.parameters():
                 p.add_(1000.0)
-        opt.state[model.weight]["momentum_buffer"].mul_(-1)
+        opt.state[model[0].weight]["momentum_buffer"].mul_(-1)
         m.flush()
         loaded = m.load(1)
     for k, v in expect.items():
         assert torch.equal(loaded["model"][k], v)
+    assert torch.equal(loaded["optimizer"]["state"][0]["momentum_buffer"], momentum)
+
+
+def test_stable_tensors_are_staged_by_the_writer_before_the_optimizer_changes_them(tmp_path):
+    """Parameters and optimizer state (stable) are copied by the writer; once wait_staged() returns (the Trainer
+    calls it before the optimizer step) they may change. Buffers (BatchNorm's running stats change in forward) are
+    copied by save() itself."""
+    model, opt = trained()
+    expect = {k: v.clone() for k, v in model.state_dict().items()}
+    momentum = opt.state_dict()["state"][0]["momentum_buffer"].clone()
+    stable = [p for p in model.parameters()] + [s["momentum_buffer"] for s in opt.state.values()]
+    with manager(tmp_path, async_write=True) as m:
+        m.save(1, {"model": model.state_dict(), "optimizer": opt.state_dict()},
+               stable=frozenset(t.untyped_storage().data_ptr() for t in stable))
+        model.train()
+        model(torch.randn(8, 64) * 50)  # forward: the running stats change now, before the stage may be done
+        m.wait_staged()
+        model(torch.randn(8, 64)).sum().backward()
+        opt.step()  # after wait_staged: parameters and momentum change
+        m.flush()
+        loaded = m.load(1)
+    assert not torch.equal(model[1].running_mean, expect["1.running_mean"]), "the fault was not injected"
+    for k, v in expect.items():
+        assert torch.equal(loaded["model"][k], v), k
     assert torch.equal(loaded["optimizer"]["state"][0]["momentum_buffer"], momentum)
 
 
@@ -245,7 +401,7 @@ def test_rng_state_round_trips_through_a_checkpoint(tmp_path):
     torch.rand(5), random.random(), np.random.rand(2)
     saved = checkpoint.capture_rng_state()
     expect = (torch.rand(4), random.random(), np.random.rand(3))
-    with CheckpointManager(tmp_path, keep_max=2) as m:
+    with manager(tmp_path) as m:
         m.save(1, {"rng": saved})
         restored = m.load(1)["rng"]
     torch.manual_seed(99), random.seed(99), np.random.seed(99)
@@ -254,27 +410,52 @@ def test_rng_state_round_trips_through_a_checkpoint(tmp_path):
     assert torch.equal(got[0], expect[0]) and got[1] == expect[1] and np.array_equal(got[2], expect[2])
 
 
-# --- rollback agreement ---------------------------------------------------------------------------------------------
+def test_what_a_safe_load_refuses_is_found_with_its_path():
+    sched = torch.optim.lr_scheduler.StepLR(trained()[1], 3)
+    assert checkpoint.first_unloadable({"model": trained()[0].state_dict(), "s": sched.state_dict()}) is None
+    assert checkpoint.first_unloadable({"extra": {"s": {"a": [1, np.float64(2.0)]}}}) == (
+        ("extra", "s", "a", 1), "numpy.float64")
+    assert checkpoint.first_unloadable({"o": collections.OrderedDict(x=np.int32(1))})[1] == "numpy.int32"
 
 
-def test_newest_common_step():
-    assert newest_common_step([[10, 20, 30], [10, 20], [20, 30]]) == 20
-    assert newest_common_step([[10, 20], []]) is None
-    assert newest_common_step([]) is None
-    assert newest_common_step([[5, 7]]) == 7
-    assert agree_on_step([3, 1]) == 3  # no process group: this process alone
+# --- the restart agreement ------------------------------------------------------------------------------------------
 
 
-def run_group(root: Path, world: int, port: int) -> list[dict]:
+def row(host: int, local: int, world: int, *steps: int) -> list[int]:
+    return [host, local, world, *steps, *[-1] * (3 - len(steps))]
+
+
+def test_choose_takes_the_newest_copy_complete_on_some_host():
+    a0, a1, b0, b1 = row(7, 0, 2, 30, 20), row(7, 1, 2, 20), row(9, 0, 2, 30, 20), row(9, 1, 2, 30, 20)
+    assert choose([a0, a1, b0, b1]) == Choice(30, 2)  # host 7's 30 lacks rank 1's part: host 9's, read by rank 2
+    assert choose([a0, a1]) == Choice(20, 0)
+    assert choose([row(7, 0, 1, 10, 20), row(9, 0, 1)]) == Choice(20, 0)  # a host with nothing takes another's
+    assert choose([row(7, 0, 1), row(9, 0, 1)]) is None
+    assert choose([row(9, 0, 1, 5), row(7, 0, 1, 5)]) == Choice(5, 0)  # a tie: the lowest rank reads
+
+
+@pytest.mark.parametrize("rows", [
+    [row(7, 0, 1), row(7, 0, 1)],  # two ranks both local rank 0 of one host
+    [row(7, 0, 2), row(7, 1, 3)],  # disagree on the host's size
+    [row(7, 0, 2)],  # local rank 1 of the host is missing
+])
+def test_choose_refuses_a_layout_that_does_not_number_a_hosts_ranks(rows):
+    with pytest.raises(CheckpointError, match="LOCAL_RANK and LOCAL_WORLD_SIZE must number a host's ranks"):
+        choose(rows)
+
+
+def run_group(root: Path, layout: list[tuple[str, int, int]], port: int) -> list[dict]:
+    world = len(layout)
     procs = [subprocess.Popen([sys.executable, str(HERE / "agree_worker.py"), str(r), str(world), str(port),
-                               str(root)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                               str(root), *map(str, layout[r])], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True)
              for r in range(world)]
     results = []
     try:
         for p in procs:
             out, err = p.communicate(timeout=PROC_TIMEOUT)
             assert p.returncode == 0, err
-            results.append(json.loads(out.strip().splitlines()[-1]))
+            results.append({**json.loads(out.strip().splitlines()[-1]), "log": err})
     finally:
         for p in procs:
             if p.poll() is None:
@@ -283,27 +464,52 @@ def run_group(root: Path, world: int, port: int) -> list[dict]:
     return results
 
 
-def make_ranks(root: Path, steps_per_rank: list[list[int]]) -> None:
-    for r, steps in enumerate(steps_per_rank):
-        with CheckpointManager(root / f"rank_{r}", keep_max=5) as m:
+def write_copies(root: Path, host: str, parts: int, steps: list[int], only_part: int | None = None) -> list[Path]:
+    paths = []
+    for r in range(parts):
+        if only_part is not None and r != only_part:
+            continue
+        with manager(root, host, r, parts, keep_max=5) as m:
             for s in steps:
                 m.save(s, state_of(s, n=10))
+            paths.append(m.directory)
+    return paths
 
 
-def test_three_ranks_agree_on_the_newest_step_all_have_intact(tmp_path, new_port):
-    make_ranks(tmp_path, [[10, 20, 30], [10, 20, 30], [10, 20]])
-    newest = tmp_path / "rank_1" / "step_000000000030.ckpt"
-    newest.write_bytes(newest.read_bytes()[:-7])  # rank 1 has 30 but truncated; rank 2 never wrote it
-    results = run_group(tmp_path, 3, new_port())
-    assert [r["step"] for r in results] == [20, 20, 20]
-    assert [r["loaded"] for r in results] == [20, 20, 20]
-    assert results[1]["damaged"] == ["step_000000000030.ckpt"]
-    assert results[0]["discarded"] == [30] and results[2]["discarded"] == []
-    assert [r["left"] for r in results] == [[10, 20]] * 3
+def test_every_rank_takes_the_newest_copy_any_host_has_and_nothing_usable_is_deleted(tmp_path, new_port):
+    """Two hosts of two ranks. Host a's newest copy (30) has a damaged part, host b's is whole and b also holds an
+    unfinished 40 (only part 0: it died mid-checkpoint). Everyone resumes from 30, read by rank 2 (b's lowest);
+    the damaged part is moved aside and named by the rank whose share it is; b's part of 40 is removed; every
+    other file stays."""
+    write_copies(tmp_path, "a", 2, [10, 20, 30])
+    write_copies(tmp_path, "b", 2, [10, 20, 30])
+    write_copies(tmp_path, "b", 2, [40], only_part=0)
+    damaged = tmp_path / "host_a" / "step_000000000030.p1of2.ckpt"
+    blob = bytearray(damaged.read_bytes())
+    blob[-5] ^= 0x01
+    damaged.write_bytes(bytes(blob))
+    results = run_group(tmp_path, [("a", 0, 2), ("a", 1, 2), ("b", 0, 2), ("b", 1, 2)], new_port())
+    assert [(r["step"], r["source"]) for r in results] == [(30, 2)] * 4
+    assert [r["loaded"] for r in results] == [None, None, 30, None]
+    assert results[1]["refused"] == [damaged.name] and str(damaged) in results[1]["log"]
+    assert "fails authentication" in results[1]["log"]
+    assert files(tmp_path / "host_a") == [f"step_0000000000{s}.p{r}of2.ckpt" for s in (10, 20) for r in (0, 1)] + [
+        "step_000000000030.p0of2.ckpt"]
+    assert files(tmp_path / "host_b") == [f"step_0000000000{s}.p{r}of2.ckpt" for s in (10, 20, 30) for r in (0, 1)]
+    assert "step_000000000040.p0of2.ckpt" in results[2]["log"] and "removed" in results[2]["log"]
 
 
-def test_a_rank_with_no_checkpoint_makes_everyone_start_fresh(tmp_path, new_port):
-    make_ranks(tmp_path, [[5, 10], []])
-    results = run_group(tmp_path, 2, new_port())
-    assert [r["step"] for r in results] == [None, None]
-    assert [r["left"] for r in results] == [[], []], "files of the abandoned timeline must go"
+def test_a_rank_whose_host_has_no_copy_resumes_from_another_hosts_and_none_is_deleted(tmp_path, new_port):
+    """Issue 25's finding: rank 0 held steps 10 and 20, rank 1 none, and resume() deleted both. Now rank 1 (its
+    own host, empty) takes 20 from rank 0's host, and rank 0's files stay."""
+    write_copies(tmp_path, "a", 1, [10, 20])
+    results = run_group(tmp_path, [("a", 0, 1), ("b", 0, 1)], new_port())
+    assert [(r["step"], r["source"], r["loaded"]) for r in results] == [(20, 0, 20), (20, 0, None)]
+    assert results[0]["left"] == ["step_000000000010.p0of1.ckpt", "step_000000000020.p0of1.ckpt"]
+    assert results[1]["left"] == []
+
+
+def test_ranks_that_claim_the_same_share_of_a_host_are_told_so(tmp_path, new_port):
+    results = run_group(tmp_path, [("a", 0, 1), ("a", 0, 1)], new_port())
+    for r in results:
+        assert r["step"] is None and "ranks [0, 1] share a host" in r["error"], r

@@ -186,9 +186,12 @@ def ported_run(tmp_path: Path, name: str) -> FleetRun:
 
 
 def final_model(run: FleetRun, world: int = 3) -> dict[str, torch.Tensor]:
-    from toolkit.train.checkpoint import CheckpointManager
+    from toolkit.train.checkpoint import CheckpointManager, Placement
+    from toolkit.train.ckptfile import job_key
 
-    found = CheckpointManager(run.dir / "ckpt" / "rank_0", keep_max=3).load_latest()
+    (host,) = (run.dir / "ckpt").glob("host_*")  # the host's one copy, under the job's key (from its token)
+    found = CheckpointManager(host.parent, keep_max=3, placement=Placement(host.name[len("host_"):]),
+                              key=job_key((run.dir / "token").read_text().strip())).load_latest()
     assert found is not None, run.evidence()
     step, state = found
     assert step == state["step"] == steps_total(world), run.evidence()

@@ -17,6 +17,7 @@ from runtime_harness import FakeAgent, Job, Proc, expected_weights, job_factory,
 
 from toolkit import envvars as E
 from toolkit import protocol as P
+from toolkit import stepfile
 from toolkit.testing.localjob import clean_env
 from toolkit.testing.ports import free_port_pair
 from toolkit.train import runtime as R
@@ -168,14 +169,21 @@ def test_a_formation_timeout_reaches_the_waiting_workers(make_job) -> None:
     assert sched.wait(10) == 3
 
 
-def test_progress_datagrams_reach_the_agent_socket(make_job, tmp_path: Path) -> None:
+def test_progress_datagrams_reach_the_agent_socket_and_the_step_file_holds_the_last_step(make_job,
+                                                                                         tmp_path: Path) -> None:
+    """The datagrams come at most once a second; the step file (what the agent's restart budget reads after a
+    death) holds the last step exactly."""
     job = make_job(1)
     path = tmp_path / "progress.sock"
     sink = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     sink.bind(str(path))
     sink.settimeout(60)
     out = job.root / "out"
-    env = {**bare_env(job), E.TOOLKIT_AGENT_SOCKET: str(path), E.CKPT_DIR: str(job.ckpt)}
+    steps_file = tmp_path / "worker_0.step"
+    stepfile.reset(steps_file)  # as the agent does before a launch
+    assert stepfile.read(steps_file) is None
+    env = {**bare_env(job), E.TOOLKIT_AGENT_SOCKET: str(path), E.CKPT_DIR: str(job.ckpt),
+           E.TOOLKIT_STEP_FILE: str(steps_file)}
     proc = job.worker(0, args=["--steps", "4", "--out", str(out)], env=env)
     steps = []
     while not steps or steps[-1] != 3:
@@ -184,6 +192,7 @@ def test_progress_datagrams_reach_the_agent_socket(make_job, tmp_path: Path) -> 
         steps.append(msg["step"])
     assert steps == sorted(steps) and steps[-1] == 3
     assert proc.wait(60) == 0
+    assert stepfile.read(steps_file) == 3
     sink.close()
 
 

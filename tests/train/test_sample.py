@@ -12,6 +12,7 @@ import queue
 import random
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -32,7 +33,8 @@ ARGS = ["--epochs", "2", "--ckpt-interval", str(INTERVAL), "--keep-max", "2", "-
 ROUND_TIMEOUT = 240.0  # a whole round of 2-3 workers on a loaded 2-core machine; normally ~10 s
 EXIT_TIMEOUT = 60.0
 DIST_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK",
-             "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_RESTART_COUNT", "DATA_PATH", "CKPT_DIR")
+             "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_RESTART_COUNT", "DATA_PATH", "CKPT_DIR", "TOOLKIT_HOST")
+HOST_DIR = f"host_{socket.gethostname()}"  # where this machine's copy goes (one host: every rank's share)
 
 
 def steps_total(world: int, batch: int = 32, epochs: int = 2, dataset: int = 1440) -> int:
@@ -43,12 +45,16 @@ def steps_total(world: int, batch: int = 32, epochs: int = 2, dataset: int = 144
 class Worker:
     """One sample process; its stdout lines arrive on a queue so that waits are bounded event waits."""
 
-    def __init__(self, rank: int, world: int, port: int, ckpt: Path, args: list[str], log_dir: Path) -> None:
+    def __init__(self, rank: int, world: int, port: int, ckpt: Path, args: list[str], log_dir: Path,
+                 host: tuple[str, int, int] | None = None) -> None:
+        """`host`: (name, local rank, ranks there) of a simulated host, whose copy is kept in `ckpt`; else every
+        rank on this machine's."""
         env = {k: v for k, v in os.environ.items() if k not in DIST_VARS}
         env.update(CKPT_DIR=str(ckpt), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
         if world > 1:
+            name, local, there = host or ("", rank, world)
             env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+                       LOCAL_RANK=str(local), LOCAL_WORLD_SIZE=str(there), **({"TOOLKIT_HOST": name} if name else {}))
         self.rank = rank
         self.stderr_path = log_dir / f"rank{rank}-{port}.err"
         with open(self.stderr_path, "w") as err:
@@ -165,8 +171,8 @@ def test_runs_alone_and_a_second_run_resumes_the_finished_job(tmp_path):
     assert float(steps[-1].group(3)) < float(steps[0].group(3)), "the loss should go down on real digits"
     (final,) = w.matches(FINAL)
     assert Path(final.group(1)) == tmp_path / "ckpt" / "final.pt"
-    assert sorted(p.name for p in (tmp_path / "ckpt" / "rank_0").iterdir()) == [
-        "step_000000000030.ckpt", "step_000000000040.ckpt", "step_000000000045.ckpt"]
+    assert sorted(p.name for p in (tmp_path / "ckpt" / HOST_DIR).iterdir()) == [
+        "step_000000000030.p0of1.ckpt", "step_000000000040.p0of1.ckpt", "step_000000000045.p0of1.ckpt"]
 
     again = Worker(0, 1, 0, tmp_path / "ckpt", args, tmp_path)
     assert again.wait(ROUND_TIMEOUT) == 0, again.stderr()
@@ -245,12 +251,54 @@ def test_sigterm_saves_the_same_last_step_on_every_rank_and_resumes_bitwise(tmp_
     stops = {int(w.matches(STOPPED)[0].group(2)) for w in workers}
     assert len(stops) == 1, f"ranks stopped at different steps: {stops}"
     (last,) = stops
-    for r in range(world):
-        assert (ckpt / f"rank_{r}" / f"step_{last:012d}.ckpt").is_file()
+    for r in range(world):  # one copy on this host, each rank wrote its share
+        assert (ckpt / HOST_DIR / f"step_{last:012d}.p{r}of{world}.ckpt").is_file()
 
     again = start_group(world, new_port(), ckpt, ARGS, tmp_path)
     finish_ok(again)
     assert {int(w.matches(RESUMED)[0].group(2)) for w in again} == {last}
+    (final,) = again[0].matches(FINAL)
+    assert final.group(2) == ref_digest
+    assert_bitwise_equal(Path(final.group(1)), ref_path)
+
+
+def test_a_whole_job_restart_resumes_every_rank_from_another_hosts_copy_bitwise(tmp_path, reference, new_port):
+    """Four ranks on three simulated hosts (a: ranks 0 and 1, b: rank 2, c: rank 3), each host with its own
+    checkpoint directory, as on machines with local disks. Stopped by SIGTERM (every rank saves the same step),
+    then host a's copy of that step is damaged (one of its two parts) and host b's is gone: every rank on a and b
+    resumes from host c's copy, and the run ends bitwise equal to an uninterrupted one."""
+    world = 4
+    ref_path, ref_digest = reference(world)
+    layout = [("a", 0, 2), ("a", 1, 2), ("b", 0, 1), ("c", 0, 1)]
+    dirs = {name: tmp_path / f"disk-{name}" for name in "abc"}
+
+    def group(args: list[str]) -> list[Worker]:
+        port = new_port()
+        return [Worker(r, world, port, dirs[h[0]], args, tmp_path, host=h) for r, h in enumerate(layout)]
+
+    workers = group(ARGS + ["--step-delay", "0.05"])
+    try:
+        workers[0].wait_for_step(random.randint(INTERVAL + 1, steps_total(world) - 4), ROUND_TIMEOUT)
+        workers[0].proc.send_signal(signal.SIGTERM)
+        for w in workers:
+            assert w.wait(EXIT_TIMEOUT) == 0, w.stderr()
+    finally:
+        stop_all(workers)
+    (last,) = {int(w.matches(STOPPED)[0].group(2)) for w in workers}
+    a_part = dirs["a"] / "host_a" / f"step_{last:012d}.p1of2.ckpt"
+    blob = bytearray(a_part.read_bytes())
+    blob[len(blob) // 2] ^= 0x10
+    a_part.write_bytes(bytes(blob))
+    b_copy = dirs["b"] / "host_b" / f"step_{last:012d}.p0of1.ckpt"
+    b_copy.unlink()
+    assert (dirs["c"] / "host_c" / f"step_{last:012d}.p0of1.ckpt").is_file()
+
+    again = group(ARGS)
+    finish_ok(again)
+    for w in again:
+        (line,) = [x for x in w.lines if RESUMED.match(x)]
+        assert f"resumed from step {last} " in line and "out of rank 3's checkpoint" in line, line
+    assert a_part.name in again[1].stderr() and "fails authentication" in again[1].stderr()
     (final,) = again[0].matches(FINAL)
     assert final.group(2) == ref_digest
     assert_bitwise_equal(Path(final.group(1)), ref_path)

@@ -40,16 +40,17 @@ from toolkit.agent.supervisor import (
     EXIT_USAGE,
     Agent,
 )
-from toolkit.agentdoc import ControlOp, judge, pid_record, recorded_groups
+from toolkit.agentdoc import EXIT_OTHER_JOB, ControlOp, judge, pid_record, recorded_groups
 from toolkit.errors import UserError
 from toolkit.hostspec import HostSpec
+from toolkit.printable import clean
 from toolkit.session import Unproven, open_session
 
 START_TIMEOUT = 30.0  # s for a detached agent to say it is up
 STOP_MARGIN = 10.0  # s beyond the grace period that `stop` waits for the agent to finish stopping
 
-__all__ = ["EXIT_FAILED", "EXIT_OK", "EXIT_STOPPED", "EXIT_USAGE", "main", "request", "restart", "run",
-           "replace", "running_agent", "start", "status", "stop"]
+__all__ = ["EXIT_FAILED", "EXIT_OK", "EXIT_OTHER_JOB", "EXIT_STOPPED", "EXIT_USAGE", "main", "request", "restart",
+           "run", "replace", "running_agent", "start", "status", "stop"]
 
 
 def _lock(spec: HostSpec) -> int | None:
@@ -115,12 +116,30 @@ def run(spec: HostSpec, ready_fd: int | None = None) -> int:
         os.close(lock)
 
 
-def start(spec: HostSpec, timeout: float = START_TIMEOUT, overrides: list[str] | None = None) -> int:
+def other_job(spec: HostSpec, job_id: str | None) -> str | None:
+    """The one line saying that this job directory holds another project's job than `job_id` (what `fleet` expects
+    there), or None when it is that job (or either side has no id: a directory rendered by hand or by an older
+    deploy, a caller that did not say)."""
+    if not job_id or not spec.job_id or job_id == spec.job_id:
+        return None
+    origin = f" ({clean(spec.origin, 400)})" if spec.origin else ""
+    return (f"{spec.host}: {spec.job_dir} holds another project's job {spec.job}{origin}, not the one asked for: "
+            "nothing was done to it; give your job another --job name (or --workdir)")
+
+
+def start(spec: HostSpec, timeout: float = START_TIMEOUT, overrides: list[str] | None = None,
+          job_id: str | None = None) -> int:
     """launch.sh: start the agent detached (its own session, stdout/stderr to agent.log) unless it runs.
 
     Returns EXIT_OK once the new agent says it is ready (or that another one runs); EXIT_FAILED if it says nothing
     within `timeout` s (it is left running: see agent.log) or exits first (its last log line is printed). `overrides`
-    are the flags from `with_overrides`, passed on to the new agent."""
+    are the flags from `with_overrides`, passed on to the new agent. With `job_id` (fleet's), a job directory that
+    holds another project's job is left alone: one line on stderr and EXIT_OTHER_JOB, whether its agent runs or not
+    ("already running" is success only for this job)."""
+    refusal = other_job(spec, job_id)
+    if refusal is not None:
+        print(refusal, file=sys.stderr)
+        return EXIT_OTHER_JOB
     rec = running_agent(spec)
     if rec is not None:
         print(f"{spec.host}: agent of job {spec.job} already running (pid {rec[0]})")
@@ -198,6 +217,8 @@ def status(spec: HostSpec) -> dict[str, Any]:
     judged = judge(doc, rec)
     if doc is None:
         judged.update(version=1, job=spec.job, host=spec.host, alive=rec is not None)
+    if spec.job_id:  # which job the directory holds, whatever wrote agent.json
+        judged.update(job_id=spec.job_id, job_dir=str(spec.job_dir))
     return judged
 
 
@@ -227,13 +248,18 @@ def restart(spec: HostSpec, node_id: str) -> int:
     return EXIT_OK
 
 
-def stop(spec: HostSpec, timeout: float | None = None) -> int:
+def stop(spec: HostSpec, timeout: float | None = None, job_id: str | None = None) -> int:
     """stop.sh: SIGTERM the agent, wait (bounded) for it to stop its processes, SIGKILL it if it must, then make sure no
     process of the groups it recorded is left.
 
     Returns EXIT_OK when nothing of the job is left, else EXIT_FAILED naming the survivors on stderr. The agent gets
     `timeout` s (default grace + STOP_MARGIN), then procs.KILL_WAIT after its SIGKILL; each leftover process gets
-    procs.KILL_WAIT after its own. The agent is only signalled while its pid file's pid and start time still match."""
+    procs.KILL_WAIT after its own. The agent is only signalled while its pid file's pid and start time still match.
+    With `job_id` (fleet's), another project's job in this directory is left running: EXIT_OTHER_JOB."""
+    refusal = other_job(spec, job_id)
+    if refusal is not None:
+        print(refusal, file=sys.stderr)
+        return EXIT_OTHER_JOB
     timeout = spec.grace + STOP_MARGIN if timeout is None else timeout
     rec = running_agent(spec)
     said = f"{spec.host}: agent was not running"
@@ -342,6 +368,9 @@ def main(argv: list[str] | None = None) -> int:
     if command == "stop":
         ap.add_argument("--timeout", type=float, default=None,
                         help="seconds to wait for the agent before SIGKILL (default: grace + 10)")
+    if command in ("start", "stop"):
+        ap.add_argument("--job-id", default=None,
+                        help="act only if the job directory holds this job (its job-id file); else exit 4")
     if command in ("run", "start"):
         ap.add_argument("--max-restarts", type=int, default=None,
                         help="restarts of one process before the job fails (host.json: max_restarts, default 3)")
@@ -358,11 +387,11 @@ def main(argv: list[str] | None = None) -> int:
         if command == "run":
             return run(spec, args.ready_fd)
         if command == "start":
-            return start(spec, overrides=overrides)
+            return start(spec, overrides=overrides, job_id=args.job_id)
         if command == "restart":
             return restart(spec, args.node_id)
         if command == "stop":
-            return stop(spec, args.timeout)
+            return stop(spec, args.timeout, args.job_id)
         if command == "replace":
             return replace(spec, args.host, args.spare)
         print(json.dumps(status(spec), indent=1))

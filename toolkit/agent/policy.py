@@ -3,20 +3,23 @@ the facts come in as values (how long the process ran, whether it had trained, w
 restart), a reaction comes out, and the supervisor (toolkit.agent.supervisor) applies it, as the scheduler's server
 applies its membership's actions.
 
-The restart policy, per process (host.json's max_restarts, backoff_base, backoff_max, healthy_reset): the first
-restart is immediate (time to recovery matters), the next ones wait backoff_base * 2^(k-1) seconds, capped at
-backoff_max, unless the process had trained since its launch (reported a step or joined its group: a crash loop
-never does), which restarts at once; a process that ran healthy_reset seconds before dying starts its count again;
-past max_restarts the job fails. An exit the scheduler asked for (fenced, or a torchrun-style script leaving a
-broken generation) and one the operator asked for are relaunched at once and never counted. Compared with
-torchrun: its --max-restarts is one budget for the whole worker group that never refills, every failure restarts
-every worker, and there is no backoff (a crash loop ends in ~2 s).
+The restart policy, per process (host.json's max_restarts, backoff_base, backoff_max, restart_refill,
+healthy_reset): the first restart is immediate (time to recovery matters), the next ones wait backoff_base * 2^(k-1)
+seconds, capped at backoff_max, unless the process had trained since its launch (reported a step or joined its
+group: a crash loop never does), which restarts at once; past max_restarts the job fails. The count starts again
+only with progress: when the incarnation that failed had got past the step at which the previous failure happened
+(restart_refill "progress", the default; a crash at the same step counts however long it took, and a script that
+reports no step has every crash counted); "never" as torchrun; "time" after healthy_reset seconds of running. An
+exit the scheduler asked for (fenced, or a torchrun-style script leaving a broken generation) and one the operator
+asked for are relaunched at once and never counted. Compared with torchrun: its --max-restarts is one budget for the
+whole worker group that never refills, every failure restarts every worker, and there is no backoff (a crash loop
+ends in ~2 s).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Collection, Mapping
+from typing import Any, Collection, Mapping, Sequence
 
 from toolkit import protocol as P
 from toolkit.hostspec import RestartPolicy
@@ -35,6 +38,8 @@ class Exited:
     finishing: bool  # ... because the job finished: once nothing runs, the agent is done
     others_running: bool  # another process of this host still runs
     others_succeeded: bool  # every other process of this host has exited 0
+    reached: int | None = None  # the last step this incarnation completed (toolkit.stepfile), None: it reported none
+    failed_at: int | None = None  # the furthest step this count's failures reached (None: none, or no step)
 
 
 # --- reactions to an exit ---
@@ -51,11 +56,14 @@ class Settle:
 
 @dataclass(frozen=True)
 class Relaunch:
-    """Start it again after `delay` s (0: now); `counted` is its new count of counted restarts."""
+    """Start it again after `delay` s (0: now); `counted` is its new count of counted restarts; `failure`: the exit
+    was a failure the restart policy judged (its step is the one the next failure is compared with)."""
 
     why: str
     delay: float
     counted: int
+    failure: bool = False
+    failed_at: int | None = None  # with `failure`: the furthest step of this count's failures (the next one's mark)
 
 
 @dataclass(frozen=True)
@@ -70,6 +78,7 @@ class GiveUp:
     """Its restarts are used up: the job has failed."""
 
     counted: int
+    failed_at: int | None = None
 
 
 def on_exit(policy: RestartPolicy, e: Exited, how: str) -> Settle | Relaunch | Succeeded | GiveUp:
@@ -90,11 +99,34 @@ def on_exit(policy: RestartPolicy, e: Exited, how: str) -> Settle | Relaunch | S
         # Not the process's fault: the scheduler fenced a stale incarnation, or a wrapped torchrun-style script
         # left a broken generation. Relaunch at once, outside the crash budget.
         return Relaunch(f"relaunch after {how}", 0.0, e.counted)
-    decision = policy.after_failure(e.counted, e.ran_for, e.progressed)
+    decision = policy.after_failure(e.counted, e.ran_for, e.progressed, e.reached, e.failed_at)
     if decision.give_up:
-        return GiveUp(decision.counted)
-    return Relaunch(f"restart {decision.counted} of {policy.max_restarts} after {how}", decision.delay,
-                    decision.counted)
+        return GiveUp(decision.counted, decision.failed_at)
+    refilled = f"; the count started again: {decision.refilled}" if decision.refilled else ""
+    return Relaunch(f"restart {decision.counted} of {policy.max_restarts} after {how}{refilled}", decision.delay,
+                    decision.counted, failure=True, failed_at=decision.failed_at)
+
+
+REPEATED = 2  # failures in a row at the same step with the same cause that `fleet status` points out
+
+
+def repeated_failure(exits: Sequence[Mapping[str, Any]]) -> dict[str, Any] | None:
+    """The failures at the end of a process's exit history (agent.json's `exits`: `failure` true for the ones the
+    restart policy judged) that happened at the same step the same way (code or signal), when there are REPEATED
+    or more: {"times", "step", "code", "signal"}; None otherwise. A step of None (a script that reports none) is a
+    step like any other: the same cause again and again is worth saying too. Pure."""
+    run: list[Mapping[str, Any]] = []
+    for rec in reversed(exits):
+        if not rec.get("failure"):
+            break
+        if run and (rec.get("step"), rec.get("code"), rec.get("signal")) != \
+                (run[0].get("step"), run[0].get("code"), run[0].get("signal")):
+            break
+        run.append(rec)
+    if len(run) < REPEATED:
+        return None
+    last = run[0]
+    return {"times": len(run), "step": last.get("step"), "code": last.get("code"), "signal": last.get("signal")}
 
 
 # --- reactions to the scheduler ---

@@ -21,12 +21,13 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from toolkit import atomicfile, netif, procs, standby
+from toolkit import atomicfile, netif, procs, standby, stepfile
 from toolkit import envvars as E
 from toolkit import protocol as P
-from toolkit.agent import policy, warmspare
+from toolkit.agent import openfiles, policy, warmspare
 from toolkit.agent.link import SchedulerLink
 from toolkit.agent.log import AgentLog, iso, log_tail
 from toolkit.agent.timers import Timer, Timers
@@ -80,9 +81,10 @@ class Slot:
     step or the group joined since the latest launch) spares the next relaunch its backoff. Read and written by the
     Agent's loop thread only."""
 
-    def __init__(self, spec: ProcSpec, cpus: frozenset[int] | None) -> None:
+    def __init__(self, spec: ProcSpec, cpus: frozenset[int] | None, step_file: Path | None = None) -> None:
         self.spec = spec
         self.cpus = cpus
+        self.step_file = step_file if spec.is_worker else None  # toolkit.stepfile: the step of a death, exactly
         self.child: Child | None = None
         self.state = "pending"  # running, backoff, restarting, succeeded, failed, stopped
         self.launches = 0
@@ -105,6 +107,37 @@ class Slot:
         self.last_ticks: int | None = None
         self.seen_dead: float | None = None  # monotonic time the latest death was seen, until the relaunch
         self.recovery: str | None = None  # how the worker said it recovers (protocol.RECOVERY_*), once it did
+        self.files: openfiles.Trend | None = None  # the running incarnation's open files (workers)
+        self.reached: int | None = None  # the highest step the running incarnation reported (datagrams)
+        self.failed_at: int | None = None  # the furthest step this count's failures reached (the restart budget)
+        self.same_failure: dict[str, Any] | None = None  # policy.repeated_failure of `exits`
+
+    def fresh_steps(self) -> str | None:
+        """Before a launch: make the step file hold no step (and forget the steps reported). Returns why it could
+        not be made (then the restart budget has the progress datagrams only), or None."""
+        self.reached = None
+        if self.step_file is None:
+            return None
+        try:
+            stepfile.reset(self.step_file)
+        except OSError as e:
+            self.step_file = None
+            return f"cannot make its step file ({e}): the restart budget knows its steps from its progress reports"
+        return None
+
+    def reached_step(self) -> int | None:
+        """After an exit: the last step the incarnation completed, from its step file (exact, whatever the death) or
+        the highest step it reported by datagram (a lower bound); None if neither says one."""
+        steps = [s for s in (stepfile.read(self.step_file) if self.step_file else None, self.reached) if s is not None]
+        return max(steps) if steps else None
+
+    def judged(self, reaction: Any, record: dict[str, Any]) -> None:
+        """After an exit: if the restart budget judged it (a counted relaunch or the give-up), mark its record a
+        failure, keep the count's furthest step, and see whether it keeps failing the same way."""
+        if not (isinstance(reaction, policy.GiveUp) or isinstance(reaction, policy.Relaunch) and reaction.failure):
+            return
+        record["failure"] = True
+        self.failed_at, self.same_failure = reaction.failed_at, policy.repeated_failure(self.exits)
 
     def document(self, policy: RestartPolicy) -> dict[str, Any]:
         """This process's entry in agent.json's `processes`; no I/O. `pid`, `pgid` and `start_ticks` name the running
@@ -123,6 +156,8 @@ class Slot:
             "last_exit": self.last_exit, "exits": self.exits,
             "step": self.step, "epoch": self.epoch, "step_at": iso(self.step_at), "recovery": self.recovery,
             "cpus": sorted(self.cpus) if self.cpus else None,
+            "open_files": self.files.document() if self.files else None,
+            "failed_at": self.failed_at, "same_failure": self.same_failure,
             "log_file": self.spec.log_file, "argv": list(self.spec.argv),
         }
 
@@ -172,14 +207,15 @@ class Agent:
         """Prepare the slots; no file, socket or process yet (`run` makes those). Raises UserError when bind_core asks
         for more CPUs than this process may use. The agent's own environment is read once: children get a copy
         (`base_env`), plus GLOO_SOCKET_IFNAME naming the interface of the route toward the scheduler unless it is set
-        already (a route lookup that may resolve the scheduler's name)."""
+        already (a route lookup that may resolve the scheduler's name), and GLOO_ENABLE_STORE_V2_API=1 and
+        GLOO_ENABLE_RANK_AS_SEQUENCE_NUMBER=1 unless set (gloo's bootstrap in about N/128 store requests per rank)."""
         self.spec, self.log = spec, log
         self.sel = selectors.DefaultSelector()
         self.timers = Timers()
         workers = [p for p in spec.processes if p.is_worker]
         sets = cpu_sets(os.sched_getaffinity(0), len(workers), spec.host) if spec.bind_core else []
         by_node = dict(zip((p.node_id for p in workers), sets, strict=False))  # no sets without bind_core
-        self.slots = {p.node_id: Slot(p, by_node.get(p.node_id)) for p in spec.processes}
+        self.slots = {p.node_id: Slot(p, by_node.get(p.node_id), spec.step_file(p.node_id)) for p in spec.processes}
         self.state = "starting"
         self.reason: str | None = None
         self.exit_code: int | None = None
@@ -193,6 +229,8 @@ class Agent:
             interface = netif.interface_toward(spec.sched_host, spec.sched_port)
             if interface is not None:
                 self.base_env[E.GLOO_SOCKET_IFNAME] = interface
+        for name in (E.GLOO_ENABLE_STORE_V2_API, E.GLOO_ENABLE_RANK_AS_SEQUENCE_NUMBER):  # bootstrap: O(N/128) requests
+            self.base_env.setdefault(name, "1")
         self.spare: Spare | None = None
         self.spare_timer: Timer | None = None
         self.spare_failures = 0
@@ -201,6 +239,7 @@ class Agent:
         self.progress_timer: Timer | None = None
         self.last_write = 0.0
         self.took_over: list[dict[str, Any]] = []  # a spare's takeovers: {host, node_ids, seq, at}
+        self.nofile = 0  # the workers' open-file limit (run raises it to the hard limit)
         self.link = SchedulerLink(spec, self.sel, self.timers, log, self._on_scheduler, self._changed,
                                   self._hello_fields)
         self._stop_after: Timer | None = None
@@ -226,12 +265,14 @@ class Agent:
         except BaseException:
             self._close_sockets()
             raise
+        before, self.nofile = procs.raise_open_files()  # gloo keeps a descriptor for every connection to its port
         what = f"supervising {', '.join(self.slots)}" if self.slots else \
             f"standing by as a spare for {len(self.spec.standby)} worker(s)"
         self.log("agent", f"agent pid {self.pid} {what} of job {self.spec.job} "
                           f"(max_restarts {self.spec.policy.max_restarts}, grace {self.spec.grace:g} s, "
                           f"warm spare {'on' if self.spare_enabled else 'off'}"
-                          f"{', bind_core' if self.spec.bind_core else ''})")
+                          f"{', bind_core' if self.spec.bind_core else ''}, open files {self.nofile}"
+                          f"{f' (raised from {before})' if self.nofile > before else ''})")
         for slot in sorted(self.slots.values(), key=lambda s: s.spec.is_worker):
             self._launch(slot, "first start")
         if self.state == "starting":
@@ -240,6 +281,7 @@ class Agent:
         self.link.start()
         if self.spare_enabled:
             self.spare_timer = self.timers.after(SPARE_DELAY, self._start_spare)
+        self.timers.after(openfiles.SAMPLE_INTERVAL, self._count_open_files)
         if ready is not None:
             ready(f"ready {self.pid}")
         try:
@@ -411,6 +453,11 @@ class Agent:
         n = slot.launches
         env = dict(self.base_env)
         env[E.TORCHELASTIC_RESTART_COUNT] = str(n)
+        trouble = slot.fresh_steps()
+        if trouble:
+            self.log(slot.spec.node_id, trouble)
+        if slot.step_file is not None:
+            env[E.TOOLKIT_STEP_FILE] = str(slot.step_file)
         marker = (f"--- toolkit agent {self.spec.host}: start {slot.spec.node_id} #{n + 1} ({why}) "
                   f"at {iso(time.time())} ---")
         child = self._handoff(slot, env, marker)
@@ -440,6 +487,7 @@ class Agent:
         slot.started_mono, slot.started_wall = time.monotonic(), time.time()
         slot.state = "running"
         slot.progressed = False
+        slot.files = openfiles.Trend(self.nofile) if slot.spec.is_worker else None
         self.sel.register(child, selectors.EVENT_READ, lambda _m, s=slot, c=child: self._on_child(s, c))
         since = ""
         if slot.seen_dead is not None:
@@ -466,11 +514,12 @@ class Agent:
         self._after_exit(slot, child, status)
         self._hold_spare()  # a worker starting cold may be gone
 
-    def _record_exit(self, slot: Slot, status: ExitStatus, pid: int | None = None) -> dict[str, Any]:
-        """Record an exit as `slot.last_exit` and in its history (the last EXIT_HISTORY); returns the record. In memory
-        only: the caller writes agent.json."""
+    def _record_exit(self, slot: Slot, status: ExitStatus, pid: int | None = None,
+                     step: int | None = None) -> dict[str, Any]:
+        """Record an exit as `slot.last_exit` and in its history (the last EXIT_HISTORY), with the `step` the
+        incarnation had reached; returns the record. In memory only: the caller writes agent.json."""
         ran = time.monotonic() - slot.started_mono
-        rec = {**status.as_dict(), "pid": pid, "at": iso(time.time()), "ran_for": round(ran, 3)}
+        rec = {**status.as_dict(), "pid": pid, "at": iso(time.time()), "ran_for": round(ran, 3), "step": step}
         slot.last_exit = rec
         slot.exits = (slot.exits + [rec])[-EXIT_HISTORY:]
         return rec
@@ -486,7 +535,7 @@ class Agent:
         `backoff` with a timer; `slot.counted` takes the policy's count)."""
         pid = child.pid if child else None
         ran = time.monotonic() - slot.started_mono
-        self._record_exit(slot, status, pid)
+        record = self._record_exit(slot, status, pid, slot.reached_step())
         if slot.kill_timer:
             slot.kill_timer.cancel()
             slot.kill_timer = None
@@ -497,9 +546,11 @@ class Agent:
         facts = policy.Exited(
             code=status.code if status.signal is None else None, ran_for=ran, progressed=slot.progressed,
             counted=slot.counted, manual=slot.manual, closing=self.closing, finishing=self.state == "finishing",
-            others_running=any(s.child for s in others), others_succeeded=all(s.state == "succeeded" for s in others))
+            others_running=any(s.child for s in others), others_succeeded=all(s.state == "succeeded" for s in others),
+            reached=record["step"], failed_at=slot.failed_at)
         reaction = policy.on_exit(self.spec.policy, facts, status.describe())
         slot.manual = False
+        slot.judged(reaction, record)
         node, how = slot.spec.node_id, status.describe()
         if isinstance(reaction, policy.Settle):
             slot.state = reaction.state
@@ -524,7 +575,8 @@ class Agent:
             else:
                 budget = f"restart {reaction.counted} of {self.spec.policy.max_restarts}"
                 when = "now" if reaction.delay <= 0 else f"in {reaction.delay:g} s"
-                self.log(node, f"pid {pid} {how} after {ran:.1f} s; restarting {when} ({budget})")
+                self.log(node, f"pid {pid} {how} after {ran:.1f} s{slot.files.cause() if slot.files else ''}; "
+                               f"restarting {when} ({budget})")
             if reaction.delay <= 0:
                 self._launch(slot, reaction.why)
             else:
@@ -541,14 +593,15 @@ class Agent:
         spec = slot.spec
         tail = log_tail(spec.log_file)
         n = slot.counted
+        files = slot.files.cause() if slot.files else ""
         self.failure = {
             "host": self.spec.host, "node_id": spec.node_id, "rank": spec.rank, "pid": pid,
-            "code": status.code, "signal": status.signal_name, "status": status.describe(),
+            "code": status.code, "signal": status.signal_name, "status": status.describe() + files,
             "restarts": n, "log_file": spec.log_file, "log_tail": tail, "at": iso(time.time()),
         }
         slot.state = "failed"
-        reason = f"{spec.node_id} {status.describe()} after {n} restart{'s' if n != 1 else ''} (max_restarts " \
-                 f"{self.spec.policy.max_restarts}); the job has failed"
+        reason = f"{spec.node_id} {status.describe()}{files} after {n} restart{'s' if n != 1 else ''} " \
+                 f"(max_restarts {self.spec.policy.max_restarts}); the job has failed"
         where = f"rank {spec.rank}, " if spec.rank is not None else ""
         self.log(spec.node_id, f"GAVE UP: {where}pid {pid} {status.describe()} after {ran:.1f} s, and its "
                                f"{n} allowed restart(s) are used up; last {len(tail)} lines of {spec.log_file}:")
@@ -557,6 +610,25 @@ class Agent:
         self.link.report(P.GAVE_UP, node_id=spec.node_id, code=status.code, signal=status.signal_name,
                          log_tail="\n".join(tail)[-GAVE_UP_TAIL_BYTES:])
         self._finish("failed", EXIT_FAILED, reason)
+
+    def _count_open_files(self) -> None:
+        """Timer callback, every openfiles.SAMPLE_INTERVAL: count each running worker's open files and warn (agent
+        log, agent.json) when they climb (openfiles.Trend); re-arms itself unless the agent is closing."""
+        changed = False
+        for slot in self.slots.values():
+            if slot.child is None or slot.files is None:
+                continue
+            n = openfiles.count(slot.child.pid)
+            if n is None:
+                continue
+            warning = slot.files.sample(n, slot.progressed)
+            if warning:
+                self.log(slot.spec.node_id, f"pid {slot.child.pid} {warning}")
+            changed = changed or bool(warning)
+        if changed:
+            self._write()
+        if not self.closing:
+            self.timers.after(openfiles.SAMPLE_INTERVAL, self._count_open_files)
 
     # -- warm spare
 
@@ -761,7 +833,7 @@ class Agent:
         self.took_over.append({"host": reaction.host, "node_ids": list(reaction.node_ids), "seq": seq,
                                "at": iso(time.time())})
         for node_id in reaction.node_ids:
-            slot = Slot(standby[node_id], None)
+            slot = Slot(standby[node_id], None, self.spec.step_file(node_id))
             self.slots[node_id] = slot
             self._launch(slot, f"takeover of {reaction.host}")
         self.spare_enabled = self.spec.warm_spare and self.spare_failures < SPARE_MAX_FAILURES
@@ -934,6 +1006,7 @@ class Agent:
             if not isinstance(step, int) or isinstance(step, bool):
                 continue
             slot.step, slot.step_at, slot.progressed = step, time.time(), True
+            slot.reached = step if slot.reached is None else max(slot.reached, step)
             epoch = msg.get("epoch")
             if isinstance(epoch, int):
                 slot.epoch = epoch
@@ -969,7 +1042,7 @@ class Agent:
         sp = self.spare
         return {
             "version": AGENT_DOC_VERSION, "job": self.spec.job, "host": self.spec.host,
-            "job_dir": str(self.spec.job_dir),
+            "job_dir": str(self.spec.job_dir), "job_id": self.spec.job_id,
             "agent": {"pid": self.pid, "start_ticks": self.ticks, "started_at": iso(self.started),
                       "python": sys.executable},
             "state": self.state, "reason": self.reason, "exit_code": self.exit_code, "updated_at": iso(time.time()),

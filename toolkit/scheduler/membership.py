@@ -148,7 +148,8 @@ class Peer:
 def rank_of(node_id: str) -> int | None:
     """The rank in a worker node id (`worker_<rank>`), None for anything else (`sched`)."""
     prefix = P.worker_node_id(0)[:-1]
-    if node_id.startswith(prefix) and node_id[len(prefix):].isdigit():
+    digits = node_id[len(prefix):]
+    if node_id.startswith(prefix) and digits.isascii() and digits.isdigit():  # isdigit alone takes "²"
         return int(node_id[len(prefix):])
     return None
 

@@ -5,16 +5,18 @@
 - MASTER_PORT: the job's store (`KVStore`), which process groups bootstrap from.
 
 Every connection is hostile until it proves the job token (toolkit.protocol's challenge-response), and bounded
-before and after: a first message of at most MAX_PREAUTH_LINE bytes within PREAUTH_TIMEOUT, at most MAX_PREAUTH
-such connections (MAX_PREAUTH_PER_IP from one address), lines of at most MAX_LINE (MAX_STORE_LINE on the store),
-at most MAX_OUTBUF queued for a peer that stopped reading. When the process runs out of file descriptors, the
-listeners pause for ACCEPT_PAUSE instead of spinning, and say so at most once per LOG_EVERY.
+before and after: a first message of at most MAX_PREAUTH_LINE bytes within PREAUTH_TIMEOUT, a table of such
+connections sized for the job that makes room for a newcomer by closing the oldest (toolkit.scheduler.admission: a
+flood never locks a worker out), lines of at most MAX_LINE (MAX_STORE_LINE on the store), at most MAX_OUTBUF queued
+for a peer that stopped reading, at most ACCEPT_BATCH accepts between reads. When the process runs out of file
+descriptors, the listeners pause for ACCEPT_PAUSE instead of spinning, and say so at most once per LOG_EVERY.
 """
 
 from __future__ import annotations
 
 import errno
 import logging
+import resource
 import secrets
 import selectors
 import signal
@@ -25,11 +27,14 @@ from pathlib import Path
 from typing import Any, Callable
 
 from toolkit import envvars as E
+from toolkit import procs
 from toolkit import protocol as P
+from toolkit.printable import clean
 from toolkit.scheduler import state as S
+from toolkit.scheduler.admission import Admission, Limits
 from toolkit.scheduler.config import Config, ConfigError
 from toolkit.scheduler.journal import Journal
-from toolkit.scheduler.kvstore import KVStore
+from toolkit.scheduler.kvstore import KVStore, bounds
 from toolkit.scheduler.membership import Close, DropKeys, Exit, Log, Membership, Note, Send
 
 log = logging.getLogger("toolkit.scheduler")
@@ -41,10 +46,10 @@ COMMIT_PERSIST_INTERVAL = 1.0  # s: commits come from every rank at every checkp
 MAX_OUTBUF = 1 << 20  # bytes queued to one peer that has stopped reading before it is dropped
 RECV_SIZE = 1 << 16
 PREAUTH_TIMEOUT = 10.0  # s for a new connection to prove the token
-MAX_PREAUTH = 256  # connections not yet authenticated, in all
-MAX_PREAUTH_PER_IP = 64  # ... from one address
+ACCEPT_BATCH = 64  # connections accepted per readiness of a listener: the hellos already there are read in between
 ACCEPT_PAUSE = 0.5  # s the listeners rest after accept() failed for want of descriptors or memory
 LOG_EVERY = 10.0  # s: a repeated warning (refused connections, no descriptors) is logged at most this often
+MAX_LOG_TEXT = 4096  # characters of one log line's text (a failed job's reason carries a log tail of 2000)
 RESOURCE_ERRORS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 CONTROL, STORE = "control", "store"
 
@@ -77,26 +82,41 @@ class Conn:
 
 
 class RateLimited:
-    """A warning said at most once per LOG_EVERY, with how often it happened meanwhile.
+    """Warnings said at most once per LOG_EVERY per key, the rest summed up: what keeps hostile or broken peers
+    (floods of rejected or refused connections, bad lines, a lack of descriptors) from flooding the log.
 
-    Keeps hostile or broken peers (floods of refused connections, bad lines, a lack of descriptors) from flooding the
-    log: the first warning of a key is logged at once; later ones within LOG_EVERY are only counted, and the count
-    appears in the next warning of that key that is logged."""
+    The first warning of a key is logged at once; later ones within LOG_EVERY are only counted, and once the window
+    is over (`flush`, called by the server's loop at `next_deadline`) one line says how many there were and the
+    latest of them. So a flood that lasts costs one line per key per LOG_EVERY; callers use a fixed set of keys
+    (never one per address, which a peer could multiply). Texts go through printable.clean at the sink."""
 
     def __init__(self, clock: Callable[[], float]) -> None:
         self.clock = clock
-        self.next: dict[str, float] = {}
-        self.count: dict[str, int] = {}
+        self.next: dict[str, float] = {}  # when the key may be logged again
+        self.held: dict[str, tuple[int, str]] = {}  # key -> (occurrences not logged yet, the latest text)
 
     def warn(self, key: str, text: str) -> None:
-        """Count one occurrence of `key`; log `text` (with the count) unless `key` was logged less than LOG_EVERY
-        ago."""
+        """Count one occurrence of `key`; log `text` unless `key` was logged less than LOG_EVERY ago (then it is
+        held for the summary)."""
         now = self.clock()
-        self.count[key] = self.count.get(key, 0) + 1
-        if now >= self.next.get(key, 0.0):
-            n = self.count.pop(key)
-            log.warning("%s%s", text, f" ({n} times in the last {LOG_EVERY:g} s)" if n > 1 else "")
+        if now >= self.next.get(key, 0.0) and key not in self.held:
+            log.warning("%s", clean(text, MAX_LOG_TEXT))
             self.next[key] = now + LOG_EVERY
+            return
+        count, _ = self.held.get(key, (0, ""))
+        self.held[key] = (count + 1, text)
+
+    def flush(self, now: float) -> None:
+        """Log the summary of every key whose window is over: how many were held back, and the latest."""
+        for key in [k for k in self.held if now >= self.next.get(k, 0.0)]:
+            count, latest = self.held.pop(key)
+            log.warning("%s", clean(f"{count} more like this in the last {LOG_EVERY:g} s; the latest: {latest}",
+                                    MAX_LOG_TEXT))
+            self.next[key] = now + LOG_EVERY
+
+    def next_deadline(self) -> float | None:
+        """When the next summary is due (None: nothing is held)."""
+        return min((self.next.get(k, 0.0) for k in self.held), default=None)
 
 
 class Server:
@@ -115,7 +135,7 @@ class Server:
         self.members = Membership(config.job, config.world_size, config.node_timeout, config.topo_timeout,
                                   self.boot, f"{config.host}:{config.port}", config.expected, clock(),
                                   config.host_timeout, config.spares)
-        self.kv = KVStore()
+        self.kv = KVStore(*bounds(config.world_size), generation_prefix=P.generation_prefix(config.job, self.boot))
         self.journal = Journal(config.recovery_path, config.job, config.world_size, 1.0 / config.straggler_factor,
                                clock)
         self.sel = selectors.DefaultSelector()
@@ -123,6 +143,8 @@ class Server:
         self.ids = iter(range(1, 1 << 62))
         self.listeners: dict[str, socket.socket] = {}
         self.paused_until = 0.0
+        self.hosts = len(set(config.expected.values()) | set(config.spares)) or 1
+        self.admission = Admission(Limits.for_job(config.world_size, self.hosts, _nofile()), PREAUTH_TIMEOUT)
         self.pending: set[Conn] = set()
         self.exit_code: int | None = None
         self.signalled = ""
@@ -141,6 +163,7 @@ class Server:
         EXIT_FAILED if none was set. Raises StateError (an unusable state file) or ConfigError (a busy port, an
         address not this host's) before anything is served; `toolkit.scheduler.main` turns both into exit code 2.
         Heartbeat and formation deadlines count from when the listeners are up (Membership.started)."""
+        self._raise_nofile()
         self._apply(self.journal.restore())  # first: the membership's restore notes go into the ledger read back
         path = self._state_path()
         if path is not None:
@@ -172,6 +195,18 @@ class Server:
             self.journal.close()
             self._shutdown()
         return self.exit_code if self.exit_code is not None else EXIT_FAILED
+
+    def _raise_nofile(self) -> None:
+        """Raise the soft descriptor limit to the hard one (every member holds two connections, and the table of
+        connections waiting to authenticate is sized from what is left: admission.Limits), and say in one line if
+        even that is too low for the job's size."""
+        _, nofile = procs.raise_open_files()
+        self.admission.limits = Limits.for_job(self.cfg.world_size, self.hosts, nofile)
+        needed = Limits.fds_needed(self.cfg.world_size, self.hosts)
+        if nofile < needed:
+            log.warning("the descriptor limit (RLIMIT_NOFILE %d) is below the %d a job of %d workers needs: raise "
+                        "the hard limit (ulimit -Hn, limits.conf) on %s", nofile, needed, self.cfg.world_size,
+                        self.cfg.host)
 
     def _bind(self, port: int, what: str, store: str) -> socket.socket:
         """A TCP socket bound (not yet listening) to cfg.host:`port`, IPv6 if the host is an IPv6 literal.
@@ -223,6 +258,7 @@ class Server:
                 self._event(key, mask)
             now = self.clock()
             self._expire(now)
+            self.said.flush(now)
             self._apply(self.members.tick(now))
             self._apply(self.journal.tick())
             self._resume_listeners(now)
@@ -255,11 +291,16 @@ class Server:
         due commit persist or end of a listener pause, and never more than MAX_WAIT; 0 if one has passed."""
         deadlines = [now + MAX_WAIT, self.members.next_deadline(), self.kv.next_deadline(),
                      self.journal.next_deadline()]
-        deadlines += [c.deadline for c in self.conns.values() if not c.authed]
+        waiting = self.admission.next_deadline()
+        if waiting is not None:
+            deadlines.append(waiting)
         if self.members.commits_dirty:
             deadlines.append(self.commits_persist_at)
         if self.paused_until:
             deadlines.append(self.paused_until)
+        summary = self.said.next_deadline()
+        if summary is not None:
+            deadlines.append(summary)
         return max(0.0, min(deadlines) - now)
 
     def _linger(self) -> None:
@@ -296,15 +337,17 @@ class Server:
     # -- connections
 
     def _accept(self, kind: str) -> None:
-        """Accept every connection waiting on listener `kind` and send each a `challenge` with a fresh nonce.
+        """Accept what waits on listener `kind` (CONTROL or STORE), at most ACCEPT_BATCH at a time (the listener
+        stays readable for the next pass, and the hellos already received are read in between).
 
-        Admission is bounded before a byte is read: a new connection is closed at once while MAX_PREAUTH connections
-        are still unauthenticated, or MAX_PREAUTH_PER_IP from its address (a rate-limited warning says so). An
-        admitted one is non-blocking with TCP_NODELAY, and must prove the token within PREAUTH_TIMEOUT (`_expire`).
-        Out of descriptors or memory (RESOURCE_ERRORS) the listeners pause (`_pause_listeners`) instead of spinning
-        on a listener that stays readable; any other accept error waits for the next readiness."""
+        Admission is bounded before a byte is read, and never by refusing the newcomer: when the table of connections
+        waiting to authenticate is full (for its address, or in all) the oldest one waiting is closed to make room
+        (admission.Admission; a rate-limited warning says so). An admitted connection is non-blocking with
+        TCP_NODELAY, and must prove the token within PREAUTH_TIMEOUT (`_expire`). Out of descriptors or memory
+        (RESOURCE_ERRORS) the listeners pause (`_pause_listeners`) instead of spinning on a listener that stays
+        readable; any other accept error waits for the next readiness."""
         listener = self.listeners[kind]
-        while True:
+        for _ in range(ACCEPT_BATCH):
             try:
                 sock, addr = listener.accept()
             except (BlockingIOError, InterruptedError):
@@ -314,16 +357,18 @@ class Server:
                     self._pause_listeners(e)
                 return
             ip = str(addr[0])
-            unauthed = [c for c in self.conns.values() if not c.authed]
-            if len(unauthed) >= MAX_PREAUTH or sum(1 for c in unauthed if c.ip == ip) >= MAX_PREAUTH_PER_IP:
-                sock.close()
-                self.said.warn("refused", f"refused connections: {len(unauthed)} are still to authenticate (at most "
-                                          f"{MAX_PREAUTH}, {MAX_PREAUTH_PER_IP} from one address; latest from {ip})")
-                continue
+            now = self.clock()
+            conn = Conn(next(self.ids), sock, f"{addr[0]}:{addr[1]}", ip, kind, P.new_nonce(), now + PREAUTH_TIMEOUT)
+            victim = self.conns.get(self.admission.admit(conn.id, ip, now) or 0)
+            if victim is not None:
+                lim = self.admission.limits
+                self.said.warn("evicted", f"closed {victim.addr}, which had not authenticated after "
+                                          f"{now - victim.deadline + PREAUTH_TIMEOUT:.1f} s, to make room for "
+                                          f"{conn.addr}: {len(self.admission)} connections are waiting to "
+                                          f"authenticate (at most {lim.total}, {lim.per_address} from one address)")
+                self._close(victim)
             sock.setblocking(False)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conn = Conn(next(self.ids), sock, f"{addr[0]}:{addr[1]}", ip, kind, P.new_nonce(),
-                        self.clock() + PREAUTH_TIMEOUT)
             self.conns[conn.id] = conn
             self.sel.register(sock, selectors.EVENT_READ, conn)
             self._send(conn, P.CHALLENGE, nonce=conn.nonce)
@@ -351,7 +396,7 @@ class Server:
     def _expire(self, now: float) -> None:
         """Drop the connections that did not authenticate by their deadline (they hold a descriptor and a
         pre-authentication slot), and answer the store waits whose timeout passed with error "timeout"."""
-        for conn in [c for c in self.conns.values() if not c.authed and not c.closing and now >= c.deadline]:
+        for conn in [self.conns[i] for i in self.admission.expired(now) if i in self.conns]:
             self.said.warn("preauth", f"dropped {conn.addr}: it did not authenticate within {PREAUTH_TIMEOUT:g} s")
             self._drop(conn, "did not authenticate")
         for reply in self.kv.expire(now):
@@ -381,7 +426,7 @@ class Server:
         try:
             messages = conn.lines.feed(data)
         except P.ProtocolError as e:
-            self.said.warn(f"protocol:{conn.ip}", f"dropped {conn.addr}: {e}")
+            self.said.warn("protocol", f"dropped {conn.addr}: {e}")
             self._drop(conn, f"protocol error ({e})")
             return
         for msg in messages:
@@ -414,15 +459,16 @@ class Server:
         `replace` on the control port)
         with a client proof over this connection's nonce (protocol.check_client, constant-time). A plain `token`
         field is refused with a line saying the peer's toolkit is older. Any refusal is a `reject {retry: false}`
-        carrying no proof, and the connection closes once it is written. Accepted: the connection is authed, its
-        line limit rises to P.MAX_LINE (P.MAX_STORE_LINE on the store), and its first reply carries the server's
-        proof: the store's `welcome` here; for a worker or an agent, whatever the membership sends it first
+        carrying no proof, and the connection closes once it is written; it is logged rate-limited (one line per
+        kind of refusal per LOG_EVERY, then a summary), the claimed name cleaned. Accepted: the connection is
+        authed, its line limit rises to P.MAX_LINE (P.MAX_STORE_LINE on the store), and its first reply carries the
+        server's proof: the store's `welcome` here; for a worker or an agent, whatever the membership sends it first
         (`welcome`, or a `reject`/`fenced` the client can then trust)."""
         op = msg["op"]
         expected = (P.STORE_HELLO,) if conn.kind == STORE else (P.REGISTER, P.AGENT_HELLO, P.REPLACE)
-        subject = P.hello_subject(msg)[:80] or "?"
+        subject = P.hello_subject(msg)[:80] or "?"  # what the peer claims: cleaned where it is logged
         if op not in expected:
-            log.warning("rejected %s: %r before authenticating", conn.addr, op[:40])
+            self.said.warn("rejected:unexpected", f"rejected {conn.addr}: {op[:40]!r} before authenticating")
             self._send(conn, P.REJECT, reason=f"expected {' or '.join(expected)} first", retry=False)
             conn.closing = True
             return
@@ -437,11 +483,12 @@ class Server:
             what = {P.REGISTER: f"registration of {subject}", P.AGENT_HELLO: "agent hello",
                     P.STORE_HELLO: f"store connection of {subject}", P.REPLACE: "replace request"}[op]
             host = f" (host {subject})" if op == P.AGENT_HELLO else ""
-            log.warning("rejected %s from %s%s: %s", what, conn.addr, host, reason)
+            self.said.warn(f"rejected:{op}:{reason[:20]}", f"rejected {what} from {conn.addr}{host}: {reason}")
             self._send(conn, P.REJECT, reason=reason, retry=False)
             conn.closing = True
             return
         conn.authed, conn.prove, conn.client_nonce = True, True, str(msg["nonce"])
+        self.admission.done(conn.id)
         conn.lines.limit = P.MAX_STORE_LINE if conn.kind == STORE else P.MAX_LINE
         if op == P.STORE_HELLO:
             self._send(conn, P.WELCOME)
@@ -470,8 +517,8 @@ class Server:
                 conn = self.conns.get(action.peer)
                 if conn is not None:
                     self._close(conn)
-            elif isinstance(action, Log):
-                log.log(action.level, "%s", action.text)
+            elif isinstance(action, Log):  # peers' strings in it (node ids, hosts, log tails) shown, never obeyed
+                log.log(action.level, "%s", clean(action.text, MAX_LOG_TEXT))
             elif isinstance(action, Exit):
                 if self.exit_code is None:
                     self.exit_code = action.code
@@ -536,6 +583,7 @@ class Server:
             return
         conn.closed = True
         self.conns.pop(conn.id, None)
+        self.admission.done(conn.id)
         try:
             self.sel.unregister(conn.sock)
         except (KeyError, ValueError):
@@ -579,3 +627,8 @@ class Server:
             return
         self.members.dirty = self.members.commits_dirty = False
         self.commits_persist_at = now + COMMIT_PERSIST_INTERVAL
+
+
+def _nofile() -> int:
+    """The soft limit of descriptors this process may open."""
+    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]

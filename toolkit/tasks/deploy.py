@@ -3,29 +3,35 @@ project, the local job record); `record`: the same job record for a deploy the A
 
 `plan` touches no host. `deploy` is safe to repeat: it writes only what changed (rendered files by checksum, the
 project by size, mtime and mode), reuses the job's token (so running processes keep their scheduler), and refuses
-job directories other users own or may write (docs/security.md). It starts nothing: `train` does."""
+job directories, and a --ckpt-dir, that other users own or may write (docs/security.md). It starts nothing: `train`
+does."""
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
 import json
+import posixpath
 import secrets
-from dataclasses import replace
+import socket
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 
-from toolkit import jobrecord
+from toolkit import agentdoc, jobrecord, privatedir
+from toolkit import envvars as E
 from toolkit.errors import UserError
 from toolkit.jobrecord import HostRecord, JobRecord
-from toolkit.plan import LaunchPlan, make_plan
+from toolkit.plan import HostPlan, LaunchPlan, make_plan
+from toolkit.printable import clean
 from toolkit.remote import (
     DEFAULT_EXCLUDE,
     Host,
     HostResult,
+    RemoteError,
     SyncStats,
     Target,
 )
@@ -33,7 +39,13 @@ from toolkit.render import RenderedFile, plan_json, render_host, write_files
 from toolkit.settings import JOB_OPTIONS, Settings
 from toolkit.tasks.hosts import STATUS_TIMEOUT, fan_out, ssh_settings
 from toolkit.tasks.output import dash, human_size, relative, say, table_console
-from toolkit.tasks.scripts import LAYOUT_NOT_OURS, LAYOUT_OPEN_TO_OTHERS, LAYOUT_SCRIPT
+from toolkit.tasks.scripts import (
+    LAYOUT_NOT_OURS,
+    LAYOUT_OPEN_TO_OTHERS,
+    LAYOUT_OTHER_JOB,
+    LAYOUT_SCRIPT,
+    LAYOUT_SYMLINK,
+)
 
 PROJECT_EXCLUDE = DEFAULT_EXCLUDE + (".toolkit",)
 
@@ -110,18 +122,21 @@ def deploy(settings: Settings) -> JobRecord:
     )
     plan = make_plan(inventory, settings.options, str(settings.project) if settings.local else None)
     token = jobrecord.token(settings.project, plan.job)
+    identity = Identity.of(token, settings.project)
     # Recorded before the upload (marked incomplete until it is done): from now on `status` looks where this
     # deploy puts the job, never at an earlier deploy's job directories as if they were this one's.
-    jobrecord.save(settings.project, replace(_record(plan, settings), deployed=False), typed_in=Path.cwd())
+    record = _record(plan, settings, identity.job_id)
+    jobrecord.save(settings.project, replace(record, deployed=False), typed_in=Path.cwd())
 
     def upload(host: Host) -> SyncStats:
         """The job's layout and rendered files, then (remote hosts only) the project, mirrored with delete."""
         hp = plan.host_plan(host.name)
-        stats = _upload_rendered(host, hp.job_dir, render_host(plan, hp, token))
-        if plan.local:
-            return stats
-        project = host.sync_dir(settings.project, f"{hp.job_dir}/project", exclude=PROJECT_EXCLUDE, delete=True)
-        return _sum_stats([stats, project])
+        stats = _upload_rendered(host, hp.job_dir, render_host(plan, hp, token), identity, plan.job)
+        if not plan.local:
+            stats = _sum_stats([stats, host.sync_dir(settings.project, f"{hp.job_dir}/project",
+                                                     exclude=PROJECT_EXCLUDE, delete=True)])
+        _check_ckpt_dir(host, hp, settings.options.ckpt_dir)
+        return stats
 
     def line(r: HostResult[SyncStats]) -> str:
         """A host's progress line: what it was sent, or its error."""
@@ -136,7 +151,6 @@ def deploy(settings: Settings) -> JobRecord:
     if outside:
         say(f"not copied: {len(outside)} symlink(s) pointing out of {settings.project} ({', '.join(outside[:5])}"
              + (", ..." if len(outside) > 5 else "") + "): toolkit never follows a link out of the project")
-    record = _record(plan, settings)
     path = jobrecord.save(settings.project, record, typed_in=Path.cwd())
     total = _sum_stats(stats.values())
     say(f"deployed job {plan.job} to {len(stats)} host(s): {total.files_sent} file(s) sent "
@@ -158,26 +172,40 @@ def record_deploy(settings: Settings, deployed: bool) -> JobRecord:
         h = relative_dirs[0]
         raise UserError(f"host {h.name}: job directory {h.job_dir} is relative; give the hosts an absolute workdir "
                         "(workdir=/path in the inventory, or --workdir /path)")
-    jobrecord.token(settings.project, plan.job)
-    record = replace(_record(plan, settings), deployed=deployed)
+    token = jobrecord.token(settings.project, plan.job)
+    record = replace(_record(plan, settings, jobrecord.job_id(token)), deployed=deployed)
     jobrecord.save(settings.project, record, typed_in=Path.cwd())
     return record
 
 
-def _upload_rendered(host: Host, job_dir: str, files: list[RenderedFile]) -> SyncStats:
-    """Make the job's layout (LAYOUT_SCRIPT: directories 0700, ownership and mode checked) and write the rendered
-    files whose mode or SHA-256 differ from what is there, in one listing round trip plus one write per changed
-    file. Raises UserError if the job directory or its workdir belongs to another user or is writable by others
-    (another user could change what the job runs), else what `Host.run(check=True)` and `Host.write` raise."""
-    result = host.run(["sh", "-c", LAYOUT_SCRIPT, "sh", job_dir, *(f.path for f in files)], timeout=STATUS_TIMEOUT)
-    if result.exit_code == LAYOUT_NOT_OURS:
-        path, owner, me = (result.stdout.split() + ["?", "?", "?"])[:3]
-        raise UserError(f"{host.name}: {path} belongs to uid {owner}, not to you (uid {me}): another user made it, "
-                        "and could change what the job runs; remove it or choose a --workdir of your own")
-    if result.exit_code == LAYOUT_OPEN_TO_OTHERS:
-        path, mode = (result.stdout.split() + ["?", "?"])[:2]
-        raise UserError(f"{host.name}: {path} is writable by other users (mode {mode}): they could change what "
-                        f"the job runs; chmod go-w it, or choose a --workdir of your own")
+@dataclass(frozen=True)
+class Identity:
+    """Which job a deploy puts in a job directory (written there as agentdoc.JOB_ID_FILE by LAYOUT_SCRIPT): its id
+    (jobrecord.job_id), the SHA-256 of its token file (to recognise a job directory from before job ids), and where
+    it is deployed from (shown to the owner of another project that finds it there)."""
+
+    job_id: str
+    token_sum: str
+    origin: str
+
+    @classmethod
+    def of(cls, token: str, project: Path) -> Identity:
+        """The identity of the job whose token is `token`, deployed from `project` (its path and this machine's
+        name, as one line for people)."""
+        return cls(jobrecord.job_id(token), hashlib.sha256(f"{token}\n".encode()).hexdigest(),
+                   clean(f"project {project.resolve()} on {socket.gethostname()}", 400))
+
+
+def _upload_rendered(host: Host, job_dir: str, files: list[RenderedFile], identity: Identity,
+                     job: str) -> SyncStats:
+    """Make the job's layout (LAYOUT_SCRIPT: directories 0700, ownership, mode and identity checked) and write the
+    rendered files whose mode or SHA-256 differ from what is there, in one listing round trip plus one write per
+    changed file. Raises UserError if the job directory or its workdir is a symlink, belongs to another user or is
+    writable by others (another user could change what the job runs), or holds another project's job `job`
+    (nothing of it is touched); else what `Host.run(check=True)` and `Host.write` raise."""
+    result = host.run(["sh", "-c", LAYOUT_SCRIPT, "sh", job_dir, identity.job_id, identity.token_sum,
+                       identity.origin, *(f.path for f in files)], timeout=STATUS_TIMEOUT)
+    _layout_refusal(host.name, job_dir, job, result.exit_code, result.stdout)
     listing = result.check().stdout
     there: dict[str, tuple[int, str]] = {}
     for entry in listing.splitlines():
@@ -196,7 +224,48 @@ def _upload_rendered(host: Host, job_dir: str, files: list[RenderedFile]) -> Syn
     return SyncStats(files_sent=sent, bytes_sent=nbytes, files_unchanged=len(files) - sent)
 
 
-def _record(plan: LaunchPlan, settings: Settings) -> JobRecord:
+def _layout_refusal(host: str, job_dir: str, job: str, code: int | None, out: str) -> None:
+    """Raise the RemoteError (a UserError naming `host`) for LAYOUT_SCRIPT's refusals (its exit `code` and what it
+    printed, `out`: the path concerned on the first line, what is wrong with it on the next). Returns for any other
+    exit."""
+    first, _, rest = out.partition("\n")
+    path, words = clean(first, 400), rest.split()
+    if code == LAYOUT_NOT_OURS:
+        owner, me = (words + ["?", "?"])[:2]
+        raise RemoteError(host, f"{path} belongs to uid {owner}, not to you (uid {me}): another user made it, and "
+                                "could change what the job runs; remove it or choose a --workdir of your own")
+    if code == LAYOUT_OPEN_TO_OTHERS:
+        raise RemoteError(host, f"{path} is writable by other users (mode {(words + ['?'])[0]}): they could change "
+                                "what the job runs; chmod go-w it, or choose a --workdir of your own")
+    if code == LAYOUT_SYMLINK:
+        raise RemoteError(host, f"{path} is a symbolic link (to {clean(rest.strip(), 400)}): toolkit does not follow "
+                                "links for job directories (whoever can change the link decides where the job runs); "
+                                "replace it with a directory, or give its target as --workdir")
+    if code == LAYOUT_OTHER_JOB:
+        _, origin = agentdoc.read_identity(out)
+        whose = f"another project's job {job} ({clean(origin, 400)})" if origin else \
+            f"a job {job} of another project (deployed before job ids; its token is not this project's)"
+        raise RemoteError(host, f"{job_dir} holds {whose}; nothing of it was touched: give this job another --job "
+                                "name (or --workdir)")
+
+
+def _check_ckpt_dir(host: Host, hp: HostPlan, given: str | None) -> None:
+    """If --ckpt-dir was `given`: make it on the host (as its workers resolve it) and check that only the operator
+    can change it (toolkit.privatedir: another user who can write there could plant checkpoints the job resumes);
+    UserError naming the host and the directory otherwise. Spares are checked too: their workers may take over.
+    (The default, `<job dir>/ckpt`, is made private with the job directory.)"""
+    workers = [p for p in (*hp.processes, *hp.standby) if p.rank is not None]
+    if given is None or not workers:
+        return
+    path = posixpath.join(workers[0].cwd, workers[0].env[E.CKPT_DIR])
+    result = host.run([hp.python, "-m", "toolkit.privatedir", path, "checkpoint directory",
+                       "choose a --ckpt-dir of your own"], timeout=STATUS_TIMEOUT)
+    if result.exit_code == privatedir.EXIT_NOT_PRIVATE and result.stdout.strip():
+        raise UserError(f"{host.name}: {result.stdout.strip().splitlines()[-1]}")
+    result.check()
+
+
+def _record(plan: LaunchPlan, settings: Settings, job_id: str) -> JobRecord:
     """The job record for `plan`: per host how to reach it and where its job lives, every process and its log, the
     SSH settings as typed (later commands reach the hosts the same way), the grace period and the job options (a
     later flag that contradicts them is refused, see tasks.hosts.load_record)."""
@@ -229,7 +298,8 @@ def _record(plan: LaunchPlan, settings: Settings) -> JobRecord:
         "parallel": settings.parallel,
     }
     return JobRecord(plan.job, plan.local, plan.scheduler_host, plan.sched_port, hosts, processes, ssh,
-                     grace=plan.options.grace, options={name: getattr(plan.options, name) for name in JOB_OPTIONS})
+                     grace=plan.options.grace, options={name: getattr(plan.options, name) for name in JOB_OPTIONS},
+                     job_id=job_id)
 
 
 def _sum_stats(stats: Any) -> SyncStats:

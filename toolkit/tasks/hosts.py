@@ -10,11 +10,14 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from toolkit import jobrecord
+from toolkit.agentdoc import EXIT_OTHER_JOB
 from toolkit.errors import UserError
 from toolkit.jobrecord import HostRecord, JobRecord
 from toolkit.remote import (
+    CommandResult,
     Host,
     HostResult,
+    PreflightFailed,
     SshSettings,
     Target,
     check_all,
@@ -26,6 +29,20 @@ from toolkit.settings import CoreFlags, JobRef, Settings
 LAUNCH_TIMEOUT = 60.0  # s for launch.sh to report the agent up
 STOP_TIMEOUT_EXTRA = 30.0  # s beyond the grace period for stop.sh to finish
 STATUS_TIMEOUT = 30.0  # s for one host's status or log command
+
+
+class OtherJob(PreflightFailed):
+    """The host's job directory holds another project's job of this name (the agent's EXIT_OTHER_JOB): nothing was
+    done there, and that job was left as it is."""
+
+
+def unless_other_job(host: str, result: CommandResult) -> CommandResult:
+    """`result`, unless it is the agent's EXIT_OTHER_JOB (launch.sh or stop.sh --job-id): then OtherJob with the
+    agent's line."""
+    if result.exit_code == EXIT_OTHER_JOB:
+        line = (result.stderr.strip().splitlines() or ["another project's job is there"])[-1]
+        raise OtherJob(host, line.removeprefix(f"{host}: "))
+    return result
 
 
 def load_record(ref: JobRef) -> JobRecord:

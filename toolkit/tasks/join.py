@@ -15,6 +15,7 @@ from typing import Any, Mapping
 from toolkit.agentdoc import FINAL_STATES
 from toolkit.errors import UserError
 from toolkit.jobrecord import JobRecord
+from toolkit.printable import clean
 from toolkit.remote import (
     Host,
     HostPool,
@@ -193,7 +194,7 @@ def _failure_text(record: JobRecord, hosts: list[HostStatus], unwatched: Mapping
         prefix = f"{h.host}:{role}:{dash(f.get('rank'))}"
         lines.append(f"{f.get('node_id')} on {h.host} (rank {dash(f.get('rank'))}, pid {dash(f.get('pid'))}): "
                      f"{f.get('status')} after {f.get('restarts', 0)} restart(s); last lines of {f.get('log_file')}:")
-        lines += [f"  {prefix} | {line}" for line in f.get("log_tail") or []]
+        lines += [f"  {prefix} | {clean(line, None, tabs=True)}" for line in f.get("log_tail") or []]
     for h in hosts:
         if h.host in unwatched:
             lines.append(f"{h.host}: {unwatched[h.host]}")
@@ -202,5 +203,5 @@ def _failure_text(record: JobRecord, hosts: list[HostStatus], unwatched: Mapping
             for p in h.processes:
                 if p.node_id in tails:
                     lines.append(f"  {p.node_id} on {h.host} ({p.state}, last exit: {p.last_exit}); last lines:")
-                    lines += [f"    {p.prefix} | {line}" for line in tails[p.node_id]]
+                    lines += [f"    {p.prefix} | {clean(line, None, tabs=True)}" for line in tails[p.node_id]]
     return "\n".join(lines)

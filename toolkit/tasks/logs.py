@@ -1,7 +1,8 @@
 """`logs`: the processes' logs, each line prefixed host:role:rank, once or followed from every host at once.
 
 Logs are read with `tail` on the hosts (one command per host for all its chosen logs), never copied whole; lines
-go to stdout as `host:role:rank | line`, notes (a log not written yet, a host that stopped answering) to stderr."""
+go to stdout as `host:role:rank | line` (control characters shown as escapes), notes (a log not written yet, a host
+that stopped answering) to stderr."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from typing import Any, Mapping
 
 from toolkit.errors import UserError
 from toolkit.jobrecord import JobRecord
+from toolkit.printable import clean
 from toolkit.remote import (
     ClusterError,
     Host,
@@ -64,8 +66,8 @@ def logs(ref: JobRef, node: str | None = None, rank: int | None = None, host_nam
                 result.check()
             got: list[tuple[str, str]] = []
             parser = TailParser(paths, lambda prefix, line: got.append((prefix, line)))
-            for line in result.stdout.splitlines():
-                parser(line)
+            for line in result.stdout.removesuffix("\n").split("\n") if result.stdout else []:
+                parser(line)  # split at newlines only: a carriage return or form feed is shown, not obeyed
             return got, missing_logs(result.stderr, paths)
 
         results = run_on_all(targets, fetch, ssh)
@@ -134,7 +136,9 @@ class _Printer:
         self.lock = threading.Lock()
 
     def line(self, prefix: str, text: str) -> None:
-        """Write `prefix | text` and flush, under the lock, so lines of different hosts never interleave."""
+        """Write `prefix | text` and flush, under the lock, so lines of different hosts never interleave. The text's
+        control characters are shown as escapes (`\x1b`, `\r`; tabs kept): a log line can neither pass for another
+        line nor drive the terminal (printable.clean)."""
         with self.lock:
-            sys.stdout.write(f"{prefix} | {text}\n")
+            sys.stdout.write(f"{prefix} | {clean(text, None, tabs=True)}\n")
             sys.stdout.flush()

@@ -13,17 +13,35 @@ import re
 from typing import Any, Callable, Mapping
 
 # Makes the job's layout and lists mode and checksum of the rendered files already there, in one round trip, so
-# a second deploy of an unchanged job writes none of them.
+# a second deploy of an unchanged job writes none of them. Arguments: job dir, job id, SHA-256 of the token file,
+# where the job is deployed from (one line), then the rendered files. Each directory of the job is checked before
+# it is used: not a symlink, ours, not writable by others. The job directory's `job-id` (agentdoc.JOB_ID_FILE) is
+# made once (noclobber: two deploys at once agree on the first) and must name this job: another project's job of the
+# same name is never touched (a job directory from before job ids: its token must be this job's).
 LAYOUT_SCRIPT = r"""
-d=$1; shift
+d=$1 jid=$2 toksum=$3 about=$4; shift 4
 me=$(id -u)
 umask 077
-mkdir -p -- "${d%/*}" && mkdir -p -- "$d" || exit 1
-for p in "${d%/*}" "$d"; do
-    owner=$(stat -c %u -- "$p") mode=$(stat -c %a -- "$p")
-    [ "$owner" = "$me" ] || { echo "$p $owner $me"; exit 20; }
-    [ $((0$mode & 022)) -eq 0 ] || { echo "$p $mode"; exit 21; }
-done
+check() {
+    if [ -L "$1" ]; then printf '%s\n%s\n' "$1" "$(readlink -- "$1")"; exit 23; fi
+    [ -d "$1" ] || return 0
+    owner=$(stat -c %u -- "$1") mode=$(stat -c %a -- "$1")
+    [ "$owner" = "$me" ] || { printf '%s\n%s %s\n' "$1" "$owner" "$me"; exit 20; }
+    [ $((0$mode & 022)) -eq 0 ] || { printf '%s\n%s\n' "$1" "$mode"; exit 21; }
+}
+check "${d%/*}"
+mkdir -p -- "${d%/*}" || exit 1
+check "${d%/*}"
+check "$d"
+mkdir -p -- "$d" || exit 1
+check "$d"
+if [ ! -f "$d/job-id" ] && [ -f "$d/token" ]; then
+    sum=$(sha256sum < "$d/token") || exit 1
+    [ "${sum%% *}" = "$toksum" ] || { printf -- '-\n'; exit 22; }
+fi
+( set -C; printf '%s\n%s\n' "$jid" "$about" > "$d/job-id" ) 2>/dev/null
+there=$(head -n 1 -- "$d/job-id") || exit 1
+[ "$there" = "$jid" ] || { head -c 2048 -- "$d/job-id"; exit 22; }
 mkdir -p -- "$d/env" "$d/logs" "$d/state" "$d/recovery" "$d/ckpt" && cd -- "$d" \
     && chmod 700 . env logs state recovery ckpt || exit 1
 for f; do
@@ -31,7 +49,7 @@ for f; do
 done
 exit 0
 """
-LAYOUT_NOT_OURS, LAYOUT_OPEN_TO_OTHERS = 20, 21  # exit codes of the layout script
+LAYOUT_NOT_OURS, LAYOUT_OPEN_TO_OTHERS, LAYOUT_OTHER_JOB, LAYOUT_SYMLINK = 20, 21, 22, 23  # its exit codes
 
 
 # Moves a run's checkpoints, scheduler state and agent.json aside under one stamp (a shared checkpoint directory
@@ -47,9 +65,13 @@ exit 0
 
 
 # Stops the job through the host's stop.sh (SIGTERM, grace, SIGKILL, verified); says so when nothing was deployed
-# in that directory, which is success too (nothing of the job can run there). Arguments: job dir, host name.
+# in that directory, which is success too (nothing of the job can run there). Arguments: job dir, host name, job id
+# (another project's job in that directory is left running: the agent's exit 4, with one line).
 STOP_SCRIPT = r"""
-if [ -x "$1/stop.sh" ]; then exec "$1/stop.sh"; fi
+if [ -x "$1/stop.sh" ]; then
+    if [ -n "$3" ]; then exec "$1/stop.sh" --job-id "$3"; fi
+    exec "$1/stop.sh"
+fi
 echo "$2: nothing deployed in $1: nothing to stop"
 """
 

@@ -39,6 +39,7 @@ from toolkit.tasks.hosts import (
     load_record,
     record_ssh,
     record_targets,
+    unless_other_job,
 )
 from toolkit.tasks.join import join_job
 from toolkit.tasks.output import say
@@ -85,12 +86,14 @@ def train(request: Request, join: bool = False, join_timeout: float | None = Non
     _previous_run(record, ssh, fresh=fresh, again=again)
 
     def start(host: Host) -> bool:
-        """True if this call started the agent (False: it already ran)."""
+        """True if this call started the agent (False: this job's agent already ran). OtherJob, with nothing
+        started, where the job directory holds another project's job (launch.sh --job-id)."""
         h = record.host(host.name)
         if h.name == sched.name and not poll_status(host, h)["doc"]["alive"]:
             host.preflight(h.python, h.job_dir, ports=(port, port + 1))
-        out = host.run([f"{h.job_dir}/launch.sh"], timeout=LAUNCH_TIMEOUT, check=True).stdout
-        return "already running" not in out
+        launch = host.run([f"{h.job_dir}/launch.sh"] + (["--job-id", record.job_id] if record.job_id else []),
+                          timeout=LAUNCH_TIMEOUT)
+        return "already running" not in unless_other_job(host.name, launch).check().stdout
 
     begun = time.monotonic()
     with rich_progress("starting", len(record.live_hosts)) as progress:
@@ -143,6 +146,12 @@ def _previous_run(record: JobRecord, ssh: SshSettings, fresh: bool, again: bool)
     """Refuse to start a finished job again unless told how (see `train`); with `fresh`, move its previous run
     aside on every host, so that the new run starts from step 0 and no status shows the old run's processes."""
     _, hosts = collect_status(record, ssh)
+    other = [h for h in hosts if h.other_job is not None]
+    if other:
+        running = " (running)" if any(h.alive for h in other) else ""
+        raise UserError(f"job {record.job}: {', '.join(f'{h.host}:{h.other_job}' for h in other)} holds another "
+                        f"project's job of this name{running}: nothing was started, and that job was left as it is; "
+                        "deploy this one under another --job name (or --workdir)")
     alive = [h.host for h in hosts if h.alive]
     if alive:
         if fresh:

@@ -23,6 +23,7 @@ from toolkit import agentdoc, jobrecord, rundoc
 from toolkit.agentdoc import FINAL_STATES
 from toolkit.errors import UserError
 from toolkit.jobrecord import HostRecord, JobRecord
+from toolkit.printable import clean
 from toolkit.protocol import RECOVERY_IN_PLACE, RECOVERY_RESTART
 from toolkit.remote import (
     ClusterError,
@@ -62,6 +63,7 @@ class ProcStatus:
     loss: float | None = None
     heartbeat_age: float | None = None  # s since the scheduler last heard from it
     straggler: float | None = None  # named a straggler: its own work per step over the others' median
+    repeating: str | None = None  # it keeps failing the same way: how (the agent's policy.repeated_failure)
 
     @property
     def prefix(self) -> str:
@@ -90,6 +92,7 @@ class HostStatus:
     # live.json (toolkit.rundoc), if this host runs the scheduler and it could be read
     took_over: tuple[Mapping[str, Any], ...] = field(default=(), hash=False, compare=False)  # a spare's takeovers:
     # {host (the lost one), by (this one), node_ids, seq}, as its agent recorded them
+    other_job: str | None = None  # the job directory holds another project's job of this name (where it is from)
 
 
 def live_path(record: JobRecord) -> tuple[str, str]:
@@ -212,6 +215,11 @@ def _host_status(record: JobRecord, name: str, result: HostResult[dict[str, Any]
         procs = tuple(_proc(name, p, {}, "unreachable", None, {}) for p in expected)
         return HostStatus(name, False, result.error, "unreachable", False, None, None, None, procs)
     doc, now, mtimes = result.value["doc"], result.value["now"], result.value["mtimes"]
+    there = doc.get("job_id")
+    if isinstance(there, str) and there and record.job_id and there != record.job_id:  # not this job: show none of it
+        procs = tuple(_proc(name, p, {}, OTHER_JOB, None, {}) for p in expected)
+        return HostStatus(name, True, None, OTHER_JOB, bool(doc.get("alive")), None, None, None, procs,
+                          other_job=clean(doc.get("job_dir") or "its job directory", 400))
     agent = str(doc.get("state") or "absent")
     alive = bool(doc.get("alive"))
     seen = {p.get("node_id"): p for p in doc.get("processes") or [] if isinstance(p, dict)}
@@ -231,6 +239,9 @@ def _host_status(record: JobRecord, name: str, result: HostResult[dict[str, Any]
     return HostStatus(name, True, None, agent, alive, pid if isinstance(pid, int) else None, doc.get("reason"),
                       doc.get("failure"), tuple(procs), updated if isinstance(updated, str) else None,
                       live=result.value.get("live"), took_over=_takeovers(name, doc.get("took_over")))
+
+
+OTHER_JOB = "another project's"  # the state of a host (and its processes) whose job directory is not this job's
 
 
 def _live_rank(live: Mapping[str, Any] | None, p: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -289,7 +300,19 @@ def _proc(host: str, p: Mapping[str, Any], got: Mapping[str, Any], state: str, n
         loss=_number(figures.get("loss")),
         heartbeat_age=_number(figures.get("heartbeat_age")) if state == "running" else None,
         straggler=straggler,
+        repeating=_repeating(got.get("same_failure")),
     )
+
+
+def _repeating(same: Any) -> str | None:
+    """The agent's `same_failure` ({times, step, code, signal}: a process failing again and again the same way) as
+    words, or None."""
+    if not isinstance(same, dict) or not isinstance(same.get("times"), int):
+        return None
+    how = f"killed by {clean(same['signal'], 40)}" if same.get("signal") else f"exit code {same.get('code')}"
+    step = same.get("step")
+    where = f"at step {step}" if isinstance(step, int) else "before reporting any step"
+    return f"failed {same['times']} times in a row {where}, each time with {how}: it does not get past it"
 
 
 # What each recovery mode means, and why a job runs in it: status says it in one line.
@@ -389,6 +412,9 @@ def _print_status(record: JobRecord, hosts: list[HostStatus]) -> None:
         note = _host_note(h)
         if note:
             say(note)
+        for p in h.processes:
+            if p.repeating:
+                say(f"{p.prefix} ({p.node_id}): {p.repeating}")
     for line in live_lines(job_live(hosts)):
         say(line)
     for h in record.hosts:
@@ -450,6 +476,10 @@ def _host_note(h: HostStatus) -> str | None:
     None; an unreachable host is left to the ClusterError that follows."""
     if not h.reached:
         return None  # listed by the error that follows
+    if h.other_job is not None:
+        return (f"{h.host}: {h.other_job} holds another project's job of this name"
+                f"{' (running)' if h.alive else ''}, not this one: its processes are not shown, and no command of "
+                "this project acts on it; deploy this job under another --job name (or --workdir)")
     if h.agent == "gone":
         return (f"{h.host}: the agent is gone (it stopped without finishing the job): its processes show as gone; "
                 f"'fleet restart --host {h.host}' starts it again")

@@ -19,11 +19,13 @@ from toolkit.settings import JobRef
 from toolkit.tasks.hosts import (
     LAUNCH_TIMEOUT,
     STOP_TIMEOUT_EXTRA,
+    OtherJob,
     host_target,
     load_record,
     record_ssh,
     record_targets,
     result_line,
+    unless_other_job,
 )
 from toolkit.tasks.output import say
 from toolkit.tasks.scripts import STOP_SCRIPT
@@ -42,6 +44,8 @@ def stop(ref: JobRef) -> None:
     ssh = record_ssh(record, ref.request.core)
     with rich_progress("stopping", len(record.hosts), line=result_line) as progress:
         results = run_on_all(record_targets(record), lambda host: stop_one(host, record), ssh, progress=progress)
+    for name in [n for n, r in results.items() if isinstance(r.exception, OtherJob)]:
+        say(f"{results.pop(name).error}; nothing of this job runs there")
     for name in [n for n, r in results.items() if not r.ok and record.host(n).replaced_by]:
         say(f"{name} (replaced by {record.host(name).replaced_by}) could not be stopped: {results.pop(name).error}; "
             "it is fenced from the job")
@@ -55,11 +59,12 @@ def stop(ref: JobRef) -> None:
 def stop_one(host: Host, record: JobRecord) -> str:
     """Stop the job on one host through its stop.sh (STOP_SCRIPT) and return what it printed. Bounded by the
     grace period plus STOP_TIMEOUT_EXTRA; raises CommandFailed (stop.sh could not verify that nothing is left,
-    or timed out), ConnectionLost or HostStalled. Used by `stop`, by train's rollback and by --join after a failure."""
+    or timed out), ConnectionLost or HostStalled, and OtherJob where the job directory holds another project's job
+    (left running). Used by `stop`, by train's rollback and by --join after a failure."""
     h = record.host(host.name)
-    result = host.run(["sh", "-c", STOP_SCRIPT, "sh", h.job_dir, h.name],
-                      timeout=record.grace + STOP_TIMEOUT_EXTRA, check=True)
-    return result.stdout.strip()
+    result = host.run(["sh", "-c", STOP_SCRIPT, "sh", h.job_dir, h.name, record.job_id],
+                      timeout=record.grace + STOP_TIMEOUT_EXTRA)
+    return unless_other_job(host.name, result).check().stdout.strip()
 
 
 # --- restart -----------------------------------------------------------------------------------------------------
@@ -78,11 +83,17 @@ def restart(ref: JobRef, node: str | None, host_name: str | None) -> None:
     h = record.host(record.process(node)["host"]) if node is not None else record.host(host_name)  # type: ignore
 
     def do(host: Host) -> str:
-        """recover.sh for the node; for a host, launch.sh if its agent is not alive, else recover.sh per node."""
+        """recover.sh for the node; for a host, launch.sh if its agent is not alive, else recover.sh per node. Never
+        in a job directory that holds another project's job (OtherJob)."""
+        doc = poll_status(host, h)["doc"]
+        if doc.get("job_id") and record.job_id and doc["job_id"] != record.job_id:
+            raise OtherJob(host.name, f"{h.job_dir} holds another project's job {record.job}: nothing was restarted")
         if node is not None:
             return host.run([f"{h.job_dir}/recover.sh", node], timeout=LAUNCH_TIMEOUT, check=True).stdout.strip()
-        if not poll_status(host, h)["doc"]["alive"]:
-            return host.run([f"{h.job_dir}/launch.sh"], timeout=LAUNCH_TIMEOUT, check=True).stdout.strip()
+        if not doc["alive"]:
+            launch = host.run([f"{h.job_dir}/launch.sh", "--job-id", record.job_id] if record.job_id else
+                              [f"{h.job_dir}/launch.sh"], timeout=LAUNCH_TIMEOUT)
+            return unless_other_job(host.name, launch).check().stdout.strip()
         return "\n".join(host.run([f"{h.job_dir}/recover.sh", n], timeout=LAUNCH_TIMEOUT, check=True).stdout.strip()
                          for n in h.node_ids)
 

@@ -36,17 +36,20 @@ def clean_env() -> dict[str, str]:
 class LocalJob:
     """A local job of `workers` workers running `script` (default: the sample trainer) from `project` with `args`,
     its files rendered under `root`/`job` at construction; `start` runs its agent. `options` are JobOptions fields
-    (node_timeout, grace, warm_spare, ckpt_dir, ...); the rest are fleet's defaults. Call `cleanup` when done."""
+    (node_timeout, grace, warm_spare, ckpt_dir, ...); the rest are fleet's defaults. `token`: the job's token (the
+    same job again: its checkpoints are authenticated with a key from it); default a new one, as deploy makes for a
+    new job. Call `cleanup` when done."""
 
     def __init__(self, root: Path, workers: int, args: list[str], job: str = "local", project: Path = EXAMPLES,
-                 script: str = "train.py", **options: Any) -> None:
+                 script: str = "train.py", token: str | None = None, **options: Any) -> None:
         self.workers = workers
         job_options = JobOptions(job=job, script=script, script_args=" ".join(args), master_port=free_port_pair(),
                                  workdir=str(root), python=sys.executable, **options)
         plan = make_plan(local_inventory(workers), job_options, str(project))
         (host,) = plan.hosts
         self.dir = Path(host.job_dir)
-        write_files(render_host(plan, host, secrets.token_hex(16)), self.dir)
+        self.token = token or secrets.token_hex(16)
+        write_files(render_host(plan, host, self.token), self.dir)
         self.agent: subprocess.Popen | None = None
 
     def start(self, env: Mapping[str, str] | None = None) -> subprocess.Popen:

@@ -1,27 +1,42 @@
-"""Verified, atomic, per-rank checkpoints and the rollback agreement between ranks.
+"""Checkpoints: one authenticated copy of the replicated state per host, written in the background, and the
+agreement on the copy a whole-job restart resumes from.
 
-Why: recovery is only as good as the checkpoint it resumes from. A worker killed mid-write, a full disk or a
-flipped bit must never cost more than falling back to the previous checkpoint, and ranks must never resume from
-different steps (the replicas would silently diverge). So:
+Why: a checkpoint serves only when no survivor holds the state (a whole-job restart, a world of one). In data
+parallelism every rank holds the same model, optimizer and extra state, so one copy per host is enough to restart
+from, and any host's copy will do; eight copies per host (one per rank) only cost disk and bandwidth. A worker
+killed mid-write, a full disk, a flipped bit or a file planted by someone else must never cost more than falling
+back to an older copy, and never be resumed. So:
 
-- one file per step, ``step_<012d>.ckpt`` in the rank's directory (``<CKPT_DIR>/rank_<r>/``), written to a
-  temporary name in the same directory, fsynced, renamed, and the directory fsynced: a file under its final name
-  is complete, one rename is the commit;
-- the file carries its own checksum: a header ``TKCKPT01 | step | payload length | sha256(payload)`` followed by
-  the ``torch.save`` payload, so truncation, corruption and a misnamed file are all caught by one check and no
-  sidecar can disagree with its data;
-- at least ``keep_max >= 2`` files are kept (MindSpore's rule), the oldest pruned only after the new one is
-  durable;
-- on start each rank lists the steps it has intact, the ranks agree on the newest step *every* rank has
-  (``agree_on_step``), and files newer than that (an abandoned timeline) are removed;
-- an asynchronous mode snapshots the state (cloned to CPU memory, never aliased) at the step boundary and writes
-  it in a background thread, so the training loop stalls only for the copy.
+- ``<CKPT_DIR>/host_<host>/`` holds the host's copy (host: ``TOOLKIT_HOST``, else the hostname; see Placement).
+  Each of the host's L ranks (``LOCAL_RANK`` of ``LOCAL_WORLD_SIZE``) writes about 1/L of it, the file
+  ``step_<012d>.p<i>of<L>.ckpt`` (toolkit.train.ckptparts cuts the state); the host's copy of a step is complete
+  when every part is there. Bytes written per host per checkpoint: the state once.
+- Every file is authenticated (toolkit.train.ckptfile: a MAC under the job's key), written to a random temporary
+  name without following links, fsynced and renamed (one rename commits a part), in a directory checked private
+  (toolkit.train.ckptdir, toolkit.privatedir). Nothing is unpickled before its MAC checks, and then only with
+  ``weights_only=True``.
+- Asynchronous mode: ``save`` cuts the state and returns; the writer thread copies the rank's tensors to memory
+  (the stage) and writes them. Tensors the caller says change only in ``optimizer.step()`` (``stable``) are copied
+  by the writer while the loop runs the next forward and backward; ``wait_staged`` (the Trainer calls it before
+  every optimizer step and before any recovery touches the state) blocks until that copy is done. So training
+  stalls for the structure and the small tensors only, not for copying the state, let alone writing it.
+- At least ``keep_max >= 2`` complete copies are kept (MindSpore's rule), the oldest pruned only after a newer
+  part is durable and that copy is complete.
+- A whole-job restart (``agree``): every rank verifies its share of its host's files, the ranks exchange what they
+  found as one small int64 tensor each (nothing unpickled from a peer), and all pick the newest step whose copy is
+  complete and authentic on some host, and the lowest rank of that host to read it. Nothing is deleted for lack
+  of a common step: a rank whose host has no copy gets the state from one that has. Files that fail verification
+  are moved aside into ``refused/``, each named in one line; parts of steps newer than the chosen one (incomplete,
+  from a timeline the job no longer follows) are removed, named in one line, so that a later write of the same
+  step can never be completed by a stale part.
 """
 
 from __future__ import annotations
 
 import atexit
+import collections
 import errno
+import functools
 import hashlib
 import io
 import logging
@@ -29,10 +44,11 @@ import os
 import random
 import re
 import shutil
-import struct
+import socket
 import threading
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
@@ -42,15 +58,19 @@ import torch
 import torch.distributed as dist
 
 from toolkit import atomicfile
-from toolkit.atomicfile import TMP_PREFIX, Durability
+from toolkit import envvars as E
+from toolkit.atomicfile import Durability
+from toolkit.train import ckptfile, ckptparts
+from toolkit.train.ckptdir import DirectoryError, HostDir, complete
+from toolkit.train.ckptfile import BadPart, PartName
 
 log = logging.getLogger(__name__)
 
-MAGIC = b"TKCKPT01"
-HEADER = struct.Struct("<8sQQ32s")  # magic, step, payload length, sha256 of the payload
-FILE_RE = re.compile(r"^step_(\d{12})\.ckpt$")
+TMP_PREFIX = atomicfile.TMP_PREFIX
 MIN_KEEP = 2
 DEFAULT_WRITE_TIMEOUT = 600.0
+MAX_CANDIDATES = 64  # steps each rank reports in the restart agreement (its newest verified ones)
+SAFE_HOST = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,200}$")
 
 _REASONS = MappingProxyType({
     errno.ENOSPC: ("no space left on device", "free space there or point CKPT_DIR at a larger disk"),
@@ -66,12 +86,12 @@ class CheckpointError(RuntimeError):
 
 
 class CorruptCheckpoint(CheckpointError):
-    """A checkpoint file failed verification (truncated, corrupted, or not a checkpoint)."""
+    """A checkpoint failed verification (truncated, corrupted, not a checkpoint, or not this job's)."""
 
 
 @dataclass(frozen=True)
 class Damaged:
-    """A checkpoint file that did not verify, and why; reported, then skipped for an older one."""
+    """A checkpoint file that did not verify, and why; reported, then skipped for an older copy."""
 
     path: Path
     reason: str
@@ -79,57 +99,69 @@ class Damaged:
 
 @dataclass(frozen=True)
 class Scan:
-    """What a rank's directory holds: the steps that verified (ascending) and the files that did not."""
+    """What a host's directory holds: the steps whose copy is complete and verified (ascending), and the damaged."""
 
     intact: tuple[int, ...]
     damaged: tuple[Damaged, ...]
 
 
-# ----------------------------------------------------------------------------------------------------------
-# File format
+@dataclass(frozen=True)
+class Placement:
+    """Where a rank keeps its checkpoints: the host whose copy it shares, and its share (``local_rank`` of the
+    host's ``local_world`` ranks). The ranks of one host must name it alike and number themselves 0..L-1; the
+    restart agreement refuses a layout where they do not."""
+
+    host: str
+    local_rank: int = 0
+    local_world: int = 1
+
+    def __post_init__(self) -> None:
+        if not self.host:
+            raise ValueError("a checkpoint placement needs a host name")
+        if not 0 <= self.local_rank < self.local_world:
+            raise ValueError(f"local rank {self.local_rank} is not in 0..{self.local_world - 1}")
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str], world_size: int | None = None) -> Placement:
+        """From the process contract: ``TOOLKIT_HOST`` (else the hostname), ``LOCAL_RANK`` and
+        ``LOCAL_WORLD_SIZE`` (torchrun and toolkit set both; default 0 of 1). A world of one is always 0 of 1.
+        ValueError naming the variable for a value that cannot be right."""
+        host = (env.get(E.TOOLKIT_HOST) or "").strip() or socket.gethostname()
+        if world_size == 1:
+            return cls(host)
+        values = {}
+        for name, default in ((E.LOCAL_RANK, 0), (E.LOCAL_WORLD_SIZE, 1)):
+            raw = (env.get(name) or "").strip()
+            try:
+                values[name] = int(raw) if raw else default
+            except ValueError:
+                raise ValueError(f"{name}={raw!r}: expected a whole number") from None
+        local_rank, local_world = values[E.LOCAL_RANK], values[E.LOCAL_WORLD_SIZE]
+        if local_world < 1 or (world_size is not None and local_world > world_size):
+            raise ValueError(f"{E.LOCAL_WORLD_SIZE}={local_world}: expected 1 to the world size ({world_size})")
+        if not 0 <= local_rank < local_world:
+            raise ValueError(f"{E.LOCAL_RANK}={local_rank}: expected 0 to {E.LOCAL_WORLD_SIZE}-1 ({local_world - 1})")
+        return cls(host, local_rank, local_world)
+
+    @property
+    def dirname(self) -> str:
+        """The host's directory under the checkpoint root: ``host_<name>`` (a digest for a name unsafe in a path)."""
+        if SAFE_HOST.fullmatch(self.host):
+            return f"host_{self.host}"
+        return f"host_x{hashlib.blake2b(self.host.encode(), digest_size=8).hexdigest()}"
+
+    @property
+    def key(self) -> int:
+        """The host as a number for the restart agreement's tensor (63 bits of a digest of its name)."""
+        return int.from_bytes(hashlib.blake2b(self.host.encode(), digest_size=8).digest(), "big") >> 1
 
 
-def checkpoint_name(step: int) -> str:
-    """The file name of `step`'s checkpoint, ``step_<012d>.ckpt``: zero-padded, so names sort as steps do."""
-    return f"step_{step:012d}.ckpt"
+@dataclass(frozen=True)
+class Choice:
+    """What a whole-job restart resumes from: the step, and the rank that reads its host's copy of it."""
 
-
-def encode(step: int, state: dict[str, Any]) -> bytes:
-    """Header with the payload's sha256, then the ``torch.save`` payload."""
-    buf = io.BytesIO()
-    torch.save(state, buf)
-    payload = buf.getbuffer()
-    header = HEADER.pack(MAGIC, step, len(payload), hashlib.sha256(payload).digest())
-    return header + payload
-
-
-def decode(data: bytes, path: Path, expect_step: int | None = None) -> dict[str, Any]:
-    """Verify and unpickle one checkpoint file's bytes; ``CorruptCheckpoint`` says what is wrong with it."""
-    reason = verify_bytes(data, expect_step)
-    if reason is not None:
-        raise CorruptCheckpoint(f"{path}: {reason}")
-    try:
-        return torch.load(io.BytesIO(memoryview(data)[HEADER.size :]), map_location="cpu", weights_only=True)
-    except Exception as e:  # noqa: BLE001 - the checksum matched, so this is a file we did not write
-        raise CorruptCheckpoint(f"{path}: checksum matches but the payload does not load ({e})") from None
-
-
-def verify_bytes(data: bytes, expect_step: int | None = None) -> str | None:
-    """None if ``data`` is a complete checkpoint (of ``expect_step``), else the reason it is not."""
-    if len(data) < HEADER.size:
-        return f"truncated: {len(data)} bytes, shorter than the {HEADER.size}-byte header"
-    magic, step, length, digest = HEADER.unpack_from(data)
-    if magic != MAGIC:
-        return "not a toolkit checkpoint (bad magic)"
-    if expect_step is not None and step != expect_step:
-        return f"holds step {step}, not the step {expect_step} its name says"
-    body = memoryview(data)[HEADER.size :]
-    if len(body) != length:
-        state = "truncated" if len(body) < length else "has trailing bytes"
-        return f"{state}: payload is {len(body)} bytes, header says {length}"
-    if hashlib.sha256(body).digest() != digest:
-        return "corrupt: sha256 of the payload does not match the header"
-    return None
+    step: int
+    source: int
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -177,8 +209,35 @@ def restore_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+_PLAIN = frozenset({str, bytes, int, float, bool, complex, type(None), torch.dtype, torch.device, torch.Size})
+_CONTAINERS = (dict, list, tuple, collections.OrderedDict)
+
+
+def first_unloadable(obj: Any, where: tuple[Any, ...] = ()) -> tuple[tuple[Any, ...], str] | None:
+    """The first value in `obj` (walked through dicts, lists and tuples) that ``torch.load(weights_only=True)``
+    would refuse, as (its path of keys, its type's name); None if everything loads. Why: toolkit reads states only
+    that way (from peers, from checkpoints), and e.g. a numpy scalar in an LR scheduler's state saves fine and then
+    cannot be read back: better refused when the loop starts than at the first recovery."""
+    if isinstance(obj, torch.Tensor) or type(obj) in _PLAIN:  # exact types: numpy.float64 is a float subclass
+        return None
+    if isinstance(obj, (dict, list, tuple)):
+        for key, value in (obj.items() if isinstance(obj, dict) else enumerate(obj)):
+            found = first_unloadable(value, (*where, key))
+            if found is not None:
+                return found
+        if type(obj) in _CONTAINERS:
+            return None
+    buf = io.BytesIO()  # anything else (a set, a namedtuple, a type registered as safe): ask torch itself
+    try:
+        torch.save(obj, buf)
+        torch.load(io.BytesIO(buf.getvalue()), weights_only=True)
+    except Exception:  # noqa: BLE001 - whatever torch refuses it for, the answer is the same
+        return where, f"{type(obj).__module__}.{type(obj).__qualname__}"
+    return None
+
+
 # ----------------------------------------------------------------------------------------------------------
-# Durable writes
+# Errors of writes
 
 
 def _free_bytes(directory: Path) -> int | None:
@@ -211,56 +270,89 @@ def write_atomic(path: Path, data: bytes | memoryview, what: str | None = None) 
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Rollback agreement
+# The restart agreement: pure decision over the table every rank contributed a row to
 
 
-def newest_common_step(step_lists: Iterable[Iterable[int]]) -> int | None:
-    """The newest step present in every list; None if there is none (or no list): then all start fresh."""
-    common: set[int] | None = None
-    for steps in step_lists:
-        common = set(steps) if common is None else common & set(steps)
-    return max(common) if common else None
+def choose(rows: list[list[int]]) -> Choice | None:
+    """Each row, one per rank in rank order: ``[host key, local rank, local world, steps...]`` (steps this rank
+    verified its share of, -1 padding). The newest step complete on some host (every local rank of that host
+    vouched for it), read by that host's lowest rank; None when no host has a complete copy (a fresh start).
+    CheckpointError when the ranks of a host do not number themselves 0..L-1 alike (the per-host split would
+    then never complete a copy)."""
+    hosts: dict[int, list[int]] = {}
+    for r, row in enumerate(rows):
+        hosts.setdefault(row[0], []).append(r)
+    best: Choice | None = None
+    for ranks in hosts.values():
+        local = sorted(rows[r][1] for r in ranks)
+        worlds = {rows[r][2] for r in ranks}
+        if len(worlds) != 1 or local != list(range(len(ranks))) or worlds != {len(ranks)}:
+            raise CheckpointError(
+                f"ranks {ranks} share a host but say they are local ranks {local} of {sorted(worlds)}: "
+                f"{E.LOCAL_RANK} and {E.LOCAL_WORLD_SIZE} must number a host's ranks 0..L-1, and "
+                f"{E.TOOLKIT_HOST} (else the hostname) must tell the hosts apart")
+        common = set.intersection(*(set(s for s in rows[r][3:] if s >= 0) for r in ranks))
+        if common:
+            candidate = Choice(max(common), min(ranks))
+            if best is None or (candidate.step, -candidate.source) > (best.step, -best.source):
+                best = candidate
+    return best
 
 
-def agree_on_step(local_steps: Iterable[int], group: Any = None) -> int | None:
-    """Every rank of ``group`` calls this with the steps it has intact; all get the same answer: the newest
-    step all of them have. A rank that lost its newest checkpoint pulls everyone back to an older one instead
-    of splitting the cluster. Without an initialised process group it is this process alone."""
-    mine = sorted(set(int(s) for s in local_steps))
-    if not (dist.is_available() and dist.is_initialized()):
-        return newest_common_step([mine])
-    gathered: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, mine, group=group)
-    return newest_common_step(gathered)
+def _gather(row: list[int], group: Any, device: torch.device | None) -> list[list[int]]:
+    """Every rank's row (all of the same length), in rank order, as int64 tensors: nothing unpickled."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+        return [row]
+    mine = torch.tensor(row, dtype=torch.int64, device=device or torch.device("cpu"))
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(every, mine, group=group)
+    return [[int(v) for v in t.tolist()] for t in every]
 
 
 # ----------------------------------------------------------------------------------------------------------
 # The manager
 
 
+@dataclass
+class _Job:
+    """One rank's part of one checkpoint on its way to disk: staged tensors (None: the writer copies it)."""
+
+    name: PartName
+    cut: ckptparts.Split
+    ordinals: list[int]
+    staged: list[torch.Tensor | None]
+    size: int = field(default=0)
+
+    def stage(self) -> None:
+        """Copy the tensors `save` left to the writer (the training loop may change them once this returns)."""
+        for k, i in enumerate(self.ordinals):
+            if self.staged[k] is None:
+                self.staged[k] = self.cut.tensors[i].detach().to("cpu", copy=True)
+
+
 class CheckpointManager:
-    """One rank's checkpoint directory: save every N steps (sync or async), scan, load, prune, discard.
+    """One rank's view of its host's checkpoint copies: save every N steps (sync or async), scan, load, agree on
+    the restart step, prune. See the module docstring.
+
+    ``placement`` says which host's copy this rank shares and which part it writes (default: from the
+    environment, Placement.from_env); ``key`` the MAC key (default: the job's, from ``TOOLKIT_TOKEN_FILE``, else
+    this user's; ckptfile.default_key). Construction checks that ``directory`` (the checkpoint root, CKPT_DIR) is
+    private (owned by this user, written by nobody else, nor anything above it: toolkit.privatedir) and writable,
+    and removes temporary files a previous incarnation of this rank left; CheckpointError says what is wrong.
 
     Use it as a context manager (or call ``close()``) so that an asynchronous write in flight is finished before
-    the process exits; an ``atexit`` hook does the same for a process that forgets. One manager per directory:
-    on start it deletes temp files left by a previous incarnation that died mid-write.
+    the process exits; an ``atexit`` hook does the same for a process that forgets.
 
-    ``on_commit(step)`` is called once the file of ``step`` is durable (after the rename and the directory
+    ``on_commit(step)`` is called once this rank's part of ``step`` is durable (the rename and the directory
     fsync): on the caller's thread for a synchronous save, on the writer thread for an asynchronous one. Why a
     hook: ``save`` returning is not the commit in async mode, and the job's record of the newest durable step
-    (``Runtime.committed``) must never run ahead of the disk. An exception from the hook is logged, never
-    turned into a failed checkpoint (the file is durable).
+    (``Runtime.committed``, the lowest over the ranks: then every part of every host is durable) must never run
+    ahead of the disk. An exception from the hook is logged, never turned into a failed checkpoint.
     """
 
-    def __init__(
-        self,
-        directory: str | Path,
-        keep_max: int = 2,
-        *,
-        async_write: bool = False,
-        write_timeout: float = DEFAULT_WRITE_TIMEOUT,
-        on_commit: Callable[[int], None] | None = None,
-    ) -> None:
+    def __init__(self, directory: str | Path, keep_max: int = 2, *, placement: Placement | None = None,
+                 key: bytes | None = None, async_write: bool = False, write_timeout: float = DEFAULT_WRITE_TIMEOUT,
+                 on_commit: Callable[[int], None] | None = None) -> None:
         if keep_max < MIN_KEEP:
             raise ValueError(
                 f"keep_max must be >= {MIN_KEEP}, got {keep_max}: with one checkpoint a damaged newest file "
@@ -268,87 +360,98 @@ class CheckpointManager:
             )
         if write_timeout <= 0:
             raise ValueError(f"write_timeout must be > 0 seconds, got {write_timeout}")
-        self.directory = Path(directory)
+        try:
+            self.placement = placement or Placement.from_env(os.environ)
+            key = key if key is not None else ckptfile.default_key(os.environ)
+        except (ValueError, ckptfile.KeyFileError) as e:
+            raise CheckpointError(str(e)) from None
+        self.root = Path(directory)
         self.keep_max = keep_max
         self.async_write = async_write
         self.write_timeout = write_timeout
         self.on_commit = on_commit
         try:
-            self.directory.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise write_error(e, self.directory.parent, f"checkpoint directory {self.directory.name}") from None
-        probe = self.directory / f"{TMP_PREFIX}probe.{os.getpid()}"
+            self.dir = HostDir(self.root, self.placement.dirname, key)
+        except DirectoryError as e:
+            raise CheckpointError(str(e)) from None
+        self.directory = self.dir.path
         try:  # fail at start, not at the first save hours later (root passes os.access on a read-only mount)
-            with open(probe, "wb"):
-                pass
-            probe.unlink()
+            self.dir.probe()
         except OSError as e:
+            self.dir.close()
             raise write_error(e, self.directory, "checkpoints") from None
-        self._remove_stale_temps()
+        self.dir.remove_temps(self._writes)
+        legacy = sorted(p.name for p in self.root.glob("rank_*") if p.is_dir())
+        if legacy and self.placement.local_rank == 0:
+            log.warning("%s holds checkpoints of an older toolkit (%s/): they are not authenticated, so they are not "
+                        "read; move them away once this job has checkpointed", self.root, legacy[0])
         self._cond = threading.Condition()
-        self._queued: tuple[int, dict[str, Any]] | None = None
+        self._queued: _Job | None = None
         self._busy = False
+        self._staging = False  # the writer still has to copy tensors the training loop must not change yet
         self._error: CheckpointError | None = None
         self._closed = False
         self._thread: threading.Thread | None = None
         if async_write:
             self._thread = threading.Thread(target=self._writer, name=f"ckpt-writer:{self.directory}", daemon=True)
             self._thread.start()
-            atexit.register(self._close_at_exit)
+            self._at_exit = functools.partial(_close_quietly, self)
+            atexit.register(self._at_exit)
 
     # --- listing and reading ---
 
     def path_for(self, step: int) -> Path:
-        """Where the checkpoint of ``step`` is, or would be, in this rank's directory."""
-        return self.directory / checkpoint_name(step)
+        """Where this rank's part of ``step``'s copy is, or would be."""
+        return self.directory / PartName(step, self.placement.local_rank, self.placement.local_world).name
 
     def steps_on_disk(self) -> list[int]:
-        """Steps with a file under its final name, ascending, verified or not."""
-        steps = []
-        for p in self.directory.iterdir():
-            m = FILE_RE.match(p.name)
-            if m:
-                steps.append(int(m.group(1)))
-        return sorted(steps)
+        """Steps whose copy on this host has every part of some layout, ascending (by name: not verified)."""
+        listing = self.dir.listing()
+        return sorted(s for s in listing if complete(listing, s, self.placement.local_world) is not None)
 
     def verify(self, step: int) -> str | None:
-        """None if the file of ``step`` is complete and matches its checksum, else why not."""
-        path = self.path_for(step)
-        try:
-            data = path.read_bytes()
-        except OSError as e:
-            return f"unreadable ({e.strerror})"
-        return verify_bytes(data, step)
+        """None if every part of ``step``'s copy on this host is there and authentic, else why not (naming the
+        file). Reads the whole copy: for one process alone; ranks of a group use ``agree``."""
+        bad = _first_bad(self.dir, step, self.placement.local_world)
+        return None if bad is None else f"{bad[0]}: {bad[1]}"
 
     def scan(self) -> Scan:
-        """Verify every file; damaged ones are logged (the MindX "integrity check with fallback")."""
+        """Verify every complete copy on this host (for one process alone); damaged ones are logged and skipped.
+        Copies with a part missing (being written, or their writer died) are neither."""
         intact, damaged = [], []
         for step in self.steps_on_disk():
-            reason = self.verify(step)
-            if reason is None:
+            bad = _first_bad(self.dir, step, self.placement.local_world)
+            if bad is None:
                 intact.append(step)
             else:
-                bad = Damaged(self.path_for(step), reason)
-                damaged.append(bad)
-                log.warning("checkpoint %s is damaged (%s); it will not be used", bad.path, reason)
+                damaged.append(Damaged(*bad))
+                log.warning("checkpoint %s (step %d) is not usable: %s", bad[0], step, bad[1])
         return Scan(tuple(intact), tuple(damaged))
 
     def load(self, step: int) -> dict[str, Any]:
-        """The verified state of ``step``'s checkpoint, tensors on CPU. ``CheckpointError`` if the file is missing
-        or unreadable, ``CorruptCheckpoint`` if it fails verification or does not load; nothing falls back here
-        (``load_latest`` and ``resume`` do)."""
-        path = self.path_for(step)
+        """The state of ``step`` from this host's copy, every part verified, tensors on CPU. ``CheckpointError``
+        if it is missing or unreadable, ``CorruptCheckpoint`` (naming the file) if a part fails verification or
+        the parts do not fit; nothing falls back here (``load_latest`` and ``agree`` do)."""
+        names = complete(self.dir.listing(), step, self.placement.local_world)
+        if names is None:
+            raise CheckpointError(f"no complete copy of step {step} in {self.directory}")
+        payloads = []
+        for name in names:
+            path = self.directory / name.name
+            try:
+                payloads.append(self.dir.read(name))
+            except BadPart as e:
+                raise CorruptCheckpoint(f"{path}: {e}") from None
+            except OSError as e:
+                raise CheckpointError(f"{path}: cannot read ({e.strerror})") from None
         try:
-            data = path.read_bytes()
-        except FileNotFoundError:
-            raise CheckpointError(f"{path}: no checkpoint of step {step} in {self.directory}") from None
-        except OSError as e:
-            raise CheckpointError(f"{path}: cannot read ({e.strerror})") from None
-        return decode(data, path, step)
+            return ckptparts.merge(payloads)
+        except ValueError as e:
+            raise CorruptCheckpoint(f"{self.directory}: the parts of step {step} do not fit together ({e})") from None
 
     def load_latest(self) -> tuple[int, dict[str, Any]] | None:
-        """Newest checkpoint that verifies, falling back past damaged ones; None for a fresh start. For a single
-        process; ranks of a group use ``resume`` so that they agree."""
+        """The newest copy on this host that verifies, falling back past damaged ones; None for a fresh start.
+        For one process alone; the ranks of a group use ``agree`` so that they agree."""
         for step in reversed(self.steps_on_disk()):
             try:
                 return step, self.load(step)
@@ -356,29 +459,37 @@ class CheckpointManager:
                 log.warning("%s; falling back to the previous checkpoint", e)
         return None
 
-    def discard_after(self, step: int | None) -> list[int]:
-        """Remove checkpoints newer than ``step`` (all of them for None): after a rollback they belong to a
-        timeline that no longer exists, and left in place they would be resumed from (or keep newer files from
-        being pruned). Returns the removed steps."""
-        self.flush()
-        removed = [s for s in self.steps_on_disk() if step is None or s > step]
-        for s in removed:
-            self.path_for(s).unlink(missing_ok=True)
-        if removed:
-            atomicfile.fsync_dir(self.directory)
-        return removed
+    def agree(self, group: Any = None, device: torch.device | None = None) -> Choice | None:
+        """Collective over ``group`` (every rank calls it; the default group, or none for one process): the newest
+        step whose copy is complete and authentic on some host, and the rank that reads it (module docstring).
+        Each rank verifies its share of its host's files; files that fail are moved to ``refused/`` and parts
+        newer than the choice are removed, each named in a log line. None: no host has a copy (a fresh start)."""
+        listing = self.dir.listing()
+        vouched, failed = self.dir.verify_share(listing, self.placement.local_world, self._writes)
+        steps = sorted(vouched, reverse=True)[:MAX_CANDIDATES]
+        p = self.placement
+        row = [p.key, p.local_rank, p.local_world, *steps, *[-1] * (MAX_CANDIDATES - len(steps))]
+        choice = choose(_gather(row, group, device))
+        self.dir.tidy(listing, failed, None if choice is None else choice.step, self._writes)
+        return choice
 
     # --- writing ---
 
-    def save(self, step: int, state: dict[str, Any]) -> None:
-        """Make ``state`` the checkpoint of ``step``. Synchronous: returns once the file is durable. Async:
-        returns after cloning the state to memory (waiting first, bounded, if the previous write is still
-        queued); a failed background write is raised by the next ``save``/``flush``/``close``."""
+    def save(self, step: int, state: dict[str, Any], stable: frozenset[int] = frozenset()) -> None:
+        """Make ``state`` (the same on every rank of the host) the checkpoint of ``step``: this rank writes its part.
+        Synchronous: returns once the part is durable. Async: returns once the part is staged or handed to the
+        writer; a failed background write is raised by the next ``save``/``flush``/``close``. ``stable``: storage
+        addresses (``untyped_storage().data_ptr()``) of tensors that will not change before ``wait_staged()``:
+        the writer copies those (when it is idle), the rest are copied here."""
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
         self._raise_pending()
+        cut = ckptparts.split(state, self.placement.local_world)
+        mine = cut.ordinals(self.placement.local_rank)
+        name = PartName(step, self.placement.local_rank, self.placement.local_world)
+        job = _Job(name, cut, mine, [None] * len(mine), sum(cut.tensors[i].nbytes for i in mine))
         if not self.async_write:
-            self._write(step, state)
+            self._write(job)
             self._committed(step)
             return
         with self._cond:
@@ -389,10 +500,25 @@ class CheckpointManager:
                     f"previous checkpoint in {self.directory} still being written after {self.write_timeout:.0f} s; "
                     "the disk is too slow for this checkpoint interval: save less often"
                 )
-        copy = snapshot(state)
+            defer = bool(stable) and not self._busy
+        for k, i in enumerate(mine):
+            t = cut.tensors[i]
+            if not (defer and t.untyped_storage().data_ptr() in stable):
+                job.staged[k] = t.detach().to("cpu", copy=True)
         with self._cond:
-            self._queued = (step, copy)
+            self._queued = job
+            self._staging = any(t is None for t in job.staged)
             self._cond.notify_all()
+
+    def wait_staged(self, timeout: float | None = None) -> float:
+        """Block (bounded) until the writer has copied every tensor ``save`` left to it, so the caller may change
+        them again; returns the seconds waited (part of the checkpoint's stall)."""
+        began = time.monotonic()
+        limit = self.write_timeout if timeout is None else timeout
+        with self._cond:
+            if not self._cond.wait_for(lambda: not self._staging, timeout=limit):
+                raise CheckpointError(f"checkpoint in {self.directory} not staged after {limit:.0f} s")
+        return time.monotonic() - began
 
     def flush(self, timeout: float | None = None) -> None:
         """Wait (bounded) until every queued write is durable; raise a background write's error."""
@@ -405,7 +531,7 @@ class CheckpointManager:
         self._raise_pending()
 
     def close(self, timeout: float | None = None) -> None:
-        """Flush and stop the writer thread."""
+        """Flush and stop the writer thread (reading goes on working)."""
         try:
             self.flush(timeout)
         finally:
@@ -414,7 +540,7 @@ class CheckpointManager:
                 self._cond.notify_all()
             if self._thread is not None:
                 self._thread.join(timeout=self.write_timeout if timeout is None else timeout)
-                atexit.unregister(self._close_at_exit)
+                atexit.unregister(self._at_exit)
 
     def __enter__(self) -> CheckpointManager:
         return self
@@ -422,23 +548,39 @@ class CheckpointManager:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def prune(self) -> list[int]:
-        """Remove the oldest files beyond ``keep_max``; returns the removed steps."""
-        steps = self.steps_on_disk()
-        removed = steps[: max(0, len(steps) - self.keep_max)]
+    def prune(self, newest: int | None = None) -> list[int]:
+        """Keep the ``keep_max`` newest complete copies at or below ``newest`` (default: all) and remove every
+        file of older steps (complete or not; any rank of the host may do it). Returns the removed steps."""
+        listing = self.dir.listing()
+        complete_steps = sorted(s for s in listing if (newest is None or s <= newest)
+                                and complete(listing, s, self.placement.local_world))
+        if len(complete_steps) < self.keep_max:
+            return []
+        oldest_kept = complete_steps[-self.keep_max]
+        removed = sorted(s for s in listing if s < oldest_kept)
         for s in removed:
-            try:
-                self.path_for(s).unlink(missing_ok=True)
-            except OSError as e:
-                log.warning("could not prune %s: %s", self.path_for(s), e.strerror)
+            for parts, present in listing[s].items():
+                for part in present:
+                    try:
+                        self.dir.remove(PartName(s, part, parts))
+                    except OSError as e:
+                        log.warning("could not prune %s: %s", self.directory / PartName(s, part, parts).name,
+                                    e.strerror)
         return removed
 
     # --- internals ---
 
-    def _write(self, step: int, state: dict[str, Any]) -> None:
-        data = encode(step, state)
-        write_atomic(self.path_for(step), data, what=f"checkpoint of step {step}")
-        self.prune()
+    def _writes(self, name: PartName) -> bool:
+        """Whether this rank writes (and may clean up after) the file `name`."""
+        return name.part % self.placement.local_world == self.placement.local_rank
+
+    def _write(self, job: _Job) -> None:
+        tensors = [t if t is not None else job.cut.tensors[i] for t, i in zip(job.staged, job.ordinals, strict=True)]
+        try:
+            self.dir.write(job.name, job.cut.payload(self.placement.local_rank, tensors))
+        except OSError as e:
+            raise write_error(e, self.directory, f"checkpoint of step {job.name.step}", job.size) from None
+        self.prune(job.name.step)
 
     def _writer(self) -> None:
         while True:
@@ -446,19 +588,25 @@ class CheckpointManager:
                 self._cond.wait_for(lambda: self._queued is not None or self._closed)
                 if self._queued is None:
                     return
-                step, state = self._queued
-                self._queued = None
+                job, self._queued = self._queued, None
                 self._busy = True
                 self._cond.notify_all()
             error: CheckpointError | None = None
             try:
-                self._write(step, state)
+                try:
+                    job.stage()
+                finally:
+                    with self._cond:
+                        self._staging = False
+                        self._cond.notify_all()
+                self._write(job)
             except CheckpointError as e:
                 error = e
             except Exception as e:  # noqa: BLE001 - keep the thread alive; the training thread raises it
-                error = CheckpointError(f"checkpoint of step {step} in {self.directory} failed: {e!r}")
+                error = CheckpointError(f"checkpoint of step {job.name.step} in {self.directory} failed: {e!r}")
             finally:
-                del state
+                step = job.name.step
+                del job
                 if error is None:
                     self._committed(step)  # before the flush below returns: flush() means "committed and told"
                 with self._cond:
@@ -481,42 +629,23 @@ class CheckpointManager:
         if err is not None:
             raise err
 
-    def _close_at_exit(self) -> None:
-        try:
-            self.close()
-        except CheckpointError as e:
-            log.error("%s", e)
 
-    def _remove_stale_temps(self) -> None:
-        """Temp files of a previous incarnation that died mid-write: never committed, safe to delete."""
-        for p in self.directory.iterdir():
-            if p.name.startswith(TMP_PREFIX):
-                try:
-                    p.unlink()
-                except OSError:
-                    pass
+def _first_bad(directory: HostDir, step: int, prefer: int) -> tuple[Path, str] | None:
+    """The first file of `step`'s copy in `directory` that is missing or fails verification, and why; None if the
+    copy is complete and every part authentic."""
+    names = complete(directory.listing(), step, prefer)
+    if names is None:
+        return directory.path, f"no complete copy of step {step} (a part is missing)"
+    for name in names:
+        reason = directory.check(name)
+        if reason is not None:
+            return directory.path / name.name, reason
+    return None
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Resume
-
-
-@dataclass(frozen=True)
-class Resume:
-    """The outcome of the start-up agreement: the step every rank resumes from (None = fresh start), its state,
-    what this rank had to skip, and what it removed as newer than the agreed step."""
-
-    step: int | None
-    state: dict[str, Any] | None
-    damaged: tuple[Damaged, ...]
-    discarded: tuple[int, ...]
-
-
-def resume(manager: CheckpointManager, group: Any = None) -> Resume:
-    """Scan, agree with the other ranks of ``group`` on the newest step all have intact, load it, and remove this
-    rank's files newer than it. Collective: every rank of ``group`` must call it."""
-    scan = manager.scan()
-    step = agree_on_step(scan.intact, group)
-    state = manager.load(step) if step is not None else None
-    discarded = manager.discard_after(step)
-    return Resume(step, state, scan.damaged, tuple(discarded))
+def _close_quietly(manager: CheckpointManager) -> None:
+    """At interpreter exit: finish what is in flight; an error is logged (there is no caller left to raise to)."""
+    try:
+        manager.close()
+    except CheckpointError as e:
+        log.error("%s", e)

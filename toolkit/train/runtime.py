@@ -45,6 +45,7 @@ import torch.distributed as dist
 
 from toolkit import envvars as E
 from toolkit import protocol as P
+from toolkit import stepfile
 from toolkit.errors import UserError
 from toolkit.session import Unproven, open_session
 from toolkit.train import fence as fence_mod
@@ -109,6 +110,7 @@ class WorkerEnv:
     node_timeout: float = E.DEFAULT_NODE_TIMEOUT
     topo_timeout: float = E.DEFAULT_TOPO_TIMEOUT
     agent_socket: str | None = None
+    step_file: str | None = None  # TOOLKIT_STEP_FILE: the agent reads the latest step there after a death
     restart_only: bool = False  # TOOLKIT_RECOVERY=restart: recover by relaunching even a toolkit.train script
     pace: bool = True  # TOOLKIT_PACE: time the steps for the scheduler (toolkit.train.pace); "0" turns it off
 
@@ -126,7 +128,8 @@ class WorkerEnv:
             if all(env.get(n) for n in (E.RANK, E.WORLD_SIZE, E.MASTER_ADDR, E.MASTER_PORT)):
                 return cls(mode=MODE_TORCHRUN, rank=_int(env, E.RANK, 0), world_size=_int(env, E.WORLD_SIZE, 1),
                            local_rank=_int(env, E.LOCAL_RANK, 0), node_id=f"rank_{env[E.RANK]}")
-            return cls(mode=MODE_SINGLE, agent_socket=env.get(E.TOOLKIT_AGENT_SOCKET) or None)
+            return cls(mode=MODE_SINGLE, agent_socket=env.get(E.TOOLKIT_AGENT_SOCKET) or None,
+                       step_file=env.get(E.TOOLKIT_STEP_FILE) or None)
         world = _int(env, E.MS_WORKER_NUM, 0) or _int(env, E.WORLD_SIZE, 0)
         if world < 1:
             raise RuntimeConfigError(f"{E.MS_WORKER_NUM} is not set: give the total number of workers")
@@ -166,6 +169,7 @@ class WorkerEnv:
             node_timeout=node_timeout,
             topo_timeout=_float(env, E.MS_TOPO_TIMEOUT, E.DEFAULT_TOPO_TIMEOUT),
             agent_socket=env.get(E.TOOLKIT_AGENT_SOCKET) or None,
+            step_file=env.get(E.TOOLKIT_STEP_FILE) or None,
             restart_only=_recovery(env),
             pace=(env.get(E.TOOLKIT_PACE) or "1").strip() != "0",
         )
@@ -506,6 +510,7 @@ class Runtime:
         self._progress_sock: socket.socket | None = None
         self._progress_lock = threading.Lock()  # progress comes from the training thread and the checkpoint writer
         self._progress_sent = 0.0
+        self._steps = stepfile.Writer.open(cfg.step_file)  # every step, for the agent's restart budget
         self._epoch: int | None = None
         self._closed = False
         self.pace = StepPace()  # this rank's step times, loss and checkpoint stalls (training thread only)
@@ -627,6 +632,8 @@ class Runtime:
         step this rank spent on its own work before its last gradient bucket went to the allreduce (the Trainer
         measures it; see toolkit.train.pace). The figures reach the scheduler with the next heartbeat."""
         now = time.monotonic()
+        if self._steps is not None:
+            self._steps.set(step)
         if self.cfg.pace:
             self.pace.step(step, now, busy)
             if loss is not None and self.pace.wants_loss(now):

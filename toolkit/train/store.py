@@ -4,12 +4,23 @@ bootstrap from under toolkit, in place of torch's TCPStore (which has no authent
 One authenticated connection per client (toolkit.session), one request at a time (torch calls a store from the
 thread that builds the group). Every wait is bounded by the store's timeout; a connection the fence shut down
 (toolkit.train.fence: a newer generation overtook the build) fails the pending call at once.
+
+`multi_get` (one request for up to P.MAX_STORE_KEYS keys) and `has_extended_api()` make gloo's bootstrap cost one
+`set` and about N/128 requests per rank instead of 2N, when the worker runs with GLOO_ENABLE_STORE_V2_API=1 (the
+agent sets it, with GLOO_ENABLE_RANK_AS_SEQUENCE_NUMBER=1: docs/architecture.md). `connect` retries a refused or
+reset connection until the build's deadline: after each `formed` every rank connects at once, and a scheduler
+under that burst may close some connections at accept; one of them must not kill its worker.
 """
 
 from __future__ import annotations
 
 import base64
+import binascii
+import json
+import random
 import threading
+import time
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -21,35 +32,53 @@ from toolkit.session import Unproven, open_session
 CONNECT_TIMEOUT = 2.0  # s for the TCP connect
 HANDSHAKE_TIMEOUT = 10.0  # s for the challenge and the answer
 SLACK = 5.0  # s the client waits beyond a timed wait's own timeout for the server's answer
+RETRY_FIRST = 0.05  # s: the first pause before connecting again to a store that refused or reset the connection
+RETRY_MAX = 1.0  # s: the longest pause between two attempts (doubling from RETRY_FIRST, jittered)
 
 
 class StoreError(RuntimeError):
     """The store refused a request, or it timed out; torch reports it like a TCPStore error."""
 
 
+class _TooLong(StoreError):
+    """The store's reply to a multi_get would be over P.MAX_STORE_REPLY bytes: ask for fewer keys."""
+
+
+class StoreRefused(StoreError):
+    """The store proved the job token and refused this connection; `retry` is its word on trying again."""
+
+    def __init__(self, message: str, retry: bool) -> None:
+        super().__init__(message)
+        self.retry = retry
+
+
 class JobStore(dist.Store):
     """torch.distributed.Store over one authenticated connection to the job's store: what Runtime._build and the
     wrapper's rendezvous hand torch, under PrefixStore(the generation's prefix, ...).
 
-    Construct it through `connect`, which turns every failure into StoreError; here the handshake (bounded by
-    CONNECT_TIMEOUT and HANDSHAKE_TIMEOUT) raises OSError, ProtocolError or Unproven, and a refusal by the store
-    StoreError. `timeout` is the store's timeout: how long `get` and a `wait` without one wait for keys.
+    Construct it through `connect`, which retries what may pass and turns every failure into StoreError; here the
+    handshake (bounded by `connect_timeout` and `handshake`) raises OSError, ProtocolError or Unproven, and a proven
+    refusal by the store StoreRefused. `timeout` is the store's timeout: how long `get`, `multi_get` and a `wait`
+    without one wait for keys.
 
     Every call is one request and its reply, serialized by a lock (safe to share between threads; replies are
     matched by request id), each socket operation bounded by the request's own wait + SLACK + the store's timeout.
     Every call raises StoreError when the store refuses it, times out, or the connection fails or is shut down (by
     the fence: at once); torch reports it like a TCPStore error."""
 
-    def __init__(self, host: str, port: int, token: str, node_id: str, timeout: timedelta) -> None:
+    def __init__(self, host: str, port: int, token: str, node_id: str, timeout: timedelta,
+                 connect_timeout: float = CONNECT_TIMEOUT, handshake: float = HANDSHAKE_TIMEOUT) -> None:
         super().__init__()
         self._timeout = timeout
         self._lock = threading.Lock()
         self._next = 0
-        session = open_session((host, port), token, P.STORE_HELLO, {"node_id": node_id}, HANDSHAKE_TIMEOUT,
-                               CONNECT_TIMEOUT, limit=P.MAX_STORE_LINE)
+        session = open_session((host, port), token, P.STORE_HELLO, {"node_id": node_id}, handshake,
+                               connect_timeout, limit=P.MAX_STORE_LINE)
         if session.reply.get("op") != P.WELCOME:
             session.sock.close()
-            raise StoreError(f"the job's store at {host}:{port} refused {node_id}: {session.reply.get('reason')}")
+            raise StoreRefused(f"the job's store at {host}:{port} refused {node_id}: "
+                               f"{str(session.reply.get('reason'))[:300]}", session.reply.get("retry") is True)
+        session.lines.limit = P.MAX_STORE_REPLY  # the server proved the token: a multi_get's reply may be long
         self._sock, self._lines, self._queued = session.sock, session.lines, session.queued
         self._address = f"{host}:{port}"
 
@@ -65,6 +94,38 @@ class JobStore(dist.Store):
         """Store.get: the value of `key`, blocking until the key exists, at most the store's timeout (then
         StoreError naming the key). The server refuses a timeout over kvstore.MAX_WAIT (a day): StoreError."""
         return base64.b64decode(self._call("get", key=key, timeout=self._seconds())["value"])
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        """Store.multi_get: the values of `keys` in order, blocking until every one exists, at most the store's
+        timeout for all of them (then StoreError naming the missing keys). One request per P.MAX_STORE_KEYS keys
+        (gloo asks for 128 at a time); a request whose values would be over P.MAX_STORE_REPLY bytes is asked again
+        in halves (values are at most P.MAX_STORE_VALUE bytes, so one always fits)."""
+        deadline = time.monotonic() + self._seconds()
+        values: list[bytes] = []
+        pending = list(_batches(list(keys)))
+        while pending:
+            batch = pending.pop(0)
+            try:
+                reply = self._call("multi_get", keys=batch, timeout=max(0.001, deadline - time.monotonic()))
+            except _TooLong:
+                if len(batch) == 1:
+                    raise
+                pending[:0] = [batch[:len(batch) // 2], batch[len(batch) // 2:]]
+                continue
+            got = reply.get("values")
+            if not isinstance(got, list) or len(got) != len(batch):
+                raise StoreError(f"the job's store at {self._address}: a multi_get reply without its "
+                                 f"{len(batch)} values")
+            try:
+                values += [base64.b64decode(v) for v in got]
+            except (TypeError, binascii.Error):
+                raise StoreError(f"the job's store at {self._address}: a multi_get value is not base64") from None
+        return values
+
+    def has_extended_api(self) -> bool:
+        """Store.has_extended_api: True, so gloo (with GLOO_ENABLE_STORE_V2_API=1) fetches its peers' addresses
+        with `multi_get`. torch's own loops over `set` serve `multi_set`; `append` is not offered."""
+        return True
 
     def add(self, key: str, amount: int) -> int:
         """Store.add: add `amount` to the integer in `key` (missing: 0) and return the new value; the value is kept
@@ -135,9 +196,11 @@ class JobStore(dist.Store):
         if not reply.get("ok"):
             error = str(reply.get("error"))[:300]
             if error == "timeout":
-                raise StoreError(f"the job's store at {self._address}: timed out waiting for "
-                                 f"{fields.get('key') or fields.get('keys')} after {fields.get('timeout')} s")
-            raise StoreError(f"the job's store at {self._address} refused {cmd}: {error}")
+                missing = reply.get("keys") if isinstance(reply.get("keys"), list) else fields.get("keys")
+                raise StoreError(f"the job's store at {self._address}: timed out after {fields.get('timeout'):.3g} s "
+                                 f"waiting for {_names(missing or [fields.get('key')])}")
+            raise (_TooLong if "limit" in reply else StoreError)(f"the job's store at {self._address} refused "
+                                                                 f"{cmd}: {error}")
         return reply
 
     def _read(self) -> dict[str, Any]:
@@ -156,9 +219,59 @@ def _b64(value: Any) -> str:
     return base64.b64encode(data).decode()
 
 
-def connect(host: str, port: int, token: str, node_id: str, timeout: timedelta) -> JobStore:
-    """The job's store, or StoreError if it cannot be reached and trusted within the handshake bound."""
-    try:
-        return JobStore(host, port, token, node_id, timeout)
-    except (OSError, P.ProtocolError, Unproven) as e:
-        raise StoreError(f"cannot use the job's store at {host}:{port}: {e}") from None
+def _batches(keys: list[str]) -> Iterator[list[str]]:
+    """`keys` in runs that fit one request: at most P.MAX_STORE_KEYS keys, and well inside the server's line limit
+    (P.MAX_STORE_LINE) once encoded."""
+    batch: list[str] = []
+    size = 0
+    for key in keys:
+        n = len(json.dumps(key)) + 1
+        if batch and (len(batch) == P.MAX_STORE_KEYS or size + n > P.MAX_STORE_LINE // 2):
+            yield batch
+            batch, size = [], 0
+        batch.append(key)
+        size += n
+    if batch:
+        yield batch
+
+
+def _names(keys: list[Any]) -> str:
+    shown = ", ".join(repr(str(k)[:100]) for k in keys[:3])
+    return shown + (f" and {len(keys) - 3} more" if len(keys) > 3 else "")
+
+
+def retry_pause(attempt: int, rng: Callable[[], float] = random.random) -> float:
+    """Seconds to pause before connection attempt `attempt` + 1 (0 is the first retry): RETRY_FIRST doubling to
+    RETRY_MAX, each between half and all of that (jitter: ranks refused in one burst come back spread out)."""
+    full = min(RETRY_MAX, RETRY_FIRST * 2 ** min(attempt, 30))
+    return full * (0.5 + 0.5 * rng())
+
+
+def connect(host: str, port: int, token: str, node_id: str, timeout: timedelta, deadline: float | None = None,
+            sleep: Callable[[float], None] = time.sleep) -> JobStore:
+    """The job's store, or StoreError if it cannot be reached and trusted by `deadline` (time.monotonic();
+    default: `timeout` from now, the bound of the build that needs the store).
+
+    A refused or reset connection, or one the scheduler closes before its challenge (a scheduler at its connection
+    limits does that at accept), is tried again after `retry_pause`, until the deadline; each attempt is bounded by
+    CONNECT_TIMEOUT and HANDSHAKE_TIMEOUT and by what is left. A peer that cannot prove the job token (Unproven),
+    a proven refusal without `retry`, a timeout and anything else the network says fail at once."""
+    if deadline is None:
+        deadline = time.monotonic() + timeout.total_seconds()
+    attempt = 0
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            return JobStore(host, port, token, node_id, timeout, max(0.01, min(CONNECT_TIMEOUT, left)),
+                            max(0.01, min(HANDSHAKE_TIMEOUT, left)))
+        except (ConnectionError, StoreRefused) as e:
+            if isinstance(e, StoreRefused) and not e.retry:
+                raise
+            pause = retry_pause(attempt)
+            if time.monotonic() + pause >= deadline:
+                raise StoreError(f"cannot use the job's store at {host}:{port} after {attempt + 1} attempts: "
+                                 f"{e}") from None
+            sleep(pause)
+            attempt += 1
+        except (OSError, P.ProtocolError, Unproven) as e:
+            raise StoreError(f"cannot use the job's store at {host}:{port}: {e}") from None

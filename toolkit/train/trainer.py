@@ -18,10 +18,12 @@ step, since a fault inside a collective can leave ranks a step apart (a collecti
 complete sum there). Data position and randomness are functions of the step, so the replacement needs nothing
 else: the loader is positioned at the step's batch (toolkit.train.loader) and torch's, Python's and numpy's
 global generators are seeded from (seed, rank, step) before each step's batch is drawn. The result is bitwise the
-one an uninterrupted run gives (with the rank-ordered allreduce, `deterministic=True`). Checkpoints (asynchronous,
-verified, every `ckpt_every` steps, their commits told to the scheduler) are for when no survivor holds the state:
-a whole-job restart, or a world of one. SIGTERM: every rank agrees at the next step boundary and saves that step
-(last words); the ranks that got the signal leave (exit 143), the others go on and meet the replacement.
+one an uninterrupted run gives (with the rank-ordered allreduce, `deterministic=True`). Checkpoints (one
+authenticated copy per host, its writing shared by the host's ranks, asynchronous, every `ckpt_every` steps, their
+commits told to the scheduler: toolkit.train.checkpoint) are for when no survivor holds the state: a whole-job
+restart, from the newest copy any host has, or a world of one. SIGTERM: every rank agrees at the next step boundary
+and saves that step (last words); the ranks that got the signal leave (exit 143), the others go on and meet the
+replacement.
 
 Under torchrun or alone the same script runs: a fault there ends the process with one line and exit code 1
 (EXIT_PEER_LOST) for the launcher to restart the world, which resumes from the newest checkpoint.
@@ -53,7 +55,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-from toolkit.train import checkpoint, determinism, interval
+from toolkit.train import checkpoint, ckptfile, determinism, interval
 from toolkit.train.checkpoint import CheckpointManager
 from toolkit.train.divergence import DivergenceCheck
 from toolkit.train.loader import Positioner
@@ -75,10 +77,13 @@ class TrainerError(RuntimeError):
 class Trainer:
     """See the module docstring. `model` and `optimizer` are the user's (the Trainer never replaces them);
     `loader` a DataLoader over a map-style dataset; `state` extra objects with state_dict/load_state_dict
-    that are part of the training state. Checkpoints go to `ckpt_dir`/rank_<r>/ (default: CKPT_DIR from the
-    environment, else ./ckpt), every `ckpt_every` steps, `keep` per rank; `ckpt_every="auto"` chooses the interval
-    from the job's own data (toolkit.train.interval: the measured stall and the observed MTBF, within
-    `ckpt_bounds` steps, `prior_mtbf` s assumed until a fault). `seed` makes each step's randomness a function of
+    that are part of the training state (everything must load with `torch.load(weights_only=True)`: checked here).
+    Checkpoints go to `ckpt_dir`/host_<host>/ (default: CKPT_DIR from the environment, else ./ckpt; a directory
+    only this user can change), one copy per host, every `ckpt_every` steps, `keep` copies (`async_ckpt`: written in
+    the background, the parameters and optimizer state copied during the next forward and backward, so they must
+    change only in optimizer.step()); `ckpt_every="auto"` chooses the interval from the job's own data
+    (toolkit.train.interval: the measured stall and the observed MTBF, within `ckpt_bounds` steps, `prior_mtbf` s
+    assumed until a fault). `seed` makes each step's randomness a function of
     the step (None: leave the generators alone; then a recovered run is not bitwise the same). `ddp` holds extra
     DistributedDataParallel arguments.
 
@@ -106,6 +111,8 @@ class Trainer:
             if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
                 raise TrainerError(f"state[{name!r}] has no state_dict()/load_state_dict(): hand over objects that "
                                    "can be saved and restored (an LR scheduler, a GradScaler, a module)")
+        _check_loadable({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                         "extra": {name: obj.state_dict() for name, obj in extra.items()}})
         self.rt = runtime
         self.module = model
         self.optimizer = optimizer
@@ -116,9 +123,7 @@ class Trainer:
         self._published: int | None = None  # the agreed interval last published (auto), with its reason
         self.ddp_args = dict(ddp or {})
         self.position = Positioner(loader)
-        root = Path(ckpt_dir) if ckpt_dir is not None else Path(_env_ckpt_dir())
-        self.manager = CheckpointManager(root / f"rank_{runtime.rank}", keep_max=keep, async_write=async_ckpt,
-                                         on_commit=runtime.committed)
+        self.manager = _manager(runtime, ckpt_dir, keep, async_ckpt)
         self.step_count = 0  # optimizer steps done: the job's global step, the same on every rank
         self._live = False  # this process holds a training state of its own (it has trained or received one)
         self._saved = -1
@@ -133,6 +138,8 @@ class Trainer:
         self._step_began: float | None = None  # the end of the previous step: where this step's own work starts
         self._loss: Any = None
         self._initial = checkpoint.snapshot(self._capture())  # step 0, when no rank holds anything newer
+        self._staging_wait = 0.0  # s the optimizer waited for the last checkpoint's staging (part of its stall)
+        self._pre_hook = optimizer.register_step_pre_hook(self._before_optimizer_step)
         self._stop = threading.Event()
         self._interrupt = False  # SIGTERM raises Terminated at once (while blocked forming a group)
         self._previous_handler = _install_sigterm(self._on_sigterm)
@@ -262,6 +269,10 @@ class Trainer:
     def _on_optimizer_step(self, *_: Any) -> None:
         self._applied += 1
 
+    def _before_optimizer_step(self, *_: Any) -> None:
+        """The optimizer changes parameters and its state in place: the checkpoint in flight must have copied them."""
+        self._staging_wait += self.manager.wait_staged()
+
     def _abandoned(self, applied_before: int, generation: int) -> None:
         """The step ended by a fault. If this rank's optimizer step ran, its allreduce had completed (a complete
         sum of every rank's gradients), so the state it holds is the next step's: keep it, the others may need it."""
@@ -280,6 +291,7 @@ class Trainer:
         for the group, position the data. Repeats, bounded by the runtime's timeouts, while faults keep coming."""
         while True:
             started = time.monotonic()
+            self.manager.wait_staged()  # restoring a state (and DDP's broadcast) writes the tensors being staged
             self._ddp = None
             gc.collect()  # the old DDP's reducer holds the broken group and hooks the parameters
             with self._interruptible():
@@ -313,27 +325,26 @@ class Trainer:
     def _agree_state(self) -> tuple[str, int, int, int]:
         """Collective. Returns (source, rank it came from, bytes moved, the newest step any rank had reached)."""
         held = self.step_count if self._live else -1
-        newest = self.manager.scan().intact if not self._live else ()
-        on_disk = newest[-1] if newest else -1
-        mine = torch.tensor([held, on_disk], dtype=torch.int64, device=self.rt.device)
+        mine = torch.tensor([held], dtype=torch.int64, device=self.rt.device)
         if self.rt.world_size > 1:
             every = [torch.empty_like(mine) for _ in range(self.rt.world_size)]
             dist.all_gather(every, mine)
-            table = [tuple(int(v) for v in t.tolist()) for t in every]
+            table = [int(t.item()) for t in every]
         else:
-            table = [(held, on_disk)]
-        best_held = max(h for h, _ in table)
-        reached = max(max(h for h, _ in table), max(d for _, d in table))
+            table = [held]
+        best_held = max(table)
+        # Nobody holds a state (a whole-job restart): the newest copy complete and authentic on some host.
+        found = self.manager.agree(device=self.rt.device) if best_held < 0 else None
+        reached = max(best_held, found.step if found is not None else -1)
         if best_held >= 0:
-            source, src = FROM_PEER, min(r for r, (h, _) in enumerate(table) if h == best_held)
-        elif max(d for _, d in table) >= 0:
-            best = max(d for _, d in table)
-            source, src = FROM_CHECKPOINT, min(r for r, (_, d) in enumerate(table) if d == best)
+            source, src = FROM_PEER, min(r for r, h in enumerate(table) if h == best_held)
+        elif found is not None:
+            source, src = FROM_CHECKPOINT, found.source
         else:
             source, src = FROM_INITIAL, 0
         if self.rt.rank == src:
-            if source == FROM_CHECKPOINT:
-                state = self.manager.load(table[src][1])
+            if source == FROM_CHECKPOINT and found is not None:
+                state = self.manager.load(found.step)
             elif source == FROM_INITIAL:
                 state = self._initial
             else:
@@ -389,14 +400,23 @@ class Trainer:
         """Checkpoint the current step (once), timing the stall for the goodput ledger and the interval."""
         if self._saved != self.step_count:
             began = time.monotonic()
-            self.manager.save(self.step_count, self._capture())
-            stalled = time.monotonic() - began
+            self.manager.save(self.step_count, self._capture(), stable=self._optimizer_storages())
+            stalled = time.monotonic() - began + self._staging_wait
+            self._staging_wait = 0.0
             self._saved = self.step_count
             self.rt.checkpoint_stalled(stalled)
             if self._chooser is not None:
                 self._chooser.stalled(stalled)
             self._choose_interval()
             self._step_began = None  # the stall is not the next step's work
+
+    def _optimizer_storages(self) -> frozenset[int]:
+        """The storages only optimizer.step() changes (parameters, optimizer state): a checkpoint copies them while
+        the next step's forward and backward run, and the optimizer waits for that copy (_before_optimizer_step)."""
+        tensors = [p for group in self.optimizer.param_groups for p in group["params"]]
+        tensors += [v for per_param in self.optimizer.state.values() for v in per_param.values()
+                    if isinstance(v, torch.Tensor)]
+        return frozenset(t.untyped_storage().data_ptr() for t in tensors)
 
     def _checkpoint_due(self) -> bool:
         return self.step_count % self.ckpt_every == 0  # the interval every rank agreed on in this step
@@ -503,6 +523,7 @@ class Trainer:
     def _close(self) -> None:
         self._finished = True
         self._hook.remove()
+        self._pre_hook.remove()
         self._ddp = None
         self._batches = None
         try:
@@ -551,6 +572,39 @@ def _mix(*numbers: int) -> int:
 
 def _env_ckpt_dir() -> str:
     return os.environ.get("CKPT_DIR") or "ckpt"
+
+
+def _manager(runtime: Runtime, ckpt_dir: str | Path | None, keep: int, async_ckpt: bool) -> CheckpointManager:
+    """The rank's checkpoint manager: its host's copy under the root (ckpt_dir, else CKPT_DIR, else ./ckpt), its
+    share from the environment (checkpoint.Placement), the job's key (from its token; this user's key without one).
+    TrainerError, one line, for a layout or directory that cannot be used."""
+    root = Path(ckpt_dir) if ckpt_dir is not None else Path(_env_ckpt_dir())
+    try:
+        placement = checkpoint.Placement.from_env(os.environ, world_size=runtime.world_size)
+    except ValueError as e:
+        raise TrainerError(f"checkpoint layout: {e}") from None
+    key = ckptfile.job_key(runtime.cfg.token) if runtime.cfg.token else None
+    try:
+        return CheckpointManager(root, keep_max=keep, placement=placement, key=key, async_write=async_ckpt,
+                                 on_commit=runtime.committed)
+    except ValueError as e:
+        raise TrainerError(str(e)) from None
+
+
+def _check_loadable(state: dict[str, Any]) -> None:
+    """Every value of the training state must load with torch.load(weights_only=True), the only way toolkit reads
+    a state (from a peer after a fault, from a checkpoint): TrainerError naming the first that would not, now,
+    instead of a failed recovery later."""
+    found = checkpoint.first_unloadable(state)
+    if found is None:
+        return
+    where, kind = found
+    owner = {"model": "the model's state_dict()", "optimizer": "the optimizer's state_dict()"}.get(
+        where[0], f"state[{where[1]!r}].state_dict()" if where[0] == "extra" and len(where) > 1 else "the state")
+    inner = "".join(f"[{k!r}]" for k in where[2 if where[0] == "extra" else 1:])
+    raise TrainerError(f"{owner} holds a {kind} at {inner or 'its top'}, which a safe load (torch.load with "
+                       "weights_only=True) refuses: the state could not move to a replacement after a fault, nor be "
+                       "resumed from a checkpoint; return a Python number (float(x), int(x)) or a tensor instead")
 
 
 def _install_sigterm(handler: Any) -> Any:

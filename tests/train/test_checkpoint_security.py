@@ -1,0 +1,176 @@
+"""Another user who can write near the checkpoints must not control them (issue 25, item 1). The other user is uid
+65534 (`setpriv`), acting on real directories; the job is the sample, run as a user runs it.
+
+- A checkpoint directory another user can write, or that is theirs, or under a directory they can write, is
+  refused when the manager is made: one line naming the directory and the fix.
+- A checkpoint planted in the job's directory (it was open for a while, then closed again) is never resumed: it
+  fails authentication, is named in one line and moved aside, and the job resumes from its own.
+- A link planted at the name the writer will use for its temporary file is never followed.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from toolkit import atomicfile
+from toolkit.train import ckptfile
+from toolkit.train.checkpoint import CheckpointError, CheckpointManager, Placement
+from toolkit.train.ckptfile import PartName
+
+REPO = Path(__file__).resolve().parents[2]
+SAMPLE = REPO / "examples" / "train.py"
+OTHER = ["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups", "--"]
+RUN_TIMEOUT = 240.0
+KEY = b"security test key of 32 bytes!!!"
+RESUMED = re.compile(r"^rank 0: resumed from step (\d+) ", re.M)
+
+
+@pytest.fixture
+def open_dir():
+    """A directory under /tmp that the other user can reach (pytest's own tmp is 0700)."""
+    if os.geteuid() != 0:
+        pytest.fail("these tests play another user with setpriv and must run as root (as CI does)")
+    d = Path(tempfile.mkdtemp(prefix="tk-ckpt-sec-", dir="/tmp"))
+    d.chmod(0o755)
+    try:
+        yield d
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def as_other(*argv: str, data: bytes | None = None) -> subprocess.CompletedProcess[bytes]:
+    return subprocess.run([*OTHER, *argv], input=data, capture_output=True, timeout=60)
+
+
+def one_line(e: pytest.ExceptionInfo) -> str:
+    msg = str(e.value)
+    assert "\n" not in msg, msg
+    return msg
+
+
+def test_a_directory_another_user_can_write_or_owns_is_refused_naming_it(open_dir):
+    shared = open_dir / "shared"
+    shared.mkdir(mode=0o1777)
+    shared.chmod(0o1777)
+    with pytest.raises(CheckpointError) as e:
+        CheckpointManager(shared, placement=Placement("a"), key=KEY)
+    msg = one_line(e)
+    assert f"checkpoint directory {shared} is writable by other users (mode 1777)" in msg
+    assert f"chmod go-w {shared}" in msg and "--ckpt-dir" in msg
+
+    theirs = shared / "theirs"  # made by the other user in the shared directory
+    assert as_other("mkdir", "-m", "700", str(theirs)).returncode == 0
+    with pytest.raises(CheckpointError) as e:
+        CheckpointManager(theirs, placement=Placement("a"), key=KEY)
+    assert f"checkpoint directory {theirs} belongs to uid 65534, not to you" in one_line(e)
+
+    group = open_dir / "group"
+    group.mkdir()
+    group.chmod(0o2775)  # group-writable, no sticky bit: a member could rename ours away
+    with pytest.raises(CheckpointError) as e:
+        CheckpointManager(group / "mine", placement=Placement("a"), key=KEY)
+    assert f"{group} above it is writable by other users (mode 2775, no sticky bit)" in one_line(e)
+
+
+
+def test_a_directory_of_ours_in_a_sticky_directory_is_accepted_and_a_planted_host_directory_is_not(open_dir):
+    sticky = open_dir / "sticky"
+    sticky.mkdir()
+    sticky.chmod(0o1777)
+    with CheckpointManager(sticky / "ckpt", placement=Placement("a"), key=KEY) as m:
+        m.save(1, {"w": torch.ones(3)})
+        assert oct((sticky / "ckpt").stat().st_mode & 0o777) == "0o700"
+    assert as_other("mkdir", "-m", "777", str(sticky / "host_b")).returncode == 0
+    with pytest.raises(CheckpointError) as e:
+        CheckpointManager(sticky, placement=Placement("b"), key=KEY)
+    msg = one_line(e)
+    assert str(sticky) in msg and "writable by other users" in msg
+
+
+def sample(ckpt: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                                                            "LOCAL_RANK", "LOCAL_WORLD_SIZE", "TOOLKIT_HOST",
+                                                            "TOOLKIT_TOKEN_FILE", "MS_ROLE")}
+    env.update(CKPT_DIR=str(ckpt), OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, str(SAMPLE), "--epochs", "1", "--ckpt-interval", "10", "--log-every",
+                           "100", *args], env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT)
+
+
+def test_a_planted_newer_checkpoint_is_refused_naming_the_file_and_the_job_resumes_its_own(open_dir):
+    ckpt = open_dir / "ckpt"
+    first = sample(ckpt)
+    assert first.returncode == 0, first.stderr
+    host = ckpt / Placement(socket.gethostname()).dirname
+    assert sorted(p.name for p in host.iterdir())[-1] == "step_000000000045.p0of1.ckpt"
+
+    forged = forge(host, open_dir)
+
+    ckpt.chmod(0o711)
+    host.chmod(0o1777)  # the operator opened it for a while ("so the others can read the results")
+    planted = host / PartName(9999, 0, 1).name
+    done = as_other("sh", "-c", 'cat > "$1"', "sh", str(planted), data=forged)
+    assert done.returncode == 0, done.stderr
+    assert planted.stat().st_uid == 65534, "the other user's file was not planted"
+
+    refused = sample(ckpt)
+    assert refused.returncode == 2
+    lines = refused.stderr.strip().splitlines()
+    assert len(lines) == 1 and str(host) in lines[0] and "writable by other users (mode 1777)" in lines[0], lines
+
+    host.chmod(0o700)  # what the line said to do; the planted file is still there
+    again = sample(ckpt)
+    assert again.returncode == 0, again.stderr
+    assert RESUMED.search(again.stdout).group(1) == "45", again.stdout
+    said = [line for line in again.stderr.splitlines() if planted.name in line]
+    assert len(said) == 1 and "fails authentication" in said[0] and "not used" in said[0], again.stderr
+    assert not planted.exists() and (host / "refused" / planted.name).stat().st_uid == 65534
+
+
+def forge(host: Path, scratch: Path) -> bytes:
+    """What the attacker would plant: a checkpoint in the right format, of the job's own structure (known from its
+    source), with their numbers, under their own key (the job's they do not have)."""
+    with CheckpointManager(host.parent, placement=Placement(host.name[len("host_"):])) as m:
+        state = m.load(45)
+    state["step"] = 9999
+    for name, t in state["model"].items():
+        state["model"][name] = torch.full_like(t, 0.5)
+    fd = os.open(scratch, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        ckptfile.write_part(fd, PartName(9999, 0, 1), state, b"the attacker's own key, 32 bytes")
+    finally:
+        os.close(fd)
+    return (scratch / PartName(9999, 0, 1).name).read_bytes()
+
+
+@pytest.mark.parametrize("async_write", [False, True])
+def test_the_writer_never_follows_a_link_planted_at_its_temporary_name(tmp_path, monkeypatch, async_write):
+    """Links at the names the writer will try first: the old scheme's predictable one (pid and thread id) and the
+    first random name (made predictable here): neither is followed, the checkpoint is written under another."""
+    victim = tmp_path / "authorized_keys"
+    victim.write_text("ssh-ed25519 AAAA the victim's key\n")
+    with CheckpointManager(tmp_path / "ckpt", placement=Placement("a"), key=KEY, async_write=async_write) as m:
+        final = PartName(1, 0, 1).name
+        names = iter([f"{atomicfile.TMP_PREFIX}{final}.planted"])
+        real = atomicfile.temp_name
+        monkeypatch.setattr(atomicfile, "temp_name", lambda f: next(names, None) or real(f))
+        writer = m._thread.ident if m._thread is not None else threading.get_ident()
+        for name in (f"{atomicfile.TMP_PREFIX}{final}.planted",
+                     f"{atomicfile.TMP_PREFIX}{final}.{os.getpid()}.{writer}"):
+            (m.directory / name).symlink_to(victim)
+        m.save(1, {"w": torch.arange(10.0)})
+        m.flush()
+        assert torch.equal(m.load(1)["w"], torch.arange(10.0))
+    assert victim.read_text() == "ssh-ed25519 AAAA the victim's key\n"
+    links = [p for p in m.directory.iterdir() if p.is_symlink()]
+    assert len(links) == 2 and all(p.resolve() == victim for p in links)

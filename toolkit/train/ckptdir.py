@@ -1,0 +1,204 @@
+"""One host's checkpoint directory (``<CKPT_DIR>/host_<name>/``): its files, read and written through one fd.
+
+Why one directory fd: every open, rename and unlink is relative to the directory checked at construction, so a
+path component swapped for a link later changes nothing; with O_NOFOLLOW on every file, no link planted in the
+directory is ever followed. The directory and the root above it are checked private (toolkit.privatedir) before
+anything in them is trusted.
+
+A step's copy on the host is complete when every part of one layout (``p<i>of<L>``) is there; the files that must
+not be used (they fail authentication or are damaged) are moved into ``refused/`` (never deleted: they may be
+someone's evidence, or this user's own files under another key).
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import shutil
+import stat
+import weakref
+from collections import defaultdict
+from pathlib import Path
+from typing import Any, Callable
+
+from toolkit import atomicfile, privatedir
+from toolkit.train import ckptfile
+from toolkit.train.ckptfile import PartName
+
+log = logging.getLogger("toolkit.train.checkpoint")
+
+REFUSED = "refused"
+PRIVATE_FIX = "point --ckpt-dir (CKPT_DIR) at a directory of your own"
+Listing = dict[int, dict[int, set[int]]]  # {step: {parts: {part indices present}}}
+
+
+def complete(listing: Listing, step: int, prefer: int) -> list[PartName] | None:
+    """The names of a complete copy of `step` in `listing` (every part of one layout; the layout of `prefer`
+    parts if it is complete, else the one with most parts), None if there is none."""
+    layouts = listing.get(step, {})
+    full = [parts for parts, present in layouts.items() if present == set(range(parts))]
+    if not full:
+        return None
+    parts = prefer if prefer in full else max(full)
+    return [PartName(step, i, parts) for i in range(parts)]
+
+
+class DirectoryError(RuntimeError):
+    """The directory cannot be used (another user can change it, or it cannot be made); one line saying so."""
+
+
+class HostDir:
+    """A host's checkpoint directory under a private root. Not thread-safe for one file, safe across files: the
+    ranks of a host share the directory, each writing its own parts."""
+
+    def __init__(self, root: Path, name: str, key: bytes) -> None:
+        self.root = Path(root)
+        self.path = self.root / name
+        self.key = key
+        try:
+            privatedir.ensure(self.root, "checkpoint directory", PRIVATE_FIX)
+            privatedir.ensure(self.path, "checkpoint directory", PRIVATE_FIX)
+            self.fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except privatedir.NotPrivate as e:
+            raise DirectoryError(str(e)) from None
+        except OSError as e:
+            raise DirectoryError(_os_reason(e, self.path)) from None
+        self._closer = weakref.finalize(self, os.close, self.fd)  # with the object: readers may outlive a close()
+        st = os.fstat(self.fd)
+        if st.st_uid != os.geteuid() or st.st_mode & privatedir.OTHERS_WRITE:  # what was opened, not what was checked
+            self._closer()
+            raise DirectoryError(f"checkpoint directory {self.path} changed while it was checked; {PRIVATE_FIX}")
+
+    def close(self) -> None:
+        """Close the directory fd now (else it closes when the object goes)."""
+        self._closer()
+
+    def listing(self) -> Listing:
+        """What the directory holds, by name only: {step: {parts: {part indices present}}}."""
+        found: dict[int, dict[int, set[int]]] = defaultdict(lambda: defaultdict(set))
+        for entry in os.listdir(self.fd):
+            name = PartName.parse(entry)
+            if name is not None:
+                found[name.step][name.parts].add(name.part)
+        return {s: dict(layouts) for s, layouts in found.items()}
+
+    def write(self, name: PartName, obj: Any) -> int:
+        """Write one part (ckptfile.write_part); OSError on failure. Returns its size."""
+        return ckptfile.write_part(self.fd, name, obj, self.key)
+
+    def probe(self) -> None:
+        """Create and remove a temporary file: a directory we cannot write fails now, not at the first save."""
+        fd, tmp = atomicfile.create_temp("probe", 0o600, dir_fd=self.fd)
+        os.close(fd)
+        os.unlink(tmp, dir_fd=self.fd)
+
+    def read(self, name: PartName) -> Any:
+        """The verified, unpickled content of one part. ckptfile.BadPart (why) if it must not be used, OSError if
+        it cannot be read."""
+        payload = ckptfile.read_part(self.fd, name, self.key)
+        try:
+            return ckptfile.decode(payload)
+        except Exception as e:  # noqa: BLE001 - it verified, so this is a file of ours that torch cannot read
+            raise ckptfile.BadPart(f"authentic but does not load ({str(e).splitlines()[0][:200]})") from None
+
+    def check(self, name: PartName) -> str | None:
+        """None if the file `name` is authentic (its MAC checks; not unpickled), else why not."""
+        try:
+            ckptfile.read_part(self.fd, name, self.key)
+        except ckptfile.BadPart as e:
+            return str(e)
+        except OSError as e:
+            return f"unreadable ({e.strerror})"
+        return None
+
+    def verify_share(self, listing: Listing, prefer: int,
+                     writes: Callable[[PartName], bool]) -> tuple[set[int], list[tuple[PartName, str]]]:
+        """For the restart agreement: the steps whose complete copy here has every file `writes` selects (this
+        rank's share) authentic, and the files of the share that are not, with why."""
+        vouched: set[int] = set()
+        failed: list[tuple[PartName, str]] = []
+        for step in listing:
+            names = complete(listing, step, prefer)
+            if names is None:
+                continue
+            bad = [(name, reason) for name in filter(writes, names) if (reason := self.check(name)) is not None]
+            failed += bad
+            if not bad:
+                vouched.add(step)
+        return vouched, failed
+
+    def tidy(self, listing: Listing, failed: list[tuple[PartName, str]], chosen: int | None,
+             writes: Callable[[PartName], bool]) -> None:
+        """After the restart agreement, for the files `writes` selects: refuse those that failed, remove the parts
+        of steps newer than `chosen` (None: every step) after checking them (one that fails is refused instead:
+        it may not be ours to delete), and remove stale temporary files. One log line per file."""
+        refused = {name for name, _ in failed}
+        for name, reason in failed:
+            log.warning("checkpoint %s: %s; not used, %s", self.path / name.name, reason, self.refuse(name))
+        after = "a fresh start" if chosen is None else f"step {chosen}"
+        for step in sorted(s for s in listing if chosen is None or s > chosen):
+            for parts, present in listing[step].items():
+                for name in (PartName(step, i, parts) for i in sorted(present)):
+                    if name in refused or not writes(name):
+                        continue
+                    reason = self.check(name)
+                    if reason is not None:
+                        log.warning("checkpoint %s: %s; not used, %s", self.path / name.name, reason,
+                                    self.refuse(name))
+                        continue
+                    self.remove(name)
+                    log.warning("checkpoint %s: removed: the job resumes from %s and this newer copy is not whole "
+                                "on this host (a part missing or refused; a later write of the step must never "
+                                "complete it)", self.path / name.name, after)
+        self.remove_temps(writes)
+
+    def remove(self, name: PartName) -> None:
+        """Delete one part, if it is there."""
+        try:
+            os.unlink(name.name, dir_fd=self.fd)
+        except FileNotFoundError:
+            pass
+
+    def refuse(self, name: PartName) -> str:
+        """Move a part that must not be used into ``refused/`` (kept, out of every listing). Returns where it went
+        (or why it stayed)."""
+        try:
+            os.mkdir(REFUSED, 0o700, dir_fd=self.fd)
+        except FileExistsError:
+            pass
+        try:
+            st = os.stat(REFUSED, dir_fd=self.fd, follow_symlinks=False)
+            if not stat.S_ISDIR(st.st_mode):
+                return f"left in place ({REFUSED} is not a directory)"
+            os.rename(name.name, f"{REFUSED}/{name.name}", src_dir_fd=self.fd, dst_dir_fd=self.fd)
+        except OSError as e:
+            return f"left in place ({e.strerror})"
+        return f"moved to {self.path / REFUSED / name.name}"
+
+    def remove_temps(self, mine: Callable[[PartName], bool]) -> None:
+        """Delete the temporary files whose final name `mine(PartName)` says are this writer's: left by an
+        incarnation that died mid-write, never committed."""
+        for entry in os.listdir(self.fd):
+            m = ckptfile.TEMP_RE.fullmatch(entry)
+            final = PartName.parse(m.group(1)) if m else None
+            if final is not None and mine(final):
+                try:
+                    os.unlink(entry, dir_fd=self.fd)
+                except OSError:
+                    pass
+
+    def free_bytes(self) -> int | None:
+        """Free space where the directory is, None if unknown."""
+        try:
+            return shutil.disk_usage(self.path).free
+        except OSError:
+            return None
+
+
+def _os_reason(e: OSError, path: Path) -> str:
+    reasons = {errno.EACCES: "permission denied", errno.EPERM: "operation not permitted",
+               errno.EROFS: "read-only file system", errno.ENOSPC: "no space left on device",
+               errno.ELOOP: "it is a symbolic link"}
+    reason = reasons.get(e.errno or 0, e.strerror or str(e))
+    return f"checkpoint directory {path} cannot be used: {reason}; {PRIVATE_FIX}"
