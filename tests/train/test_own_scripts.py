@@ -322,7 +322,8 @@ def test_a_plain_script_reporting_its_steps_shows_progress_and_what_a_fault_and_
     assert "at most" not in goodput, goodput
 
     data = json.loads(fleet_text(tmp_path, "report", "--json", "--job", "reporting").stdout)
-    assert data["outcome"] == "finished" and total - 10 <= data["last_step"] <= total, data  # as heartbeats said
+    # the newest step a heartbeat carried (one a second, ~20 steps a second here): the last ones may not be in it
+    assert data["outcome"] == "finished" and total - 60 <= data["last_step"] <= total, data
     first, last = data["incidents"][0], data["incidents"][-1]
     assert (first["cause"], first["processes"][0]) == ("signal SIGKILL", "worker_1"), first
     # A survivor still leaving (exit 76) when a warm replacement already formed the next generation makes a second
