@@ -19,7 +19,10 @@ Between kills it waits until the replacement has run `healthy_reset` seconds (so
 immediate first restart, as a single fault in production does) and, in warm mode, until a new spare is ready.
 torchrun restarts every worker (restart the world) and has no agent.log: only first/imported are shown for it.
 `early` (warm spare on): every kill lands while the spare still imports torch (a fault seconds after a start or a
-takeover): the replacement starts cold beside the held spare, and must cost what `cold` costs, not more.
+takeover): the replacement starts cold beside the held spare, and must cost what `cold` costs, not more;
+`spare_cpu` is the CPU time the importing spare took from the kill until the replacement's imports were done (what
+it took from them; held meanwhile, about 0). On a shared machine the time figures move with the others' load far
+more than with the spare; `spare_cpu` does not.
 """
 
 from __future__ import annotations
@@ -117,6 +120,15 @@ def wait_spare(job: Path, ready: bool = True) -> dict:
     raise RuntimeError("the warm spare never became " + ("ready" if ready else "one that imports"))
 
 
+def cpu_seconds(pid: int | None) -> float | None:
+    """CPU time (user + system) the process has used so far, None if it is not there."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def run_agent(root: Path, kills: int, warm: bool, early: bool = False) -> dict[str, list[float]]:
     """`early`: each measured kill lands while the warm spare still imports (after an unmeasured kill that used the
     ready one, so that a new one starts): the replacement starts cold beside it."""
@@ -131,15 +143,19 @@ def run_agent(root: Path, kills: int, warm: bool, early: bool = False) -> dict[s
         for _ in range(kills):
             if warm:
                 wait_spare(job)
+            spare = None
             if early:
                 t0 = time.time()
                 os.kill(pid, signal.SIGKILL)
                 pid = wait_event(events, "first", "0", t0)["pid"]
-                wait_spare(job, ready=False)
+                spare = wait_spare(job, ready=False)["pid"]
+            spare_cpu = cpu_seconds(spare)
             t0 = time.time()
             os.kill(pid, signal.SIGKILL)
             first = wait_event(events, "first", "0", t0)
             imported = wait_event(events, "imported", "0", t0)
+            if spare_cpu is not None and cpu_seconds(spare) is not None:
+                out.setdefault("spare_cpu", []).append(cpu_seconds(spare) - spare_cpu)
             out["detect"].append(log_time(job, f"pid {pid} killed by SIGKILL") - t0)
             pid = first["pid"]
             out["spawn"].append(log_time(job, f"started pid {pid} ") - t0)
@@ -205,7 +221,7 @@ def main() -> int:
             results[mode] = run_torchrun(root, args.kills) if mode == "torchrun" else \
                 run_agent(root, args.kills, warm=mode in ("warm", "early"), early=mode == "early")
     print(f"kill -9 of rank 0 -> replacement, median of {args.kills} (min-max), seconds")
-    keys = ("detect", "agent", "spawn", "first", "imported")
+    keys = ("detect", "agent", "spawn", "first", "imported", "spare_cpu")
     print(f"{'mode':10}" + "".join(f"{k:>22}" for k in keys))
     for mode, res in results.items():
         cells = []

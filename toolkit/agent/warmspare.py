@@ -4,8 +4,8 @@ clock in.
 Why: a relaunch takes the spare only once it is ready (its imports done); until then the worker starts cold, at
 once. But a spare still importing (`import torch` and DDP's lazy imports, seconds of CPU and page cache) competes
 with that cold start: on a loaded 2-core machine a kill 4 s after the start, while the spare was importing, took
-10.2 s to recover (a ready spare: 1.8 s), and `bench/agent_restart.py --modes cold,early` shows the replacement's
-imports done later beside an importing spare than alone (docs/benchmarks.md). So a spare that is not ready is held
+10.2 s to recover (a ready spare: 1.8 s); `bench/agent_restart.py --modes cold,early` measured the spare taking 2.3
+s of CPU during the replacement's cold start (docs/benchmarks.md). So a spare that is not ready is held
 (SIGSTOP) while any worker relaunched cold has not reached its process group yet (reported progress), and goes on
 (SIGCONT) after, keeping what it had imported; a spare not started yet waits as long. A relaunch before the spare
 is ready therefore costs what a cold start costs, and the spare is ready for the next fault soon after. A ready
