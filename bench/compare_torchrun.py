@@ -370,6 +370,13 @@ def random_kills(args: argparse.Namespace, base: Path) -> int:
         ("plain script", "torchrun", _launcher(TorchrunRun, ddp / "plain.py", 3), plain),
         ("ported script", "toolkit", _launcher(ToolkitRun, ddp / "ported.py", 3), plain),
     ]
+    if args.only:
+        wanted = {tuple(w.strip().split("/")) for w in args.only.split(",")}
+        unknown = wanted - {(c, n) for c, n, _, _ in cases}
+        if unknown:
+            raise SystemExit(f"--only: no case {sorted('/'.join(u) for u in unknown)}; the cases are "
+                             f"{', '.join(c + '/' + n for c, n, _, _ in cases)}")
+        cases = [case for case in cases if case[:2] in wanted]
     rows: dict[tuple[str, str], list[dict[str, Any]]] = {(c, n): [] for c, n, _, _ in cases}
     per_run = args.kills_per_run
     i = 0
@@ -441,6 +448,8 @@ def main() -> int:
                     help="instead: N kills at random moments per script and launcher (3 workers)")
     ap.add_argument("--kills-per-run", type=int, default=10, help="with --random-kills: kills in one run")
     ap.add_argument("--seed", type=int, default=None, help="with --random-kills: the victims' and moments' seed")
+    ap.add_argument("--only", default="", help="with --random-kills: only these SCRIPT/LAUNCHER cases, comma-separated "
+                    "(e.g. 'sample/toolkit,ported script/toolkit')")
     args = ap.parse_args()
     if args.random_kills:
         base = Path(tempfile.mkdtemp(prefix="cmp-", dir="/tmp"))

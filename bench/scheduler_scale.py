@@ -1,272 +1,176 @@
 #!/usr/bin/env python3
-"""How the scheduler scales: registration and formation of 64, 256 and 512 simulated workers against one real
-`python -m toolkit.scheduler`, and the time to a new generation after one worker dies.
+"""How the scheduler and the job's store hold up with thousands of ranks: formation, the steady state, and a loss
+and its re-formation, at 64 to 4096 simulated ranks against one real `python -m toolkit.scheduler`.
 
-Why: formation and re-formation sit on the critical path of every launch and every recovery; they must stay far
-below the seconds that starting Python and torch costs, even with hundreds of workers. Not a test: it prints
-numbers.
+Why: a lab that outgrows one rack runs 128 hosts x 8 GPUs; the scheduler is one Python thread serving every rank's
+control and store connection, and a cost that grows with N per message, per pass or per incident turns into a cliff
+(issue 24). Not a test: it prints numbers (tests/test_scale.py checks the same harness for correctness at 256).
 
-    .venv/bin/python bench/scheduler_scale.py [--sizes 64,256,512] [--procs 8] [--repeats 3] [--recovery both]
+    .venv/bin/python bench/scheduler_scale.py [--sizes 64,256,1024] [--patterns gloo,nccl] [--repeats 3]
+                                              [--steady 10] [--kill rank|host] [--baseline REV] [--keep DIR]
 
-Simulated workers speak only the control protocol (register, heartbeat every second, done) — they build no
-process group, so the store is not exercised. They are spread over --procs processes (asyncio, one connection
-per simulated worker): plain sockets do not show the TCPStore-clients-in-one-process stall (REFERENCE.md), and
-separate OS processes for 512 workers would measure Python start-up on 2 cores, not the scheduler.
+The harness (toolkit.testing.simjob): the real scheduler configured as a deployed job (recovery on, on disk), and
+simulated hosts (toolkit.testing.simhosts; an agent and 8 workers each, from their own loopback address, in
+clamp(N/512, 2, 8) processes) speaking the real protocol: authenticated hellos, heartbeats with every pace field,
+commits, `recovered`, and per formation a new store connection per rank running the pattern's bootstrap:
+- gloo: set + multi_get of every rank's key, 128 a request (what the agent's GLOO_* variables make gloo do);
+- gloo-legacy: gloo's default (a value of 154 + 8N bytes, a wait and a get per rank; at most 256 ranks);
+- nccl: rank 0 sets the unique id, the N - 1 others get it; nccl-scalable: a root per 128 ranks, one multi_get;
+  both with NCCL's heartbeat monitor (`check exception_dump` per rank per second) in the steady state.
 
-Measured, per size (median of --repeats runs):
-- formed: from the moment every simulator starts registering until the last simulated worker holds `formed`;
-- detect: from closing one worker's connection (a process death: the kernel closes its socket) until the last
-  survivor has received the new generation;
-- re-formed: from that death until the last worker (survivors and the replacement, which registers at once)
-  holds `formed` for the new generation;
-- finish: from `done` on every connection until the scheduler process has exited 0.
+Columns (median of --repeats runs; times in s from `go`, or from the kill):
+- formed / built: the last rank holds `formed` / has finished its bootstrap;
+- notice p50/max: each survivor's `generation` notice after the kill; reformed / rebuilt: the last rank holds the
+  new `formed` / has finished its bootstrap again;
+- CPU% / RSS: the scheduler over --steady seconds of steady state (RSS at its end, peak in parentheses); wr kB/s:
+  what it wrote to disk meanwhile;
+- inc CPU / inc MB: the scheduler's CPU seconds and bytes written from the kill until the ledger says every rank
+  trains again;
+- refused: connections refused, reset or closed before their hello was answered, at the simulators, plus the
+  scheduler log's refusal lines (closed to make room, rejected, dropped); err/s: the most times one WARNING or
+  ERROR line (digits masked) was logged within one second; errors: ERROR lines and simulator errors;
+- queued%: the share of the phases' wall time the scheduler was ready to run but waited for a CPU (on a loaded
+  machine the latencies include it); bound: "client" if a simulator used more than 80% of a core in a phase (the
+  latencies then measure the clients).
+The load average is printed with each row.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
-import json
-import os
-import secrets
 import statistics
 import subprocess
-import sys
 import tempfile
-import time
 from pathlib import Path
+from typing import Any
 
 from toolkit import envvars as E
-from toolkit import protocol as P
-from toolkit.testing.ports import free_port_pair
+from toolkit.testing.simjob import SimJob, percentile
 
 ROOT = Path(__file__).resolve().parents[1]
-
-HEARTBEAT = 1.0
-
-
-# ---------------------------------------------------------------- the simulator process
-
-
-class SimWorker:
-    def __init__(self, rank: int) -> None:
-        self.rank = rank
-        self.incarnation = secrets.token_hex(8)
-        self.reader: asyncio.StreamReader | None = None
-        self.writer: asyncio.StreamWriter | None = None
-        self.formed: dict[int, float] = {}
-        self.generations: dict[int, float] = {}
-        self.events: dict[int, asyncio.Event] = {}
-        self.task: asyncio.Task | None = None
-
-    def event(self, gen: int) -> asyncio.Event:
-        return self.events.setdefault(gen, asyncio.Event())
+TARGETS = ("targets at 4096 (issue 24): formed <= 3 s; notice p50 <= 0.5 s; nccl rebuilt <= 2 s; CPU% <= 25; "
+           "RSS <= 300 MB; refused 0; err/s <= 1. At 1024, gloo: inc CPU <= 10 s")
+COLUMNS = (f"{'N':>5} {'pattern':<13} {'formed':>7} {'built':>7} {'notice p50/max':>15} {'reformed':>8} "
+           f"{'rebuilt':>8} {'CPU%':>5} {'RSS MB':>12} {'wr kB/s':>8} {'inc CPU':>7} {'inc MB':>7} {'refused':>8} "
+           f"{'err/s':>5} {'errors':>6} {'queued%':>7} {'bound':>6}  load")
 
 
-async def sim_register(w: SimWorker, port: int, token: str, world: int) -> None:
-    w.reader, w.writer = await asyncio.open_connection("127.0.0.1", port)
-    nonce = P.challenge_nonce(P.decode((await w.reader.readline()).strip()))
-    hello, _ = P.hello(P.REGISTER, token, nonce, node_id=P.worker_node_id(w.rank), rank=w.rank, world_size=world,
-                       incarnation=w.incarnation, pid=os.getpid(), host="sim", generation=None, rejoin=False)
-    w.writer.write(hello)
-    await w.writer.drain()
-    w.task = asyncio.create_task(sim_read(w))
-
-
-async def sim_read(w: SimWorker) -> None:
-    assert w.reader is not None
-    while True:
-        line = await w.reader.readline()
-        if not line:
-            return
-        msg = P.decode(line.strip())
-        now = time.monotonic()
-        if msg["op"] == P.FORMED:
-            w.formed.setdefault(msg["generation"], now)
-            w.event(msg["generation"]).set()
-        elif msg["op"] == P.GENERATION:
-            w.generations.setdefault(msg["generation"], now)
-            w.event(-msg["generation"]).set()
-        elif msg["op"] == P.REJECT:
-            raise SystemExit(f"rank {w.rank} rejected: {msg.get('reason')}")
-
-
-async def sim_heartbeats(workers: dict[int, SimWorker]) -> None:
-    while True:
-        await asyncio.sleep(HEARTBEAT)
-        for w in list(workers.values()):
-            if w.writer is not None and not w.writer.is_closing():
-                w.writer.write(P.encode(P.HEARTBEAT, step=0))
-
-
-def say(**fields) -> None:
-    print(json.dumps(fields), flush=True)
-
-
-async def sim_main(port: int, token: str, world: int, ranks: list[int]) -> None:
-    loop = asyncio.get_running_loop()
-    stdin = asyncio.StreamReader()
-    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(stdin), sys.stdin)
-    workers = {r: SimWorker(r) for r in ranks}
-    say(event="ready")
-    beats: asyncio.Task | None = None
-    while True:
-        line = (await stdin.readline()).decode().split()
-        if not line:
-            return
-        cmd, args = line[0], line[1:]
-        if cmd == "go":
-            await asyncio.gather(*(sim_register(w, port, token, world) for w in workers.values()))
-            beats = asyncio.create_task(sim_heartbeats(workers))
-            await asyncio.gather(*(w.event(0).wait() for w in workers.values()))
-            say(event="formed", gen=0, t=max(w.formed[0] for w in workers.values()))
-        elif cmd == "kill":  # close one connection: what the scheduler sees when a worker process dies
-            rank = int(args[0])
-            w = workers[rank]
-            t = time.monotonic()
-            assert w.writer is not None
-            w.writer.transport.abort()
-            say(event="killed", t=t)
-        elif cmd == "replace":
-            rank = int(args[0])
-            workers[rank] = SimWorker(rank)
-            await sim_register(workers[rank], port, token, world)
-        elif cmd == "wait":  # every worker of this simulator: generation pushed (survivors) and formed
-            gen, dead = int(args[0]), int(args[1])
-            await asyncio.gather(*(w.event(gen).wait() for w in workers.values()))
-            pushed = [w.generations[gen] for r, w in workers.items() if r != dead and gen in w.generations]
-            say(event="formed", gen=gen, t=max(w.formed[gen] for w in workers.values()),
-                pushed=max(pushed) if pushed else None)
-        elif cmd == "done":
-            t = time.monotonic()
-            for w in workers.values():
-                assert w.writer is not None
-                w.writer.write(P.encode(P.DONE))
-            await asyncio.gather(*(w.writer.drain() for w in workers.values() if w.writer is not None))
-            say(event="done", t=t)
-            if beats is not None:
-                beats.cancel()
-            await asyncio.gather(*(w.task for w in workers.values() if w.task is not None),
-                                 return_exceptions=True)
-            return
-
-
-# ---------------------------------------------------------------- the driver
-
-
-class Sim:
-    def __init__(self, port: int, token: str, world: int, ranks: list[int]) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, __file__, "--sim", str(port), token, str(world), ",".join(map(str, ranks))],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT)
-        self.ranks = ranks
-
-    def send(self, line: str) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(line + "\n")
-        self.proc.stdin.flush()
-
-    def read(self) -> dict:
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"simulator exited with {self.proc.wait()}")
-        return json.loads(line)
-
-
-def one_run(world: int, procs: int, recovery: bool, workdir: Path) -> dict[str, float]:
-    port = free_port_pair()
-    token = secrets.token_hex(16)
-    token_file = workdir / "token"
-    token_file.write_text(token)
-    token_file.chmod(0o600)
-    env = {**os.environ, E.MS_ROLE: E.ROLE_SCHED, E.MS_SCHED_HOST: "127.0.0.1", E.MS_SCHED_PORT: str(port),
-           E.MASTER_ADDR: "127.0.0.1", E.MASTER_PORT: str(port + 1), E.MS_WORKER_NUM: str(world),
-           E.MS_TOPO_TIMEOUT: "120", E.MS_NODE_TIMEOUT: "6", E.MS_ENABLE_RECOVERY: "1" if recovery else "0",
-           E.MS_RECOVERY_PATH: str(workdir / f"recovery-{port}"), E.TOOLKIT_JOB: "bench",
-           E.TOOLKIT_TOKEN_FILE: str(token_file), "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
-    log = open(workdir / f"scheduler-{world}-{port}.log", "w")
-    sched = subprocess.Popen([sys.executable, "-m", "toolkit.scheduler"], env=env, stdout=log,
-                             stderr=subprocess.STDOUT, cwd=ROOT)
-    sims: list[Sim] = []
-    try:
-        _wait_listening(port, sched)
-        chunks = [list(range(world))[i::procs] for i in range(procs)]
-        sims = [Sim(port, token, world, ranks) for ranks in chunks if ranks]
-        for s in sims:
-            assert s.read()["event"] == "ready"
-        go = time.monotonic()
-        for s in sims:
-            s.send("go")
-        formed = max(s.read()["t"] for s in sims) - go
-
-        victim = world // 2
-        owner = next(s for s in sims if victim in s.ranks)
-        owner.send(f"kill {victim}")
-        killed = owner.read()["t"]
-        owner.send(f"replace {victim}")
-        for s in sims:
-            s.send(f"wait 1 {victim}")
-        results = [s.read() for s in sims]
-        detect = max(r["pushed"] for r in results if r["pushed"] is not None) - killed
-        reformed = max(r["t"] for r in results) - killed
-
-        for s in sims:
-            s.send("done")
-        started = min(s.read()["t"] for s in sims)
-        code = sched.wait(60)
-        finish = time.monotonic() - started
-        if code != 0:
-            raise RuntimeError(f"scheduler exited {code}; see {log.name}")
-        return {"formed": formed, "detect": detect, "reformed": reformed, "finish": finish}
-    finally:
-        for s in sims:
-            if s.proc.poll() is None:
-                s.proc.kill()
-            s.proc.wait(10)
-        if sched.poll() is None:
-            sched.kill()
-            sched.wait(10)
-        log.close()
-
-
-def _wait_listening(port: int, sched: subprocess.Popen) -> None:
-    """The scheduler listens only once its store is up; connect attempts are refused until then (bounded)."""
-    import socket
-
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        if sched.poll() is not None:
-            raise RuntimeError(f"scheduler exited {sched.returncode} before serving")
+def one_run(world: int, pattern: str, args: argparse.Namespace, workdir: Path, tree: Path | None) -> dict[str, Any]:
+    """One job: start, form, --steady seconds, one loss (rank N/2 + 3, or its host), finish. Its figures; a phase
+    that fails (its bound passed, or a process ended) leaves the figures so far, `failed` saying where and why, and
+    the scheduler's cost since the start in `so_far`."""
+    fig: dict[str, Any] = {"samples": [], "failed": None}
+    profile = args.profile / f"{workdir.name}.pstats" if args.profile else None
+    with SimJob(world, workdir, patterns=(pattern,), tree=tree, node_timeout=args.node_timeout,
+                profile=profile) as job:
+        phase = "start"
         try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            return
-        except OSError:
-            time.sleep(0.05)  # named poll: the scheduler offers no readiness signal to a foreign process
-    raise RuntimeError("scheduler did not start serving within 60 s")
+            job.start()
+            phase = "formation"
+            built, formation = job.form(args.bound)
+            fig.update(formed=built.last(0) - job.go_at, built=built.last(2) - job.go_at, phases=[formation])
+            phase = "steady state"
+            steady = job.steady(args.steady)
+            fig.update(cpu=100 * steady.cpu_share, rss=steady.rss / 1e6, wr=steady.written / steady.wall / 1e3)
+            fig["phases"].append(steady)
+            phase = "loss"
+            loss = job.lose(min(world - 1, world // 2 + 3), host=args.kill == "host", bound=args.bound)
+            fig.update(p50=percentile(loss.notices, 0.5), max=max(loss.notices, default=0.0), reformed=loss.reformed,
+                       rebuilt=loss.rebuilt, inc_cpu=loss.phase.cpu, inc_mb=loss.phase.written / 1e6)
+            fig["phases"].append(loss.phase)
+            phase = "finish"
+            stats = job.stats()
+            code = job.finish(args.bound)
+        except AssertionError as e:
+            fig["failed"] = f"{phase} failed: {str(e).splitlines()[0][:300]}"
+            fig["so_far"] = job.so_far() if job.began is not None else None
+            stats, code = _stats_or_none(job), None
+        log = job.log()
+    counts = stats["counts"] if stats else {}
+    phases = fig.pop("phases", [])
+    fig.update(refused=counts.get("refused", 0) + counts.get("unproven", 0) + len(log.refusals), burst=log.burst,
+               errors=len(log.errors) + counts.get("errors", 0) + (code not in (0, None)),
+               hwm=max(p.hwm for p in phases) / 1e6 if phases else None,
+               queued=100 * sum(p.queued for p in phases) / sum(p.wall for p in phases) if phases else None,
+               client=any(p.client_bound for p in phases))
+    fig["samples"] = ((stats["samples"][:3] if stats else []) + log.errors[:3]
+                      + ([f"scheduler exit code {code}"] if code else []))
+    return fig
+
+
+def _stats_or_none(job: SimJob) -> dict[str, Any] | None:
+    try:
+        return job.stats(10.0)
+    except AssertionError:
+        return None
+
+
+def _num(runs: list[dict[str, Any]], key: str, width: int, digits: int) -> str:
+    """The median of `key` over the runs that have it, or "-"."""
+    values = [r[key] for r in runs if r.get(key) is not None]
+    return f"{statistics.median(values):>{width}.{digits}f}" if values else f"{'-':>{width}}"
+
+
+def row(world: int, pattern: str, runs: list[dict[str, Any]]) -> str:
+    bound = "client" if any(r["client"] for r in runs) else "-"
+    load = Path("/proc/loadavg").read_text().split()[0]
+    notice = f"{_num(runs, 'p50', 7, 3)}/{_num(runs, 'max', 7, 3).strip():<7}"
+    return (f"{world:>5} {pattern:<13} {_num(runs, 'formed', 7, 2)} {_num(runs, 'built', 7, 2)} {notice} "
+            f"{_num(runs, 'reformed', 8, 2)} {_num(runs, 'rebuilt', 8, 2)} {_num(runs, 'cpu', 5, 1)} "
+            f"{_num(runs, 'rss', 5, 0)} ({_num(runs, 'hwm', 4, 0)}) {_num(runs, 'wr', 8, 1)} "
+            f"{_num(runs, 'inc_cpu', 7, 2)} {_num(runs, 'inc_mb', 7, 2)} {_num(runs, 'refused', 8, 0)} "
+            f"{_num(runs, 'burst', 5, 0)} {_num(runs, 'errors', 6, 0)} {_num(runs, 'queued', 7, 0)} {bound:>6}  {load}")
+
+
+def export(rev: str, into: Path) -> Path:
+    """The toolkit package of git revision `rev` of this repository, as files under `into` (git archive: the
+    checkout is not touched): the scheduler to measure ("before")."""
+    archive = subprocess.run(["git", "archive", rev, "toolkit"], cwd=ROOT, capture_output=True, check=True,  # noqa: S607
+                             timeout=120).stdout
+    subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True, timeout=120)  # noqa: S607
+    return into
 
 
 def main() -> int:
-    if len(sys.argv) > 1 and sys.argv[1] == "--sim":
-        port, token, world, ranks = sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5]
-        asyncio.run(sim_main(int(port), token, int(world), [int(r) for r in ranks.split(",")]))
-        return 0
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", default="64,256,512")
-    parser.add_argument("--procs", type=int, default=8, help="simulator processes")
+    parser.add_argument("--sizes", default="64,256,1024", help="ranks, comma-separated (4096 takes minutes)")
+    parser.add_argument("--patterns", default="gloo,nccl", help="store bootstraps: gloo, gloo-legacy, nccl, "
+                                                                 "nccl-scalable")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--recovery", choices=["on", "off", "both"], default="both")
+    parser.add_argument("--steady", type=float, default=10.0, help="seconds of steady state measured")
+    parser.add_argument("--kill", choices=["rank", "host"], default="rank", help="lose one rank, or its whole host")
+    parser.add_argument("--bound", type=float, default=600.0, help="s any one phase may take before the run fails")
+    parser.add_argument("--node-timeout", type=float, default=E.DEFAULT_NODE_TIMEOUT,
+                        help="MS_NODE_TIMEOUT for the scheduler (default: a deployed job's)")
+    parser.add_argument("--baseline", default=None, help="a git revision whose scheduler to run instead of this tree's")
+    parser.add_argument("--profile", type=Path, default=None, help="run the scheduler under cProfile, its statistics "
+                                                                   "into this directory (python -m pstats reads them)")
+    parser.add_argument("--keep", type=Path, default=None, help="keep each run's logs and records under this directory")
     args = parser.parse_args()
-    modes = {"on": [True], "off": [False], "both": [False, True]}[args.recovery]
-    print(f"{'workers':>7} {'recovery':>8} {'formed ms':>10} {'detect ms':>10} {'re-formed ms':>13} "
-          f"{'finish ms':>10}   (median of {args.repeats}; {args.procs} simulator processes)")
-    with tempfile.TemporaryDirectory(prefix="sched-bench-") as tmp:
-        for size in (int(s) for s in args.sizes.split(",")):
-            for recovery in modes:
-                runs = [one_run(size, min(args.procs, size), recovery, Path(tmp)) for _ in range(args.repeats)]
-                med = {k: statistics.median(r[k] for r in runs) * 1000 for k in runs[0]}
-                print(f"{size:>7} {'on' if recovery else 'off':>8} {med['formed']:>10.1f} {med['detect']:>10.1f} "
-                      f"{med['reformed']:>13.1f} {med['finish']:>10.1f}", flush=True)
+    if args.profile:
+        args.profile.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="sched-scale-") as tmp:
+        base = args.keep or Path(tmp)
+        tree = export(args.baseline, Path(tmp)) if args.baseline else None
+        print(f"scheduler: {args.baseline or 'this tree'}; {args.steady:g} s steady; lose one {args.kill}; median "
+              f"of {args.repeats}\n{TARGETS}\n{COLUMNS}", flush=True)
+        for world in (int(s) for s in args.sizes.split(",")):
+            for pattern in args.patterns.split(","):
+                if pattern == "gloo-legacy" and world > 256:
+                    continue  # 8N^3 bytes per generation: it measures the clients
+                runs = [one_run(world, pattern, args, base / f"{world}-{pattern}-{i}", tree)
+                        for i in range(args.repeats)]
+                print(row(world, pattern, runs), flush=True)
+                for r in runs:
+                    if r["failed"]:
+                        so_far = r["so_far"]
+                        cost = "" if so_far is None else (f" (scheduler so far: {so_far.cpu:.1f} CPU-s in "
+                                                          f"{so_far.wall:.1f} s, {so_far.queued:.1f} s queued for a "
+                                                          f"CPU, RSS {so_far.rss / 1e6:.0f} MB; busiest simulator "
+                                                          f"{100 * so_far.sims:.0f}% of a core)")
+                        print(f"      ! {r['failed']}{cost}", flush=True)
+                for sample in sorted({s for r in runs for s in r["samples"]})[:5]:
+                    print(f"      ! {sample[:300]}", flush=True)
     return 0
 
 

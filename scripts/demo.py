@@ -1,11 +1,13 @@
 #!/usr/bin/env python3
 """The README's main job: the sample trainer run on this machine by toolkit, with a real fault in the middle.
 
-Two workers train examples/train.py (`fleet deploy train --join`, no hosts: no SSH). Once both have passed a
-checkpoint, one of them is killed with SIGKILL. Its agent relaunches it, the other worker re-forms the group in
-place, both roll back to the newest common checkpoint and the job finishes. Then the same job runs again without
-the fault, and the demo compares the two final parameter digests: a fault must change nothing in the result.
-Everything goes through the `fleet` command a user types; exit 0 only if both runs succeed and the digests match.
+Two workers train examples/train.py (`fleet deploy train --join`, no hosts: no SSH). Once both have passed step
+KILL_AFTER_STEP, one of them is killed with SIGKILL. Its agent relaunches it, the other worker re-forms the group in
+place and hands the replacement the current state (no step is done twice, no checkpoint is read), and the job
+finishes. Then the same job runs again without the fault, and the demo compares the two final parameter digests: a
+fault must change nothing in the result. Everything goes through the `fleet` command a user types; exit 0 only if
+both runs succeed and the digests match. The job files (in a temporary directory) are removed at the end, or kept
+for reading when something failed.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -84,15 +87,24 @@ def run(job: str, workdir: Path, fault: bool) -> str:
 def main() -> int:
     workdir = Path(tempfile.mkdtemp(prefix="toolkit-demo-"))
     say(f"2 workers on this machine, one killed mid-training (job files under {workdir})")
-    faulted = run("demo", workdir, fault=True)
-    resumed = re.findall(r"rank \d+: resumed from step \d+.*", (workdir / "demo" / "logs" / "worker_0.log").read_text())
-    say(f"recovered in place: {resumed[-1] if resumed else 'no rollback seen'}")
-    say("the same job without the fault, for comparison")
-    reference = run("demo-reference", workdir, fault=False)
-    same = faulted == reference
-    say(f"final parameters with the fault    sha256 {faulted}")
-    say(f"final parameters without the fault sha256 {reference}")
-    say("bitwise equal: the fault changed nothing in the result" if same else "DIFFERENT: this is a bug")
+    same = False
+    try:
+        faulted = run("demo", workdir, fault=True)
+        resumed = re.findall(r"rank \d+: resumed from step \d+.*",
+                             (workdir / "demo" / "logs" / "worker_0.log").read_text())
+        say(f"recovered in place: {resumed[-1] if resumed else 'no rollback seen'}")
+        say("the same job without the fault, for comparison")
+        reference = run("demo-reference", workdir, fault=False)
+        same = faulted == reference
+        say(f"final parameters with the fault    sha256 {faulted}")
+        say(f"final parameters without the fault sha256 {reference}")
+        say("bitwise equal: the fault changed nothing in the result" if same else "DIFFERENT: this is a bug")
+    finally:
+        if same:  # both jobs ended (fleet train --join returned): nothing of them runs; their files can go
+            shutil.rmtree(workdir, ignore_errors=True)
+            say(f"removed the job files ({workdir})")
+        else:
+            say(f"the job files are kept for reading: {workdir}")
     return 0 if same else 1
 
 

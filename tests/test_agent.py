@@ -300,16 +300,19 @@ def test_kill_9_worker_is_relaunched_with_same_env_and_rank_and_job_completes(ma
     again = job.events.next()
     assert again["env"]["MS_NODE_ID"] == "worker_0" and again["pid"] != victim["pid"]
     assert again["env"]["RANK"] == victim["env"]["RANK"] == "0"
-    assert {k: v for k, v in again["env"].items() if k != "TORCHELASTIC_RESTART_COUNT"} == \
-           {k: v for k, v in victim["env"].items() if k != "TORCHELASTIC_RESTART_COUNT"}
+    per_incarnation = ("TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_ERROR_FILE")
+    assert {k: v for k, v in again["env"].items() if k not in per_incarnation} == \
+           {k: v for k, v in victim["env"].items() if k not in per_incarnation}
     assert (victim["env"]["TORCHELASTIC_RESTART_COUNT"], again["env"]["TORCHELASTIC_RESTART_COUNT"]) == ("0", "1")
+    assert (victim["env"]["TORCHELASTIC_ERROR_FILE"], again["env"]["TORCHELASTIC_ERROR_FILE"]) == \
+        (str(job.dir / "state" / "errors" / "worker_0.0.json"), str(job.dir / "state" / "errors" / "worker_0.1.json"))
     assert victim["env"]["GLOO_ENABLE_STORE_V2_API"] == victim["env"]["GLOO_ENABLE_RANK_AS_SEQUENCE_NUMBER"] == "1"
     assert again["argv"] == victim["argv"] and again["cwd"] == str(job.dir / "project")
     exited = sched.next(P.EXITED)
     while exited["pid"] != victim["pid"]:
         exited = sched.next(P.EXITED)  # worker_1 finished first, or not
     assert exited == {"op": "exited", "node_id": "worker_0", "pid": victim["pid"], "code": None,
-                      "signal": "SIGKILL"}
+                      "signal": "SIGKILL", "cause": None}  # a signal from outside: the signal says it all
     assert agent.wait(AGENT_WAIT) == 0
     doc = job.doc()
     assert doc["state"] == "succeeded" and doc["exit_code"] == 0
@@ -347,6 +350,46 @@ def test_crash_loop_fails_the_job_with_status_and_log_tail_and_leaves_nothing(ma
     assert_all_gone(everything)
 
 
+def test_the_error_file_is_the_first_cause_and_every_incarnation_has_its_own(make_job, sched):
+    # TORCHELASTIC_ERROR_FILE per incarnation (as torchrun's agent sets it for @record): what the script wrote
+    # there is the cause in agent.json, the agent's log, `exited` and `gave_up`; the file is read once and removed.
+    job = make_job([["--exit", "1", "--error", "RuntimeError: boom at step 5\nmore"]], port=sched.port,
+                   max_restarts=1)
+    agent = job.run_agent()
+    assert agent.wait(AGENT_WAIT) == A.EXIT_FAILED
+    starts = [e for e in job.events.drain() if e["env"]["MS_NODE_ID"] == "worker_0"]
+    assert [e["env"]["TORCHELASTIC_ERROR_FILE"] for e in starts] == \
+        [str(job.dir / "state" / "errors" / f"worker_0.{n}.json") for n in range(2)]
+    cause = "RuntimeError: boom at step 5 (exit code 1)"
+    assert sched.next(P.EXITED)["cause"] == cause
+    gave_up = sched.next(P.GAVE_UP)
+    assert gave_up["cause"] == cause and gave_up["code"] == 1
+    doc = job.doc()
+    assert [e["cause"] for e in job.proc_doc("worker_0")["exits"]] == [cause, cause]
+    assert doc["failure"]["cause"] == cause and doc["failure"]["status"] == "exit code 1"
+    assert f"pid {starts[0]['pid']} {cause} after" in job.agent_log()
+    assert f"GAVE UP: rank 0, pid {starts[1]['pid']} {cause}" in job.agent_log()
+    assert not list((job.dir / "state" / "errors").iterdir())
+
+
+def test_heartbeats_vouch_for_running_children_not_for_a_stopped_one(make_job, sched):
+    # A worker whose own heartbeats stop (a call holding its GIL) is still seen running by its agent, which says so
+    # in its heartbeats; a SIGSTOPped one is left out, so the scheduler's silence rule still finds it.
+    job = make_job([["--block"], ["--block"]], port=sched.port)
+    job.run_agent()
+    first = job.events.started(2)
+    pids = {n: e["pid"] for n, e in first.items()}
+    deadline = time.monotonic() + EVENT_WAIT
+    while sched.next(P.HEARTBEAT).get("running") != pids:
+        assert time.monotonic() < deadline, "no heartbeat vouched for both workers"
+    os.kill(pids["worker_1"], signal.SIGSTOP)
+    try:
+        while sched.next(P.HEARTBEAT).get("running") != {"worker_0": pids["worker_0"]}:
+            assert time.monotonic() < deadline + EVENT_WAIT, "the stopped worker was still vouched for"
+    finally:
+        os.kill(pids["worker_1"], signal.SIGCONT)
+
+
 def test_a_late_crash_loop_at_the_same_step_gives_up_at_the_budget(make_job, sched):
     """Every incarnation reports steps 1 to 5 and fails after running longer than healthy_reset (1 s here): the
     budget used to refill after healthy_reset and restart it forever; now a failure at the same step counts, however
@@ -359,7 +402,8 @@ def test_a_late_crash_loop_at_the_same_step_gives_up_at_the_budget(make_job, sch
     assert len([e for e in job.events.drain() if e["env"]["MS_NODE_ID"] == "worker_0"]) == 3  # first + 2 restarts
     proc = job.proc_doc("worker_0")
     assert [e["ran_for"] > 1.0 and e["step"] for e in proc["exits"]] == [5, 5, 5]  # each ran past healthy_reset
-    assert proc["same_failure"] == {"times": 3, "step": 5, "code": 1, "signal": None} and proc["failed_at"] == 5
+    assert proc["same_failure"] == {"times": 3, "step": 5, "code": 1, "signal": None, "cause": None} and \
+        proc["failed_at"] == 5
     assert "starts again" not in job.agent_log()
 
 
@@ -509,11 +553,14 @@ def test_scheduler_fences_a_stopped_worker_then_stops_the_job(make_job, sched):
     sched.next(P.AGENT_HELLO)
     frozen = first["worker_1"]["pid"]
     os.kill(frozen, signal.SIGSTOP)
-    sched.send(P.KILL, node_id="worker_1", pid=frozen)
+    sched.send(P.KILL, node_id="worker_1", pid=frozen, cause="heartbeat silence")
     relaunched = job.events.next()
     assert relaunched["env"]["MS_NODE_ID"] == "worker_1" and relaunched["pid"] != frozen
     assert sched.next(P.EXITED) == {"op": "exited", "node_id": "worker_1", "pid": frozen, "code": None,
-                                    "signal": "SIGKILL"}
+                                    "signal": "SIGKILL",
+                                    "cause": "heartbeat silence: fenced by the scheduler (killed by SIGKILL)"}
+    assert job.proc_doc("worker_1")["exits"][0]["cause"] == \
+        "heartbeat silence: fenced by the scheduler (killed by SIGKILL)"
     sched.send(P.KILL, node_id="worker_1", pid=frozen)  # stale: names the old incarnation, harms nothing
     sched.send(P.STOP, reason="worker_5 on hostB failed")
     assert agent.wait(AGENT_WAIT) == A.EXIT_FAILED

@@ -99,7 +99,10 @@ def test_a_rank_that_keeps_failing_the_same_way_is_pointed_out() -> None:
 
     assert policy.repeated_failure(exits((120, 1, None, True))) is None
     assert policy.repeated_failure(exits((90, 1, None, True), (120, 1, None, True), (120, 1, None, True))) == {
-        "times": 2, "step": 120, "code": 1, "signal": None}
+        "times": 2, "step": 120, "code": 1, "signal": None, "cause": None}
+    boom = [{"step": 120, "code": 1, "signal": None, "failure": True, "cause": f"ValueError: {n} (exit code 1)"}
+            for n in ("a", "b")]
+    assert policy.repeated_failure(boom) is None  # the same code, not the same first cause
     assert policy.repeated_failure(exits((120, None, "SIGSEGV", True), (120, 1, None, True))) is None  # two ways
     assert policy.repeated_failure(exits((120, 1, None, True), (120, 75, None, False))) is None  # then fenced
     assert policy.repeated_failure(exits((None, 2, None, True), (None, 2, None, True), (None, 2, None, True)))[

@@ -118,7 +118,23 @@ def test_unknown_config_setting(project: Path) -> None:
     (["plan", "--hosts=a", "--node-timeout=inf"], "--node-timeout='inf': expected a finite number"),
     (["plan", "--workdir=/tmp/" + "d" * 90], "is too deep for the agent's sockets"),
     (["logs", "-n", "abc"], "error: -n/--lines 'abc': expected a whole number"),
-    (["status", "--nope"], "error: No idea what '--nope' is!; 'fleet --help' lists the tasks"),
+    (["status", "--nope"], "error: status: unknown flag --nope; 'fleet status --help' lists its flags"),
+    (["deploy", "--dry"], "error: deploy: unknown flag --dry; 'fleet deploy --help' lists its flags"),
+    (["train", "--prompt-for-sudo-password"], "error: train: unknown flag --prompt-for-sudo-password"),
+    (["plan", "--master_addr", "h"], "error: --master-addr is torchrun's and means nothing here: toolkit runs the "
+                                     "scheduler"),
+    (["plan", "--hosts=a,b", "--nnodes", "3"], "error: --nnodes 3, but 2 host(s) would run workers (a, b)"),
+    (["plan", "--hosts=a", "--standalone"], "error: --hosts and --standalone both given"),
+    (["plan", "--nnodes=1:2"], "error: --nnodes='1:2': toolkit runs the hosts it is given, it does not grow or "
+                               "shrink a job"),
+    (["plan", "--nproc-per-node", "0"], "error: --nproc-per-node 0: give 1 to 4096 workers per host"),
+    (["run", "--worker-num", "2"], "error: fleet run: name the training script after the flags"),
+    (["run", "--script", "t.py", "t.py"], "error: run: unknown flag --script"),
+    (["plan", "run", "train.py"], "error: 'run' deploys, trains and waits by itself: give it alone, not with plan"),
+    (["plan", "--script-args", "--a", "--", "--b"], "error: the script's arguments are given twice"),
+    (["--", "--lr", "0.1"], "error: script arguments without a task"),
+    (["bogus"], "error: unknown task bogus; 'fleet --help' lists the tasks"),
+    (["-t", "abc", "plan"], "error: -t/--connect-timeout 'abc': expected a number of seconds"),
 ])
 def test_hostile_or_mistyped_flags_are_one_line_and_exit_2(project: Path, args: list[str], message: str) -> None:
     started = time.monotonic()
@@ -146,3 +162,113 @@ def test_a_damaged_job_record_is_one_line(project: Path, change: dict) -> None:
     r = run("fleet", "status", cwd=project)
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     assert f"{path}: damaged job record:" in r.stderr and "deploy the job again" in r.stderr
+
+
+# --- help: toolkit's own, complete, one screen each ------------------------------------------------------------------
+
+SCREEN = (50, 80)  # lines, columns: one screen of a terminal
+
+
+def test_fleet_help_is_toolkits_own_and_one_screen(project: Path) -> None:
+    from toolkit.cli import namespace
+
+    r = run("fleet", "--help", cwd=project)
+    assert r.returncode == 0 and r.stderr == ""
+    lines = r.stdout.splitlines()
+    assert len(lines) <= SCREEN[0] and max(map(len, lines)) <= SCREEN[1], r.stdout
+    for fabric_only in ("--prompt-for-sudo-password", "--list-agent-keys", "--dry", "--echo", "--pty", "Core options"):
+        assert fabric_only not in r.stdout
+    assert r.stdout.count("--hosts") == 1 and r.stdout.count("-H,") == 1  # described once
+    for task in namespace().tasks.values():  # every task, with its whole summary sentence on one line
+        summary = task.doc.summary
+        assert summary.endswith(".") and f"  {task.name}" in r.stdout
+        assert any(line.split(None, 1) == [task.name, summary] for line in lines), (task.name, r.stdout)
+    assert run("fleet", cwd=project).stdout == r.stdout  # no task: the same help
+
+
+def test_every_task_help_is_complete_and_one_screen(project: Path) -> None:
+    """Each task's --help lists every flag the task accepts (from the parser's own tables), and fits a screen."""
+    from toolkit.cli import Fleet, namespace
+
+    core = [f for f in Fleet(namespace=namespace()).initial_context.flags if f.startswith("--")]
+    for ctx in namespace().to_contexts():
+        r = run("fleet", ctx.name, "--help", cwd=project)
+        assert r.returncode == 0 and r.stderr == "", r.stderr
+        lines = r.stdout.splitlines()
+        assert len(lines) <= SCREEN[0] and max(map(len, lines)) <= SCREEN[1], (ctx.name, r.stdout)
+        assert lines[0].startswith(f"Usage: fleet {ctx.name} ")
+        flags = [f for f in ctx.flags if f.startswith("--")] + [f for f in core if f != "--version"]
+        flags += [f"--[no-]{f[5:]}" for f in ctx.inverse_flags]  # --no-recovery: shown as --[no-]recovery
+        missing = [f for f in flags if f not in r.stdout and f"--[no-]{f[2:]}" not in r.stdout]
+        assert not missing, (ctx.name, missing)
+        assert "--prompt-for-sudo-password" not in r.stdout and "Docstring:" not in r.stdout
+    plan = run("fleet", "plan", "--help", cwd=project).stdout
+    assert "-H, --hosts HOSTS" in plan and "--nproc-per-node N" in plan
+    assert run("fleet", "--help", "plan", cwd=project).stdout == plan
+
+
+def test_fab_task_help_and_list_are_toolkits_and_fabric_flags_it_ignores_are_refused(project: Path) -> None:
+    r = run("fab", "train", "--help", cwd=project)
+    assert r.returncode == 0 and r.stdout.startswith("Usage: fab train [FLAGS]") and "--fresh" in r.stdout
+    listing = run("fab", "--list", cwd=project).stdout  # Fabric's listing shows each summary line whole
+    assert "  check     Check that the job's hosts can train together; one line a problem." in listing
+    for args in (["--dry", "deploy"], ["deploy", "--dry"], ["--echo", "plan"]):
+        r = run("fab", *args, cwd=project)
+        assert r.returncode == 2 and "is Fabric's and toolkit's tasks ignore it: leave it out" in r.stderr, r.stderr
+    assert not (project / ".toolkit").exists()  # nothing was deployed
+
+
+def test_an_unknown_flag_starts_nothing(project: Path) -> None:
+    for tool in ("fleet", "fab"):
+        r = run(tool, "deploy", "train", "--worker-num", "2", "--dry", cwd=project)
+        assert r.returncode == 2 and "unknown flag --dry" in r.stderr or "--dry is Fabric's" in r.stderr, r.stderr
+    assert not (project / ".toolkit").exists()
+
+
+# --- the script's arguments, as torchrun takes them ------------------------------------------------------------------
+
+
+def _worker_argv(plan_json: str) -> list[list[str]]:
+    return [p["argv"] for p in json.loads(plan_json)["processes"] if p["node_id"] != "sched"]
+
+
+def test_script_arguments_after_double_dash_reach_the_script_word_for_word(project: Path) -> None:
+    args = ["--lr", "0.1", "--name", "a b", "--", "--x=1", "'q'"]
+    for tool in ("fleet", "fab"):
+        r = run(tool, "plan", "--hosts=a:2", "--json", "--", *args, cwd=project)
+        assert r.returncode == 0, r.stderr
+        assert _worker_argv(r.stdout) == [["python3", "-m", "toolkit.train", "train.py", *args]] * 2
+
+
+def test_torchrun_spellings(project: Path) -> None:
+    """--nproc-per-node (and --nproc_per_node) sets every host's workers, --nnodes checks the hosts, --standalone is
+    this machine; msrun's underscores work too."""
+    r = run("fleet", "plan", "--hosts=a:4,b", "--nproc_per_node", "2", "--nnodes=2", "--master_port", "9100", "--json",
+            cwd=project)
+    assert r.returncode == 0, r.stderr
+    plan = json.loads(r.stdout)
+    assert [(p["host"], p["node_id"]) for p in plan["processes"]] == [
+        ("a", "sched"), ("a", "worker_0"), ("a", "worker_1"), ("b", "worker_2"), ("b", "worker_3")]
+    assert plan["scheduler"]["port"] == 9100
+    r = run("fleet", "plan", "--standalone", "--nproc-per-node", "3", "--json", cwd=project)
+    assert r.returncode == 0 and json.loads(r.stdout)["world_size"] == 3, r.stderr
+
+
+def test_train_with_other_script_arguments_says_what_to_type(project: Path) -> None:
+    r = run("fleet", "record", "--worker-num", "1", "--job", "j", "--workdir", str(project / "w"), "--", "--epochs",
+            "3", cwd=project)
+    assert r.returncode == 0, r.stderr
+    r = run("fleet", "train", "--", "--lr", "0.1", cwd=project)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert ("error: the script's arguments '--lr 0.1' are not the ones job " in r.stderr
+            and "('--epochs 3'): 'fleet deploy train -- --lr 0.1' deploys and starts them" in r.stderr)
+
+
+def test_output_cut_short_by_head_is_no_traceback(project: Path) -> None:
+    """`fleet plan --json | head`: the reader leaves early; fleet ends quietly, as a Unix tool killed by SIGPIPE."""
+    proc = subprocess.Popen([str(BIN / "fleet"), "plan", "--hosts=a:2000", "--json"], cwd=project,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stdout.readline() == "{\n"
+    proc.stdout.close()  # more than a pipe's buffer is still to come: the next write fails with EPIPE
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 141 and err == "", err

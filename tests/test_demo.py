@@ -17,10 +17,12 @@ DEMO = Path(__file__).resolve().parent.parent / "scripts" / "demo.py"
 def test_the_demo_recovers_from_kill_9_and_ends_bitwise_equal() -> None:
     done = subprocess.run([sys.executable, str(DEMO)], capture_output=True, text=True, timeout=540)
     out = done.stdout + done.stderr
-    kept = re.search(r"\(job files under (/\S+)\)", out)  # kept for a user to read; a test run leaves none
-    if kept and Path(kept.group(1)).name.startswith("toolkit-demo-"):
-        shutil.rmtree(kept.group(1), ignore_errors=True)
+    workdir = re.search(r"\(job files under (/\S+)\)", out)
+    assert workdir and Path(workdir.group(1)).name.startswith("toolkit-demo-"), out[-4000:]
+    if done.returncode != 0:  # kept for the user to read: a test run leaves none
+        shutil.rmtree(workdir.group(1), ignore_errors=True)
     assert done.returncode == 0, out[-4000:]
+    assert not Path(workdir.group(1)).exists() and f"removed the job files ({workdir.group(1)})" in out
     assert "=== demo: kill -9 worker_1 (pid " in out
     assert "1 restart(s), last exit: killed by SIGKILL" in out
     assert "=== demo: bitwise equal: the fault changed nothing in the result" in out

@@ -51,7 +51,7 @@ def test_a_kill_recovered_in_place() -> None:
     led.note("exited", {"node_id": "worker_1", "rank": 1, "host": "h1", "pid": 101, "code": None,
                         "signal": "SIGKILL"}, T0 + 21.1)
     (inc,) = led.incidents
-    assert inc.cause == "signal SIGKILL" and inc.processes[0]["cause"] == "signal SIGKILL"
+    assert inc.cause == "killed by SIGKILL" and inc.processes[0]["cause"] == "killed by SIGKILL"
     assert (inc.failed_at, inc.detected_at, inc.step, inc.generation) == (T0 + 21, T0 + 21, 10, 1)
     led.note("formed", {"generation": 1, "seconds": 3.0}, T0 + 24)
     led.note("recovered", recovered(0, 1, 10, 0), T0 + 25)

@@ -144,7 +144,7 @@ def test_an_agents_exit_report_is_as_good_as_the_closed_connection() -> None:
     m.agent_hello(50, "a", {"op": P.AGENT_HELLO, "host": "hostA", "node_ids": ["worker_0", "worker_1"]})
     out = m.message(50, {"op": P.EXITED, "node_id": "worker_1", "pid": 1011, "code": None, "signal": "SIGKILL"},
                     1.0)
-    assert m.generation == 1 and "its agent on hostA saw it exit with signal SIGKILL" in logged(out)
+    assert m.generation == 1 and "its agent on hostA saw it end: killed by SIGKILL" in logged(out)
     assert not sent(out, P.KILL)  # it is known dead: nothing to kill
     stale = m.message(50, {"op": P.EXITED, "node_id": "worker_1", "pid": 999, "code": 1}, 1.1)
     assert m.generation == 1 and not sent(stale)  # an older incarnation's exit moves nothing
@@ -157,7 +157,101 @@ def test_heartbeat_silence_has_the_agent_kill_what_may_still_run() -> None:
     m.message(11, {"op": P.HEARTBEAT, "step": 3}, NODE_TIMEOUT)
     out = m.tick(NODE_TIMEOUT + 0.01)
     (kill,) = sent(out, P.KILL)
-    assert kill.peer == 50 and kill.fields == {"node_id": "worker_0", "pid": 1010}
+    assert kill.peer == 50 and kill.fields == {"node_id": "worker_0", "pid": 1010, "cause": "heartbeat silence"}
+
+
+def agent_beat(m: Membership, now: float, running: dict[str, Any], peer: int = 50) -> list[Any]:
+    return m.message(peer, {"op": P.HEARTBEAT, "running": running}, now)
+
+
+def test_a_member_its_agent_vouches_for_is_alive_though_silent_until_topo_timeout() -> None:
+    # A call that holds the worker's GIL stops its heartbeats, not its process: its agent, which sees the process
+    # running (not stopped), vouches for it every second, and the scheduler waits (up to MS_TOPO_TIMEOUT).
+    m = membership(2)
+    form(m)
+    m.agent_hello(50, "a", {"op": P.AGENT_HELLO, "host": "hostA", "node_ids": ["worker_0", "worker_1"]})
+    said = []
+    t = 1.0
+    while t < TOPO_TIMEOUT - 1:
+        m.message(11, {"op": P.HEARTBEAT, "step": 3}, t)  # rank 1 heartbeats; rank 0 is silent from 0.0 on
+        agent_beat(m, t, {"worker_0": 1010, "worker_1": 1011})
+        out = m.tick(t)
+        assert not sent(out, P.KILL) and not sent(out, P.GENERATION), (t, out)
+        said.append(logged(out))
+        t += 1.0
+    assert m.generation == 0 and 0 in m.members
+    busy = [line for line in said if line]
+    assert len(busy) == 1 and "worker_0 (pid 1010 on hostA) sent no heartbeat for 3.0 s, but its agent sees it " \
+                               "running (not stopped)" in busy[0], said
+    m.message(10, {"op": P.HEARTBEAT}, t)  # heard again: a later silence is said again
+    assert not sent(m.tick(t))
+    out = m.tick(t + TOPO_TIMEOUT)  # silent for the whole bound, vouched or not: hung
+    assert sent(out, P.KILL) and m.generation == 1
+
+
+def test_a_stopped_member_is_dead_after_node_timeout_even_while_its_agent_heartbeats() -> None:
+    # SIGSTOP: the agent leaves the process out of its vouches (its /proc state is T), so its silence is a death.
+    m = membership(2)
+    form(m)
+    m.agent_hello(50, "a", {"op": P.AGENT_HELLO, "host": "hostA", "node_ids": ["worker_0", "worker_1"]})
+    agent_beat(m, 0.5, {"worker_0": 1010, "worker_1": 1011})  # vouched, then stopped at about 0.5 s
+    for t in (1.0, 2.0, 3.0):
+        m.message(11, {"op": P.HEARTBEAT}, t)
+        agent_beat(m, t, {"worker_1": 1011})
+        assert not sent(m.tick(t), P.KILL)
+    m.message(11, {"op": P.HEARTBEAT}, 3.4)
+    out = m.tick(3.6)  # unheard for node_timeout by itself and by its agent (since 0.5)
+    (kill,) = sent(out, P.KILL)
+    assert kill.fields == {"node_id": "worker_0", "pid": 1010, "cause": "heartbeat silence"} and m.generation == 1
+
+
+def test_only_an_agent_of_the_members_host_vouches_for_its_very_pid() -> None:
+    m = membership(2)
+    form(m)
+    m.agent_hello(50, "a", {"op": P.AGENT_HELLO, "host": "hostA", "node_ids": ["worker_0"]})
+    m.agent_hello(51, "b", {"op": P.AGENT_HELLO, "host": "hostB", "node_ids": ["worker_1"]})
+    for t in (1.0, 2.0, 3.0):
+        m.message(11, {"op": P.HEARTBEAT}, t)
+        agent_beat(m, t, {"worker_0": 1010}, peer=51)  # another host's agent: not a witness
+        agent_beat(m, t, {"worker_0": 999, "worker_9": 5, "x": True, 7: 1}, peer=50)  # not its pid, junk
+    out = m.tick(3.1)
+    assert sent(out, P.KILL) and m.generation == 1
+
+
+def test_a_closed_connection_is_a_death_now_and_a_kill_only_if_the_exit_goes_unreported() -> None:
+    # A failing script closes its connection a moment before it exits: killing it then would make SIGKILL its cause.
+    m = membership(3)
+    form(m)
+    m.agent_hello(50, "a", {"op": P.AGENT_HELLO, "host": "hostA", "node_ids": ["worker_0", "worker_1", "worker_2"]})
+    out = m.lost(11, "connection closed", 1.0)
+    assert m.generation == 1 and not sent(out, P.KILL)
+    assert m.next_deadline() <= 1.0 + NODE_TIMEOUT
+    out = m.message(50, {"op": P.EXITED, "node_id": "worker_1", "pid": 1011, "code": 1,
+                         "cause": "RuntimeError: boom at step 5 (exit code 1)\nTraceback ..."}, 1.2)
+    (note,) = [a for a in out if isinstance(a, Note) and a.kind == "exited"]
+    assert note.fields["cause"] == "RuntimeError: boom at step 5 (exit code 1)"
+    assert "worker_1 (pid 1011 on hostA) exited: RuntimeError: boom at step 5 (exit code 1)" in logged(out)
+    m.message(10, {"op": P.HEARTBEAT}, 1.5)
+    out = m.lost(12, "connection closed", 2.0)  # this one lingers, its exit unreported
+    m.message(10, {"op": P.HEARTBEAT}, 4.5)
+    assert not sent(m.tick(2.0 + NODE_TIMEOUT - 0.1), P.KILL)  # worker_1's exit was reported: never killed
+    (kill,) = sent(m.tick(2.0 + NODE_TIMEOUT), P.KILL)
+    assert kill.fields == {"node_id": "worker_2", "pid": 1012, "cause": "connection closed"}
+
+
+def test_the_agents_first_cause_names_the_death_and_the_failure() -> None:
+    m = membership(2)
+    form(m)
+    m.agent_hello(50, "a", {"op": P.AGENT_HELLO, "host": "hostA", "node_ids": ["worker_0", "worker_1"]})
+    out = m.message(50, {"op": P.EXITED, "node_id": "worker_1", "pid": 1011, "code": None, "signal": "SIGKILL",
+                         "cause": "heartbeat silence: fenced by the scheduler (killed by SIGKILL)"}, 1.0)
+    assert "saw it end: heartbeat silence: fenced by the scheduler (killed by SIGKILL)" in logged(out)
+    (death,) = [a for a in out if isinstance(a, Note) and a.kind == "death"]
+    assert death.fields["cause"] == "heartbeat silence: fenced by the scheduler (killed by SIGKILL)"
+    out = m.message(50, {"op": P.GAVE_UP, "node_id": "worker_1", "code": 1, "signal": None,
+                         "cause": "ValueError: bad shape (exit code 1)", "log_tail": "a\nb"}, 2.0)
+    assert "worker_1 on hostA failed after its last allowed restart (ValueError: bad shape (exit code 1)); last " \
+           "log lines: a | b" in sent(out, P.STOP)[0].fields["reason"]
 
 
 def test_formation_timeout_names_who_never_came_and_where() -> None:

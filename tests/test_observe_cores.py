@@ -4,6 +4,7 @@ checkpoint interval, and the watch's view of hosts that answer, fall silent and 
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 
@@ -61,6 +62,18 @@ def test_pace_keeps_a_window_and_samples_the_loss_at_most_once_a_second() -> Non
     pace.checkpoint(0.25)
     pace.checkpoint(0.5)
     assert (pace.summary()["ckpt_stall"], pace.summary()["ckpts"]) == (0.75, 2)
+
+
+def test_a_loss_with_its_graph_is_read_without_a_warning() -> None:
+    """trainer.report(loss) hands over the loss as the step computed it (requires_grad): reading it must not print
+    torch's UserWarning in every worker's log."""
+    import torch
+    loss = torch.tensor(0.25, requires_grad=True) * 2
+    pace = StepPace()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        pace.sample_loss(loss, 0.0)
+    assert pace.summary()["loss"] == 0.5
 
 
 def test_hostile_pace_fields_are_dropped() -> None:

@@ -14,7 +14,8 @@ WORKER_KEYS = {
     E.MS_ENABLE_RECOVERY, E.MS_RECOVERY_PATH, E.RANK_ID, E.RANK_SIZE, E.DEVICE_ID, E.MASTER_ADDR, E.MASTER_PORT,
     E.RANK, E.WORLD_SIZE, E.LOCAL_RANK, E.LOCAL_WORLD_SIZE, E.GROUP_RANK, E.TORCHELASTIC_USE_AGENT_STORE,
     E.OMP_NUM_THREADS, E.CKPT_DIR, E.TOOLKIT_JOB, E.TOOLKIT_TOKEN_FILE, E.TOOLKIT_AGENT_SOCKET,
-    E.TOOLKIT_HEARTBEAT_INTERVAL, E.TOOLKIT_HOST,
+    E.TOOLKIT_HEARTBEAT_INTERVAL, E.TOOLKIT_HOST, E.GROUP_WORLD_SIZE, E.ROLE_NAME, E.ROLE_RANK, E.ROLE_WORLD_SIZE,
+    E.TORCHELASTIC_RUN_ID, E.TORCHELASTIC_MAX_RESTARTS,
 }
 
 
@@ -38,6 +39,10 @@ def test_uneven_slots_rank_host_by_host() -> None:
         assert p.env[E.RANK] == p.env[E.RANK_ID] == str(p.rank)
         assert p.env[E.LOCAL_RANK] == p.env[E.DEVICE_ID] == str(p.local_rank)
         assert p.env[E.WORLD_SIZE] == p.env[E.RANK_SIZE] == p.env[E.MS_WORKER_NUM] == "6"
+        # torchrun's: one role ("default") holding every worker, one group per host that runs workers
+        assert (p.env[E.ROLE_NAME], p.env[E.ROLE_RANK], p.env[E.ROLE_WORLD_SIZE]) == ("default", str(p.rank), "6")
+        assert p.env[E.GROUP_WORLD_SIZE] == "3"
+        assert (p.env[E.TORCHELASTIC_RUN_ID], p.env[E.TORCHELASTIC_MAX_RESTARTS]) == ("demo", "3")
         assert p.env[E.MS_ROLE] == E.ROLE_WORKER and p.env[E.MS_NODE_ID] == p.node_id
         assert p.env[E.MS_SCHED_HOST] == p.env[E.MASTER_ADDR] == "a"
         assert (p.env[E.MS_SCHED_PORT], p.env[E.MASTER_PORT]) == ("8118", "8119")
@@ -173,3 +178,16 @@ def test_spare_hosts_run_nothing_and_stand_by_for_every_worker(tmp_path: Path) -
     assert by_node["sched"].env[E.TOOLKIT_HOST_TIMEOUT] == "60" and by_node["sched"].env[E.TOOLKIT_SPARES] == "s"
     with pytest.raises(PlanError, match="--host-timeout -1"):
         opts(host_timeout=-1)
+
+
+def test_nproc_per_node_places_that_many_workers_on_every_host_and_nnodes_checks_the_hosts() -> None:
+    plan = make_plan(parse_hosts("a:4,b,c"), opts(nproc_per_node=2, nnodes=3))
+    assert [(p.host, p.local_rank) for p in plan.processes() if p.rank is not None] == [
+        ("a", 0), ("a", 1), ("b", 0), ("b", 1), ("c", 0), ("c", 1)]
+    assert {p.env[E.GROUP_WORLD_SIZE] for p in plan.processes() if p.rank is not None} == {"3"}
+    assert make_plan(parse_hosts("a,b"), opts(nproc_per_node=2, worker_num=3)).world_size == 3
+    assert make_plan(local_inventory(1), opts(nproc_per_node=4), "/p").world_size == 4
+    with pytest.raises(PlanError, match=r"--worker-num 5 is more than the 4 workers of --nproc-per-node 2 on 2 host"):
+        make_plan(parse_hosts("a,b"), opts(nproc_per_node=2, worker_num=5))
+    with pytest.raises(PlanError, match=r"--nnodes 3, but 2 host\(s\) would run workers \(a, b\)"):
+        make_plan(parse_hosts("a:2,b:2,c"), opts(worker_num=4, nnodes=3))

@@ -8,6 +8,7 @@ import json
 import shutil
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -82,7 +83,7 @@ def test_report_data_places_incidents_and_generations() -> None:
     assert (data["job"], data["outcome"], data["duration"], data["last_step"]) == ("demo", "finished", 41.0, 30)
     one, two = data["incidents"]
     assert (one["cause"], one["hosts"], one["step"], one["failed"], one["recovered"]) == \
-        ("signal SIGKILL", ["h2"], 10, 15.5, 20.0)
+        ("killed by SIGKILL", ["h2"], 10, 15.5, 20.0)
     assert (two["cause"], two["hosts"], two["processes"], two["failed"], two["detected_after"]) == \
         ("heartbeat silence", ["h1"], ["worker_0"], 25.0, 3.0)
     assert (two["resumed_from"], two["recomputed"], two["step"]) == (16, 4, 20)  # struck at 20, resumed at 16
@@ -129,12 +130,24 @@ def test_the_figure_is_drawn_from_the_data(tmp_path: Path) -> None:
     assert widths == {f"goodput-{k}": data["goodput"][k] for k in R.BREAKDOWN}
 
 
+def test_a_run_without_loss_or_generations_draws_without_a_warning(tmp_path: Path) -> None:
+    """A plain script that reports no loss: the loss panel has nothing to label, and matplotlib's "No artists with
+    labels found to put in legend" must not reach the user's terminal."""
+    ledger, metrics = two_faults()
+    data = R.report_data({**ledger, "generations": []}, [{**m, "ranks": {}} for m in metrics])
+    assert data["loss"] == {} and data["generations"] == []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fig = R.draw(data, tmp_path / "r.png")
+    assert fig.axes[0].get_legend() is None and (tmp_path / "r.png").read_bytes()[:4] == b"\x89PNG"
+
+
 def test_the_tables_say_the_same(tmp_path: Path) -> None:
     console = Console(width=200, record=True, file=open(tmp_path / "out.txt", "w"))  # noqa: SIM115 - test sink
     for table in R.summary_tables(R.report_data(*two_faults())):
         console.print(table)
     text = console.export_text()
-    assert "signal SIGKILL" in text and "heartbeat silence" in text and "3 generation(s)" in text
+    assert "killed by SIGKILL" in text and "heartbeat silence" in text and "3 generation(s)" in text
     assert "goodput" in text and "worker_0" in text
 
 
@@ -182,7 +195,7 @@ def test_fleet_report_locally(tmp_path: Path) -> None:
     (recovery / rundoc.METRICS_FILE).write_text("cut line\n" + "\n".join(json.dumps(m) for m in metrics) + "\n")
     r = fleet("report", *flags, cwd=project)
     assert r.returncode == 0, r.stderr
-    assert "signal SIGKILL" in r.stdout and (project / "rep-report.png").read_bytes()[:4] == b"\x89PNG"
+    assert "killed by SIGKILL" in r.stdout and (project / "rep-report.png").read_bytes()[:4] == b"\x89PNG"
     r = fleet("report", "--json", *flags, cwd=project)
     assert r.returncode == 0 and json.loads(r.stdout) == R.report_data(ledger, metrics), r.stderr
 

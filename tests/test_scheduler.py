@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import json
+import re
 import signal
 import socket
 import stat
@@ -233,7 +234,8 @@ def test_a_sigstopped_worker_is_declared_dead_killed_by_its_agent_and_replaced(m
     line = sched.wait_for(r"worker_1 \(pid \d+ on .*\) is dead: sent no heartbeat", 30).string
     assert f"pid {workers[1].pid}" in line
     sched.wait_for(r"generation 1 begins", 5)
-    assert agent.wait_message(P.KILL, 10) == {"op": P.KILL, "node_id": "worker_1", "pid": workers[1].pid}
+    assert agent.wait_message(P.KILL, 10) == {"op": P.KILL, "node_id": "worker_1", "pid": workers[1].pid,
+                                              "cause": "heartbeat silence"}
     sched.wait_for(r"generation 1 formed: 3 workers", 120)
     for proc in (workers[0], workers[2], replaced[1]):
         assert proc.wait(120) == 0, proc.text()
@@ -387,17 +389,24 @@ def test_an_unmodified_torchrun_script_trains_under_the_launcher(make_job) -> No
 
 def test_a_wrapped_unmodified_script_restarts_the_world_with_fresh_keys(make_job) -> None:
     # `python -m toolkit.train SCRIPT`: env:// binds to the scheduler's store under the generation's prefix; on a
-    # death the survivor exits EXIT_REJOIN and the relaunched pair meets only keys of generation 1.
+    # death the survivor exits EXIT_REJOIN and the relaunched pair meets only keys of generation 1. The order is
+    # forced as a loaded host produces it: the survivor's collective fails (its peer's connections reset) before
+    # the scheduler's word reaches it (late_word.py holds the word until the worker asks for it). That failure is a
+    # rejoin, not the survivor's crash.
     job = make_job(2, node_timeout=6.0)
     sched = started(job)
     script = str(SCRIPTS / "runtime_torchrun_script.py")
-    wrapped = [PYTHON, "-c", "import sys; from toolkit.train.wrapper import main; sys.exit(main())", script,
-               "--steps", "40", "--delay", "0.05"]
+    wrapped = [PYTHON, "-c", "import sys; from toolkit.train.wrapper import main; sys.exit(main())",
+               str(SCRIPTS / "late_word.py"), script, "--steps", "40", "--delay", "0.05"]
     first = {r: job.start(wrapped, job.worker_env(r), f"worker_{r}.log") for r in range(2)}
     first[1].wait_for(r"rank 1/2 step 5 ", 120)
     first[1].kill()
-    assert first[0].wait(30) == P.EXIT_REJOIN
-    first[0].wait_for(r"the job moved to generation 1; this script cannot re-form in place", 1)
+    assert first[0].wait(30) == P.EXIT_REJOIN, first[0].text()
+    out = first[0].text()
+    failed = re.search(r"the script failed \(.*\); waiting up to [\d.]+ s for the scheduler's word", out)
+    word = re.search(r"late_word: the scheduler's word of generation 1 reaches the worker", out)
+    moved = re.search(r"the job moved to generation 1; this script cannot re-form in place", out)
+    assert failed and word and moved and failed.start() < word.start() < moved.start(), out  # the collective first
     again = {r: job.start(wrapped, job.worker_env(r), f"worker_{r}.log") for r in range(2)}
     digests = []
     for r, proc in again.items():
@@ -406,6 +415,27 @@ def test_a_wrapped_unmodified_script_restarts_the_world_with_fresh_keys(make_job
         digests.append(proc.wait_for(rf"rank {r} params ([0-9a-f]{{64}})", 1).group(1))
     assert digests[0] == digests[1]
     assert sched.wait(20) == 0, sched.text()
+
+
+def test_a_wrapped_scripts_own_error_stays_its_own_when_the_job_does_not_move_on(make_job, tmp_path: Path) -> None:
+    # The bounded wait for the scheduler's word decides: rank 0 raises an error that reads like a collective's, of
+    # its own (no peer died). No word comes, so it exits 1 with its error recorded as the cause (the error file the
+    # agent reads); rank 1, whose collective broke because rank 0 left, hears the word and rejoins.
+    job = make_job(2, node_timeout=2.0)
+    sched = started(job)
+    wrapped = [PYTHON, "-c", "import sys; from toolkit.train.wrapper import main; sys.exit(main())",
+               str(SCRIPTS / "runtime_torchrun_script.py"), "--steps", "40", "--delay", "0.05", "--fail-at", "5"]
+    envs = {r: {**job.worker_env(r), "TORCHELASTIC_ERROR_FILE": str(tmp_path / f"error_{r}.json")} for r in range(2)}
+    procs = {r: job.start(wrapped, envs[r], f"worker_{r}.log") for r in range(2)}
+    assert procs[0].wait(60) == 1, procs[0].text()
+    procs[0].wait_for(r"the script failed \(RuntimeError: rank 0: Connection reset by peer, or so this script says "
+                      r"at step 5\); waiting up to [\d.]+ s", 1)
+    assert "the job moved" not in procs[0].text()
+    error = json.loads((tmp_path / "error_0.json").read_text())
+    assert error["message"]["message"] == "RuntimeError: rank 0: Connection reset by peer, or so this script says " \
+                                          "at step 5"
+    assert procs[1].wait(60) == P.EXIT_REJOIN, procs[1].text()
+    sched.kill()
 
 
 # ------------------------------------------------------------------ configuration

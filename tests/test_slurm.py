@@ -152,7 +152,7 @@ def test_help_names_the_flag(project: Path) -> None:
     for args in (["--help"], ["plan", "--help"]):
         r = ok(fleet(*args, cwd=project))
         line = next((x for x in r.stdout.splitlines() if x.strip().startswith("--slurm")), "")
-        assert "hosts from the Slurm allocation this runs in" in line, r.stdout
+        assert "the Slurm allocation's hosts (default inside one)" in line, r.stdout
 
 
 @pytest.mark.parametrize("args,config,hosts", [

@@ -638,3 +638,26 @@ def test_deploy_refuses_a_job_directory_others_could_change_and_keeps_its_own_pr
     stats = LocalHost().sync_dir(d, str(copy), delete=True)
     assert stats.outside == ("link-out",) and (copy / "link-in").read_bytes() == WORKER.read_bytes()
     assert not (copy / "link-out").exists()
+
+
+def test_join_wakes_when_a_local_agent_exits_and_on_ctrl_c() -> None:
+    """--join's wait between polls ends when the job's agent on this machine exits (its pidfd) or on Ctrl-C, not
+    at the end of the interval: with an interval of 10 minutes, only the event can end these waits in time."""
+    import threading
+
+    from toolkit.tasks.join import _sleep
+    from toolkit.tasks.output import interrupt_sets
+
+    agent = subprocess.Popen(["sleep", "600"])
+    threading.Timer(0.5, agent.kill).start()
+    interrupted = threading.Event()
+    with interrupt_sets(interrupted):
+        assert _sleep(interrupted, 600, [agent.pid]) is False  # woken by the exit, not interrupted
+        agent.wait(10)
+        other = subprocess.Popen(["sleep", "600"])
+        try:
+            threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
+            assert _sleep(interrupted, 600, [other.pid]) is True  # Ctrl-C while waiting
+        finally:
+            other.kill()
+            other.wait(10)

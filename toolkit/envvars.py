@@ -37,8 +37,16 @@ WORLD_SIZE = "WORLD_SIZE"
 LOCAL_RANK = "LOCAL_RANK"
 LOCAL_WORLD_SIZE = "LOCAL_WORLD_SIZE"
 GROUP_RANK = "GROUP_RANK"
+GROUP_WORLD_SIZE = "GROUP_WORLD_SIZE"  # hosts that run workers (torchrun: its agents, one per node)
+ROLE_NAME = "ROLE_NAME"  # torchrun's worker role; one role here, named as torchrun's default
+ROLE_RANK = "ROLE_RANK"  # rank among the workers of the role: every worker has the one role, so RANK
+ROLE_WORLD_SIZE = "ROLE_WORLD_SIZE"  # workers of the role: WORLD_SIZE
 TORCHELASTIC_USE_AGENT_STORE = "TORCHELASTIC_USE_AGENT_STORE"
 TORCHELASTIC_RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"
+TORCHELASTIC_MAX_RESTARTS = "TORCHELASTIC_MAX_RESTARTS"  # --max-restarts (toolkit's budget is per process)
+TORCHELASTIC_RUN_ID = "TORCHELASTIC_RUN_ID"  # the job's name (torchrun: --rdzv-id)
+DEFAULT_ROLE_NAME = "default"  # torchrun's --role default
+TORCHELASTIC_ERROR_FILE = "TORCHELASTIC_ERROR_FILE"  # set by the agent per process incarnation (torch's @record)
 OMP_NUM_THREADS = "OMP_NUM_THREADS"
 GLOO_SOCKET_IFNAME = "GLOO_SOCKET_IFNAME"  # set by the agent: the interface toward the scheduler
 # set to 1 by the agent unless the user set them: gloo's bootstrap reads its peers with multi_get, 128 at a time, and

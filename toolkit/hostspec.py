@@ -187,6 +187,11 @@ class HostSpec:
         return self.state_dir / "progress.sock"
 
     @property
+    def errors_dir(self) -> Path:
+        """state/errors/: the error files of process incarnations (TORCHELASTIC_ERROR_FILE), read when they fail."""
+        return self.state_dir / "errors"
+
+    @property
     def agent_log(self) -> Path:
         """logs/agent.log: the agent's own log."""
         return self.job_dir / "logs" / "agent.log"

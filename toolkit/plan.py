@@ -18,7 +18,7 @@ from typing import Iterator, Mapping
 from toolkit import envvars as E
 from toolkit import hostspec
 from toolkit.errors import UserError
-from toolkit.inventory import Host, Inventory
+from toolkit.inventory import MAX_SLOTS, Host, Inventory
 from toolkit.protocol import RECOVERY_RESTART as P_RECOVERY_RESTART
 from toolkit.protocol import worker_node_id
 
@@ -51,6 +51,8 @@ class JobOptions:
     script: str = "train.py"
     script_args: str = ""
     worker_num: int | None = None  # None: every slot
+    nproc_per_node: int | None = None  # torchrun's: workers on each worker host (instead of its slots)
+    nnodes: int | None = None  # torchrun's: the number of hosts that run workers, checked against the plan
     master_port: int = E.DEFAULT_SCHED_PORT
     cluster_time_out: int = E.DEFAULT_TOPO_TIMEOUT
     node_timeout: float = E.DEFAULT_NODE_TIMEOUT
@@ -81,6 +83,10 @@ class JobOptions:
             )
         if self.worker_num is not None and self.worker_num < 1:
             raise PlanError(f"--worker-num {self.worker_num}: a job needs at least 1 worker")
+        if self.nproc_per_node is not None and not 1 <= self.nproc_per_node <= MAX_SLOTS:
+            raise PlanError(f"--nproc-per-node {self.nproc_per_node}: give 1 to {MAX_SLOTS} workers per host")
+        if self.nnodes is not None and self.nnodes < 1:
+            raise PlanError(f"--nnodes {self.nnodes}: a job runs on at least 1 host")
         if self.cluster_time_out < 1:
             raise PlanError(f"--cluster-time-out {self.cluster_time_out}: give a positive number of seconds")
         for flag, value in (("--node-timeout", self.node_timeout), ("--grace", self.grace)):
@@ -253,21 +259,8 @@ def make_plan(inventory: Inventory, options: JobOptions, local_project_dir: str 
     if inventory.local and local_project_dir is None:
         raise PlanError("a local job needs the project directory it runs in")
     project = local_project_dir if inventory.local else None
-    total = inventory.total_slots
-    world = options.worker_num if options.worker_num is not None else total
-    if world > total:
-        raise PlanError(
-            f"--worker-num {world} is more than the {total} slots of {inventory.source}; "
-            "add hosts or slots, or lower --worker-num"
-        )
-
-    placement: list[tuple[Host, int]] = []  # (host, workers on it), hosts with workers, in order
-    left = world
-    for host in inventory.worker_hosts:
-        n = min(host.slots, left)
-        if n:
-            placement.append((host, n))
-        left -= n
+    placement = _placement(inventory, options)
+    world = sum(n for _, n in placement)
 
     sched = inventory.host(inventory.scheduler)
     common = _common_env(inventory, options, sched, world)
@@ -294,6 +287,8 @@ def make_plan(inventory: Inventory, options: JobOptions, local_project_dir: str 
         )
     )
 
+    groups = str(len(placement))
+
     def worker(host: Host, rank: int, local_rank: int, n: int, group_rank: int) -> Process:
         """Rank `rank` (local rank `local_rank` of `n`, host index `group_rank`) run from `host`'s job directory."""
         jd = job_dir(host, options)
@@ -309,6 +304,12 @@ def make_plan(inventory: Inventory, options: JobOptions, local_project_dir: str 
             E.DEVICE_ID: str(local_rank),
             E.LOCAL_WORLD_SIZE: str(n),
             E.GROUP_RANK: str(group_rank),
+            E.GROUP_WORLD_SIZE: groups,
+            E.ROLE_NAME: E.DEFAULT_ROLE_NAME,
+            E.ROLE_RANK: str(rank),
+            E.ROLE_WORLD_SIZE: str(world),
+            E.TORCHELASTIC_RUN_ID: options.job,
+            E.TORCHELASTIC_MAX_RESTARTS: str(options.max_restarts),
             E.TOOLKIT_HEARTBEAT_INTERVAL: _num(options.heartbeat_interval),
             E.TOOLKIT_AGENT_SOCKET: posixpath.join(jd, "state", "progress.sock"),
             E.TOOLKIT_HOST: host.name,
@@ -362,6 +363,32 @@ def make_plan(inventory: Inventory, options: JobOptions, local_project_dir: str 
         world_size=world,
         hosts=hosts,
     )
+
+
+def _placement(inventory: Inventory, options: JobOptions) -> list[tuple[Host, int]]:
+    """(host, workers on it) for the hosts that run workers, in order: each worker host's slots (or
+    --nproc-per-node) filled in turn until --worker-num workers are placed (every slot without it). PlanError when
+    --worker-num exceeds the slots, or when --nnodes is not the number of hosts that run workers."""
+    per_host = [(h, options.nproc_per_node or h.slots) for h in inventory.worker_hosts]
+    total = sum(n for _, n in per_host)
+    world = options.worker_num if options.worker_num is not None else total
+    if world > total:
+        slots = f"{total} slots of {inventory.source}" if options.nproc_per_node is None else (
+            f"{total} workers of --nproc-per-node {options.nproc_per_node} on {len(per_host)} host(s)")
+        raise PlanError(f"--worker-num {world} is more than the {slots}; add hosts or slots, or lower --worker-num")
+    placement = []
+    left = world
+    for host, slots in per_host:
+        n = min(slots, left)
+        if n:
+            placement.append((host, n))
+        left -= n
+    if options.nnodes is not None and options.nnodes != len(placement):
+        names = ", ".join(h.name for h, _ in placement)
+        raise PlanError(f"--nnodes {options.nnodes}, but {len(placement)} host(s) would run workers ({names}): "
+                        "toolkit runs on the hosts you name (--hosts, --hostfile, --inventory, --slurm; none: this "
+                        "machine); name that many, or leave --nnodes out")
+    return placement
 
 
 MAX_SOCKET_PATH = 107  # bytes of a unix socket path (sun_path, with its NUL): the agent's sockets are in the job dir

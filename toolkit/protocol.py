@@ -39,7 +39,9 @@ Worker conversation (one connection per worker process, kept for its whole life;
     sched  -> fenced {reason}               this incarnation was declared dead: exit at once, never write again
 
 Agent conversation: `agent_hello {nonce, proof, host, node_ids}` answered by `welcome {proof}`; then the agent
-reports `exited` and `gave_up`, the scheduler sends `kill`, `stop` and `finished` (docs/architecture.md).
+reports `exited` and `gave_up` (with the exit's first `cause`), and heartbeats naming the children it sees running
+(`running {node_id: pid}`: alive and not stopped, whatever their own heartbeats say); the scheduler sends `kill`
+(with its `cause`), `stop` and `finished` (docs/architecture.md).
 
 Store conversation (MASTER_PORT): `store_hello {nonce, proof, node_id}` answered by `welcome {proof}`; then
 `kv {id, cmd, ...}` requests, each answered by `kv_reply {id, ok, ...}` (toolkit/scheduler/kvstore.py has the
@@ -291,6 +293,24 @@ def pace_fields(msg: dict[str, Any]) -> dict[str, Any]:
     if isinstance(why, str):
         out["ckpt_why"] = why[:MAX_WHY]
     return out
+
+
+MAX_CAUSE = 300  # characters of a failure's cause (`exited`, `gave_up`, `kill`): one line
+
+
+def one_line(text: str) -> str:
+    """`text`'s first non-empty line, stripped, without control characters, cut to MAX_CAUSE characters: how a
+    cause (an exception's message, a reason) travels and is shown."""
+    line = next((s.strip() for s in text.splitlines() if s.strip()), "")
+    line = "".join(c for c in line if c.isprintable())
+    return line if len(line) <= MAX_CAUSE else line[:MAX_CAUSE - 3] + "..."
+
+
+def cause_field(msg: dict[str, Any]) -> str | None:
+    """A message's `cause` (the first cause of an exit, or why a kill was asked) as one bounded line; None when it is
+    missing, empty or not a string."""
+    cause = msg.get("cause")
+    return (one_line(cause) or None) if isinstance(cause, str) else None
 
 
 def store_prefix(job: str, boot: str, generation: int) -> str:

@@ -186,7 +186,7 @@ def draw(data: Mapping[str, Any], out: Path) -> Any:
                      transform=ax_loss.transAxes, ha="center", va="center", color="gray", gid="no-loss")
     ax_loss.set_xlabel("step")
     ax_loss.set_ylabel("loss")
-    if ax_loss.get_legend_handles_labels()[0]:
+    if ax_loss.get_legend_handles_labels()[0]:  # no loss reported and no generation: no legend (matplotlib warns)
         ax_loss.legend(fontsize=7, ncol=4, loc="best")
     for rank, s in data["rate"].items():
         ax_rate.plot(s["t"], [math.nan if v is None else v for v in s["steps_per_s"]], lw=1, label=f"rank {rank}",

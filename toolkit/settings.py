@@ -21,55 +21,68 @@ from toolkit.slurm import in_allocation, slurm_inventory
 class Option:
     """One shared flag: `name` is the attribute (the flag is `--name` with dashes, the config key `toolkit.name`),
     `kind` the type typed and configured values are converted to (bool, int, float or str), `default` the value
-    when neither gives one, `help` the flag's help text (the command line appends the default where it says
-    something)."""
+    when neither gives one, `help` the flag's help text (one line of `fleet TASK --help`: the default is appended
+    there when it says something), `metavar` what its value is called there, and `group` the section of the help
+    it is listed in (GROUPS)."""
 
     name: str
     kind: type
     default: Any
     help: str
+    metavar: str = ""
+    group: str = "job"
+
+    @property
+    def flag(self) -> str:
+        """The flag as typed: `--name-with-dashes` (a bool that defaults to true also takes `--no-name`)."""
+        return "--" + self.name.replace("_", "-")
 
 
-def _job_option(name: str, kind: type, help: str) -> Option:
+def _job_option(name: str, kind: type, help: str, metavar: str = "") -> Option:
     """A flag that is a field of JobOptions: its default is JobOptions', the one place it is defined."""
-    return Option(name, kind, next(f.default for f in dataclasses.fields(JobOptions) if f.name == name), help)
+    return Option(name, kind, next(f.default for f in dataclasses.fields(JobOptions) if f.name == name), help,
+                  metavar)
 
+
+# The sections of a task's help that the shared flags are listed in, in order, with their titles.
+GROUPS = {
+    "hosts": "Hosts and workers (no host flag: this machine, without SSH)",
+    "job": "The job",
+    "ssh": "Reaching the hosts",
+}
 
 # Every cluster task takes these flags; given to any task of one command line, they apply to all its tasks.
 OPTIONS: tuple[Option, ...] = (
-    Option("hostfile", str, None, "OpenMPI hostfile ('host slots=N [max_slots=M]' lines)"),
-    Option("inventory", str, None, "Ansible inventory, INI or YAML (groups scheduler, workers, spares)"),
-    Option("slurm", bool, False, "hosts from the Slurm allocation this runs in: SLURM_JOB_NODELIST, slots from "
-           "SLURM_TASKS_PER_NODE (else SLURM_NTASKS_PER_NODE, else 1 per host); the default inside an allocation "
-           "when no other host source is given. Processes start over SSH, not srun"),
-    Option("job", str, None, "job name (default: the project directory's name)"),
-    Option("project", str, ".", "project directory: the script's code, copied to every host"),
-    _job_option("script", str, "training script, relative to the project directory"),
-    _job_option("script_args", str, "arguments of the script, one string split as a shell would"),
-    Option("worker_num", int, None, "total workers (default: every slot; local: 1)"),
-    _job_option("master_port", int, "scheduler port (MS_SCHED_PORT); the store uses the next one"),
-    _job_option("cluster_time_out", int, "seconds to wait for every worker to join (MS_TOPO_TIMEOUT)"),
-    _job_option("node_timeout", float, "seconds of heartbeat silence after which a worker is dead"),
-    _job_option("recovery", bool, "persist scheduler state and resume after faults (MS_ENABLE_RECOVERY)"),
-    Option("data_path", str, None, "data root for the script (DATA_PATH)"),
-    Option("ckpt_dir", str, None, "checkpoint root (CKPT_DIR; default <job dir>/ckpt)"),
-    Option("workdir", str, None, f"base directory of jobs on each host (default ~/{DEFAULT_WORKDIR})"),
-    Option("python", str, None, "python on the hosts (default python3; local: this interpreter)"),
-    _job_option("max_restarts", int, "restarts of one process before the job fails"),
-    _job_option("restart_refill", str, "when a process's count of restarts starts again: 'progress' (once it gets "
-                "past the step where it failed last), 'never' (as torchrun), or SECONDS of running"),
-    _job_option("grace", float, "seconds between SIGTERM and SIGKILL when stopping"),
+    Option("hostfile", str, None, "OpenMPI hostfile: 'host slots=N' lines", "FILE", "hosts"),
+    Option("inventory", str, None, "Ansible inventory, INI or YAML", "FILE", "hosts"),
+    Option("slurm", bool, False, "the Slurm allocation's hosts (default inside one)", group="hosts"),
+    Option("standalone", bool, False, "this machine only, even inside an allocation", group="hosts"),
+    Option("nproc_per_node", int, None, "workers on each host (sets every host's slots)", "N", "hosts"),
+    Option("nnodes", int, None, "check: the number of hosts that run workers", "N", "hosts"),
+    Option("worker_num", int, None, "total workers [every slot; here: 1]", "N", "hosts"),
+    Option("job", str, None, "job name [the project directory's name]", "NAME"),
+    Option("project", str, ".", "the script's project, copied to every host", "DIR"),
+    _job_option("script", str, "training script, in the project", "FILE"),
+    _job_option("script_args", str, "its arguments as one string (or after --)", "ARGS"),
+    _job_option("master_port", int, "scheduler P, torch's store P+1 (MASTER_PORT)", "P"),
+    _job_option("max_restarts", int, "restarts of each process before the job fails", "N"),
+    _job_option("restart_refill", str, "refills the restarts: progress, never or S", "WHEN"),
+    _job_option("node_timeout", float, "heartbeat silence after which a worker is dead", "S"),
+    _job_option("cluster_time_out", int, "seconds for every worker to join", "S"),
+    _job_option("host_timeout", float, "agent gone, workers dead: a spare takes over", "S"),
+    _job_option("recovery", bool, "persist scheduler state (MS_ENABLE_RECOVERY)"),
+    Option("data_path", str, None, "data root for the script (DATA_PATH)", "DIR"),
+    Option("ckpt_dir", str, None, "checkpoint root (CKPT_DIR) [<job dir>/ckpt]", "DIR"),
+    Option("workdir", str, None, f"where jobs live on each host [~/{DEFAULT_WORKDIR}]", "DIR"),
+    Option("python", str, None, "python on the hosts [python3; here: this one]", "PATH"),
+    _job_option("grace", float, "from SIGTERM to SIGKILL when stopping", "S"),
     _job_option("bind_core", bool, "pin each worker to its own CPUs"),
-    _job_option("warm_spare", bool, "keep a pre-started interpreter per host for fast replacement"),
-    _job_option("straggler_factor", float, "name a rank a straggler when its own work per step takes this many "
-                "times the others' median (default 1.5)"),
-    _job_option("host_timeout", float, "seconds a host's agent may be gone, its workers dead, before a spare of the "
-                "inventory takes its ranks (0: only 'fleet replace')"),
-    _job_option("torchrun_script", bool, "recover by relaunching every worker (from its own checkpoints) even if "
-                "the script uses toolkit.train; torchrun-style scripts are recognised without it"),
-    Option("parallel", int, 32, "hosts contacted at once"),
-    Option("accept_new_host_keys", bool, False, "add unknown SSH host keys to known_hosts (never changed ones)"),
-    Option("known_hosts", str, "~/.ssh/known_hosts", "known_hosts file that SSH host keys are checked against"),
+    _job_option("warm_spare", bool, "a spare interpreter per host, for fast restarts"),
+    _job_option("straggler_factor", float, "own work per step vs the median: a straggler", "X"),
+    _job_option("torchrun_script", bool, "on a fault restart all workers, even on toolkit.train"),
+    Option("known_hosts", str, "~/.ssh/known_hosts", "host keys are checked against it", "FILE", "ssh"),
+    Option("accept_new_host_keys", bool, False, "add unknown host keys (never changed ones)", group="ssh"),
+    Option("parallel", int, 32, "hosts contacted at once", "N", "ssh"),
 )
 OPTION_NAMES = frozenset(o.name for o in OPTIONS)
 _JOB_CHARS = re.compile(r"[^A-Za-z0-9._-]+")
@@ -106,9 +119,14 @@ class Settings:
 
 
 # The options that are part of a deployed job (the record keeps them): typed again later, they must agree with it.
-JOB_OPTIONS = ("script", "script_args", "worker_num", "master_port", "cluster_time_out", "node_timeout", "recovery",
-               "data_path", "ckpt_dir", "workdir", "python", "max_restarts", "grace", "bind_core", "warm_spare",
-               "torchrun_script", "host_timeout", "restart_refill")
+JOB_OPTIONS = ("script", "script_args", "worker_num", "nproc_per_node", "nnodes", "master_port", "cluster_time_out",
+               "node_timeout", "recovery", "data_path", "ckpt_dir", "workdir", "python", "max_restarts", "grace",
+               "bind_core", "warm_spare", "torchrun_script", "host_timeout", "restart_refill")
+
+
+# How deploy reached the hosts, kept in the job record's `ssh` (every later task reaches them the same way): typed
+# again, they must agree with it, as the job options must.
+RECORDED_SSH = ("known_hosts", "accept_new_host_keys", "parallel")
 
 
 @dataclass(frozen=True)
@@ -144,18 +162,29 @@ class Request:
         return JobRef(project, values.get("job"), self)
 
     def contradictions(self, job: str, options: Mapping[str, Any], hosts: tuple[str, ...], local: bool) -> list[str]:
-        """The typed flags whose value differs from what job `job` was deployed with, one line each."""
+        """The typed flags whose value differs from what job `job` was deployed with, one line each. `options` holds
+        the recorded JOB_OPTIONS and the SSH settings deploy recorded (RECORDED_SSH)."""
         typed = _values(self.given, {})
         out = []
-        for name in JOB_OPTIONS:
+        for name in JOB_OPTIONS + RECORDED_SSH:
             if name not in typed or name not in options:
                 continue
             value = typed[name]
             if name == "workdir" and local:
                 value = str((self.cwd / Path(value).expanduser()).resolve())
-            if value != options[name]:
-                flag = "--" + name.replace("_", "-")
-                out.append(f"{flag} {value!r}, but job {job} was deployed with {options[name]!r}")
+            if name == "known_hosts":
+                value = str(Path(value).expanduser())
+            if value == options[name]:
+                continue
+            flag = "--" + name.replace("_", "-")
+            was = "without it" if options[name] is None else f"with {options[name]!r}"
+            if name == "script_args":
+                out.append(f"the script's arguments {value!r} are not the ones job {job} was deployed with "
+                           f"({options[name]!r}): 'fleet deploy train -- {value}' deploys and starts them")
+            else:
+                out.append(f"{flag} {value!r}, but job {job} was deployed {was}")
+        if self.given.get("standalone") and not local:
+            out.append(f"--standalone, but job {job} was deployed to {', '.join(hosts)}")
         if self.core.hosts is not None or any(self.given.get(k) for k in ("hostfile", "inventory", "slurm")):
             settings = self.settings(script_required=False)
             plan = make_plan(settings.inventory, settings.options, str(settings.project))
@@ -245,6 +274,7 @@ def _inventory(given: Mapping[str, Any], config: Mapping[str, Any], cli_hosts: s
     typed = [(k, v) for k, v in (("hosts", cli_hosts), ("hostfile", given.get("hostfile")),
                                  ("inventory", given.get("inventory"))) if v is not None]  # '' is a typo, not "none"
     typed += [("slurm", True)] if given.get("slurm") else []
+    typed += [("standalone", True)] if given.get("standalone") else []
     if not typed:
         typed = [(k, config[k]) for k in ("hostfile", "inventory") if config.get(k)]
         typed += [("slurm", True)] if values["slurm"] else []
@@ -253,8 +283,8 @@ def _inventory(given: Mapping[str, Any], config: Mapping[str, Any], cli_hosts: s
         raise UserError(f"{flags} both given: describe the hosts one way (--hosts, --hostfile, --inventory or --slurm)")
     if not typed and "slurm" not in given and "slurm" not in config and in_allocation(environ):
         typed = [("slurm", True)]  # inside an allocation, with no other source: its hosts, not this machine
-    if not typed:
-        return local_inventory(values.get("worker_num") or 1)
+    if not typed or typed[0][0] == "standalone":
+        return local_inventory(values.get("worker_num") or values.get("nproc_per_node") or 1)
     kind, value = typed[0]
     if kind == "slurm":
         return slurm_inventory(environ)
@@ -268,6 +298,9 @@ def _inventory(given: Mapping[str, Any], config: Mapping[str, Any], cli_hosts: s
 def _convert(option: Option, value: Any, where: str) -> Any:
     if value is None:
         return None
+    if option.name == "nnodes" and ":" in str(value):
+        raise UserError(f"{where}={value!r}: toolkit runs the hosts it is given, it does not grow or shrink a job "
+                        "between a minimum and a maximum (torchrun's MIN:MAX); give one number, or leave --nnodes out")
     kind = option.kind
     if kind is bool:
         if isinstance(value, bool):

@@ -56,6 +56,7 @@ def main() -> None:
             loss = F.cross_entropy(trainer.model(x), y)
             loss.backward()
             optimizer.step()
+            trainer.report(loss)  # for fleet status and fleet report
             print(f"epoch {trainer.epoch} step {step} loss {loss.item():.4f}", flush=True)
         time.sleep(args.step_delay)
     trainer.finish()

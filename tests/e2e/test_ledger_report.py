@@ -120,7 +120,7 @@ def run_two_faults(e2e: E2E, job: Job, tmp_path: Path) -> None:
 
     # During the run, over SSH: `fleet report` shows it.
     live = json.loads(job.fleet("report", "--json").stdout)
-    assert live["outcome"] is None and [i["cause"] for i in live["incidents"]] == ["signal SIGKILL"], live
+    assert live["outcome"] is None and [i["cause"] for i in live["incidents"]] == ["killed by SIGKILL"], live
 
     seen = job.wait_step(mid["incidents"][0]["resumed_from"] + 2)
     second = seen["worker_4"]
@@ -139,8 +139,8 @@ def run_two_faults(e2e: E2E, job: Job, tmp_path: Path) -> None:
     one, two = ledger["incidents"]
 
     # The kill: the agent's report names the signal; it failed when it was seen to, within a bound of the kill.
-    assert one["cause"] == "signal SIGKILL", evidence
-    assert one["processes"][0]["cause"] == "signal SIGKILL", evidence
+    assert one["cause"] == "killed by SIGKILL", evidence
+    assert one["processes"][0]["cause"] == "killed by SIGKILL", evidence
     assert killed_at <= one["failed_at"] == one["detected_at"] <= killed_at + DETECT_BOUND, evidence
     check_incident(job, one, 1, first, KILL_AT)
 
@@ -169,7 +169,7 @@ def run_two_faults(e2e: E2E, job: Job, tmp_path: Path) -> None:
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert data["outcome"] == "finished" and data["goodput"] == {k: theirs[k] for k in data["goodput"]}, data
     assert [(i["number"], i["cause"], i["step"], i["hosts"]) for i in data["incidents"]] == [
-        (1, "signal SIGKILL", one["resumed_from"] + one["recomputed"], [first["host"]]),
+        (1, "killed by SIGKILL", one["resumed_from"] + one["recomputed"], [first["host"]]),
         (2, "heartbeat silence", two["resumed_from"] + two["recomputed"], [second["host"]])], data["incidents"]
     gens = data["generations"]
     assert [g["generation"] for g in gens] == [0, 1, 2], gens
@@ -193,4 +193,4 @@ def run_two_faults(e2e: E2E, job: Job, tmp_path: Path) -> None:
 
     # The terminal summary names both incidents.
     tables = job.fleet("report", "--out", str(tmp_path / "third.png")).stdout
-    assert "signal SIGKILL" in tables and "heartbeat silence" in tables and "goodput" in tables, tables
+    assert "killed by SIGKILL" in tables and "heartbeat silence" in tables and "goodput" in tables, tables

@@ -21,7 +21,7 @@ BLOCK_LIMIT = 120.0  # a blocked worker that nobody kills exits on its own, so a
 
 ENV_KEYS = ("RANK", "LOCAL_RANK", "MS_NODE_ID", "MS_ROLE", "TORCHELASTIC_RESTART_COUNT", "WORLD_SIZE",
             "TOOLKIT_AGENT_SOCKET", "EXTRA", "OMP_NUM_THREADS", "GLOO_ENABLE_STORE_V2_API",
-            "GLOO_ENABLE_RANK_AS_SEQUENCE_NUMBER")
+            "GLOO_ENABLE_RANK_AS_SEQUENCE_NUMBER", "TORCHELASTIC_ERROR_FILE")
 
 
 def main() -> int:
@@ -40,6 +40,7 @@ def main() -> int:
     ap.add_argument("--grandchild", action="store_true")
     ap.add_argument("--progress", type=int, default=0)
     ap.add_argument("--progress-on-usr1", action="store_true", help="report step 1 to the agent on SIGUSR1")
+    ap.add_argument("--error", default=None, help="write this message to TORCHELASTIC_ERROR_FILE (as @record does)")
     ap.add_argument("--linger", type=float, default=0.0, help="seconds to wait before exiting")
     args = ap.parse_args()
 
@@ -77,6 +78,9 @@ def main() -> int:
     for step in range(1, args.progress + 1):
         send(agent_sock, {"node_id": os.environ.get("MS_NODE_ID"), "step": step, "epoch": 0})
 
+    if args.error is not None:
+        with open(os.environ["TORCHELASTIC_ERROR_FILE"], "w") as f:
+            json.dump({"message": {"message": args.error, "extraInfo": {"py_callstack": "...", "timestamp": "0"}}}, f)
     blocked = args.block or (args.block_until_restart is not None and restart < args.block_until_restart)
     if blocked:
         select.select([], [], [], BLOCK_LIMIT)

@@ -2,7 +2,10 @@
 The toolkit launcher must run it unchanged (its store is the scheduler's). Prints a checksum of the final
 parameters, which must be the same on every rank.
 
-usage: runtime_torchrun_script.py --steps N [--delay S]
+usage: runtime_torchrun_script.py --steps N [--delay S] [--fail-at STEP --fail-rank R]
+
+--fail-at: rank R raises, before step STEP's collective, an error that reads like a collective's (a bug of its own
+that looks like a peer's death).
 """
 
 import argparse
@@ -18,6 +21,8 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--delay", type=float, default=0.0)
+    parser.add_argument("--fail-at", type=int, default=None)
+    parser.add_argument("--fail-rank", type=int, default=0)
     args = parser.parse_args()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -26,6 +31,8 @@ def main() -> int:
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     gen = torch.Generator().manual_seed(1000 + rank)
     for step in range(args.steps):
+        if step == args.fail_at and rank == args.fail_rank:
+            raise RuntimeError(f"rank {rank}: Connection reset by peer, or so this script says at step {step}")
         x = torch.randn(16, 8, generator=gen)
         loss = model(x).pow(2).mean()
         opt.zero_grad()

@@ -1,4 +1,4 @@
-"""Zero lost steps, wherever the fault lands: the sample run by the real agent (scheduler, 4 workers, warm spare),
+"""Zero lost steps, wherever the fault lands: the sample run by the real agent (scheduler, 3 or 4 workers, warm spare),
 workers killed with SIGKILL at uniformly random moments of a step (forward, backward, inside the allreduce, inside
 a checkpoint write, during a previous recovery), and double faults. Every run must end bitwise equal to an
 uninterrupted run, with no step recomputed in any recovery where a survivor held the state (read from the
@@ -35,8 +35,8 @@ DEATH = re.compile(r"(worker_\d+) \(pid (\d+) on \S+\) is dead")
 pytestmark = pytest.mark.timeout(1200)
 
 
-def local_job(root: Path) -> LocalJob:
-    return LocalJob(root, WORLD, ARGS + ["--step-delay", STEP_DELAY], job="zero", node_timeout=3,
+def local_job(root: Path, world: int = WORLD) -> LocalJob:
+    return LocalJob(root, world, ARGS + ["--step-delay", STEP_DELAY], job="zero", node_timeout=3,
                     cluster_time_out=120, grace=5, max_restarts=30)
 
 
@@ -60,7 +60,7 @@ def steps(job: LocalJob, rank: int) -> int:
 
 def training(job: LocalJob, past: dict[int, int], more: int = 2) -> bool:
     """Every rank has done `more` steps beyond `past` (so the previous recovery is over everywhere)."""
-    return all(steps(job, r) >= past.get(r, 0) + more for r in range(WORLD))
+    return all(steps(job, r) >= past.get(r, 0) + more for r in range(job.workers))
 
 
 def pid_of(job: LocalJob, rank: int) -> int | None:
@@ -69,14 +69,22 @@ def pid_of(job: LocalJob, rank: int) -> int | None:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> str:
-    job = local_job(tmp_path_factory.mktemp("reference"))
-    try:
-        job.start()
-        assert job.finish(JOB_TIMEOUT) == 0, job.evidence()
-    finally:
-        job.cleanup()
-    return FINAL.findall(job.log("worker_0.log"))[-1][1]
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Callable[[int], str]:
+    """The final digest of an uninterrupted run per world size (computed once each)."""
+    digests: dict[int, str] = {}
+
+    def get(world: int) -> str:
+        if world not in digests:
+            job = local_job(tmp_path_factory.mktemp(f"reference{world}"), world)
+            try:
+                job.start()
+                assert job.finish(JOB_TIMEOUT) == 0, job.evidence()
+            finally:
+                job.cleanup()
+            digests[world] = FINAL.findall(job.log("worker_0.log"))[-1][1]
+        return digests[world]
+
+    return get
 
 
 def check_run(job: LocalJob, reference: str, deaths_expected: int, why: str) -> list[tuple[str, ...]]:
@@ -90,7 +98,7 @@ def check_run(job: LocalJob, reference: str, deaths_expected: int, why: str) -> 
     assert len(deaths) == deaths_expected, f"{deaths} {why}"  # the faults took effect, each seen once
     generations = {int(g) for g in FORMED.findall(sched)}
     assert max(generations) <= deaths_expected, f"generations {sorted(generations)} for {deaths_expected} deaths {why}"
-    recoveries = [m for r in range(WORLD) for m in RECOVERED.findall(job.log(f"worker_{r}.log"))]
+    recoveries = [m for r in range(job.workers) for m in RECOVERED.findall(job.log(f"worker_{r}.log"))]
     later = [m for m in recoveries if m[2] != "the initial state"]
     assert later, why
     for rank, step, source, _, kind, recomputed in later:
@@ -99,13 +107,15 @@ def check_run(job: LocalJob, reference: str, deaths_expected: int, why: str) -> 
     return later
 
 
-@pytest.mark.parametrize("run", [1, 2])
-def test_kills_at_random_moments_lose_no_step_and_change_nothing(tmp_path: Path, reference: str, run: int) -> None:
-    """10 kills per run, 2 runs: 20 kills over 4 workers, each at a uniformly random moment of a step, of a
-    random rank (rank 0 included), each once the previous recovery is over."""
+@pytest.mark.parametrize("world", [4, 3])
+def test_kills_at_random_moments_lose_no_step_and_change_nothing(tmp_path: Path, reference: Callable[[int], str],
+                                                                 world: int) -> None:
+    """10 kills per run, a run on 4 workers and one on 3 (the rank-ordered allreduce's slices differ), each kill
+    at a uniformly random moment of a step, of a random rank (rank 0 included), once the previous recovery is
+    over."""
     seed = random.SystemRandom().randrange(2**32)
     rng = random.Random(seed)
-    job = local_job(tmp_path)
+    job = local_job(tmp_path, world)
     kills = []
     try:
         job.start()
@@ -113,20 +123,22 @@ def test_kills_at_random_moments_lose_no_step_and_change_nothing(tmp_path: Path,
         for _ in range(10):
             until("every rank training", lambda past=past: training(job, past), job)
             time.sleep(rng.uniform(0.0, 0.15))  # about two steps: any moment of a step
-            victim = rng.randrange(WORLD)
+            victim = rng.randrange(world)
             pid = pid_of(job, victim)
             assert pid is not None, job.evidence()
             os.kill(pid, signal.SIGKILL)
             kills.append((victim, steps(job, victim)))
-            past = {r: steps(job, r) for r in range(WORLD)}
-        check_run(job, reference, len(kills), f"(seed {seed}, kills {kills})")
+            past = {r: steps(job, r) for r in range(world)}
+        check_run(job, reference(world), len(kills), f"(seed {seed}, kills {kills})")
     finally:
         job.cleanup()
 
 
-def test_double_faults_lose_no_step_and_change_nothing(tmp_path: Path, reference: str) -> None:
+def test_double_faults_lose_no_step_and_change_nothing(tmp_path: Path, reference: Callable[[int], str]) -> None:
     """Two ranks killed at once; a survivor killed while the job recovers from a first kill; the replacement
-    frozen as soon as it joined and killed while the survivors wait on it for the state transfer."""
+    frozen as soon as it joined and killed while the survivors wait on it for the state transfer; the survivor
+    that sends the replacement its state killed while the replacement, frozen as soon as it joined, waits on it
+    (another survivor sends)."""
     rng = random.Random()
     job = local_job(tmp_path)
     deaths = 0
@@ -161,6 +173,27 @@ def test_double_faults_lose_no_step_and_change_nothing(tmp_path: Path, reference
         time.sleep(0.5)
         os.kill(replacement, signal.SIGKILL)
         deaths += 2
-        check_run(job, reference, deaths, f"(double faults: {a}+{b}, {first} then {second}, {victim})")
+        past = {r: steps(job, r) for r in range(WORLD)}
+        until("every rank training again", lambda: training(job, past), job)
+
+        taker = rng.randrange(WORLD)  # the sender killed while the replacement takes the state from it
+        sender = min(r for r in range(WORLD) if r != taker)  # the lowest survivor sends to a single replacement
+        os.kill(pid_of(job, taker), signal.SIGKILL)
+        log = f"worker_{taker}.log"
+        before = job.log(log).count("process group of")
+        replacement = until("the replacement to join its group",
+                            lambda: job.log(log).count("process group of") > before and pid_of(job, taker), job)
+        os.kill(replacement, signal.SIGSTOP)  # it joined and waits for its state: frozen there
+        spid = pid_of(job, sender)
+        os.kill(spid, signal.SIGKILL)
+        until("the sender's death seen", lambda: f"(pid {spid} on" in job.log("scheduler.log"), job)
+        os.kill(replacement, signal.SIGCONT)  # its transfer has failed; it joins the next group
+        deaths += 2
+        why = f"(double faults: {a}+{b}, {first} then {second}, {victim}, sender {sender} of {taker})"
+        check_run(job, reference(WORLD), deaths, why)
+        last = job.log(log).split("--- toolkit agent")[-1]
+        assert last.count("process group of") >= 2, f"the replacement never lost its first group {why}"
+        taken = RECOVERED.findall(last)
+        assert taken and taken[-1][3] not in ("", str(sender)), f"{taken} {why}"
     finally:
         job.cleanup()

@@ -35,11 +35,13 @@ class SchedulerLink:
 
     def __init__(self, spec: HostSpec, sel: selectors.BaseSelector, timers: Timers, log: AgentLog,
                  on_message: Callable[[dict[str, Any]], None], on_change: Callable[[], None],
-                 hello_fields: Callable[[], dict[str, Any]] | None = None) -> None:
+                 hello_fields: Callable[[], dict[str, Any]] | None = None,
+                 beat_fields: Callable[[], dict[str, Any]] | None = None) -> None:
         self.spec, self.sel, self.timers, self.log = spec, sel, timers, log
         # what the hello says: the host and the node ids it supervises now (a spare's grow when it takes over)
         self.hello_fields = hello_fields or (lambda: {"host": spec.host,
                                                       "node_ids": [p.node_id for p in spec.processes]})
+        self.beat_fields = beat_fields or dict  # what each heartbeat says: the children it vouches for
         self.on_message, self.on_change = on_message, on_change
         self.sock: socket.socket | None = None
         self.state = "down"
@@ -208,11 +210,13 @@ class SchedulerLink:
         self.sel.modify(self.sock, selectors.EVENT_READ | (selectors.EVENT_WRITE if self.wbuf else 0), self._on_event)
 
     def _beat(self) -> None:
-        """Send a heartbeat now and every HEARTBEAT_INTERVAL while the link is up (never queued while it is down)."""
+        """Send a heartbeat now and every HEARTBEAT_INTERVAL while the link is up (never queued while it is down),
+        with `beat_fields()`: the children running and not stopped, which the scheduler counts as alive even when
+        their own heartbeats stop."""
         self.beat_timer = None
         if self.closed or self.state != "up" or self.sock is None:
             return
-        self.wbuf += P.encode(P.HEARTBEAT)
+        self.wbuf += P.encode(P.HEARTBEAT, **self.beat_fields())
         self._pump()
         if not self.closed and self.state == "up":
             self.beat_timer = self.timers.after(HEARTBEAT_INTERVAL, self._beat)

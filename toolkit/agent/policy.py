@@ -112,21 +112,22 @@ REPEATED = 2  # failures in a row at the same step with the same cause that `fle
 
 def repeated_failure(exits: Sequence[Mapping[str, Any]]) -> dict[str, Any] | None:
     """The failures at the end of a process's exit history (agent.json's `exits`: `failure` true for the ones the
-    restart policy judged) that happened at the same step the same way (code or signal), when there are REPEATED
-    or more: {"times", "step", "code", "signal"}; None otherwise. A step of None (a script that reports none) is a
-    step like any other: the same cause again and again is worth saying too. Pure."""
+    restart policy judged) that happened at the same step the same way (code or signal, and first cause), when there
+    are REPEATED or more: {"times", "step", "code", "signal", "cause"}; None otherwise. A step of None (a script that
+    reports none) is a step like any other: the same cause again and again is worth saying too. Pure."""
     run: list[Mapping[str, Any]] = []
     for rec in reversed(exits):
         if not rec.get("failure"):
             break
-        if run and (rec.get("step"), rec.get("code"), rec.get("signal")) != \
-                (run[0].get("step"), run[0].get("code"), run[0].get("signal")):
+        if run and (rec.get("step"), rec.get("code"), rec.get("signal"), rec.get("cause")) != \
+                (run[0].get("step"), run[0].get("code"), run[0].get("signal"), run[0].get("cause")):
             break
         run.append(rec)
     if len(run) < REPEATED:
         return None
     last = run[0]
-    return {"times": len(run), "step": last.get("step"), "code": last.get("code"), "signal": last.get("signal")}
+    return {"times": len(run), "step": last.get("step"), "code": last.get("code"), "signal": last.get("signal"),
+            "cause": last.get("cause")}
 
 
 # --- reactions to the scheduler ---
@@ -135,9 +136,10 @@ def repeated_failure(exits: Sequence[Mapping[str, Any]]) -> dict[str, Any] | Non
 @dataclass(frozen=True)
 class Kill:
     """Fence a process the scheduler declared dead (it may still run, e.g. SIGSTOPped): SIGKILL its group; its
-    death is then handled like any other."""
+    death is then handled like any other, its first cause the scheduler's `cause` unless it had one of its own."""
 
     node_id: str
+    cause: str = "declared dead"
 
 
 @dataclass(frozen=True)
@@ -197,7 +199,7 @@ def on_scheduler(msg: Mapping[str, Any], running: Mapping[str, int], closing: bo
         node_id, pid = str(msg.get("node_id"))[:256], P.whole(dict(msg), "pid")
         if node_id not in running or (pid is not None and pid != running[node_id]):
             return Ignore(f"scheduler asked to kill {node_id} pid {pid}: not running here")
-        return Kill(node_id)
+        return Kill(node_id, P.cause_field(dict(msg)) or "declared dead")
     if op == P.STOP:
         return StopJob(str(msg.get("reason") or "no reason given")[:2000])
     if op == P.FINISHED:

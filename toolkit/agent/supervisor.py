@@ -27,7 +27,7 @@ from typing import Any, Callable, Iterable
 from toolkit import atomicfile, netif, procs, standby, stepfile
 from toolkit import envvars as E
 from toolkit import protocol as P
-from toolkit.agent import openfiles, policy, warmspare
+from toolkit.agent import causes, openfiles, policy, warmspare
 from toolkit.agent.link import SchedulerLink
 from toolkit.agent.log import AgentLog, iso, log_tail
 from toolkit.agent.timers import Timer, Timers
@@ -66,6 +66,19 @@ def cpu_sets(cpus: set[int] | frozenset[int], n: int, host: str = "this host") -
                         f"CPUs ({','.join(map(str, ordered))}); run fewer workers there or turn bind_core off")
     size = len(ordered) // n
     return [frozenset(ordered[i * size:(i + 1) * size]) for i in range(n)]
+
+
+def running(slots: Iterable[Slot]) -> dict[str, int]:
+    """node_id -> pid of every child alive and not stopped (/proc state other than T, t, Z, X): what the agent vouches
+    for in its heartbeats. A worker busy in a call that holds its GIL sends no heartbeat of its own, but it runs: the
+    scheduler does not take it for a hung one. A SIGSTOPped one is left out, so its silence stays a death."""
+    out = {}
+    for slot in slots:
+        child = slot.child
+        info = procs.proc_info(child.pid) if child is not None else None
+        if child is not None and info is not None and info.state not in ("T", "t", "Z", "X"):
+            out[slot.spec.node_id] = child.pid
+    return out
 
 
 # --- runtime state of one process
@@ -107,6 +120,8 @@ class Slot:
         self.last_ticks: int | None = None
         self.seen_dead: float | None = None  # monotonic time the latest death was seen, until the relaunch
         self.recovery: str | None = None  # how the worker said it recovers (protocol.RECOVERY_*), once it did
+        self.error_file: Path | None = None  # the running incarnation's TORCHELASTIC_ERROR_FILE
+        self.fenced: str | None = None  # the scheduler's cause, once it had the running incarnation killed
         self.files: openfiles.Trend | None = None  # the running incarnation's open files (workers)
         self.reached: int | None = None  # the highest step the running incarnation reported (datagrams)
         self.failed_at: int | None = None  # the furthest step this count's failures reached (the restart budget)
@@ -241,7 +256,7 @@ class Agent:
         self.took_over: list[dict[str, Any]] = []  # a spare's takeovers: {host, node_ids, seq, at}
         self.nofile = 0  # the workers' open-file limit (run raises it to the hard limit)
         self.link = SchedulerLink(spec, self.sel, self.timers, log, self._on_scheduler, self._changed,
-                                  self._hello_fields)
+                                  self._hello_fields, lambda: {"running": running(self.slots.values())})
         self._stop_after: Timer | None = None
         self._wake_r: socket.socket | None = None
         self._control: socket.socket | None = None
@@ -310,6 +325,7 @@ class Agent:
         OSError on failure."""
         spec = self.spec
         spec.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        spec.errors_dir.mkdir(exist_ok=True, mode=0o700)
         self._reclaim_previous()
         atomicfile.write(spec.pid_file, f"{self.pid} {self.ticks}\n")
         self._wake_r, wake_w = socket.socketpair()
@@ -364,10 +380,14 @@ class Agent:
 
         Blocking but bounded, by about REPORT_FLUSH_TIMEOUT (pending reports such as gave_up, over a fresh connection if
         the link is down) + procs.KILL_WAIT (the spare gets SIGKILL at once: it holds no state) + grace +
-        procs.KILL_WAIT (each child's group gets SIGTERM, and SIGKILL if still there after `grace`). Pending restarts
+        procs.KILL_WAIT (each child's group gets SIGTERM, and SIGKILL if still there after `grace`), and `grace` more
+        when a failing agent lets the scheduler it runs end on its own (below). Pending restarts
         and timers are cancelled first. Deaths seen here are recorded but neither reported (the link is closed by then)
-        nor relaunched. agent.json says `stopping` while anything is being stopped, then the final state; slots not
-        already succeeded or failed end `stopped`. The sockets are closed and unlinked last."""
+        nor relaunched. When this agent failed and its reports reached the scheduler, a scheduler it runs is given
+        grace to exit on its own once the workers are stopped: it has the failure to record (a SIGTERM could come
+        first and leave the job "stopped" with no cause). agent.json says `stopping` while anything is being
+        stopped, then the final state; slots not already succeeded or failed end `stopped`. The sockets are closed
+        and unlinked last."""
         for slot in self.slots.values():
             for t in (slot.timer, slot.kill_timer):
                 if t:
@@ -382,8 +402,10 @@ class Agent:
         if live or self.spare:
             self.state = "stopping"
             self._write()
+        delivered = not self.link.closed
         if (self.link.queue or self.link.wbuf) and not self.link.closed:
-            if not self.link.flush(REPORT_FLUSH_TIMEOUT):
+            delivered = self.link.flush(REPORT_FLUSH_TIMEOUT)
+            if not delivered:
                 self.log("agent", "could not deliver the last reports to the scheduler")
         self.link.close()
         if self.spare is not None:
@@ -394,22 +416,20 @@ class Agent:
             self.spare.child.wait(procs.KILL_WAIT)
             self.spare.sock.close()
             self.spare = None
-        if live:
-            names = {s.child.pid: s for s in live}
-            self.log("agent", f"stopping {', '.join(s.spec.node_id for s in live)}: SIGTERM, "
-                              f"then SIGKILL after {self.spec.grace:g} s")
-            out = procs.stop_all(
-                [s.child for s in live], self.spec.grace,
-                on_kill=lambda c: self.log(names[c.pid].spec.node_id,
-                                           f"pid {c.pid} still running after {self.spec.grace:g} s: SIGKILL"))
-            for pid, status in out.items():
-                slot = names[pid]
+        told = final_state == "failed" and delivered  # a scheduler here has the failure, and ends on it
+        workers = [s for s in live if s.spec.is_worker or not told]
+        self._stop_children(workers)
+        for slot in (s for s in live if s not in workers):
+            status = slot.child.wait(self.spec.grace)
+            if status is None:
+                self._stop_children([slot])
+            else:
                 self._record_exit(slot, status)
-                self.log(slot.spec.node_id, f"pid {pid} stopped ({status.describe()})")
-            for slot in live:
-                slot.child = None
-                if slot.state not in ("succeeded", "failed"):
-                    slot.state = "stopped"
+                self.log(slot.spec.node_id, f"pid {slot.child.pid} exited ({status.describe()})")
+        for slot in live:
+            slot.child = None
+            if slot.state not in ("succeeded", "failed"):
+                slot.state = "stopped"
         for slot in self.slots.values():
             if slot.state in ("backoff", "pending", "restarting", "running"):
                 slot.state = "stopped"
@@ -419,6 +439,23 @@ class Agent:
                  + f", exit status {self.exit_code}")
         self._close_sockets()
         return self.exit_code
+
+    def _stop_children(self, slots: list[Slot]) -> None:
+        """SIGTERM the groups of `slots`' children, SIGKILL what is left after grace (procs.stop_all), and record how
+        each ended. Blocking, bounded by about grace + procs.KILL_WAIT."""
+        if not slots:
+            return
+        names = {s.child.pid: s for s in slots}
+        self.log("agent", f"stopping {', '.join(s.spec.node_id for s in slots)}: SIGTERM, "
+                          f"then SIGKILL after {self.spec.grace:g} s")
+        out = procs.stop_all(
+            [s.child for s in slots], self.spec.grace,
+            on_kill=lambda c: self.log(names[c.pid].spec.node_id,
+                                       f"pid {c.pid} still running after {self.spec.grace:g} s: SIGKILL"))
+        for pid, status in out.items():
+            slot = names[pid]
+            self._record_exit(slot, status)
+            self.log(slot.spec.node_id, f"pid {pid} stopped ({status.describe()})")
 
     def _close_sockets(self) -> None:
         """Close what `_setup` opened; safe after a partial `_setup` (what was never made is skipped). Signals no longer
@@ -440,8 +477,9 @@ class Agent:
         """Start `slot`'s next incarnation; a no-op once the agent is closing. `why` goes to the agent's log and to the
         marker line written to the process's log before it starts.
 
-        The environment is `base_env` plus TORCHELASTIC_RESTART_COUNT (the launches so far); the process's env file is
-        applied on top by a shell (procs.env_argv), or for a handoff by procs.resolve_env. The ready warm spare takes
+        The environment is `base_env` plus TORCHELASTIC_RESTART_COUNT (the launches so far) and TORCHELASTIC_ERROR_FILE
+        (this incarnation's own, removed first if an earlier agent left it: causes.error_file); the process's env file
+        is applied on top by a shell (procs.env_argv), or for a handoff by procs.resolve_env. The ready warm spare takes
         the place when it can (`_handoff`), else procs.spawn starts it cold. A spawn that fails (OSError,
         SubprocessError) never raises: it counts as a launch and, one timer tick later, as an exit with code 127 (like a
         command not found), so the restart policy applies to it as to any crash; no `exited` report goes out for it
@@ -453,6 +491,10 @@ class Agent:
         n = slot.launches
         env = dict(self.base_env)
         env[E.TORCHELASTIC_RESTART_COUNT] = str(n)
+        slot.error_file, slot.fenced = causes.error_file(self.spec.errors_dir, slot.spec.node_id, n), None
+        with contextlib.suppress(OSError):
+            slot.error_file.unlink(missing_ok=True)
+        env[E.TORCHELASTIC_ERROR_FILE] = str(slot.error_file)
         trouble = slot.fresh_steps()
         if trouble:
             self.log(slot.spec.node_id, trouble)
@@ -517,9 +559,19 @@ class Agent:
     def _record_exit(self, slot: Slot, status: ExitStatus, pid: int | None = None,
                      step: int | None = None) -> dict[str, Any]:
         """Record an exit as `slot.last_exit` and in its history (the last EXIT_HISTORY), with the `step` the
-        incarnation had reached; returns the record. In memory only: the caller writes agent.json."""
+        incarnation had reached; returns the record. In memory only: the caller writes agent.json. Its `cause` is the
+        first cause (toolkit.agent.causes: the incarnation's error file, read and removed here, or the scheduler's
+        cause when the agent killed it for fencing), None when the code or signal says it all."""
         ran = time.monotonic() - slot.started_mono
-        rec = {**status.as_dict(), "pid": pid, "at": iso(time.time()), "ran_for": round(ran, 3), "step": step}
+        message = None
+        if slot.error_file is not None:
+            if not status.ok:
+                message = causes.read_error_file(slot.error_file)
+            with contextlib.suppress(OSError):
+                slot.error_file.unlink(missing_ok=True)
+            slot.error_file = None
+        rec = {**status.as_dict(), "pid": pid, "at": iso(time.time()), "ran_for": round(ran, 3), "step": step,
+               "cause": causes.first_cause(status, message, slot.fenced)}
         slot.last_exit = rec
         slot.exits = (slot.exits + [rec])[-EXIT_HISTORY:]
         return rec
@@ -536,22 +588,24 @@ class Agent:
         pid = child.pid if child else None
         ran = time.monotonic() - slot.started_mono
         record = self._record_exit(slot, status, pid, slot.reached_step())
+        cause = record["cause"]
         if slot.kill_timer:
             slot.kill_timer.cancel()
             slot.kill_timer = None
         if pid is not None:
             self.link.report(P.EXITED, coalesce=slot.spec.node_id, node_id=slot.spec.node_id, pid=pid,
-                             code=status.code, signal=status.signal_name)
+                             code=status.code, signal=status.signal_name, cause=cause)
         others = [s for s in self.slots.values() if s is not slot]
         facts = policy.Exited(
             code=status.code if status.signal is None else None, ran_for=ran, progressed=slot.progressed,
             counted=slot.counted, manual=slot.manual, closing=self.closing, finishing=self.state == "finishing",
             others_running=any(s.child for s in others), others_succeeded=all(s.state == "succeeded" for s in others),
             reached=record["step"], failed_at=slot.failed_at)
-        reaction = policy.on_exit(self.spec.policy, facts, status.describe())
+        how = causes.describe(status, cause)
+        reaction = policy.on_exit(self.spec.policy, facts, how)
         slot.manual = False
         slot.judged(reaction, record)
-        node, how = slot.spec.node_id, status.describe()
+        node = slot.spec.node_id
         if isinstance(reaction, policy.Settle):
             slot.state = reaction.state
             self.log(node, f"pid {pid} exited ({how})")
@@ -565,7 +619,7 @@ class Agent:
             if reaction.all_done:
                 self._finish("succeeded", EXIT_OK, "every process of this host exited 0")
         elif isinstance(reaction, policy.GiveUp):
-            self._give_up(slot, pid, status, ran)
+            self._give_up(slot, pid, status, ran, cause)
         else:
             slot.counted = reaction.counted
             if facts.manual:
@@ -585,29 +639,31 @@ class Agent:
                 slot.timer = self.timers.after(reaction.delay, lambda: self._launch(slot, reaction.why))
                 self._write()
 
-    def _give_up(self, slot: Slot, pid: int | None, status: ExitStatus, ran: float) -> None:
-        """The job has failed here: `slot` died with its restarts used up. Sets `failure` for agent.json (with the last
-        lines of the process's log, also copied to the agent's log), reports `gave_up` to the scheduler (the tail cut to
-        GAVE_UP_TAIL_BYTES so the message fits protocol.MAX_LINE), and finishes `failed` with EXIT_FAILED; `_shutdown`
-        then stops the other processes and gives the report REPORT_FLUSH_TIMEOUT to reach the scheduler."""
+    def _give_up(self, slot: Slot, pid: int | None, status: ExitStatus, ran: float, cause: str | None) -> None:
+        """The job has failed here: `slot` died with its restarts used up (`cause`: its first cause, or None when its
+        status says it all). Sets `failure` for agent.json (with the last lines of the process's log, also copied to
+        the agent's log), reports `gave_up` to the scheduler (the tail cut to GAVE_UP_TAIL_BYTES so the message fits
+        protocol.MAX_LINE), and finishes `failed` with EXIT_FAILED; `_shutdown` then stops the other processes and
+        gives the report REPORT_FLUSH_TIMEOUT to reach the scheduler."""
         spec = slot.spec
         tail = log_tail(spec.log_file)
         n = slot.counted
         files = slot.files.cause() if slot.files else ""
+        how = causes.describe(status, cause)
         self.failure = {
             "host": self.spec.host, "node_id": spec.node_id, "rank": spec.rank, "pid": pid,
             "code": status.code, "signal": status.signal_name, "status": status.describe() + files,
-            "restarts": n, "log_file": spec.log_file, "log_tail": tail, "at": iso(time.time()),
+            "cause": how + files, "restarts": n, "log_file": spec.log_file, "log_tail": tail, "at": iso(time.time()),
         }
         slot.state = "failed"
-        reason = f"{spec.node_id} {status.describe()}{files} after {n} restart{'s' if n != 1 else ''} " \
+        reason = f"{spec.node_id} {how}{files} after {n} restart{'s' if n != 1 else ''} " \
                  f"(max_restarts {self.spec.policy.max_restarts}); the job has failed"
         where = f"rank {spec.rank}, " if spec.rank is not None else ""
-        self.log(spec.node_id, f"GAVE UP: {where}pid {pid} {status.describe()} after {ran:.1f} s, and its "
+        self.log(spec.node_id, f"GAVE UP: {where}pid {pid} {how} after {ran:.1f} s, and its "
                                f"{n} allowed restart(s) are used up; last {len(tail)} lines of {spec.log_file}:")
         for line in tail:
             self.log(spec.node_id, f"| {line}")
-        self.link.report(P.GAVE_UP, node_id=spec.node_id, code=status.code, signal=status.signal_name,
+        self.link.report(P.GAVE_UP, node_id=spec.node_id, code=status.code, signal=status.signal_name, cause=cause,
                          log_tail="\n".join(tail)[-GAVE_UP_TAIL_BYTES:])
         self._finish("failed", EXIT_FAILED, reason)
 
@@ -800,7 +856,9 @@ class Agent:
             slot = self.slots[reaction.node_id]
             if slot.child is None:  # policy.Kill names only running node ids
                 raise RuntimeError(f"kill for {reaction.node_id}, which has no child")
-            self.log(slot.spec.node_id, f"the scheduler declared pid {slot.child.pid} dead: SIGKILL (fencing)")
+            slot.fenced = reaction.cause
+            self.log(slot.spec.node_id, f"the scheduler declared pid {slot.child.pid} dead ({reaction.cause}): SIGKILL "
+                                        "(fencing)")
             slot.child.signal_group(signal.SIGKILL)
         elif isinstance(reaction, policy.StopJob):
             self.log("agent", f"the scheduler stopped the job: {reaction.reason}")

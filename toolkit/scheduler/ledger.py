@@ -1,18 +1,18 @@
 """The goodput ledger: every incident of a job, what it cost, and how much of the wall time trained for good.
 
-An incident is one fault: the first death that moves a formed job to a new generation, with every death while
-that generation gathers (a lost host's ranks die together). For each: its cause (the process's exit code or
-signal as its agent saw it, heartbeat silence, a closed connection, a host lost with its agent, a member that did
-not reconnect to a restarted scheduler), the processes and hosts, when it failed (for silence: when the rank was
-last heard, not when the silence was noticed), when it was detected, when the replacement generation formed, when
-every rank trained again (their `recovered` reports; for restart-recovery scripts, the first step after the
-formation), the step they trained again from, and how many steps were computed again (what the survivors had done
-beyond that step; after a restart from checkpoints, the newest step heard in heartbeats minus the step resumed
+An incident is one fault: the first death that moves a formed job to a new generation, with every death while that
+generation gathers (a lost host's ranks die together). For each: its cause (the first cause as its agent saw it: the
+script's error, its exit code or signal; heartbeat silence, a closed connection, a host lost with its agent, a
+member that did not reconnect to a restarted scheduler), the processes and hosts, when it failed (for silence: when
+the rank was last heard, not when the silence was noticed), when it was detected, when the replacement generation
+formed, when every rank trained again (their `recovered` reports; for restart-recovery scripts, the first step after
+the formation), the step they trained again from, and how many steps were computed again (what the survivors had
+done beyond that step; after a restart from checkpoints, the newest step heard in heartbeats minus the step resumed
 from). A torchrun-style script reports no recovery: with toolkit.train.report it trained again at its first step
 after the formation, from the step before it (reporting every k-th step: from the checkpoint it reported if that
-lies in the k steps before, see `_resumed`); without, only its group's formation is known. When a job its
-operator stopped is started again, the restored members that do not reconnect are no incident if none of them does
-(they were all stopped): that wait is start-up.
+lies in the k steps before, see `_resumed`); without, only its group's formation is known. When a job its operator
+stopped is started again, the restored members that do not reconnect are no incident if none of them does (they were
+all stopped): that wait is start-up.
 
 Goodput = time in steps that survive / wall time. The wall time since the job started splits into:
   startup      until the first step (launch, imports, the first formation)
@@ -140,8 +140,9 @@ class Ledger:
         self._changed(urgent=True)
 
     def _on_exited(self, f: Mapping[str, Any], now: float) -> None:
-        """An agent said how a process ended: a death noted as "connection closed" gets its real cause."""
-        how = f"signal {f['signal']}" if f.get("signal") else f"exit code {f.get('code')}"
+        """An agent said how a process ended: a death noted as "connection closed" gets its real cause (the agent's
+        first cause: the script's error, else its exit code or signal)."""
+        how = f.get("cause") or (f"killed by {f['signal']}" if f.get("signal") else f"exit code {f.get('code')}")
         for inc in reversed(self.incidents[-3:]):
             for p in inc.processes:
                 if p["node_id"] == f["node_id"] and p["pid"] == f["pid"] and p["cause"] == CAUSE_CLOSED:

@@ -9,7 +9,12 @@ Peers are the server's connection ids: the membership knows which peer is which 
 
 The rules, in one place:
 - A rank is held by one live incarnation. Its second claimant is rejected (retry later) until the holder is known
-  dead: its connection closed, its agent reported its exit, or its heartbeats stopped for node_timeout.
+  dead: its connection closed, its agent reported its exit, or it was unheard for node_timeout. A member is heard
+  through its own heartbeats, and through its agent's, which vouch for the children running and not stopped: one
+  busy in a call that holds its GIL is alive (waited for up to topo_timeout), a SIGSTOPped one is not.
+- A member whose connection closed is dead at once (a new generation), but its process is killed (fenced) only if
+  its agent has not reported its exit within node_timeout: a failing script's own exit is its first cause, and a
+  kill in between would hide it.
 - A dead incarnation is fenced for good: if it comes back (SIGCONT, a healed partition) it is told to exit.
 - A death while the job is formed moves it to a new generation, announced to every member; while it is gathering,
   the death only removes the member (one generation per fault, not a cascade).
@@ -126,6 +131,8 @@ class Member:
     peer: int | None = None  # its connection; None while it has not (re)connected
     step: int | None = None
     recovery: str = "unknown"  # how it recovers (P.RECOVERY_IN_PLACE / RECOVERY_RESTART), as it registered
+    vouched_at: float | None = None  # when its agent last said this very process runs, not stopped
+    busy_said: bool = False  # its silence while vouched for was logged (until it is heard again)
 
     def to_json(self) -> dict[str, Any]:
         """The persisted fields (Membership.snapshot): who holds the rank and where it runs. Liveness is not
@@ -155,8 +162,9 @@ def rank_of(node_id: str) -> int | None:
 
 
 def how(code: Any, sig: Any) -> str:
-    """How a process ended, for a log line: "signal SIGKILL" when a signal is named, else "exit code N"."""
-    return f"signal {sig}" if sig else f"exit code {code}"
+    """How a process ended, in the agent's words (procs.ExitStatus.describe): "killed by SIGKILL" when a signal is
+    named, else "exit code N"."""
+    return f"killed by {sig}" if sig else f"exit code {code}"
 
 
 class Membership:
@@ -194,6 +202,8 @@ class Membership:
         self.node_host: dict[str, str] = dict(expected or {})
         self.done: set[int] = set()
         self.fenced: set[str] = set()
+        self.unreported: dict[str, tuple[int, float]] = {}  # node_id -> (pid, when to kill it): its connection
+        # closed, its agent has not reported its exit yet
         self.commits: dict[int, int] = {}
         self.generation = 0
         self.formed = False
@@ -218,6 +228,8 @@ class Membership:
         """The earliest time `tick` may have work: the next possible heartbeat expiry (while there are members)
         and the formation deadline (while gathering, running and not unmanaged); inf when there is neither."""
         deadlines = [self.hb_check_at] if self.members else []
+        if self.status == RUNNING:
+            deadlines += [due for _, due in self.unreported.values()]
         if self.gather_since is not None and not self.unmanaged and self.status == RUNNING:
             deadlines.append(self.gather_since + self.topo_timeout)
         if self.host_timeout > 0 and self.status == RUNNING:  # a host may be found lost then (tick checks it)
@@ -437,12 +449,12 @@ class Membership:
     def message(self, peer: int, msg: Mapping[str, Any], now: float) -> list[Action]:
         """Any later message of an identified peer.
 
-        From an agent: `exited` (a child's death or clean end), `gave_up` (the job fails); `heartbeat` is ignored and
-        anything else logged. From a worker, only the rank's current connection counts (a replaced or finished one
-        is ignored), and any message refreshes `last_seen`: `heartbeat` records the step; `commit` raises the rank's
-        committed step, never lowers it (`commits_dirty`); `recovered` is logged; `done` retires the member without
-        a new generation and may finish the job; an unknown op is logged and ignored. Messages of a peer that never
-        said hello are ignored."""
+        From an agent: `exited` (a child's death or clean end), `gave_up` (the job fails); `heartbeat` vouches for the
+        members it names running (`_vouch`); anything else is logged. From a worker, only the rank's current
+        connection counts (a replaced or finished one is ignored), and any message refreshes `last_seen`: `heartbeat`
+        records the step; `commit` raises the rank's committed step, never lowers it (`commits_dirty`); `recovered`
+        is logged; `done` retires the member without a new generation and may finish the job; an unknown op is
+        logged and ignored. Messages of a peer that never said hello are ignored."""
         who = self.peers.get(peer)
         op = msg["op"]
         if who is None or who.role == "finished":
@@ -456,12 +468,13 @@ class Membership:
             if op == P.GAVE_UP:
                 return self._gave_up(who, msg)
             if op == P.HEARTBEAT:
+                self._vouch(who.host, msg.get("running"), now)
                 return []
             return [Log(WARNING, f"agent of {who.host} sent unknown op {op[:40]!r} (ignored)")]
         member = self.members.get(who.rank) if who.rank is not None else None
         if member is None or member.peer != peer:
             return []
-        member.last_seen = now
+        member.last_seen, member.busy_said = now, False
         if op == P.HEARTBEAT:
             member.step = P.whole(dict(msg), "step", member.step)
             return [Note("pace", {"rank": member.rank, "node_id": member.node_id, "host": self._host_of(member),
@@ -485,16 +498,19 @@ class Membership:
         """A connection ended. For a worker that had not said `done` this is its death: the kernel closes the socket
         of a process that exits, so this is as immediate as its agent's `exited` report.
 
-        Only the rank's current connection counts (one its own reconnect replaced does not). An agent's connection
-        ending only forgets the agent: its workers are judged by their own connections and heartbeats. A finished
-        worker's EOF means nothing."""
+        Only the rank's current connection counts (one its own reconnect replaced does not). Its process is not
+        killed now: if its agent has not reported its exit within node_timeout, `tick` has it killed (fencing comes
+        after the process's own cause). An agent's connection ending only forgets the agent: its workers are judged
+        by their own connections and heartbeats. A finished worker's EOF means nothing."""
         who = self.peers.pop(peer, None)
         if who is None:
             return []
         if who.role == "worker" and who.rank is not None:
             member = self.members.get(who.rank)
             if member is not None and member.peer == peer:
-                return self._death(member, reason, kill=True, now=now)
+                if self.status == RUNNING:
+                    self.unreported[member.node_id] = (member.pid, now + self.node_timeout)
+                return self._death(member, reason, kill=False, now=now)
         elif who.role == "agent" and who.host is not None and self.agents.get(who.host) == peer:
             del self.agents[who.host]
             self.agent_gone[who.host] = now
@@ -506,27 +522,82 @@ class Membership:
         """The passing of time: heartbeats that stopped, a formation that took too long.
 
         Does nothing once the job has ended. A member silent for node_timeout (no message, or a restored member that
-        did not reconnect) is declared dead, its agent told to kill it (`_death`). A gathering generation past
-        topo_timeout fails the job (`_formation_timeout`), unless its workers were found to be unmanaged scripts."""
+        did not reconnect) is declared dead, its agent told to kill it (`_death`), unless its agent vouched for it
+        within node_timeout (`_alive_though_silent`). A member whose connection closed and whose exit its agent has
+        not reported within node_timeout is killed (`_kill_unreported`). A gathering generation past topo_timeout
+        fails the job (`_formation_timeout`), unless its workers were found to be unmanaged scripts."""
         out: list[Action] = []
         if self.status != RUNNING:
             return out
         if now >= self.hb_check_at:
-            # Heartbeats only move last_seen later, so the earliest expiry found here is a safe bound for the next
-            # scan: with hundreds of members, most calls skip the scan.
+            # Heartbeats and vouches only move expiries later, so the earliest expiry found here is a safe bound for
+            # the next scan: with hundreds of members, most calls skip the scan.
             for member in list(self.members.values()):
                 silent = now - member.last_seen
-                if silent >= self.node_timeout:
-                    what = "did not reconnect" if member.peer is None else "sent no heartbeat"
-                    out += self._death(member, f"{what} for {silent:.1f} s ({E.MS_NODE_TIMEOUT}={self.node_timeout:g})",
-                                       kill=True, now=now, cause=CAUSE_NOT_BACK if member.peer is None
-                                       else CAUSE_SILENCE, silent_for=silent)
-            self.hb_check_at = min((m.last_seen + self.node_timeout for m in self.members.values()), default=math.inf)
+                if silent < self.node_timeout or self._alive_though_silent(member, silent, now, out):
+                    continue
+                what = "did not reconnect" if member.peer is None else "sent no heartbeat"
+                out += self._death(member, f"{what} for {silent:.1f} s ({E.MS_NODE_TIMEOUT}={self.node_timeout:g})",
+                                   kill=True, now=now, cause=CAUSE_NOT_BACK if member.peer is None
+                                   else CAUSE_SILENCE, silent_for=silent)
+            self.hb_check_at = min((self._expiry(m) for m in self.members.values()), default=math.inf)
+        out += self._kill_unreported(now)
         out += self._check_lost(now)
         self.last_tick = now
         if (self.status == RUNNING and self.gather_since is not None and not self.unmanaged
                 and now >= self.gather_since + self.topo_timeout):
             out += self._formation_timeout()
+        return out
+
+    def _vouch(self, host: str | None, running: Any, now: float) -> None:
+        """An agent's heartbeat names its children running and not stopped (`running`: node_id -> pid). Each entry
+        counts for the member that is that very process (its registered pid) on that agent's host; anything else in
+        it is ignored (at most 4096 entries are read)."""
+        if host is None or not isinstance(running, dict):
+            return
+        for node_id, pid in list(running.items())[:4096]:
+            rank = rank_of(node_id) if isinstance(node_id, str) else None
+            member = self.members.get(rank) if rank is not None else None
+            if (member is not None and member.node_id == node_id and isinstance(pid, int)
+                    and not isinstance(pid, bool) and pid == member.pid and self.node_host.get(node_id) == host):
+                member.vouched_at = now
+
+    def _alive_though_silent(self, member: Member, silent: float, now: float, out: list[Action]) -> bool:
+        """Whether `member`, unheard for `silent` s (at least node_timeout), is alive anyway: connected, and its agent
+        vouched for it within node_timeout (a call holding its GIL stops its heartbeat thread, not its process), for at
+        most topo_timeout of silence. Says so once per silence (appended to `out`)."""
+        vouched = member.peer is not None and member.vouched_at is not None \
+            and now - member.vouched_at < self.node_timeout
+        if not vouched or silent >= self.topo_timeout:
+            return False
+        if not member.busy_said:
+            member.busy_said = True
+            out.append(Log(WARNING, f"{member.node_id} (pid {member.pid} on {member.host}) sent no heartbeat for "
+                                    f"{silent:.1f} s, but its agent sees it running (not stopped): busy in a call that "
+                                    f"holds its GIL? waiting for it up to {E.MS_TOPO_TIMEOUT}={self.topo_timeout:g} s"))
+        return True
+
+    def _expiry(self, member: Member) -> float:
+        """The earliest time `member` can be found dead by silence, as far as is known now (see
+        `_alive_though_silent`)."""
+        unheard = member.last_seen + self.node_timeout
+        if member.vouched_at is None or member.peer is None:
+            return unheard
+        return max(unheard, min(member.vouched_at + self.node_timeout, member.last_seen + self.topo_timeout))
+
+    def _kill_unreported(self, now: float) -> list[Action]:
+        """Kill (fence) each process whose connection closed node_timeout ago and whose exit its agent has not reported:
+        it may linger (stuck in its teardown) and hold its rank's place on its host."""
+        out: list[Action] = []
+        for node_id, (pid, due) in list(self.unreported.items()):
+            if now < due:
+                continue
+            del self.unreported[node_id]
+            agent = self.agents.get(self.node_host.get(node_id, ""))
+            if agent is not None:
+                out += [Log(WARNING, f"{node_id} (pid {pid}) closed its connection {self.node_timeout:g} s ago and its "
+                                     "agent has not reported its exit: killing it (fencing)"),
+                        Send(agent, P.KILL, {"node_id": node_id, "pid": pid, "cause": CAUSE_CLOSED})]
         return out
 
     def replace(self, peer: int, msg: Mapping[str, Any], now: float) -> list[Action]:
@@ -701,7 +772,7 @@ class Membership:
             out.append(Send(member.peer, P.FENCED, {"reason": f"declared dead: {reason}"}, close=True))
         agent = self.agents.get(self.node_host.get(member.node_id, ""))
         if kill and agent is not None:
-            out.append(Send(agent, P.KILL, {"node_id": member.node_id, "pid": member.pid}))
+            out.append(Send(agent, P.KILL, {"node_id": member.node_id, "pid": member.pid, "cause": cause}))
         if self.status != RUNNING:
             return out
         if self.done:
@@ -771,15 +842,20 @@ class Membership:
         Not a worker of this job (the scheduler, a rank out of range): logged only. Exit 0 without a signal is a
         clean end: the rank is done (its member retired if the pid is the current one). Any other end of the
         current member's pid is its death, at once instead of after node_timeout, with no kill (the process is
-        gone). Another pid (an incarnation already replaced, or never registered) is logged only."""
+        gone). Another pid (an incarnation already replaced, or never registered) is logged only. Its cause is the
+        agent's `cause` (the first cause: the script's error, or the fencing that killed it) if given, else the code
+        or signal; a kill waiting for this report is dropped."""
         node_id, pid = msg.get("node_id"), P.whole(dict(msg), "pid")
         code, sig = P.whole(dict(msg), "code"), msg.get("signal") if isinstance(msg.get("signal"), str) else None
         if not isinstance(node_id, str):
             return []
         node_id = node_id[:256]
+        said = P.cause_field(dict(msg)) or how(code, sig)
+        if self.unreported.get(node_id, (None,))[0] == pid:
+            del self.unreported[node_id]
         rank = rank_of(node_id)
         if rank is None or rank >= self.world_size:
-            return [Log(INFO, f"agent of {agent.host}: {node_id} (pid {pid}) exited with {how(code, sig)}")]
+            return [Log(INFO, f"agent of {agent.host}: {node_id} (pid {pid}) exited: {said}")]
         member = self.members.get(rank)
         if code == 0 and sig is None:
             out: list[Action] = [Log(INFO, f"{node_id} (pid {pid} on {agent.host}) exited 0")]
@@ -787,11 +863,11 @@ class Membership:
                 self._retire(member)
             return out + self._mark_done(rank)
         note = Note("exited", {"node_id": node_id, "rank": rank, "host": agent.host, "pid": pid, "code": code,
-                               "signal": sig})
+                               "signal": sig, "cause": said})
         if member is not None and member.pid == pid:
-            return [note] + self._death(member, f"its agent on {agent.host} saw it exit with {how(code, sig)}",
-                                        kill=False, now=now, cause=how(code, sig))
-        return [note, Log(INFO, f"{node_id} (pid {pid} on {agent.host}) exited with {how(code, sig)}")]
+            return [note] + self._death(member, f"its agent on {agent.host} saw it end: {said}",
+                                        kill=False, now=now, cause=said)
+        return [note, Log(INFO, f"{node_id} (pid {pid} on {agent.host}) exited: {said}")]
 
     def _gave_up(self, agent: Peer, msg: Mapping[str, Any]) -> list[Action]:
         """An agent's process passed its max restarts: the job fails with EXIT_FAILED, the reason naming the node,
@@ -800,8 +876,9 @@ class Membership:
         tail = msg.get("log_tail") if isinstance(msg.get("log_tail"), str) else ""
         last = " | ".join(line for line in tail.strip().splitlines()[-5:])[-2000:]
         sig = msg.get("signal") if isinstance(msg.get("signal"), str) else None
-        reason = (f"{node_id} on {agent.host} failed after its last allowed restart "
-                  f"({how(P.whole(dict(msg), 'code'), sig)})" + (f"; last log lines: {last}" if last else ""))
+        said = P.cause_field(dict(msg)) or how(P.whole(dict(msg), "code"), sig)
+        reason = f"{node_id} on {agent.host} failed after its last allowed restart ({said})" + (
+            f"; last log lines: {last}" if last else "")
         return self._fail(reason, EXIT_FAILED)
 
     def _recovered(self, member: Member, msg: Mapping[str, Any]) -> list[Action]:

@@ -32,8 +32,9 @@ def load(path: Path, job: str, world_size: int) -> dict[str, Any] | None:
         raise StateError(f"{path}: not a scheduler state of this toolkit (version {VERSION}); move it away to start "
                          "the job afresh")
     if doc.get("job") != job or doc.get("world_size") != world_size:
-        raise StateError(f"{path} belongs to job {doc.get('job')!r} with {doc.get('world_size')} workers, not {job!r} "
-                         f"with {world_size}; point MS_RECOVERY_PATH elsewhere or remove it")
+        raise StateError(f"{path} is the state of job {doc.get('job')!r} with {doc.get('world_size')} workers, not of "
+                         f"{job!r} with {world_size}: a run cannot change its size; 'fleet train --fresh' starts the "
+                         "job over (this state moved aside), or deploy it with its old size again")
     try:
         _check(doc)
     except (KeyError, TypeError, ValueError) as e:

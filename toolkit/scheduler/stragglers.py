@@ -12,12 +12,15 @@ threshold clear it. The median of the others, not of all: in a world of two the 
 the median half-way to itself. Figures older than `stale` seconds (a rank that died, or stopped reporting) are not
 compared.
 
+Cost: one sort per evaluation, O(N log N) for N ranks (the median of the others is read off the sorted figures at
+fixed indices, `_median_without`), so evaluating 4096 ranks every EVAL_INTERVAL stays in milliseconds.
+
 Pure: figures and times come in, events come out; the scheduler's journal logs them and puts them in the ledger.
 """
 
 from __future__ import annotations
 
-import statistics
+from bisect import bisect_left
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -100,8 +103,9 @@ class Stragglers:
         events: list[Named | Cleared] = []
         if len(fresh) < 2:
             return events
+        ordered = sorted(fresh.values())
         for rank, busy in fresh.items():
-            median = statistics.median(v for r, v in fresh.items() if r != rank)
+            median = _median_without(ordered, bisect_left(ordered, busy))
             score = median / busy
             self.scores[rank] = score
             slow = score < self.threshold
@@ -121,3 +125,18 @@ class Stragglers:
                 del self.flagged[rank]
                 events.append(Cleared(rank, f.node_id, f.host))
         return events
+
+
+def _median_without(ordered: list[float], i: int) -> float:
+    """statistics.median of `ordered` (sorted, at least 2 values) without its value at index `i`, in O(1): index j of
+    the others is j below i and j + 1 from i on. Equal values are interchangeable, so any index of the rank's value
+    gives the same result, bit for bit the one statistics.median gives (the middle one, or the mean of the two
+    middle ones as (a + b) / 2)."""
+    n = len(ordered) - 1
+
+    def other(j: int) -> float:
+        return ordered[j] if j < i else ordered[j + 1]
+
+    if n % 2 == 1:
+        return other(n // 2)
+    return (other(n // 2 - 1) + other(n // 2)) / 2

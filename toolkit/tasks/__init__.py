@@ -1,19 +1,20 @@
 """What `fleet` and `fab` do, one module per command: plan and deploy, and record a deploy the playbooks made
-(`deploy`), check the hosts (`check`), start and watch (`start`, `join`), ask (`status`, `logs`, `report`), watch
-live (`watch`: `status --watch`), stop (`stop`), hand a host's ranks to a spare (`replace`). Shared by them: the
-job's hosts and SSH settings (`hosts`), the shell snippets run on a host and the parsers of what they print
-(`scripts`), and the terminal output (`output`). The command line (toolkit.cli) calls only what this package
-exports."""
+(`deploy`), check the hosts (`check`), start and watch (`start`, `join`; `run` deploys, starts and watches in
+one), ask (`status`, `logs`, `report`), watch live (`watch`: `status --watch`), stop (`stop`), hand a host's ranks
+to a spare (`replace`). Shared by them: the job's hosts and SSH settings (`hosts`), the shell snippets run on a
+host and the parsers of what they print (`scripts`), and the terminal output (`output`). The command line
+(toolkit.cli) calls only what this package exports."""
 
 from toolkit.tasks.check import Limits, check
 from toolkit.tasks.deploy import deploy, record_deploy, show_plan
 from toolkit.tasks.logs import LOG_LINES, logs
 from toolkit.tasks.replace import replace
 from toolkit.tasks.report import report
+from toolkit.tasks.run import run
 from toolkit.tasks.start import train
 from toolkit.tasks.status import status
 from toolkit.tasks.stop import restart, stop
 from toolkit.tasks.watch import WATCH_INTERVAL, watch
 
 __all__ = ["LOG_LINES", "WATCH_INTERVAL", "Limits", "check", "deploy", "logs", "record_deploy", "replace", "report",
-           "restart", "show_plan", "status", "stop", "train", "watch"]
+           "restart", "run", "show_plan", "status", "stop", "train", "watch"]

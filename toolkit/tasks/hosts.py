@@ -24,7 +24,7 @@ from toolkit.remote import (
     rich_progress,
     run_on_all,
 )
-from toolkit.settings import CoreFlags, JobRef, Settings
+from toolkit.settings import RECORDED_SSH, CoreFlags, JobRef, Settings
 
 LAUNCH_TIMEOUT = 60.0  # s for launch.sh to report the agent up
 STOP_TIMEOUT_EXTRA = 30.0  # s beyond the grace period for stop.sh to finish
@@ -52,7 +52,8 @@ def load_record(ref: JobRef) -> JobRecord:
     Raises UserError when no job was deployed from the project, the name is ambiguous, the record is unreadable
     or damaged (jobrecord.load), or the typed flags contradict it. Reads local files only."""
     record = jobrecord.load(ref.project, ref.job, ref.default_job)
-    wrong = ref.request.contradictions(record.job, record.options, tuple(h.name for h in record.hosts), record.local)
+    recorded = {**record.options, **{k: record.ssh.get(k) for k in RECORDED_SSH}}
+    wrong = ref.request.contradictions(record.job, recorded, tuple(h.name for h in record.hosts), record.local)
     if wrong:
         raise UserError("; ".join(wrong) + f": run 'fleet deploy' with the new values to change job {record.job} "
                         "(or leave the flags out: every task reads them from the job record)")

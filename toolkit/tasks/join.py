@@ -1,12 +1,18 @@
 """`train --join`: wait for the job to end, printing each change; the evidence when it failed.
 
 Remote state cannot be waited on, so the job is polled every JOIN_POLL_INTERVAL: one cheap command per host
-(POLL_SCRIPT: the agent's files, no Python started) over connections kept open between polls (HostPool). The exit
-status tells a script what happened: 0 succeeded, 1 (JobFailed) failed, 130 (Interrupted) stopped watching."""
+(POLL_SCRIPT: the agent's files, no Python started) over connections kept open between polls (HostPool). An agent
+on this machine (a local job) is also waited on: its exit, which ends its host's part of the job, wakes the wait
+at once (a pidfd), so --join returns when the job ends, not up to an interval later. The exit status tells a
+script what happened: 0 succeeded, 1 (JobFailed) failed, 130 (Interrupted) stopped watching."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import os
+import select
+import signal
 import threading
 import time
 from pathlib import Path
@@ -119,7 +125,7 @@ def join_job(record: JobRecord, ssh: SshSettings, timeout: float | None = None,
                     raise JobFailed(f"job {record.job} still runs after --join-timeout {timeout:g} s; it keeps "
                                     "running: 'fleet status' to look, 'fleet stop' to end it")
                 wait = min(wait, deadline - now)
-            if interrupted.wait(wait):
+            if _sleep(interrupted, wait, [st.agent_pid for st in last.values() if st.alive] if record.local else []):
                 raise Interrupted(f"stopped waiting for job {record.job}; it keeps running: 'fleet status' to "
                                   "look, 'fleet stop' to end it")
     hosts = [last[h.name] for h in record.live_hosts]
@@ -128,6 +134,33 @@ def join_job(record: JobRecord, ssh: SshSettings, timeout: float | None = None,
         say(f"job {record.job} succeeded: every worker exited 0 ({took:.1f} s)")
         return
     raise JobFailed(_failure_text(record, hosts, unwatched, took, _failed_tails(record, ssh, hosts)))
+
+
+def _sleep(interrupted: threading.Event, seconds: float, agent_pids: list[int | None]) -> bool:
+    """Wait `seconds`, or less when Ctrl-C comes (then True) or one of `agent_pids` (agents on this machine) exits:
+    the OS says so (the agent's pidfd, and the signal wakeup fd for Ctrl-C), nothing is polled. A plain timed wait
+    off the main thread (only it receives signals) or without an agent to wait on."""
+    fds = []
+    for pid in agent_pids:
+        with contextlib.suppress(OSError, TypeError):  # gone already (its exit is in the next poll), or unknown
+            fds.append(os.pidfd_open(pid))  # type: ignore[arg-type]
+    if not fds or threading.current_thread() is not threading.main_thread():
+        for fd in fds:
+            os.close(fd)
+        return interrupted.wait(seconds)
+    woken, wake = os.pipe()
+    try:
+        os.set_blocking(wake, False)
+        previous = signal.set_wakeup_fd(wake)
+        try:
+            if not interrupted.is_set():
+                select.select([woken, *fds], [], [], seconds)
+        finally:
+            signal.set_wakeup_fd(previous)
+    finally:
+        for fd in (woken, wake, *fds):
+            os.close(fd)
+    return interrupted.is_set()
 
 
 def _failed_tails(record: JobRecord, ssh: SshSettings, hosts: list[HostStatus]) -> dict[str, list[str]]:
@@ -183,9 +216,9 @@ def _report_changes(st: HostStatus, seen: dict[tuple[str, str], tuple[Any, ...]]
 
 def _failure_text(record: JobRecord, hosts: list[HostStatus], unwatched: Mapping[str, str], took: float,
                   tails: Mapping[str, list[str]]) -> str:
-    """JobFailed's message: how long the job ran; for each host whose agent gave up, the process, its exit
-    status, restarts and the log tail the agent recorded; then each host no longer watched and why; then every
-    other host that did not succeed, with the log tails fetched by `_failed_tails`."""
+    """JobFailed's message: how long the job ran; for each host whose agent gave up, the process, its first cause
+    (else its exit status), restarts and the log tail the agent recorded; then each host no longer watched and why;
+    then every other host that did not succeed, with the log tails fetched by `_failed_tails`."""
     lines = [f"job {record.job} failed after {took:.1f} s"]
     causes = [h for h in hosts if h.failure]
     for h in causes:
@@ -193,7 +226,8 @@ def _failure_text(record: JobRecord, hosts: list[HostStatus], unwatched: Mapping
         role = "sched" if f.get("rank") is None else "worker"
         prefix = f"{h.host}:{role}:{dash(f.get('rank'))}"
         lines.append(f"{f.get('node_id')} on {h.host} (rank {dash(f.get('rank'))}, pid {dash(f.get('pid'))}): "
-                     f"{f.get('status')} after {f.get('restarts', 0)} restart(s); last lines of {f.get('log_file')}:")
+                     f"{clean(f.get('cause') or f.get('status'), 600)} after {f.get('restarts', 0)} restart(s); "
+                     f"last lines of {f.get('log_file')}:")
         lines += [f"  {prefix} | {clean(line, None, tabs=True)}" for line in f.get("log_tail") or []]
     for h in hosts:
         if h.host in unwatched:

@@ -52,14 +52,15 @@ exit 0
 LAYOUT_NOT_OURS, LAYOUT_OPEN_TO_OTHERS, LAYOUT_OTHER_JOB, LAYOUT_SYMLINK = 20, 21, 22, 23  # its exit codes
 
 
-# Moves a run's checkpoints, scheduler state and agent.json aside under one stamp (a shared checkpoint directory
-# is moved once: the first host's mv wins, the others find nothing to move).
+# Moves a run's checkpoints, scheduler state, agent.json and the mark of its first start (state/since) aside under
+# one stamp (a shared checkpoint directory is moved once: the first host's mv wins, the others find nothing to move).
 ARCHIVE_SCRIPT = r"""
 d=$1 ckpt=$2 stamp=$3
 for p in "$ckpt" "$d/recovery"; do
     if [ -e "$p" ]; then mv -- "$p" "$p.previous-$stamp" && echo "moved $p to $p.previous-$stamp"; fi
 done
 if [ -e "$d/state/agent.json" ]; then mv -- "$d/state/agent.json" "$d/state/agent.previous-$stamp.json"; fi
+if [ -e "$d/state/since" ]; then mv -- "$d/state/since" "$d/state/since.previous-$stamp"; fi
 exit 0
 """
 

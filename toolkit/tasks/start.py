@@ -43,13 +43,14 @@ from toolkit.tasks.hosts import (
 )
 from toolkit.tasks.join import join_job
 from toolkit.tasks.output import say
+from toolkit.tasks.rerun import move_checkpoints, project_checkpoints, refuse_size_change, workdir_of
 from toolkit.tasks.scripts import ARCHIVE_SCRIPT
 from toolkit.tasks.status import HostStatus, collect_status, poll_status
 from toolkit.tasks.stop import stop_one
 
 
 def train(request: Request, join: bool = False, join_timeout: float | None = None, fresh: bool = False,
-          again: bool = False, check: bool = True) -> None:
+          again: bool = False, check: bool = True, verb: str = "fleet train") -> None:
     """Start the deployed job on every host at once (deploying it first if it never was); all or nothing: if a
     host fails to start, what started elsewhere is stopped. With `join`, wait for the job to end.
 
@@ -67,7 +68,8 @@ def train(request: Request, join: bool = False, join_timeout: float | None = Non
 
     With `check` (the default; `--no-check` turns it off), the hosts of a job on hosts (not a local one) are
     checked first, after any deploy (tasks.check): a problem refuses the start (UserError listing them) before
-    anything is started; a host or link that is only slow is a warning."""
+    anything is started; a host or link that is only slow is a warning. `verb` is the command the messages tell
+    the user to type again (`fleet run` passes its own)."""
     if fresh and again:
         raise UserError("--fresh and --again both given: start the job over (--fresh) or go on from where it "
                         "ended (--again), not both")
@@ -83,7 +85,7 @@ def train(request: Request, join: bool = False, join_timeout: float | None = Non
         _check_first(record, ssh, ref.project)
     sched = record.host(record.scheduler_host)
     port = record.sched_port
-    _previous_run(record, ssh, fresh=fresh, again=again)
+    _previous_run(record, ssh, fresh=fresh, again=again, verb=verb, project=ref.project)
 
     def start(host: Host) -> bool:
         """True if this call started the agent (False: this job's agent already ran). OtherJob, with nothing
@@ -142,9 +144,12 @@ def finished_run(hosts: list[HostStatus]) -> Finished | None:
     return Finished(max(steps) if steps else None, max(stamps) if stamps else None)
 
 
-def _previous_run(record: JobRecord, ssh: SshSettings, fresh: bool, again: bool) -> None:
-    """Refuse to start a finished job again unless told how (see `train`); with `fresh`, move its previous run
-    aside on every host, so that the new run starts from step 0 and no status shows the old run's processes."""
+def _previous_run(record: JobRecord, ssh: SshSettings, fresh: bool, again: bool, verb: str = "fleet train",
+                  project: Path = Path(".")) -> None:
+    """Refuse to start a finished job again unless told how (see `train`), and a job whose previous run had another
+    number of workers unless `fresh` (tasks.rerun); with `fresh`, move its previous run aside on every host, so
+    that the new run starts from step 0 and no status shows the old run's processes: its checkpoints, state, and
+    the checkpoints its scripts wrote in their project (`project`: where a local job runs; rerun says which)."""
     _, hosts = collect_status(record, ssh)
     other = [h for h in hosts if h.other_job is not None]
     if other:
@@ -156,25 +161,31 @@ def _previous_run(record: JobRecord, ssh: SshSettings, fresh: bool, again: bool)
     if alive:
         if fresh:
             raise UserError(f"job {record.job} is running on {', '.join(alive)}: stop it first ('fleet stop'), "
-                            "then 'fleet train --fresh' starts it over")
+                            f"then '{verb} --fresh' starts it over")
+        refuse_size_change(record, ssh, verb, running=True)
         return
     done = finished_run(hosts)
     if done is not None and not (fresh or again):
         step = f" at step {done.step}" if done.step is not None else ""
         when = f" ({done.at})" if done.at else ""
-        raise UserError(f"job {record.job} already finished{step}{when}: nothing to train. 'fleet train --fresh' "
+        raise UserError(f"job {record.job} already finished{step}{when}: nothing to train. '{verb} --fresh' "
                         "trains it again from the start (its checkpoints and state are moved aside, not deleted), "
-                        "'fleet train --again' goes on from its final checkpoints (e.g. with more epochs), or "
+                        f"'{verb} --again' goes on from its final checkpoints (e.g. with more epochs), or "
                         "deploy it under another --job name")
     if not fresh:
+        refuse_size_change(record, ssh, verb)
         return
     stamp = time.strftime("%Y%m%dT%H%M%S")
+    written = project_checkpoints(record, ssh, project, {h.host: h.updated_at for h in hosts})
 
     def archive(host: Host) -> str:
-        """Move this host's previous run aside (ARCHIVE_SCRIPT); returns its "moved ..." lines."""
+        """Move this host's previous run aside (ARCHIVE_SCRIPT, move_checkpoints); returns its "moved ..." lines."""
         h = record.host(host.name)
-        return host.run(["sh", "-c", ARCHIVE_SCRIPT, "sh", h.job_dir, h.ckpt_dir or f"{h.job_dir}/ckpt", stamp],
-                        timeout=STATUS_TIMEOUT, check=True).stdout.strip()
+        moved = host.run(["sh", "-c", ARCHIVE_SCRIPT, "sh", h.job_dir, h.ckpt_dir or f"{h.job_dir}/ckpt", stamp],
+                         timeout=STATUS_TIMEOUT, check=True).stdout.strip()
+        files = written.get(host.name, [])
+        return "\n".join(filter(None, [moved, move_checkpoints(host, h, workdir_of(h, record.local, project), files,
+                                                                stamp)]))
 
     moved = fan_out("moving the previous run aside", record_targets(record), archive, ssh)
     for name, text in moved.items():

@@ -279,8 +279,9 @@ def _proc(host: str, p: Mapping[str, Any], got: Mapping[str, Any], state: str, n
         age = max(0.0, now - mtimes[log_name])
     last = got.get("last_exit") or None
     how = None
-    if isinstance(last, dict):
-        how = f"killed by {last['signal']}" if last.get("signal") else f"exit code {last.get('code')}"
+    if isinstance(last, dict):  # its first cause when the agent found one (the script's error, the fencing)
+        how = clean(last["cause"], 400) if isinstance(last.get("cause"), str) else (
+            f"killed by {last['signal']}" if last.get("signal") else f"exit code {last.get('code')}")
     steps = [v for v in (got.get("step"), figures.get("step")) if isinstance(v, int) and not isinstance(v, bool)]
     score = _number(figures.get("score"))
     straggler = round(1 / score, 2) if figures.get("straggler") is True and score else None
@@ -305,11 +306,12 @@ def _proc(host: str, p: Mapping[str, Any], got: Mapping[str, Any], state: str, n
 
 
 def _repeating(same: Any) -> str | None:
-    """The agent's `same_failure` ({times, step, code, signal}: a process failing again and again the same way) as
-    words, or None."""
+    """The agent's `same_failure` ({times, step, code, signal, cause}: a process failing again and again the same
+    way) as words, or None."""
     if not isinstance(same, dict) or not isinstance(same.get("times"), int):
         return None
-    how = f"killed by {clean(same['signal'], 40)}" if same.get("signal") else f"exit code {same.get('code')}"
+    how = clean(same["cause"], 400) if isinstance(same.get("cause"), str) else (
+        f"killed by {clean(same['signal'], 40)}" if same.get("signal") else f"exit code {same.get('code')}")
     step = same.get("step")
     where = f"at step {step}" if isinstance(step, int) else "before reporting any step"
     return f"failed {same['times']} times in a row {where}, each time with {how}: it does not get past it"

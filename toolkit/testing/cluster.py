@@ -1,7 +1,9 @@
 """A test cluster built from Linux network namespaces: each "host" has its own address on a private bridge, its
 own hostname, home, workdir and OpenSSH server (key-only), and the cluster comes with a client key, a real
 known_hosts file, an ssh_config and an Ansible inventory, so tests exercise the same SSH paths a user's cluster
-does without leaving this machine.
+does without leaving this machine. On the hosts, the hosts' names resolve (an /etc/hosts of the cluster's, mounted
+in their own mount namespaces), as on a cluster with DNS: a job given `--hosts=node1:4,node2:4` through ssh_config
+aliases works.
 
 Everything an instance creates is named from a short id unique on this machine and recorded in `cluster.json`
 before it is created, so two clusters coexist and teardown (also `scripts/cluster.py down` of a stale one)
@@ -176,6 +178,11 @@ class Cluster:
         return self.dir / "ssh_config"
 
     @property
+    def etc_hosts(self) -> Path:
+        """The hosts' /etc/hosts (mounted over theirs): every host's name and address, and localhost."""
+        return self.dir / "etc_hosts"
+
+    @property
     def inventory(self) -> Path:
         """The Ansible inventory (INI) of the cluster: every host a worker, with `slots` each."""
         return self.dir / "inventory.ini"
@@ -319,6 +326,8 @@ class Cluster:
                       netns=h.netns)
 
         self.write_known_hosts(self.known_hosts)
+        self.etc_hosts.write_text("".join(f"{a}\t{n}\n" for a, n in [("127.0.0.1", "localhost"), ("::1", "localhost")]
+                                          + [(h.address, h.name) for h in self.hosts]))
         self.ssh_config.write_text(self._ssh_config_text())
         self.inventory.write_text(self._inventory_text(slots))
         self._start_sshds(self.names)
@@ -392,7 +401,7 @@ class Cluster:
             h.pid_file.unlink(missing_ok=True)
             argv = ["ip", "netns", "exec", h.netns, "unshare", "--uts", "--mount", "--propagation", "private",
                     "/bin/sh", "-c", _HOST_INIT, "sh", h.name, str(h.home), ROOT_HOME, SSHD, str(h.sshd_config),
-                    str(h.sshd_log), self._sshd_flags(), *self.state.home_shares]
+                    str(h.sshd_log), self._sshd_flags(), str(self.etc_hosts), *self.state.home_shares]
             with open(h.sshd_log, "ab") as log:
                 proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
                                         start_new_session=True, close_fds=True)
@@ -646,11 +655,12 @@ class Cluster:
 
 # --- helpers ---------------------------------------------------------------------------------------------------
 
-# Run inside a host's new UTS and mount namespaces: name it, put its private home over root's (showing only the
-# shared entries, e.g. ~/.pyenv where the venv's python lives) and become its sshd.
+# Run inside a host's new UTS and mount namespaces: name it, give it the cluster's /etc/hosts, put its private home
+# over root's (showing only the shared entries, e.g. ~/.pyenv where the venv's python lives) and become its sshd.
 _HOST_INIT = """
-name=$1 home=$2 real=$3 sshd=$4 conf=$5 log=$6 flags=$7; shift 7
+name=$1 home=$2 real=$3 sshd=$4 conf=$5 log=$6 flags=$7 hosts=$8; shift 8
 hostname "$name" || exit 1
+mount --bind "$hosts" /etc/hosts || exit 1
 for share in "$@"; do
     mkdir -p "$home/$share" && mount --bind "$real/$share" "$home/$share" || exit 1
 done

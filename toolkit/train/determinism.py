@@ -1,5 +1,5 @@
-"""Bit-reproducible data-parallel training on CPU, so that a run interrupted and resumed from a checkpoint ends
-with exactly the parameters of an uninterrupted one.
+"""Bit-reproducible data-parallel training, so that a run interrupted and resumed (in place or from a checkpoint)
+ends with exactly the parameters of an uninterrupted one.
 
 Why each piece is needed:
 
@@ -8,20 +8,28 @@ Why each piece is needed:
   and gloo's ring allreduce adds each element's contributions in an order that depends on where the element
   sits in the bucket (its chunk). Resume at step k and step k+1 runs with the initial layout where the
   uninterrupted run had the rebuilt one; with 3+ ranks the float sums differ in the last bits.
-  ``ordered_allreduce_hook`` all-gathers the bucket and sums the contributions in rank order 0..n-1 on every
-  rank: each element's result depends only on the ranks' values, never on bucket layout or chunking.
+  ``OrderedReducer`` sums each element's contributions in rank order 0..n-1 and divides by n, the same
+  arithmetic on every rank whatever the bucket layout, and moves what a ring allreduce moves: each rank owns an
+  n-th of the bucket, receives the others' slices of it (a reduce-scatter by point-to-point sends), sums them in
+  rank order, and sends its sum to every other rank (an all-gather): 2(n-1)/n of the bucket out and in, and n-1
+  slices of extra memory. (gloo's own reduce-scatter is an allreduce underneath, and its allreduce sums in chunk
+  order: neither gives a layout-independent order.)
 - Thread count changes how CPU kernels split their reductions: ``configure`` pins it.
 - ``torch.use_deterministic_algorithms`` rejects (rather than silently runs) kernels with no deterministic
   implementation.
 """
 
 # No ``from __future__ import annotations`` here: DDP checks the hook's annotations as real objects.
+import queue
 import random
+import threading
 from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
+
+CLOSE_WAIT = 10.0  # s for the reducer's thread to finish the buckets queued when its wrapper goes
 
 
 def configure(threads: int = 1) -> None:
@@ -45,29 +53,123 @@ def seed_all(seed: int) -> None:
     np.random.seed(seed % (1 << 32))
 
 
-def ordered_allreduce_hook(group: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """DDP comm hook: the mean of the ranks' gradients, summed in rank order on every rank.
+class OrderedReducer:
+    """DDP comm hook state for the rank-ordered mean of a bucket. Register with
+    ``ddp.register_comm_hook(OrderedReducer(group), ordered_allreduce_hook)`` (``group`` None: the default group)
+    and ``close()`` it when the DDP wrapper goes.
 
-    Register with ``ddp.register_comm_hook(group, ordered_allreduce_hook)`` (``group`` None = the default
-    group). Costs an all-gather (world_size x the bucket in memory and traffic) instead of a ring allreduce:
-    fine for the small worlds where bitwise reproducibility is checked; leave it off where throughput matters
-    more than bit equality.
-    """
-    pg = group if group is not None else dist.group.WORLD
-    world = dist.get_world_size(pg)
-    buf = bucket.buffer()
-    parts = [torch.empty_like(buf) for _ in range(world)]
-    fut = dist.all_gather(parts, buf, group=pg, async_op=True).get_future()
+    On CPU (gloo) one thread per wrapper does each bucket's exchange while backward goes on, as DDP's own
+    allreduce does on gloo's threads: gloo matches point-to-point messages by peer and tag (the bucket's index),
+    so this thread cannot cross a collective issued by the training thread. On a GPU (NCCL) the exchange is issued
+    from the hook itself, in bucket order: NCCL orders it on the device, and the host does not wait.
 
-    def reduce(gathered: torch.futures.Future[Any]) -> torch.Tensor:
-        # A failed all-gather (a peer died) must fail the bucket, not sum the half-filled buffers: then() runs
-        # this callback on an errored future too, and value() is what re-raises its error.
-        gathered.value()
-        total = parts[0].clone()
-        for p in parts[1:]:
-            total.add_(p)
-        total.div_(world)
-        buf.copy_(total)
-        return buf
+    `fence` (toolkit.train.fence.Fence, optional): when it trips, the buckets not yet reduced fail at once, so
+    that backward returns with the error; the thread, which may be stuck in a receive gloo never wakes (see the
+    fence module), is left to its timeout."""
 
-    return fut.then(reduce)
+    def __init__(self, group: Any = None, fence: Any = None) -> None:
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world = dist.get_world_size(group)
+        self._queue: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self._pending: list[torch.futures.Future] = []  # futures handed to DDP and not yet completed
+        self._failed: BaseException | None = None  # an exchange failed or the group was abandoned
+        self._unwatch = fence.watch(self._abandon) if fence is not None else None
+
+    def __call__(self, bucket: dist.GradBucket) -> torch.futures.Future:
+        buf = bucket.buffer()
+        if buf.device.type != "cpu":
+            fut = torch.futures.Future(devices=[buf.device])  # waiting on it orders the waiter's stream after ours
+            _exchange(buf, self.group, self.rank, self.world, 0)
+            fut.set_result(buf)
+            return fut
+        fut = torch.futures.Future()
+        with self._lock:
+            if self._failed is not None:
+                fut.set_exception(self._failed)
+                return fut
+            self._pending.append(fut)
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="toolkit-ordered-allreduce", daemon=True)
+            self._thread.start()
+        self._queue.put((buf, 2 * bucket.index(), fut))
+        return fut
+
+    def close(self, timeout: float = CLOSE_WAIT) -> None:
+        """Stop watching the fence and end the thread: once the buckets queued are done (bounded), or, if the group
+        failed, without waiting (its thread may be stuck in a receive gloo never wakes; it ends at its timeout)."""
+        if self._unwatch is not None:
+            self._unwatch()
+        if self._thread is not None:
+            self._queue.put(None)
+            if self._failed is None:
+                self._thread.join(timeout)
+            self._thread = None
+
+    def _abandon(self) -> None:
+        """The fence tripped: fail every bucket not yet reduced (from the thread that tripped it)."""
+        self._finish(None, RuntimeError("gloo: the rank-ordered allreduce was abandoned: a new generation began and "
+                                        "the group's connections were shut down"))
+
+    def _finish(self, fut: torch.futures.Future | None, error: BaseException | None, buf: Any = None) -> None:
+        """Complete `fut` with `buf`, or fail it with `error` (every pending one if `fut` is None); once."""
+        with self._lock:
+            if error is not None and self._failed is None:
+                self._failed = error
+            todo = self._pending if fut is None else [fut]
+            for f in todo:
+                if f in self._pending:
+                    self._pending.remove(f)
+                    if error is None:
+                        f.set_result(buf)
+                    else:
+                        f.set_exception(self._failed or error)
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            buf, tag, fut = item
+            if self._failed is not None:  # the group is broken: no more traffic on it
+                self._finish(fut, self._failed)
+                continue
+            try:
+                _exchange(buf, self.group, self.rank, self.world, tag)
+            except Exception as e:  # noqa: BLE001 - a peer died: the bucket fails, and DDP raises it in backward
+                self._finish(fut, e)
+            else:
+                self._finish(fut, None, buf)
+
+
+def ordered_allreduce_hook(state: OrderedReducer, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP comm hook: the mean of the ranks' gradients, summed in rank order on every rank (see OrderedReducer)."""
+    return state(bucket)
+
+
+def _exchange(buf: torch.Tensor, group: Any, rank: int, world: int, tag: int) -> None:
+    """Replace `buf` by the rank-ordered mean of every rank's `buf`: rank r owns the r-th of n near-equal slices,
+    receives every rank's copy of it, sums them in rank order and divides by n (the arithmetic of
+    ``sum(parts[0..n-1]) / n`` element by element), then every rank receives every slice's result."""
+    n = buf.numel()
+    bounds = [n * i // world for i in range(world + 1)]
+    slices = [buf[bounds[p]:bounds[p + 1]] for p in range(world)]
+    mine = slices[rank]
+    parts = [mine if p == rank else torch.empty_like(mine) for p in range(world)]
+    _wait(dist.P2POp(op, t, p, group=group, tag=tag) for p in range(world) if p != rank
+          for op, t in ((dist.irecv, parts[p]), (dist.isend, slices[p])))
+    total = parts[0] + parts[1] if world > 1 else parts[0].clone()
+    for part in parts[2:]:
+        total.add_(part)
+    torch.div(total, world, out=mine)
+    _wait(dist.P2POp(op, t, p, group=group, tag=tag + 1) for p in range(world) if p != rank
+          for op, t in ((dist.irecv, slices[p]), (dist.isend, mine)))
+
+
+def _wait(ops: Any) -> None:
+    ops = list(ops)
+    if ops:
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()

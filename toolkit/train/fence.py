@@ -14,6 +14,14 @@ thread (`destroy_process_group`), so no descriptor is ever closed under a thread
 identified by descriptor and inode: a descriptor number reused after the group closed is never touched. On CUDA
 (NCCL) the group's own abort is the tool (`ProcessGroupNCCL` aborts its communicators, ncclCommAbort): that path
 is written here but was not run on this project's CPU-only machines.
+
+One case the sockets cannot settle: a gloo receive whose message had started to arrive when its connection broke
+waits out the collective timeout (gloo's `Pair::signalException` wakes every pending operation of the pair but the
+one it is reading; measured: a 2 GB receive from a peer killed mid-way returned after the full timeout). Large
+messages are exactly where that happens (the state transfer, a gradient bucket). So waits on large transfers run
+in a helper thread (`Fence.call`) or complete futures that a trip fails (`Fence.watch`): the training thread goes
+on at the trip, and the abandoned helper ends at its own timeout without touching anything (its connections are
+shut).
 """
 
 from __future__ import annotations
@@ -22,7 +30,14 @@ import os
 import socket
 import threading
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable, TypeVar
+
+T = TypeVar("T")
+
+
+class Abandoned(RuntimeError):
+    """The group was abandoned (a new generation began) while this call waited on it. Its text names gloo and the
+    connection, as a collective's failure does, so that the runtime treats it as one."""
 
 FD_DIR = "/proc/self/fd"
 
@@ -75,20 +90,65 @@ class Fence:
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _sockets: dict[int, int] = field(default_factory=dict)
     _groups: list[Any] = field(default_factory=list, repr=False)
+    _watchers: dict[int, Callable[[], None]] = field(default_factory=dict, repr=False)
+    _next_watcher: int = 0
     generation: int | None = None  # the generation whose group is recorded; None: disarmed
     tripped: bool = False
 
     def arm(self, generation: int) -> None:
         """Start recording the group being built for `generation`: forget what was recorded before, clear a trip."""
         with self._lock:
-            self._sockets, self._groups = {}, []
+            self._sockets, self._groups, self._watchers = {}, [], {}
             self.generation, self.tripped = generation, False
 
     def disarm(self) -> None:
         """Forget the group (it is being destroyed): a later trip must not touch descriptors reused since."""
         with self._lock:
-            self._sockets, self._groups = {}, []
+            self._sockets, self._groups, self._watchers = {}, [], {}
             self.generation, self.tripped = None, False
+
+    def watch(self, callback: Callable[[], None]) -> Callable[[], None]:
+        """Call `callback` (quick, thread-safe: it runs on the thread that trips the fence) when the armed group is
+        abandoned, or now if it already was. Returns the function that stops watching. Forgotten at arm/disarm."""
+        with self._lock:
+            if not self.tripped:
+                key, self._next_watcher = self._next_watcher, self._next_watcher + 1
+                self._watchers[key] = callback
+                return lambda: self._unwatch(key)
+        callback()
+        return lambda: None
+
+    def _unwatch(self, key: int) -> None:
+        with self._lock:
+            self._watchers.pop(key, None)
+
+    def call(self, fn: Callable[[], T], what: str) -> T:
+        """`fn()` (blocking calls on this fence's group) run in a helper thread; its result or its exception. If
+        the fence trips first, Abandoned at once, naming `what`; the helper is left to end at its own timeout."""
+        done = threading.Event()
+        out: list[tuple[bool, Any]] = []
+
+        def run() -> None:
+            try:
+                out.append((True, fn()))
+            except BaseException as e:  # noqa: BLE001 - handed to the caller
+                out.append((False, e))
+            done.set()
+
+        stop = self.watch(done.set)
+        try:
+            if not done.is_set():
+                threading.Thread(target=run, name=f"toolkit-{what}", daemon=True).start()
+                done.wait()
+        finally:
+            stop()
+        if not out:
+            raise Abandoned(f"gloo: {what} abandoned: a new generation began and the group's connections were shut "
+                            "down")
+        ok, value = out[0]
+        if not ok:
+            raise value
+        return value
 
     def add_sockets(self, sockets: dict[int, int]) -> None:
         """Record sockets the group's build opened ({descriptor: inode}, from `opened_since`); if the fence has
@@ -114,7 +174,11 @@ class Fence:
             self.tripped = True
             for group in self._groups:
                 _abort(group)
-            return _shutdown(self._sockets)
+            done = _shutdown(self._sockets)
+            watchers, self._watchers = list(self._watchers.values()), {}
+        for callback in watchers:
+            callback()
+        return done
 
 
 def opened_since(before: dict[int, int]) -> dict[int, int]:

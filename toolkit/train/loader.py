@@ -24,6 +24,7 @@ from __future__ import annotations
 import itertools
 from typing import Any, Callable, Iterator
 
+import torch
 import torch.utils.data as tud
 
 
@@ -100,3 +101,42 @@ def _make_preparable(sampler: Any) -> Callable[[int], None] | None:
         sampler._toolkit_order = list(itertools.islice(base.__iter__(sampler), skip, None))
 
     return prepare
+
+
+class Replay:
+    """The batch last given out and its (epoch, batch) position, to give it again when the step that trained on
+    it is redone after a fault.
+
+    Why: the other way to get that batch again is a new iterator, which for a loader with worker processes means
+    shutting the old pool down and forking a new one before the first batch: 0.2 s of a recovery that otherwise
+    takes a tenth of that (measured on the ported example). Only for loaders with workers: without them a new
+    iterator costs about a millisecond, and a batch made in this process may have drawn from the global generators
+    (random augmentation), which giving the batch again would not repeat. A batch whose tensors were changed in
+    place since (their version counters moved) is not given again."""
+
+    def __init__(self, loader: tud.DataLoader) -> None:
+        self.enabled = getattr(loader, "num_workers", 0) > 0
+        self._at: tuple[int, int] | None = None
+        self._batch: Any = None
+        self._versions: list[int] = []
+
+    def keep(self, at: tuple[int, int], batch: Any) -> None:
+        if self.enabled:
+            self._at, self._batch, self._versions = at, batch, _versions(batch)
+
+    def get(self, at: tuple[int, int]) -> tuple[Any] | None:
+        """(the batch,) if the one kept is at `at` and unchanged, else None."""
+        if self._at != at or _versions(self._batch) != self._versions:
+            return None
+        return (self._batch,)
+
+
+def _versions(batch: Any) -> list[int]:
+    """The version counters of the tensors in a batch (nested in lists, tuples and dicts)."""
+    if isinstance(batch, torch.Tensor):
+        return [batch._version]
+    if isinstance(batch, (list, tuple)):
+        return [v for item in batch for v in _versions(item)]
+    if isinstance(batch, dict):
+        return [v for item in batch.values() for v in _versions(item)]
+    return []

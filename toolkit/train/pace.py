@@ -59,8 +59,9 @@ class StepPace:
         """Keep `value` (a float, or a one-element tensor: float() of it) as the latest loss; non-finite is kept as
         None (a diverged loss is shown as missing, never as NaN in a JSON document)."""
         self.loss_sampled_at = now
+        detach = getattr(value, "detach", None)  # a loss with its graph: float() of it warns (requires_grad)
         try:
-            loss = float(value)
+            loss = float(detach() if callable(detach) else value)
         except (TypeError, ValueError, RuntimeError):
             return
         self.loss = loss if math.isfinite(loss) else None

@@ -114,6 +114,13 @@ class WorkerEnv:
     restart_only: bool = False  # TOOLKIT_RECOVERY=restart: recover by relaunching even a toolkit.train script
     pace: bool = True  # TOOLKIT_PACE: time the steps for the scheduler (toolkit.train.pace); "0" turns it off
 
+    @property
+    def word_wait(self) -> float:
+        """s to wait for the scheduler's word after a collective failed: a peer's death is announced at once (its
+        connection closes, its agent reports the exit), a stopped or cut-off peer's after MS_NODE_TIMEOUT of
+        silence; a heartbeat interval or two and a second more for the message to travel on a loaded host."""
+        return self.node_timeout + 2 * self.heartbeat_interval + 1.0
+
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> "WorkerEnv":
         """Read and validate `env`. The mode follows from it: MS_ROLE=MS_WORKER is toolkit (the token read from
@@ -520,6 +527,11 @@ class Runtime:
         """The current process group; it is also the default group, so plain `dist.*` calls and DDP use it."""
         return dist.group.WORLD
 
+    @property
+    def fence(self) -> Fence:
+        """The current group's fence: what abandons it when a new generation begins (`watch`, `call`)."""
+        return self._fence
+
     # -- generations
 
     def check(self) -> None:
@@ -557,8 +569,7 @@ class Runtime:
         ch = self._channel
         if ch is None or not _looks_collective(error):
             return None
-        bound = self.cfg.node_timeout + 2 * self.cfg.heartbeat_interval + 1.0
-        new = ch.wait_change(self.generation, bound)
+        new = ch.wait_change(self.generation, self.cfg.word_wait)
         return None if new is None else GenerationChanged(self.generation, new)
 
     def reform(self) -> dist.ProcessGroup:

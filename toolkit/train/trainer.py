@@ -13,17 +13,19 @@
 
 What it gives, under toolkit's launcher: a worker that dies costs no restart of the others and no lost step. The
 survivors abandon the broken group at once (toolkit.train.fence), re-form it with the replacement, and every rank
-takes the current state (model, optimizer, the extra state handed over) from a survivor: the one at the newest
-step, since a fault inside a collective can leave ranks a step apart (a collective completed on one rank is a
-complete sum there). Data position and randomness are functions of the step, so the replacement needs nothing
-else: the loader is positioned at the step's batch (toolkit.train.loader) and torch's, Python's and numpy's
-global generators are seeded from (seed, rank, step) before each step's batch is drawn. The result is bitwise the
-one an uninterrupted run gives (with the rank-ordered allreduce, `deterministic=True`). Checkpoints (one
-authenticated copy per host, its writing shared by the host's ranks, asynchronous, every `ckpt_every` steps, their
-commits told to the scheduler: toolkit.train.checkpoint) are for when no survivor holds the state: a whole-job
-restart, from the newest copy any host has, or a world of one. SIGTERM: every rank agrees at the next step boundary
-and saves that step (last words); the ranks that got the signal leave (exit 143), the others go on and meet the
-replacement.
+not at the newest step any survivor holds takes the state (model, optimizer, the extra state handed over) from a
+survivor at that step, tensor by tensor into its own storage (toolkit.train.transfer); a fault inside a collective
+can leave ranks a step apart (a collective completed on one rank is a complete sum there). Data position and
+randomness are functions of the step, so the replacement needs nothing else: the loader is positioned at the
+step's batch (toolkit.train.loader) and torch's, Python's and numpy's global generators are seeded from (seed,
+rank, step) before each step's batch is drawn. The result is bitwise the one an uninterrupted run gives (with the
+rank-ordered allreduce, `deterministic=True`). Checkpoints (one authenticated copy per host, its writing shared by
+the host's ranks, asynchronous, every `ckpt_every` steps, their commits told to the scheduler:
+toolkit.train.checkpoint) are for when no survivor holds the state: a whole-job restart, from the newest copy any
+host has, or a world of one. SIGTERM: every rank agrees at the next step boundary and saves that step (last
+words); the ranks that got the signal leave (exit 143), the others go on and meet the replacement. A rank whose
+own SIGTERM comes later (during the agreement, or after it while its peers leave) leaves with the step it saved or
+holds, at once, without waiting for a scheduler that may be stopping too.
 
 Under torchrun or alone the same script runs: a fault there ends the process with one line and exit code 1
 (EXIT_PEER_LOST) for the launcher to restart the world, which resumes from the newest checkpoint.
@@ -39,13 +41,13 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import io
 import os
 import random
 import signal
 import sys
 import threading
 import time
+import weakref
 from pathlib import Path
 from typing import Any, Iterator, Mapping, NoReturn
 
@@ -55,10 +57,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-from toolkit.train import checkpoint, ckptfile, determinism, interval
+from toolkit.train import checkpoint, ckptfile, determinism, interval, transfer
 from toolkit.train.checkpoint import CheckpointManager
 from toolkit.train.divergence import DivergenceCheck
-from toolkit.train.loader import Positioner
+from toolkit.train.loader import Positioner, Replay
 from toolkit.train.runtime import MODE_TOOLKIT, GenerationChanged, JobStopped, Runtime, _first_line, _looks_collective
 
 EXIT_TERMINATED = 128 + signal.SIGTERM
@@ -130,6 +132,7 @@ class Trainer:
         self._ddp: nn.Module | None = None
         self._batches: Iterator[Any] | None = None
         self._batches_at: tuple[int, int] | None = None  # (epoch, batch) the iterator yields next
+        self._replay = Replay(loader)  # the batch last given out, for a step redone after a fault
         self._need_sync = True
         self._entered = True  # the previous batch went through step(): nothing to complain about at the start
         self._applied = 0  # optimizer steps seen by the post-hook (a step that ran before a fault still counts)
@@ -137,7 +140,8 @@ class Trainer:
         self._buckets = _BucketClock()  # when this rank handed its last gradient bucket to the allreduce
         self._step_began: float | None = None  # the end of the previous step: where this step's own work starts
         self._loss: Any = None
-        self._initial = checkpoint.snapshot(self._capture())  # step 0, when no rank holds anything newer
+        self._pristine = True  # the state is still the one the user built (no transfer was received into it)
+        self._wrapped = False  # a DDP wrapper was built in this process
         self._staging_wait = 0.0  # s the optimizer waited for the last checkpoint's staging (part of its stall)
         self._pre_hook = optimizer.register_step_pre_hook(self._before_optimizer_step)
         self._stop = threading.Event()
@@ -204,7 +208,7 @@ class Trainer:
         except JobStopped:
             raise
         except Exception as e:
-            changed = self.rt.changed_by(e)
+            changed = self._word_on(e, applied)
             if changed is not None:
                 self._abandoned(applied, changed.new)
                 return
@@ -237,7 +241,7 @@ class Trainer:
             return
         while True:
             try:
-                with self.rt.guard():
+                with self._guarded():
                     self._save()
                     self.manager.flush()
                     if self.rt.world_size > 1:
@@ -273,38 +277,78 @@ class Trainer:
         """The optimizer changes parameters and its state in place: the checkpoint in flight must have copied them."""
         self._staging_wait += self.manager.wait_staged()
 
-    def _abandoned(self, applied_before: int, generation: int) -> None:
-        """The step ended by a fault. If this rank's optimizer step ran, its allreduce had completed (a complete
-        sum of every rank's gradients), so the state it holds is the next step's: keep it, the others may need it."""
+    def _abandoned(self, applied_before: int, generation: int | None) -> None:
+        """The step ended by a fault (`generation`: the one announced; None: SIGTERM came before the word). If this
+        rank's optimizer step ran, its allreduce had completed (a complete sum of every rank's gradients), so the
+        state it holds is the next step's: keep it, the others may need it. A rank that got SIGTERM leaves now with
+        that state (`_last_words`): its peers may be leaving too, and nobody would re-form with it."""
         kept = self._applied != applied_before
         if kept:
             self.step_count += 1
         self._live = True
         self._need_sync = True
-        self._batches = None
-        print(f"rank {self.rt.rank}: generation {self.rt.generation} -> {generation} at step {self.step_count} "
-              f"({'the step was complete here' if kept else 'the step in flight is redone'}): re-forming the group",
-              flush=True)
+        how = 'the step was complete here' if kept else 'the step in flight is redone'
+        if generation is None:
+            print(f"rank {self.rt.rank}: the group broke at step {self.step_count} ({how})", flush=True)
+        else:
+            print(f"rank {self.rt.rank}: generation {self.rt.generation} -> {generation} at step {self.step_count} "
+                  f"({how}): re-forming the group", flush=True)
+        if self._stop.is_set() and self.rt.mode == MODE_TOOLKIT:
+            self._last_words()
+
+    def _word_on(self, error: Exception, applied: int | None = None) -> GenerationChanged | None:
+        """After `error` ended a step (`applied`: the optimizer steps seen before it) or a recovery (None): the
+        GenerationChanged to act on if the job moved on, None if the error is the loop's own (Runtime.changed_by,
+        which waits a bounded time for the scheduler's word). SIGTERM, come before or during that wait, ends the
+        wait and the process with last words: when every rank is told to stop, the peers are leaving and the
+        scheduler too, so no word would come (the wait would outlast the agent's grace and end in SIGKILL)."""
+        if self.rt.mode != MODE_TOOLKIT or not _looks_collective(error):
+            return self.rt.changed_by(error)
+        try:
+            with self._interruptible():
+                return self.rt.changed_by(error)
+        except Terminated:
+            pass
+        if applied is not None:
+            self._abandoned(applied, None)  # SIGTERM came: ends in _last_words
+        self._last_words()
+
+    @contextlib.contextmanager
+    def _guarded(self) -> Iterator[None]:
+        """Runtime.guard() for the Trainer's own collectives (agreement, final barrier): a collective broken by a
+        new generation raises GenerationChanged, and SIGTERM ends the wait for the scheduler's word (`_word_on`)."""
+        self.rt.check()
+        try:
+            yield
+        except (GenerationChanged, JobStopped):
+            raise
+        except Exception as e:
+            changed = self._word_on(e)
+            if changed is None:
+                raise
+            raise changed from e
+        self.rt.check()
 
     def _sync(self) -> None:
         """(Re-)form the group, agree on the newest state any rank holds and give it to every rank, wrap the model
         for the group, position the data. Repeats, bounded by the runtime's timeouts, while faults keep coming."""
         while True:
             started = time.monotonic()
-            self.manager.wait_staged()  # restoring a state (and DDP's broadcast) writes the tensors being staged
-            self._ddp = None
-            gc.collect()  # the old DDP's reducer holds the broken group and hooks the parameters
-            with self._interruptible():
-                self.rt.reform()
+            self.manager.wait_staged()  # restoring a state writes the tensors being staged
+            self._drop_ddp()
             try:
-                with self.rt.guard():
+                with self._interruptible():
+                    self.rt.reform()
+            except Terminated:
+                self._last_words()
+            try:
+                with self._guarded():
                     source, from_rank, nbytes, before = self._agree_state()
                     self._wrap()
                 break
             except GenerationChanged:
                 continue
         self._need_sync = False
-        self._batches = None
         # Only a survivor's memory tells how far the job had got; a restart from a checkpoint leaves it to the
         # scheduler, which heard every rank's step (-1: not known here).
         recomputed = max(0, before - self.step_count) if source == FROM_PEER else -1 if source == FROM_CHECKPOINT \
@@ -323,62 +367,84 @@ class Trainer:
                   flush=True)
 
     def _agree_state(self) -> tuple[str, int, int, int]:
-        """Collective. Returns (source, rank it came from, bytes moved, the newest step any rank had reached)."""
-        held = self.step_count if self._live else -1
-        mine = torch.tensor([held], dtype=torch.int64, device=self.rt.device)
-        if self.rt.world_size > 1:
-            every = [torch.empty_like(mine) for _ in range(self.rt.world_size)]
-            dist.all_gather(every, mine)
-            table = [int(t.item()) for t in every]
-        else:
-            table = [held]
-        best_held = max(table)
-        # Nobody holds a state (a whole-job restart): the newest copy complete and authentic on some host.
-        found = self.manager.agree(device=self.rt.device) if best_held < 0 else None
-        reached = max(best_held, found.step if found is not None else -1)
-        if best_held >= 0:
-            source, src = FROM_PEER, min(r for r, h in enumerate(table) if h == best_held)
-        elif found is not None:
-            source, src = FROM_CHECKPOINT, found.source
-        else:
-            source, src = FROM_INITIAL, 0
-        if self.rt.rank == src:
-            if source == FROM_CHECKPOINT and found is not None:
-                state = self.manager.load(found.step)
-            elif source == FROM_INITIAL:
-                state = self._initial
-            else:
-                state = self._capture()
-            payload = _serialize(state)
-        else:
-            payload = b""
-        payload = self._broadcast(payload, src)
-        if self.rt.rank != src or source != FROM_PEER:
-            self._restore(_deserialize(payload))
-        self._live = True
-        return source, src, len(payload), reached
+        """Collective. Returns (source, the rank this rank's state came from, bytes this rank moved, the newest step
+        any rank had reached).
 
-    def _broadcast(self, payload: bytes, src: int) -> bytes:
+        The ranks at the newest step held in memory give it to the others (toolkit.train.transfer); only when no
+        rank holds a state (a whole-job start) do the checkpoints serve: the newest copy complete and authentic on
+        some host is read by the rank the agreement names and given to the others; with none, the state one rank
+        was built with is."""
+        held = self.step_count if self._live else -1
+        table = self._gather([held, int(self._pristine)])
+        best = max(h for h, _ in table)
+        found = self.manager.agree(device=self.rt.device) if best < 0 else None  # collective
+        reached = max(best, found.step if found is not None else -1)
+        if best >= 0:
+            source, holders = FROM_PEER, [r for r, (h, _) in enumerate(table) if h == best]
+        elif found is not None:
+            source, holders = FROM_CHECKPOINT, [found.source]
+            if self.rt.rank == found.source:
+                self._restore(self.manager.load(found.step))
+                self._pristine = False
+        else:
+            pristine = [r for r, (_, p) in enumerate(table) if p]
+            if not pristine:
+                raise TrainerError("no rank holds a training state (every one was lost in transfers) and there is no "
+                                   "checkpoint: restart the job")
+            source, holders = FROM_INITIAL, pristine[:1]
+        receiving = self.rt.rank not in holders
+        if receiving:
+            self._live = self._pristine = False  # until the whole state is here, this rank holds no step's
+        received, nbytes = transfer.share(self._capture(), holders, rank=self.rt.rank, world=self.rt.world_size,
+                                          device=self.rt.device, fence=self.rt.fence)
+        if receiving:
+            self._restore(received)
+        self._live = True
+        origin = transfer.assign(holders, self.rt.world_size)[self.rt.rank] if receiving else self.rt.rank
+        return source, origin, nbytes, reached
+
+    def _gather(self, mine: list[int]) -> list[tuple[int, ...]]:
+        """Every rank's `mine` (a few integers), in rank order."""
         if self.rt.world_size == 1:
-            return payload
-        size = torch.tensor([len(payload)], dtype=torch.int64, device=self.rt.device)
-        dist.broadcast(size, src)
-        buf = (torch.frombuffer(bytearray(payload), dtype=torch.uint8) if self.rt.rank == src
-               else torch.empty(int(size.item()), dtype=torch.uint8))
-        if self.rt.device.type != "cpu":
-            buf = buf.to(self.rt.device)
-        dist.broadcast(buf, src)
-        return payload if self.rt.rank == src else bytes(buf.cpu().numpy())
+            return [tuple(mine)]
+        t = torch.tensor(mine, dtype=torch.int64, device=self.rt.device)
+        every = [torch.empty_like(t) for _ in range(self.rt.world_size)]
+        dist.all_gather(every, t)
+        return [tuple(int(v) for v in x.tolist()) for x in every]
+
+    def _drop_ddp(self) -> None:
+        """Let go of the DDP wrapper of the broken group: its reducer holds that group and hooks the parameters,
+        so it must be gone before the next one is built. Dropping the last reference frees it at once; a full
+        gc.collect() (0.25-0.42 s in a process with a DataLoader, measured) runs only if something still holds it."""
+        ddp, self._ddp = self._ddp, None
+        inner, self._buckets.state = self._buckets.state, None
+        if isinstance(inner, determinism.OrderedReducer):
+            inner.close()  # its thread's exchanges on the broken group have failed or end now
+        if ddp is None or ddp is self.module:
+            return
+        alive = weakref.ref(ddp)
+        del ddp
+        if alive() is not None:
+            gc.collect()
 
     def _wrap(self) -> None:
         if self.rt.world_size == 1:
             self._ddp = self.module
             return
-        ddp = nn.parallel.DistributedDataParallel(self.module, process_group=self.rt.group, **self.ddp_args)
-        inner = determinism.ordered_allreduce_hook if self.deterministic else (
-            default_hooks.allreduce_hook if self.rt.cfg.pace else None)
-        if inner is not None:
-            self._buckets.group, self._buckets.inner = self.rt.group, inner
+        # Every rank holds the same state (_agree_state): DDP's own broadcast of it at construction is not needed.
+        ddp = nn.parallel.DistributedDataParallel(self.module, process_group=self.rt.group,
+                                                  **{"init_sync": False, **self.ddp_args})
+        if not self._wrapped:
+            # The first DDP of a process imports torch._dynamo, whose import leaves cyclic garbage that refers to
+            # the wrapper: collected now (young, ~1 ms) the wrapper is freed by _drop_ddp without a full collection.
+            self._wrapped = True
+            gc.collect(1)
+        if self.deterministic:
+            self._buckets.state, self._buckets.inner = determinism.OrderedReducer(self.rt.group, self.rt.fence), \
+                determinism.ordered_allreduce_hook
+        elif self.rt.cfg.pace:
+            self._buckets.state, self._buckets.inner = self.rt.group, default_hooks.allreduce_hook
+        if self.deterministic or self.rt.cfg.pace:
             ddp.register_comm_hook(self._buckets, _timed_hook)
         self._ddp = ddp
         self._step_began = None  # a new group: the time since the last step is a recovery, not this rank's work
@@ -436,6 +502,10 @@ class Trainer:
 
     def _next_batch(self) -> Any:
         at = self.position.where(self.step_count)
+        again = self._replay.get(at)
+        if again is not None:  # the step redone after a fault: its batch, and the iterator stays where it is
+            self._seed("step", self.step_count + 1)
+            return again[0]
         if self._batches is None or self._batches_at != at:
             self._batches = None  # a worker pool of the old iterator goes before the next one starts
             self._seed("epoch", at[0])  # the epoch's order and the workers' seeds, the same for a resumed epoch
@@ -443,6 +513,7 @@ class Trainer:
         self._seed("step", self.step_count + 1)
         batch = next(self._batches)
         self._batches_at = (at[0], at[1] + 1)  # past the epoch's end this matches no step: a new iterator then
+        self._replay.keep(at, batch)
         return batch
 
     def _seed(self, what: str, number: int) -> None:
@@ -476,7 +547,8 @@ class Trainer:
 
     @contextlib.contextmanager
     def _interruptible(self) -> Iterator[None]:
-        """While blocked forming a group there is nothing to agree or save with: SIGTERM leaves at once."""
+        """While blocked forming a group or waiting for the scheduler's word there is nothing to agree with:
+        SIGTERM (come already, or while blocked) raises Terminated at once; the caller leaves with `_last_words`."""
         if self._stop.is_set():
             raise Terminated(EXIT_TERMINATED)
         self._interrupt = True
@@ -511,20 +583,38 @@ class Trainer:
         return self.rt.mode != MODE_TOOLKIT or bool(mine)
 
     def _leave(self, leaving: bool) -> None:
+        """A rank got SIGTERM by this step's agreement: every rank saves this step. Those that got it leave, and
+        so does one whose own SIGTERM came during or after the agreement (when every rank is told to stop, the
+        signals need not all land before the same boundary); the others go on and meet the replacements."""
         self._save()
         self.manager.flush()
-        if leaving:
-            print(f"rank {self.rt.rank}: stopped by SIGTERM at step {self.step_count}, checkpoint saved", flush=True)
-            self.close()
-            raise Terminated(EXIT_TERMINATED if self.rt.mode == MODE_TOOLKIT else 0)
+        if leaving or self._stop.is_set():
+            self._last_words()
         print(f"rank {self.rt.rank}: a peer stops by SIGTERM at step {self.step_count}, checkpoint saved; training "
               "goes on", flush=True)
+
+    def _last_words(self) -> NoReturn:
+        """Leave on SIGTERM: the state this rank holds saved (once: its share of the host's copy, whole when the
+        host's other ranks saved the same step, as at an agreement) and durable, then Terminated (exit 143 under
+        toolkit). Reached at a step boundary's agreement (`_leave`), or where no agreement can be had: the step
+        failed because peers left (their last words were the step this rank saved when they agreed, or the one it
+        holds), or the group is being re-formed. A rank that holds no state yet (a replacement still joining) has
+        nothing to save."""
+        if self._live:
+            self._save()
+            self.manager.flush()
+            print(f"rank {self.rt.rank}: stopped by SIGTERM at step {self.step_count}, checkpoint saved", flush=True)
+        else:
+            print(f"rank {self.rt.rank}: stopped by SIGTERM before it held a training state: nothing to save",
+                  flush=True)
+        self.close()
+        raise Terminated(EXIT_TERMINATED if self.rt.mode == MODE_TOOLKIT else 0)
 
     def _close(self) -> None:
         self._finished = True
         self._hook.remove()
         self._pre_hook.remove()
-        self._ddp = None
+        self._drop_ddp()
         self._batches = None
         try:
             self.manager.close()
@@ -534,10 +624,11 @@ class Trainer:
 
 
 class _BucketClock:
-    """DDP comm hook state: the inner hook to call and when this rank handed a step's last bucket to it."""
+    """DDP comm hook state: the inner hook to call (with its own state) and when this rank handed a step's last
+    bucket to it."""
 
     def __init__(self) -> None:
-        self.group: Any = None
+        self.state: Any = None
         self.inner: Any = None
         self.last: float | None = None
 
@@ -548,17 +639,7 @@ def _timed_hook(state, bucket):  # type: ignore[no-untyped-def]  # DDP rejects t
     ``register_comm_hook`` refuses a ``bucket`` annotation that is not ``dist.GradBucket`` itself."""
     if bucket.is_last():
         state.last = time.monotonic()
-    return state.inner(state.group, bucket)
-
-
-def _serialize(state: dict[str, Any]) -> bytes:
-    buf = io.BytesIO()
-    torch.save(state, buf)
-    return buf.getvalue()
-
-
-def _deserialize(payload: bytes) -> dict[str, Any]:
-    return torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
+    return state.inner(state.state, bucket)
 
 
 def _mix(*numbers: int) -> int:

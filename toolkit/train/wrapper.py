@@ -15,22 +15,35 @@ What it does, and when: nothing until the script asks for a process group. Then,
   crash budget: every worker starts again from its own checkpoints, as under torchrun, but a relaunched rank only
   ever meets keys of its own generation, and a stuck peer is found by its heartbeats, so it never hangs.
 A script that never asks for a group just runs. Outside toolkit (no MS_ROLE) the script runs as under `python`.
+
+When the script fails, its own cause is what the job reports (docs/architecture.md, "Failure causes"): an exception
+is written to TORCHELASTIC_ERROR_FILE in torch's `@record` format (unless the script's own `@record` wrote it), which
+the agent reads; a torchrun-style script whose collective failed waits a bounded time for the scheduler's word, so
+that a peer's death seen first as a reset connection is a rejoin (EXIT_REJOIN), not this worker's crash; and the
+process then exits at once with the script's status, without the interpreter's teardown (it would destroy process
+groups left behind, whose transport threads can abort the process: SIGABRT instead of the script's status).
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
+import gc
 import importlib
 import os
 import runpy
 import sys
 import time
+import traceback
+import warnings
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator, NoReturn, Sequence
 from urllib.parse import urlparse
 
 import torch.distributed as dist
 
+from toolkit import envvars as E
 from toolkit import protocol as P
 from toolkit.errors import UserError
 from toolkit.train import progress
@@ -38,9 +51,12 @@ from toolkit.train import store as job_store
 from toolkit.train.runtime import (
     DEFAULT_TIMEOUT,
     MODE_TOOLKIT,
+    JobStopped,
     RuntimeConfigError,
     WorkerEnv,
     _Channel,
+    _first_line,
+    _looks_collective,
     _say,
     notify_agent,
 )
@@ -111,14 +127,35 @@ class ScriptSession:
         yield dist.PrefixStore(prefix, store), self.cfg.rank, self.cfg.world_size
         raise RuntimeError("env:// under toolkit does not re-rendezvous in place: the process is relaunched")
 
-    def end(self, code: int) -> None:
-        """The script returned: a clean finish is `done` (not a death) for the scheduler."""
-        if self.channel is None:
-            return
+    def end(self, code: int, error: BaseException | None = None) -> int:
+        """The script returned `code` (`error`: the exception it raised, if any); returns the process's status. A
+        clean finish is `done` (not a death) for the scheduler.
+
+        A failure once the script's group was formed may be a peer's death seen first: the peer's connections reset
+        before the scheduler's word reached this process, and the script raised (or exited non-zero) on it. So,
+        unless the error is plainly the script's own (an exception that is no collective failure, or a world of
+        one), wait up to WorkerEnv.word_wait for that word: if the job moved on, this process exits EXIT_REJOIN
+        (relaunched outside its crash budget; its control thread may exit first, as on any new generation); if not
+        (or the job stopped), the failure is the script's own and `code` stands. The connection stays open until
+        the process exits: closed earlier, it would read as a death the scheduler fences."""
+        ch = self.channel
+        if ch is None:
+            return code
         if code == 0:
-            self.channel.done()
-        else:
-            self.channel.close()
+            ch.done()
+            return 0
+        if ch.generation is None or self.cfg.world_size == 1 or (error is not None and not _looks_collective(error)):
+            return code
+        what = f"{type(error).__name__}: {_first_line(error)}" if error is not None else f"exit code {code}"
+        _say(self.cfg.node_id, f"the script failed ({what}); waiting up to {self.cfg.word_wait:g} s for the "
+                               "scheduler's word (a peer's death breaks the collectives before it is announced)")
+        try:
+            moved = ch.wait_change(ch.generation, self.cfg.word_wait)
+        except JobStopped:
+            return code
+        if moved is None:
+            return code
+        exit_now(EXIT_REJOIN)  # the control thread said why (it may exit first: _Channel._handle)
 
 
 def run_script(argv: Sequence[str], env: dict[str, str] | None = None) -> int:
@@ -135,36 +172,74 @@ def run_script(argv: Sequence[str], env: dict[str, str] | None = None) -> int:
         session.install()
     sys.argv = list(argv)  # the script reads its own arguments, as under `python SCRIPT ARGS`
     sys.path[0] = str(Path(script).resolve().parent)  # and imports its neighbours, as under `python SCRIPT`
-    code = _run_path(script)
+    code, error = _run_path(script)
     if session is not None:
-        session.end(code)
+        code = session.end(code, error)
     return code
 
 
-def _run_path(script: str) -> int:
+def _run_path(script: str) -> tuple[int, BaseException | None]:
+    """Run the script as `python SCRIPT` would; (its exit status, the exception it raised or None). An exception is
+    shown as python shows it and recorded in the error file (`record_error`)."""
     try:
         runpy.run_path(script, run_name="__main__")
     except SystemExit as e:
         if e.code is None:
-            return 0
+            return 0, None
         if isinstance(e.code, int):
-            return e.code
+            return e.code, None
         print(e.code, file=sys.stderr, flush=True)
-        return 1
+        record_error(e)
+        return 1, e
     except KeyboardInterrupt:
-        return 130
-    except BaseException:  # noqa: BLE001 - the script's own failure: show it as python would, exit non-zero
-        import traceback
-
+        return 130, None
+    except BaseException as e:  # noqa: BLE001 - the script's own failure: show it as python would, exit non-zero
         traceback.print_exc()
-        return 1
-    return 0
+        record_error(e)
+        return 1, e
+    return 0, None
+
+
+def record_error(error: BaseException) -> None:
+    """Write `error` to TORCHELASTIC_ERROR_FILE as torch's `@record` does (its ErrorHandler: the message is
+    "Type: text", with the traceback and a timestamp), for the agent to report as the failure's cause. Nothing when
+    the variable is unset or the file exists: the script's own `@record` wrote it first, and its word stands.
+    Called while `error` is being handled (the traceback is the current one). A file that cannot be written is a
+    warning: the exit status still tells a failure."""
+    path = os.environ.get(E.TORCHELASTIC_ERROR_FILE)
+    if not path or os.path.lexists(path):
+        return
+    try:
+        from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+        ErrorHandler().record_exception(error)
+    except Exception as e:  # noqa: BLE001 - the cause is extra; the failure is reported by its status anyway
+        warnings.warn(f"toolkit.train: could not write {E.TORCHELASTIC_ERROR_FILE}={path}: {e}", stacklevel=1)
+
+
+def exit_now(code: int) -> NoReturn:
+    """End a failed worker with `code` at once: atexit handlers run and the standard streams are flushed, but the
+    interpreter's teardown is skipped. That teardown would destroy process groups the script left behind, whose
+    transport threads may abort the process (std::terminate: SIGABRT instead of the script's status) or block on a
+    peer that is gone."""
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of `python -m toolkit.train` (a bad invocation is one line on stderr and exit code 2)."""
+    """Entry point of `python -m toolkit.train` (a bad invocation is one line on stderr and exit code 2). A script
+    that fails ends the process at once with its status (`exit_now`)."""
     try:
-        return run_script(sys.argv[1:] if argv is None else argv)
+        code = run_script(sys.argv[1:] if argv is None else argv)
     except UserError as e:
         print(f"toolkit.train: error: {e}", file=sys.stderr, flush=True)
         return 2
+    if code != 0:
+        exit_now(code)
+    # The interpreter's last garbage collections walk every object torch made: seconds of a finished worker's exit
+    # (the job's end, and `train --join`, wait for it). Frozen objects are left to the process's end.
+    gc.freeze()
+    return code

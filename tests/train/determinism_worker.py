@@ -1,0 +1,142 @@
+"""One rank of a real gloo group for the rank-ordered allreduce tests (tests/train/test_determinism.py).
+
+Usage: python determinism_worker.py RANK WORLD PORT [abandoned]
+
+Each rank computes its own gradients of a small model (sizes that do not divide by the world) on its own batch,
+for two iterations. Printed (JSON): whether DDP with the rank-ordered hook gives, bit for bit, the rank-ordered
+mean computed by hand from every rank's gradients (all-gathered), with one large bucket and with many small ones,
+in the first iteration (DDP's initial bucket layout) and the second (after it rebuilt its buckets); the largest
+difference from DDP's own allreduce; and the bytes this rank wrote to its sockets per reduction with each.
+
+abandoned (world 2): DDP with the rank-ordered hook watching a fence that records none of the group's sockets (so
+only the fence's watchers can end a wait); rank 0 stops itself (SIGSTOP) before its second backward, so rank 1's
+reduction waits on it; a thread of rank 1 trips the fence when the test says so on stdin (as the runtime's control
+thread does), and rank 1 prints how its backward ended, how long after the trip.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from toolkit.train import determinism
+from toolkit.train.fence import Fence
+
+
+def model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(37, 101), nn.Tanh(), nn.Linear(101, 53), nn.Tanh(), nn.Linear(53, 5))
+
+
+def batch(rank: int, it: int) -> torch.Tensor:
+    return torch.randn(8, 37, generator=torch.Generator().manual_seed(100 * rank + it))
+
+
+def local_grads(rank: int, it: int) -> list[torch.Tensor]:
+    m = model()
+    m(batch(rank, it)).square().sum().backward()
+    return [p.grad.clone() for p in m.parameters()]
+
+
+def ordered_mean(grads: list[torch.Tensor], world: int) -> list[torch.Tensor]:
+    """The reference: every rank's gradients, summed in rank order and divided by the world size."""
+    out = []
+    for g in grads:
+        parts = [torch.empty_like(g) for _ in range(world)]
+        dist.all_gather(parts, g)
+        total = parts[0].clone()
+        for p in parts[1:]:
+            total.add_(p)
+        out.append(total.div_(world))
+    return out
+
+
+def ddp_grads(rank: int, its: int, bucket_mb: float | None, ordered: bool) -> tuple[list[list[torch.Tensor]], int]:
+    m = model()
+    kwargs = {} if bucket_mb is None else {"bucket_cap_mb": bucket_mb}
+    ddp = nn.parallel.DistributedDataParallel(m, **kwargs)
+    reducer = determinism.OrderedReducer(None) if ordered else None
+    if reducer is not None:
+        ddp.register_comm_hook(reducer, determinism.ordered_allreduce_hook)
+    out = []
+    written = 0
+    for it in range(its):
+        m.zero_grad()
+        before = sent_bytes()
+        ddp(batch(rank, it)).square().sum().backward()
+        written += sent_bytes() - before
+        out.append([p.grad.clone() for p in m.parameters()])
+    if reducer is not None:
+        reducer.close()
+    return out, written // its
+
+
+def sent_bytes() -> int:
+    """Bytes this process has written (gloo writes its sockets with writev: counted in wchar)."""
+    with open("/proc/self/io") as f:
+        return next(int(line.split(":")[1]) for line in f if line.startswith("wchar"))
+
+
+def abandoned(rank: int) -> None:
+    fence = Fence()
+    fence.arm(1)  # no sockets recorded: a trip can only act through its watchers
+    m = model()
+    ddp = nn.parallel.DistributedDataParallel(m)
+    ddp.register_comm_hook(determinism.OrderedReducer(None, fence), determinism.ordered_allreduce_hook)
+    tripped: list[float] = []
+
+    def trip() -> None:  # as the runtime's control thread trips it: from another thread, when told (stdin)
+        if sys.stdin.readline().strip() == "trip":
+            tripped.append(time.monotonic())
+            fence.overtaken(2)
+
+    threading.Thread(target=trip, daemon=True).start()
+    ddp(batch(rank, 0)).square().sum().backward()
+    loss = ddp(batch(rank, 1)).square().sum()
+    print(json.dumps({"rank": rank, "backward": True}), flush=True)
+    if rank == 0:
+        os.kill(os.getpid(), signal.SIGSTOP)  # the test kills it
+    try:
+        loss.backward()
+        outcome = "completed"
+    except RuntimeError as e:
+        outcome = str(e).splitlines()[0][:200]
+    print(json.dumps({"rank": rank, "outcome": outcome,
+                      "after_trip": time.monotonic() - tripped[0] if tripped else None}), flush=True)
+    os._exit(0)  # the reducer's thread is still blocked on the stopped peer: leave without joining it
+
+
+def main() -> None:
+    rank, world, port = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=timedelta(seconds=60))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=120))
+    if sys.argv[4:] == ["abandoned"]:
+        abandoned(rank)
+    refs = [ordered_mean(local_grads(rank, it), world) for it in range(2)]
+    big, ordered_bytes = ddp_grads(rank, 2, None, True)
+    small, _ = ddp_grads(rank, 2, 0.001, True)  # a bucket per parameter or so
+    plain, plain_bytes = ddp_grads(rank, 2, None, False)
+
+    def same(a: list[list[torch.Tensor]]) -> list[bool]:
+        return [all(torch.equal(x, y) for x, y in zip(a[it], refs[it], strict=True)) for it in range(2)]
+
+    diff = max(float((x - y).abs().max()) for it in range(2) for x, y in zip(plain[it], refs[it], strict=True))
+    scale = max(float(y.abs().max()) for it in range(2) for y in refs[it])
+    print(json.dumps({"rank": rank, "one_bucket": same(big), "many_buckets": same(small), "plain_diff": diff,
+                      "scale": scale, "ordered_bytes": ordered_bytes, "plain_bytes": plain_bytes,
+                      "grad_bytes": sum(g.numel() * 4 for g in refs[0])}), flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

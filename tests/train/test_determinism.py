@@ -1,0 +1,74 @@
+"""The rank-ordered allreduce (toolkit.train.determinism): the same bits as the rank-ordered mean whatever DDP's
+bucket layout, within float tolerance of DDP's own allreduce, and about a ring allreduce's traffic. Real gloo
+groups of separate processes; the bitwise end-to-end check across kills is tests/train/test_zero_loss.py's, the
+speed bench/bitwise_allreduce.py's."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+PROC_TIMEOUT = 120.0  # s for one worker on a loaded machine; normally ~5 s
+
+
+def test_the_ordered_mean_is_layout_independent_and_close_to_a_plain_allreduce(new_port) -> None:
+    """World 3 (a ring's order differs from rank order from 3 ranks on); world 4 runs end to end in test_zero_loss."""
+    world, port = 3, new_port()
+    procs = [subprocess.Popen([sys.executable, str(HERE / "determinism_worker.py"), str(r), str(world), str(port)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"}) for r in range(world)]
+    rows = []
+    try:
+        for r, p in enumerate(procs):
+            out, err = p.communicate(timeout=PROC_TIMEOUT)
+            assert p.returncode == 0, f"rank {r}:\n{err[-3000:]}"
+            rows.append(json.loads(out.strip().splitlines()[-1]))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=10)
+    for row in rows:
+        # Bit for bit the rank-ordered mean, in DDP's first iteration and after it rebuilt its buckets, with one
+        # bucket or many: the bucket layout does not enter the arithmetic.
+        assert row["one_bucket"] == [True, True], row
+        assert row["many_buckets"] == [True, True], row
+        # DDP's own allreduce adds in another order: close, not necessarily equal.
+        assert row["plain_diff"] <= 1e-5 * row["scale"], row
+        # A ring allreduce's traffic: 2(n-1)/n of the gradients each way, as DDP's own (not n-1 times).
+        ring = 2 * (world - 1) / world * row["grad_bytes"]
+        assert ring <= row["ordered_bytes"] <= 1.1 * ring + 64 * 1024, row
+        assert row["ordered_bytes"] <= 1.1 * row["plain_bytes"] + 64 * 1024, row
+
+
+def test_a_reduction_waiting_on_a_stopped_peer_ends_when_the_fence_trips(new_port) -> None:
+    """Rank 0 stops before its backward; rank 1's reduction waits on it (the group's timeout is 120 s). Tripping
+    rank 1's fence, as the runtime does when a new generation is announced, ends its backward at once with an
+    error the runtime reads as a broken collective: nothing else can (a gloo receive cut mid-message is never
+    woken, toolkit.train.fence), so here the fence records no socket and only its watchers act."""
+    port = new_port()
+    procs = [subprocess.Popen([sys.executable, str(HERE / "determinism_worker.py"), str(r), "2", str(port),
+                               "abandoned"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}) for r in range(2)]
+    try:
+        for p in procs:
+            line = ""
+            while '"backward"' not in line:
+                assert p.poll() is None, p.stderr.read()
+                line = p.stdout.readline()
+        procs[1].stdin.write("trip\n")  # rank 1's fence trips, as at a new generation
+        procs[1].stdin.flush()
+        out, err = procs[1].communicate(timeout=PROC_TIMEOUT)
+        assert procs[1].returncode == 0, err[-3000:]
+        row = json.loads(out.strip().splitlines()[-1])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=10)
+    assert "gloo" in row["outcome"] and "abandoned" in row["outcome"], row
+    assert row["after_trip"] < 30, f"the backward waited for the group's timeout, not the trip: {row}"

@@ -1,0 +1,80 @@
+"""Why a process ended, as the job reports it: the first cause, not the last act.
+
+A failed worker often ends in more than one way at once: its script raised, then the scheduler, seeing the
+connection close, had it killed; or a SIGSTOPped worker was killed by its agent for the scheduler. What the user
+must read is the cause that came first, in this order:
+
+1. the script's own: the message of its error file (TORCHELASTIC_ERROR_FILE, torch's `@record` format, written by
+   the script's `@record` or by toolkit.train.wrapper for an exception), else its exit code;
+2. a signal from outside (SIGSEGV, a `kill -9`): the signal;
+3. fencing: a signal the agent sent because the scheduler declared the process dead, named by the scheduler's cause
+   (heartbeat silence, ...).
+
+Pure but for `read_error_file` (one bounded read of a file the worker wrote, treated as hostile input).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+from pathlib import Path
+
+from toolkit import protocol as P
+from toolkit.procs import ExitStatus
+
+MAX_ERROR_FILE = 256 << 10  # bytes read of an error file (a traceback is in it); the rest is ignored
+
+
+def error_file(errors_dir: Path, node_id: str, launch: int) -> Path:
+    """Where incarnation `launch` (0 for the first start) of `node_id` may write its error file: one per incarnation,
+    so that a file left by an earlier one is never read as a later one's."""
+    return errors_dir / f"{node_id}.{launch}.json"
+
+
+def read_error_file(path: Path) -> str | None:
+    """The message of the error file at `path` (torch's ErrorHandler format: {"message": {"message": "Type: text",
+    "extraInfo": {...}}}, or {"message": "text"}), first line only (protocol.one_line); None when there
+    is none, or it is not a regular file (a link is not followed), too short to be one, or not in that format."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        with os.fdopen(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                return None
+            data = f.read(MAX_ERROR_FILE)
+    except OSError:
+        return None
+    try:
+        doc = json.loads(data)
+    except (ValueError, RecursionError):
+        return None
+    message = doc.get("message") if isinstance(doc, dict) else None
+    if isinstance(message, dict):
+        message = message.get("message")
+    if not isinstance(message, str) or not message.strip():
+        return None
+    return P.one_line(message)
+
+
+def first_cause(status: ExitStatus, message: str | None, fenced: str | None) -> str | None:
+    """The first cause of an exit with `status`, as one line, or None when the status says it all (an exit code,
+    or a signal from outside) or the exit is no failure (0, EXIT_FENCED, EXIT_REJOIN). `message`: the error file's
+    (the script's own word, first whatever ended the process afterwards); `fenced`: the scheduler's cause when the
+    agent signalled the process to fence it (it counts only when a signal ended it: a process that exited on its
+    own first gave its own status)."""
+    if status.ok or status.code in (P.EXIT_FENCED, P.EXIT_REJOIN):
+        return None
+    if message:
+        return f"{message} ({status.describe()})"
+    if fenced and status.signal is not None:
+        return f"{fenced}: fenced by the scheduler ({status.describe()})"
+    return None
+
+
+def describe(status: ExitStatus, cause: str | None) -> str:
+    """How a process ended, for logs and reports: its first cause when there is one, else "exit code N" or "killed
+    by SIGNAME"."""
+    return cause or status.describe()

@@ -1,0 +1,519 @@
+"""Give the training state to the ranks that need it, as tensors, at the speed of the link.
+
+Why: after a fault the replacement (and any survivor a step behind) must take the newest state from a survivor.
+Pickling it into bytes (torch.save into a buffer, a broadcast of the bytes, torch.load) copies the payload four
+times, makes every rank of the group receive it, and on CUDA takes it off the device: about 120 MB/s here, where
+the link moves 1.7-1.9 GB/s. Here the tensors travel as themselves:
+
+- the state (model, optimizer, extra state: nested dicts, lists and tuples of tensors and plain values) is split
+  into a small description (its structure, the plain values, each tensor's dtype and shape) and its tensors;
+- a contiguous tensor of at least `DIRECT_MIN` bytes on the transport device is one message, sent from its own
+  storage and, where the receiver holds a tensor of the same dtype and shape at the same place in its own state
+  (the model's parameters, an optimizer state already initialised), received straight into that storage: no copy
+  on either side; smaller tensors, non-contiguous ones and those off the transport device are packed into byte
+  buffers of at most `PACK_BYTES` (one at a time: the extra memory is one buffer, never a copy of the state);
+- the description goes as JSON with tags for what JSON cannot say (tuples, int keys, exact floats, tensors): a
+  peer's bytes are parsed and validated, never unpickled;
+- only the ranks that need the state receive it, point to point, and several holders share the receivers between
+  them (point to point also when one rank sends to all: gloo runs a broadcast on the group's own threads, and
+  one stuck there, see below, would hold up the group's destruction);
+- the transport device is the group's: gloo moves CPU tensors, NCCL moves device tensors between devices (tensors
+  that live on the host under NCCL are packed onto the device for the trip). Nothing is staged through the host.
+
+A receiver's state is undefined while it receives (some tensors new, some old): the caller must not count it as a
+state of any step until `share` returns. A sender that dies mid-transfer makes the receive fail like any collective
+(the runtime turns that into a new generation, and another holder sends). Given the group's fence, the transfer
+runs in a helper thread that a trip abandons: gloo never wakes a receive whose message had begun to arrive when
+the connection broke (toolkit.train.fence).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+DIRECT_MIN = 1 << 20  # bytes: a contiguous tensor at least this large travels as its own message
+PACK_BYTES = 64 << 20  # bytes: small tensors are packed into buffers of at most this size
+WINDOW_MESSAGES = 16  # messages in flight at once (gloo waits a round trip per message before its bytes move)
+WINDOW_BYTES = 2 * PACK_BYTES  # staging buffers (packed or copied messages) in flight at once
+ALIGN = 64  # bytes: each packed tensor starts at a multiple of this (any dtype can be viewed there)
+MAX_META = 256 << 20  # bytes: the longest description a receiver accepts
+MAX_DEPTH = 64  # nesting a receiver accepts in a description
+MAGIC = 0x544B5354  # "TKST"
+VERSION = 1
+HOME_CPU, HOME_DEVICE = "cpu", "device"
+KIND_TENSOR, KIND_ARRAY, KIND_SCALAR = "tensor", "ndarray", "npscalar"
+
+DTYPES: Mapping[str, torch.dtype] = {str(d).removeprefix("torch."): d for d in (
+    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.complex64, torch.complex128, torch.int64,
+    torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool, torch.uint16, torch.uint32, torch.uint64,
+    torch.float8_e4m3fn, torch.float8_e5m2)}
+
+
+class TransferError(RuntimeError):
+    """The state cannot be described (a value of a type that cannot travel), or a peer's description is not one
+    this module wrote. The message names the place in the state or what is wrong."""
+
+
+# -- the description: structure, plain values, tensors by index (pure)
+
+def flatten(state: Any) -> tuple[Any, list[Any]]:
+    """(skeleton, leaves): `state` with each tensor, numpy array and numpy scalar replaced by a reference to its
+    index in `leaves`, and everything else encoded for JSON. TransferError names the place of a value that cannot
+    travel (a function, an arbitrary object)."""
+    leaves: list[Any] = []
+
+    def enc(obj: Any, path: str) -> Any:
+        if obj is None or isinstance(obj, (bool, str)):
+            return obj
+        if isinstance(obj, int) and not isinstance(obj, np.generic):
+            return obj
+        if isinstance(obj, float) and not isinstance(obj, np.generic):
+            return {"f": obj.hex()}
+        if isinstance(obj, (torch.Tensor, np.ndarray, np.generic)):
+            leaves.append(obj)
+            return {"x": len(leaves) - 1}
+        if isinstance(obj, dict):
+            return {"d": [[enc(k, f"{path} key"), enc(v, f"{path}[{k!r}]")] for k, v in obj.items()]}
+        if isinstance(obj, list):
+            return {"l": [enc(v, f"{path}[{i}]") for i, v in enumerate(obj)]}
+        if isinstance(obj, tuple):
+            return {"u": [enc(v, f"{path}[{i}]") for i, v in enumerate(obj)]}
+        raise TransferError(f"{path} is a {type(obj).__name__}: the training state may hold tensors, numpy arrays, "
+                            "numbers, strings, None and dicts, lists and tuples of them")
+
+    return enc(state, "state"), leaves
+
+
+def inflate(skeleton: Any, values: Sequence[Any]) -> Any:
+    """The state `flatten` described, with leaf i taken from values[i]. TransferError for a skeleton that is
+    not one `flatten` wrote (checked all the way down: it comes from a peer)."""
+
+    def dec(obj: Any, depth: int) -> Any:
+        if depth > MAX_DEPTH:
+            raise TransferError(f"state description nested deeper than {MAX_DEPTH}")
+        if obj is None or isinstance(obj, (bool, str, int)):
+            return obj
+        if not isinstance(obj, dict) or len(obj) != 1:
+            raise TransferError(f"state description holds {type(obj).__name__} where a tagged value belongs")
+        ((tag, inner),) = obj.items()
+        if tag == "f" and isinstance(inner, str):
+            try:
+                return float.fromhex(inner)
+            except ValueError:
+                raise TransferError(f"state description: {inner[:40]!r} is not a float") from None
+        if tag == "x" and isinstance(inner, int) and not isinstance(inner, bool) and 0 <= inner < len(values):
+            return values[inner]
+        if tag in ("l", "u", "d") and isinstance(inner, list):
+            if tag == "l":
+                return [dec(v, depth + 1) for v in inner]
+            if tag == "u":
+                return tuple(dec(v, depth + 1) for v in inner)
+            out = {}
+            for pair in inner:
+                if not isinstance(pair, list) or len(pair) != 2:
+                    raise TransferError("state description: a dict item is not a [key, value] pair")
+                key = dec(pair[0], depth + 1)
+                if not isinstance(key, (str, int, float, bool, type(None), tuple)):
+                    raise TransferError(f"state description: a dict key of type {type(key).__name__}")
+                out[key] = dec(pair[1], depth + 1)
+            return out
+        raise TransferError(f"state description: unknown or malformed tag {tag!r}")
+
+    return dec(skeleton, 0)
+
+
+def leaf_paths(skeleton: Any) -> dict[int, tuple[Any, ...]]:
+    """{leaf index: its path of keys and positions} in a skeleton `flatten` wrote (for finding a receiver's own
+    tensor at the same place). Paths through dict keys that are not str or int are left out."""
+    out: dict[int, tuple[Any, ...]] = {}
+    stack: list[tuple[Any, tuple[Any, ...]]] = [(skeleton, ())]
+    while stack:
+        obj, path = stack.pop()
+        if not isinstance(obj, dict) or len(obj) != 1 or len(path) > MAX_DEPTH:
+            continue
+        ((tag, inner),) = obj.items()
+        if tag == "x" and isinstance(inner, int):
+            out[inner] = path
+        elif tag in ("l", "u") and isinstance(inner, list):
+            stack.extend((v, (*path, i)) for i, v in enumerate(inner))
+        elif tag == "d" and isinstance(inner, list):
+            for pair in inner:
+                if isinstance(pair, list) and len(pair) == 2 and isinstance(pair[0], (str, int)):
+                    stack.append((pair[1], (*path, pair[0])))
+    return out
+
+
+def lookup(state: Any, path: tuple[Any, ...]) -> Any:
+    """The value at `path` in a (receiver's own) state, or None where there is none."""
+    for key in path:
+        try:
+            state = state[key]
+        except (KeyError, IndexError, TypeError):
+            return None
+    return state
+
+
+# -- the layout: which bytes travel in which message (pure)
+
+@dataclass(frozen=True)
+class Entry:
+    """One leaf: its dtype, shape, where it lives, what it is, and where its bytes are (message index and byte
+    offset; message -1 for an empty tensor), or `alias`: the index of an earlier leaf with the same storage."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    home: str = HOME_CPU
+    kind: str = KIND_TENSOR
+    message: int = -1
+    offset: int = 0
+    alias: int | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * DTYPES[self.dtype].itemsize
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The leaves' entries and the messages' sizes in bytes, in the order they are sent."""
+
+    entries: tuple[Entry, ...]
+    messages: tuple[int, ...]
+
+    @property
+    def total(self) -> int:
+        return sum(self.messages)
+
+    def encode(self, skeleton: Any) -> bytes:
+        entries = [["alias", e.alias] if e.alias is not None else
+                   [e.dtype, list(e.shape), e.home, e.kind, e.message, e.offset] for e in self.entries]
+        return json.dumps({"v": VERSION, "skeleton": skeleton, "entries": entries, "messages": list(self.messages)},
+                          separators=(",", ":"), allow_nan=False).encode()
+
+    @classmethod
+    def decode(cls, data: bytes) -> tuple[Any, Layout]:
+        """(skeleton, layout) from a peer's description; TransferError for anything this module did not write."""
+        try:
+            doc = json.loads(data.decode())
+        except (UnicodeDecodeError, ValueError, RecursionError) as e:
+            raise TransferError(f"the peer's state description is not JSON ({str(e)[:80]})") from None
+        if not isinstance(doc, dict) or doc.get("v") != VERSION or set(doc) != {"v", "skeleton", "entries",
+                                                                                "messages"}:
+            raise TransferError(f"the peer's state description is not version {VERSION} of this format")
+        messages = doc["messages"]
+        if not isinstance(messages, list) or not all(_count(m) for m in messages):
+            raise TransferError("the peer's state description: message sizes are not byte counts")
+        if not isinstance(doc["entries"], list):
+            raise TransferError("the peer's state description: no list of entries")
+        entries = tuple(_entry(raw, i, messages) for i, raw in enumerate(doc["entries"]))
+        return doc["skeleton"], cls(entries, tuple(messages))
+
+
+def _count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _entry(raw: Any, index: int, messages: list[int]) -> Entry:
+    """One entry of a peer's layout, checked: a known dtype, a shape of counts, bytes inside their message."""
+    where = f"the peer's state description, entry {index}"
+    if isinstance(raw, list) and len(raw) == 2 and raw[0] == "alias":
+        if not _count(raw[1]) or raw[1] >= index:
+            raise TransferError(f"{where}: an alias of no earlier entry")
+        return Entry("uint8", (0,), alias=raw[1])
+    if not (isinstance(raw, list) and len(raw) == 6):
+        raise TransferError(f"{where}: malformed")
+    dtype, shape, home, kind, message, offset = raw
+    if dtype not in DTYPES or home not in (HOME_CPU, HOME_DEVICE) or kind not in (KIND_TENSOR, KIND_ARRAY,
+                                                                                  KIND_SCALAR):
+        raise TransferError(f"{where}: unknown dtype, home or kind ({str(raw[:1] + raw[2:4])[:80]})")
+    if not (isinstance(shape, list) and len(shape) <= MAX_DEPTH and all(_count(n) for n in shape)):
+        raise TransferError(f"{where}: the shape is not a list of sizes")
+    entry = Entry(dtype, tuple(shape), home, kind, message, offset)
+    if not (isinstance(message, int) and -1 <= message < len(messages) and _count(offset)):
+        raise TransferError(f"{where}: no such message or offset")
+    if (message == -1) != (entry.nbytes == 0) or message >= 0 and offset + entry.nbytes > messages[message]:
+        raise TransferError(f"{where}: its bytes lie outside its message")
+    return entry
+
+
+def plan_layout(leaves: Sequence[torch.Tensor], kinds: Sequence[str], transport: torch.device) -> Layout:
+    """Where each leaf's bytes travel: a contiguous tensor of at least DIRECT_MIN bytes on `transport` is its
+    own message; the rest are packed, each at an ALIGN boundary, into buffers of at most PACK_BYTES (a larger one
+    gets a buffer of its own). A leaf with the same storage, offset, shape and strides as an earlier one is an
+    alias of it (tied parameters travel once)."""
+    entries: list[Entry] = []
+    messages: list[int] = []
+    seen: dict[tuple[Any, ...], int] = {}
+    pack: int | None = None  # index of the message being filled
+    for i, (t, kind) in enumerate(zip(leaves, kinds, strict=True)):
+        key = _identity(t)
+        if key is not None and key in seen:
+            entries.append(Entry("uint8", (0,), alias=seen[key]))
+            continue
+        if key is not None:
+            seen[key] = i
+        dtype, shape = _dtype_name(t, i), tuple(t.shape)
+        home = HOME_CPU if t.device.type == "cpu" else HOME_DEVICE
+        nbytes = t.numel() * t.element_size()
+        if nbytes == 0:
+            entries.append(Entry(dtype, shape, home, kind))
+        elif t.device == transport and t.is_contiguous() and nbytes >= DIRECT_MIN or nbytes > PACK_BYTES:
+            messages.append(nbytes)
+            entries.append(Entry(dtype, shape, home, kind, len(messages) - 1, 0))
+        else:
+            start = _aligned(messages[pack]) if pack is not None else 0
+            if pack is None or start + nbytes > PACK_BYTES:
+                messages.append(0)
+                pack, start = len(messages) - 1, 0
+            messages[pack] = start + nbytes
+            entries.append(Entry(dtype, shape, home, kind, pack, start))
+    return Layout(tuple(entries), tuple(messages))
+
+
+def _identity(t: torch.Tensor) -> tuple[Any, ...] | None:
+    try:
+        ptr = t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return None
+    return (t.device, ptr, t.storage_offset(), tuple(t.shape), t.stride(), t.dtype) if ptr else None
+
+
+def _dtype_name(t: torch.Tensor, index: int) -> str:
+    name = str(t.dtype).removeprefix("torch.")
+    if name not in DTYPES or t.layout != torch.strided or t.is_quantized:
+        raise TransferError(f"leaf {index} of the state is a {t.dtype} {t.layout} tensor: only dense tensors of "
+                            f"{', '.join(DTYPES)} travel")
+    return name
+
+
+def _aligned(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def assign(holders: Sequence[int], world: int) -> dict[int, int]:
+    """{receiver: sender}: every rank not in `holders` receives from one holder, round-robin, so that several
+    holders share the sending. Pure."""
+    order = sorted(holders)
+    if not order:
+        raise ValueError("no rank holds the state")
+    receivers = [r for r in range(world) if r not in holders]
+    return {r: order[i % len(order)] for i, r in enumerate(receivers)}
+
+
+# -- the executor
+
+def share(state: Any, holders: Sequence[int], *, rank: int, world: int, device: torch.device, group: Any = None,
+          fence: Any = None) -> tuple[Any, int]:
+    """Collective over `group` (every rank calls it with the same `holders`): the ranks not in `holders` receive
+    the state the holders hold. A holder passes its state and gets (None, bytes it sent); a receiver passes its
+    own state (its tensors are where matching ones are received) and gets (the state received, bytes received).
+    Tensors travel on `device` (the group's: CPU for gloo, the rank's GPU for NCCL). With `fence` (the group's
+    toolkit.train.fence.Fence) a trip ends the wait at once (fence.Abandoned)."""
+    senders = assign(holders, world)
+    if world == 1 or not senders:
+        return None, 0
+    if rank in holders:
+        mine = sorted(r for r, s in senders.items() if s == rank)
+        if not mine:
+            return None, 0
+        link = _Link(device, group, src=rank, peers=mine)
+        return _run(lambda: (None, _send(state, link)), fence, device)
+    link = _Link(device, group, src=senders[rank], peers=[rank])
+    return _run(lambda: _receive(state, link), fence, device)
+
+
+def _run(fn: Any, fence: Any, device: torch.device) -> tuple[Any, int]:
+    """On CPU with a fence, in a helper thread the fence can abandon; else here (NCCL: the fence aborts the
+    communicator, which fails the call itself)."""
+    if fence is None or device.type != "cpu":
+        return fn()
+    return fence.call(fn, "state transfer")
+
+
+@dataclass
+class _Link:
+    """How buffers move: point to point from `src` to each of `peers`, each message under its own tag."""
+
+    device: torch.device
+    group: Any
+    src: int
+    peers: list[int]
+
+    def post_send(self, buf: torch.Tensor, tag: int) -> list[Any]:
+        ops = [dist.P2POp(dist.isend, buf, peer, group=self.group, tag=tag) for peer in self.peers]
+        return dist.batch_isend_irecv(ops)
+
+    def post_receive(self, buf: torch.Tensor, tag: int) -> list[Any]:
+        return dist.batch_isend_irecv([dist.P2POp(dist.irecv, buf, self.src, group=self.group, tag=tag)])
+
+
+class _Window:
+    """Messages in flight, oldest first: up to WINDOW_MESSAGES of them and WINDOW_BYTES of staging buffers, so that
+    the link never waits on a round trip between two messages (gloo's handshake per message) and the staging memory
+    stays bounded. `done(m, buf)` runs as each message completes, in order."""
+
+    def __init__(self, done: Any = None) -> None:
+        self.done = done
+        self.inflight: list[tuple[int, list[Any], torch.Tensor, int]] = []
+        self.staged = 0
+
+    def add(self, m: int, works: list[Any], buf: torch.Tensor, staged: int) -> None:
+        self.inflight.append((m, works, buf, staged))
+        self.staged += staged
+        while len(self.inflight) > WINDOW_MESSAGES or self.staged > WINDOW_BYTES:
+            self.finish_one()
+
+    def finish_one(self) -> None:
+        m, works, buf, staged = self.inflight.pop(0)
+        for work in works:
+            work.wait()
+        self.staged -= staged
+        if self.done is not None:
+            self.done(m, buf)
+
+    def drain(self) -> None:
+        while self.inflight:
+            self.finish_one()
+
+
+def _send(state: Any, link: _Link) -> int:
+    skeleton, raw = flatten(state)
+    leaves, kinds = _as_tensors(raw)
+    layout = plan_layout(leaves, kinds, link.device)
+    meta = layout.encode(skeleton)
+    header = torch.tensor([MAGIC, VERSION, len(meta), layout.total], dtype=torch.int64, device=link.device)
+    window = _Window()
+    window.add(-2, link.post_send(header, 0), header, 0)
+    meta_buf = torch.frombuffer(bytearray(meta), dtype=torch.uint8).to(link.device)
+    window.add(-1, link.post_send(meta_buf, 1), meta_buf, 0)
+    for m, members in enumerate(_by_message(layout)):
+        size = layout.messages[m]
+        first = leaves[members[0]]
+        if len(members) == 1 and first.device == link.device and first.is_contiguous() and _bytes(first).numel() \
+                == size:
+            window.add(m, link.post_send(_bytes(first), 2 + m), first, 0)  # its own storage: no copy
+            continue
+        buf = torch.empty(size, dtype=torch.uint8, device=link.device)
+        for i in members:
+            _typed(buf, layout.entries[i]).copy_(leaves[i])  # copy_ reads any strides, from any device
+        window.add(m, link.post_send(buf, 2 + m), buf, size)
+    window.drain()
+    return len(meta) + header.numel() * 8 + layout.total
+
+
+def _receive(own: Any, link: _Link) -> tuple[Any, int]:
+    header = torch.empty(4, dtype=torch.int64, device=link.device)
+    _wait(link.post_receive(header, 0))
+    magic, version, meta_len, total = (int(v) for v in header.tolist())
+    if magic != MAGIC or version != VERSION or not 0 < meta_len <= MAX_META or total < 0:
+        raise TransferError(f"rank {link.src} sent no state transfer of version {VERSION} of this format "
+                            f"(header {[magic, version, meta_len, total]})")
+    meta = torch.empty(meta_len, dtype=torch.uint8, device=link.device)
+    _wait(link.post_receive(meta, 1))
+    skeleton, layout = Layout.decode(meta.cpu().numpy().tobytes())
+    if layout.total != total:
+        raise TransferError(f"rank {link.src}'s state description does not match its header")
+    dests = _destinations(own, skeleton, layout, link.device)
+    members = _by_message(layout)
+
+    def unpack(m: int, buf: torch.Tensor) -> None:
+        if buf.data_ptr() != dests[members[m][0]].data_ptr():  # staged: copy each tensor to its place
+            for i in members[m]:
+                dests[i].copy_(_typed(buf, layout.entries[i]))
+
+    window = _Window(unpack)
+    for m, size in enumerate(layout.messages):
+        target = dests[members[m][0]] if len(members[m]) == 1 else None
+        if target is not None and target.device == link.device and target.is_contiguous() and \
+                _bytes(target).numel() == size:
+            window.add(m, link.post_receive(_bytes(target), 2 + m), target, 0)  # into the receiver's own storage
+        else:
+            buf = torch.empty(size, dtype=torch.uint8, device=link.device)
+            window.add(m, link.post_receive(buf, 2 + m), buf, size)
+    window.drain()
+    values = [_as_leaf(dests[e.alias if e.alias is not None else i], layout.entries[e.alias if e.alias is not None
+                                                                                     else i].kind)
+              for i, e in enumerate(layout.entries)]
+    return inflate(skeleton, values), meta_len + header.numel() * 8 + total
+
+
+def _wait(works: list[Any]) -> None:
+    for work in works:
+        work.wait()
+
+
+def _by_message(layout: Layout) -> list[list[int]]:
+    """The entries (not aliases) in each message, in order."""
+    out: list[list[int]] = [[] for _ in layout.messages]
+    for i, e in enumerate(layout.entries):
+        if e.alias is None and e.message >= 0:
+            out[e.message].append(i)
+    return out
+
+
+def _destinations(own: Any, skeleton: Any, layout: Layout, device: torch.device) -> list[torch.Tensor]:
+    """Where each leaf is received: the receiver's own tensor at the same place in its state if it has the same
+    dtype, shape and home (its parameters, an optimizer state already there), else a new tensor."""
+    paths = leaf_paths(skeleton)
+    out: list[torch.Tensor] = []
+    for i, e in enumerate(layout.entries):
+        if e.alias is not None:
+            out.append(out[e.alias])
+            continue
+        dtype = DTYPES[e.dtype]
+        home = torch.device("cpu") if e.home == HOME_CPU or e.kind != KIND_TENSOR else device
+        mine = lookup(own, paths[i]) if e.kind == KIND_TENSOR and i in paths else None
+        if isinstance(mine, torch.Tensor) and mine.dtype == dtype and tuple(mine.shape) == e.shape and \
+                (mine.device == home or e.home == HOME_DEVICE and mine.device.type != "cpu"):
+            out.append(mine)
+        else:
+            out.append(torch.empty(e.shape, dtype=dtype, device=home))
+    return out
+
+
+def _as_tensors(raw: Sequence[Any]) -> tuple[list[torch.Tensor], list[str]]:
+    leaves, kinds = [], []
+    for i, v in enumerate(raw):
+        if isinstance(v, torch.Tensor):
+            leaves.append(v.detach())
+            kinds.append(KIND_TENSOR)
+            continue
+        arr = np.asarray(v)
+        if not (arr.flags.c_contiguous and arr.flags.writeable):
+            arr = np.array(arr, order="C")  # (np.ascontiguousarray would make a scalar's 0-d array 1-d)
+        try:
+            leaves.append(torch.from_numpy(arr))
+        except TypeError:
+            raise TransferError(f"leaf {i} of the state is a numpy array of {arr.dtype}, which has no torch "
+                                "dtype") from None
+        kinds.append(KIND_ARRAY if isinstance(v, np.ndarray) else KIND_SCALAR)
+    return leaves, kinds
+
+
+def _as_leaf(t: torch.Tensor, kind: str) -> Any:
+    if kind == KIND_ARRAY:
+        return t.numpy()
+    if kind == KIND_SCALAR:
+        return t.numpy()[()]
+    return t
+
+
+def _typed(buf: torch.Tensor, e: Entry) -> torch.Tensor:
+    """Entry `e`'s bytes in the message buffer `buf`, as a tensor of its dtype and shape (a view)."""
+    return buf[e.offset:e.offset + e.nbytes].view(DTYPES[e.dtype]).view(e.shape)
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's bytes as a flat uint8 view of the same storage."""
+    if t.is_conj():
+        t = t.resolve_conj()
+    if t.is_neg():
+        t = t.resolve_neg()
+    return t.reshape(-1).view(torch.uint8)
