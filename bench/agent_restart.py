@@ -5,7 +5,7 @@ Why: on this machine ~94% of torchrun's recovery is rebuilding Python processes 
 DDP's lazy torch._dynamo import); the agent's part (noticing the death, starting the replacement) should cost
 milliseconds, and the warm spare should remove the import cost. Not a test: it prints numbers.
 
-    .venv/bin/python bench/agent_restart.py [--kills 10] [--modes cold,warm,torchrun]
+    .venv/bin/python bench/agent_restart.py [--kills 10] [--modes cold,warm,torchrun,early]
 
 Each mode runs 2 workers of a small script that reports (a datagram) when its first line runs and when it has
 imported torch, torch.distributed, torch.nn.parallel and torch._dynamo (what a DDP job needs before its first
@@ -18,6 +18,11 @@ step), then blocks. The bench `kill -9`s rank 0 N times and reports medians of:
 Between kills it waits until the replacement has run `healthy_reset` seconds (so every kill meets the
 immediate first restart, as a single fault in production does) and, in warm mode, until a new spare is ready.
 torchrun restarts every worker (restart the world) and has no agent.log: only first/imported are shown for it.
+`early` (warm spare on): every kill lands while the spare still imports torch (a fault seconds after a start or a
+takeover): the replacement starts cold beside the held spare, and must cost what `cold` costs, not more;
+`spare_cpu` is the CPU time the importing spare took from the kill until the replacement's imports were done (what
+it took from them; held meanwhile, about 0). On a shared machine the time figures move with the others' load far
+more than with the spare; `spare_cpu` does not.
 """
 
 from __future__ import annotations
@@ -101,19 +106,32 @@ def log_time(job: Path, needle: str) -> float:
     raise RuntimeError(f"no {needle!r} in agent.log")
 
 
-def wait_spare(job: Path) -> None:
+def wait_spare(job: Path, ready: bool = True) -> dict:
+    """agent.json's warm spare once it is ready (or, with `ready` False, once one exists that is still importing)."""
     deadline = time.monotonic() + WAIT
     while time.monotonic() < deadline:
         try:
-            if json.loads((job / "state" / "agent.json").read_text())["warm_spare"]["ready"]:
-                return
+            spare = json.loads((job / "state" / "agent.json").read_text())["warm_spare"]
+            if spare["ready"] if ready else (spare["pid"] and not spare["ready"]):
+                return spare
         except (OSError, ValueError, KeyError):
             pass
         time.sleep(POLL)
-    raise RuntimeError("the warm spare never became ready")
+    raise RuntimeError("the warm spare never became " + ("ready" if ready else "one that imports"))
 
 
-def run_agent(root: Path, kills: int, warm: bool) -> dict[str, list[float]]:
+def cpu_seconds(pid: int | None) -> float | None:
+    """CPU time (user + system) the process has used so far, None if it is not there."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def run_agent(root: Path, kills: int, warm: bool, early: bool = False) -> dict[str, list[float]]:
+    """`early`: each measured kill lands while the warm spare still imports (after an unmeasured kill that used the
+    ready one, so that a new one starts): the replacement starts cold beside it."""
     events = Events(root / f"ev-{'warm' if warm else 'cold'}.sock")
     job = make_job(root, events, warm)
     agent = subprocess.Popen([sys.executable, "-m", "toolkit.agent", "--job-dir", str(job)], cwd=ROOT,
@@ -125,10 +143,19 @@ def run_agent(root: Path, kills: int, warm: bool) -> dict[str, list[float]]:
         for _ in range(kills):
             if warm:
                 wait_spare(job)
+            spare = None
+            if early:
+                t0 = time.time()
+                os.kill(pid, signal.SIGKILL)
+                pid = wait_event(events, "first", "0", t0)["pid"]
+                spare = wait_spare(job, ready=False)["pid"]
+            spare_cpu = cpu_seconds(spare)
             t0 = time.time()
             os.kill(pid, signal.SIGKILL)
             first = wait_event(events, "first", "0", t0)
             imported = wait_event(events, "imported", "0", t0)
+            if spare_cpu is not None and cpu_seconds(spare) is not None:
+                out.setdefault("spare_cpu", []).append(cpu_seconds(spare) - spare_cpu)
             out["detect"].append(log_time(job, f"pid {pid} killed by SIGKILL") - t0)
             pid = first["pid"]
             out["spawn"].append(log_time(job, f"started pid {pid} ") - t0)
@@ -192,9 +219,9 @@ def main() -> int:
             root.mkdir()
             print(f"{mode}: {args.kills} kills ...", file=sys.stderr, flush=True)
             results[mode] = run_torchrun(root, args.kills) if mode == "torchrun" else \
-                run_agent(root, args.kills, warm=(mode == "warm"))
+                run_agent(root, args.kills, warm=mode in ("warm", "early"), early=mode == "early")
     print(f"kill -9 of rank 0 -> replacement, median of {args.kills} (min-max), seconds")
-    keys = ("detect", "agent", "spawn", "first", "imported")
+    keys = ("detect", "agent", "spawn", "first", "imported", "spare_cpu")
     print(f"{'mode':10}" + "".join(f"{k:>22}" for k in keys))
     for mode, res in results.items():
         cells = []
@@ -202,6 +229,9 @@ def main() -> int:
             v = res.get(key)
             cells.append(f"{statistics.median(v):.3f} ({min(v):.3f}-{max(v):.3f})" if v else "-")
         print(f"{mode:10}" + "".join(f"{c:>22}" for c in cells))
+    if "early" in results and "cold" in results:
+        ratio = statistics.median(results["early"]["imported"]) / statistics.median(results["cold"]["imported"])
+        print(f"early / cold (imports done): {ratio:.2f}x")
     if "torchrun" in results:
         base = statistics.median(results["torchrun"]["imported"])
         for mode in ("cold", "warm"):

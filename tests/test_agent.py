@@ -679,6 +679,37 @@ def test_warm_spare_takes_a_dead_workers_place(make_job):
     assert_all_gone([spare, first["worker_1"]["pid"], next_spare])
 
 
+def test_a_worker_started_cold_holds_the_importing_spare_until_it_progresses(make_job):
+    """Issue 26: a fault that lands while the warm spare still imports. The replacement starts cold at once (it never
+    waits for the spare), and the spare is held (SIGSTOP) so that its imports do not slow that start down; once the
+    replacement reports progress the spare goes on from where it was and becomes ready."""
+    job = make_job([["--block", "--progress-on-usr1"], ["--block", "--progress", "1"]], warm_spare=True)
+    job.run_agent()
+    w0 = job.events.started(2)["worker_0"]
+    for _ in range(3):  # the spare's imports take seconds; if one was ready before the kill, use it and try again
+        os.kill(w0["pid"], signal.SIGUSR1)  # every worker has progressed: the spare starts at once
+        doc = job.wait_doc(lambda d, worker=w0["pid"]: d["warm_spare"]["pid"] not in (None, worker))
+        spare = doc["warm_spare"]["pid"]
+        os.kill(w0["pid"], signal.SIGKILL)
+        w0 = job.events.next()
+        if w0["pid"] != spare:
+            break
+    assert w0["pid"] != spare and not w0["warm"], "the spare was ready before every kill"
+    held = job.wait_doc(lambda d: d["warm_spare"]["held"])
+    assert held["warm_spare"]["pid"] == spare and not held["warm_spare"]["ready"]
+    assert procs_state(spare) == "T"  # stopped, not importing beside the cold start
+    assert f"warm spare pid {spare} held: a worker restarts cold" in job.agent_log()
+    os.kill(w0["pid"], signal.SIGUSR1)  # the replacement got as far as its group
+    ready = job.wait_doc(lambda d: d["warm_spare"]["ready"], timeout=120)
+    assert ready["warm_spare"]["pid"] == spare and not ready["warm_spare"]["held"]
+    assert f"warm spare pid {spare} goes on importing" in job.agent_log()
+
+
+def procs_state(pid: int) -> str:
+    """The state letter of /proc/PID/stat (R, S, T, Z, ...)."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+
 def test_standby_eligibility():
     from toolkit import standby
     assert standby.eligible(["python3", "train.py", "--x"], "python3")

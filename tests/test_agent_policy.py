@@ -117,6 +117,13 @@ def test_exits_the_scheduler_or_the_operator_asked_for_are_not_counted() -> None
         "restart requested by the operator", 0.0, 3)
 
 
+def test_a_worker_that_says_the_job_cannot_go_on_fails_it_at_once() -> None:
+    """EXIT_FATAL (the Trainer's divergence check): no restart, whatever the budget left; the operator's restart and a
+    closing agent still take precedence."""
+    assert policy.on_exit(RULES, exit_(code=P.EXIT_FATAL, counted=0, progressed=True), "exit code 77") == GiveUp(0)
+    assert policy.on_exit(RULES, exit_(code=P.EXIT_FATAL, closing=True), "exit code 77") == Settle("stopped", False)
+
+
 def test_success_and_closing() -> None:
     assert policy.on_exit(RULES, exit_(code=0), "exit code 0") == Succeeded(False)
     assert policy.on_exit(RULES, exit_(code=0, others_succeeded=True), "exit code 0") == Succeeded(True)
@@ -146,3 +153,16 @@ def test_a_spare_takes_over_what_stands_by_here_once() -> None:
     assert isinstance(other, Ignore) and "worker_9 not standing by here" in other.why
     assert isinstance(policy.on_scheduler(msg, {}, True, standby), Ignore)  # closing: nothing starts
     assert isinstance(policy.on_scheduler({**msg, "node_ids": "worker_2"}, {}, False, standby), Ignore)
+
+
+def test_the_warm_spare_imports_only_while_no_worker_starts_cold() -> None:
+    """toolkit.agent.warmspare with a fake clock: a spare that is not ready is held while a worker started cold has
+    not progressed, at most HOLD_MAX after that worker's launch (the latest launch counts); a ready one never is."""
+    from toolkit.agent.warmspare import HOLD_MAX, SparePlan, spare_plan
+
+    assert spare_plan(False, [], 100.0) == SparePlan(True)
+    assert spare_plan(False, [100.0], 100.0) == SparePlan(False, 100.0 + HOLD_MAX)
+    assert spare_plan(False, [90.0, 100.0], 120.0) == SparePlan(False, 100.0 + HOLD_MAX)  # the later launch holds
+    assert spare_plan(False, [90.0, 100.0], 90.0 + HOLD_MAX + 1) == SparePlan(False, 100.0 + HOLD_MAX)
+    assert spare_plan(False, [100.0], 100.0 + HOLD_MAX) == SparePlan(True)  # the bound: it goes on
+    assert spare_plan(True, [100.0], 101.0) == SparePlan(True)  # ready: idle, nothing to hold

@@ -178,3 +178,47 @@ def test_manifest_digest_ignores_mtimes_and_uses_its_cache(tmp_path: Path) -> No
 def test_problem_line_is_one_line() -> None:
     p = Problem("n2", "disk", "0.10 GB free", "free space")
     assert p.line() == "n2: disk: 0.10 GB free; free space" and "\n" not in p.line()
+
+
+def test_each_host_is_probed_under_a_workers_env_file_a_spare_under_its_standby_one(tmp_path: Path,
+                                                                                    monkeypatch) -> None:
+    """What `fleet check` and playbooks/check.yml ask each host, on an inventory with a scheduler-only host and a
+    spare (issue 26: a spare was probed under env/sched.env, which it does not have, and the playbook's controller
+    side crashed on it)."""
+    import io
+
+    from toolkit.inventory import load_ansible_inventory
+    from toolkit.plan import JobOptions, make_plan
+    from toolkit.render import plan_json
+    from toolkit.tasks.check import Limits, facts_problems, main, probe_env_file
+
+    assert probe_env_file(["sched", "worker_0", "worker_1"], []) == ("env/worker_0.env", True)
+    assert probe_env_file([], ["worker_3", "worker_4"]) == ("env/worker_3.env", True)  # a spare
+    assert probe_env_file(["sched"], []) == ("env/sched.env", False)  # no worker there: not compared
+    path = tmp_path / "inv.ini"
+    path.write_text("[scheduler]\nhead\n[workers]\nw1 slots=2\nw2 slots=2\n[spares]\nspare1 slots=2\n"
+                    "[all:vars]\nworkdir=/jobs\n")
+    plan = plan_json(make_plan(load_ansible_inventory(path), JobOptions(job="demo", data_path="data")))
+    monkeypatch.setattr("sys.stdin", io.StringIO(json.dumps({"plan": plan})))
+    out = io.StringIO()
+    monkeypatch.setattr("sys.stdout", out)
+    assert main(["probe"]) == 0
+    asked = json.loads(out.getvalue())["hosts"]
+    assert {h: a["env_file"] for h, a in asked.items()} == {
+        "head": "env/sched.env", "w1": "env/worker_0.env", "w2": "env/worker_2.env", "spare1": "env/worker_0.env"}
+    assert asked["spare1"]["args"]["disk_path"] == "/jobs/demo/ckpt" and asked["spare1"]["args"]["data"] == ["data"]
+    assert asked["head"]["args"]["ports"] == [8118, 8119] and asked["spare1"]["args"]["ports"] == []
+
+    # the workers' own variables are in every worker's and standby's env file, not in the scheduler's
+    worker_env = {"OMP_NUM_THREADS": "1", "TORCHELASTIC_USE_AGENT_STORE": "True"}
+    envs = {"head": {"OMP_NUM_THREADS": "1"}, "w1": worker_env, "w2": worker_env, "spare1": worker_env}
+    facts = {h: {"python": "3.11", "torch": "2.13.0", "toolkit": "0.1", "data": {}, "env": e,
+                 "disk": {"path": "/", "free": 10 ** 12}, "clock": 100.0,
+                 "ports": {"8118": {"free": True}, "8119": {"free": True}}} for h, e in envs.items()}
+    window = {h: (99.9, 100.1) for h in facts}
+    found, _ = facts_problems(facts, "head", None, window, Limits(), ["head"])
+    assert found == []
+    facts["spare1"]["env"] = {**worker_env, "NCCL_DEBUG": "INFO"}  # a spare set up differently is still named
+    found, _ = facts_problems(facts, "head", None, window, Limits(), ["head"])
+    assert [p.line() for p in found] == ["spare1: environment: NCCL_DEBUG='INFO' (others: unset); set them alike "
+                                         "on every host (the login environment, or the job's env files) or unset them"]

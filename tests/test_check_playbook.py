@@ -1,9 +1,12 @@
 """playbooks/check.yml on the namespace cluster: the facts phase of `fleet check` for those who stay in Ansible,
-with the same probe and decisions: it passes on a deployed job, and names the host whose project copy differs."""
+with the same probe and decisions: it passes on a deployed job, and names the host whose project copy differs.
+The job's inventory holds a spare (`[spares]`), which both the playbook and `fleet check` must take as it is: a host
+running nothing yet, with its standby env files (issue 26: both refused every spare)."""
 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import tempfile
@@ -20,11 +23,16 @@ from toolkit.testing.ports import free_port_pair
 pytestmark = pytest.mark.timeout(600)
 
 
-def test_check_playbook_passes_then_names_the_host_whose_copy_differs(cluster: Cluster, tmp_path: Path) -> None:
+def test_check_playbook_and_fleet_check_pass_with_a_spare_then_name_the_host_whose_copy_differs(
+        cluster: Cluster, tmp_path: Path) -> None:
     hosts = cluster.names[:HOSTS]
+    spare = hosts[-1]
+    lines = cluster.inventory.read_text().splitlines()
+    entry = next(line for line in lines if line.split(" ", 1)[0] == spare)
+    kept = [line for line in lines if line.split(" ", 1)[0] not in cluster.names[HOSTS - 1:]]
+    at = kept.index("[all:vars]")
     inventory = tmp_path / "inventory.ini"
-    inventory.write_text("".join(line + "\n" for line in cluster.inventory.read_text().splitlines()
-                                 if line.split(" ", 1)[0] not in cluster.names[HOSTS:]))
+    inventory.write_text("\n".join(kept[:at] + ["[spares]", entry, ""] + kept[at:]) + "\n")
     project = tmp_path / "proj"
     project.mkdir()
     shutil.copy(WORKER, project / "train.py")
@@ -40,9 +48,18 @@ def test_check_playbook_passes_then_names_the_host_whose_copy_differs(cluster: C
                                "-e", extra], cwd=project, env=env, capture_output=True, text=True,
                               timeout=PLAYBOOK_TIMEOUT)
 
+    record = json.loads((project / ".toolkit" / "jobs" / f"{job}.json").read_text())
+    assert {h["name"]: h["spare"] for h in record["hosts"]} == {**dict.fromkeys(hosts[:-1], False), spare: True}
+    assert (cluster.host(spare).workdir / job / "env" / "worker_0.env").exists()  # standby files only
+    assert not (cluster.host(spare).workdir / job / "env" / "sched.env").exists()
     r = check()
     assert r.returncode == 0, r.stdout + r.stderr
     assert f"all {HOSTS} host(s) agree" in r.stdout
+    r = fleet("check", "--job", job, cwd=project)  # facts and the health test, the spare in the ring
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stdout + r.stderr
+    assert f"check: all {HOSTS} host(s) of job {job} agree" in r.stderr
+    row = next(line for line in r.stdout.splitlines() if f" {spare} " in line)
+    assert re.search(r"\d+\.\d+ s", row) and row.rstrip(" │|").endswith("ok"), row  # its matmul ran; no problem
 
     edited = hosts[1]
     copy = cluster.host(edited).workdir / job / "project" / "train.py"

@@ -12,7 +12,7 @@ import pytest
 from toolkit import rundoc
 from toolkit.scheduler.journal import Journal
 from toolkit.scheduler.ledger import Ledger
-from toolkit.scheduler.membership import CAUSE_CLOSED, CAUSE_SILENCE, Note
+from toolkit.scheduler.membership import CAUSE_CLOSED, CAUSE_NOT_BACK, CAUSE_SILENCE, Note
 
 T0 = 1_000.0  # the job's start, wall-clock s
 
@@ -61,7 +61,8 @@ def test_a_kill_recovered_in_place() -> None:
     assert (inc.resumed_from, inc.recomputed, sorted(inc.recovered_ranks)) == (10, 0, [0, 1])
     led.note("finished", {}, T0 + 40)
     assert led.goodput(T0 + 99) == {"wall": 40.0, "startup": 12.0, "recovery": 5.0, "recomputed": 0.0,
-                                    "checkpoint": 0.0, "productive": 23.0, "goodput": 0.575}
+                                    "checkpoint": 0.0, "productive": 23.0, "goodput": 0.575, "basis": "steps",
+                                    "note": None}
 
 
 def test_heartbeat_silence_dates_the_failure_from_the_last_heartbeat() -> None:
@@ -122,6 +123,84 @@ def test_restart_recovery_ends_at_the_first_step_after_the_formation() -> None:
     assert inc.recovered_at is None
     led.note("pace", pace(0, 9), T0 + 27)
     assert inc.recovered_at == T0 + 27 and inc.time_to_recover == 6
+    assert (inc.resumed_from, inc.recomputed) == (8, 2)  # its first step is 9: it resumed from 8; 10 was heard
+
+
+def test_a_torchrun_style_script_reporting_steps_and_checkpoints_is_measured_like_any_other() -> None:
+    """toolkit.train.report(step, checkpoint=True) from rank 0 only (it saves the one checkpoint): reported every 5th
+    step, the incident resumes from that checkpoint (it lies in the 5 steps before the first reported after)."""
+    led = Ledger("job", 2, T0)
+    led.note("formed", {"generation": 0, "seconds": 9.0, "recovery": ["restart"]}, T0 + 10)
+    led.note("pace", pace(0, 5, step_time=0.5, stride=5), T0 + 12)
+    led.note("pace", pace(0, 20, step_time=0.5, ckpt_step=20, stride=5), T0 + 18)
+    led.note("pace", pace(1, 25, step_time=0.5, stride=5), T0 + 20)
+    led.note("death", death(1, CAUSE_CLOSED, 1, step=25, recovery="restart"), T0 + 21)
+    led.note("death", death(0, CAUSE_CLOSED, 1, begins=False, step=25, recovery="restart"), T0 + 21.5)
+    led.note("formed", {"generation": 1, "recovery": ["restart"]}, T0 + 26)
+    led.note("pace", pace(1, 25), T0 + 29)  # every 5th step reported: the checkpoint says where it resumed
+    (inc,) = led.incidents
+    assert (inc.checkpoint, inc.resumed_from, inc.recomputed, inc.time_to_recover) == (20, 20, 5, 8.0)
+    led.note("finished", {}, T0 + 40)
+    gp = led.goodput(T0 + 40)
+    assert (gp["basis"], gp["startup"], gp["recovery"], gp["recomputed"]) == ("steps", 12.0, 8.0, 2.5)
+    # every step reported: the step before the first after the restart, even past a checkpoint heard before the
+    # fault (the survivors may save a newer one before they leave)
+    dense = Ledger("job", 2, T0)
+    dense.note("formed", {"generation": 0, "recovery": ["restart"]}, T0 + 10)
+    dense.note("pace", pace(0, 44, ckpt_step=40, stride=1), T0 + 20)
+    dense.note("death", death(1, CAUSE_CLOSED, 1, step=44, recovery="restart"), T0 + 21)
+    dense.note("formed", {"generation": 1, "recovery": ["restart"]}, T0 + 26)
+    dense.note("pace", pace(0, 53, first_step=51), T0 + 29)  # a heartbeat carries the latest step, and the first
+    assert (dense.incidents[0].resumed_from, dense.incidents[0].recomputed) == (50, 0)
+    doc = led.to_json(T0 + 40)
+    assert doc["recovery"] == "restart" and doc["checkpoint_step"] == 20
+    assert Ledger.from_json(json.loads(json.dumps(doc))).to_json(T0 + 40) == doc
+
+
+def test_a_script_that_reports_no_steps_gets_a_goodput_from_its_formations() -> None:
+    """An unmodified torchrun-style script: no step ever. Its time after each formation of its group counts as
+    training, an upper bound that says so; never "productive 0 s, goodput 0%"."""
+    led = Ledger("job", 2, T0)
+    led.note("formed", {"generation": 0, "seconds": 9.0, "recovery": ["restart"]}, T0 + 10)
+    for r in (0, 1):
+        led.note("pace", {"rank": r, "node_id": f"worker_{r}", "host": "h1", "pid": 100 + r, "step": None}, T0 + 15)
+    led.note("death", death(1, CAUSE_CLOSED, 1, recovery="restart"), T0 + 21)
+    led.note("formed", {"generation": 1, "recovery": ["restart"]}, T0 + 25)
+    led.note("finished", {}, T0 + 40)
+    (inc,) = led.incidents
+    assert (inc.step, inc.formed_at, inc.recovered_at) == (None, T0 + 25, None)
+    gp = led.goodput(T0 + 40)
+    assert (gp["wall"], gp["startup"], gp["recovery"], gp["productive"], gp["goodput"]) == (40.0, 10.0, 4.0, 26.0,
+                                                                                           0.65)
+    assert gp["basis"] == "formations" and "upper bound" in gp["note"] and "toolkit.train.report" in gp["note"]
+    # the Trainer's job before its first step is in start-up, not guessed from its formation
+    trainer = Ledger("job", 2, T0)
+    trainer.note("formed", {"generation": 0, "recovery": ["in-place"]}, T0 + 10)
+    assert trainer.goodput(T0 + 20)["startup"] == 20.0 and trainer.goodput(T0 + 20)["basis"] == "steps"
+
+
+def test_a_stop_and_a_start_again_is_no_incident_but_a_member_missing_after_it_is() -> None:
+    """After `fleet stop` and `fleet train`, the restarted scheduler waits for the members it restored; none comes
+    back (the operator stopped them all): no incident, the wait is start-up. If some came back, those that did not
+    are a fault, dated from when they were declared dead."""
+    for back in (0, 1):
+        led = started()
+        led.stopped("stopped by SIGTERM", T0 + 30)
+        led = Ledger.from_json(json.loads(json.dumps(led.to_json(T0 + 30))))
+        led.resume(T0 + 100)
+        led.note("restored", {"generation": 0, "members": 2}, T0 + 100)
+        for r in range(back, 2):
+            led.note("death", death(r, CAUSE_NOT_BACK, 1, begins=r == back), T0 + 106 + r)
+        assert led.incident_count == 0  # not yet decided
+        led.note("formed", {"generation": 1, "recovery": ["in-place"]}, T0 + 110)
+        led.note("pace", pace(0, 11), T0 + 112)
+        if back == 0:
+            assert led.incident_count == 0 and led.incidents == []
+            assert led.goodput(T0 + 112)["startup"] == 12.0 + 12.0  # the first start, and this one until it stepped
+        else:
+            (inc,) = led.incidents
+            assert [p["node_id"] for p in inc.processes] == ["worker_1"] and inc.cause == CAUSE_NOT_BACK
+            assert (inc.detected_at, inc.formed_at) == (T0 + 107, T0 + 110)
 
 
 def test_checkpoint_stalls_are_summed_over_restarts_and_averaged_over_ranks() -> None:

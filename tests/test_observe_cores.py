@@ -12,6 +12,7 @@ from toolkit import protocol as P
 from toolkit.jobrecord import HostRecord, JobRecord
 from toolkit.remote import HostResult
 from toolkit.scheduler.stragglers import EVAL_INTERVAL, PERSIST, Cleared, Named, Stragglers
+from toolkit.tasks.status import live_lines
 from toolkit.tasks.watch import SILENT_MIN, Answer, job_outcome, watch_view
 from toolkit.train.interval import DEFAULT_PRIOR_MTBF, IntervalChooser, choose
 from toolkit.train.pace import SAMPLE_INTERVAL, WINDOW, StepPace
@@ -28,6 +29,24 @@ def test_pace_takes_medians_of_consecutive_steps_only() -> None:
     pace.step(40, t + 100.0, busy=50.0)  # a recovery in between: not a step of 100 s
     out = pace.summary()
     assert out["step_time"] == 0.5 and out["busy"] == 0.2
+
+
+def test_a_strided_pace_takes_steps_reported_every_kth_as_k_steps() -> None:
+    """toolkit.train.report from a script that reports every 10th step: 10 steps in 5 s are 0.5 s each; no own-work
+    time across a stride; a step back (a restart) starts the timing again."""
+    pace = StepPace(strided=True)
+    for k in range(1, 6):
+        pace.step(10 * k, 5.0 * k, busy=0.1)
+    pace.step(7, 100.0)
+    pace.step(8, 100.5)
+    assert pace.summary()["step_time"] == 0.5 and "busy" not in pace.summary()
+    assert "step_time" not in _stepped(StepPace(), [(10, 5.0), (20, 10.0)]).summary()  # the Trainer's: consecutive
+
+
+def _stepped(pace: StepPace, steps: list[tuple[int, float]]) -> StepPace:
+    for step, t in steps:
+        pace.step(step, t)
+    return pace
 
 
 def test_pace_keeps_a_window_and_samples_the_loss_at_most_once_a_second() -> None:
@@ -59,8 +78,9 @@ def test_a_loss_with_its_graph_is_read_without_a_warning() -> None:
 
 def test_hostile_pace_fields_are_dropped() -> None:
     got = P.pace_fields({"step_time": float("inf"), "busy": -1, "loss": "x", "ckpts": 2.5, "ckpt_every": 7,
-                         "ckpt_stall": 0.1, "ckpt_why": "y" * 10_000})
+                         "ckpt_stall": 0.1, "ckpt_why": "y" * 10_000, "ckpt_step": -3})
     assert set(got) == {"ckpt_every", "ckpt_stall", "ckpt_why"} and len(got["ckpt_why"]) <= P.MAX_WHY
+    assert P.pace_fields({"ckpt_step": 40, "stride": 10}) == {"ckpt_step": 40, "stride": 10}
 
 
 # -- stragglers
@@ -220,3 +240,27 @@ def test_a_host_not_heard_from_yet_is_connecting_not_unreachable() -> None:
     assert {p.state for h in view.hosts for p in h.processes} == {"connecting"}
     late = watch_view(_record(), answers, 10.0 + SILENT_MIN + 1, 0.5)
     assert late.hosts[0].agent == "unreachable" and "no answer for" in (late.hosts[0].error or "")
+
+
+def test_the_last_incident_and_the_goodput_say_what_is_known() -> None:
+    """status's lines under the table (status and --watch alike): a finished run's incident is never "not recovered
+    yet"; a script that reports no steps says what cannot be known; an upper-bound goodput says so."""
+    inc = {"number": 1, "cause": "signal SIGKILL", "step": None, "processes": ["worker_1"], "hosts": ["b"],
+           "time_to_recover": None, "recomputed": None, "formed_in": 3.5}
+    gp = {"wall": 60.0, "goodput": 0.8, "basis": "formations"}
+    live = {"status": "finished", "incidents": 1, "last_incident": inc, "reports_steps": False, "goodput": gp}
+    incident, goodput = live_lines(live)
+    assert incident == ("last incident (#1 of 1): signal SIGKILL: worker_1 on b; its group formed again 3.50 s after "
+                        "the failure (the script reports no steps: when it trained again is not known)")
+    assert goodput.startswith("goodput: at most 80.0% of") and "toolkit.train.report" in goodput
+    stepped = {**live, "reports_steps": True, "goodput": {**gp, "basis": "steps"},
+               "last_incident": {**inc, "step": 120, "time_to_recover": 4.25, "recomputed": 20}}
+    incident, goodput = live_lines(stepped)
+    assert incident.endswith("worker_1 on b at step 120; recovered in 4.25 s, 20 step(s) recomputed")
+    assert goodput.startswith("goodput: 80.0% of")
+    assert live_lines({**stepped, "status": "running"})[1].startswith("goodput so far: 80.0% of")
+    running = {**stepped, "status": "running", "last_incident": {**inc, "formed_in": None}}
+    assert live_lines(running)[0].endswith("; not recovered yet")
+    assert live_lines({**running, "status": "failed"})[0].endswith("; not recovered: the job failed first")
+    assert live_lines({**running, "last_incident": inc})[0].endswith(
+        "; its group formed again in 3.50 s, not training again yet")

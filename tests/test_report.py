@@ -89,7 +89,7 @@ def test_report_data_places_incidents_and_generations() -> None:
     assert (two["resumed_from"], two["recomputed"], two["step"]) == (16, 4, 20)  # struck at 20, resumed at 16
     assert [(g["generation"], g["start"], g["end"], g["first_step"], g["last_step"]) for g in data["generations"]] \
         == [(0, 8.0, 19.0, 0, 10), (1, 19.0, 31.0, 10, 20), (2, 31.0, 41.0, 16, 30)]
-    assert data["goodput"] == {k: ledger["goodput"][k] for k in ("wall", *R.BREAKDOWN, "goodput")}
+    assert data["goodput"] == {k: ledger["goodput"][k] for k in ("wall", *R.BREAKDOWN, "goodput", "basis", "note")}
 
 
 def test_report_data_series() -> None:
@@ -149,6 +149,28 @@ def test_the_tables_say_the_same(tmp_path: Path) -> None:
     text = console.export_text()
     assert "killed by SIGKILL" in text and "heartbeat silence" in text and "3 generation(s)" in text
     assert "goodput" in text and "worker_0" in text
+
+
+def test_a_script_that_reports_no_steps_says_what_its_goodput_stands_on(tmp_path: Path) -> None:
+    """An unmodified torchrun-style script (no step, no loss): the goodput is the upper bound from its group's
+    formations and says so in the tables and the title; the empty loss panel says how to fill it."""
+    led = Ledger("plain", 2, T0)
+    led.note("formed", {"generation": 0, "recovery": ["restart"]}, T0 + 10)
+    led.note("death", {**death(1, CAUSE_CLOSED, 1, "h2"), "recovery": "restart"}, T0 + 30)
+    led.note("formed", {"generation": 1, "recovery": ["restart"]}, T0 + 36)
+    led.note("finished", {}, T0 + 60)
+    data = R.report_data(json.loads(json.dumps(led.to_json(T0 + 60))), [])
+    assert data["goodput"]["basis"] == "formations" and data["goodput"]["goodput"] == 0.7333  # (60-10-6)/60
+    assert data["goodput"]["productive"] == 44.0 and data["loss"] == {}
+    console = Console(width=300, record=True, file=open(tmp_path / "out.txt", "w"))  # noqa: SIM115 - test sink
+    for table in R.summary_tables(data):
+        console.print(table)
+    text = console.export_text()
+    assert "at most 73.3%" in text and "upper bound" in text and "toolkit.train.report" in text, text
+    assert "0.0%" not in text.split("goodput", 1)[1].splitlines()[0]
+    fig = R.draw(data, tmp_path / "plain.png")
+    assert "goodput at most 73.3%" in fig._suptitle.get_text()
+    assert [t.get_gid() for t in fig.axes[0].texts] == ["no-loss"]
 
 
 def fleet(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:

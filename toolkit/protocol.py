@@ -23,9 +23,12 @@ Worker conversation (one connection per worker process, kept for its whole life;
                                             every rank of `generation` is registered: build the process group over
                                             PrefixStore(prefix, the job's store); faults and uptime (s) are the
                                             ledger's, for the workers' checkpoint interval
-    worker -> heartbeat {step, step_time, busy, loss, ckpt_stall, ckpts, ckpt_every, ckpt_why}
-                                            every TOOLKIT_HEARTBEAT_INTERVAL; any message counts as one; all but
-                                            step optional (toolkit.train.pace, `pace_fields`)
+    worker -> heartbeat {step, step_time, busy, loss, ckpt_stall, ckpts, ckpt_every, ckpt_why, ckpt_step, stride,
+                         first_step}        every TOOLKIT_HEARTBEAT_INTERVAL; any message counts as one; all but
+                                            step optional (toolkit.train.pace, `pace_fields`; the last three: the
+                                            newest checkpoint a torchrun-style script reported, the steps between
+                                            its reports, the first step this process reported:
+                                            toolkit.train.progress)
     sched  -> generation {generation}       a member died: leave the current process group, wait for `formed`
     worker -> commit {step}                 this rank committed a checkpoint of `step`
     worker -> recovered {generation, step, source, from_rank, recomputed, seconds, bytes}
@@ -115,6 +118,9 @@ EXIT_FENCED = 75
 # A wrapped torchrun-style script (`python -m toolkit.train SCRIPT`) exits with this code when the job moves to a
 # new generation: it cannot re-form in place, so its agent relaunches it and it rejoins with fresh store keys.
 EXIT_REJOIN = 76
+# A worker found that the job cannot go on correctly (toolkit.train.divergence: the ranks' training state differs
+# after a recovery): its agent gives up at once, with no restart, and the job fails with the worker's one line.
+EXIT_FATAL = 77
 
 
 class ProtocolError(Exception):
@@ -279,7 +285,7 @@ def pace_fields(msg: dict[str, Any]) -> dict[str, Any]:
     loss = msg.get("loss")
     if finite_number(loss) and abs(loss) <= MAX_LOSS:
         out["loss"] = float(loss)
-    for name in ("ckpts", "ckpt_every"):
+    for name in ("ckpts", "ckpt_every", "ckpt_step", "stride", "first_step"):
         v = whole(msg, name)
         if v is not None and 0 <= v < 1 << 40:
             out[name] = v

@@ -95,8 +95,17 @@ def report_data(ledger: Mapping[str, Any], metrics: Sequence[Mapping[str, Any]])
         "busy": dict(sorted(busy.items(), key=lambda kv: _rank_key(kv[0]))),
         "generations": generations, "incidents": incidents, "stragglers": stragglers,
         "intervals": [dict(i) for i in ledger.get("intervals") or [] if isinstance(i, Mapping)],
-        "goodput": {k: goodput.get(k) for k in ("wall", *BREAKDOWN, "goodput")},
+        "goodput": {k: goodput.get(k) for k in ("wall", *BREAKDOWN, "goodput", "basis", "note")},
     }
+
+
+def goodput_text(goodput: Mapping[str, Any]) -> str:
+    """The goodput as a share ("87.5%"; "at most 87.5%" where it is an upper bound: a script that reports no steps,
+    see toolkit.scheduler.ledger), or "cannot be computed" when there is no wall time yet."""
+    gp = _num(goodput.get("goodput"))
+    if gp is None:
+        return "cannot be computed (no wall time yet)"
+    return f"at most {gp:.1%}" if goodput.get("basis") == "formations" else f"{gp:.1%}"
 
 
 def _step_range(generation: int, first_listed: bool, incidents: list[dict[str, Any]],
@@ -148,9 +157,7 @@ def draw(data: Mapping[str, Any], out: Path) -> Any:
     ax_loss, ax_rate, ax_good = fig.subplots(3, 1, height_ratios=[3, 3, 1])
     title = f"job {data.get('job')}: {data.get('world_size')} ranks, {len(data['generations'])} generation(s), " \
             f"{len(data['incidents'])} incident(s)"
-    gp = data["goodput"].get("goodput")
-    if gp is not None:
-        title += f", goodput {gp:.1%}"
+    title += f", goodput {goodput_text(data['goodput'])}"
     fig.suptitle(title + (f" ({data['outcome']})" if data.get("outcome") else " (running)"))
 
     for n, g in enumerate(data["generations"]):
@@ -174,6 +181,9 @@ def draw(data: Mapping[str, Any], out: Path) -> Any:
                                 gid=f"recovery-{inc['number']}")
             ax_rate.annotate(label, (inc["failed"], 1), xycoords=("data", "axes fraction"), rotation=90, va="top",
                              ha="right", fontsize=8, color="red")
+    if not data["loss"]:
+        ax_loss.text(0.5, 0.5, "no loss reported: toolkit.train.report(step, loss=...) in the script draws it here",
+                     transform=ax_loss.transAxes, ha="center", va="center", color="gray", gid="no-loss")
     ax_loss.set_xlabel("step")
     ax_loss.set_ylabel("loss")
     if ax_loss.get_legend_handles_labels()[0]:  # no loss reported and no generation: no legend (matplotlib warns)
@@ -225,7 +235,9 @@ def summary_tables(data: Mapping[str, Any]) -> list[Table]:
         seconds = gp.get(part)
         share = f"{seconds / wall:.1%}" if wall and isinstance(seconds, (int, float)) else "-"
         run.add_row(part, _fmt(seconds), share)
-    run.add_row("goodput", "", "-" if gp.get("goodput") is None else f"{gp['goodput']:.1%}")
+    run.add_row("goodput", "", goodput_text(gp))
+    if gp.get("note"):
+        run.caption = f"goodput: {gp['note']}"
     tables = [run]
     if data["incidents"]:
         inc = Table(title="incidents")

@@ -71,7 +71,7 @@ def test_a_spare_takes_over_a_lost_host_and_another_by_hand(spares_e2e: E2E, lon
     baseline = long_baseline  # an uninterrupted run of the same arguments on 6 ranks (tests/e2e/conftest.py)
 
     job = spares_e2e.job("spares")
-    job.start()
+    job.start(check=True)  # the pre-flight check passes with spares in the inventory (issue 26)
     job.wait_step(KILL_AT)
     lost = {n for n, p in job.processes().items() if p["host"] == b and n != "sched"}
     assert lost == {"worker_3", "worker_4", "worker_5"}

@@ -39,6 +39,7 @@ def main() -> int:
     ap.add_argument("--ignore-term", action="store_true")
     ap.add_argument("--grandchild", action="store_true")
     ap.add_argument("--progress", type=int, default=0)
+    ap.add_argument("--progress-on-usr1", action="store_true", help="report step 1 to the agent on SIGUSR1")
     ap.add_argument("--error", default=None, help="write this message to TORCHELASTIC_ERROR_FILE (as @record does)")
     ap.add_argument("--linger", type=float, default=0.0, help="seconds to wait before exiting")
     args = ap.parse_args()
@@ -53,6 +54,9 @@ def main() -> int:
         signal.signal(signal.SIGTERM, on_term)
     if args.ignore_term:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if args.progress_on_usr1:  # before the test hears that it started, so a SIGUSR1 never meets the default action
+        signal.signal(signal.SIGUSR1, lambda *_: send(os.environ.get("TOOLKIT_AGENT_SOCKET"),
+                                                      {"node_id": os.environ.get("MS_NODE_ID"), "step": 1}))
 
     grandchild = None
     if args.grandchild:

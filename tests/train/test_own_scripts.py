@@ -125,6 +125,13 @@ def test_an_unmodified_torchrun_script_survives_kill_9_and_sigstop(tmp_path: Pat
         assert_finished_at(run, run.dir / "ckpt", total)
         status = fleet_status(tmp_path)
         assert status["recovery"]["mode"] == "restart" and "torchrun-style script" in status["recovery"]["why"]
+        # it reports no steps: the view says what is known, never a stale "not recovered yet" or "goodput 0%"
+        shown = fleet_text(tmp_path, "status", "--job", "plain").stderr
+        assert re.search(r"^last incident .*; its group formed again [\d.]+ s after the failure \(the script reports "
+                         r"no steps: when it trained again is not known\)$", shown, re.M), shown
+        assert re.search(r"^goodput: at most \d+\.\d% of ", shown, re.M), shown
+        gp = json.loads(fleet_text(tmp_path, "report", "--json", "--job", "plain").stdout)["goodput"]
+        assert gp["basis"] == "formations" and 0 < gp["goodput"] < 1 and "upper bound" in gp["note"], gp
     finally:
         run.stop()
 
@@ -178,7 +185,7 @@ def ported_run(tmp_path: Path, name: str) -> FleetRun:
                                      "3", "--workdir", str(tmp_path / "work"), "--script-args", PLAIN_ARGS])
 
 
-def final_model(run: FleetRun) -> dict[str, torch.Tensor]:
+def final_model(run: FleetRun, world: int = 3) -> dict[str, torch.Tensor]:
     from toolkit.train.checkpoint import CheckpointManager, Placement
     from toolkit.train.ckptfile import job_key
 
@@ -187,7 +194,7 @@ def final_model(run: FleetRun) -> dict[str, torch.Tensor]:
                               key=job_key((run.dir / "token").read_text().strip())).load_latest()
     assert found is not None, run.evidence()
     step, state = found
-    assert step == state["step"] == steps_total(3), run.evidence()
+    assert step == state["step"] == steps_total(world), run.evidence()
     return state["model"]
 
 
@@ -233,6 +240,176 @@ def test_the_ported_script_recovers_in_place_with_no_lost_step_and_a_bitwise_equ
         assert want[k].numpy().tobytes() == got[k].numpy().tobytes(), f"{k} differs {why}"
 
 
+# --- a plain script's progress, with one line --------------------------------------------------------------------
+
+
+REPORTING = "reporting.py"
+RESUMED_PLAIN = re.compile(r"^rank 0: resumed from step (\d+)$", re.M)
+
+
+def reporting_script(project: Path) -> Path:
+    """plain.py with the lines docs/porting.md shows for progress without a port: the import, a report of each step
+    with its loss, and of each checkpoint."""
+    text = (project / "plain.py").read_text()
+    edits = [("import torch\n", "import torch\nfrom toolkit.train import report\n"),
+             ("            step += 1\n", "            step += 1\n            report(step, loss=loss)\n"),
+             ("                save(ckpt, model, optimizer, step)\n",
+              "                save(ckpt, model, optimizer, step)\n                report(step, checkpoint=True)\n")]
+    for old, new in edits:
+        assert text.count(old) == 1, old
+        text = text.replace(old, new)
+    path = project / REPORTING
+    path.write_text(text)
+    return path
+
+
+def fleet_text(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    done = subprocess.run([FLEET, *args], cwd=cwd, env=clean_env(), capture_output=True, text=True, timeout=120)
+    assert "Traceback" not in done.stderr, done.stderr
+    return done
+
+
+def test_a_plain_script_reporting_its_steps_shows_progress_and_what_a_fault_and_a_stop_cost(tmp_path: Path) -> None:
+    """plain.py plus toolkit.train.report (issue 26): its steps and loss show in `status`, `status --watch` and the
+    report's loss plot; a kill -9 is an incident that recovers at the first step reported after the restart,
+    resumed from the checkpoint the script reported; `fleet stop` then `fleet train` again is no incident."""
+    reporting_script(project(tmp_path))
+    epochs = 6  # long enough to stop it mid-run after the fault, on a loaded machine
+    run = FleetRun(tmp_path, "reporting", ["--project", str(project(tmp_path)), "--script", REPORTING,
+                                           "--worker-num", "2", "--workdir", str(tmp_path / "work"), "--script-args",
+                                           f"--epochs {epochs} --step-delay 0.05"])
+    total = steps_total(2, epochs)
+    watcher = None
+    try:
+        run.start()
+        until("the job deployed", lambda: run.procs(), run)
+        watcher = subprocess.Popen([FLEET, "status", "--watch", "--json", "--interval", "1", "--job", "reporting"],
+                                   cwd=tmp_path, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                   text=True)
+        until("both ranks past the first checkpoint", lambda: min(last_step(run, r) for r in range(2)) > 12, run)
+        status = until("the scheduler's step and loss of both ranks", lambda: (lambda s: s if all(
+            isinstance(p["step"], int) and p["step"] > 10 and isinstance(p["loss"], float)
+            for p in s["processes"] if p["role"] == "worker") else None)(fleet_status(tmp_path)), run)
+        assert status["live"]["reports_steps"] is True
+        pid = run.procs()["worker_1"]["pid"]
+        os.kill(pid, signal.SIGKILL)
+        until("rank 0 resumed from the checkpoint", lambda: RESUMED_PLAIN.search(run.log("worker_0.log")), run)
+        until("the incident recovered", lambda: (fleet_status(tmp_path)["live"]["last_incident"] or {}).get(
+            "time_to_recover"), run)
+        resumed = int(RESUMED_PLAIN.findall(run.log("worker_0.log"))[-1])
+        until("training again past the resume", lambda: min(last_step(run, r) for r in range(2)) > resumed + 5, run)
+        stopped = fleet_text(tmp_path, "stop", "--job", "reporting")
+        assert stopped.returncode == 0, stopped.stderr
+        assert run.join(JOB_TIMEOUT)[0] != 0, f"the job ended before the stop\n{run.evidence()}"
+        assert max(last_step(run, r) for r in range(2)) < total
+        watched, _ = watcher.communicate(timeout=120)
+        run.start("train")  # again: it resumes from the script's checkpoint
+        code, output = run.join(JOB_TIMEOUT)
+        assert code == 0, f"{output}\n{run.evidence()}"
+    finally:
+        if watcher is not None and watcher.poll() is None:
+            watcher.kill()
+            watcher.wait(10)
+        run.stop()
+    refreshes = [json.loads(line) for line in watched.splitlines()]
+    assert any(all(isinstance(p["step"], int) and isinstance(p["loss"], float) for p in r["processes"]
+                   if p["role"] == "worker") for r in refreshes), refreshes[-1]
+
+    done = fleet_text(tmp_path, "status", "--job", "reporting")
+    assert done.returncode == 0, done.stderr
+    (line,) = [ln for ln in done.stderr.splitlines() if ln.startswith("last incident")]
+    assert re.match(r"last incident \(#(\d) of \1\): (killed by SIGKILL|exit code 76): worker_\d(, worker_\d)? on "
+                    r"localhost at step \d+; recovered in [\d.]+ s, \d+ step\(s\) recomputed$", line), done.stderr
+    assert "did not reconnect" not in done.stderr and "not recovered" not in done.stderr
+    (goodput,) = [ln for ln in done.stderr.splitlines() if ln.startswith("goodput: ")]
+    assert "at most" not in goodput, goodput
+
+    data = json.loads(fleet_text(tmp_path, "report", "--json", "--job", "reporting").stdout)
+    # the newest step a heartbeat carried (one a second, ~20 steps a second here): the last ones may not be in it
+    assert data["outcome"] == "finished" and total - 60 <= data["last_step"] <= total, data
+    first, last = data["incidents"][0], data["incidents"][-1]
+    assert (first["cause"], first["processes"][0]) == ("killed by SIGKILL", "worker_1"), first
+    # A survivor still leaving (exit 76) when a warm replacement already formed the next generation makes a second
+    # incident (issue 26 item 2, the races' part): tolerated here, where what is checked is what the ledger knows.
+    assert len(data["incidents"]) <= 2 and last["cause"] in ("killed by SIGKILL", "exit code 76"), data["incidents"]
+    assert last["resumed_from"] == resumed and last["recomputed"] >= 0 and last["time_to_recover"] > 0, last
+    assert sorted(data["loss"]) == ["0", "1"] and all(len(s["step"]) >= 3 for s in data["loss"].values()), data["loss"]
+    gp = data["goodput"]
+    assert gp["basis"] == "steps" and 0 < gp["goodput"] < 1 and gp["productive"] > 0, gp
+
+
+# --- a port that forgets its scheduler ----------------------------------------------------------------------------
+
+
+SCHEDULED = "scheduled.py"
+DIVERGED = re.compile(r"^rank \d: toolkit\.train: after the recovery at step (\d+), at step (\d+) the learning rate "
+                      r"differs between ranks .*: an LR scheduler is likely not handed over: pass it to the Trainer, "
+                      r"e\.g\. Trainer\(\.\.\., state=\{\"sched\": scheduler\}\); stopping the job", re.M)
+
+
+def scheduled_script(project: Path, handed_over: bool) -> str:
+    """ported.py with a LambdaLR stepped every step, handed to the Trainer in `state=` or forgotten."""
+    name = f"{'handed' if handed_over else 'forgotten'}-{SCHEDULED}"
+    text = (project / "ported.py").read_text()
+    state = ', state={"sched": scheduler}' if handed_over else ""
+    lambda_lr = "    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda e: 0.98 ** e)\n"
+    edits = [("    dataset = Teacher()\n", lambda_lr + "    dataset = Teacher()\n"),
+             ("ckpt_every=args.ckpt_every)", f"ckpt_every=args.ckpt_every{state})"),
+             ("            optimizer.step()\n", "            optimizer.step()\n            scheduler.step()\n")]
+    for old, new in edits:
+        assert text.count(old) == 1, old
+        text = text.replace(old, new)
+    (project / name).write_text(text)
+    return name
+
+
+def scheduled_run(tmp_path: Path, job: str, script: str) -> FleetRun:
+    return FleetRun(tmp_path, job, ["--project", str(project(tmp_path)), "--script", script, "--worker-num", "2",
+                                    "--workdir", str(tmp_path / "work"), "--script-args", f"{PLAIN_ARGS} --workers 0"])
+
+
+def test_a_port_that_forgets_its_scheduler_stops_after_a_recovery_and_one_that_hands_it_over_is_bitwise(
+        tmp_path: Path) -> None:
+    """Issue 26: without the scheduler in state= the replacement's LambdaLR restarts at epoch 0 and its learning rate
+    drifts from the survivor's; the check after the recovery stops the job with the one line. With it, the run
+    recovers and ends bitwise equal to an uninterrupted one (the check changes nothing)."""
+    handed, forgotten = (scheduled_script(project(tmp_path), h) for h in (True, False))
+    reference = scheduled_run(tmp_path, "reference", handed)
+    try:
+        reference.start()
+        assert reference.join(JOB_TIMEOUT)[0] == 0, reference.evidence()
+    finally:
+        reference.stop()
+    run, code, output, victim, why = killed_once(tmp_path, "handed", handed)
+    assert code == 0, f"{output}\n{run.evidence()} {why}"
+    assert "toolkit.train: after the recovery" not in run.log("worker_0.log") + run.log("worker_1.log"), why
+    want, got = final_model(reference, 2), final_model(run, 2)
+    assert all(want[k].numpy().tobytes() == got[k].numpy().tobytes() for k in want), f"differs {why}"
+
+    run, code, output, victim, why = killed_once(tmp_path, "forgotten", forgotten)
+    assert code != 0, f"{output}\n{run.evidence()} {why}"
+    found = DIVERGED.findall(run.log("worker_0.log") + run.log("worker_1.log"))
+    assert len(found) == 2 and int(found[0][1]) == int(found[0][0]) + 1, f"{found}\n{run.evidence()} {why}"
+    assert "an LR scheduler is likely not handed over" in output, output  # the failure shows the line
+    for r in range(2):
+        p = run.procs()[f"worker_{r}"]
+        assert p["exits"][-1]["code"] == 77 and p["restarts"] == (1 if r == victim else 0), (r, p, why)
+
+
+def killed_once(tmp_path: Path, job: str, script: str) -> tuple[FleetRun, int, str, int, str]:
+    """Run `script`, kill -9 a random worker at a random step, wait for the end: (run, exit code of --join, its
+    output, the victim, what happened)."""
+    run = scheduled_run(tmp_path, job, script)
+    rng = random.Random()
+    victim, target = rng.randrange(2), rng.randint(8, steps_total(2) - 30)
+    try:
+        run.start()
+        until(f"step {target}", lambda: last_step(run, victim) >= target, run)
+        os.kill(run.procs()[f"worker_{victim}"]["pid"], signal.SIGKILL)
+        code, output = run.join(JOB_TIMEOUT)
+    finally:
+        run.stop()
+    return run, code, output, victim, f"({script}: worker_{victim} killed at step {target})"
 # --- the end of a plain script -------------------------------------------------------------------------------
 
 

@@ -18,6 +18,7 @@ from runtime_harness import FakeAgent, Job, Proc, expected_weights, job_factory,
 from toolkit import envvars as E
 from toolkit import protocol as P
 from toolkit import stepfile
+from toolkit.testing.localjob import clean_env
 from toolkit.testing.ports import free_port_pair
 from toolkit.train import runtime as R
 
@@ -243,3 +244,30 @@ def test_only_collective_failures_wait_for_a_generation_change() -> None:
     assert R._looks_collective(gloo)
     assert not R._looks_collective(ValueError("bad batch"))
     assert not R._looks_collective(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
+
+
+def test_report_outside_toolkit_does_nothing_and_a_bad_step_is_one_clear_error(tmp_path: Path) -> None:
+    """toolkit.train.report from a script run alone (or under torchrun): importing it and calling it start nothing
+    (no thread, no socket) and send nothing; a step that is not a whole number is refused on any launcher."""
+    program = ("import socket, threading\n"
+               "sent = []\n"
+               "real = socket.socket.sendto\n"
+               "socket.socket.sendto = lambda self, *a: sent.append(a) or real(self, *a)\n"
+               "from toolkit.train import report\n"
+               "report(5, loss=0.25)\n"
+               "report(10, checkpoint=True)\n"
+               "print(threading.active_count(), len(sent))\n"
+               "for bad in (-1, True, 2.5, '3'):\n"
+               "    try:\n"
+               "        report(bad)\n"
+               "    except ValueError as e:\n"
+               "        print(e)\n")
+    env = clean_env()
+    env[E.TOOLKIT_AGENT_SOCKET] = str(tmp_path / "nobody.sock")  # even with an agent socket named: alone, no send
+    done = subprocess.run([sys.executable, "-c", program], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0] == "1 0"
+    assert lines[1:] == [f"toolkit.train.report(step={b!r}): give the step as a whole number >= 0"
+                         for b in (-1, True, 2.5, "3")]
+

@@ -83,15 +83,18 @@ class GiveUp:
 
 def on_exit(policy: RestartPolicy, e: Exited, how: str) -> Settle | Relaunch | Succeeded | GiveUp:
     """The reaction to one process's exit. Pure. In order: a closing agent only settles the final state; the operator's
-    restart relaunches at once, uncounted; exit 0 is success; EXIT_FENCED and EXIT_REJOIN relaunch at once, uncounted;
-    any other exit, a death by signal included, is a failure that RestartPolicy.after_failure counts, backs off or gives
-    up on. `how` describes the exit ("exit code 3", "killed by SIGKILL") for the reasons given."""
+    restart relaunches at once, uncounted; exit 0 is success; EXIT_FATAL gives up at once; EXIT_FENCED and EXIT_REJOIN
+    relaunch at once, uncounted; any other exit, a death by signal included, is a failure that
+    RestartPolicy.after_failure counts, backs off or gives up on. `how` describes the exit ("exit code 3", "killed by
+    SIGKILL") for the reasons given."""
     if e.closing:
         return Settle("succeeded" if e.code == 0 else "stopped", e.finishing and not e.others_running)
     if e.manual:
         return Relaunch("restart requested by the operator", 0.0, e.counted)
     if e.code == 0:
         return Succeeded(e.others_succeeded)
+    if e.code == P.EXIT_FATAL:
+        return GiveUp(e.counted)  # the worker found the job cannot go on correctly: a restart would hide it
     if e.code in (P.EXIT_FENCED, P.EXIT_REJOIN):
         # Not the process's fault: the scheduler fenced a stale incarnation, or a wrapped torchrun-style script
         # left a broken generation. Relaunch at once, outside the crash budget.

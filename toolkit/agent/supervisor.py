@@ -2,8 +2,9 @@
 from host.json, each in its own session with its env file and log file, and keeps them alive. A child's death is an
 event on its pidfd, reported to the scheduler at once (so the others recover without waiting for a heartbeat to
 expire) and followed by what toolkit.agent.policy decides: a relaunch with the same environment and rank (from the
-warm spare when one is ready), a backoff, or giving up. One thread, one selector loop: children's pidfds, the
-control socket, the progress socket, the scheduler link, signals (through the wakeup fd) and timers.
+warm spare when one is ready; one still importing is held while a worker restarts cold: warmspare.py), a backoff,
+or giving up. One thread, one selector loop: children's pidfds, the control socket, the progress socket, the
+scheduler link, signals (through the wakeup fd) and timers.
 
 This module applies decisions and does the I/O; what to do is decided in policy.py. agent.json (toolkit.agentdoc)
 is rewritten atomically on every change of state and at most once per PROGRESS_WRITE_INTERVAL for progress.
@@ -26,7 +27,7 @@ from typing import Any, Callable, Iterable
 from toolkit import atomicfile, netif, procs, standby, stepfile
 from toolkit import envvars as E
 from toolkit import protocol as P
-from toolkit.agent import causes, openfiles, policy
+from toolkit.agent import causes, openfiles, policy, warmspare
 from toolkit.agent.link import SchedulerLink
 from toolkit.agent.log import AgentLog, iso, log_tail
 from toolkit.agent.timers import Timer, Timers
@@ -186,6 +187,15 @@ class Spare:
         self.child, self.sock, self.interpreter = child, sock, interpreter
         self.ready = False
         self.started = time.monotonic()
+        self.held = False  # SIGSTOPped while a worker restarts cold (toolkit.agent.warmspare)
+        self.hold_timer: Timer | None = None
+
+
+def cold_launches(slots: Iterable[Slot]) -> list[float]:
+    """When each worker relaunched cold that has not progressed since was launched (monotonic s): what holds the
+    warm spare back (toolkit.agent.warmspare). A first start is not a recovery: SPARE_DELAY paces the spare then."""
+    return [s.started_mono for s in slots if s.spec.is_worker and s.child is not None and not s.warm
+            and not s.progressed and s.launches > 1]
 
 
 # --- the supervisor
@@ -528,6 +538,8 @@ class Agent:
         self.log(slot.spec.node_id, f"started pid {child.pid} ({why}{', warm spare' if slot.warm else ''}"
                                     f"{', restart count ' + str(n) if n else ''}{since})")
         self._write()
+        if not slot.warm:
+            self._hold_spare()
 
     def _on_child(self, slot: Slot, child: Child) -> None:
         """Selector callback: `child`'s pidfd is readable, so it exited. The pidfd is unregistered before `reap` closes
@@ -542,6 +554,7 @@ class Agent:
             return
         slot.child = None
         self._after_exit(slot, child, status)
+        self._hold_spare()  # a worker starting cold may be gone
 
     def _record_exit(self, slot: Slot, status: ExitStatus, pid: int | None = None,
                      step: int | None = None) -> dict[str, Any]:
@@ -684,6 +697,10 @@ class Agent:
         self.spare_timer = None
         if self.closing or self.spare is not None or not self.spare_enabled:
             return
+        plan = warmspare.spare_plan(False, cold_launches(self.slots.values()), time.monotonic())
+        if not plan.run and plan.until is not None:  # a worker restarts cold: importing now would slow it down
+            self.spare_timer = self.timers.after(plan.until - time.monotonic(), self._start_spare)
+            return
         template = next(s.spec for s in self.slots.values() if s.spec.is_worker)
         interpreter = template.argv[0]
         mine, theirs = socket.socketpair()
@@ -706,6 +723,28 @@ class Agent:
         self.sel.register(mine, selectors.EVENT_READ, lambda _m: self._on_spare_sock())
         self.sel.register(child, selectors.EVENT_READ, lambda _m: self._on_spare_exit())
         self._write()
+
+    def _hold_spare(self) -> None:
+        """Hold the warm spare (SIGSTOP to its group) while it imports and a worker relaunched cold starts beside it,
+        let it go on (SIGCONT) once none does (toolkit.agent.warmspare); a timer decides again when the hold's bound
+        passes. A ready spare is idle and never held."""
+        sp = self.spare
+        if sp is None or sp.ready:
+            return
+        now = time.monotonic()
+        plan = warmspare.spare_plan(False, cold_launches(self.slots.values()), now)
+        if sp.hold_timer is not None:
+            sp.hold_timer.cancel()
+            sp.hold_timer = None
+        if plan.run == sp.held:
+            sp.held = not plan.run
+            sp.child.signal_group(signal.SIGSTOP if sp.held else signal.SIGCONT)
+            self.log("agent", f"warm spare pid {sp.child.pid} " + (
+                "held: a worker restarts cold, and the spare's imports would slow it down" if sp.held
+                else "goes on importing"))
+            self._write()
+        if plan.until is not None:
+            sp.hold_timer = self.timers.after(plan.until - now, self._hold_spare)
 
     def _on_spare_sock(self) -> None:
         """Selector callback on the spare's socket: standby.READY marks the spare ready (its imports are done). Anything
@@ -1038,6 +1077,7 @@ class Agent:
                 and all(s.progressed for s in running)):
             self.spare_timer.cancel()
             self._start_spare()  # the job is running: building a spare no longer competes with its start
+        self._hold_spare()  # a worker started cold may have got as far as its group: the spare goes on
 
     def _write_progress(self) -> None:
         """Timer callback of the progress rate limit: rewrite agent.json, unless a write since has already carried the
@@ -1067,7 +1107,7 @@ class Agent:
             "scheduler": {"address": f"{self.spec.sched_host}:{self.spec.sched_port}", "link": self.link.state,
                           "since": iso(self.link.since)},
             "warm_spare": {"enabled": self.spare_enabled, "pid": sp.child.pid if sp else None,
-                           "ready": bool(sp and sp.ready)},
+                           "ready": bool(sp and sp.ready), "held": bool(sp and sp.held)},
             "bind_core": self.spec.bind_core,
             "spare": self.spec.spare, "took_over": self.took_over,
             "processes": [s.document(self.spec.policy) for s in self.slots.values()],

@@ -104,9 +104,13 @@ class Journal:
             self.status = note.kind
         self.ledger.note(note.kind, f, wall)
         if note.kind == "death":
-            inc = self.ledger.incidents[-1]
-            out.append(Log(logging.INFO, f"ledger: incident {inc.number}: {inc.cause} "
-                                         f"({', '.join(p['node_id'] for p in inc.processes)})"))
+            inc = self.ledger.incidents[-1] if self.ledger.incidents else None
+            if inc is not None and any(p["node_id"] == f["node_id"] and p["pid"] == f["pid"] for p in inc.processes):
+                out.append(Log(logging.INFO, f"ledger: incident {inc.number}: {inc.cause} "
+                                             f"({', '.join(p['node_id'] for p in inc.processes)})"))
+            else:
+                out.append(Log(logging.INFO, f"ledger: {f['node_id']} {f['cause']} after the job was started "
+                                             "again: a fault only if some other member came back"))
         return out
 
     def history(self) -> dict[str, Any]:
@@ -180,8 +184,10 @@ class Journal:
                 "number": last.number, "cause": last.cause, "at": last.detected_at, "step": last.step,
                 "processes": [p["node_id"] for p in last.processes], "hosts": sorted({p["host"] for p in
                                                                                      last.processes}),
-                "time_to_recover": last.time_to_recover, "recomputed": last.recomputed},
+                "time_to_recover": last.time_to_recover, "recomputed": last.recomputed,
+                "formed_in": None if last.formed_at is None else round(last.formed_at - last.failed_at, 3)},
             "incidents": self.ledger.incident_count,
+            "reports_steps": self.ledger.last_step is not None,
             "goodput": self.ledger.goodput(wall),
         }
 

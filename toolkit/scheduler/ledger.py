@@ -8,7 +8,11 @@ the rank was last heard, not when the silence was noticed), when it was detected
 formed, when every rank trained again (their `recovered` reports; for restart-recovery scripts, the first step after
 the formation), the step they trained again from, and how many steps were computed again (what the survivors had
 done beyond that step; after a restart from checkpoints, the newest step heard in heartbeats minus the step resumed
-from; unknown for restart-recovery scripts, which do not report their recovery).
+from). A torchrun-style script reports no recovery: with toolkit.train.report it trained again at its first step
+after the formation, from the step before it (reporting every k-th step: from the checkpoint it reported if that
+lies in the k steps before, see `_resumed`); without, only its group's formation is known. When a job its operator
+stopped is started again, the restored members that do not reconnect are no incident if none of them does (they were
+all stopped): that wait is start-up.
 
 Goodput = time in steps that survive / wall time. The wall time since the job started splits into:
   startup      until the first step (launch, imports, the first formation)
@@ -16,6 +20,8 @@ Goodput = time in steps that survive / wall time. The wall time since the job st
   recomputed   the steps trained again after a recovery, at the step time of the moment
   checkpoint   the training thread blocked in checkpoint saves (mean over ranks: they stall together)
   productive   the rest: steps that count.
+For a torchrun-style script that reports no steps the goodput stands on its group's formations instead (start-up
+until the first, recovery until the next; its own resume is not known): an upper bound, and `goodput` says so.
 Straggler episodes and the checkpoint intervals workers chose are kept alongside.
 
 Pure: facts come in with the time (wall-clock seconds, since the ledger outlives the scheduler process: it is
@@ -28,12 +34,15 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping
 
+from toolkit.protocol import RECOVERY_IN_PLACE, RECOVERY_RESTART
 from toolkit.rundoc import LEDGER_VERSION as VERSION
-from toolkit.scheduler.membership import CAUSE_CLOSED, CAUSE_SILENCE
+from toolkit.scheduler.membership import CAUSE_CLOSED, CAUSE_NOT_BACK, CAUSE_SILENCE
 
 HOST_LOST_WINDOW = 10.0  # s: deaths on a host this close to its agent's disconnection are the host's loss
 MAX_INCIDENTS = 10_000  # kept in the document (the oldest go first); counts stay exact
 MAX_EPISODES = 1_000  # straggler episodes and interval changes kept
+STEPLESS_NOTE = ("an upper bound: the script reports no steps, so the time after each formation of its group counts "
+                 "as training; one line, toolkit.train.report(step, loss=...), makes it exact")
 
 
 @dataclass
@@ -55,6 +64,7 @@ class Incident:
     resumed_from: int | None = None  # the step the ranks trained again from (their `recovered` reports)
     recovered_ranks: list[int] = field(default_factory=list)
     fenced: list[dict[str, Any]] = field(default_factory=list)  # incarnations that came back and were refused
+    checkpoint: int | None = None  # the newest checkpoint step a torchrun-style script had reported before it
 
     @property
     def time_to_recover(self) -> float | None:
@@ -88,6 +98,12 @@ class Ledger:
         self.restarting = 0.0  # s from such a start again until it stepped
         self._awaiting_step: float | None = None
         self._rank_step: dict[int, int] = {}  # rank -> the step its latest heartbeat carried (not persisted)
+        self._stride: dict[int, int] = {}  # rank -> steps between a torchrun-style script's reports (not persisted)
+        self.recovery: str | None = None  # the job's recovery mode, as its members registered (protocol.RECOVERY_*)
+        self.checkpoint_step: int | None = None  # the newest checkpoint a torchrun-style script reported
+        self._after_stop = False  # started again after its operator stopped it, until the next formation
+        self._restored = world_size  # members the restarted scheduler waits for
+        self._held: list[tuple[dict[str, Any], float]] = []  # their deaths: a fault only if some came back
         self.dirty = False  # changed since the last write
         self.urgent = False  # an incident changed: write now, not at the ledger interval
 
@@ -100,6 +116,9 @@ class Ledger:
             handler(fields, now)
 
     def _on_death(self, f: Mapping[str, Any], now: float) -> None:
+        if self._after_stop and f["cause"] == CAUSE_NOT_BACK:
+            self._held.append((dict(f), now))  # decided at the formation: every member gone is the operator's stop
+            return
         cause = f["cause"]
         lost_at = self._agent_lost.get(f["host"])
         if lost_at is not None and abs(now - lost_at) <= HOST_LOST_WINDOW and cause in (CAUSE_CLOSED, CAUSE_SILENCE):
@@ -114,7 +133,7 @@ class Ledger:
             self.incidents.append(Incident(
                 number=self.incident_count, cause=cause, failed_at=now - float(f.get("silent_for") or 0.0),
                 detected_at=now, generation=f["generation"], step=max(steps, default=None), step_time=self.step_time,
-                recovery=f.get("recovery") or "unknown", processes=[proc]))
+                recovery=f.get("recovery") or "unknown", processes=[proc], checkpoint=self.checkpoint_step))
             del self.incidents[:-MAX_INCIDENTS]
         else:
             open_.processes.append(proc)
@@ -155,6 +174,18 @@ class Ledger:
                 self._changed(urgent=True)
 
     def _on_formed(self, f: Mapping[str, Any], now: float) -> None:
+        """A generation formed. The deaths held since the job was started again after a stop are faults only if
+        some restored member came back (else the operator stopped them all: no incident, the wait is start-up)."""
+        held, self._held, self._after_stop = self._held, [], False
+        if held and len(held) < self._restored:
+            for death, at in held:
+                self._on_death(death, at)
+        modes = f.get("recovery") or []
+        if modes:
+            self.recovery = RECOVERY_RESTART if RECOVERY_RESTART in modes else RECOVERY_IN_PLACE
+        if self._awaiting_step is not None and self._stepless():
+            self.restarting += now - self._awaiting_step  # no step will tell when it trains again: the formation
+            self._awaiting_step = None
         generation = f["generation"]
         self.generations.append({"generation": generation, "formed_at": now, "seconds": f.get("seconds")})
         del self.generations[:-MAX_INCIDENTS]
@@ -197,9 +228,13 @@ class Ledger:
             self.last_step = step if self.last_step is None else max(self.last_step, step)
             self._rank_step[f["rank"]] = step
             for inc in self.incidents[-3:]:  # restart recovery: no `recovered` report; the first step tells
-                if (inc.recovery != "in-place" and inc.formed_at is not None and inc.recovered_at is None
+                if (inc.recovery != RECOVERY_IN_PLACE and inc.formed_at is not None and inc.recovered_at is None
                         and step >= 1 and now > inc.formed_at):
                     inc.recovered_at = now
+                    if inc.resumed_from is None:  # no `recovered` report: the script's own first step tells
+                        inc.resumed_from = self._resumed(inc, f["rank"], min(step, f.get("first_step", step)))
+                        if inc.step is not None:
+                            inc.recomputed = max(0, inc.step - inc.resumed_from)
                     self._changed(urgent=True)
         if "step_time" in f:
             self.step_time = f["step_time"]
@@ -208,6 +243,11 @@ class Ledger:
             if f["ckpt_stall"] < last:  # a new process of the rank: its counter started again
                 base += last
             self._stall[f["rank"]] = [base, f["ckpt_stall"]]
+            self._changed()
+        if "stride" in f:
+            self._stride[f["rank"]] = f["stride"]
+        if "ckpt_step" in f and (self.checkpoint_step is None or f["ckpt_step"] > self.checkpoint_step):
+            self.checkpoint_step = f["ckpt_step"]
             self._changed()
         if "ckpt_every" in f:
             prev = next((i for i in reversed(self.intervals) if i["rank"] == f["rank"]), None)
@@ -226,6 +266,7 @@ class Ledger:
 
     def _on_restored(self, f: Mapping[str, Any], now: float) -> None:
         self.scheduler_restarts.append(now)
+        self._restored = int(f.get("members", self.world_size))
         self._changed(urgent=True)
 
     def _on_finished(self, f: Mapping[str, Any], now: float) -> None:
@@ -269,6 +310,23 @@ class Ledger:
         self.dirty = True
         self.urgent = self.urgent or urgent
 
+    def _resumed(self, inc: Incident, rank: int, first: int) -> int:
+        """The step a torchrun-style script resumed from, its first step reported after the restart being `first`:
+        the one before it when it reports every step; reported every k-th step, somewhere in the k before it: the
+        checkpoint it reported before the fault if that lies there, else the lowest (the steps recomputed are not
+        undercounted). The checkpoint alone would not do: survivors may save a newer one before they leave."""
+        stride = self._stride.get(rank, 1)
+        if stride <= 1:
+            return max(0, first - 1)
+        if inc.checkpoint is not None and first - stride <= inc.checkpoint < first:
+            return inc.checkpoint
+        return max(0, first - stride)
+
+    def _stepless(self) -> bool:
+        """A torchrun-style script that has reported no step (toolkit.train.report) so far: what it costs can only
+        be told from its group's formations."""
+        return self.recovery == RECOVERY_RESTART and self.last_step is None
+
     # -- figures
 
     def uptime(self, now: float) -> float:
@@ -277,15 +335,21 @@ class Ledger:
 
     def goodput(self, now: float) -> dict[str, Any]:
         """The wall time so far (or until the job ended) split as the module docstring says, in seconds, and
-        goodput = productive / wall."""
+        goodput = productive / wall. `basis` says what it stands on: "steps" (the steps the ranks reported), or for
+        a torchrun-style script that reports none, "formations": the time after each formation of its group counts
+        as training (its own start-up and resume after it are not known), so the goodput is an upper bound, as
+        `note` says."""
         end = self.ended_at if self.ended_at is not None else now
         wall = max(0.0, end - self.started_at - self.paused)
-        first = self.first_step_at if self.first_step_at is not None else end
+        formations = [g["formed_at"] for g in self.generations if isinstance(g.get("formed_at"), (int, float))]
+        guess = self._stepless() and bool(formations)
+        first = self.first_step_at if self.first_step_at is not None else formations[0] if guess else end
         startup = max(0.0, min(first, end) - self.started_at) + self.restarting
         recovery = recomputed = 0.0
         for i, inc in enumerate(self.incidents):
             following = self.incidents[i + 1].detected_at if i + 1 < len(self.incidents) else end
-            until = inc.recovered_at if inc.recovered_at is not None else following
+            until = inc.recovered_at if inc.recovered_at is not None else (
+                inc.formed_at if guess and inc.formed_at is not None else following)
             recovery += max(0.0, min(until, end) - max(inc.failed_at, first))
             if inc.recomputed and inc.step_time:
                 recomputed += inc.recomputed * inc.step_time
@@ -294,7 +358,8 @@ class Ledger:
         productive = max(0.0, wall - startup - recovery - recomputed - checkpoint)
         return {"wall": round(wall, 3), "startup": round(startup, 3), "recovery": round(recovery, 3),
                 "recomputed": round(recomputed, 3), "checkpoint": round(checkpoint, 3),
-                "productive": round(productive, 3), "goodput": round(productive / wall, 4) if wall > 0 else None}
+                "productive": round(productive, 3), "goodput": round(productive / wall, 4) if wall > 0 else None,
+                "basis": "formations" if guess else "steps", "note": STEPLESS_NOTE if guess else None}
 
     # -- the document
 
@@ -310,6 +375,7 @@ class Ledger:
             "scheduler_restarts": self.scheduler_restarts,
             "checkpoint_stall": {str(r): [round(b, 4), round(last, 4)] for r, (b, last) in self._stall.items()},
             "paused": round(self.paused, 3), "restarting": round(self.restarting, 3),
+            "recovery": self.recovery, "checkpoint_step": self.checkpoint_step,
             "goodput": self.goodput(now),
         }
 
@@ -335,6 +401,9 @@ class Ledger:
         led.ended_at, led.outcome, led.failure = doc.get("ended_at"), doc.get("outcome"), doc.get("failure")
         led.paused = float(doc.get("paused", 0.0))
         led.restarting = float(doc.get("restarting", 0.0))
+        led.recovery = doc.get("recovery") if doc.get("recovery") in (RECOVERY_IN_PLACE, RECOVERY_RESTART) else None
+        step = doc.get("checkpoint_step")
+        led.checkpoint_step = step if isinstance(step, int) and not isinstance(step, bool) else None
         return led
 
     def resume(self, now: float) -> None:
@@ -344,4 +413,5 @@ class Ledger:
             self.paused += max(0.0, now - self.ended_at)
             self.outcome = self.ended_at = self.failure = None
             self._awaiting_step = now
+            self._after_stop = True  # its members may not come back: the operator stopped them (_on_formed)
             self._changed(urgent=True)

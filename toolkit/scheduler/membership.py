@@ -302,7 +302,7 @@ class Membership:
         return [Log(INFO, f"resumed job {self.job} from its persisted state: generation {self.generation} "
                           f"({'formed' if self.formed else 'gathering'}), {len(self.members)} members waiting to "
                           f"reconnect within {self.node_timeout:g} s"),
-                Note("restored", {"generation": self.generation})]
+                Note("restored", {"generation": self.generation, "members": len(self.members)})]
 
     def started(self, now: float) -> None:
         """Peers can reach the server from now: deadlines count from here, not from the server's own start.
@@ -732,7 +732,8 @@ class Membership:
         self.gather_since = None
         out: list[Action] = [Log(INFO, f"generation {self.generation} formed: {self.world_size} workers in "
                                        f"{now - since:.3f} s; store prefix {self.prefix()}"),
-                             Note("formed", {"generation": self.generation, "seconds": now - since})]
+                             Note("formed", {"generation": self.generation, "seconds": now - since,
+                                             "recovery": sorted({m.recovery for m in self.members.values()})})]
         out += [Send(m.peer, P.FORMED, {"generation": self.generation, "prefix": self.prefix()})
                 for m in self.members.values() if m.peer is not None]
         if self.generation > 0:  # the generations before are over: their store keys can go

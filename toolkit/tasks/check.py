@@ -10,6 +10,7 @@ one table on stdout, then one line per problem (the host and the fix) in the err
 from __future__ import annotations
 
 import json
+import posixpath
 import sys
 import time
 from dataclasses import dataclass, field
@@ -22,6 +23,7 @@ from toolkit.check import decide, probe
 from toolkit.check.decide import Problem
 from toolkit.errors import UserError
 from toolkit.jobrecord import HostRecord, JobRecord
+from toolkit.plan import SCHED_NODE_ID
 from toolkit.remote import Host, HostResult, RemoteError, SshSettings, rich_progress, run_on_all
 from toolkit.settings import JobRef
 from toolkit.tasks.deploy import PROJECT_EXCLUDE
@@ -87,9 +89,9 @@ def run_check(record: JobRecord, ssh: SshSettings, project: Path, data: Sequence
     def gather(host: Host) -> dict[str, Any]:
         h = record.host(host.name)
         args = facts_args(str(project) if record.local else f"{h.job_dir}/project", h.job_dir,
-                          h.ckpt_dir or f"{h.job_dir}/ckpt", paths, ports if h.name == sched else [])
+                          _ckpt_dir(record, h), paths, ports if h.name == sched else [])
         sent = time.time()
-        out = _probe(host, h, "facts", args, FACTS_TIMEOUT)
+        out = _probe(host, h, _env_file(record, h)[0], "facts", args, FACTS_TIMEOUT)
         times[h.name] = (sent, time.time())
         return out
 
@@ -106,6 +108,33 @@ def run_check(record: JobRecord, ssh: SshSettings, project: Path, data: Sequence
     return report
 
 
+def probe_env_file(node_ids: Sequence[str], standby: Sequence[str]) -> tuple[str, bool]:
+    """The env file (relative to the job directory) the probe runs under on a host that runs `node_ids` (a spare:
+    none, and `standby`, the workers it may take over), and whether the environment it gives is compared with the
+    other hosts'. The host's first worker's file; on a spare, its first standby worker's (a spare holds an env file
+    for every worker of the job, and no other); on a host that runs only the scheduler, the scheduler's, whose
+    environment is not compared: no worker runs there, and the workers' own variables are not in that file."""
+    for node_id in (*node_ids, *standby):
+        if node_id != SCHED_NODE_ID:
+            return f"env/{node_id}.env", True
+    return f"env/{SCHED_NODE_ID}.env", False
+
+
+def _env_file(record: JobRecord, h: HostRecord) -> tuple[str, bool]:
+    """probe_env_file for a recorded host: a spare stands by for every worker of the job, in rank order."""
+    workers = sorted((p for p in record.processes if p["rank"] is not None), key=lambda p: p["rank"])
+    return probe_env_file(h.node_ids, [p["node_id"] for p in workers] if h.spare else [])
+
+
+def _ckpt_dir(record: JobRecord, h: HostRecord) -> str:
+    """Where the host's workers keep checkpoints (a spare's: where its standby workers would, --ckpt-dir relative to
+    their project directory as the plan renders it); the job directory's ckpt/ on a host that runs no worker."""
+    if h.ckpt_dir:
+        return h.ckpt_dir
+    given = record.options.get("ckpt_dir")
+    return posixpath.join(h.job_dir, "project", given) if given and h.spare else f"{h.job_dir}/ckpt"
+
+
 def facts_args(project: str, job_dir: str, ckpt_dir: str, data: Sequence[str], ports: Sequence[int]) -> dict[str, Any]:
     """The probe's `facts` arguments for one host (also what playbooks/check.yml sends, through `main`)."""
     return {"project": project, "exclude": PROJECT_EXCLUDE, "data": list(data), "job_dir": job_dir,
@@ -113,11 +142,11 @@ def facts_args(project: str, job_dir: str, ckpt_dir: str, data: Sequence[str], p
             "env_prefixes": decide.ENV_PREFIXES}
 
 
-def _probe(host: Host, h: HostRecord, mode: str, args: Mapping[str, Any], timeout: float) -> dict[str, Any]:
-    """Run the probe on the host; its JSON answer, or UserError naming what went wrong there."""
-    node = next((n for n in h.node_ids if n != "sched"), h.node_ids[0] if h.node_ids else "sched")
+def _probe(host: Host, h: HostRecord, env_file: str, mode: str, args: Mapping[str, Any],
+           timeout: float) -> dict[str, Any]:
+    """Run the probe on the host under `env_file`; its JSON answer, or UserError naming what went wrong there."""
     source = Path(probe.__file__).read_text()
-    result = host.run(["sh", "-c", PROBE_SCRIPT, "sh", h.job_dir, f"env/{node}.env", h.python, source, mode,
+    result = host.run(["sh", "-c", PROBE_SCRIPT, "sh", h.job_dir, env_file, h.python, source, mode,
                        json.dumps(args)], timeout=timeout)
     if result.exit_code == NOT_FOUND:
         raise UserError(f"{h.python} not found; install Python 3 there or set the host's python= (inventory)")
@@ -145,8 +174,10 @@ def _reached(results: Mapping[str, HostResult[dict[str, Any]]], report: Report) 
 
 
 def facts_problems(facts: Mapping[str, dict[str, Any]], sched: str, local: Mapping[str, Any] | None,
-                   times: Mapping[str, tuple[float, float]], limits: Limits) -> tuple[list[Problem], dict[str, float]]:
-    """Every problem the facts show (no project comparison without `local`), and each host's clock skew."""
+                   times: Mapping[str, tuple[float, float]], limits: Limits,
+                   env_apart: Sequence[str] = ()) -> tuple[list[Problem], dict[str, float]]:
+    """Every problem the facts show (no project comparison without `local`; no environment comparison for the
+    hosts in `env_apart`, which run no worker: probe_env_file), and each host's clock skew."""
     found = decide.version_problems(facts, sched)
     if local is not None:
         found += decide.project_problems({h: f["project"] for h, f in facts.items()}, local)
@@ -155,7 +186,7 @@ def facts_problems(facts: Mapping[str, dict[str, Any]], sched: str, local: Mappi
         for path, m in f["data"].items():
             data.setdefault(path, {})[h] = m
     found += decide.data_problems(data, sched)
-    found += decide.env_problems({h: f["env"] for h, f in facts.items()}, sched)
+    found += decide.env_problems({h: f["env"] for h, f in facts.items() if h not in env_apart}, sched)
     if sched in facts:
         found += decide.port_problems(sched, facts[sched]["ports"])
     found += decide.disk_problems({h: f["disk"] for h, f in facts.items()}, limits.min_free_bytes)
@@ -166,7 +197,9 @@ def facts_problems(facts: Mapping[str, dict[str, Any]], sched: str, local: Mappi
 
 def _decide_facts(record: JobRecord, facts: Mapping[str, dict[str, Any]], local: Mapping[str, Any],
                   times: Mapping[str, tuple[float, float]], limits: Limits, report: Report) -> None:
-    found, skews = facts_problems(facts, record.scheduler_host, None if record.local else local, times, limits)
+    apart = [h.name for h in record.hosts if not _env_file(record, h)[1]]
+    found, skews = facts_problems(facts, record.scheduler_host, None if record.local else local, times, limits,
+                                  apart)
     sched = record.scheduler_host
     report.problems += found
     for h, f in facts.items():
@@ -174,7 +207,7 @@ def _decide_facts(record: JobRecord, facts: Mapping[str, dict[str, Any]], local:
         row.update(python=f["python"], torch=f["torch"], toolkit=f["toolkit"],
                    project=_digest(f["project"]) if not record.local else "in place",
                    data=", ".join(_digest(m) for m in f["data"].values()) or "-",
-                   env=f"{len(f['env'])} var(s)",
+                   env=f"{len(f['env'])} var(s)" + (" (no worker)" if h in apart else ""),
                    disk=human_size(f["disk"]["free"]) if f["disk"]["free"] is not None else "?",
                    clock=f"{skews[h]:.1f} s")
         if h == sched:
@@ -211,8 +244,9 @@ def _health(record: JobRecord, ssh: SshSettings, facts: Mapping[str, dict[str, A
     timeout = HEALTH_START + len(rounds) * HEALTH_ROUND + HEALTH_MARGIN
 
     def run(host: Host) -> dict[str, Any]:
-        return _probe(host, record.host(host.name), "health", {**MATMUL, **ALLREDUCE,
-                                                               "pairs": schedule[host.name]}, timeout)
+        h = record.host(host.name)
+        return _probe(host, h, _env_file(record, h)[0], "health", {**MATMUL, **ALLREDUCE,
+                                                                   "pairs": schedule[host.name]}, timeout)
 
     targets = [t for t in record_targets(record) if t.name in facts]
     with rich_progress("health test", len(targets)) as progress:
@@ -270,27 +304,36 @@ def main(argv: Sequence[str]) -> int:
     doc = json.loads(sys.stdin.read())
     plan = doc["plan"]
     sched = plan["scheduler"]
+    envs = {h["host"]: _plan_env(plan, h["host"]) for h in plan["hosts"]}
     if argv[0] == "probe":
         hosts = {}
         for h in plan["hosts"]:
-            procs = [p for p in plan["processes"] if p["host"] == h["host"]]
-            worker = next((p for p in procs if p["rank"] is not None), procs[0])
-            env = worker["env"]
+            (env_file, _), env = envs[h["host"]]
             data = [env["DATA_PATH"]] if env.get("DATA_PATH") else []
             ports = [sched["port"], sched["store_port"]] if h["host"] == sched["host"] else []
-            hosts[h["host"]] = {"job_dir": h["job_dir"], "env_file": f"env/{worker['node_id']}.env",
-                                "python": h["python"], "args": facts_args(
-                                    f"{h['job_dir']}/project", h["job_dir"], env.get("CKPT_DIR") or
-                                    f"{h['job_dir']}/ckpt", data, ports)}
+            ckpt = posixpath.join(f"{h['job_dir']}/project", env["CKPT_DIR"]) if env.get("CKPT_DIR") else \
+                f"{h['job_dir']}/ckpt"
+            hosts[h["host"]] = {"job_dir": h["job_dir"], "env_file": env_file, "python": h["python"],
+                                "args": facts_args(f"{h['job_dir']}/project", h["job_dir"], ckpt, data, ports)}
         print(json.dumps({"script": PROBE_SCRIPT, "source": Path(probe.__file__).read_text(), "hosts": hosts}))
         return 0
     facts = doc["facts"]
     window = tuple(doc["window"])
     found, _ = facts_problems(facts, sched["host"], probe.manifest(argv[1], PROJECT_EXCLUDE, cache_dir=None),
-                              {h: window for h in facts}, Limits())
+                              {h: window for h in facts}, Limits(), [h for h, ((_, same), _) in envs.items()
+                                                                     if not same])
     for p in found:
         print(p.line())
     return 2 if found else 0
+
+
+def _plan_env(plan: Mapping[str, Any], host: str) -> tuple[tuple[str, bool], Mapping[str, str]]:
+    """probe_env_file for a host of `fleet plan --json`, and the environment of the process whose file it is."""
+    procs = [p for p in plan["processes"] if p["host"] == host]
+    standby = [p for p in plan.get("standby") or [] if p["host"] == host]
+    chosen = probe_env_file([p["node_id"] for p in procs], [p["node_id"] for p in standby])
+    node_id = chosen[0].removeprefix("env/").removesuffix(".env")
+    return chosen, next(p["env"] for p in procs + standby if p["node_id"] == node_id)
 
 
 if __name__ == "__main__":

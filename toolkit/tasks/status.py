@@ -440,16 +440,37 @@ def live_lines(live: Mapping[str, Any] | None) -> list[str]:
              if isinstance(s, dict)]
     inc = live.get("last_incident")
     if isinstance(inc, dict):
-        took = inc.get("time_to_recover")
-        recovered = "not recovered yet" if took is None else f"recovered in {took:.2f} s"
         recomputed = "" if inc.get("recomputed") is None else f", {inc['recomputed']} step(s) recomputed"
         procs, where = (", ".join(map(str, inc.get(k) or [])) for k in ("processes", "hosts"))
+        at = f" at step {inc['step']}" if isinstance(inc.get("step"), int) else ""
         lines.append(f"last incident (#{inc.get('number')} of {live.get('incidents')}): {inc.get('cause')}: "
-                     f"{procs} on {where} at step {dash(inc.get('step'))}; {recovered}{recomputed}")
+                     f"{procs} on {where}{at}; {recovery_text(inc, live)}{recomputed}")
     goodput = live.get("goodput")
     if isinstance(goodput, dict) and _number(goodput.get("goodput")) is not None:
-        lines.append(f"goodput so far: {100 * goodput['goodput']:.1f}% of {human_age(_number(goodput.get('wall')))}")
+        wall = human_age(_number(goodput.get("wall")))
+        head = "goodput" if live.get("status") in ("finished", "failed") else "goodput so far"
+        if goodput.get("basis") == "formations":
+            lines.append(f"{head}: at most {100 * goodput['goodput']:.1f}% of {wall} (the script reports no steps: "
+                         "toolkit.train.report(step, loss=...) makes it exact)")
+        else:
+            lines.append(f"{head}: {100 * goodput['goodput']:.1f}% of {wall}")
     return lines
+
+
+def recovery_text(inc: Mapping[str, Any], live: Mapping[str, Any]) -> str:
+    """How an incident of live.json stands: recovered (every rank trains again) in how long; else whether its group
+    formed again, and for a script that reports no steps that nothing more can be known; an incident the job ended
+    without recovering from says so rather than "not recovered yet"."""
+    took, formed = _number(inc.get("time_to_recover")), _number(inc.get("formed_in"))
+    ended = live.get("status") in ("finished", "failed")
+    if took is not None:
+        return f"recovered in {took:.2f} s"
+    if formed is not None and not live.get("reports_steps"):
+        return (f"its group formed again {formed:.2f} s after the failure (the script reports no steps: when it "
+                "trained again is not known)")
+    if formed is not None:
+        return f"its group formed again in {formed:.2f} s" + ("" if ended else ", not training again yet")
+    return f"not recovered: the job {live.get('status')} first" if ended else "not recovered yet"
 
 
 def _host_note(h: HostStatus) -> str | None:

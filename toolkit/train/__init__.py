@@ -4,9 +4,12 @@
   `dist.init_process_group()` is for a plain script.
 - `Trainer` gives a data-parallel loop in-place recovery with no lost step (toolkit.train.trainer).
 - `python -m toolkit.train SCRIPT` runs any script as a worker (toolkit.train.wrapper).
+- `report(step, loss=...)` shows a torchrun-style script's progress in `fleet status` and `fleet report`, one line
+  of the script; a no-op outside toolkit (toolkit.train.progress).
 - The sampler and checkpoints live in `toolkit.train.data` and `toolkit.train.checkpoint`.
 """
 
+from toolkit.train.progress import report
 from toolkit.train.runtime import (
     GenerationChanged,
     JobStopped,
@@ -29,4 +32,5 @@ __all__ = [
     "TrainerError",
     "WorkerEnv",
     "init",
+    "report",
 ]

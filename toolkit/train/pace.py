@@ -27,9 +27,11 @@ SAMPLE_INTERVAL = 1.0  # s: the loss is turned into a float at most this often
 
 
 class StepPace:
-    """Rolling figures of one rank's steps; `summary()` is what its heartbeat carries."""
+    """Rolling figures of one rank's steps; `summary()` is what its heartbeat carries. `strided`: steps may be
+    reported every k-th step (toolkit.train.report), and the time between two reports counts as k steps."""
 
-    def __init__(self, window: int = WINDOW) -> None:
+    def __init__(self, window: int = WINDOW, strided: bool = False) -> None:
+        self.strided = strided
         self.walls: deque[float] = deque(maxlen=window)
         self.busies: deque[float] = deque(maxlen=window)
         self.last_step: int | None = None
@@ -42,9 +44,10 @@ class StepPace:
     def step(self, step: int, now: float, busy: float | None = None) -> None:
         """Step `step` ended at `now`; `busy` is the rank's own time in it (None: not measured). A step that does
         not follow the previous one (a recovery or a restart in between) starts the timing again."""
-        if self.last_step is not None and self.last_at is not None and step == self.last_step + 1:
-            self.walls.append(max(0.0, now - self.last_at))
-            if busy is not None and math.isfinite(busy) and busy >= 0:
+        if self.last_step is not None and self.last_at is not None and (
+                step == self.last_step + 1 or (self.strided and step > self.last_step)):
+            self.walls.append(max(0.0, now - self.last_at) / (step - self.last_step))
+            if busy is not None and math.isfinite(busy) and busy >= 0 and step == self.last_step + 1:
                 self.busies.append(busy)
         self.last_step, self.last_at = step, now
 

@@ -818,6 +818,9 @@ def init(backend: str | None = None, timeout: float = DEFAULT_TIMEOUT,
     except BaseException:
         rt.close()
         raise
+    from toolkit.train import progress  # it imports this module
+
+    progress.install(progress.RuntimeReporter(rt))  # toolkit.train.report() reaches this runtime
     return rt
 
 

@@ -32,7 +32,9 @@ Under torchrun or alone the same script runs: a fault there ends the process wit
 
 What a step may contain: anything, as long as every collective of the step runs inside `trainer.step()` (a
 collective outside it fails like any other error when a peer dies). Extra state (an LR scheduler, a grad scaler)
-must be the same on every rank, as everything replicated in data parallelism is; pass it as `state={...}`.
+must be the same on every rank, as everything replicated in data parallelism is; pass it as `state={...}`. After
+a recovery the ranks compare a fingerprint of it now and then (toolkit.train.divergence): forgotten state stops the
+job with one line naming it, rather than letting the ranks train on apart.
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from toolkit.train import checkpoint, ckptfile, determinism, interval, transfer
 from toolkit.train.checkpoint import CheckpointManager
+from toolkit.train.divergence import DivergenceCheck
 from toolkit.train.loader import Positioner, Replay
 from toolkit.train.runtime import MODE_TOOLKIT, GenerationChanged, JobStopped, Runtime, _first_line, _looks_collective
 
@@ -145,6 +148,7 @@ class Trainer:
         self._interrupt = False  # SIGTERM raises Terminated at once (while blocked forming a group)
         self._previous_handler = _install_sigterm(self._on_sigterm)
         self._finished = False
+        self._divergence = DivergenceCheck(runtime.world_size)  # after a recovery: do the ranks still agree?
 
     # -- what the loop sees
 
@@ -173,8 +177,13 @@ class Trainer:
                                    "(it is what makes a fault in the step recoverable)")
             if self._need_sync:
                 self._sync()
+                self._divergence.arm(self.rt.generation, self.step_count)
             if self.step_count >= total:
                 return
+            if self._divergence.due(self.step_count) and not self._divergence.check(self.rt, self.module,
+                                                                                    self.optimizer, self.step_count):
+                self._need_sync = True  # a fault during the check: re-form, as after one in a step
+                continue
             batch = self._next_batch()
             self._entered = False
             yield batch

@@ -46,6 +46,7 @@ import torch.distributed as dist
 from toolkit import envvars as E
 from toolkit import protocol as P
 from toolkit.errors import UserError
+from toolkit.train import progress
 from toolkit.train import store as job_store
 from toolkit.train.runtime import (
     DEFAULT_TIMEOUT,
@@ -121,6 +122,7 @@ class ScriptSession:
         _say(self.cfg.node_id, f"the script's process group: generation {generation}, restart recovery (a fault "
                                "relaunches every worker, which resume from their own checkpoints)")
         notify_agent(self.cfg, {"node_id": self.cfg.node_id, "recovery": P.RECOVERY_RESTART})
+        progress.install(progress.ScriptReporter(self.cfg, channel))  # toolkit.train.report() from the script
         store = job_store.connect(self.cfg.store_host, self.cfg.store_port, self.cfg.token, self.cfg.node_id, timeout)
         yield dist.PrefixStore(prefix, store), self.cfg.rank, self.cfg.world_size
         raise RuntimeError("env:// under toolkit does not re-rendezvous in place: the process is relaunched")

@@ -1,0 +1,42 @@
+"""When the warm spare may import torch: never while a worker relaunched cold starts beside it. Pure: facts and a
+clock in.
+
+Why: a relaunch takes the spare only once it is ready (its imports done); until then the worker starts cold, at
+once. But a spare still importing (`import torch` and DDP's lazy imports, seconds of CPU and page cache) competes
+with that cold start: on a loaded 2-core machine a kill 4 s after the start, while the spare was importing, took
+10.2 s to recover (a ready spare: 1.8 s); `bench/agent_restart.py --modes cold,early` measured the spare taking 2.3
+s of CPU during the replacement's cold start (docs/benchmarks.md). So a spare that is not ready is held
+(SIGSTOP) while any worker relaunched cold has not reached its process group yet (reported progress), and goes on
+(SIGCONT) after, keeping what it had imported; a spare not started yet waits as long. A relaunch before the spare
+is ready therefore costs what a cold start costs, and the spare is ready for the next fault soon after. A ready
+spare is idle (blocked reading its socket) and never held. The job's first start is not a relaunch: the agent's
+SPARE_DELAY paces the spare then, as before.
+
+Every hold is bounded: a worker that never reports progress (a script that never forms a process group) holds the
+spare at most HOLD_MAX seconds from its launch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable
+
+HOLD_MAX = 60.0  # s after a cold launch past which it no longer holds the spare back
+
+
+@dataclass(frozen=True)
+class SparePlan:
+    """`run`: the spare may import (start it, or let it go on); else hold it until the cold starts have progressed,
+    deciding again at `until` at the latest (monotonic s)."""
+
+    run: bool
+    until: float | None = None
+
+
+def spare_plan(ready: bool, cold_launches: Iterable[float], now: float, hold_max: float = HOLD_MAX) -> SparePlan:
+    """The plan for the warm spare, `ready` or not, given the launch times (monotonic s) of the workers started cold
+    that have not progressed since, at `now`."""
+    if ready:
+        return SparePlan(True)
+    ends = [t + hold_max for t in cold_launches if t + hold_max > now]
+    return SparePlan(False, max(ends)) if ends else SparePlan(True)
