@@ -28,6 +28,7 @@ from toolkit import atomicfile, netif, procs, standby, stepfile
 from toolkit import envvars as E
 from toolkit import protocol as P
 from toolkit.agent import causes, openfiles, policy, warmspare
+from toolkit.agent.control import CLIENT_TIMEOUT, ControlServer
 from toolkit.agent.link import SchedulerLink
 from toolkit.agent.log import AgentLog, iso, log_tail
 from toolkit.agent.timers import Timer, Timers
@@ -41,9 +42,6 @@ PROGRESS_WRITE_INTERVAL = 1.0  # s: agent.json is rewritten for progress at most
 SPARE_DELAY = 10.0  # s after a launch before the warm spare is (re)built, unless every worker already made progress
 SPARE_MAX_FAILURES = 3  # spares that die on their own before the agent stops making them
 IDLE_WAKE = 30.0  # s: the loop wakes at least this often (nothing depends on it; it bounds every select)
-CLIENT_TIMEOUT = 5.0  # s for one control-socket conversation, either side
-MAX_CONTROL_LINE = 64 << 10  # bytes of one control request; a longer one is answered as not a JSON object line
-MAX_CONTROL_CLIENTS = 16  # control connections open at once (the socket is the operator's own: 0600)
 GAVE_UP_TAIL_BYTES = 8 << 10  # of the log tail sent with gave_up (a message is at most protocol.MAX_LINE)
 EXIT_HISTORY = 10  # exits (and pids) kept per process for agent.json
 AGENT_DOC_VERSION = 1  # agent.json's "version"
@@ -259,8 +257,7 @@ class Agent:
                                   self._hello_fields, lambda: {"running": running(self.slots.values())})
         self._stop_after: Timer | None = None
         self._wake_r: socket.socket | None = None
-        self._control: socket.socket | None = None
-        self._clients: set[socket.socket] = set()  # control connections open now (at most MAX_CONTROL_CLIENTS)
+        self.control = ControlServer(spec.control_socket, self.sel, self.timers, self._control_request)
         self._progress: socket.socket | None = None
 
     # -- life cycle
@@ -337,13 +334,7 @@ class Agent:
             signal.signal(sig, lambda *_: None)  # the number arrives through the wakeup fd
         self.sel.register(self._wake_r, selectors.EVENT_READ, self._on_signal)
 
-        spec.control_socket.unlink(missing_ok=True)
-        self._control = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._control.bind(str(spec.control_socket))
-        os.chmod(spec.control_socket, 0o600)  # whoever can talk to it can stop the job
-        self._control.listen(16)
-        self._control.setblocking(False)
-        self.sel.register(self._control, selectors.EVENT_READ, self._on_accept)
+        self.control.open()
 
         spec.progress_socket.unlink(missing_ok=True)
         self._progress = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
@@ -462,7 +453,8 @@ class Agent:
         reach the wakeup fd, the control and progress sockets are closed and their files unlinked, and the selector is
         closed."""
         signal.set_wakeup_fd(-1)
-        for sock, path in ((self._control, self.spec.control_socket), (self._progress, self.spec.progress_socket)):
+        self.control.close()
+        for sock, path in ((self._progress, self.spec.progress_socket),):
             if sock is not None:
                 sock.close()
                 path.unlink(missing_ok=True)
@@ -927,66 +919,6 @@ class Agent:
                 continue
             self.log("agent", f"{name} received: stopping")
             self._finish("stopped", EXIT_STOPPED, f"stopped by {name}")
-
-    def _on_accept(self, _mask: int) -> None:
-        """Selector callback on the control socket: accept one connection, without blocking. It has CLIENT_TIMEOUT to
-        send its request. Beyond MAX_CONTROL_CLIENTS open at once a connection is closed unanswered; when accept fails
-        (e.g. out of descriptors) the client stays in the backlog, bounded by its own timeout."""
-        try:
-            conn, _ = self._control.accept()
-        except (BlockingIOError, InterruptedError):
-            return
-        except OSError:  # out of descriptors: the client waits in the backlog, its own timeout bounds it
-            return
-        if len(self._clients) >= MAX_CONTROL_CLIENTS:
-            conn.close()
-            return
-        conn.setblocking(False)
-        self._clients.add(conn)
-        state = {"buf": b""}
-        deadline = self.timers.after(CLIENT_TIMEOUT, lambda: self._close_conn(conn))
-        self.sel.register(conn, selectors.EVENT_READ, lambda _m: self._on_conn(conn, state, deadline))
-
-    def _close_conn(self, conn: socket.socket) -> None:
-        """Forget and close a control connection; idempotent (the reply path and the deadline may both call it)."""
-        self._clients.discard(conn)
-        try:
-            self.sel.unregister(conn)
-        except (KeyError, ValueError):
-            pass
-        conn.close()
-
-    def _on_conn(self, conn: socket.socket, state: dict, deadline: Timer) -> None:
-        """Selector callback on a control connection: read one request, answer it, close. Input is buffered until a
-        newline, EOF or MAX_CONTROL_LINE bytes; the first line is answered (`_control_request`) with one JSON line, and
-        the connection closed: one request per connection. A line that is not a JSON object is answered `{"ok": false,
-        "error": ...}`; an empty one gets no answer. Sending the reply blocks for at most CLIENT_TIMEOUT. A deferred
-        action (stop) runs after the reply, so the client hears `ok` before the agent stops."""
-        try:
-            data = conn.recv(65536)
-        except BlockingIOError:
-            return
-        except OSError:
-            data = b""
-        state["buf"] += data
-        if not data or b"\n" in state["buf"] or len(state["buf"]) > MAX_CONTROL_LINE:
-            deadline.cancel()
-            line = state["buf"].split(b"\n", 1)[0]
-            if line.strip():
-                try:
-                    reply, after = self._control_request(json.loads(line))
-                except (ValueError, TypeError, AttributeError, RecursionError):
-                    reply, after = {"ok": False, "error": "not a JSON object line"}, None
-                try:
-                    conn.settimeout(CLIENT_TIMEOUT)
-                    conn.sendall(json.dumps(reply).encode() + b"\n")
-                except OSError:
-                    pass
-            else:
-                after = None
-            self._close_conn(conn)
-            if after is not None:
-                after()
 
     def _control_request(self, req: Any) -> tuple[dict, Callable[[], None] | None]:
         """One control request -> (reply, action to run once the reply is sent, or None). The ops are
