@@ -2,6 +2,9 @@
 
 - policy.py      what to do when a process exits or the scheduler speaks (pure: facts in, a reaction out)
 - supervisor.py  the event loop that applies it: launching, the warm spare, the sockets, agent.json
+- control.py     the control socket's server (bounded conversations)
+- progressinbox.py  the progress socket (the workers' datagrams, parsed)
+- docwriter.py   when agent.json is rewritten
 - link.py        the connection to the scheduler
 - log.py         the agent's own log; reading the children's
 - timers.py      the loop's deadlines

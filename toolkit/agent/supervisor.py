@@ -6,8 +6,9 @@ warm spare when one is ready; one still importing is held while a worker restart
 or giving up. One thread, one selector loop: children's pidfds, the control socket, the progress socket, the
 scheduler link, signals (through the wakeup fd) and timers.
 
-This module applies decisions and does the I/O; what to do is decided in policy.py. agent.json (toolkit.agentdoc)
-is rewritten atomically on every change of state and at most once per PROGRESS_WRITE_INTERVAL for progress.
+This module applies decisions and does the I/O; what to do is decided in policy.py. The sockets' conversations are
+kept bounded in control.py and progressinbox.py; agent.json (toolkit.agentdoc) is rewritten by docwriter.py, at
+once on every change of state and at most once per PROGRESS_WRITE_INTERVAL for progress.
 """
 
 from __future__ import annotations
@@ -29,8 +30,10 @@ from toolkit import envvars as E
 from toolkit import protocol as P
 from toolkit.agent import causes, openfiles, policy, warmspare
 from toolkit.agent.control import CLIENT_TIMEOUT, ControlServer
+from toolkit.agent.docwriter import DocWriter
 from toolkit.agent.link import SchedulerLink
 from toolkit.agent.log import AgentLog, iso, log_tail
+from toolkit.agent.progressinbox import ProgressInbox, Report
 from toolkit.agent.timers import Timer, Timers
 from toolkit.agentdoc import ControlOp, recorded_groups
 from toolkit.errors import UserError
@@ -38,7 +41,6 @@ from toolkit.hostspec import HostSpec, ProcSpec, RestartPolicy
 from toolkit.procs import Child, ExitStatus, LaunchSpec
 
 REPORT_FLUSH_TIMEOUT = 3.0  # s to deliver the last reports (gave_up) before exiting
-PROGRESS_WRITE_INTERVAL = 1.0  # s: agent.json is rewritten for progress at most this often
 SPARE_DELAY = 10.0  # s after a launch before the warm spare is (re)built, unless every worker already made progress
 SPARE_MAX_FAILURES = 3  # spares that die on their own before the agent stops making them
 IDLE_WAKE = 30.0  # s: the loop wakes at least this often (nothing depends on it; it bounds every select)
@@ -137,6 +139,23 @@ class Slot:
             self.step_file = None
             return f"cannot make its step file ({e}): the restart budget knows its steps from its progress reports"
         return None
+
+    def note_progress(self, report: Report, wall: float) -> bool:
+        """Apply one progress report received at `wall` (time.time()); returns whether agent.json changed. A
+        `recovery` (the worker joined its group) or a `step` marks the process `progressed` since its launch, which
+        spares its next failure the backoff (hostspec.RestartPolicy.after_failure); `epoch` counts only with a step."""
+        changed = False
+        if report.recovery is not None:
+            self.progressed = True  # it got as far as its process group: not a crash loop
+            if report.recovery != self.recovery:
+                self.recovery, changed = report.recovery, True
+        if report.step is None:
+            return changed
+        self.step, self.step_at, self.progressed = report.step, wall, True
+        self.reached = report.step if self.reached is None else max(self.reached, report.step)
+        if report.epoch is not None:
+            self.epoch = report.epoch
+        return True
 
     def reached_step(self) -> int | None:
         """After an exit: the last step the incarnation completed, from its step file (exact, whatever the death) or
@@ -248,9 +267,7 @@ class Agent:
         self.spare_timer: Timer | None = None
         self.spare_failures = 0
         self.spare_enabled = spec.warm_spare and bool(workers)
-        self.progress_dirty = False
-        self.progress_timer: Timer | None = None
-        self.last_write = 0.0
+        self.writer = DocWriter(spec.agent_json, self.timers, self.document)
         self.took_over: list[dict[str, Any]] = []  # a spare's takeovers: {host, node_ids, seq, at}
         self.nofile = 0  # the workers' open-file limit (run raises it to the hard limit)
         self.link = SchedulerLink(spec, self.sel, self.timers, log, self._on_scheduler, self._changed,
@@ -258,7 +275,7 @@ class Agent:
         self._stop_after: Timer | None = None
         self._wake_r: socket.socket | None = None
         self.control = ControlServer(spec.control_socket, self.sel, self.timers, self._control_request)
-        self._progress: socket.socket | None = None
+        self.progress = ProgressInbox(spec.progress_socket, self.sel, self._on_progress)
 
     # -- life cycle
 
@@ -289,7 +306,7 @@ class Agent:
             self._launch(slot, "first start")
         if self.state == "starting":
             self.state = "running"
-        self._write()
+        self.writer.write()
         self.link.start()
         if self.spare_enabled:
             self.spare_timer = self.timers.after(SPARE_DELAY, self._start_spare)
@@ -336,12 +353,7 @@ class Agent:
 
         self.control.open()
 
-        spec.progress_socket.unlink(missing_ok=True)
-        self._progress = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        self._progress.bind(str(spec.progress_socket))
-        os.chmod(spec.progress_socket, 0o600)
-        self._progress.setblocking(False)
-        self.sel.register(self._progress, selectors.EVENT_READ, self._on_progress)
+        self.progress.open()
 
     def _reclaim_previous(self) -> None:
         """A previous agent of this job was killed (we hold the lock, so it is not running): whatever is left of the
@@ -392,7 +404,7 @@ class Agent:
         final_state = self.state
         if live or self.spare:
             self.state = "stopping"
-            self._write()
+            self.writer.write()
         delivered = not self.link.closed
         if (self.link.queue or self.link.wbuf) and not self.link.closed:
             delivered = self.link.flush(REPORT_FLUSH_TIMEOUT)
@@ -425,7 +437,7 @@ class Agent:
             if slot.state in ("backoff", "pending", "restarting", "running"):
                 slot.state = "stopped"
         self.state = final_state
-        self._write()
+        self.writer.write()
         self.log("agent", f"agent exits: {self.state}" + (f" ({self.reason})" if self.reason else "")
                  + f", exit status {self.exit_code}")
         self._close_sockets()
@@ -454,10 +466,7 @@ class Agent:
         closed."""
         signal.set_wakeup_fd(-1)
         self.control.close()
-        for sock, path in ((self._progress, self.spec.progress_socket),):
-            if sock is not None:
-                sock.close()
-                path.unlink(missing_ok=True)
+        self.progress.close()
         for s in (self._wake_r, getattr(self, "_wake_w", None)):
             if s is not None:
                 s.close()
@@ -529,7 +538,7 @@ class Agent:
             slot.seen_dead = None
         self.log(slot.spec.node_id, f"started pid {child.pid} ({why}{', warm spare' if slot.warm else ''}"
                                     f"{', restart count ' + str(n) if n else ''}{since})")
-        self._write()
+        self.writer.write()
         if not slot.warm:
             self._hold_spare()
 
@@ -601,13 +610,13 @@ class Agent:
         if isinstance(reaction, policy.Settle):
             slot.state = reaction.state
             self.log(node, f"pid {pid} exited ({how})")
-            self._write()
+            self.writer.write()
             if reaction.finish:
                 self._finish_now()
         elif isinstance(reaction, policy.Succeeded):
             slot.state = "succeeded"
             self.log(node, f"pid {pid} finished (exit code 0 after {ran:.1f} s)")
-            self._write()
+            self.writer.write()
             if reaction.all_done:
                 self._finish("succeeded", EXIT_OK, "every process of this host exited 0")
         elif isinstance(reaction, policy.GiveUp):
@@ -629,7 +638,7 @@ class Agent:
                 slot.state = "backoff"
                 slot.next_start = time.time() + reaction.delay
                 slot.timer = self.timers.after(reaction.delay, lambda: self._launch(slot, reaction.why))
-                self._write()
+                self.writer.write()
 
     def _give_up(self, slot: Slot, pid: int | None, status: ExitStatus, ran: float, cause: str | None) -> None:
         """The job has failed here: `slot` died with its restarts used up (`cause`: its first cause, or None when its
@@ -674,7 +683,7 @@ class Agent:
                 self.log(slot.spec.node_id, f"pid {slot.child.pid} {warning}")
             changed = changed or bool(warning)
         if changed:
-            self._write()
+            self.writer.write()
         if not self.closing:
             self.timers.after(openfiles.SAMPLE_INTERVAL, self._count_open_files)
 
@@ -714,7 +723,7 @@ class Agent:
         self.log("agent", f"warm spare pid {child.pid} starting (importing {', '.join(standby.WARM_MODULES)})")
         self.sel.register(mine, selectors.EVENT_READ, lambda _m: self._on_spare_sock())
         self.sel.register(child, selectors.EVENT_READ, lambda _m: self._on_spare_exit())
-        self._write()
+        self.writer.write()
 
     def _hold_spare(self) -> None:
         """Hold the warm spare (SIGSTOP to its group) while it imports and a worker relaunched cold starts beside it,
@@ -734,7 +743,7 @@ class Agent:
             self.log("agent", f"warm spare pid {sp.child.pid} " + (
                 "held: a worker restarts cold, and the spare's imports would slow it down" if sp.held
                 else "goes on importing"))
-            self._write()
+            self.writer.write()
         if plan.until is not None:
             sp.hold_timer = self.timers.after(plan.until - now, self._hold_spare)
 
@@ -752,7 +761,7 @@ class Agent:
         if data == standby.READY:
             sp.ready = True
             self.log("agent", f"warm spare pid {sp.child.pid} ready after {time.monotonic() - sp.started:.1f} s")
-            self._write()
+            self.writer.write()
         else:
             self.sel.unregister(sp.sock)  # it went away: its pidfd tells the rest
 
@@ -781,7 +790,7 @@ class Agent:
             self.log("agent", f"{self.spare_failures} warm spares died: no more spares, workers restart cold")
         elif not self.closing:
             self.spare_timer = self.timers.after(SPARE_DELAY, self._start_spare)
-        self._write()
+        self.writer.write()
 
     def _handoff(self, slot: Slot, env: dict[str, str], marker: str) -> Child | None:
         """Give `slot`'s place to the ready spare; None (and a cold start) if there is none or it cannot.
@@ -868,7 +877,7 @@ class Agent:
                 self._finish_now()
             else:
                 self._stop_after = self.timers.after(self.spec.grace, self._finish_now)
-                self._write()
+                self.writer.write()
         elif reaction.why != "already closing":
             self.log("agent", reaction.why)
 
@@ -888,7 +897,7 @@ class Agent:
             self._launch(slot, f"takeover of {reaction.host}")
         self.spare_enabled = self.spec.warm_spare and self.spare_failures < SPARE_MAX_FAILURES
         self._schedule_spare()
-        self._write()
+        self.writer.write()
 
     def _hello_fields(self) -> dict[str, Any]:
         """What the agent's hello says: its host, the node ids it supervises now (a spare's grow with each takeover),
@@ -964,46 +973,21 @@ class Agent:
             slot.state = "restarting"
             child.signal_group(signal.SIGTERM)
             slot.kill_timer = self.timers.after(self.spec.grace, lambda: child.signal_group(signal.SIGKILL))
-            self._write()
+            self.writer.write()
         return {"ok": True, "node_id": node_id, "was_pid": child.pid, "pid": None}
 
-    def _on_progress(self, _mask: int) -> None:
-        """Selector callback on the progress socket: record the workers' progress. At most 256 datagrams are read per
-        wake-up (the rest wait for the next); any that is not JSON or names no process here is ignored.
-
-        A `recovery` field (the worker joined its group) or an integer `step` marks the process `progressed` since its
-        launch, which spares its next failure the backoff (hostspec.RestartPolicy.after_failure). agent.json is
-        rewritten for progress at most once per PROGRESS_WRITE_INTERVAL. Once every running worker has progressed, a
-        spare still waiting out SPARE_DELAY is started at once: the job is past its start, so building one no longer
-        competes with it."""
-        for _ in range(256):  # bounded per wake-up; the rest is read at the next one
-            try:
-                data = self._progress.recv(4096)
-            except BlockingIOError:
-                break
-            try:
-                msg = json.loads(data)
-                slot = self.slots[msg["node_id"]]
-            except (ValueError, KeyError, TypeError, RecursionError):
-                continue
-            recovery = msg.get("recovery")
-            if recovery in (P.RECOVERY_IN_PLACE, P.RECOVERY_RESTART):
-                slot.progressed = True  # it got as far as its process group: not a crash loop
-                if recovery != slot.recovery:
-                    slot.recovery = recovery
-                    self.progress_dirty = True
-            step = msg.get("step")
-            if not isinstance(step, int) or isinstance(step, bool):
-                continue
-            slot.step, slot.step_at, slot.progressed = step, time.time(), True
-            slot.reached = step if slot.reached is None else max(slot.reached, step)
-            epoch = msg.get("epoch")
-            if isinstance(epoch, int):
-                slot.epoch = epoch
-            self.progress_dirty = True
-        if self.progress_dirty and self.progress_timer is None:
-            delay = self.last_write + PROGRESS_WRITE_INTERVAL - time.monotonic()
-            self.progress_timer = self.timers.after(delay, self._write_progress)
+    def _on_progress(self, reports: list[Report]) -> None:
+        """ProgressInbox's callback, once per wake-up: record the workers' progress (Slot.note_progress; a report
+        naming no process here is ignored); agent.json is rewritten for it at most once per
+        docwriter.PROGRESS_WRITE_INTERVAL. Once every running worker has progressed, a spare still waiting out
+        SPARE_DELAY is started at once: the job is past its start, so building one no longer competes with it."""
+        changed = False
+        for report in reports:
+            slot = self.slots.get(report.node_id)
+            if slot is not None and slot.note_progress(report, time.time()):
+                changed = True
+        if changed:
+            self.writer.progressed()
         running = [s for s in self.slots.values() if s.spec.is_worker and s.state == "running"]
         if (self.spare_enabled and self.spare is None and self.spare_timer is not None and running
                 and all(s.progressed for s in running)):
@@ -1011,20 +995,13 @@ class Agent:
             self._start_spare()  # the job is running: building a spare no longer competes with its start
         self._hold_spare()  # a worker started cold may have got as far as its group: the spare goes on
 
-    def _write_progress(self) -> None:
-        """Timer callback of the progress rate limit: rewrite agent.json, unless a write since has already carried the
-        progress."""
-        self.progress_timer = None
-        if self.progress_dirty:
-            self._write()
-
     # -- agent.json
 
     def _changed(self) -> None:
         """SchedulerLink's callback when the link's state changes: rewrite agent.json while the loop runs (after it,
         `_shutdown` writes the final document)."""
         if self.exit_code is None:
-            self._write()
+            self.writer.write()
 
     def document(self) -> dict[str, Any]:
         """The agent.json document, also the control socket's `status` reply. No I/O; its fields are those of
@@ -1045,10 +1022,3 @@ class Agent:
             "processes": [s.document(self.spec.policy) for s in self.slots.values()],
             "failure": self.failure,
         }
-
-    def _write(self) -> None:
-        """Rewrite agent.json atomically and note the time for the progress rate limit. atomicfile.write with VISIBLE
-        durability: a reader sees the old or the new document, never a mix. Raises OSError if it cannot be written."""
-        self.progress_dirty = False
-        self.last_write = time.monotonic()
-        atomicfile.write(self.spec.agent_json, json.dumps(self.document(), indent=1) + "\n")
