@@ -1,7 +1,8 @@
 """The per-host agent: `python -m toolkit.agent --job-dir DIR` supervises one host's processes of one job.
 
 - policy.py      what to do when a process exits or the scheduler speaks (pure: facts in, a reaction out)
-- supervisor.py  the event loop that applies it: launching, the warm spare, the sockets, agent.json
+- supervisor.py  the event loop that applies it: launching, the sockets, agent.json
+- warmspare.py   whether a warm spare is wanted and may import now (pure); spare.py applies it
 - control.py     the control socket's server (bounded conversations)
 - progressinbox.py  the progress socket (the workers' datagrams, parsed)
 - docwriter.py   when agent.json is rewritten

@@ -14,7 +14,6 @@ once on every change of state and at most once per PROGRESS_WRITE_INTERVAL for p
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import selectors
 import signal
@@ -25,15 +24,16 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from toolkit import atomicfile, netif, procs, standby, stepfile
+from toolkit import atomicfile, netif, procs, stepfile
 from toolkit import envvars as E
 from toolkit import protocol as P
-from toolkit.agent import causes, openfiles, policy, warmspare
-from toolkit.agent.control import CLIENT_TIMEOUT, ControlServer
+from toolkit.agent import causes, openfiles, policy
+from toolkit.agent.control import ControlServer
 from toolkit.agent.docwriter import DocWriter
 from toolkit.agent.link import SchedulerLink
 from toolkit.agent.log import AgentLog, iso, log_tail
 from toolkit.agent.progressinbox import ProgressInbox, Report
+from toolkit.agent.spare import WarmSpare
 from toolkit.agent.timers import Timer, Timers
 from toolkit.agentdoc import ControlOp, recorded_groups
 from toolkit.errors import UserError
@@ -41,8 +41,6 @@ from toolkit.hostspec import HostSpec, ProcSpec, RestartPolicy
 from toolkit.procs import Child, ExitStatus, LaunchSpec
 
 REPORT_FLUSH_TIMEOUT = 3.0  # s to deliver the last reports (gave_up) before exiting
-SPARE_DELAY = 10.0  # s after a launch before the warm spare is (re)built, unless every worker already made progress
-SPARE_MAX_FAILURES = 3  # spares that die on their own before the agent stops making them
 IDLE_WAKE = 30.0  # s: the loop wakes at least this often (nothing depends on it; it bounds every select)
 GAVE_UP_TAIL_BYTES = 8 << 10  # of the log tail sent with gave_up (a message is at most protocol.MAX_LINE)
 EXIT_HISTORY = 10  # exits (and pids) kept per process for agent.json
@@ -194,20 +192,6 @@ class Slot:
         }
 
 
-class Spare:
-    """A warm interpreter waiting on `sock` (see toolkit.standby). `child` is the standby process, `sock` the agent's
-    end of their socketpair, and `interpreter` the argv[0] it was started with: only a worker run by that same
-    interpreter can be handed to it (standby.eligible). `ready` turns True when it sent standby.READY (its imports are
-    done); only a ready spare takes a handoff."""
-
-    def __init__(self, child: Child, sock: socket.socket, interpreter: str) -> None:
-        self.child, self.sock, self.interpreter = child, sock, interpreter
-        self.ready = False
-        self.started = time.monotonic()
-        self.held = False  # SIGSTOPped while a worker restarts cold (toolkit.agent.warmspare)
-        self.hold_timer: Timer | None = None
-
-
 def cold_launches(slots: Iterable[Slot]) -> list[float]:
     """When each worker relaunched cold that has not progressed since was launched (monotonic s): what holds the
     warm spare back (toolkit.agent.warmspare). A first start is not a recovery: SPARE_DELAY paces the spare then."""
@@ -263,10 +247,10 @@ class Agent:
                 self.base_env[E.GLOO_SOCKET_IFNAME] = interface
         for name in (E.GLOO_ENABLE_STORE_V2_API, E.GLOO_ENABLE_RANK_AS_SEQUENCE_NUMBER):  # bootstrap: O(N/128) requests
             self.base_env.setdefault(name, "1")
-        self.spare: Spare | None = None
-        self.spare_timer: Timer | None = None
-        self.spare_failures = 0
-        self.spare_enabled = spec.warm_spare and bool(workers)
+        self.warm = WarmSpare(spec, self.sel, self.timers, log, self.base_env,
+                              template=lambda: next(s.spec for s in self.slots.values() if s.spec.is_worker),
+                              cold=lambda: cold_launches(self.slots.values()), closing=lambda: self.closing,
+                              changed=lambda: self.writer.write())
         self.writer = DocWriter(spec.agent_json, self.timers, self.document)
         self.took_over: list[dict[str, Any]] = []  # a spare's takeovers: {host, node_ids, seq, at}
         self.nofile = 0  # the workers' open-file limit (run raises it to the hard limit)
@@ -299,7 +283,7 @@ class Agent:
             f"standing by as a spare for {len(self.spec.standby)} worker(s)"
         self.log("agent", f"agent pid {self.pid} {what} of job {self.spec.job} "
                           f"(max_restarts {self.spec.policy.max_restarts}, grace {self.spec.grace:g} s, "
-                          f"warm spare {'on' if self.spare_enabled else 'off'}"
+                          f"warm spare {'on' if self.warm.enabled else 'off'}"
                           f"{', bind_core' if self.spec.bind_core else ''}, open files {self.nofile}"
                           f"{f' (raised from {before})' if self.nofile > before else ''})")
         for slot in sorted(self.slots.values(), key=lambda s: s.spec.is_worker):
@@ -308,8 +292,7 @@ class Agent:
             self.state = "running"
         self.writer.write()
         self.link.start()
-        if self.spare_enabled:
-            self.spare_timer = self.timers.after(SPARE_DELAY, self._start_spare)
+        self.warm.arm()
         self.timers.after(openfiles.SAMPLE_INTERVAL, self._count_open_files)
         if ready is not None:
             ready(f"ready {self.pid}")
@@ -396,13 +379,12 @@ class Agent:
                 if t:
                     t.cancel()
             slot.next_start = None
-        if self.spare_timer:
-            self.spare_timer.cancel()
+        self.warm.cancel()
         live = [s for s in self.slots.values() if s.child is not None]
         for slot in live:
             self.sel.unregister(slot.child)  # reaped below, outside the loop
         final_state = self.state
-        if live or self.spare:
+        if live or self.warm.spare:
             self.state = "stopping"
             self.writer.write()
         delivered = not self.link.closed
@@ -411,14 +393,7 @@ class Agent:
             if not delivered:
                 self.log("agent", "could not deliver the last reports to the scheduler")
         self.link.close()
-        if self.spare is not None:
-            for obj in (self.spare.child, self.spare.sock):
-                if obj in (k.fileobj for k in self.sel.get_map().values()):
-                    self.sel.unregister(obj)
-            self.spare.child.signal_group(signal.SIGKILL)  # holds no state worth a grace period
-            self.spare.child.wait(procs.KILL_WAIT)
-            self.spare.sock.close()
-            self.spare = None
+        self.warm.stop()
         told = final_state == "failed" and delivered  # a scheduler here has the failure, and ends on it
         workers = [s for s in live if s.spec.is_worker or not told]
         self._stop_children(workers)
@@ -481,7 +456,7 @@ class Agent:
         The environment is `base_env` plus TORCHELASTIC_RESTART_COUNT (the launches so far) and TORCHELASTIC_ERROR_FILE
         (this incarnation's own, removed first if an earlier agent left it: causes.error_file); the process's env file
         is applied on top by a shell (procs.env_argv), or for a handoff by procs.resolve_env. The ready warm spare takes
-        the place when it can (`_handoff`), else procs.spawn starts it cold. A spawn that fails (OSError,
+        the place when it can (WarmSpare.take), else procs.spawn starts it cold. A spawn that fails (OSError,
         SubprocessError) never raises: it counts as a launch and, one timer tick later, as an exit with code 127 (like a
         command not found), so the restart policy applies to it as to any crash; no `exited` report goes out for it
         (there was no pid). On success the child's pidfd is registered (-> `_on_child`), `progressed` is reset, and
@@ -503,7 +478,7 @@ class Agent:
             env[E.TOOLKIT_STEP_FILE] = str(slot.step_file)
         marker = (f"--- toolkit agent {self.spec.host}: start {slot.spec.node_id} #{n + 1} ({why}) "
                   f"at {iso(time.time())} ---")
-        child = self._handoff(slot, env, marker)
+        child = self.warm.take(slot.spec, slot.cpus, env, marker)
         slot.warm = child is not None
         if child is None:
             try:
@@ -540,7 +515,7 @@ class Agent:
                                     f"{', restart count ' + str(n) if n else ''}{since})")
         self.writer.write()
         if not slot.warm:
-            self._hold_spare()
+            self.warm.hold()
 
     def _on_child(self, slot: Slot, child: Child) -> None:
         """Selector callback: `child`'s pidfd is readable, so it exited. The pidfd is unregistered before `reap` closes
@@ -555,7 +530,7 @@ class Agent:
             return
         slot.child = None
         self._after_exit(slot, child, status)
-        self._hold_spare()  # a worker starting cold may be gone
+        self.warm.hold()  # a worker starting cold may be gone
 
     def _record_exit(self, slot: Slot, status: ExitStatus, pid: int | None = None,
                      step: int | None = None) -> dict[str, Any]:
@@ -687,156 +662,6 @@ class Agent:
         if not self.closing:
             self.timers.after(openfiles.SAMPLE_INTERVAL, self._count_open_files)
 
-    # -- warm spare
-
-    def _start_spare(self) -> None:
-        """Timer callback: start a warm spare, unless the agent is closing, a spare exists, or spares are off. The spare
-        is `<interpreter> -m toolkit.standby` with the first worker's interpreter and env file (so it imports the same
-        torch), run in the job directory with its output in logs/standby.log and one end of a socketpair; it gets no
-        CPUs of its own (it takes the worker's at handoff). A spare that cannot be spawned turns spares off for good:
-        workers then restart cold."""
-        self.spare_timer = None
-        if self.closing or self.spare is not None or not self.spare_enabled:
-            return
-        plan = warmspare.spare_plan(False, cold_launches(self.slots.values()), time.monotonic())
-        if not plan.run and plan.until is not None:  # a worker restarts cold: importing now would slow it down
-            self.spare_timer = self.timers.after(plan.until - time.monotonic(), self._start_spare)
-            return
-        template = next(s.spec for s in self.slots.values() if s.spec.is_worker)
-        interpreter = template.argv[0]
-        mine, theirs = socket.socketpair()
-        argv = [interpreter, "-m", "toolkit.standby", "--fd", str(theirs.fileno())]
-        try:
-            child = procs.spawn(LaunchSpec(
-                argv=tuple(procs.env_argv(template.env_file, argv)), env=self.base_env, cwd=str(self.spec.job_dir),
-                log_file=str(self.spec.standby_log), pass_fds=(theirs.fileno(),),
-                marker=f"--- toolkit agent {self.spec.host}: warm spare at {iso(time.time())} ---"))
-        except (OSError, subprocess.SubprocessError) as e:
-            mine.close()
-            self.log("agent", f"could not start a warm spare: {e}; workers restart cold")
-            self.spare_enabled = False
-            return
-        finally:
-            theirs.close()
-        mine.setblocking(False)
-        self.spare = Spare(child, mine, interpreter)
-        self.log("agent", f"warm spare pid {child.pid} starting (importing {', '.join(standby.WARM_MODULES)})")
-        self.sel.register(mine, selectors.EVENT_READ, lambda _m: self._on_spare_sock())
-        self.sel.register(child, selectors.EVENT_READ, lambda _m: self._on_spare_exit())
-        self.writer.write()
-
-    def _hold_spare(self) -> None:
-        """Hold the warm spare (SIGSTOP to its group) while it imports and a worker relaunched cold starts beside it,
-        let it go on (SIGCONT) once none does (toolkit.agent.warmspare); a timer decides again when the hold's bound
-        passes. A ready spare is idle and never held."""
-        sp = self.spare
-        if sp is None or sp.ready:
-            return
-        now = time.monotonic()
-        plan = warmspare.spare_plan(False, cold_launches(self.slots.values()), now)
-        if sp.hold_timer is not None:
-            sp.hold_timer.cancel()
-            sp.hold_timer = None
-        if plan.run == sp.held:
-            sp.held = not plan.run
-            sp.child.signal_group(signal.SIGSTOP if sp.held else signal.SIGCONT)
-            self.log("agent", f"warm spare pid {sp.child.pid} " + (
-                "held: a worker restarts cold, and the spare's imports would slow it down" if sp.held
-                else "goes on importing"))
-            self.writer.write()
-        if plan.until is not None:
-            sp.hold_timer = self.timers.after(plan.until - now, self._hold_spare)
-
-    def _on_spare_sock(self) -> None:
-        """Selector callback on the spare's socket: standby.READY marks the spare ready (its imports are done). Anything
-        else (EOF, an error) means it is going away: the socket is unregistered, and its pidfd (`_on_spare_exit`)
-        handles the rest."""
-        sp = self.spare
-        try:
-            data = sp.sock.recv(64)
-        except BlockingIOError:
-            return
-        except OSError:
-            data = b""
-        if data == standby.READY:
-            sp.ready = True
-            self.log("agent", f"warm spare pid {sp.child.pid} ready after {time.monotonic() - sp.started:.1f} s")
-            self.writer.write()
-        else:
-            self.sel.unregister(sp.sock)  # it went away: its pidfd tells the rest
-
-    def _on_spare_exit(self) -> None:
-        """Selector callback: the spare died before any handoff. Its socket is closed and the failure counted; a new
-        spare is built after SPARE_DELAY, unless SPARE_MAX_FAILURES spares died with no handoff in between, which turns
-        spares off for the rest of this agent's life."""
-        sp = self.spare
-        self.sel.unregister(sp.child)
-        status = sp.child.reap()
-        if status is None:
-            self.sel.register(sp.child, selectors.EVENT_READ, lambda _m: self._on_spare_exit())
-            return
-        try:
-            self.sel.unregister(sp.sock)
-        except (KeyError, ValueError):
-            pass
-        sp.sock.close()
-        self.spare = None
-        self.spare_failures += 1
-        tail = log_tail(self.spec.standby_log, 3)
-        self.log("agent", f"warm spare pid {sp.child.pid} {status.describe()}"
-                          + (f": {tail[-1]}" if tail else "") + f" (see {self.spec.standby_log})")
-        if self.spare_failures >= SPARE_MAX_FAILURES:
-            self.spare_enabled = False
-            self.log("agent", f"{self.spare_failures} warm spares died: no more spares, workers restart cold")
-        elif not self.closing:
-            self.spare_timer = self.timers.after(SPARE_DELAY, self._start_spare)
-        self.writer.write()
-
-    def _handoff(self, slot: Slot, env: dict[str, str], marker: str) -> Child | None:
-        """Give `slot`'s place to the ready spare; None (and a cold start) if there is none or it cannot.
-
-        Needs a ready spare and a worker argv it can run (standby.eligible). The worker's complete environment is
-        computed here (procs.resolve_env: bash reads the env file, blocking the loop up to that function's timeout), and
-        sent as one JSON line with argv, cwd, log file and CPUs after `marker` is appended to the worker's log; the send
-        is bounded by CLIENT_TIMEOUT. On success the spare's process becomes the worker (the returned Child, same pid,
-        which `_launch` registers), the count of failed spares is reset, and a new spare is scheduled. On failure the
-        spare is left as it is (if it died, its pidfd says so)."""
-        sp = self.spare
-        if sp is None or not sp.ready or not standby.eligible(slot.spec.argv, sp.interpreter):
-            return None
-        try:
-            full = procs.resolve_env(slot.spec.env_file, env, slot.spec.cwd)
-        except (OSError, subprocess.SubprocessError) as e:
-            self.log(slot.spec.node_id, f"warm spare not used: {e}")
-            return None
-        payload = json.dumps({"argv": list(slot.spec.argv), "env": full, "cwd": slot.spec.cwd,
-                              "log_file": slot.spec.log_file,
-                              "cpus": sorted(slot.cpus) if slot.cpus else None}) + "\n"
-        try:
-            with open(slot.spec.log_file, "a", encoding="utf-8") as f:
-                f.write(marker + "\n")
-            sp.sock.settimeout(CLIENT_TIMEOUT)
-            sp.sock.sendall(payload.encode())
-        except OSError as e:
-            self.log(slot.spec.node_id, f"warm spare pid {sp.child.pid} did not take the handoff ({e})")
-            return None
-        self.sel.unregister(sp.sock)
-        self.sel.unregister(sp.child)
-        sp.sock.close()
-        self.spare = None
-        self.spare_failures = 0
-        self._schedule_spare()
-        return sp.child
-
-    def _schedule_spare(self) -> None:
-        """(Re)arm the spare timer for SPARE_DELAY from now if a spare is wanted and none exists: spares on, the agent
-        not closing. A timer already armed is replaced. Called after a handoff, so the next spare's imports do not
-        compete with the replacement's start."""
-        if self.spare_enabled and not self.closing and self.spare is None:
-            if self.spare_timer:
-                self.spare_timer.cancel()
-            self.spare_timer = self.timers.after(SPARE_DELAY, self._start_spare)
-
     # -- the scheduler's messages
 
     def _on_scheduler(self, msg: dict[str, Any]) -> None:
@@ -895,8 +720,7 @@ class Agent:
             slot = Slot(standby[node_id], None, self.spec.step_file(node_id))
             self.slots[node_id] = slot
             self._launch(slot, f"takeover of {reaction.host}")
-        self.spare_enabled = self.spec.warm_spare and self.spare_failures < SPARE_MAX_FAILURES
-        self._schedule_spare()
+        self.warm.took_over()
         self.writer.write()
 
     def _hello_fields(self) -> dict[str, Any]:
@@ -989,11 +813,7 @@ class Agent:
         if changed:
             self.writer.progressed()
         running = [s for s in self.slots.values() if s.spec.is_worker and s.state == "running"]
-        if (self.spare_enabled and self.spare is None and self.spare_timer is not None and running
-                and all(s.progressed for s in running)):
-            self.spare_timer.cancel()
-            self._start_spare()  # the job is running: building a spare no longer competes with its start
-        self._hold_spare()  # a worker started cold may have got as far as its group: the spare goes on
+        self.warm.progressed([s.progressed for s in running])
 
     # -- agent.json
 
@@ -1006,7 +826,6 @@ class Agent:
     def document(self) -> dict[str, Any]:
         """The agent.json document, also the control socket's `status` reply. No I/O; its fields are those of
         docs/architecture.md and toolkit.agentdoc (commands.status adds `alive`)."""
-        sp = self.spare
         return {
             "version": AGENT_DOC_VERSION, "job": self.spec.job, "host": self.spec.host,
             "job_dir": str(self.spec.job_dir), "job_id": self.spec.job_id,
@@ -1015,8 +834,7 @@ class Agent:
             "state": self.state, "reason": self.reason, "exit_code": self.exit_code, "updated_at": iso(time.time()),
             "scheduler": {"address": f"{self.spec.sched_host}:{self.spec.sched_port}", "link": self.link.state,
                           "since": iso(self.link.since)},
-            "warm_spare": {"enabled": self.spare_enabled, "pid": sp.child.pid if sp else None,
-                           "ready": bool(sp and sp.ready), "held": bool(sp and sp.held)},
+            "warm_spare": self.warm.document(),
             "bind_core": self.spec.bind_core,
             "spare": self.spec.spare, "took_over": self.took_over,
             "processes": [s.document(self.spec.policy) for s in self.slots.values()],
