@@ -3,6 +3,7 @@
 - policy.py      what to do when a process exits or the scheduler speaks (pure: facts in, a reaction out)
 - supervisor.py  the event loop that applies it: launching, the sockets, agent.json
 - warmspare.py   whether a warm spare is wanted and may import now (pure); spare.py applies it
+- slots.py       what the agent knows of each process (Slot), bind_core's CPU sets
 - control.py     the control socket's server (bounded conversations)
 - progressinbox.py  the progress socket (the workers' datagrams, parsed)
 - docwriter.py   when agent.json is rewritten
@@ -30,7 +31,7 @@ from toolkit.agent.commands import (
     stop,
     with_overrides,
 )
-from toolkit.agent.supervisor import cpu_sets
+from toolkit.agent.slots import cpu_sets
 from toolkit.hostspec import HostSpec, ProcSpec, RestartDecision, RestartPolicy
 from toolkit.hostspec import load as load_spec
 
