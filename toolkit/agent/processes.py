@@ -163,17 +163,7 @@ class Processes:
                     argv=tuple(procs.env_argv(slot.spec.env_file, slot.spec.argv)), env=env, cwd=slot.spec.cwd,
                     log_file=slot.spec.log_file, cpus=slot.cpus, marker=marker))
             except (OSError, subprocess.SubprocessError) as e:
-                self.log(slot.spec.node_id, f"could not start {' '.join(slot.spec.argv)}: {e}")
-                try:
-                    with open(slot.spec.log_file, "a", encoding="utf-8") as f:
-                        f.write(f"{marker}\ntoolkit agent: could not start: {e}\n")
-                except OSError:
-                    pass
-                slot.launches += 1
-                slot.started_mono, slot.started_wall = time.monotonic(), time.time()
-                slot.state = "running"
-                # as if it had died at once with "command not found": the normal policy applies
-                self.timers.after(0, lambda: self._after_exit(slot, None, ExitStatus(127, None)))
+                self._spawn_failed(slot, marker, e)
                 return
         slot.child = child
         slot.last_pid, slot.last_ticks = child.pid, child.start_ticks
@@ -193,6 +183,21 @@ class Processes:
         self.changed()
         if not slot.warm:
             self.warm.hold()
+
+    def _spawn_failed(self, slot: Slot, marker: str, e: Exception) -> None:
+        """A spawn that failed (`e`): said in the agent's log and, after `marker`, in the process's; it counts as a
+        launch and, one timer tick later, as an exit with code 127 (like a command not found), so that the restart
+        policy applies to it as to any crash."""
+        self.log(slot.spec.node_id, f"could not start {' '.join(slot.spec.argv)}: {e}")
+        try:
+            with open(slot.spec.log_file, "a", encoding="utf-8") as f:
+                f.write(f"{marker}\ntoolkit agent: could not start: {e}\n")
+        except OSError:
+            pass
+        slot.launches += 1
+        slot.started_mono, slot.started_wall = time.monotonic(), time.time()
+        slot.state = "running"
+        self.timers.after(0, lambda: self._after_exit(slot, None, ExitStatus(127, None)))
 
     def _on_child(self, slot: Slot, child: Child) -> None:
         """Selector callback: `child`'s pidfd is readable, so it exited. The pidfd is unregistered before `reap` closes
@@ -236,8 +241,7 @@ class Processes:
         The `exited` report is coalesced per node: while the scheduler is unreachable only a node's latest death waits
         to be sent. A pending SIGKILL of the operator's restart is cancelled and the `manual` flag consumed. Reactions:
         Settle (closing: the final state; a finishing agent finishes once nothing runs), Succeeded (exit 0; the agent
-        finishes `succeeded` once every process of the host has), GiveUp (`_give_up`), Relaunch (now, or in state
-        `backoff` with a timer; `slot.counted` takes the policy's count)."""
+        finishes `succeeded` once every process of the host has), GiveUp (`_give_up`), Relaunch (`_relaunch`)."""
         pid = child.pid if child else None
         ran = time.monotonic() - slot.started_mono
         record = self.record_exit(slot, status, pid, slot.reached_step())
@@ -247,7 +251,7 @@ class Processes:
             slot.kill_timer = None
         if pid is not None:
             self.report(P.EXITED, coalesce=slot.spec.node_id, node_id=slot.spec.node_id, pid=pid,
-                             code=status.code, signal=status.signal_name, cause=cause)
+                        code=status.code, signal=status.signal_name, cause=cause)
         others = [s for s in self.slots.values() if s is not slot]
         facts = policy.Exited(
             code=status.code if status.signal is None else None, ran_for=ran, progressed=slot.progressed,
@@ -275,23 +279,31 @@ class Processes:
         elif isinstance(reaction, policy.GiveUp):
             self._give_up(slot, pid, status, ran, cause)
         else:
-            slot.counted = reaction.counted
-            if facts.manual:
-                self.log(node, f"pid {pid} ended ({how}) for the requested restart")
-            elif status.code in (P.EXIT_FENCED, P.EXIT_REJOIN):
-                self.log(node, f"pid {pid} {how} (told to by the scheduler); relaunching now")
-            else:
-                budget = f"restart {reaction.counted} of {self.spec.policy.max_restarts}"
-                when = "now" if reaction.delay <= 0 else f"in {reaction.delay:g} s"
-                self.log(node, f"pid {pid} {how} after {ran:.1f} s{slot.files.cause() if slot.files else ''}; "
-                               f"restarting {when} ({budget})")
-            if reaction.delay <= 0:
-                self.launch(slot, reaction.why)
-            else:
-                slot.state = "backoff"
-                slot.next_start = time.time() + reaction.delay
-                slot.timer = self.timers.after(reaction.delay, lambda: self.launch(slot, reaction.why))
-                self.changed()
+            self._relaunch(slot, reaction, facts.manual, status, pid, how, ran)
+
+    def _relaunch(self, slot: Slot, reaction: policy.Relaunch, manual: bool, status: ExitStatus, pid: int | None,
+                  how: str, ran: float) -> None:
+        """Apply a Relaunch of `slot` (its incarnation `pid` ended `how` after `ran` s; `manual`: the operator's
+        restart): `slot.counted` takes the policy's count, the agent's log says why, and the next incarnation
+        starts now or, in state `backoff`, on a timer."""
+        node = slot.spec.node_id
+        slot.counted = reaction.counted
+        if manual:
+            self.log(node, f"pid {pid} ended ({how}) for the requested restart")
+        elif status.code in (P.EXIT_FENCED, P.EXIT_REJOIN):
+            self.log(node, f"pid {pid} {how} (told to by the scheduler); relaunching now")
+        else:
+            budget = f"restart {reaction.counted} of {self.spec.policy.max_restarts}"
+            when = "now" if reaction.delay <= 0 else f"in {reaction.delay:g} s"
+            self.log(node, f"pid {pid} {how} after {ran:.1f} s{slot.files.cause() if slot.files else ''}; "
+                           f"restarting {when} ({budget})")
+        if reaction.delay <= 0:
+            self.launch(slot, reaction.why)
+        else:
+            slot.state = "backoff"
+            slot.next_start = time.time() + reaction.delay
+            slot.timer = self.timers.after(reaction.delay, lambda: self.launch(slot, reaction.why))
+            self.changed()
 
     def _give_up(self, slot: Slot, pid: int | None, status: ExitStatus, ran: float, cause: str | None) -> None:
         """The job has failed here: `slot` died with its restarts used up (`cause`: its first cause, or None when its
