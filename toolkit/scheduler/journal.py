@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from toolkit import atomicfile, rundoc
+from toolkit.scheduler.actions import Log, Note, NoteKind
 from toolkit.scheduler.ledger import Ledger
-from toolkit.scheduler.membership import Log, Note
 from toolkit.scheduler.stragglers import EVAL_INTERVAL, Cleared, Named, Stragglers
 
 LIVE_INTERVAL = 1.0  # s between rewrites of live.json (what `fleet status` reads)
@@ -91,19 +91,19 @@ class Journal:
         now, wall = self.clock(), self.wall()
         out: list[Log] = []
         f = note.fields
-        if note.kind == "pace":
+        if note.kind == NoteKind.PACE:
             self.stragglers.observe(f, now)
-        elif note.kind == "death":
+        elif note.kind == NoteKind.DEATH:
             for c in self.stragglers.forget(f["rank"]):
                 self.ledger.straggler_cleared(c.rank, wall)
             self.generation = f["generation"]
             self.formed = self.formed and not f["begins"]
-        elif note.kind == "formed":
+        elif note.kind == NoteKind.FORMED:
             self.generation, self.formed = f["generation"], True
-        elif note.kind in ("finished", "failed"):
-            self.status = note.kind
+        elif note.kind in (NoteKind.FINISHED, NoteKind.FAILED):
+            self.status = str(note.kind.value)
         self.ledger.note(note.kind, f, wall)
-        if note.kind == "death":
+        if note.kind == NoteKind.DEATH:
             inc = self.ledger.incidents[-1] if self.ledger.incidents else None
             if inc is not None and any(p["node_id"] == f["node_id"] and p["pid"] == f["pid"] for p in inc.processes):
                 out.append(Log(logging.INFO, f"ledger: incident {inc.number}: {inc.cause} "

@@ -36,6 +36,7 @@ from typing import Any, Mapping
 
 from toolkit.protocol import RECOVERY_IN_PLACE, RECOVERY_RESTART
 from toolkit.rundoc import LEDGER_VERSION as VERSION
+from toolkit.scheduler.actions import NoteKind
 from toolkit.scheduler.membership import CAUSE_CLOSED, CAUSE_NOT_BACK, CAUSE_SILENCE
 
 HOST_LOST_WINDOW = 10.0  # s: deaths on a host this close to its agent's disconnection are the host's loss
@@ -43,6 +44,14 @@ MAX_INCIDENTS = 10_000  # kept in the document (the oldest go first); counts sta
 MAX_EPISODES = 1_000  # straggler episodes and interval changes kept
 STEPLESS_NOTE = ("an upper bound: the script reports no steps, so the time after each formation of its group counts "
                  "as training; one line, toolkit.train.report(step, loss=...), makes it exact")
+
+
+# The ledger's handler of each kind of Note it counts (a plain string of the same value finds it too).
+_HANDLERS: Mapping[str, str] = {
+    NoteKind.DEATH: "_on_death", NoteKind.EXITED: "_on_exited", NoteKind.REPLACED: "_on_replaced",
+    NoteKind.AGENT_LOST: "_on_agent_lost", NoteKind.FORMED: "_on_formed", NoteKind.RECOVERED: "_on_recovered",
+    NoteKind.PACE: "_on_pace", NoteKind.FENCED: "_on_fenced", NoteKind.RESTORED: "_on_restored",
+    NoteKind.FINISHED: "_on_finished", NoteKind.FAILED: "_on_failed"}
 
 
 @dataclass
@@ -109,11 +118,12 @@ class Ledger:
 
     # -- facts
 
-    def note(self, kind: str, fields: Mapping[str, Any], now: float) -> None:
-        """A membership Note (toolkit.scheduler.membership.Note) at wall time `now`."""
-        handler = getattr(self, f"_on_{kind}", None)
-        if handler is not None:
-            handler(fields, now)
+    def note(self, kind: NoteKind | str, fields: Mapping[str, Any], now: float) -> None:
+        """A membership Note (toolkit.scheduler.actions.Note) of `kind` at wall time `now`; a kind the ledger does
+        not count (`refused`) changes nothing."""
+        name = _HANDLERS.get(kind)
+        if name is not None:
+            getattr(self, name)(fields, now)
 
     def _on_death(self, f: Mapping[str, Any], now: float) -> None:
         if self._after_stop and f["cause"] == CAUSE_NOT_BACK:

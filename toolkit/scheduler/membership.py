@@ -33,11 +33,12 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 from toolkit import envvars as E
 from toolkit import protocol as P
+from toolkit.scheduler.actions import Action, Close, DropKeys, Exit, Log, Note, NoteKind, Send  # also re-exported
 
 EXIT_OK = 0
 EXIT_FAILED = 1  # a node gave up: the job failed
@@ -46,60 +47,6 @@ EXIT_FORMATION = 3  # MS_TOPO_TIMEOUT passed before every worker registered
 RUNNING, FINISHED, FAILED = "running", "finished", "failed"
 INFO, WARNING, ERROR = logging.INFO, logging.WARNING, logging.ERROR
 
-
-# --- actions -------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Send:
-    """Send `op` to `peer`; with `close`, close the connection once it is written (and read nothing more)."""
-
-    peer: int
-    op: str
-    fields: Mapping[str, Any] = field(default_factory=dict)
-    close: bool = False
-
-
-@dataclass(frozen=True)
-class Close:
-    """Drop the connection now (a replaced one: nothing more to tell it)."""
-
-    peer: int
-
-
-@dataclass(frozen=True)
-class Log:
-    """Log `text` at `level` (a `logging` level) in the scheduler's log."""
-
-    level: int
-    text: str
-
-
-@dataclass(frozen=True)
-class Exit:
-    """The scheduler's work is over: flush what is queued and exit with `code`."""
-
-    code: int
-
-
-@dataclass(frozen=True)
-class DropKeys:
-    """The job left the generations under `prefix` behind: their store keys can go."""
-
-    prefix: str
-
-
-@dataclass(frozen=True)
-class Note:
-    """A fact for the goodput ledger, the straggler tracking and the live view (toolkit.scheduler.journal): a
-    death, a formed generation, a recovery, a heartbeat's pace figures. It changes nothing here; the server hands
-    it on with the time."""
-
-    kind: str
-    fields: Mapping[str, Any] = field(default_factory=dict)
-
-
-Action = Send | Close | Log | Exit | DropKeys | Note
 
 # Causes of a death, as the ledger names them (the ledger may refine "connection closed" once the agent reports
 # how the process ended, and name a host lost when its agent went at the same time).
@@ -302,7 +249,7 @@ class Membership:
         return [Log(INFO, f"resumed job {self.job} from its persisted state: generation {self.generation} "
                           f"({'formed' if self.formed else 'gathering'}), {len(self.members)} members waiting to "
                           f"reconnect within {self.node_timeout:g} s"),
-                Note("restored", {"generation": self.generation, "members": len(self.members)})]
+                Note(NoteKind.RESTORED, {"generation": self.generation, "members": len(self.members)})]
 
     def started(self, now: float) -> None:
         """Peers can reach the server from now: deadlines count from here, not from the server's own start.
@@ -346,12 +293,12 @@ class Membership:
         by = self.fenced_hosts().get(host)
         if by is not None:
             return [Log(WARNING, f"fenced {node_id} ({where}): host {host} was replaced by {by}; told it to exit"),
-                    Note("fenced", {"node_id": node_id, "pid": pid, "host": host}),
+                    Note(NoteKind.FENCED, {"node_id": node_id, "pid": pid, "host": host}),
                     Send(peer, P.FENCED, {"reason": f"host {host} was replaced by {by}: its processes may not rejoin "
                                                     "the job"}, close=True)]
         if inc in self.fenced:
             return [Log(WARNING, f"fenced {node_id} ({where}): that incarnation was declared dead; told it to exit"),
-                    Note("fenced", {"node_id": node_id, "pid": pid, "host": host}),
+                    Note(NoteKind.FENCED, {"node_id": node_id, "pid": pid, "host": host}),
                     Send(peer, P.FENCED, {"reason": f"{node_id} (pid {pid}) was declared dead; a replacement takes "
                                                     "its place"}, close=True)]
         if self.status != RUNNING:
@@ -413,7 +360,7 @@ class Membership:
                       "its processes are stopped")
             return [Log(WARNING, f"refused the agent of {host} ({addr}): the host was replaced by {by}; told it to "
                                  "stop its processes"),
-                    Note("refused", {"host": host, "by": by}),
+                    Note(NoteKind.REFUSED, {"host": host, "by": by}),
                     Send(peer, P.WELCOME, {}), Send(peer, P.STOP, {"reason": reason}, close=True)]
         out: list[Action] = []
         self.peers[peer] = Peer("agent", host=host, addr=addr)
@@ -477,7 +424,7 @@ class Membership:
         member.last_seen, member.busy_said = now, False
         if op == P.HEARTBEAT:
             member.step = P.whole(dict(msg), "step", member.step)
-            return [Note("pace", {"rank": member.rank, "node_id": member.node_id, "host": self._host_of(member),
+            return [Note(NoteKind.PACE, {"rank": member.rank, "node_id": member.node_id, "host": self._host_of(member),
                                   "pid": member.pid, "step": member.step, **P.pace_fields(dict(msg))})]
         if op == P.COMMIT:
             step = P.whole(dict(msg), "step")
@@ -515,7 +462,7 @@ class Membership:
             del self.agents[who.host]
             self.agent_gone[who.host] = now
             return [Log(INFO, f"agent of {who.host} disconnected ({reason})"),
-                    Note("agent_lost", {"host": who.host, "reason": reason})]
+                    Note(NoteKind.AGENT_LOST, {"host": who.host, "reason": reason})]
         return []
 
     def tick(self, now: float) -> list[Action]:
@@ -700,7 +647,7 @@ class Membership:
         out: list[Action] = [
             Log(WARNING, f"host {host} replaced by spare {spare}: {reason}; {spare} takes {', '.join(node_ids)}; "
                          f"{host} is fenced: its agent and workers are refused from now on"),
-            Note("replaced", {"host": host, "by": spare, "node_ids": node_ids, "reason": reason})]
+            Note(NoteKind.REPLACED, {"host": host, "by": spare, "node_ids": node_ids, "reason": reason})]
         agent = self.agents.pop(host, None)
         if agent is not None:
             self.peers.pop(agent, None)
@@ -732,7 +679,7 @@ class Membership:
         self.gather_since = None
         out: list[Action] = [Log(INFO, f"generation {self.generation} formed: {self.world_size} workers in "
                                        f"{now - since:.3f} s; store prefix {self.prefix()}"),
-                             Note("formed", {"generation": self.generation, "seconds": now - since,
+                             Note(NoteKind.FORMED, {"generation": self.generation, "seconds": now - since,
                                              "recovery": sorted({m.recovery for m in self.members.values()})})]
         out += [Send(m.peer, P.FORMED, {"generation": self.generation, "prefix": self.prefix()})
                 for m in self.members.values() if m.peer is not None]
@@ -761,7 +708,7 @@ class Membership:
         del self.members[member.rank]
         self.fenced.add(member.incarnation)
         self.dirty = True
-        out: list[Action] = [Note("death", {
+        out: list[Action] = [Note(NoteKind.DEATH, {
             "node_id": member.node_id, "rank": member.rank, "host": self._host_of(member), "pid": member.pid,
             "cause": cause, "reason": reason, "silent_for": silent_for, "step": member.step,
             "recovery": member.recovery, "begins": self.formed and self.status == RUNNING and not self.done,
@@ -820,7 +767,7 @@ class Membership:
         if len(self.done) < self.world_size or self.status != RUNNING:
             return []
         self.status = FINISHED
-        return ([Log(INFO, f"all {self.world_size} workers finished: job {self.job} done"), Note("finished")]
+        return ([Log(INFO, f"all {self.world_size} workers finished: job {self.job} done"), Note(NoteKind.FINISHED)]
                 + [Send(agent, P.FINISHED) for agent in self.agents.values()] + [Exit(EXIT_OK)])
 
     def _fail(self, reason: str, code: int) -> list[Action]:
@@ -831,7 +778,7 @@ class Membership:
         self.status = FAILED
         self.failure = reason
         self.dirty = True
-        return ([Log(ERROR, f"job {self.job} failed: {reason}"), Note("failed", {"reason": reason})]
+        return ([Log(ERROR, f"job {self.job} failed: {reason}"), Note(NoteKind.FAILED, {"reason": reason})]
                 + [Send(agent, P.STOP, {"reason": reason}) for agent in self.agents.values()]
                 + [Send(m.peer, P.STOP, {"reason": reason}) for m in self.members.values() if m.peer is not None]
                 + [Exit(code)])
@@ -862,7 +809,7 @@ class Membership:
             if member is not None and member.pid == pid:
                 self._retire(member)
             return out + self._mark_done(rank)
-        note = Note("exited", {"node_id": node_id, "rank": rank, "host": agent.host, "pid": pid, "code": code,
+        note = Note(NoteKind.EXITED, {"node_id": node_id, "rank": rank, "host": agent.host, "pid": pid, "code": code,
                                "signal": sig, "cause": said})
         if member is not None and member.pid == pid:
             return [note] + self._death(member, f"its agent on {agent.host} saw it end: {said}",
@@ -893,7 +840,7 @@ class Membership:
         return [Log(INFO, f"{member.node_id} trains again in generation {P.whole(m, 'generation')} from step "
                           f"{P.whole(m, 'step')}, taken from {origin} in {seconds} s; {P.whole(m, 'recomputed')} "
                           "step(s) recomputed"),
-                Note("recovered", {"node_id": member.node_id, "rank": member.rank,
+                Note(NoteKind.RECOVERED, {"node_id": member.node_id, "rank": member.rank,
                                    "generation": P.whole(m, "generation"), "step": P.whole(m, "step"),
                                    "source": source if isinstance(source, str) else None,
                                    "recomputed": P.whole(m, "recomputed"), "seconds": seconds})]
