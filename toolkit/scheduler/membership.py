@@ -39,6 +39,7 @@ from typing import Any, Mapping, Sequence
 from toolkit import envvars as E
 from toolkit import protocol as P
 from toolkit.scheduler.actions import Action, Close, DropKeys, Exit, Log, Note, NoteKind, Send  # also re-exported
+from toolkit.scheduler.roster import Roster, rank_of
 
 EXIT_OK = 0
 EXIT_FAILED = 1  # a node gave up: the job failed
@@ -99,15 +100,6 @@ class Peer:
     addr: str = ""
 
 
-def rank_of(node_id: str) -> int | None:
-    """The rank in a worker node id (`worker_<rank>`), None for anything else (`sched`)."""
-    prefix = P.worker_node_id(0)[:-1]
-    digits = node_id[len(prefix):]
-    if node_id.startswith(prefix) and digits.isascii() and digits.isdigit():  # isdigit alone takes "²"
-        return int(node_id[len(prefix):])
-    return None
-
-
 def how(code: Any, sig: Any) -> str:
     """How a process ended, in the agent's words (procs.ExitStatus.describe): "killed by SIGKILL" when a signal is
     named, else "exit code N"."""
@@ -134,19 +126,10 @@ class Membership:
         self.job, self.world_size, self.boot, self.address = job, world_size, boot, address
         self.node_timeout, self.topo_timeout = node_timeout, topo_timeout
         self.host_timeout = host_timeout  # <= 0: no automatic replacement (the operator's `replace` only)
-        self.sched_host: str | None = None  # whose agent supervises the scheduler: never replaced
-        self.spare_hosts: list[str] = list(spares)  # spare hosts in the order they are used: the inventory's, then
-        # any other whose agent says it is a spare
-        self.replaced: list[dict[str, Any]] = []  # {host, by, node_ids, reason}, in order (persisted)
-        self.agent_gone: dict[str, float] = {}  # host -> since when its agent has been disconnected
-        self.agent_spare: dict[str, bool] = {}  # host -> its agent said it is a spare (it has the standby files)
-        self.agent_seen: dict[str, float] = {}  # host -> when its connected agent last said anything (it heartbeats)
-        self.waiting_spare: set[str] = set()  # lost hosts that found no free spare (said once)
+        self.roster = Roster(expected, spares)  # every host: placement, agent, spare, replacement
         self.last_tick = -math.inf
         self.members: dict[int, Member] = {}
         self.peers: dict[int, Peer] = {}
-        self.agents: dict[str, int] = {}  # host -> peer
-        self.node_host: dict[str, str] = dict(expected or {})
         self.done: set[int] = set()
         self.fenced: set[str] = set()
         self.unreported: dict[str, tuple[int, float]] = {}  # node_id -> (pid, when to kill it): its connection
@@ -180,22 +163,19 @@ class Membership:
         if self.gather_since is not None and not self.unmanaged and self.status == RUNNING:
             deadlines.append(self.gather_since + self.topo_timeout)
         if self.host_timeout > 0 and self.status == RUNNING:  # a host may be found lost then (tick checks it)
-            for host, since in self._agents_unheard():
-                if host not in self.waiting_spare and since + self.host_timeout > self.last_tick:
-                    deadlines.append(since + self.host_timeout)
+            for rec in self.roster.unheard():
+                due = float(rec.heard_at or 0.0) + self.host_timeout
+                if not rec.waiting_for_spare and due > self.last_tick:
+                    deadlines.append(due)
         return min(deadlines, default=math.inf)
 
     def fenced_hosts(self) -> dict[str, str]:
         """Every replaced host -> the spare that took its ranks: such a host may never rejoin the job."""
-        return {r["host"]: r["by"] for r in self.replaced}
+        return self.roster.fenced_hosts()
 
     def worker_hosts(self) -> dict[str, list[str]]:
         """Host -> the worker node ids it holds now (in rank order): the plan's placement, after replacements."""
-        out: dict[str, list[str]] = {}
-        for node_id, host in sorted(self.node_host.items(), key=lambda kv: rank_of(kv[0]) or 0):
-            if rank_of(node_id) is not None:
-                out.setdefault(host, []).append(node_id)
-        return out
+        return self.roster.worker_hosts()
 
     def snapshot(self) -> dict[str, Any]:
         """The state to persist (MS_ENABLE_RECOVERY): what a restarted scheduler needs to go on with the job.
@@ -208,7 +188,7 @@ class Membership:
             "members": [m.to_json() for m in sorted(self.members.values(), key=lambda m: m.rank)],
             "done": sorted(self.done), "fenced": sorted(self.fenced),
             "commits": {str(r): s for r, s in sorted(self.commits.items())}, "committed_step": committed,
-            "replaced": [dict(r) for r in self.replaced],
+            "replaced": self.roster.replacements(),
         }
 
     def restore(self, state: Mapping[str, Any], now: float) -> list[Action]:
@@ -234,15 +214,13 @@ class Membership:
         self.done = {int(r) for r in state.get("done", [])}
         self.fenced = set(state.get("fenced", []))
         self.commits = {int(r): int(s) for r, s in state.get("commits", {}).items()}
-        self.replaced = [dict(r) for r in state.get("replaced", [])]  # the hosts fenced, and where their ranks went
-        for r in self.replaced:
-            for node_id in r["node_ids"]:
-                self.node_host[node_id] = r["by"]
+        for r in state.get("replaced", []):  # the hosts fenced, and where their ranks went
+            self.roster.replace(r["host"], r["by"], str(r.get("reason", "")), node_ids=r["node_ids"])
         for m in state.get("members", []):
             self.members[int(m["rank"])] = Member(int(m["rank"]), m["node_id"], m["incarnation"], int(m["pid"]),
                                                   m["host"], m["addr"], now, None,
                                                   recovery=str(m.get("recovery", "unknown")))
-            self.node_host.setdefault(m["node_id"], m["host"])
+            self.roster.place_if_new(m["node_id"], m["host"])
         self.ever_registered = bool(self.members) or bool(self.fenced)
         self.ever_formed = self.formed or self.generation > 0
         self.hb_check_at = now + self.node_timeout
@@ -261,7 +239,7 @@ class Membership:
             member.last_seen = now
         self.hb_check_at = now + self.node_timeout if self.members else math.inf
         for host in self.worker_hosts():  # no agent is connected yet: each has host_timeout to say hello
-            self.agent_gone.setdefault(host, now)
+            self.roster.start_clock(host, now)
 
     # -- events
 
@@ -290,7 +268,7 @@ class Membership:
             return [Log(WARNING, f"rejected {node_id} from {addr}: {reason}"),
                     Send(peer, P.REJECT, {"reason": reason, "retry": False}, close=True)]
         where = f"pid {pid} on {host}, {addr}"
-        by = self.fenced_hosts().get(host)
+        by = self.roster.replaced_by(host)
         if by is not None:
             return [Log(WARNING, f"fenced {node_id} ({where}): host {host} was replaced by {by}; told it to exit"),
                     Note(NoteKind.FENCED, {"node_id": node_id, "pid": pid, "host": host}),
@@ -326,7 +304,7 @@ class Membership:
                 else "unknown"
             self.members[rank] = Member(rank, node_id, inc, pid, host, addr, now, peer, recovery=recovery)
             self.hb_check_at = min(self.hb_check_at, now + self.node_timeout)
-            self.node_host.setdefault(node_id, host)
+            self.roster.place_if_new(node_id, host)
             out.append(Log(INFO, f"registered {node_id} ({where}, {recovery} recovery): {len(self.members)} of "
                                  f"{self.world_size}"))
             self.dirty = True
@@ -354,7 +332,7 @@ class Membership:
         if not isinstance(host, str) or not 0 < len(host) <= 256 or not isinstance(node_ids, list) \
                 or len(node_ids) > 4096:
             return [Send(peer, P.REJECT, {"reason": "malformed agent_hello", "retry": False}, close=True)]
-        by = self.fenced_hosts().get(host)
+        by = self.roster.replaced_by(host)
         if by is not None:
             reason = (f"host {host} was replaced by {by} in job {self.job}: it is fenced and may not rejoin; "
                       "its processes are stopped")
@@ -364,22 +342,15 @@ class Membership:
                     Send(peer, P.WELCOME, {}), Send(peer, P.STOP, {"reason": reason}, close=True)]
         out: list[Action] = []
         self.peers[peer] = Peer("agent", host=host, addr=addr)
-        self.agent_gone.pop(host, None)
-        self.agent_seen[host] = now
-        self.waiting_spare.discard(host)
-        self.agent_spare[host] = msg.get("spare") is True
-        if msg.get("spare") is True and host not in self.spare_hosts:
-            self.spare_hosts.append(host)
-        old = self.agents.get(host)
+        old = self.roster.connect_agent(host, peer, msg.get("spare") is True, now)
         if old is not None and old != peer:
             self.peers.pop(old, None)
             out.append(Close(old))
-        self.agents[host] = peer
         names = [n for n in node_ids if isinstance(n, str) and len(n) <= 256]
         for node_id in names:
-            self.node_host[node_id] = host
+            self.roster.place(node_id, host)
             if rank_of(node_id) is None:
-                self.sched_host = host
+                self.roster.runs_scheduler(host)
         out += [Log(INFO, f"agent of {host} connected from {addr}, supervising {', '.join(names) or 'nothing'}"),
                 Send(peer, P.WELCOME, {})]
         if self.status == FINISHED:
@@ -387,7 +358,7 @@ class Membership:
         elif self.status == FAILED:
             out.append(Send(peer, P.STOP, {"reason": self.failure}))
         else:
-            for seq, r in enumerate(self.replaced, 1):
+            for seq, r in enumerate(self.roster.replacements(), 1):
                 if r["by"] == host and not set(r["node_ids"]) <= set(names):
                     out.append(Send(peer, P.TAKEOVER, {"host": r["host"], "node_ids": r["node_ids"], "seq": seq}))
             out += self._check_lost(now)
@@ -407,9 +378,8 @@ class Membership:
         if who is None or who.role == "finished":
             return []
         if who.role == "agent":
-            if who.host is not None and self.agents.get(who.host) == peer:
-                self.agent_seen[who.host] = now
-                self.waiting_spare.discard(who.host)
+            if who.host is not None:
+                self.roster.heard(who.host, peer, now)
             if op == P.EXITED:
                 return self._exited(who, msg, now)
             if op == P.GAVE_UP:
@@ -458,9 +428,7 @@ class Membership:
                 if self.status == RUNNING:
                     self.unreported[member.node_id] = (member.pid, now + self.node_timeout)
                 return self._death(member, reason, kill=False, now=now)
-        elif who.role == "agent" and who.host is not None and self.agents.get(who.host) == peer:
-            del self.agents[who.host]
-            self.agent_gone[who.host] = now
+        elif who.role == "agent" and who.host is not None and self.roster.disconnect_agent(who.host, peer, now):
             return [Log(INFO, f"agent of {who.host} disconnected ({reason})"),
                     Note(NoteKind.AGENT_LOST, {"host": who.host, "reason": reason})]
         return []
@@ -506,7 +474,7 @@ class Membership:
             rank = rank_of(node_id) if isinstance(node_id, str) else None
             member = self.members.get(rank) if rank is not None else None
             if (member is not None and member.node_id == node_id and isinstance(pid, int)
-                    and not isinstance(pid, bool) and pid == member.pid and self.node_host.get(node_id) == host):
+                    and not isinstance(pid, bool) and pid == member.pid and self.roster.host_of(node_id) == host):
                 member.vouched_at = now
 
     def _alive_though_silent(self, member: Member, silent: float, now: float, out: list[Action]) -> bool:
@@ -540,7 +508,7 @@ class Membership:
             if now < due:
                 continue
             del self.unreported[node_id]
-            agent = self.agents.get(self.node_host.get(node_id, ""))
+            agent = self.roster.agent_at(node_id)
             if agent is not None:
                 out += [Log(WARNING, f"{node_id} (pid {pid}) closed its connection {self.node_timeout:g} s ago and its "
                                      "agent has not reported its exit: killing it (fencing)"),
@@ -565,44 +533,32 @@ class Membership:
             what = ("was already replaced by " + self.fenced_hosts()[host]) if host in self.fenced_hosts() \
                 else "runs no worker of the job"
             reason = f"host {str(host)[:256]} {what}; the hosts with workers: {', '.join(sorted(hosts))}"
-        elif host == self.sched_host:
+        elif self.roster.hosts[host].runs_scheduler:
             reason = f"host {host} runs the scheduler: it cannot be replaced while the job runs"
         if not reason:
-            free = self._free_spares()
+            free = self.roster.free_spares()
             if spare is not None and not isinstance(spare, str):
                 reason = "malformed replace: spare is not a host name"
             elif spare is not None and spare not in free:
-                why = ("its agent is not connected" if spare not in self.agents else "it already holds ranks") \
-                    if spare in self.spare_hosts else "it is not a spare host of this job (the inventory's [spares])"
+                why = ("it is not a spare host of this job (the inventory's [spares])"
+                       if spare not in self.roster.spare_order else "its agent is not connected"
+                       if spare not in self.roster.agents else "it already holds ranks")
                 reason = (f"{spare[:256]} cannot take over {host}: {why}; free spares: "
                           f"{', '.join(free) or 'none'}")
             elif not free:
+                with_agent = [s for s in self.roster.spare_order if s in self.roster.agents]
                 reason = (f"no spare is free to take over {host} (spares with an agent: "
-                          f"{', '.join(s for s in self.spare_hosts if s in self.agents) or 'none'}); add a host to "
-                          "the inventory's [spares], deploy and train")
+                          f"{', '.join(with_agent) or 'none'}); add a host to the inventory's [spares], deploy and "
+                          "train")
         if reason:
             return [Log(WARNING, f"refused to replace {str(host)[:256]}: {reason}"),
                     Send(peer, P.REJECT, {"reason": reason, "retry": False}, close=True)]
-        chosen = spare if isinstance(spare, str) else self._free_spares()[0]
+        chosen = spare if isinstance(spare, str) else self.roster.free_spares()[0]
         node_ids = hosts[host]
         return ([Send(peer, P.WELCOME, {"host": host, "spare": chosen, "node_ids": node_ids}, close=True)]
                 + self._take_over(host, chosen, "replaced by the operator (fleet replace)", now))
 
     # -- decisions
-
-    def _free_spares(self) -> list[str]:
-        """Spare hosts whose agent is connected and said it is a spare, and that hold no ranks (never took over, never
-        replaced), in the order they are used (the inventory's)."""
-        used = {r["by"] for r in self.replaced} | set(self.fenced_hosts())
-        holding = set(self.worker_hosts())
-        return [h for h in self.spare_hosts if h in self.agents and h not in used and h not in holding
-                and self.agent_spare.get(h)]
-
-    def _agents_unheard(self) -> list[tuple[str, float]]:
-        """(host, since when its agent has not been heard) for every host known: since its disconnection, or, while
-        connected, since its last message (agents heartbeat; a host cut off leaves its connection open, silent)."""
-        return ([(h, t) for h, t in self.agent_gone.items() if h not in self.agents]
-                + [(h, t) for h, t in self.agent_seen.items() if h in self.agents])
 
     def _check_lost(self, now: float) -> list[Action]:
         """Hand each lost host's ranks to a free spare. A host is lost when the job has formed and runs with no rank
@@ -613,17 +569,15 @@ class Membership:
         if self.host_timeout <= 0 or self.status != RUNNING or not self.ever_formed or self.done:
             return []
         out: list[Action] = []
-        stale = [(h, since) for h, since in self._agents_unheard() if now - since >= self.host_timeout]
-        hosts = self.worker_hosts() if stale else {}  # most passes stop here: every agent heartbeats
-        for host, since in stale:
-            node_ids = hosts.get(host)
-            if (not node_ids or host == self.sched_host or host in self.fenced_hosts()
+        stale = [(rec, list(rec.node_ids)) for rec in self.roster.unheard_for(now, self.host_timeout)]
+        for rec, node_ids in stale:  # most passes find none: agents heartbeat
+            host, since = rec.name, float(rec.heard_at or 0.0)
+            if (not node_ids or rec.runs_scheduler or rec.fenced
                     or any(rank_of(n) in self.members for n in node_ids)):
                 continue
-            free = self._free_spares()
+            free = self.roster.free_spares()
             if not free:
-                if host not in self.waiting_spare:
-                    self.waiting_spare.add(host)
+                if self.roster.wait_for_spare(host):
                     out.append(Log(WARNING, f"host {host} is lost (its agent unheard for {now - since:.1f} s, "
                                             f"{', '.join(node_ids)} dead) and no spare is free: waiting for it to "
                                             "come back ('fleet restart --host' starts its agent) or for a spare"))
@@ -639,16 +593,12 @@ class Membership:
         and `spare`'s agent is sent `takeover {host, node_ids, seq}` (seq: the replacement's number, 1 up, which
         orders replacements for `fleet status`). The spare's workers then register for the ranks like any
         replacement and recover as the job's mode allows (in place from a peer, or a restart from checkpoints)."""
-        node_ids = self.worker_hosts()[host]
-        self.replaced.append({"host": host, "by": spare, "node_ids": node_ids, "reason": reason})
+        node_ids, agent = list(self.roster.hosts[host].node_ids), self.roster.hosts[host].agent
         self.dirty = True
-        self.agent_gone.pop(host, None)
-        self.waiting_spare.discard(host)
         out: list[Action] = [
             Log(WARNING, f"host {host} replaced by spare {spare}: {reason}; {spare} takes {', '.join(node_ids)}; "
                          f"{host} is fenced: its agent and workers are refused from now on"),
             Note(NoteKind.REPLACED, {"host": host, "by": spare, "node_ids": node_ids, "reason": reason})]
-        agent = self.agents.pop(host, None)
         if agent is not None:
             self.peers.pop(agent, None)
             out.append(Send(agent, P.STOP, {"reason": f"host {host} was replaced by {spare} ({reason}): it is "
@@ -658,9 +608,9 @@ class Membership:
             if member is not None and member.node_id == node_id:
                 out += self._death(member, f"its host {host} was replaced by {spare}", kill=False, now=now,
                                    cause=CAUSE_REPLACED)
-            self.node_host[node_id] = spare
-        out.append(Send(self.agents[spare], P.TAKEOVER, {"host": host, "node_ids": node_ids,
-                                                          "seq": len(self.replaced)}))
+        self.roster.replace(host, spare, reason)  # after the deaths, which name the host their ranks ran on
+        out.append(Send(self.roster.agents[spare], P.TAKEOVER, {"host": host, "node_ids": node_ids,
+                                                                 "seq": self.roster.hosts[host].replaced_seq}))
         return out
 
     def _maybe_form(self, now: float) -> list[Action]:
@@ -690,7 +640,7 @@ class Membership:
     def _host_of(self, member: Member) -> str:
         """The host a member runs on as the operator names it (the plan's, or its agent's), else as the worker
         named itself (its hostname, which need not be the inventory's name)."""
-        return self.node_host.get(member.node_id) or str(member.host)
+        return self.roster.host_of(member.node_id) or str(member.host)
 
     def _death(self, member: Member, reason: str, kill: bool, now: float, cause: str = CAUSE_CLOSED,
                silent_for: float = 0.0) -> list[Action]:
@@ -717,7 +667,7 @@ class Membership:
         if member.peer is not None:
             self.peers.pop(member.peer, None)
             out.append(Send(member.peer, P.FENCED, {"reason": f"declared dead: {reason}"}, close=True))
-        agent = self.agents.get(self.node_host.get(member.node_id, ""))
+        agent = self.roster.agent_at(member.node_id)
         if kill and agent is not None:
             out.append(Send(agent, P.KILL, {"node_id": member.node_id, "pid": member.pid, "cause": cause}))
         if self.status != RUNNING:
@@ -768,7 +718,7 @@ class Membership:
             return []
         self.status = FINISHED
         return ([Log(INFO, f"all {self.world_size} workers finished: job {self.job} done"), Note(NoteKind.FINISHED)]
-                + [Send(agent, P.FINISHED) for agent in self.agents.values()] + [Exit(EXIT_OK)])
+                + [Send(agent, P.FINISHED) for agent in self.roster.agents.values()] + [Exit(EXIT_OK)])
 
     def _fail(self, reason: str, code: int) -> list[Action]:
         """Fail the job, once (later calls do nothing): keep `reason` (persisted, and sent to agents that connect
@@ -779,7 +729,7 @@ class Membership:
         self.failure = reason
         self.dirty = True
         return ([Log(ERROR, f"job {self.job} failed: {reason}"), Note(NoteKind.FAILED, {"reason": reason})]
-                + [Send(agent, P.STOP, {"reason": reason}) for agent in self.agents.values()]
+                + [Send(agent, P.STOP, {"reason": reason}) for agent in self.roster.agents.values()]
                 + [Send(m.peer, P.STOP, {"reason": reason}) for m in self.members.values() if m.peer is not None]
                 + [Exit(code)])
 
@@ -854,7 +804,7 @@ class Membership:
         naming each missing worker, the host it was expected on and the address it should reach."""
         missing = [r for r in range(self.world_size)
                    if r not in self.done and (r not in self.members or self.members[r].peer is None)]
-        attested = [r for r in missing if self.node_host.get(P.worker_node_id(r)) in self.agents]
+        attested = [r for r in missing if self.roster.agent_at(P.worker_node_id(r)) is not None]
         if not self.ever_registered and missing and len(attested) == len(missing):
             self.unmanaged = True
             self.gather_since = None
@@ -864,7 +814,7 @@ class Membership:
         names = []
         for r in missing:
             node_id = P.worker_node_id(r)
-            host = self.node_host.get(node_id)
+            host = self.roster.host_of(node_id)
             names.append(f"{node_id} (expected on {host})" if host else node_id)
         what = f"re-forming generation {self.generation}" if self.ever_formed else "cluster formation"
         reason = (f"{what} timed out after {self.topo_timeout:g} s ({E.MS_TOPO_TIMEOUT}): {len(missing)} of "

@@ -1,0 +1,176 @@
+"""The scheduler's record of each host (toolkit.scheduler.roster), on a fake clock: when a host counts as unheard,
+where its node ids are, which spare is free, what a replacement leaves behind, and that any sequence of events
+keeps the roster's invariants (a hypothesis state machine). The decisions built on it are in
+tests/test_membership.py and tests/test_membership_trace.py."""
+
+from __future__ import annotations
+
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+
+from toolkit.scheduler.roster import Roster
+
+PLAN = {"sched": "hostA", "worker_0": "hostA", "worker_1": "hostA", "worker_2": "hostB", "worker_3": "hostB"}
+
+
+def test_a_host_is_unheard_since_its_agents_last_word_or_its_disconnection() -> None:
+    r = Roster(PLAN)
+    assert list(r.unheard()) == []  # nobody is watched before peers can connect
+    r.start_clock("hostA", 1.0)
+    r.start_clock("hostB", 1.0)
+    assert r.connect_agent("hostA", 7, spare=False, now=2.0) is None
+    assert r.hosts["hostA"].connected and r.hosts["hostA"].unheard_since == 2.0
+    assert r.hosts["hostB"].unheard_since == 1.0  # never said hello: its clock runs from the start
+    assert r.heard("hostA", 7, 5.0) and r.hosts["hostA"].unheard_since == 5.0
+    assert not r.heard("hostA", 99, 6.0) and r.hosts["hostA"].unheard_since == 5.0  # not its connection
+    assert not r.disconnect_agent("hostA", 99, 6.0) and r.hosts["hostA"].connected
+    assert r.disconnect_agent("hostA", 7, 8.0)
+    assert not r.hosts["hostA"].connected and r.hosts["hostA"].unheard_since == 8.0 and "hostA" not in r.agents
+    r.start_clock("hostA", 9.0)  # a clock already running is not restarted
+    assert r.hosts["hostA"].unheard_since == 8.0
+    assert [rec.name for rec in r.unheard_for(11.0, 3.0)] == ["hostB", "hostA"]
+    assert [rec.name for rec in r.unheard_for(10.9, 3.0)] == ["hostB"]  # the bound is >=
+    assert r.problems() == []
+
+
+def test_hosts_found_lost_together_go_disconnected_first_in_the_order_they_went_then_connected_by_hello() -> None:
+    r = Roster()
+    for peer, host in enumerate(("c", "b", "a", "d"), 1):
+        r.connect_agent(host, peer, spare=False, now=0.0)
+    r.disconnect_agent("a", 3, 1.0)
+    r.disconnect_agent("c", 1, 1.0)
+    r.connect_agent("c", 5, spare=False, now=0.0)  # back: ordered by its first hello again
+    assert [rec.name for rec in r.unheard_for(100.0, 1.0)] == ["a", "c", "b", "d"]
+
+
+def test_placement_moves_node_ids_and_keeps_each_hosts_in_rank_order() -> None:
+    r = Roster({"worker_10": "h2", "worker_2": "h2", "worker_1": "h1", "sched": "h1"})
+    assert r.worker_hosts() == {"h1": ["worker_1"], "h2": ["worker_2", "worker_10"]}
+    r.place("worker_1", "h2")  # an agent's hello says where it runs
+    r.place_if_new("worker_2", "h9")  # a worker's own word yields to the placement known
+    r.place_if_new("worker_3", "h9")
+    assert r.worker_hosts() == {"h2": ["worker_1", "worker_2", "worker_10"], "h9": ["worker_3"]}
+    assert r.host_of("worker_1") == "h2" and r.host_of("sched") == "h1" and r.host_of("worker_7") is None
+    r.connect_agent("h2", 4, spare=False, now=0.0)
+    assert r.agent_at("worker_10") == 4 and r.agent_at("worker_3") is None and r.agent_at("nowhere") is None
+    assert r.problems() == []
+
+
+def test_a_replacement_fences_the_host_moves_its_ranks_and_uses_the_spare_up() -> None:
+    r = Roster(PLAN, spares=("s1",))
+    r.connect_agent("hostB", 2, spare=False, now=0.0)
+    r.connect_agent("s1", 3, spare=True, now=0.0)
+    r.connect_agent("s2", 4, spare=True, now=0.0)
+    r.wait_for_spare("hostB")
+    assert r.free_spares() == ["s1", "s2"]
+    assert r.replace("hostB", "s1", "lost") == 2  # its agent, for the caller to stop
+    rec = r.hosts["hostB"]
+    assert rec.fenced and not rec.connected and rec.unheard_since is None and not rec.waiting_for_spare
+    assert r.replaced_by("hostB") == "s1" and r.replaced_by("hostA") is None and r.replaced_by(None) is None
+    assert r.worker_hosts() == {"hostA": ["worker_0", "worker_1"], "s1": ["worker_2", "worker_3"]}
+    assert r.free_spares() == ["s2"]  # s1 holds ranks now
+    r.start_clock("hostB", 5.0)  # a replaced host is never watched again
+    assert rec.unheard_since is None
+    assert r.replace("s1", "s2", "by hand") == 3
+    assert r.replacements() == [
+        {"host": "hostB", "by": "s1", "node_ids": ["worker_2", "worker_3"], "reason": "lost"},
+        {"host": "s1", "by": "s2", "node_ids": ["worker_2", "worker_3"], "reason": "by hand"}]
+    assert [r.hosts[h].replaced_seq for h in ("hostB", "s1")] == [1, 2]
+    assert r.fenced_hosts() == {"hostB": "s1", "s1": "s2"} and r.free_spares() == []
+    assert r.problems() == []
+
+
+def test_a_free_spare_is_connected_said_so_holds_nothing_and_never_took_over() -> None:
+    r = Roster({"worker_0": "s3"}, spares=("s2", "s1", "s3", "s4", "s5"))
+    r.connect_agent("s1", 1, spare=True, now=0.0)
+    r.connect_agent("s2", 2, spare=True, now=0.0)
+    r.connect_agent("s3", 3, spare=True, now=0.0)  # holds a rank
+    r.connect_agent("s4", 4, spare=False, now=0.0)  # its agent does not say it is a spare (no standby files)
+    r.connect_agent("s6", 6, spare=True, now=0.0)  # not in the inventory: used after its spares
+    assert r.free_spares() == ["s2", "s1", "s6"] and r.spare_order[-1] == "s6"
+    r.disconnect_agent("s2", 2, 1.0)
+    assert r.free_spares() == ["s1", "s6"]
+    r.record("s1").took_over = True  # took a host's ranks that have moved on since: still used
+    assert r.free_spares() == ["s6"]
+
+
+def test_waiting_for_a_spare_is_said_once_until_the_host_is_heard_again() -> None:
+    r = Roster(PLAN)
+    r.start_clock("hostB", 0.0)
+    assert r.wait_for_spare("hostB") and not r.wait_for_spare("hostB")
+    r.connect_agent("hostB", 2, spare=False, now=1.0)
+    assert not r.hosts["hostB"].waiting_for_spare and r.wait_for_spare("hostB")
+    r.heard("hostB", 2, 2.0)
+    assert not r.hosts["hostB"].waiting_for_spare
+
+
+def test_one_host_runs_the_scheduler_the_last_to_say_so() -> None:
+    r = Roster()
+    assert r.scheduler_host() is None
+    r.runs_scheduler("a")
+    r.runs_scheduler("b")
+    assert r.scheduler_host() == "b" and not r.hosts["a"].runs_scheduler and r.problems() == []
+
+
+HOSTS = st.sampled_from(["hostA", "hostB", "s1", "s2"])
+NODES = st.sampled_from(["sched", "worker_0", "worker_1", "worker_2", "worker_10"])
+
+
+class RosterMachine(RuleBasedStateMachine):
+    """Any sequence of the membership's calls keeps the roster sound; a replaced host stays fenced."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.r = Roster({"worker_0": "hostA", "worker_2": "hostB"}, spares=("s1",))
+        self.now = 0.0
+        self.peers = 0
+        self.fenced: set[str] = set()
+
+    @rule(host=HOSTS, spare=st.booleans())
+    def hello(self, host: str, spare: bool) -> None:
+        if host in self.fenced:  # the membership refuses a replaced host's agent before it gets here
+            return
+        self.peers += 1
+        self.r.connect_agent(host, self.peers, spare, self.now)
+
+    @rule(host=HOSTS, dt=st.floats(0, 20), gone=st.booleans(), stale=st.booleans())
+    def heard_or_gone(self, host: str, dt: float, gone: bool, stale: bool) -> None:
+        """The host's agent speaks or its connection ends, on its current connection or (`stale`) an old one."""
+        self.now += dt
+        rec = self.r.hosts.get(host)
+        peer = -1 if stale or rec is None or rec.agent is None else rec.agent
+        changed = self.r.disconnect_agent(host, peer, self.now) if gone else self.r.heard(host, peer, self.now)
+        assert changed == (peer != -1)
+        if changed:
+            assert rec is not None and rec.unheard_since == self.now and rec.connected != gone
+
+    @rule(node=NODES, host=HOSTS)
+    def place(self, node: str, host: str) -> None:
+        if host not in self.fenced:
+            self.r.place(node, host)
+
+    @rule(host=HOSTS)
+    def start_or_wait(self, host: str) -> None:
+        self.r.start_clock(host, self.now)
+        if self.r.hosts[host].unheard_since is not None:
+            self.r.wait_for_spare(host)
+
+    @rule(host=HOSTS, spare=HOSTS)
+    def replace(self, host: str, spare: str) -> None:
+        if host == spare or host in self.fenced or spare in self.fenced:
+            return
+        self.r.replace(host, spare, "test")
+        self.fenced.add(host)
+
+    @invariant()
+    def sound(self) -> None:
+        assert self.r.problems() == []
+        assert set(self.r.fenced_hosts()) == self.fenced
+        for host in self.fenced:
+            assert host not in self.r.worker_hosts() and host not in self.r.free_spares()
+            assert host not in [rec.name for rec in self.r.unheard_for(self.now, 0.0)]
+
+
+TestRosterMachine = RosterMachine.TestCase
+TestRosterMachine.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
