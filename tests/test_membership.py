@@ -117,7 +117,7 @@ def test_commits_only_move_forward_and_finished_workers_end_the_job() -> None:
     form(m)
     for peer, step in ((10, 8), (10, 4), (11, 8), (11, 12)):  # a late commit of an older step changes nothing
         m.message(peer, {"op": P.COMMIT, "step": step}, 1.0)
-    assert m.commits == {0: 8, 1: 12} and m.snapshot()["committed_step"] == 8
+    assert m.roster.commits == {0: 8, 1: 12} and m.snapshot()["committed_step"] == 8
     m.agent_hello(50, "10.0.0.3:1", {"op": P.AGENT_HELLO, "host": "hostA", "node_ids": ["worker_0"]})
     assert m.message(10, {"op": P.DONE}, 2.0)[-1:] != [Exit(0)]
     out = m.message(11, {"op": P.DONE}, 2.1)
@@ -131,11 +131,11 @@ def test_a_commit_racing_the_death_of_its_sender_changes_nothing() -> None:
     m.message(11, {"op": P.COMMIT, "step": 8}, 1.0)
     silent = m.tick(NODE_TIMEOUT + 0.5)  # worker_0 fell silent: dead, its incarnation fenced; worker_1 was heard
     assert "worker_0 (pid 1010 on hostA) is dead: sent no heartbeat" in logged(silent)
-    assert sorted(m.members) == [1] and m.generation == 1
+    assert sorted(m.roster.members) == [1] and m.generation == 1
     assert m.message(10, {"op": P.COMMIT, "step": 40}, 3.6) == []  # in flight when it was declared dead
-    assert m.commits == {1: 8} and m.snapshot()["committed_step"] is None
+    assert m.roster.commits == {1: 8} and m.snapshot()["committed_step"] is None
     out = register(m, 20, 0, 3.7, incarnation="inc10")  # and the fenced incarnation cannot come back to commit
-    assert sent(out, P.FENCED) and m.commits == {1: 8}
+    assert sent(out, P.FENCED) and m.roster.commits == {1: 8}
 
 
 def test_an_agents_exit_report_is_as_good_as_the_closed_connection() -> None:
@@ -179,7 +179,7 @@ def test_a_member_its_agent_vouches_for_is_alive_though_silent_until_topo_timeou
         assert not sent(out, P.KILL) and not sent(out, P.GENERATION), (t, out)
         said.append(logged(out))
         t += 1.0
-    assert m.generation == 0 and 0 in m.members
+    assert m.generation == 0 and 0 in m.roster.members
     busy = [line for line in said if line]
     assert len(busy) == 1 and "worker_0 (pid 1010 on hostA) sent no heartbeat for 3.0 s, but its agent sees it " \
                                "running (not stopped)" in busy[0], said
@@ -284,7 +284,7 @@ def test_a_restarted_scheduler_gives_members_node_timeout_to_reconnect() -> None
     again = membership(2, now=100.0)
     again.restore(m.snapshot(), 100.0)
     again.started(100.0)
-    assert again.generation == 1 and "inc11" in again.fenced
+    assert again.generation == 1 and "inc11" in again.roster.fenced
     out = register(again, 70, 0, 100.5, incarnation="inc10")
     assert "worker_0 reconnected" in logged(out)
     out = again.tick(100.0 + NODE_TIMEOUT + 0.1)
@@ -299,7 +299,7 @@ def test_a_malformed_or_wrong_registration_is_refused_without_retry(field: str, 
            "host": "h", field: value}
     (reject,) = sent(m.register(10, "a", msg, 0.0))
     assert reject.op == P.REJECT and reject.fields["retry"] is False and reject.close
-    assert m.members == {}
+    assert m.roster.members == {}
 
 
 # --- the store's core ------------------------------------------------------------------------------------------

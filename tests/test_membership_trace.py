@@ -42,6 +42,7 @@ class Trace:
 
     def __call__(self, event: str, actions: list[Any] | None) -> list[Any]:
         m = self.m
+        assert m.roster.problems() == [], event  # the roster's invariants hold after every event
         persisted = json.dumps({"version": S.VERSION, **m.snapshot()}, indent=1)
         self.steps.append({
             "event": f"{self.name}: {event}",

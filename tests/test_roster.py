@@ -9,7 +9,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from toolkit.scheduler.roster import Roster
+from toolkit.scheduler.roster import Member, Roster
 
 PLAN = {"sched": "hostA", "worker_0": "hostA", "worker_1": "hostA", "worker_2": "hostB", "worker_3": "hostB"}
 
@@ -111,6 +111,22 @@ def test_one_host_runs_the_scheduler_the_last_to_say_so() -> None:
     r.runs_scheduler("a")
     r.runs_scheduler("b")
     assert r.scheduler_host() == "b" and not r.hosts["a"].runs_scheduler and r.problems() == []
+
+
+def test_the_connected_members_are_counted_as_they_come_go_and_reconnect() -> None:
+    r = Roster()
+    restored = Member(0, "worker_0", "inc0", 10, "hostA", "a:1", 0.0)  # restored: no connection yet
+    fresh = Member(1, "worker_1", "inc1", 11, "hostA", "a:2", 0.0, peer=5)
+    r.admit(restored)
+    r.admit(fresh)
+    assert r.connected_members == 1
+    assert r.reconnect(restored, 6, "a:3", 1.0) is None and r.connected_members == 2
+    assert r.reconnect(restored, 7, "a:4", 2.0) == 6 and r.connected_members == 2
+    assert (restored.peer, restored.addr, restored.last_seen) == (7, "a:4", 2.0)
+    assert r.remove(fresh) and not r.remove(fresh) and r.connected_members == 1  # one removal per member
+    r.admit(Member(1, "worker_1", "inc2", 12, "hostA", "a:5", 3.0))
+    assert not r.remove(fresh) and r.connected_members == 1 and r.members[1].incarnation == "inc2"
+    assert r.problems() == []
 
 
 HOSTS = st.sampled_from(["hostA", "hostB", "s1", "s2"])

@@ -21,6 +21,7 @@ from typing import Any, Callable
 from toolkit import atomicfile, rundoc
 from toolkit.scheduler.actions import Log, Note, NoteKind
 from toolkit.scheduler.ledger import Ledger
+from toolkit.scheduler.state import JobStatus
 from toolkit.scheduler.stragglers import EVAL_INTERVAL, Cleared, Named, Stragglers
 
 LIVE_INTERVAL = 1.0  # s between rewrites of live.json (what `fleet status` reads)
@@ -44,7 +45,7 @@ class Journal:
         self.clock, self.wall = clock, wall
         self.stragglers = Stragglers(threshold)
         self.ledger = Ledger(job, world_size, wall())
-        self.status = "running"
+        self.status = JobStatus.RUNNING
         self.generation = 0
         self.formed = False
         now = clock()
@@ -68,8 +69,8 @@ class Journal:
             return [Log(logging.WARNING, f"cannot read the ledger {path} ({e.strerror}); a new one starts")]
         try:
             ledger = Ledger.from_json(json.loads(text))
-            if ledger.job != self.job or ledger.world_size != self.world_size or ledger.outcome in ("finished",
-                                                                                                    "failed"):
+            if (ledger.job != self.job or ledger.world_size != self.world_size
+                    or ledger.outcome in (JobStatus.FINISHED, JobStatus.FAILED)):
                 raise ValueError(f"it is job {ledger.job!r}'s with {ledger.world_size} workers, {ledger.outcome}")
         except (KeyError, TypeError, ValueError, RecursionError) as e:
             aside = path.with_name(f"{path.name}.{int(self.wall())}.unused")
@@ -101,7 +102,7 @@ class Journal:
         elif note.kind == NoteKind.FORMED:
             self.generation, self.formed = f["generation"], True
         elif note.kind in (NoteKind.FINISHED, NoteKind.FAILED):
-            self.status = str(note.kind.value)
+            self.status = JobStatus(note.kind.value)
         self.ledger.note(note.kind, f, wall)
         if note.kind == NoteKind.DEATH:
             inc = self.ledger.incidents[-1] if self.ledger.incidents else None

@@ -38,6 +38,7 @@ from toolkit.protocol import RECOVERY_IN_PLACE, RECOVERY_RESTART
 from toolkit.rundoc import LEDGER_VERSION as VERSION
 from toolkit.scheduler.actions import NoteKind
 from toolkit.scheduler.membership import CAUSE_CLOSED, CAUSE_NOT_BACK, CAUSE_SILENCE
+from toolkit.scheduler.state import JobStatus
 
 HOST_LOST_WINDOW = 10.0  # s: deaths on a host this close to its agent's disconnection are the host's loss
 MAX_INCIDENTS = 10_000  # kept in the document (the oldest go first); counts stay exact
@@ -280,15 +281,15 @@ class Ledger:
         self._changed(urgent=True)
 
     def _on_finished(self, f: Mapping[str, Any], now: float) -> None:
-        self._end("finished", None, now)
+        self._end(JobStatus.FINISHED, None, now)
 
     def _on_failed(self, f: Mapping[str, Any], now: float) -> None:
-        self._end("failed", f.get("reason"), now)
+        self._end(JobStatus.FAILED, f.get("reason"), now)
 
     def stopped(self, why: str, now: float) -> None:
         """The scheduler was stopped (a signal) while the job ran: the run ends here unless it is restarted."""
         if self.outcome is None:
-            self._end("stopped", why, now)
+            self._end(JobStatus.STOPPED, why, now)
 
     def straggler(self, rank: int, node_id: str, host: str, factor: float, busy: float, median: float,
                   now: float) -> None:
@@ -419,7 +420,7 @@ class Ledger:
     def resume(self, now: float) -> None:
         """The job goes on after its scheduler was stopped (`fleet stop`, then `train` again): the time it was
         stopped is not the job's (`paused`), the time until it steps again is start-up (`restarting`)."""
-        if self.outcome == "stopped" and self.ended_at is not None:
+        if self.outcome == JobStatus.STOPPED and self.ended_at is not None:
             self.paused += max(0.0, now - self.ended_at)
             self.outcome = self.ended_at = self.failure = None
             self._awaiting_step = now

@@ -33,19 +33,19 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 from toolkit import envvars as E
 from toolkit import protocol as P
 from toolkit.scheduler.actions import Action, Close, DropKeys, Exit, Log, Note, NoteKind, Send  # also re-exported
-from toolkit.scheduler.roster import Roster, rank_of
+from toolkit.scheduler.roster import Member, Peer, PeerRole, Roster, rank_of  # also re-exported
+from toolkit.scheduler.state import JobStatus
 
 EXIT_OK = 0
 EXIT_FAILED = 1  # a node gave up: the job failed
 EXIT_FORMATION = 3  # MS_TOPO_TIMEOUT passed before every worker registered
 
-RUNNING, FINISHED, FAILED = "running", "finished", "failed"
+RUNNING, FINISHED, FAILED = JobStatus.RUNNING, JobStatus.FINISHED, JobStatus.FAILED
 INFO, WARNING, ERROR = logging.INFO, logging.WARNING, logging.ERROR
 
 
@@ -55,49 +55,6 @@ CAUSE_CLOSED = "connection closed"
 CAUSE_SILENCE = "heartbeat silence"
 CAUSE_NOT_BACK = "did not reconnect"
 CAUSE_REPLACED = "host replaced"
-
-
-# --- state ---------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class Member:
-    """The live incarnation that holds a rank.
-
-    `incarnation` is random per process (toolkit.protocol); `last_seen` is when it last registered or sent anything
-    on its current connection (for a restored member: when the server started listening); `peer` is None only for a
-    restored member that has not reconnected yet; `step` is its last heartbeat's. Only `to_json`'s fields are
-    persisted."""
-
-    rank: int
-    node_id: str
-    incarnation: str
-    pid: int
-    host: str
-    addr: str
-    last_seen: float
-    peer: int | None = None  # its connection; None while it has not (re)connected
-    step: int | None = None
-    recovery: str = "unknown"  # how it recovers (P.RECOVERY_IN_PLACE / RECOVERY_RESTART), as it registered
-    vouched_at: float | None = None  # when its agent last said this very process runs, not stopped
-    busy_said: bool = False  # its silence while vouched for was logged (until it is heard again)
-
-    def to_json(self) -> dict[str, Any]:
-        """The persisted fields (Membership.snapshot): who holds the rank and where it runs. Liveness is not
-        persisted: a restarted scheduler gives every restored member node_timeout to reconnect."""
-        return {"rank": self.rank, "node_id": self.node_id, "incarnation": self.incarnation, "pid": self.pid,
-                "host": self.host, "addr": self.addr, "recovery": self.recovery}
-
-
-@dataclass(frozen=True)
-class Peer:
-    """What a connection is, once it said who it is: a worker (of `rank`), an agent (of `host`), or a worker that
-    said `done`, whose later messages and EOF mean nothing."""
-
-    role: str  # "worker", "agent", "finished" (a worker that said done)
-    rank: int | None = None
-    host: str | None = None
-    addr: str = ""
 
 
 def how(code: Any, sig: Any) -> str:
@@ -126,15 +83,10 @@ class Membership:
         self.job, self.world_size, self.boot, self.address = job, world_size, boot, address
         self.node_timeout, self.topo_timeout = node_timeout, topo_timeout
         self.host_timeout = host_timeout  # <= 0: no automatic replacement (the operator's `replace` only)
-        self.roster = Roster(expected, spares)  # every host: placement, agent, spare, replacement
+        self.roster = Roster(expected, spares)  # every host and every rank: members, peers, done, fenced, commits
         self.last_tick = -math.inf
-        self.members: dict[int, Member] = {}
-        self.peers: dict[int, Peer] = {}
-        self.done: set[int] = set()
-        self.fenced: set[str] = set()
         self.unreported: dict[str, tuple[int, float]] = {}  # node_id -> (pid, when to kill it): its connection
         # closed, its agent has not reported its exit yet
-        self.commits: dict[int, int] = {}
         self.generation = 0
         self.formed = False
         self.status = RUNNING
@@ -157,7 +109,7 @@ class Membership:
     def next_deadline(self) -> float:
         """The earliest time `tick` may have work: the next possible heartbeat expiry (while there are members)
         and the formation deadline (while gathering, running and not unmanaged); inf when there is neither."""
-        deadlines = [self.hb_check_at] if self.members else []
+        deadlines = [self.hb_check_at] if self.roster.members else []
         if self.status == RUNNING:
             deadlines += [due for _, due in self.unreported.values()]
         if self.gather_since is not None and not self.unmanaged and self.status == RUNNING:
@@ -181,13 +133,13 @@ class Membership:
         """The state to persist (MS_ENABLE_RECOVERY): what a restarted scheduler needs to go on with the job.
 
         `committed_step` is the lowest step every rank has committed a checkpoint of, None until each rank has."""
-        committed = min(self.commits.values()) if len(self.commits) == self.world_size else None
+        committed = min(self.roster.commits.values()) if len(self.roster.commits) == self.world_size else None
         return {
             "job": self.job, "world_size": self.world_size, "status": self.status, "failure": self.failure,
             "generation": self.generation, "formed": self.formed,
-            "members": [m.to_json() for m in sorted(self.members.values(), key=lambda m: m.rank)],
-            "done": sorted(self.done), "fenced": sorted(self.fenced),
-            "commits": {str(r): s for r, s in sorted(self.commits.items())}, "committed_step": committed,
+            "members": [m.to_json() for m in sorted(self.roster.members.values(), key=lambda m: m.rank)],
+            "done": sorted(self.roster.done), "fenced": sorted(self.roster.fenced),
+            "commits": {str(r): s for r, s in sorted(self.roster.commits.items())}, "committed_step": committed,
             "replaced": self.roster.replacements(),
         }
 
@@ -202,7 +154,7 @@ class Membership:
         their ranks still on the spares) and members come back, the members without a connection. `state` must have
         passed state.load's checks; returns the log actions."""
         if state.get("status") != RUNNING:
-            self.fenced = set(state.get("fenced", []))
+            self.roster.fenced = set(state.get("fenced", []))
             finished = state.get("status") == FINISHED
             return [Log(INFO, f"the previous run of job {self.job} {state.get('status')} (committed step "
                               f"{state.get('committed_step')}): this run starts at generation 0, its workers resume "
@@ -211,23 +163,23 @@ class Membership:
         self.generation = int(state["generation"])
         self.formed = bool(state["formed"])
         self.gather_since = None if self.formed else now
-        self.done = {int(r) for r in state.get("done", [])}
-        self.fenced = set(state.get("fenced", []))
-        self.commits = {int(r): int(s) for r, s in state.get("commits", {}).items()}
+        self.roster.done = {int(r) for r in state.get("done", [])}
+        self.roster.fenced = set(state.get("fenced", []))
+        self.roster.commits = {int(r): int(s) for r, s in state.get("commits", {}).items()}
         for r in state.get("replaced", []):  # the hosts fenced, and where their ranks went
             self.roster.replace(r["host"], r["by"], str(r.get("reason", "")), node_ids=r["node_ids"])
         for m in state.get("members", []):
-            self.members[int(m["rank"])] = Member(int(m["rank"]), m["node_id"], m["incarnation"], int(m["pid"]),
-                                                  m["host"], m["addr"], now, None,
-                                                  recovery=str(m.get("recovery", "unknown")))
+            self.roster.admit(Member(int(m["rank"]), m["node_id"], m["incarnation"], int(m["pid"]), m["host"],
+                                     m["addr"], now, None, recovery=str(m.get("recovery", "unknown"))))
             self.roster.place_if_new(m["node_id"], m["host"])
-        self.ever_registered = bool(self.members) or bool(self.fenced)
+        self.ever_registered = bool(self.roster.members) or bool(self.roster.fenced)
         self.ever_formed = self.formed or self.generation > 0
         self.hb_check_at = now + self.node_timeout
+        waiting = len(self.roster.members)
         return [Log(INFO, f"resumed job {self.job} from its persisted state: generation {self.generation} "
-                          f"({'formed' if self.formed else 'gathering'}), {len(self.members)} members waiting to "
+                          f"({'formed' if self.formed else 'gathering'}), {waiting} members waiting to "
                           f"reconnect within {self.node_timeout:g} s"),
-                Note(NoteKind.RESTORED, {"generation": self.generation, "members": len(self.members)})]
+                Note(NoteKind.RESTORED, {"generation": self.generation, "members": waiting})]
 
     def started(self, now: float) -> None:
         """Peers can reach the server from now: deadlines count from here, not from the server's own start.
@@ -235,9 +187,9 @@ class Membership:
         Restarts the formation clock (if gathering) and every restored member's heartbeat clock."""
         if self.gather_since is not None:
             self.gather_since = now
-        for member in self.members.values():
+        for member in self.roster.members.values():
             member.last_seen = now
-        self.hb_check_at = now + self.node_timeout if self.members else math.inf
+        self.hb_check_at = now + self.node_timeout if self.roster.members else math.inf
         for host in self.worker_hosts():  # no agent is connected yet: each has host_timeout to say hello
             self.roster.start_clock(host, now)
 
@@ -274,38 +226,37 @@ class Membership:
                     Note(NoteKind.FENCED, {"node_id": node_id, "pid": pid, "host": host}),
                     Send(peer, P.FENCED, {"reason": f"host {host} was replaced by {by}: its processes may not rejoin "
                                                     "the job"}, close=True)]
-        if inc in self.fenced:
+        if inc in self.roster.fenced:
             return [Log(WARNING, f"fenced {node_id} ({where}): that incarnation was declared dead; told it to exit"),
                     Note(NoteKind.FENCED, {"node_id": node_id, "pid": pid, "host": host}),
                     Send(peer, P.FENCED, {"reason": f"{node_id} (pid {pid}) was declared dead; a replacement takes "
                                                     "its place"}, close=True)]
         if self.status != RUNNING:
             return [Send(peer, P.REJECT, {"reason": f"the job has {self.status}", "retry": False}, close=True)]
-        if rank in self.done:
+        if rank in self.roster.done:
             return [Send(peer, P.REJECT, {"reason": f"{node_id} already finished", "retry": False}, close=True)]
-        current = self.members.get(rank)
+        current = self.roster.members.get(rank)
         if current is not None and current.incarnation != inc:
             reason = (f"{node_id} is held by a live process (pid {current.pid} on {current.host}, {current.addr}, "
                       f"heard from {now - current.last_seen:.1f} s ago)")
             return [Log(WARNING, f"rejected {node_id} from {where}: {reason}"),
                     Send(peer, P.REJECT, {"reason": reason, "retry": True}, close=True)]
         out: list[Action] = []
-        self.peers[peer] = Peer("worker", rank=rank, addr=addr)
+        self.roster.peers[peer] = Peer(PeerRole.WORKER, rank=rank, addr=addr)
         self.ever_registered = True
         if current is not None:
-            old = current.peer
-            current.peer, current.addr, current.last_seen = peer, addr, now
+            old = self.roster.reconnect(current, peer, addr, now)
             if old is not None and old != peer:
-                self.peers.pop(old, None)
+                self.roster.peers.pop(old, None)
                 out.append(Close(old))
             out.append(Log(INFO, f"{node_id} reconnected ({where}), generation {self.generation}"))
         else:
             recovery = msg.get("recovery") if msg.get("recovery") in (P.RECOVERY_IN_PLACE, P.RECOVERY_RESTART) \
                 else "unknown"
-            self.members[rank] = Member(rank, node_id, inc, pid, host, addr, now, peer, recovery=recovery)
+            self.roster.admit(Member(rank, node_id, inc, pid, host, addr, now, peer, recovery=recovery))
             self.hb_check_at = min(self.hb_check_at, now + self.node_timeout)
             self.roster.place_if_new(node_id, host)
-            out.append(Log(INFO, f"registered {node_id} ({where}, {recovery} recovery): {len(self.members)} of "
+            out.append(Log(INFO, f"registered {node_id} ({where}, {recovery} recovery): {len(self.roster.members)} of "
                                  f"{self.world_size}"))
             self.dirty = True
         out.append(Send(peer, P.WELCOME, {"rank": rank, "world_size": self.world_size, "generation": self.generation,
@@ -341,10 +292,10 @@ class Membership:
                     Note(NoteKind.REFUSED, {"host": host, "by": by}),
                     Send(peer, P.WELCOME, {}), Send(peer, P.STOP, {"reason": reason}, close=True)]
         out: list[Action] = []
-        self.peers[peer] = Peer("agent", host=host, addr=addr)
+        self.roster.peers[peer] = Peer(PeerRole.AGENT, host=host, addr=addr)
         old = self.roster.connect_agent(host, peer, msg.get("spare") is True, now)
         if old is not None and old != peer:
-            self.peers.pop(old, None)
+            self.roster.peers.pop(old, None)
             out.append(Close(old))
         names = [n for n in node_ids if isinstance(n, str) and len(n) <= 256]
         for node_id in names:
@@ -373,11 +324,11 @@ class Membership:
         records the step; `commit` raises the rank's committed step, never lowers it (`commits_dirty`); `recovered`
         is logged; `done` retires the member without a new generation and may finish the job; an unknown op is
         logged and ignored. Messages of a peer that never said hello are ignored."""
-        who = self.peers.get(peer)
+        who = self.roster.peers.get(peer)
         op = msg["op"]
-        if who is None or who.role == "finished":
+        if who is None or who.role == PeerRole.FINISHED:
             return []
-        if who.role == "agent":
+        if who.role == PeerRole.AGENT:
             if who.host is not None:
                 self.roster.heard(who.host, peer, now)
             if op == P.EXITED:
@@ -388,7 +339,7 @@ class Membership:
                 self._vouch(who.host, msg.get("running"), now)
                 return []
             return [Log(WARNING, f"agent of {who.host} sent unknown op {op[:40]!r} (ignored)")]
-        member = self.members.get(who.rank) if who.rank is not None else None
+        member = self.roster.members.get(who.rank) if who.rank is not None else None
         if member is None or member.peer != peer:
             return []
         member.last_seen, member.busy_said = now, False
@@ -398,14 +349,14 @@ class Membership:
                                   "pid": member.pid, "step": member.step, **P.pace_fields(dict(msg))})]
         if op == P.COMMIT:
             step = P.whole(dict(msg), "step")
-            if step is not None and step > self.commits.get(member.rank, -1):
-                self.commits[member.rank] = step
+            if step is not None and step > self.roster.commits.get(member.rank, -1):
+                self.roster.commits[member.rank] = step
                 self.commits_dirty = True
             return []
         if op == P.RECOVERED:
             return self._recovered(member, msg)
         if op == P.DONE:
-            self.peers[peer] = Peer("finished", rank=member.rank, addr=who.addr)
+            self.roster.peers[peer] = Peer(PeerRole.FINISHED, rank=member.rank, addr=who.addr)
             out: list[Action] = [Log(INFO, f"{member.node_id} finished (pid {member.pid} on {member.host})")]
             self._retire(member)
             return out + self._mark_done(member.rank)
@@ -419,16 +370,16 @@ class Membership:
         killed now: if its agent has not reported its exit within node_timeout, `tick` has it killed (fencing comes
         after the process's own cause). An agent's connection ending only forgets the agent: its workers are judged
         by their own connections and heartbeats. A finished worker's EOF means nothing."""
-        who = self.peers.pop(peer, None)
+        who = self.roster.peers.pop(peer, None)
         if who is None:
             return []
-        if who.role == "worker" and who.rank is not None:
-            member = self.members.get(who.rank)
+        if who.role == PeerRole.WORKER and who.rank is not None:
+            member = self.roster.members.get(who.rank)
             if member is not None and member.peer == peer:
                 if self.status == RUNNING:
                     self.unreported[member.node_id] = (member.pid, now + self.node_timeout)
                 return self._death(member, reason, kill=False, now=now)
-        elif who.role == "agent" and who.host is not None and self.roster.disconnect_agent(who.host, peer, now):
+        elif who.role == PeerRole.AGENT and who.host is not None and self.roster.disconnect_agent(who.host, peer, now):
             return [Log(INFO, f"agent of {who.host} disconnected ({reason})"),
                     Note(NoteKind.AGENT_LOST, {"host": who.host, "reason": reason})]
         return []
@@ -447,7 +398,7 @@ class Membership:
         if now >= self.hb_check_at:
             # Heartbeats and vouches only move expiries later, so the earliest expiry found here is a safe bound for
             # the next scan: with hundreds of members, most calls skip the scan.
-            for member in list(self.members.values()):
+            for member in list(self.roster.members.values()):
                 silent = now - member.last_seen
                 if silent < self.node_timeout or self._alive_though_silent(member, silent, now, out):
                     continue
@@ -455,7 +406,7 @@ class Membership:
                 out += self._death(member, f"{what} for {silent:.1f} s ({E.MS_NODE_TIMEOUT}={self.node_timeout:g})",
                                    kill=True, now=now, cause=CAUSE_NOT_BACK if member.peer is None
                                    else CAUSE_SILENCE, silent_for=silent)
-            self.hb_check_at = min((self._expiry(m) for m in self.members.values()), default=math.inf)
+            self.hb_check_at = min((self._expiry(m) for m in self.roster.members.values()), default=math.inf)
         out += self._kill_unreported(now)
         out += self._check_lost(now)
         self.last_tick = now
@@ -472,7 +423,7 @@ class Membership:
             return
         for node_id, pid in list(running.items())[:4096]:
             rank = rank_of(node_id) if isinstance(node_id, str) else None
-            member = self.members.get(rank) if rank is not None else None
+            member = self.roster.members.get(rank) if rank is not None else None
             if (member is not None and member.node_id == node_id and isinstance(pid, int)
                     and not isinstance(pid, bool) and pid == member.pid and self.roster.host_of(node_id) == host):
                 member.vouched_at = now
@@ -527,7 +478,7 @@ class Membership:
         reason = ""
         if self.status != RUNNING:
             reason = f"job {self.job} has {self.status}: nothing to replace"
-        elif self.done:
+        elif self.roster.done:
             reason = f"some ranks of job {self.job} have finished: a replacement could not rejoin them"
         elif not isinstance(host, str) or host not in hosts or host in self.fenced_hosts():
             what = ("was already replaced by " + self.fenced_hosts()[host]) if host in self.fenced_hosts() \
@@ -566,14 +517,14 @@ class Membership:
         agent has been gone or silent for host_timeout (a pulled cable closes no connection), and none of its ranks is
         held by a member (they died: by silence, by not coming back, or with their connections). Without a free spare
         the host waits (said once), as it would without spares: the job goes on if its agent comes back."""
-        if self.host_timeout <= 0 or self.status != RUNNING or not self.ever_formed or self.done:
+        if self.host_timeout <= 0 or self.status != RUNNING or not self.ever_formed or self.roster.done:
             return []
         out: list[Action] = []
         stale = [(rec, list(rec.node_ids)) for rec in self.roster.unheard_for(now, self.host_timeout)]
         for rec, node_ids in stale:  # most passes find none: agents heartbeat
             host, since = rec.name, float(rec.heard_at or 0.0)
             if (not node_ids or rec.runs_scheduler or rec.fenced
-                    or any(rank_of(n) in self.members for n in node_ids)):
+                    or any(rank_of(n) in self.roster.members for n in node_ids)):
                 continue
             free = self.roster.free_spares()
             if not free:
@@ -600,11 +551,11 @@ class Membership:
                          f"{host} is fenced: its agent and workers are refused from now on"),
             Note(NoteKind.REPLACED, {"host": host, "by": spare, "node_ids": node_ids, "reason": reason})]
         if agent is not None:
-            self.peers.pop(agent, None)
+            self.roster.peers.pop(agent, None)
             out.append(Send(agent, P.STOP, {"reason": f"host {host} was replaced by {spare} ({reason}): it is "
                                                       "fenced from the job"}, close=True))
         for node_id in node_ids:
-            member = self.members.get(rank_of(node_id) or 0)
+            member = self.roster.members.get(rank_of(node_id) or 0)
             if member is not None and member.node_id == node_id:
                 out += self._death(member, f"its host {host} was replaced by {spare}", kill=False, now=now,
                                    cause=CAUSE_REPLACED)
@@ -620,8 +571,7 @@ class Membership:
         (A death after a rank is done never gets here: `_death_after_done`.)"""
         if self.formed or self.status != RUNNING:
             return []
-        present = sum(1 for m in self.members.values() if m.peer is not None)
-        if present < self.world_size:
+        if self.roster.connected_members < self.world_size:
             return []
         self.formed = self.ever_formed = True
         self.dirty = True
@@ -630,9 +580,9 @@ class Membership:
         out: list[Action] = [Log(INFO, f"generation {self.generation} formed: {self.world_size} workers in "
                                        f"{now - since:.3f} s; store prefix {self.prefix()}"),
                              Note(NoteKind.FORMED, {"generation": self.generation, "seconds": now - since,
-                                             "recovery": sorted({m.recovery for m in self.members.values()})})]
+                                             "recovery": sorted({m.recovery for m in self.roster.members.values()})})]
         out += [Send(m.peer, P.FORMED, {"generation": self.generation, "prefix": self.prefix()})
-                for m in self.members.values() if m.peer is not None]
+                for m in self.roster.members.values() if m.peer is not None]
         if self.generation > 0:  # the generations before are over: their store keys can go
             out += [DropKeys(P.store_prefix(self.job, self.boot, g)) for g in range(self.generation)]
         return out
@@ -653,26 +603,25 @@ class Membership:
         job runs: formed, it moves to generation+1, announced by `generation` to every connected member, and gathers
         again from `now`; still gathering, the member is only removed (one generation per fault). The left
         generation's store keys go when the next one forms."""
-        if self.members.get(member.rank) is not member:
+        if not self.roster.remove(member):
             return []
-        del self.members[member.rank]
-        self.fenced.add(member.incarnation)
+        self.roster.fenced.add(member.incarnation)
         self.dirty = True
         out: list[Action] = [Note(NoteKind.DEATH, {
             "node_id": member.node_id, "rank": member.rank, "host": self._host_of(member), "pid": member.pid,
             "cause": cause, "reason": reason, "silent_for": silent_for, "step": member.step,
-            "recovery": member.recovery, "begins": self.formed and self.status == RUNNING and not self.done,
-            "generation": self.generation + 1 if self.formed and self.status == RUNNING and not self.done
+            "recovery": member.recovery, "begins": self.formed and self.status == RUNNING and not self.roster.done,
+            "generation": self.generation + 1 if self.formed and self.status == RUNNING and not self.roster.done
             else self.generation})]
         if member.peer is not None:
-            self.peers.pop(member.peer, None)
+            self.roster.peers.pop(member.peer, None)
             out.append(Send(member.peer, P.FENCED, {"reason": f"declared dead: {reason}"}, close=True))
         agent = self.roster.agent_at(member.node_id)
         if kill and agent is not None:
             out.append(Send(agent, P.KILL, {"node_id": member.node_id, "pid": member.pid, "cause": cause}))
         if self.status != RUNNING:
             return out
-        if self.done:
+        if self.roster.done:
             return out + self._death_after_done(member, reason)
         if self.formed:
             self.generation += 1
@@ -680,7 +629,7 @@ class Membership:
             self.gather_since = now
             out.append(Log(WARNING, f"{member.node_id} (pid {member.pid} on {member.host}) is dead: {reason}; "
                                     f"generation {self.generation} begins, waiting for its replacement"))
-            out += [Send(m.peer, P.GENERATION, {"generation": self.generation}) for m in self.members.values()
+            out += [Send(m.peer, P.GENERATION, {"generation": self.generation}) for m in self.roster.members.values()
                     if m.peer is not None]
         else:
             out.append(Log(WARNING, f"{member.node_id} (pid {member.pid} on {member.host}) is dead: {reason}; "
@@ -689,8 +638,7 @@ class Membership:
 
     def _retire(self, member: Member) -> None:
         """A member that ended cleanly leaves without a generation change: nothing to recover from."""
-        if self.members.get(member.rank) is member:
-            del self.members[member.rank]
+        if self.roster.remove(member):
             self.dirty = True
 
     def _death_after_done(self, member: Member, reason: str) -> list[Action]:
@@ -699,7 +647,7 @@ class Membership:
         durable; so an in-place (toolkit.train) member that dies now has finished its training and counts as
         done. Any other member's state is unknown: the job fails at once, saying why, rather than waiting out
         the formation timeout."""
-        finished = ", ".join(P.worker_node_id(r) for r in sorted(self.done))
+        finished = ", ".join(P.worker_node_id(r) for r in sorted(self.roster.done))
         who = f"{member.node_id} (pid {member.pid} on {member.host})"
         if member.recovery == P.RECOVERY_IN_PLACE:
             return [Log(WARNING, f"{who} is dead: {reason}, after {finished} finished: every rank had passed the "
@@ -711,10 +659,10 @@ class Membership:
     def _mark_done(self, rank: int) -> list[Action]:
         """Record `rank` as done (`dirty`). Once every rank is, the job has finished (once): its agents are told
         `finished` and the scheduler exits EXIT_OK."""
-        if rank not in self.done:
-            self.done.add(rank)
+        if rank not in self.roster.done:
+            self.roster.done.add(rank)
             self.dirty = True
-        if len(self.done) < self.world_size or self.status != RUNNING:
+        if len(self.roster.done) < self.world_size or self.status != RUNNING:
             return []
         self.status = FINISHED
         return ([Log(INFO, f"all {self.world_size} workers finished: job {self.job} done"), Note(NoteKind.FINISHED)]
@@ -730,7 +678,7 @@ class Membership:
         self.dirty = True
         return ([Log(ERROR, f"job {self.job} failed: {reason}"), Note(NoteKind.FAILED, {"reason": reason})]
                 + [Send(agent, P.STOP, {"reason": reason}) for agent in self.roster.agents.values()]
-                + [Send(m.peer, P.STOP, {"reason": reason}) for m in self.members.values() if m.peer is not None]
+                + [Send(m.peer, P.STOP, {"reason": reason}) for m in self.roster.members.values() if m.peer is not None]
                 + [Exit(code)])
 
     def _exited(self, agent: Peer, msg: Mapping[str, Any], now: float) -> list[Action]:
@@ -753,7 +701,7 @@ class Membership:
         rank = rank_of(node_id)
         if rank is None or rank >= self.world_size:
             return [Log(INFO, f"agent of {agent.host}: {node_id} (pid {pid}) exited: {said}")]
-        member = self.members.get(rank)
+        member = self.roster.members.get(rank)
         if code == 0 and sig is None:
             out: list[Action] = [Log(INFO, f"{node_id} (pid {pid} on {agent.host}) exited 0")]
             if member is not None and member.pid == pid:
@@ -802,8 +750,9 @@ class Membership:
         scripts that never ask for a process group: the formation clock stops (`unmanaged`: no heartbeats or
         generations) and their agents' exit reports end the job. Otherwise the job fails with EXIT_FORMATION,
         naming each missing worker, the host it was expected on and the address it should reach."""
+        members = self.roster.members
         missing = [r for r in range(self.world_size)
-                   if r not in self.done and (r not in self.members or self.members[r].peer is None)]
+                   if r not in self.roster.done and (r not in members or members[r].peer is None)]
         attested = [r for r in missing if self.roster.agent_at(P.worker_node_id(r)) is not None]
         if not self.ever_registered and missing and len(attested) == len(missing):
             self.unmanaged = True

@@ -9,12 +9,14 @@ Invariants (`problems()` names any broken one; tests/test_roster.py drives them 
 - `node_host[n] == h` exactly when `n` is in `hosts[h].node_ids` (worker node ids only, in rank order);
 - `agents[h] == p` exactly when `hosts[h].agent == p` (the connected agents, in the order they connected);
 - a replaced host has no agent, is not watched (`heard_at` None), waits for nothing and is never connected again;
-- a host waiting for a spare is watched.
+- a host waiting for a spare is watched;
+- `connected_members` counts the members with a connection; each member is under its own rank.
 """
 
 from __future__ import annotations
 
 import bisect
+import enum
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping, Sequence
 
@@ -28,6 +30,57 @@ def rank_of(node_id: str) -> int | None:
     if node_id.startswith(prefix) and digits.isascii() and digits.isdigit():  # isdigit alone takes "²"
         return int(node_id[len(prefix):])
     return None
+
+
+class PeerRole(str, enum.Enum):
+    """What a connection is once it said who it is (prints as its value)."""
+
+    WORKER = "worker"
+    AGENT = "agent"
+    FINISHED = "finished"  # a worker that said done: its later messages and EOF mean nothing
+
+    __str__ = str.__str__
+    __format__ = str.__format__
+
+
+@dataclass
+class Member:
+    """The live incarnation that holds a rank.
+
+    `incarnation` is random per process (toolkit.protocol); `last_seen` is when it last registered or sent anything
+    on its current connection (for a restored member: when the server started listening); `peer` is None only for a
+    restored member that has not reconnected yet; `step` is its last heartbeat's. Only `to_json`'s fields are
+    persisted."""
+
+    rank: int
+    node_id: str
+    incarnation: str
+    pid: int
+    host: str
+    addr: str
+    last_seen: float
+    peer: int | None = None  # its connection; None while it has not (re)connected
+    step: int | None = None
+    recovery: str = "unknown"  # how it recovers (P.RECOVERY_IN_PLACE / RECOVERY_RESTART), as it registered
+    vouched_at: float | None = None  # when its agent last said this very process runs, not stopped
+    busy_said: bool = False  # its silence while vouched for was logged (until it is heard again)
+
+    def to_json(self) -> dict[str, Any]:
+        """The persisted fields (Membership.snapshot): who holds the rank and where it runs. Liveness is not
+        persisted: a restarted scheduler gives every restored member node_timeout to reconnect."""
+        return {"rank": self.rank, "node_id": self.node_id, "incarnation": self.incarnation, "pid": self.pid,
+                "host": self.host, "addr": self.addr, "recovery": self.recovery}
+
+
+@dataclass(frozen=True)
+class Peer:
+    """What a connection is, once it said who it is: a worker (of `rank`), an agent (of `host`), or a worker that
+    said `done`, whose later messages and EOF mean nothing."""
+
+    role: PeerRole
+    rank: int | None = None
+    host: str | None = None
+    addr: str = ""
 
 
 @dataclass
@@ -75,7 +128,12 @@ class Roster:
     """Every host the scheduler knows, by name (`hosts`), with two indexes kept by the mutators: `node_host`
     (node id -> host, the plan's placement after agents' hellos and replacements) and `agents` (host -> its
     connected agent's peer). `placement` is the plan's (node id -> host); `spares` the inventory's spare hosts, in
-    the order they are used (spares whose agents say so later follow, in hello order)."""
+    the order they are used (spares whose agents say so later follow, in hello order).
+
+    And every rank: `members` (rank -> its live incarnation), `peers` (connection -> what it is), `done` (ranks that
+    finished), `fenced` (incarnations declared dead, for good), `commits` (rank -> its highest committed step), and
+    `connected_members`, the members with a connection, kept by `admit`, `reconnect` and `remove` (so a formation
+    check costs nothing)."""
 
     def __init__(self, placement: Mapping[str, str] | None = None, spares: Sequence[str] = ()) -> None:
         self.hosts: dict[str, HostRecord] = {}
@@ -84,6 +142,12 @@ class Roster:
         self.spare_order: list[str] = list(spares)
         self._replaced: list[str] = []  # replaced hosts, in order
         self._seq = 0
+        self.members: dict[int, Member] = {}
+        self.peers: dict[int, Peer] = {}
+        self.done: set[int] = set()
+        self.fenced: set[str] = set()
+        self.commits: dict[int, int] = {}
+        self.connected_members = 0
         for node_id, host in (placement or {}).items():
             self.place(node_id, host)
 
@@ -241,6 +305,26 @@ class Roster:
         rec.waiting_for_spare = True
         return True
 
+    def admit(self, member: Member) -> None:
+        """`member` holds its rank from now on (the rank is free: its holder was removed)."""
+        self.members[member.rank] = member
+        self.connected_members += member.peer is not None
+
+    def reconnect(self, member: Member, peer: int, addr: str, now: float) -> int | None:
+        """`member` (re)connected on `peer` from `addr` at `now`; returns its previous connection, or None."""
+        old = member.peer
+        self.connected_members += old is None
+        member.peer, member.addr, member.last_seen = peer, addr, now
+        return old
+
+    def remove(self, member: Member) -> bool:
+        """`member` leaves its rank; False (and nothing changes) if it no longer holds it."""
+        if self.members.get(member.rank) is not member:
+            return False
+        del self.members[member.rank]
+        self.connected_members -= member.peer is not None
+        return True
+
     def _next(self) -> int:
         self._seq += 1
         return self._seq
@@ -260,6 +344,11 @@ class Roster:
                 out.append(f"{rec.name}: replaced, yet connected, watched or waiting")
             if rec.waiting_for_spare and rec.heard_at is None:
                 out.append(f"{rec.name}: waits for a spare unwatched")
+        connected = sum(m.peer is not None for m in self.members.values())
+        if connected != self.connected_members:
+            out.append(f"{self.connected_members} members counted connected, {connected} are")
+        if any(rank != m.rank for rank, m in self.members.items()):
+            out.append("a member under another rank")
         if sum(rec.runs_scheduler for rec in self.hosts.values()) > 1:
             out.append("more than one host runs the scheduler")
         return out
