@@ -33,12 +33,14 @@ from __future__ import annotations
 
 import logging
 import math
+from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 from toolkit import envvars as E
 from toolkit import protocol as P
 from toolkit.scheduler.actions import Action, Close, DropKeys, Exit, Log, Note, NoteKind, Send  # also re-exported
 from toolkit.scheduler.roster import Member, Peer, PeerRole, Roster, rank_of  # also re-exported
+from toolkit.scheduler.spares import Refusal, choose_spare, find_lost
 from toolkit.scheduler.state import JobStatus
 
 EXIT_OK = 0
@@ -61,6 +63,71 @@ def how(code: Any, sig: Any) -> str:
     """How a process ended, in the agent's words (procs.ExitStatus.describe): "killed by SIGKILL" when a signal is
     named, else "exit code N"."""
     return f"killed by {sig}" if sig else f"exit code {code}"
+
+
+@dataclass(frozen=True)
+class Registration:
+    """A well-formed `register` of a rank of this job: who claims it, from where, and how it recovers."""
+
+    node_id: str
+    rank: int
+    incarnation: str
+    pid: int
+    host: str
+    recovery: str  # P.RECOVERY_IN_PLACE, P.RECOVERY_RESTART, or "unknown"
+    where: str  # "pid N on host, addr", for the log
+
+
+def validate_register(peer: int, addr: str, msg: Mapping[str, Any], world_size: int) -> Registration | list[Action]:
+    """`msg` as a Registration, or the refusal (`reject`, no retry, the connection closed) of a malformed message
+    (incarnation of 1 to 64 characters, node id and host of at most 256) or of a world size or rank that is not the
+    job's (render the job again)."""
+    node_id, rank, inc = msg.get("node_id"), P.whole(dict(msg), "rank"), msg.get("incarnation")
+    pid, host = P.whole(dict(msg), "pid"), msg.get("host")
+    if not (isinstance(node_id, str) and rank is not None and isinstance(inc, str) and 0 < len(inc) <= 64
+            and pid is not None and isinstance(host, str) and len(node_id) <= 256 and len(host) <= 256):
+        return [Log(WARNING, f"rejected malformed registration from {addr}"),
+                Send(peer, P.REJECT, {"reason": "malformed register message", "retry": False}, close=True)]
+    world = msg.get("world_size")
+    if world != world_size or not 0 <= rank < world_size:
+        reason = (f"{node_id} claims rank {rank} of {world} workers, but the job has {world_size} "
+                  f"({E.MS_WORKER_NUM}); render the job again")
+        return [Log(WARNING, f"rejected {node_id} from {addr}: {reason}"),
+                Send(peer, P.REJECT, {"reason": reason, "retry": False}, close=True)]
+    recovery = msg.get("recovery")
+    return Registration(node_id, rank, inc, pid, host,
+                        recovery if recovery in (P.RECOVERY_IN_PLACE, P.RECOVERY_RESTART) else "unknown",
+                        f"pid {pid} on {host}, {addr}")
+
+
+def refuse_register(peer: int, reg: Registration, roster: Roster, status: str, now: float) -> list[Action]:
+    """The refusal of a well-formed registration, each with the connection closed after the answer, or [] to take
+    it: a replaced host's worker or a fenced incarnation (`fenced`: it must exit); a job that has ended or a rank
+    already done (`reject`, no retry); a rank held by another incarnation not yet known dead (`reject` with retry:
+    a relaunched worker retries until the holder's death is established)."""
+    node_id, pid, host, where = reg.node_id, reg.pid, reg.host, reg.where
+    by = roster.replaced_by(host)
+    if by is not None:
+        return [Log(WARNING, f"fenced {node_id} ({where}): host {host} was replaced by {by}; told it to exit"),
+                Note(NoteKind.FENCED, {"node_id": node_id, "pid": pid, "host": host}),
+                Send(peer, P.FENCED, {"reason": f"host {host} was replaced by {by}: its processes may not rejoin "
+                                                "the job"}, close=True)]
+    if reg.incarnation in roster.fenced:
+        return [Log(WARNING, f"fenced {node_id} ({where}): that incarnation was declared dead; told it to exit"),
+                Note(NoteKind.FENCED, {"node_id": node_id, "pid": pid, "host": host}),
+                Send(peer, P.FENCED, {"reason": f"{node_id} (pid {pid}) was declared dead; a replacement takes "
+                                                "its place"}, close=True)]
+    if status != RUNNING:
+        return [Send(peer, P.REJECT, {"reason": f"the job has {status}", "retry": False}, close=True)]
+    if reg.rank in roster.done:
+        return [Send(peer, P.REJECT, {"reason": f"{node_id} already finished", "retry": False}, close=True)]
+    current = roster.members.get(reg.rank)
+    if current is not None and current.incarnation != reg.incarnation:
+        reason = (f"{node_id} is held by a live process (pid {current.pid} on {current.host}, {current.addr}, "
+                  f"heard from {now - current.last_seen:.1f} s ago)")
+        return [Log(WARNING, f"rejected {node_id} from {where}: {reason}"),
+                Send(peer, P.REJECT, {"reason": reason, "retry": True}, close=True)]
+    return []
 
 
 class Membership:
@@ -198,49 +265,22 @@ class Membership:
     def register(self, peer: int, addr: str, msg: Mapping[str, Any], now: float) -> list[Action]:
         """A worker's authenticated `register` on connection `peer` from `addr`.
 
-        Refused, each with the connection closed after the answer: a malformed message (incarnation of 1 to 64
-        characters, node id and host of at most 256) or a world size or rank that is not the job's (`reject`, no
-        retry: render the job again); a fenced incarnation (`fenced`: it must exit); a job that has ended or a rank
-        already done (`reject`, no retry); a rank held by another incarnation not yet known dead (`reject` with
-        retry: a relaunched worker retries until the holder's death is established).
+        Refused (`validate_register`, `refuse_register`), each with the connection closed after the answer: a
+        malformed message or a world size or rank that is not the job's; a replaced host's worker or a fenced
+        incarnation; a job that has ended or a rank already done; a rank held by another incarnation not yet known
+        dead (retry later).
 
         The same incarnation again is a reconnect: it takes over from its old connection (closed) with no change of
         generation. A new incarnation becomes the rank's member (`dirty`). Either is answered `welcome`, then
         `formed` if the generation is formed; otherwise the generation forms if this was the last rank missing."""
-        node_id, rank, inc = msg.get("node_id"), P.whole(dict(msg), "rank"), msg.get("incarnation")
-        pid, host = P.whole(dict(msg), "pid"), msg.get("host")
-        if not (isinstance(node_id, str) and rank is not None and isinstance(inc, str) and 0 < len(inc) <= 64
-                and pid is not None and isinstance(host, str) and len(node_id) <= 256 and len(host) <= 256):
-            return [Log(WARNING, f"rejected malformed registration from {addr}"),
-                    Send(peer, P.REJECT, {"reason": "malformed register message", "retry": False}, close=True)]
-        world = msg.get("world_size")
-        if world != self.world_size or not 0 <= rank < self.world_size:
-            reason = (f"{node_id} claims rank {rank} of {world} workers, but the job has {self.world_size} "
-                      f"({E.MS_WORKER_NUM}); render the job again")
-            return [Log(WARNING, f"rejected {node_id} from {addr}: {reason}"),
-                    Send(peer, P.REJECT, {"reason": reason, "retry": False}, close=True)]
-        where = f"pid {pid} on {host}, {addr}"
-        by = self.roster.replaced_by(host)
-        if by is not None:
-            return [Log(WARNING, f"fenced {node_id} ({where}): host {host} was replaced by {by}; told it to exit"),
-                    Note(NoteKind.FENCED, {"node_id": node_id, "pid": pid, "host": host}),
-                    Send(peer, P.FENCED, {"reason": f"host {host} was replaced by {by}: its processes may not rejoin "
-                                                    "the job"}, close=True)]
-        if inc in self.roster.fenced:
-            return [Log(WARNING, f"fenced {node_id} ({where}): that incarnation was declared dead; told it to exit"),
-                    Note(NoteKind.FENCED, {"node_id": node_id, "pid": pid, "host": host}),
-                    Send(peer, P.FENCED, {"reason": f"{node_id} (pid {pid}) was declared dead; a replacement takes "
-                                                    "its place"}, close=True)]
-        if self.status != RUNNING:
-            return [Send(peer, P.REJECT, {"reason": f"the job has {self.status}", "retry": False}, close=True)]
-        if rank in self.roster.done:
-            return [Send(peer, P.REJECT, {"reason": f"{node_id} already finished", "retry": False}, close=True)]
+        reg = validate_register(peer, addr, msg, self.world_size)
+        if not isinstance(reg, Registration):
+            return reg
+        refused = refuse_register(peer, reg, self.roster, self.status, now)
+        if refused:
+            return refused
+        node_id, rank, inc, pid, host, where = reg.node_id, reg.rank, reg.incarnation, reg.pid, reg.host, reg.where
         current = self.roster.members.get(rank)
-        if current is not None and current.incarnation != inc:
-            reason = (f"{node_id} is held by a live process (pid {current.pid} on {current.host}, {current.addr}, "
-                      f"heard from {now - current.last_seen:.1f} s ago)")
-            return [Log(WARNING, f"rejected {node_id} from {where}: {reason}"),
-                    Send(peer, P.REJECT, {"reason": reason, "retry": True}, close=True)]
         out: list[Action] = []
         self.roster.peers[peer] = Peer(PeerRole.WORKER, rank=rank, addr=addr)
         self.ever_registered = True
@@ -251,8 +291,7 @@ class Membership:
                 out.append(Close(old))
             out.append(Log(INFO, f"{node_id} reconnected ({where}), generation {self.generation}"))
         else:
-            recovery = msg.get("recovery") if msg.get("recovery") in (P.RECOVERY_IN_PLACE, P.RECOVERY_RESTART) \
-                else "unknown"
+            recovery = reg.recovery
             self.roster.admit(Member(rank, node_id, inc, pid, host, addr, now, peer, recovery=recovery))
             self.hb_check_at = min(self.hb_check_at, now + self.node_timeout)
             self.roster.place_if_new(node_id, host)
@@ -486,54 +525,34 @@ class Membership:
             reason = f"host {str(host)[:256]} {what}; the hosts with workers: {', '.join(sorted(hosts))}"
         elif self.roster.hosts[host].runs_scheduler:
             reason = f"host {host} runs the scheduler: it cannot be replaced while the job runs"
-        if not reason:
-            free = self.roster.free_spares()
-            if spare is not None and not isinstance(spare, str):
-                reason = "malformed replace: spare is not a host name"
-            elif spare is not None and spare not in free:
-                why = ("it is not a spare host of this job (the inventory's [spares])"
-                       if spare not in self.roster.spare_order else "its agent is not connected"
-                       if spare not in self.roster.agents else "it already holds ranks")
-                reason = (f"{spare[:256]} cannot take over {host}: {why}; free spares: "
-                          f"{', '.join(free) or 'none'}")
-            elif not free:
-                with_agent = [s for s in self.roster.spare_order if s in self.roster.agents]
-                reason = (f"no spare is free to take over {host} (spares with an agent: "
-                          f"{', '.join(with_agent) or 'none'}); add a host to the inventory's [spares], deploy and "
-                          "train")
-        if reason:
-            return [Log(WARNING, f"refused to replace {str(host)[:256]}: {reason}"),
-                    Send(peer, P.REJECT, {"reason": reason, "retry": False}, close=True)]
-        chosen = spare if isinstance(spare, str) else self.roster.free_spares()[0]
-        node_ids = hosts[host]
+        chosen = choose_spare(self.roster, spare, str(host)) if not reason else Refusal(reason)
+        if isinstance(chosen, Refusal):
+            return [Log(WARNING, f"refused to replace {str(host)[:256]}: {chosen.reason}"),
+                    Send(peer, P.REJECT, {"reason": chosen.reason, "retry": False}, close=True)]
+        node_ids = hosts[str(host)]
         return ([Send(peer, P.WELCOME, {"host": host, "spare": chosen, "node_ids": node_ids}, close=True)]
                 + self._take_over(host, chosen, "replaced by the operator (fleet replace)", now))
 
     # -- decisions
 
     def _check_lost(self, now: float) -> list[Action]:
-        """Hand each lost host's ranks to a free spare. A host is lost when the job has formed and runs with no rank
-        finished, automatic replacement is on (host_timeout > 0), it is not the scheduler's nor already replaced, its
-        agent has been gone or silent for host_timeout (a pulled cable closes no connection), and none of its ranks is
-        held by a member (they died: by silence, by not coming back, or with their connections). Without a free spare
-        the host waits (said once), as it would without spares: the job goes on if its agent comes back."""
+        """Hand each lost host's ranks to a free spare, while the job has formed and runs with no rank finished and
+        automatic replacement is on (host_timeout > 0); which hosts are lost and which spare is free is decided in
+        spares.py. Without a free spare the host waits (said once), as it would without spares: the job goes on if
+        its agent comes back."""
         if self.host_timeout <= 0 or self.status != RUNNING or not self.ever_formed or self.roster.done:
             return []
         out: list[Action] = []
-        stale = [(rec, list(rec.node_ids)) for rec in self.roster.unheard_for(now, self.host_timeout)]
-        for rec, node_ids in stale:  # most passes find none: agents heartbeat
-            host, since = rec.name, float(rec.heard_at or 0.0)
-            if (not node_ids or rec.runs_scheduler or rec.fenced
-                    or any(rank_of(n) in self.roster.members for n in node_ids)):
-                continue
-            free = self.roster.free_spares()
-            if not free:
+        for lost in find_lost(self.roster, now, self.host_timeout):  # most passes find none: agents heartbeat
+            host, since, node_ids = lost.host, lost.since, lost.node_ids
+            spare = choose_spare(self.roster, None, host)
+            if isinstance(spare, Refusal):
                 if self.roster.wait_for_spare(host):
                     out.append(Log(WARNING, f"host {host} is lost (its agent unheard for {now - since:.1f} s, "
                                             f"{', '.join(node_ids)} dead) and no spare is free: waiting for it to "
                                             "come back ('fleet restart --host' starts its agent) or for a spare"))
                 continue
-            out += self._take_over(host, free[0], f"its agent unheard for {now - since:.1f} s and its workers dead "
+            out += self._take_over(host, spare, f"its agent unheard for {now - since:.1f} s and its workers dead "
                                                   f"(TOOLKIT_HOST_TIMEOUT={self.host_timeout:g})", now)
         return out
 
