@@ -22,6 +22,7 @@ from typing import Any, Callable, Mapping
 from toolkit import protocol as P
 from toolkit.scheduler import state as S
 from toolkit.scheduler.membership import Membership
+from toolkit.scheduler.roster import problems
 
 DATA = Path(__file__).parent / "data" / "membership_trace.json"
 NODE_TIMEOUT, TOPO_TIMEOUT, HOST_TIMEOUT = 3.0, 60.0, 10.0
@@ -42,14 +43,14 @@ class Trace:
 
     def __call__(self, event: str, actions: list[Any] | None) -> list[Any]:
         m = self.m
-        assert m.roster.problems() == [], event  # the roster's invariants hold after every event
+        assert problems(m.roster) == [], event  # the roster's invariants hold after every event
         persisted = json.dumps({"version": S.VERSION, **m.snapshot()}, indent=1)
         self.steps.append({
             "event": f"{self.name}: {event}",
             "actions": [{"action": type(a).__name__, **{f.name: _plain(getattr(a, f.name))
                                                          for f in dataclasses.fields(a)}} for a in actions or []],
             "dirty": m.dirty, "commits_dirty": m.commits_dirty, "next_deadline": m.next_deadline(),
-            "worker_hosts": m.worker_hosts(), "fenced_hosts": m.fenced_hosts(),
+            "worker_hosts": m.roster.worker_hosts(), "fenced_hosts": m.roster.fenced_hosts(),
             "persisted": persisted if persisted != self.persisted else None,  # only when it changed
         })
         self.persisted = persisted

@@ -9,14 +9,14 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from toolkit.scheduler.roster import Member, Roster
+from toolkit.scheduler.roster import Member, Roster, problems
 
 PLAN = {"sched": "hostA", "worker_0": "hostA", "worker_1": "hostA", "worker_2": "hostB", "worker_3": "hostB"}
 
 
 def test_a_host_is_unheard_since_its_agents_last_word_or_its_disconnection() -> None:
     r = Roster(PLAN)
-    assert list(r.unheard()) == []  # nobody is watched before peers can connect
+    assert r.unheard_for(1e9, 0.0) == []  # nobody is watched before peers can connect
     r.start_clock("hostA", 1.0)
     r.start_clock("hostB", 1.0)
     assert r.connect_agent("hostA", 7, spare=False, now=2.0) is None
@@ -31,7 +31,7 @@ def test_a_host_is_unheard_since_its_agents_last_word_or_its_disconnection() -> 
     assert r.hosts["hostA"].unheard_since == 8.0
     assert [rec.name for rec in r.unheard_for(11.0, 3.0)] == ["hostB", "hostA"]
     assert [rec.name for rec in r.unheard_for(10.9, 3.0)] == ["hostB"]  # the bound is >=
-    assert r.problems() == []
+    assert problems(r) == []
 
 
 def test_hosts_found_lost_together_go_disconnected_first_in_the_order_they_went_then_connected_by_hello() -> None:
@@ -48,13 +48,13 @@ def test_placement_moves_node_ids_and_keeps_each_hosts_in_rank_order() -> None:
     r = Roster({"worker_10": "h2", "worker_2": "h2", "worker_1": "h1", "sched": "h1"})
     assert r.worker_hosts() == {"h1": ["worker_1"], "h2": ["worker_2", "worker_10"]}
     r.place("worker_1", "h2")  # an agent's hello says where it runs
-    r.place_if_new("worker_2", "h9")  # a worker's own word yields to the placement known
-    r.place_if_new("worker_3", "h9")
+    r.place("worker_2", "h9", keep=True)  # a worker's own word yields to the placement known
+    r.place("worker_3", "h9", keep=True)
     assert r.worker_hosts() == {"h2": ["worker_1", "worker_2", "worker_10"], "h9": ["worker_3"]}
     assert r.host_of("worker_1") == "h2" and r.host_of("sched") == "h1" and r.host_of("worker_7") is None
     r.connect_agent("h2", 4, spare=False, now=0.0)
     assert r.agent_at("worker_10") == 4 and r.agent_at("worker_3") is None and r.agent_at("nowhere") is None
-    assert r.problems() == []
+    assert problems(r) == []
 
 
 def test_a_replacement_fences_the_host_moves_its_ranks_and_uses_the_spare_up() -> None:
@@ -78,7 +78,7 @@ def test_a_replacement_fences_the_host_moves_its_ranks_and_uses_the_spare_up() -
         {"host": "s1", "by": "s2", "node_ids": ["worker_2", "worker_3"], "reason": "by hand"}]
     assert [r.hosts[h].replaced_seq for h in ("hostB", "s1")] == [1, 2]
     assert r.fenced_hosts() == {"hostB": "s1", "s1": "s2"} and r.free_spares() == []
-    assert r.problems() == []
+    assert problems(r) == []
 
 
 def test_a_free_spare_is_connected_said_so_holds_nothing_and_never_took_over() -> None:
@@ -107,10 +107,10 @@ def test_waiting_for_a_spare_is_said_once_until_the_host_is_heard_again() -> Non
 
 def test_one_host_runs_the_scheduler_the_last_to_say_so() -> None:
     r = Roster()
-    assert r.scheduler_host() is None
-    r.runs_scheduler("a")
-    r.runs_scheduler("b")
-    assert r.scheduler_host() == "b" and not r.hosts["a"].runs_scheduler and r.problems() == []
+    r.connect_agent("a", 1, spare=False, now=0.0, scheduler=True)
+    r.connect_agent("b", 2, spare=False, now=0.0, scheduler=True)
+    r.connect_agent("a", 3, spare=False, now=1.0)  # a hello that names no scheduler changes nothing
+    assert [h for h, rec in r.hosts.items() if rec.runs_scheduler] == ["b"] and problems(r) == []
 
 
 def test_the_connected_members_are_counted_as_they_come_go_and_reconnect() -> None:
@@ -126,7 +126,7 @@ def test_the_connected_members_are_counted_as_they_come_go_and_reconnect() -> No
     assert r.remove(fresh) and not r.remove(fresh) and r.connected_members == 1  # one removal per member
     r.admit(Member(1, "worker_1", "inc2", 12, "hostA", "a:5", 3.0))
     assert not r.remove(fresh) and r.connected_members == 1 and r.members[1].incarnation == "inc2"
-    assert r.problems() == []
+    assert problems(r) == []
 
 
 HOSTS = st.sampled_from(["hostA", "hostB", "s1", "s2"])
@@ -181,7 +181,7 @@ class RosterMachine(RuleBasedStateMachine):
 
     @invariant()
     def sound(self) -> None:
-        assert self.r.problems() == []
+        assert problems(self.r) == []
         assert set(self.r.fenced_hosts()) == self.fenced
         for host in self.fenced:
             assert host not in self.r.worker_hosts() and host not in self.r.free_spares()

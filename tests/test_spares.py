@@ -14,9 +14,9 @@ TIMEOUT = 10.0
 def roster() -> Roster:
     """hostA runs the scheduler and worker_0; hostB worker_1; hostC worker_2-3: all started at 0, none said hello."""
     r = Roster(PLAN, spares=("s2", "s1"))
-    r.runs_scheduler("hostA")
     for host in ("hostA", "hostB", "hostC"):
         r.start_clock(host, 0.0)
+    r.connect_agent("hostA", 99, spare=False, now=0.0, scheduler=True)  # then silent, but never lost
     return r
 
 

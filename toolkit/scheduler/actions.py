@@ -32,6 +32,14 @@ class NoteKind(str, enum.Enum):
     __format__ = str.__format__
 
 
+# Causes of a death in a `death` Note, as the ledger names them (the ledger may refine "connection closed" once the
+# agent reports how the process ended, and name a host lost when its agent went at the same time).
+CAUSE_CLOSED = "connection closed"
+CAUSE_SILENCE = "heartbeat silence"
+CAUSE_NOT_BACK = "did not reconnect"
+CAUSE_REPLACED = "host replaced"
+
+
 @dataclass(frozen=True)
 class Send:
     """Send `op` to `peer`; with `close`, close the connection once it is written (and read nothing more)."""

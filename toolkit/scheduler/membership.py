@@ -38,7 +38,21 @@ from typing import Any, Mapping, Sequence
 
 from toolkit import envvars as E
 from toolkit import protocol as P
-from toolkit.scheduler.actions import Action, Close, DropKeys, Exit, Log, Note, NoteKind, Send  # also re-exported
+from toolkit.scheduler.actions import (  # also re-exported
+    CAUSE_CLOSED,
+    CAUSE_NOT_BACK,
+    CAUSE_REPLACED,
+    CAUSE_SILENCE,
+    Action,
+    Close,
+    DropKeys,
+    Exit,
+    Log,
+    Note,
+    NoteKind,
+    Send,
+)
+from toolkit.scheduler.liveness import alive_though_silent, expiry, kill_unreported, vouch
 from toolkit.scheduler.roster import Member, Peer, PeerRole, Roster, rank_of  # also re-exported
 from toolkit.scheduler.spares import Refusal, choose_spare, find_lost
 from toolkit.scheduler.state import JobStatus
@@ -51,12 +65,6 @@ RUNNING, FINISHED, FAILED = JobStatus.RUNNING, JobStatus.FINISHED, JobStatus.FAI
 INFO, WARNING, ERROR = logging.INFO, logging.WARNING, logging.ERROR
 
 
-# Causes of a death, as the ledger names them (the ledger may refine "connection closed" once the agent reports
-# how the process ended, and name a host lost when its agent went at the same time).
-CAUSE_CLOSED = "connection closed"
-CAUSE_SILENCE = "heartbeat silence"
-CAUSE_NOT_BACK = "did not reconnect"
-CAUSE_REPLACED = "host replaced"
 
 
 def how(code: Any, sig: Any) -> str:
@@ -130,6 +138,42 @@ def refuse_register(peer: int, reg: Registration, roster: Roster, status: str, n
     return []
 
 
+def host_of(roster: Roster, member: Member) -> str:
+    """The host a member runs on as the operator names it (the plan's, or its agent's), else as the worker
+    named itself (its hostname, which need not be the inventory's name)."""
+    return roster.host_of(member.node_id) or str(member.host)
+
+
+def gave_up_reason(agent: Peer, msg: Mapping[str, Any]) -> str:
+    """Why the job fails when an agent's process passed its max restarts (`gave_up`): the node, the host, how it
+    ended and the last 5 lines of its log tail (at most 2000 characters)."""
+    node_id = str(msg.get("node_id", "?"))[:256]
+    tail = msg.get("log_tail") if isinstance(msg.get("log_tail"), str) else ""
+    last = " | ".join(line for line in tail.strip().splitlines()[-5:])[-2000:]
+    sig = msg.get("signal") if isinstance(msg.get("signal"), str) else None
+    said = P.cause_field(dict(msg)) or how(P.whole(dict(msg), "code"), sig)
+    return f"{node_id} on {agent.host} failed after its last allowed restart ({said})" + (
+        f"; last log lines: {last}" if last else "")
+
+
+def recovered(member: Member, msg: Mapping[str, Any]) -> list[Action]:
+    """A worker's `recovered` report: its log line (generation, step, where the state came from and how long it
+    took; fields of the wrong type show as None or "?") and a Note for the ledger."""
+    m = dict(msg)
+    source = msg.get("source")
+    origin = {"peer": f"rank {P.whole(m, 'from_rank')}'s memory",
+              "checkpoint": f"the checkpoint of rank {P.whole(m, 'from_rank')}",
+              "initial": "the initial state"}.get(source if isinstance(source, str) else "", "?")
+    seconds = msg.get("seconds") if P.finite_number(msg.get("seconds")) else None
+    return [Log(INFO, f"{member.node_id} trains again in generation {P.whole(m, 'generation')} from step "
+                      f"{P.whole(m, 'step')}, taken from {origin} in {seconds} s; {P.whole(m, 'recomputed')} "
+                      "step(s) recomputed"),
+            Note(NoteKind.RECOVERED, {"node_id": member.node_id, "rank": member.rank,
+                               "generation": P.whole(m, "generation"), "step": P.whole(m, "step"),
+                               "source": source if isinstance(source, str) else None,
+                               "recomputed": P.whole(m, "recomputed"), "seconds": seconds})]
+
+
 class Membership:
     """See the module docstring. `boot` names this scheduler start in the store prefixes; `expected` maps node ids
     to the host the plan put them on (for the formation-timeout message).
@@ -168,11 +212,6 @@ class Membership:
 
     # -- what the server asks
 
-    def prefix(self) -> str:
-        """The store key prefix of the current generation (protocol.store_prefix), sent in `formed`: each worker
-        builds its process group over PrefixStore(prefix, the job's store)."""
-        return P.store_prefix(self.job, self.boot, self.generation)
-
     def next_deadline(self) -> float:
         """The earliest time `tick` may have work: the next possible heartbeat expiry (while there are members)
         and the formation deadline (while gathering, running and not unmanaged); inf when there is neither."""
@@ -182,19 +221,11 @@ class Membership:
         if self.gather_since is not None and not self.unmanaged and self.status == RUNNING:
             deadlines.append(self.gather_since + self.topo_timeout)
         if self.host_timeout > 0 and self.status == RUNNING:  # a host may be found lost then (tick checks it)
-            for rec in self.roster.unheard():
-                due = float(rec.heard_at or 0.0) + self.host_timeout
-                if not rec.waiting_for_spare and due > self.last_tick:
-                    deadlines.append(due)
+            for rec in self.roster.hosts.values():
+                if rec.heard_at is not None and not rec.waiting_for_spare \
+                        and rec.heard_at + self.host_timeout > self.last_tick:
+                    deadlines.append(rec.heard_at + self.host_timeout)
         return min(deadlines, default=math.inf)
-
-    def fenced_hosts(self) -> dict[str, str]:
-        """Every replaced host -> the spare that took its ranks: such a host may never rejoin the job."""
-        return self.roster.fenced_hosts()
-
-    def worker_hosts(self) -> dict[str, list[str]]:
-        """Host -> the worker node ids it holds now (in rank order): the plan's placement, after replacements."""
-        return self.roster.worker_hosts()
 
     def snapshot(self) -> dict[str, Any]:
         """The state to persist (MS_ENABLE_RECOVERY): what a restarted scheduler needs to go on with the job.
@@ -238,7 +269,7 @@ class Membership:
         for m in state.get("members", []):
             self.roster.admit(Member(int(m["rank"]), m["node_id"], m["incarnation"], int(m["pid"]), m["host"],
                                      m["addr"], now, None, recovery=str(m.get("recovery", "unknown"))))
-            self.roster.place_if_new(m["node_id"], m["host"])
+            self.roster.place(m["node_id"], m["host"], keep=True)
         self.ever_registered = bool(self.roster.members) or bool(self.roster.fenced)
         self.ever_formed = self.formed or self.generation > 0
         self.hb_check_at = now + self.node_timeout
@@ -257,7 +288,7 @@ class Membership:
         for member in self.roster.members.values():
             member.last_seen = now
         self.hb_check_at = now + self.node_timeout if self.roster.members else math.inf
-        for host in self.worker_hosts():  # no agent is connected yet: each has host_timeout to say hello
+        for host in self.roster.worker_hosts():  # no agent is connected yet: each has host_timeout to say hello
             self.roster.start_clock(host, now)
 
     # -- events
@@ -294,14 +325,15 @@ class Membership:
             recovery = reg.recovery
             self.roster.admit(Member(rank, node_id, inc, pid, host, addr, now, peer, recovery=recovery))
             self.hb_check_at = min(self.hb_check_at, now + self.node_timeout)
-            self.roster.place_if_new(node_id, host)
+            self.roster.place(node_id, host, keep=True)
             out.append(Log(INFO, f"registered {node_id} ({where}, {recovery} recovery): {len(self.roster.members)} of "
                                  f"{self.world_size}"))
             self.dirty = True
         out.append(Send(peer, P.WELCOME, {"rank": rank, "world_size": self.world_size, "generation": self.generation,
                                           "job": self.job}))
         if self.formed:
-            out.append(Send(peer, P.FORMED, {"generation": self.generation, "prefix": self.prefix()}))
+            prefix = P.store_prefix(self.job, self.boot, self.generation)
+            out.append(Send(peer, P.FORMED, {"generation": self.generation, "prefix": prefix}))
         else:
             out += self._maybe_form(now)
         return out
@@ -332,15 +364,14 @@ class Membership:
                     Send(peer, P.WELCOME, {}), Send(peer, P.STOP, {"reason": reason}, close=True)]
         out: list[Action] = []
         self.roster.peers[peer] = Peer(PeerRole.AGENT, host=host, addr=addr)
-        old = self.roster.connect_agent(host, peer, msg.get("spare") is True, now)
+        names = [n for n in node_ids if isinstance(n, str) and len(n) <= 256]
+        old = self.roster.connect_agent(host, peer, msg.get("spare") is True, now,
+                                        scheduler=any(rank_of(n) is None for n in names))
         if old is not None and old != peer:
             self.roster.peers.pop(old, None)
             out.append(Close(old))
-        names = [n for n in node_ids if isinstance(n, str) and len(n) <= 256]
         for node_id in names:
             self.roster.place(node_id, host)
-            if rank_of(node_id) is None:
-                self.roster.runs_scheduler(host)
         out += [Log(INFO, f"agent of {host} connected from {addr}, supervising {', '.join(names) or 'nothing'}"),
                 Send(peer, P.WELCOME, {})]
         if self.status == FINISHED:
@@ -373,9 +404,9 @@ class Membership:
             if op == P.EXITED:
                 return self._exited(who, msg, now)
             if op == P.GAVE_UP:
-                return self._gave_up(who, msg)
+                return self._fail(gave_up_reason(who, msg), EXIT_FAILED)
             if op == P.HEARTBEAT:
-                self._vouch(who.host, msg.get("running"), now)
+                vouch(self.roster, who.host, msg.get("running"), now)
                 return []
             return [Log(WARNING, f"agent of {who.host} sent unknown op {op[:40]!r} (ignored)")]
         member = self.roster.members.get(who.rank) if who.rank is not None else None
@@ -384,8 +415,9 @@ class Membership:
         member.last_seen, member.busy_said = now, False
         if op == P.HEARTBEAT:
             member.step = P.whole(dict(msg), "step", member.step)
-            return [Note(NoteKind.PACE, {"rank": member.rank, "node_id": member.node_id, "host": self._host_of(member),
-                                  "pid": member.pid, "step": member.step, **P.pace_fields(dict(msg))})]
+            return [Note(NoteKind.PACE, {"rank": member.rank, "node_id": member.node_id,
+                                         "host": host_of(self.roster, member), "pid": member.pid, "step": member.step,
+                                         **P.pace_fields(dict(msg))})]
         if op == P.COMMIT:
             step = P.whole(dict(msg), "step")
             if step is not None and step > self.roster.commits.get(member.rank, -1):
@@ -393,11 +425,11 @@ class Membership:
                 self.commits_dirty = True
             return []
         if op == P.RECOVERED:
-            return self._recovered(member, msg)
+            return recovered(member, msg)
         if op == P.DONE:
             self.roster.peers[peer] = Peer(PeerRole.FINISHED, rank=member.rank, addr=who.addr)
             out: list[Action] = [Log(INFO, f"{member.node_id} finished (pid {member.pid} on {member.host})")]
-            self._retire(member)
+            self.dirty |= self.roster.remove(member)  # it leaves without a generation change
             return out + self._mark_done(member.rank)
         return [Log(WARNING, f"{member.node_id} sent unknown op {op[:40]!r} (ignored)")]
 
@@ -439,70 +471,21 @@ class Membership:
             # the next scan: with hundreds of members, most calls skip the scan.
             for member in list(self.roster.members.values()):
                 silent = now - member.last_seen
-                if silent < self.node_timeout or self._alive_though_silent(member, silent, now, out):
+                if silent < self.node_timeout or alive_though_silent(member, silent, now, self.node_timeout,
+                                                                     self.topo_timeout, out):
                     continue
                 what = "did not reconnect" if member.peer is None else "sent no heartbeat"
                 out += self._death(member, f"{what} for {silent:.1f} s ({E.MS_NODE_TIMEOUT}={self.node_timeout:g})",
                                    kill=True, now=now, cause=CAUSE_NOT_BACK if member.peer is None
                                    else CAUSE_SILENCE, silent_for=silent)
-            self.hb_check_at = min((self._expiry(m) for m in self.roster.members.values()), default=math.inf)
-        out += self._kill_unreported(now)
+            self.hb_check_at = min((expiry(m, self.node_timeout, self.topo_timeout)
+                                    for m in self.roster.members.values()), default=math.inf)
+        out += kill_unreported(self.roster, self.unreported, now, self.node_timeout)
         out += self._check_lost(now)
         self.last_tick = now
         if (self.status == RUNNING and self.gather_since is not None and not self.unmanaged
                 and now >= self.gather_since + self.topo_timeout):
             out += self._formation_timeout()
-        return out
-
-    def _vouch(self, host: str | None, running: Any, now: float) -> None:
-        """An agent's heartbeat names its children running and not stopped (`running`: node_id -> pid). Each entry
-        counts for the member that is that very process (its registered pid) on that agent's host; anything else in
-        it is ignored (at most 4096 entries are read)."""
-        if host is None or not isinstance(running, dict):
-            return
-        for node_id, pid in list(running.items())[:4096]:
-            rank = rank_of(node_id) if isinstance(node_id, str) else None
-            member = self.roster.members.get(rank) if rank is not None else None
-            if (member is not None and member.node_id == node_id and isinstance(pid, int)
-                    and not isinstance(pid, bool) and pid == member.pid and self.roster.host_of(node_id) == host):
-                member.vouched_at = now
-
-    def _alive_though_silent(self, member: Member, silent: float, now: float, out: list[Action]) -> bool:
-        """Whether `member`, unheard for `silent` s (at least node_timeout), is alive anyway: connected, and its agent
-        vouched for it within node_timeout (a call holding its GIL stops its heartbeat thread, not its process), for at
-        most topo_timeout of silence. Says so once per silence (appended to `out`)."""
-        vouched = member.peer is not None and member.vouched_at is not None \
-            and now - member.vouched_at < self.node_timeout
-        if not vouched or silent >= self.topo_timeout:
-            return False
-        if not member.busy_said:
-            member.busy_said = True
-            out.append(Log(WARNING, f"{member.node_id} (pid {member.pid} on {member.host}) sent no heartbeat for "
-                                    f"{silent:.1f} s, but its agent sees it running (not stopped): busy in a call that "
-                                    f"holds its GIL? waiting for it up to {E.MS_TOPO_TIMEOUT}={self.topo_timeout:g} s"))
-        return True
-
-    def _expiry(self, member: Member) -> float:
-        """The earliest time `member` can be found dead by silence, as far as is known now (see
-        `_alive_though_silent`)."""
-        unheard = member.last_seen + self.node_timeout
-        if member.vouched_at is None or member.peer is None:
-            return unheard
-        return max(unheard, min(member.vouched_at + self.node_timeout, member.last_seen + self.topo_timeout))
-
-    def _kill_unreported(self, now: float) -> list[Action]:
-        """Kill (fence) each process whose connection closed node_timeout ago and whose exit its agent has not reported:
-        it may linger (stuck in its teardown) and hold its rank's place on its host."""
-        out: list[Action] = []
-        for node_id, (pid, due) in list(self.unreported.items()):
-            if now < due:
-                continue
-            del self.unreported[node_id]
-            agent = self.roster.agent_at(node_id)
-            if agent is not None:
-                out += [Log(WARNING, f"{node_id} (pid {pid}) closed its connection {self.node_timeout:g} s ago and its "
-                                     "agent has not reported its exit: killing it (fencing)"),
-                        Send(agent, P.KILL, {"node_id": node_id, "pid": pid, "cause": CAUSE_CLOSED})]
         return out
 
     def replace(self, peer: int, msg: Mapping[str, Any], now: float) -> list[Action]:
@@ -513,15 +496,15 @@ class Membership:
         runs the scheduler or was replaced already, or the spare is unknown, not connected, in use, or there is
         none."""
         host, spare = msg.get("host"), msg.get("spare")
-        hosts = self.worker_hosts()
+        hosts = self.roster.worker_hosts()
         reason = ""
         if self.status != RUNNING:
             reason = f"job {self.job} has {self.status}: nothing to replace"
         elif self.roster.done:
             reason = f"some ranks of job {self.job} have finished: a replacement could not rejoin them"
-        elif not isinstance(host, str) or host not in hosts or host in self.fenced_hosts():
-            what = ("was already replaced by " + self.fenced_hosts()[host]) if host in self.fenced_hosts() \
-                else "runs no worker of the job"
+        elif not isinstance(host, str) or host not in hosts or self.roster.replaced_by(host) is not None:
+            by = self.roster.replaced_by(host)
+            what = f"was already replaced by {by}" if by is not None else "runs no worker of the job"
             reason = f"host {str(host)[:256]} {what}; the hosts with workers: {', '.join(sorted(hosts))}"
         elif self.roster.hosts[host].runs_scheduler:
             reason = f"host {host} runs the scheduler: it cannot be replaced while the job runs"
@@ -596,20 +579,16 @@ class Membership:
         self.dirty = True
         since = self.gather_since if self.gather_since is not None else now
         self.gather_since = None
+        prefix = P.store_prefix(self.job, self.boot, self.generation)
         out: list[Action] = [Log(INFO, f"generation {self.generation} formed: {self.world_size} workers in "
-                                       f"{now - since:.3f} s; store prefix {self.prefix()}"),
+                                       f"{now - since:.3f} s; store prefix {prefix}"),
                              Note(NoteKind.FORMED, {"generation": self.generation, "seconds": now - since,
                                              "recovery": sorted({m.recovery for m in self.roster.members.values()})})]
-        out += [Send(m.peer, P.FORMED, {"generation": self.generation, "prefix": self.prefix()})
+        out += [Send(m.peer, P.FORMED, {"generation": self.generation, "prefix": prefix})
                 for m in self.roster.members.values() if m.peer is not None]
         if self.generation > 0:  # the generations before are over: their store keys can go
             out += [DropKeys(P.store_prefix(self.job, self.boot, g)) for g in range(self.generation)]
         return out
-
-    def _host_of(self, member: Member) -> str:
-        """The host a member runs on as the operator names it (the plan's, or its agent's), else as the worker
-        named itself (its hostname, which need not be the inventory's name)."""
-        return self.roster.host_of(member.node_id) or str(member.host)
 
     def _death(self, member: Member, reason: str, kill: bool, now: float, cause: str = CAUSE_CLOSED,
                silent_for: float = 0.0) -> list[Action]:
@@ -627,7 +606,7 @@ class Membership:
         self.roster.fenced.add(member.incarnation)
         self.dirty = True
         out: list[Action] = [Note(NoteKind.DEATH, {
-            "node_id": member.node_id, "rank": member.rank, "host": self._host_of(member), "pid": member.pid,
+            "node_id": member.node_id, "rank": member.rank, "host": host_of(self.roster, member), "pid": member.pid,
             "cause": cause, "reason": reason, "silent_for": silent_for, "step": member.step,
             "recovery": member.recovery, "begins": self.formed and self.status == RUNNING and not self.roster.done,
             "generation": self.generation + 1 if self.formed and self.status == RUNNING and not self.roster.done
@@ -654,11 +633,6 @@ class Membership:
             out.append(Log(WARNING, f"{member.node_id} (pid {member.pid} on {member.host}) is dead: {reason}; "
                                     f"generation {self.generation} still gathering"))
         return out
-
-    def _retire(self, member: Member) -> None:
-        """A member that ended cleanly leaves without a generation change: nothing to recover from."""
-        if self.roster.remove(member):
-            self.dirty = True
 
     def _death_after_done(self, member: Member, reason: str) -> list[Action]:
         """A member died after other ranks finished: no new generation can form, the finished ranks are gone.
@@ -723,8 +697,8 @@ class Membership:
         member = self.roster.members.get(rank)
         if code == 0 and sig is None:
             out: list[Action] = [Log(INFO, f"{node_id} (pid {pid} on {agent.host}) exited 0")]
-            if member is not None and member.pid == pid:
-                self._retire(member)
+            if member is not None and member.pid == pid and self.roster.remove(member):
+                self.dirty = True  # it ended cleanly: it leaves without a generation change
             return out + self._mark_done(rank)
         note = Note(NoteKind.EXITED, {"node_id": node_id, "rank": rank, "host": agent.host, "pid": pid, "code": code,
                                "signal": sig, "cause": said})
@@ -732,35 +706,6 @@ class Membership:
             return [note] + self._death(member, f"its agent on {agent.host} saw it end: {said}",
                                         kill=False, now=now, cause=said)
         return [note, Log(INFO, f"{node_id} (pid {pid} on {agent.host}) exited: {said}")]
-
-    def _gave_up(self, agent: Peer, msg: Mapping[str, Any]) -> list[Action]:
-        """An agent's process passed its max restarts: the job fails with EXIT_FAILED, the reason naming the node,
-        the host, how it ended and the last 5 lines of its log tail (at most 2000 characters)."""
-        node_id = str(msg.get("node_id", "?"))[:256]
-        tail = msg.get("log_tail") if isinstance(msg.get("log_tail"), str) else ""
-        last = " | ".join(line for line in tail.strip().splitlines()[-5:])[-2000:]
-        sig = msg.get("signal") if isinstance(msg.get("signal"), str) else None
-        said = P.cause_field(dict(msg)) or how(P.whole(dict(msg), "code"), sig)
-        reason = f"{node_id} on {agent.host} failed after its last allowed restart ({said})" + (
-            f"; last log lines: {last}" if last else "")
-        return self._fail(reason, EXIT_FAILED)
-
-    def _recovered(self, member: Member, msg: Mapping[str, Any]) -> list[Action]:
-        """A worker's `recovered` report: its log line (generation, step, where the state came from and how long it
-        took; fields of the wrong type show as None or "?") and a Note for the ledger."""
-        m = dict(msg)
-        source = msg.get("source")
-        origin = {"peer": f"rank {P.whole(m, 'from_rank')}'s memory",
-                  "checkpoint": f"the checkpoint of rank {P.whole(m, 'from_rank')}",
-                  "initial": "the initial state"}.get(source if isinstance(source, str) else "", "?")
-        seconds = msg.get("seconds") if P.finite_number(msg.get("seconds")) else None
-        return [Log(INFO, f"{member.node_id} trains again in generation {P.whole(m, 'generation')} from step "
-                          f"{P.whole(m, 'step')}, taken from {origin} in {seconds} s; {P.whole(m, 'recomputed')} "
-                          "step(s) recomputed"),
-                Note(NoteKind.RECOVERED, {"node_id": member.node_id, "rank": member.rank,
-                                   "generation": P.whole(m, "generation"), "step": P.whole(m, "step"),
-                                   "source": source if isinstance(source, str) else None,
-                                   "recomputed": P.whole(m, "recomputed"), "seconds": seconds})]
 
     def _formation_timeout(self) -> list[Action]:
         """The formation deadline passed with ranks missing (neither done nor connected).

@@ -5,7 +5,7 @@ order, why) and whether it waits for a spare. Pure data that keeps its own invar
 (toolkit.scheduler.membership) changes it only through the mutators here, so that no decision has to keep nine
 structures consistent by hand.
 
-Invariants (`problems()` names any broken one; tests/test_roster.py drives them on a fake clock):
+Invariants (`problems(roster)` names any broken one; tests/test_roster.py drives them on a fake clock):
 - `node_host[n] == h` exactly when `n` is in `hosts[h].node_ids` (worker node ids only, in rank order);
 - `agents[h] == p` exactly when `hosts[h].agent == p` (the connected agents, in the order they connected);
 - a replaced host has no agent, is not watched (`heard_at` None), waits for nothing and is never connected again;
@@ -18,7 +18,7 @@ from __future__ import annotations
 import bisect
 import enum
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 from toolkit import protocol as P
 
@@ -200,22 +200,19 @@ class Roster:
                 out.append(host)
         return out
 
-    def unheard(self) -> Iterator[HostRecord]:
-        """Every watched host (see HostRecord.heard_at), in no particular order."""
-        return (rec for rec in self.hosts.values() if rec.heard_at is not None)
-
     def unheard_for(self, now: float, timeout: float) -> list[HostRecord]:
         """The watched hosts unheard for `timeout` at `now`: disconnected ones in the order they went, then
         connected ones in the order they first said hello."""
-        stale = [rec for rec in self.unheard() if now - float(rec.heard_at or 0.0) >= timeout]
+        stale = [rec for rec in self.hosts.values() if rec.heard_at is not None and now - rec.heard_at >= timeout]
         return sorted(stale, key=lambda rec: (rec.connected, rec.hello_seq if rec.connected else rec.gone_seq))
 
     # -- mutators
 
-    def place(self, node_id: str, host: str) -> None:
-        """`node_id` runs on `host` from now on (the plan's placement, an agent's hello, a replacement)."""
+    def place(self, node_id: str, host: str, keep: bool = False) -> None:
+        """`node_id` runs on `host` from now on (the plan's placement, an agent's hello, a replacement); with
+        `keep`, only if it is placed nowhere yet (a worker's own word yields to the placement known)."""
         old = self.node_host.get(node_id)
-        if old == host:
+        if old == host or (keep and old is not None):
             return
         rank = rank_of(node_id)
         if old is not None and rank is not None:
@@ -225,36 +222,26 @@ class Roster:
         if rank is not None:
             bisect.insort(rec.node_ids, node_id, key=lambda n: rank_of(n) or 0)
 
-    def place_if_new(self, node_id: str, host: str) -> None:
-        """`node_id` runs on `host` unless it is placed already (a worker's own word yields to the plan's)."""
-        if node_id not in self.node_host:
-            self.place(node_id, host)
-
-    def runs_scheduler(self, host: str) -> None:
-        """`host`'s agent supervises the scheduler (the latest to say so)."""
-        for rec in self.hosts.values():
-            rec.runs_scheduler = False
-        self.record(host).runs_scheduler = True
-
-    def scheduler_host(self) -> str | None:
-        """The host whose agent supervises the scheduler, None until one said so."""
-        return next((rec.name for rec in self.hosts.values() if rec.runs_scheduler), None)
-
     def start_clock(self, host: str, now: float) -> None:
         """Peers can connect from `now`: `host` (placed by the plan) has host_timeout from then to say hello. Not
         for a host watched already, connected or replaced."""
         rec = self.record(host)
         if rec.heard_at is None and not rec.connected and not rec.fenced:
-            rec.heard_at = now
-            rec.gone_seq = self._next()
+            self._seq += 1
+            rec.heard_at, rec.gone_seq = now, self._seq
 
-    def connect_agent(self, host: str, peer: int, spare: bool, now: float) -> int | None:
-        """`host`'s agent said hello on `peer` at `now` (`spare`: it says it is one). Returns its previous
-        connection, which `peer` replaces (the caller closes it), or None."""
+    def connect_agent(self, host: str, peer: int, spare: bool, now: float, scheduler: bool = False) -> int | None:
+        """`host`'s agent said hello on `peer` at `now` (`spare`: it says it is one; `scheduler`: it supervises the
+        scheduler, which then runs there, not on the host that said so before). Returns its previous connection,
+        which `peer` replaces (the caller closes it), or None."""
         rec = self.record(host)
         rec.heard_at, rec.waiting_for_spare, rec.spare = now, False, spare
+        if scheduler:
+            for other in self.hosts.values():
+                other.runs_scheduler = other is rec
         if rec.hello_seq is None:
-            rec.hello_seq = self._next()
+            self._seq += 1
+            rec.hello_seq = self._seq
         if spare and host not in self.spare_order:
             self.spare_order.append(host)
         old, rec.agent = rec.agent, peer
@@ -276,7 +263,8 @@ class Roster:
         rec = self.hosts.get(host)
         if rec is None or rec.agent != peer:
             return False
-        rec.agent, rec.heard_at, rec.gone_seq = None, now, self._next()
+        self._seq += 1
+        rec.agent, rec.heard_at, rec.gone_seq = None, now, self._seq
         del self.agents[host]
         return True
 
@@ -325,30 +313,27 @@ class Roster:
         self.connected_members -= member.peer is not None
         return True
 
-    def _next(self) -> int:
-        self._seq += 1
-        return self._seq
 
-    def problems(self) -> list[str]:
-        """Every broken invariant (module docstring), named; empty when the roster is sound. For tests."""
-        out = [f"{n} -> {h}, not in its record" for n, h in self.node_host.items()
-               if rank_of(n) is not None and n not in self.hosts[h].node_ids]
-        for rec in self.hosts.values():
-            if any(self.node_host.get(n) != rec.name for n in rec.node_ids):
-                out.append(f"{rec.name}: holds {rec.node_ids}, placed elsewhere")
-            if rec.node_ids != sorted(rec.node_ids, key=lambda n: rank_of(n) or 0):
-                out.append(f"{rec.name}: node ids out of rank order {rec.node_ids}")
-            if self.agents.get(rec.name) != rec.agent:
-                out.append(f"{rec.name}: agent {rec.agent}, index {self.agents.get(rec.name)}")
-            if rec.fenced and (rec.connected or rec.heard_at is not None or rec.waiting_for_spare):
-                out.append(f"{rec.name}: replaced, yet connected, watched or waiting")
-            if rec.waiting_for_spare and rec.heard_at is None:
-                out.append(f"{rec.name}: waits for a spare unwatched")
-        connected = sum(m.peer is not None for m in self.members.values())
-        if connected != self.connected_members:
-            out.append(f"{self.connected_members} members counted connected, {connected} are")
-        if any(rank != m.rank for rank, m in self.members.items()):
-            out.append("a member under another rank")
-        if sum(rec.runs_scheduler for rec in self.hosts.values()) > 1:
-            out.append("more than one host runs the scheduler")
-        return out
+def problems(roster: Roster) -> list[str]:
+    """Every broken invariant of `roster` (module docstring), named; empty when it is sound. For tests."""
+    out = [f"{n} -> {h}, not in its record" for n, h in roster.node_host.items()
+           if rank_of(n) is not None and n not in roster.hosts[h].node_ids]
+    for rec in roster.hosts.values():
+        if any(roster.node_host.get(n) != rec.name for n in rec.node_ids):
+            out.append(f"{rec.name}: holds {rec.node_ids}, placed elsewhere")
+        if rec.node_ids != sorted(rec.node_ids, key=lambda n: rank_of(n) or 0):
+            out.append(f"{rec.name}: node ids out of rank order {rec.node_ids}")
+        if roster.agents.get(rec.name) != rec.agent:
+            out.append(f"{rec.name}: agent {rec.agent}, index {roster.agents.get(rec.name)}")
+        if rec.fenced and (rec.connected or rec.heard_at is not None or rec.waiting_for_spare):
+            out.append(f"{rec.name}: replaced, yet connected, watched or waiting")
+        if rec.waiting_for_spare and rec.heard_at is None:
+            out.append(f"{rec.name}: waits for a spare unwatched")
+    connected = sum(m.peer is not None for m in roster.members.values())
+    if connected != roster.connected_members:
+        out.append(f"{roster.connected_members} members counted connected, {connected} are")
+    if any(rank != m.rank for rank, m in roster.members.items()):
+        out.append("a member under another rank")
+    if sum(rec.runs_scheduler for rec in roster.hosts.values()) > 1:
+        out.append("more than one host runs the scheduler")
+    return out
