@@ -1,15 +1,20 @@
 """The scheduler's record of each host (toolkit.scheduler.roster), on a fake clock: when a host counts as unheard,
 where its node ids are, which spare is free, what a replacement leaves behind, and that any sequence of events
-keeps the roster's invariants (a hypothesis state machine). The decisions built on it are in
+keeps the roster's invariants, and that any sequence of the membership's events keeps them too and never leaves
+work for `tick` before `next_deadline()` (hypothesis state machines). The decisions built on it are in
 tests/test_membership.py and tests/test_membership_trace.py."""
 
 from __future__ import annotations
+
+import copy
 
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from toolkit.scheduler.roster import Member, Roster, problems
+from toolkit import protocol as P
+from toolkit.scheduler.membership import RUNNING, Membership
+from toolkit.scheduler.roster import Member, PeerRole, Roster, problems
 
 PLAN = {"sched": "hostA", "worker_0": "hostA", "worker_1": "hostA", "worker_2": "hostB", "worker_3": "hostB"}
 
@@ -190,3 +195,82 @@ class RosterMachine(RuleBasedStateMachine):
 
 TestRosterMachine = RosterMachine.TestCase
 TestRosterMachine.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
+
+
+class MembershipMachine(RuleBasedStateMachine):
+    """The membership's events in any order, with random peers and times (4 ranks on hostA and hostB, spare s1,
+    host_timeout on): the roster stays sound, each worker connection and its member agree, and `tick` never acts
+    before `next_deadline()` (the server sleeps until then)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.m = Membership("job", 4, 3.0, 60.0, "boot", "a:1", {f"worker_{r}": "hostA" if r < 2 else "hostB"
+                                                               for r in range(4)}, 0.0, host_timeout=10.0)
+        self.m.started(0.0)
+        self.now = 0.0
+        self.next_peer = 100
+
+    def _peer(self) -> int:
+        self.next_peer += 1
+        return self.next_peer
+
+    @rule(rank=st.integers(0, 3), again=st.booleans(), host=st.sampled_from(["hostA", "hostB", "s1"]))
+    def register(self, rank: int, again: bool, host: str) -> None:
+        held = self.m.roster.members.get(rank)
+        inc = held.incarnation if again and held is not None else f"inc{self.next_peer}"
+        self.m.register(self._peer(), "a:2", {"op": P.REGISTER, "node_id": f"worker_{rank}", "rank": rank,
+                                               "world_size": 4, "incarnation": inc, "pid": self.next_peer,
+                                               "host": host, "recovery": P.RECOVERY_IN_PLACE}, self.now)
+
+    @rule(host=st.sampled_from(["hostA", "hostB", "s1"]), sched=st.booleans())
+    def agent_hello(self, host: str, sched: bool) -> None:
+        names = {"hostA": ["worker_0", "worker_1"], "hostB": ["worker_2", "worker_3"], "s1": []}[host]
+        self.m.agent_hello(self._peer(), "a:3", {"op": P.AGENT_HELLO, "host": host, "spare": host == "s1",
+                                                 "node_ids": names + (["sched"] if sched else [])}, self.now)
+
+    @rule(pick=st.integers(0, 50), op=st.sampled_from([P.HEARTBEAT, P.COMMIT, P.DONE, P.EXITED, "lost"]),
+          step=st.integers(0, 20))
+    def message_or_lost(self, pick: int, op: str, step: int) -> None:
+        peers = sorted(self.m.roster.peers)
+        if not peers:
+            return
+        peer = peers[pick % len(peers)]
+        if op == "lost":
+            self.m.lost(peer, "connection closed", self.now)
+            return
+        who = self.m.roster.peers[peer]
+        member = self.m.roster.members.get(rank) if (rank := who.rank if who.rank is not None else step % 4) \
+            in self.m.roster.members else None
+        fields = {"step": step, "node_id": f"worker_{step % 4}", "pid": member.pid if member else step,
+                  "code": step % 2, "running": {f"worker_{step % 4}": member.pid if member else 0}}
+        self.m.message(peer, {"op": op, **fields}, self.now)
+
+    @rule(host=st.sampled_from(["hostA", "hostB", "s1"]))
+    def replace(self, host: str) -> None:
+        self.m.replace(self._peer(), {"op": P.REPLACE, "host": host}, self.now)
+
+    @rule(dt=st.floats(0.0, 15.0))
+    def tick(self, dt: float) -> None:
+        self.now += dt
+        self.m.tick(self.now)
+
+    @invariant()
+    def sound(self) -> None:
+        m = self.m
+        assert problems(m.roster) == []
+        for rank, member in m.roster.members.items():  # (a worker's connection may outlive its member: retired)
+            who = m.roster.peers.get(member.peer) if member.peer is not None else None
+            assert member.peer is None or (who is not None and who.role == PeerRole.WORKER and who.rank == rank)
+        assert not m.formed or m.gather_since is None
+
+    @invariant()
+    def no_work_before_the_deadline(self) -> None:
+        due = self.m.next_deadline()
+        if self.m.status != RUNNING or due - 1e-3 < max(self.now, self.m.last_tick):
+            return
+        ahead = copy.deepcopy(self.m)
+        assert ahead.tick(min(due - 1e-3, self.now + 1e5)) == [], due
+
+
+TestMembershipMachine = MembershipMachine.TestCase
+TestMembershipMachine.settings = settings(max_examples=50, stateful_step_count=30, deadline=None)
