@@ -1,9 +1,10 @@
 """What the scheduler knows of each host, one record per host (torch elastic's `_RendezvousState` and torchft's
 lighthouse `State` keep theirs the same way): where its node ids run, its agent's connection and when it was last
 heard, whether it is a spare, whether it runs the scheduler, whether it was replaced (by which spare, in which
-order, why) and whether it waits for a spare. Pure data that keeps its own invariants: the membership
-(toolkit.scheduler.membership) changes it only through the mutators here, so that no decision has to keep nine
-structures consistent by hand.
+order, why) and whether it waits for a spare; and beside them each rank: its member (the live incarnation that
+holds it), the connections, the ranks done, the incarnations fenced, the commits. Pure data that keeps its own
+invariants: the membership (toolkit.scheduler.membership) changes it through the mutators here, so that no decision
+has to keep nine structures consistent by hand.
 
 Invariants (`problems(roster)` names any broken one; tests/test_roster.py drives them on a fake clock):
 - `node_host[n] == h` exactly when `n` is in `hosts[h].node_ids` (worker node ids only, in rank order);
