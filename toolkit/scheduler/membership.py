@@ -389,7 +389,7 @@ class Membership:
         """Any later message of an identified peer.
 
         From an agent: `exited` (a child's death or clean end), `gave_up` (the job fails); `heartbeat` vouches for the
-        members it names running (`_vouch`); anything else is logged. From a worker, only the rank's current
+        members it names running (`liveness.vouch`); anything else is logged. From a worker, only the rank's current
         connection counts (a replaced or finished one is ignored), and any message refreshes `last_seen`: `heartbeat`
         records the step; `commit` raises the rank's committed step, never lowers it (`commits_dirty`); `recovered`
         is logged; `done` retires the member without a new generation and may finish the job; an unknown op is
@@ -460,9 +460,10 @@ class Membership:
 
         Does nothing once the job has ended. A member silent for node_timeout (no message, or a restored member that
         did not reconnect) is declared dead, its agent told to kill it (`_death`), unless its agent vouched for it
-        within node_timeout (`_alive_though_silent`). A member whose connection closed and whose exit its agent has
-        not reported within node_timeout is killed (`_kill_unreported`). A gathering generation past topo_timeout
-        fails the job (`_formation_timeout`), unless its workers were found to be unmanaged scripts."""
+        within node_timeout (`liveness.alive_though_silent`). A member whose connection closed and whose exit its
+        agent has not reported within node_timeout is killed (`liveness.kill_unreported`). A gathering generation
+        past topo_timeout fails the job (`_formation_timeout`), unless its workers were found to be unmanaged
+        scripts."""
         out: list[Action] = []
         if self.status != RUNNING:
             return out
