@@ -8,7 +8,9 @@ handler only notes it) and says "armed" on the events socket, so the test knows 
 waits for the signal (bounded), then restores the Trainer's handler and raises the signal there:
 
 - before_agree / after_agree: just before / after the step boundary's stop agreement of step STEP;
-- next_step: before step STEP + 1 begins (after the peers' "a peer stops" checkpoint);
+- next_step: just after the boundary of step STEP (the agreement done, the peers' "a peer stops" checkpoint saved),
+  before anything of step STEP + 1: not at the start of step STEP + 1, which a loaded machine may reach only after
+  the job re-formed without the ranks that left (the signal would then be seen a step later);
 - in_wait: inside the wait for the scheduler's word after a collective failed (Runtime.changed_by);
 - after_recovery: once the Trainer re-formed the group and took the state (its `_sync` returned).
 """
@@ -54,7 +56,7 @@ class Placement:
             signal.signal(signal.SIGTERM, lambda *_: self.pending.set())
             self.armed = True
             self.say("armed")
-        if not self.armed or point != self.point or (point == "next_step" and step != self.arm_at + 1):
+        if not self.armed or point != self.point or (point == "next_step" and step != self.arm_at):
             return
         if not self.pending.wait(WAIT):
             print(f"sigterm_worker rank {self.rank}: no SIGTERM within {WAIT} s at {point}", file=sys.stderr,
@@ -87,9 +89,9 @@ def hooked(placement: Placement) -> type[Trainer]:
         @contextlib.contextmanager
         def step(self) -> Iterator[int]:
             placement.at("step", self.step_count + 1)
-            placement.at("next_step", self.step_count + 1)
             with super().step() as n:
                 yield n
+            placement.at("next_step", self.step_count)  # the boundary of step_count is behind: its agreement done
 
         def _agree_stop(self) -> bool | None:
             placement.at("before_agree")

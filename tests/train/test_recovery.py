@@ -207,7 +207,7 @@ LAST_WORDS = re.compile(r"^rank (\d+): stopped by SIGTERM at step (\d+), checkpo
 ROUNDS = [
     (6, {0: "before_agree", 1: "before_agree"}, 6),  # both before the step boundary: both leave at it
     (10, {0: "before_agree", 1: "after_agree"}, 10),  # rank 1's comes during the agreement: it leaves too
-    (14, {1: "before_agree", 0: "next_step"}, 14),  # rank 0 went on ("a peer stops"), its comes before step 15
+    (14, {1: "before_agree", 0: "next_step"}, 14),  # rank 0 went on ("a peer stops"), its comes right after
     (18, {0: "after_agree", 1: "after_agree"}, 19),  # both after the agreement: both at the next boundary
     ("recovery", {0: "after_recovery", 1: "after_recovery"}, 20),  # just after the restart from checkpoint 19
     (26, {1: "before_agree"}, 26),  # rank 1 alone: rank 0 goes on and hands its memory to the replacement

@@ -23,7 +23,7 @@ import hashlib
 import os
 import struct
 import sys
-from typing import Any, Sequence
+from typing import Any, Callable, ContextManager, Sequence
 
 import torch
 import torch.distributed as dist
@@ -55,13 +55,16 @@ class DivergenceCheck:
         k = step - self.since
         return k >= 1 and k & (k - 1) == 0
 
-    def check(self, rt: Runtime, module: nn.Module, optimizer: torch.optim.Optimizer, step: int) -> bool:
+    def check(self, rt: Runtime, module: nn.Module, optimizer: torch.optim.Optimizer, step: int,
+              guard: Callable[[], ContextManager[None]] | None = None) -> bool:
         """Collective: compare every rank's fingerprint. True when they agree; False when a new generation cut the
-        check short (re-form, then go on); on a mismatch the process ends here with one line and EXIT_FATAL."""
+        check short (re-form, then go on); on a mismatch the process ends here with one line and EXIT_FATAL.
+        `guard` wraps the collective (default rt.guard(); the Trainer passes its own, which also leaves with last
+        words when SIGTERM comes while it waits for the scheduler's word: peers that left on a stop fail it too)."""
         mine = torch.tensor(fingerprint(module, optimizer), dtype=torch.int64, device=rt.device)
         every = [torch.empty_like(mine) for _ in range(rt.world_size)]
         try:
-            with rt.guard():
+            with (guard or rt.guard)():
                 dist.all_gather(every, mine)
         except GenerationChanged as e:
             print(f"rank {rt.rank}: generation {rt.generation} -> {e.new} at step {step} (between two steps: "

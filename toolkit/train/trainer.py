@@ -180,8 +180,8 @@ class Trainer:
                 self._divergence.arm(self.rt.generation, self.step_count)
             if self.step_count >= total:
                 return
-            if self._divergence.due(self.step_count) and not self._divergence.check(self.rt, self.module,
-                                                                                    self.optimizer, self.step_count):
+            if self._divergence.due(self.step_count) and not self._divergence.check(
+                    self.rt, self.module, self.optimizer, self.step_count, guard=self._guarded):
                 self._need_sync = True  # a fault during the check: re-form, as after one in a step
                 continue
             batch = self._next_batch()
