@@ -135,7 +135,10 @@ class User:
         it, as the reader ends a follow; bounded by COMMAND_TIMEOUT."""
         main, terminal = pty.openpty()
         fcntl.ioctl(terminal, termios.TIOCSWINSZ, struct.pack("HHHH", 50, 200, 0, 0))  # 50 rows, 200 columns
-        proc = subprocess.Popen(["bash", "-c", self.script(f"exec {command}", cwd)], env=self.env, stdin=terminal,
+        # a terminal as a reader's: its kind and size, also where programs look first (rich takes TERM=dumb, which a
+        # CI runner may set, for 80 columns, and COLUMNS/LINES before the terminal's own size)
+        env = {**self.env, "TERM": "xterm-256color", "COLUMNS": "200", "LINES": "50"}
+        proc = subprocess.Popen(["bash", "-c", self.script(f"exec {command}", cwd)], env=env, stdin=terminal,
                                 stdout=terminal, stderr=subprocess.PIPE, text=True, start_new_session=True)
         os.close(terminal)
         seen = b""

@@ -602,8 +602,12 @@ class Cluster:
         lines += [f"netns del {h.netns}" for h in mine]
         if os.path.exists(f"/sys/class/net/{s.bridge}"):
             lines.append(f"link del {s.bridge}")
-        if lines:
-            problems += _ip_batch_tolerant(lines)
+        if lines and _ip_batch_tolerant(lines):
+            # Another teardown of the same cluster (a sweep of stale ones by a concurrent test run) may have removed
+            # some of them first: only what is still there is a problem.
+            left = [h.netns for h in self.hosts if os.path.exists(f"/run/netns/{h.netns}")]
+            left += [d for d in [*(h.veth for h in self.hosts), s.bridge] if os.path.exists(f"/sys/class/net/{d}")]
+            problems += [f"ip: could not remove {name}" for name in left]
         if not problems:
             (REGISTRY / f"{s.id}.json").unlink(missing_ok=True)
             if s.owns_dir:
