@@ -9,6 +9,7 @@ import warnings
 import pytest
 
 from toolkit import protocol as P
+from toolkit.agentdoc import AgentDoc
 from toolkit.jobrecord import HostRecord, JobRecord
 from toolkit.remote import HostResult
 from toolkit.scheduler.stragglers import EVAL_INTERVAL, PERSIST, Cleared, Named, Stragglers
@@ -190,8 +191,8 @@ def _record() -> JobRecord:
 
 
 def _answer(host: str, agent: str, procs: dict[str, dict], at: float, live: dict | None = None) -> Answer:
-    doc = {"state": agent, "alive": agent == "running",
-           "processes": [{"node_id": n, **p} for n, p in procs.items()]}
+    doc = AgentDoc.from_obj({"state": agent, "alive": agent == "running",
+                             "processes": [{"node_id": n, **p} for n, p in procs.items()]})
     result = HostResult(host, True, value={"doc": doc, "live": live, "now": at, "mtimes": {}})
     return Answer(result, at, at, result)
 

@@ -21,17 +21,18 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from toolkit import atomicfile, netif, procs, standby, stepfile
+from toolkit import agentdoc, atomicfile, netif, procs, standby, stepfile
 from toolkit import envvars as E
 from toolkit import protocol as P
 from toolkit.agent import causes, openfiles, policy, warmspare
 from toolkit.agent.link import SchedulerLink
 from toolkit.agent.log import AgentLog, iso, log_tail
 from toolkit.agent.timers import Timer, Timers
-from toolkit.agentdoc import ControlOp, recorded_groups
+from toolkit.agentdoc import AgentDoc, ControlOp, ExitRecord, Failure, ProcDoc, Takeover, recorded_groups
 from toolkit.errors import UserError
 from toolkit.hostspec import HostSpec, ProcSpec, RestartPolicy
 from toolkit.procs import Child, ExitStatus, LaunchSpec
@@ -46,7 +47,6 @@ MAX_CONTROL_LINE = 64 << 10  # bytes of one control request; a longer one is ans
 MAX_CONTROL_CLIENTS = 16  # control connections open at once (the socket is the operator's own: 0600)
 GAVE_UP_TAIL_BYTES = 8 << 10  # of the log tail sent with gave_up (a message is at most protocol.MAX_LINE)
 EXIT_HISTORY = 10  # exits (and pids) kept per process for agent.json
-AGENT_DOC_VERSION = 1  # agent.json's "version"
 
 EXIT_OK = 0
 EXIT_FAILED = 1  # a process passed max_restarts here, or the scheduler stopped the job
@@ -105,8 +105,8 @@ class Slot:
         self.started_mono = 0.0
         self.started_wall: float | None = None
         self.warm = False
-        self.last_exit: dict[str, Any] | None = None
-        self.exits: list[dict[str, Any]] = []
+        self.last_exit: ExitRecord | None = None
+        self.exits: list[ExitRecord] = []
         self.step: int | None = None
         self.epoch: int | None = None
         self.step_at: float | None = None
@@ -146,35 +146,37 @@ class Slot:
         steps = [s for s in (stepfile.read(self.step_file) if self.step_file else None, self.reached) if s is not None]
         return max(steps) if steps else None
 
-    def judged(self, reaction: Any, record: dict[str, Any]) -> None:
-        """After an exit: if the restart budget judged it (a counted relaunch or the give-up), mark its record a
-        failure, keep the count's furthest step, and see whether it keeps failing the same way."""
+    def judged(self, reaction: Any, record: ExitRecord) -> None:
+        """After an exit: if the restart budget judged it (a counted relaunch or the give-up), mark its record (the
+        latest) a failure, keep the count's furthest step, and see whether it keeps failing the same way."""
         if not (isinstance(reaction, policy.GiveUp) or isinstance(reaction, policy.Relaunch) and reaction.failure):
             return
-        record["failure"] = True
-        self.failed_at, self.same_failure = reaction.failed_at, policy.repeated_failure(self.exits)
+        self.last_exit = replace(record, failure=True)
+        self.exits = [e if e is not record else self.last_exit for e in self.exits]
+        self.failed_at = reaction.failed_at
+        self.same_failure = policy.repeated_failure([e.to_dict() for e in self.exits])
 
-    def document(self, policy: RestartPolicy) -> dict[str, Any]:
+    def document(self, policy: RestartPolicy) -> ProcDoc:
         """This process's entry in agent.json's `processes`; no I/O. `pid`, `pgid` and `start_ticks` name the running
         incarnation (None between incarnations), `last_pid` and `last_start_ticks` the latest one, running or not:
         `stop` and the next agent find leftover groups from these (toolkit.agentdoc.recorded_groups), so a group is
         always recorded with its leader's start time."""
         c = self.child
-        return {
-            "node_id": self.spec.node_id, "role": self.spec.role, "rank": self.spec.rank,
-            "local_rank": self.spec.local_rank, "state": self.state,
-            "pid": c.pid if c else None, "pgid": c.pgid if c else None, "start_ticks": c.start_ticks if c else None,
-            "last_pid": self.last_pid, "last_start_ticks": self.last_ticks,
-            "started_at": iso(self.started_wall), "warm": self.warm if c else None,
-            "restarts": max(0, self.launches - 1), "counted_restarts": self.counted,
-            "max_restarts": policy.max_restarts, "next_start_at": iso(self.next_start),
-            "last_exit": self.last_exit, "exits": self.exits,
-            "step": self.step, "epoch": self.epoch, "step_at": iso(self.step_at), "recovery": self.recovery,
-            "cpus": sorted(self.cpus) if self.cpus else None,
-            "open_files": self.files.document() if self.files else None,
-            "failed_at": self.failed_at, "same_failure": self.same_failure,
-            "log_file": self.spec.log_file, "argv": list(self.spec.argv),
-        }
+        return ProcDoc(
+            node_id=self.spec.node_id, role=self.spec.role, rank=self.spec.rank,
+            local_rank=self.spec.local_rank, state=agentdoc.ProcState(self.state),
+            pid=c.pid if c else None, pgid=c.pgid if c else None, start_ticks=c.start_ticks if c else None,
+            last_pid=self.last_pid, last_start_ticks=self.last_ticks,
+            started_at=iso(self.started_wall), warm=self.warm if c else None,
+            restarts=max(0, self.launches - 1), counted_restarts=self.counted,
+            max_restarts=policy.max_restarts, next_start_at=iso(self.next_start),
+            last_exit=self.last_exit, exits=tuple(self.exits),
+            step=self.step, epoch=self.epoch, step_at=iso(self.step_at), recovery=self.recovery,
+            cpus=tuple(sorted(self.cpus)) if self.cpus else None,
+            open_files=self.files.document() if self.files else None,
+            failed_at=self.failed_at, same_failure=self.same_failure,
+            log_file=self.spec.log_file, argv=tuple(self.spec.argv),
+        )
 
 
 class Spare:
@@ -234,7 +236,7 @@ class Agent:
         self.state = "starting"
         self.reason: str | None = None
         self.exit_code: int | None = None
-        self.failure: dict[str, Any] | None = None
+        self.failure: Failure | None = None
         self.closing = False  # finishing or stopping: nothing is relaunched any more
         self.pid = os.getpid()
         self.ticks = procs.start_ticks(self.pid)
@@ -253,7 +255,7 @@ class Agent:
         self.progress_dirty = False
         self.progress_timer: Timer | None = None
         self.last_write = 0.0
-        self.took_over: list[dict[str, Any]] = []  # a spare's takeovers: {host, node_ids, seq, at}
+        self.took_over: list[Takeover] = []  # a spare's takeovers
         self.nofile = 0  # the workers' open-file limit (run raises it to the hard limit)
         self.link = SchedulerLink(spec, self.sel, self.timers, log, self._on_scheduler, self._changed,
                                   self._hello_fields, lambda: {"running": running(self.slots.values())})
@@ -557,7 +559,7 @@ class Agent:
         self._hold_spare()  # a worker starting cold may be gone
 
     def _record_exit(self, slot: Slot, status: ExitStatus, pid: int | None = None,
-                     step: int | None = None) -> dict[str, Any]:
+                     step: int | None = None) -> ExitRecord:
         """Record an exit as `slot.last_exit` and in its history (the last EXIT_HISTORY), with the `step` the
         incarnation had reached; returns the record. In memory only: the caller writes agent.json. Its `cause` is the
         first cause (toolkit.agent.causes: the incarnation's error file, read and removed here, or the scheduler's
@@ -570,8 +572,8 @@ class Agent:
             with contextlib.suppress(OSError):
                 slot.error_file.unlink(missing_ok=True)
             slot.error_file = None
-        rec = {**status.as_dict(), "pid": pid, "at": iso(time.time()), "ran_for": round(ran, 3), "step": step,
-               "cause": causes.first_cause(status, message, slot.fenced)}
+        rec = ExitRecord(**status.as_dict(), pid=pid, at=iso(time.time()), ran_for=round(ran, 3), step=step,
+                         cause=causes.first_cause(status, message, slot.fenced))
         slot.last_exit = rec
         slot.exits = (slot.exits + [rec])[-EXIT_HISTORY:]
         return rec
@@ -588,7 +590,7 @@ class Agent:
         pid = child.pid if child else None
         ran = time.monotonic() - slot.started_mono
         record = self._record_exit(slot, status, pid, slot.reached_step())
-        cause = record["cause"]
+        cause = record.cause
         if slot.kill_timer:
             slot.kill_timer.cancel()
             slot.kill_timer = None
@@ -600,7 +602,7 @@ class Agent:
             code=status.code if status.signal is None else None, ran_for=ran, progressed=slot.progressed,
             counted=slot.counted, manual=slot.manual, closing=self.closing, finishing=self.state == "finishing",
             others_running=any(s.child for s in others), others_succeeded=all(s.state == "succeeded" for s in others),
-            reached=record["step"], failed_at=slot.failed_at)
+            reached=record.step, failed_at=slot.failed_at)
         how = causes.describe(status, cause)
         reaction = policy.on_exit(self.spec.policy, facts, how)
         slot.manual = False
@@ -650,11 +652,11 @@ class Agent:
         n = slot.counted
         files = slot.files.cause() if slot.files else ""
         how = causes.describe(status, cause)
-        self.failure = {
-            "host": self.spec.host, "node_id": spec.node_id, "rank": spec.rank, "pid": pid,
-            "code": status.code, "signal": status.signal_name, "status": status.describe() + files,
-            "cause": how + files, "restarts": n, "log_file": spec.log_file, "log_tail": tail, "at": iso(time.time()),
-        }
+        self.failure = Failure(
+            host=self.spec.host, node_id=spec.node_id, rank=spec.rank, pid=pid,
+            code=status.code, signal=status.signal_name, status=status.describe() + files,
+            cause=how + files, restarts=n, log_file=spec.log_file, log_tail=tuple(tail), at=iso(time.time()),
+        )
         slot.state = "failed"
         reason = f"{spec.node_id} {how}{files} after {n} restart{'s' if n != 1 else ''} " \
                  f"(max_restarts {self.spec.policy.max_restarts}); the job has failed"
@@ -888,8 +890,8 @@ class Agent:
         standby = {p.node_id: p for p in self.spec.standby}
         self.log("agent", f"taking over {reaction.host}: starting {', '.join(reaction.node_ids)} (the scheduler "
                           f"replaced {reaction.host} by this spare host)")
-        self.took_over.append({"host": reaction.host, "node_ids": list(reaction.node_ids), "seq": seq,
-                               "at": iso(time.time())})
+        self.took_over.append(Takeover(host=reaction.host, node_ids=tuple(reaction.node_ids), seq=seq,
+                                       at=iso(time.time())))
         for node_id in reaction.node_ids:
             slot = Slot(standby[node_id], None, self.spec.step_file(node_id))
             self.slots[node_id] = slot
@@ -995,7 +997,7 @@ class Agent:
         error naming the known ops."""
         op = req.get("op") if isinstance(req, dict) else None
         if op == ControlOp.STATUS:
-            return self.document(), None
+            return self.document().to_dict(), None
         if op == ControlOp.STOP:
             self.log("agent", "stop requested on the control socket")
             return {"ok": True}, lambda: self._finish("stopped", EXIT_STOPPED, "stop requested")
@@ -1094,29 +1096,30 @@ class Agent:
         if self.exit_code is None:
             self._write()
 
-    def document(self) -> dict[str, Any]:
-        """The agent.json document, also the control socket's `status` reply. No I/O; its fields are those of
-        docs/architecture.md and toolkit.agentdoc (commands.status adds `alive`)."""
+    def document(self) -> AgentDoc:
+        """The agent.json document, also the control socket's `status` reply. No I/O; its fields are
+        toolkit.agentdoc.AgentDoc's (commands.status adds `alive`)."""
         sp = self.spare
-        return {
-            "version": AGENT_DOC_VERSION, "job": self.spec.job, "host": self.spec.host,
-            "job_dir": str(self.spec.job_dir), "job_id": self.spec.job_id,
-            "agent": {"pid": self.pid, "start_ticks": self.ticks, "started_at": iso(self.started),
-                      "python": sys.executable},
-            "state": self.state, "reason": self.reason, "exit_code": self.exit_code, "updated_at": iso(time.time()),
-            "scheduler": {"address": f"{self.spec.sched_host}:{self.spec.sched_port}", "link": self.link.state,
-                          "since": iso(self.link.since)},
-            "warm_spare": {"enabled": self.spare_enabled, "pid": sp.child.pid if sp else None,
-                           "ready": bool(sp and sp.ready), "held": bool(sp and sp.held)},
-            "bind_core": self.spec.bind_core,
-            "spare": self.spec.spare, "took_over": self.took_over,
-            "processes": [s.document(self.spec.policy) for s in self.slots.values()],
-            "failure": self.failure,
-        }
+        return AgentDoc(
+            version=agentdoc.VERSION, job=self.spec.job, host=self.spec.host,
+            job_dir=str(self.spec.job_dir), job_id=self.spec.job_id,
+            agent=agentdoc.AgentInfo(pid=self.pid, start_ticks=self.ticks, started_at=iso(self.started),
+                                     python=sys.executable),
+            state=agentdoc.AgentState(self.state), reason=self.reason, exit_code=self.exit_code,
+            updated_at=iso(time.time()),
+            scheduler=agentdoc.LinkDoc(address=f"{self.spec.sched_host}:{self.spec.sched_port}",
+                                       link=agentdoc.LinkState(self.link.state), since=iso(self.link.since)),
+            warm_spare=agentdoc.WarmSpareDoc(enabled=self.spare_enabled, pid=sp.child.pid if sp else None,
+                                             ready=bool(sp and sp.ready), held=bool(sp and sp.held)),
+            bind_core=self.spec.bind_core,
+            spare=self.spec.spare, took_over=tuple(self.took_over),
+            processes=tuple(s.document(self.spec.policy) for s in self.slots.values()),
+            failure=self.failure,
+        )
 
     def _write(self) -> None:
         """Rewrite agent.json atomically and note the time for the progress rate limit. atomicfile.write with VISIBLE
         durability: a reader sees the old or the new document, never a mix. Raises OSError if it cannot be written."""
         self.progress_dirty = False
         self.last_write = time.monotonic()
-        atomicfile.write(self.spec.agent_json, json.dumps(self.document(), indent=1) + "\n")
+        atomicfile.write(self.spec.agent_json, self.document().to_json())

@@ -91,7 +91,7 @@ def train(request: Request, join: bool = False, join_timeout: float | None = Non
         """True if this call started the agent (False: this job's agent already ran). OtherJob, with nothing
         started, where the job directory holds another project's job (launch.sh --job-id)."""
         h = record.host(host.name)
-        if h.name == sched.name and not poll_status(host, h)["doc"]["alive"]:
+        if h.name == sched.name and not poll_status(host, h)["doc"].alive:
             host.preflight(h.python, h.job_dir, ports=(port, port + 1))
         launch = host.run([f"{h.job_dir}/launch.sh"] + (["--job-id", record.job_id] if record.job_id else []),
                           timeout=LAUNCH_TIMEOUT)

@@ -20,7 +20,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from toolkit import agentdoc, jobrecord, rundoc
-from toolkit.agentdoc import FINAL_STATES
+from toolkit.agentdoc import FINAL_STATES, AgentDoc, AgentState, BadDocument, ProcDoc, ProcState, Takeover
 from toolkit.errors import UserError
 from toolkit.jobrecord import HostRecord, JobRecord
 from toolkit.printable import clean
@@ -174,15 +174,15 @@ def host_statuses(record: JobRecord, results: Mapping[str, HostResult[dict[str, 
 
 
 def _fetch_status(host: Host, h: HostRecord, live_file: str = "") -> dict[str, Any]:
-    """{"doc": the agent's status document, "live": live.json's document or None, "now", "mtimes"} from
+    """{"doc": the agent's status document (an AgentDoc), "live": live.json's document or None, "now", "mtimes"} from
     STATUS_SCRIPT (`python -m toolkit.agent status` on the host; `live_file` only on the scheduler's host). Raises
     what run(check=True) raises, and UserError if the agent's answer is not JSON."""
     out = host.run(["sh", "-c", STATUS_SCRIPT, "sh", h.python, h.job_dir, live_file], timeout=STATUS_TIMEOUT,
                    check=True)
     doc_text, live_text, rest = (out.stdout.split("\x1e\n", 2) + ["", ""])[:3]
     try:
-        doc = json.loads(doc_text)
-    except ValueError:
+        doc = AgentDoc.parse(doc_text)
+    except BadDocument:
         raise UserError(f"{h.name}: the agent's status is not JSON: {doc_text.strip()[:200]}") from None
     return {"doc": doc, "live": rundoc.read_live(live_text), **clock_and_logs(rest)}
 
@@ -190,18 +190,18 @@ def _fetch_status(host: Host, h: HostRecord, live_file: str = "") -> dict[str, A
 def poll_status(host: Host, h: HostRecord, live_file: str = "") -> dict[str, Any]:
     """The agent's files, judged as `agent status` judges them (toolkit.agentdoc): no Python started on the host.
 
-    Returns {"doc", "live", "now", "mtimes"} like `_fetch_status`; `doc["alive"]` is True only if the pid file
+    Returns {"doc", "live", "now", "mtimes"} like `_fetch_status`; `doc.alive` is True only if the pid file
     names a live process with the recorded start time that wrote agent.json. An unreadable agent.json counts as
     absent. Raises what run(check=True) raises."""
     out = host.run(["sh", "-c", POLL_SCRIPT, "sh", h.job_dir, live_file], timeout=STATUS_TIMEOUT, check=True).stdout
     pid_text, stat_text, doc_text, live_text, rest = (out.split("\x1e\n", 4) + ["", "", "", ""])[:5]
     try:
-        doc = json.loads(doc_text) if doc_text.strip() else None
-    except (ValueError, RecursionError):
+        doc = AgentDoc.parse(doc_text) if doc_text.strip() else None
+    except BadDocument:
         doc = None  # written atomically, so this is not a half-written file: treat as unknown
     record = agentdoc.pid_record(pid_text)
     running = record if record is not None and agentdoc.stat_matches(record, stat_text) else None
-    return {"doc": agentdoc.judge(doc if isinstance(doc, dict) else None, running),
+    return {"doc": agentdoc.judge(doc, running),
             "live": rundoc.read_live(live_text), **clock_and_logs(rest)}
 
 
@@ -212,33 +212,31 @@ def _host_status(record: JobRecord, name: str, result: HostResult[dict[str, Any]
     with the agent gone, every process not in a final state shows as "gone"."""
     expected = [p for p in record.processes if p["host"] == name]
     if not result.ok or result.value is None:
-        procs = tuple(_proc(name, p, {}, "unreachable", None, {}) for p in expected)
+        procs = tuple(_proc(name, p, None, "unreachable", None, {}) for p in expected)
         return HostStatus(name, False, result.error, "unreachable", False, None, None, None, procs)
-    doc, now, mtimes = result.value["doc"], result.value["now"], result.value["mtimes"]
-    there = doc.get("job_id")
-    if isinstance(there, str) and there and record.job_id and there != record.job_id:  # not this job: show none of it
-        procs = tuple(_proc(name, p, {}, OTHER_JOB, None, {}) for p in expected)
-        return HostStatus(name, True, None, OTHER_JOB, bool(doc.get("alive")), None, None, None, procs,
-                          other_job=clean(doc.get("job_dir") or "its job directory", 400))
-    agent = str(doc.get("state") or "absent")
-    alive = bool(doc.get("alive"))
-    seen = {p.get("node_id"): p for p in doc.get("processes") or [] if isinstance(p, dict)}
+    doc: AgentDoc = result.value["doc"]
+    now, mtimes = result.value["now"], result.value["mtimes"]
+    if doc.job_id and record.job_id and doc.job_id != record.job_id:  # not this job: show none of it
+        procs = tuple(_proc(name, p, None, OTHER_JOB, None, {}) for p in expected)
+        return HostStatus(name, True, None, OTHER_JOB, bool(doc.alive), None, None, None, procs,
+                          other_job=clean(doc.job_dir or "its job directory", 400))
+    agent = str(doc.state or AgentState.ABSENT)
+    alive = bool(doc.alive)
+    seen = {p.node_id: p for p in doc.processes}
     procs = []
     for p in expected:
-        got = seen.get(p["node_id"], {})
-        state = str(got.get("state") or ("not started" if agent == "absent" else "unknown"))
-        if agent == "gone" and state not in FINAL_STATES:
-            state = "gone"
+        got = seen.get(p["node_id"])
+        state = str(got.state if got and got.state else ("not started" if agent == AgentState.ABSENT else "unknown"))
+        if agent == AgentState.GONE and state not in FINAL_STATES:
+            state = AgentState.GONE.value
         figures = _live_rank(live, p)
-        if (state == "running" and int(got.get("restarts") or 0) > 0 and live is not None and live.get("ranks")
-                and figures.get("pid") != got.get("pid")):
+        if (state == ProcState.RUNNING and got and (got.restarts or 0) > 0 and live is not None and live.get("ranks")
+                and figures.get("pid") != got.pid):
             state = "restarting"  # relaunched by its agent, not yet back with the scheduler (no heartbeat yet)
         procs.append(_proc(name, p, got, state, now, mtimes, figures))
-    pid = (doc.get("agent") or {}).get("pid")
-    updated = doc.get("updated_at")
-    return HostStatus(name, True, None, agent, alive, pid if isinstance(pid, int) else None, doc.get("reason"),
-                      doc.get("failure"), tuple(procs), updated if isinstance(updated, str) else None,
-                      live=result.value.get("live"), took_over=_takeovers(name, doc.get("took_over")))
+    return HostStatus(name, True, None, agent, alive, doc.agent.pid if doc.agent else None, doc.reason,
+                      doc.failure.to_dict() if doc.failure else None, tuple(procs), doc.updated_at,
+                      live=result.value.get("live"), took_over=_takeovers(name, doc.took_over))
 
 
 OTHER_JOB = "another project's"  # the state of a host (and its processes) whose job directory is not this job's
@@ -256,17 +254,13 @@ def _number(value: Any) -> float | None:
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
-def _takeovers(name: str, raw: Any) -> tuple[dict[str, Any], ...]:
-    """A spare agent's `took_over` list as {host, by: `name`, node_ids, seq}; malformed entries are skipped."""
-    out = []
-    for t in raw if isinstance(raw, list) else []:
-        if (isinstance(t, dict) and isinstance(t.get("host"), str) and isinstance(t.get("seq"), int)
-                and isinstance(t.get("node_ids"), list) and all(isinstance(n, str) for n in t["node_ids"])):
-            out.append({"host": t["host"], "by": name, "node_ids": list(t["node_ids"]), "seq": t["seq"]})
-    return tuple(out)
+def _takeovers(name: str, took: tuple[Takeover, ...]) -> tuple[dict[str, Any], ...]:
+    """A spare agent's `took_over` list as {host, by: `name`, node_ids, seq} (AgentDoc.parse dropped the malformed
+    entries)."""
+    return tuple({"host": t.host, "by": name, "node_ids": list(t.node_ids), "seq": t.seq} for t in took)
 
 
-def _proc(host: str, p: Mapping[str, Any], got: Mapping[str, Any], state: str, now: float | None,
+def _proc(host: str, p: Mapping[str, Any], got: ProcDoc | None, state: str, now: float | None,
           mtimes: Mapping[str, float], figures: Mapping[str, Any] | None = None) -> ProcStatus:
     """One process's ProcStatus: the recorded identity `p`, what the agent says of it (`got`), its log's age
     by the host's clock (None without a clock or a log), and the scheduler's `figures` for it (live.json). A pid
@@ -277,12 +271,13 @@ def _proc(host: str, p: Mapping[str, Any], got: Mapping[str, Any], state: str, n
     age = None
     if now is not None and log_name in mtimes:
         age = max(0.0, now - mtimes[log_name])
-    last = got.get("last_exit") or None
+    last = got.last_exit if got else None
     how = None
-    if isinstance(last, dict):  # its first cause when the agent found one (the script's error, the fencing)
-        how = clean(last["cause"], 400) if isinstance(last.get("cause"), str) else (
-            f"killed by {last['signal']}" if last.get("signal") else f"exit code {last.get('code')}")
-    steps = [v for v in (got.get("step"), figures.get("step")) if isinstance(v, int) and not isinstance(v, bool)]
+    if last is not None:  # its first cause when the agent found one (the script's error, the fencing)
+        how = clean(last.cause, 400) if last.cause is not None else (
+            f"killed by {last.signal}" if last.signal else f"exit code {last.code}")
+    steps = [v for v in (got.step if got else None, figures.get("step"))
+             if isinstance(v, int) and not isinstance(v, bool)]
     score = _number(figures.get("score"))
     straggler = round(1 / score, 2) if figures.get("straggler") is True and score else None
     return ProcStatus(
@@ -290,18 +285,18 @@ def _proc(host: str, p: Mapping[str, Any], got: Mapping[str, Any], state: str, n
         node_id=p["node_id"],
         role="worker" if p["rank"] is not None else "sched",
         rank=p["rank"],
-        pid=got.get("pid") if state not in ("gone", "unreachable") else None,
+        pid=got.pid if got and state not in ("gone", "unreachable") else None,
         state=state,
-        restarts=int(got.get("restarts") or 0),
+        restarts=(got.restarts or 0) if got else 0,
         step=max(steps) if steps else None,
         log_age=age,
         last_exit=how,
-        recovery=got.get("recovery") if got.get("recovery") in (RECOVERY_IN_PLACE, RECOVERY_RESTART) else None,
+        recovery=got.recovery if got and got.recovery in (RECOVERY_IN_PLACE, RECOVERY_RESTART) else None,
         steps_per_s=_number(figures.get("steps_per_s")),
         loss=_number(figures.get("loss")),
         heartbeat_age=_number(figures.get("heartbeat_age")) if state == "running" else None,
         straggler=straggler,
-        repeating=_repeating(got.get("same_failure")),
+        repeating=_repeating(got.same_failure if got else None),
     )
 
 

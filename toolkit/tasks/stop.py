@@ -86,11 +86,11 @@ def restart(ref: JobRef, node: str | None, host_name: str | None) -> None:
         """recover.sh for the node; for a host, launch.sh if its agent is not alive, else recover.sh per node. Never
         in a job directory that holds another project's job (OtherJob)."""
         doc = poll_status(host, h)["doc"]
-        if doc.get("job_id") and record.job_id and doc["job_id"] != record.job_id:
+        if doc.job_id and record.job_id and doc.job_id != record.job_id:
             raise OtherJob(host.name, f"{h.job_dir} holds another project's job {record.job}: nothing was restarted")
         if node is not None:
             return host.run([f"{h.job_dir}/recover.sh", node], timeout=LAUNCH_TIMEOUT, check=True).stdout.strip()
-        if not doc["alive"]:
+        if not doc.alive:
             launch = host.run([f"{h.job_dir}/launch.sh", "--job-id", record.job_id] if record.job_id else
                               [f"{h.job_dir}/launch.sh"], timeout=LAUNCH_TIMEOUT)
             return unless_other_job(host.name, launch).check().stdout.strip()

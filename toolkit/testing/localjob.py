@@ -4,7 +4,6 @@ agent's files and pids without the fleet command around it."""
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import secrets
@@ -14,6 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any, Mapping
 
+from toolkit.agentdoc import AgentDoc, BadDocument
 from toolkit.inventory import local_inventory
 from toolkit.plan import JobOptions, make_plan
 from toolkit.render import render_host, write_files
@@ -61,12 +61,17 @@ class LocalJob:
                                           stdout=out, stderr=out, start_new_session=True)
         return self.agent
 
-    def doc(self) -> dict[str, Any]:
-        """The agent's state/agent.json as it is now; {} before the agent first writes it."""
+    def agent_doc(self) -> AgentDoc | None:
+        """The agent's state/agent.json as it is now (toolkit.agentdoc); None before the agent first writes it."""
         try:
-            return json.loads((self.dir / "state" / "agent.json").read_text())
-        except (OSError, ValueError):
-            return {}  # not written yet (every write is a rename, so never half)
+            return AgentDoc.parse((self.dir / "state" / "agent.json").read_bytes())
+        except (OSError, BadDocument):
+            return None  # not written yet (every write is a rename, so never half)
+
+    def doc(self) -> dict[str, Any]:
+        """agent.json as it is now, as JSON has it; {} before the agent first writes it."""
+        doc = self.agent_doc()
+        return doc.to_dict() if doc else {}
 
     def procs(self) -> dict[str, dict[str, Any]]:
         """agent.json's processes by node id ({} before it is written)."""
@@ -154,12 +159,17 @@ class FleetRun:
                     from None
         return self.runner.returncode, self.output
 
-    def doc(self) -> dict[str, Any]:
-        """The agent's state/agent.json as it is now; {} before the agent first writes it."""
+    def agent_doc(self) -> AgentDoc | None:
+        """The agent's state/agent.json as it is now (toolkit.agentdoc); None before the agent first writes it."""
         try:
-            return json.loads((self.dir / "state" / "agent.json").read_text())
-        except (OSError, ValueError):
-            return {}
+            return AgentDoc.parse((self.dir / "state" / "agent.json").read_bytes())
+        except (OSError, BadDocument):
+            return None  # not written yet (every write is a rename, so never half)
+
+    def doc(self) -> dict[str, Any]:
+        """agent.json as it is now, as JSON has it; {} before the agent first writes it."""
+        doc = self.agent_doc()
+        return doc.to_dict() if doc else {}
 
     def procs(self) -> dict[str, dict[str, Any]]:
         """agent.json's processes by node id ({} before it is written)."""
