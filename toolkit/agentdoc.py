@@ -8,7 +8,7 @@ from the files, without starting a Python on the host):
 - `state/agent.sock`: its control socket, one JSON request per line (`ControlOp`) and one reply;
 - `state/progress.sock`: the workers' progress datagrams (`progress`);
 - `job-id`: which job of which project the job directory holds (`JOB_ID_FILE`, `read_identity`), written once by
-  the first deploy (tasks.scripts.LAYOUT_SCRIPT) and compared by every later deploy, start and stop.
+  the first deploy (jobhosts.scripts.LAYOUT_SCRIPT) and compared by every later deploy, start and stop.
 """
 
 from __future__ import annotations
