@@ -1,9 +1,10 @@
 """`status`: every process of the job as its host's agent sees it, from the agents' own files, as a table or JSON.
 
 Two ways to ask a host, judged by the same rule (toolkit.agentdoc): `status` runs the agent's own `status` command
-(STATUS_SCRIPT); the pollers (`train` before starting, `train --join`, `restart`) read the agent's files with
-POLL_SCRIPT, starting no Python. Either way one bounded command per host (STATUS_TIMEOUT); the agent is asked,
-never its processes, and a host that cannot be asked becomes a row saying so rather than an exception.
+(STATUS_SCRIPT); the pollers (toolkit.jobhosts.poll: `train` before starting, `train --join`, `restart`) read the
+agent's files with POLL_SCRIPT, starting no Python. Either way one bounded command per host (STATUS_TIMEOUT); the
+agent is asked, never its processes, and a host that cannot be asked becomes a row saying so rather than an
+exception (toolkit.jobhosts.judge).
 
 The scheduler host's command also reads the scheduler's live.json (toolkit.rundoc): the generation, each rank's
 pace, loss and heartbeat age, the stragglers and the last incident, which the agents cannot know."""
