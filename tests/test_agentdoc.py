@@ -14,7 +14,8 @@ import pytest
 from toolkit import agentdoc
 from toolkit.agent import policy
 from toolkit.agent.log import AgentLog, iso
-from toolkit.agent.supervisor import Agent, Slot
+from toolkit.agent.slots import Slot
+from toolkit.agent.supervisor import Agent
 from toolkit.agentdoc import (
     AgentDoc,
     AgentState,
@@ -60,8 +61,9 @@ def _old_proc(slot: Slot, policy: RestartPolicy, exits: list[dict], same: dict |
 
 
 def _old_agent(a: Agent, failure: dict | None, took: list[dict], procs: list[dict], updated: str) -> dict[str, Any]:
-    """Agent.document as it was before the records (verbatim but for the time and the parts given as dicts)."""
-    sp = a.spare
+    """Agent.document (with WarmSpare.document) as it was before the records (verbatim but for the time and the
+    parts given as dicts)."""
+    sp = a.warm.spare
     return {
         "version": 1, "job": a.spec.job, "host": a.spec.host,
         "job_dir": str(a.spec.job_dir), "job_id": a.spec.job_id,
@@ -69,7 +71,7 @@ def _old_agent(a: Agent, failure: dict | None, took: list[dict], procs: list[dic
         "state": a.state, "reason": a.reason, "exit_code": a.exit_code, "updated_at": updated,
         "scheduler": {"address": f"{a.spec.sched_host}:{a.spec.sched_port}", "link": a.link.state,
                       "since": iso(a.link.since)},
-        "warm_spare": {"enabled": a.spare_enabled, "pid": sp.child.pid if sp else None,
+        "warm_spare": {"enabled": a.warm.enabled, "pid": sp.child.pid if sp else None,
                        "ready": bool(sp and sp.ready), "held": bool(sp and sp.held)},
         "bind_core": a.spec.bind_core,
         "spare": a.spec.spare, "took_over": took,
@@ -95,7 +97,7 @@ def test_the_writer_gives_the_bytes_of_the_old_dict_literals(tmp_path: Path) -> 
     takeover, the give-up evidence), built by the agent's writer, is byte for byte what the dict literals wrote."""
     a = _agent(tmp_path)
     a.state, a.reason, a.exit_code = "failed", "worker_0 exit code 1 after 2 restarts", 1
-    sched, worker = a.slots["sched"], a.slots["worker_0"]
+    sched, worker = a.processes.slots["sched"], a.processes.slots["worker_0"]
     sched.child, sched.state, sched.launches, sched.started_wall = _Child(999), "running", 1, time.time()
     sched.last_pid, sched.last_ticks, sched.cpus = 999, 4242, frozenset({3, 1})
     worker.launches, worker.counted, worker.step, worker.epoch, worker.step_at = 3, 2, 5, 0, time.time()
@@ -103,7 +105,7 @@ def test_the_writer_gives_the_bytes_of_the_old_dict_literals(tmp_path: Path) -> 
     old_exits = []
     for pid in (1000, 1001):  # the real recording and judging of two failed exits
         worker.started_mono = time.monotonic()
-        rec = a._record_exit(worker, ExitStatus(1, None), pid, 5)
+        rec = a.processes.record_exit(worker, ExitStatus(1, None), pid, 5)
         old_exits.append({"code": 1, "signal": None, "pid": pid, "at": rec.at, "ran_for": rec.ran_for, "step": 5,
                           "cause": None, "failure": True})
         worker.judged(policy.GiveUp(2, 5), rec)
@@ -114,7 +116,7 @@ def test_the_writer_gives_the_bytes_of_the_old_dict_literals(tmp_path: Path) -> 
     old_failure = {"host": "h1", "node_id": "worker_0", "rank": 0, "pid": 1001, "code": 1, "signal": None,
                    "status": "exit code 1", "cause": "exit code 1", "restarts": 2, "log_file": worker.spec.log_file,
                    "log_tail": ["a", "b"], "at": iso(time.time())}
-    a.failure = Failure(**{**old_failure, "log_tail": ("a", "b")})
+    a.processes.failure = Failure(**{**old_failure, "log_tail": ("a", "b")})
     old_took = [{"host": "h0", "node_ids": ["worker_1"], "seq": 3, "at": iso(time.time())}]
     a.took_over = [Takeover(**{**t, "node_ids": tuple(t["node_ids"])}) for t in old_took]
 

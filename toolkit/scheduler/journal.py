@@ -4,7 +4,9 @@ toolkit.rundoc (live.json, ledger.json, metrics.jsonl) into the recovery directo
 
 The server calls `note` for each Note and `tick` on every pass of its loop (`next_deadline` says when the next
 write or evaluation is due, so its select() never polls). Writes are bounded in frequency (named intervals below)
-and in size (the ledger's lists and the metrics file are capped), and a write that fails is logged once a minute
+and in size (the ledger's lists and the metrics file are capped), also in the job's size: live.json holds a row per
+rank and is rewritten at most LIVE_RANKS_PER_S rows a second, metrics.jsonl keeps at most MAX_METRIC_VALUES rank
+samples, and a heartbeat that changes nothing marks nothing to write. A write that fails is logged once a minute
 and retried: the record must never stop the job. Without a recovery directory nothing is written (the tracking
 and the messages still work).
 """
@@ -19,14 +21,18 @@ from pathlib import Path
 from typing import Any, Callable
 
 from toolkit import atomicfile, rundoc
+from toolkit.scheduler.actions import Log, Note, NoteKind
 from toolkit.scheduler.ledger import Ledger
-from toolkit.scheduler.membership import Log, Note
+from toolkit.scheduler.state import JobStatus
 from toolkit.scheduler.stragglers import EVAL_INTERVAL, Cleared, Named, Stragglers
 
-LIVE_INTERVAL = 1.0  # s between rewrites of live.json (what `fleet status` reads)
+LIVE_INTERVAL = 1.0  # s between rewrites of live.json (what `fleet status` reads), up to LIVE_RANKS_PER_S ranks
+LIVE_RANKS_PER_S = 1024  # ranks' rows in live.json written per second at most: a bigger job's is rewritten less often
 LEDGER_INTERVAL = 5.0  # s: the ledger is written at most this often, except at once when an incident changes
 METRICS_INTERVAL = 1.0  # s between metrics samples at first; doubled each time the file is thinned
 MAX_METRICS = 10_000  # samples kept in metrics.jsonl: past this, every other one goes
+MAX_METRIC_VALUES = 640_000  # ranks x samples kept: a job of more than 64 ranks keeps fewer samples (the file's size
+MIN_METRICS = 100  # and the cost of thinning it stay bounded), but never fewer than this
 WRITE_ERROR_EVERY = 60.0  # s between log lines about a record that cannot be written
 
 log = logging.getLogger("toolkit.scheduler")
@@ -44,7 +50,7 @@ class Journal:
         self.clock, self.wall = clock, wall
         self.stragglers = Stragglers(threshold)
         self.ledger = Ledger(job, world_size, wall())
-        self.status = "running"
+        self.status = JobStatus.RUNNING
         self.generation = 0
         self.formed = False
         now = clock()
@@ -52,6 +58,8 @@ class Journal:
         self.ledger_at = now + LEDGER_INTERVAL
         self.metrics_interval = METRICS_INTERVAL
         self.metrics_lines = 0
+        self.live_interval = LIVE_INTERVAL * max(1.0, world_size / LIVE_RANKS_PER_S)
+        self.max_metrics = min(MAX_METRICS, max(MIN_METRICS, MAX_METRIC_VALUES // max(1, world_size)))
         self.error_said = -math.inf
 
     def restore(self) -> list[Log]:
@@ -68,8 +76,8 @@ class Journal:
             return [Log(logging.WARNING, f"cannot read the ledger {path} ({e.strerror}); a new one starts")]
         try:
             ledger = Ledger.from_json(json.loads(text))
-            if ledger.job != self.job or ledger.world_size != self.world_size or ledger.outcome in ("finished",
-                                                                                                    "failed"):
+            if (ledger.job != self.job or ledger.world_size != self.world_size
+                    or ledger.outcome in (JobStatus.FINISHED, JobStatus.FAILED)):
                 raise ValueError(f"it is job {ledger.job!r}'s with {ledger.world_size} workers, {ledger.outcome}")
         except (KeyError, TypeError, ValueError, RecursionError) as e:
             aside = path.with_name(f"{path.name}.{int(self.wall())}.unused")
@@ -91,19 +99,19 @@ class Journal:
         now, wall = self.clock(), self.wall()
         out: list[Log] = []
         f = note.fields
-        if note.kind == "pace":
+        if note.kind == NoteKind.PACE:
             self.stragglers.observe(f, now)
-        elif note.kind == "death":
+        elif note.kind == NoteKind.DEATH:
             for c in self.stragglers.forget(f["rank"]):
                 self.ledger.straggler_cleared(c.rank, wall)
             self.generation = f["generation"]
             self.formed = self.formed and not f["begins"]
-        elif note.kind == "formed":
+        elif note.kind == NoteKind.FORMED:
             self.generation, self.formed = f["generation"], True
-        elif note.kind in ("finished", "failed"):
-            self.status = note.kind
+        elif note.kind in (NoteKind.FINISHED, NoteKind.FAILED):
+            self.status = JobStatus(note.kind.value)
         self.ledger.note(note.kind, f, wall)
-        if note.kind == "death":
+        if note.kind == NoteKind.DEATH:
             inc = self.ledger.incidents[-1] if self.ledger.incidents else None
             if inc is not None and any(p["node_id"] == f["node_id"] and p["pid"] == f["pid"] for p in inc.processes):
                 out.append(Log(logging.INFO, f"ledger: incident {inc.number}: {inc.cause} "
@@ -148,7 +156,7 @@ class Journal:
             self.metrics_at = now + self.metrics_interval
             self._sample(wall)
         if now >= self.live_at:
-            self.live_at = now + LIVE_INTERVAL
+            self.live_at = now + self.live_interval
             self._write(rundoc.LIVE_FILE, json.dumps(self.live(now, wall)))
         return out
 
@@ -217,7 +225,7 @@ class Journal:
             with open(path, "a") as fh:
                 fh.write(rundoc.metric_line(wall, self.generation, ranks) + "\n")
             self.metrics_lines += 1
-            if self.metrics_lines > MAX_METRICS:
+            if self.metrics_lines > self.max_metrics:
                 kept = path.read_text().splitlines()[::2]
                 atomicfile.write(path, "\n".join(kept) + "\n")
                 self.metrics_lines = len(kept)

@@ -36,13 +36,22 @@ from typing import Any, Mapping
 
 from toolkit.protocol import RECOVERY_IN_PLACE, RECOVERY_RESTART
 from toolkit.rundoc import LEDGER_VERSION as VERSION
-from toolkit.scheduler.membership import CAUSE_CLOSED, CAUSE_NOT_BACK, CAUSE_SILENCE
+from toolkit.scheduler.actions import CAUSE_CLOSED, CAUSE_NOT_BACK, CAUSE_SILENCE, NoteKind
+from toolkit.scheduler.state import JobStatus
 
 HOST_LOST_WINDOW = 10.0  # s: deaths on a host this close to its agent's disconnection are the host's loss
 MAX_INCIDENTS = 10_000  # kept in the document (the oldest go first); counts stay exact
 MAX_EPISODES = 1_000  # straggler episodes and interval changes kept
 STEPLESS_NOTE = ("an upper bound: the script reports no steps, so the time after each formation of its group counts "
                  "as training; one line, toolkit.train.report(step, loss=...), makes it exact")
+
+
+# The ledger's handler of each kind of Note it counts (a plain string of the same value finds it too).
+_HANDLERS: Mapping[str, str] = {
+    NoteKind.DEATH: "_on_death", NoteKind.EXITED: "_on_exited", NoteKind.REPLACED: "_on_replaced",
+    NoteKind.AGENT_LOST: "_on_agent_lost", NoteKind.FORMED: "_on_formed", NoteKind.RECOVERED: "_on_recovered",
+    NoteKind.PACE: "_on_pace", NoteKind.FENCED: "_on_fenced", NoteKind.RESTORED: "_on_restored",
+    NoteKind.FINISHED: "_on_finished", NoteKind.FAILED: "_on_failed"}
 
 
 @dataclass
@@ -99,6 +108,7 @@ class Ledger:
         self._awaiting_step: float | None = None
         self._rank_step: dict[int, int] = {}  # rank -> the step its latest heartbeat carried (not persisted)
         self._stride: dict[int, int] = {}  # rank -> steps between a torchrun-style script's reports (not persisted)
+        self._interval: dict[int, int] = {}  # rank -> its latest ckpt_every (the list keeps only MAX_EPISODES changes)
         self.recovery: str | None = None  # the job's recovery mode, as its members registered (protocol.RECOVERY_*)
         self.checkpoint_step: int | None = None  # the newest checkpoint a torchrun-style script reported
         self._after_stop = False  # started again after its operator stopped it, until the next formation
@@ -109,11 +119,12 @@ class Ledger:
 
     # -- facts
 
-    def note(self, kind: str, fields: Mapping[str, Any], now: float) -> None:
-        """A membership Note (toolkit.scheduler.membership.Note) at wall time `now`."""
-        handler = getattr(self, f"_on_{kind}", None)
-        if handler is not None:
-            handler(fields, now)
+    def note(self, kind: NoteKind | str, fields: Mapping[str, Any], now: float) -> None:
+        """A membership Note (toolkit.scheduler.actions.Note) of `kind` at wall time `now`; a kind the ledger does
+        not count (`refused`) changes nothing."""
+        name = _HANDLERS.get(kind)
+        if name is not None:
+            getattr(self, name)(fields, now)
 
     def _on_death(self, f: Mapping[str, Any], now: float) -> None:
         if self._after_stop and f["cause"] == CAUSE_NOT_BACK:
@@ -240,18 +251,19 @@ class Ledger:
             self.step_time = f["step_time"]
         if "ckpt_stall" in f:
             base, last = self._stall.get(f["rank"], [0.0, 0.0])
-            if f["ckpt_stall"] < last:  # a new process of the rank: its counter started again
-                base += last
-            self._stall[f["rank"]] = [base, f["ckpt_stall"]]
-            self._changed()
+            if f["rank"] not in self._stall or f["ckpt_stall"] != last:  # in every heartbeat: changed when moved
+                if f["ckpt_stall"] < last:  # a new process of the rank: its counter started again
+                    base += last
+                self._stall[f["rank"]] = [base, f["ckpt_stall"]]
+                self._changed()
         if "stride" in f:
             self._stride[f["rank"]] = f["stride"]
         if "ckpt_step" in f and (self.checkpoint_step is None or f["ckpt_step"] > self.checkpoint_step):
             self.checkpoint_step = f["ckpt_step"]
             self._changed()
         if "ckpt_every" in f:
-            prev = next((i for i in reversed(self.intervals) if i["rank"] == f["rank"]), None)
-            if prev is None or prev["steps"] != f["ckpt_every"]:
+            if self._interval.get(f["rank"]) != f["ckpt_every"]:  # O(1) per heartbeat, whatever the list holds
+                self._interval[f["rank"]] = f["ckpt_every"]
                 self.intervals.append({"at": now, "rank": f["rank"], "steps": f["ckpt_every"],
                                        "why": f.get("ckpt_why", "")})
                 del self.intervals[:-MAX_EPISODES]
@@ -270,15 +282,15 @@ class Ledger:
         self._changed(urgent=True)
 
     def _on_finished(self, f: Mapping[str, Any], now: float) -> None:
-        self._end("finished", None, now)
+        self._end(JobStatus.FINISHED, None, now)
 
     def _on_failed(self, f: Mapping[str, Any], now: float) -> None:
-        self._end("failed", f.get("reason"), now)
+        self._end(JobStatus.FAILED, f.get("reason"), now)
 
     def stopped(self, why: str, now: float) -> None:
         """The scheduler was stopped (a signal) while the job ran: the run ends here unless it is restarted."""
         if self.outcome is None:
-            self._end("stopped", why, now)
+            self._end(JobStatus.STOPPED, why, now)
 
     def straggler(self, rank: int, node_id: str, host: str, factor: float, busy: float, median: float,
                   now: float) -> None:
@@ -392,6 +404,7 @@ class Ledger:
         led.generations = list(doc["generations"])
         led.stragglers = list(doc["stragglers"])
         led.intervals = list(doc["intervals"])
+        led._interval = {i["rank"]: i["steps"] for i in led.intervals}
         led.scheduler_restarts = [float(t) for t in doc["scheduler_restarts"]]
         led.first_step_at = doc.get("first_step_at")
         led.last_step = doc.get("last_step")
@@ -409,7 +422,7 @@ class Ledger:
     def resume(self, now: float) -> None:
         """The job goes on after its scheduler was stopped (`fleet stop`, then `train` again): the time it was
         stopped is not the job's (`paused`), the time until it steps again is start-up (`restarting`)."""
-        if self.outcome == "stopped" and self.ended_at is not None:
+        if self.outcome == JobStatus.STOPPED and self.ended_at is not None:
             self.paused += max(0.0, now - self.ended_at)
             self.outcome = self.ended_at = self.failure = None
             self._awaiting_step = now
