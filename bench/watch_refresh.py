@@ -23,8 +23,8 @@ from pathlib import Path
 from rich.console import Console
 
 from toolkit import jobrecord
+from toolkit.jobhosts.reach import record_ssh
 from toolkit.settings import CoreFlags
-from toolkit.tasks.hosts import record_ssh
 from toolkit.tasks.watch import Pollers, render, watch_view
 from toolkit.testing.cluster import Cluster
 

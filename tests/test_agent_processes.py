@@ -94,7 +94,7 @@ def test_crashes_relaunch_through_the_backoff_and_give_up_past_max_restarts(tmp_
     assert [op for op, _ in rig.reports] == [P.EXITED] * 3 + [P.GAVE_UP]
     assert all(f["code"] == 3 for _, f in rig.reports)
     assert rig.finished[0][0] == "failed" and "after 2 restarts" in rig.finished[0][1]
-    assert rig.p.failure["code"] == 3 and rig.p.failure["restarts"] == 2
+    assert rig.p.failure.code == 3 and rig.p.failure.restarts == 2
     rig.end()
 
 
@@ -104,7 +104,7 @@ def test_a_spawn_that_fails_is_an_exit_127_through_the_policy(tmp_path: Path) ->
     rig.p.start()
     assert slot.child is None and slot.launches == 1  # counted as a launch, no child
     rig.until(lambda: slot.state == "backoff")  # relaunched at once, failed again: now a backoff
-    assert [(e["code"], e["pid"]) for e in slot.exits] == [(127, None), (127, None)] and slot.counted == 2
+    assert [(e.code, e.pid) for e in slot.exits] == [(127, None), (127, None)] and slot.counted == 2
     assert rig.timers.timeout(IDLE) == rig.spec.policy.backoff_base
     assert not [r for r in rig.reports if r[0] == P.EXITED]  # no pid: nothing to report
     rig.end()
@@ -122,7 +122,7 @@ def test_the_operators_restart_is_not_counted_and_its_kill_timer_is_cancelled_by
     assert slot.state == "restarting" and slot.kill_timer is not None
     assert rig.p.manual_restart("worker_0")["was_pid"] == was  # a second request signals nothing more
     rig.until(lambda: slot.child is not None and slot.child.pid != was)
-    assert slot.exits[-1]["signal"] == signal.SIGTERM.name and slot.counted == 0
+    assert slot.exits[-1].signal == signal.SIGTERM.name and slot.counted == 0
     assert slot.kill_timer is None and rig.timers.timeout(IDLE) == IDLE  # the SIGKILL will not come
     assert rig.p.manual_restart("nope")["ok"] is False
     rig.closing = True

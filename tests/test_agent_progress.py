@@ -17,7 +17,7 @@ from toolkit.agent import progressinbox
 from toolkit.agent.docwriter import PROGRESS_WRITE_INTERVAL, DocWriter
 from toolkit.agent.progressinbox import ProgressInbox, Report
 from toolkit.agent.timers import Timers
-from toolkit.agentdoc import progress
+from toolkit.agentdoc import AgentDoc, progress
 from toolkit.testing.clock import FakeClock
 
 
@@ -74,9 +74,9 @@ class Doc:
         self.n = 0
         self.writer = DocWriter(self.path, self.timers, self.build)
 
-    def build(self) -> dict:
+    def build(self) -> AgentDoc:
         self.n += 1
-        return {"version": self.n}
+        return AgentDoc(version=self.n)
 
     def written(self) -> int:
         return json.loads(self.path.read_text())["version"]

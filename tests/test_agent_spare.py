@@ -14,6 +14,7 @@ from toolkit.agent.log import AgentLog
 from toolkit.agent.spare import WarmSpare
 from toolkit.agent.timers import Timers
 from toolkit.agent.warmspare import SPARE_DELAY, SPARE_MAX_FAILURES, Step, early_start, next_step
+from toolkit.agentdoc import WarmSpareDoc
 from toolkit.hostspec import HostSpec, ProcSpec, RestartPolicy
 from toolkit.testing.clock import FakeClock
 
@@ -79,7 +80,7 @@ def test_spares_start_after_the_delay_or_once_all_progressed_and_stop_after_repe
     w.progressed([])
     assert w.spare is None  # not every worker progressed yet
     w.progressed([True, True])
-    assert w.spare is not None and w.document()["pid"] == w.spare.child.pid  # at once, and in agent.json
+    assert w.spare is not None and w.document().pid == w.spare.child.pid  # at once, and in agent.json
     assert rig.timers.timeout(IDLE) == IDLE  # its timer is gone
     for died in range(1, SPARE_MAX_FAILURES + 1):
         rig.wait_death()
@@ -89,7 +90,7 @@ def test_spares_start_after_the_delay_or_once_all_progressed_and_stop_after_repe
             rig.clock.advance(SPARE_DELAY)
             rig.timers.run_due()
             assert w.spare is not None
-    assert not w.enabled and w.document() == {"enabled": False, "pid": None, "ready": False, "held": False}
+    assert not w.enabled and w.document() == WarmSpareDoc(enabled=False, pid=None, ready=False, held=False)
     assert rig.timers.timeout(IDLE) == IDLE  # spares are off: nothing armed
     w.arm()
     assert rig.timers.timeout(IDLE) == IDLE

@@ -9,10 +9,11 @@ import warnings
 import pytest
 
 from toolkit import protocol as P
+from toolkit.agentdoc import AgentDoc
+from toolkit.jobhosts.tables import live_lines
 from toolkit.jobrecord import HostRecord, JobRecord
 from toolkit.remote import HostResult
 from toolkit.scheduler.stragglers import EVAL_INTERVAL, PERSIST, Cleared, Named, Stragglers
-from toolkit.tasks.status import live_lines
 from toolkit.tasks.watch import SILENT_MIN, Answer, job_outcome, watch_view
 from toolkit.train.interval import DEFAULT_PRIOR_MTBF, IntervalChooser, choose
 from toolkit.train.pace import SAMPLE_INTERVAL, WINDOW, StepPace
@@ -190,8 +191,8 @@ def _record() -> JobRecord:
 
 
 def _answer(host: str, agent: str, procs: dict[str, dict], at: float, live: dict | None = None) -> Answer:
-    doc = {"state": agent, "alive": agent == "running",
-           "processes": [{"node_id": n, **p} for n, p in procs.items()]}
+    doc = AgentDoc.from_obj({"state": agent, "alive": agent == "running",
+                             "processes": [{"node_id": n, **p} for n, p in procs.items()]})
     result = HostResult(host, True, value={"doc": doc, "live": live, "now": at, "mtimes": {}})
     return Answer(result, at, at, result)
 

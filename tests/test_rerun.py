@@ -120,7 +120,7 @@ def test_a_new_worker_count_is_refused_before_anything_starts(project: Path, tmp
 
 
 def test_what_fresh_takes_for_a_checkpoint() -> None:
-    from toolkit.tasks.rerun import checkpoint_like
+    from toolkit.jobhosts.rerun import checkpoint_like
 
     for path in ("./checkpoints/last.pt", "./model.PTH", "./out/step_10.ckpt", "./my_ckpt/rank_0/state",
                  "./Checkpoints/epoch3/weights.safetensors", "./run/opt.pkl"):

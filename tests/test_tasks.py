@@ -579,7 +579,7 @@ def _children(pid: int) -> list[int]:
 
 
 def test_tail_output_is_split_by_file_and_keeps_blank_lines() -> None:
-    from toolkit.tasks.scripts import TailParser
+    from toolkit.jobhosts.scripts import TailParser
 
     got: list[tuple[str, str]] = []
     parse = TailParser({"/a.log": "h:worker:0", "/b.log": "h:worker:1"}, lambda p, line: got.append((p, line)))
@@ -645,8 +645,8 @@ def test_join_wakes_when_a_local_agent_exits_and_on_ctrl_c() -> None:
     at the end of the interval: with an interval of 10 minutes, only the event can end these waits in time."""
     import threading
 
-    from toolkit.tasks.join import _sleep
-    from toolkit.tasks.output import interrupt_sets
+    from toolkit.jobhosts.follow import _sleep
+    from toolkit.jobhosts.output import interrupt_sets
 
     agent = subprocess.Popen(["sleep", "600"])
     threading.Timer(0.5, agent.kill).start()

@@ -28,7 +28,7 @@ RECORD_DIR = ".toolkit/jobs"
 
 @dataclass(frozen=True)
 class HostRecord:
-    """One host of a deployed job: how to reach it (as deploy did; see tasks.hosts.host_target) and where its job
+    """One host of a deployed job: how to reach it (as deploy did; see jobhosts.reach.host_target) and where its job
     lives, resolved on the host, so no later command has to resolve a relative workdir again."""
 
     name: str

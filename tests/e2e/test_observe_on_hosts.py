@@ -18,8 +18,8 @@ from fault_harness import E2E, SCRIPT_ARGS, Job
 from rich.console import Console
 
 from toolkit import jobrecord, rundoc
+from toolkit.jobhosts.reach import record_ssh
 from toolkit.settings import CoreFlags
-from toolkit.tasks.hosts import record_ssh
 from toolkit.tasks.watch import watch_record
 
 RUN_ARGS = SCRIPT_ARGS.replace("--epochs 2", "--epochs 10")  # long enough to slow, kill, cut off and recover

@@ -40,7 +40,16 @@ from toolkit.agent.supervisor import (
     EXIT_USAGE,
     Agent,
 )
-from toolkit.agentdoc import EXIT_OTHER_JOB, ControlOp, judge, pid_record, recorded_groups
+from toolkit.agentdoc import (
+    EXIT_OTHER_JOB,
+    VERSION,
+    AgentDoc,
+    BadDocument,
+    ControlOp,
+    judge,
+    pid_record,
+    recorded_groups,
+)
 from toolkit.errors import UserError
 from toolkit.hostspec import HostSpec
 from toolkit.printable import clean
@@ -201,25 +210,24 @@ def request(spec: HostSpec, msg: dict, timeout: float = CLIENT_TIMEOUT) -> dict:
 
 def status(spec: HostSpec) -> dict[str, Any]:
     """agent.json as the running agent says it, else as it left it, judged by toolkit.agentdoc's rule (a
-    recorded agent that no longer runs is `gone`)."""
+    recorded agent that no longer runs is `gone`), as JSON has it (AgentDoc.to_dict)."""
     rec = running_agent(spec)
     if rec is not None:
         try:
-            return {**request(spec, {"op": ControlOp.STATUS.value}), "alive": True}
+            reply = AgentDoc.from_obj(request(spec, {"op": ControlOp.STATUS.value}))
+            return dataclasses.replace(reply, alive=True).to_dict()
         except (OSError, ValueError):
             pass
     try:
-        doc = json.loads(spec.agent_json.read_text(encoding="utf-8"))
-    except (OSError, ValueError, RecursionError):
-        doc = None
-    if doc is not None and not isinstance(doc, dict):
+        doc: AgentDoc | None = AgentDoc.parse(spec.agent_json.read_bytes())
+    except (OSError, BadDocument):
         doc = None
     judged = judge(doc, rec)
     if doc is None:
-        judged.update(version=1, job=spec.job, host=spec.host, alive=rec is not None)
+        judged = dataclasses.replace(judged, version=VERSION, job=spec.job, host=spec.host, alive=rec is not None)
     if spec.job_id:  # which job the directory holds, whatever wrote agent.json
-        judged.update(job_id=spec.job_id, job_dir=str(spec.job_dir))
-    return judged
+        judged = dataclasses.replace(judged, job_id=spec.job_id, job_dir=str(spec.job_dir))
+    return judged.to_dict()
 
 
 def restart(spec: HostSpec, node_id: str) -> int:

@@ -7,21 +7,21 @@ Each write is atomicfile.write with VISIBLE durability: a reader sees the old or
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 from toolkit import atomicfile
 from toolkit.agent.timers import Timer, Timers
+from toolkit.agentdoc import AgentDoc
 
 PROGRESS_WRITE_INTERVAL = 1.0  # s: agent.json is rewritten for progress at most this often
 
 
 class DocWriter:
-    """Writes `build()` (the document, a JSON-able dict) to `path`, on the loop's `timers` and their clock. Loop
-    thread only."""
+    """Writes `build()` (the document, a toolkit.agentdoc.AgentDoc, as its to_json) to `path`, on the loop's
+    `timers` and their clock. Loop thread only."""
 
-    def __init__(self, path: Path, timers: Timers, build: Callable[[], dict[str, Any]],
+    def __init__(self, path: Path, timers: Timers, build: Callable[[], AgentDoc],
                  interval: float = PROGRESS_WRITE_INTERVAL) -> None:
         self.path, self.timers, self.build, self.interval = path, timers, build, interval
         self.dirty = False  # progress not written yet
@@ -33,7 +33,7 @@ class DocWriter:
         cannot be written."""
         self.dirty = False
         self.last_write = self.timers.now()
-        atomicfile.write(self.path, json.dumps(self.build(), indent=1) + "\n")
+        atomicfile.write(self.path, self.build().to_json())
 
     def progressed(self) -> None:
         """Progress changed the document: write it once PROGRESS_WRITE_INTERVAL has passed since the latest write

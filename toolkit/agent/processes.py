@@ -17,7 +17,7 @@ import selectors
 import signal
 import subprocess
 import time
-from typing import Any, Callable
+from typing import Callable
 
 from toolkit import envvars as E
 from toolkit import procs
@@ -27,6 +27,7 @@ from toolkit.agent.log import AgentLog, iso, log_tail
 from toolkit.agent.slots import EXIT_HISTORY, Slot, cpu_sets
 from toolkit.agent.spare import WarmSpare
 from toolkit.agent.timers import Timers
+from toolkit.agentdoc import ExitRecord, Failure
 from toolkit.hostspec import HostSpec, ProcSpec
 from toolkit.procs import Child, ExitStatus, LaunchSpec
 
@@ -53,7 +54,7 @@ class Processes:
         sets = cpu_sets(os.sched_getaffinity(0), len(workers), spec.host) if spec.bind_core else []
         by_node = dict(zip((p.node_id for p in workers), sets, strict=False))  # no sets without bind_core
         self.slots = {p.node_id: Slot(p, by_node.get(p.node_id), spec.step_file(p.node_id)) for p in spec.processes}
-        self.failure: dict[str, Any] | None = None
+        self.failure: Failure | None = None
         self.nofile = 0  # the workers' open-file limit (the agent raises it to the hard limit before the start)
 
     def start(self) -> None:
@@ -215,7 +216,7 @@ class Processes:
         self.warm.hold()  # a worker starting cold may be gone
 
     def record_exit(self, slot: Slot, status: ExitStatus, pid: int | None = None,
-                     step: int | None = None) -> dict[str, Any]:
+                     step: int | None = None) -> ExitRecord:
         """Record an exit as `slot.last_exit` and in its history (the last EXIT_HISTORY), with the `step` the
         incarnation had reached; returns the record. In memory only: the caller writes agent.json. Its `cause` is the
         first cause (toolkit.agent.causes: the incarnation's error file, read and removed here, or the scheduler's
@@ -228,8 +229,8 @@ class Processes:
             with contextlib.suppress(OSError):
                 slot.error_file.unlink(missing_ok=True)
             slot.error_file = None
-        rec = {**status.as_dict(), "pid": pid, "at": iso(time.time()), "ran_for": round(ran, 3), "step": step,
-               "cause": causes.first_cause(status, message, slot.fenced)}
+        rec = ExitRecord(**status.as_dict(), pid=pid, at=iso(time.time()), ran_for=round(ran, 3), step=step,
+                         cause=causes.first_cause(status, message, slot.fenced))
         slot.last_exit = rec
         slot.exits = (slot.exits + [rec])[-EXIT_HISTORY:]
         return rec
@@ -245,7 +246,7 @@ class Processes:
         pid = child.pid if child else None
         ran = time.monotonic() - slot.started_mono
         record = self.record_exit(slot, status, pid, slot.reached_step())
-        cause = record["cause"]
+        cause = record.cause
         if slot.kill_timer:
             slot.kill_timer.cancel()
             slot.kill_timer = None
@@ -258,7 +259,7 @@ class Processes:
             counted=slot.counted, manual=slot.manual, closing=self.closing(),
             finishing=self.agent_state() == "finishing",
             others_running=any(s.child for s in others), others_succeeded=all(s.state == "succeeded" for s in others),
-            reached=record["step"], failed_at=slot.failed_at)
+            reached=record.step, failed_at=slot.failed_at)
         how = causes.describe(status, cause)
         reaction = policy.on_exit(self.spec.policy, facts, how)
         slot.manual = False
@@ -316,11 +317,11 @@ class Processes:
         n = slot.counted
         files = slot.files.cause() if slot.files else ""
         how = causes.describe(status, cause)
-        self.failure = {
-            "host": self.spec.host, "node_id": spec.node_id, "rank": spec.rank, "pid": pid,
-            "code": status.code, "signal": status.signal_name, "status": status.describe() + files,
-            "cause": how + files, "restarts": n, "log_file": spec.log_file, "log_tail": tail, "at": iso(time.time()),
-        }
+        self.failure = Failure(
+            host=self.spec.host, node_id=spec.node_id, rank=spec.rank, pid=pid,
+            code=status.code, signal=status.signal_name, status=status.describe() + files,
+            cause=how + files, restarts=n, log_file=spec.log_file, log_tail=tuple(tail), at=iso(time.time()),
+        )
         slot.state = "failed"
         reason = f"{spec.node_id} {how}{files} after {n} restart{'s' if n != 1 else ''} " \
                  f"(max_restarts {self.spec.policy.max_restarts}); the job has failed"

@@ -6,14 +6,16 @@ the children it vouches for in heartbeats (`running`), and the cold relaunches t
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Iterable
 
-from toolkit import procs, stepfile
+from toolkit import agentdoc, procs, stepfile
 from toolkit.agent import openfiles, policy
 from toolkit.agent.log import iso
 from toolkit.agent.progressinbox import Report
 from toolkit.agent.timers import Timer
+from toolkit.agentdoc import ExitRecord, ProcDoc
 from toolkit.errors import UserError
 from toolkit.hostspec import ProcSpec, RestartPolicy
 from toolkit.procs import Child
@@ -69,8 +71,8 @@ class Slot:
         self.started_mono = 0.0
         self.started_wall: float | None = None
         self.warm = False
-        self.last_exit: dict[str, Any] | None = None
-        self.exits: list[dict[str, Any]] = []
+        self.last_exit: ExitRecord | None = None
+        self.exits: list[ExitRecord] = []
         self.step: int | None = None
         self.epoch: int | None = None
         self.step_at: float | None = None
@@ -127,35 +129,37 @@ class Slot:
         steps = [s for s in (stepfile.read(self.step_file) if self.step_file else None, self.reached) if s is not None]
         return max(steps) if steps else None
 
-    def judged(self, reaction: Any, record: dict[str, Any]) -> None:
-        """After an exit: if the restart budget judged it (a counted relaunch or the give-up), mark its record a
-        failure, keep the count's furthest step, and see whether it keeps failing the same way."""
+    def judged(self, reaction: Any, record: ExitRecord) -> None:
+        """After an exit: if the restart budget judged it (a counted relaunch or the give-up), mark its record (the
+        latest) a failure, keep the count's furthest step, and see whether it keeps failing the same way."""
         if not (isinstance(reaction, policy.GiveUp) or isinstance(reaction, policy.Relaunch) and reaction.failure):
             return
-        record["failure"] = True
-        self.failed_at, self.same_failure = reaction.failed_at, policy.repeated_failure(self.exits)
+        self.last_exit = replace(record, failure=True)
+        self.exits = [e if e is not record else self.last_exit for e in self.exits]
+        self.failed_at = reaction.failed_at
+        self.same_failure = policy.repeated_failure([e.to_dict() for e in self.exits])
 
-    def document(self, policy: RestartPolicy) -> dict[str, Any]:
+    def document(self, policy: RestartPolicy) -> ProcDoc:
         """This process's entry in agent.json's `processes`; no I/O. `pid`, `pgid` and `start_ticks` name the running
         incarnation (None between incarnations), `last_pid` and `last_start_ticks` the latest one, running or not:
         `stop` and the next agent find leftover groups from these (toolkit.agentdoc.recorded_groups), so a group is
         always recorded with its leader's start time."""
         c = self.child
-        return {
-            "node_id": self.spec.node_id, "role": self.spec.role, "rank": self.spec.rank,
-            "local_rank": self.spec.local_rank, "state": self.state,
-            "pid": c.pid if c else None, "pgid": c.pgid if c else None, "start_ticks": c.start_ticks if c else None,
-            "last_pid": self.last_pid, "last_start_ticks": self.last_ticks,
-            "started_at": iso(self.started_wall), "warm": self.warm if c else None,
-            "restarts": max(0, self.launches - 1), "counted_restarts": self.counted,
-            "max_restarts": policy.max_restarts, "next_start_at": iso(self.next_start),
-            "last_exit": self.last_exit, "exits": self.exits,
-            "step": self.step, "epoch": self.epoch, "step_at": iso(self.step_at), "recovery": self.recovery,
-            "cpus": sorted(self.cpus) if self.cpus else None,
-            "open_files": self.files.document() if self.files else None,
-            "failed_at": self.failed_at, "same_failure": self.same_failure,
-            "log_file": self.spec.log_file, "argv": list(self.spec.argv),
-        }
+        return ProcDoc(
+            node_id=self.spec.node_id, role=self.spec.role, rank=self.spec.rank,
+            local_rank=self.spec.local_rank, state=agentdoc.ProcState(self.state),
+            pid=c.pid if c else None, pgid=c.pgid if c else None, start_ticks=c.start_ticks if c else None,
+            last_pid=self.last_pid, last_start_ticks=self.last_ticks,
+            started_at=iso(self.started_wall), warm=self.warm if c else None,
+            restarts=max(0, self.launches - 1), counted_restarts=self.counted,
+            max_restarts=policy.max_restarts, next_start_at=iso(self.next_start),
+            last_exit=self.last_exit, exits=tuple(self.exits),
+            step=self.step, epoch=self.epoch, step_at=iso(self.step_at), recovery=self.recovery,
+            cpus=tuple(sorted(self.cpus)) if self.cpus else None,
+            open_files=self.files.document() if self.files else None,
+            failed_at=self.failed_at, same_failure=self.same_failure,
+            log_file=self.spec.log_file, argv=tuple(self.spec.argv),
+        )
 
 
 def cold_launches(slots: Iterable[Slot]) -> list[float]:

@@ -16,7 +16,7 @@ import signal
 import socket
 import subprocess
 import time
-from typing import Any, Callable
+from typing import Callable
 
 from toolkit import procs, standby
 from toolkit.agent import warmspare
@@ -24,6 +24,7 @@ from toolkit.agent.control import CLIENT_TIMEOUT
 from toolkit.agent.log import AgentLog, iso, log_tail
 from toolkit.agent.timers import Timer, Timers
 from toolkit.agent.warmspare import SPARE_DELAY, SPARE_MAX_FAILURES, Step
+from toolkit.agentdoc import WarmSpareDoc
 from toolkit.hostspec import HostSpec, ProcSpec
 from toolkit.procs import Child, LaunchSpec
 
@@ -245,8 +246,8 @@ class WarmSpare:
         sp.child.wait(procs.KILL_WAIT)
         sp.sock.close()
 
-    def document(self) -> dict[str, Any]:
+    def document(self) -> WarmSpareDoc:
         """agent.json's `warm_spare`: whether spares are on, and the spare's pid, readiness and hold (no I/O)."""
         sp = self.spare
-        return {"enabled": self.enabled, "pid": sp.child.pid if sp else None,
-                "ready": bool(sp and sp.ready), "held": bool(sp and sp.held)}
+        return WarmSpareDoc(enabled=self.enabled, pid=sp.child.pid if sp else None,
+                            ready=bool(sp and sp.ready), held=bool(sp and sp.held))

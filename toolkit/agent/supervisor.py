@@ -24,7 +24,7 @@ import sys
 import time
 from typing import Any, Callable
 
-from toolkit import atomicfile, netif, procs
+from toolkit import agentdoc, atomicfile, netif, procs
 from toolkit import envvars as E
 from toolkit import protocol as P
 from toolkit.agent import openfiles, policy
@@ -37,12 +37,11 @@ from toolkit.agent.progressinbox import ProgressInbox, Report
 from toolkit.agent.slots import cold_launches, running
 from toolkit.agent.spare import WarmSpare
 from toolkit.agent.timers import Timer, Timers
-from toolkit.agentdoc import ControlOp, recorded_groups
+from toolkit.agentdoc import AgentDoc, ControlOp, Takeover, recorded_groups
 from toolkit.hostspec import HostSpec
 
 REPORT_FLUSH_TIMEOUT = 3.0  # s to deliver the last reports (gave_up) before exiting
 IDLE_WAKE = 30.0  # s: the loop wakes at least this often (nothing depends on it; it bounds every select)
-AGENT_DOC_VERSION = 1  # agent.json's "version"
 
 EXIT_OK = 0
 EXIT_FAILED = 1  # a process passed max_restarts here, or the scheduler stopped the job
@@ -99,7 +98,7 @@ class Agent:
                               cold=lambda: cold_launches(self.processes.slots.values()), closing=lambda: self.closing,
                               changed=lambda: self.writer.write())
         self.writer = DocWriter(spec.agent_json, self.timers, self.document)
-        self.took_over: list[dict[str, Any]] = []  # a spare's takeovers: {host, node_ids, seq, at}
+        self.took_over: list[Takeover] = []  # a spare's takeovers
         self.link = SchedulerLink(spec, self.sel, self.timers, log, self._on_scheduler, self._changed,
                                   self._hello_fields, lambda: {"running": running(self.processes.slots.values())})
         self.processes = Processes(spec, self.sel, self.timers, log, self.base_env, self.warm, self.link.report,
@@ -301,8 +300,8 @@ class Agent:
         standby = {p.node_id: p for p in self.spec.standby}
         self.log("agent", f"taking over {reaction.host}: starting {', '.join(reaction.node_ids)} (the scheduler "
                           f"replaced {reaction.host} by this spare host)")
-        self.took_over.append({"host": reaction.host, "node_ids": list(reaction.node_ids), "seq": seq,
-                               "at": iso(time.time())})
+        self.took_over.append(Takeover(host=reaction.host, node_ids=tuple(reaction.node_ids), seq=seq,
+                                       at=iso(time.time())))
         for node_id in reaction.node_ids:
             self.processes.add(standby[node_id], f"takeover of {reaction.host}")
         self.warm.took_over()
@@ -345,7 +344,7 @@ class Agent:
         error naming the known ops."""
         op = req.get("op") if isinstance(req, dict) else None
         if op == ControlOp.STATUS:
-            return self.document(), None
+            return self.document().to_dict(), None
         if op == ControlOp.STOP:
             self.log("agent", "stop requested on the control socket")
             return {"ok": True}, lambda: self._finish("stopped", EXIT_STOPPED, "stop requested")
@@ -377,20 +376,21 @@ class Agent:
         if self.exit_code is None:
             self.writer.write()
 
-    def document(self) -> dict[str, Any]:
-        """The agent.json document, also the control socket's `status` reply. No I/O; its fields are those of
-        docs/architecture.md and toolkit.agentdoc (commands.status adds `alive`)."""
-        return {
-            "version": AGENT_DOC_VERSION, "job": self.spec.job, "host": self.spec.host,
-            "job_dir": str(self.spec.job_dir), "job_id": self.spec.job_id,
-            "agent": {"pid": self.pid, "start_ticks": self.ticks, "started_at": iso(self.started),
-                      "python": sys.executable},
-            "state": self.state, "reason": self.reason, "exit_code": self.exit_code, "updated_at": iso(time.time()),
-            "scheduler": {"address": f"{self.spec.sched_host}:{self.spec.sched_port}", "link": self.link.state,
-                          "since": iso(self.link.since)},
-            "warm_spare": self.warm.document(),
-            "bind_core": self.spec.bind_core,
-            "spare": self.spec.spare, "took_over": self.took_over,
-            "processes": [s.document(self.spec.policy) for s in self.processes.slots.values()],
-            "failure": self.processes.failure,
-        }
+    def document(self) -> AgentDoc:
+        """The agent.json document, also the control socket's `status` reply (as its to_dict). No I/O; its fields are
+        toolkit.agentdoc.AgentDoc's (commands.status adds `alive`)."""
+        return AgentDoc(
+            version=agentdoc.VERSION, job=self.spec.job, host=self.spec.host,
+            job_dir=str(self.spec.job_dir), job_id=self.spec.job_id,
+            agent=agentdoc.AgentInfo(pid=self.pid, start_ticks=self.ticks, started_at=iso(self.started),
+                                     python=sys.executable),
+            state=agentdoc.AgentState(self.state), reason=self.reason, exit_code=self.exit_code,
+            updated_at=iso(time.time()),
+            scheduler=agentdoc.LinkDoc(address=f"{self.spec.sched_host}:{self.spec.sched_port}",
+                                       link=agentdoc.LinkState(self.link.state), since=iso(self.link.since)),
+            warm_spare=self.warm.document(),
+            bind_core=self.spec.bind_core,
+            spare=self.spec.spare, took_over=tuple(self.took_over),
+            processes=tuple(s.document(self.spec.policy) for s in self.processes.slots.values()),
+            failure=self.processes.failure,
+        )

@@ -4,5 +4,5 @@
 - probe.py   the small program run on each host with the job's interpreter (standard library only until the
              health test imports torch): `facts` (versions, digests, environment, ports, disk, clock) and
              `health` (a timed matmul and timed gloo all-reduces with paired hosts)
-
-The task that gathers and prints is toolkit.tasks.check."""
+- gather.py  gathering both phases on the hosts and the report table (`fleet check`, toolkit.tasks.check, and
+             `train`)"""

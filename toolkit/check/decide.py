@@ -1,5 +1,5 @@
 """The check's decisions, pure: facts from the hosts in, one Problem per finding out (the host, what is wrong, the
-fix). Nothing here reaches a host or reads a clock; toolkit.tasks.check gathers and prints.
+fix). Nothing here reaches a host or reads a clock; toolkit.check.gather gathers and tables them.
 
 Which value is right: the one most hosts share, a tie going to the scheduler host's value (a fleet that agrees
 with itself and differs on one host names that host, even when it is the scheduler's). Slowness is measured

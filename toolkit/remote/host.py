@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
 from toolkit.errors import UserError
+from toolkit.remote.paths import home_relative
 from toolkit.remote.results import (
     CommandFailed,
     CommandResult,
@@ -27,6 +28,7 @@ from toolkit.remote.results import (
     _tail,
 )
 from toolkit.remote.settings import DEFAULT_EXCLUDE
+from toolkit.remote.transfer import sync_dir
 
 _ENV_NAME = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ_0123456789"
 # Exit codes of the preflight script: each names one thing the host lacks.
@@ -80,12 +82,12 @@ class Host:
             st = local.stat()
         except OSError as e:
             raise UserError(f"{local}: cannot read ({e.strerror}); check the path") from None
-        self._put_file(local, _home_relative(remote), stat.S_IMODE(st.st_mode) if mode is None else mode, None)
+        self._put_file(local, home_relative(remote), stat.S_IMODE(st.st_mode) if mode is None else mode, None)
 
     def write(self, remote: str, data: bytes | str, mode: int = 0o644) -> None:
         """Write `data` to a file, atomically, with `mode` (0o600 for secrets: the mode is set before the data
         lands under its final name). Raises as `put` does; the directory must exist."""
-        self._write_bytes(_home_relative(remote), data.encode() if isinstance(data, str) else data, mode)
+        self._write_bytes(home_relative(remote), data.encode() if isinstance(data, str) else data, mode)
 
     def sync_dir(
         self,
@@ -99,8 +101,6 @@ class Host:
 
         Returns what was sent, kept and removed, and the symlinks left out (`SyncStats.outside`: the caller says
         so). Raises UserError if local_dir is not a directory, else as `run(check=True)` and `put` do."""
-        from toolkit.remote.transfer import sync_dir
-
         return sync_dir(self, Path(local_dir), remote_dir, exclude, delete)
 
     def detach(
@@ -208,7 +208,7 @@ class Host:
             f'mkdir -p -- "$wd" && test -w "$wd" || exit {_NO_WORKDIR}\n'
             'exec "$py" -c "$check" "$@"\n'
         )
-        wd = _home_relative(workdir)
+        wd = home_relative(workdir)
         result = self.run(["sh", "-c", script, "sh", python, wd, check, *(str(p) for p in ports)])
         if result.ok:
             return
@@ -255,6 +255,15 @@ class Host:
         Feed stdout to `lines` until the command ends or `stop` is set (then kill it, see `_end_stream`); no
         wait longer than `poll` between looks at `stop`. `finished` False: no exit status came back."""
         raise NotImplementedError
+
+    def put_file(self, local: Path, remote: str, mode: int, mtime: int | None = None) -> None:
+        """Copy `local` to `remote` (home-relative) atomically with `mode`, and `mtime` if given; what the directory
+        sync (toolkit.remote.transfer) sends each changed file with. RemoteError on failure."""
+        self._put_file(local, remote, mode, mtime)
+
+    def mkdir(self, remote: str) -> None:
+        """Create one directory (home-relative; its parent exists). RemoteError on failure."""
+        self._mkdir(remote)
 
     def _put_file(self, local: Path, remote: str, mode: int, mtime: int | None) -> None:
         """Copy `local` to `remote` (home-relative) atomically with `mode`, and `mtime` if given (sync compares
@@ -318,22 +327,9 @@ def command_text(command: Sequence[str] | str, cwd: str | None = None, env: Mapp
         body = "exec " + shlex.join(argv)  # no shell left between: a signal that kills argv is seen as such
     lines = []
     if cwd is not None:
-        lines.append(f"cd -- {shlex.quote(_home_relative(cwd))} || exit 1")
+        lines.append(f"cd -- {shlex.quote(home_relative(cwd))} || exit 1")
     for name, value in (env or {}).items():
         if not name or name[0].isdigit() or any(c not in _ENV_NAME for c in name):
             raise ValueError(f"environment variable name {name!r} is not valid")
         lines.append(f"export {name}={shlex.quote(str(value))}")
     return "\n".join(lines + [body])
-
-
-def _home_relative(path: str) -> str:
-    """`~` and `~/x` as paths relative to the home directory (where sessions start and sftp resolves relative
-    paths), since a quoted `~` is not expanded."""
-    path = str(path)
-    if path == "~":
-        return "."
-    if path.startswith("~/"):
-        return path[2:] or "."
-    if path.startswith("~"):
-        raise UserError(f"{path}: ~user paths are not supported; give an absolute path or one relative to home")
-    return path

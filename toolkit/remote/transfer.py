@@ -2,7 +2,8 @@
 per file, and never following a symlink out of the project (a link to ~/.ssh/id_rsa must not reach every host).
 
 Reached through `Host.sync_dir` (deploy's project upload). Works the same over SshHost and LocalHost: it uses only
-Host.run, _mkdir and _put_file, so every step has the transport's bounds. The host needs GNU find (-printf)."""
+Host.run, mkdir and put_file (`SyncTarget`), so every step has the transport's bounds. The host needs GNU find
+(-printf)."""
 
 from __future__ import annotations
 
@@ -11,17 +12,28 @@ import os
 import shlex
 import stat
 from pathlib import Path
-from typing import TYPE_CHECKING, Sequence
+from typing import Mapping, Protocol, Sequence
 
 from toolkit.errors import UserError
-from toolkit.remote.host import _home_relative
-from toolkit.remote.results import CommandFailed, ConnectionLost, SyncStats
-
-if TYPE_CHECKING:
-    from toolkit.remote.host import Host
+from toolkit.remote.paths import home_relative
+from toolkit.remote.results import CommandFailed, CommandResult, ConnectionLost, SyncStats
 
 
-def sync_dir(host: "Host", local_dir: Path, remote_dir: str, exclude: Sequence[str], delete: bool) -> SyncStats:
+class SyncTarget(Protocol):
+    """What the sync needs of a host (toolkit.remote.Host has it): its name, a bounded command, and the transport's
+    own directory creation and atomic file copy."""
+
+    name: str
+
+    def run(self, command: Sequence[str] | str, timeout: float | None = None, cwd: str | None = None,
+            env: Mapping[str, str] | None = None, check: bool = False) -> CommandResult: ...
+
+    def mkdir(self, remote: str) -> None: ...
+
+    def put_file(self, local: Path, remote: str, mode: int, mtime: int | None = None) -> None: ...
+
+
+def sync_dir(host: SyncTarget, local_dir: Path, remote_dir: str, exclude: Sequence[str], delete: bool) -> SyncStats:
     """Make remote_dir on `host` hold local_dir's files (see the module docstring).
 
     One `find` lists the remote side (creating remote_dir if needed); a file is sent only if its size, mtime
@@ -29,10 +41,10 @@ def sync_dir(host: "Host", local_dir: Path, remote_dir: str, exclude: Sequence[s
     Remote entries of the wrong kind (a directory where a file belongs, or the reverse) are removed first; with
     `delete`, so are remote entries that are not local and not excluded (excluded names are never touched).
     Returns SyncStats. Raises UserError if local_dir is not a directory, ConnectionLost or CommandFailed if the
-    listing or a removal fails, and what Host._put_file and _mkdir raise for a transfer."""
+    listing or a removal fails, and what Host.put_file and mkdir raise for a transfer."""
     if not local_dir.is_dir():
         raise UserError(f"{local_dir}: not a directory; nothing to copy to {host.name}")
-    remote_dir = _home_relative(remote_dir)
+    remote_dir = home_relative(remote_dir)
     local_files, local_dirs, outside = _scan(local_dir, exclude)
     listing = host.run(
         f"mkdir -p -- {shlex.quote(remote_dir)} && find {shlex.quote(remote_dir)} -mindepth 1 "
@@ -64,14 +76,14 @@ def sync_dir(host: "Host", local_dir: Path, remote_dir: str, exclude: Sequence[s
     dirs_created = 0
     for rel in sorted(local_dirs):
         if rel not in remote or remote[rel][0] != "d":
-            host._mkdir(f"{remote_dir}/{rel}")
+            host.mkdir(f"{remote_dir}/{rel}")
             dirs_created += 1
     sent = unchanged = nbytes = 0
     for rel, (size, mtime, mode) in sorted(local_files.items()):
         if remote.get(rel) == ("f", size, mtime, mode):
             unchanged += 1
             continue
-        host._put_file(local_dir / rel, f"{remote_dir}/{rel}", mode, mtime)
+        host.put_file(local_dir / rel, f"{remote_dir}/{rel}", mode, mtime)
         sent += 1
         nbytes += size
     return SyncStats(files_sent=sent, bytes_sent=nbytes, files_unchanged=unchanged,

@@ -1,8 +1,9 @@
 """What `fleet` and `fab` do, one module per command: plan and deploy, and record a deploy the playbooks made
-(`deploy`), check the hosts (`check`), start and watch (`start`, `join`; `run` deploys, starts and watches in
-one), ask (`status`, `logs`, `report`), watch live (`watch`: `status --watch`), stop (`stop`), hand a host's ranks
-to a spare (`replace`). Shared by them: the job's hosts and SSH settings (`hosts`), the shell snippets run on a
-host and the parsers of what they print (`scripts`), and the terminal output (`output`). The command line
+(`deploy`), check the hosts (`check`), start and watch (`start`, `train --join`; `run` deploys, starts and watches
+in one), ask (`status`, `logs`, `report`), watch live (`watch`: `status --watch`), stop (`stop`), hand a host's ranks
+to a spare (`replace`). A command imports no other command: what they share lives below them, in toolkit.jobhosts
+(the job's hosts and SSH settings, the shell snippets run there, reading and judging their state, starting,
+following and stopping the job, deploying it, the terminal output) and toolkit.check.gather. The command line
 (toolkit.cli) calls only what this package exports."""
 
 from toolkit.tasks.check import Limits, check

@@ -13,6 +13,9 @@ from dataclasses import replace
 from typing import Any, Mapping
 
 from toolkit.errors import UserError
+from toolkit.jobhosts.output import dash, interrupt_sets, say
+from toolkit.jobhosts.reach import STATUS_TIMEOUT, host_target, load_record, record_ssh
+from toolkit.jobhosts.scripts import TailParser, missing_logs
 from toolkit.jobrecord import JobRecord
 from toolkit.printable import clean
 from toolkit.remote import (
@@ -23,9 +26,6 @@ from toolkit.remote import (
     run_on_all,
 )
 from toolkit.settings import JobRef
-from toolkit.tasks.hosts import STATUS_TIMEOUT, host_target, load_record, record_ssh
-from toolkit.tasks.output import dash, interrupt_sets, say
-from toolkit.tasks.scripts import TailParser, missing_logs
 
 LOG_LINES = 20  # default of `logs -n`
 

@@ -9,10 +9,10 @@ hosts). The job record learns the new layout from the spare's agent at the next 
 from __future__ import annotations
 
 from toolkit.errors import UserError
+from toolkit.jobhosts.output import say
+from toolkit.jobhosts.reach import STATUS_TIMEOUT, host_target, load_record, record_ssh
 from toolkit.remote import ClusterError, Host, run_on_all
 from toolkit.settings import JobRef
-from toolkit.tasks.hosts import STATUS_TIMEOUT, host_target, load_record, record_ssh
-from toolkit.tasks.output import say
 
 
 def replace(ref: JobRef, host_name: str | None, spare: str | None) -> None:

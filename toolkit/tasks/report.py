@@ -12,11 +12,11 @@ from typing import Any
 from toolkit import report as R
 from toolkit import rundoc
 from toolkit.errors import UserError
+from toolkit.jobhosts.output import say, table_console
+from toolkit.jobhosts.reach import STATUS_TIMEOUT, host_target, load_record, record_ssh
 from toolkit.jobrecord import JobRecord
 from toolkit.remote import Host, run_on_all
 from toolkit.settings import JobRef
-from toolkit.tasks.hosts import STATUS_TIMEOUT, host_target, load_record, record_ssh
-from toolkit.tasks.output import say, table_console
 
 # Prints ledger.json, a record separator line, then the newest MAX_DOC_BYTES of metrics.jsonl (its first line may
 # be cut: rundoc.read_metrics skips it); exit 3 when there is no ledger. Argument: the recovery directory.

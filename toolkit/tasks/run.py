@@ -7,19 +7,20 @@ from __future__ import annotations
 
 from toolkit import jobrecord
 from toolkit.errors import UserError
+from toolkit.jobhosts.deployment import deploy
+from toolkit.jobhosts.launch import start_job
+from toolkit.jobhosts.poll import collect_status
+from toolkit.jobhosts.reach import record_ssh
 from toolkit.settings import Request
-from toolkit.tasks.deploy import deploy
-from toolkit.tasks.hosts import record_ssh
-from toolkit.tasks.start import train
-from toolkit.tasks.status import collect_status
 
 
 def run(request: Request, join_timeout: float | None = None, fresh: bool = False, again: bool = False,
         check: bool = True) -> None:
-    """Deploy the job as typed, start it and wait for its end (tasks.train with join).
+    """Deploy the job as typed, start it and wait for its end (toolkit.jobhosts.launch.start_job with join, as
+    `train --join` does).
 
     A job of that name that still runs on some host is not deployed over: UserError naming the hosts and what to
-    type (wait for it, stop it, or run under another --job). Raises what deploy and train raise (UserError, and
+    type (wait for it, stop it, or run under another --job). Raises what deploy and start_job raise (UserError, and
     JobFailed, exit 1, when the job fails)."""
     settings = request.settings()
     job = settings.options.job
@@ -31,4 +32,4 @@ def run(request: Request, join_timeout: float | None = None, fresh: bool = False
             raise UserError(f"job {job} already runs on {', '.join(alive)}: 'fleet train --join' waits for it, "
                             "'fleet stop' ends it; or give this run another --job name")
     deploy(settings)
-    train(request, join=True, join_timeout=join_timeout, fresh=fresh, again=again, check=check, verb="fleet run")
+    start_job(request, join=True, join_timeout=join_timeout, fresh=fresh, again=again, check=check, verb="fleet run")

@@ -7,18 +7,10 @@ signalling: it signals only processes it can prove are the job's (pid and start 
 from __future__ import annotations
 
 from toolkit.errors import UserError
-from toolkit.jobrecord import JobRecord
-from toolkit.remote import (
-    ClusterError,
-    Host,
-    check_all,
-    rich_progress,
-    run_on_all,
-)
-from toolkit.settings import JobRef
-from toolkit.tasks.hosts import (
+from toolkit.jobhosts.output import say
+from toolkit.jobhosts.poll import poll_status
+from toolkit.jobhosts.reach import (
     LAUNCH_TIMEOUT,
-    STOP_TIMEOUT_EXTRA,
     OtherJob,
     host_target,
     load_record,
@@ -27,9 +19,15 @@ from toolkit.tasks.hosts import (
     result_line,
     unless_other_job,
 )
-from toolkit.tasks.output import say
-from toolkit.tasks.scripts import STOP_SCRIPT
-from toolkit.tasks.status import poll_status
+from toolkit.jobhosts.stopping import stop_one
+from toolkit.remote import (
+    ClusterError,
+    Host,
+    check_all,
+    rich_progress,
+    run_on_all,
+)
+from toolkit.settings import JobRef
 
 
 def stop(ref: JobRef) -> None:
@@ -56,17 +54,6 @@ def stop(ref: JobRef) -> None:
     say(f"job {record.job} stopped on {len(results)} host(s); each verified that no process of the job is left")
 
 
-def stop_one(host: Host, record: JobRecord) -> str:
-    """Stop the job on one host through its stop.sh (STOP_SCRIPT) and return what it printed. Bounded by the
-    grace period plus STOP_TIMEOUT_EXTRA; raises CommandFailed (stop.sh could not verify that nothing is left,
-    or timed out), ConnectionLost or HostStalled, and OtherJob where the job directory holds another project's job
-    (left running). Used by `stop`, by train's rollback and by --join after a failure."""
-    h = record.host(host.name)
-    result = host.run(["sh", "-c", STOP_SCRIPT, "sh", h.job_dir, h.name, record.job_id],
-                      timeout=record.grace + STOP_TIMEOUT_EXTRA)
-    return unless_other_job(host.name, result).check().stdout.strip()
-
-
 # --- restart -----------------------------------------------------------------------------------------------------
 
 
@@ -86,11 +73,11 @@ def restart(ref: JobRef, node: str | None, host_name: str | None) -> None:
         """recover.sh for the node; for a host, launch.sh if its agent is not alive, else recover.sh per node. Never
         in a job directory that holds another project's job (OtherJob)."""
         doc = poll_status(host, h)["doc"]
-        if doc.get("job_id") and record.job_id and doc["job_id"] != record.job_id:
+        if doc.job_id and record.job_id and doc.job_id != record.job_id:
             raise OtherJob(host.name, f"{h.job_dir} holds another project's job {record.job}: nothing was restarted")
         if node is not None:
             return host.run([f"{h.job_dir}/recover.sh", node], timeout=LAUNCH_TIMEOUT, check=True).stdout.strip()
-        if not doc["alive"]:
+        if not doc.alive:
             launch = host.run([f"{h.job_dir}/launch.sh", "--job-id", record.job_id] if record.job_id else
                               [f"{h.job_dir}/launch.sh"], timeout=LAUNCH_TIMEOUT)
             return unless_other_job(host.name, launch).check().stdout.strip()

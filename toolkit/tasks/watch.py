@@ -22,21 +22,15 @@ from rich.text import Text
 
 from toolkit.agentdoc import FINAL_STATES
 from toolkit.errors import UserError
+from toolkit.jobhosts.follow import Interrupted, JobFailed
+from toolkit.jobhosts.output import human_age, interrupt_sets, table_console
+from toolkit.jobhosts.poll import poll_status, settle_layout
+from toolkit.jobhosts.reach import host_target, load_record, record_ssh
+from toolkit.jobhosts.tables import live_lines, status_table
+from toolkit.jobhosts.view import HostStatus, live_path, recovery_mode
 from toolkit.jobrecord import HostRecord, JobRecord
 from toolkit.remote import HostPool, HostResult, SshSettings, run_on_all
 from toolkit.settings import JobRef
-from toolkit.tasks.hosts import host_target, load_record, record_ssh
-from toolkit.tasks.join import Interrupted, JobFailed
-from toolkit.tasks.output import human_age, interrupt_sets, table_console
-from toolkit.tasks.status import (
-    HostStatus,
-    live_lines,
-    live_path,
-    poll_status,
-    recovery_mode,
-    settle_layout,
-    status_table,
-)
 
 WATCH_INTERVAL = 2.0  # s between refreshes (and between each host's polls) unless --interval says otherwise
 MIN_INTERVAL = 0.2  # s: the shortest --interval (each refresh asks every host)

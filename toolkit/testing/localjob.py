@@ -4,7 +4,6 @@ agent's files and pids without the fleet command around it."""
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import secrets
@@ -14,6 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any, Mapping
 
+from toolkit.agentdoc import AgentDoc, BadDocument
 from toolkit.inventory import local_inventory
 from toolkit.plan import JobOptions, make_plan
 from toolkit.render import render_host, write_files
@@ -33,7 +33,49 @@ def clean_env() -> dict[str, str]:
             if k not in ENV_DROP and not k.startswith(("MS_", "TOOLKIT_", "TORCHELASTIC_"))}
 
 
-class LocalJob:
+class JobDirFiles:
+    """What a test reads of a local job's directory `dir` (set or computed by the subclass): agent.json and its
+    processes, the logs, and the evidence a failed assertion prints. `dir_known` False: the test does not know the
+    job directory (evidence says so)."""
+
+    dir: Path
+    dir_known = True
+
+    def agent_doc(self) -> AgentDoc | None:
+        """The agent's state/agent.json as it is now (toolkit.agentdoc); None before the agent first writes it."""
+        try:
+            return AgentDoc.parse((self.dir / "state" / "agent.json").read_bytes())
+        except (OSError, BadDocument):
+            return None  # not written yet (every write is a rename, so never half)
+
+    def doc(self) -> dict[str, Any]:
+        """agent.json as it is now, as JSON has it; {} before the agent first writes it."""
+        doc = self.agent_doc()
+        return doc.to_dict() if doc else {}
+
+    def procs(self) -> dict[str, dict[str, Any]]:
+        """agent.json's processes by node id ({} before it is written)."""
+        return {p["node_id"]: p for p in self.doc().get("processes", [])}
+
+    def log(self, name: str) -> str:
+        """The text of logs/`name` (e.g. worker_0.log); "" while it does not exist."""
+        try:
+            return (self.dir / "logs" / name).read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def evidence(self) -> str:
+        """What a failed assertion prints: the agent's state and the last 15 lines of every log."""
+        if not self.dir_known:
+            return "(no --workdir: the job's files are not known to this test)"
+        doc = self.doc()
+        parts = [f"--- agent.json state: {doc.get('state')} {doc.get('reason') or ''}"]
+        for path in sorted((self.dir / "logs").glob("*.log")):
+            parts.append(f"--- {path.name}\n" + "\n".join(path.read_text(errors="replace").splitlines()[-15:]))
+        return "\n".join(parts)
+
+
+class LocalJob(JobDirFiles):
     """A local job of `workers` workers running `script` (default: the sample trainer) from `project` with `args`,
     its files rendered under `root`/`job` at construction; `start` runs its agent. `options` are JobOptions fields
     (node_timeout, grace, warm_spare, ckpt_dir, ...); the rest are fleet's defaults. `token`: the job's token (the
@@ -61,35 +103,10 @@ class LocalJob:
                                           stdout=out, stderr=out, start_new_session=True)
         return self.agent
 
-    def doc(self) -> dict[str, Any]:
-        """The agent's state/agent.json as it is now; {} before the agent first writes it."""
-        try:
-            return json.loads((self.dir / "state" / "agent.json").read_text())
-        except (OSError, ValueError):
-            return {}  # not written yet (every write is a rename, so never half)
-
-    def procs(self) -> dict[str, dict[str, Any]]:
-        """agent.json's processes by node id ({} before it is written)."""
-        return {p["node_id"]: p for p in self.doc().get("processes", [])}
-
-    def log(self, name: str) -> str:
-        """The text of logs/`name` (e.g. worker_0.log); "" while it does not exist."""
-        try:
-            return (self.dir / "logs" / name).read_text(errors="replace")
-        except OSError:
-            return ""
-
     def last_step(self, rank: int) -> int:
         """The newest step rank `rank` printed (the sample trainer's `epoch: E, step: S, loss is` lines); 0 if none."""
         steps = STEP_LINE.findall(self.log(f"worker_{rank}.log"))
         return int(steps[-1][1]) if steps else 0
-
-    def evidence(self) -> str:
-        """What a failed assertion prints: the agent's state and the last 15 lines of every log."""
-        parts = [f"--- agent.json state: {self.doc().get('state')} {self.doc().get('reason') or ''}"]
-        for path in sorted((self.dir / "logs").glob("*.log")):
-            parts.append(f"--- {path.name}\n" + "\n".join(path.read_text(errors="replace").splitlines()[-15:]))
-        return "\n".join(parts)
 
     def finish(self, timeout: float) -> int:
         """Wait up to `timeout` s for the agent (started by `start`) to end the job; its exit code (0 succeeded,
@@ -115,7 +132,7 @@ class LocalJob:
 FLEET = str(Path(sys.executable).parent / "fleet")
 
 
-class FleetRun:
+class FleetRun(JobDirFiles):
     """A local job as a user runs it: `fleet deploy train --join` in the background, from `cwd`, on a copy of
     a project; the agent's files are read straight from the job directory (a status per look would steal CPU)."""
 
@@ -132,6 +149,11 @@ class FleetRun:
         flags give --workdir."""
         assert self.workdir is not None, "give --workdir"
         return self.workdir / self.job
+
+    @property
+    def dir_known(self) -> bool:
+        """Whether the flags give --workdir (else the job's files are not known to the test)."""
+        return self.workdir is not None
 
     def start(self, *tasks: str) -> None:
         """Run `fleet TASKS --join` (default: deploy train) in the background, in a session of its own."""
@@ -153,34 +175,6 @@ class FleetRun:
                 raise AssertionError(f"the job did not end within {timeout} s\n{self.output}\n{self.evidence()}") \
                     from None
         return self.runner.returncode, self.output
-
-    def doc(self) -> dict[str, Any]:
-        """The agent's state/agent.json as it is now; {} before the agent first writes it."""
-        try:
-            return json.loads((self.dir / "state" / "agent.json").read_text())
-        except (OSError, ValueError):
-            return {}
-
-    def procs(self) -> dict[str, dict[str, Any]]:
-        """agent.json's processes by node id ({} before it is written)."""
-        return {p["node_id"]: p for p in self.doc().get("processes", [])}
-
-    def log(self, name: str) -> str:
-        """The text of logs/`name` (e.g. worker_0.log); "" while it does not exist."""
-        try:
-            return (self.dir / "logs" / name).read_text(errors="replace")
-        except OSError:
-            return ""
-
-    def evidence(self) -> str:
-        """What a failed assertion prints: the agent's state and the last 15 lines of every log."""
-        if self.workdir is None:
-            return "(no --workdir: the job's files are not known to this test)"
-        doc = self.doc()
-        parts = [f"--- agent.json state: {doc.get('state')} {doc.get('reason') or ''}"]
-        for path in sorted((self.dir / "logs").glob("*.log")):
-            parts.append(f"--- {path.name}\n" + "\n".join(path.read_text(errors="replace").splitlines()[-15:]))
-        return "\n".join(parts)
 
     def stop(self) -> None:
         """Whatever happened: nothing of the job left running (`fleet stop`, bounded). The agents run detached from

@@ -20,6 +20,11 @@ from typing import Any, Mapping
 
 from toolkit.agentdoc import FINAL_STATES
 from toolkit.errors import UserError
+from toolkit.jobhosts.output import dash, emit, interrupt_sets, say
+from toolkit.jobhosts.poll import collect_status
+from toolkit.jobhosts.reach import STATUS_TIMEOUT, host_target
+from toolkit.jobhosts.stopping import stop_one
+from toolkit.jobhosts.view import HostStatus, ProcStatus
 from toolkit.jobrecord import JobRecord
 from toolkit.printable import clean
 from toolkit.remote import (
@@ -29,10 +34,6 @@ from toolkit.remote import (
     check_all,
     run_on_all,
 )
-from toolkit.tasks.hosts import STATUS_TIMEOUT, host_target
-from toolkit.tasks.output import dash, emit, interrupt_sets, say
-from toolkit.tasks.status import HostStatus, ProcStatus, collect_status
-from toolkit.tasks.stop import stop_one
 
 FAILURE_TAIL_LINES = 10  # log lines shown for a process that ended badly, when its agent recorded none
 JOIN_POLL_INTERVAL = 2.0  # s between status polls of `train --join`: remote state cannot be waited on otherwise

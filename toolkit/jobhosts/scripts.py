@@ -3,8 +3,8 @@ they print. Each does its work in one round trip and without starting a Python w
 
 Every script is run as `host.run(["sh", "-c", SCRIPT, "sh", ARG...])`, so user values (paths, names) arrive as
 positional parameters and are never pasted into shell text. Scripts that print several parts separate them with a
-line holding only the ASCII record separator (0x1E), where tasks.status splits them. The host needs GNU coreutils
-and findutils (stat -c, sha256sum, find -printf, date +%N)."""
+line holding only the ASCII record separator (0x1E), where toolkit.jobhosts.poll and tasks.status split them. The
+host needs GNU coreutils and findutils (stat -c, sha256sum, find -printf, date +%N)."""
 
 from __future__ import annotations
 

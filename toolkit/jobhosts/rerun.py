@@ -23,10 +23,10 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from toolkit.errors import UserError
+from toolkit.jobhosts.reach import STATUS_TIMEOUT, fan_out, host_target, record_targets
 from toolkit.jobrecord import HostRecord, JobRecord
 from toolkit.remote import Host, SshSettings, run_on_all
 from toolkit.scheduler.state import STATE_FILE
-from toolkit.tasks.hosts import STATUS_TIMEOUT, fan_out, host_target, record_targets
 
 MAX_STATE_BYTES = 16 * 1024 * 1024  # the scheduler's state holds a line per rank: far below this at 10,000 ranks
 # Prints the scheduler's persisted state (MS_RECOVERY_PATH as plan.py renders it), nothing when there is none.

@@ -1,0 +1,107 @@
+"""How host states look on a terminal: the status table (one row per process, coloured by state), the note that
+stands out about a process, and the scheduler's view in a few lines. Shared by `status` and `status --watch`."""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from rich.markup import escape
+from rich.table import Table
+
+from toolkit.jobhosts.output import dash, human_age
+from toolkit.jobhosts.view import HostStatus, ProcStatus, job_live, number
+from toolkit.jobrecord import JobRecord
+
+# How a process's state stands out in the table (rich styles); states not listed are plain.
+STATE_STYLE = {"running": "green", "succeeded": "green", "starting": "cyan", "connecting": "cyan",
+               "restarting": "bold yellow", "backoff": "bold yellow", "stopping": "yellow", "failed": "bold red",
+               "gone": "bold red", "unreachable": "bold red", "fenced": "bold red", "stopped": "magenta"}
+
+
+LAGGING_AFTER = 5.0  # s without a heartbeat at the scheduler before a running worker's row says it lags
+
+
+def status_table(record: JobRecord, hosts: list[HostStatus], title: str | None = None) -> Table:
+    """One row per process: where it runs, its state as its agent sees it, and the scheduler's figures (step,
+    steps/s, loss, heartbeat age; a straggler's factor). Shared by `status` and `status --watch`. Dead,
+    restarting, fenced and unreachable states are coloured, and so are lagging workers (heartbeat older than
+    LAGGING_AFTER while running) and stragglers."""
+    live = job_live(hosts)
+    if title is None:
+        title = f"job {record.job}: {record.world_size} worker(s) on {len(record.live_hosts)} host(s), " \
+                f"scheduler {record.scheduler_host}:{record.sched_port}"
+        if live is not None:
+            title += f", generation {live.get('generation')}"
+    table = Table(title=title)
+    right = ("rank", "pid", "restarts", "step", "steps/s", "loss", "heartbeat")
+    for column in ("host", "node id", "rank", "pid", "state", "restarts", "step", "steps/s", "loss", "heartbeat",
+                   "log age", "note"):
+        table.add_column(column, justify="right" if column in right else "left")
+    for h in hosts:
+        for p in h.processes:
+            note, style = process_note(p)
+            table.add_row(p.host, p.node_id, dash(p.rank), dash(p.pid), f"[{STATE_STYLE.get(p.state, '')}]"
+                          f"{escape(p.state)}" if p.state in STATE_STYLE else escape(p.state), str(p.restarts),
+                          dash(p.step), _fixed(p.steps_per_s, 2), _fixed(p.loss, 4),
+                          human_age(p.heartbeat_age) if p.heartbeat_age is not None else "-",
+                          human_age(p.log_age), f"[{style}]{escape(note)}" if note else "")
+    return table
+
+
+def process_note(p: ProcStatus) -> tuple[str, str]:
+    """What stands out about a process (a straggler and by how much, a lagging heartbeat, its last bad exit) and
+    the style to show it in; ("", "") for nothing."""
+    if p.straggler is not None:
+        return f"straggler: {p.straggler:.2f}x the others' own work per step", "bold magenta"
+    if p.state == "running" and p.heartbeat_age is not None and p.heartbeat_age > LAGGING_AFTER:
+        return f"lagging: no heartbeat for {p.heartbeat_age:.0f} s", "bold yellow"
+    if p.last_exit and p.last_exit != "exit code 0":
+        return f"last exit: {p.last_exit}", "red" if p.state != "running" else "yellow"
+    return "", ""
+
+
+def _fixed(value: float | None, digits: int) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def live_lines(live: Mapping[str, Any] | None) -> list[str]:
+    """The scheduler's view in a few lines: each straggler (host, rank, by how much), the last incident (cause,
+    processes, step, time to recover, steps recomputed) and the goodput so far. Empty without a live document."""
+    if live is None:
+        return []
+    lines = [f"straggler: {s.get('node_id')} (rank {s.get('rank')}) on {s.get('host')}: its own work per step "
+             f"takes {s.get('factor')}x the median of the others" for s in live.get("stragglers") or []
+             if isinstance(s, dict)]
+    inc = live.get("last_incident")
+    if isinstance(inc, dict):
+        recomputed = "" if inc.get("recomputed") is None else f", {inc['recomputed']} step(s) recomputed"
+        procs, where = (", ".join(map(str, inc.get(k) or [])) for k in ("processes", "hosts"))
+        at = f" at step {inc['step']}" if isinstance(inc.get("step"), int) else ""
+        lines.append(f"last incident (#{inc.get('number')} of {live.get('incidents')}): {inc.get('cause')}: "
+                     f"{procs} on {where}{at}; {recovery_text(inc, live)}{recomputed}")
+    goodput = live.get("goodput")
+    if isinstance(goodput, dict) and number(goodput.get("goodput")) is not None:
+        wall = human_age(number(goodput.get("wall")))
+        head = "goodput" if live.get("status") in ("finished", "failed") else "goodput so far"
+        if goodput.get("basis") == "formations":
+            lines.append(f"{head}: at most {100 * goodput['goodput']:.1f}% of {wall} (the script reports no steps: "
+                         "toolkit.train.report(step, loss=...) makes it exact)")
+        else:
+            lines.append(f"{head}: {100 * goodput['goodput']:.1f}% of {wall}")
+    return lines
+
+
+def recovery_text(inc: Mapping[str, Any], live: Mapping[str, Any]) -> str:
+    """How an incident of live.json stands: recovered (every rank trains again) in how long; else whether its group
+    formed again, and for a script that reports no steps that nothing more can be known; an incident the job ended
+    without recovering from says so rather than "not recovered yet"."""
+    took, formed = number(inc.get("time_to_recover")), number(inc.get("formed_in"))
+    ended = live.get("status") in ("finished", "failed")
+    if took is not None:
+        return f"recovered in {took:.2f} s"
+    if formed is not None and not live.get("reports_steps"):
+        return (f"its group formed again {formed:.2f} s after the failure (the script reports no steps: when it "
+                "trained again is not known)")
+    if formed is not None:
+        return f"its group formed again in {formed:.2f} s" + ("" if ended else ", not training again yet")
+    return f"not recovered: the job {live.get('status')} first" if ended else "not recovered yet"
