@@ -32,11 +32,10 @@ import os
 import secrets
 import select
 import socket
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
@@ -50,7 +49,9 @@ from toolkit.errors import UserError
 from toolkit.session import Unproven, open_session
 from toolkit.train import fence as fence_mod
 from toolkit.train import store as job_store
+from toolkit.train.faults import first_line, looks_collective
 from toolkit.train.fence import Fence
+from toolkit.train.log import say
 from toolkit.train.pace import StepPace
 
 DEFAULT_TIMEOUT = 30.0  # s: bound of one collective and of building a process group
@@ -209,12 +210,6 @@ def _float(env: Mapping[str, str], name: str, default: float) -> float:
         raise RuntimeConfigError(f"{name}={raw!r}: expected a number of seconds") from None
 
 
-def _say(node_id: str, message: str) -> None:
-    """One timestamped line on stderr (the worker's log): the runtime must not depend on the script's logging."""
-    stamp = datetime.now().strftime("%Y-%m-%dT%H:%M:%S.%f")[:-3]
-    print(f"{stamp} {node_id} toolkit: {message}", file=sys.stderr, flush=True)
-
-
 class _Rejected(Exception):
     def __init__(self, reason: str, retry: bool) -> None:
         super().__init__(reason)
@@ -321,7 +316,7 @@ class _Channel:
                     self.register(rejoin=True, timeout=self._handshake_wait())
                     with self.cond:
                         self.cond.notify_all()
-                    _say(self.cfg.node_id, f"reconnected to the scheduler (generation {self.announced})")
+                    say(self.cfg.node_id, f"reconnected to the scheduler (generation {self.announced})")
                     rejected_since = None
                     next_beat = time.monotonic()
                     continue
@@ -354,7 +349,7 @@ class _Channel:
             except (OSError, ValueError, P.ProtocolError) as e:
                 if self.closing.is_set() or self.finishing:
                     return
-                _say(self.cfg.node_id, f"lost the scheduler ({e}); training goes on, reconnecting")
+                say(self.cfg.node_id, f"lost the scheduler ({e}); training goes on, reconnecting")
                 self._drop(sock)
 
     def _handle(self, msg: dict[str, Any]) -> None:
@@ -384,19 +379,19 @@ class _Channel:
         if self.fence is not None and announced is not None:
             cut = self.fence.overtaken(announced)
             if cut:
-                _say(self.cfg.node_id, f"generation {announced} announced: abandoned the group of generation "
+                say(self.cfg.node_id, f"generation {announced} announced: abandoned the group of generation "
                                        f"{self.fence.generation} ({cut} connection(s) shut down)")
         if self.exit_on_new_generation and self.generation is not None and self.announced != self.generation:
-            _say(self.cfg.node_id, f"the job moved to generation {self.announced}; this script cannot re-form in "
+            say(self.cfg.node_id, f"the job moved to generation {self.announced}; this script cannot re-form in "
                                    f"place: exiting with code {EXIT_REJOIN} for its agent to relaunch it")
             os._exit(EXIT_REJOIN)
         if op == P.GENERATION:
-            _say(self.cfg.node_id, f"the job moved to generation {msg['generation']}")
+            say(self.cfg.node_id, f"the job moved to generation {msg['generation']}")
         elif op == P.STOP:
-            _say(self.cfg.node_id, f"the scheduler stopped the job: {msg.get('reason')}")
+            say(self.cfg.node_id, f"the scheduler stopped the job: {msg.get('reason')}")
 
     def _fenced(self, msg: dict[str, Any]) -> None:
-        _say(self.cfg.node_id, f"fenced by the scheduler: {str(msg.get('reason'))[:1000]}; exiting with code "
+        say(self.cfg.node_id, f"fenced by the scheduler: {str(msg.get('reason'))[:1000]}; exiting with code "
                                f"{P.EXIT_FENCED}")
         os._exit(P.EXIT_FENCED)
 
@@ -478,7 +473,7 @@ class _Channel:
                 except OSError:
                     pass
         if not self.finishing:
-            _say(self.cfg.node_id, "could not tell the scheduler this worker finished (it is unreachable)")
+            say(self.cfg.node_id, "could not tell the scheduler this worker finished (it is unreachable)")
         elif self.thread is not None:
             self.thread.join(DONE_WAIT)
         self.close()
@@ -567,7 +562,7 @@ class Runtime:
         looks like one, wait (bounded by the heartbeat rules) for the scheduler's word. Returns the
         GenerationChanged to raise instead, or None if the error is the step's own."""
         ch = self._channel
-        if ch is None or not _looks_collective(error):
+        if ch is None or not looks_collective(error):
             return None
         new = ch.wait_change(self.generation, self.cfg.word_wait)
         return None if new is None else GenerationChanged(self.generation, new)
@@ -598,11 +593,11 @@ class Runtime:
                         is not None
                 if not moved:
                     raise
-                _say(self.node_id, f"building generation {generation} failed ({_first_line(e)}); retrying")
+                say(self.node_id, f"building generation {generation} failed ({first_line(e)}); retrying")
                 continue
             previous, self.generation = self.generation, generation
             ch.generation = generation
-            _say(self.node_id, f"generation {generation}: process group of {self.world_size} ready in "
+            say(self.node_id, f"generation {generation}: process group of {self.world_size} ready in "
                                f"{time.monotonic() - started:.2f} s" + ("" if previous is None else
                                                                        f" (was {previous})"))
             return self.group
@@ -761,20 +756,6 @@ def _readable(sock: socket.socket, timeout: float) -> bool:
     poller = select.poll()
     poller.register(sock, select.POLLIN)
     return bool(poller.poll(timeout * 1000))
-
-
-def _looks_collective(e: BaseException) -> bool:
-    if isinstance(e, dist.DistError):
-        return True
-    if not isinstance(e, RuntimeError):
-        return False
-    text = str(e).lower()
-    return any(w in text for w in ("gloo", "nccl", "connection", "timed out", "timeout", "peer"))
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
 
 
 def init(backend: str | None = None, timeout: float = DEFAULT_TIMEOUT,

@@ -48,6 +48,8 @@ from toolkit import protocol as P
 from toolkit.errors import UserError
 from toolkit.train import progress
 from toolkit.train import store as job_store
+from toolkit.train.faults import first_line, looks_collective
+from toolkit.train.log import say
 from toolkit.train.runtime import (
     DEFAULT_TIMEOUT,
     MODE_TOOLKIT,
@@ -55,9 +57,6 @@ from toolkit.train.runtime import (
     RuntimeConfigError,
     WorkerEnv,
     _Channel,
-    _first_line,
-    _looks_collective,
-    _say,
     notify_agent,
 )
 
@@ -115,11 +114,11 @@ class ScriptSession:
             channel.generation = generation
             moved = channel.announced != generation
         if moved:
-            _say(self.cfg.node_id, f"generation {generation} was abandoned before the script's group was built; "
+            say(self.cfg.node_id, f"generation {generation} was abandoned before the script's group was built; "
                                    f"exiting with code {EXIT_REJOIN} for the agent to relaunch it")
             sys.stdout.flush()
             os._exit(EXIT_REJOIN)
-        _say(self.cfg.node_id, f"the script's process group: generation {generation}, restart recovery (a fault "
+        say(self.cfg.node_id, f"the script's process group: generation {generation}, restart recovery (a fault "
                                "relaunches every worker, which resume from their own checkpoints)")
         notify_agent(self.cfg, {"node_id": self.cfg.node_id, "recovery": P.RECOVERY_RESTART})
         progress.install(progress.ScriptReporter(self.cfg, channel))  # toolkit.train.report() from the script
@@ -144,10 +143,10 @@ class ScriptSession:
         if code == 0:
             ch.done()
             return 0
-        if ch.generation is None or self.cfg.world_size == 1 or (error is not None and not _looks_collective(error)):
+        if ch.generation is None or self.cfg.world_size == 1 or (error is not None and not looks_collective(error)):
             return code
-        what = f"{type(error).__name__}: {_first_line(error)}" if error is not None else f"exit code {code}"
-        _say(self.cfg.node_id, f"the script failed ({what}); waiting up to {self.cfg.word_wait:g} s for the "
+        what = f"{type(error).__name__}: {first_line(error)}" if error is not None else f"exit code {code}"
+        say(self.cfg.node_id, f"the script failed ({what}); waiting up to {self.cfg.word_wait:g} s for the "
                                "scheduler's word (a peer's death breaks the collectives before it is announced)")
         try:
             moved = ch.wait_change(ch.generation, self.cfg.word_wait)
