@@ -139,8 +139,9 @@ def test_garbage_from_an_authenticated_peer_is_a_protocol_error_or_a_well_formed
 
 
 def test_a_refused_reconnect_retries_stops_or_ends_as_fenced() -> None:
-    assert J.on_refused(NOW, NOW, False, "job finished", 10.0) == Stop(
-        "the scheduler refused this worker back: job finished")
+    stop = J.on_refused(NOW, NOW, False, "job finished", 10.0)
+    assert stop == Stop("the scheduler refused this worker back: job finished")
+    assert J.stopped(JobView(announced=1), stop.reason) == JobView(announced=1, stop_reason=stop.reason)
     assert J.on_refused(NOW, NOW + 20.0, True, "node id held", 10.0) == Retry()  # up to 2 node timeouts
     out = J.on_refused(NOW, NOW + 20.5, True, "node id held", 10.0)
     assert isinstance(out, ExitProcess) and out.code == P.EXIT_FENCED
@@ -149,10 +150,10 @@ def test_a_refused_reconnect_retries_stops_or_ends_as_fenced() -> None:
 
 def test_heartbeats_go_every_interval_and_none_while_finishing() -> None:
     first = J.next_wake(NOW, NOW, False, 2.0)  # just (re)connected: beat at once
-    assert first == (True, NOW + 2.0, 2.0)
-    assert J.next_wake(NOW + 0.5, first.next_beat, False, 2.0) == (False, NOW + 2.0, 1.5)
-    assert J.next_wake(NOW + 2.3, first.next_beat, False, 2.0) == (True, NOW + 4.3, 2.0)  # late: from now on
-    assert J.next_wake(NOW + 9.0, NOW, True, 2.0) == (False, NOW, J.DONE_WAIT)
+    assert first == (True, NOW + 2.0, NOW + 2.0)
+    assert J.next_wake(NOW + 0.5, first.next_beat, False, 2.0) == (False, NOW + 2.0, NOW + 2.0)  # a message came
+    assert J.next_wake(NOW + 2.3, first.next_beat, False, 2.0) == (True, NOW + 4.3, NOW + 4.3)  # late: from now on
+    assert J.next_wake(NOW + 9.0, NOW, True, 2.0) == (False, NOW, NOW + 9.0 + J.DONE_WAIT)
 
 
 def test_the_waits_questions() -> None:

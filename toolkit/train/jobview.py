@@ -22,7 +22,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Union
 
-from toolkit import protocol as P
+from toolkit import protocol
 
 DONE_WAIT = 5.0  # s to hear the scheduler acknowledge `done` (by closing) before exiting anyway
 MAX_REASON = 2000  # characters of a `stop` reason kept
@@ -81,19 +81,19 @@ class Stop:
 
 
 class Wake(NamedTuple):
-    """The control loop's next step: send a heartbeat now or not, when the next one is due, and how long to wait
-    for the scheduler's next message before looking again."""
+    """The control loop's next step: send a heartbeat now or not, when the next one is due, and until when to wait
+    for the scheduler's next message before looking again (a time, not a span: a heartbeat's send may block)."""
 
     beat: bool
     next_beat: float
-    timeout: float
+    wait_until: float
 
 
 def fenced(reason: Any) -> ExitProcess:
     """The scheduler declared this incarnation dead (`reason`: its word): exit EXIT_FENCED, relaunched like any
     death."""
-    return ExitProcess(P.EXIT_FENCED, f"fenced by the scheduler: {str(reason)[:MAX_FENCED_REASON]}; exiting with code "
-                                      f"{P.EXIT_FENCED}")
+    code = protocol.EXIT_FENCED
+    return ExitProcess(code, f"fenced by the scheduler: {str(reason)[:MAX_FENCED_REASON]}; exiting with code {code}")
 
 
 def on_message(view: JobView, msg: dict[str, Any], now: float) -> tuple[JobView, list[Effect]]:
@@ -103,25 +103,25 @@ def on_message(view: JobView, msg: dict[str, Any], now: float) -> tuple[JobView,
     channel drops the connection like any broken one and reconnects. An op this worker does not know changes
     nothing."""
     op = msg["op"]
-    if op == P.FENCED:
+    if op == protocol.FENCED:
         return view, [fenced(msg.get("reason"))]
-    generation = P.whole(msg, "generation")
-    if op in (P.WELCOME, P.GENERATION, P.FORMED) and (generation is None or generation < 0):
-        raise P.ProtocolError(f"{op} without a generation")
-    if op == P.FORMED and not isinstance(msg.get("prefix"), str):
-        raise P.ProtocolError("formed without a store prefix")
+    generation = protocol.whole(msg, "generation")
+    if op in (protocol.WELCOME, protocol.GENERATION, protocol.FORMED) and (generation is None or generation < 0):
+        raise protocol.ProtocolError(f"{op} without a generation")
+    if op == protocol.FORMED and not isinstance(msg.get("prefix"), str):
+        raise protocol.ProtocolError("formed without a store prefix")
     new = _changed(view, op, msg, generation, now)
     effects: list[Effect] = []
     if new.announced is not None and (new.held is None or new.announced > new.held):
         effects.append(TripFence(new.announced))
     if new.restart_only and new.held is not None and new.announced != new.held:
-        effects.append(ExitProcess(P.EXIT_REJOIN, f"the job moved to generation {new.announced}; this script cannot "
-                                                  f"re-form in place: exiting with code {P.EXIT_REJOIN} for its "
-                                                  "agent to relaunch it"))
+        code = protocol.EXIT_REJOIN
+        effects.append(ExitProcess(code, f"the job moved to generation {new.announced}; this script cannot re-form in "
+                                         f"place: exiting with code {code} for its agent to relaunch it"))
         return new, effects
-    if op == P.GENERATION:
+    if op == protocol.GENERATION:
         effects.append(Say(f"the job moved to generation {generation}"))
-    elif op == P.STOP:
+    elif op == protocol.STOP:
         effects.append(Say(f"the scheduler stopped the job: {msg.get('reason')}"))
     return new, effects
 
@@ -129,15 +129,15 @@ def on_message(view: JobView, msg: dict[str, Any], now: float) -> tuple[JobView,
 def _changed(view: JobView, op: str, msg: dict[str, Any], generation: int | None, now: float) -> JobView:
     """The view after a validated message. The ledger's history is taken only when its figures are sane: a
     negative or non-finite uptime (or a fault count that is no whole number >= 0) leaves the last one."""
-    if op in (P.WELCOME, P.GENERATION):
+    if op in (protocol.WELCOME, protocol.GENERATION):
         return dataclasses.replace(view, announced=generation)
-    if op == P.FORMED and generation is not None:  # (on_message checked that it is)
+    if op == protocol.FORMED and generation is not None:  # (on_message checked that it is)
         history = view.history
-        faults, uptime = P.whole(msg, "faults"), msg.get("uptime")
-        if faults is not None and faults >= 0 and P.finite_number(uptime) and uptime >= 0:
+        faults, uptime = protocol.whole(msg, "faults"), msg.get("uptime")
+        if faults is not None and faults >= 0 and protocol.finite_number(uptime) and uptime >= 0:
             history = (faults, float(uptime), now)
         return dataclasses.replace(view, formed=(generation, msg["prefix"]), announced=generation, history=history)
-    if op == P.STOP:
+    if op == protocol.STOP:
         return dataclasses.replace(view, stop_reason=str(msg.get("reason", "stopped by the scheduler"))[:MAX_REASON])
     return view
 
@@ -155,15 +155,20 @@ def on_refused(first_at: float, now: float, retry: bool, reason: str, node_timeo
     return Retry()
 
 
+def stopped(view: JobView, reason: str) -> JobView:
+    """The view once the job ended for this worker for `reason` (a final refusal: on_refused's Stop)."""
+    return dataclasses.replace(view, stop_reason=reason)
+
+
 def next_wake(now: float, next_beat: float, finishing: bool, interval: float) -> Wake:
     """At `now`, with the next heartbeat due at `next_beat` every `interval` s: beat now if it is due, and wait for
     the scheduler until the one after. After `done` (`finishing`) nothing more is sent: wait up to DONE_WAIT for
     the scheduler to close."""
     if finishing:
-        return Wake(False, next_beat, DONE_WAIT)
+        return Wake(False, next_beat, now + DONE_WAIT)
     if now >= next_beat:
-        return Wake(True, now + interval, interval)
-    return Wake(False, next_beat, next_beat - now)
+        return Wake(True, now + interval, now + interval)
+    return Wake(False, next_beat, next_beat)
 
 
 def formed_for(view: JobView, current: int | None) -> tuple[int, str] | None:
