@@ -48,6 +48,7 @@ from toolkit import stepfile
 from toolkit.errors import UserError
 from toolkit.session import Unproven, open_session
 from toolkit.train import fence as fence_mod
+from toolkit.train import jobview
 from toolkit.train import store as job_store
 from toolkit.train.faults import first_line, looks_collective
 from toolkit.train.fence import Fence
@@ -228,17 +229,14 @@ class _Channel:
 
     def __init__(self, cfg: WorkerEnv, exit_on_new_generation: bool = False, fence: Fence | None = None) -> None:
         self.cfg = cfg
-        self.exit_on_new_generation = exit_on_new_generation  # for scripts that cannot re-form in place
         self.fence = fence  # tripped when a newer generation is announced: the blocked collective returns
         self.recovery = P.RECOVERY_RESTART if exit_on_new_generation else P.RECOVERY_IN_PLACE
         self.incarnation = secrets.token_hex(8)
         self.cond = threading.Condition()
-        self.announced: int | None = None  # newest generation the scheduler told us about
-        self.formed: tuple[int, str] | None = None  # (generation, store prefix) of the newest formed generation
-        self.stop_reason: str | None = None
-        self.generation: int | None = None  # generation of the group this process holds (sent when rejoining)
+        # what the scheduler said and the generation held (restart recovery: a newer one ends the process);
+        # replaced whole under `cond`, so a reader without the lock still sees one consistent view
+        self.view = jobview.JobView(restart_only=exit_on_new_generation)
         self.step: int | None = None
-        self.history: tuple[int, float, float] | None = None  # (faults, job uptime s, when told): the ledger's
         self.beat: dict[str, Any] = {}  # the latest StepPace.summary() (and checkpoint interval): sent with heartbeats
         self.sock: socket.socket | None = None
         self.lines = P.LineBuffer()
@@ -257,14 +255,14 @@ class _Channel:
         fields = {"node_id": self.cfg.node_id, "rank": self.cfg.rank, "world_size": self.cfg.world_size,
                   "incarnation": self.incarnation, "pid": os.getpid(),
                   "host": os.environ.get(E.TOOLKIT_HOST) or socket.gethostname(),  # the inventory's name: fencing
-                  "generation": self.generation, "rejoin": rejoin, "recovery": self.recovery}
+                  "generation": self.view.held, "rejoin": rejoin, "recovery": self.recovery}
         session = open_session((self.cfg.sched_host, self.cfg.sched_port), self.cfg.token, P.REGISTER, fields,
                                timeout, CONNECT_TIMEOUT)
         msg = session.reply
         if msg["op"] != P.WELCOME:
             session.sock.close()
             if msg["op"] == P.FENCED:
-                self._fenced(msg)
+                self._apply([jobview.fenced(msg.get("reason"))])
             raise _Rejected(str(msg.get("reason", "rejected"))[:1000], bool(msg.get("retry")))
         session.sock.settimeout(SEND_TIMEOUT)
         with self.send_lock:
@@ -327,7 +325,7 @@ class _Channel:
                         self._stop(f"the scheduler refused this worker back: {r.reason}")
                         return
                     if now - rejected_since > 2 * self.cfg.node_timeout:
-                        self._fenced({"reason": f"replaced while disconnected: {r.reason}"})
+                        self._apply([jobview.fenced(f"replaced while disconnected: {r.reason}")])
                 except (OSError, P.ProtocolError, Unproven):
                     pass
                 self.closing.wait(CONNECT_RETRY)
@@ -352,52 +350,67 @@ class _Channel:
                 say(self.cfg.node_id, f"lost the scheduler ({e}); training goes on, reconnecting")
                 self._drop(sock)
 
-    def _handle(self, msg: dict[str, Any]) -> None:
-        """One message of the (authenticated) scheduler; a malformed one is a ProtocolError, which drops the
-        connection like any broken one (the reader reconnects)."""
-        op = msg["op"]
-        if op == P.FENCED:
-            self._fenced(msg)
-        generation = P.whole(msg, "generation")
-        if op in (P.WELCOME, P.GENERATION, P.FORMED) and (generation is None or generation < 0):
-            raise P.ProtocolError(f"{op} without a generation")
-        if op == P.FORMED and not isinstance(msg.get("prefix"), str):
-            raise P.ProtocolError("formed without a store prefix")
-        with self.cond:
-            if op == P.WELCOME or op == P.GENERATION:
-                self.announced = generation
-            elif op == P.FORMED:
-                self.formed = (generation, msg["prefix"])
-                self.announced = generation
-                faults, uptime = P.whole(msg, "faults"), msg.get("uptime")
-                if faults is not None and faults >= 0 and P.finite_number(uptime) and uptime >= 0:
-                    self.history = (faults, float(uptime), time.monotonic())
-            elif op == P.STOP:
-                self.stop_reason = str(msg.get("reason", "stopped by the scheduler"))[:2000]
-            self.cond.notify_all()
-            announced = self.announced
-        if self.fence is not None and announced is not None:
-            cut = self.fence.overtaken(announced)
-            if cut:
-                say(self.cfg.node_id, f"generation {announced} announced: abandoned the group of generation "
-                                       f"{self.fence.generation} ({cut} connection(s) shut down)")
-        if self.exit_on_new_generation and self.generation is not None and self.announced != self.generation:
-            say(self.cfg.node_id, f"the job moved to generation {self.announced}; this script cannot re-form in "
-                                   f"place: exiting with code {EXIT_REJOIN} for its agent to relaunch it")
-            os._exit(EXIT_REJOIN)
-        if op == P.GENERATION:
-            say(self.cfg.node_id, f"the job moved to generation {msg['generation']}")
-        elif op == P.STOP:
-            say(self.cfg.node_id, f"the scheduler stopped the job: {msg.get('reason')}")
+    # -- the view and the effects
 
-    def _fenced(self, msg: dict[str, Any]) -> None:
-        say(self.cfg.node_id, f"fenced by the scheduler: {str(msg.get('reason'))[:1000]}; exiting with code "
-                               f"{P.EXIT_FENCED}")
-        os._exit(P.EXIT_FENCED)
+    @property
+    def announced(self) -> int | None:
+        """The newest generation the scheduler told us about."""
+        return self.view.announced
+
+    @property
+    def formed(self) -> tuple[int, str] | None:
+        """(generation, store prefix) of the newest formed generation."""
+        return self.view.formed
+
+    @property
+    def stop_reason(self) -> str | None:
+        """Why the job ended for this worker (the scheduler's `stop`, or a final refusal); None while it goes on."""
+        return self.view.stop_reason
+
+    @property
+    def generation(self) -> int | None:
+        """The generation of the group this process holds (sent when rejoining); set by `adopt`."""
+        return self.view.held
+
+    @property
+    def history(self) -> tuple[int, float, float] | None:
+        """(faults, job uptime s, monotonic time told): the ledger's figures with the newest formed generation."""
+        return self.view.history
+
+    def adopt(self, generation: int) -> bool:
+        """This process now holds a group of `generation`. Returns whether the job has already moved past it."""
+        with self.cond:
+            self.view, moved = jobview.adopt(self.view, generation)
+        return moved
+
+    def _handle(self, msg: dict[str, Any]) -> None:
+        """One message of the (authenticated) scheduler: the core decides (jobview.on_message, at the time it is
+        handled), the new view is swapped in and the waiters woken, then the effects run in order (`fenced` ends the
+        process with the view untouched). A malformed message is a ProtocolError, which drops the connection like
+        any broken one (the reader reconnects)."""
+        with self.cond:
+            view, effects = jobview.on_message(self.view, msg, time.monotonic())
+            if view is not self.view:
+                self.view = view
+                self.cond.notify_all()
+        self._apply(effects)
+
+    def _apply(self, effects: list[jobview.Effect]) -> None:
+        for effect in effects:
+            if isinstance(effect, jobview.TripFence):
+                cut = self.fence.overtaken(effect.generation) if self.fence is not None else 0
+                if cut:
+                    say(self.cfg.node_id, f"generation {effect.generation} announced: abandoned the group of "
+                                          f"generation {self.fence.generation} ({cut} connection(s) shut down)")
+            elif isinstance(effect, jobview.Say):
+                say(self.cfg.node_id, effect.text)
+            else:
+                say(self.cfg.node_id, effect.why)  # flushed: nothing is lost to the exit
+                os._exit(effect.code)
 
     def _stop(self, reason: str) -> None:
         with self.cond:
-            self.stop_reason = reason
+            self.view = jobview.stopped(self.view, reason)
             self.cond.notify_all()
 
     def _drop(self, sock: socket.socket) -> None:
@@ -430,8 +443,8 @@ class _Channel:
             while True:
                 if self.stop_reason is not None:
                     raise JobStopped(self.stop_reason)
-                f = self.formed
-                if f is not None and f[0] == self.announced and f[0] != current:
+                f = jobview.formed_for(self.view, current)
+                if f is not None:
                     return f
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -448,8 +461,9 @@ class _Channel:
             while True:
                 if self.stop_reason is not None:
                     raise JobStopped(self.stop_reason)
-                if self.announced is not None and self.announced != current:
-                    return self.announced
+                new = jobview.changed_from(self.view, current)
+                if new is not None:
+                    return new
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return None
@@ -596,7 +610,7 @@ class Runtime:
                 say(self.node_id, f"building generation {generation} failed ({first_line(e)}); retrying")
                 continue
             previous, self.generation = self.generation, generation
-            ch.generation = generation
+            ch.adopt(generation)
             say(self.node_id, f"generation {generation}: process group of {self.world_size} ready in "
                                f"{time.monotonic() - started:.2f} s" + ("" if previous is None else
                                                                        f" (was {previous})"))

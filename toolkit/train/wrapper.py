@@ -110,10 +110,7 @@ class ScriptSession:
         channel.join(deadline)
         channel.start()
         generation, prefix = channel.wait_formed(None, deadline + self.cfg.node_timeout)
-        with channel.cond:
-            channel.generation = generation
-            moved = channel.announced != generation
-        if moved:
+        if channel.adopt(generation):
             say(self.cfg.node_id, f"generation {generation} was abandoned before the script's group was built; "
                                    f"exiting with code {EXIT_REJOIN} for the agent to relaunch it")
             sys.stdout.flush()
