@@ -52,6 +52,7 @@ from toolkit.train import jobview
 from toolkit.train import store as job_store
 from toolkit.train.faults import first_line, looks_collective
 from toolkit.train.fence import Fence
+from toolkit.train.jobview import DONE_WAIT
 from toolkit.train.log import say
 from toolkit.train.pace import StepPace
 
@@ -62,7 +63,6 @@ SEND_TIMEOUT = 2.0  # s a send may block on a scheduler that stopped reading bef
 HANDSHAKE_WAIT = 10.0  # s to wait for the answer to `register`: giving up on an accepted registration closes a
 # connection the scheduler already counts as this worker's, and that close would read as our death
 PROGRESS_INTERVAL = 1.0  # s: at most one progress datagram to the agent per interval
-DONE_WAIT = 5.0  # s to hear the scheduler acknowledge `done` (by closing) before exiting anyway
 
 EXIT_REJOIN = P.EXIT_REJOIN
 MODE_TOOLKIT = "toolkit"
@@ -305,50 +305,53 @@ class _Channel:
     # -- the background thread
 
     def _run(self) -> None:
-        next_beat = time.monotonic()
-        rejected_since: float | None = None
+        next_beat = wait_until = time.monotonic()
+        refused_since: float | None = None
         while not self.closing.is_set():
             sock = self.sock
             if sock is None:
                 try:
                     self.register(rejoin=True, timeout=self._handshake_wait())
+                except _Rejected as r:
+                    now = time.monotonic()
+                    refused_since = now if refused_since is None else refused_since
+                    decision = jobview.on_refused(refused_since, now, r.retry, r.reason, self.cfg.node_timeout)
+                    if isinstance(decision, jobview.Stop):
+                        self._stop(decision.reason)
+                        return
+                    if isinstance(decision, jobview.ExitProcess):
+                        self._apply([decision])
+                except (OSError, P.ProtocolError, Unproven):
+                    pass
+                else:
                     with self.cond:
                         self.cond.notify_all()
                     say(self.cfg.node_id, f"reconnected to the scheduler (generation {self.announced})")
-                    rejected_since = None
-                    next_beat = time.monotonic()
+                    refused_since, next_beat = None, time.monotonic()
+                    wait_until = next_beat
                     continue
-                except _Rejected as r:
-                    now = time.monotonic()
-                    rejected_since = rejected_since if rejected_since is not None else now
-                    if not r.retry:
-                        self._stop(f"the scheduler refused this worker back: {r.reason}")
-                        return
-                    if now - rejected_since > 2 * self.cfg.node_timeout:
-                        self._apply([jobview.fenced(f"replaced while disconnected: {r.reason}")])
-                except (OSError, P.ProtocolError, Unproven):
-                    pass
                 self.closing.wait(CONNECT_RETRY)
                 continue
-            now = time.monotonic()
             try:
-                readable = _readable(sock, max(0.0, next_beat - now))
-                if readable:
-                    data = sock.recv(65536)
-                    if not data:
-                        raise ConnectionError("closed by the scheduler")
-                    for msg in self.lines.feed(data):
-                        self._handle(msg)
-                if time.monotonic() >= next_beat and not self.finishing:
-                    next_beat = time.monotonic() + self.cfg.heartbeat_interval
+                if _readable(sock, max(0.0, wait_until - time.monotonic())):
+                    self._read(sock)
+                wake = jobview.next_wake(time.monotonic(), next_beat, self.finishing, self.cfg.heartbeat_interval)
+                next_beat, wait_until = wake.next_beat, wake.wait_until
+                if wake.beat:
                     self.send(P.HEARTBEAT, strict=True, step=self.step, **self.beat)
-                elif self.finishing:
-                    next_beat = time.monotonic() + DONE_WAIT
             except (OSError, ValueError, P.ProtocolError) as e:
                 if self.closing.is_set() or self.finishing:
                     return
                 say(self.cfg.node_id, f"lost the scheduler ({e}); training goes on, reconnecting")
                 self._drop(sock)
+
+    def _read(self, sock: socket.socket) -> None:
+        """What the scheduler sent, each message handled at the time it is (its `formed` dates the history)."""
+        data = sock.recv(65536)
+        if not data:
+            raise ConnectionError("closed by the scheduler")
+        for msg in self.lines.feed(data):
+            self._handle(msg)
 
     # -- the view and the effects
 
