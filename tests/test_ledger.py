@@ -295,3 +295,55 @@ def test_the_journal_persists_the_ledger_across_a_scheduler_restart(tmp_path: Pa
     (warning,) = other.restore()  # another job's ledger is moved aside, never mixed in
     assert "not this run's" in warning.text and not (tmp_path / "ledger.json").exists()
     assert list(tmp_path.glob("ledger.json.*.unused"))
+
+
+def test_the_records_writes_stay_bounded_at_thousands_of_ranks(tmp_path: Path) -> None:
+    """Issue 24: at 4096 ranks a heartbeat that changes nothing marks nothing changed (before: the ledger was dirty
+    on every heartbeat and, past MAX_EPISODES, appended an interval change per heartbeat), live.json (a row per
+    rank) is rewritten every world/1024 s instead of every second, and metrics.jsonl keeps world-bounded samples."""
+    from toolkit.scheduler import journal as J
+    from toolkit.scheduler.ledger import MAX_EPISODES
+
+    world = 4096
+    clock = Clock()
+    journal = Journal(tmp_path, "job", world, 0.75, clock=clock.mono, wall=clock.wall)
+    journal.note(Note("formed", {"generation": 0, "seconds": 1.0}))
+    clock.t = 2.0
+    for r in range(world):
+        journal.note(Note("pace", pace(r, 5, step_time=0.5, ckpt_every=50, ckpt_stall=0.0)))
+    assert len(journal.ledger.intervals) == MAX_EPISODES  # one change per rank, the list capped
+    journal.tick()
+    journal.ledger.dirty = False  # as after the ledger's write
+    kept = list(journal.ledger.intervals)
+    for t in (3.0, 4.0):
+        clock.t = t
+        for r in range(world):
+            journal.note(Note("pace", pace(r, int(t), step_time=0.5, ckpt_every=50, ckpt_stall=0.0)))
+    assert journal.ledger.intervals == kept and not journal.ledger.dirty  # nothing changed: nothing to write
+    journal.note(Note("pace", pace(7, 5, step_time=0.5, ckpt_every=25, ckpt_stall=0.0)))  # rank 7 changed: said
+    assert journal.ledger.intervals[-1]["rank"] == 7 and journal.ledger.dirty
+
+    live = tmp_path / "live.json"
+    stamps = set()
+    for tenth in range(50, 250):  # 20 s of loop passes, one every 0.1 s
+        clock.t = tenth / 10
+        journal.tick()
+        stat = live.stat()  # each rewrite is a new file (atomic replace): its inode and time tell it apart
+        stamps.add((stat.st_ino, stat.st_mtime_ns))
+    assert len(json.loads(live.read_text())["ranks"]) == world
+    assert 4 <= len(stamps) <= 6, sorted(stamps)  # every 4 s at 4096 ranks (LIVE_RANKS_PER_S 1024), not 20 times
+
+    # metrics.jsonl: a line per sample of every rank's figures; kept to MAX_METRIC_VALUES // world lines. A journal
+    # of the same world where two ranks report keeps the file small here: the cap is the world's.
+    sparse = Journal(tmp_path / "sparse", "sparse", world, 0.75, clock=clock.mono, wall=clock.wall)
+    assert sparse.max_metrics == J.MAX_METRIC_VALUES // world
+    for r in range(2):
+        sparse.note(Note("pace", pace(r, 5, step_time=0.5)))
+    for _ in range(3 * sparse.max_metrics):
+        clock.t = sparse.metrics_at
+        sparse.tick()
+    lines = (tmp_path / "sparse" / "metrics.jsonl").read_text().splitlines()
+    assert sparse.max_metrics // 2 <= len(lines) <= sparse.max_metrics + 1 and sparse.metrics_interval > 1.0
+
+    small = Journal(tmp_path / "small", "small", 2, 0.75, clock=clock.mono, wall=clock.wall)
+    assert small.live_interval == J.LIVE_INTERVAL and small.max_metrics == J.MAX_METRICS  # small jobs as before

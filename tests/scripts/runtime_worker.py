@@ -4,7 +4,10 @@ checkpoints every step (atomically) and, at start and after every generation cha
 newest step they all have. Any number of faults must end in exactly the weights of an uninterrupted run
 (runtime_harness.expected_weights).
 
-usage: runtime_worker.py --steps N --out DIR [--delay S] [--timeout S] [--no-done]
+usage: runtime_worker.py --steps N --out DIR [--delay S] [--timeout S] [--no-done] [--say-init]
+
+--say-init prints "init" just before toolkit.train.init(), once torch is imported: a test that needs the worker
+at the scheduler's door (not still importing) waits for it.
 """
 
 from __future__ import annotations
@@ -31,7 +34,10 @@ def main() -> int:
     parser.add_argument("--delay", type=float, default=0.0)
     parser.add_argument("--timeout", type=float, default=30.0)
     parser.add_argument("--no-done", action="store_true")
+    parser.add_argument("--say-init", action="store_true")
     args = parser.parse_args()
+    if args.say_init:
+        print("init", flush=True)
 
     rt = train.init(timeout=args.timeout)
     ckpt = Path(os.environ.get("CKPT_DIR", args.out)) / f"rank_{rt.rank}"

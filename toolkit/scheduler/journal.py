@@ -4,7 +4,9 @@ toolkit.rundoc (live.json, ledger.json, metrics.jsonl) into the recovery directo
 
 The server calls `note` for each Note and `tick` on every pass of its loop (`next_deadline` says when the next
 write or evaluation is due, so its select() never polls). Writes are bounded in frequency (named intervals below)
-and in size (the ledger's lists and the metrics file are capped), and a write that fails is logged once a minute
+and in size (the ledger's lists and the metrics file are capped), also in the job's size: live.json holds a row per
+rank and is rewritten at most LIVE_RANKS_PER_S rows a second, metrics.jsonl keeps at most MAX_METRIC_VALUES rank
+samples, and a heartbeat that changes nothing marks nothing to write. A write that fails is logged once a minute
 and retried: the record must never stop the job. Without a recovery directory nothing is written (the tracking
 and the messages still work).
 """
@@ -23,10 +25,13 @@ from toolkit.scheduler.ledger import Ledger
 from toolkit.scheduler.membership import Log, Note
 from toolkit.scheduler.stragglers import EVAL_INTERVAL, Cleared, Named, Stragglers
 
-LIVE_INTERVAL = 1.0  # s between rewrites of live.json (what `fleet status` reads)
+LIVE_INTERVAL = 1.0  # s between rewrites of live.json (what `fleet status` reads), up to LIVE_RANKS_PER_S ranks
+LIVE_RANKS_PER_S = 1024  # ranks' rows in live.json written per second at most: a bigger job's is rewritten less often
 LEDGER_INTERVAL = 5.0  # s: the ledger is written at most this often, except at once when an incident changes
 METRICS_INTERVAL = 1.0  # s between metrics samples at first; doubled each time the file is thinned
 MAX_METRICS = 10_000  # samples kept in metrics.jsonl: past this, every other one goes
+MAX_METRIC_VALUES = 640_000  # ranks x samples kept: a job of more than 64 ranks keeps fewer samples (the file's size
+MIN_METRICS = 100  # and the cost of thinning it stay bounded), but never fewer than this
 WRITE_ERROR_EVERY = 60.0  # s between log lines about a record that cannot be written
 
 log = logging.getLogger("toolkit.scheduler")
@@ -52,6 +57,8 @@ class Journal:
         self.ledger_at = now + LEDGER_INTERVAL
         self.metrics_interval = METRICS_INTERVAL
         self.metrics_lines = 0
+        self.live_interval = LIVE_INTERVAL * max(1.0, world_size / LIVE_RANKS_PER_S)
+        self.max_metrics = min(MAX_METRICS, max(MIN_METRICS, MAX_METRIC_VALUES // max(1, world_size)))
         self.error_said = -math.inf
 
     def restore(self) -> list[Log]:
@@ -148,7 +155,7 @@ class Journal:
             self.metrics_at = now + self.metrics_interval
             self._sample(wall)
         if now >= self.live_at:
-            self.live_at = now + LIVE_INTERVAL
+            self.live_at = now + self.live_interval
             self._write(rundoc.LIVE_FILE, json.dumps(self.live(now, wall)))
         return out
 
@@ -217,7 +224,7 @@ class Journal:
             with open(path, "a") as fh:
                 fh.write(rundoc.metric_line(wall, self.generation, ranks) + "\n")
             self.metrics_lines += 1
-            if self.metrics_lines > MAX_METRICS:
+            if self.metrics_lines > self.max_metrics:
                 kept = path.read_text().splitlines()[::2]
                 atomicfile.write(path, "\n".join(kept) + "\n")
                 self.metrics_lines = len(kept)

@@ -99,6 +99,7 @@ class Ledger:
         self._awaiting_step: float | None = None
         self._rank_step: dict[int, int] = {}  # rank -> the step its latest heartbeat carried (not persisted)
         self._stride: dict[int, int] = {}  # rank -> steps between a torchrun-style script's reports (not persisted)
+        self._interval: dict[int, int] = {}  # rank -> its latest ckpt_every (the list keeps only MAX_EPISODES changes)
         self.recovery: str | None = None  # the job's recovery mode, as its members registered (protocol.RECOVERY_*)
         self.checkpoint_step: int | None = None  # the newest checkpoint a torchrun-style script reported
         self._after_stop = False  # started again after its operator stopped it, until the next formation
@@ -240,18 +241,19 @@ class Ledger:
             self.step_time = f["step_time"]
         if "ckpt_stall" in f:
             base, last = self._stall.get(f["rank"], [0.0, 0.0])
-            if f["ckpt_stall"] < last:  # a new process of the rank: its counter started again
-                base += last
-            self._stall[f["rank"]] = [base, f["ckpt_stall"]]
-            self._changed()
+            if f["rank"] not in self._stall or f["ckpt_stall"] != last:  # in every heartbeat: changed when moved
+                if f["ckpt_stall"] < last:  # a new process of the rank: its counter started again
+                    base += last
+                self._stall[f["rank"]] = [base, f["ckpt_stall"]]
+                self._changed()
         if "stride" in f:
             self._stride[f["rank"]] = f["stride"]
         if "ckpt_step" in f and (self.checkpoint_step is None or f["ckpt_step"] > self.checkpoint_step):
             self.checkpoint_step = f["ckpt_step"]
             self._changed()
         if "ckpt_every" in f:
-            prev = next((i for i in reversed(self.intervals) if i["rank"] == f["rank"]), None)
-            if prev is None or prev["steps"] != f["ckpt_every"]:
+            if self._interval.get(f["rank"]) != f["ckpt_every"]:  # O(1) per heartbeat, whatever the list holds
+                self._interval[f["rank"]] = f["ckpt_every"]
                 self.intervals.append({"at": now, "rank": f["rank"], "steps": f["ckpt_every"],
                                        "why": f.get("ckpt_why", "")})
                 del self.intervals[:-MAX_EPISODES]
@@ -392,6 +394,7 @@ class Ledger:
         led.generations = list(doc["generations"])
         led.stragglers = list(doc["stragglers"])
         led.intervals = list(doc["intervals"])
+        led._interval = {i["rank"]: i["steps"] for i in led.intervals}
         led.scheduler_restarts = [float(t) for t in doc["scheduler_restarts"]]
         led.first_step_at = doc.get("first_step_at")
         led.last_step = doc.get("last_step")

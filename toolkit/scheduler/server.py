@@ -43,6 +43,7 @@ EXIT_FAILED = 1
 LINGER = 2.0  # s to flush the last messages (finished, stop) before exiting
 MAX_WAIT = 30.0  # s: longest select() when no deadline is nearer
 COMMIT_PERSIST_INTERVAL = 1.0  # s: commits come from every rank at every checkpoint; written at most this often
+PERSIST_RETRY = 1.0  # s after a failed write of the state before the next try (a full disk is not retried per pass)
 MAX_OUTBUF = 1 << 20  # bytes queued to one peer that has stopped reading before it is dropped
 RECV_SIZE = 1 << 16
 PREAUTH_TIMEOUT = 10.0  # s for a new connection to prove the token
@@ -149,6 +150,7 @@ class Server:
         self.exit_code: int | None = None
         self.signalled = ""
         self.commits_persist_at = 0.0
+        self.persist_retry_at = 0.0  # after a failed write: no new try before this
         self.said = RateLimited(clock)
         self._wake_r, self._wake_w = socket.socketpair()
 
@@ -296,6 +298,8 @@ class Server:
             deadlines.append(waiting)
         if self.members.commits_dirty:
             deadlines.append(self.commits_persist_at)
+        if self.members.dirty and self.persist_retry_at:
+            deadlines.append(self.persist_retry_at)
         if self.paused_until:
             deadlines.append(self.paused_until)
         summary = self.said.next_deadline()
@@ -612,19 +616,24 @@ class Server:
     def _persist(self, force: bool = False) -> None:
         """Write Membership.snapshot() durably (state.save) if the membership changed (`dirty`), if `force`d (at
         exit), or if commit progress changed and COMMIT_PERSIST_INTERVAL has passed since the last write (commits
-        come from every rank at every checkpoint). A failed write is logged as an error and leaves the flags set,
-        so the next pass tries again; the server goes on either way. Nothing is written with recovery off."""
+        come from every rank at every checkpoint). A failed write is logged as a warning and leaves the flags set,
+        so that a try comes again PERSIST_RETRY s later (a full disk or a lost mount is not retried on every pass, and
+        said at most once per LOG_EVERY); the server goes on either way. Nothing is written with recovery off."""
         path = self._state_path()
         now = self.clock()
         commits_due = self.members.commits_dirty and now >= self.commits_persist_at
         if path is None or not (self.members.dirty or force or commits_due):
             return
+        if now < self.persist_retry_at and not force:
+            return
         try:
             S.save(path, self.members.snapshot())
         except OSError as e:
-            log.error("cannot persist the state to %s: %s (recovery after a scheduler crash would lose it)",
-                      path, e.strerror)
+            self.said.warn("persist", f"cannot persist the state to {path}: {e.strerror} (recovery after a scheduler "
+                                      f"crash would lose it); trying again every {PERSIST_RETRY:g} s")
+            self.persist_retry_at = now + PERSIST_RETRY
             return
+        self.persist_retry_at = 0.0
         self.members.dirty = self.members.commits_dirty = False
         self.commits_persist_at = now + COMMIT_PERSIST_INTERVAL
 
