@@ -98,10 +98,11 @@ def fenced(reason: Any) -> ExitProcess:
 
 def on_message(view: JobView, msg: dict[str, Any], now: float) -> tuple[JobView, list[Effect]]:
     """One message of the (authenticated) scheduler, read at monotonic time `now`: the new view and the effects to
-    apply in order. `fenced` returns `view` itself and one ExitProcess. A malformed message (welcome, generation or
-    formed without a generation >= 0, formed without a store prefix) raises ProtocolError and changes nothing: the
-    channel drops the connection like any broken one and reconnects. An op this worker does not know changes
-    nothing."""
+    apply in order. TripFence comes whenever the announced generation is newer than the one held (or none is held
+    yet): the fence, armed for the generation being built or held, makes the last call. `fenced` returns `view`
+    itself and one ExitProcess. A malformed message (welcome, generation or formed without a generation >= 0,
+    formed without a store prefix) raises ProtocolError and changes nothing: the channel drops the connection like
+    any broken one and reconnects. An op this worker does not know changes nothing."""
     op = msg["op"]
     if op == protocol.FENCED:
         return view, [fenced(msg.get("reason"))]
