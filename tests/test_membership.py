@@ -117,7 +117,7 @@ def test_commits_only_move_forward_and_finished_workers_end_the_job() -> None:
     form(m)
     for peer, step in ((10, 8), (10, 4), (11, 8), (11, 12)):  # a late commit of an older step changes nothing
         m.message(peer, {"op": P.COMMIT, "step": step}, 1.0)
-    assert m.commits == {0: 8, 1: 12} and m.snapshot()["committed_step"] == 8
+    assert m.roster.commits == {0: 8, 1: 12} and m.snapshot()["committed_step"] == 8
     m.agent_hello(50, "10.0.0.3:1", {"op": P.AGENT_HELLO, "host": "hostA", "node_ids": ["worker_0"]})
     assert m.message(10, {"op": P.DONE}, 2.0)[-1:] != [Exit(0)]
     out = m.message(11, {"op": P.DONE}, 2.1)
@@ -131,11 +131,11 @@ def test_a_commit_racing_the_death_of_its_sender_changes_nothing() -> None:
     m.message(11, {"op": P.COMMIT, "step": 8}, 1.0)
     silent = m.tick(NODE_TIMEOUT + 0.5)  # worker_0 fell silent: dead, its incarnation fenced; worker_1 was heard
     assert "worker_0 (pid 1010 on hostA) is dead: sent no heartbeat" in logged(silent)
-    assert sorted(m.members) == [1] and m.generation == 1
+    assert sorted(m.roster.members) == [1] and m.generation == 1
     assert m.message(10, {"op": P.COMMIT, "step": 40}, 3.6) == []  # in flight when it was declared dead
-    assert m.commits == {1: 8} and m.snapshot()["committed_step"] is None
+    assert m.roster.commits == {1: 8} and m.snapshot()["committed_step"] is None
     out = register(m, 20, 0, 3.7, incarnation="inc10")  # and the fenced incarnation cannot come back to commit
-    assert sent(out, P.FENCED) and m.commits == {1: 8}
+    assert sent(out, P.FENCED) and m.roster.commits == {1: 8}
 
 
 def test_an_agents_exit_report_is_as_good_as_the_closed_connection() -> None:
@@ -179,7 +179,7 @@ def test_a_member_its_agent_vouches_for_is_alive_though_silent_until_topo_timeou
         assert not sent(out, P.KILL) and not sent(out, P.GENERATION), (t, out)
         said.append(logged(out))
         t += 1.0
-    assert m.generation == 0 and 0 in m.members
+    assert m.generation == 0 and 0 in m.roster.members
     busy = [line for line in said if line]
     assert len(busy) == 1 and "worker_0 (pid 1010 on hostA) sent no heartbeat for 3.0 s, but its agent sees it " \
                                "running (not stopped)" in busy[0], said
@@ -284,7 +284,7 @@ def test_a_restarted_scheduler_gives_members_node_timeout_to_reconnect() -> None
     again = membership(2, now=100.0)
     again.restore(m.snapshot(), 100.0)
     again.started(100.0)
-    assert again.generation == 1 and "inc11" in again.fenced
+    assert again.generation == 1 and "inc11" in again.roster.fenced
     out = register(again, 70, 0, 100.5, incarnation="inc10")
     assert "worker_0 reconnected" in logged(out)
     out = again.tick(100.0 + NODE_TIMEOUT + 0.1)
@@ -299,7 +299,7 @@ def test_a_malformed_or_wrong_registration_is_refused_without_retry(field: str, 
            "host": "h", field: value}
     (reject,) = sent(m.register(10, "a", msg, 0.0))
     assert reject.op == P.REJECT and reject.fields["retry"] is False and reject.close
-    assert m.members == {}
+    assert m.roster.members == {}
 
 
 # --- the store's core ------------------------------------------------------------------------------------------
@@ -356,11 +356,12 @@ def test_a_death_after_a_rank_finished_ends_the_job_at_once(recovery: str) -> No
 HOST_TIMEOUT = 10.0
 
 
-def spare_job(now: float = 0.0) -> Membership:
-    """4 ranks: the scheduler and worker_0-1 on hostA, worker_2-3 on hostB; spares s1 and s2. Formed at `now`."""
+def spare_job(now: float = 0.0, spares: tuple[str, ...] = ()) -> Membership:
+    """4 ranks: the scheduler and worker_0-1 on hostA, worker_2-3 on hostB; spares s1 and s2 (`spares`: the
+    inventory's order, else their agents'). Formed at `now`."""
     m = Membership("job", 4, NODE_TIMEOUT, TOPO_TIMEOUT, "boot", "10.0.0.1:8118",
                    {"worker_0": "hostA", "worker_1": "hostA", "worker_2": "hostB", "worker_3": "hostB"}, now,
-                   host_timeout=HOST_TIMEOUT)
+                   host_timeout=HOST_TIMEOUT, spares=spares)
     m.started(now)
     agent(m, 1, "hostA", ["sched", "worker_0", "worker_1"], now)
     agent(m, 2, "hostB", ["worker_2", "worker_3"], now)
@@ -405,11 +406,12 @@ def test_a_lost_host_is_taken_over_by_a_spare_after_host_timeout_and_fenced_for_
     takeover = sent(out, P.TAKEOVER)
     assert [(t.peer, t.fields["host"], t.fields["node_ids"], t.fields["seq"]) for t in takeover] == [
         (3, "hostB", ["worker_2", "worker_3"], 1)]
+    reason = m.roster.replacements()[0]["reason"]
     assert m.dirty and m.snapshot()["replaced"] == [
-        {"host": "hostB", "by": "s1", "node_ids": ["worker_2", "worker_3"], "reason": m.replaced[0]["reason"]}]
+        {"host": "hostB", "by": "s1", "node_ids": ["worker_2", "worker_3"], "reason": reason}]
     assert "host hostB replaced by spare s1" in logged(out)
     assert [a.kind for a in out if isinstance(a, Note)] == ["replaced"]
-    assert m.node_host["worker_2"] == "s1"  # the formation-timeout message would name the spare now
+    assert m.roster.host_of("worker_2") == "s1"  # the formation-timeout message would name the spare now
     # the spare's workers register for the ranks and the generation forms: the job goes on
     for rank in (2, 3):
         msg = {"op": P.REGISTER, "node_id": P.worker_node_id(rank), "rank": rank, "world_size": 4,
@@ -420,7 +422,7 @@ def test_a_lost_host_is_taken_over_by_a_spare_after_host_timeout_and_fenced_for_
     back = agent(m, 40, "hostB", ["worker_2", "worker_3"], 30.0)
     assert [(s.op, s.close) for s in sent(back)] == [(P.WELCOME, False), (P.STOP, True)]
     assert "replaced by s1" in sent(back, P.STOP)[0].fields["reason"]
-    assert "refused the agent of hostB" in logged(back) and m.agents.get("hostB") is None
+    assert "refused the agent of hostB" in logged(back) and m.roster.hosts["hostB"].agent is None
     old = {"op": P.REGISTER, "node_id": "worker_2", "rank": 2, "world_size": 4, "incarnation": "fresh", "pid": 7,
            "host": "hostB", "recovery": P.RECOVERY_IN_PLACE}
     assert [s.op for s in sent(m.register(41, "10.0.0.3:1", old, 30.0))] == [P.FENCED]
@@ -470,7 +472,7 @@ def test_a_host_cut_off_is_lost_when_its_agent_falls_silent_with_its_connection_
     out = m.tick(1.0 + HOST_TIMEOUT)
     assert [(s.peer, s.fields["host"]) for s in sent(out, P.TAKEOVER)] == [(3, "hostB")]
     assert [(s.peer, s.close) for s in sent(out, P.STOP)] == [(2, True)]  # its silent link is told and dropped
-    assert "its agent unheard for 10.0 s" in m.replaced[0]["reason"]
+    assert "its agent unheard for 10.0 s" in m.roster.replacements()[0]["reason"]
 
 
 def test_before_the_job_formed_a_missing_host_is_left_to_the_formation_timeout() -> None:
@@ -514,7 +516,7 @@ def test_the_operators_replace_moves_a_live_hosts_ranks_to_the_named_spare_at_on
     assert [(s.peer, s.fields["reason"][:26]) for s in sent(out, P.STOP)] == [(2, "host hostB was replaced by")]
     assert {s.peer for s in sent(out, P.FENCED)} == {12, 13}  # its live workers are fenced
     assert m.generation == 1 and [s.peer for s in sent(out, P.TAKEOVER)] == [4]
-    assert "replaced by the operator" in m.replaced[0]["reason"]
+    assert "replaced by the operator" in m.roster.replacements()[0]["reason"]
 
 
 @pytest.mark.parametrize(("host", "spare", "why"), [
@@ -527,7 +529,7 @@ def test_the_operators_replace_is_refused_with_a_reason(host: str, spare: str | 
     m = spare_job()
     out = replace(m, host, spare)
     assert [(s.op, s.close) for s in sent(out)] == [(P.REJECT, True)]
-    assert why in sent(out)[0].fields["reason"] and not m.replaced
+    assert why in sent(out)[0].fields["reason"] and not m.roster.replacements()
 
 
 def test_a_spare_is_used_once_and_a_replaced_host_cannot_be_replaced_again() -> None:
@@ -555,7 +557,6 @@ def test_the_ledger_names_the_replacement_in_the_lost_hosts_incident() -> None:
 
 
 def test_spares_are_used_in_the_inventorys_order_not_the_order_their_agents_connected() -> None:
-    m = spare_job()
-    m.spare_hosts = ["s2", "s1"]  # as TOOLKIT_SPARES gives them (Config.spares); s1's agent said hello first
+    m = spare_job(spares=("s2", "s1"))  # as TOOLKIT_SPARES gives them (Config.spares); s1's agent said hello first
     out = replace(m, "hostB")
     assert sent(out)[0].fields["spare"] == "s2" and [s.peer for s in sent(out, P.TAKEOVER)] == [4]

@@ -1,7 +1,13 @@
 """The per-host agent: `python -m toolkit.agent --job-dir DIR` supervises one host's processes of one job.
 
 - policy.py      what to do when a process exits or the scheduler speaks (pure: facts in, a reaction out)
-- supervisor.py  the event loop that applies it: launching, the warm spare, the sockets, agent.json
+- supervisor.py  the event loop and the agent's life; it dispatches to the modules below
+- processes.py   launching, exits and relaunches (applies policy), the operator's restart, fencing
+- warmspare.py   whether a warm spare is wanted and may import now (pure); spare.py applies it
+- slots.py       what the agent knows of each process (Slot), bind_core's CPU sets
+- control.py     the control socket's server (bounded conversations)
+- progressinbox.py  the progress socket (the workers' datagrams, parsed)
+- docwriter.py   when agent.json is rewritten
 - link.py        the connection to the scheduler
 - log.py         the agent's own log; reading the children's
 - timers.py      the loop's deadlines
@@ -26,7 +32,7 @@ from toolkit.agent.commands import (
     stop,
     with_overrides,
 )
-from toolkit.agent.supervisor import cpu_sets
+from toolkit.agent.slots import cpu_sets
 from toolkit.hostspec import HostSpec, ProcSpec, RestartDecision, RestartPolicy
 from toolkit.hostspec import load as load_spec
 

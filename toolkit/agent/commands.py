@@ -30,10 +30,10 @@ from typing import Any, Callable
 from toolkit import hostspec, procs
 from toolkit import protocol as P
 from toolkit.agent import policy
+from toolkit.agent.control import CLIENT_TIMEOUT
 from toolkit.agent.link import LINK_CONNECT_TIMEOUT
 from toolkit.agent.log import AgentLog, log_tail
 from toolkit.agent.supervisor import (
-    CLIENT_TIMEOUT,
     EXIT_FAILED,
     EXIT_OK,
     EXIT_STOPPED,

@@ -1,5 +1,6 @@
-"""Deadlines of the agent's event loop (backoffs, grace periods, retries), in one heap on the monotonic clock:
-the loop's select() waits until the nearest one, so no interval is polled."""
+"""Deadlines of the agent's event loop (backoffs, grace periods, retries), in one heap on an injectable clock
+(time.monotonic by default; a test passes a fake one): the loop's select() waits until the nearest one, so no
+interval is polled."""
 
 from __future__ import annotations
 
@@ -25,17 +26,23 @@ class Timer:
 
 
 class Timers:
-    """Deadlines of the event loop (backoffs, grace periods, retries), in one heap on the monotonic clock. Used from the
-    agent's loop thread only: nothing runs except inside `run_due`."""
+    """Deadlines of the event loop (backoffs, grace periods, retries), in one heap on `clock` (monotonic seconds;
+    time.monotonic unless a test passes a fake). Used from the agent's loop thread only: nothing runs except inside
+    `run_due`. The agent's parts read the time through `now()`, so one fake clock drives them all."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._heap: list[tuple[float, int, Timer]] = []
         self._seq = itertools.count()
+        self._clock = clock
+
+    def now(self) -> float:
+        """The clock's time (monotonic s): what deadlines are measured against."""
+        return self._clock()
 
     def after(self, delay: float, fn: Callable[[], None]) -> Timer:
         """Schedule `fn` to run once, `delay` s from now (a negative delay counts as 0); returns its Timer, for
         cancelling."""
-        t = Timer(time.monotonic() + max(0.0, delay), fn)
+        t = Timer(self._clock() + max(0.0, delay), fn)
         heapq.heappush(self._heap, (t.when, next(self._seq), t))
         return t
 
@@ -46,13 +53,13 @@ class Timers:
             heapq.heappop(self._heap)
         if not self._heap:
             return cap
-        return min(cap, max(0.0, self._heap[0][0] - time.monotonic()))
+        return min(cap, max(0.0, self._heap[0][0] - self._clock()))
 
     def run_due(self) -> None:
         """Run every live timer whose deadline has passed, earliest first (ties in the order they were made). The clock
         is read once, at the start. A timer counts as cancelled before its `fn` runs, so it fires at most once. An
         exception from a callback propagates and leaves the later timers for the next call."""
-        now = time.monotonic()
+        now = self._clock()
         while self._heap and self._heap[0][0] <= now:
             _, _, t = heapq.heappop(self._heap)
             if not t.cancelled:

@@ -1,5 +1,9 @@
-"""When the warm spare may import torch: never while a worker relaunched cold starts beside it. Pure: facts and a
-clock in.
+"""The warm spare's decisions (pure: facts and a clock in; toolkit.agent.spare applies them): whether one is wanted at
+all (`next_step`), and when it may import torch: never while a worker relaunched cold starts beside it
+(`spare_plan`).
+
+Wanted: a spare is (re)built SPARE_DELAY after a launch or a handoff (sooner once every worker has progressed), never
+while the agent is closing, and no more once SPARE_MAX_FAILURES spares died on their own with no handoff between.
 
 Why: a relaunch takes the spare only once it is ready (its imports done); until then the worker starts cold, at
 once. But a spare still importing (`import torch` and DDP's lazy imports, seconds of CPU and page cache) competes
@@ -18,10 +22,40 @@ spare at most HOLD_MAX seconds from its launch.
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 from typing import Iterable
 
 HOLD_MAX = 60.0  # s after a cold launch past which it no longer holds the spare back
+SPARE_DELAY = 10.0  # s after a launch before the warm spare is (re)built, unless every worker already made progress
+SPARE_MAX_FAILURES = 3  # spares that die on their own before the agent stops making them
+
+
+class Step(enum.Enum):
+    """What to do about the warm spare now: ARM (build one, after SPARE_DELAY or at once), WAIT (nothing: one exists,
+    or the agent is closing), OFF (spares are off for this agent's life)."""
+
+    ARM = "arm"
+    WAIT = "wait"
+    OFF = "off"
+
+
+def next_step(enabled: bool, failures: int, closing: bool, exists: bool,
+              max_failures: int = SPARE_MAX_FAILURES) -> Step:
+    """Whether a spare is wanted, given whether spares are `enabled`, how many died with no handoff between
+    (`failures`), whether the agent is `closing`, and whether a spare `exists`."""
+    if not enabled or failures >= max_failures:
+        return Step.OFF
+    if closing or exists:
+        return Step.WAIT
+    return Step.ARM
+
+
+def early_start(running_progressed: Iterable[bool]) -> bool:
+    """Whether a spare waiting out SPARE_DELAY may be built now: every running worker has progressed (there is one at
+    least), so the job is past its start and a spare's imports no longer compete with it."""
+    flags = list(running_progressed)
+    return bool(flags) and all(flags)
 
 
 @dataclass(frozen=True)

@@ -2,9 +2,13 @@
 
 - config.py      the environment it reads (MS_SCHED_HOST/PORT, MASTER_PORT, MS_WORKER_NUM, timeouts, the token file)
 - membership.py  its decisions (members, deaths, fencing, generations, the job's end), pure: events in, actions out
+- actions.py     what those decisions return (Send, Close, Log, Exit, DropKeys, Note) for the server to apply
+- roster.py      what it knows of each host (one record per host) and of each rank (members, peers, done), pure
+- spares.py      which hosts are lost and which spare takes a host's ranks, pure
+- liveness.py    whether a silent member is alive, and the kill of a closed one whose exit went unreported, pure
 - kvstore.py     the job's store that process groups bootstrap from, pure
 - server.py      the transport: listeners, authentication, bounds, applying the actions
-- state.py       the persisted state (MS_ENABLE_RECOVERY): a restarted scheduler goes on with the job
+- state.py       the persisted state (MS_ENABLE_RECOVERY) and JobStatus: a restarted scheduler goes on with the job
 
 Exit codes: 0 every worker done, 1 a node gave up (the job failed), 2 bad configuration or a busy port, 3 the
 formation timed out, 128+signal.

@@ -21,8 +21,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 from toolkit import atomicfile, rundoc
+from toolkit.scheduler.actions import Log, Note, NoteKind
 from toolkit.scheduler.ledger import Ledger
-from toolkit.scheduler.membership import Log, Note
+from toolkit.scheduler.state import JobStatus
 from toolkit.scheduler.stragglers import EVAL_INTERVAL, Cleared, Named, Stragglers
 
 LIVE_INTERVAL = 1.0  # s between rewrites of live.json (what `fleet status` reads), up to LIVE_RANKS_PER_S ranks
@@ -49,7 +50,7 @@ class Journal:
         self.clock, self.wall = clock, wall
         self.stragglers = Stragglers(threshold)
         self.ledger = Ledger(job, world_size, wall())
-        self.status = "running"
+        self.status = JobStatus.RUNNING
         self.generation = 0
         self.formed = False
         now = clock()
@@ -75,8 +76,8 @@ class Journal:
             return [Log(logging.WARNING, f"cannot read the ledger {path} ({e.strerror}); a new one starts")]
         try:
             ledger = Ledger.from_json(json.loads(text))
-            if ledger.job != self.job or ledger.world_size != self.world_size or ledger.outcome in ("finished",
-                                                                                                    "failed"):
+            if (ledger.job != self.job or ledger.world_size != self.world_size
+                    or ledger.outcome in (JobStatus.FINISHED, JobStatus.FAILED)):
                 raise ValueError(f"it is job {ledger.job!r}'s with {ledger.world_size} workers, {ledger.outcome}")
         except (KeyError, TypeError, ValueError, RecursionError) as e:
             aside = path.with_name(f"{path.name}.{int(self.wall())}.unused")
@@ -98,19 +99,19 @@ class Journal:
         now, wall = self.clock(), self.wall()
         out: list[Log] = []
         f = note.fields
-        if note.kind == "pace":
+        if note.kind == NoteKind.PACE:
             self.stragglers.observe(f, now)
-        elif note.kind == "death":
+        elif note.kind == NoteKind.DEATH:
             for c in self.stragglers.forget(f["rank"]):
                 self.ledger.straggler_cleared(c.rank, wall)
             self.generation = f["generation"]
             self.formed = self.formed and not f["begins"]
-        elif note.kind == "formed":
+        elif note.kind == NoteKind.FORMED:
             self.generation, self.formed = f["generation"], True
-        elif note.kind in ("finished", "failed"):
-            self.status = note.kind
+        elif note.kind in (NoteKind.FINISHED, NoteKind.FAILED):
+            self.status = JobStatus(note.kind.value)
         self.ledger.note(note.kind, f, wall)
-        if note.kind == "death":
+        if note.kind == NoteKind.DEATH:
             inc = self.ledger.incidents[-1] if self.ledger.incidents else None
             if inc is not None and any(p["node_id"] == f["node_id"] and p["pid"] == f["pid"] for p in inc.processes):
                 out.append(Log(logging.INFO, f"ledger: incident {inc.number}: {inc.cause} "

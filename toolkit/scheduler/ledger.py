@@ -36,13 +36,22 @@ from typing import Any, Mapping
 
 from toolkit.protocol import RECOVERY_IN_PLACE, RECOVERY_RESTART
 from toolkit.rundoc import LEDGER_VERSION as VERSION
-from toolkit.scheduler.membership import CAUSE_CLOSED, CAUSE_NOT_BACK, CAUSE_SILENCE
+from toolkit.scheduler.actions import CAUSE_CLOSED, CAUSE_NOT_BACK, CAUSE_SILENCE, NoteKind
+from toolkit.scheduler.state import JobStatus
 
 HOST_LOST_WINDOW = 10.0  # s: deaths on a host this close to its agent's disconnection are the host's loss
 MAX_INCIDENTS = 10_000  # kept in the document (the oldest go first); counts stay exact
 MAX_EPISODES = 1_000  # straggler episodes and interval changes kept
 STEPLESS_NOTE = ("an upper bound: the script reports no steps, so the time after each formation of its group counts "
                  "as training; one line, toolkit.train.report(step, loss=...), makes it exact")
+
+
+# The ledger's handler of each kind of Note it counts (a plain string of the same value finds it too).
+_HANDLERS: Mapping[str, str] = {
+    NoteKind.DEATH: "_on_death", NoteKind.EXITED: "_on_exited", NoteKind.REPLACED: "_on_replaced",
+    NoteKind.AGENT_LOST: "_on_agent_lost", NoteKind.FORMED: "_on_formed", NoteKind.RECOVERED: "_on_recovered",
+    NoteKind.PACE: "_on_pace", NoteKind.FENCED: "_on_fenced", NoteKind.RESTORED: "_on_restored",
+    NoteKind.FINISHED: "_on_finished", NoteKind.FAILED: "_on_failed"}
 
 
 @dataclass
@@ -110,11 +119,12 @@ class Ledger:
 
     # -- facts
 
-    def note(self, kind: str, fields: Mapping[str, Any], now: float) -> None:
-        """A membership Note (toolkit.scheduler.membership.Note) at wall time `now`."""
-        handler = getattr(self, f"_on_{kind}", None)
-        if handler is not None:
-            handler(fields, now)
+    def note(self, kind: NoteKind | str, fields: Mapping[str, Any], now: float) -> None:
+        """A membership Note (toolkit.scheduler.actions.Note) of `kind` at wall time `now`; a kind the ledger does
+        not count (`refused`) changes nothing."""
+        name = _HANDLERS.get(kind)
+        if name is not None:
+            getattr(self, name)(fields, now)
 
     def _on_death(self, f: Mapping[str, Any], now: float) -> None:
         if self._after_stop and f["cause"] == CAUSE_NOT_BACK:
@@ -272,15 +282,15 @@ class Ledger:
         self._changed(urgent=True)
 
     def _on_finished(self, f: Mapping[str, Any], now: float) -> None:
-        self._end("finished", None, now)
+        self._end(JobStatus.FINISHED, None, now)
 
     def _on_failed(self, f: Mapping[str, Any], now: float) -> None:
-        self._end("failed", f.get("reason"), now)
+        self._end(JobStatus.FAILED, f.get("reason"), now)
 
     def stopped(self, why: str, now: float) -> None:
         """The scheduler was stopped (a signal) while the job ran: the run ends here unless it is restarted."""
         if self.outcome is None:
-            self._end("stopped", why, now)
+            self._end(JobStatus.STOPPED, why, now)
 
     def straggler(self, rank: int, node_id: str, host: str, factor: float, busy: float, median: float,
                   now: float) -> None:
@@ -412,7 +422,7 @@ class Ledger:
     def resume(self, now: float) -> None:
         """The job goes on after its scheduler was stopped (`fleet stop`, then `train` again): the time it was
         stopped is not the job's (`paused`), the time until it steps again is start-up (`restarting`)."""
-        if self.outcome == "stopped" and self.ended_at is not None:
+        if self.outcome == JobStatus.STOPPED and self.ended_at is not None:
             self.paused += max(0.0, now - self.ended_at)
             self.outcome = self.ended_at = self.failure = None
             self._awaiting_step = now

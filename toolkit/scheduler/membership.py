@@ -33,138 +33,145 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 from toolkit import envvars as E
 from toolkit import protocol as P
+from toolkit.scheduler.actions import (  # also re-exported
+    CAUSE_CLOSED,
+    CAUSE_NOT_BACK,
+    CAUSE_REPLACED,
+    CAUSE_SILENCE,
+    Action,
+    Close,
+    DropKeys,
+    Exit,
+    Log,
+    Note,
+    NoteKind,
+    Send,
+)
+from toolkit.scheduler.liveness import alive_though_silent, expiry, kill_unreported, vouch
+from toolkit.scheduler.roster import Member, Peer, PeerRole, Roster, rank_of  # also re-exported
+from toolkit.scheduler.spares import Refusal, choose_spare, find_lost
+from toolkit.scheduler.state import JobStatus
 
 EXIT_OK = 0
 EXIT_FAILED = 1  # a node gave up: the job failed
 EXIT_FORMATION = 3  # MS_TOPO_TIMEOUT passed before every worker registered
 
-RUNNING, FINISHED, FAILED = "running", "finished", "failed"
+RUNNING, FINISHED, FAILED = JobStatus.RUNNING, JobStatus.FINISHED, JobStatus.FAILED
 INFO, WARNING, ERROR = logging.INFO, logging.WARNING, logging.ERROR
 
 
-# --- actions -------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Send:
-    """Send `op` to `peer`; with `close`, close the connection once it is written (and read nothing more)."""
-
-    peer: int
-    op: str
-    fields: Mapping[str, Any] = field(default_factory=dict)
-    close: bool = False
-
-
-@dataclass(frozen=True)
-class Close:
-    """Drop the connection now (a replaced one: nothing more to tell it)."""
-
-    peer: int
-
-
-@dataclass(frozen=True)
-class Log:
-    """Log `text` at `level` (a `logging` level) in the scheduler's log."""
-
-    level: int
-    text: str
-
-
-@dataclass(frozen=True)
-class Exit:
-    """The scheduler's work is over: flush what is queued and exit with `code`."""
-
-    code: int
-
-
-@dataclass(frozen=True)
-class DropKeys:
-    """The job left the generations under `prefix` behind: their store keys can go."""
-
-    prefix: str
-
-
-@dataclass(frozen=True)
-class Note:
-    """A fact for the goodput ledger, the straggler tracking and the live view (toolkit.scheduler.journal): a
-    death, a formed generation, a recovery, a heartbeat's pace figures. It changes nothing here; the server hands
-    it on with the time."""
-
-    kind: str
-    fields: Mapping[str, Any] = field(default_factory=dict)
-
-
-Action = Send | Close | Log | Exit | DropKeys | Note
-
-# Causes of a death, as the ledger names them (the ledger may refine "connection closed" once the agent reports
-# how the process ended, and name a host lost when its agent went at the same time).
-CAUSE_CLOSED = "connection closed"
-CAUSE_SILENCE = "heartbeat silence"
-CAUSE_NOT_BACK = "did not reconnect"
-CAUSE_REPLACED = "host replaced"
-
-
-# --- state ---------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class Member:
-    """The live incarnation that holds a rank.
-
-    `incarnation` is random per process (toolkit.protocol); `last_seen` is when it last registered or sent anything
-    on its current connection (for a restored member: when the server started listening); `peer` is None only for a
-    restored member that has not reconnected yet; `step` is its last heartbeat's. Only `to_json`'s fields are
-    persisted."""
-
-    rank: int
-    node_id: str
-    incarnation: str
-    pid: int
-    host: str
-    addr: str
-    last_seen: float
-    peer: int | None = None  # its connection; None while it has not (re)connected
-    step: int | None = None
-    recovery: str = "unknown"  # how it recovers (P.RECOVERY_IN_PLACE / RECOVERY_RESTART), as it registered
-    vouched_at: float | None = None  # when its agent last said this very process runs, not stopped
-    busy_said: bool = False  # its silence while vouched for was logged (until it is heard again)
-
-    def to_json(self) -> dict[str, Any]:
-        """The persisted fields (Membership.snapshot): who holds the rank and where it runs. Liveness is not
-        persisted: a restarted scheduler gives every restored member node_timeout to reconnect."""
-        return {"rank": self.rank, "node_id": self.node_id, "incarnation": self.incarnation, "pid": self.pid,
-                "host": self.host, "addr": self.addr, "recovery": self.recovery}
-
-
-@dataclass(frozen=True)
-class Peer:
-    """What a connection is, once it said who it is: a worker (of `rank`), an agent (of `host`), or a worker that
-    said `done`, whose later messages and EOF mean nothing."""
-
-    role: str  # "worker", "agent", "finished" (a worker that said done)
-    rank: int | None = None
-    host: str | None = None
-    addr: str = ""
-
-
-def rank_of(node_id: str) -> int | None:
-    """The rank in a worker node id (`worker_<rank>`), None for anything else (`sched`)."""
-    prefix = P.worker_node_id(0)[:-1]
-    digits = node_id[len(prefix):]
-    if node_id.startswith(prefix) and digits.isascii() and digits.isdigit():  # isdigit alone takes "²"
-        return int(node_id[len(prefix):])
-    return None
 
 
 def how(code: Any, sig: Any) -> str:
     """How a process ended, in the agent's words (procs.ExitStatus.describe): "killed by SIGKILL" when a signal is
     named, else "exit code N"."""
     return f"killed by {sig}" if sig else f"exit code {code}"
+
+
+@dataclass(frozen=True)
+class Registration:
+    """A well-formed `register` of a rank of this job: who claims it, from where, and how it recovers."""
+
+    node_id: str
+    rank: int
+    incarnation: str
+    pid: int
+    host: str
+    recovery: str  # P.RECOVERY_IN_PLACE, P.RECOVERY_RESTART, or "unknown"
+    where: str  # "pid N on host, addr", for the log
+
+
+def validate_register(peer: int, addr: str, msg: Mapping[str, Any], world_size: int) -> Registration | list[Action]:
+    """`msg` as a Registration, or the refusal (`reject`, no retry, the connection closed) of a malformed message
+    (incarnation of 1 to 64 characters, node id and host of at most 256) or of a world size or rank that is not the
+    job's (render the job again)."""
+    node_id, rank, inc = msg.get("node_id"), P.whole(dict(msg), "rank"), msg.get("incarnation")
+    pid, host = P.whole(dict(msg), "pid"), msg.get("host")
+    if not (isinstance(node_id, str) and rank is not None and isinstance(inc, str) and 0 < len(inc) <= 64
+            and pid is not None and isinstance(host, str) and len(node_id) <= 256 and len(host) <= 256):
+        return [Log(WARNING, f"rejected malformed registration from {addr}"),
+                Send(peer, P.REJECT, {"reason": "malformed register message", "retry": False}, close=True)]
+    world = msg.get("world_size")
+    if world != world_size or not 0 <= rank < world_size:
+        reason = (f"{node_id} claims rank {rank} of {world} workers, but the job has {world_size} "
+                  f"({E.MS_WORKER_NUM}); render the job again")
+        return [Log(WARNING, f"rejected {node_id} from {addr}: {reason}"),
+                Send(peer, P.REJECT, {"reason": reason, "retry": False}, close=True)]
+    recovery = msg.get("recovery")
+    return Registration(node_id, rank, inc, pid, host,
+                        recovery if recovery in (P.RECOVERY_IN_PLACE, P.RECOVERY_RESTART) else "unknown",
+                        f"pid {pid} on {host}, {addr}")
+
+
+def refuse_register(peer: int, reg: Registration, roster: Roster, status: str, now: float) -> list[Action]:
+    """The refusal of a well-formed registration, each with the connection closed after the answer, or [] to take
+    it: a replaced host's worker or a fenced incarnation (`fenced`: it must exit); a job that has ended or a rank
+    already done (`reject`, no retry); a rank held by another incarnation not yet known dead (`reject` with retry:
+    a relaunched worker retries until the holder's death is established)."""
+    node_id, pid, host, where = reg.node_id, reg.pid, reg.host, reg.where
+    by = roster.replaced_by(host)
+    if by is not None:
+        return [Log(WARNING, f"fenced {node_id} ({where}): host {host} was replaced by {by}; told it to exit"),
+                Note(NoteKind.FENCED, {"node_id": node_id, "pid": pid, "host": host}),
+                Send(peer, P.FENCED, {"reason": f"host {host} was replaced by {by}: its processes may not rejoin "
+                                                "the job"}, close=True)]
+    if reg.incarnation in roster.fenced:
+        return [Log(WARNING, f"fenced {node_id} ({where}): that incarnation was declared dead; told it to exit"),
+                Note(NoteKind.FENCED, {"node_id": node_id, "pid": pid, "host": host}),
+                Send(peer, P.FENCED, {"reason": f"{node_id} (pid {pid}) was declared dead; a replacement takes "
+                                                "its place"}, close=True)]
+    if status != RUNNING:
+        return [Send(peer, P.REJECT, {"reason": f"the job has {status}", "retry": False}, close=True)]
+    if reg.rank in roster.done:
+        return [Send(peer, P.REJECT, {"reason": f"{node_id} already finished", "retry": False}, close=True)]
+    current = roster.members.get(reg.rank)
+    if current is not None and current.incarnation != reg.incarnation:
+        reason = (f"{node_id} is held by a live process (pid {current.pid} on {current.host}, {current.addr}, "
+                  f"heard from {now - current.last_seen:.1f} s ago)")
+        return [Log(WARNING, f"rejected {node_id} from {where}: {reason}"),
+                Send(peer, P.REJECT, {"reason": reason, "retry": True}, close=True)]
+    return []
+
+
+def host_of(roster: Roster, member: Member) -> str:
+    """The host a member runs on as the operator names it (the plan's, or its agent's), else as the worker
+    named itself (its hostname, which need not be the inventory's name)."""
+    return roster.host_of(member.node_id) or str(member.host)
+
+
+def gave_up_reason(agent: Peer, msg: Mapping[str, Any]) -> str:
+    """Why the job fails when an agent's process passed its max restarts (`gave_up`): the node, the host, how it
+    ended and the last 5 lines of its log tail (at most 2000 characters)."""
+    node_id = str(msg.get("node_id", "?"))[:256]
+    tail = msg.get("log_tail") if isinstance(msg.get("log_tail"), str) else ""
+    last = " | ".join(line for line in tail.strip().splitlines()[-5:])[-2000:]
+    sig = msg.get("signal") if isinstance(msg.get("signal"), str) else None
+    said = P.cause_field(dict(msg)) or how(P.whole(dict(msg), "code"), sig)
+    return f"{node_id} on {agent.host} failed after its last allowed restart ({said})" + (
+        f"; last log lines: {last}" if last else "")
+
+
+def recovered(member: Member, msg: Mapping[str, Any]) -> list[Action]:
+    """A worker's `recovered` report: its log line (generation, step, where the state came from and how long it
+    took; fields of the wrong type show as None or "?") and a Note for the ledger."""
+    m = dict(msg)
+    source = msg.get("source")
+    origin = {"peer": f"rank {P.whole(m, 'from_rank')}'s memory",
+              "checkpoint": f"the checkpoint of rank {P.whole(m, 'from_rank')}",
+              "initial": "the initial state"}.get(source if isinstance(source, str) else "", "?")
+    seconds = msg.get("seconds") if P.finite_number(msg.get("seconds")) else None
+    return [Log(INFO, f"{member.node_id} trains again in generation {P.whole(m, 'generation')} from step "
+                      f"{P.whole(m, 'step')}, taken from {origin} in {seconds} s; {P.whole(m, 'recomputed')} "
+                      "step(s) recomputed"),
+            Note(NoteKind.RECOVERED, {"node_id": member.node_id, "rank": member.rank,
+                               "generation": P.whole(m, "generation"), "step": P.whole(m, "step"),
+                               "source": source if isinstance(source, str) else None,
+                               "recomputed": P.whole(m, "recomputed"), "seconds": seconds})]
 
 
 class Membership:
@@ -187,24 +194,10 @@ class Membership:
         self.job, self.world_size, self.boot, self.address = job, world_size, boot, address
         self.node_timeout, self.topo_timeout = node_timeout, topo_timeout
         self.host_timeout = host_timeout  # <= 0: no automatic replacement (the operator's `replace` only)
-        self.sched_host: str | None = None  # whose agent supervises the scheduler: never replaced
-        self.spare_hosts: list[str] = list(spares)  # spare hosts in the order they are used: the inventory's, then
-        # any other whose agent says it is a spare
-        self.replaced: list[dict[str, Any]] = []  # {host, by, node_ids, reason}, in order (persisted)
-        self.agent_gone: dict[str, float] = {}  # host -> since when its agent has been disconnected
-        self.agent_spare: dict[str, bool] = {}  # host -> its agent said it is a spare (it has the standby files)
-        self.agent_seen: dict[str, float] = {}  # host -> when its connected agent last said anything (it heartbeats)
-        self.waiting_spare: set[str] = set()  # lost hosts that found no free spare (said once)
+        self.roster = Roster(expected, spares)  # every host and every rank: members, peers, done, fenced, commits
         self.last_tick = -math.inf
-        self.members: dict[int, Member] = {}
-        self.peers: dict[int, Peer] = {}
-        self.agents: dict[str, int] = {}  # host -> peer
-        self.node_host: dict[str, str] = dict(expected or {})
-        self.done: set[int] = set()
-        self.fenced: set[str] = set()
         self.unreported: dict[str, tuple[int, float]] = {}  # node_id -> (pid, when to kill it): its connection
         # closed, its agent has not reported its exit yet
-        self.commits: dict[int, int] = {}
         self.generation = 0
         self.formed = False
         self.status = RUNNING
@@ -219,49 +212,33 @@ class Membership:
 
     # -- what the server asks
 
-    def prefix(self) -> str:
-        """The store key prefix of the current generation (protocol.store_prefix), sent in `formed`: each worker
-        builds its process group over PrefixStore(prefix, the job's store)."""
-        return P.store_prefix(self.job, self.boot, self.generation)
-
     def next_deadline(self) -> float:
         """The earliest time `tick` may have work: the next possible heartbeat expiry (while there are members)
         and the formation deadline (while gathering, running and not unmanaged); inf when there is neither."""
-        deadlines = [self.hb_check_at] if self.members else []
+        deadlines = [self.hb_check_at] if self.roster.members else []
         if self.status == RUNNING:
             deadlines += [due for _, due in self.unreported.values()]
         if self.gather_since is not None and not self.unmanaged and self.status == RUNNING:
             deadlines.append(self.gather_since + self.topo_timeout)
         if self.host_timeout > 0 and self.status == RUNNING:  # a host may be found lost then (tick checks it)
-            for host, since in self._agents_unheard():
-                if host not in self.waiting_spare and since + self.host_timeout > self.last_tick:
-                    deadlines.append(since + self.host_timeout)
+            for rec in self.roster.hosts.values():
+                if rec.heard_at is not None and not rec.waiting_for_spare \
+                        and rec.heard_at + self.host_timeout > self.last_tick:
+                    deadlines.append(rec.heard_at + self.host_timeout)
         return min(deadlines, default=math.inf)
-
-    def fenced_hosts(self) -> dict[str, str]:
-        """Every replaced host -> the spare that took its ranks: such a host may never rejoin the job."""
-        return {r["host"]: r["by"] for r in self.replaced}
-
-    def worker_hosts(self) -> dict[str, list[str]]:
-        """Host -> the worker node ids it holds now (in rank order): the plan's placement, after replacements."""
-        out: dict[str, list[str]] = {}
-        for node_id, host in sorted(self.node_host.items(), key=lambda kv: rank_of(kv[0]) or 0):
-            if rank_of(node_id) is not None:
-                out.setdefault(host, []).append(node_id)
-        return out
 
     def snapshot(self) -> dict[str, Any]:
         """The state to persist (MS_ENABLE_RECOVERY): what a restarted scheduler needs to go on with the job.
 
         `committed_step` is the lowest step every rank has committed a checkpoint of, None until each rank has."""
-        committed = min(self.commits.values()) if len(self.commits) == self.world_size else None
+        committed = min(self.roster.commits.values()) if len(self.roster.commits) == self.world_size else None
         return {
             "job": self.job, "world_size": self.world_size, "status": self.status, "failure": self.failure,
             "generation": self.generation, "formed": self.formed,
-            "members": [m.to_json() for m in sorted(self.members.values(), key=lambda m: m.rank)],
-            "done": sorted(self.done), "fenced": sorted(self.fenced),
-            "commits": {str(r): s for r, s in sorted(self.commits.items())}, "committed_step": committed,
-            "replaced": [dict(r) for r in self.replaced],
+            "members": [m.to_json() for m in sorted(self.roster.members.values(), key=lambda m: m.rank)],
+            "done": sorted(self.roster.done), "fenced": sorted(self.roster.fenced),
+            "commits": {str(r): s for r, s in sorted(self.roster.commits.items())}, "committed_step": committed,
+            "replaced": self.roster.replacements(),
         }
 
     def restore(self, state: Mapping[str, Any], now: float) -> list[Action]:
@@ -275,7 +252,7 @@ class Membership:
         their ranks still on the spares) and members come back, the members without a connection. `state` must have
         passed state.load's checks; returns the log actions."""
         if state.get("status") != RUNNING:
-            self.fenced = set(state.get("fenced", []))
+            self.roster.fenced = set(state.get("fenced", []))
             finished = state.get("status") == FINISHED
             return [Log(INFO, f"the previous run of job {self.job} {state.get('status')} (committed step "
                               f"{state.get('committed_step')}): this run starts at generation 0, its workers resume "
@@ -284,25 +261,23 @@ class Membership:
         self.generation = int(state["generation"])
         self.formed = bool(state["formed"])
         self.gather_since = None if self.formed else now
-        self.done = {int(r) for r in state.get("done", [])}
-        self.fenced = set(state.get("fenced", []))
-        self.commits = {int(r): int(s) for r, s in state.get("commits", {}).items()}
-        self.replaced = [dict(r) for r in state.get("replaced", [])]  # the hosts fenced, and where their ranks went
-        for r in self.replaced:
-            for node_id in r["node_ids"]:
-                self.node_host[node_id] = r["by"]
+        self.roster.done = {int(r) for r in state.get("done", [])}
+        self.roster.fenced = set(state.get("fenced", []))
+        self.roster.commits = {int(r): int(s) for r, s in state.get("commits", {}).items()}
+        for r in state.get("replaced", []):  # the hosts fenced, and where their ranks went
+            self.roster.replace(r["host"], r["by"], str(r.get("reason", "")), node_ids=r["node_ids"])
         for m in state.get("members", []):
-            self.members[int(m["rank"])] = Member(int(m["rank"]), m["node_id"], m["incarnation"], int(m["pid"]),
-                                                  m["host"], m["addr"], now, None,
-                                                  recovery=str(m.get("recovery", "unknown")))
-            self.node_host.setdefault(m["node_id"], m["host"])
-        self.ever_registered = bool(self.members) or bool(self.fenced)
+            self.roster.admit(Member(int(m["rank"]), m["node_id"], m["incarnation"], int(m["pid"]), m["host"],
+                                     m["addr"], now, None, recovery=str(m.get("recovery", "unknown"))))
+            self.roster.place(m["node_id"], m["host"], keep=True)
+        self.ever_registered = bool(self.roster.members) or bool(self.roster.fenced)
         self.ever_formed = self.formed or self.generation > 0
         self.hb_check_at = now + self.node_timeout
+        waiting = len(self.roster.members)
         return [Log(INFO, f"resumed job {self.job} from its persisted state: generation {self.generation} "
-                          f"({'formed' if self.formed else 'gathering'}), {len(self.members)} members waiting to "
+                          f"({'formed' if self.formed else 'gathering'}), {waiting} members waiting to "
                           f"reconnect within {self.node_timeout:g} s"),
-                Note("restored", {"generation": self.generation, "members": len(self.members)})]
+                Note(NoteKind.RESTORED, {"generation": self.generation, "members": waiting})]
 
     def started(self, now: float) -> None:
         """Peers can reach the server from now: deadlines count from here, not from the server's own start.
@@ -310,83 +285,55 @@ class Membership:
         Restarts the formation clock (if gathering) and every restored member's heartbeat clock."""
         if self.gather_since is not None:
             self.gather_since = now
-        for member in self.members.values():
+        for member in self.roster.members.values():
             member.last_seen = now
-        self.hb_check_at = now + self.node_timeout if self.members else math.inf
-        for host in self.worker_hosts():  # no agent is connected yet: each has host_timeout to say hello
-            self.agent_gone.setdefault(host, now)
+        self.hb_check_at = now + self.node_timeout if self.roster.members else math.inf
+        for host in self.roster.worker_hosts():  # no agent is connected yet: each has host_timeout to say hello
+            self.roster.start_clock(host, now)
 
     # -- events
 
     def register(self, peer: int, addr: str, msg: Mapping[str, Any], now: float) -> list[Action]:
         """A worker's authenticated `register` on connection `peer` from `addr`.
 
-        Refused, each with the connection closed after the answer: a malformed message (incarnation of 1 to 64
-        characters, node id and host of at most 256) or a world size or rank that is not the job's (`reject`, no
-        retry: render the job again); a fenced incarnation (`fenced`: it must exit); a job that has ended or a rank
-        already done (`reject`, no retry); a rank held by another incarnation not yet known dead (`reject` with
-        retry: a relaunched worker retries until the holder's death is established).
+        Refused (`validate_register`, `refuse_register`), each with the connection closed after the answer: a
+        malformed message or a world size or rank that is not the job's; a replaced host's worker or a fenced
+        incarnation; a job that has ended or a rank already done; a rank held by another incarnation not yet known
+        dead (retry later).
 
         The same incarnation again is a reconnect: it takes over from its old connection (closed) with no change of
         generation. A new incarnation becomes the rank's member (`dirty`). Either is answered `welcome`, then
         `formed` if the generation is formed; otherwise the generation forms if this was the last rank missing."""
-        node_id, rank, inc = msg.get("node_id"), P.whole(dict(msg), "rank"), msg.get("incarnation")
-        pid, host = P.whole(dict(msg), "pid"), msg.get("host")
-        if not (isinstance(node_id, str) and rank is not None and isinstance(inc, str) and 0 < len(inc) <= 64
-                and pid is not None and isinstance(host, str) and len(node_id) <= 256 and len(host) <= 256):
-            return [Log(WARNING, f"rejected malformed registration from {addr}"),
-                    Send(peer, P.REJECT, {"reason": "malformed register message", "retry": False}, close=True)]
-        world = msg.get("world_size")
-        if world != self.world_size or not 0 <= rank < self.world_size:
-            reason = (f"{node_id} claims rank {rank} of {world} workers, but the job has {self.world_size} "
-                      f"({E.MS_WORKER_NUM}); render the job again")
-            return [Log(WARNING, f"rejected {node_id} from {addr}: {reason}"),
-                    Send(peer, P.REJECT, {"reason": reason, "retry": False}, close=True)]
-        where = f"pid {pid} on {host}, {addr}"
-        by = self.fenced_hosts().get(host)
-        if by is not None:
-            return [Log(WARNING, f"fenced {node_id} ({where}): host {host} was replaced by {by}; told it to exit"),
-                    Note("fenced", {"node_id": node_id, "pid": pid, "host": host}),
-                    Send(peer, P.FENCED, {"reason": f"host {host} was replaced by {by}: its processes may not rejoin "
-                                                    "the job"}, close=True)]
-        if inc in self.fenced:
-            return [Log(WARNING, f"fenced {node_id} ({where}): that incarnation was declared dead; told it to exit"),
-                    Note("fenced", {"node_id": node_id, "pid": pid, "host": host}),
-                    Send(peer, P.FENCED, {"reason": f"{node_id} (pid {pid}) was declared dead; a replacement takes "
-                                                    "its place"}, close=True)]
-        if self.status != RUNNING:
-            return [Send(peer, P.REJECT, {"reason": f"the job has {self.status}", "retry": False}, close=True)]
-        if rank in self.done:
-            return [Send(peer, P.REJECT, {"reason": f"{node_id} already finished", "retry": False}, close=True)]
-        current = self.members.get(rank)
-        if current is not None and current.incarnation != inc:
-            reason = (f"{node_id} is held by a live process (pid {current.pid} on {current.host}, {current.addr}, "
-                      f"heard from {now - current.last_seen:.1f} s ago)")
-            return [Log(WARNING, f"rejected {node_id} from {where}: {reason}"),
-                    Send(peer, P.REJECT, {"reason": reason, "retry": True}, close=True)]
+        reg = validate_register(peer, addr, msg, self.world_size)
+        if not isinstance(reg, Registration):
+            return reg
+        refused = refuse_register(peer, reg, self.roster, self.status, now)
+        if refused:
+            return refused
+        node_id, rank, inc, pid, host, where = reg.node_id, reg.rank, reg.incarnation, reg.pid, reg.host, reg.where
+        current = self.roster.members.get(rank)
         out: list[Action] = []
-        self.peers[peer] = Peer("worker", rank=rank, addr=addr)
+        self.roster.peers[peer] = Peer(PeerRole.WORKER, rank=rank, addr=addr)
         self.ever_registered = True
         if current is not None:
-            old = current.peer
-            current.peer, current.addr, current.last_seen = peer, addr, now
+            old = self.roster.reconnect(current, peer, addr, now)
             if old is not None and old != peer:
-                self.peers.pop(old, None)
+                self.roster.peers.pop(old, None)
                 out.append(Close(old))
             out.append(Log(INFO, f"{node_id} reconnected ({where}), generation {self.generation}"))
         else:
-            recovery = msg.get("recovery") if msg.get("recovery") in (P.RECOVERY_IN_PLACE, P.RECOVERY_RESTART) \
-                else "unknown"
-            self.members[rank] = Member(rank, node_id, inc, pid, host, addr, now, peer, recovery=recovery)
+            recovery = reg.recovery
+            self.roster.admit(Member(rank, node_id, inc, pid, host, addr, now, peer, recovery=recovery))
             self.hb_check_at = min(self.hb_check_at, now + self.node_timeout)
-            self.node_host.setdefault(node_id, host)
-            out.append(Log(INFO, f"registered {node_id} ({where}, {recovery} recovery): {len(self.members)} of "
+            self.roster.place(node_id, host, keep=True)
+            out.append(Log(INFO, f"registered {node_id} ({where}, {recovery} recovery): {len(self.roster.members)} of "
                                  f"{self.world_size}"))
             self.dirty = True
         out.append(Send(peer, P.WELCOME, {"rank": rank, "world_size": self.world_size, "generation": self.generation,
                                           "job": self.job}))
         if self.formed:
-            out.append(Send(peer, P.FORMED, {"generation": self.generation, "prefix": self.prefix()}))
+            prefix = P.store_prefix(self.job, self.boot, self.generation)
+            out.append(Send(peer, P.FORMED, {"generation": self.generation, "prefix": prefix}))
         else:
             out += self._maybe_form(now)
         return out
@@ -407,32 +354,24 @@ class Membership:
         if not isinstance(host, str) or not 0 < len(host) <= 256 or not isinstance(node_ids, list) \
                 or len(node_ids) > 4096:
             return [Send(peer, P.REJECT, {"reason": "malformed agent_hello", "retry": False}, close=True)]
-        by = self.fenced_hosts().get(host)
+        by = self.roster.replaced_by(host)
         if by is not None:
             reason = (f"host {host} was replaced by {by} in job {self.job}: it is fenced and may not rejoin; "
                       "its processes are stopped")
             return [Log(WARNING, f"refused the agent of {host} ({addr}): the host was replaced by {by}; told it to "
                                  "stop its processes"),
-                    Note("refused", {"host": host, "by": by}),
+                    Note(NoteKind.REFUSED, {"host": host, "by": by}),
                     Send(peer, P.WELCOME, {}), Send(peer, P.STOP, {"reason": reason}, close=True)]
         out: list[Action] = []
-        self.peers[peer] = Peer("agent", host=host, addr=addr)
-        self.agent_gone.pop(host, None)
-        self.agent_seen[host] = now
-        self.waiting_spare.discard(host)
-        self.agent_spare[host] = msg.get("spare") is True
-        if msg.get("spare") is True and host not in self.spare_hosts:
-            self.spare_hosts.append(host)
-        old = self.agents.get(host)
-        if old is not None and old != peer:
-            self.peers.pop(old, None)
-            out.append(Close(old))
-        self.agents[host] = peer
+        self.roster.peers[peer] = Peer(PeerRole.AGENT, host=host, addr=addr)
         names = [n for n in node_ids if isinstance(n, str) and len(n) <= 256]
+        old = self.roster.connect_agent(host, peer, msg.get("spare") is True, now,
+                                        scheduler=any(rank_of(n) is None for n in names))
+        if old is not None and old != peer:
+            self.roster.peers.pop(old, None)
+            out.append(Close(old))
         for node_id in names:
-            self.node_host[node_id] = host
-            if rank_of(node_id) is None:
-                self.sched_host = host
+            self.roster.place(node_id, host)
         out += [Log(INFO, f"agent of {host} connected from {addr}, supervising {', '.join(names) or 'nothing'}"),
                 Send(peer, P.WELCOME, {})]
         if self.status == FINISHED:
@@ -440,7 +379,7 @@ class Membership:
         elif self.status == FAILED:
             out.append(Send(peer, P.STOP, {"reason": self.failure}))
         else:
-            for seq, r in enumerate(self.replaced, 1):
+            for seq, r in enumerate(self.roster.replacements(), 1):
                 if r["by"] == host and not set(r["node_ids"]) <= set(names):
                     out.append(Send(peer, P.TAKEOVER, {"host": r["host"], "node_ids": r["node_ids"], "seq": seq}))
             out += self._check_lost(now)
@@ -450,47 +389,47 @@ class Membership:
         """Any later message of an identified peer.
 
         From an agent: `exited` (a child's death or clean end), `gave_up` (the job fails); `heartbeat` vouches for the
-        members it names running (`_vouch`); anything else is logged. From a worker, only the rank's current
+        members it names running (`liveness.vouch`); anything else is logged. From a worker, only the rank's current
         connection counts (a replaced or finished one is ignored), and any message refreshes `last_seen`: `heartbeat`
         records the step; `commit` raises the rank's committed step, never lowers it (`commits_dirty`); `recovered`
         is logged; `done` retires the member without a new generation and may finish the job; an unknown op is
         logged and ignored. Messages of a peer that never said hello are ignored."""
-        who = self.peers.get(peer)
+        who = self.roster.peers.get(peer)
         op = msg["op"]
-        if who is None or who.role == "finished":
+        if who is None or who.role == PeerRole.FINISHED:
             return []
-        if who.role == "agent":
-            if who.host is not None and self.agents.get(who.host) == peer:
-                self.agent_seen[who.host] = now
-                self.waiting_spare.discard(who.host)
+        if who.role == PeerRole.AGENT:
+            if who.host is not None:
+                self.roster.heard(who.host, peer, now)
             if op == P.EXITED:
                 return self._exited(who, msg, now)
             if op == P.GAVE_UP:
-                return self._gave_up(who, msg)
+                return self._fail(gave_up_reason(who, msg), EXIT_FAILED)
             if op == P.HEARTBEAT:
-                self._vouch(who.host, msg.get("running"), now)
+                vouch(self.roster, who.host, msg.get("running"), now)
                 return []
             return [Log(WARNING, f"agent of {who.host} sent unknown op {op[:40]!r} (ignored)")]
-        member = self.members.get(who.rank) if who.rank is not None else None
+        member = self.roster.members.get(who.rank) if who.rank is not None else None
         if member is None or member.peer != peer:
             return []
         member.last_seen, member.busy_said = now, False
         if op == P.HEARTBEAT:
             member.step = P.whole(dict(msg), "step", member.step)
-            return [Note("pace", {"rank": member.rank, "node_id": member.node_id, "host": self._host_of(member),
-                                  "pid": member.pid, "step": member.step, **P.pace_fields(dict(msg))})]
+            return [Note(NoteKind.PACE, {"rank": member.rank, "node_id": member.node_id,
+                                         "host": host_of(self.roster, member), "pid": member.pid, "step": member.step,
+                                         **P.pace_fields(dict(msg))})]
         if op == P.COMMIT:
             step = P.whole(dict(msg), "step")
-            if step is not None and step > self.commits.get(member.rank, -1):
-                self.commits[member.rank] = step
+            if step is not None and step > self.roster.commits.get(member.rank, -1):
+                self.roster.commits[member.rank] = step
                 self.commits_dirty = True
             return []
         if op == P.RECOVERED:
-            return self._recovered(member, msg)
+            return recovered(member, msg)
         if op == P.DONE:
-            self.peers[peer] = Peer("finished", rank=member.rank, addr=who.addr)
+            self.roster.peers[peer] = Peer(PeerRole.FINISHED, rank=member.rank, addr=who.addr)
             out: list[Action] = [Log(INFO, f"{member.node_id} finished (pid {member.pid} on {member.host})")]
-            self._retire(member)
+            self.dirty |= self.roster.remove(member)  # it leaves without a generation change
             return out + self._mark_done(member.rank)
         return [Log(WARNING, f"{member.node_id} sent unknown op {op[:40]!r} (ignored)")]
 
@@ -502,20 +441,18 @@ class Membership:
         killed now: if its agent has not reported its exit within node_timeout, `tick` has it killed (fencing comes
         after the process's own cause). An agent's connection ending only forgets the agent: its workers are judged
         by their own connections and heartbeats. A finished worker's EOF means nothing."""
-        who = self.peers.pop(peer, None)
+        who = self.roster.peers.pop(peer, None)
         if who is None:
             return []
-        if who.role == "worker" and who.rank is not None:
-            member = self.members.get(who.rank)
+        if who.role == PeerRole.WORKER and who.rank is not None:
+            member = self.roster.members.get(who.rank)
             if member is not None and member.peer == peer:
                 if self.status == RUNNING:
                     self.unreported[member.node_id] = (member.pid, now + self.node_timeout)
                 return self._death(member, reason, kill=False, now=now)
-        elif who.role == "agent" and who.host is not None and self.agents.get(who.host) == peer:
-            del self.agents[who.host]
-            self.agent_gone[who.host] = now
+        elif who.role == PeerRole.AGENT and who.host is not None and self.roster.disconnect_agent(who.host, peer, now):
             return [Log(INFO, f"agent of {who.host} disconnected ({reason})"),
-                    Note("agent_lost", {"host": who.host, "reason": reason})]
+                    Note(NoteKind.AGENT_LOST, {"host": who.host, "reason": reason})]
         return []
 
     def tick(self, now: float) -> list[Action]:
@@ -523,81 +460,33 @@ class Membership:
 
         Does nothing once the job has ended. A member silent for node_timeout (no message, or a restored member that
         did not reconnect) is declared dead, its agent told to kill it (`_death`), unless its agent vouched for it
-        within node_timeout (`_alive_though_silent`). A member whose connection closed and whose exit its agent has
-        not reported within node_timeout is killed (`_kill_unreported`). A gathering generation past topo_timeout
-        fails the job (`_formation_timeout`), unless its workers were found to be unmanaged scripts."""
+        within node_timeout (`liveness.alive_though_silent`). A member whose connection closed and whose exit its
+        agent has not reported within node_timeout is killed (`liveness.kill_unreported`). A gathering generation
+        past topo_timeout fails the job (`_formation_timeout`), unless its workers were found to be unmanaged
+        scripts."""
         out: list[Action] = []
         if self.status != RUNNING:
             return out
         if now >= self.hb_check_at:
             # Heartbeats and vouches only move expiries later, so the earliest expiry found here is a safe bound for
             # the next scan: with hundreds of members, most calls skip the scan.
-            for member in list(self.members.values()):
+            for member in list(self.roster.members.values()):
                 silent = now - member.last_seen
-                if silent < self.node_timeout or self._alive_though_silent(member, silent, now, out):
+                if silent < self.node_timeout or alive_though_silent(member, silent, now, self.node_timeout,
+                                                                     self.topo_timeout, out):
                     continue
                 what = "did not reconnect" if member.peer is None else "sent no heartbeat"
                 out += self._death(member, f"{what} for {silent:.1f} s ({E.MS_NODE_TIMEOUT}={self.node_timeout:g})",
                                    kill=True, now=now, cause=CAUSE_NOT_BACK if member.peer is None
                                    else CAUSE_SILENCE, silent_for=silent)
-            self.hb_check_at = min((self._expiry(m) for m in self.members.values()), default=math.inf)
-        out += self._kill_unreported(now)
+            self.hb_check_at = min((expiry(m, self.node_timeout, self.topo_timeout)
+                                    for m in self.roster.members.values()), default=math.inf)
+        out += kill_unreported(self.roster, self.unreported, now, self.node_timeout)
         out += self._check_lost(now)
         self.last_tick = now
         if (self.status == RUNNING and self.gather_since is not None and not self.unmanaged
                 and now >= self.gather_since + self.topo_timeout):
             out += self._formation_timeout()
-        return out
-
-    def _vouch(self, host: str | None, running: Any, now: float) -> None:
-        """An agent's heartbeat names its children running and not stopped (`running`: node_id -> pid). Each entry
-        counts for the member that is that very process (its registered pid) on that agent's host; anything else in
-        it is ignored (at most 4096 entries are read)."""
-        if host is None or not isinstance(running, dict):
-            return
-        for node_id, pid in list(running.items())[:4096]:
-            rank = rank_of(node_id) if isinstance(node_id, str) else None
-            member = self.members.get(rank) if rank is not None else None
-            if (member is not None and member.node_id == node_id and isinstance(pid, int)
-                    and not isinstance(pid, bool) and pid == member.pid and self.node_host.get(node_id) == host):
-                member.vouched_at = now
-
-    def _alive_though_silent(self, member: Member, silent: float, now: float, out: list[Action]) -> bool:
-        """Whether `member`, unheard for `silent` s (at least node_timeout), is alive anyway: connected, and its agent
-        vouched for it within node_timeout (a call holding its GIL stops its heartbeat thread, not its process), for at
-        most topo_timeout of silence. Says so once per silence (appended to `out`)."""
-        vouched = member.peer is not None and member.vouched_at is not None \
-            and now - member.vouched_at < self.node_timeout
-        if not vouched or silent >= self.topo_timeout:
-            return False
-        if not member.busy_said:
-            member.busy_said = True
-            out.append(Log(WARNING, f"{member.node_id} (pid {member.pid} on {member.host}) sent no heartbeat for "
-                                    f"{silent:.1f} s, but its agent sees it running (not stopped): busy in a call that "
-                                    f"holds its GIL? waiting for it up to {E.MS_TOPO_TIMEOUT}={self.topo_timeout:g} s"))
-        return True
-
-    def _expiry(self, member: Member) -> float:
-        """The earliest time `member` can be found dead by silence, as far as is known now (see
-        `_alive_though_silent`)."""
-        unheard = member.last_seen + self.node_timeout
-        if member.vouched_at is None or member.peer is None:
-            return unheard
-        return max(unheard, min(member.vouched_at + self.node_timeout, member.last_seen + self.topo_timeout))
-
-    def _kill_unreported(self, now: float) -> list[Action]:
-        """Kill (fence) each process whose connection closed node_timeout ago and whose exit its agent has not reported:
-        it may linger (stuck in its teardown) and hold its rank's place on its host."""
-        out: list[Action] = []
-        for node_id, (pid, due) in list(self.unreported.items()):
-            if now < due:
-                continue
-            del self.unreported[node_id]
-            agent = self.agents.get(self.node_host.get(node_id, ""))
-            if agent is not None:
-                out += [Log(WARNING, f"{node_id} (pid {pid}) closed its connection {self.node_timeout:g} s ago and its "
-                                     "agent has not reported its exit: killing it (fencing)"),
-                        Send(agent, P.KILL, {"node_id": node_id, "pid": pid, "cause": CAUSE_CLOSED})]
         return out
 
     def replace(self, peer: int, msg: Mapping[str, Any], now: float) -> list[Action]:
@@ -608,80 +497,46 @@ class Membership:
         runs the scheduler or was replaced already, or the spare is unknown, not connected, in use, or there is
         none."""
         host, spare = msg.get("host"), msg.get("spare")
-        hosts = self.worker_hosts()
+        hosts = self.roster.worker_hosts()
         reason = ""
         if self.status != RUNNING:
             reason = f"job {self.job} has {self.status}: nothing to replace"
-        elif self.done:
+        elif self.roster.done:
             reason = f"some ranks of job {self.job} have finished: a replacement could not rejoin them"
-        elif not isinstance(host, str) or host not in hosts or host in self.fenced_hosts():
-            what = ("was already replaced by " + self.fenced_hosts()[host]) if host in self.fenced_hosts() \
-                else "runs no worker of the job"
+        elif not isinstance(host, str) or host not in hosts or self.roster.replaced_by(host) is not None:
+            by = self.roster.replaced_by(host)
+            what = f"was already replaced by {by}" if by is not None else "runs no worker of the job"
             reason = f"host {str(host)[:256]} {what}; the hosts with workers: {', '.join(sorted(hosts))}"
-        elif host == self.sched_host:
+        elif self.roster.hosts[host].runs_scheduler:
             reason = f"host {host} runs the scheduler: it cannot be replaced while the job runs"
-        if not reason:
-            free = self._free_spares()
-            if spare is not None and not isinstance(spare, str):
-                reason = "malformed replace: spare is not a host name"
-            elif spare is not None and spare not in free:
-                why = ("its agent is not connected" if spare not in self.agents else "it already holds ranks") \
-                    if spare in self.spare_hosts else "it is not a spare host of this job (the inventory's [spares])"
-                reason = (f"{spare[:256]} cannot take over {host}: {why}; free spares: "
-                          f"{', '.join(free) or 'none'}")
-            elif not free:
-                reason = (f"no spare is free to take over {host} (spares with an agent: "
-                          f"{', '.join(s for s in self.spare_hosts if s in self.agents) or 'none'}); add a host to "
-                          "the inventory's [spares], deploy and train")
-        if reason:
-            return [Log(WARNING, f"refused to replace {str(host)[:256]}: {reason}"),
-                    Send(peer, P.REJECT, {"reason": reason, "retry": False}, close=True)]
-        chosen = spare if isinstance(spare, str) else self._free_spares()[0]
-        node_ids = hosts[host]
+        chosen = choose_spare(self.roster, spare, str(host)) if not reason else Refusal(reason)
+        if isinstance(chosen, Refusal):
+            return [Log(WARNING, f"refused to replace {str(host)[:256]}: {chosen.reason}"),
+                    Send(peer, P.REJECT, {"reason": chosen.reason, "retry": False}, close=True)]
+        node_ids = hosts[str(host)]
         return ([Send(peer, P.WELCOME, {"host": host, "spare": chosen, "node_ids": node_ids}, close=True)]
                 + self._take_over(host, chosen, "replaced by the operator (fleet replace)", now))
 
     # -- decisions
 
-    def _free_spares(self) -> list[str]:
-        """Spare hosts whose agent is connected and said it is a spare, and that hold no ranks (never took over, never
-        replaced), in the order they are used (the inventory's)."""
-        used = {r["by"] for r in self.replaced} | set(self.fenced_hosts())
-        holding = set(self.worker_hosts())
-        return [h for h in self.spare_hosts if h in self.agents and h not in used and h not in holding
-                and self.agent_spare.get(h)]
-
-    def _agents_unheard(self) -> list[tuple[str, float]]:
-        """(host, since when its agent has not been heard) for every host known: since its disconnection, or, while
-        connected, since its last message (agents heartbeat; a host cut off leaves its connection open, silent)."""
-        return ([(h, t) for h, t in self.agent_gone.items() if h not in self.agents]
-                + [(h, t) for h, t in self.agent_seen.items() if h in self.agents])
-
     def _check_lost(self, now: float) -> list[Action]:
-        """Hand each lost host's ranks to a free spare. A host is lost when the job has formed and runs with no rank
-        finished, automatic replacement is on (host_timeout > 0), it is not the scheduler's nor already replaced, its
-        agent has been gone or silent for host_timeout (a pulled cable closes no connection), and none of its ranks is
-        held by a member (they died: by silence, by not coming back, or with their connections). Without a free spare
-        the host waits (said once), as it would without spares: the job goes on if its agent comes back."""
-        if self.host_timeout <= 0 or self.status != RUNNING or not self.ever_formed or self.done:
+        """Hand each lost host's ranks to a free spare, while the job has formed and runs with no rank finished and
+        automatic replacement is on (host_timeout > 0); which hosts are lost and which spare is free is decided in
+        spares.py. Without a free spare the host waits (said once), as it would without spares: the job goes on if
+        its agent comes back."""
+        if self.host_timeout <= 0 or self.status != RUNNING or not self.ever_formed or self.roster.done:
             return []
         out: list[Action] = []
-        stale = [(h, since) for h, since in self._agents_unheard() if now - since >= self.host_timeout]
-        hosts = self.worker_hosts() if stale else {}  # most passes stop here: every agent heartbeats
-        for host, since in stale:
-            node_ids = hosts.get(host)
-            if (not node_ids or host == self.sched_host or host in self.fenced_hosts()
-                    or any(rank_of(n) in self.members for n in node_ids)):
-                continue
-            free = self._free_spares()
-            if not free:
-                if host not in self.waiting_spare:
-                    self.waiting_spare.add(host)
+        for lost in find_lost(self.roster, now, self.host_timeout):  # most passes find none: agents heartbeat
+            host, since, node_ids = lost.host, lost.since, lost.node_ids
+            spare = choose_spare(self.roster, None, host)
+            if isinstance(spare, Refusal):
+                if self.roster.wait_for_spare(host):
                     out.append(Log(WARNING, f"host {host} is lost (its agent unheard for {now - since:.1f} s, "
                                             f"{', '.join(node_ids)} dead) and no spare is free: waiting for it to "
                                             "come back ('fleet restart --host' starts its agent) or for a spare"))
                 continue
-            out += self._take_over(host, free[0], f"its agent unheard for {now - since:.1f} s and its workers dead "
+            out += self._take_over(host, spare, f"its agent unheard for {now - since:.1f} s and its workers dead "
                                                   f"(TOOLKIT_HOST_TIMEOUT={self.host_timeout:g})", now)
         return out
 
@@ -692,28 +547,24 @@ class Membership:
         and `spare`'s agent is sent `takeover {host, node_ids, seq}` (seq: the replacement's number, 1 up, which
         orders replacements for `fleet status`). The spare's workers then register for the ranks like any
         replacement and recover as the job's mode allows (in place from a peer, or a restart from checkpoints)."""
-        node_ids = self.worker_hosts()[host]
-        self.replaced.append({"host": host, "by": spare, "node_ids": node_ids, "reason": reason})
+        node_ids, agent = list(self.roster.hosts[host].node_ids), self.roster.hosts[host].agent
         self.dirty = True
-        self.agent_gone.pop(host, None)
-        self.waiting_spare.discard(host)
         out: list[Action] = [
             Log(WARNING, f"host {host} replaced by spare {spare}: {reason}; {spare} takes {', '.join(node_ids)}; "
                          f"{host} is fenced: its agent and workers are refused from now on"),
-            Note("replaced", {"host": host, "by": spare, "node_ids": node_ids, "reason": reason})]
-        agent = self.agents.pop(host, None)
+            Note(NoteKind.REPLACED, {"host": host, "by": spare, "node_ids": node_ids, "reason": reason})]
         if agent is not None:
-            self.peers.pop(agent, None)
+            self.roster.peers.pop(agent, None)
             out.append(Send(agent, P.STOP, {"reason": f"host {host} was replaced by {spare} ({reason}): it is "
                                                       "fenced from the job"}, close=True))
         for node_id in node_ids:
-            member = self.members.get(rank_of(node_id) or 0)
+            member = self.roster.members.get(rank_of(node_id) or 0)
             if member is not None and member.node_id == node_id:
                 out += self._death(member, f"its host {host} was replaced by {spare}", kill=False, now=now,
                                    cause=CAUSE_REPLACED)
-            self.node_host[node_id] = spare
-        out.append(Send(self.agents[spare], P.TAKEOVER, {"host": host, "node_ids": node_ids,
-                                                          "seq": len(self.replaced)}))
+        self.roster.replace(host, spare, reason)  # after the deaths, which name the host their ranks ran on
+        out.append(Send(self.roster.agents[spare], P.TAKEOVER, {"host": host, "node_ids": node_ids,
+                                                                 "seq": self.roster.hosts[host].replaced_seq}))
         return out
 
     def _maybe_form(self, now: float) -> list[Action]:
@@ -723,27 +574,22 @@ class Membership:
         (A death after a rank is done never gets here: `_death_after_done`.)"""
         if self.formed or self.status != RUNNING:
             return []
-        present = sum(1 for m in self.members.values() if m.peer is not None)
-        if present < self.world_size:
+        if self.roster.connected_members < self.world_size:
             return []
         self.formed = self.ever_formed = True
         self.dirty = True
         since = self.gather_since if self.gather_since is not None else now
         self.gather_since = None
+        prefix = P.store_prefix(self.job, self.boot, self.generation)
         out: list[Action] = [Log(INFO, f"generation {self.generation} formed: {self.world_size} workers in "
-                                       f"{now - since:.3f} s; store prefix {self.prefix()}"),
-                             Note("formed", {"generation": self.generation, "seconds": now - since,
-                                             "recovery": sorted({m.recovery for m in self.members.values()})})]
-        out += [Send(m.peer, P.FORMED, {"generation": self.generation, "prefix": self.prefix()})
-                for m in self.members.values() if m.peer is not None]
+                                       f"{now - since:.3f} s; store prefix {prefix}"),
+                             Note(NoteKind.FORMED, {"generation": self.generation, "seconds": now - since,
+                                             "recovery": sorted({m.recovery for m in self.roster.members.values()})})]
+        out += [Send(m.peer, P.FORMED, {"generation": self.generation, "prefix": prefix})
+                for m in self.roster.members.values() if m.peer is not None]
         if self.generation > 0:  # the generations before are over: their store keys can go
             out += [DropKeys(P.store_prefix(self.job, self.boot, g)) for g in range(self.generation)]
         return out
-
-    def _host_of(self, member: Member) -> str:
-        """The host a member runs on as the operator names it (the plan's, or its agent's), else as the worker
-        named itself (its hostname, which need not be the inventory's name)."""
-        return self.node_host.get(member.node_id) or str(member.host)
 
     def _death(self, member: Member, reason: str, kill: bool, now: float, cause: str = CAUSE_CLOSED,
                silent_for: float = 0.0) -> list[Action]:
@@ -756,26 +602,25 @@ class Membership:
         job runs: formed, it moves to generation+1, announced by `generation` to every connected member, and gathers
         again from `now`; still gathering, the member is only removed (one generation per fault). The left
         generation's store keys go when the next one forms."""
-        if self.members.get(member.rank) is not member:
+        if not self.roster.remove(member):
             return []
-        del self.members[member.rank]
-        self.fenced.add(member.incarnation)
+        self.roster.fenced.add(member.incarnation)
         self.dirty = True
-        out: list[Action] = [Note("death", {
-            "node_id": member.node_id, "rank": member.rank, "host": self._host_of(member), "pid": member.pid,
+        out: list[Action] = [Note(NoteKind.DEATH, {
+            "node_id": member.node_id, "rank": member.rank, "host": host_of(self.roster, member), "pid": member.pid,
             "cause": cause, "reason": reason, "silent_for": silent_for, "step": member.step,
-            "recovery": member.recovery, "begins": self.formed and self.status == RUNNING and not self.done,
-            "generation": self.generation + 1 if self.formed and self.status == RUNNING and not self.done
+            "recovery": member.recovery, "begins": self.formed and self.status == RUNNING and not self.roster.done,
+            "generation": self.generation + 1 if self.formed and self.status == RUNNING and not self.roster.done
             else self.generation})]
         if member.peer is not None:
-            self.peers.pop(member.peer, None)
+            self.roster.peers.pop(member.peer, None)
             out.append(Send(member.peer, P.FENCED, {"reason": f"declared dead: {reason}"}, close=True))
-        agent = self.agents.get(self.node_host.get(member.node_id, ""))
+        agent = self.roster.agent_at(member.node_id)
         if kill and agent is not None:
             out.append(Send(agent, P.KILL, {"node_id": member.node_id, "pid": member.pid, "cause": cause}))
         if self.status != RUNNING:
             return out
-        if self.done:
+        if self.roster.done:
             return out + self._death_after_done(member, reason)
         if self.formed:
             self.generation += 1
@@ -783,18 +628,12 @@ class Membership:
             self.gather_since = now
             out.append(Log(WARNING, f"{member.node_id} (pid {member.pid} on {member.host}) is dead: {reason}; "
                                     f"generation {self.generation} begins, waiting for its replacement"))
-            out += [Send(m.peer, P.GENERATION, {"generation": self.generation}) for m in self.members.values()
+            out += [Send(m.peer, P.GENERATION, {"generation": self.generation}) for m in self.roster.members.values()
                     if m.peer is not None]
         else:
             out.append(Log(WARNING, f"{member.node_id} (pid {member.pid} on {member.host}) is dead: {reason}; "
                                     f"generation {self.generation} still gathering"))
         return out
-
-    def _retire(self, member: Member) -> None:
-        """A member that ended cleanly leaves without a generation change: nothing to recover from."""
-        if self.members.get(member.rank) is member:
-            del self.members[member.rank]
-            self.dirty = True
 
     def _death_after_done(self, member: Member, reason: str) -> list[Action]:
         """A member died after other ranks finished: no new generation can form, the finished ranks are gone.
@@ -802,7 +641,7 @@ class Membership:
         durable; so an in-place (toolkit.train) member that dies now has finished its training and counts as
         done. Any other member's state is unknown: the job fails at once, saying why, rather than waiting out
         the formation timeout."""
-        finished = ", ".join(P.worker_node_id(r) for r in sorted(self.done))
+        finished = ", ".join(P.worker_node_id(r) for r in sorted(self.roster.done))
         who = f"{member.node_id} (pid {member.pid} on {member.host})"
         if member.recovery == P.RECOVERY_IN_PLACE:
             return [Log(WARNING, f"{who} is dead: {reason}, after {finished} finished: every rank had passed the "
@@ -814,14 +653,14 @@ class Membership:
     def _mark_done(self, rank: int) -> list[Action]:
         """Record `rank` as done (`dirty`). Once every rank is, the job has finished (once): its agents are told
         `finished` and the scheduler exits EXIT_OK."""
-        if rank not in self.done:
-            self.done.add(rank)
+        if rank not in self.roster.done:
+            self.roster.done.add(rank)
             self.dirty = True
-        if len(self.done) < self.world_size or self.status != RUNNING:
+        if len(self.roster.done) < self.world_size or self.status != RUNNING:
             return []
         self.status = FINISHED
-        return ([Log(INFO, f"all {self.world_size} workers finished: job {self.job} done"), Note("finished")]
-                + [Send(agent, P.FINISHED) for agent in self.agents.values()] + [Exit(EXIT_OK)])
+        return ([Log(INFO, f"all {self.world_size} workers finished: job {self.job} done"), Note(NoteKind.FINISHED)]
+                + [Send(agent, P.FINISHED) for agent in self.roster.agents.values()] + [Exit(EXIT_OK)])
 
     def _fail(self, reason: str, code: int) -> list[Action]:
         """Fail the job, once (later calls do nothing): keep `reason` (persisted, and sent to agents that connect
@@ -831,9 +670,9 @@ class Membership:
         self.status = FAILED
         self.failure = reason
         self.dirty = True
-        return ([Log(ERROR, f"job {self.job} failed: {reason}"), Note("failed", {"reason": reason})]
-                + [Send(agent, P.STOP, {"reason": reason}) for agent in self.agents.values()]
-                + [Send(m.peer, P.STOP, {"reason": reason}) for m in self.members.values() if m.peer is not None]
+        return ([Log(ERROR, f"job {self.job} failed: {reason}"), Note(NoteKind.FAILED, {"reason": reason})]
+                + [Send(agent, P.STOP, {"reason": reason}) for agent in self.roster.agents.values()]
+                + [Send(m.peer, P.STOP, {"reason": reason}) for m in self.roster.members.values() if m.peer is not None]
                 + [Exit(code)])
 
     def _exited(self, agent: Peer, msg: Mapping[str, Any], now: float) -> list[Action]:
@@ -856,47 +695,18 @@ class Membership:
         rank = rank_of(node_id)
         if rank is None or rank >= self.world_size:
             return [Log(INFO, f"agent of {agent.host}: {node_id} (pid {pid}) exited: {said}")]
-        member = self.members.get(rank)
+        member = self.roster.members.get(rank)
         if code == 0 and sig is None:
             out: list[Action] = [Log(INFO, f"{node_id} (pid {pid} on {agent.host}) exited 0")]
-            if member is not None and member.pid == pid:
-                self._retire(member)
+            if member is not None and member.pid == pid and self.roster.remove(member):
+                self.dirty = True  # it ended cleanly: it leaves without a generation change
             return out + self._mark_done(rank)
-        note = Note("exited", {"node_id": node_id, "rank": rank, "host": agent.host, "pid": pid, "code": code,
+        note = Note(NoteKind.EXITED, {"node_id": node_id, "rank": rank, "host": agent.host, "pid": pid, "code": code,
                                "signal": sig, "cause": said})
         if member is not None and member.pid == pid:
             return [note] + self._death(member, f"its agent on {agent.host} saw it end: {said}",
                                         kill=False, now=now, cause=said)
         return [note, Log(INFO, f"{node_id} (pid {pid} on {agent.host}) exited: {said}")]
-
-    def _gave_up(self, agent: Peer, msg: Mapping[str, Any]) -> list[Action]:
-        """An agent's process passed its max restarts: the job fails with EXIT_FAILED, the reason naming the node,
-        the host, how it ended and the last 5 lines of its log tail (at most 2000 characters)."""
-        node_id = str(msg.get("node_id", "?"))[:256]
-        tail = msg.get("log_tail") if isinstance(msg.get("log_tail"), str) else ""
-        last = " | ".join(line for line in tail.strip().splitlines()[-5:])[-2000:]
-        sig = msg.get("signal") if isinstance(msg.get("signal"), str) else None
-        said = P.cause_field(dict(msg)) or how(P.whole(dict(msg), "code"), sig)
-        reason = f"{node_id} on {agent.host} failed after its last allowed restart ({said})" + (
-            f"; last log lines: {last}" if last else "")
-        return self._fail(reason, EXIT_FAILED)
-
-    def _recovered(self, member: Member, msg: Mapping[str, Any]) -> list[Action]:
-        """A worker's `recovered` report: its log line (generation, step, where the state came from and how long it
-        took; fields of the wrong type show as None or "?") and a Note for the ledger."""
-        m = dict(msg)
-        source = msg.get("source")
-        origin = {"peer": f"rank {P.whole(m, 'from_rank')}'s memory",
-                  "checkpoint": f"the checkpoint of rank {P.whole(m, 'from_rank')}",
-                  "initial": "the initial state"}.get(source if isinstance(source, str) else "", "?")
-        seconds = msg.get("seconds") if P.finite_number(msg.get("seconds")) else None
-        return [Log(INFO, f"{member.node_id} trains again in generation {P.whole(m, 'generation')} from step "
-                          f"{P.whole(m, 'step')}, taken from {origin} in {seconds} s; {P.whole(m, 'recomputed')} "
-                          "step(s) recomputed"),
-                Note("recovered", {"node_id": member.node_id, "rank": member.rank,
-                                   "generation": P.whole(m, "generation"), "step": P.whole(m, "step"),
-                                   "source": source if isinstance(source, str) else None,
-                                   "recomputed": P.whole(m, "recomputed"), "seconds": seconds})]
 
     def _formation_timeout(self) -> list[Action]:
         """The formation deadline passed with ranks missing (neither done nor connected).
@@ -905,9 +715,10 @@ class Membership:
         scripts that never ask for a process group: the formation clock stops (`unmanaged`: no heartbeats or
         generations) and their agents' exit reports end the job. Otherwise the job fails with EXIT_FORMATION,
         naming each missing worker, the host it was expected on and the address it should reach."""
+        members = self.roster.members
         missing = [r for r in range(self.world_size)
-                   if r not in self.done and (r not in self.members or self.members[r].peer is None)]
-        attested = [r for r in missing if self.node_host.get(P.worker_node_id(r)) in self.agents]
+                   if r not in self.roster.done and (r not in members or members[r].peer is None)]
+        attested = [r for r in missing if self.roster.agent_at(P.worker_node_id(r)) is not None]
         if not self.ever_registered and missing and len(attested) == len(missing):
             self.unmanaged = True
             self.gather_since = None
@@ -917,7 +728,7 @@ class Membership:
         names = []
         for r in missing:
             node_id = P.worker_node_id(r)
-            host = self.node_host.get(node_id)
+            host = self.roster.host_of(node_id)
             names.append(f"{node_id} (expected on {host})" if host else node_id)
         what = f"re-forming generation {self.generation}" if self.ever_formed else "cluster formation"
         reason = (f"{what} timed out after {self.topo_timeout:g} s ({E.MS_TOPO_TIMEOUT}): {len(missing)} of "

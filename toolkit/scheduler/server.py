@@ -31,11 +31,12 @@ from toolkit import procs
 from toolkit import protocol as P
 from toolkit.printable import clean
 from toolkit.scheduler import state as S
+from toolkit.scheduler.actions import Close, DropKeys, Exit, Log, Note, Send
 from toolkit.scheduler.admission import Admission, Limits
 from toolkit.scheduler.config import Config, ConfigError
 from toolkit.scheduler.journal import Journal
 from toolkit.scheduler.kvstore import KVStore, bounds
-from toolkit.scheduler.membership import Close, DropKeys, Exit, Log, Membership, Note, Send
+from toolkit.scheduler.membership import Membership
 
 log = logging.getLogger("toolkit.scheduler")
 

@@ -4,6 +4,7 @@ killed with -9 and started again never hands out a generation twice."""
 
 from __future__ import annotations
 
+import enum
 import json
 from pathlib import Path
 from typing import Any, Mapping
@@ -14,6 +15,18 @@ from toolkit.errors import UserError
 
 STATE_FILE = "scheduler.json"
 VERSION = 1
+
+
+class JobStatus(str, enum.Enum):
+    """The job's state in the document (`status`); a member prints, formats and serializes as its value."""
+
+    RUNNING = "running"
+    FINISHED = "finished"
+    FAILED = "failed"
+    STOPPED = "stopped"  # the ledger's outcome when its operator stopped the scheduler
+
+    __str__ = str.__str__
+    __format__ = str.__format__
 
 
 class StateError(UserError):
@@ -56,7 +69,7 @@ def _check(doc: Mapping[str, Any]) -> None:
         if not (isinstance(r["host"], str) and isinstance(r["by"], str)
                 and all(isinstance(n, str) for n in r["node_ids"])):
             raise ValueError(f"replaced: {str(r)[:80]}")
-    if doc.get("status") != "running":
+    if doc.get("status") != JobStatus.RUNNING:
         return
     int(doc["generation"])
     bool(doc["formed"])

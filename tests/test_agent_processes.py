@@ -1,0 +1,140 @@
+"""The agent's processes (toolkit.agent.processes) with real short processes, a real selector and timers on a fake
+clock: crashes through the restart policy to the give-up, a spawn that fails, the operator's restart, a clean exit.
+After every event the first invariant holds: a slot has a child exactly when that child's pidfd is registered."""
+
+from __future__ import annotations
+
+import selectors
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+from toolkit import envvars as E
+from toolkit import protocol as P
+from toolkit.agent.log import AgentLog
+from toolkit.agent.processes import Processes
+from toolkit.agent.spare import WarmSpare
+from toolkit.agent.timers import Timers
+from toolkit.hostspec import HostSpec, ProcSpec, RestartPolicy
+from toolkit.testing.clock import FakeClock
+
+BOUND = 30.0  # s of real time a short process may take on a loaded machine
+IDLE = 1e6  # a select cap no timer reaches
+
+
+class Rig:
+    """Processes as the agent drives them, with its callbacks recorded."""
+
+    def __init__(self, tmp_path: Path, argvs: dict[str, tuple[str, ...]], cwd: str | None = None) -> None:
+        procs = tuple(ProcSpec(node_id=n, role=E.ROLE_WORKER, rank=i, local_rank=i, argv=argv,
+                               cwd=cwd or str(tmp_path), env_file=str(tmp_path / "env"),
+                               log_file=str(tmp_path / f"{n}.log")) for i, (n, argv) in enumerate(argvs.items()))
+        (tmp_path / "env").write_text("")
+        self.spec = HostSpec(job="j", host="h", job_dir=tmp_path, sched_host="127.0.0.1", sched_port=1,
+                             token_file=tmp_path / "token", grace=5.0, bind_core=False, warm_spare=False,
+                             policy=RestartPolicy(max_restarts=2, backoff_base=1.0, backoff_max=30.0),
+                             processes=procs)
+        self.spec.errors_dir.mkdir(parents=True)
+        self.sel = selectors.DefaultSelector()
+        self.clock = FakeClock()
+        self.timers = Timers(self.clock)
+        log = AgentLog(tmp_path / "logs" / "agent.log", "h")
+        warm = WarmSpare(self.spec, self.sel, self.timers, log, {}, template=lambda: procs[0], cold=list,
+                         closing=lambda: self.closing, changed=self.changed)
+        self.reports: list[tuple[str, dict[str, Any]]] = []
+        self.finished: list[tuple[str, str | None]] = []
+        self.writes, self.closing = 0, False
+        self.p = Processes(self.spec, self.sel, self.timers, log, {"PATH": "/usr/bin:/bin"}, warm, self.report,
+                           self.changed, lambda: "running", lambda: self.closing,
+                           lambda state, reason: self.finished.append((state, reason)), lambda: None)
+
+    def report(self, op: str, coalesce: str | None = None, **fields: Any) -> None:
+        self.reports.append((op, fields))
+
+    def changed(self) -> None:
+        self.writes += 1
+
+    def check(self) -> None:
+        """Invariant 1: the slots with a child are exactly the registered pidfds."""
+        children = {id(s.child) for s in self.p.slots.values() if s.child is not None}
+        assert children == {id(k.fileobj) for k in self.sel.get_map().values()}
+
+    def until(self, cond: Any) -> None:
+        """Dispatch events and due timers, checking the invariant after each, until `cond()` (bounded)."""
+        deadline = time.monotonic() + BOUND
+        self.check()
+        while not cond():
+            assert time.monotonic() < deadline, "the processes did not get there"
+            for key, mask in self.sel.select(0.05):
+                if self.sel.get_map().get(key.fd) is key:
+                    key.data(mask)
+                    self.check()
+            self.timers.run_due()
+            self.check()
+
+    def end(self) -> None:
+        self.p.stop(self.p.quiesce(), told=False)
+        self.check()
+        self.sel.close()
+
+
+def test_crashes_relaunch_through_the_backoff_and_give_up_past_max_restarts(tmp_path: Path) -> None:
+    rig = Rig(tmp_path, {"worker_0": ("sh", "-c", "exit 3")})
+    slot = rig.p.slots["worker_0"]
+    rig.p.start()
+    first = slot.child.pid
+    rig.until(lambda: slot.launches == 2)  # the first crash: relaunched at once, counted
+    assert slot.counted == 1 and slot.last_pid != first
+    rig.until(lambda: slot.state == "backoff")  # the second: a backoff on the loop's timers
+    assert slot.child is None and rig.timers.timeout(IDLE) == rig.spec.policy.backoff_base
+    rig.clock.advance(rig.spec.policy.backoff_base)
+    rig.until(lambda: bool(rig.finished))  # the third: its restarts are used up
+    assert slot.launches == 3 and slot.state == "failed"
+    assert [op for op, _ in rig.reports] == [P.EXITED] * 3 + [P.GAVE_UP]
+    assert all(f["code"] == 3 for _, f in rig.reports)
+    assert rig.finished[0][0] == "failed" and "after 2 restarts" in rig.finished[0][1]
+    assert rig.p.failure["code"] == 3 and rig.p.failure["restarts"] == 2
+    rig.end()
+
+
+def test_a_spawn_that_fails_is_an_exit_127_through_the_policy(tmp_path: Path) -> None:
+    rig = Rig(tmp_path, {"worker_0": ("true",)}, cwd=str(tmp_path / "nonexistent"))
+    slot = rig.p.slots["worker_0"]
+    rig.p.start()
+    assert slot.child is None and slot.launches == 1  # counted as a launch, no child
+    rig.until(lambda: slot.state == "backoff")  # relaunched at once, failed again: now a backoff
+    assert [(e["code"], e["pid"]) for e in slot.exits] == [(127, None), (127, None)] and slot.counted == 2
+    assert rig.timers.timeout(IDLE) == rig.spec.policy.backoff_base
+    assert not [r for r in rig.reports if r[0] == P.EXITED]  # no pid: nothing to report
+    rig.end()
+
+
+def test_the_operators_restart_is_not_counted_and_its_kill_timer_is_cancelled_by_the_exit(tmp_path: Path) -> None:
+    rig = Rig(tmp_path, {"worker_0": ("sleep", "60"), "worker_1": ("true",)})
+    slot, other = rig.p.slots["worker_0"], rig.p.slots["worker_1"]
+    rig.p.start()
+    rig.until(lambda: other.state == "succeeded")  # exit 0 while another runs: not the host's end yet
+    assert rig.finished == []
+    was = slot.child.pid
+    reply = rig.p.manual_restart("worker_0")
+    assert reply == {"ok": True, "node_id": "worker_0", "was_pid": was, "pid": None}
+    assert slot.state == "restarting" and slot.kill_timer is not None
+    assert rig.p.manual_restart("worker_0")["was_pid"] == was  # a second request signals nothing more
+    rig.until(lambda: slot.child is not None and slot.child.pid != was)
+    assert slot.exits[-1]["signal"] == signal.SIGTERM.name and slot.counted == 0
+    assert slot.kill_timer is None and rig.timers.timeout(IDLE) == IDLE  # the SIGKILL will not come
+    assert rig.p.manual_restart("nope")["ok"] is False
+    rig.closing = True
+    assert "nothing is restarted" in rig.p.manual_restart("worker_0")["error"]
+    rig.end()
+    assert slot.state == "stopped" and slot.child is None
+
+
+def test_every_process_exiting_0_finishes_the_host(tmp_path: Path) -> None:
+    rig = Rig(tmp_path, {"worker_0": ("true",), "worker_1": ("true",)})
+    rig.p.start()
+    rig.until(lambda: bool(rig.finished))
+    assert rig.finished == [("succeeded", "every process of this host exited 0")]
+    assert all(s.state == "succeeded" for s in rig.p.slots.values())
+    rig.end()

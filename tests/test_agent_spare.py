@@ -1,0 +1,123 @@
+"""The warm spare's life (toolkit.agent.spare) and its pure decisions (toolkit.agent.warmspare), on a fake clock: when
+a spare is wanted, the first one SPARE_DELAY after the start or at once when every worker progressed, spares off
+after SPARE_MAX_FAILURES deaths, and none while closing. The spares here are real processes that die at once (their
+interpreter does not exist), as a broken environment's would."""
+
+from __future__ import annotations
+
+import selectors
+import time
+from pathlib import Path
+
+from toolkit import envvars as E
+from toolkit.agent.log import AgentLog
+from toolkit.agent.spare import WarmSpare
+from toolkit.agent.timers import Timers
+from toolkit.agent.warmspare import SPARE_DELAY, SPARE_MAX_FAILURES, Step, early_start, next_step
+from toolkit.hostspec import HostSpec, ProcSpec, RestartPolicy
+from toolkit.testing.clock import FakeClock
+
+BOUND = 30.0  # s of real time a spare may take to die on a loaded machine
+IDLE = 1e6  # a select cap no timer reaches
+
+
+def test_next_step_wants_a_spare_only_while_on_absent_and_not_closing() -> None:
+    assert next_step(True, 0, False, False) is Step.ARM
+    assert next_step(True, 0, False, True) is Step.WAIT  # one exists
+    assert next_step(True, 0, True, False) is Step.WAIT  # never while closing
+    assert next_step(False, 0, False, False) is Step.OFF
+    assert next_step(True, SPARE_MAX_FAILURES - 1, False, False) is Step.ARM
+    assert next_step(True, SPARE_MAX_FAILURES, False, False) is Step.OFF  # that many died with no handoff between
+    assert next_step(True, 0, False, False, max_failures=0) is Step.OFF
+
+
+def test_early_start_needs_every_running_worker_progressed_and_one_at_least() -> None:
+    assert early_start([True, True])
+    assert not early_start([True, False])
+    assert not early_start([])  # nothing runs: the job is not past its start
+
+
+class Rig:
+    def __init__(self, tmp_path: Path, closing: bool = False) -> None:
+        (tmp_path / "logs").mkdir(exist_ok=True)
+        worker = ProcSpec(node_id="worker_0", role=E.ROLE_WORKER, rank=0, local_rank=0,
+                          argv=("/nonexistent/python", "x"), cwd=str(tmp_path), env_file=str(tmp_path / "env"),
+                          log_file=str(tmp_path / "w.log"))
+        (tmp_path / "env").write_text("")
+        self.spec = HostSpec(job="j", host="h", job_dir=tmp_path, sched_host="127.0.0.1", sched_port=1,
+                             token_file=tmp_path / "token", policy=RestartPolicy(), grace=1.0, bind_core=False,
+                             warm_spare=True, processes=(worker,))
+        self.sel = selectors.DefaultSelector()
+        self.clock = FakeClock()
+        self.timers = Timers(self.clock)
+        self.closing = closing
+        self.writes = 0
+        log = AgentLog(tmp_path / "logs" / "agent.log", "h")
+        self.warm = WarmSpare(self.spec, self.sel, self.timers, log, {"PATH": "/usr/bin:/bin"},
+                              template=lambda: worker, cold=lambda: [], closing=lambda: self.closing,
+                              changed=self.changed)
+
+    def changed(self) -> None:
+        self.writes += 1
+
+    def wait_death(self) -> None:
+        """Run the loop until the spare is gone (its pidfd fired)."""
+        deadline = time.monotonic() + BOUND
+        while self.warm.spare is not None:
+            assert time.monotonic() < deadline, "the spare did not die"
+            for key, mask in self.sel.select(0.1):
+                key.data(mask)
+
+
+def test_spares_start_after_the_delay_or_once_all_progressed_and_stop_after_repeated_deaths(tmp_path: Path) -> None:
+    rig = Rig(tmp_path)
+    w = rig.warm
+    assert w.enabled and w.spare is None
+    w.arm()
+    assert rig.timers.timeout(IDLE) == SPARE_DELAY  # the first spare waits out the start
+    w.progressed([True, False])
+    w.progressed([])
+    assert w.spare is None  # not every worker progressed yet
+    w.progressed([True, True])
+    assert w.spare is not None and w.document()["pid"] == w.spare.child.pid  # at once, and in agent.json
+    assert rig.timers.timeout(IDLE) == IDLE  # its timer is gone
+    for died in range(1, SPARE_MAX_FAILURES + 1):
+        rig.wait_death()
+        assert w.failures == died
+        if died < SPARE_MAX_FAILURES:
+            assert rig.timers.timeout(IDLE) == SPARE_DELAY  # re-armed
+            rig.clock.advance(SPARE_DELAY)
+            rig.timers.run_due()
+            assert w.spare is not None
+    assert not w.enabled and w.document() == {"enabled": False, "pid": None, "ready": False, "held": False}
+    assert rig.timers.timeout(IDLE) == IDLE  # spares are off: nothing armed
+    w.arm()
+    assert rig.timers.timeout(IDLE) == IDLE
+    w.took_over()  # a takeover does not turn them on again after that many deaths
+    assert not w.enabled
+    assert w.take(rig.spec.processes[0], None, {}, "marker") is None  # no spare: the worker starts cold
+    rig.sel.close()
+
+
+def test_no_spare_while_closing_and_stop_kills_one(tmp_path: Path) -> None:
+    rig = Rig(tmp_path, closing=True)
+    rig.warm.arm()
+    assert rig.timers.timeout(IDLE) == IDLE
+    rig.closing = False
+    rig.warm.arm()
+    rig.closing = True
+    rig.clock.advance(SPARE_DELAY)
+    rig.timers.run_due()  # the agent began closing since it was armed: nothing is started
+    assert rig.warm.spare is None
+    rig.closing = False
+    rig.warm.progressed([True])  # no timer pending: progress alone starts nothing
+    assert rig.warm.spare is None
+    rig.warm.arm()
+    rig.clock.advance(SPARE_DELAY)
+    rig.timers.run_due()
+    spare = rig.warm.spare
+    assert spare is not None
+    rig.warm.stop()
+    assert rig.warm.spare is None and spare.child.wait(0) is not None  # killed and reaped
+    assert not rig.sel.get_map()  # its socket and pidfd left the selector
+    rig.sel.close()

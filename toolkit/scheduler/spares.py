@@ -1,0 +1,66 @@
+"""Which hosts are lost and which spare takes a host's ranks: the scheduler's spare-host decisions, pure functions
+over its Roster (torchft's lighthouse `quorum_compute` in the same spirit: state in, a decision with its reason
+out). The membership (toolkit.scheduler.membership) applies them: it fences the host and hands its ranks over.
+
+- A host is lost when automatic replacement is on (host_timeout > 0), the job has formed and runs with no rank
+  finished, its agent has been gone or silent for host_timeout (`>=`; a pulled cable closes no connection), it holds
+  worker node ids, it is neither the scheduler's host nor replaced already, and none of its ranks is held by a
+  member (they died: by silence, by not coming back, or with their connections).
+- A spare is free when its agent is connected and said it is one, and it holds no ranks, never took any and was
+  not replaced (Roster.free_spares: the inventory's order, then the order spares said hello). The operator may
+  name one; otherwise the first free one is taken.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from toolkit.scheduler.roster import Roster, rank_of
+
+
+@dataclass(frozen=True)
+class Lost:
+    """A lost host: unheard `since`, its worker node ids (in rank order) all dead."""
+
+    host: str
+    since: float
+    node_ids: list[str]
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """No spare for the host: `reason` says why and what to do."""
+
+    reason: str
+
+
+def find_lost(roster: Roster, now: float, host_timeout: float) -> list[Lost]:
+    """The hosts lost at `now` (module docstring), in the order they are handled: disconnected ones in the order
+    they went, then connected ones in the order they first said hello. The caller checks the job's phase (formed,
+    running, no rank done) and that host_timeout > 0."""
+    out = []
+    for rec in roster.unheard_for(now, host_timeout):
+        node_ids = list(rec.node_ids)
+        if (node_ids and not rec.runs_scheduler and not rec.fenced
+                and not any(rank_of(n) in roster.members for n in node_ids)):
+            out.append(Lost(rec.name, float(rec.heard_at or 0.0), node_ids))
+    return out
+
+
+def choose_spare(roster: Roster, asked: Any, host: str) -> str | Refusal:
+    """The spare to take `host`'s ranks: `asked` (a host name the operator named, or None for the first free one)
+    if it is free, else a Refusal naming why (not a host name, not a spare of this job, its agent not connected,
+    holding ranks, or none free) and what to do."""
+    free = roster.free_spares()
+    if asked is not None and not isinstance(asked, str):
+        return Refusal("malformed replace: spare is not a host name")
+    if asked is not None and asked not in free:
+        why = ("it is not a spare host of this job (the inventory's [spares])" if asked not in roster.spare_order
+               else "its agent is not connected" if asked not in roster.agents else "it already holds ranks")
+        return Refusal(f"{asked[:256]} cannot take over {host}: {why}; free spares: {', '.join(free) or 'none'}")
+    if not free:
+        with_agent = [s for s in roster.spare_order if s in roster.agents]
+        return Refusal(f"no spare is free to take over {host} (spares with an agent: "
+                       f"{', '.join(with_agent) or 'none'}); add a host to the inventory's [spares], deploy and train")
+    return str(asked) if asked is not None else free[0]
