@@ -4,7 +4,7 @@ usage: late_word.py SCRIPT [ARGS...]   (as the script a toolkit worker runs, or 
 
 The order this forces is the one a loaded host produces at random: a peer dies, the survivor's collective fails
 (its connections reset), and only then does the scheduler's `generation` message reach the survivor. Here the
-survivor's control thread holds that message until the worker waits for the scheduler's word (_Channel.wait_change,
+survivor's control thread holds that message until the worker waits for the scheduler's word (Channel.wait_change,
 what a worker does once a collective failed), at most HOLD seconds. A worker that never asks (it takes the failure
 for its own) never hears it in time. Each hold is said on stderr.
 """
@@ -17,16 +17,16 @@ import threading
 from typing import Any
 
 from toolkit import protocol as P
-from toolkit.train import runtime
+from toolkit.train.channel import Channel
 
 HOLD = 120.0  # s at most a `generation` message is held back
 
 asked = threading.Event()
-handle, wait_change = runtime._Channel._handle, runtime._Channel.wait_change
+handle, wait_change = Channel._handle, Channel.wait_change
 
 
-def late(self: runtime._Channel, msg: dict[str, Any]) -> None:
-    if msg["op"] == P.GENERATION and self.generation is not None:
+def late(self: Channel, msg: dict[str, Any]) -> None:
+    if msg["op"] == P.GENERATION and self.view.held is not None:
         held = not asked.is_set()
         asked.wait(HOLD)
         print(f"late_word: the scheduler's word of generation {msg['generation']} reaches the worker "
@@ -34,14 +34,14 @@ def late(self: runtime._Channel, msg: dict[str, Any]) -> None:
     handle(self, msg)
 
 
-def asking(self: runtime._Channel, current: int | None, bound: float) -> int | None:
+def asking(self: Channel, current: int | None, bound: float) -> int | None:
     if not asked.is_set():
         print("late_word: the worker asks for the scheduler's word", file=sys.stderr, flush=True)
         asked.set()
     return wait_change(self, current, bound)
 
 
-runtime._Channel._handle = late
-runtime._Channel.wait_change = asking
+Channel._handle = late
+Channel.wait_change = asking
 sys.argv = sys.argv[1:]
 runpy.run_path(sys.argv[0], run_name="__main__")

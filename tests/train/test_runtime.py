@@ -20,6 +20,7 @@ from toolkit import protocol as P
 from toolkit import stepfile
 from toolkit.testing.localjob import clean_env
 from toolkit.testing.ports import free_port_pair
+from toolkit.train import faults
 from toolkit.train import runtime as R
 
 pytestmark = pytest.mark.timeout(180)
@@ -241,9 +242,9 @@ def test_a_bad_environment_is_one_clear_line(env: dict, message: str) -> None:
 
 def test_only_collective_failures_wait_for_a_generation_change() -> None:
     gloo = RuntimeError("[../gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:4023")
-    assert R._looks_collective(gloo)
-    assert not R._looks_collective(ValueError("bad batch"))
-    assert not R._looks_collective(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
+    assert faults.looks_collective(gloo)
+    assert not faults.looks_collective(ValueError("bad batch"))
+    assert not faults.looks_collective(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
 
 
 def test_report_outside_toolkit_does_nothing_and_a_bad_step_is_one_clear_error(tmp_path: Path) -> None:

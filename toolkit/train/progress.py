@@ -35,8 +35,9 @@ import time
 from typing import Any, Protocol
 
 from toolkit import protocol as P
+from toolkit.train.channel import Channel
 from toolkit.train.pace import StepPace
-from toolkit.train.runtime import PROGRESS_INTERVAL, Runtime, WorkerEnv, _Channel, notify_agent
+from toolkit.train.runtime import PROGRESS_INTERVAL, Runtime, WorkerEnv, notify_agent
 
 
 class Reporter(Protocol):
@@ -75,7 +76,7 @@ class ScriptReporter:
     step to the host's agent at most once per PROGRESS_INTERVAL. Called on the script's thread; the heartbeat thread
     only reads what is set here."""
 
-    def __init__(self, cfg: WorkerEnv, channel: _Channel) -> None:
+    def __init__(self, cfg: WorkerEnv, channel: Channel) -> None:
         self.cfg = cfg
         self.channel = channel
         self.pace = StepPace(strided=True)

@@ -5,7 +5,8 @@ Why a runtime at all: a worker that dies must cost seconds, not the job. The sur
 the group they hold is broken (the scheduler pushes a new generation over a connection that the kernel closes
 when a process dies), leave it without hanging on a dead or stopped peer, and build a fresh group over a
 generation-scoped key prefix of the scheduler's store once the replacement has registered. The loop sees all of
-that as one exception, `GenerationChanged`, and one call, `reform()`.
+that as one exception, `GenerationChanged`, and one call, `reform()`. The control connection and its thread are
+toolkit.train.channel; what each of the scheduler's messages means is decided in toolkit.train.jobview.
 
     rt = toolkit.train.init()            # registers, heartbeats, returns once every rank is there
     while step < total:
@@ -29,14 +30,11 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import secrets
-import select
 import socket
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
@@ -47,22 +45,18 @@ from toolkit import envvars as E
 from toolkit import protocol as P
 from toolkit import stepfile
 from toolkit.errors import UserError
-from toolkit.session import Unproven, open_session
 from toolkit.train import fence as fence_mod
 from toolkit.train import store as job_store
+from toolkit.train.channel import Channel, JobStopped
+from toolkit.train.channel import RegistrationError as RegistrationError  # part of this module's interface
+from toolkit.train.faults import first_line, looks_collective
 from toolkit.train.fence import Fence
+from toolkit.train.log import say
 from toolkit.train.pace import StepPace
 
 DEFAULT_TIMEOUT = 30.0  # s: bound of one collective and of building a process group
-CONNECT_RETRY = 0.25  # s between attempts to reach a scheduler that is not (yet) up
-CONNECT_TIMEOUT = 2.0  # s for the TCP connect itself (a partitioned scheduler host never answers the SYN)
-SEND_TIMEOUT = 2.0  # s a send may block on a scheduler that stopped reading before the connection is dropped
-HANDSHAKE_WAIT = 10.0  # s to wait for the answer to `register`: giving up on an accepted registration closes a
-# connection the scheduler already counts as this worker's, and that close would read as our death
 PROGRESS_INTERVAL = 1.0  # s: at most one progress datagram to the agent per interval
-DONE_WAIT = 5.0  # s to hear the scheduler acknowledge `done` (by closing) before exiting anyway
 
-EXIT_REJOIN = P.EXIT_REJOIN
 MODE_TOOLKIT = "toolkit"
 MODE_TORCHRUN = "torchrun"
 MODE_SINGLE = "single"
@@ -76,15 +70,6 @@ class GenerationChanged(Exception):
         super().__init__(f"generation changed from {old} to {new}: call reform() and roll back")
         self.old = old
         self.new = new
-
-
-class JobStopped(RuntimeError):
-    """The scheduler ended the job (a node gave up, or formation timed out); the message says why."""
-
-
-class RegistrationError(UserError, RuntimeError):
-    """This worker could not join the job: scheduler unreachable, wrong token, or its node id is held by a live
-    process. The message says which and what to do."""
 
 
 class RuntimeConfigError(UserError, ValueError):
@@ -209,294 +194,6 @@ def _float(env: Mapping[str, str], name: str, default: float) -> float:
         raise RuntimeConfigError(f"{name}={raw!r}: expected a number of seconds") from None
 
 
-def _say(node_id: str, message: str) -> None:
-    """One timestamped line on stderr (the worker's log): the runtime must not depend on the script's logging."""
-    stamp = datetime.now().strftime("%Y-%m-%dT%H:%M:%S.%f")[:-3]
-    print(f"{stamp} {node_id} toolkit: {message}", file=sys.stderr, flush=True)
-
-
-class _Rejected(Exception):
-    def __init__(self, reason: str, retry: bool) -> None:
-        super().__init__(reason)
-        self.reason = reason
-        self.retry = retry
-
-
-class _Channel:
-    """The worker's one control connection: registration, heartbeats, and the scheduler's pushes.
-
-    A background thread owns the reading side and the heartbeats, so generation changes are noticed while the
-    training thread is busy (torch releases the GIL inside collectives and store waits). If the scheduler goes
-    away the thread keeps reconnecting and training goes on; a scheduler that says `fenced` ends this process on
-    the spot, before it can write anything into the new generation.
-    """
-
-    def __init__(self, cfg: WorkerEnv, exit_on_new_generation: bool = False, fence: Fence | None = None) -> None:
-        self.cfg = cfg
-        self.exit_on_new_generation = exit_on_new_generation  # for scripts that cannot re-form in place
-        self.fence = fence  # tripped when a newer generation is announced: the blocked collective returns
-        self.recovery = P.RECOVERY_RESTART if exit_on_new_generation else P.RECOVERY_IN_PLACE
-        self.incarnation = secrets.token_hex(8)
-        self.cond = threading.Condition()
-        self.announced: int | None = None  # newest generation the scheduler told us about
-        self.formed: tuple[int, str] | None = None  # (generation, store prefix) of the newest formed generation
-        self.stop_reason: str | None = None
-        self.generation: int | None = None  # generation of the group this process holds (sent when rejoining)
-        self.step: int | None = None
-        self.history: tuple[int, float, float] | None = None  # (faults, job uptime s, when told): the ledger's
-        self.beat: dict[str, Any] = {}  # the latest StepPace.summary() (and checkpoint interval): sent with heartbeats
-        self.sock: socket.socket | None = None
-        self.lines = P.LineBuffer()
-        self.send_lock = threading.Lock()
-        self.closing = threading.Event()
-        self.finishing = False  # `done` sent: read until the scheduler closes, send nothing more
-        self.thread: threading.Thread | None = None
-
-    # -- registration (main thread first, then the background thread on reconnects)
-
-    def register(self, rejoin: bool, timeout: float) -> None:
-        """One registration over a new authenticated connection, the whole exchange bounded by `timeout` s; on
-        `welcome` the connection becomes the channel's and the messages that came with it are handled. Raises
-        _Rejected (the scheduler's reason, and whether to retry), or OSError, ProtocolError or Unproven when the
-        scheduler cannot be reached or proven; a `fenced` answer ends the process with EXIT_FENCED."""
-        fields = {"node_id": self.cfg.node_id, "rank": self.cfg.rank, "world_size": self.cfg.world_size,
-                  "incarnation": self.incarnation, "pid": os.getpid(),
-                  "host": os.environ.get(E.TOOLKIT_HOST) or socket.gethostname(),  # the inventory's name: fencing
-                  "generation": self.generation, "rejoin": rejoin, "recovery": self.recovery}
-        session = open_session((self.cfg.sched_host, self.cfg.sched_port), self.cfg.token, P.REGISTER, fields,
-                               timeout, CONNECT_TIMEOUT)
-        msg = session.reply
-        if msg["op"] != P.WELCOME:
-            session.sock.close()
-            if msg["op"] == P.FENCED:
-                self._fenced(msg)
-            raise _Rejected(str(msg.get("reason", "rejected"))[:1000], bool(msg.get("retry")))
-        session.sock.settimeout(SEND_TIMEOUT)
-        with self.send_lock:
-            self.sock, self.lines = session.sock, session.lines
-        for later in [msg, *session.queued]:
-            self._handle(later)
-
-    def join(self, deadline: float) -> None:
-        """First registration: retry while the scheduler is not up yet (it starts alongside the workers) and
-        while our node id is still held by a predecessor the scheduler has not yet found dead."""
-        rejected_since: float | None = None
-        while True:
-            now = time.monotonic()
-            try:
-                self.register(rejoin=False, timeout=self._handshake_wait())
-                return
-            except _Rejected as r:
-                rejected_since = rejected_since if rejected_since is not None else now
-                patience = 2 * self.cfg.node_timeout + self.cfg.heartbeat_interval
-                if not r.retry or now - rejected_since > patience or now > deadline:
-                    raise RegistrationError(f"{self.cfg.node_id}: the scheduler at {self.cfg.sched_host}:"
-                                            f"{self.cfg.sched_port} rejected it: {r.reason}") from None
-            except (OSError, P.ProtocolError, Unproven) as e:
-                if now > deadline:
-                    raise RegistrationError(
-                        f"{self.cfg.node_id}: cannot reach the scheduler at {self.cfg.sched_host}:"
-                        f"{self.cfg.sched_port} within {E.MS_TOPO_TIMEOUT}={self.cfg.topo_timeout:g} s ({e}); is it "
-                        f"running, and is {E.MS_SCHED_HOST} this job's scheduler host?") from None
-            if self.closing.wait(CONNECT_RETRY):
-                raise RegistrationError(f"{self.cfg.node_id}: closed while registering")
-
-    def _handshake_wait(self) -> float:
-        return max(HANDSHAKE_WAIT, 2 * self.cfg.node_timeout)
-
-    def start(self) -> None:
-        """Start the control thread (reading, heartbeats, reconnects), once `join` has registered."""
-        self.thread = threading.Thread(target=self._run, name="toolkit-control", daemon=True)
-        self.thread.start()
-
-    # -- the background thread
-
-    def _run(self) -> None:
-        next_beat = time.monotonic()
-        rejected_since: float | None = None
-        while not self.closing.is_set():
-            sock = self.sock
-            if sock is None:
-                try:
-                    self.register(rejoin=True, timeout=self._handshake_wait())
-                    with self.cond:
-                        self.cond.notify_all()
-                    _say(self.cfg.node_id, f"reconnected to the scheduler (generation {self.announced})")
-                    rejected_since = None
-                    next_beat = time.monotonic()
-                    continue
-                except _Rejected as r:
-                    now = time.monotonic()
-                    rejected_since = rejected_since if rejected_since is not None else now
-                    if not r.retry:
-                        self._stop(f"the scheduler refused this worker back: {r.reason}")
-                        return
-                    if now - rejected_since > 2 * self.cfg.node_timeout:
-                        self._fenced({"reason": f"replaced while disconnected: {r.reason}"})
-                except (OSError, P.ProtocolError, Unproven):
-                    pass
-                self.closing.wait(CONNECT_RETRY)
-                continue
-            now = time.monotonic()
-            try:
-                readable = _readable(sock, max(0.0, next_beat - now))
-                if readable:
-                    data = sock.recv(65536)
-                    if not data:
-                        raise ConnectionError("closed by the scheduler")
-                    for msg in self.lines.feed(data):
-                        self._handle(msg)
-                if time.monotonic() >= next_beat and not self.finishing:
-                    next_beat = time.monotonic() + self.cfg.heartbeat_interval
-                    self.send(P.HEARTBEAT, strict=True, step=self.step, **self.beat)
-                elif self.finishing:
-                    next_beat = time.monotonic() + DONE_WAIT
-            except (OSError, ValueError, P.ProtocolError) as e:
-                if self.closing.is_set() or self.finishing:
-                    return
-                _say(self.cfg.node_id, f"lost the scheduler ({e}); training goes on, reconnecting")
-                self._drop(sock)
-
-    def _handle(self, msg: dict[str, Any]) -> None:
-        """One message of the (authenticated) scheduler; a malformed one is a ProtocolError, which drops the
-        connection like any broken one (the reader reconnects)."""
-        op = msg["op"]
-        if op == P.FENCED:
-            self._fenced(msg)
-        generation = P.whole(msg, "generation")
-        if op in (P.WELCOME, P.GENERATION, P.FORMED) and (generation is None or generation < 0):
-            raise P.ProtocolError(f"{op} without a generation")
-        if op == P.FORMED and not isinstance(msg.get("prefix"), str):
-            raise P.ProtocolError("formed without a store prefix")
-        with self.cond:
-            if op == P.WELCOME or op == P.GENERATION:
-                self.announced = generation
-            elif op == P.FORMED:
-                self.formed = (generation, msg["prefix"])
-                self.announced = generation
-                faults, uptime = P.whole(msg, "faults"), msg.get("uptime")
-                if faults is not None and faults >= 0 and P.finite_number(uptime) and uptime >= 0:
-                    self.history = (faults, float(uptime), time.monotonic())
-            elif op == P.STOP:
-                self.stop_reason = str(msg.get("reason", "stopped by the scheduler"))[:2000]
-            self.cond.notify_all()
-            announced = self.announced
-        if self.fence is not None and announced is not None:
-            cut = self.fence.overtaken(announced)
-            if cut:
-                _say(self.cfg.node_id, f"generation {announced} announced: abandoned the group of generation "
-                                       f"{self.fence.generation} ({cut} connection(s) shut down)")
-        if self.exit_on_new_generation and self.generation is not None and self.announced != self.generation:
-            _say(self.cfg.node_id, f"the job moved to generation {self.announced}; this script cannot re-form in "
-                                   f"place: exiting with code {EXIT_REJOIN} for its agent to relaunch it")
-            os._exit(EXIT_REJOIN)
-        if op == P.GENERATION:
-            _say(self.cfg.node_id, f"the job moved to generation {msg['generation']}")
-        elif op == P.STOP:
-            _say(self.cfg.node_id, f"the scheduler stopped the job: {msg.get('reason')}")
-
-    def _fenced(self, msg: dict[str, Any]) -> None:
-        _say(self.cfg.node_id, f"fenced by the scheduler: {str(msg.get('reason'))[:1000]}; exiting with code "
-                               f"{P.EXIT_FENCED}")
-        os._exit(P.EXIT_FENCED)
-
-    def _stop(self, reason: str) -> None:
-        with self.cond:
-            self.stop_reason = reason
-            self.cond.notify_all()
-
-    def _drop(self, sock: socket.socket) -> None:
-        with self.send_lock:
-            if self.sock is sock:
-                self.sock = None
-        sock.close()
-
-    # -- used by the training thread
-
-    def send(self, op: str, strict: bool = False, **fields: Any) -> bool:
-        """Best effort: while the scheduler is away, messages are dropped (heartbeats resume on reconnect)."""
-        with self.send_lock:
-            sock = self.sock
-            if sock is None:
-                return False
-            try:
-                sock.sendall(P.encode(op, **fields))
-                return True
-            except OSError:
-                if strict:
-                    raise
-                with contextlib.suppress(OSError):  # a half-sent line: let the reader thread reconnect
-                    sock.shutdown(socket.SHUT_RDWR)
-                return False
-
-    def wait_formed(self, current: int | None, deadline: float) -> tuple[int, str]:
-        """Block until the scheduler has formed the newest generation (every rank registered), bounded."""
-        with self.cond:
-            while True:
-                if self.stop_reason is not None:
-                    raise JobStopped(self.stop_reason)
-                f = self.formed
-                if f is not None and f[0] == self.announced and f[0] != current:
-                    return f
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise JobStopped(
-                        f"{self.cfg.node_id}: generation {self.announced} did not form within "
-                        f"{E.MS_TOPO_TIMEOUT}={self.cfg.topo_timeout:g} s; see the scheduler's log for the missing "
-                        "workers")
-                self.cond.wait(left)
-
-    def wait_change(self, current: int | None, bound: float) -> int | None:
-        """After a collective failed: did the job move on? Waits up to `bound` for the scheduler's word."""
-        deadline = time.monotonic() + bound
-        with self.cond:
-            while True:
-                if self.stop_reason is not None:
-                    raise JobStopped(self.stop_reason)
-                if self.announced is not None and self.announced != current:
-                    return self.announced
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return None
-                self.cond.wait(left)
-
-    def done(self) -> None:
-        """Say `done`, then wait (bounded) for the scheduler to close: proof it read the message before our exit
-        (closing first could reset the connection and lose it). If the scheduler is down right now (restarting),
-        wait a bounded time for the reconnect: a `done` that never arrives would look like a death."""
-        deadline = time.monotonic() + DONE_WAIT + 2 * self.cfg.node_timeout
-        with self.cond:
-            while self.sock is None and self.stop_reason is None and time.monotonic() < deadline:
-                self.cond.wait(deadline - time.monotonic())
-        with self.send_lock:
-            sock = self.sock
-            if sock is not None:
-                try:
-                    sock.sendall(P.encode(P.DONE))
-                    sock.shutdown(socket.SHUT_WR)
-                    self.finishing = True
-                except OSError:
-                    pass
-        if not self.finishing:
-            _say(self.cfg.node_id, "could not tell the scheduler this worker finished (it is unreachable)")
-        elif self.thread is not None:
-            self.thread.join(DONE_WAIT)
-        self.close()
-
-    def close(self) -> None:
-        """Stop the control thread (bounded join) and close the connection; without a `done` first, the scheduler
-        takes the close as this worker's death."""
-        self.closing.set()
-        with self.send_lock:
-            sock, self.sock = self.sock, None
-        if sock is not None:
-            with contextlib.suppress(OSError):
-                sock.shutdown(socket.SHUT_RDWR)
-            sock.close()
-        if self.thread is not None and self.thread is not threading.current_thread():
-            self.thread.join(max(1.0, self.cfg.heartbeat_interval) + 1.0)
-
-
 class Runtime:
     """A training process's view of the job: rank, world size, the current process group, and generations."""
 
@@ -511,7 +208,7 @@ class Runtime:
         self.mode = cfg.mode
         self.device = torch.device(f"cuda:{cfg.local_rank}") if backend == "nccl" else torch.device("cpu")
         self.generation: int | None = None
-        self._channel: _Channel | None = None
+        self._channel: Channel | None = None
         self._store: Any = None
         self._fence = Fence()
         self._progress_sock: socket.socket | None = None
@@ -539,12 +236,11 @@ class Runtime:
         ch = self._channel
         if ch is None:
             return
-        with ch.cond:
-            stop, announced = ch.stop_reason, ch.announced
-        if stop is not None:
-            raise JobStopped(stop)
-        if announced is not None and announced != self.generation:
-            raise GenerationChanged(self.generation, announced)
+        view = ch.view  # swapped whole: one read is one consistent view
+        if view.stop_reason is not None:
+            raise JobStopped(view.stop_reason)
+        if view.announced is not None and view.announced != self.generation:
+            raise GenerationChanged(self.generation, view.announced)
 
     @contextlib.contextmanager
     def guard(self) -> Iterator["Runtime"]:
@@ -567,7 +263,7 @@ class Runtime:
         looks like one, wait (bounded by the heartbeat rules) for the scheduler's word. Returns the
         GenerationChanged to raise instead, or None if the error is the step's own."""
         ch = self._channel
-        if ch is None or not _looks_collective(error):
+        if ch is None or not looks_collective(error):
             return None
         new = ch.wait_change(self.generation, self.cfg.word_wait)
         return None if new is None else GenerationChanged(self.generation, new)
@@ -580,9 +276,9 @@ class Runtime:
             if not dist.is_initialized():
                 raise RuntimeError("reform() after close(): call toolkit.train.init() again")
             return self.group
-        with ch.cond:
-            if ch.announced == self.generation and dist.is_initialized() and ch.stop_reason is None:
-                return self.group
+        view = ch.view
+        if view.announced == self.generation and dist.is_initialized() and view.stop_reason is None:
+            return self.group
         started = time.monotonic()
         deadline = started + self.cfg.topo_timeout + self.cfg.node_timeout
         while True:
@@ -591,18 +287,18 @@ class Runtime:
             try:
                 self._build(generation, prefix)
             except Exception as e:  # a peer died while the group was being built: wait for the next generation
-                with ch.cond:
-                    moved = ch.announced != generation or ch.stop_reason is not None
+                view = ch.view
+                moved = view.announced != generation or view.stop_reason is not None
                 if not moved and time.monotonic() < deadline:
                     moved = ch.wait_change(generation, self.cfg.node_timeout + self.cfg.heartbeat_interval) \
                         is not None
                 if not moved:
                     raise
-                _say(self.node_id, f"building generation {generation} failed ({_first_line(e)}); retrying")
+                say(self.node_id, f"building generation {generation} failed ({first_line(e)}); retrying")
                 continue
             previous, self.generation = self.generation, generation
-            ch.generation = generation
-            _say(self.node_id, f"generation {generation}: process group of {self.world_size} ready in "
+            ch.adopt(generation)
+            say(self.node_id, f"generation {generation}: process group of {self.world_size} ready in "
                                f"{time.monotonic() - started:.2f} s" + ("" if previous is None else
                                                                        f" (was {previous})"))
             return self.group
@@ -618,7 +314,7 @@ class Runtime:
         self._store = job_store.connect(self.cfg.store_host, self.cfg.store_port, self.cfg.token, self.node_id, build)
         self._fence.add_sockets(fence_mod.opened_since(before))  # a new generation during the build cuts it short
         if self._channel is not None:
-            self._fence.overtaken(self._channel.announced or generation)
+            self._fence.overtaken(self._channel.view.announced or generation)
         dist.init_process_group(self.backend, store=dist.PrefixStore(prefix, self._store), rank=self.rank,
                                 world_size=self.world_size, timeout=build)
         self._fence.add_sockets(fence_mod.opened_since(before))
@@ -659,7 +355,7 @@ class Runtime:
     def fault_history(self) -> tuple[int, float] | None:
         """The job's faults so far and its age in seconds, as the scheduler's ledger last said (with the generation
         it formed), aged by the time since; None before the scheduler said it."""
-        h = self._channel.history if self._channel is not None else None
+        h = self._channel.view.history if self._channel is not None else None
         if h is None:
             return None
         faults, uptime, told = h
@@ -756,27 +452,6 @@ def notify_agent(cfg: WorkerEnv, message: dict[str, Any]) -> None:
         pass
 
 
-def _readable(sock: socket.socket, timeout: float) -> bool:
-    """poll(), not select(): a training process may hold more than FD_SETSIZE (1024) descriptors."""
-    poller = select.poll()
-    poller.register(sock, select.POLLIN)
-    return bool(poller.poll(timeout * 1000))
-
-
-def _looks_collective(e: BaseException) -> bool:
-    if isinstance(e, dist.DistError):
-        return True
-    if not isinstance(e, RuntimeError):
-        return False
-    text = str(e).lower()
-    return any(w in text for w in ("gloo", "nccl", "connection", "timed out", "timeout", "peer"))
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
-
-
 def init(backend: str | None = None, timeout: float = DEFAULT_TIMEOUT,
          env: Mapping[str, str] | None = None) -> Runtime:
     """Join the job described by the environment and return its Runtime, with the default process group built.
@@ -808,7 +483,7 @@ def init(backend: str | None = None, timeout: float = DEFAULT_TIMEOUT,
         rt.rank, rt.world_size = dist.get_rank(), dist.get_world_size()
         rt.generation = 0
         return rt
-    channel = _Channel(cfg, exit_on_new_generation=cfg.restart_only, fence=rt._fence)
+    channel = Channel(cfg, exit_on_new_generation=cfg.restart_only, fence=rt._fence)
     deadline = time.monotonic() + cfg.topo_timeout
     channel.join(deadline)
     channel.start()

@@ -60,8 +60,9 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from toolkit.train import checkpoint, ckptfile, determinism, interval, transfer
 from toolkit.train.checkpoint import CheckpointManager
 from toolkit.train.divergence import DivergenceCheck
+from toolkit.train.faults import first_line, looks_collective
 from toolkit.train.loader import Positioner, Replay
-from toolkit.train.runtime import MODE_TOOLKIT, GenerationChanged, JobStopped, Runtime, _first_line, _looks_collective
+from toolkit.train.runtime import MODE_TOOLKIT, GenerationChanged, JobStopped, Runtime
 
 EXIT_TERMINATED = 128 + signal.SIGTERM
 EXIT_PEER_LOST = 1  # under torchrun or alone: a peer is gone, the launcher restarts the world
@@ -212,8 +213,8 @@ class Trainer:
             if changed is not None:
                 self._abandoned(applied, changed.new)
                 return
-            if self.rt.mode != MODE_TOOLKIT and _looks_collective(e):
-                self._end_for_restart(f"rank {self.rt.rank}: a collective failed, a peer is gone ({_first_line(e)}); "
+            if self.rt.mode != MODE_TOOLKIT and looks_collective(e):
+                self._end_for_restart(f"rank {self.rt.rank}: a collective failed, a peer is gone ({first_line(e)}); "
                                       "this launcher cannot re-form the group in place: exiting for a restart")
             raise
         self.step_count += 1
@@ -302,7 +303,7 @@ class Trainer:
         which waits a bounded time for the scheduler's word). SIGTERM, come before or during that wait, ends the
         wait and the process with last words: when every rank is told to stop, the peers are leaving and the
         scheduler too, so no word would come (the wait would outlast the agent's grace and end in SIGKILL)."""
-        if self.rt.mode != MODE_TOOLKIT or not _looks_collective(error):
+        if self.rt.mode != MODE_TOOLKIT or not looks_collective(error):
             return self.rt.changed_by(error)
         try:
             with self._interruptible():
@@ -532,7 +533,7 @@ class Trainer:
         try:
             self.manager.flush()
         except Exception as e:  # noqa: BLE001 - the restart resumes from the newest checkpoint that is whole
-            print(f"rank {self.rt.rank}: the checkpoint in flight was not saved: {_first_line(e)}", file=sys.stderr)
+            print(f"rank {self.rt.rank}: the checkpoint in flight was not saved: {first_line(e)}", file=sys.stderr)
         print(why, file=sys.stderr, flush=True)
         sys.stdout.flush()
         os._exit(EXIT_PEER_LOST)

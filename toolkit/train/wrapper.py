@@ -48,16 +48,14 @@ from toolkit import protocol as P
 from toolkit.errors import UserError
 from toolkit.train import progress
 from toolkit.train import store as job_store
+from toolkit.train.channel import Channel, JobStopped
+from toolkit.train.faults import first_line, looks_collective
+from toolkit.train.log import say
 from toolkit.train.runtime import (
     DEFAULT_TIMEOUT,
     MODE_TOOLKIT,
-    JobStopped,
     RuntimeConfigError,
     WorkerEnv,
-    _Channel,
-    _first_line,
-    _looks_collective,
-    _say,
     notify_agent,
 )
 
@@ -70,7 +68,7 @@ class ScriptSession:
 
     def __init__(self, cfg: WorkerEnv) -> None:
         self.cfg = cfg
-        self.channel: _Channel | None = None
+        self.channel: Channel | None = None
 
     def install(self) -> None:
         """Route env:// (and tcp:// naming this job's store) through `rendezvous`; tcp:// elsewhere keeps torch's
@@ -105,21 +103,18 @@ class ScriptSession:
         if self.channel is not None:
             raise RuntimeError("a second init_process_group() in one process: under toolkit a torchrun-style script "
                                "forms its group once; a fault relaunches the process")
-        channel = _Channel(self.cfg, exit_on_new_generation=True)
+        channel = Channel(self.cfg, exit_on_new_generation=True)
         self.channel = channel
         deadline = time.monotonic() + self.cfg.topo_timeout
         channel.join(deadline)
         channel.start()
         generation, prefix = channel.wait_formed(None, deadline + self.cfg.node_timeout)
-        with channel.cond:
-            channel.generation = generation
-            moved = channel.announced != generation
-        if moved:
-            _say(self.cfg.node_id, f"generation {generation} was abandoned before the script's group was built; "
+        if channel.adopt(generation):
+            say(self.cfg.node_id, f"generation {generation} was abandoned before the script's group was built; "
                                    f"exiting with code {EXIT_REJOIN} for the agent to relaunch it")
             sys.stdout.flush()
             os._exit(EXIT_REJOIN)
-        _say(self.cfg.node_id, f"the script's process group: generation {generation}, restart recovery (a fault "
+        say(self.cfg.node_id, f"the script's process group: generation {generation}, restart recovery (a fault "
                                "relaunches every worker, which resume from their own checkpoints)")
         notify_agent(self.cfg, {"node_id": self.cfg.node_id, "recovery": P.RECOVERY_RESTART})
         progress.install(progress.ScriptReporter(self.cfg, channel))  # toolkit.train.report() from the script
@@ -144,18 +139,18 @@ class ScriptSession:
         if code == 0:
             ch.done()
             return 0
-        if ch.generation is None or self.cfg.world_size == 1 or (error is not None and not _looks_collective(error)):
+        if ch.view.held is None or self.cfg.world_size == 1 or (error is not None and not looks_collective(error)):
             return code
-        what = f"{type(error).__name__}: {_first_line(error)}" if error is not None else f"exit code {code}"
-        _say(self.cfg.node_id, f"the script failed ({what}); waiting up to {self.cfg.word_wait:g} s for the "
+        what = f"{type(error).__name__}: {first_line(error)}" if error is not None else f"exit code {code}"
+        say(self.cfg.node_id, f"the script failed ({what}); waiting up to {self.cfg.word_wait:g} s for the "
                                "scheduler's word (a peer's death breaks the collectives before it is announced)")
         try:
-            moved = ch.wait_change(ch.generation, self.cfg.word_wait)
+            moved = ch.wait_change(ch.view.held, self.cfg.word_wait)
         except JobStopped:
             return code
         if moved is None:
             return code
-        exit_now(EXIT_REJOIN)  # the control thread said why (it may exit first: _Channel._handle)
+        exit_now(EXIT_REJOIN)  # the control thread said why (it may exit first: Channel._handle)
 
 
 def run_script(argv: Sequence[str], env: dict[str, str] | None = None) -> int:
