@@ -10,9 +10,9 @@ the formation), the step they trained again from, and how many steps were comput
 done beyond that step; after a restart from checkpoints, the newest step heard in heartbeats minus the step resumed
 from). A torchrun-style script reports no recovery: with toolkit.train.report it trained again at its first step
 after the formation, from the step before it (reporting every k-th step: from the checkpoint it reported if that
-lies in the k steps before, see `_resumed`); without, only its group's formation is known. When a job its operator
-stopped is started again, the restored members that do not reconnect are no incident if none of them does (they were
-all stopped): that wait is start-up.
+lies in the k steps before, see `Goodput.resumed`); without, only its group's formation is known. When a job its
+operator stopped is started again, the restored members that do not reconnect are no incident if none of them does
+(they were all stopped): that wait is start-up.
 
 Goodput = time in steps that survive / wall time. The wall time since the job started splits into:
   startup      until the first step (launch, imports, the first formation)
@@ -329,8 +329,8 @@ class Incidents:
                     and step >= 1 and now > inc.formed_at):
                 inc.recovered_at = now
                 if inc.resumed_from is None:  # no `recovered` report: the script's own first step tells
-                    inc.resumed_from = self.steps.resumed(inc.checkpoint, f["rank"], min(step, f.get("first_step",
-                                                                                                    step)))
+                    first = min(step, f.get("first_step", step))  # the heartbeat's first step after the restart
+                    inc.resumed_from = self.steps.resumed(inc.checkpoint, f["rank"], first)
                     if inc.step is not None:
                         inc.recomputed = max(0, inc.step - inc.resumed_from)
                 self.changed(True)
