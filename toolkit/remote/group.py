@@ -21,7 +21,6 @@ from toolkit.remote.results import (
     ConnectionLost,
     HostResult,
     RemoteError,
-    _one_line,
 )
 from toolkit.remote.settings import SshSettings, Target, fabric_config
 from toolkit.remote.ssh import SshHost
@@ -173,3 +172,9 @@ def check_all(results: Mapping[str, HostResult[T]]) -> dict[str, T]:
     if any(not r.ok for r in results.values()):
         raise ClusterError(results)
     return {name: r.value for name, r in results.items()}  # type: ignore[misc]
+
+
+def _one_line(e: BaseException) -> str:
+    """An unexpected exception as `Type: message` on one line (the type tells a bug from a fault)."""
+    text = " ".join(str(e).split())
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
