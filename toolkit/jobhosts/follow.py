@@ -91,16 +91,16 @@ def join_job(record: JobRecord, ssh: SshSettings, timeout: float | None = None,
                 record = _stop_the_rest(record, ssh, pool, watch, states, now)
                 break
             wait = _wait_before_next_poll(record, interval, timeout, deadline, now)
-            if _sleep(interrupted, wait, [st.agent_pid for st in watch.last.values() if st.alive] if record.local
-                      else []):
+            agent_pids = [st.agent_pid for st in watch.last.values() if st.alive] if record.local else []
+            if _sleep(interrupted, wait, agent_pids):
                 raise Interrupted(f"stopped waiting for job {record.job}; it keeps running: 'fleet status' to "
                                   "look, 'fleet stop' to end it")
     _conclude(record, ssh, watch, begun)
 
 
 class _Watch:
-    """What `train --join` knows of the job between polls, and its decisions on it. Pure: no I/O but the lines it
-    prints about changes.
+    """What `train --join` knows of the job between polls, and its decisions on it. It asks no host (join_job polls
+    and applies its decisions); it prints what changed and when it stops watching a host.
 
     `last`: each host's latest status; `seen`/`agents`: what was printed (`_report_changes`); `trouble_since`: when
     each host became unreachable or lost its agent; `unwatched`: host -> why it is no longer watched (JOIN_GONE_AFTER

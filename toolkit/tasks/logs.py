@@ -47,8 +47,9 @@ def logs(ref: JobRef, node: str | None = None, rank: int | None = None, host_nam
     if lines < 0:
         raise UserError(f"-n {lines}: give 0 or more lines")
     record = load_record(ref)
-    files = _log_files(record, _choose(record, node, rank, host_name))
+    chosen = _choose(record, node, rank, host_name)
     ssh = record_ssh(record, ref.request.core)
+    files = _log_files(record, chosen)
     targets = [host_target(record.host(n), record.local) for n in files]
     if follow:
         _follow(targets, files, lines, ssh)
