@@ -377,7 +377,9 @@ class _ProcessBuilder:
             envvars.ROLE_WORLD_SIZE: str(self.world),
             envvars.TORCHELASTIC_RUN_ID: options.job,
             envvars.TORCHELASTIC_MAX_RESTARTS: str(options.max_restarts),
-            envvars.TOOLKIT_HEARTBEAT_INTERVAL: _num(options.heartbeat_interval),
+            envvars.TOOLKIT_HEARTBEAT_INTERVAL: _num(
+                envvars.heartbeat_interval(self.world, options.heartbeat_interval, options.node_timeout)),
+            envvars.TORCH_NCCL_COORD_CHECK_MILSEC: str(envvars.nccl_coord_check_ms(self.world)),
             envvars.TOOLKIT_AGENT_SOCKET: posixpath.join(jd, "state", "progress.sock"),
             envvars.TOOLKIT_HOST: host.name,
             envvars.TORCHELASTIC_USE_AGENT_STORE: "True",
