@@ -16,6 +16,7 @@ from toolkit.agent.log import AgentLog
 from toolkit.agent.processes import Processes
 from toolkit.agent.spare import WarmSpare
 from toolkit.agent.timers import Timers
+from toolkit.agentdoc import AgentState
 from toolkit.hostspec import HostSpec, ProcSpec, RestartPolicy
 from toolkit.testing.clock import FakeClock
 
@@ -46,7 +47,7 @@ class Rig:
         self.finished: list[tuple[str, str | None]] = []
         self.writes, self.closing = 0, False
         self.p = Processes(self.spec, self.sel, self.timers, log, {"PATH": "/usr/bin:/bin"}, warm, self.report,
-                           self.changed, lambda: "running", lambda: self.closing,
+                           self.changed, lambda: AgentState.RUNNING, lambda: self.closing,
                            lambda state, reason: self.finished.append((state, reason)), lambda: None)
 
     def report(self, op: str, coalesce: str | None = None, **fields: Any) -> None:

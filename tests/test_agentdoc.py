@@ -96,9 +96,9 @@ def test_the_writer_gives_the_bytes_of_the_old_dict_literals(tmp_path: Path) -> 
     """A document with every part set (a running process, a failed one with judged exits and a repeated failure, a
     takeover, the give-up evidence), built by the agent's writer, is byte for byte what the dict literals wrote."""
     a = _agent(tmp_path)
-    a.state, a.reason, a.exit_code = "failed", "worker_0 exit code 1 after 2 restarts", 1
+    a.state, a.reason, a.exit_code = AgentState.FAILED, "worker_0 exit code 1 after 2 restarts", 1
     sched, worker = a.processes.slots["sched"], a.processes.slots["worker_0"]
-    sched.child, sched.state, sched.launches, sched.started_wall = _Child(999), "running", 1, time.time()
+    sched.child, sched.state, sched.launches, sched.started_wall = _Child(999), ProcState.RUNNING, 1, time.time()
     sched.last_pid, sched.last_ticks, sched.cpus = 999, 4242, frozenset({3, 1})
     worker.launches, worker.counted, worker.step, worker.epoch, worker.step_at = 3, 2, 5, 0, time.time()
     worker.recovery, worker.started_wall, worker.last_pid, worker.last_ticks = "in-place", time.time(), 1001, 77
@@ -109,7 +109,7 @@ def test_the_writer_gives_the_bytes_of_the_old_dict_literals(tmp_path: Path) -> 
         old_exits.append({"code": 1, "signal": None, "pid": pid, "at": rec.at, "ran_for": rec.ran_for, "step": 5,
                           "cause": None, "failure": True})
         worker.judged(policy.GiveUp(2, 5), rec)
-    worker.state = "failed"
+    worker.state = ProcState.FAILED
     assert worker.last_exit == worker.exits[-1] and worker.last_exit.failure
     same = policy.repeated_failure(old_exits)
     assert worker.same_failure == same

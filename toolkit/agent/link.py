@@ -14,6 +14,7 @@ from typing import Any, Callable
 from toolkit import protocol
 from toolkit.agent.log import AgentLog
 from toolkit.agent.timers import Timer, Timers
+from toolkit.agentdoc import LinkState
 from toolkit.hostspec import HostSpec
 from toolkit.session import Unproven, open_session
 
@@ -44,7 +45,7 @@ class SchedulerLink:
         self.beat_fields = beat_fields or dict  # what each heartbeat says: the children it vouches for
         self.on_message, self.on_change = on_message, on_change
         self.sock: socket.socket | None = None
-        self.state = "down"
+        self.state: LinkState = LinkState.DOWN
         self.since = time.time()
         self.queue: list[tuple[str | None, bytes]] = []  # (node_id of a coalescible exited report, message)
         self.wbuf = bytearray()
@@ -78,10 +79,10 @@ class SchedulerLink:
         self.queue.append((coalesce, msg))
         if len(self.queue) > QUEUE_LIMIT:
             del self.queue[0]
-        if self.state == "up":
+        if self.state is LinkState.UP:
             self._pump()
 
-    def _set(self, state: str) -> None:
+    def _set(self, state: LinkState) -> None:
         """Change the link's state, stamp `since`, and tell the agent (agent.json shows the link)."""
         if state != self.state:
             self.state, self.since = state, time.time()
@@ -91,7 +92,7 @@ class SchedulerLink:
         """Timer callback: start a non-blocking connect, unless the link is closed or not down. A failure schedules the
         next attempt (`_down`); the connect and the handshake together get LINK_CONNECT_TIMEOUT."""
         self.retry = None
-        if self.closed or self.state != "down":
+        if self.closed or self.state is not LinkState.DOWN:
             return
         try:
             infos = socket.getaddrinfo(self.spec.sched_host, self.spec.sched_port, type=socket.SOCK_STREAM)
@@ -109,7 +110,7 @@ class SchedulerLink:
         self.sock = sock
         self.lines = protocol.LineBuffer()
         self.nonces = None
-        self._set("connecting")
+        self._set(LinkState.CONNECTING)
         self.sel.register(sock, selectors.EVENT_WRITE, self._on_event)
         self.connect_timer = self.timers.after(LINK_CONNECT_TIMEOUT, lambda: self._drop("connect timed out"))
 
@@ -118,7 +119,7 @@ class SchedulerLink:
         EOF or a ProtocolError drops the link (a reconnect follows): nothing the scheduler sends makes it raise."""
         if self.sock is None:
             return
-        if self.state == "connecting" and mask & selectors.EVENT_WRITE and self.nonces is None:
+        if self.state is LinkState.CONNECTING and mask & selectors.EVENT_WRITE and self.nonces is None:
             err = self.sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
             if err:
                 self._drop(os.strerror(err))
@@ -151,7 +152,7 @@ class SchedulerLink:
 
     def _handle(self, msg: dict[str, Any]) -> bool:
         """One message; False once the link was dropped."""
-        if self.state == "connecting":
+        if self.state is LinkState.CONNECTING:
             server_nonce = protocol.challenge_nonce(msg)
             try:
                 token = self.spec.token_file.read_text(encoding="utf-8").strip()
@@ -162,10 +163,10 @@ class SchedulerLink:
             self.nonces = (server_nonce, nonce)
             self.token = token
             self.wbuf = bytearray(hello)
-            self._set("hello")
+            self._set(LinkState.HELLO)
             self._pump()
             return self.sock is not None
-        if self.state == "hello":
+        if self.state is LinkState.HELLO:
             if self.nonces is None:  # a hello is sent with its nonces: this is a bug, not input
                 raise RuntimeError("scheduler link in state hello without nonces")
             if not protocol.check_server(self.token, *self.nonces, msg):
@@ -182,7 +183,7 @@ class SchedulerLink:
             if self.connect_timer:
                 self.connect_timer.cancel()
             self.nonces = None
-            self._set("up")
+            self._set(LinkState.UP)
             self._said_down = False
             self.log("agent", f"connected to the scheduler at {self.spec.sched_host}:{self.spec.sched_port}")
             self._pump()
@@ -195,7 +196,7 @@ class SchedulerLink:
         """Send what the socket takes now, without blocking. Queued reports join the write buffer only once the link is
         up (nothing but the hello goes out before the scheduler proved the token); the selector waits for writability
         only while bytes remain. A send error drops the link."""
-        if self.state == "up":
+        if self.state is LinkState.UP:
             for _, msg in self.queue:
                 self.wbuf += msg
             self.queue.clear()
@@ -215,11 +216,11 @@ class SchedulerLink:
         with `beat_fields()`: the children running and not stopped, which the scheduler counts as alive even when
         their own heartbeats stop."""
         self.beat_timer = None
-        if self.closed or self.state != "up" or self.sock is None:
+        if self.closed or self.state is not LinkState.UP or self.sock is None:
             return
         self.wbuf += protocol.encode(protocol.HEARTBEAT, **self.beat_fields())
         self._pump()
-        if not self.closed and self.state == "up":
+        if not self.closed and self.state is LinkState.UP:
             self.beat_timer = self.timers.after(HEARTBEAT_INTERVAL, self._beat)
 
     def _drop(self, why: str, retry: float = LINK_RETRY_INTERVAL) -> None:
@@ -245,7 +246,7 @@ class SchedulerLink:
             self.log("agent", f"scheduler {self.spec.sched_host}:{self.spec.sched_port} unreachable ({why}); "
                               f"retrying every {retry:g} s, supervision goes on")
             self._said_down = True
-        self._set("down")
+        self._set(LinkState.DOWN)
         if not self.closed:
             self.retry = self.timers.after(retry, self._attempt)
 
@@ -259,10 +260,10 @@ class SchedulerLink:
         self.closed = True
         if self.retry:
             self.retry.cancel()
-        if not self.queue and not (self.state == "up" and self.wbuf):
+        if not self.queue and not (self.state is LinkState.UP and self.wbuf):
             return True
         deadline = time.monotonic() + timeout
-        if self.state != "up":
+        if self.state is not LinkState.UP:
             if self.sock is not None:
                 self.sel.unregister(self.sock)
                 self.sock.close()
@@ -297,7 +298,7 @@ class SchedulerLink:
         abandoned. Idempotent. Called when the scheduler announced the end of the job (it exits now) and by
         Agent._shutdown."""
         self.closed = True
-        self.state = "closed"
+        self.state = LinkState.CLOSED
         for timer in (self.retry, self.connect_timer, self.beat_timer):
             if timer:
                 timer.cancel()

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any, Collection, Mapping, Sequence
 
 from toolkit import protocol
+from toolkit.agentdoc import ProcState
 from toolkit.hostspec import RestartPolicy
 
 
@@ -50,7 +51,7 @@ class Settle:
     """The agent is closing: the process's final state is `state`; with `finish`, nothing runs any more and the
     finishing agent is done."""
 
-    state: str
+    state: ProcState
     finish: bool
 
 
@@ -88,7 +89,7 @@ def on_exit(policy: RestartPolicy, e: Exited, how: str) -> Settle | Relaunch | S
     RestartPolicy.after_failure counts, backs off or gives up on. `how` describes the exit ("exit code 3", "killed by
     SIGKILL") for the reasons given."""
     if e.closing:
-        return Settle("succeeded" if e.code == 0 else "stopped", e.finishing and not e.others_running)
+        return Settle(ProcState.SUCCEEDED if e.code == 0 else ProcState.STOPPED, e.finishing and not e.others_running)
     if e.manual:
         return Relaunch("restart requested by the operator", 0.0, e.counted)
     if e.code == 0:

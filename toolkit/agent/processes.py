@@ -25,7 +25,7 @@ from toolkit.agent.log import AgentLog, iso, log_tail
 from toolkit.agent.slots import EXIT_HISTORY, Slot, cpu_sets
 from toolkit.agent.spare import WarmSpare
 from toolkit.agent.timers import Timers
-from toolkit.agentdoc import ExitRecord, Failure
+from toolkit.agentdoc import AgentState, ExitRecord, Failure, ProcState
 from toolkit.hostspec import HostSpec, ProcSpec
 from toolkit.procs import Child, ExitStatus, LaunchSpec
 
@@ -43,8 +43,8 @@ class Processes:
 
     def __init__(self, spec: HostSpec, sel: selectors.BaseSelector, timers: Timers, log: AgentLog,
                  base_env: dict[str, str], warm: WarmSpare, report: Callable[..., None],
-                 changed: Callable[[], None], agent_state: Callable[[], str], closing: Callable[[], bool],
-                 finish: Callable[[str, str | None], None], finish_now: Callable[[], None]) -> None:
+                 changed: Callable[[], None], agent_state: Callable[[], AgentState], closing: Callable[[], bool],
+                 finish: Callable[[AgentState, str | None], None], finish_now: Callable[[], None]) -> None:
         self.spec, self.sel, self.timers, self.log, self.base_env, self.warm = spec, sel, timers, log, base_env, warm
         self.report, self.changed, self.agent_state, self.closing = report, changed, agent_state, closing
         self.finish, self.finish_now = finish, finish_now
@@ -87,7 +87,7 @@ class Processes:
         for slot in self.slots.values():
             if slot.timer:
                 slot.timer.cancel()
-                slot.timer, slot.next_start, slot.state = None, None, "stopped"
+                slot.timer, slot.next_start, slot.state = None, None, ProcState.STOPPED
 
     def quiesce(self) -> list[Slot]:
         """After the loop: cancel every pending relaunch and kill timer, and take the live children's pidfds out of
@@ -119,11 +119,11 @@ class Processes:
                 self.log(slot.spec.node_id, f"pid {slot.child.pid} exited ({status.describe()})")
         for slot in live:
             slot.child = None
-            if slot.state not in ("succeeded", "failed"):
-                slot.state = "stopped"
+            if slot.state not in (ProcState.SUCCEEDED, ProcState.FAILED):
+                slot.state = ProcState.STOPPED
         for slot in self.slots.values():
-            if slot.state in ("backoff", "pending", "restarting", "running"):
-                slot.state = "stopped"
+            if slot.state in (ProcState.BACKOFF, ProcState.PENDING, ProcState.RESTARTING, ProcState.RUNNING):
+                slot.state = ProcState.STOPPED
 
     def launch(self, slot: Slot, why: str) -> None:
         """Start `slot`'s next incarnation; a no-op once the agent is closing. `why` goes to the agent's log and to the
@@ -169,7 +169,7 @@ class Processes:
         slot.launches += 1
         slot.pids = (slot.pids + [child.pid])[-EXIT_HISTORY:]
         slot.started_mono, slot.started_wall = time.monotonic(), time.time()
-        slot.state = "running"
+        slot.state = ProcState.RUNNING
         slot.progressed = False
         slot.files = openfiles.Trend(self.nofile) if slot.spec.is_worker else None
         self.sel.register(child, selectors.EVENT_READ, lambda _m, s=slot, c=child: self._on_child(s, c))
@@ -195,7 +195,7 @@ class Processes:
             pass
         slot.launches += 1
         slot.started_mono, slot.started_wall = time.monotonic(), time.time()
-        slot.state = "running"
+        slot.state = ProcState.RUNNING
         self.timers.after(0, lambda: self._after_exit(slot, None, ExitStatus(127, None)))
 
     def _on_child(self, slot: Slot, child: Child) -> None:
@@ -255,8 +255,9 @@ class Processes:
         facts = policy.Exited(
             code=status.code if status.signal is None else None, ran_for=ran, progressed=slot.progressed,
             counted=slot.counted, manual=slot.manual, closing=self.closing(),
-            finishing=self.agent_state() == "finishing",
-            others_running=any(s.child for s in others), others_succeeded=all(s.state == "succeeded" for s in others),
+            finishing=self.agent_state() is AgentState.FINISHING,
+            others_running=any(s.child for s in others),
+            others_succeeded=all(s.state is ProcState.SUCCEEDED for s in others),
             reached=record.step, failed_at=slot.failed_at)
         how = causes.describe(status, cause)
         reaction = policy.on_exit(self.spec.policy, facts, how)
@@ -270,11 +271,11 @@ class Processes:
             if reaction.finish:
                 self.finish_now()
         elif isinstance(reaction, policy.Succeeded):
-            slot.state = "succeeded"
+            slot.state = ProcState.SUCCEEDED
             self.log(node, f"pid {pid} finished (exit code 0 after {ran:.1f} s)")
             self.changed()
             if reaction.all_done:
-                self.finish("succeeded", "every process of this host exited 0")
+                self.finish(AgentState.SUCCEEDED, "every process of this host exited 0")
         elif isinstance(reaction, policy.GiveUp):
             self._give_up(slot, pid, status, ran, cause)
         else:
@@ -299,7 +300,7 @@ class Processes:
         if reaction.delay <= 0:
             self.launch(slot, reaction.why)
         else:
-            slot.state = "backoff"
+            slot.state = ProcState.BACKOFF
             slot.next_start = time.time() + reaction.delay
             slot.timer = self.timers.after(reaction.delay, lambda: self.launch(slot, reaction.why))
             self.changed()
@@ -320,7 +321,7 @@ class Processes:
             code=status.code, signal=status.signal_name, status=status.describe() + files,
             cause=how + files, restarts=n, log_file=spec.log_file, log_tail=tuple(tail), at=iso(time.time()),
         )
-        slot.state = "failed"
+        slot.state = ProcState.FAILED
         reason = f"{spec.node_id} {how}{files} after {n} restart{'s' if n != 1 else ''} " \
                  f"(max_restarts {self.spec.policy.max_restarts}); the job has failed"
         where = f"rank {spec.rank}, " if spec.rank is not None else ""
@@ -330,7 +331,7 @@ class Processes:
             self.log(spec.node_id, f"| {line}")
         self.report(protocol.GAVE_UP, node_id=spec.node_id, code=status.code, signal=status.signal_name, cause=cause,
                          log_tail="\n".join(tail)[-GAVE_UP_TAIL_BYTES:])
-        self.finish("failed", reason)
+        self.finish(AgentState.FAILED, reason)
 
     def count_open_files(self) -> None:
         """Timer callback, every openfiles.SAMPLE_INTERVAL: count each running worker's open files and warn (agent
@@ -394,7 +395,7 @@ class Processes:
         child = slot.child
         if not slot.manual:
             slot.manual = True
-            slot.state = "restarting"
+            slot.state = ProcState.RESTARTING
             child.signal_group(signal.SIGTERM)
             slot.kill_timer = self.timers.after(self.spec.grace, lambda: child.signal_group(signal.SIGKILL))
             self.changed()

@@ -10,12 +10,12 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Iterable
 
-from toolkit import agentdoc, procs, stepfile
+from toolkit import procs, stepfile
 from toolkit.agent import openfiles, policy
 from toolkit.agent.log import iso
 from toolkit.agent.progressinbox import Report
 from toolkit.agent.timers import Timer
-from toolkit.agentdoc import ExitRecord, ProcDoc
+from toolkit.agentdoc import ExitRecord, ProcDoc, ProcState
 from toolkit.errors import UserError
 from toolkit.hostspec import ProcSpec, RestartPolicy
 from toolkit.procs import Child
@@ -65,7 +65,7 @@ class Slot:
         self.cpus = cpus
         self.step_file = step_file if spec.is_worker else None  # toolkit.stepfile: the step of a death, exactly
         self.child: Child | None = None
-        self.state = "pending"  # running, backoff, restarting, succeeded, failed, stopped
+        self.state: ProcState = ProcState.PENDING
         self.launches = 0
         self.counted = 0
         self.started_mono = 0.0
@@ -147,7 +147,7 @@ class Slot:
         c = self.child
         return ProcDoc(
             node_id=self.spec.node_id, role=self.spec.role, rank=self.spec.rank,
-            local_rank=self.spec.local_rank, state=agentdoc.ProcState(self.state),
+            local_rank=self.spec.local_rank, state=self.state,
             pid=c.pid if c else None, pgid=c.pgid if c else None, start_ticks=c.start_ticks if c else None,
             last_pid=self.last_pid, last_start_ticks=self.last_ticks,
             started_at=iso(self.started_wall), warm=self.warm if c else None,

@@ -35,7 +35,7 @@ from toolkit.agent.progressinbox import ProgressInbox, Report
 from toolkit.agent.slots import cold_launches, running
 from toolkit.agent.spare import WarmSpare
 from toolkit.agent.timers import Timer, Timers
-from toolkit.agentdoc import AgentDoc, ControlOp, Takeover, recorded_groups
+from toolkit.agentdoc import AgentDoc, AgentState, ControlOp, ProcState, Takeover, recorded_groups
 from toolkit.hostspec import HostSpec
 
 REPORT_FLUSH_TIMEOUT = 3.0  # s to deliver the last reports (gave_up) before exiting
@@ -45,7 +45,8 @@ EXIT_OK = 0
 EXIT_FAILED = 1  # a process passed max_restarts here, or the scheduler stopped the job
 EXIT_USAGE = 2  # bad host.json or command line (UserError)
 EXIT_STOPPED = 3  # stopped by the operator (SIGTERM, stop)
-EXIT_CODES = {"succeeded": EXIT_OK, "failed": EXIT_FAILED, "stopped": EXIT_STOPPED}  # by the agent's final state
+EXIT_CODES = {AgentState.SUCCEEDED: EXIT_OK, AgentState.FAILED: EXIT_FAILED,  # by the agent's final state
+              AgentState.STOPPED: EXIT_STOPPED}
 
 
 # --- the supervisor
@@ -77,7 +78,7 @@ class Agent:
         self.spec, self.log = spec, log
         self.sel = selectors.DefaultSelector()
         self.timers = Timers()
-        self.state = "starting"
+        self.state: AgentState = AgentState.STARTING
         self.reason: str | None = None
         self.exit_code: int | None = None
         self.closing = False  # finishing or stopping: nothing is relaunched any more
@@ -135,8 +136,8 @@ class Agent:
                           f"{', bind_core' if self.spec.bind_core else ''}, open files {self.processes.nofile}"
                           f"{f' (raised from {before})' if self.processes.nofile > before else ''})")
         self.processes.start()
-        if self.state == "starting":
-            self.state = "running"
+        if self.state is AgentState.STARTING:
+            self.state = AgentState.RUNNING
         self.writer.write()
         self.link.start()
         self.warm.arm()
@@ -154,7 +155,7 @@ class Agent:
                 self.timers.run_due()
         except BaseException as e:
             self.log("agent", f"internal error, stopping everything: {type(e).__name__}: {e}")
-            self._finish("failed", EXIT_FAILED, f"agent error: {type(e).__name__}: {e}")
+            self._finish(AgentState.FAILED, EXIT_FAILED, f"agent error: {type(e).__name__}: {e}")
             with contextlib.suppress(Exception):
                 self._shutdown()
             raise
@@ -200,7 +201,7 @@ class Agent:
                 self.log(node_id, f"killed {len(killed)} process(es) left running by the previous agent in "
                                   f"group {pgid}: {killed}")
 
-    def _finish(self, state: str, code: int, reason: str | None) -> None:
+    def _finish(self, state: AgentState, code: int, reason: str | None) -> None:
         """Leave the loop; _shutdown does the stopping. Returns at once. Only the first call counts: it fixes `state`,
         the exit code and `reason` (a SIGTERM during a give-up changes nothing). Sets `closing`, so no exit from now on
         is relaunched."""
@@ -225,7 +226,7 @@ class Agent:
         self.warm.cancel()
         final_state = self.state
         if live or self.warm.spare:
-            self.state = "stopping"
+            self.state = AgentState.STOPPING
             self.writer.write()
         delivered = not self.link.closed
         if (self.link.queue or self.link.wbuf) and not self.link.closed:
@@ -234,7 +235,8 @@ class Agent:
                 self.log("agent", "could not deliver the last reports to the scheduler")
         self.link.close()
         self.warm.stop()
-        self.processes.stop(live, told=final_state == "failed" and delivered)  # a scheduler here has the failure
+        # a scheduler here has the failure
+        self.processes.stop(live, told=final_state is AgentState.FAILED and delivered)
         self.state = final_state
         self.writer.write()
         self.log("agent", f"agent exits: {self.state}" + (f" ({self.reason})" if self.reason else "")
@@ -276,12 +278,12 @@ class Agent:
             self.processes.fence(reaction.node_id, reaction.cause)
         elif isinstance(reaction, policy.StopJob):
             self.log("agent", f"the scheduler stopped the job: {reaction.reason}")
-            self._finish("failed", EXIT_FAILED, f"stopped by the scheduler: {reaction.reason}")
+            self._finish(AgentState.FAILED, EXIT_FAILED, f"stopped by the scheduler: {reaction.reason}")
         elif isinstance(reaction, policy.FinishJob):
             self.log("agent", "the scheduler says the job finished")
             self.link.close()  # it exits now; nothing more to tell it
             self.closing = True
-            self.state = "finishing"
+            self.state = AgentState.FINISHING
             self.processes.cancel_pending()
             if not self.processes.any_running():
                 self._finish_now()
@@ -316,7 +318,7 @@ class Agent:
         after `finished` runs out; cancels that grace timer."""
         if self._stop_after:
             self._stop_after.cancel()
-        self._finish("succeeded", EXIT_OK, "the scheduler said the job finished")
+        self._finish(AgentState.SUCCEEDED, EXIT_OK, "the scheduler said the job finished")
 
     # -- signals, control socket, progress
 
@@ -334,7 +336,7 @@ class Agent:
                 self.log("agent", "SIGHUP ignored (the agent outlives the session that started it)")
                 continue
             self.log("agent", f"{name} received: stopping")
-            self._finish("stopped", EXIT_STOPPED, f"stopped by {name}")
+            self._finish(AgentState.STOPPED, EXIT_STOPPED, f"stopped by {name}")
 
     def _control_request(self, req: Any) -> tuple[dict, Callable[[], None] | None]:
         """One control request -> (reply, action to run once the reply is sent, or None). The ops are
@@ -346,7 +348,7 @@ class Agent:
             return self.document().to_dict(), None
         if op == ControlOp.STOP:
             self.log("agent", "stop requested on the control socket")
-            return {"ok": True}, lambda: self._finish("stopped", EXIT_STOPPED, "stop requested")
+            return {"ok": True}, lambda: self._finish(AgentState.STOPPED, EXIT_STOPPED, "stop requested")
         if op == ControlOp.RESTART:
             return self.processes.manual_restart(str(req.get("node_id"))[:256]), None
         known = ", ".join(o.value for o in ControlOp)
@@ -364,7 +366,7 @@ class Agent:
                 changed = True
         if changed:
             self.writer.progressed()
-        running = [s for s in self.processes.slots.values() if s.spec.is_worker and s.state == "running"]
+        running = [s for s in self.processes.slots.values() if s.spec.is_worker and s.state is ProcState.RUNNING]
         self.warm.progressed([s.progressed for s in running])
 
     # -- agent.json
@@ -383,10 +385,10 @@ class Agent:
             job_dir=str(self.spec.job_dir), job_id=self.spec.job_id,
             agent=agentdoc.AgentInfo(pid=self.pid, start_ticks=self.ticks, started_at=iso(self.started),
                                      python=sys.executable),
-            state=agentdoc.AgentState(self.state), reason=self.reason, exit_code=self.exit_code,
+            state=self.state, reason=self.reason, exit_code=self.exit_code,
             updated_at=iso(time.time()),
             scheduler=agentdoc.LinkDoc(address=f"{self.spec.sched_host}:{self.spec.sched_port}",
-                                       link=agentdoc.LinkState(self.link.state), since=iso(self.link.since)),
+                                       link=self.link.state, since=iso(self.link.since)),
             warm_spare=self.warm.document(),
             bind_core=self.spec.bind_core,
             spare=self.spec.spare, took_over=tuple(self.took_over),

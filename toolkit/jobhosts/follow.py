@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any, Mapping
 
-from toolkit.agentdoc import FINAL_STATES
+from toolkit.agentdoc import FINAL_STATES, AgentState, ProcState
 from toolkit.errors import UserError
 from toolkit.jobhosts.output import dash, emit, interrupt_sets, say
 from toolkit.jobhosts.poll import collect_status
@@ -128,7 +128,7 @@ class _Watch:
         for st in polled:
             self.last[st.host] = st
             _report_changes(st, self.seen, self.agents)
-            if st.agent == "unreachable" or st.agent == "gone":
+            if st.agent == "unreachable" or st.agent == AgentState.GONE:
                 since = self.trouble_since.setdefault(st.host, now)
                 if now - since >= JOIN_GONE_AFTER:
                     why = (st.error or "unreachable") if st.agent == "unreachable" else "its agent is gone"
@@ -145,7 +145,7 @@ class _Watch:
         """Whether the job has been failing (a host unwatched, failed or stopped) for longer than `grace` plus
         JOIN_SETTLE: then what still runs is to be stopped. A job no longer failing (e.g. the failed host was found
         replaced by a spare: the job goes on) starts the count again."""
-        failing = bool(self.unwatched) or any(s in ("failed", "stopped") for s in states.values())
+        failing = bool(self.unwatched) or any(s in (AgentState.FAILED, AgentState.STOPPED) for s in states.values())
         if not failing:
             self.failed_at = None
         elif self.failed_at is None:
@@ -185,7 +185,7 @@ def _conclude(record: JobRecord, ssh: SshSettings, watch: _Watch, begun: float) 
     JobFailed with the evidence, the log tails of the processes that ended badly fetched now."""
     hosts = [watch.last[h.name] for h in record.live_hosts]
     took = time.monotonic() - begun
-    if not watch.unwatched and all(h.agent == "succeeded" for h in hosts):
+    if not watch.unwatched and all(h.agent == AgentState.SUCCEEDED for h in hosts):
         say(f"job {record.job} succeeded: every worker exited 0 ({took:.1f} s)")
         return
     raise JobFailed(_failure_text(record, hosts, watch.unwatched, took, _failed_tails(record, ssh, hosts)))
@@ -225,7 +225,7 @@ def _failed_tails(record: JobRecord, ssh: SshSettings, hosts: list[HostStatus]) 
     for h in hosts:
         if h.reached and not h.failure:
             bad = [p for p in h.processes if p.last_exit and p.last_exit != "exit code 0"
-                   and p.state not in ("running", "succeeded")]
+                   and p.state not in (ProcState.RUNNING, ProcState.SUCCEEDED)]
             if bad:
                 wanted[h.host] = bad
     if not wanted:
@@ -251,7 +251,7 @@ def _report_changes(st: HostStatus, seen: dict[tuple[str, str], tuple[Any, ...]]
     whose state, pid or restart count changed. `seen` and `agents` hold the last poll's view and are updated."""
     if agents.get(st.host) != st.agent:
         agents[st.host] = st.agent
-        if st.agent not in ("running", "starting"):
+        if st.agent not in (AgentState.RUNNING, AgentState.STARTING):
             why = f" ({st.reason})" if st.reason and st.agent in FINAL_STATES else ""
             emit(f"{st.host}: agent {st.agent}{why}" if st.agent != "unreachable" else f"{st.error}")
     for p in st.processes:
@@ -287,7 +287,7 @@ def _failure_text(record: JobRecord, hosts: list[HostStatus], unwatched: Mapping
     for h in hosts:
         if h.host in unwatched:
             lines.append(f"{h.host}: {unwatched[h.host]}")
-        elif not h.failure and h.agent != "succeeded":
+        elif not h.failure and h.agent != AgentState.SUCCEEDED:
             lines.append(f"{h.host}: {h.agent}" + (f": {h.reason}" if h.reason else ""))
             for p in h.processes:
                 if p.node_id in tails:

@@ -48,7 +48,8 @@ def _host_status(record: JobRecord, name: str, result: HostResult[dict[str, Any]
         figures = _live_rank(live, p)
         if (state == ProcState.RUNNING and got and (got.restarts or 0) > 0 and live is not None and live.get("ranks")
                 and figures.get("pid") != got.pid):
-            state = "restarting"  # relaunched by its agent, not yet back with the scheduler (no heartbeat yet)
+            # relaunched by its agent, not yet back with the scheduler (no heartbeat yet)
+            state = ProcState.RESTARTING.value
         procs.append(_proc(name, p, got, state, now, mtimes, figures))
     return HostStatus(name, True, None, agent, alive, doc.agent.pid if doc.agent else None, doc.reason,
                       doc.failure.to_dict() if doc.failure else None, tuple(procs), doc.updated_at,
@@ -94,7 +95,7 @@ def _proc(host: str, p: Mapping[str, Any], got: ProcDoc | None, state: str, now:
         node_id=p["node_id"],
         role="worker" if p["rank"] is not None else "sched",
         rank=p["rank"],
-        pid=got.pid if got and state not in ("gone", "unreachable") else None,
+        pid=got.pid if got and state not in (AgentState.GONE, "unreachable") else None,
         state=state,
         restarts=(got.restarts or 0) if got else 0,
         step=max(steps) if steps else None,
@@ -103,7 +104,7 @@ def _proc(host: str, p: Mapping[str, Any], got: ProcDoc | None, state: str, now:
         recovery=got.recovery if got and got.recovery in (RECOVERY_IN_PLACE, RECOVERY_RESTART) else None,
         steps_per_s=number(figures.get("steps_per_s")),
         loss=number(figures.get("loss")),
-        heartbeat_age=number(figures.get("heartbeat_age")) if state == "running" else None,
+        heartbeat_age=number(figures.get("heartbeat_age")) if state == ProcState.RUNNING else None,
         straggler=straggler,
         repeating=_repeating(got.same_failure if got else None),
     )

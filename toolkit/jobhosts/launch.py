@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Mapping
 
 from toolkit import jobrecord
+from toolkit.agentdoc import AgentState
 from toolkit.check.gather import failure_text, print_report, run_check
 from toolkit.errors import UserError
 from toolkit.jobhosts.deployment import deploy
@@ -148,7 +149,7 @@ class Finished:
 def finished_run(hosts: list[HostStatus]) -> Finished | None:
     """The job's previous run, if every host reached says it succeeded (None while anything runs, or ended
     otherwise: a stopped or failed run is resumed by the next `train`)."""
-    if not hosts or not all(h.reached and h.agent == "succeeded" for h in hosts):
+    if not hosts or not all(h.reached and h.agent == AgentState.SUCCEEDED for h in hosts):
         return None
     steps = [p.step for h in hosts for p in h.processes if p.role == "worker" and p.step is not None]
     stamps = [h.updated_at for h in hosts if h.updated_at]

@@ -8,6 +8,7 @@ from typing import Any, Mapping
 from rich.markup import escape
 from rich.table import Table
 
+from toolkit.agentdoc import ProcState
 from toolkit.jobhosts.output import dash, human_age
 from toolkit.jobhosts.view import HostStatus, ProcStatus, job_live, number
 from toolkit.jobrecord import JobRecord
@@ -53,10 +54,10 @@ def process_note(p: ProcStatus) -> tuple[str, str]:
     the style to show it in; ("", "") for nothing."""
     if p.straggler is not None:
         return f"straggler: {p.straggler:.2f}x the others' own work per step", "bold magenta"
-    if p.state == "running" and p.heartbeat_age is not None and p.heartbeat_age > LAGGING_AFTER:
+    if p.state == ProcState.RUNNING and p.heartbeat_age is not None and p.heartbeat_age > LAGGING_AFTER:
         return f"lagging: no heartbeat for {p.heartbeat_age:.0f} s", "bold yellow"
     if p.last_exit and p.last_exit != "exit code 0":
-        return f"last exit: {p.last_exit}", "red" if p.state != "running" else "yellow"
+        return f"last exit: {p.last_exit}", "red" if p.state != ProcState.RUNNING else "yellow"
     return "", ""
 
 

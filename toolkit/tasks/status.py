@@ -16,7 +16,7 @@ from dataclasses import asdict
 from typing import Any
 
 from toolkit import rundoc
-from toolkit.agentdoc import AgentDoc, BadDocument
+from toolkit.agentdoc import AgentDoc, AgentState, BadDocument
 from toolkit.errors import UserError
 from toolkit.jobhosts.output import say, table_console
 from toolkit.jobhosts.poll import settle_layout
@@ -116,13 +116,13 @@ def _host_note(h: HostStatus) -> str | None:
         return (f"{h.host}: {h.other_job} holds another project's job of this name"
                 f"{' (running)' if h.alive else ''}, not this one: its processes are not shown, and no command of "
                 "this project acts on it; deploy this job under another --job name (or --workdir)")
-    if h.agent == "gone":
+    if h.agent == AgentState.GONE:
         return (f"{h.host}: the agent is gone (it stopped without finishing the job): its processes show as gone; "
                 f"'fleet restart --host {h.host}' starts it again")
-    if h.agent == "absent":
+    if h.agent == AgentState.ABSENT:
         return f"{h.host}: the job was never started here; 'fleet train' starts it"
-    if h.agent == "failed":
+    if h.agent == AgentState.FAILED:
         return f"{h.host}: failed: {h.reason or 'no reason recorded'}"
-    if h.agent == "stopped":
+    if h.agent == AgentState.STOPPED:
         return f"{h.host}: stopped ({h.reason or 'by the operator'})"
     return None

@@ -20,7 +20,7 @@ from rich.console import Console, Group
 from rich.live import Live
 from rich.text import Text
 
-from toolkit.agentdoc import FINAL_STATES
+from toolkit.agentdoc import FINAL_STATES, AgentState
 from toolkit.errors import UserError
 from toolkit.jobhosts.follow import Interrupted, JobFailed
 from toolkit.jobhosts.output import human_age, interrupt_sets, table_console
@@ -55,7 +55,7 @@ class View:
 
     hosts: list[HostStatus]
     live: Mapping[str, Any] | None
-    outcome: str | None
+    outcome: AgentState | None
     at: float
 
 
@@ -94,14 +94,14 @@ def _connecting(h: HostStatus) -> HostStatus:
     return replace(h, agent="connecting", processes=tuple(replace(p, state="connecting") for p in h.processes))
 
 
-def job_outcome(hosts: list[HostStatus]) -> str | None:
+def job_outcome(hosts: list[HostStatus]) -> AgentState | None:
     """succeeded, failed or stopped once every host answered with an agent in a final state; else None."""
     states = [h.agent for h in hosts]
     if not states or any(s not in FINAL_STATES for s in states):
         return None
-    if all(s == "succeeded" for s in states):
-        return "succeeded"
-    return "failed" if "failed" in states else "stopped"
+    if all(s == AgentState.SUCCEEDED for s in states):
+        return AgentState.SUCCEEDED
+    return AgentState.FAILED if AgentState.FAILED in states else AgentState.STOPPED
 
 
 def view_json(record: JobRecord, view: View) -> dict[str, Any]:
@@ -125,7 +125,7 @@ def render(record: JobRecord, view: View, interval: float) -> Group:
              if not h.reached and h.agent != "connecting"]
     lines += [Text(line) for line in live_lines(live)]
     if view.outcome is not None:
-        lines.append(Text(f"job {record.job} {view.outcome}", style="bold green" if view.outcome == "succeeded"
+        lines.append(Text(f"job {record.job} {view.outcome}", style="bold green" if view.outcome is AgentState.SUCCEEDED
                           else "bold red"))
     return Group(status_table(record, view.hosts, title), *lines)
 
@@ -219,7 +219,7 @@ def watch_record(record: JobRecord, ssh: SshSettings, interval: float = WATCH_IN
                         live.update(render(record, view, interval), refresh=True)
         finally:
             pollers.close()
-    if view.outcome != "succeeded":
+    if view.outcome is not AgentState.SUCCEEDED:
         raise JobFailed(f"job {record.job} {view.outcome}: 'fleet status' and 'fleet logs' show why")
 
 
