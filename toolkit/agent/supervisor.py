@@ -340,9 +340,9 @@ class Agent:
 
     def _control_request(self, req: Any) -> tuple[dict, Callable[[], None] | None]:
         """One control request -> (reply, action to run once the reply is sent, or None). The ops are
-        agentdoc.ControlOp: `status` returns the agent.json document, `stop` replies ok and defers `_finish("stopped",
-        EXIT_STOPPED)`, `restart` is `_manual_restart`; anything else, a request that is not an object included, gets an
-        error naming the known ops."""
+        agentdoc.ControlOp: `status` returns the agent.json document, `stop` replies ok and defers
+        `_finish(AgentState.STOPPED, EXIT_STOPPED)`, `restart` is `_manual_restart`; anything else, a request that is
+        not an object included, gets an error naming the known ops."""
         op = req.get("op") if isinstance(req, dict) else None
         if op == ControlOp.STATUS:
             return self.document().to_dict(), None
