@@ -53,7 +53,7 @@ from toolkit.scheduler.actions import (  # also re-exported
     Send,
 )
 from toolkit.scheduler.liveness import alive_though_silent, expiry, kill_unreported, vouch
-from toolkit.scheduler.roster import Member, Peer, PeerRole, Roster, rank_of  # also re-exported
+from toolkit.scheduler.roster import Fact, Member, Peer, PeerRole, Roster, rank_of  # also re-exported
 from toolkit.scheduler.spares import Refusal, choose_spare, find_lost
 from toolkit.scheduler.state import JobStatus
 
@@ -422,6 +422,7 @@ class Membership:
             step = P.whole(dict(msg), "step")
             if step is not None and step > self.roster.commits.get(member.rank, -1):
                 self.roster.commits[member.rank] = step
+                self.roster.changed.add((Fact.COMMIT, member.rank))
                 self.commits_dirty = True
             return []
         if op == P.RECOVERED:
@@ -605,6 +606,7 @@ class Membership:
         if not self.roster.remove(member):
             return []
         self.roster.fenced.add(member.incarnation)
+        self.roster.changed.add((Fact.FENCED, member.incarnation))
         self.dirty = True
         out: list[Action] = [Note(NoteKind.DEATH, {
             "node_id": member.node_id, "rank": member.rank, "host": host_of(self.roster, member), "pid": member.pid,
@@ -655,6 +657,7 @@ class Membership:
         `finished` and the scheduler exits EXIT_OK."""
         if rank not in self.roster.done:
             self.roster.done.add(rank)
+            self.roster.changed.add((Fact.DONE, rank))
             self.dirty = True
         if len(self.roster.done) < self.world_size or self.status != RUNNING:
             return []

@@ -12,6 +12,9 @@ Invariants (`problems(roster)` names any broken one; tests/test_roster.py drives
 - a replaced host has no agent, is not watched (`heard_at` None), waits for nothing and is never connected again;
 - a host waiting for a spare is watched;
 - `connected_members` counts the members with a connection; each member is under its own rank.
+
+`changed` names the persisted facts (a rank's member, done or commit; an incarnation fenced; a replacement) touched
+since the server last wrote the state, so that a write costs what changed, not N (toolkit.scheduler.state).
 """
 
 from __future__ import annotations
@@ -31,6 +34,20 @@ def rank_of(node_id: str) -> int | None:
     if node_id.startswith(prefix) and digits.isascii() and digits.isdigit():  # isdigit alone takes "²"
         return int(node_id[len(prefix):])
     return None
+
+
+class Fact(str, enum.Enum):
+    """A kind of persisted fact, kept one record per rank (MEMBER, DONE, COMMIT), per incarnation (FENCED) or per
+    replacement (REPLACED, by its number): `Roster.changed` holds (Fact, rank | incarnation | number)."""
+
+    MEMBER = "member"
+    DONE = "done"
+    FENCED = "fenced"
+    COMMIT = "commit"
+    REPLACED = "replaced"
+
+    __str__ = str.__str__
+    __format__ = str.__format__
 
 
 class PeerRole(str, enum.Enum):
@@ -134,7 +151,12 @@ class Roster:
     And every rank: `members` (rank -> its live incarnation), `peers` (connection -> what it is), `done` (ranks that
     finished), `fenced` (incarnations declared dead, for good), `commits` (rank -> its highest committed step), and
     `connected_members`, the members with a connection, kept by `admit`, `reconnect` and `remove` (so a formation
-    check costs nothing)."""
+    check costs nothing).
+
+    `changed`: the persisted facts touched since the last write, marked by `admit`, `reconnect`, `remove` and
+    `replace`, and by whoever adds to `done`, `fenced` or `commits` (the membership); the server clears it once the
+    state is written. A mark too many costs a comparison; a mark missing would leave a change unwritten until the
+    next full rewrite (tests/test_state.py holds the marks to the full snapshot over the membership's trace)."""
 
     def __init__(self, placement: Mapping[str, str] | None = None, spares: Sequence[str] = ()) -> None:
         self.hosts: dict[str, HostRecord] = {}
@@ -149,6 +171,7 @@ class Roster:
         self.fenced: set[str] = set()
         self.commits: dict[int, int] = {}
         self.connected_members = 0
+        self.changed: set[tuple[Fact, int | str]] = set()
         for node_id, host in (placement or {}).items():
             self.place(node_id, host)
 
@@ -282,6 +305,7 @@ class Roster:
         agent, rec.agent = rec.agent, None
         self.agents.pop(host, None)
         self.record(spare).took_over = True
+        self.changed.add((Fact.REPLACED, rec.replaced_seq))
         for node_id in moved:
             self.place(node_id, spare)
         return agent
@@ -298,12 +322,14 @@ class Roster:
         """`member` holds its rank from now on (the rank is free: its holder was removed)."""
         self.members[member.rank] = member
         self.connected_members += member.peer is not None
+        self.changed.add((Fact.MEMBER, member.rank))
 
     def reconnect(self, member: Member, peer: int, addr: str, now: float) -> int | None:
         """`member` (re)connected on `peer` from `addr` at `now`; returns its previous connection, or None."""
         old = member.peer
         self.connected_members += old is None
         member.peer, member.addr, member.last_seen = peer, addr, now
+        self.changed.add((Fact.MEMBER, member.rank))  # its address is persisted
         return old
 
     def remove(self, member: Member) -> bool:
@@ -312,6 +338,7 @@ class Roster:
             return False
         del self.members[member.rank]
         self.connected_members -= member.peer is not None
+        self.changed.add((Fact.MEMBER, member.rank))
         return True
 
 
