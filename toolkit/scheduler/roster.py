@@ -12,9 +12,6 @@ Invariants (`problems(roster)` names any broken one; tests/test_roster.py drives
 - a replaced host has no agent, is not watched (`heard_at` None), waits for nothing and is never connected again;
 - a host waiting for a spare is watched;
 - `connected_members` counts the members with a connection; each member is under its own rank.
-
-`changed` names the persisted facts (a rank's member, done or commit; an incarnation fenced; a replacement) touched
-since the server last wrote the state, so that a write costs what changed, not N (toolkit.scheduler.state).
 """
 
 from __future__ import annotations
@@ -156,7 +153,7 @@ class Roster:
     `changed`: the persisted facts touched since the last write, marked by `admit`, `reconnect`, `remove` and
     `replace`, and by whoever adds to `done`, `fenced` or `commits` (the membership); the server clears it once the
     state is written. A mark too many costs a comparison; a mark missing would leave a change unwritten until the
-    next full rewrite (tests/test_state.py holds the marks to the full snapshot over the membership's trace)."""
+    next full rewrite (tests/test_membership_trace.py holds the marks to the whole snapshot at every step)."""
 
     def __init__(self, placement: Mapping[str, str] | None = None, spares: Sequence[str] = ()) -> None:
         self.hosts: dict[str, HostRecord] = {}

@@ -46,7 +46,7 @@ JOURNAL_FILE = "scheduler.journal"
 VERSION = 2
 READABLE = (1, VERSION)  # version 1: the whole document alone (toolkit before the journal), read as a base
 SCALARS = ("job", "world_size", "status", "failure", "generation", "formed")
-MAX_FILE_BYTES = 64 << 20  # per file; the base is 0.45 MB at 4096 ranks, the journal at most about as much
+MAX_FILE_BYTES = 64 << 20  # per file; the base is 0.65 MB at 4096 ranks, the journal at most about as much
 JOURNAL_FLOOR = 64 << 10  # bytes the journal may always grow to before a compaction
 JOURNAL_RATIO = 1.0  # ... and the multiple of the base's size
 
