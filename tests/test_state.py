@@ -240,3 +240,28 @@ def test_the_other_job_or_size_and_a_state_of_the_toolkit_before(tmp_path: Path)
     legacy.parent.mkdir()
     legacy.write_text(json.dumps({"version": 1, **p.m.snapshot()}, indent=1))
     assert S.load(legacy, "job", 2) == plain(p.m.snapshot())
+
+
+def test_the_server_writes_the_whole_state_once_then_a_line_per_pass_that_changed_it(tmp_path: Path) -> None:
+    from toolkit.scheduler import server as srv
+    from toolkit.scheduler.config import Config
+
+    now = [100.0]
+    server = srv.Server(Config(job="job", host="127.0.0.1", port=1, store_port=2, world_size=2, topo_timeout=60.0,
+                               node_timeout=3.0, recovery=True, recovery_path=tmp_path, token="t" * 32),
+                        lambda: now[0])
+    journal = tmp_path / S.JOURNAL_FILE
+    register(server.members, 1, 0, now[0])
+    server._persist()
+    assert len(journal.read_text().splitlines()) == 1  # the first write: the base, whole
+    register(server.members, 2, 1, now[0])  # the job forms
+    server._persist()
+    server._persist()  # a pass that changed nothing
+    lines = journal.read_text().splitlines()
+    assert len(lines) == 2 and set(json.loads(lines[1])["set"]) == {"member/1", "formed"}
+    server.members.message(1, {"op": P.COMMIT, "step": 5}, now[0])
+    server._persist()  # commits wait for COMMIT_PERSIST_INTERVAL
+    now[0] += srv.COMMIT_PERSIST_INTERVAL
+    server._persist()
+    assert journal.read_text().splitlines()[2:] == ['{"set":{"commit/0":5},"del":[]}']
+    assert S.load(tmp_path / S.STATE_FILE, "job", 2) == plain(server.members.snapshot())

@@ -186,7 +186,8 @@ class Membership:
 
     What the server reads back: `dirty` (the membership changed: persist before sending what depends on it),
     `commits_dirty` (only commit progress changed: persisted at the server's own pace), `next_deadline()` (when to
-    call `tick`) and `snapshot()` (what to persist)."""
+    call `tick`), `snapshot()` (what to persist) and `roster.changed` (which of its records changed: a write
+    costs those, state.changes)."""
 
     def __init__(self, job: str, world_size: int, node_timeout: float, topo_timeout: float, boot: str,
                  address: str, expected: Mapping[str, str] | None = None, now: float = 0.0,
