@@ -54,7 +54,7 @@ class Incremental:
         w = self.writer
         base, journal = _inode(w.path), w.journal_bytes
         w.save(S.changes(m), m.snapshot)
-        m.roster.changed.clear()
+        m.roster.unsaved.clear()
         if _inode(w.path) != base:  # rewritten: the base and a new journal
             return w.base_bytes + w.journal_bytes
         return w.journal_bytes - journal

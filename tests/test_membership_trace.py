@@ -53,7 +53,7 @@ class Trace:
                 self.records.pop(key, None)
             else:
                 self.records[key] = value
-        m.roster.changed.clear()
+        m.roster.unsaved.clear()
         assert self.records == whole, event  # no change the roster did not mark
         assert S.document(whole) == _plain(m.snapshot()), event
 

@@ -48,7 +48,7 @@ class Persisted:
 
     def save(self) -> None:
         self.writer.save(S.changes(self.m), self.m.snapshot)
-        self.m.roster.changed.clear()
+        self.m.roster.unsaved.clear()
 
     def loaded(self) -> dict[str, Any] | None:
         return S.load(self.path, "job", self.m.world_size)
@@ -188,7 +188,7 @@ def test_a_failed_append_is_followed_by_a_whole_rewrite(tmp_path: Path) -> None:
     p.m.lost(2, "connection closed", 5.0)
     with pytest.raises(OSError):
         p.save()
-    assert p.writer.written is None and p.m.roster.changed  # nothing counted as written
+    assert p.writer.written is None and p.m.roster.unsaved  # nothing counted as written
     p.save()
     assert p.loaded() == plain(p.m.snapshot()) and len(p.journal()) == 1
 

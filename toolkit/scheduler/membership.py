@@ -186,7 +186,7 @@ class Membership:
 
     What the server reads back: `dirty` (the membership changed: persist before sending what depends on it),
     `commits_dirty` (only commit progress changed: persisted at the server's own pace), `next_deadline()` (when to
-    call `tick`), `snapshot()` (what to persist) and `roster.changed` (which of its records changed: a write
+    call `tick`), `snapshot()` (what to persist) and `roster.unsaved` (which of its records changed: a write
     costs those, state.changes)."""
 
     def __init__(self, job: str, world_size: int, node_timeout: float, topo_timeout: float, boot: str,
@@ -196,7 +196,6 @@ class Membership:
         self.node_timeout, self.topo_timeout = node_timeout, topo_timeout
         self.host_timeout = host_timeout  # <= 0: no automatic replacement (the operator's `replace` only)
         self.roster = Roster(expected, spares)  # every host and every rank: members, peers, done, fenced, commits
-        self.last_tick = -math.inf
         self.unreported: dict[str, tuple[int, float]] = {}  # node_id -> (pid, when to kill it): its connection
         # closed, its agent has not reported its exit yet
         self.generation = 0
@@ -208,6 +207,9 @@ class Membership:
         self.unmanaged = False
         self.gather_since: float | None = now
         self.hb_check_at = math.inf  # no member's heartbeat can expire before this
+        # no host can be found lost before lost_check_at unless the roster changed since (lost_check_changes): most
+        # passes skip the scan of every host
+        self.lost_check_at, self.lost_check_changes = math.inf, -1
         self.dirty = False  # membership changed: persist before what depends on it is sent
         self.commits_dirty = False  # only commits changed: persisted at the server's own pace
 
@@ -221,11 +223,8 @@ class Membership:
             deadlines += [due for _, due in self.unreported.values()]
         if self.gather_since is not None and not self.unmanaged and self.status == RUNNING:
             deadlines.append(self.gather_since + self.topo_timeout)
-        if self.host_timeout > 0 and self.status == RUNNING:  # a host may be found lost then (tick checks it)
-            for rec in self.roster.hosts.values():
-                if rec.heard_at is not None and not rec.waiting_for_spare \
-                        and rec.heard_at + self.host_timeout > self.last_tick:
-                    deadlines.append(rec.heard_at + self.host_timeout)
+        if self._watching_hosts():  # a host may be found lost then, or now if the roster changed since the last check
+            deadlines.append(self.lost_check_at if self.roster.changes == self.lost_check_changes else -math.inf)
         return min(deadlines, default=math.inf)
 
     def snapshot(self) -> dict[str, Any]:
@@ -423,7 +422,7 @@ class Membership:
             step = P.whole(dict(msg), "step")
             if step is not None and step > self.roster.commits.get(member.rank, -1):
                 self.roster.commits[member.rank] = step
-                self.roster.changed.add((Fact.COMMIT, member.rank))
+                self.roster.unsaved.add((Fact.COMMIT, member.rank))
                 self.commits_dirty = True
             return []
         if op == P.RECOVERED:
@@ -485,7 +484,6 @@ class Membership:
                                     for m in self.roster.members.values()), default=math.inf)
         out += kill_unreported(self.roster, self.unreported, now, self.node_timeout)
         out += self._check_lost(now)
-        self.last_tick = now
         if (self.status == RUNNING and self.gather_since is not None and not self.unmanaged
                 and now >= self.gather_since + self.topo_timeout):
             out += self._formation_timeout()
@@ -525,11 +523,18 @@ class Membership:
         """Hand each lost host's ranks to a free spare, while the job has formed and runs with no rank finished and
         automatic replacement is on (host_timeout > 0); which hosts are lost and which spare is free is decided in
         spares.py. Without a free spare the host waits (said once), as it would without spares: the job goes on if
-        its agent comes back."""
-        if self.host_timeout <= 0 or self.status != RUNNING or not self.ever_formed or self.roster.done:
+        its agent comes back.
+
+        The scan of every host runs only when the roster changed since the last one (a member left, an agent came or
+        went, a spare was taken) or when the earliest host found unheard then may have become lost: heartbeats only
+        move that later, so at a thousand ranks most passes cost nothing here."""
+        if not self._watching_hosts():
             return []
+        if self.roster.changes == self.lost_check_changes and now < self.lost_check_at:
+            return []
+        changes = self.roster.changes  # what the scan's own takeovers change is looked at again next pass
         out: list[Action] = []
-        for lost in find_lost(self.roster, now, self.host_timeout):  # most passes find none: agents heartbeat
+        for lost in find_lost(self.roster, now, self.host_timeout):
             host, since, node_ids = lost.host, lost.since, lost.node_ids
             spare = choose_spare(self.roster, None, host)
             if isinstance(spare, Refusal):
@@ -540,7 +545,16 @@ class Membership:
                 continue
             out += self._take_over(host, spare, f"its agent unheard for {now - since:.1f} s and its workers dead "
                                                   f"(TOOLKIT_HOST_TIMEOUT={self.host_timeout:g})", now)
+        self.lost_check_changes = changes
+        self.lost_check_at = min((rec.heard_at + self.host_timeout for rec in self.roster.hosts.values()
+                                  if rec.heard_at is not None and rec.heard_at + self.host_timeout > now),
+                                 default=math.inf)
         return out
+
+    def _watching_hosts(self) -> bool:
+        """Whether lost hosts are replaced now: automatic replacement on (host_timeout > 0), the job formed once and
+        running with no rank finished."""
+        return self.host_timeout > 0 and self.status == RUNNING and self.ever_formed and not self.roster.done
 
     def _take_over(self, host: str, spare: str, reason: str, now: float) -> list[Action]:
         """`spare` takes `host`'s node ids and ranks: the replacement is recorded (`dirty`: persisted before the
@@ -607,7 +621,7 @@ class Membership:
         if not self.roster.remove(member):
             return []
         self.roster.fenced.add(member.incarnation)
-        self.roster.changed.add((Fact.FENCED, member.incarnation))
+        self.roster.unsaved.add((Fact.FENCED, member.incarnation))
         self.dirty = True
         out: list[Action] = [Note(NoteKind.DEATH, {
             "node_id": member.node_id, "rank": member.rank, "host": host_of(self.roster, member), "pid": member.pid,
@@ -658,7 +672,7 @@ class Membership:
         `finished` and the scheduler exits EXIT_OK."""
         if rank not in self.roster.done:
             self.roster.done.add(rank)
-            self.roster.changed.add((Fact.DONE, rank))
+            self.roster.unsaved.add((Fact.DONE, rank))
             self.dirty = True
         if len(self.roster.done) < self.world_size or self.status != RUNNING:
             return []

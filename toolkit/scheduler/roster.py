@@ -35,7 +35,7 @@ def rank_of(node_id: str) -> int | None:
 
 class Fact(str, enum.Enum):
     """A kind of persisted fact, kept one record per rank (MEMBER, DONE, COMMIT), per incarnation (FENCED) or per
-    replacement (REPLACED, by its number): `Roster.changed` holds (Fact, rank | incarnation | number)."""
+    replacement (REPLACED, by its number): `Roster.unsaved` holds (Fact, rank | incarnation | number)."""
 
     MEMBER = "member"
     DONE = "done"
@@ -150,10 +150,14 @@ class Roster:
     `connected_members`, the members with a connection, kept by `admit`, `reconnect` and `remove` (so a formation
     check costs nothing).
 
-    `changed`: the persisted facts touched since the last write, marked by `admit`, `reconnect`, `remove` and
-    `replace`, and by whoever adds to `done`, `fenced` or `commits` (the membership); the server clears it once the
-    state is written. A mark too many costs a comparison; a mark missing would leave a change unwritten until the
-    next full rewrite (tests/test_membership_trace.py holds the marks to the whole snapshot at every step)."""
+    `changes` counts the calls of the mutators below but `heard` (an agent's heartbeat), `wait_for_spare` and
+    `reconnect`: a decision cached from the hosts and members (membership's lost-host check) is stale when it moved.
+
+    `unsaved`: the persisted facts touched since the state was last written, marked by `admit`, `reconnect`,
+    `remove` and `replace`, and by whoever adds to `done`, `fenced` or `commits` (the membership); the server clears
+    it once the state is written. A mark too many costs a comparison; a mark missing would leave a change unwritten
+    until the next whole rewrite (tests/test_membership_trace.py holds the marks to the whole snapshot at every
+    step)."""
 
     def __init__(self, placement: Mapping[str, str] | None = None, spares: Sequence[str] = ()) -> None:
         self.hosts: dict[str, HostRecord] = {}
@@ -168,7 +172,8 @@ class Roster:
         self.fenced: set[str] = set()
         self.commits: dict[int, int] = {}
         self.connected_members = 0
-        self.changed: set[tuple[Fact, int | str]] = set()
+        self.unsaved: set[tuple[Fact, int | str]] = set()
+        self.changes = 0
         for node_id, host in (placement or {}).items():
             self.place(node_id, host)
 
@@ -232,6 +237,7 @@ class Roster:
     def place(self, node_id: str, host: str, keep: bool = False) -> None:
         """`node_id` runs on `host` from now on (the plan's placement, an agent's hello, a replacement); with
         `keep`, only if it is placed nowhere yet (a worker's own word yields to the placement known)."""
+        self.changes += 1
         old = self.node_host.get(node_id)
         if old == host or (keep and old is not None):
             return
@@ -246,6 +252,7 @@ class Roster:
     def start_clock(self, host: str, now: float) -> None:
         """Peers can connect from `now`: `host` (placed by the plan) has host_timeout from then to say hello. Not
         for a host watched already, connected or replaced."""
+        self.changes += 1
         rec = self.record(host)
         if rec.heard_at is None and not rec.connected and not rec.fenced:
             self._seq += 1
@@ -255,6 +262,7 @@ class Roster:
         """`host`'s agent said hello on `peer` at `now` (`spare`: it says it is one; `scheduler`: it supervises the
         scheduler, which then runs there, not on the host that said so before). Returns its previous connection,
         which `peer` replaces (the caller closes it), or None."""
+        self.changes += 1
         rec = self.record(host)
         rec.heard_at, rec.waiting_for_spare, rec.spare = now, False, spare
         if scheduler:
@@ -285,6 +293,7 @@ class Roster:
         if rec is None or rec.agent != peer:
             return False
         self._seq += 1
+        self.changes += 1
         rec.agent, rec.heard_at, rec.gone_seq = None, now, self._seq
         del self.agents[host]
         return True
@@ -293,6 +302,7 @@ class Roster:
         """`spare` takes `host`'s worker node ids (or `node_ids`, for a restored replacement): `host` is fenced
         for good (unwatched, its agent dropped) and the replacement gets the next number. Returns the dropped
         agent's peer (the caller tells it to stop), or None."""
+        self.changes += 1
         rec = self.record(host)
         moved = list(rec.node_ids if node_ids is None else node_ids)
         self._replaced.append(host)
@@ -302,7 +312,7 @@ class Roster:
         agent, rec.agent = rec.agent, None
         self.agents.pop(host, None)
         self.record(spare).took_over = True
-        self.changed.add((Fact.REPLACED, rec.replaced_seq))
+        self.unsaved.add((Fact.REPLACED, rec.replaced_seq))
         for node_id in moved:
             self.place(node_id, spare)
         return agent
@@ -317,25 +327,27 @@ class Roster:
 
     def admit(self, member: Member) -> None:
         """`member` holds its rank from now on (the rank is free: its holder was removed)."""
+        self.changes += 1
         self.members[member.rank] = member
         self.connected_members += member.peer is not None
-        self.changed.add((Fact.MEMBER, member.rank))
+        self.unsaved.add((Fact.MEMBER, member.rank))
 
     def reconnect(self, member: Member, peer: int, addr: str, now: float) -> int | None:
         """`member` (re)connected on `peer` from `addr` at `now`; returns its previous connection, or None."""
         old = member.peer
         self.connected_members += old is None
         member.peer, member.addr, member.last_seen = peer, addr, now
-        self.changed.add((Fact.MEMBER, member.rank))  # its address is persisted
+        self.unsaved.add((Fact.MEMBER, member.rank))  # its address is persisted
         return old
 
     def remove(self, member: Member) -> bool:
         """`member` leaves its rank; False (and nothing changes) if it no longer holds it."""
         if self.members.get(member.rank) is not member:
             return False
+        self.changes += 1
         del self.members[member.rank]
         self.connected_members -= member.peer is not None
-        self.changed.add((Fact.MEMBER, member.rank))
+        self.unsaved.add((Fact.MEMBER, member.rank))
         return True
 
 

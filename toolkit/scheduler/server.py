@@ -638,7 +638,7 @@ class Server:
             return
         self.persist_retry_at = 0.0
         self.members.dirty = self.members.commits_dirty = False
-        self.members.roster.changed.clear()
+        self.members.roster.unsaved.clear()
         self.commits_persist_at = now + COMMIT_PERSIST_INTERVAL
 
 

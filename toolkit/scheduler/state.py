@@ -137,11 +137,11 @@ def document(recs: Mapping[str, Any]) -> dict[str, Any]:
 
 def changes(m: Membership) -> dict[str, Any]:
     """The records that may differ from those last written: every scalar, and the record of each fact the roster
-    marked changed (`Roster.changed`); None for a record that is gone. O(what was marked), not O(N)."""
+    marked changed (`Roster.unsaved`); None for a record that is gone. O(what was marked), not O(N)."""
     roster = m.roster
     out: dict[str, Any] = {name: getattr(m, name) for name in SCALARS}
     replacements: list[dict[str, Any]] | None = None
-    for fact, name in roster.changed:
+    for fact, name in roster.unsaved:
         value: Any = None
         if fact is Fact.MEMBER:
             member = roster.members.get(int(name))
