@@ -219,7 +219,7 @@ def test_damage_is_refused_in_one_line_naming_the_file_and_line(tmp_path: Path,
     for record in ('{"set": {"member/x": {}}, "del": []}', '{"set": {"what": 1}, "del": []}',
                    '{"set": {"done/1": false}, "del": []}', '{"set": {"member/1": {"rank": 1}}, "del": []}'):
         p.writer.journal.write_bytes(good + record.encode() + b"\n")  # well-formed lines, records that are not
-        assert damaged(p).startswith(f"{p.path}"), record
+        assert damaged(p).startswith(f"{p.path} (with {S.JOURNAL_FILE}): damaged scheduler state"), record
     p.writer.journal.write_bytes(good)
     assert p.loaded() == plain(p.m.snapshot())
 

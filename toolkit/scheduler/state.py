@@ -80,23 +80,21 @@ def load(path: Path, job: str, world_size: int) -> dict[str, Any] | None:
         raise StateError(f"{path}: not a scheduler state of this toolkit (version {VERSION}); move it away to start "
                          "the job afresh")
     journal = path.with_name(JOURNAL_FILE)
+    where, them = str(path), "it"
     try:
         recs = records(base)
-        replayed = _replay(journal, base.get("epoch"), recs) if isinstance(base.get("epoch"), str) else False
+        if isinstance(base.get("epoch"), str) and _replay(journal, base["epoch"], recs):
+            where, them = f"{path} (with {journal.name})", "them"
         doc = document(recs)
+        if doc.get("job") == job and doc.get("world_size") == world_size:
+            _check(doc)
     except (KeyError, TypeError, ValueError) as e:
-        raise StateError(f"{path}: damaged scheduler state ({type(e).__name__}: {e}); move it away to start the "
-                         "job afresh") from None
-    where = f"{path} (with {journal.name})" if replayed else str(path)
+        raise StateError(f"{where}: damaged scheduler state ({type(e).__name__}: {str(e)[:200]}); move {them} away "
+                         "to start the job afresh") from None
     if doc.get("job") != job or doc.get("world_size") != world_size:
         raise StateError(f"{where} is the state of job {doc.get('job')!r} with {doc.get('world_size')} workers, not "
                          f"of {job!r} with {world_size}: a run cannot change its size; 'fleet train --fresh' starts "
                          "the job over (this state moved aside), or deploy it with its old size again")
-    try:
-        _check(doc)
-    except (KeyError, TypeError, ValueError) as e:
-        raise StateError(f"{where}: damaged scheduler state ({type(e).__name__}: {e}); move "
-                         f"{'them' if replayed else 'it'} away to start the job afresh") from None
     return doc
 
 
