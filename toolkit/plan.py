@@ -13,7 +13,7 @@ import re
 import shlex
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Iterator, Mapping
+from typing import Iterator, Mapping, Sequence
 
 from toolkit import envvars as E
 from toolkit import hostspec
@@ -258,98 +258,17 @@ def make_plan(inventory: Inventory, options: JobOptions, local_project_dir: str 
     """
     if inventory.local and local_project_dir is None:
         raise PlanError("a local job needs the project directory it runs in")
-    project = local_project_dir if inventory.local else None
     placement = _placement(inventory, options)
     world = sum(n for _, n in placement)
-
     sched = inventory.host(inventory.scheduler)
-    common = _common_env(inventory, options, sched, world)
+    build = _ProcessBuilder(options, _common_env(inventory, options, sched, world), world, len(placement),
+                            local_project_dir if inventory.local else None)
+    seats = _seats(placement)
     by_host: dict[str, list[Process]] = {h.name: [] for h, _ in placement}
-    by_host.setdefault(sched.name, [])
-
-    jd = job_dir(sched, options)
-    by_host[sched.name].append(
-        Process(
-            host=sched.name,
-            role=E.ROLE_SCHED,
-            node_id=SCHED_NODE_ID,
-            rank=None,
-            local_rank=None,
-            argv=(_python(sched, options), "-m", "toolkit.scheduler"),
-            cwd=project or posixpath.join(jd, "project"),
-            env=MappingProxyType({
-                **common, **_dir_env(jd), E.MS_ROLE: E.ROLE_SCHED, E.MS_NODE_ID: SCHED_NODE_ID,
-                E.TOOLKIT_EXPECTED: posixpath.join(jd, EXPECTED_FILE),
-                E.TOOLKIT_STRAGGLER_FACTOR: _num(options.straggler_factor),
-                E.TOOLKIT_HOST_TIMEOUT: _num(options.host_timeout),
-                E.TOOLKIT_SPARES: ",".join(n for n in inventory.spares if n != sched.name),
-            }),
-        )
-    )
-
-    groups = str(len(placement))
-
-    def worker(host: Host, rank: int, local_rank: int, n: int, group_rank: int) -> Process:
-        """Rank `rank` (local rank `local_rank` of `n`, host index `group_rank`) run from `host`'s job directory."""
-        jd = job_dir(host, options)
-        node_id = worker_node_id(rank)
-        env = {
-            **common,
-            **_dir_env(jd),
-            E.MS_ROLE: E.ROLE_WORKER,
-            E.MS_NODE_ID: node_id,
-            E.RANK_ID: str(rank),
-            E.RANK: str(rank),
-            E.LOCAL_RANK: str(local_rank),
-            E.DEVICE_ID: str(local_rank),
-            E.LOCAL_WORLD_SIZE: str(n),
-            E.GROUP_RANK: str(group_rank),
-            E.GROUP_WORLD_SIZE: groups,
-            E.ROLE_NAME: E.DEFAULT_ROLE_NAME,
-            E.ROLE_RANK: str(rank),
-            E.ROLE_WORLD_SIZE: str(world),
-            E.TORCHELASTIC_RUN_ID: options.job,
-            E.TORCHELASTIC_MAX_RESTARTS: str(options.max_restarts),
-            E.TOOLKIT_HEARTBEAT_INTERVAL: _num(options.heartbeat_interval),
-            E.TOOLKIT_AGENT_SOCKET: posixpath.join(jd, "state", "progress.sock"),
-            E.TOOLKIT_HOST: host.name,
-            E.TORCHELASTIC_USE_AGENT_STORE: "True",
-            E.CKPT_DIR: options.ckpt_dir or posixpath.join(jd, "ckpt"),
-        }
-        if options.data_path is not None:
-            env[E.DATA_PATH] = options.data_path
-        if options.torchrun_script:
-            env[E.TOOLKIT_RECOVERY] = P_RECOVERY_RESTART
-        return Process(
-            host=host.name,
-            role=E.ROLE_WORKER,
-            node_id=node_id,
-            rank=rank,
-            local_rank=local_rank,
-            argv=(_python(host, options), *_wrapper(options), options.script, *options.script_argv),
-            cwd=project or posixpath.join(jd, "project"),
-            env=MappingProxyType(env),
-        )
-
-    slots: list[tuple[str, int, int, int, int]] = []  # (host, rank, local rank, workers on the host, group rank)
-    rank = 0
-    for group_rank, (host, n) in enumerate(placement):
-        for local_rank in range(n):
-            by_host[host.name].append(worker(host, rank, local_rank, n, group_rank))
-            slots.append((host.name, rank, local_rank, n, group_rank))
-            rank += 1
-
-    hosts = tuple(
-        HostPlan(host=h, job_dir=job_dir(h, options), python=_python(h, options), processes=tuple(by_host[h.name]))
-        for h in inventory.hosts
-        if h.name in by_host
-    )
-    hosts += tuple(
-        HostPlan(host=h, job_dir=job_dir(h, options), python=_python(h, options), processes=(),
-                 standby=tuple(worker(h, r, lr, n, g) for _, r, lr, n, g in slots))
-        for h in (inventory.host(name) for name in inventory.spares)
-        if h.name not in by_host
-    )
+    by_host.setdefault(sched.name, []).append(build.scheduler(sched, inventory.spares))
+    for host, seat in seats:
+        by_host[host.name].append(build.worker(host, seat))
+    hosts = _host_plans(inventory, options, by_host, build, seats)
     for hp in hosts:
         _check_socket_paths(hp)
     return LaunchPlan(
@@ -362,6 +281,130 @@ def make_plan(inventory: Inventory, options: JobOptions, local_project_dir: str 
         store_port=options.master_port + 1,
         world_size=world,
         hosts=hosts,
+    )
+
+
+@dataclass(frozen=True)
+class _Seat:
+    """Where one worker sits in the job: its global `rank`, its `local_rank` among the `local_world` workers of its
+    host, and its host's index `group_rank` among the hosts that run workers."""
+
+    rank: int
+    local_rank: int
+    local_world: int
+    group_rank: int
+
+
+def _seats(placement: list[tuple[Host, int]]) -> list[tuple[Host, _Seat]]:
+    """Every worker's (host, seat), ranks assigned host by host in placement order, local ranks from 0 on each."""
+    seats = []
+    for group_rank, (host, n) in enumerate(placement):
+        for local_rank in range(n):
+            seats.append((host, _Seat(len(seats), local_rank, n, group_rank)))
+    return seats
+
+
+@dataclass(frozen=True)
+class _ProcessBuilder:
+    """Makes the job's Process records from what they all share: the options, the environment common to every
+    process (`_common_env`), the world size, the number of worker hosts, and the directory a local job runs in
+    (`project`; None: each host's `<job dir>/project`, where deploy copies it). Pure: the same seat on the same host
+    always gives the same Process, which is how a spare's standby workers match the ones they would replace."""
+
+    options: JobOptions
+    common: Mapping[str, str]
+    world: int
+    groups: int
+    project: str | None
+
+    def _cwd(self, jd: str) -> str:
+        """Where a process of the job directory `jd` runs."""
+        return self.project or posixpath.join(jd, "project")
+
+    def scheduler(self, sched: Host, spares: Sequence[str]) -> Process:
+        """The scheduler process on `sched`; `spares` (inventory order) become its TOOLKIT_SPARES, less its own
+        host."""
+        options, jd = self.options, job_dir(sched, self.options)
+        return Process(
+            host=sched.name,
+            role=E.ROLE_SCHED,
+            node_id=SCHED_NODE_ID,
+            rank=None,
+            local_rank=None,
+            argv=(_python(sched, options), "-m", "toolkit.scheduler"),
+            cwd=self._cwd(jd),
+            env=MappingProxyType({
+                **self.common, **_dir_env(jd), E.MS_ROLE: E.ROLE_SCHED, E.MS_NODE_ID: SCHED_NODE_ID,
+                E.TOOLKIT_EXPECTED: posixpath.join(jd, EXPECTED_FILE),
+                E.TOOLKIT_STRAGGLER_FACTOR: _num(options.straggler_factor),
+                E.TOOLKIT_HOST_TIMEOUT: _num(options.host_timeout),
+                E.TOOLKIT_SPARES: ",".join(n for n in spares if n != sched.name),
+            }),
+        )
+
+    def worker(self, host: Host, seat: _Seat) -> Process:
+        """The worker of `seat`, run from `host`'s job directory (a spare's standby worker is the same seat on the
+        spare host)."""
+        options, jd = self.options, job_dir(host, self.options)
+        return Process(
+            host=host.name,
+            role=E.ROLE_WORKER,
+            node_id=worker_node_id(seat.rank),
+            rank=seat.rank,
+            local_rank=seat.local_rank,
+            argv=(_python(host, options), *_wrapper(options), options.script, *options.script_argv),
+            cwd=self._cwd(jd),
+            env=MappingProxyType(self._worker_env(host, seat, jd)),
+        )
+
+    def _worker_env(self, host: Host, seat: _Seat, jd: str) -> dict[str, str]:
+        """The environment of the worker of `seat` on `host` (job directory `jd`): msrun's, torchrun's and
+        toolkit's variables (docs/architecture.md)."""
+        options, rank = self.options, str(seat.rank)
+        env = {
+            **self.common,
+            **_dir_env(jd),
+            E.MS_ROLE: E.ROLE_WORKER,
+            E.MS_NODE_ID: worker_node_id(seat.rank),
+            E.RANK_ID: rank,
+            E.RANK: rank,
+            E.LOCAL_RANK: str(seat.local_rank),
+            E.DEVICE_ID: str(seat.local_rank),
+            E.LOCAL_WORLD_SIZE: str(seat.local_world),
+            E.GROUP_RANK: str(seat.group_rank),
+            E.GROUP_WORLD_SIZE: str(self.groups),
+            E.ROLE_NAME: E.DEFAULT_ROLE_NAME,
+            E.ROLE_RANK: rank,
+            E.ROLE_WORLD_SIZE: str(self.world),
+            E.TORCHELASTIC_RUN_ID: options.job,
+            E.TORCHELASTIC_MAX_RESTARTS: str(options.max_restarts),
+            E.TOOLKIT_HEARTBEAT_INTERVAL: _num(options.heartbeat_interval),
+            E.TOOLKIT_AGENT_SOCKET: posixpath.join(jd, "state", "progress.sock"),
+            E.TOOLKIT_HOST: host.name,
+            E.TORCHELASTIC_USE_AGENT_STORE: "True",
+            E.CKPT_DIR: options.ckpt_dir or posixpath.join(jd, "ckpt"),
+        }
+        if options.data_path is not None:
+            env[E.DATA_PATH] = options.data_path
+        if options.torchrun_script:
+            env[E.TOOLKIT_RECOVERY] = P_RECOVERY_RESTART
+        return env
+
+
+def _host_plans(inventory: Inventory, options: JobOptions, by_host: Mapping[str, list[Process]],
+                build: _ProcessBuilder, seats: list[tuple[Host, _Seat]]) -> tuple[HostPlan, ...]:
+    """The HostPlans: every host that runs something (`by_host`), in inventory order, then each spare host that
+    runs nothing, standing by with every worker seat as it would run there."""
+    hosts = tuple(
+        HostPlan(host=h, job_dir=job_dir(h, options), python=_python(h, options), processes=tuple(by_host[h.name]))
+        for h in inventory.hosts
+        if h.name in by_host
+    )
+    return hosts + tuple(
+        HostPlan(host=h, job_dir=job_dir(h, options), python=_python(h, options), processes=(),
+                 standby=tuple(build.worker(h, seat) for _, seat in seats))
+        for h in (inventory.host(name) for name in inventory.spares)
+        if h.name not in by_host
     )
 
 

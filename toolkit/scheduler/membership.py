@@ -54,7 +54,7 @@ from toolkit.scheduler.actions import (  # also re-exported
 )
 from toolkit.scheduler.liveness import alive_though_silent, expiry, kill_unreported, vouch
 from toolkit.scheduler.roster import Fact, Member, Peer, PeerRole, Roster, rank_of  # also re-exported
-from toolkit.scheduler.spares import Refusal, choose_spare, find_lost
+from toolkit.scheduler.spares import LostCheck, Refusal, choose_spare, find_lost
 from toolkit.scheduler.state import JobStatus
 
 EXIT_OK = 0
@@ -207,9 +207,7 @@ class Membership:
         self.unmanaged = False
         self.gather_since: float | None = now
         self.hb_check_at = math.inf  # no member's heartbeat can expire before this
-        # no host can be found lost before lost_check_at unless the roster changed since (lost_check_changes): most
-        # passes skip the scan of every host
-        self.lost_check_at, self.lost_check_changes = math.inf, -1
+        self.lost_check = LostCheck()  # when the scan for lost hosts may find one
         self.dirty = False  # membership changed: persist before what depends on it is sent
         self.commits_dirty = False  # only commits changed: persisted at the server's own pace
 
@@ -223,8 +221,8 @@ class Membership:
             deadlines += [due for _, due in self.unreported.values()]
         if self.gather_since is not None and not self.unmanaged and self.status == RUNNING:
             deadlines.append(self.gather_since + self.topo_timeout)
-        if self._watching_hosts():  # a host may be found lost then, or now if the roster changed since the last check
-            deadlines.append(self.lost_check_at if self.roster.changes == self.lost_check_changes else -math.inf)
+        if self.status == RUNNING:  # a host may be found lost then (at once if the roster changed since the scan)
+            deadlines.append(self.lost_check.deadline(self.roster))
         return min(deadlines, default=math.inf)
 
     def snapshot(self) -> dict[str, Any]:
@@ -528,9 +526,10 @@ class Membership:
         The scan of every host runs only when the roster changed since the last one (a member left, an agent came or
         went, a spare was taken) or when the earliest host found unheard then may have become lost: heartbeats only
         move that later, so at a thousand ranks most passes cost nothing here."""
-        if not self._watching_hosts():
+        if self.host_timeout <= 0 or self.status != RUNNING or not self.ever_formed or self.roster.done:
+            self.lost_check.idle(self.roster)
             return []
-        if self.roster.changes == self.lost_check_changes and now < self.lost_check_at:
+        if not self.lost_check.due(self.roster, now):
             return []
         changes = self.roster.changes  # what the scan's own takeovers change is looked at again next pass
         out: list[Action] = []
@@ -545,16 +544,8 @@ class Membership:
                 continue
             out += self._take_over(host, spare, f"its agent unheard for {now - since:.1f} s and its workers dead "
                                                   f"(TOOLKIT_HOST_TIMEOUT={self.host_timeout:g})", now)
-        self.lost_check_changes = changes
-        self.lost_check_at = min((rec.heard_at + self.host_timeout for rec in self.roster.hosts.values()
-                                  if rec.heard_at is not None and rec.heard_at + self.host_timeout > now),
-                                 default=math.inf)
+        self.lost_check.scanned(self.roster, changes, now, self.host_timeout)
         return out
-
-    def _watching_hosts(self) -> bool:
-        """Whether lost hosts are replaced now: automatic replacement on (host_timeout > 0), the job formed once and
-        running with no rank finished."""
-        return self.host_timeout > 0 and self.status == RUNNING and self.ever_formed and not self.roster.done
 
     def _take_over(self, host: str, spare: str, reason: str, now: float) -> list[Action]:
         """`spare` takes `host`'s node ids and ranks: the replacement is recorded (`dirty`: persisted before the

@@ -13,8 +13,9 @@ formation, a steady state, losses and their re-formation, and the end, and measu
   done) after `go`; after a kill, each survivor's `generation` notice, the new formation and every rank rebuilt;
 - the scheduler's CPU (utime + stime), RSS and peak RSS, and the bytes it wrote to disk (/proc/<pid>/io
   write_bytes: the recovery directory is on disk, not tmpfs), per phase; the simulators' CPU next to it, and a phase
-  in which one simulator used more than CLIENT_BOUND of a core is flagged "client-bound" (its latencies measure the
-  clients, not the scheduler);
+  in which one simulator used more than CLIENT_BOUND of a core, or the simulators and the scheduler together more
+  than CLIENT_BOUND of the machine's cores, is flagged "client-bound" (its latencies measure the clients, not the
+  scheduler);
 - per loss, until the ledger (ledger.json) says every rank trained again: the scheduler's CPU seconds and bytes;
 - refused connections at both ends (the simulators' counts; the scheduler log's refusals), ERROR and WARNING lines,
   and the most often one line (digits masked) was logged within one second.
@@ -36,9 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from toolkit import envvars as E
-from toolkit import procs, rundoc
-from toolkit import protocol as P
+from toolkit import envvars, procs, protocol, rundoc
 from toolkit.testing.ports import free_port_pair
 from toolkit.testing.simhosts import PATTERNS
 from toolkit.testing.waits import wait_for
@@ -88,7 +87,7 @@ class Usage:
 class Phase:
     """One phase measured from outside: wall seconds, the scheduler's CPU seconds, bytes written and seconds it
     waited for a CPU (`queued`: on a loaded machine latencies include it), its RSS and peak RSS at the end, the
-    busiest simulator's share of a core."""
+    busiest simulator's share of a core (`sims`) and all the simulators' together (`sims_total`, in cores)."""
 
     wall: float
     cpu: float
@@ -97,6 +96,7 @@ class Phase:
     sims: float
     rss: int
     hwm: int
+    sims_total: float = 0.0
 
     @property
     def cpu_share(self) -> float:
@@ -104,7 +104,8 @@ class Phase:
 
     @property
     def client_bound(self) -> bool:
-        return self.sims > CLIENT_BOUND
+        cores = os.cpu_count() or 1
+        return self.sims > CLIENT_BOUND or self.sims_total + self.cpu_share > CLIENT_BOUND * cores
 
 
 @dataclass
@@ -221,7 +222,7 @@ class SimJob:
 
     def __init__(self, world: int, workdir: Path, patterns: tuple[str, ...] = ("gloo",), monitor: bool | None = None,
                  sims: int | None = None, per_host_ips: bool = True, delay: float = 0.0, nofile: int | None = None,
-                 node_timeout: float = E.DEFAULT_NODE_TIMEOUT, topo_timeout: float = 600.0,
+                 node_timeout: float = envvars.DEFAULT_NODE_TIMEOUT, topo_timeout: float = 600.0,
                  tree: Path | None = None, profile: Path | None = None) -> None:
         unknown = [p for p in patterns if p not in PATTERNS]
         if unknown or world < 2:
@@ -261,14 +262,16 @@ class SimJob:
         token.write_text(secrets.token_hex(16))
         token.chmod(0o600)
         expected = self.dir / "expected.json"
-        expected.write_text(json.dumps({P.worker_node_id(r): f"sim{r // PER_HOST}" for r in range(self.world)}))
+        expected.write_text(json.dumps({protocol.worker_node_id(r): f"sim{r // PER_HOST}" for r in range(self.world)}))
         self.port = free_port_pair()
         env = {k: v for k, v in os.environ.items() if not k.startswith(("MS_", "TOOLKIT_", "MASTER_"))}
-        env.update({E.MS_ROLE: E.ROLE_SCHED, E.MS_SCHED_HOST: "127.0.0.1", E.MS_SCHED_PORT: str(self.port),
-                    E.MASTER_ADDR: "127.0.0.1", E.MASTER_PORT: str(self.port + 1), E.MS_WORKER_NUM: str(self.world),
-                    E.MS_TOPO_TIMEOUT: str(self.topo_timeout), E.MS_NODE_TIMEOUT: str(self.node_timeout),
-                    E.MS_ENABLE_RECOVERY: "1", E.MS_RECOVERY_PATH: str(self.recovery), E.TOOLKIT_JOB: "sim",
-                    E.TOOLKIT_TOKEN_FILE: str(token), E.TOOLKIT_EXPECTED: str(expected),
+        env.update({envvars.MS_ROLE: envvars.ROLE_SCHED, envvars.MS_SCHED_HOST: "127.0.0.1",
+                    envvars.MS_SCHED_PORT: str(self.port), envvars.MASTER_ADDR: "127.0.0.1",
+                    envvars.MASTER_PORT: str(self.port + 1), envvars.MS_WORKER_NUM: str(self.world),
+                    envvars.MS_TOPO_TIMEOUT: str(self.topo_timeout), envvars.MS_NODE_TIMEOUT: str(self.node_timeout),
+                    envvars.MS_ENABLE_RECOVERY: "1", envvars.MS_RECOVERY_PATH: str(self.recovery),
+                    envvars.TOOLKIT_JOB: "sim",
+                    envvars.TOOLKIT_TOKEN_FILE: str(token), envvars.TOOLKIT_EXPECTED: str(expected),
                     "PYTHONPATH": str(self.tree), "PYTHONDONTWRITEBYTECODE": "1"})
         argv = [sys.executable, "-m", "toolkit.scheduler"]
         if self.profile is not None:  # cProfile writes its file when the scheduler returns (after done or SIGTERM)
@@ -445,9 +448,10 @@ class SimJob:
 
     def _phase(self, before: Usage, sims: list[float], since: float) -> Phase:
         after, wall = self._usage(), time.monotonic() - since
-        busiest = max((b - a for a, b in zip(sims, self._sims_cpu(), strict=True)), default=0.0)
+        used = [b - a for a, b in zip(sims, self._sims_cpu(), strict=True)]
+        per_s = 1 / wall if wall > 0 else 0.0
         return Phase(wall, after.cpu - before.cpu, after.written - before.written, after.queued - before.queued,
-                     busiest / wall if wall > 0 else 0.0, after.rss, after.hwm)
+                     max(used, default=0.0) * per_s, after.rss, after.hwm, sum(used) * per_s)
 
     def _log_text(self) -> str:
         try:
