@@ -46,6 +46,7 @@ from toolkit import protocol as P
 from toolkit import stepfile
 from toolkit.errors import UserError
 from toolkit.train import fence as fence_mod
+from toolkit.train import progress
 from toolkit.train import store as job_store
 from toolkit.train.channel import Channel, JobStopped
 from toolkit.train.channel import RegistrationError as RegistrationError  # part of this module's interface
@@ -430,6 +431,19 @@ class Runtime:
             self.close()
 
 
+class RuntimeReporter:
+    """report() for a script on toolkit.train.init() that does not use the Trainer (which reports on its own)."""
+
+    def __init__(self, rt: Runtime) -> None:
+        self.rt = rt
+
+    def report(self, step: int, loss: Any, checkpoint: bool) -> None:
+        """See `progress.report`: Runtime.report, and Runtime.committed for a checkpoint."""
+        self.rt.report(step, loss=loss)
+        if checkpoint:
+            self.rt.committed(step)
+
+
 def leave_group() -> None:
     """Destroy the default process group, or, if building it failed, undo what the failed build left behind."""
     if dist.is_initialized():
@@ -493,9 +507,7 @@ def init(backend: str | None = None, timeout: float = DEFAULT_TIMEOUT,
     except BaseException:
         rt.close()
         raise
-    from toolkit.train import progress  # it imports this module
-
-    progress.install(progress.RuntimeReporter(rt))  # toolkit.train.report() reaches this runtime
+    progress.install(RuntimeReporter(rt))  # toolkit.train.report() reaches this runtime
     return rt
 
 

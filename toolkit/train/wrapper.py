@@ -58,6 +58,7 @@ from toolkit.train.runtime import (
     WorkerEnv,
     notify_agent,
 )
+from toolkit.train.scriptreport import ScriptReporter
 
 EXIT_REJOIN = P.EXIT_REJOIN
 HOOKED = ("env", "tcp")  # the rendezvous schemes that reach the job's store
@@ -117,7 +118,7 @@ class ScriptSession:
         say(self.cfg.node_id, f"the script's process group: generation {generation}, restart recovery (a fault "
                                "relaunches every worker, which resume from their own checkpoints)")
         notify_agent(self.cfg, {"node_id": self.cfg.node_id, "recovery": P.RECOVERY_RESTART})
-        progress.install(progress.ScriptReporter(self.cfg, channel))  # toolkit.train.report() from the script
+        progress.install(ScriptReporter(self.cfg, channel))  # toolkit.train.report() from the script
         store = job_store.connect(self.cfg.store_host, self.cfg.store_port, self.cfg.token, self.cfg.node_id, timeout)
         yield dist.PrefixStore(prefix, store), self.cfg.rank, self.cfg.world_size
         raise RuntimeError("env:// under toolkit does not re-rendezvous in place: the process is relaunched")
