@@ -112,7 +112,7 @@ class Trainer:
         self._ckpt = Checkpointing(runtime, self.manager, optimizer, chooser, every, self._group.clock)
         self._need_sync = True
         self._entered = True  # the previous batch went through step(): nothing to complain about at the start
-        self._applied = _Applied()
+        self._applied = _Applied()  # optimizer steps run (a step that ran before a fault still counts)
         self._hook = optimizer.register_step_post_hook(self._applied)
         self._loss: Any = None
         self._stopping = Stopping()
