@@ -30,8 +30,9 @@ Columns (median of --repeats runs; times in s from `go`, or from the kill):
   scheduler log's refusal lines (closed to make room, rejected, dropped); err/s: the most times one WARNING or
   ERROR line (digits masked) was logged within one second; errors: ERROR lines and simulator errors;
 - queued%: the share of the phases' wall time the scheduler was ready to run but waited for a CPU (on a loaded
-  machine the latencies include it); bound: "client" if a simulator used more than 80% of a core in a phase (the
-  latencies then measure the clients).
+  machine the latencies include it); sims%: the simulators' CPU together in the loss's phase, in % of a core;
+  bound: "client" if a simulator used more than 80% of a core in a phase, or the simulators and the scheduler
+  together more than 80% of the machine's cores (the latencies then measure the clients or the machine).
 The load average is printed with each row.
 """
 
@@ -52,7 +53,7 @@ TARGETS = ("targets at 4096 (issue 24): formed <= 3 s; notice p50 <= 0.5 s; nccl
            "RSS <= 300 MB; refused 0; err/s <= 1. At 1024, gloo: inc CPU <= 10 s")
 COLUMNS = (f"{'N':>5} {'pattern':<13} {'formed':>7} {'built':>7} {'notice p50/max':>15} {'reformed':>8} "
            f"{'rebuilt':>8} {'CPU%':>5} {'RSS MB':>12} {'wr kB/s':>8} {'inc CPU':>7} {'inc MB':>7} {'refused':>8} "
-           f"{'err/s':>5} {'errors':>6} {'queued%':>7} {'bound':>6}  load")
+           f"{'err/s':>5} {'errors':>6} {'queued%':>7} {'sims%':>6} {'bound':>6}  load")
 
 
 def one_run(world: int, pattern: str, args: argparse.Namespace, workdir: Path, tree: Path | None) -> dict[str, Any]:
@@ -78,6 +79,7 @@ def one_run(world: int, pattern: str, args: argparse.Namespace, workdir: Path, t
             fig.update(p50=percentile(loss.notices, 0.5), max=max(loss.notices, default=0.0), reformed=loss.reformed,
                        rebuilt=loss.rebuilt, inc_cpu=loss.phase.cpu, inc_mb=loss.phase.written / 1e6)
             fig["phases"].append(loss.phase)
+            fig["sims"] = 100 * loss.phase.sims_total
             phase = "finish"
             stats = job.stats()
             code = job.finish(args.bound)
@@ -119,7 +121,8 @@ def row(world: int, pattern: str, runs: list[dict[str, Any]]) -> str:
             f"{_num(runs, 'reformed', 8, 2)} {_num(runs, 'rebuilt', 8, 2)} {_num(runs, 'cpu', 5, 1)} "
             f"{_num(runs, 'rss', 5, 0)} ({_num(runs, 'hwm', 4, 0)}) {_num(runs, 'wr', 8, 1)} "
             f"{_num(runs, 'inc_cpu', 7, 2)} {_num(runs, 'inc_mb', 7, 2)} {_num(runs, 'refused', 8, 0)} "
-            f"{_num(runs, 'burst', 5, 0)} {_num(runs, 'errors', 6, 0)} {_num(runs, 'queued', 7, 0)} {bound:>6}  {load}")
+            f"{_num(runs, 'burst', 5, 0)} {_num(runs, 'errors', 6, 0)} {_num(runs, 'queued', 7, 0)} "
+            f"{_num(runs, 'sims', 6, 0)} {bound:>6}  {load}")
 
 
 def export(rev: str, into: Path) -> Path:

@@ -10,7 +10,7 @@ import math
 from typing import Any
 
 from toolkit import protocol as P
-from toolkit.scheduler import kvstore, server
+from toolkit.scheduler import kvstore, transport
 from toolkit.scheduler.kvstore import KVStore, Reply
 
 GEN = P.generation_prefix("job", "boot")
@@ -173,7 +173,7 @@ def test_multi_get_replies_are_bounded() -> None:
         assert writer("set", key=f"k{i}", value=big)[0].ok
     (reply,) = Client(kv, 5)("multi_get", keys=[f"k{i}" for i in range(count)], timeout=1)
     assert not reply.ok and "ask for fewer keys" in reply.fields["error"]
-    assert reply.fields["limit"] == P.MAX_STORE_REPLY <= server.MAX_OUTBUF  # the scheduler queues a whole reply
+    assert reply.fields["limit"] == P.MAX_STORE_REPLY <= transport.MAX_OUTBUF  # the scheduler queues a whole reply
     (fits,) = Client(kv, 5)("multi_get", keys=[f"k{i}" for i in range(count - 1)], timeout=1)
     assert fits.ok and len(fits.message()) <= P.MAX_STORE_REPLY
     for bad in ({"keys": []}, {"keys": ["k"] * (P.MAX_STORE_KEYS + 1)}, {"keys": "k0"}, {"keys": ["k0", 7]}):

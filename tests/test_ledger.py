@@ -50,7 +50,7 @@ def test_a_kill_recovered_in_place() -> None:
     led.note("death", death(1, CAUSE_CLOSED, 1), T0 + 21)  # the connection closed first
     led.note("exited", {"node_id": "worker_1", "rank": 1, "host": "h1", "pid": 101, "code": None,
                         "signal": "SIGKILL"}, T0 + 21.1)
-    (inc,) = led.incidents
+    (inc,) = led.faults.incidents
     assert inc.cause == "killed by SIGKILL" and inc.processes[0]["cause"] == "killed by SIGKILL"
     assert (inc.failed_at, inc.detected_at, inc.step, inc.generation) == (T0 + 21, T0 + 21, 10, 1)
     led.note("formed", {"generation": 1, "seconds": 3.0}, T0 + 24)
@@ -70,7 +70,7 @@ def test_heartbeat_silence_dates_the_failure_from_the_last_heartbeat() -> None:
     led.note("death", death(0, CAUSE_SILENCE, 1, silent_for=3.5), T0 + 24)
     led.note("exited", {"node_id": "worker_0", "rank": 0, "host": "h1", "pid": 100, "code": None,
                         "signal": "SIGKILL"}, T0 + 24.2)  # its agent killed it: silence stays the cause
-    (inc,) = led.incidents
+    (inc,) = led.faults.incidents
     assert inc.cause == CAUSE_SILENCE and (inc.failed_at, inc.detected_at) == (T0 + 20.5, T0 + 24)
     led.note("formed", {"generation": 1}, T0 + 26)
     for r in (0, 1):
@@ -84,18 +84,18 @@ def test_deaths_while_gathering_join_the_incident_and_a_lost_host_is_named() -> 
     led.note("death", death(2, CAUSE_CLOSED, 1, host="h2"), T0 + 21)
     led.note("death", death(3, CAUSE_CLOSED, 1, begins=False, host="h2"), T0 + 21.2)
     led.note("agent_lost", {"host": "h2", "reason": "closed"}, T0 + 21.3)
-    (inc,) = led.incidents
+    (inc,) = led.faults.incidents
     assert [p["node_id"] for p in inc.processes] == ["worker_2", "worker_3"]
     assert inc.cause == "host lost (h2: its agent went too)"
     assert {p["cause"] for p in inc.processes} == {inc.cause}
     led.note("formed", {"generation": 1}, T0 + 30)
     led.note("death", death(0, CAUSE_CLOSED, 2, host="h1"), T0 + 31)  # a new fault once formed: a new incident
-    assert led.incident_count == 2 and led.incidents[0].recovered_at is None
+    assert led.faults.count == 2 and led.faults.incidents[0].recovered_at is None
     # The first never recovered: its recovery time runs until the second began, without counting time twice.
     led.note("formed", {"generation": 2}, T0 + 33)
     for r in range(4):
         led.note("recovered", recovered(r, 2, 10, 0), T0 + 34)
-    assert led.incidents[1].recovered_at == T0 + 34
+    assert led.faults.incidents[1].recovered_at == T0 + 34
     assert led.goodput(T0 + 40)["recovery"] == (31 - 21) + (34 - 31)
 
 
@@ -105,7 +105,7 @@ def test_recovery_from_a_checkpoint_counts_the_steps_lost() -> None:
     led.note("pace", pace(1, 12, step_time=0.5), T0 + 22)
     led.note("death", death(0, CAUSE_CLOSED, 1, step=13), T0 + 23)
     led.note("death", death(1, CAUSE_CLOSED, 1, begins=False, step=12), T0 + 23)
-    inc = led.incidents[0]
+    inc = led.faults.incidents[0]
     assert inc.step == 13  # the newest step any rank was heard at
     led.note("formed", {"generation": 1}, T0 + 30)
     for r in (0, 1):  # the workers do not know how far the job had got: the ledger does
@@ -119,7 +119,7 @@ def test_restart_recovery_ends_at_the_first_step_after_the_formation() -> None:
     led.note("death", death(1, CAUSE_CLOSED, 1, recovery="restart"), T0 + 21)
     led.note("formed", {"generation": 1}, T0 + 25)
     led.note("pace", pace(0, 10), T0 + 24)  # an old heartbeat, before the formation: not yet
-    inc = led.incidents[0]
+    inc = led.faults.incidents[0]
     assert inc.recovered_at is None
     led.note("pace", pace(0, 9), T0 + 27)
     assert inc.recovered_at == T0 + 27 and inc.time_to_recover == 6
@@ -138,7 +138,7 @@ def test_a_torchrun_style_script_reporting_steps_and_checkpoints_is_measured_lik
     led.note("death", death(0, CAUSE_CLOSED, 1, begins=False, step=25, recovery="restart"), T0 + 21.5)
     led.note("formed", {"generation": 1, "recovery": ["restart"]}, T0 + 26)
     led.note("pace", pace(1, 25), T0 + 29)  # every 5th step reported: the checkpoint says where it resumed
-    (inc,) = led.incidents
+    (inc,) = led.faults.incidents
     assert (inc.checkpoint, inc.resumed_from, inc.recomputed, inc.time_to_recover) == (20, 20, 5, 8.0)
     led.note("finished", {}, T0 + 40)
     gp = led.goodput(T0 + 40)
@@ -151,7 +151,7 @@ def test_a_torchrun_style_script_reporting_steps_and_checkpoints_is_measured_lik
     dense.note("death", death(1, CAUSE_CLOSED, 1, step=44, recovery="restart"), T0 + 21)
     dense.note("formed", {"generation": 1, "recovery": ["restart"]}, T0 + 26)
     dense.note("pace", pace(0, 53, first_step=51), T0 + 29)  # a heartbeat carries the latest step, and the first
-    assert (dense.incidents[0].resumed_from, dense.incidents[0].recomputed) == (50, 0)
+    assert (dense.faults.incidents[0].resumed_from, dense.faults.incidents[0].recomputed) == (50, 0)
     doc = led.to_json(T0 + 40)
     assert doc["recovery"] == "restart" and doc["checkpoint_step"] == 20
     assert Ledger.from_json(json.loads(json.dumps(doc))).to_json(T0 + 40) == doc
@@ -167,7 +167,7 @@ def test_a_script_that_reports_no_steps_gets_a_goodput_from_its_formations() -> 
     led.note("death", death(1, CAUSE_CLOSED, 1, recovery="restart"), T0 + 21)
     led.note("formed", {"generation": 1, "recovery": ["restart"]}, T0 + 25)
     led.note("finished", {}, T0 + 40)
-    (inc,) = led.incidents
+    (inc,) = led.faults.incidents
     assert (inc.step, inc.formed_at, inc.recovered_at) == (None, T0 + 25, None)
     gp = led.goodput(T0 + 40)
     assert (gp["wall"], gp["startup"], gp["recovery"], gp["productive"], gp["goodput"]) == (40.0, 10.0, 4.0, 26.0,
@@ -191,14 +191,14 @@ def test_a_stop_and_a_start_again_is_no_incident_but_a_member_missing_after_it_i
         led.note("restored", {"generation": 0, "members": 2}, T0 + 100)
         for r in range(back, 2):
             led.note("death", death(r, CAUSE_NOT_BACK, 1, begins=r == back), T0 + 106 + r)
-        assert led.incident_count == 0  # not yet decided
+        assert led.faults.count == 0  # not yet decided
         led.note("formed", {"generation": 1, "recovery": ["in-place"]}, T0 + 110)
         led.note("pace", pace(0, 11), T0 + 112)
         if back == 0:
-            assert led.incident_count == 0 and led.incidents == []
+            assert led.faults.count == 0 and led.faults.incidents == []
             assert led.goodput(T0 + 112)["startup"] == 12.0 + 12.0  # the first start, and this one until it stepped
         else:
-            (inc,) = led.incidents
+            (inc,) = led.faults.incidents
             assert [p["node_id"] for p in inc.processes] == ["worker_1"] and inc.cause == CAUSE_NOT_BACK
             assert (inc.detected_at, inc.formed_at) == (T0 + 107, T0 + 110)
 
@@ -217,7 +217,7 @@ def test_interval_changes_and_stragglers_are_kept() -> None:
     led.note("pace", pace(0, 11, ckpt_every=10, ckpt_why="10 steps: floor"), T0 + 21)
     led.note("pace", pace(0, 12, ckpt_every=10, ckpt_why="10 steps: floor"), T0 + 22)
     led.note("pace", pace(0, 13, ckpt_every=25, ckpt_why="25 steps: Young"), T0 + 23)
-    assert [(i["steps"], i["at"]) for i in led.intervals] == [(10, T0 + 21), (25, T0 + 23)]
+    assert [(i["steps"], i["at"]) for i in led.accounting.intervals] == [(10, T0 + 21), (25, T0 + 23)]
     led.straggler(1, "worker_1", "h1", 2.0, 0.2, 0.1, T0 + 24)
     led.straggler_cleared(1, T0 + 30)
     assert led.stragglers == [{"rank": 1, "node_id": "worker_1", "host": "h1", "since": T0 + 24, "until": T0 + 30,
@@ -240,7 +240,7 @@ def test_round_trip_and_resume_after_a_stop() -> None:
     assert doc["goodput"]["wall"] == 30.0 and doc["outcome"] == "stopped"
     # `train` again 100 s later: the stop is paused time, the time until the first step start-up.
     back.resume(T0 + 130)
-    assert back.outcome is None and back.paused == 100.0
+    assert back.outcome is None and back.accounting.paused == 100.0
     back.note("pace", pace(0, 13, ckpt_stall=0.2), T0 + 140)  # a new process: its stall counter starts again
     back.note("finished", {}, T0 + 150)
     gp = back.goodput(T0 + 150)
@@ -288,7 +288,7 @@ def test_the_journal_persists_the_ledger_across_a_scheduler_restart(tmp_path: Pa
     clock.t = 20  # a new scheduler process: the same ledger goes on, the time it was down paused
     again = Journal(tmp_path, "job", 2, 0.75, clock=clock.mono, wall=clock.wall)
     assert "1 incident(s) so far" in again.restore()[0].text
-    assert again.ledger.incident_count == 1 and again.ledger.paused == 5.0
+    assert again.ledger.faults.count == 1 and again.ledger.accounting.paused == 5.0
     assert again.history()["faults"] == 1
 
     other = Journal(tmp_path, "another", 2, 0.75, clock=clock.mono, wall=clock.wall)
@@ -311,17 +311,17 @@ def test_the_records_writes_stay_bounded_at_thousands_of_ranks(tmp_path: Path) -
     clock.t = 2.0
     for r in range(world):
         journal.note(Note("pace", pace(r, 5, step_time=0.5, ckpt_every=50, ckpt_stall=0.0)))
-    assert len(journal.ledger.intervals) == MAX_EPISODES  # one change per rank, the list capped
+    assert len(journal.ledger.accounting.intervals) == MAX_EPISODES  # one change per rank, the list capped
     journal.tick()
     journal.ledger.dirty = False  # as after the ledger's write
-    kept = list(journal.ledger.intervals)
+    kept = list(journal.ledger.accounting.intervals)
     for t in (3.0, 4.0):
         clock.t = t
         for r in range(world):
             journal.note(Note("pace", pace(r, int(t), step_time=0.5, ckpt_every=50, ckpt_stall=0.0)))
-    assert journal.ledger.intervals == kept and not journal.ledger.dirty  # nothing changed: nothing to write
+    assert journal.ledger.accounting.intervals == kept and not journal.ledger.dirty  # nothing changed: nothing to write
     journal.note(Note("pace", pace(7, 5, step_time=0.5, ckpt_every=25, ckpt_stall=0.0)))  # rank 7 changed: said
-    assert journal.ledger.intervals[-1]["rank"] == 7 and journal.ledger.dirty
+    assert journal.ledger.accounting.intervals[-1]["rank"] == 7 and journal.ledger.dirty
 
     live = tmp_path / "live.json"
     stamps = set()

@@ -18,7 +18,7 @@ import pytest
 from runtime_harness import PYTHON, Client, Job, Proc, job_factory
 
 from toolkit import protocol as P
-from toolkit.scheduler import server
+from toolkit.scheduler import transport
 from toolkit.testing import waits
 
 pytestmark = pytest.mark.timeout(300)
@@ -122,7 +122,7 @@ def test_rejected_hellos_neither_forge_log_lines_nor_flood_the_log(make_job) -> 
         assert c.recv()["op"] == P.REJECT
         c.close()
     summary = sched.wait_for(r"(\d+) more like this in the last 10 s; the latest: rejected registration of x\\n2099",
-                             server.LOG_EVERY + 30)
+                             transport.LOG_EVERY + 30)
     assert int(summary.group(1)) == flood - 1
     assert sched.count(r"rejected registration of") == 2, sched.text()[-3000:]
     assert sched.count(r"^2099-01-01") == 0 and "\x1b" not in sched.text() and "\u202e" not in sched.text()
@@ -212,7 +212,7 @@ def test_descriptor_exhaustion_and_idle_strangers_cost_no_cpu_and_expire(make_jo
     assert 1 <= sched.count(r"cannot accept connections") <= 2, sched.text()[-2000:]  # it ran out, said so once
     assert sched.count(r"the descriptor limit \(RLIMIT_NOFILE 64\) is below the \d+ a job of 1 workers needs") == 1
     waits.wait_for("the idle connections cut off at the pre-authentication deadline",
-                   lambda: sched.count(r"did not authenticate within"), server.PREAUTH_TIMEOUT + 30, poll=0.5,
+                   lambda: sched.count(r"did not authenticate within"), transport.PREAUTH_TIMEOUT + 30, poll=0.5,
                    evidence=lambda: sched.text()[-2000:])
     for s in idle:
         s.close()

@@ -553,7 +553,7 @@ def test_the_ledger_names_the_replacement_in_the_lost_hosts_incident() -> None:
     out += m.tick(5.0 + HOST_TIMEOUT)
     for note in (a for a in out if isinstance(a, Note)):
         ledger.note(note.kind, note.fields, 100.0)
-    assert [i.cause for i in ledger.incidents] == ["host hostB lost, replaced by spare s1"]
+    assert [i.cause for i in ledger.faults.incidents] == ["host hostB lost, replaced by spare s1"]
 
 
 def test_spares_are_used_in_the_inventorys_order_not_the_order_their_agents_connected() -> None:

@@ -266,7 +266,7 @@ class MembershipMachine(RuleBasedStateMachine):
     @invariant()
     def no_work_before_the_deadline(self) -> None:
         due = self.m.next_deadline()
-        if self.m.status != RUNNING or due - 1e-3 < max(self.now, self.m.last_tick):
+        if self.m.status != RUNNING or due - 1e-3 < self.now:
             return
         ahead = copy.deepcopy(self.m)
         assert ahead.tick(min(due - 1e-3, self.now + 1e5)) == [], due

@@ -5,7 +5,7 @@ tests/test_membership.py; the flow on real hosts in tests/e2e/test_spares.py."""
 from __future__ import annotations
 
 from toolkit.scheduler.roster import Member, Roster
-from toolkit.scheduler.spares import Lost, Refusal, choose_spare, find_lost
+from toolkit.scheduler.spares import Lost, LostCheck, Refusal, choose_spare, find_lost
 
 PLAN = {"sched": "hostA", "worker_0": "hostA", "worker_1": "hostB", "worker_2": "hostC", "worker_3": "hostC"}
 TIMEOUT = 10.0
@@ -79,3 +79,22 @@ def test_a_spare_in_use_fenced_disconnected_or_unknown_is_refused_with_why() -> 
         "no spare is free to take over hostC (spares with an agent: s1); add a host to the inventory's [spares]")
     r.place("worker_1", "hostE")  # s1's rank moved on (an agent's hello): it took over once, so it stays used
     assert r.worker_hosts().get("s1") is None and isinstance(choose_spare(r, "s1", "hostC"), Refusal)
+
+
+def test_the_lost_host_scan_is_due_only_when_a_host_may_have_become_lost() -> None:
+    r, check = roster(), LostCheck()
+    assert check.due(r, 0.0)  # never scanned
+    r.connect_agent("hostB", 2, spare=False, now=1.0)
+    r.connect_agent("hostC", 3, spare=False, now=2.0)
+    check.scanned(r, r.changes, 2.0, TIMEOUT)
+    assert check.deadline(r) == 10.0  # hostA, heard last at 0.0 (the scheduler's host: watched, never lost)
+    assert not check.due(r, 9.9)
+    r.heard("hostB", 2, 9.0)  # a heartbeat changes nothing the check depends on: it only moves silence later
+    assert not check.due(r, 9.9) and check.due(r, 10.0)
+    check.scanned(r, r.changes, 10.0, TIMEOUT)
+    assert check.deadline(r) == 12.0  # hostC's silence, now the earliest still to come
+    assert find_lost(r, 12.0, TIMEOUT) == [Lost("hostC", 2.0, ["worker_2", "worker_3"])] and check.due(r, 12.0)
+    r.admit(Member(0, "worker_0", "inc0", 10, "hostA", "a:1", 10.5))  # the roster changed: due at once
+    assert check.deadline(r) == float("-inf") and check.due(r, 10.5)
+    check.idle(r)  # nothing is replaced in this phase: not due until asked again
+    assert check.deadline(r) == float("inf") and not check.due(r, 1e9)

@@ -71,7 +71,7 @@ MAX_STORE_LINE = 512 << 10  # bytes of one store message (a value of up to MAX_S
 MAX_STORE_VALUE = 256 << 10
 MAX_STORE_KEYS = 1024  # keys in one store request (wait, check, multi_get)
 # bytes of one store reply (a multi_get's values), read once the server proved the token; at most what the scheduler
-# queues for one peer (server.MAX_OUTBUF): a longer multi_get is refused, and the client asks for fewer keys
+# queues for one peer (transport.MAX_OUTBUF): a longer multi_get is refused, and the client asks for fewer keys
 MAX_STORE_REPLY = 1 << 20
 MAX_PREAUTH_LINE = 4 << 10  # bytes of a first message: hellos are small
 NONCE_BYTES = 16

@@ -7,7 +7,8 @@
 - spares.py      which hosts are lost and which spare takes a host's ranks, pure
 - liveness.py    whether a silent member is alive, and the kill of a closed one whose exit went unreported, pure
 - kvstore.py     the job's store that process groups bootstrap from, pure
-- server.py      the transport: listeners, authentication, bounds, applying the actions
+- server.py      the loop: authentication, deadlines, signals, applying the actions, persisting the state
+- transport.py   the connection table: listeners, connections, their bounds, rate-limited warnings
 - state.py       the persisted state (MS_ENABLE_RECOVERY) and JobStatus: a restarted scheduler goes on with the job
 
 Exit codes: 0 every worker done, 1 a node gave up (the job failed), 2 bad configuration or a busy port, 3 the

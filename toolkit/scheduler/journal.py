@@ -90,7 +90,7 @@ class Journal:
         ledger.resume(self.wall())
         self.ledger = ledger
         self.metrics_lines = self._count_metrics()
-        return [Log(logging.INFO, f"ledger of job {self.job} read back: {ledger.incident_count} incident(s) so far")]
+        return [Log(logging.INFO, f"ledger of job {self.job} read back: {ledger.faults.count} incident(s) so far")]
 
     # -- facts
 
@@ -112,7 +112,7 @@ class Journal:
             self.status = JobStatus(note.kind.value)
         self.ledger.note(note.kind, f, wall)
         if note.kind == NoteKind.DEATH:
-            inc = self.ledger.incidents[-1] if self.ledger.incidents else None
+            inc = self.ledger.faults.incidents[-1] if self.ledger.faults.incidents else None
             if inc is not None and any(p["node_id"] == f["node_id"] and p["pid"] == f["pid"] for p in inc.processes):
                 out.append(Log(logging.INFO, f"ledger: incident {inc.number}: {inc.cause} "
                                              f"({', '.join(p['node_id'] for p in inc.processes)})"))
@@ -123,7 +123,7 @@ class Journal:
 
     def history(self) -> dict[str, Any]:
         """What `formed` tells the workers for their checkpoint interval: the faults so far and the job's age."""
-        return {"faults": self.ledger.incident_count, "uptime": round(self.ledger.uptime(self.wall()), 3)}
+        return {"faults": self.ledger.faults.count, "uptime": round(self.ledger.uptime(self.wall()), 3)}
 
     def stopped(self, why: str) -> None:
         """The scheduler is stopped by a signal: the ledger says so (a later start resumes it)."""
@@ -182,7 +182,7 @@ class Journal:
                 "heartbeat_age": round(now - fig.seen_at, 3), "score": round(score, 3) if score else None,
                 "straggler": r in self.stragglers.flagged, "ckpt_every": fig.figures.get("ckpt_every"),
             }
-        last = self.ledger.incidents[-1] if self.ledger.incidents else None
+        last = self.ledger.faults.incidents[-1] if self.ledger.faults.incidents else None
         return {
             "version": rundoc.LIVE_VERSION, "job": self.job, "updated_at": wall, "status": self.status,
             "generation": self.generation, "formed": self.formed, "world_size": self.world_size, "ranks": ranks,
@@ -194,8 +194,8 @@ class Journal:
                                                                                      last.processes}),
                 "time_to_recover": last.time_to_recover, "recomputed": last.recomputed,
                 "formed_in": None if last.formed_at is None else round(last.formed_at - last.failed_at, 3)},
-            "incidents": self.ledger.incident_count,
-            "reports_steps": self.ledger.last_step is not None,
+            "incidents": self.ledger.faults.count,
+            "reports_steps": self.ledger.accounting.last_step is not None,
             "goodput": self.ledger.goodput(wall),
         }
 

@@ -10,9 +10,9 @@ the formation), the step they trained again from, and how many steps were comput
 done beyond that step; after a restart from checkpoints, the newest step heard in heartbeats minus the step resumed
 from). A torchrun-style script reports no recovery: with toolkit.train.report it trained again at its first step
 after the formation, from the step before it (reporting every k-th step: from the checkpoint it reported if that
-lies in the k steps before, see `_resumed`); without, only its group's formation is known. When a job its operator
-stopped is started again, the restored members that do not reconnect are no incident if none of them does (they were
-all stopped): that wait is start-up.
+lies in the k steps before, see `Goodput.resumed`); without, only its group's formation is known. When a job its
+operator stopped is started again, the restored members that do not reconnect are no incident if none of them does
+(they were all stopped): that wait is start-up.
 
 Goodput = time in steps that survive / wall time. The wall time since the job started splits into:
   startup      until the first step (launch, imports, the first formation)
@@ -32,7 +32,7 @@ The document's fields are defined by `to_json`; toolkit.rundoc reads it for `fle
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from toolkit.protocol import RECOVERY_IN_PLACE, RECOVERY_RESTART
 from toolkit.rundoc import LEDGER_VERSION as VERSION
@@ -44,14 +44,6 @@ MAX_INCIDENTS = 10_000  # kept in the document (the oldest go first); counts sta
 MAX_EPISODES = 1_000  # straggler episodes and interval changes kept
 STEPLESS_NOTE = ("an upper bound: the script reports no steps, so the time after each formation of its group counts "
                  "as training; one line, toolkit.train.report(step, loss=...), makes it exact")
-
-
-# The ledger's handler of each kind of Note it counts (a plain string of the same value finds it too).
-_HANDLERS: Mapping[str, str] = {
-    NoteKind.DEATH: "_on_death", NoteKind.EXITED: "_on_exited", NoteKind.REPLACED: "_on_replaced",
-    NoteKind.AGENT_LOST: "_on_agent_lost", NoteKind.FORMED: "_on_formed", NoteKind.RECOVERED: "_on_recovered",
-    NoteKind.PACE: "_on_pace", NoteKind.FENCED: "_on_fenced", NoteKind.RESTORED: "_on_restored",
-    NoteKind.FINISHED: "_on_finished", NoteKind.FAILED: "_on_failed"}
 
 
 @dataclass
@@ -81,53 +73,159 @@ class Incident:
         return None if self.recovered_at is None else self.recovered_at - self.failed_at
 
 
-class Ledger:
-    """The ledger of one job (see the module docstring). `world_size` ranks; `started_at` when the job started."""
+class Goodput:
+    """The steps the ranks report and what the wall time went to (the module docstring's split): pace (first and
+    newest step, step time, each rank's latest step and report stride), checkpoint stalls and intervals, the time
+    paused by the operator and spent starting again, the job's recovery mode. `changed(urgent)` marks the ledger
+    for writing. The incidents it counts against are the `Incidents`', passed to `goodput`."""
 
-    def __init__(self, job: str, world_size: int, started_at: float) -> None:
-        self.job = job
+    def __init__(self, world_size: int, started_at: float, changed: Callable[[bool], None]) -> None:
         self.world_size = world_size
         self.started_at = started_at
-        self.incidents: list[Incident] = []
-        self.incident_count = 0
-        self.generations: list[dict[str, Any]] = []  # generation, formed_at, seconds (the gathering)
-        self.stragglers: list[dict[str, Any]] = []  # rank, node_id, host, since, until, factor, busy, median
-        self.intervals: list[dict[str, Any]] = []  # at, rank, steps, why
-        self.scheduler_restarts: list[float] = []
+        self.changed = changed
         self.first_step_at: float | None = None
         self.last_step: int | None = None
         self.step_time: float | None = None
-        self.ended_at: float | None = None
-        self.outcome: str | None = None  # finished, failed, stopped
-        self.failure: str | None = None
-        self._stall: dict[int, list[float]] = {}  # rank -> [stall of its earlier processes, its current counter]
-        self._agent_lost: dict[str, float] = {}  # host -> when its agent disconnected
-        self._formed_at: float | None = None  # the current generation's formation (restart-mode recovery)
+        self.intervals: list[dict[str, Any]] = []  # at, rank, steps, why
+        self.stall: dict[int, list[float]] = {}  # rank -> [stall of its earlier processes, its current counter]
+        self.interval: dict[int, int] = {}  # rank -> its latest ckpt_every (`intervals` keeps only MAX_EPISODES)
         self.paused = 0.0  # s the job was stopped by its operator and started again
         self.restarting = 0.0  # s from such a start again until it stepped
-        self._awaiting_step: float | None = None
-        self._rank_step: dict[int, int] = {}  # rank -> the step its latest heartbeat carried (not persisted)
-        self._stride: dict[int, int] = {}  # rank -> steps between a torchrun-style script's reports (not persisted)
-        self._interval: dict[int, int] = {}  # rank -> its latest ckpt_every (the list keeps only MAX_EPISODES changes)
+        self.awaiting_step: float | None = None  # when it was started again, until it steps (or forms, stepless)
         self.recovery: str | None = None  # the job's recovery mode, as its members registered (protocol.RECOVERY_*)
         self.checkpoint_step: int | None = None  # the newest checkpoint a torchrun-style script reported
-        self._after_stop = False  # started again after its operator stopped it, until the next formation
-        self._restored = world_size  # members the restarted scheduler waits for
+        self._rank_step: dict[int, int] = {}  # rank -> the step its latest heartbeat carried (not persisted)
+        self._stride: dict[int, int] = {}  # rank -> steps between a torchrun-style script's reports (not persisted)
+
+    def pace(self, f: Mapping[str, Any], now: float) -> None:
+        """A heartbeat's figures (NoteKind.PACE): step, step time, checkpoint stall, stride and checkpoints."""
+        step = f.get("step")
+        if isinstance(step, int):
+            if step >= 1 and self.first_step_at is None:
+                self.first_step_at = now
+                self.changed(False)
+            if step >= 1 and self.awaiting_step is not None:
+                self.restarting += now - self.awaiting_step
+                self.awaiting_step = None
+                self.changed(False)
+            self.last_step = step if self.last_step is None else max(self.last_step, step)
+            self._rank_step[f["rank"]] = step
+        if "step_time" in f:
+            self.step_time = f["step_time"]
+        if "ckpt_stall" in f:
+            base, last = self.stall.get(f["rank"], [0.0, 0.0])
+            if f["rank"] not in self.stall or f["ckpt_stall"] != last:  # in every heartbeat: changed when moved
+                if f["ckpt_stall"] < last:  # a new process of the rank: its counter started again
+                    base += last
+                self.stall[f["rank"]] = [base, f["ckpt_stall"]]
+                self.changed(False)
+        if "stride" in f:
+            self._stride[f["rank"]] = f["stride"]
+        if "ckpt_step" in f and (self.checkpoint_step is None or f["ckpt_step"] > self.checkpoint_step):
+            self.checkpoint_step = f["ckpt_step"]
+            self.changed(False)
+        if "ckpt_every" in f:
+            if self.interval.get(f["rank"]) != f["ckpt_every"]:  # O(1) per heartbeat, whatever the list holds
+                self.interval[f["rank"]] = f["ckpt_every"]
+                self.intervals.append({"at": now, "rank": f["rank"], "steps": f["ckpt_every"],
+                                       "why": f.get("ckpt_why", "")})
+                del self.intervals[:-MAX_EPISODES]
+                self.changed(False)
+
+    def formed(self, f: Mapping[str, Any], now: float) -> None:
+        """A generation formed: the recovery mode its members registered; for a script that reports no steps, a
+        start again ends here (no step will tell when it trains again)."""
+        modes = f.get("recovery") or []
+        if modes:
+            self.recovery = RECOVERY_RESTART if RECOVERY_RESTART in modes else RECOVERY_IN_PLACE
+        if self.awaiting_step is not None and self.stepless():
+            self.restarting += now - self.awaiting_step  # no step will tell when it trains again: the formation
+            self.awaiting_step = None
+
+    def left(self, rank: int, step: Any) -> int | None:
+        """A rank died, its last step `step` (if an int): the newest step heard from any rank then (O(N): once per
+        death), and the rank's latest step is forgotten."""
+        steps = [s for s in (*self._rank_step.values(), step) if isinstance(s, int)]
+        self._rank_step.pop(rank, None)
+        return max(steps, default=None)
+
+    def resumed(self, checkpoint: int | None, rank: int, first: int) -> int:
+        """The step a torchrun-style script resumed from, its first step reported after the restart being `first`:
+        the one before it when it reports every step; reported every k-th step, somewhere in the k before it: the
+        checkpoint it reported before the fault (`checkpoint`) if that lies there, else the lowest (the steps
+        recomputed are not undercounted). The checkpoint alone would not do: survivors may save a newer one before
+        they leave."""
+        stride = self._stride.get(rank, 1)
+        if stride <= 1:
+            return max(0, first - 1)
+        if checkpoint is not None and first - stride <= checkpoint < first:
+            return checkpoint
+        return max(0, first - stride)
+
+    def stepless(self) -> bool:
+        """A torchrun-style script that has reported no step (toolkit.train.report) so far: what it costs can only
+        be told from its group's formations."""
+        return self.recovery == RECOVERY_RESTART and self.last_step is None
+
+    def resume(self, paused: float, now: float) -> None:
+        """Started again after `paused` s stopped by its operator: until it steps, the time is start-up."""
+        self.paused += paused
+        self.awaiting_step = now
+
+    def uptime(self, now: float) -> float:
+        """Seconds since the job started (its first scheduler start)."""
+        return max(0.0, now - self.started_at)
+
+    def goodput(self, end: float, incidents: list[Incident], generations: list[dict[str, Any]]) -> dict[str, Any]:
+        """The wall time until `end` split as the module docstring says, in seconds, and goodput = productive /
+        wall. `basis` says what it stands on: "steps" (the steps the ranks reported), or for a torchrun-style
+        script that reports none, "formations": the time after each formation of its group counts as training
+        (its own start-up and resume after it are not known), so the goodput is an upper bound, as `note` says."""
+        wall = max(0.0, end - self.started_at - self.paused)
+        formations = [g["formed_at"] for g in generations if isinstance(g.get("formed_at"), (int, float))]
+        guess = self.stepless() and bool(formations)
+        first = self.first_step_at if self.first_step_at is not None else formations[0] if guess else end
+        startup = max(0.0, min(first, end) - self.started_at) + self.restarting
+        recovery = recomputed = 0.0
+        for i, inc in enumerate(incidents):
+            following = incidents[i + 1].detected_at if i + 1 < len(incidents) else end
+            until = inc.recovered_at if inc.recovered_at is not None else (
+                inc.formed_at if guess and inc.formed_at is not None else following)
+            recovery += max(0.0, min(until, end) - max(inc.failed_at, first))
+            if inc.recomputed and inc.step_time:
+                recomputed += inc.recomputed * inc.step_time
+        stalls = [base + last for base, last in self.stall.values()]
+        checkpoint = sum(stalls) / len(stalls) if stalls else 0.0
+        productive = max(0.0, wall - startup - recovery - recomputed - checkpoint)
+        return {"wall": round(wall, 3), "startup": round(startup, 3), "recovery": round(recovery, 3),
+                "recomputed": round(recomputed, 3), "checkpoint": round(checkpoint, 3),
+                "productive": round(productive, 3), "goodput": round(productive / wall, 4) if wall > 0 else None,
+                "basis": "formations" if guess else "steps", "note": STEPLESS_NOTE if guess else None}
+
+
+class Incidents:
+    """The job's faults (the module docstring's incidents) and its generations: what each death, exit report, lost
+    agent, spare, formation, recovery and fenced incarnation says about them. Reads the pace from `steps` (the step
+    each incident was detected at, the step time, the checkpoint); `changed(urgent)` marks the ledger for writing.
+
+    After a start again following the operator's stop (`after_stop`), the deaths of restored members that did not
+    come back are held until the next formation: faults only if fewer than `restored` of them stayed away."""
+
+    def __init__(self, world_size: int, steps: Goodput, changed: Callable[[bool], None]) -> None:
+        self.world_size = world_size
+        self.steps = steps
+        self.changed = changed
+        self.incidents: list[Incident] = []
+        self.count = 0  # exact, while `incidents` keeps the newest MAX_INCIDENTS
+        self.generations: list[dict[str, Any]] = []  # generation, formed_at, seconds (the gathering)
+        self.after_stop = False  # started again after its operator stopped it, until the next formation
+        self.restored = world_size  # members the restarted scheduler waits for
         self._held: list[tuple[dict[str, Any], float]] = []  # their deaths: a fault only if some came back
-        self.dirty = False  # changed since the last write
-        self.urgent = False  # an incident changed: write now, not at the ledger interval
+        self._agent_lost: dict[str, float] = {}  # host -> when its agent disconnected
 
-    # -- facts
-
-    def note(self, kind: NoteKind | str, fields: Mapping[str, Any], now: float) -> None:
-        """A membership Note (toolkit.scheduler.actions.Note) of `kind` at wall time `now`; a kind the ledger does
-        not count (`refused`) changes nothing."""
-        name = _HANDLERS.get(kind)
-        if name is not None:
-            getattr(self, name)(fields, now)
-
-    def _on_death(self, f: Mapping[str, Any], now: float) -> None:
-        if self._after_stop and f["cause"] == CAUSE_NOT_BACK:
+    def death(self, f: Mapping[str, Any], now: float) -> None:
+        """A member died (NoteKind.DEATH): it opens an incident, or joins the one whose generation gathers."""
+        if self.after_stop and f["cause"] == CAUSE_NOT_BACK:
             self._held.append((dict(f), now))  # decided at the formation: every member gone is the operator's stop
             return
         cause = f["cause"]
@@ -136,21 +234,20 @@ class Ledger:
             cause = f"host lost ({f['host']}: its agent went too)"
         proc = {"node_id": f["node_id"], "rank": f["rank"], "host": f["host"], "pid": f["pid"], "cause": cause,
                 "reason": f["reason"]}
-        steps = [s for s in (*self._rank_step.values(), f.get("step")) if isinstance(s, int)]
-        self._rank_step.pop(f["rank"], None)
-        open_ = self._gathering()
+        step = self.steps.left(f["rank"], f.get("step"))
+        open_ = self.gathering()
         if f["begins"] or open_ is None:
-            self.incident_count += 1
+            self.count += 1
             self.incidents.append(Incident(
-                number=self.incident_count, cause=cause, failed_at=now - float(f.get("silent_for") or 0.0),
-                detected_at=now, generation=f["generation"], step=max(steps, default=None), step_time=self.step_time,
-                recovery=f.get("recovery") or "unknown", processes=[proc], checkpoint=self.checkpoint_step))
+                number=self.count, cause=cause, failed_at=now - float(f.get("silent_for") or 0.0),
+                detected_at=now, generation=f["generation"], step=step, step_time=self.steps.step_time,
+                recovery=f.get("recovery") or "unknown", processes=[proc], checkpoint=self.steps.checkpoint_step))
             del self.incidents[:-MAX_INCIDENTS]
         else:
             open_.processes.append(proc)
-        self._changed(urgent=True)
+        self.changed(True)
 
-    def _on_exited(self, f: Mapping[str, Any], now: float) -> None:
+    def exited(self, f: Mapping[str, Any], now: float) -> None:
         """An agent said how a process ended: a death noted as "connection closed" gets its real cause (the agent's
         first cause: the script's error, else its exit code or signal)."""
         how = f.get("cause") or (f"killed by {f['signal']}" if f.get("signal") else f"exit code {f.get('code')}")
@@ -160,18 +257,19 @@ class Ledger:
                     p["cause"] = how
                     if inc.cause == CAUSE_CLOSED:
                         inc.cause = how
-                    self._changed(urgent=True)
+                    self.changed(True)
                     return
 
-    def _on_replaced(self, f: Mapping[str, Any], now: float) -> None:
+    def replaced(self, f: Mapping[str, Any], now: float) -> None:
         """A spare took a lost host's ranks: the incident that host's deaths opened names the replacement."""
         for inc in reversed(self.incidents[-3:]):
             if any(p["host"] == f["host"] for p in inc.processes):
                 inc.cause = f"host {f['host']} lost, replaced by spare {f['by']}"
-                self._changed(urgent=True)
+                self.changed(True)
                 return
 
-    def _on_agent_lost(self, f: Mapping[str, Any], now: float) -> None:
+    def agent_lost(self, f: Mapping[str, Any], now: float) -> None:
+        """A host's agent disconnected: its processes' deaths near then are the host's loss."""
         host = f["host"]
         self._agent_lost[host] = now
         for inc in self.incidents[-3:]:
@@ -182,31 +280,25 @@ class Ledger:
                     p["cause"] = f"host lost ({host}: its agent went too)"
             if all(p["host"] == host for p in inc.processes) and inc.cause in (CAUSE_CLOSED, CAUSE_SILENCE):
                 inc.cause = f"host lost ({host}: its agent went too)"
-                self._changed(urgent=True)
+                self.changed(True)
 
-    def _on_formed(self, f: Mapping[str, Any], now: float) -> None:
+    def formed(self, f: Mapping[str, Any], now: float) -> None:
         """A generation formed. The deaths held since the job was started again after a stop are faults only if
         some restored member came back (else the operator stopped them all: no incident, the wait is start-up)."""
-        held, self._held, self._after_stop = self._held, [], False
-        if held and len(held) < self._restored:
+        held, self._held, self.after_stop = self._held, [], False
+        if held and len(held) < self.restored:
             for death, at in held:
-                self._on_death(death, at)
-        modes = f.get("recovery") or []
-        if modes:
-            self.recovery = RECOVERY_RESTART if RECOVERY_RESTART in modes else RECOVERY_IN_PLACE
-        if self._awaiting_step is not None and self._stepless():
-            self.restarting += now - self._awaiting_step  # no step will tell when it trains again: the formation
-            self._awaiting_step = None
+                self.death(death, at)
         generation = f["generation"]
         self.generations.append({"generation": generation, "formed_at": now, "seconds": f.get("seconds")})
         del self.generations[:-MAX_INCIDENTS]
-        self._formed_at = now
         for inc in self.incidents[-3:]:
             if inc.formed_at is None and generation >= inc.generation:
                 inc.formed_at = now
-        self._changed(urgent=True)
+        self.changed(True)
 
-    def _on_recovered(self, f: Mapping[str, Any], now: float) -> None:
+    def recovered(self, f: Mapping[str, Any], now: float) -> None:
+        """A rank trains again (its `recovered` report): every rank's closes the incident."""
         for inc in reversed(self.incidents[-3:]):
             if inc.formed_at is None or inc.recovered_at is not None:
                 continue
@@ -223,62 +315,86 @@ class Ledger:
                 inc.recomputed = max(inc.recomputed or 0, recomputed)
             if len(inc.recovered_ranks) >= self.world_size:
                 inc.recovered_at = now
-            self._changed(urgent=True)
+            self.changed(True)
             return
 
-    def _on_pace(self, f: Mapping[str, Any], now: float) -> None:
+    def stepped(self, f: Mapping[str, Any], now: float) -> None:
+        """A heartbeat's step: restart recovery sends no `recovered` report, so a script's first step after the
+        formation closes the incident (and tells the step it resumed from, `Goodput.resumed`)."""
         step = f.get("step")
-        if isinstance(step, int):
-            if step >= 1 and self.first_step_at is None:
-                self.first_step_at = now
-                self._changed()
-            if step >= 1 and self._awaiting_step is not None:
-                self.restarting += now - self._awaiting_step
-                self._awaiting_step = None
-                self._changed()
-            self.last_step = step if self.last_step is None else max(self.last_step, step)
-            self._rank_step[f["rank"]] = step
-            for inc in self.incidents[-3:]:  # restart recovery: no `recovered` report; the first step tells
-                if (inc.recovery != RECOVERY_IN_PLACE and inc.formed_at is not None and inc.recovered_at is None
-                        and step >= 1 and now > inc.formed_at):
-                    inc.recovered_at = now
-                    if inc.resumed_from is None:  # no `recovered` report: the script's own first step tells
-                        inc.resumed_from = self._resumed(inc, f["rank"], min(step, f.get("first_step", step)))
-                        if inc.step is not None:
-                            inc.recomputed = max(0, inc.step - inc.resumed_from)
-                    self._changed(urgent=True)
-        if "step_time" in f:
-            self.step_time = f["step_time"]
-        if "ckpt_stall" in f:
-            base, last = self._stall.get(f["rank"], [0.0, 0.0])
-            if f["rank"] not in self._stall or f["ckpt_stall"] != last:  # in every heartbeat: changed when moved
-                if f["ckpt_stall"] < last:  # a new process of the rank: its counter started again
-                    base += last
-                self._stall[f["rank"]] = [base, f["ckpt_stall"]]
-                self._changed()
-        if "stride" in f:
-            self._stride[f["rank"]] = f["stride"]
-        if "ckpt_step" in f and (self.checkpoint_step is None or f["ckpt_step"] > self.checkpoint_step):
-            self.checkpoint_step = f["ckpt_step"]
-            self._changed()
-        if "ckpt_every" in f:
-            if self._interval.get(f["rank"]) != f["ckpt_every"]:  # O(1) per heartbeat, whatever the list holds
-                self._interval[f["rank"]] = f["ckpt_every"]
-                self.intervals.append({"at": now, "rank": f["rank"], "steps": f["ckpt_every"],
-                                       "why": f.get("ckpt_why", "")})
-                del self.intervals[:-MAX_EPISODES]
-                self._changed()
+        if not isinstance(step, int):
+            return
+        for inc in self.incidents[-3:]:
+            if (inc.recovery != RECOVERY_IN_PLACE and inc.formed_at is not None and inc.recovered_at is None
+                    and step >= 1 and now > inc.formed_at):
+                inc.recovered_at = now
+                if inc.resumed_from is None:  # no `recovered` report: the script's own first step tells
+                    first = min(step, f.get("first_step", step))  # the heartbeat's first step after the restart
+                    inc.resumed_from = self.steps.resumed(inc.checkpoint, f["rank"], first)
+                    if inc.step is not None:
+                        inc.recomputed = max(0, inc.step - inc.resumed_from)
+                self.changed(True)
 
-    def _on_fenced(self, f: Mapping[str, Any], now: float) -> None:
+    def fenced(self, f: Mapping[str, Any], now: float) -> None:
+        """A dead incarnation came back and was refused: the incident it died in lists it."""
         for inc in reversed(self.incidents):
             if any(p["node_id"] == f["node_id"] and p["pid"] == f["pid"] for p in inc.processes):
                 inc.fenced.append({"at": now, "node_id": f["node_id"], "pid": f["pid"], "host": f["host"]})
-                self._changed(urgent=True)
+                self.changed(True)
                 return
+
+    def gathering(self) -> Incident | None:
+        """The newest incident whose replacement generation has not formed yet."""
+        if self.incidents and self.incidents[-1].formed_at is None:
+            return self.incidents[-1]
+        return None
+
+
+class Ledger:
+    """The ledger of one job (see the module docstring): its `Incidents` (`faults`) and its `Goodput`
+    (`accounting`), the straggler episodes and the run's end. `world_size` ranks; `started_at` when the job
+    started. `dirty`: changed since the last write; `urgent`: an incident changed, write now, not at the ledger
+    interval."""
+
+    def __init__(self, job: str, world_size: int, started_at: float) -> None:
+        self.job = job
+        self.world_size = world_size
+        self.accounting = Goodput(world_size, started_at, self._changed)
+        self.faults = Incidents(world_size, self.accounting, self._changed)
+        self.stragglers: list[dict[str, Any]] = []  # rank, node_id, host, since, until, factor, busy, median
+        self.scheduler_restarts: list[float] = []
+        self.ended_at: float | None = None
+        self.outcome: str | None = None  # finished, failed, stopped
+        self.failure: str | None = None
+        self.dirty = False  # changed since the last write
+        self.urgent = False  # an incident changed: write now, not at the ledger interval
+        self._handlers: Mapping[str, Callable[[Mapping[str, Any], float], None]] = {
+            NoteKind.DEATH: self.faults.death, NoteKind.EXITED: self.faults.exited,
+            NoteKind.REPLACED: self.faults.replaced, NoteKind.AGENT_LOST: self.faults.agent_lost,
+            NoteKind.FORMED: self._on_formed, NoteKind.RECOVERED: self.faults.recovered,
+            NoteKind.PACE: self._on_pace, NoteKind.FENCED: self.faults.fenced, NoteKind.RESTORED: self._on_restored,
+            NoteKind.FINISHED: self._on_finished, NoteKind.FAILED: self._on_failed}
+
+    # -- facts
+
+    def note(self, kind: NoteKind | str, fields: Mapping[str, Any], now: float) -> None:
+        """A membership Note (toolkit.scheduler.actions.Note) of `kind` at wall time `now`; a kind the ledger does
+        not count (`refused`) changes nothing. A plain string of a kind's value finds its handler too."""
+        handler = self._handlers.get(kind)
+        if handler is not None:
+            handler(fields, now)
+
+    def _on_formed(self, f: Mapping[str, Any], now: float) -> None:
+        self.faults.formed(f, now)
+        self.accounting.formed(f, now)
+
+    def _on_pace(self, f: Mapping[str, Any], now: float) -> None:
+        self.faults.stepped(f, now)  # first: the stride that closes an incident is the one before this heartbeat
+        self.accounting.pace(f, now)
 
     def _on_restored(self, f: Mapping[str, Any], now: float) -> None:
         self.scheduler_restarts.append(now)
-        self._restored = int(f.get("members", self.world_size))
+        self.faults.restored = int(f.get("members", self.world_size))
         self._changed(urgent=True)
 
     def _on_finished(self, f: Mapping[str, Any], now: float) -> None:
@@ -312,82 +428,37 @@ class Ledger:
         self.outcome, self.failure, self.ended_at = outcome, failure, now
         self._changed(urgent=True)
 
-    def _gathering(self) -> Incident | None:
-        """The newest incident whose replacement generation has not formed yet."""
-        if self.incidents and self.incidents[-1].formed_at is None:
-            return self.incidents[-1]
-        return None
-
     def _changed(self, urgent: bool = False) -> None:
         self.dirty = True
         self.urgent = self.urgent or urgent
-
-    def _resumed(self, inc: Incident, rank: int, first: int) -> int:
-        """The step a torchrun-style script resumed from, its first step reported after the restart being `first`:
-        the one before it when it reports every step; reported every k-th step, somewhere in the k before it: the
-        checkpoint it reported before the fault if that lies there, else the lowest (the steps recomputed are not
-        undercounted). The checkpoint alone would not do: survivors may save a newer one before they leave."""
-        stride = self._stride.get(rank, 1)
-        if stride <= 1:
-            return max(0, first - 1)
-        if inc.checkpoint is not None and first - stride <= inc.checkpoint < first:
-            return inc.checkpoint
-        return max(0, first - stride)
-
-    def _stepless(self) -> bool:
-        """A torchrun-style script that has reported no step (toolkit.train.report) so far: what it costs can only
-        be told from its group's formations."""
-        return self.recovery == RECOVERY_RESTART and self.last_step is None
 
     # -- figures
 
     def uptime(self, now: float) -> float:
         """Seconds since the job started (its first scheduler start)."""
-        return max(0.0, now - self.started_at)
+        return self.accounting.uptime(now)
 
     def goodput(self, now: float) -> dict[str, Any]:
-        """The wall time so far (or until the job ended) split as the module docstring says, in seconds, and
-        goodput = productive / wall. `basis` says what it stands on: "steps" (the steps the ranks reported), or for
-        a torchrun-style script that reports none, "formations": the time after each formation of its group counts
-        as training (its own start-up and resume after it are not known), so the goodput is an upper bound, as
-        `note` says."""
+        """The goodput so far, or until the job ended (Goodput.goodput)."""
         end = self.ended_at if self.ended_at is not None else now
-        wall = max(0.0, end - self.started_at - self.paused)
-        formations = [g["formed_at"] for g in self.generations if isinstance(g.get("formed_at"), (int, float))]
-        guess = self._stepless() and bool(formations)
-        first = self.first_step_at if self.first_step_at is not None else formations[0] if guess else end
-        startup = max(0.0, min(first, end) - self.started_at) + self.restarting
-        recovery = recomputed = 0.0
-        for i, inc in enumerate(self.incidents):
-            following = self.incidents[i + 1].detected_at if i + 1 < len(self.incidents) else end
-            until = inc.recovered_at if inc.recovered_at is not None else (
-                inc.formed_at if guess and inc.formed_at is not None else following)
-            recovery += max(0.0, min(until, end) - max(inc.failed_at, first))
-            if inc.recomputed and inc.step_time:
-                recomputed += inc.recomputed * inc.step_time
-        stalls = [base + last for base, last in self._stall.values()]
-        checkpoint = sum(stalls) / len(stalls) if stalls else 0.0
-        productive = max(0.0, wall - startup - recovery - recomputed - checkpoint)
-        return {"wall": round(wall, 3), "startup": round(startup, 3), "recovery": round(recovery, 3),
-                "recomputed": round(recomputed, 3), "checkpoint": round(checkpoint, 3),
-                "productive": round(productive, 3), "goodput": round(productive / wall, 4) if wall > 0 else None,
-                "basis": "formations" if guess else "steps", "note": STEPLESS_NOTE if guess else None}
+        return self.accounting.goodput(end, self.faults.incidents, self.faults.generations)
 
     # -- the document
 
     def to_json(self, now: float) -> dict[str, Any]:
         """The persisted document (ledger.json), with the goodput as of `now`."""
+        acc, faults = self.accounting, self.faults
         return {
-            "version": VERSION, "job": self.job, "world_size": self.world_size, "started_at": self.started_at,
+            "version": VERSION, "job": self.job, "world_size": self.world_size, "started_at": acc.started_at,
             "ended_at": self.ended_at, "outcome": self.outcome, "failure": self.failure, "updated_at": now,
-            "first_step_at": self.first_step_at, "last_step": self.last_step, "step_time": self.step_time,
-            "incident_count": self.incident_count,
-            "incidents": [{**asdict(i), "time_to_recover": i.time_to_recover} for i in self.incidents],
-            "generations": self.generations, "stragglers": self.stragglers, "intervals": self.intervals,
+            "first_step_at": acc.first_step_at, "last_step": acc.last_step, "step_time": acc.step_time,
+            "incident_count": faults.count,
+            "incidents": [{**asdict(i), "time_to_recover": i.time_to_recover} for i in faults.incidents],
+            "generations": faults.generations, "stragglers": self.stragglers, "intervals": acc.intervals,
             "scheduler_restarts": self.scheduler_restarts,
-            "checkpoint_stall": {str(r): [round(b, 4), round(last, 4)] for r, (b, last) in self._stall.items()},
-            "paused": round(self.paused, 3), "restarting": round(self.restarting, 3),
-            "recovery": self.recovery, "checkpoint_step": self.checkpoint_step,
+            "checkpoint_stall": {str(r): [round(b, 4), round(last, 4)] for r, (b, last) in acc.stall.items()},
+            "paused": round(acc.paused, 3), "restarting": round(acc.restarting, 3),
+            "recovery": acc.recovery, "checkpoint_step": acc.checkpoint_step,
             "goodput": self.goodput(now),
         }
 
@@ -398,33 +469,33 @@ class Ledger:
         if doc.get("version") != VERSION:
             raise ValueError(f"ledger version {doc.get('version')!r}, expected {VERSION}")
         led = cls(str(doc["job"]), int(doc["world_size"]), float(doc["started_at"]))
-        led.incident_count = int(doc["incident_count"])
+        acc, faults = led.accounting, led.faults
+        faults.count = int(doc["incident_count"])
         fields = set(Incident.__dataclass_fields__)
-        led.incidents = [Incident(**{k: v for k, v in i.items() if k in fields}) for i in doc["incidents"]]
-        led.generations = list(doc["generations"])
+        faults.incidents = [Incident(**{k: v for k, v in i.items() if k in fields}) for i in doc["incidents"]]
+        faults.generations = list(doc["generations"])
         led.stragglers = list(doc["stragglers"])
-        led.intervals = list(doc["intervals"])
-        led._interval = {i["rank"]: i["steps"] for i in led.intervals}
+        acc.intervals = list(doc["intervals"])
+        acc.interval = {i["rank"]: i["steps"] for i in acc.intervals}
         led.scheduler_restarts = [float(t) for t in doc["scheduler_restarts"]]
-        led.first_step_at = doc.get("first_step_at")
-        led.last_step = doc.get("last_step")
-        led.step_time = doc.get("step_time")
+        acc.first_step_at = doc.get("first_step_at")
+        acc.last_step = doc.get("last_step")
+        acc.step_time = doc.get("step_time")
         for r, (base, last) in dict(doc["checkpoint_stall"]).items():
-            led._stall[int(r)] = [float(base), float(last)]
+            acc.stall[int(r)] = [float(base), float(last)]
         led.ended_at, led.outcome, led.failure = doc.get("ended_at"), doc.get("outcome"), doc.get("failure")
-        led.paused = float(doc.get("paused", 0.0))
-        led.restarting = float(doc.get("restarting", 0.0))
-        led.recovery = doc.get("recovery") if doc.get("recovery") in (RECOVERY_IN_PLACE, RECOVERY_RESTART) else None
+        acc.paused = float(doc.get("paused", 0.0))
+        acc.restarting = float(doc.get("restarting", 0.0))
+        acc.recovery = doc.get("recovery") if doc.get("recovery") in (RECOVERY_IN_PLACE, RECOVERY_RESTART) else None
         step = doc.get("checkpoint_step")
-        led.checkpoint_step = step if isinstance(step, int) and not isinstance(step, bool) else None
+        acc.checkpoint_step = step if isinstance(step, int) and not isinstance(step, bool) else None
         return led
 
     def resume(self, now: float) -> None:
         """The job goes on after its scheduler was stopped (`fleet stop`, then `train` again): the time it was
         stopped is not the job's (`paused`), the time until it steps again is start-up (`restarting`)."""
         if self.outcome == JobStatus.STOPPED and self.ended_at is not None:
-            self.paused += max(0.0, now - self.ended_at)
+            self.accounting.resume(max(0.0, now - self.ended_at), now)
             self.outcome = self.ended_at = self.failure = None
-            self._awaiting_step = now
-            self._after_stop = True  # its members may not come back: the operator stopped them (_on_formed)
+            self.faults.after_stop = True  # its members may not come back: the operator stopped them (Incidents.formed)
             self._changed(urgent=True)

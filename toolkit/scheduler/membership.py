@@ -54,7 +54,7 @@ from toolkit.scheduler.actions import (  # also re-exported
 )
 from toolkit.scheduler.liveness import alive_though_silent, expiry, kill_unreported, vouch
 from toolkit.scheduler.roster import Member, Peer, PeerRole, Roster, rank_of  # also re-exported
-from toolkit.scheduler.spares import Refusal, choose_spare, find_lost
+from toolkit.scheduler.spares import LostCheck, Refusal, choose_spare, find_lost
 from toolkit.scheduler.state import JobStatus
 
 EXIT_OK = 0
@@ -195,7 +195,6 @@ class Membership:
         self.node_timeout, self.topo_timeout = node_timeout, topo_timeout
         self.host_timeout = host_timeout  # <= 0: no automatic replacement (the operator's `replace` only)
         self.roster = Roster(expected, spares)  # every host and every rank: members, peers, done, fenced, commits
-        self.last_tick = -math.inf
         self.unreported: dict[str, tuple[int, float]] = {}  # node_id -> (pid, when to kill it): its connection
         # closed, its agent has not reported its exit yet
         self.generation = 0
@@ -207,6 +206,7 @@ class Membership:
         self.unmanaged = False
         self.gather_since: float | None = now
         self.hb_check_at = math.inf  # no member's heartbeat can expire before this
+        self.lost_check = LostCheck()  # when the scan for lost hosts may find one
         self.dirty = False  # membership changed: persist before what depends on it is sent
         self.commits_dirty = False  # only commits changed: persisted at the server's own pace
 
@@ -220,11 +220,8 @@ class Membership:
             deadlines += [due for _, due in self.unreported.values()]
         if self.gather_since is not None and not self.unmanaged and self.status == RUNNING:
             deadlines.append(self.gather_since + self.topo_timeout)
-        if self.host_timeout > 0 and self.status == RUNNING:  # a host may be found lost then (tick checks it)
-            for rec in self.roster.hosts.values():
-                if rec.heard_at is not None and not rec.waiting_for_spare \
-                        and rec.heard_at + self.host_timeout > self.last_tick:
-                    deadlines.append(rec.heard_at + self.host_timeout)
+        if self.status == RUNNING:  # a host may be found lost then (at once if the roster changed since the scan)
+            deadlines.append(self.lost_check.deadline(self.roster))
         return min(deadlines, default=math.inf)
 
     def snapshot(self) -> dict[str, Any]:
@@ -483,7 +480,6 @@ class Membership:
                                     for m in self.roster.members.values()), default=math.inf)
         out += kill_unreported(self.roster, self.unreported, now, self.node_timeout)
         out += self._check_lost(now)
-        self.last_tick = now
         if (self.status == RUNNING and self.gather_since is not None and not self.unmanaged
                 and now >= self.gather_since + self.topo_timeout):
             out += self._formation_timeout()
@@ -523,11 +519,19 @@ class Membership:
         """Hand each lost host's ranks to a free spare, while the job has formed and runs with no rank finished and
         automatic replacement is on (host_timeout > 0); which hosts are lost and which spare is free is decided in
         spares.py. Without a free spare the host waits (said once), as it would without spares: the job goes on if
-        its agent comes back."""
+        its agent comes back.
+
+        The scan of every host runs only when the roster changed since the last one (a member left, an agent came or
+        went, a spare was taken) or when the earliest host found unheard then may have become lost: heartbeats only
+        move that later, so at a thousand ranks most passes cost nothing here."""
         if self.host_timeout <= 0 or self.status != RUNNING or not self.ever_formed or self.roster.done:
+            self.lost_check.idle(self.roster)
             return []
+        if not self.lost_check.due(self.roster, now):
+            return []
+        changes = self.roster.changes  # what the scan's own takeovers change is looked at again next pass
         out: list[Action] = []
-        for lost in find_lost(self.roster, now, self.host_timeout):  # most passes find none: agents heartbeat
+        for lost in find_lost(self.roster, now, self.host_timeout):
             host, since, node_ids = lost.host, lost.since, lost.node_ids
             spare = choose_spare(self.roster, None, host)
             if isinstance(spare, Refusal):
@@ -538,6 +542,7 @@ class Membership:
                 continue
             out += self._take_over(host, spare, f"its agent unheard for {now - since:.1f} s and its workers dead "
                                                   f"(TOOLKIT_HOST_TIMEOUT={self.host_timeout:g})", now)
+        self.lost_check.scanned(self.roster, changes, now, self.host_timeout)
         return out
 
     def _take_over(self, host: str, spare: str, reason: str, now: float) -> list[Action]:

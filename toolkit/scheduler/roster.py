@@ -134,7 +134,10 @@ class Roster:
     And every rank: `members` (rank -> its live incarnation), `peers` (connection -> what it is), `done` (ranks that
     finished), `fenced` (incarnations declared dead, for good), `commits` (rank -> its highest committed step), and
     `connected_members`, the members with a connection, kept by `admit`, `reconnect` and `remove` (so a formation
-    check costs nothing)."""
+    check costs nothing).
+
+    `changes` counts the calls of the mutators below but `heard` (an agent's heartbeat), `wait_for_spare` and
+    `reconnect`: a decision cached from the hosts and members (membership's lost-host check) is stale when it moved."""
 
     def __init__(self, placement: Mapping[str, str] | None = None, spares: Sequence[str] = ()) -> None:
         self.hosts: dict[str, HostRecord] = {}
@@ -149,6 +152,7 @@ class Roster:
         self.fenced: set[str] = set()
         self.commits: dict[int, int] = {}
         self.connected_members = 0
+        self.changes = 0
         for node_id, host in (placement or {}).items():
             self.place(node_id, host)
 
@@ -212,6 +216,7 @@ class Roster:
     def place(self, node_id: str, host: str, keep: bool = False) -> None:
         """`node_id` runs on `host` from now on (the plan's placement, an agent's hello, a replacement); with
         `keep`, only if it is placed nowhere yet (a worker's own word yields to the placement known)."""
+        self.changes += 1
         old = self.node_host.get(node_id)
         if old == host or (keep and old is not None):
             return
@@ -226,6 +231,7 @@ class Roster:
     def start_clock(self, host: str, now: float) -> None:
         """Peers can connect from `now`: `host` (placed by the plan) has host_timeout from then to say hello. Not
         for a host watched already, connected or replaced."""
+        self.changes += 1
         rec = self.record(host)
         if rec.heard_at is None and not rec.connected and not rec.fenced:
             self._seq += 1
@@ -235,6 +241,7 @@ class Roster:
         """`host`'s agent said hello on `peer` at `now` (`spare`: it says it is one; `scheduler`: it supervises the
         scheduler, which then runs there, not on the host that said so before). Returns its previous connection,
         which `peer` replaces (the caller closes it), or None."""
+        self.changes += 1
         rec = self.record(host)
         rec.heard_at, rec.waiting_for_spare, rec.spare = now, False, spare
         if scheduler:
@@ -265,6 +272,7 @@ class Roster:
         if rec is None or rec.agent != peer:
             return False
         self._seq += 1
+        self.changes += 1
         rec.agent, rec.heard_at, rec.gone_seq = None, now, self._seq
         del self.agents[host]
         return True
@@ -273,6 +281,7 @@ class Roster:
         """`spare` takes `host`'s worker node ids (or `node_ids`, for a restored replacement): `host` is fenced
         for good (unwatched, its agent dropped) and the replacement gets the next number. Returns the dropped
         agent's peer (the caller tells it to stop), or None."""
+        self.changes += 1
         rec = self.record(host)
         moved = list(rec.node_ids if node_ids is None else node_ids)
         self._replaced.append(host)
@@ -296,6 +305,7 @@ class Roster:
 
     def admit(self, member: Member) -> None:
         """`member` holds its rank from now on (the rank is free: its holder was removed)."""
+        self.changes += 1
         self.members[member.rank] = member
         self.connected_members += member.peer is not None
 
@@ -310,6 +320,7 @@ class Roster:
         """`member` leaves its rank; False (and nothing changes) if it no longer holds it."""
         if self.members.get(member.rank) is not member:
             return False
+        self.changes += 1
         del self.members[member.rank]
         self.connected_members -= member.peer is not None
         return True

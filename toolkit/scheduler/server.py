@@ -1,15 +1,13 @@
-"""The scheduler's transport: two listeners on MS_SCHED_HOST, one thread, one selector.
+"""The scheduler's server: two listeners on MS_SCHED_HOST, one thread, one selector.
 
 - MS_SCHED_PORT: the control server (toolkit.protocol), through which workers register and heartbeat and agents
   report exits. What to do about each message is decided by `Membership`; this module only carries messages.
 - MASTER_PORT: the job's store (`KVStore`), which process groups bootstrap from.
 
-Every connection is hostile until it proves the job token (toolkit.protocol's challenge-response), and bounded
-before and after: a first message of at most MAX_PREAUTH_LINE bytes within PREAUTH_TIMEOUT, a table of such
-connections sized for the job that makes room for a newcomer by closing the oldest (toolkit.scheduler.admission: a
-flood never locks a worker out), lines of at most MAX_LINE (MAX_STORE_LINE on the store), at most MAX_OUTBUF queued
-for a peer that stopped reading, at most ACCEPT_BATCH accepts between reads. When the process runs out of file
-descriptors, the listeners pause for ACCEPT_PAUSE instead of spinning, and say so at most once per LOG_EVERY.
+Every connection is hostile until it proves the job token (toolkit.protocol's challenge-response, checked here in
+`_hello`), and bounded before and after by the connection table (toolkit.scheduler.transport: the pre-authentication
+deadline and table, line and output limits, accept batches, a pause of the listeners when the process runs out of
+file descriptors). The server owns the loop, the signals, the deadlines, the actions and the persisted state.
 """
 
 from __future__ import annotations
@@ -22,7 +20,6 @@ import selectors
 import signal
 import socket
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -37,6 +34,7 @@ from toolkit.scheduler.config import Config, ConfigError
 from toolkit.scheduler.journal import Journal
 from toolkit.scheduler.kvstore import KVStore, bounds
 from toolkit.scheduler.membership import Membership
+from toolkit.scheduler.transport import CONTROL, MAX_LOG_TEXT, PREAUTH_TIMEOUT, STORE, Conn, Connections, RateLimited
 
 log = logging.getLogger("toolkit.scheduler")
 
@@ -45,90 +43,17 @@ LINGER = 2.0  # s to flush the last messages (finished, stop) before exiting
 MAX_WAIT = 30.0  # s: longest select() when no deadline is nearer
 COMMIT_PERSIST_INTERVAL = 1.0  # s: commits come from every rank at every checkpoint; written at most this often
 PERSIST_RETRY = 1.0  # s after a failed write of the state before the next try (a full disk is not retried per pass)
-MAX_OUTBUF = 1 << 20  # bytes queued to one peer that has stopped reading before it is dropped
-RECV_SIZE = 1 << 16
-PREAUTH_TIMEOUT = 10.0  # s for a new connection to prove the token
-ACCEPT_BATCH = 64  # connections accepted per readiness of a listener: the hellos already there are read in between
-ACCEPT_PAUSE = 0.5  # s the listeners rest after accept() failed for want of descriptors or memory
-LOG_EVERY = 10.0  # s: a repeated warning (refused connections, no descriptors) is logged at most this often
-MAX_LOG_TEXT = 4096  # characters of one log line's text (a failed job's reason carries a log tail of 2000)
-RESOURCE_ERRORS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
-CONTROL, STORE = "control", "store"
-
-
-@dataclass(eq=False)
-class Conn:
-    """One connection. `authed` once its first message proved the token; `prove` until the first reply carried
-    the server's own proof.
-
-    `kind` says which listener accepted it (CONTROL or STORE). Until `authed`, the connection must send a hello that
-    proves the token before `deadline` (PREAUTH_TIMEOUT after accept) in a line of at most P.MAX_PREAUTH_LINE bytes;
-    after, `lines` allows P.MAX_LINE (P.MAX_STORE_LINE on the store). `out` is what is queued for the peer (dropped
-    past MAX_OUTBUF). `closing`: a last message (a reject, `fenced`) is being flushed and input is ignored;
-    `closed`: the socket is gone and nothing more is queued."""
-
-    id: int
-    sock: socket.socket
-    addr: str
-    ip: str
-    kind: str  # CONTROL or STORE
-    nonce: str
-    deadline: float  # pre-authentication deadline
-    lines: P.LineBuffer = field(default_factory=lambda: P.LineBuffer(P.MAX_PREAUTH_LINE))
-    out: bytearray = field(default_factory=bytearray)
-    client_nonce: str | None = None
-    authed: bool = False
-    prove: bool = False
-    closing: bool = False  # close once `out` is flushed; further input is ignored
-    closed: bool = False
-
-
-class RateLimited:
-    """Warnings said at most once per LOG_EVERY per key, the rest summed up: what keeps hostile or broken peers
-    (floods of rejected or refused connections, bad lines, a lack of descriptors) from flooding the log.
-
-    The first warning of a key is logged at once; later ones within LOG_EVERY are only counted, and once the window
-    is over (`flush`, called by the server's loop at `next_deadline`) one line says how many there were and the
-    latest of them. So a flood that lasts costs one line per key per LOG_EVERY; callers use a fixed set of keys
-    (never one per address, which a peer could multiply). Texts go through printable.clean at the sink."""
-
-    def __init__(self, clock: Callable[[], float]) -> None:
-        self.clock = clock
-        self.next: dict[str, float] = {}  # when the key may be logged again
-        self.held: dict[str, tuple[int, str]] = {}  # key -> (occurrences not logged yet, the latest text)
-
-    def warn(self, key: str, text: str) -> None:
-        """Count one occurrence of `key`; log `text` unless `key` was logged less than LOG_EVERY ago (then it is
-        held for the summary)."""
-        now = self.clock()
-        if now >= self.next.get(key, 0.0) and key not in self.held:
-            log.warning("%s", clean(text, MAX_LOG_TEXT))
-            self.next[key] = now + LOG_EVERY
-            return
-        count, _ = self.held.get(key, (0, ""))
-        self.held[key] = (count + 1, text)
-
-    def flush(self, now: float) -> None:
-        """Log the summary of every key whose window is over: how many were held back, and the latest."""
-        for key in [k for k in self.held if now >= self.next.get(k, 0.0)]:
-            count, latest = self.held.pop(key)
-            log.warning("%s", clean(f"{count} more like this in the last {LOG_EVERY:g} s; the latest: {latest}",
-                                    MAX_LOG_TEXT))
-            self.next[key] = now + LOG_EVERY
-
-    def next_deadline(self) -> float | None:
-        """When the next summary is due (None: nothing is held)."""
-        return min((self.next.get(k, 0.0) for k in self.held), default=None)
 
 
 class Server:
     """Serves one job until its Membership says exit (or a signal comes); `serve()` returns the exit code.
 
     One thread, one selector, non-blocking sockets: the two listeners, every connection, and a socketpair that a
-    signal writes to. The server owns the clock, the sockets and the files; `Membership` and `KVStore` are pure and
-    only return what to do, which the server turns into queued bytes, closed connections, log lines and the exit
-    code. `clock` (monotonic seconds) is injectable for tests. `boot` is random per start and names this start in
-    every store prefix, so keys of a previous scheduler start are never mistaken for this one's."""
+    signal writes to. The server owns the clock, the files and (through its connection table,
+    transport.Connections) the sockets; `Membership` and `KVStore` are pure and only return what to do, which the
+    server turns into queued bytes, closed connections, log lines and the exit code. `clock` (monotonic seconds) is
+    injectable for tests. `boot` is random per start and names this start in every store prefix, so keys of a
+    previous scheduler start are never mistaken for this one's."""
 
     def __init__(self, config: Config, clock: Callable[[], float] = time.monotonic) -> None:
         self.cfg = config
@@ -141,18 +66,15 @@ class Server:
         self.journal = Journal(config.recovery_path, config.job, config.world_size, 1.0 / config.straggler_factor,
                                clock)
         self.sel = selectors.DefaultSelector()
-        self.conns: dict[int, Conn] = {}
-        self.ids = iter(range(1, 1 << 62))
-        self.listeners: dict[str, socket.socket] = {}
-        self.paused_until = 0.0
         self.hosts = len(set(config.expected.values()) | set(config.spares)) or 1
         self.admission = Admission(Limits.for_job(config.world_size, self.hosts, _nofile()), PREAUTH_TIMEOUT)
-        self.pending: set[Conn] = set()
         self.exit_code: int | None = None
         self.signalled = ""
         self.commits_persist_at = 0.0
         self.persist_retry_at = 0.0  # after a failed write: no new try before this
         self.said = RateLimited(clock)
+        self.conns = Connections(self.sel, self.admission, self.said, clock, config.token, self._dispatch,
+                                 self._drop, self.kv.forget)
         self._wake_r, self._wake_w = socket.socketpair()
 
     # -- life cycle
@@ -173,12 +95,10 @@ class Server:
             doc = S.load(path, self.cfg.job, self.cfg.world_size)
             if doc is not None:
                 self._apply(self.members.restore(doc, self.clock()))
-        self.listeners[CONTROL] = self._bind(self.cfg.port, f"{E.MS_SCHED_HOST}:{E.MS_SCHED_PORT}", "")
-        self.listeners[STORE] = self._bind(self.cfg.store_port, E.MASTER_PORT, "the store ")
-        for kind, sock in self.listeners.items():
-            sock.listen(4096)
-            sock.setblocking(False)
-            self.sel.register(sock, selectors.EVENT_READ, kind)
+        control = self._bind(self.cfg.port, f"{E.MS_SCHED_HOST}:{E.MS_SCHED_PORT}", "")
+        store = self._bind(self.cfg.store_port, E.MASTER_PORT, "the store ")
+        self.conns.listen(CONTROL, control)
+        self.conns.listen(STORE, store)
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
         self.sel.register(self._wake_r, selectors.EVENT_READ, "wake")
@@ -264,9 +184,9 @@ class Server:
             self.said.flush(now)
             self._apply(self.members.tick(now))
             self._apply(self.journal.tick())
-            self._resume_listeners(now)
+            self.conns.resume(now)
             self._persist()
-            self._flush()
+            self.conns.flush()
         if self.signalled:
             log.info("stopped by %s; state persisted; workers keep training and reconnect to a restarted "
                      "scheduler", self.signalled)
@@ -275,7 +195,7 @@ class Server:
         """One ready selector key: a listener (accept what waits), the wake-up socket (drain it), or a connection
         (read, then write; a connection closed by the read is not written)."""
         if key.data in (CONTROL, STORE):
-            self._accept(key.data)
+            self.conns.accept(key.data)
         elif key.data == "wake":
             try:
                 while self._wake_r.recv(4096):
@@ -285,24 +205,22 @@ class Server:
         else:
             conn: Conn = key.data
             if mask & selectors.EVENT_READ and not conn.closed:
-                self._read(conn)
+                self.conns.read(conn)
             if mask & selectors.EVENT_WRITE and not conn.closed:
-                self._write(conn)
+                self.conns.write(conn)
 
     def _timeout(self, now: float) -> float:
         """Seconds select() may sleep: until the nearest membership or store deadline, pre-authentication deadline,
         due commit persist or end of a listener pause, and never more than MAX_WAIT; 0 if one has passed."""
         deadlines = [now + MAX_WAIT, self.members.next_deadline(), self.kv.next_deadline(),
                      self.journal.next_deadline()]
-        waiting = self.admission.next_deadline()
-        if waiting is not None:
-            deadlines.append(waiting)
+        connections = self.conns.next_deadline()
+        if connections is not None:
+            deadlines.append(connections)
         if self.members.commits_dirty:
             deadlines.append(self.commits_persist_at)
         if self.members.dirty and self.persist_retry_at:
             deadlines.append(self.persist_retry_at)
-        if self.paused_until:
-            deadlines.append(self.paused_until)
         summary = self.said.next_deadline()
         if summary is not None:
             deadlines.append(summary)
@@ -315,129 +233,33 @@ class Server:
         or a read that notices an EOF); the listeners accept nothing more."""
         deadline = self.clock() + LINGER
         self._persist()
-        self._flush()
-        while any(c.out and not c.closed for c in self.pending) and self.clock() < deadline:
+        self.conns.flush()
+        while self.conns.unsent() and self.clock() < deadline:
             for key, mask in self.sel.select(max(0.0, deadline - self.clock())):
                 if isinstance(key.data, Conn):
                     if mask & selectors.EVENT_WRITE:
-                        self._write(key.data)
+                        self.conns.write(key.data)
                     elif mask & selectors.EVENT_READ:
-                        self._read(key.data)
+                        self.conns.read(key.data)
 
     def _shutdown(self) -> None:
         """Close every connection, the listeners, the selector and the wake-up pair. Connections are closed, not
         dropped: the scheduler's end is not its members' death (nothing is reported to the membership)."""
-        for conn in list(self.conns.values()):
-            self._close(conn)
-        for sock in self.listeners.values():
-            try:
-                self.sel.unregister(sock)
-            except (KeyError, ValueError):
-                pass
-            sock.close()
+        self.conns.close_all()
         self.sel.close()
         self._wake_r.close()
         self._wake_w.close()
 
-    # -- connections
-
-    def _accept(self, kind: str) -> None:
-        """Accept what waits on listener `kind` (CONTROL or STORE), at most ACCEPT_BATCH at a time (the listener
-        stays readable for the next pass, and the hellos already received are read in between).
-
-        Admission is bounded before a byte is read, and never by refusing the newcomer: when the table of connections
-        waiting to authenticate is full (for its address, or in all) the oldest one waiting is closed to make room
-        (admission.Admission; a rate-limited warning says so). An admitted connection is non-blocking with
-        TCP_NODELAY, and must prove the token within PREAUTH_TIMEOUT (`_expire`). Out of descriptors or memory
-        (RESOURCE_ERRORS) the listeners pause (`_pause_listeners`) instead of spinning on a listener that stays
-        readable; any other accept error waits for the next readiness."""
-        listener = self.listeners[kind]
-        for _ in range(ACCEPT_BATCH):
-            try:
-                sock, addr = listener.accept()
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError as e:
-                if e.errno in RESOURCE_ERRORS:
-                    self._pause_listeners(e)
-                return
-            ip = str(addr[0])
-            now = self.clock()
-            conn = Conn(next(self.ids), sock, f"{addr[0]}:{addr[1]}", ip, kind, P.new_nonce(), now + PREAUTH_TIMEOUT)
-            victim = self.conns.get(self.admission.admit(conn.id, ip, now) or 0)
-            if victim is not None:
-                lim = self.admission.limits
-                self.said.warn("evicted", f"closed {victim.addr}, which had not authenticated after "
-                                          f"{now - victim.deadline + PREAUTH_TIMEOUT:.1f} s, to make room for "
-                                          f"{conn.addr}: {len(self.admission)} connections are waiting to "
-                                          f"authenticate (at most {lim.total}, {lim.per_address} from one address)")
-                self._close(victim)
-            sock.setblocking(False)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            self.conns[conn.id] = conn
-            self.sel.register(sock, selectors.EVENT_READ, conn)
-            self._send(conn, P.CHALLENGE, nonce=conn.nonce)
-
-    def _pause_listeners(self, e: OSError) -> None:
-        """Out of descriptors (or memory): the connection waits in the kernel's backlog while the listeners rest;
-        connections that never authenticate expire meanwhile and free theirs.
-
-        Unregisters both listeners (once; a pause during a pause only extends it) until ACCEPT_PAUSE s from now,
-        when `_resume_listeners` registers them again; warned at most once per LOG_EVERY."""
-        self.said.warn("resources", f"cannot accept connections: {e.strerror}; pausing the listeners for "
-                                    f"{ACCEPT_PAUSE:g} s")
-        if not self.paused_until:
-            for sock in self.listeners.values():
-                self.sel.unregister(sock)
-        self.paused_until = self.clock() + ACCEPT_PAUSE
-
-    def _resume_listeners(self, now: float) -> None:
-        """Register the listeners again once a pause (`_pause_listeners`) is over."""
-        if self.paused_until and now >= self.paused_until:
-            self.paused_until = 0.0
-            for kind, sock in self.listeners.items():
-                self.sel.register(sock, selectors.EVENT_READ, kind)
-
     def _expire(self, now: float) -> None:
-        """Drop the connections that did not authenticate by their deadline (they hold a descriptor and a
-        pre-authentication slot), and answer the store waits whose timeout passed with error "timeout"."""
-        for conn in [self.conns[i] for i in self.admission.expired(now) if i in self.conns]:
-            self.said.warn("preauth", f"dropped {conn.addr}: it did not authenticate within {PREAUTH_TIMEOUT:g} s")
-            self._drop(conn, "did not authenticate")
+        """Drop the connections that did not authenticate by their deadline (Connections.expire), and answer the
+        store waits whose timeout passed with error "timeout"."""
+        self.conns.expire(now)
         for reply in self.kv.expire(now):
             conn = self.conns.get(reply.peer)
             if conn is not None:
-                self._queue(conn, reply.message())
+                self.conns.queue(conn, reply.message())
 
-    def _read(self, conn: Conn) -> None:
-        """Read what `conn` has (at most RECV_SIZE bytes) and dispatch each complete line.
-
-        EOF or a socket error drops the connection (for a member: its death). A line over the connection's limit, or
-        anything that is not a message (protocol.decode), is a protocol error that drops this one connection, warned
-        at most once per LOG_EVERY per address. Input on a closing connection is discarded, and messages after the
-        one that closed it are not dispatched."""
-        try:
-            data = conn.sock.recv(RECV_SIZE)
-        except (BlockingIOError, InterruptedError):
-            return
-        except OSError as e:
-            self._drop(conn, f"connection error ({e.strerror})")
-            return
-        if not data:
-            self._drop(conn, "connection closed")
-            return
-        if conn.closing:
-            return
-        try:
-            messages = conn.lines.feed(data)
-        except P.ProtocolError as e:
-            self.said.warn("protocol", f"dropped {conn.addr}: {e}")
-            self._drop(conn, f"protocol error ({e})")
-            return
-        for msg in messages:
-            if conn.closed or conn.closing:
-                return
-            self._dispatch(conn, msg)
+    # -- messages
 
     def _dispatch(self, conn: Conn, msg: dict[str, Any]) -> None:
         """Route one message: an unauthenticated connection's first message is its hello (`_hello`); on the store
@@ -448,12 +270,12 @@ class Server:
             self._hello(conn, msg, now)
         elif conn.kind == STORE:
             if msg["op"] != P.KV:
-                self._drop(conn, f"unexpected {msg['op'][:40]!r} on the store")
+                self.conns.drop(conn, f"unexpected {msg['op'][:40]!r} on the store")
                 return
             for reply in self.kv.request(conn.id, msg, now):
                 target = self.conns.get(reply.peer)
                 if target is not None:
-                    self._queue(target, reply.message())
+                    self.conns.queue(target, reply.message())
         else:
             self._apply(self.members.message(conn.id, msg, now))
 
@@ -474,7 +296,7 @@ class Server:
         subject = P.hello_subject(msg)[:80] or "?"  # what the peer claims: cleaned where it is logged
         if op not in expected:
             self.said.warn("rejected:unexpected", f"rejected {conn.addr}: {op[:40]!r} before authenticating")
-            self._send(conn, P.REJECT, reason=f"expected {' or '.join(expected)} first", retry=False)
+            self.conns.send(conn, P.REJECT, reason=f"expected {' or '.join(expected)} first", retry=False)
             conn.closing = True
             return
         if "token" in msg:
@@ -489,14 +311,12 @@ class Server:
                     P.STORE_HELLO: f"store connection of {subject}", P.REPLACE: "replace request"}[op]
             host = f" (host {subject})" if op == P.AGENT_HELLO else ""
             self.said.warn(f"rejected:{op}:{reason[:20]}", f"rejected {what} from {conn.addr}{host}: {reason}")
-            self._send(conn, P.REJECT, reason=reason, retry=False)
+            self.conns.send(conn, P.REJECT, reason=reason, retry=False)
             conn.closing = True
             return
-        conn.authed, conn.prove, conn.client_nonce = True, True, str(msg["nonce"])
-        self.admission.done(conn.id)
-        conn.lines.limit = P.MAX_STORE_LINE if conn.kind == STORE else P.MAX_LINE
+        self.conns.authenticate(conn, str(msg["nonce"]))
         if op == P.STORE_HELLO:
-            self._send(conn, P.WELCOME)
+            self.conns.send(conn, P.WELCOME)
         elif op == P.REGISTER:
             self._apply(self.members.register(conn.id, conn.addr, msg, now))
         elif op == P.REPLACE:  # the operator's (fleet replace): answered, then closed
@@ -515,13 +335,13 @@ class Server:
                 conn = self.conns.get(action.peer)
                 if conn is not None:
                     extra = self.journal.history() if action.op == P.FORMED else {}  # for the checkpoint interval
-                    self._send(conn, action.op, **action.fields, **extra)
+                    self.conns.send(conn, action.op, **action.fields, **extra)
                     if action.close:
                         conn.closing = True
             elif isinstance(action, Close):
                 conn = self.conns.get(action.peer)
                 if conn is not None:
-                    self._close(conn)
+                    self.conns.close(conn)
             elif isinstance(action, Log):  # peers' strings in it (node ids, hosts, log tails) shown, never obeyed
                 log.log(action.level, "%s", clean(action.text, MAX_LOG_TEXT))
             elif isinstance(action, Exit):
@@ -532,77 +352,12 @@ class Server:
             elif isinstance(action, Note):
                 self._apply(self.journal.note(action))
 
-    def _send(self, conn: Conn, op: str, **fields: Any) -> None:
-        """Queue message `op` for `conn`. The first one after an accepted hello carries the server's proof
-        (HMAC over both nonces), which the client checks before it believes anything the scheduler says."""
-        if conn.prove and conn.client_nonce is not None:  # the first answer to a hello proves we hold the token
-            fields = {**fields, "proof": P.server_proof(self.cfg.token, conn.nonce, conn.client_nonce)}
-            conn.prove = False
-        self._queue(conn, P.encode(op, **fields))
-
-    def _queue(self, conn: Conn, data: bytes) -> None:
-        """Append encoded bytes to `conn`'s output for the next flush; nothing is queued to a closed connection."""
-        if conn.closed:
-            return
-        conn.out += data
-        self.pending.add(conn)
-
-    def _flush(self) -> None:
-        """Write what is queued, once per loop pass. A peer with more than MAX_OUTBUF bytes unsent has stopped
-        reading and is dropped (for a member, its death) instead of being buffered without bound; what a full
-        socket did not take stays pending, with EVENT_WRITE on."""
-        pending, self.pending = self.pending, set()
-        for conn in pending:
-            if conn.closed:
-                continue
-            if len(conn.out) > MAX_OUTBUF:
-                self._drop(conn, "stopped reading its messages")
-                continue
-            self._write(conn)
-            if conn.out and not conn.closed:
-                self.pending.add(conn)
-
-    def _write(self, conn: Conn) -> None:
-        """One non-blocking send of `conn.out`. Once it is empty a closing connection is closed and others go back
-        to read-only interest; while bytes remain, EVENT_WRITE stays on. A send error drops the connection."""
-        try:
-            sent = conn.sock.send(conn.out)
-        except (BlockingIOError, InterruptedError):
-            sent = 0
-        except OSError:
-            self._drop(conn, "connection closed while sending")
-            return
-        del conn.out[:sent]
-        if not conn.out:
-            if conn.closing:
-                self._close(conn)
-                return
-            self.sel.modify(conn.sock, selectors.EVENT_READ, conn)
-        else:
-            self.sel.modify(conn.sock, selectors.EVENT_READ | selectors.EVENT_WRITE, conn)
-
-    def _close(self, conn: Conn) -> None:
-        """Close `conn` and forget it (connection table, selector, its pending store wait); idempotent. Tells the
-        membership nothing: `_drop` is for an end that means something."""
-        if conn.closed:
-            return
-        conn.closed = True
-        self.conns.pop(conn.id, None)
-        self.admission.done(conn.id)
-        try:
-            self.sel.unregister(conn.sock)
-        except (KeyError, ValueError):
-            pass
-        conn.sock.close()
-        self.kv.forget(conn.id)
-
     def _drop(self, conn: Conn, reason: str) -> None:
-        """A connection ended (or is ended): for a member, its death (Membership.lost).
+        """A connection ended, and is closed (Connections.drop): for a member, its death (Membership.lost).
 
-        Closes it, then reports an authenticated control connection to the membership (for a worker that had not
-        said `done`: its death; for an agent: forgotten). The end of a store or an unauthenticated connection
-        means nothing to the membership."""
-        self._close(conn)
+        Reports an authenticated control connection to the membership (for a worker that had not said `done`: its
+        death; for an agent: forgotten). The end of a store or an unauthenticated connection means nothing to the
+        membership."""
         if conn.authed and conn.kind == CONTROL:
             self._apply(self.members.lost(conn.id, reason, self.clock()))
 

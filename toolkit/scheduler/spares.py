@@ -9,10 +9,14 @@ out). The membership (toolkit.scheduler.membership) applies them: it fences the 
 - A spare is free when its agent is connected and said it is one, and it holds no ranks, never took any and was
   not replaced (Roster.free_spares: the inventory's order, then the order spares said hello). The operator may
   name one; otherwise the first free one is taken.
+
+Finding lost hosts scans every host; `LostCheck` says when that scan can find something, so that at a thousand ranks
+most of the scheduler's passes skip it.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +37,35 @@ class Refusal:
     """No spare for the host: `reason` says why and what to do."""
 
     reason: str
+
+
+class LostCheck:
+    """When find_lost can find a host it did not: once the roster changed since the last scan (a member left, an
+    agent came or went, a spare was placed: `Roster.changes` moved), or when the earliest host still heard at that
+    scan may have fallen silent for host_timeout. Heartbeats only move that time later, so it is a safe bound."""
+
+    def __init__(self) -> None:
+        self.at = math.inf  # no host still heard at the last scan can be lost before this
+        self.changes = -1  # Roster.changes at the last scan
+
+    def due(self, roster: Roster, now: float) -> bool:
+        """Whether a scan at `now` may find a lost host."""
+        return roster.changes != self.changes or now >= self.at
+
+    def deadline(self, roster: Roster) -> float:
+        """When the next scan is due: at once (-inf) if the roster changed since the last one."""
+        return self.at if roster.changes == self.changes else -math.inf
+
+    def scanned(self, roster: Roster, changes: int, now: float, host_timeout: float) -> None:
+        """A scan ran at `now` on the roster as of `changes` (taken before it: what the scan's own takeovers change
+        is looked at again by the next one)."""
+        self.changes = changes
+        self.at = min((rec.heard_at + host_timeout for rec in roster.hosts.values()
+                       if rec.heard_at is not None and rec.heard_at + host_timeout > now), default=math.inf)
+
+    def idle(self, roster: Roster) -> None:
+        """No host is replaced now (the phase of the job): no scan is due until the caller asks again."""
+        self.changes, self.at = roster.changes, math.inf
 
 
 def find_lost(roster: Roster, now: float, host_timeout: float) -> list[Lost]:

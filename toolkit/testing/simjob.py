@@ -13,8 +13,9 @@ formation, a steady state, losses and their re-formation, and the end, and measu
   done) after `go`; after a kill, each survivor's `generation` notice, the new formation and every rank rebuilt;
 - the scheduler's CPU (utime + stime), RSS and peak RSS, and the bytes it wrote to disk (/proc/<pid>/io
   write_bytes: the recovery directory is on disk, not tmpfs), per phase; the simulators' CPU next to it, and a phase
-  in which one simulator used more than CLIENT_BOUND of a core is flagged "client-bound" (its latencies measure the
-  clients, not the scheduler);
+  in which one simulator used more than CLIENT_BOUND of a core, or the simulators and the scheduler together more
+  than CLIENT_BOUND of the machine's cores, is flagged "client-bound" (its latencies measure the clients, not the
+  scheduler);
 - per loss, until the ledger (ledger.json) says every rank trained again: the scheduler's CPU seconds and bytes;
 - refused connections at both ends (the simulators' counts; the scheduler log's refusals), ERROR and WARNING lines,
   and the most often one line (digits masked) was logged within one second.
@@ -88,7 +89,7 @@ class Usage:
 class Phase:
     """One phase measured from outside: wall seconds, the scheduler's CPU seconds, bytes written and seconds it
     waited for a CPU (`queued`: on a loaded machine latencies include it), its RSS and peak RSS at the end, the
-    busiest simulator's share of a core."""
+    busiest simulator's share of a core (`sims`) and all the simulators' together (`sims_total`, in cores)."""
 
     wall: float
     cpu: float
@@ -97,6 +98,7 @@ class Phase:
     sims: float
     rss: int
     hwm: int
+    sims_total: float = 0.0
 
     @property
     def cpu_share(self) -> float:
@@ -104,7 +106,8 @@ class Phase:
 
     @property
     def client_bound(self) -> bool:
-        return self.sims > CLIENT_BOUND
+        cores = os.cpu_count() or 1
+        return self.sims > CLIENT_BOUND or self.sims_total + self.cpu_share > CLIENT_BOUND * cores
 
 
 @dataclass
@@ -445,9 +448,10 @@ class SimJob:
 
     def _phase(self, before: Usage, sims: list[float], since: float) -> Phase:
         after, wall = self._usage(), time.monotonic() - since
-        busiest = max((b - a for a, b in zip(sims, self._sims_cpu(), strict=True)), default=0.0)
+        used = [b - a for a, b in zip(sims, self._sims_cpu(), strict=True)]
+        per_s = 1 / wall if wall > 0 else 0.0
         return Phase(wall, after.cpu - before.cpu, after.written - before.written, after.queued - before.queued,
-                     busiest / wall if wall > 0 else 0.0, after.rss, after.hwm)
+                     max(used, default=0.0) * per_s, after.rss, after.hwm, sum(used) * per_s)
 
     def _log_text(self) -> str:
         try:
