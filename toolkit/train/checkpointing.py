@@ -86,7 +86,7 @@ class Checkpointing:
         if self.chooser is not None:
             self.chooser.stalled(stalled)
         self._choose_interval()
-        self.clock.since = None  # the stall is not the next step's work
+        self.clock.rest()  # the stall is not the next step's work
 
     def close(self) -> None:
         """Stop holding the optimizer, then complete the checkpoints in flight (CheckpointManager.close)."""

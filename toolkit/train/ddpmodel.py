@@ -33,6 +33,10 @@ class StepClock:
         self.last = None
         return self.since if self.since is not None else time.monotonic()
 
+    def rest(self) -> None:
+        """What comes before the next step (a recovery, a checkpoint's stall) is not its work."""
+        self.since = None
+
 
 class GroupModel:
     """The DDP wrapper of `module` for the current group (`current`, None between groups). `ddp_args`: the user's
@@ -82,7 +86,7 @@ class GroupModel:
         if self.deterministic or rt.cfg.pace:
             ddp.register_comm_hook(self.clock, _timed_hook)
         self.current = ddp
-        self.clock.since = None  # a new group: the time since the last step is a recovery, not this rank's work
+        self.clock.rest()  # a new group: the time since the last step is a recovery, not this rank's work
 
     def end_step(self, began: float) -> float | None:
         """A step that began at `began` ended now: the time this rank worked on it (until its last gradient bucket

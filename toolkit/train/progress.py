@@ -34,7 +34,8 @@ from typing import Any, Protocol
 
 
 class Reporter(Protocol):
-    """Where report() sends its figures in this process (installed by whoever joined the job here)."""
+    """Where report() sends its figures in this process (installed by whoever joined the job here: the wrapper's
+    scriptreport.ScriptReporter, init()'s runtime.RuntimeReporter)."""
 
     def report(self, step: int, loss: Any, checkpoint: bool) -> None: ...
 
