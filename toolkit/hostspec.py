@@ -13,10 +13,9 @@ import math
 import os
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
-from toolkit import agentdoc
-from toolkit import envvars as E
+from toolkit import agentdoc, envvars
 from toolkit.errors import UserError
 
 VERSION = 1
@@ -45,7 +44,7 @@ class ProcSpec:
     @property
     def is_worker(self) -> bool:
         """A worker (MS_WORKER), as opposed to the scheduler."""
-        return self.role == E.ROLE_WORKER
+        return self.role == envvars.ROLE_WORKER
 
 
 @dataclass(frozen=True)
@@ -219,34 +218,83 @@ def load(job_dir: str | Path) -> HostSpec:
     a socket path longer than MAX_SOCKET_PATH."""
     job_dir = Path(job_dir).resolve()
     path = job_dir / "host.json"
-    where = str(path)
+    doc = _read_document(path)
+    fields = _Fields(str(path))
+    if fields.get(doc, "version", int, "version") != 1:
+        raise UserError(f"{path}: version {doc['version']} is not supported by this toolkit (1); update toolkit")
+    sched = fields.get(doc, "scheduler", dict, "scheduler")
+    policy = _restart_policy(fields, doc)
+    processes, standby = _process_lists(fields, doc, job_dir)
+    spec = HostSpec(
+        job=fields.get(doc, "job", str, "job"),
+        host=fields.get(doc, "host", str, "host"),
+        job_dir=job_dir,
+        sched_host=fields.get(sched, "host", str, "scheduler.host"),
+        sched_port=fields.get(sched, "port", int, "scheduler.port", check=lambda v: 0 < v < 65536, hint="not a port"),
+        token_file=job_dir / fields.get(doc, "token_file", str, "token_file", "token"),
+        policy=policy,
+        grace=float(fields.get(doc, "grace", (int, float), "grace", DEFAULT_GRACE, _finite_nonnegative,
+                               "give 0 or more seconds")),
+        bind_core=fields.get(doc, "bind_core", bool, "bind_core", False),
+        warm_spare=fields.get(doc, "warm_spare", bool, "warm_spare", True),
+        processes=processes,
+        standby=standby,
+    )
+    spec = _with_identity(spec)
+    for sock in (spec.control_socket, spec.progress_socket):
+        if len(os.fsencode(str(sock))) > MAX_SOCKET_PATH:
+            raise UserError(f"{sock}: longer than a unix socket path may be ({MAX_SOCKET_PATH} bytes); use a shorter "
+                            "--workdir")
+    return spec
+
+
+def _read_document(path: Path) -> dict[str, Any]:
+    """host.json at `path` as a JSON object. UserError naming the file for a missing or unreadable file, invalid
+    JSON, or JSON that is not an object."""
     try:
         doc = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
-        raise UserError(f"{where}: no such file; --job-dir must be a job directory rendered by fleet deploy") from None
+        raise UserError(f"{path}: no such file; --job-dir must be a job directory rendered by fleet deploy") from None
     except (OSError, UnicodeDecodeError) as e:
-        raise UserError(f"{where}: cannot read it ({e})") from None
+        raise UserError(f"{path}: cannot read it ({e})") from None
     except json.JSONDecodeError as e:
-        raise UserError(f"{where}: line {e.lineno}: not valid JSON ({e.msg}); re-render the job") from None
+        raise UserError(f"{path}: line {e.lineno}: not valid JSON ({e.msg}); re-render the job") from None
     if not isinstance(doc, dict):
-        raise UserError(f"{where}: expected a JSON object; re-render the job")
+        raise UserError(f"{path}: expected a JSON object; re-render the job")
+    return doc
 
-    def get(obj: dict, key: str, kind: type | tuple, label: str, default: Any = ..., check=None, hint: str = ""):
+
+def _finite_nonnegative(value: float) -> bool:
+    """0 or more, and finite: a time or a count."""
+    return 0 <= value < math.inf
+
+
+class _Fields:
+    """Checked reads of host.json's keys: every problem is one UserError naming the file (`where`) and the key."""
+
+    def __init__(self, where: str) -> None:
+        self.where = where
+
+    def get(self, obj: dict, key: str, kind: type | tuple, label: str, default: Any = ...,
+            check: Callable[[Any], Any] | None = None, hint: str = "") -> Any:
+        """`obj[key]`, of type `kind` (a bool is never taken for a number) and passing `check`; `default` when the
+        key is absent (none given: the key is required). UserError naming `label` and the value (with `hint`, or
+        "wrong type") otherwise."""
         if key not in obj:
             if default is ...:
-                raise UserError(f"{where}: {label} is missing; re-render the job")
+                raise UserError(f"{self.where}: {label} is missing; re-render the job")
             return default
         value = obj[key]
         bad = isinstance(value, bool) and bool not in (kind if isinstance(kind, tuple) else (kind,))
         if bad or not isinstance(value, kind) or (check is not None and not check(value)):
-            raise UserError(f"{where}: {label}={json.dumps(value)}: {hint or 'wrong type'}")
+            raise UserError(f"{self.where}: {label}={json.dumps(value)}: {hint or 'wrong type'}")
         return value
 
-    if get(doc, "version", int, "version") != 1:
-        raise UserError(f"{where}: version {doc['version']} is not supported by this toolkit (1); update toolkit")
-    nonneg = lambda v: 0 <= v < math.inf  # noqa: E731
-    sched = get(doc, "scheduler", dict, "scheduler")
-    policy = RestartPolicy(
+
+def _restart_policy(fields: _Fields, doc: dict) -> RestartPolicy:
+    """The document's restart settings, each defaulted and checked."""
+    get, nonneg = fields.get, _finite_nonnegative
+    return RestartPolicy(
         max_restarts=get(doc, "max_restarts", int, "max_restarts", DEFAULT_MAX_RESTARTS, nonneg, "give 0 or more"),
         backoff_base=float(get(doc, "backoff_base", (int, float), "backoff_base", DEFAULT_BACKOFF_BASE, nonneg,
                                "give 0 or more")),
@@ -259,70 +307,69 @@ def load(job_dir: str | Path) -> HostSpec:
                    lambda v: v in (REFILL_PROGRESS, REFILL_NEVER, REFILL_TIME),
                    f"give {REFILL_PROGRESS}, {REFILL_NEVER} or {REFILL_TIME}"),
     )
-    def procs(key: str) -> tuple[ProcSpec, ...]:
-        """The process list under `key`, each checked; node ids unique within it."""
-        out = []
-        seen: set[str] = set()
-        for i, p in enumerate(doc.get(key) or []):
-            label = f"{key}[{i}]"
-            if not isinstance(p, dict):
-                raise UserError(f"{where}: {label}: expected an object; re-render the job")
-            node_id = get(p, "node_id", str, f"{label}.node_id", check=lambda v: v and "/" not in v,
-                          hint="a non-empty name without '/'")
-            if node_id in seen:
-                raise UserError(f"{where}: {label}.node_id={node_id!r} appears twice; every process needs its own")
-            seen.add(node_id)
-            argv = get(p, "argv", list, f"{label}.argv", check=lambda v: v and all(isinstance(a, str) for a in v),
-                       hint="a non-empty list of strings")
-            opt_int = (int, type(None))
-            out.append(ProcSpec(
-                node_id=node_id,
-                role=get(p, "role", str, f"{label}.role", check=lambda v: v in (E.ROLE_SCHED, E.ROLE_WORKER),
-                         hint=f"{E.ROLE_SCHED} or {E.ROLE_WORKER}"),
-                rank=get(p, "rank", opt_int, f"{label}.rank", None),
-                local_rank=get(p, "local_rank", opt_int, f"{label}.local_rank", None),
-                argv=tuple(argv),
-                cwd=str(job_dir / get(p, "cwd", str, f"{label}.cwd", ".")),
-                env_file=str(job_dir / get(p, "env_file", str, f"{label}.env_file")),
-                log_file=str(job_dir / get(p, "log_file", str, f"{label}.log_file", f"logs/{node_id}.log")),
-            ))
-        return tuple(out)
 
-    get(doc, "processes", list, "processes")
-    get(doc, "standby", list, "standby", [])
-    processes, standby = procs("processes"), procs("standby")
+
+def _process_lists(fields: _Fields, doc: dict, job_dir: Path) -> tuple[tuple[ProcSpec, ...], tuple[ProcSpec, ...]]:
+    """(processes, standby): a host runs at least one process or is a spare, and only workers stand by."""
+    fields.get(doc, "processes", list, "processes")
+    fields.get(doc, "standby", list, "standby", [])
+    processes, standby = _procs(fields, doc, "processes", job_dir), _procs(fields, doc, "standby", job_dir)
     if not processes and not standby:
-        raise UserError(f"{where}: processes=[]: a host runs at least one process, or is a spare (standby); "
+        raise UserError(f"{fields.where}: processes=[]: a host runs at least one process, or is a spare (standby); "
                         "re-render the job")
     if any(not p.is_worker for p in standby):
-        raise UserError(f"{where}: standby: only workers stand by on a spare host; re-render the job")
-    spec = HostSpec(
-        job=get(doc, "job", str, "job"),
-        host=get(doc, "host", str, "host"),
-        job_dir=job_dir,
-        sched_host=get(sched, "host", str, "scheduler.host"),
-        sched_port=get(sched, "port", int, "scheduler.port", check=lambda v: 0 < v < 65536, hint="not a port"),
-        token_file=job_dir / get(doc, "token_file", str, "token_file", "token"),
-        policy=policy,
-        grace=float(get(doc, "grace", (int, float), "grace", DEFAULT_GRACE, nonneg, "give 0 or more seconds")),
-        bind_core=get(doc, "bind_core", bool, "bind_core", False),
-        warm_spare=get(doc, "warm_spare", bool, "warm_spare", True),
-        processes=processes,
-        standby=standby,
+        raise UserError(f"{fields.where}: standby: only workers stand by on a spare host; re-render the job")
+    return processes, standby
+
+
+def _procs(fields: _Fields, doc: dict, key: str, job_dir: Path) -> tuple[ProcSpec, ...]:
+    """The process list under `key`, each checked, its paths made absolute against `job_dir`; node ids unique
+    within it."""
+    out = []
+    seen: set[str] = set()
+    for i, p in enumerate(doc.get(key) or []):
+        label = f"{key}[{i}]"
+        if not isinstance(p, dict):
+            raise UserError(f"{fields.where}: {label}: expected an object; re-render the job")
+        node_id = fields.get(p, "node_id", str, f"{label}.node_id", check=lambda v: v and "/" not in v,
+                             hint="a non-empty name without '/'")
+        if node_id in seen:
+            raise UserError(f"{fields.where}: {label}.node_id={node_id!r} appears twice; every process needs its own")
+        seen.add(node_id)
+        out.append(_proc(fields, p, label, node_id, job_dir))
+    return tuple(out)
+
+
+def _proc(fields: _Fields, p: dict, label: str, node_id: str, job_dir: Path) -> ProcSpec:
+    """The process entry `p` (`label`, e.g. processes[0]; its node id already checked) as a ProcSpec."""
+    get = fields.get
+    argv = get(p, "argv", list, f"{label}.argv", check=lambda v: v and all(isinstance(a, str) for a in v),
+               hint="a non-empty list of strings")
+    opt_int = (int, type(None))
+    return ProcSpec(
+        node_id=node_id,
+        role=get(p, "role", str, f"{label}.role", check=lambda v: v in (envvars.ROLE_SCHED, envvars.ROLE_WORKER),
+                 hint=f"{envvars.ROLE_SCHED} or {envvars.ROLE_WORKER}"),
+        rank=get(p, "rank", opt_int, f"{label}.rank", None),
+        local_rank=get(p, "local_rank", opt_int, f"{label}.local_rank", None),
+        argv=tuple(argv),
+        cwd=str(job_dir / get(p, "cwd", str, f"{label}.cwd", ".")),
+        env_file=str(job_dir / get(p, "env_file", str, f"{label}.env_file")),
+        log_file=str(job_dir / get(p, "log_file", str, f"{label}.log_file", f"logs/{node_id}.log")),
     )
+
+
+def _with_identity(spec: HostSpec) -> HostSpec:
+    """`spec` with the job directory's identity (agentdoc.JOB_ID_FILE) filled in, if there is one. UserError if it
+    exists but cannot be read."""
     try:
-        with open(job_dir / agentdoc.JOB_ID_FILE, encoding="utf-8", errors="replace") as f:
+        with open(spec.job_dir / agentdoc.JOB_ID_FILE, encoding="utf-8", errors="replace") as f:
             job_id, origin = agentdoc.read_identity(f.read(agentdoc.MAX_IDENTITY))
-        spec = replace(spec, job_id=job_id, origin=origin)
+        return replace(spec, job_id=job_id, origin=origin)
     except FileNotFoundError:
-        pass  # rendered by hand or by an older deploy: no identity to compare
+        return spec  # rendered by hand or by an older deploy: no identity to compare
     except OSError as e:
-        raise UserError(f"{job_dir / agentdoc.JOB_ID_FILE}: cannot read it ({e})") from None
-    for sock in (spec.control_socket, spec.progress_socket):
-        if len(os.fsencode(str(sock))) > MAX_SOCKET_PATH:
-            raise UserError(f"{sock}: longer than a unix socket path may be ({MAX_SOCKET_PATH} bytes); use a shorter "
-                            "--workdir")
-    return spec
+        raise UserError(f"{spec.job_dir / agentdoc.JOB_ID_FILE}: cannot read it ({e})") from None
 
 
 def document(job: str, host: str, sched_address: str, sched_port: int, max_restarts: int, grace: float,

@@ -13,10 +13,9 @@ import re
 import shlex
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Iterator, Mapping
+from typing import Iterator, Mapping, Sequence
 
-from toolkit import envvars as E
-from toolkit import hostspec
+from toolkit import envvars, hostspec
 from toolkit.errors import UserError
 from toolkit.inventory import MAX_SLOTS, Host, Inventory
 from toolkit.protocol import RECOVERY_RESTART as P_RECOVERY_RESTART
@@ -53,10 +52,10 @@ class JobOptions:
     worker_num: int | None = None  # None: every slot
     nproc_per_node: int | None = None  # torchrun's: workers on each worker host (instead of its slots)
     nnodes: int | None = None  # torchrun's: the number of hosts that run workers, checked against the plan
-    master_port: int = E.DEFAULT_SCHED_PORT
-    cluster_time_out: int = E.DEFAULT_TOPO_TIMEOUT
-    node_timeout: float = E.DEFAULT_NODE_TIMEOUT
-    heartbeat_interval: float = E.DEFAULT_HEARTBEAT_INTERVAL
+    master_port: int = envvars.DEFAULT_SCHED_PORT
+    cluster_time_out: int = envvars.DEFAULT_TOPO_TIMEOUT
+    node_timeout: float = envvars.DEFAULT_NODE_TIMEOUT
+    heartbeat_interval: float = envvars.DEFAULT_HEARTBEAT_INTERVAL
     recovery: bool = True
     data_path: str | None = None
     ckpt_dir: str | None = None
@@ -68,8 +67,8 @@ class JobOptions:
     bind_core: bool = False
     warm_spare: bool = True
     torchrun_script: bool = False  # recover by relaunching every worker even if the script uses toolkit.train
-    straggler_factor: float = E.DEFAULT_STRAGGLER_FACTOR  # own work per step vs the others' median: a straggler
-    host_timeout: float = E.DEFAULT_HOST_TIMEOUT  # s a host's ranks dead, its agent gone: lost, a spare takes over
+    straggler_factor: float = envvars.DEFAULT_STRAGGLER_FACTOR  # own work per step vs the others' median: a straggler
+    host_timeout: float = envvars.DEFAULT_HOST_TIMEOUT  # s a host's ranks dead, its agent gone: lost, a spare steps in
 
     def __post_init__(self) -> None:
         if not _JOB_NAME.fullmatch(self.job):
@@ -177,7 +176,7 @@ class HostPlan:
         """Where this host's workers keep their checkpoints (CKPT_DIR made absolute), None if it runs none."""
         for p in self.processes:
             if p.rank is not None:
-                return posixpath.join(p.cwd, p.env[E.CKPT_DIR])
+                return posixpath.join(p.cwd, p.env[envvars.CKPT_DIR])
         return None
 
 
@@ -258,98 +257,17 @@ def make_plan(inventory: Inventory, options: JobOptions, local_project_dir: str 
     """
     if inventory.local and local_project_dir is None:
         raise PlanError("a local job needs the project directory it runs in")
-    project = local_project_dir if inventory.local else None
     placement = _placement(inventory, options)
     world = sum(n for _, n in placement)
-
     sched = inventory.host(inventory.scheduler)
-    common = _common_env(inventory, options, sched, world)
+    build = _ProcessBuilder(options, _common_env(inventory, options, sched, world), world, len(placement),
+                            local_project_dir if inventory.local else None)
+    seats = _seats(placement)
     by_host: dict[str, list[Process]] = {h.name: [] for h, _ in placement}
-    by_host.setdefault(sched.name, [])
-
-    jd = job_dir(sched, options)
-    by_host[sched.name].append(
-        Process(
-            host=sched.name,
-            role=E.ROLE_SCHED,
-            node_id=SCHED_NODE_ID,
-            rank=None,
-            local_rank=None,
-            argv=(_python(sched, options), "-m", "toolkit.scheduler"),
-            cwd=project or posixpath.join(jd, "project"),
-            env=MappingProxyType({
-                **common, **_dir_env(jd), E.MS_ROLE: E.ROLE_SCHED, E.MS_NODE_ID: SCHED_NODE_ID,
-                E.TOOLKIT_EXPECTED: posixpath.join(jd, EXPECTED_FILE),
-                E.TOOLKIT_STRAGGLER_FACTOR: _num(options.straggler_factor),
-                E.TOOLKIT_HOST_TIMEOUT: _num(options.host_timeout),
-                E.TOOLKIT_SPARES: ",".join(n for n in inventory.spares if n != sched.name),
-            }),
-        )
-    )
-
-    groups = str(len(placement))
-
-    def worker(host: Host, rank: int, local_rank: int, n: int, group_rank: int) -> Process:
-        """Rank `rank` (local rank `local_rank` of `n`, host index `group_rank`) run from `host`'s job directory."""
-        jd = job_dir(host, options)
-        node_id = worker_node_id(rank)
-        env = {
-            **common,
-            **_dir_env(jd),
-            E.MS_ROLE: E.ROLE_WORKER,
-            E.MS_NODE_ID: node_id,
-            E.RANK_ID: str(rank),
-            E.RANK: str(rank),
-            E.LOCAL_RANK: str(local_rank),
-            E.DEVICE_ID: str(local_rank),
-            E.LOCAL_WORLD_SIZE: str(n),
-            E.GROUP_RANK: str(group_rank),
-            E.GROUP_WORLD_SIZE: groups,
-            E.ROLE_NAME: E.DEFAULT_ROLE_NAME,
-            E.ROLE_RANK: str(rank),
-            E.ROLE_WORLD_SIZE: str(world),
-            E.TORCHELASTIC_RUN_ID: options.job,
-            E.TORCHELASTIC_MAX_RESTARTS: str(options.max_restarts),
-            E.TOOLKIT_HEARTBEAT_INTERVAL: _num(options.heartbeat_interval),
-            E.TOOLKIT_AGENT_SOCKET: posixpath.join(jd, "state", "progress.sock"),
-            E.TOOLKIT_HOST: host.name,
-            E.TORCHELASTIC_USE_AGENT_STORE: "True",
-            E.CKPT_DIR: options.ckpt_dir or posixpath.join(jd, "ckpt"),
-        }
-        if options.data_path is not None:
-            env[E.DATA_PATH] = options.data_path
-        if options.torchrun_script:
-            env[E.TOOLKIT_RECOVERY] = P_RECOVERY_RESTART
-        return Process(
-            host=host.name,
-            role=E.ROLE_WORKER,
-            node_id=node_id,
-            rank=rank,
-            local_rank=local_rank,
-            argv=(_python(host, options), *_wrapper(options), options.script, *options.script_argv),
-            cwd=project or posixpath.join(jd, "project"),
-            env=MappingProxyType(env),
-        )
-
-    slots: list[tuple[str, int, int, int, int]] = []  # (host, rank, local rank, workers on the host, group rank)
-    rank = 0
-    for group_rank, (host, n) in enumerate(placement):
-        for local_rank in range(n):
-            by_host[host.name].append(worker(host, rank, local_rank, n, group_rank))
-            slots.append((host.name, rank, local_rank, n, group_rank))
-            rank += 1
-
-    hosts = tuple(
-        HostPlan(host=h, job_dir=job_dir(h, options), python=_python(h, options), processes=tuple(by_host[h.name]))
-        for h in inventory.hosts
-        if h.name in by_host
-    )
-    hosts += tuple(
-        HostPlan(host=h, job_dir=job_dir(h, options), python=_python(h, options), processes=(),
-                 standby=tuple(worker(h, r, lr, n, g) for _, r, lr, n, g in slots))
-        for h in (inventory.host(name) for name in inventory.spares)
-        if h.name not in by_host
-    )
+    by_host.setdefault(sched.name, []).append(build.scheduler(sched, inventory.spares))
+    for host, seat in seats:
+        by_host[host.name].append(build.worker(host, seat))
+    hosts = _host_plans(inventory, options, by_host, build, seats)
     for hp in hosts:
         _check_socket_paths(hp)
     return LaunchPlan(
@@ -362,6 +280,132 @@ def make_plan(inventory: Inventory, options: JobOptions, local_project_dir: str 
         store_port=options.master_port + 1,
         world_size=world,
         hosts=hosts,
+    )
+
+
+@dataclass(frozen=True)
+class _Seat:
+    """Where one worker sits in the job: its global `rank`, its `local_rank` among the `local_world` workers of its
+    host, and its host's index `group_rank` among the hosts that run workers."""
+
+    rank: int
+    local_rank: int
+    local_world: int
+    group_rank: int
+
+
+def _seats(placement: list[tuple[Host, int]]) -> list[tuple[Host, _Seat]]:
+    """Every worker's (host, seat), ranks assigned host by host in placement order, local ranks from 0 on each."""
+    seats = []
+    for group_rank, (host, n) in enumerate(placement):
+        for local_rank in range(n):
+            seats.append((host, _Seat(len(seats), local_rank, n, group_rank)))
+    return seats
+
+
+@dataclass(frozen=True)
+class _ProcessBuilder:
+    """Makes the job's Process records from what they all share: the options, the environment common to every
+    process (`_common_env`), the world size, the number of worker hosts, and the directory a local job runs in
+    (`project`; None: each host's `<job dir>/project`, where deploy copies it). Pure: the same seat on the same host
+    always gives the same Process, which is how a spare's standby workers match the ones they would replace."""
+
+    options: JobOptions
+    common: Mapping[str, str]
+    world: int
+    groups: int
+    project: str | None
+
+    def _cwd(self, jd: str) -> str:
+        """Where a process of the job directory `jd` runs."""
+        return self.project or posixpath.join(jd, "project")
+
+    def scheduler(self, sched: Host, spares: Sequence[str]) -> Process:
+        """The scheduler process on `sched`; `spares` (inventory order) become its TOOLKIT_SPARES, less its own
+        host."""
+        options, jd = self.options, job_dir(sched, self.options)
+        return Process(
+            host=sched.name,
+            role=envvars.ROLE_SCHED,
+            node_id=SCHED_NODE_ID,
+            rank=None,
+            local_rank=None,
+            argv=(_python(sched, options), "-m", "toolkit.scheduler"),
+            cwd=self._cwd(jd),
+            env=MappingProxyType({
+                **self.common, **_dir_env(jd), envvars.MS_ROLE: envvars.ROLE_SCHED, envvars.MS_NODE_ID: SCHED_NODE_ID,
+                envvars.TOOLKIT_EXPECTED: posixpath.join(jd, EXPECTED_FILE),
+                envvars.TOOLKIT_STRAGGLER_FACTOR: _num(options.straggler_factor),
+                envvars.TOOLKIT_HOST_TIMEOUT: _num(options.host_timeout),
+                envvars.TOOLKIT_SPARES: ",".join(n for n in spares if n != sched.name),
+            }),
+        )
+
+    def worker(self, host: Host, seat: _Seat) -> Process:
+        """The worker of `seat`, run from `host`'s job directory (a spare's standby worker is the same seat on the
+        spare host)."""
+        options, jd = self.options, job_dir(host, self.options)
+        return Process(
+            host=host.name,
+            role=envvars.ROLE_WORKER,
+            node_id=worker_node_id(seat.rank),
+            rank=seat.rank,
+            local_rank=seat.local_rank,
+            argv=(_python(host, options), *_wrapper(options), options.script, *options.script_argv),
+            cwd=self._cwd(jd),
+            env=MappingProxyType(self._worker_env(host, seat, jd)),
+        )
+
+    def _worker_env(self, host: Host, seat: _Seat, jd: str) -> dict[str, str]:
+        """The environment of the worker of `seat` on `host` (job directory `jd`): msrun's, torchrun's and
+        toolkit's variables (docs/architecture.md)."""
+        options, rank = self.options, str(seat.rank)
+        env = {
+            **self.common,
+            **_dir_env(jd),
+            envvars.MS_ROLE: envvars.ROLE_WORKER,
+            envvars.MS_NODE_ID: worker_node_id(seat.rank),
+            envvars.RANK_ID: rank,
+            envvars.RANK: rank,
+            envvars.LOCAL_RANK: str(seat.local_rank),
+            envvars.DEVICE_ID: str(seat.local_rank),
+            envvars.LOCAL_WORLD_SIZE: str(seat.local_world),
+            envvars.GROUP_RANK: str(seat.group_rank),
+            envvars.GROUP_WORLD_SIZE: str(self.groups),
+            envvars.ROLE_NAME: envvars.DEFAULT_ROLE_NAME,
+            envvars.ROLE_RANK: rank,
+            envvars.ROLE_WORLD_SIZE: str(self.world),
+            envvars.TORCHELASTIC_RUN_ID: options.job,
+            envvars.TORCHELASTIC_MAX_RESTARTS: str(options.max_restarts),
+            envvars.TOOLKIT_HEARTBEAT_INTERVAL: _num(
+                envvars.heartbeat_interval(self.world, options.heartbeat_interval, options.node_timeout)),
+            envvars.TORCH_NCCL_COORD_CHECK_MILSEC: str(envvars.nccl_coord_check_ms(self.world)),
+            envvars.TOOLKIT_AGENT_SOCKET: posixpath.join(jd, "state", "progress.sock"),
+            envvars.TOOLKIT_HOST: host.name,
+            envvars.TORCHELASTIC_USE_AGENT_STORE: "True",
+            envvars.CKPT_DIR: options.ckpt_dir or posixpath.join(jd, "ckpt"),
+        }
+        if options.data_path is not None:
+            env[envvars.DATA_PATH] = options.data_path
+        if options.torchrun_script:
+            env[envvars.TOOLKIT_RECOVERY] = P_RECOVERY_RESTART
+        return env
+
+
+def _host_plans(inventory: Inventory, options: JobOptions, by_host: Mapping[str, list[Process]],
+                build: _ProcessBuilder, seats: list[tuple[Host, _Seat]]) -> tuple[HostPlan, ...]:
+    """The HostPlans: every host that runs something (`by_host`), in inventory order, then each spare host that
+    runs nothing, standing by with every worker seat as it would run there."""
+    hosts = tuple(
+        HostPlan(host=h, job_dir=job_dir(h, options), python=_python(h, options), processes=tuple(by_host[h.name]))
+        for h in inventory.hosts
+        if h.name in by_host
+    )
+    return hosts + tuple(
+        HostPlan(host=h, job_dir=job_dir(h, options), python=_python(h, options), processes=(),
+                 standby=tuple(build.worker(h, seat) for _, seat in seats))
+        for h in (inventory.host(name) for name in inventory.spares)
+        if h.name not in by_host
     )
 
 
@@ -410,25 +454,25 @@ def _check_socket_paths(hp: HostPlan) -> None:
 
 def _common_env(inventory: Inventory, options: JobOptions, sched: Host, world: int) -> dict[str, str]:
     return {
-        E.MS_SCHED_HOST: sched.reach,
-        E.MS_SCHED_PORT: str(options.master_port),
-        E.MASTER_ADDR: sched.reach,
-        E.MASTER_PORT: str(options.master_port + 1),
-        E.MS_WORKER_NUM: str(world),
-        E.RANK_SIZE: str(world),
-        E.WORLD_SIZE: str(world),
-        E.MS_TOPO_TIMEOUT: str(options.cluster_time_out),
-        E.MS_NODE_TIMEOUT: _num(options.node_timeout),
-        E.MS_ENABLE_RECOVERY: "1" if options.recovery else "0",
-        E.TOOLKIT_JOB: options.job,
-        E.OMP_NUM_THREADS: "1",
+        envvars.MS_SCHED_HOST: sched.reach,
+        envvars.MS_SCHED_PORT: str(options.master_port),
+        envvars.MASTER_ADDR: sched.reach,
+        envvars.MASTER_PORT: str(options.master_port + 1),
+        envvars.MS_WORKER_NUM: str(world),
+        envvars.RANK_SIZE: str(world),
+        envvars.WORLD_SIZE: str(world),
+        envvars.MS_TOPO_TIMEOUT: str(options.cluster_time_out),
+        envvars.MS_NODE_TIMEOUT: _num(options.node_timeout),
+        envvars.MS_ENABLE_RECOVERY: "1" if options.recovery else "0",
+        envvars.TOOLKIT_JOB: options.job,
+        envvars.OMP_NUM_THREADS: "1",
     }
 
 
 def _dir_env(jd: str) -> dict[str, str]:
     return {
-        E.MS_RECOVERY_PATH: posixpath.join(jd, "recovery"),
-        E.TOOLKIT_TOKEN_FILE: posixpath.join(jd, "token"),
+        envvars.MS_RECOVERY_PATH: posixpath.join(jd, "recovery"),
+        envvars.TOOLKIT_TOKEN_FILE: posixpath.join(jd, "token"),
     }
 
 

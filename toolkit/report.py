@@ -37,9 +37,35 @@ def report_data(ledger: Mapping[str, Any], metrics: Sequence[Mapping[str, Any]])
     it) and the metrics samples (rundoc.read_metrics). Lenient: a field missing or of the wrong type leaves its
     part empty rather than failing (the documents may come from a run still under way)."""
     t0 = _num(ledger.get("started_at")) or 0.0
-    loss: dict[str, dict[str, list[Any]]] = {}
-    rate: dict[str, dict[str, list[Any]]] = {}
-    busy: dict[str, dict[str, list[Any]]] = {}
+    loss, rate, busy = _series(metrics, t0)
+    end = _num(ledger.get("ended_at")) or _num(ledger.get("updated_at")) or t0
+    incidents = [_incident(i, t0) for i in ledger.get("incidents") or [] if isinstance(i, Mapping)]
+    last_step = ledger.get("last_step") if isinstance(ledger.get("last_step"), int) else None
+    goodput = ledger.get("goodput") if isinstance(ledger.get("goodput"), Mapping) else {}
+    return {
+        "job": ledger.get("job"), "world_size": ledger.get("world_size"), "outcome": ledger.get("outcome"),
+        "failure": ledger.get("failure"), "started_at": t0, "duration": round(end - t0, 3),
+        "last_step": last_step, "incident_count": ledger.get("incident_count", len(incidents)),
+        "loss": dict(sorted(loss.items(), key=lambda kv: _rank_key(kv[0]))),
+        "rate": dict(sorted(rate.items(), key=lambda kv: _rank_key(kv[0]))),
+        "busy": dict(sorted(busy.items(), key=lambda kv: _rank_key(kv[0]))),
+        "generations": _generations(ledger, t0, end, incidents, last_step), "incidents": incidents,
+        "stragglers": _stragglers(ledger, t0),
+        "intervals": [dict(i) for i in ledger.get("intervals") or [] if isinstance(i, Mapping)],
+        "goodput": {k: goodput.get(k) for k in ("wall", *BREAKDOWN, "goodput", "basis", "note")},
+    }
+
+
+_Series = dict[str, dict[str, list[Any]]]  # rank -> {axis name: values}
+
+
+def _series(metrics: Sequence[Mapping[str, Any]], t0: float) -> tuple[_Series, _Series, _Series]:
+    """(loss, rate, busy) per rank from the metrics samples, times in seconds since `t0`: each new loss value with
+    its step; steps/s between two samples in a row (None where the rank was gone or rolled back: a gap); each
+    rank's own work per step. Samples or ranks of the wrong shape are left out."""
+    loss: _Series = {}
+    rate: _Series = {}
+    busy: _Series = {}
     previous: dict[str, tuple[float, int]] = {}  # rank -> (t, step) in the sample before, where it was in it
     for sample in metrics:
         t = _num(sample.get("t"))
@@ -56,22 +82,30 @@ def report_data(ledger: Mapping[str, Any], metrics: Sequence[Mapping[str, Any]])
             if value is not None and step >= 1 and (not series["loss"] or series["loss"][-1] != value):
                 series["step"].append(step)  # a new loss sample (taken at about this step)
                 series["loss"].append(value)
-            before = previous.get(rank)
-            r = rate.setdefault(rank, {"t": [], "steps_per_s": []})
-            if before is not None and step >= before[1] and t > before[0]:
-                r["t"].append(round(t - t0, 3))
-                r["steps_per_s"].append(round((step - before[1]) / (t - before[0]), 4))
-            elif r["t"]:  # the rank was gone (dead, replaced) or rolled back: a gap in its line
-                r["t"].append(round(t - t0, 3))
-                r["steps_per_s"].append(None)
+            _add_rate(rate.setdefault(rank, {"t": [], "steps_per_s": []}), previous.get(rank), t, step, t0)
             if own is not None:
                 b = busy.setdefault(rank, {"t": [], "busy": []})
                 b["t"].append(round(t - t0, 3))
                 b["busy"].append(own)
         previous = seen
-    end = _num(ledger.get("ended_at")) or _num(ledger.get("updated_at")) or t0
-    incidents = [_incident(i, t0) for i in ledger.get("incidents") or [] if isinstance(i, Mapping)]
-    last_step = ledger.get("last_step") if isinstance(ledger.get("last_step"), int) else None
+    return loss, rate, busy
+
+
+def _add_rate(r: dict[str, list[Any]], before: tuple[float, int] | None, t: float, step: int, t0: float) -> None:
+    """Append to one rank's steps/s line the rate since `before` (its (t, step) in the sample before); a gap (None)
+    where it was not in that sample or went back in steps, unless the line has not begun."""
+    if before is not None and step >= before[1] and t > before[0]:
+        r["t"].append(round(t - t0, 3))
+        r["steps_per_s"].append(round((step - before[1]) / (t - before[0]), 4))
+    elif r["t"]:  # the rank was gone (dead, replaced) or rolled back: a gap in its line
+        r["t"].append(round(t - t0, 3))
+        r["steps_per_s"].append(None)
+
+
+def _generations(ledger: Mapping[str, Any], t0: float, end: float, incidents: list[dict[str, Any]],
+                 last_step: int | None) -> list[dict[str, Any]]:
+    """Each generation of the ledger with when it formed and until when it ran (the next one's forming, or `end`),
+    in seconds since `t0`, and the steps it trained (`_step_range`)."""
     gens = [g for g in ledger.get("generations") or [] if isinstance(g, Mapping) and _num(g.get("formed_at"))
             and isinstance(g.get("generation"), int)]
     generations = []
@@ -81,22 +115,15 @@ def report_data(ledger: Mapping[str, Any], metrics: Sequence[Mapping[str, Any]])
         generations.append({"generation": number, "start": round(_num(g["formed_at"]) - t0, 3),
                             "end": round(max(until, _num(g["formed_at"])) - t0, 3),
                             **_step_range(number, i == 0, incidents, last_step)})
-    stragglers = [{"rank": s.get("rank"), "node_id": s.get("node_id"), "host": s.get("host"),
-                   "factor": s.get("factor"), "start": round(_num(s.get("since")) - t0, 3),
-                   "end": None if _num(s.get("until")) is None else round(_num(s["until"]) - t0, 3)}
-                  for s in ledger.get("stragglers") or [] if isinstance(s, Mapping) and _num(s.get("since"))]
-    goodput = ledger.get("goodput") if isinstance(ledger.get("goodput"), Mapping) else {}
-    return {
-        "job": ledger.get("job"), "world_size": ledger.get("world_size"), "outcome": ledger.get("outcome"),
-        "failure": ledger.get("failure"), "started_at": t0, "duration": round(end - t0, 3),
-        "last_step": last_step, "incident_count": ledger.get("incident_count", len(incidents)),
-        "loss": dict(sorted(loss.items(), key=lambda kv: _rank_key(kv[0]))),
-        "rate": dict(sorted(rate.items(), key=lambda kv: _rank_key(kv[0]))),
-        "busy": dict(sorted(busy.items(), key=lambda kv: _rank_key(kv[0]))),
-        "generations": generations, "incidents": incidents, "stragglers": stragglers,
-        "intervals": [dict(i) for i in ledger.get("intervals") or [] if isinstance(i, Mapping)],
-        "goodput": {k: goodput.get(k) for k in ("wall", *BREAKDOWN, "goodput", "basis", "note")},
-    }
+    return generations
+
+
+def _stragglers(ledger: Mapping[str, Any], t0: float) -> list[dict[str, Any]]:
+    """The ledger's straggler episodes, their times in seconds since `t0` (end None: still going)."""
+    return [{"rank": s.get("rank"), "node_id": s.get("node_id"), "host": s.get("host"),
+             "factor": s.get("factor"), "start": round(_num(s.get("since")) - t0, 3),
+             "end": None if _num(s.get("until")) is None else round(_num(s["until"]) - t0, 3)}
+            for s in ledger.get("stragglers") or [] if isinstance(s, Mapping) and _num(s.get("since"))]
 
 
 def goodput_text(goodput: Mapping[str, Any]) -> str:
@@ -155,20 +182,41 @@ def draw(data: Mapping[str, Any], out: Path) -> Any:
 
     fig = Figure(figsize=FIGSIZE, dpi=DPI, layout="constrained")
     ax_loss, ax_rate, ax_good = fig.subplots(3, 1, height_ratios=[3, 3, 1])
+    fig.suptitle(_title(data))
+    _shade_generations(ax_loss, ax_rate, data["generations"])
+    for rank, s in data["loss"].items():
+        ax_loss.plot(s["step"], s["loss"], lw=1, label=f"rank {rank}", gid=f"loss-rank-{rank}")
+    _mark_incidents(ax_loss, ax_rate, data["incidents"])
+    _label_loss(ax_loss, bool(data["loss"]))
+    _draw_rates(ax_rate, data)
+    _draw_goodput(ax_good, data["goodput"])
+    fig.savefig(out)
+    return fig
+
+
+def _title(data: Mapping[str, Any]) -> str:
+    """The figure's title: the job, its size, generations, incidents, goodput and outcome ("running": none yet)."""
     title = f"job {data.get('job')}: {data.get('world_size')} ranks, {len(data['generations'])} generation(s), " \
             f"{len(data['incidents'])} incident(s)"
     title += f", goodput {goodput_text(data['goodput'])}"
-    fig.suptitle(title + (f" ({data['outcome']})" if data.get("outcome") else " (running)"))
+    return title + (f" ({data['outcome']})" if data.get("outcome") else " (running)")
 
-    for n, g in enumerate(data["generations"]):
+
+def _shade_generations(ax_loss: Any, ax_rate: Any, generations: Sequence[Mapping[str, Any]]) -> None:
+    """Shade each generation, in alternating colours: over the steps it trained on the loss panel (where known),
+    over the time it ran on the rate panel."""
+    for n, g in enumerate(generations):
         shade = "#eeeeee" if n % 2 else "#dde7f3"
         if g["first_step"] is not None and g["last_step"] is not None:
             ax_loss.axvspan(g["first_step"], g["last_step"], color=shade, zorder=0,
                             label=f"generation {g['generation']}", gid=f"generation-{g['generation']}")
         ax_rate.axvspan(g["start"], g["end"], color=shade, zorder=0, gid=f"generation-{g['generation']}")
-    for rank, s in data["loss"].items():
-        ax_loss.plot(s["step"], s["loss"], lw=1, label=f"rank {rank}", gid=f"loss-rank-{rank}")
-    for inc in data["incidents"]:
+
+
+def _mark_incidents(ax_loss: Any, ax_rate: Any, incidents: Sequence[Mapping[str, Any]]) -> None:
+    """Mark each incident, labelled with its number and cause: at its step on the loss panel, at when it failed on
+    the rate panel, with its recovery as a span."""
+    for inc in incidents:
         label = f"#{inc['number']} {inc['cause']}"
         if inc["step"] is not None:
             ax_loss.axvline(inc["step"], color="red", ls="--", lw=1, gid=f"incident-{inc['number']}")
@@ -181,13 +229,22 @@ def draw(data: Mapping[str, Any], out: Path) -> Any:
                                 gid=f"recovery-{inc['number']}")
             ax_rate.annotate(label, (inc["failed"], 1), xycoords=("data", "axes fraction"), rotation=90, va="top",
                              ha="right", fontsize=8, color="red")
-    if not data["loss"]:
+
+
+def _label_loss(ax_loss: Any, any_loss: bool) -> None:
+    """The loss panel's axis labels and legend, or, when no rank reported a loss, a note saying how to get one."""
+    if not any_loss:
         ax_loss.text(0.5, 0.5, "no loss reported: toolkit.train.report(step, loss=...) in the script draws it here",
                      transform=ax_loss.transAxes, ha="center", va="center", color="gray", gid="no-loss")
     ax_loss.set_xlabel("step")
     ax_loss.set_ylabel("loss")
     if ax_loss.get_legend_handles_labels()[0]:  # no loss reported and no generation: no legend (matplotlib warns)
         ax_loss.legend(fontsize=7, ncol=4, loc="best")
+
+
+def _draw_rates(ax_rate: Any, data: Mapping[str, Any]) -> None:
+    """The rate panel's lines: steps/s per rank, each rank's own work per step (dotted, on a second axis), the
+    straggler episodes as spans naming the rank, host and factor; then its labels and legend."""
     for rank, s in data["rate"].items():
         ax_rate.plot(s["t"], [math.nan if v is None else v for v in s["steps_per_s"]], lw=1, label=f"rank {rank}",
                      gid=f"rate-rank-{rank}")
@@ -207,18 +264,20 @@ def draw(data: Mapping[str, Any], out: Path) -> Any:
     if data["rate"]:
         ax_rate.legend(fontsize=7, ncol=4, loc="best")
 
+
+def _draw_goodput(ax_good: Any, goodput: Mapping[str, Any]) -> None:
+    """The goodput panel: one bar of the wall time split into BREAKDOWN's parts, each labelled with its seconds
+    and share."""
     left = 0.0
-    wall = data["goodput"].get("wall") or 0.0
+    wall = goodput.get("wall") or 0.0
     for part in BREAKDOWN:
-        seconds = data["goodput"].get(part) or 0.0
+        seconds = goodput.get(part) or 0.0
         ax_good.barh([0], [seconds], left=left, color=COLORS[part], gid=f"goodput-{part}",
                      label=f"{part} {seconds:.1f} s" + (f" ({seconds / wall:.1%})" if wall else ""))
         left += seconds
     ax_good.set_yticks([])
     ax_good.set_xlabel("wall time, s")
     ax_good.legend(fontsize=7, ncol=len(BREAKDOWN), loc="upper center", bbox_to_anchor=(0.5, -0.6))
-    fig.savefig(out)
-    return fig
 
 
 def summary_tables(data: Mapping[str, Any]) -> list[Table]:

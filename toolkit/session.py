@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from toolkit import protocol as P
+from toolkit import protocol
 
 
 class ClosedEarly(ConnectionError):
@@ -30,13 +30,13 @@ class Session:
     fenced), `queued` what came with it."""
 
     sock: socket.socket
-    lines: P.LineBuffer
+    lines: protocol.LineBuffer
     reply: dict[str, Any]
     queued: list[dict[str, Any]] = field(default_factory=list)
 
 
 def open_session(address: tuple[str, int], token: str, op: str, fields: dict[str, Any], timeout: float,
-                 connect_timeout: float, limit: int = P.MAX_LINE) -> Session:
+                 connect_timeout: float, limit: int = protocol.MAX_LINE) -> Session:
     """Connect to `address` (host, port) and say `op` (register, agent_hello, store_hello) with `fields`, bounded
     by `timeout` for the whole exchange. OSError for the network, ProtocolError for a peer that does not speak the
     protocol, Unproven for one that cannot prove the token.
@@ -50,7 +50,7 @@ def open_session(address: tuple[str, int], token: str, op: str, fields: dict[str
     sock = socket.create_connection(address, timeout=connect_timeout)
     try:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        lines = P.LineBuffer(limit)
+        lines = protocol.LineBuffer(limit)
         pending: list[dict[str, Any]] = []
 
         def next_message() -> dict[str, Any]:
@@ -64,12 +64,12 @@ def open_session(address: tuple[str, int], token: str, op: str, fields: dict[str
                 pending.extend(lines.feed(data))
             return pending.pop(0)
 
-        server_nonce = P.challenge_nonce(next_message())
-        hello, client_nonce = P.hello(op, token, server_nonce, **fields)
+        server_nonce = protocol.challenge_nonce(next_message())
+        hello, client_nonce = protocol.hello(op, token, server_nonce, **fields)
         sock.sendall(hello)
         reply = next_message()
-        if not P.check_server(token, server_nonce, client_nonce, reply):
-            said = (f"it said: {str(reply.get('reason'))[:300]}" if reply.get("op") == P.REJECT
+        if not protocol.check_server(token, server_nonce, client_nonce, reply):
+            said = (f"it said: {str(reply.get('reason'))[:300]}" if reply.get("op") == protocol.REJECT
                     else f"{str(reply.get('op'))[:40]} without a proof")
             raise Unproven(f"the answer did not prove the job token ({said}); a wrong token on this host, or not "
                            "this job's scheduler")

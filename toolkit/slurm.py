@@ -17,7 +17,7 @@ from typing import Mapping
 
 import hostlist
 
-from toolkit import envvars as E
+from toolkit import envvars
 from toolkit.inventory import MAX_SLOTS, Host, Inventory, InventoryError, check_name
 
 _FIX = "give the hosts with --hosts, --hostfile or --inventory instead"
@@ -29,7 +29,7 @@ class SlurmError(InventoryError):
 
 def in_allocation(environ: Mapping[str, str]) -> bool:
     """True when `environ` is a Slurm allocation's (SLURM_JOB_NODELIST set): its hosts are the default source."""
-    return bool(environ.get(E.SLURM_JOB_NODELIST, "").strip())
+    return bool(environ.get(envvars.SLURM_JOB_NODELIST, "").strip())
 
 
 def slurm_inventory(environ: Mapping[str, str]) -> Inventory:
@@ -37,11 +37,11 @@ def slurm_inventory(environ: Mapping[str, str]) -> Inventory:
     SLURM_TASKS_PER_NODE matched to them in order; without it every host gets SLURM_NTASKS_PER_NODE slots, and
     without that 1. Raises SlurmError outside an allocation, for a hostlist or tasks-per-node list that does not
     parse, for counts that do not match the hosts, and for a host name toolkit does not accept."""
-    nodelist = environ.get(E.SLURM_JOB_NODELIST, "").strip()
+    nodelist = environ.get(envvars.SLURM_JOB_NODELIST, "").strip()
     if not nodelist:
-        raise SlurmError(f"--slurm: {E.SLURM_JOB_NODELIST} is not set, so this is not a Slurm allocation; run fleet "
-                         f"inside one (salloc, sbatch) or {_FIX}")
-    where = f"{E.SLURM_JOB_NODELIST}={nodelist!r}"
+        raise SlurmError(f"--slurm: {envvars.SLURM_JOB_NODELIST} is not set, so this is not a Slurm allocation; run "
+                         f"fleet inside one (salloc, sbatch) or {_FIX}")
+    where = f"{envvars.SLURM_JOB_NODELIST}={nodelist!r}"
     try:
         names = hostlist.expand_hostlist(nodelist)
     except hostlist.BadHostlist as e:
@@ -52,7 +52,7 @@ def slurm_inventory(environ: Mapping[str, str]) -> Inventory:
     for name in names:
         check_name(name, where)
     slots, slots_from = _slots(environ, len(names))
-    job_id = environ.get(E.SLURM_JOB_ID, "").strip()
+    job_id = environ.get(envvars.SLURM_JOB_ID, "").strip()
     source = f"Slurm job {job_id}" if job_id else "the Slurm allocation"
     allocation = f"the allocation of Slurm job {job_id}" if job_id else "the Slurm allocation (no SLURM_JOB_ID)"
     hosts = tuple(Host(name=name, slots=n) for name, n in zip(names, slots, strict=True))
@@ -63,26 +63,26 @@ def slurm_inventory(environ: Mapping[str, str]) -> Inventory:
 
 def _slots(environ: Mapping[str, str], count: int) -> tuple[list[int], str]:
     """Slots of each of `count` hosts, and where they came from (said in the plan)."""
-    tasks = environ.get(E.SLURM_TASKS_PER_NODE, "").strip()
+    tasks = environ.get(envvars.SLURM_TASKS_PER_NODE, "").strip()
     if tasks:
-        where = f"{E.SLURM_TASKS_PER_NODE}={tasks!r}"
+        where = f"{envvars.SLURM_TASKS_PER_NODE}={tasks!r}"
         try:
             slots = hostlist.parse_slurm_tasks_per_node(tasks)
         except hostlist.BadHostlist:
             raise SlurmError(f"{where}: not a Slurm tasks-per-node list (counts like 4(x3),2); correct or unset it, "
                              f"or {_FIX}") from None
         if len(slots) != count:
-            raise SlurmError(f"{where} gives tasks for {len(slots)} host(s), but {E.SLURM_JOB_NODELIST} names "
+            raise SlurmError(f"{where} gives tasks for {len(slots)} host(s), but {envvars.SLURM_JOB_NODELIST} names "
                              f"{count}: both must come from the same allocation; correct or unset the one set by "
                              f"hand, or {_FIX}")
         if not all(1 <= n <= MAX_SLOTS for n in slots):
             raise SlurmError(f"{where}: every host of the allocation needs 1 to {MAX_SLOTS} tasks; correct or unset "
                              f"it, or {_FIX}")
         return slots, where
-    per_node = environ.get(E.SLURM_NTASKS_PER_NODE, "").strip()
+    per_node = environ.get(envvars.SLURM_NTASKS_PER_NODE, "").strip()
     if per_node:
-        where = f"{E.SLURM_NTASKS_PER_NODE}={per_node!r}"
+        where = f"{envvars.SLURM_NTASKS_PER_NODE}={per_node!r}"
         if not re.fullmatch(r"[0-9]+", per_node) or not 1 <= int(per_node) <= MAX_SLOTS:
             raise SlurmError(f"{where}: expected a whole number from 1 to {MAX_SLOTS}; correct or unset it")
         return [int(per_node)] * count, where
-    return [1] * count, f"neither {E.SLURM_TASKS_PER_NODE} nor {E.SLURM_NTASKS_PER_NODE}: 1 per host"
+    return [1] * count, f"neither {envvars.SLURM_TASKS_PER_NODE} nor {envvars.SLURM_NTASKS_PER_NODE}: 1 per host"

@@ -20,7 +20,7 @@ import os
 import stat
 from pathlib import Path
 
-from toolkit import protocol as P
+from toolkit import protocol
 from toolkit.procs import ExitStatus
 
 MAX_ERROR_FILE = 256 << 10  # bytes read of an error file (a traceback is in it); the rest is ignored
@@ -56,7 +56,7 @@ def read_error_file(path: Path) -> str | None:
         message = message.get("message")
     if not isinstance(message, str) or not message.strip():
         return None
-    return P.one_line(message)
+    return protocol.one_line(message)
 
 
 def first_cause(status: ExitStatus, message: str | None, fenced: str | None) -> str | None:
@@ -65,7 +65,7 @@ def first_cause(status: ExitStatus, message: str | None, fenced: str | None) -> 
     (the script's own word, first whatever ended the process afterwards); `fenced`: the scheduler's cause when the
     agent signalled the process to fence it (it counts only when a signal ended it: a process that exited on its
     own first gave its own status)."""
-    if status.ok or status.code in (P.EXIT_FENCED, P.EXIT_REJOIN):
+    if status.ok or status.code in (protocol.EXIT_FENCED, protocol.EXIT_REJOIN):
         return None
     if message:
         return f"{message} ({status.describe()})"

@@ -27,8 +27,7 @@ import socket
 import sys
 from typing import Any, Callable
 
-from toolkit import hostspec, procs
-from toolkit import protocol as P
+from toolkit import hostspec, procs, protocol
 from toolkit.agent import policy
 from toolkit.agent.control import CLIENT_TIMEOUT
 from toolkit.agent.link import LINK_CONNECT_TIMEOUT
@@ -339,14 +338,14 @@ def replace(spec: HostSpec, host: str, spare: str | None) -> int:
     where = f"{spec.sched_host}:{spec.sched_port}"
     try:
         token = spec.token_file.read_text(encoding="utf-8").strip()
-        session = open_session((spec.sched_host, spec.sched_port), token, P.REPLACE,
+        session = open_session((spec.sched_host, spec.sched_port), token, protocol.REPLACE,
                                {"node_id": "operator", "host": host, "spare": spare}, REPLACE_TIMEOUT,
                                min(REPLACE_TIMEOUT, LINK_CONNECT_TIMEOUT))
-    except (OSError, P.ProtocolError, Unproven) as e:
+    except (OSError, protocol.ProtocolError, Unproven) as e:
         raise UserError(f"cannot ask the scheduler at {where} to replace {host}: {e}; is the job running?") from None
     session.sock.close()
     reply = session.reply
-    if reply.get("op") != P.WELCOME:
+    if reply.get("op") != protocol.WELCOME:
         print(f"{spec.host}: the scheduler refused: {str(reply.get('reason'))[:2000]}", file=sys.stderr)
         return EXIT_FAILED
     nodes = ", ".join(str(n) for n in reply.get("node_ids") or [])

@@ -11,7 +11,7 @@ import socket
 import time
 from typing import Any, Callable
 
-from toolkit import protocol as P
+from toolkit import protocol
 from toolkit.agent.log import AgentLog
 from toolkit.agent.timers import Timer, Timers
 from toolkit.hostspec import HostSpec
@@ -48,7 +48,7 @@ class SchedulerLink:
         self.since = time.time()
         self.queue: list[tuple[str | None, bytes]] = []  # (node_id of a coalescible exited report, message)
         self.wbuf = bytearray()
-        self.lines = P.LineBuffer()
+        self.lines = protocol.LineBuffer()
         self.retry: Timer | None = None
         self.connect_timer: Timer | None = None
         self.beat_timer: Timer | None = None
@@ -72,7 +72,7 @@ class SchedulerLink:
         the latest while the scheduler is unreachable. At most QUEUE_LIMIT reports wait; beyond that the oldest is
         dropped. Delivery is at most once: a report already moved to a connection that then drops is not sent again (the
         scheduler also learns of a death when its heartbeats stop)."""
-        msg = P.encode(op, **fields)
+        msg = protocol.encode(op, **fields)
         if coalesce is not None:
             self.queue = [q for q in self.queue if q[0] != coalesce]
         self.queue.append((coalesce, msg))
@@ -107,7 +107,7 @@ class SchedulerLink:
             self._down(os.strerror(err))
             return
         self.sock = sock
-        self.lines = P.LineBuffer()
+        self.lines = protocol.LineBuffer()
         self.nonces = None
         self._set("connecting")
         self.sel.register(sock, selectors.EVENT_WRITE, self._on_event)
@@ -143,7 +143,7 @@ class SchedulerLink:
                     for msg in messages:
                         if not self._handle(msg) or self.sock is None:
                             return
-                except P.ProtocolError as e:
+                except protocol.ProtocolError as e:
                     self._drop(f"bad message from the scheduler: {e}")
                     return
         if mask & selectors.EVENT_WRITE and self.sock is not None:
@@ -152,13 +152,13 @@ class SchedulerLink:
     def _handle(self, msg: dict[str, Any]) -> bool:
         """One message; False once the link was dropped."""
         if self.state == "connecting":
-            server_nonce = P.challenge_nonce(msg)
+            server_nonce = protocol.challenge_nonce(msg)
             try:
                 token = self.spec.token_file.read_text(encoding="utf-8").strip()
             except OSError as e:
                 self._drop(f"cannot read the job token {self.spec.token_file}: {e}")
                 return False
-            hello, nonce = P.hello(P.AGENT_HELLO, token, server_nonce, **self.hello_fields())
+            hello, nonce = protocol.hello(protocol.AGENT_HELLO, token, server_nonce, **self.hello_fields())
             self.nonces = (server_nonce, nonce)
             self.token = token
             self.wbuf = bytearray(hello)
@@ -168,13 +168,14 @@ class SchedulerLink:
         if self.state == "hello":
             if self.nonces is None:  # a hello is sent with its nonces: this is a bug, not input
                 raise RuntimeError("scheduler link in state hello without nonces")
-            if not P.check_server(self.token, *self.nonces, msg):
-                reason = str(msg.get("reason"))[:300] if msg.get("op") == P.REJECT else f"{msg['op'][:40]} unproven"
+            if not protocol.check_server(self.token, *self.nonces, msg):
+                reason = (str(msg.get("reason"))[:300] if msg.get("op") == protocol.REJECT
+                          else f"{msg['op'][:40]} unproven")
                 self.log("agent", f"the scheduler's answer did not prove the job token ({reason}): a wrong token "
                                   "here, or not this job's scheduler")
                 self._drop("unproven answer", LINK_REJECTED_RETRY)
                 return False
-            if msg["op"] == P.REJECT:
+            if msg["op"] == protocol.REJECT:
                 self.log("agent", f"the scheduler rejected this agent: {str(msg.get('reason'))[:300]}")
                 self._drop("rejected", LINK_REJECTED_RETRY)
                 return False
@@ -216,7 +217,7 @@ class SchedulerLink:
         self.beat_timer = None
         if self.closed or self.state != "up" or self.sock is None:
             return
-        self.wbuf += P.encode(P.HEARTBEAT, **self.beat_fields())
+        self.wbuf += protocol.encode(protocol.HEARTBEAT, **self.beat_fields())
         self._pump()
         if not self.closed and self.state == "up":
             self.beat_timer = self.timers.after(HEARTBEAT_INTERVAL, self._beat)
@@ -269,11 +270,11 @@ class SchedulerLink:
             try:
                 token = self.spec.token_file.read_text(encoding="utf-8").strip()
                 fields = self.hello_fields()
-                session = open_session((self.spec.sched_host, self.spec.sched_port), token, P.AGENT_HELLO, fields,
-                                       timeout, min(timeout, LINK_CONNECT_TIMEOUT))
-            except (OSError, P.ProtocolError, Unproven):
+                session = open_session((self.spec.sched_host, self.spec.sched_port), token, protocol.AGENT_HELLO,
+                                       fields, timeout, min(timeout, LINK_CONNECT_TIMEOUT))
+            except (OSError, protocol.ProtocolError, Unproven):
                 return False
-            if session.reply.get("op") != P.WELCOME:
+            if session.reply.get("op") != protocol.WELCOME:
                 session.sock.close()
                 return False
             self.sock = session.sock

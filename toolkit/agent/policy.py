@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Collection, Mapping, Sequence
 
-from toolkit import protocol as P
+from toolkit import protocol
 from toolkit.hostspec import RestartPolicy
 
 
@@ -93,9 +93,9 @@ def on_exit(policy: RestartPolicy, e: Exited, how: str) -> Settle | Relaunch | S
         return Relaunch("restart requested by the operator", 0.0, e.counted)
     if e.code == 0:
         return Succeeded(e.others_succeeded)
-    if e.code == P.EXIT_FATAL:
+    if e.code == protocol.EXIT_FATAL:
         return GiveUp(e.counted)  # the worker found the job cannot go on correctly: a restart would hide it
-    if e.code in (P.EXIT_FENCED, P.EXIT_REJOIN):
+    if e.code in (protocol.EXIT_FENCED, protocol.EXIT_REJOIN):
         # Not the process's fault: the scheduler fenced a stale incarnation, or a wrapped torchrun-style script
         # left a broken generation. Relaunch at once, outside the crash budget.
         return Relaunch(f"relaunch after {how}", 0.0, e.counted)
@@ -180,7 +180,7 @@ def on_scheduler(msg: Mapping[str, Any], running: Mapping[str, int], closing: bo
     a reconnect) are left out, and with none left it is ignored; anything else is ignored. Strings taken from the
     message are cut to a bounded length. `running` maps node ids to the pid of their running incarnation."""
     op = msg["op"]
-    if op == P.TAKEOVER:
+    if op == protocol.TAKEOVER:
         host, node_ids = str(msg.get("host"))[:256], msg.get("node_ids")
         if not isinstance(node_ids, list) or not node_ids or len(node_ids) > 4096:
             return Ignore(f"ignored a malformed takeover of {host}")
@@ -195,13 +195,13 @@ def on_scheduler(msg: Mapping[str, Any], running: Mapping[str, int], closing: bo
         if not new:
             return Ignore(f"already took over {host} ({', '.join(names)})")
         return TakeOver(host, new)
-    if op == P.KILL:
-        node_id, pid = str(msg.get("node_id"))[:256], P.whole(dict(msg), "pid")
+    if op == protocol.KILL:
+        node_id, pid = str(msg.get("node_id"))[:256], protocol.whole(dict(msg), "pid")
         if node_id not in running or (pid is not None and pid != running[node_id]):
             return Ignore(f"scheduler asked to kill {node_id} pid {pid}: not running here")
-        return Kill(node_id, P.cause_field(dict(msg)) or "declared dead")
-    if op == P.STOP:
+        return Kill(node_id, protocol.cause_field(dict(msg)) or "declared dead")
+    if op == protocol.STOP:
         return StopJob(str(msg.get("reason") or "no reason given")[:2000])
-    if op == P.FINISHED:
+    if op == protocol.FINISHED:
         return Ignore("already closing") if closing else FinishJob()
     return Ignore(f"ignored a {str(op)[:40]!r} message from the scheduler")

@@ -19,9 +19,7 @@ import subprocess
 import time
 from typing import Callable
 
-from toolkit import envvars as E
-from toolkit import procs
-from toolkit import protocol as P
+from toolkit import envvars, procs, protocol
 from toolkit.agent import causes, openfiles, policy
 from toolkit.agent.log import AgentLog, iso, log_tail
 from toolkit.agent.slots import EXIT_HISTORY, Slot, cpu_sets
@@ -144,16 +142,16 @@ class Processes:
             return
         n = slot.launches
         env = dict(self.base_env)
-        env[E.TORCHELASTIC_RESTART_COUNT] = str(n)
+        env[envvars.TORCHELASTIC_RESTART_COUNT] = str(n)
         slot.error_file, slot.fenced = causes.error_file(self.spec.errors_dir, slot.spec.node_id, n), None
         with contextlib.suppress(OSError):
             slot.error_file.unlink(missing_ok=True)
-        env[E.TORCHELASTIC_ERROR_FILE] = str(slot.error_file)
+        env[envvars.TORCHELASTIC_ERROR_FILE] = str(slot.error_file)
         trouble = slot.fresh_steps()
         if trouble:
             self.log(slot.spec.node_id, trouble)
         if slot.step_file is not None:
-            env[E.TOOLKIT_STEP_FILE] = str(slot.step_file)
+            env[envvars.TOOLKIT_STEP_FILE] = str(slot.step_file)
         marker = (f"--- toolkit agent {self.spec.host}: start {slot.spec.node_id} #{n + 1} ({why}) "
                   f"at {iso(time.time())} ---")
         child = self.warm.take(slot.spec, slot.cpus, env, marker)
@@ -251,7 +249,7 @@ class Processes:
             slot.kill_timer.cancel()
             slot.kill_timer = None
         if pid is not None:
-            self.report(P.EXITED, coalesce=slot.spec.node_id, node_id=slot.spec.node_id, pid=pid,
+            self.report(protocol.EXITED, coalesce=slot.spec.node_id, node_id=slot.spec.node_id, pid=pid,
                         code=status.code, signal=status.signal_name, cause=cause)
         others = [s for s in self.slots.values() if s is not slot]
         facts = policy.Exited(
@@ -291,7 +289,7 @@ class Processes:
         slot.counted = reaction.counted
         if manual:
             self.log(node, f"pid {pid} ended ({how}) for the requested restart")
-        elif status.code in (P.EXIT_FENCED, P.EXIT_REJOIN):
+        elif status.code in (protocol.EXIT_FENCED, protocol.EXIT_REJOIN):
             self.log(node, f"pid {pid} {how} (told to by the scheduler); relaunching now")
         else:
             budget = f"restart {reaction.counted} of {self.spec.policy.max_restarts}"
@@ -330,7 +328,7 @@ class Processes:
                                f"{n} allowed restart(s) are used up; last {len(tail)} lines of {spec.log_file}:")
         for line in tail:
             self.log(spec.node_id, f"| {line}")
-        self.report(P.GAVE_UP, node_id=spec.node_id, code=status.code, signal=status.signal_name, cause=cause,
+        self.report(protocol.GAVE_UP, node_id=spec.node_id, code=status.code, signal=status.signal_name, cause=cause,
                          log_tail="\n".join(tail)[-GAVE_UP_TAIL_BYTES:])
         self.finish("failed", reason)
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from toolkit import protocol as P
+from toolkit import protocol
 
 READS_PER_WAKE = 256  # datagrams read per wake-up of the loop
 MAX_DATAGRAM = 4096  # bytes of one datagram read (the rest of a longer one is discarded by the kernel)
@@ -49,8 +49,8 @@ def parse(data: bytes) -> Report | None:
     return Report(msg["node_id"],
                   step if isinstance(step, int) and not isinstance(step, bool) else None,
                   epoch if isinstance(epoch, int) else None,
-                  recovery if isinstance(recovery, str) and recovery in (P.RECOVERY_IN_PLACE, P.RECOVERY_RESTART)
-                  else None)
+                  recovery if isinstance(recovery, str)
+                  and recovery in (protocol.RECOVERY_IN_PLACE, protocol.RECOVERY_RESTART) else None)
 
 
 class ProgressInbox:

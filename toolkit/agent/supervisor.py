@@ -24,9 +24,7 @@ import sys
 import time
 from typing import Any, Callable
 
-from toolkit import agentdoc, atomicfile, netif, procs
-from toolkit import envvars as E
-from toolkit import protocol as P
+from toolkit import agentdoc, atomicfile, envvars, netif, procs, protocol
 from toolkit.agent import openfiles, policy
 from toolkit.agent.control import ControlServer
 from toolkit.agent.docwriter import DocWriter
@@ -87,11 +85,12 @@ class Agent:
         self.ticks = procs.start_ticks(self.pid)
         self.started = time.time()
         self.base_env = dict(os.environ)  # a copy: the agent's own environment is never written
-        if E.GLOO_SOCKET_IFNAME not in self.base_env:  # gloo's own choice is loopback where the hostname misleads
+        if envvars.GLOO_SOCKET_IFNAME not in self.base_env:  # gloo's own choice is loopback where the hostname misleads
             interface = netif.interface_toward(spec.sched_host, spec.sched_port)
             if interface is not None:
-                self.base_env[E.GLOO_SOCKET_IFNAME] = interface
-        for name in (E.GLOO_ENABLE_STORE_V2_API, E.GLOO_ENABLE_RANK_AS_SEQUENCE_NUMBER):  # bootstrap: O(N/128) requests
+                self.base_env[envvars.GLOO_SOCKET_IFNAME] = interface
+        # gloo's bootstrap in O(N/128) requests
+        for name in (envvars.GLOO_ENABLE_STORE_V2_API, envvars.GLOO_ENABLE_RANK_AS_SEQUENCE_NUMBER):
             self.base_env.setdefault(name, "1")
         self.warm = WarmSpare(spec, self.sel, self.timers, log, self.base_env,
                               template=lambda: next(s.spec for s in self.processes.slots.values() if s.spec.is_worker),
@@ -272,7 +271,7 @@ class Agent:
         reaction = policy.on_scheduler(msg, running, self.closing, [p.node_id for p in self.spec.standby],
                                        list(self.processes.slots))
         if isinstance(reaction, policy.TakeOver):
-            self._take_over(reaction, P.whole(msg, "seq"))
+            self._take_over(reaction, protocol.whole(msg, "seq"))
         elif isinstance(reaction, policy.Kill):
             self.processes.fence(reaction.node_id, reaction.cause)
         elif isinstance(reaction, policy.StopJob):

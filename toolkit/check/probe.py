@@ -79,31 +79,12 @@ def manifest(path, exclude=(), cache_dir=CACHE_DIR):
     root = os.path.realpath(os.path.expanduser(path))
     if not os.path.exists(root):
         return {"error": "missing"}
-    entries = []
-    if os.path.isfile(root):
-        entries.append((os.path.basename(root), root))
-    else:
-        for top, dirs, files in os.walk(root):
-            dirs[:] = sorted(d for d in dirs if not _excluded(d, exclude))
-            for name in sorted(files):
-                full = os.path.join(top, name)
-                rel = os.path.relpath(full, root)
-                if _excluded(rel, exclude):
-                    continue
-                if os.path.islink(full) and not os.path.realpath(full).startswith(root + os.sep):
-                    continue
-                entries.append((rel, full))
+    entries = _entries(root, exclude)
     cache_file = None
     cache = {}
     if cache_dir is not None:
         cache_file = os.path.join(os.path.expanduser(cache_dir), hashlib.sha256(root.encode()).hexdigest() + ".json")
-        try:
-            with open(cache_file) as f:
-                cache = json.load(f)
-            if not isinstance(cache, dict):
-                cache = {}
-        except (OSError, ValueError):
-            cache = {}
+        cache = _read_cache(cache_file)
     fresh = {}
     hashed = total = 0
     digest = hashlib.sha256()
@@ -122,15 +103,50 @@ def manifest(path, exclude=(), cache_dir=CACHE_DIR):
         total += st.st_size
         digest.update(f"{rel}\0{st.st_size}\0{sha}\n".encode())
     if cache_file is not None and fresh != cache:
-        try:
-            os.makedirs(os.path.dirname(cache_file), mode=0o700, exist_ok=True)
-            tmp = f"{cache_file}.{os.getpid()}.tmp"
-            with open(tmp, "w") as f:
-                json.dump(fresh, f)
-            os.replace(tmp, cache_file)
-        except OSError:
-            pass
+        _write_cache(cache_file, fresh)
     return {"files": len(entries), "bytes": total, "digest": digest.hexdigest(), "hashed": hashed}
+
+
+def _entries(root, exclude):
+    """[(path relative to `root`, full path)] of the files a manifest covers: `root` itself if it is a file, else
+    every file of the tree in walk order, less names matching `exclude` and symlinks that lead out of the tree."""
+    if os.path.isfile(root):
+        return [(os.path.basename(root), root)]
+    entries = []
+    for top, dirs, files in os.walk(root):
+        dirs[:] = sorted(d for d in dirs if not _excluded(d, exclude))
+        for name in sorted(files):
+            full = os.path.join(top, name)
+            rel = os.path.relpath(full, root)
+            if _excluded(rel, exclude):
+                continue
+            if os.path.islink(full) and not os.path.realpath(full).startswith(root + os.sep):
+                continue
+            entries.append((rel, full))
+    return entries
+
+
+def _read_cache(cache_file):
+    """The cached {rel: [size, mtime_ns, sha256]} of one tree; {} when there is none or it is damaged."""
+    try:
+        with open(cache_file) as f:
+            cache = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return cache if isinstance(cache, dict) else {}
+
+
+def _write_cache(cache_file, fresh):
+    """Replace the cache with `fresh`, atomically (a temp file renamed over it); failing to write is no error: the
+    next check reads the files again."""
+    try:
+        os.makedirs(os.path.dirname(cache_file), mode=0o700, exist_ok=True)
+        tmp = f"{cache_file}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(fresh, f)
+        os.replace(tmp, cache_file)
+    except OSError:
+        pass
 
 
 def _listener(port):

@@ -8,15 +8,15 @@ mode), reuses the job's token (so running processes keep their scheduler), and r
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import posixpath
 import socket
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
-from toolkit import agentdoc, jobrecord, privatedir
-from toolkit import envvars as E
+from toolkit import agentdoc, envvars, jobrecord, privatedir
 from toolkit.errors import UserError
 from toolkit.jobhosts.output import human_size, relative, say
 from toolkit.jobhosts.reach import STATUS_TIMEOUT, fan_out, ssh_settings
@@ -66,15 +66,7 @@ def deploy(settings: Settings) -> JobRecord:
         say(f"note: {settings.inventory.note}")
     ssh = ssh_settings(settings)
     targets = [Target.of(h.host, local=plan.local) for h in plan.hosts]
-
-    def prepare(host: Host) -> str:
-        """Preflight the host and return its workdir as an absolute path with symlinks resolved."""
-        hp = plan.host_plan(host.name)
-        workdir = hp.job_dir.rsplit("/", 1)[0]
-        host.preflight(hp.python, workdir)
-        return host.run(["sh", "-c", 'cd -- "$1" && pwd -P', "sh", workdir], check=True).stdout.strip()
-
-    workdirs = fan_out("checking hosts", targets, prepare, ssh)
+    workdirs = fan_out("checking hosts", targets, functools.partial(_prepare, plan), ssh)
     inventory = settings.inventory.with_hosts(
         replace(settings.inventory.host(name), workdir=path) for name, path in workdirs.items()
     )
@@ -85,35 +77,52 @@ def deploy(settings: Settings) -> JobRecord:
     # deploy puts the job, never at an earlier deploy's job directories as if they were this one's.
     record = job_record(plan, settings, identity.job_id)
     jobrecord.save(settings.project, replace(record, deployed=False), typed_in=Path.cwd())
-
-    def upload(host: Host) -> SyncStats:
-        """The job's layout and rendered files, then (remote hosts only) the project, mirrored with delete."""
-        hp = plan.host_plan(host.name)
-        stats = _upload_rendered(host, hp.job_dir, render_host(plan, hp, token), identity, plan.job)
-        if not plan.local:
-            stats = _sum_stats([stats, host.sync_dir(settings.project, f"{hp.job_dir}/project",
-                                                     exclude=PROJECT_EXCLUDE, delete=True)])
-        _check_ckpt_dir(host, hp, settings.options.ckpt_dir)
-        return stats
-
-    def line(r: HostResult[SyncStats]) -> str:
-        """A host's progress line: what it was sent, or its error."""
-        if not r.ok or r.value is None:
-            return f"{r.error}"
-        s = r.value
-        return (f"{r.host}: {s.files_sent} file(s) sent ({human_size(s.bytes_sent)}), {s.files_unchanged} unchanged"
-                + (f", {s.removed} removed" if s.removed else "") + f" ({r.seconds:.1f} s)")
-
-    stats = fan_out("deploying", targets, upload, ssh, line=line)
-    outside = sorted({name for st in stats.values() for name in st.outside})
-    if outside:
-        say(f"not copied: {len(outside)} symlink(s) pointing out of {settings.project} ({', '.join(outside[:5])}"
-             + (", ..." if len(outside) > 5 else "") + "): toolkit never follows a link out of the project")
+    stats = fan_out("deploying", targets, functools.partial(_upload, plan, settings, token, identity), ssh,
+                    line=_sent_line)
+    _say_not_copied(stats.values(), settings.project)
     path = jobrecord.save(settings.project, record, typed_in=Path.cwd())
     total = _sum_stats(stats.values())
     say(f"deployed job {plan.job} to {len(stats)} host(s): {total.files_sent} file(s) sent "
          f"({human_size(total.bytes_sent)}), {total.files_unchanged} unchanged; job record {relative(path)}")
     return record
+
+
+def _prepare(plan: LaunchPlan, host: Host) -> str:
+    """Preflight the host (python, toolkit, a writable workdir) and return its workdir as an absolute path with
+    symlinks resolved; RemoteError if it is unfit."""
+    hp = plan.host_plan(host.name)
+    workdir = hp.job_dir.rsplit("/", 1)[0]
+    host.preflight(hp.python, workdir)
+    return host.run(["sh", "-c", 'cd -- "$1" && pwd -P', "sh", workdir], check=True).stdout.strip()
+
+
+def _upload(plan: LaunchPlan, settings: Settings, token: str, identity: Identity, host: Host) -> SyncStats:
+    """The job's layout and rendered files, then (remote hosts only) the project, mirrored with delete; then the
+    --ckpt-dir checked there. What was sent; RemoteError or UserError on failure."""
+    hp = plan.host_plan(host.name)
+    stats = _upload_rendered(host, hp.job_dir, render_host(plan, hp, token), identity, plan.job)
+    if not plan.local:
+        stats = _sum_stats([stats, host.sync_dir(settings.project, f"{hp.job_dir}/project",
+                                                 exclude=PROJECT_EXCLUDE, delete=True)])
+    _check_ckpt_dir(host, hp, settings.options.ckpt_dir)
+    return stats
+
+
+def _sent_line(r: HostResult[SyncStats]) -> str:
+    """A host's progress line: what it was sent, or its error."""
+    if not r.ok or r.value is None:
+        return f"{r.error}"
+    s = r.value
+    return (f"{r.host}: {s.files_sent} file(s) sent ({human_size(s.bytes_sent)}), {s.files_unchanged} unchanged"
+            + (f", {s.removed} removed" if s.removed else "") + f" ({r.seconds:.1f} s)")
+
+
+def _say_not_copied(stats: Iterable[SyncStats], project: Path) -> None:
+    """Warn, once for every host, about the symlinks that point out of the project (never followed, never sent)."""
+    outside = sorted({name for st in stats for name in st.outside})
+    if outside:
+        say(f"not copied: {len(outside)} symlink(s) pointing out of {project} ({', '.join(outside[:5])}"
+             + (", ..." if len(outside) > 5 else "") + "): toolkit never follows a link out of the project")
 
 
 @dataclass(frozen=True)
@@ -195,7 +204,7 @@ def _check_ckpt_dir(host: Host, hp: HostPlan, given: str | None) -> None:
     workers = [p for p in (*hp.processes, *hp.standby) if p.rank is not None]
     if given is None or not workers:
         return
-    path = posixpath.join(workers[0].cwd, workers[0].env[E.CKPT_DIR])
+    path = posixpath.join(workers[0].cwd, workers[0].env[envvars.CKPT_DIR])
     result = host.run([hp.python, "-m", "toolkit.privatedir", path, "checkpoint directory",
                        "choose a --ckpt-dir of your own"], timeout=STATUS_TIMEOUT)
     if result.exit_code == privatedir.EXIT_NOT_PRIVATE and result.stdout.strip():

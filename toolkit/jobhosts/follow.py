@@ -25,7 +25,7 @@ from toolkit.jobhosts.poll import collect_status
 from toolkit.jobhosts.reach import STATUS_TIMEOUT, host_target
 from toolkit.jobhosts.stopping import stop_one
 from toolkit.jobhosts.view import HostStatus, ProcStatus
-from toolkit.jobrecord import JobRecord
+from toolkit.jobrecord import HostRecord, JobRecord
 from toolkit.printable import clean
 from toolkit.remote import (
     Host,
@@ -77,64 +77,118 @@ def join_job(record: JobRecord, ssh: SshSettings, timeout: float | None = None,
     begun = time.monotonic()
     deadline = None if timeout is None else begun + timeout
     interrupted = threading.Event()
-    seen: dict[tuple[str, str], tuple[Any, ...]] = {}
-    agents: dict[str, str] = {}
-    trouble_since: dict[str, float] = {}
-    unwatched: dict[str, str] = {}  # host -> why it is no longer watched
-    failed_at: float | None = None
-    last: dict[str, HostStatus] = {}
+    watch = _Watch()
     with HostPool() as pool, interrupt_sets(interrupted):
         while True:
-            watched = [h for h in record.live_hosts if h.name not in unwatched]
+            watched = watch.watched(record)
             now = time.monotonic()
             record, polled = collect_status(record, ssh, pool, watched, project)
-            for name in [n for n in last if record.host(n).replaced_by]:
-                del last[name]
-                unwatched.pop(name, None)
-                trouble_since.pop(name, None)
-            for st in polled:
-                last[st.host] = st
-                _report_changes(st, seen, agents)
-                if st.agent == "unreachable" or st.agent == "gone":
-                    since = trouble_since.setdefault(st.host, now)
-                    if now - since >= JOIN_GONE_AFTER:
-                        why = (st.error or "unreachable") if st.agent == "unreachable" else "its agent is gone"
-                        unwatched[st.host] = f"{why} for {now - since:.0f} s"
-                        say(f"{st.host}: {unwatched[st.host]}: no longer watched")
-                else:
-                    trouble_since.pop(st.host, None)
-            states = {h.name: last[h.name].agent for h in record.live_hosts if h.name not in unwatched}
+            watch.take(record, polled, now)
+            states = watch.states(record)
             if all(s in FINAL_STATES for s in states.values()):
                 break
-            failing = bool(unwatched) or any(s in ("failed", "stopped") for s in states.values())
-            if not failing:  # e.g. the failed host was found replaced by a spare: the job goes on
-                failed_at = None
-            elif failed_at is None:
-                failed_at = now
-            if failed_at is not None and now - failed_at > record.grace + JOIN_SETTLE:
-                running = [n for n, s in states.items() if s not in FINAL_STATES]
-                say(f"the job failed but is still running on {', '.join(running)} after "
-                     f"{now - failed_at:.0f} s: stopping it there")
-                check_all(run_on_all([host_target(record.host(n), record.local) for n in running],
-                                     functools.partial(stop_one, record=record), ssh))
-                record, polled = collect_status(record, ssh, pool, [record.host(n) for n in running])
-                last.update({st.host: st for st in polled})
+            if watch.settle_passed(states, now, record.grace):
+                record = _stop_the_rest(record, ssh, pool, watch, states, now)
                 break
-            wait = interval
-            if deadline is not None:
-                if now >= deadline:
-                    raise JobFailed(f"job {record.job} still runs after --join-timeout {timeout:g} s; it keeps "
-                                    "running: 'fleet status' to look, 'fleet stop' to end it")
-                wait = min(wait, deadline - now)
-            if _sleep(interrupted, wait, [st.agent_pid for st in last.values() if st.alive] if record.local else []):
+            wait = _wait_before_next_poll(record, interval, timeout, deadline, now)
+            agent_pids = [st.agent_pid for st in watch.last.values() if st.alive] if record.local else []
+            if _sleep(interrupted, wait, agent_pids):
                 raise Interrupted(f"stopped waiting for job {record.job}; it keeps running: 'fleet status' to "
                                   "look, 'fleet stop' to end it")
-    hosts = [last[h.name] for h in record.live_hosts]
+    _conclude(record, ssh, watch, begun)
+
+
+class _Watch:
+    """What `train --join` knows of the job between polls, and its decisions on it. It asks no host (join_job polls
+    and applies its decisions); it prints what changed and when it stops watching a host.
+
+    `last`: each host's latest status; `seen`/`agents`: what was printed (`_report_changes`); `trouble_since`: when
+    each host became unreachable or lost its agent; `unwatched`: host -> why it is no longer watched (JOIN_GONE_AFTER
+    of trouble); `failed_at`: since when the job has been failing (None: it is not)."""
+
+    def __init__(self) -> None:
+        self.seen: dict[tuple[str, str], tuple[Any, ...]] = {}
+        self.agents: dict[str, str] = {}
+        self.trouble_since: dict[str, float] = {}
+        self.unwatched: dict[str, str] = {}
+        self.failed_at: float | None = None
+        self.last: dict[str, HostStatus] = {}
+
+    def watched(self, record: JobRecord) -> list[HostRecord]:
+        """The hosts to poll: the job's live hosts still watched."""
+        return [h for h in record.live_hosts if h.name not in self.unwatched]
+
+    def take(self, record: JobRecord, polled: list[HostStatus], now: float) -> None:
+        """Take one poll's statuses (taken at `now`): forget hosts the record says were replaced by a spare, print
+        what changed, and stop watching a host after JOIN_GONE_AFTER of being unreachable or without its agent."""
+        for name in [n for n in self.last if record.host(n).replaced_by]:
+            del self.last[name]
+            self.unwatched.pop(name, None)
+            self.trouble_since.pop(name, None)
+        for st in polled:
+            self.last[st.host] = st
+            _report_changes(st, self.seen, self.agents)
+            if st.agent == "unreachable" or st.agent == "gone":
+                since = self.trouble_since.setdefault(st.host, now)
+                if now - since >= JOIN_GONE_AFTER:
+                    why = (st.error or "unreachable") if st.agent == "unreachable" else "its agent is gone"
+                    self.unwatched[st.host] = f"{why} for {now - since:.0f} s"
+                    say(f"{st.host}: {self.unwatched[st.host]}: no longer watched")
+            else:
+                self.trouble_since.pop(st.host, None)
+
+    def states(self, record: JobRecord) -> dict[str, str]:
+        """{host: agent state} of the live hosts still watched."""
+        return {h.name: self.last[h.name].agent for h in record.live_hosts if h.name not in self.unwatched}
+
+    def settle_passed(self, states: Mapping[str, str], now: float, grace: float) -> bool:
+        """Whether the job has been failing (a host unwatched, failed or stopped) for longer than `grace` plus
+        JOIN_SETTLE: then what still runs is to be stopped. A job no longer failing (e.g. the failed host was found
+        replaced by a spare: the job goes on) starts the count again."""
+        failing = bool(self.unwatched) or any(s in ("failed", "stopped") for s in states.values())
+        if not failing:
+            self.failed_at = None
+        elif self.failed_at is None:
+            self.failed_at = now
+        return self.failed_at is not None and now - self.failed_at > grace + JOIN_SETTLE
+
+
+def _stop_the_rest(record: JobRecord, ssh: SshSettings, pool: HostPool, watch: _Watch, states: Mapping[str, str],
+                   now: float) -> JobRecord:
+    """Stop the job on the hosts still running after it failed, then poll them once more (into `watch.last`).
+    Returns the record as that poll left it; ClusterError if stopping failed on some host."""
+    running = [n for n, s in states.items() if s not in FINAL_STATES]
+    failed_at = now if watch.failed_at is None else watch.failed_at
+    say(f"the job failed but is still running on {', '.join(running)} after {now - failed_at:.0f} s: stopping it "
+        "there")
+    check_all(run_on_all([host_target(record.host(n), record.local) for n in running],
+                         functools.partial(stop_one, record=record), ssh))
+    record, polled = collect_status(record, ssh, pool, [record.host(n) for n in running])
+    watch.last.update({st.host: st for st in polled})
+    return record
+
+
+def _wait_before_next_poll(record: JobRecord, interval: float, timeout: float | None, deadline: float | None,
+                           now: float) -> float:
+    """Seconds until the next poll: `interval`, cut short by the deadline of --join-timeout; JobFailed once that
+    deadline has passed (the job keeps running)."""
+    if deadline is None:
+        return interval
+    if now >= deadline:
+        raise JobFailed(f"job {record.job} still runs after --join-timeout {timeout:g} s; it keeps "
+                        "running: 'fleet status' to look, 'fleet stop' to end it")
+    return min(interval, deadline - now)
+
+
+def _conclude(record: JobRecord, ssh: SshSettings, watch: _Watch, begun: float) -> None:
+    """The end of the wait: say the job succeeded (every live host's agent succeeded, none unwatched), else raise
+    JobFailed with the evidence, the log tails of the processes that ended badly fetched now."""
+    hosts = [watch.last[h.name] for h in record.live_hosts]
     took = time.monotonic() - begun
-    if not unwatched and all(h.agent == "succeeded" for h in hosts):
+    if not watch.unwatched and all(h.agent == "succeeded" for h in hosts):
         say(f"job {record.job} succeeded: every worker exited 0 ({took:.1f} s)")
         return
-    raise JobFailed(_failure_text(record, hosts, unwatched, took, _failed_tails(record, ssh, hosts)))
+    raise JobFailed(_failure_text(record, hosts, watch.unwatched, took, _failed_tails(record, ssh, hosts)))
 
 
 def _sleep(interrupted: threading.Event, seconds: float, agent_pids: list[int | None]) -> bool:

@@ -7,6 +7,7 @@ when the job is formed; `--join` (jobhosts.follow) waits for the end."""
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -75,42 +76,51 @@ def start_job(request: Request, join: bool = False, join_timeout: float | None =
         raise UserError("--fresh and --again both given: start the job over (--fresh) or go on from where it "
                         "ended (--again), not both")
     ref = request.job_ref()
+    record = _deployed_record(request)
+    ssh = record_ssh(record, request.core)
+    if check and not record.local:
+        _check_first(record, ssh, ref.project)
+    record.host(record.scheduler_host)  # a record naming a scheduler host it does not list: one line, nothing started
+    _previous_run(record, ssh, fresh=fresh, again=again, verb=verb, project=ref.project)
+    begun = time.monotonic()
+    with rich_progress("starting", len(record.live_hosts)) as progress:
+        results = run_on_all([host_target(h, record.local) for h in record.live_hosts],
+                             functools.partial(_start_host, record), ssh, progress=progress, fail_fast=True)
+    if any(not r.ok for r in results.values()):
+        _roll_back(record, ssh, results)
+    started = sum(1 for r in results.values() if r.value)
+    already = "" if started == len(results) else f" ({len(results) - started} already running)"
+    say(f"job {record.job} started on {len(results)} host(s){already} in {time.monotonic() - begun:.1f} s: "
+         f"{record.world_size} worker(s), scheduler on {record.scheduler_host}:{record.sched_port}; "
+         "follow it with 'fleet status' and 'fleet logs -f', end it with 'fleet stop'")
+    if join:
+        join_job(record, ssh, join_timeout, project=ref.project)
+
+
+def _deployed_record(request: Request) -> JobRecord:
+    """The job's record, deploying the job first if it never was or its last deploy did not complete (what deploy
+    raises, it raises)."""
+    ref = request.job_ref()
     record = None
     name = jobrecord.choose(ref.project, ref.job, ref.default_job)
     if name is not None and jobrecord.exists(ref.project, name):
         record = load_record(ref)
     if record is None or not record.deployed:  # never deployed, or its last deploy did not complete
         record = deploy(request.settings())
-    ssh = record_ssh(record, request.core)
-    if check and not record.local:
-        _check_first(record, ssh, ref.project)
-    sched = record.host(record.scheduler_host)
+    return record
+
+
+def _start_host(record: JobRecord, host: Host) -> bool:
+    """Run the host's launch.sh: True if this call started the agent (False: this job's agent already ran). On the
+    scheduler's host without a running agent, preflight first with the scheduler's two ports. OtherJob, with
+    nothing started, where the job directory holds another project's job (launch.sh --job-id)."""
+    h = record.host(host.name)
     port = record.sched_port
-    _previous_run(record, ssh, fresh=fresh, again=again, verb=verb, project=ref.project)
-
-    def start(host: Host) -> bool:
-        """True if this call started the agent (False: this job's agent already ran). OtherJob, with nothing
-        started, where the job directory holds another project's job (launch.sh --job-id)."""
-        h = record.host(host.name)
-        if h.name == sched.name and not poll_status(host, h)["doc"].alive:
-            host.preflight(h.python, h.job_dir, ports=(port, port + 1))
-        launch = host.run([f"{h.job_dir}/launch.sh"] + (["--job-id", record.job_id] if record.job_id else []),
-                          timeout=LAUNCH_TIMEOUT)
-        return "already running" not in unless_other_job(host.name, launch).check().stdout
-
-    begun = time.monotonic()
-    with rich_progress("starting", len(record.live_hosts)) as progress:
-        results = run_on_all([host_target(h, record.local) for h in record.live_hosts], start, ssh, progress=progress,
-                             fail_fast=True)
-    if any(not r.ok for r in results.values()):
-        _roll_back(record, ssh, results)
-    fresh = sum(1 for r in results.values() if r.value)
-    already = "" if fresh == len(results) else f" ({len(results) - fresh} already running)"
-    say(f"job {record.job} started on {len(results)} host(s){already} in {time.monotonic() - begun:.1f} s: "
-         f"{record.world_size} worker(s), scheduler on {record.scheduler_host}:{port}; "
-         "follow it with 'fleet status' and 'fleet logs -f', end it with 'fleet stop'")
-    if join:
-        join_job(record, ssh, join_timeout, project=ref.project)
+    if h.name == record.scheduler_host and not poll_status(host, h)["doc"].alive:
+        host.preflight(h.python, h.job_dir, ports=(port, port + 1))
+    launch = host.run([f"{h.job_dir}/launch.sh"] + (["--job-id", record.job_id] if record.job_id else []),
+                      timeout=LAUNCH_TIMEOUT)
+    return "already running" not in unless_other_job(host.name, launch).check().stdout
 
 
 def _check_first(record: JobRecord, ssh: SshSettings, project: Path) -> None:

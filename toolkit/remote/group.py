@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Mapping, Sequence, TypeVar
+from typing import Callable, Generic, Mapping, Sequence, TypeVar
 
 from toolkit.errors import UserError
 from toolkit.remote.host import Host
@@ -21,7 +21,6 @@ from toolkit.remote.results import (
     ConnectionLost,
     HostResult,
     RemoteError,
-    _one_line,
 )
 from toolkit.remote.settings import SshSettings, Target, fabric_config
 from toolkit.remote.ssh import SshHost
@@ -108,61 +107,90 @@ def run_on_all(
     dead_after), so the fan-out ends even when hosts vanish. known_hosts is read once for all targets. Raises
     UserError, before connecting anywhere, for a host listed twice, a missing ssh_config or an unreadable
     known_hosts. With a pool, a connection is kept after a failure too, unless it was lost."""
+    known_hosts = _check_targets(targets, settings)
+    if not targets:
+        return {}
+    fan_out = _FanOut(fn, settings, known_hosts, pool, progress, fail_fast)
+    with ThreadPoolExecutor(max_workers=min(settings.parallel, len(targets)), thread_name_prefix="ssh") as executor:
+        results = list(executor.map(fan_out.one, targets))
+    return {r.host: r for r in results}
+
+
+def _check_targets(targets: Sequence[Target], settings: SshSettings) -> KnownHosts | None:
+    """What a fan-out checks before connecting anywhere: UserError for a host listed twice, a missing ssh_config or
+    an unreadable known_hosts. Returns known_hosts read once for every SSH target (None: every target is local)."""
     names = [t.name for t in targets]
     dupes = sorted({n for n in names if names.count(n) > 1})
     if dupes:
         raise UserError(f"host {dupes[0]} is listed twice; name each host once")
-    known_hosts = None
-    if any(not t.local for t in targets):
-        fabric_config(settings)  # a missing ssh_config is one error, not one per host
-        known_hosts = KnownHosts(settings)
-    failed = threading.Event()
-    first_failure: list[str] = []
-    lock = threading.Lock()
+    if all(t.local for t in targets):
+        return None
+    fabric_config(settings)  # a missing ssh_config is one error, not one per host
+    return KnownHosts(settings)
 
-    def one(target: Target) -> HostResult[T]:
+
+class _FanOut(Generic[T]):
+    """One run_on_all: calls fn on each target's host (from worker threads) and turns every outcome into that host's
+    HostResult. Thread-safe: the first failure is recorded once, for fail_fast's "not attempted" lines."""
+
+    def __init__(self, fn: Callable[[Host], T], settings: SshSettings, known_hosts: KnownHosts | None,
+                 pool: HostPool | None, progress: Callable[[HostResult[T]], None] | None, fail_fast: bool) -> None:
+        self.fn, self.settings, self.known_hosts, self.pool = fn, settings, known_hosts, pool
+        self.progress, self.fail_fast = progress, fail_fast
+        self.failed = threading.Event()
+        self.first_failure: list[str] = []
+        self.lock = threading.Lock()
+
+    def one(self, target: Target) -> HostResult[T]:
+        """This target's result: skipped under fail_fast once a host failed, else attempted; `progress` is told."""
         start = time.monotonic()
-        if fail_fast and failed.is_set():
+        if self.fail_fast and self.failed.is_set():
             result: HostResult[T] = HostResult(target.name, False, error=f"{target.name}: not attempted: "
-                                               f"{first_failure[0]} failed first", skipped=True, finished=start)
+                                               f"{self.first_failure[0]} failed first", skipped=True, finished=start)
         else:
-            host: Host | None = None
-            keep = False  # give the connection back to the pool
-            try:
-                host = pool.get(target, settings, known_hosts) if pool else open_host(target, settings, known_hosts)
-                value = fn(host)
-                now = time.monotonic()
-                result = HostResult(target.name, True, value=value, seconds=now - start, finished=now)
-                keep = pool is not None
-            except Exception as e:  # noqa: BLE001 - every failure becomes this host's result
-                now = time.monotonic()
-                if isinstance(e, RemoteError):
-                    text = str(e)
-                elif isinstance(e, UserError):
-                    text = f"{target.name}: {' '.join(str(e).split())}"
-                else:  # a bug rather than a fault of the host: keep the type; the exception is in the result
-                    text = f"{target.name}: {_one_line(e)}"
-                result = HostResult(target.name, False, error=text, seconds=now - start, finished=now, exception=e)
-                keep = pool is not None and host is not None and not isinstance(e, ConnectionLost)
-                with lock:
-                    if not first_failure:
-                        first_failure.append(target.name)
-                failed.set()
-            finally:
-                if host is not None:
-                    if keep:
-                        pool.put(host)  # type: ignore[union-attr]
-                    else:
-                        host.close()
-        if progress is not None:
-            progress(result)
+            result = self._attempt(target, start)
+        if self.progress is not None:
+            self.progress(result)
         return result
 
-    if not targets:
-        return {}
-    with ThreadPoolExecutor(max_workers=min(settings.parallel, len(targets)), thread_name_prefix="ssh") as executor:
-        results = list(executor.map(one, targets))
-    return {r.host: r for r in results}
+    def _attempt(self, target: Target, start: float) -> HostResult[T]:
+        """Connect (or take the pooled connection), call fn, and close the connection or give it back to the pool
+        (kept after a failure too, unless the connection was lost). Never raises for the host's failure."""
+        pool = self.pool
+        host: Host | None = None
+        keep = False  # give the connection back to the pool
+        try:
+            host = (pool.get(target, self.settings, self.known_hosts) if pool
+                    else open_host(target, self.settings, self.known_hosts))
+            value = self.fn(host)
+            now = time.monotonic()
+            keep = pool is not None
+            return HostResult(target.name, True, value=value, seconds=now - start, finished=now)
+        except Exception as e:  # noqa: BLE001 - every failure becomes this host's result
+            now = time.monotonic()
+            keep = pool is not None and host is not None and not isinstance(e, ConnectionLost)
+            with self.lock:
+                if not self.first_failure:
+                    self.first_failure.append(target.name)
+            self.failed.set()
+            return HostResult(target.name, False, error=_error_text(target, e), seconds=now - start, finished=now,
+                              exception=e)
+        finally:
+            if host is not None:
+                if keep:
+                    pool.put(host)  # type: ignore[union-attr]
+                else:
+                    host.close()
+
+
+def _error_text(target: Target, e: Exception) -> str:
+    """A host's failure as one line starting with its name: a RemoteError's own text (it names the host), a
+    UserError's on one line, anything else (a bug rather than a fault of the host) with its type."""
+    if isinstance(e, RemoteError):
+        return str(e)
+    if isinstance(e, UserError):
+        return f"{target.name}: {' '.join(str(e).split())}"
+    return f"{target.name}: {_one_line(e)}"
 
 
 def check_all(results: Mapping[str, HostResult[T]]) -> dict[str, T]:
@@ -173,3 +201,9 @@ def check_all(results: Mapping[str, HostResult[T]]) -> dict[str, T]:
     if any(not r.ok for r in results.values()):
         raise ClusterError(results)
     return {name: r.value for name, r in results.items()}  # type: ignore[misc]
+
+
+def _one_line(e: BaseException) -> str:
+    """An unexpected exception as `Type: message` on one line (the type tells a bug from a fault)."""
+    text = " ".join(str(e).split())
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__

@@ -22,10 +22,10 @@ from toolkit.remote.results import (
     ConnectionLost,
     PreflightFailed,
     SyncStats,
-    _decode,
-    _short,
-    _signal_name,
-    _tail,
+    decode_output,
+    output_tail,
+    short_command,
+    signal_name,
 )
 from toolkit.remote.settings import DEFAULT_EXCLUDE
 from toolkit.remote.transfer import sync_dir
@@ -33,7 +33,6 @@ from toolkit.remote.transfer import sync_dir
 _ENV_NAME = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ_0123456789"
 # Exit codes of the preflight script: each names one thing the host lacks.
 _NO_PYTHON, _NO_TOOLKIT, _NO_WORKDIR, _PORT_BUSY = 10, 11, 12, 13
-_KILL_AFTER = 1.0  # s between a timed-out command's SIGTERM and SIGKILL
 STREAM_POLL = 1.0  # s: longest one read of a streaming command waits before it looks at its stop event
 _STREAM_HEADER = "toolkit-stream"
 
@@ -122,13 +121,13 @@ class Host:
         script = (f"setsid /bin/sh -c 'echo $$ >&3; exec 3>&-; exec \"$@\"' sh {shlex.join(list(argv))} "
                   f"3>&1 > {shlex.quote(log)} 2>&1 < /dev/null &")
         result = self.run(script, cwd=cwd, env=env)
-        what = f"cannot start {_short(shlex.join(list(argv)))}"
+        what = f"cannot start {short_command(shlex.join(list(argv)))}"
         if result.connection_lost:
             raise ConnectionLost(self.name, f"{what}: {result.describe()}")
         try:
             return int(result.stdout.split()[-1])
         except (IndexError, ValueError):
-            raise CommandFailed(self.name, f"{what}: {_tail(result.stderr) or result.describe()}") from None
+            raise CommandFailed(self.name, f"{what}: {output_tail(result.stderr) or result.describe()}") from None
 
     def stream(
         self,
@@ -151,7 +150,7 @@ class Host:
         # sshd (and LocalHost) start the command as a session leader: its pid is its process group.
         wrapped = (f'read -r _ _ _ _ g _ < /proc/$$/stat; echo "{_STREAM_HEADER} $$ $g"; '
                    f"exec /bin/sh -c {shlex.quote(text)}")
-        lines = _LineSplitter(on_line)
+        lines = LineSplitter(on_line)
         code, err, finished, stopped = self._stream_text(wrapped, lines, stop, poll)
         lines.flush()
         if stopped:
@@ -161,7 +160,7 @@ class Host:
             return CommandResult(self.name, text, None, "", err, connection_lost=lost,
                                  signal=None if lost else "a signal")
         if code < 0:
-            return CommandResult(self.name, text, None, "", err, signal=_signal_name(-code))
+            return CommandResult(self.name, text, None, "", err, signal=signal_name(-code))
         return CommandResult(self.name, text, code, "", err)
 
     def _end_stream(self, header: tuple[int, int] | None) -> None:
@@ -215,7 +214,7 @@ class Host:
         if result.connection_lost or result.exit_code not in (_NO_PYTHON, _NO_TOOLKIT, _NO_WORKDIR, _PORT_BUSY):
             result.check()
             raise CommandFailed(self.name, result.describe())
-        detail = _tail(result.stderr, lines=1)  # a traceback's last line says it all
+        detail = output_tail(result.stderr, lines=1)  # a traceback's last line says it all
         cause = {
             _NO_PYTHON: f"python {python} not found; install Python 3 there or set the host's python= "
                         "(inventory) / --python",
@@ -248,7 +247,7 @@ class Host:
         outcome as a CommandResult, never raising for the command's own failure."""
         raise NotImplementedError
 
-    def _stream_text(self, text: str, lines: _LineSplitter, stop: threading.Event,
+    def _stream_text(self, text: str, lines: LineSplitter, stop: threading.Event,
                      poll: float) -> tuple[int | None, str, bool, bool]:
         """(exit status, stderr, finished, stopped); a negative status is a signal.
 
@@ -279,7 +278,7 @@ class Host:
         raise NotImplementedError
 
 
-class _LineSplitter:
+class LineSplitter:
     """Bytes of a stream -> whole lines for the callback; the first line is the stream's header (pid, group)."""
 
     def __init__(self, on_line: Callable[[str], None]) -> None:
@@ -293,12 +292,12 @@ class _LineSplitter:
         self.buf += data
         *complete, self.buf = self.buf.split(b"\n")
         for raw in complete:
-            self._line(_decode(raw))
+            self._line(decode_output(raw))
 
     def flush(self) -> None:
         """Hand out a last line that had no newline (at the end of the stream)."""
         if self.buf:
-            self._line(_decode(self.buf))
+            self._line(decode_output(self.buf))
             self.buf = b""
 
     def _line(self, line: str) -> None:

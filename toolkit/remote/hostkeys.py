@@ -2,7 +2,7 @@
 accepting new keys was asked for (then it is recorded, under a lock), a changed key always is.
 
 Fabric alone would accept any key (paramiko's AutoAddPolicy, no known_hosts read); SshHost applies `KnownHosts` to
-its connection and to every ProxyJump hop before connecting. The policy raises `_UnknownKey` (and paramiko raises
+its connection and to every ProxyJump hop before connecting. The policy raises `KeyNotInKnownHosts` (and paramiko raises
 BadHostKeyException); SshHost turns them into UnknownHostKey and ChangedHostKey (toolkit.remote.results)."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from toolkit.errors import UserError
 from toolkit.remote.settings import SshSettings
 
 
-class _UnknownKey(Exception):
+class KeyNotInKnownHosts(Exception):
     """Raised by the host-key policy for a host that has no key in known_hosts (and accept-new is off)."""
 
     def __init__(self, hostname: str, key: Any) -> None:
@@ -76,7 +76,7 @@ class KnownHosts:
         class Policy(paramiko.MissingHostKeyPolicy):
             def missing_host_key(self, client: Any, hostname: str, key: Any) -> None:
                 if not known.accept_new:
-                    raise _UnknownKey(hostname, key)
+                    raise KeyNotInKnownHosts(hostname, key)
                 _append_known_host(known.path, hostname, key)
                 client.get_host_keys().add(hostname, key.get_name(), key)
 

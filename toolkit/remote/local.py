@@ -13,8 +13,8 @@ import uuid
 from pathlib import Path
 
 from toolkit import atomicfile
-from toolkit.remote.host import Host, _LineSplitter
-from toolkit.remote.results import CommandFailed, CommandResult, _decode, _signal_name
+from toolkit.remote.host import Host, LineSplitter
+from toolkit.remote.results import CommandFailed, CommandResult, decode_output, signal_name
 from toolkit.remote.settings import LOCALHOST, SshSettings
 
 
@@ -47,13 +47,14 @@ class LocalHost(Host):
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
             out, err = proc.communicate()
-            return CommandResult(self.name, text, None, _decode(out), _decode(err), timed_out=True)
+            return CommandResult(self.name, text, None, decode_output(out), decode_output(err), timed_out=True)
         code = proc.returncode
         if code < 0:
-            return CommandResult(self.name, text, None, _decode(out), _decode(err), signal=_signal_name(-code))
-        return CommandResult(self.name, text, code, _decode(out), _decode(err))
+            return CommandResult(self.name, text, None, decode_output(out), decode_output(err),
+                                 signal=signal_name(-code))
+        return CommandResult(self.name, text, code, decode_output(out), decode_output(err))
 
-    def _stream_text(self, text: str, lines: _LineSplitter, stop: threading.Event,
+    def _stream_text(self, text: str, lines: LineSplitter, stop: threading.Event,
                      poll: float) -> tuple[int | None, str, bool, bool]:
         """Read stdout and stderr with poll(2), at most `poll` s at a time between looks at `stop`. On stop (or
         an exception) the session gets SIGTERM, then SIGKILL if it has not ended within dead_after. Always
@@ -91,7 +92,7 @@ class LocalHost(Host):
                 code = proc.wait(timeout=self.settings.dead_after)
             proc.stdout.close()  # type: ignore[union-attr]
             proc.stderr.close()  # type: ignore[union-attr]
-        return code, _decode(b"".join(err)), True, stopped
+        return code, decode_output(b"".join(err)), True, stopped
 
     def _put_file(self, local: Path, remote: str, mode: int, mtime: int | None) -> None:
         """Copy through a temp file created 0600 (so never looser than `mode` while data lands), then chmod,

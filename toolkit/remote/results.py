@@ -95,12 +95,6 @@ class HostStalled(RemoteError):
     unknown. The user should check the host and the network, then run the command again."""
 
 
-def _stalled(what: str, seconds: float) -> str:
-    """The cause text of a HostStalled: what got no answer, and within which bound."""
-    return (f"stopped answering: {what} got no answer within {seconds:g} s (the host, its SSH session or the network "
-            "stalled); the connection was closed")
-
-
 @dataclass(frozen=True)
 class CommandResult:
     """What one command did. `exit_code` is None when there is none: the connection was lost (the far side
@@ -126,13 +120,13 @@ class CommandResult:
         if self.connection_lost:
             return "connection lost while running a command (host down or cut off)"
         if self.timed_out:
-            return f"command timed out: {_short(self.command)}"
+            return f"command timed out: {short_command(self.command)}"
         if self.stopped:
-            return f"command stopped on request: {_short(self.command)}"
-        tail = _tail(self.stderr) or _tail(self.stdout)
+            return f"command stopped on request: {short_command(self.command)}"
+        tail = output_tail(self.stderr) or output_tail(self.stdout)
         how = f"killed by {self.signal}" if self.signal else (
             "ended without an exit status" if self.exit_code is None else f"exited with {self.exit_code}")
-        return f"command {how}: {_short(self.command)}" + (f": {tail}" if tail else "")
+        return f"command {how}: {short_command(self.command)}" + (f": {tail}" if tail else "")
 
     def check(self) -> CommandResult:
         """Return self if the command succeeded, else raise the matching one-line error: ConnectionLost when the
@@ -199,7 +193,7 @@ class ClusterError(UserError):
         return self.failures[0]
 
 
-def _signal_name(number: int) -> str:
+def signal_name(number: int) -> str:
     """"SIGKILL" for 9; "signal N" for a number without a name."""
     try:
         return signal.Signals(number).name
@@ -207,25 +201,19 @@ def _signal_name(number: int) -> str:
         return f"signal {number}"
 
 
-def _decode(data: bytes) -> str:
+def decode_output(data: bytes) -> str:
     """Remote output as text; bytes that are not UTF-8 become U+FFFD rather than an error."""
     return data.decode("utf-8", errors="replace")
 
 
-def _tail(text: str, lines: int = 3, width: int = 300) -> str:
+def output_tail(text: str, lines: int = 3, width: int = 300) -> str:
     """The last non-blank `lines` of output joined with " | ", at most `width` characters: the gist of an error
     for a one-line message."""
     tail = " | ".join(line.strip() for line in text.strip().splitlines()[-lines:] if line.strip())
     return tail[-width:]
 
 
-def _short(command: str, width: int = 120) -> str:
+def short_command(command: str, width: int = 120) -> str:
     """A command on one line (whitespace collapsed), cut to `width` characters, for messages."""
     one = " ".join(command.split())
     return one if len(one) <= width else one[: width - 3] + "..."
-
-
-def _one_line(e: BaseException) -> str:
-    """An unexpected exception as `Type: message` on one line (the type tells a bug from a fault)."""
-    text = " ".join(str(e).split())
-    return f"{type(e).__name__}: {text}" if text else type(e).__name__

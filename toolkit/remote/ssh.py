@@ -23,8 +23,8 @@ import uuid
 from pathlib import Path
 from typing import Any, Iterator
 
-from toolkit.remote.host import _KILL_AFTER, Host, _LineSplitter
-from toolkit.remote.hostkeys import KnownHosts, _UnknownKey
+from toolkit.remote.host import Host, LineSplitter
+from toolkit.remote.hostkeys import KeyNotInKnownHosts, KnownHosts
 from toolkit.remote.results import (
     AuthenticationFailed,
     ChangedHostKey,
@@ -34,9 +34,8 @@ from toolkit.remote.results import (
     HostStalled,
     HostUnreachable,
     UnknownHostKey,
-    _decode,
-    _short,
-    _stalled,
+    decode_output,
+    short_command,
 )
 from toolkit.remote.settings import (
     DEFAULT_CONNECT_TIMEOUT,
@@ -46,6 +45,7 @@ from toolkit.remote.settings import (
 )
 
 MIN_TRANSFER_RATE = 1e6  # bytes/s an sftp transfer may not fall below before it counts as stalled
+_KILL_AFTER = 1.0  # s between a timed-out command's SIGTERM and SIGKILL (`timeout -k`)
 
 
 class SshHost(Host):
@@ -133,7 +133,7 @@ class SshHost(Host):
             if not conn.gateway:  # through ProxyJump/ProxyCommand, Fabric makes the socket
                 conn.connect_kwargs["sock"] = self._socket()
             conn.open()
-        except _UnknownKey as e:
+        except KeyNotInKnownHosts as e:
             raise UnknownHostKey(self.name, e.describe(self.settings)) from None
         except paramiko.BadHostKeyException as e:
             known_as = conn.host if int(conn.port) == 22 else f"[{conn.host}]:{conn.port}"
@@ -234,18 +234,19 @@ class SshHost(Host):
         guard = timeout + _KILL_AFTER + self.settings.dead_after
         start = time.monotonic()
         try:
-            with self._bounded(guard + self.settings.dead_after, f"command {_short(text)}"):
+            with self._bounded(guard + self.settings.dead_after, f"command {short_command(text)}"):
                 code, out, err, finished = self._exec(sent, guard)
         except (paramiko.SSHException, EOFError, OSError) as e:
             if self.alive():
-                raise CommandFailed(self.name, f"SSH error while running {_short(text)}: {e}") from None
+                raise CommandFailed(self.name, f"SSH error while running {short_command(text)}: {e}") from None
             if self.stalled:
-                raise HostStalled(self.name, _stalled(f"command {_short(text)}", self.settings.dead_after)) from None
+                what = f"command {short_command(text)}"
+                raise HostStalled(self.name, _stalled(what, self.settings.dead_after)) from None
             return CommandResult(self.name, text, None, "", "", connection_lost=True)
         if not finished:
             lost = not self.alive()
             if self.stalled:  # up, but nothing answers: not the command's timeout
-                raise HostStalled(self.name, _stalled(f"command {_short(text)}", guard))
+                raise HostStalled(self.name, _stalled(f"command {short_command(text)}", guard))
             return CommandResult(self.name, text, None, out, err, timed_out=True, connection_lost=lost)
         if code == -1:  # no exit status: the connection dropped, or a signal killed the command
             lost = not self.alive()
@@ -278,15 +279,16 @@ class SshHost(Host):
                     break
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
-                    return -1, _decode(b"".join(out)), _decode(b"".join(err)), False
+                    return -1, decode_output(b"".join(out)), decode_output(b"".join(err)), False
                 poller.poll(None if left is None else max(1, int(left * 1000)))
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             finished = chan.status_event.wait(left)  # a command may close its output before it exits
-            return chan.exit_status if finished else -1, _decode(b"".join(out)), _decode(b"".join(err)), finished
+            code = chan.exit_status if finished else -1
+            return code, decode_output(b"".join(out)), decode_output(b"".join(err)), finished
         finally:
             chan.close()
 
-    def _stream_text(self, text: str, lines: _LineSplitter, stop: threading.Event,
+    def _stream_text(self, text: str, lines: LineSplitter, stop: threading.Event,
                      poll: float) -> tuple[int | None, str, bool, bool]:
         """Stream over a new channel: opening it is bounded (2 x dead_after, HostStalled past that); reading is
         not, since a dead peer closes the transport (TCP_USER_TIMEOUT) and so the channel. On stop the command
@@ -294,12 +296,13 @@ class SshHost(Host):
         status is awaited for dead_after; none in that time comes back as not finished."""
         import paramiko
 
-        with self._bounded(2 * self.settings.dead_after, f"starting {_short(text)}"):
+        with self._bounded(2 * self.settings.dead_after, f"starting {short_command(text)}"):
             try:
                 chan = self._conn.transport.open_session(timeout=self.settings.dead_after)
                 chan.exec_command(text)
             except (paramiko.SSHException, OSError, EOFError) as e:
-                raise ConnectionLost(self.name, f"could not start {_short(text)}: {e or type(e).__name__}") from None
+                cause = e or type(e).__name__
+                raise ConnectionLost(self.name, f"could not start {short_command(text)}: {cause}") from None
         err: list[bytes] = []
         stopped = False
         try:
@@ -320,10 +323,10 @@ class SshHost(Host):
                     break
                 poller.poll(max(1, int(poll * 1000)))
             if stopped:
-                return None, _decode(b"".join(err)), True, True
+                return None, decode_output(b"".join(err)), True, True
             finished = chan.status_event.wait(self.settings.dead_after)
             code = chan.exit_status if finished and chan.exit_status != -1 else None
-            return code, _decode(b"".join(err)), finished and code is not None, False
+            return code, decode_output(b"".join(err)), finished and code is not None, False
         finally:
             chan.close()
 
@@ -425,3 +428,9 @@ def _temp_name(path: str) -> str:
     """A hidden, unique name beside `path` for an atomic sftp write (write there, then rename over `path`)."""
     head, _, tail = path.rpartition("/")
     return f"{head}/.{tail}.{uuid.uuid4().hex[:8]}.tmp" if head else f".{tail}.{uuid.uuid4().hex[:8]}.tmp"
+
+
+def _stalled(what: str, seconds: float) -> str:
+    """The cause text of a HostStalled: what got no answer, and within which bound."""
+    return (f"stopped answering: {what} got no answer within {seconds:g} s (the host, its SSH session or the network "
+            "stalled); the connection was closed")

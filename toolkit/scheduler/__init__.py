@@ -23,7 +23,7 @@ import signal
 import stat
 import sys
 
-from toolkit import envvars as E
+from toolkit import envvars
 from toolkit.scheduler.config import TOOLKIT_EXPECTED, Config, ConfigError
 from toolkit.scheduler.membership import EXIT_FAILED, EXIT_FORMATION, EXIT_OK, Membership, rank_of
 from toolkit.scheduler.server import Server
@@ -45,7 +45,7 @@ def _warn_if_token_readable(path: str) -> None:
     except OSError:
         return
     if mode & 0o077:
-        log.warning("%s=%s is readable by others (mode %o): chmod 600 it", E.TOOLKIT_TOKEN_FILE, path, mode)
+        log.warning("%s=%s is readable by others (mode %o): chmod 600 it", envvars.TOOLKIT_TOKEN_FILE, path, mode)
 
 
 def main() -> int:
@@ -56,7 +56,7 @@ def main() -> int:
                         format="%(asctime)s.%(msecs)03d sched %(levelname)s %(message)s", datefmt="%Y-%m-%dT%H:%M:%S")
     try:
         config = Config.from_env(os.environ)
-        _warn_if_token_readable(os.environ[E.TOOLKIT_TOKEN_FILE])
+        _warn_if_token_readable(os.environ[envvars.TOOLKIT_TOKEN_FILE])
         return Server(config).serve()
     except (ConfigError, StateError) as e:
         log.error("%s", e)

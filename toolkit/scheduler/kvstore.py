@@ -44,14 +44,14 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from toolkit import protocol as P
+from toolkit import protocol
 
 MAX_KEYS = 1 << 16  # the least a store holds, whatever the job's size
 MAX_BYTES = 64 << 20  # keys and values together, the least
 KEYS_PER_RANK = 16  # a gloo bootstrap needs 1 key per rank per group; NCCL fewer
 BYTES_PER_RANK = 64 << 10
 MAX_KEY = 1 << 10
-MAX_MULTI = P.MAX_STORE_KEYS  # keys in one wait, check or multi_get (gloo asks for 128 at a time)
+MAX_MULTI = protocol.MAX_STORE_KEYS  # keys in one wait, check or multi_get (gloo asks for 128 at a time)
 MAX_WAIT = 86400.0  # s: the longest a get or wait may ask for (a group build waits 2 x its collective timeout)
 REPLY_OVERHEAD = 256  # bytes of a kv_reply besides its values
 GENERATION_OVER = "generation over"
@@ -77,7 +77,7 @@ class Reply:
     def message(self) -> bytes:
         """The encoded `kv_reply {id, ok, ..., values}` line. Values are joined as they are: base64 needs no JSON
         escaping, so a multi_get reply costs one join of cached strings."""
-        line = P.encode(P.KV_REPLY, id=self.id, ok=self.ok, **self.fields)
+        line = protocol.encode(protocol.KV_REPLY, id=self.id, ok=self.ok, **self.fields)
         if self.values is None:
             return line
         return b"".join((line[:-2], b',"values":["', '","'.join(self.values).encode(), b'"]}\n'))
@@ -323,10 +323,10 @@ class KVStore:
             return Reply(w.peer, w.id, True)
         values = tuple(map(self.data.__getitem__, w.keys))
         size = sum(map(len, values)) + 3 * len(values) + REPLY_OVERHEAD
-        if size > P.MAX_STORE_REPLY:
+        if size > protocol.MAX_STORE_REPLY:
             return Reply(w.peer, w.id, False, {"error": f"a multi_get reply of {size} bytes is over the "
-                                                        f"{P.MAX_STORE_REPLY}-byte limit: ask for fewer keys",
-                                               "limit": P.MAX_STORE_REPLY})
+                                                        f"{protocol.MAX_STORE_REPLY}-byte limit: ask for fewer keys",
+                                               "limit": protocol.MAX_STORE_REPLY})
         return Reply(w.peer, w.id, True, values=values)
 
     def _generation(self, key: str) -> str | None:
@@ -382,14 +382,14 @@ def _value(msg: dict[str, Any], name: str) -> str:
     """Field `name` as canonical base64 (what the store keeps and replies carry), at most P.MAX_STORE_VALUE bytes
     decoded."""
     text = msg.get(name)
-    if not isinstance(text, str) or len(text) > (P.MAX_STORE_VALUE * 4) // 3 + 4:
-        raise StoreError(f"{name} must be base64 of at most {P.MAX_STORE_VALUE} bytes")
+    if not isinstance(text, str) or len(text) > (protocol.MAX_STORE_VALUE * 4) // 3 + 4:
+        raise StoreError(f"{name} must be base64 of at most {protocol.MAX_STORE_VALUE} bytes")
     try:
         value = base64.b64decode(text, validate=True)
     except (binascii.Error, ValueError):
         raise StoreError(f"{name} is not base64") from None
-    if len(value) > P.MAX_STORE_VALUE:
-        raise StoreError(f"{name} is over {P.MAX_STORE_VALUE} bytes")
+    if len(value) > protocol.MAX_STORE_VALUE:
+        raise StoreError(f"{name} is over {protocol.MAX_STORE_VALUE} bytes")
     return _b64(value)
 
 

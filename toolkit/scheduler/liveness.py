@@ -14,8 +14,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from toolkit import envvars as E
-from toolkit import protocol as P
+from toolkit import envvars, protocol
 from toolkit.scheduler.actions import CAUSE_CLOSED, Action, Log, Send
 from toolkit.scheduler.roster import Member, Roster, rank_of
 
@@ -49,7 +48,7 @@ def alive_though_silent(member: Member, silent: float, now: float, node_timeout:
         member.busy_said = True
         out.append(Log(WARNING, f"{member.node_id} (pid {member.pid} on {member.host}) sent no heartbeat for "
                                 f"{silent:.1f} s, but its agent sees it running (not stopped): busy in a call that "
-                                f"holds its GIL? waiting for it up to {E.MS_TOPO_TIMEOUT}={topo_timeout:g} s"))
+                                f"holds its GIL? waiting for it up to {envvars.MS_TOPO_TIMEOUT}={topo_timeout:g} s"))
     return True
 
 
@@ -75,5 +74,5 @@ def kill_unreported(roster: Roster, unreported: dict[str, tuple[int, float]], no
         if agent is not None:
             out += [Log(WARNING, f"{node_id} (pid {pid}) closed its connection {node_timeout:g} s ago and its "
                                  "agent has not reported its exit: killing it (fencing)"),
-                    Send(agent, P.KILL, {"node_id": node_id, "pid": pid, "cause": CAUSE_CLOSED})]
+                    Send(agent, protocol.KILL, {"node_id": node_id, "pid": pid, "cause": CAUSE_CLOSED})]
     return out

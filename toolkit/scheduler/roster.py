@@ -21,12 +21,12 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
-from toolkit import protocol as P
+from toolkit import protocol
 
 
 def rank_of(node_id: str) -> int | None:
     """The rank in a worker node id (`worker_<rank>`), None for anything else (`sched`)."""
-    prefix = P.worker_node_id(0)[:-1]
+    prefix = protocol.worker_node_id(0)[:-1]
     digits = node_id[len(prefix):]
     if node_id.startswith(prefix) and digits.isascii() and digits.isdigit():  # isdigit alone takes "²"
         return int(node_id[len(prefix):])

@@ -6,6 +6,7 @@ that stopped answering) to stderr."""
 
 from __future__ import annotations
 
+import functools
 import shlex
 import sys
 import threading
@@ -22,6 +23,8 @@ from toolkit.remote import (
     ClusterError,
     Host,
     HostResult,
+    SshSettings,
+    Target,
     check_all,
     run_on_all,
 )
@@ -45,67 +48,86 @@ def logs(ref: JobRef, node: str | None = None, rank: int | None = None, host_nam
         raise UserError(f"-n {lines}: give 0 or more lines")
     record = load_record(ref)
     chosen = _choose(record, node, rank, host_name)
-    by_host: dict[str, list[Mapping[str, Any]]] = {}
-    for p in chosen:
-        by_host.setdefault(p["host"], []).append(p)
     ssh = record_ssh(record, ref.request.core)
-    targets = [host_target(record.host(n), record.local) for n in by_host]
+    files = _log_files(record, chosen)
+    targets = [host_target(record.host(n), record.local) for n in files]
+    if follow:
+        _follow(targets, files, lines, ssh)
+    else:
+        _print_tails(targets, files, lines, ssh)
+
+
+def _log_files(record: JobRecord, chosen: list[Mapping[str, Any]]) -> dict[str, dict[str, str]]:
+    """{host: {log path on that host: the prefix of its lines}} of the chosen processes, hosts in the order of their
+    first process."""
+    files: dict[str, dict[str, str]] = {}
+    for p in chosen:
+        files.setdefault(p["host"], {})[f"{record.host(p['host']).job_dir}/{p['log']}"] = _prefix(p)
+    return files
+
+
+def _print_tails(targets: list[Target], files: Mapping[str, dict[str, str]], lines: int, ssh: SshSettings) -> None:
+    """The last `lines` lines of each host's logs (`files`), printed host by host once every host answered, with a
+    note for each log not written yet. ClusterError naming the hosts that could not be read, after the rest."""
     out = _Printer()
+    results = run_on_all(targets, lambda host: _read_tails(host, files[host.name], lines), ssh)
+    for r in results.values():
+        if r.ok and r.value is not None:
+            got, missing = r.value
+            for prefix, line in got:
+                out.line(prefix, line)
+            for note in missing:
+                say(note)
+    check_all(results)
 
-    def files(name: str) -> dict[str, str]:
-        h = record.host(name)
-        return {f"{h.job_dir}/{p['log']}": _prefix(p) for p in by_host[name]}
 
-    if not follow:
-        def fetch(host: Host) -> tuple[list[tuple[str, str]], list[str]]:
-            """This host's (prefix, line) pairs and notes for its missing logs. tail exits 1 when a log is
-            missing: still an answer, unless tail did not finish or gave neither lines nor that complaint."""
-            paths = files(host.name)
-            result = host.run(["tail", "-v", "-n", str(lines), "--", *paths], timeout=STATUS_TIMEOUT)
-            if not result.ok and (result.exit_code is None or not (result.stdout or "cannot open" in result.stderr)):
-                result.check()
-            got: list[tuple[str, str]] = []
-            parser = TailParser(paths, lambda prefix, line: got.append((prefix, line)))
-            for line in result.stdout.removesuffix("\n").split("\n") if result.stdout else []:
-                parser(line)  # split at newlines only: a carriage return or form feed is shown, not obeyed
-            return got, missing_logs(result.stderr, paths)
+def _read_tails(host: Host, paths: dict[str, str], lines: int) -> tuple[list[tuple[str, str]], list[str]]:
+    """This host's (prefix, line) pairs of the last `lines` of each of `paths`, and notes for its missing logs, by
+    one `tail -n` bounded by STATUS_TIMEOUT. tail exits 1 when a log is missing: still an answer, unless tail did
+    not finish or gave neither lines nor that complaint (then the result's error is raised)."""
+    result = host.run(["tail", "-v", "-n", str(lines), "--", *paths], timeout=STATUS_TIMEOUT)
+    if not result.ok and (result.exit_code is None or not (result.stdout or "cannot open" in result.stderr)):
+        result.check()
+    got: list[tuple[str, str]] = []
+    parser = TailParser(paths, lambda prefix, line: got.append((prefix, line)))
+    for line in result.stdout.removesuffix("\n").split("\n") if result.stdout else []:
+        parser(line)  # split at newlines only: a carriage return or form feed is shown, not obeyed
+    return got, missing_logs(result.stderr, paths)
 
-        results = run_on_all(targets, fetch, ssh)
-        for r in results.values():
-            if r.ok and r.value is not None:
-                got, missing = r.value
-                for prefix, line in got:
-                    out.line(prefix, line)
-                for note in missing:
-                    say(note)
-        check_all(results)
-        return
 
+def _follow(targets: list[Target], files: Mapping[str, dict[str, str]], lines: int, ssh: SshSettings) -> None:
+    """Stream every host's logs at once (one connection per host, whatever --parallel says) until Ctrl-C, which
+    kills each host's tail; a host whose stream ends is reported at once and the others go on. ClusterError naming
+    the hosts whose stream failed, after Ctrl-C."""
+    out = _Printer()
     stop_event = threading.Event()
-
-    def follow_one(host: Host) -> None:
-        """Stream this host's logs until Ctrl-C; a tail that ends on its own is this host's failure."""
-        paths = files(host.name)
-        parser = TailParser(paths, out.line)
-        # --pid: if this end vanishes without killing it, tail still ends once the SSH session's process does.
-        command = f'exec tail -v -F -n {lines} --pid="$PPID" -- ' + " ".join(shlex.quote(p) for p in paths)
-        result = host.stream(command, parser, stop_event)
-        for note in missing_logs(result.stderr, paths):
-            say(note)
-        if not result.stopped:
-            result.check()
-            raise UserError(f"{host.name}: tail ended on its own ({result.describe()})")
-
-    def ended(r: HostResult[None]) -> None:
-        """Say at once when one host's stream failed (not at Ctrl-C), while the others keep streaming."""
-        if not r.ok and not stop_event.is_set():
-            say(f"{r.error}; no more lines from {r.host}")
-
     with interrupt_sets(stop_event):
-        results = run_on_all(targets, follow_one, replace(ssh, parallel=max(1, len(targets))), progress=ended)
+        results = run_on_all(targets, lambda host: _follow_host(host, files[host.name], lines, out, stop_event),
+                             replace(ssh, parallel=max(1, len(targets))),
+                             progress=functools.partial(_say_ended, stop_event))
     failed = {n: r for n, r in results.items() if not r.ok}
     if failed:
         raise ClusterError(results)
+
+
+def _follow_host(host: Host, paths: dict[str, str], lines: int, out: _Printer, stop_event: threading.Event) -> None:
+    """Stream this host's logs (`paths`: their prefixes) to `out` until `stop_event`; a tail that ends on its own
+    is this host's failure (UserError, or the error of the command's result)."""
+    parser = TailParser(paths, out.line)
+    # --pid: if this end vanishes without killing it, tail still ends once the SSH session's process does.
+    command = f'exec tail -v -F -n {lines} --pid="$PPID" -- ' + " ".join(shlex.quote(p) for p in paths)
+    result = host.stream(command, parser, stop_event)
+    for note in missing_logs(result.stderr, paths):
+        say(note)
+    if not result.stopped:
+        result.check()
+        raise UserError(f"{host.name}: tail ended on its own ({result.describe()})")
+
+
+def _say_ended(stop_event: threading.Event, r: HostResult[None]) -> None:
+    """Say at once when one host's stream failed (not at Ctrl-C), while the others keep streaming."""
+    if not r.ok and not stop_event.is_set():
+        say(f"{r.error}; no more lines from {r.host}")
 
 
 def _choose(record: JobRecord, node: str | None, rank: int | None, host_name: str | None) -> list[Mapping[str, Any]]:

@@ -16,10 +16,11 @@ torch's gloo and NCCL bootstraps):
 - an agent says `agent_hello {host, node_ids}`, heartbeats every AGENT_HEARTBEAT naming its running workers
   (`running {node_id: pid}`), reports a killed worker's `exited {signal: SIGKILL}` and relaunches it (a new
   incarnation) after the driver's delay;
-- a worker `register`s (in-place recovery), heartbeats every HEARTBEAT_INTERVAL at its own phase within the second
-  with every pace field, sends `commit` every COMMIT_EVERY steps; after each `formed` it opens a new store
-  connection and runs the bootstrap patterns in order, then says `recovered`; a `generation` notice leaves the
-  group (a bootstrap still running is cut short, as the runtime's fence does);
+- a worker `register`s (in-place recovery), heartbeats every TOOLKIT_HEARTBEAT_INTERVAL the plan gives a job of
+  this size (envvars.heartbeat_interval), at its own phase within it, with every pace field, sends `commit` every
+  COMMIT_EVERY steps; after each `formed` it opens a new store connection and runs the bootstrap patterns in order,
+  then says `recovered`; a `generation` notice leaves the group (a bootstrap still running is cut short, as the
+  runtime's fence does);
 - the store patterns (values checked byte for byte against what their writers set):
   `gloo`          set one 154-byte value, then multi_get every rank's, 128 keys a request (GLOO_ENABLE_STORE_V2_API
                   with GLOO_ENABLE_RANK_AS_SEQUENCE_NUMBER); a store that answers "unknown store command" gets a
@@ -27,7 +28,8 @@ torch's gloo and NCCL bootstraps):
   `gloo-legacy`   gloo without those variables: a value of 154 + 8N bytes, then a wait and a get per rank;
   `nccl`          rank 0 sets the unique id (128 bytes), every other rank gets it (N - 1 waiters on one key);
   `nccl-scalable` every NCCL_RANKS_PER_ROOT-th rank sets its id, every rank one multi_get of them;
-  with a monitor (NCCL's heartbeat monitor), every rank `check`s ["exception_dump"] each MONITOR_INTERVAL.
+  with a monitor (NCCL's heartbeat monitor), every rank `check`s ["exception_dump"] each
+  TORCH_NCCL_COORD_CHECK_MILSEC the plan would give (envvars.nccl_coord_check_ms).
 
 The driver talks to this process over a socketpair (the descriptor named by --channel) in JSON lines: commands
 `go`, `wait {gen}`, `kill {rank, host: bool, delay}`, `stats`, `done`; events `ready`, `built {gen, ranks}`,
@@ -53,16 +55,13 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Generator
 
-from toolkit import procs
-from toolkit import protocol as P
+from toolkit import envvars, procs, protocol
 
 GLOO_VALUE = 154  # bytes of a rank's address with GLOO_ENABLE_RANK_AS_SEQUENCE_NUMBER (torch 2.13, measured)
 NCCL_VALUE = 128  # bytes of an ncclUniqueId
 BATCH = 128  # keys per multi_get: what gloo asks for
 NCCL_RANKS_PER_ROOT = 128  # TORCH_NCCL_RANKS_PER_ROOT
 BUILD_TIMEOUT = 66.0  # s a store wait may take: the runtime's build bound (2 x the collective timeout + node timeout)
-MONITOR_INTERVAL = 1.0  # s: TORCH_NCCL_COORD_CHECK_MILSEC
-HEARTBEAT_INTERVAL = 1.0  # s: TOOLKIT_HEARTBEAT_INTERVAL's default
 AGENT_HEARTBEAT = 1.0  # s: toolkit.agent.link.HEARTBEAT_INTERVAL
 CONTROL_RETRY = 0.25  # s: toolkit.train.runtime.CONNECT_RETRY (not imported here: that module imports torch)
 STORE_RETRY_FIRST, STORE_RETRY_MAX = 0.05, 1.0  # s: toolkit.train.store's connect backoff
@@ -200,14 +199,14 @@ class Link:
         if self.state == "up":
             self.on_line(line)
         elif self.state == "challenge":
-            server_nonce = P.challenge_nonce(P.decode(line))
-            hello, client_nonce = P.hello(self.op, self.sim.token, server_nonce, **self.fields)
+            server_nonce = protocol.challenge_nonce(protocol.decode(line))
+            hello, client_nonce = protocol.hello(self.op, self.sim.token, server_nonce, **self.fields)
             self.nonces = (server_nonce, client_nonce)
             self.state = "hello"
             self.send(hello)
         else:
-            reply = P.decode(line)
-            if not P.check_server(self.sim.token, *self.nonces, reply):
+            reply = protocol.decode(line)
+            if not protocol.check_server(self.sim.token, *self.nonces, reply):
                 self.sim.count("unproven")
                 self._end(f"{self.op}: an answer without the server's proof: {str(reply)[:200]}")
                 return
@@ -257,7 +256,7 @@ class Bootstrap:
             out = []
             for i in range(0, len(ranks), BATCH):
                 part = ranks[i:i + BATCH]
-                line = P.encode(P.KV, id=0, cmd="multi_get", keys=[self.key(pattern, r) for r in part],
+                line = protocol.encode(protocol.KV, id=0, cmd="multi_get", keys=[self.key(pattern, r) for r in part],
                                 timeout=BUILD_TIMEOUT)
                 expect = '","'.join(self.value(pattern, r) for r in part).encode()
                 out.append((*_split_id(line), expect))
@@ -273,7 +272,7 @@ def _split_id(line: bytes) -> tuple[bytes, bytes]:
 
 
 def _request(cmd: str, **fields: Any) -> tuple[bytes, bytes, bytes | None]:
-    return (*_split_id(P.encode(P.KV, id=0, cmd=cmd, **fields)), None)
+    return (*_split_id(protocol.encode(protocol.KV, id=0, cmd=cmd, **fields)), None)
 
 
 class StoreFailed(Exception):
@@ -284,8 +283,8 @@ Script = Generator[tuple[bytes, bytes, bytes | None], bytes, None]
 
 
 def _ok(line: bytes) -> dict[str, Any]:
-    reply = P.decode(line)
-    if reply.get("op") != P.KV_REPLY or reply.get("ok") is not True:
+    reply = protocol.decode(line)
+    if reply.get("op") != protocol.KV_REPLY or reply.get("ok") is not True:
         raise StoreFailed(str(reply.get("error") or reply)[:300])
     return reply
 
@@ -335,7 +334,7 @@ def _multi_get(pattern: str, boot: Bootstrap, ranks: list[int], rid: Callable[[]
         if _values_match(line, rid(), expect):
             tally("multi_get values checked")
             continue
-        reply = P.decode(line)
+        reply = protocol.decode(line)
         if reply.get("ok") is False and "unknown store command" in str(reply.get("error")):
             yield from _wait_get(pattern, boot, ranks[i * BATCH:(i + 1) * BATCH], tally)
             continue
@@ -360,7 +359,7 @@ class SimWorker:
 
     def __init__(self, sim: Sim, host: SimHost, rank: int, seq: int) -> None:
         self.sim, self.host, self.rank = sim, host, rank
-        self.node_id = P.worker_node_id(rank)
+        self.node_id = protocol.worker_node_id(rank)
         self.incarnation = secrets.token_hex(8)
         self.pid = 10_000_000 + rank * 100 + seq  # a fake pid: the scheduler only shows and matches it
         self.alive = True
@@ -385,9 +384,9 @@ class SimWorker:
         """Connect and register (in-place recovery, like a script that called toolkit.train.init())."""
         fields = {"node_id": self.node_id, "rank": self.rank, "world_size": self.sim.world,
                   "incarnation": self.incarnation, "pid": self.pid, "host": self.host.name,
-                  "generation": self.generation, "rejoin": False, "recovery": P.RECOVERY_IN_PLACE}
-        self.ctl = Link(self.sim, self.sim.port, self.host.ip, P.REGISTER, fields, P.MAX_LINE, self._ctl_up,
-                        self._ctl_line, self._ctl_end)
+                  "generation": self.generation, "rejoin": False, "recovery": protocol.RECOVERY_IN_PLACE}
+        self.ctl = Link(self.sim, self.sim.port, self.host.ip, protocol.REGISTER, fields, protocol.MAX_LINE,
+                        self._ctl_up, self._ctl_line, self._ctl_end)
 
     def kill(self) -> None:
         """SIGKILL: its connections are reset, its timers do nothing from now on."""
@@ -400,18 +399,18 @@ class SimWorker:
         """A clean finish: `done`, then nothing more is sent."""
         self.finishing = True
         if self.ctl is not None and self.ctl.up:
-            self.ctl.send(P.encode(P.DONE))
+            self.ctl.send(protocol.encode(protocol.DONE))
 
     # -- the control connection
 
     def _ctl_up(self, reply: dict[str, Any]) -> None:
         op = reply.get("op")
-        if op == P.WELCOME:
-            self.sim.timers.at(self.sim.now + HEARTBEAT_INTERVAL * (0.5 + self.phase), self._beat)
+        if op == protocol.WELCOME:
+            self.sim.timers.at(self.sim.now + self.sim.heartbeat * (0.5 + self.phase), self._beat)
             return
         assert self.ctl is not None
         self.ctl.close()
-        if op == P.REJECT and reply.get("retry") is True:  # the rank's holder is not known dead yet
+        if op == protocol.REJECT and reply.get("retry") is True:  # the rank's holder is not known dead yet
             self.sim.count("register retried")
             self.sim.timers.at(self.sim.now + CONTROL_RETRY, self._restart)
             return
@@ -423,25 +422,25 @@ class SimWorker:
             self.start()
 
     def _ctl_line(self, line: bytes) -> None:
-        msg = P.decode(line)
+        msg = protocol.decode(line)
         op, now = msg["op"], self.sim.now
-        if op == P.FORMED:
-            gen = P.whole(msg, "generation")
+        if op == protocol.FORMED:
+            gen = protocol.whole(msg, "generation")
             if gen is None or not isinstance(msg.get("prefix"), str):
-                raise P.ProtocolError("formed without a generation or a prefix")
+                raise protocol.ProtocolError("formed without a generation or a prefix")
             self.formed.setdefault(gen, now)
             self.announced = max(gen, self.announced if self.announced is not None else gen)
             self._build(gen, msg["prefix"])
-        elif op == P.GENERATION:
-            gen = P.whole(msg, "generation")
+        elif op == protocol.GENERATION:
+            gen = protocol.whole(msg, "generation")
             if gen is None:
-                raise P.ProtocolError("generation without a number")
+                raise protocol.ProtocolError("generation without a number")
             self.notice.setdefault(gen, now)
             self.announced = gen
             self.training = False
             if self.script is not None:  # the fence: a build of a left generation is cut short
                 self._drop_store()
-        elif op in (P.STOP, P.FENCED):
+        elif op in (protocol.STOP, protocol.FENCED):
             self.sim.error(f"{self.node_id}: {op}: {str(msg.get('reason'))[:200]}")
             self.kill()
         else:
@@ -466,13 +465,13 @@ class SimWorker:
             step = int((self.sim.now - self.sim.started) * STEP_RATE)
             if step // COMMIT_EVERY > self.step // COMMIT_EVERY:
                 self.ckpts += 1
-                self.ctl.send(P.encode(P.COMMIT, step=step // COMMIT_EVERY * COMMIT_EVERY))
+                self.ctl.send(protocol.encode(protocol.COMMIT, step=step // COMMIT_EVERY * COMMIT_EVERY))
             self.step = step
         if self.ctl.up:
             self.ctl.send(b'{"op":"heartbeat","step":%d,"step_time":0.1,"busy":%s,"loss":2.5,"ckpt_stall":%.4f,'
                           b'"ckpts":%d,"ckpt_every":%d,"ckpt_why":"%d steps: fixed (ckpt_every)"}\n'
                           % (self.step, self.busy, self.ckpts * 0.01, self.ckpts, COMMIT_EVERY, COMMIT_EVERY))
-        self.sim.timers.at(self.sim.now + HEARTBEAT_INTERVAL, self._beat)
+        self.sim.timers.at(self.sim.now + self.sim.heartbeat, self._beat)
 
     # -- the store
 
@@ -487,7 +486,7 @@ class SimWorker:
         gen = self.generation
 
         def up(reply: dict[str, Any]) -> None:
-            if reply.get("op") != P.WELCOME:
+            if reply.get("op") != protocol.WELCOME:
                 self.sim.count("refused")
                 self.sim.error(f"{self.node_id}: the store answered {reply.get('op')}: {reply.get('reason')}")
                 return
@@ -508,8 +507,8 @@ class SimWorker:
             self.store_attempts += 1
             self.sim.timers.at(self.sim.now + pause, lambda: self._retry_store(gen, prefix))
 
-        self.store = Link(self.sim, self.sim.store_port, self.host.ip, P.STORE_HELLO, {"node_id": self.node_id},
-                          P.MAX_STORE_LINE, up, self._store_line, end)
+        self.store = Link(self.sim, self.sim.store_port, self.host.ip, protocol.STORE_HELLO, {"node_id": self.node_id},
+                          protocol.MAX_STORE_LINE, up, self._store_line, end)
 
     def _retry_store(self, gen: int | None, prefix: str) -> None:
         if self.alive and gen == self.generation and self.announced == gen:
@@ -528,7 +527,7 @@ class SimWorker:
             self.script = None
             self._built()
             return
-        except (StoreFailed, P.ProtocolError) as e:
+        except (StoreFailed, protocol.ProtocolError) as e:
             self.script = None
             if self.announced == self.generation:  # not cut short by a newer generation
                 self.sim.error(f"{self.node_id}: bootstrap of generation {self.generation}: {e}")
@@ -554,12 +553,12 @@ class SimWorker:
         self.training = True
         first = gen == 0
         assert self.ctl is not None
-        self.ctl.send(P.encode(P.RECOVERED, generation=gen, step=self.step, source="initial" if first else "peer",
-                               from_rank=None if first else 0, recomputed=0,
-                               seconds=round(now - self.formed.get(gen, now), 4), bytes=0))
+        self.ctl.send(protocol.encode(protocol.RECOVERED, generation=gen, step=self.step,
+                                      source="initial" if first else "peer", from_rank=None if first else 0,
+                                      recomputed=0, seconds=round(now - self.formed.get(gen, now), 4), bytes=0))
         self.sim.built(self, gen)
         if self.sim.monitor:
-            self.sim.timers.at(now + MONITOR_INTERVAL * (0.5 + self.phase), lambda: self._check(gen))
+            self.sim.timers.at(now + self.sim.monitor_interval * (0.5 + self.phase), lambda: self._check(gen))
 
     def _check(self, gen: int) -> None:
         """NCCL's heartbeat monitor: is there an exception dump signal? Once a second while in this group."""
@@ -569,7 +568,7 @@ class SimWorker:
             self.rid += 1
             self.sim.requests += 1
             self.store.send(b'{"op":"kv","id":%d,"cmd":"check","keys":["exception_dump"]}\n' % self.rid)
-        self.sim.timers.at(self.sim.now + MONITOR_INTERVAL, lambda: self._check(gen))
+        self.sim.timers.at(self.sim.now + self.sim.monitor_interval, lambda: self._check(gen))
 
     def _drop_store(self) -> None:
         self.script = None
@@ -592,17 +591,17 @@ class SimHost:
 
     def start(self) -> None:
         self.alive = True
-        self.agent = Link(self.sim, self.sim.port, self.ip, P.AGENT_HELLO,
-                          {"host": self.name, "node_ids": [P.worker_node_id(r) for r in self.ranks]}, P.MAX_LINE,
-                          self._up, self._line, self._end)
+        self.agent = Link(self.sim, self.sim.port, self.ip, protocol.AGENT_HELLO,
+                          {"host": self.name, "node_ids": [protocol.worker_node_id(r) for r in self.ranks]},
+                          protocol.MAX_LINE, self._up, self._line, self._end)
 
     def kill_worker(self, rank: int, delay: float) -> None:
         """A worker SIGKILLed: its agent reports the exit and relaunches it (a new incarnation) after `delay`."""
         old = self.workers[rank]
         old.kill()
         if self.agent is not None and self.agent.up:
-            self.agent.send(P.encode(P.EXITED, node_id=old.node_id, pid=old.pid, code=None, signal="SIGKILL",
-                                     cause=None))
+            self.agent.send(protocol.encode(protocol.EXITED, node_id=old.node_id, pid=old.pid, code=None,
+                                            signal="SIGKILL", cause=None))
         self.sim.timers.at(self.sim.now + delay, lambda: self._relaunch(rank))
 
     def kill(self, delay: float) -> None:
@@ -624,7 +623,7 @@ class SimHost:
         w.start()
 
     def _up(self, reply: dict[str, Any]) -> None:
-        if reply.get("op") != P.WELCOME:
+        if reply.get("op") != protocol.WELCOME:
             self.sim.count("refused")
             self.sim.error(f"agent of {self.name}: hello answered {reply.get('op')}: {reply.get('reason')}")
             return
@@ -633,20 +632,21 @@ class SimHost:
     def _beat(self) -> None:
         if self.alive and self.agent is not None and self.agent.up and not self.finished:
             running = {w.node_id: w.pid for w in self.workers.values() if w.alive and not w.finishing}
-            self.agent.send(P.encode(P.HEARTBEAT, running=running))  # vouches for its children, as agents do
+            # vouches for its children, as agents do
+            self.agent.send(protocol.encode(protocol.HEARTBEAT, running=running))
             self.sim.timers.at(self.sim.now + AGENT_HEARTBEAT, self._beat)
 
     def _line(self, line: bytes) -> None:
-        msg = P.decode(line)
+        msg = protocol.decode(line)
         op = msg["op"]
-        if op == P.KILL:  # a worker the scheduler found dead: killed already, unless it is the live one
+        if op == protocol.KILL:  # a worker the scheduler found dead: killed already, unless it is the live one
             w = self.workers.get(_rank(msg.get("node_id")))
             if w is not None and w.alive and w.pid == msg.get("pid"):
                 self.sim.error(f"agent of {self.name}: told to kill the live {w.node_id}")
-        elif op == P.FINISHED:
+        elif op == protocol.FINISHED:
             self.finished = True
             self.sim.host_finished()
-        elif op == P.STOP:
+        elif op == protocol.STOP:
             self.sim.error(f"agent of {self.name}: stop: {str(msg.get('reason'))[:300]}")
         else:
             self.sim.error(f"agent of {self.name}: unexpected {op[:40]!r}")
@@ -661,7 +661,7 @@ class SimHost:
 
 
 def _rank(node_id: Any) -> int:
-    prefix = P.worker_node_id(0)[:-1]
+    prefix = protocol.worker_node_id(0)[:-1]
     if isinstance(node_id, str) and node_id.startswith(prefix) and node_id[len(prefix):].isdigit():
         return int(node_id[len(prefix):])
     return -1
@@ -673,6 +673,9 @@ class Sim:
     def __init__(self, cfg: dict[str, Any], token: str, channel: socket.socket) -> None:
         self.host, self.port, self.store_port = cfg["host"], cfg["port"], cfg["store_port"]
         self.world, self.patterns, self.monitor = cfg["world"], tuple(cfg["patterns"]), cfg["monitor"]
+        # what the plan gives a job of this size (TOOLKIT_HEARTBEAT_INTERVAL, TORCH_NCCL_COORD_CHECK_MILSEC)
+        self.heartbeat = envvars.heartbeat_interval(self.world, envvars.DEFAULT_HEARTBEAT_INTERVAL, cfg["node_timeout"])
+        self.monitor_interval = envvars.nccl_coord_check_ms(self.world) / 1000
         self.token = token
         self.sel = selectors.DefaultSelector()
         self.timers = Timers()
@@ -796,7 +799,7 @@ class Sim:
                 self.now = time.monotonic()
                 try:
                     key.data.on_event(mask)
-                except (P.ProtocolError, StoreFailed, KeyError, ValueError, TypeError) as e:
+                except (protocol.ProtocolError, StoreFailed, KeyError, ValueError, TypeError) as e:
                     self.error(f"{type(e).__name__}: {e}")
                     if isinstance(key.data, Link):
                         key.data.close()

@@ -37,9 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from toolkit import envvars as E
-from toolkit import procs, rundoc
-from toolkit import protocol as P
+from toolkit import envvars, procs, protocol, rundoc
 from toolkit.testing.ports import free_port_pair
 from toolkit.testing.simhosts import PATTERNS
 from toolkit.testing.waits import wait_for
@@ -224,7 +222,7 @@ class SimJob:
 
     def __init__(self, world: int, workdir: Path, patterns: tuple[str, ...] = ("gloo",), monitor: bool | None = None,
                  sims: int | None = None, per_host_ips: bool = True, delay: float = 0.0, nofile: int | None = None,
-                 node_timeout: float = E.DEFAULT_NODE_TIMEOUT, topo_timeout: float = 600.0,
+                 node_timeout: float = envvars.DEFAULT_NODE_TIMEOUT, topo_timeout: float = 600.0,
                  tree: Path | None = None, profile: Path | None = None) -> None:
         unknown = [p for p in patterns if p not in PATTERNS]
         if unknown or world < 2:
@@ -264,14 +262,16 @@ class SimJob:
         token.write_text(secrets.token_hex(16))
         token.chmod(0o600)
         expected = self.dir / "expected.json"
-        expected.write_text(json.dumps({P.worker_node_id(r): f"sim{r // PER_HOST}" for r in range(self.world)}))
+        expected.write_text(json.dumps({protocol.worker_node_id(r): f"sim{r // PER_HOST}" for r in range(self.world)}))
         self.port = free_port_pair()
         env = {k: v for k, v in os.environ.items() if not k.startswith(("MS_", "TOOLKIT_", "MASTER_"))}
-        env.update({E.MS_ROLE: E.ROLE_SCHED, E.MS_SCHED_HOST: "127.0.0.1", E.MS_SCHED_PORT: str(self.port),
-                    E.MASTER_ADDR: "127.0.0.1", E.MASTER_PORT: str(self.port + 1), E.MS_WORKER_NUM: str(self.world),
-                    E.MS_TOPO_TIMEOUT: str(self.topo_timeout), E.MS_NODE_TIMEOUT: str(self.node_timeout),
-                    E.MS_ENABLE_RECOVERY: "1", E.MS_RECOVERY_PATH: str(self.recovery), E.TOOLKIT_JOB: "sim",
-                    E.TOOLKIT_TOKEN_FILE: str(token), E.TOOLKIT_EXPECTED: str(expected),
+        env.update({envvars.MS_ROLE: envvars.ROLE_SCHED, envvars.MS_SCHED_HOST: "127.0.0.1",
+                    envvars.MS_SCHED_PORT: str(self.port), envvars.MASTER_ADDR: "127.0.0.1",
+                    envvars.MASTER_PORT: str(self.port + 1), envvars.MS_WORKER_NUM: str(self.world),
+                    envvars.MS_TOPO_TIMEOUT: str(self.topo_timeout), envvars.MS_NODE_TIMEOUT: str(self.node_timeout),
+                    envvars.MS_ENABLE_RECOVERY: "1", envvars.MS_RECOVERY_PATH: str(self.recovery),
+                    envvars.TOOLKIT_JOB: "sim",
+                    envvars.TOOLKIT_TOKEN_FILE: str(token), envvars.TOOLKIT_EXPECTED: str(expected),
                     "PYTHONPATH": str(self.tree), "PYTHONDONTWRITEBYTECODE": "1"})
         argv = [sys.executable, "-m", "toolkit.scheduler"]
         if self.profile is not None:  # cProfile writes its file when the scheduler returns (after done or SIGTERM)
@@ -295,8 +295,8 @@ class SimJob:
     def _spawn_sim(self, index: int, hosts: list[int], token: Path) -> SimProcess:
         ours, theirs = socket.socketpair()
         config = {"host": "127.0.0.1", "port": self.port, "store_port": self.port + 1, "world": self.world,
-                  "hosts": hosts, "per_host": PER_HOST, "per_host_ips": self.per_host_ips,
-                  "patterns": list(self.patterns), "monitor": self.monitor}
+                  "node_timeout": self.node_timeout, "hosts": hosts, "per_host": PER_HOST,
+                  "per_host_ips": self.per_host_ips, "patterns": list(self.patterns), "monitor": self.monitor}
         argv = (sys.executable, "-m", "toolkit.testing.simhosts", "--channel", str(theirs.fileno()),
                 "--config", json.dumps(config), "--token-file", str(token))
         log = self.dir / f"sim{index}.log"
