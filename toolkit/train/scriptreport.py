@@ -8,7 +8,7 @@ import math
 import time
 from typing import Any
 
-from toolkit import protocol as P
+from toolkit import protocol
 from toolkit.train.channel import Channel
 from toolkit.train.pace import StepPace
 from toolkit.train.runtime import PROGRESS_INTERVAL, WorkerEnv, notify_agent
@@ -47,10 +47,10 @@ class ScriptReporter:
         self.last = step
         if checkpoint:
             self.checkpoint = step if self.checkpoint is None else max(self.checkpoint, step)
-            self.channel.send(P.COMMIT, step=step)
+            self.channel.send(protocol.COMMIT, step=step)
         if checkpoint or now - self.sent >= PROGRESS_INTERVAL:
             self.sent = now
             extra = {k: v for k, v in (("ckpt_step", self.checkpoint), ("stride", self.stride),
                                         ("first_step", self.first)) if v is not None}
             self.channel.beat = {**self.channel.beat, **(self.pace.summary() if self.cfg.pace else {}), **extra}
-            notify_agent(self.cfg, {"node_id": self.cfg.node_id, "step": step, "recovery": P.RECOVERY_RESTART})
+            notify_agent(self.cfg, {"node_id": self.cfg.node_id, "step": step, "recovery": protocol.RECOVERY_RESTART})
