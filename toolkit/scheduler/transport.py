@@ -162,7 +162,8 @@ class Connections:
                 return
             ip = str(addr[0])
             now = self.clock()
-            conn = Conn(next(self.ids), sock, f"{addr[0]}:{addr[1]}", ip, kind, protocol.new_nonce(), now + PREAUTH_TIMEOUT)
+            conn = Conn(next(self.ids), sock, f"{addr[0]}:{addr[1]}", ip, kind, protocol.new_nonce(),
+                        now + PREAUTH_TIMEOUT)
             victim = self.conns.get(self.admission.admit(conn.id, ip, now) or 0)
             if victim is not None:
                 lim = self.admission.limits
