@@ -15,7 +15,7 @@ WORKER_KEYS = {
     E.RANK, E.WORLD_SIZE, E.LOCAL_RANK, E.LOCAL_WORLD_SIZE, E.GROUP_RANK, E.TORCHELASTIC_USE_AGENT_STORE,
     E.OMP_NUM_THREADS, E.CKPT_DIR, E.TOOLKIT_JOB, E.TOOLKIT_TOKEN_FILE, E.TOOLKIT_AGENT_SOCKET,
     E.TOOLKIT_HEARTBEAT_INTERVAL, E.TOOLKIT_HOST, E.GROUP_WORLD_SIZE, E.ROLE_NAME, E.ROLE_RANK, E.ROLE_WORLD_SIZE,
-    E.TORCHELASTIC_RUN_ID, E.TORCHELASTIC_MAX_RESTARTS,
+    E.TORCHELASTIC_RUN_ID, E.TORCHELASTIC_MAX_RESTARTS, E.TORCH_NCCL_COORD_CHECK_MILSEC,
 }
 
 
@@ -191,3 +191,17 @@ def test_nproc_per_node_places_that_many_workers_on_every_host_and_nnodes_checks
         make_plan(parse_hosts("a,b"), opts(nproc_per_node=2, worker_num=5))
     with pytest.raises(PlanError, match=r"--nnodes 3, but 2 host\(s\) would run workers \(a, b\)"):
         make_plan(parse_hosts("a:2,b:2,c"), opts(worker_num=4, nnodes=3))
+
+
+def test_a_big_job_stretches_the_steady_intervals() -> None:
+    """Past STEADY_MESSAGES_PER_S ranks each worker heartbeats and checks the store for NCCL's dump signal less often
+    (the scheduler reads them all on one thread), the heartbeat never past a third of the node timeout."""
+    small = make_plan(parse_hosts("a:3,b:3"), opts()).process("worker_5").env
+    assert (small[E.TOOLKIT_HEARTBEAT_INTERVAL], small[E.TORCH_NCCL_COORD_CHECK_MILSEC]) == ("1", "1000")
+    hosts = ",".join(f"h{i}:8" for i in range(512))
+    big = make_plan(parse_hosts(hosts), opts()).process("worker_4095").env
+    assert (big[E.WORLD_SIZE], big[E.TOOLKIT_HEARTBEAT_INTERVAL], big[E.TORCH_NCCL_COORD_CHECK_MILSEC]) == (
+        "4096", "2", "2000")
+    assert E.heartbeat_interval(16384, 1.0, 6.0) == 2.0  # capped: a worker may miss two and live
+    assert E.heartbeat_interval(16384, 1.0, 30.0) == 8.0 and E.nccl_coord_check_ms(16384) == 8000
+    assert E.heartbeat_interval(64, 2.5, 6.0) == 2.5  # a longer interval asked for is kept

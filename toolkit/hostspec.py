@@ -15,8 +15,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
-from toolkit import agentdoc
-from toolkit import envvars as E
+from toolkit import agentdoc, envvars
 from toolkit.errors import UserError
 
 VERSION = 1
@@ -45,7 +44,7 @@ class ProcSpec:
     @property
     def is_worker(self) -> bool:
         """A worker (MS_WORKER), as opposed to the scheduler."""
-        return self.role == E.ROLE_WORKER
+        return self.role == envvars.ROLE_WORKER
 
 
 @dataclass(frozen=True)
@@ -349,8 +348,8 @@ def _proc(fields: _Fields, p: dict, label: str, node_id: str, job_dir: Path) -> 
     opt_int = (int, type(None))
     return ProcSpec(
         node_id=node_id,
-        role=get(p, "role", str, f"{label}.role", check=lambda v: v in (E.ROLE_SCHED, E.ROLE_WORKER),
-                 hint=f"{E.ROLE_SCHED} or {E.ROLE_WORKER}"),
+        role=get(p, "role", str, f"{label}.role", check=lambda v: v in (envvars.ROLE_SCHED, envvars.ROLE_WORKER),
+                 hint=f"{envvars.ROLE_SCHED} or {envvars.ROLE_WORKER}"),
         rank=get(p, "rank", opt_int, f"{label}.rank", None),
         local_rank=get(p, "local_rank", opt_int, f"{label}.local_rank", None),
         argv=tuple(argv),

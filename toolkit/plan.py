@@ -15,8 +15,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Iterator, Mapping, Sequence
 
-from toolkit import envvars as E
-from toolkit import hostspec
+from toolkit import envvars, hostspec
 from toolkit.errors import UserError
 from toolkit.inventory import MAX_SLOTS, Host, Inventory
 from toolkit.protocol import RECOVERY_RESTART as P_RECOVERY_RESTART
@@ -53,10 +52,10 @@ class JobOptions:
     worker_num: int | None = None  # None: every slot
     nproc_per_node: int | None = None  # torchrun's: workers on each worker host (instead of its slots)
     nnodes: int | None = None  # torchrun's: the number of hosts that run workers, checked against the plan
-    master_port: int = E.DEFAULT_SCHED_PORT
-    cluster_time_out: int = E.DEFAULT_TOPO_TIMEOUT
-    node_timeout: float = E.DEFAULT_NODE_TIMEOUT
-    heartbeat_interval: float = E.DEFAULT_HEARTBEAT_INTERVAL
+    master_port: int = envvars.DEFAULT_SCHED_PORT
+    cluster_time_out: int = envvars.DEFAULT_TOPO_TIMEOUT
+    node_timeout: float = envvars.DEFAULT_NODE_TIMEOUT
+    heartbeat_interval: float = envvars.DEFAULT_HEARTBEAT_INTERVAL
     recovery: bool = True
     data_path: str | None = None
     ckpt_dir: str | None = None
@@ -68,8 +67,8 @@ class JobOptions:
     bind_core: bool = False
     warm_spare: bool = True
     torchrun_script: bool = False  # recover by relaunching every worker even if the script uses toolkit.train
-    straggler_factor: float = E.DEFAULT_STRAGGLER_FACTOR  # own work per step vs the others' median: a straggler
-    host_timeout: float = E.DEFAULT_HOST_TIMEOUT  # s a host's ranks dead, its agent gone: lost, a spare takes over
+    straggler_factor: float = envvars.DEFAULT_STRAGGLER_FACTOR  # own work per step vs the others' median: a straggler
+    host_timeout: float = envvars.DEFAULT_HOST_TIMEOUT  # s a host's ranks dead, its agent gone: lost, a spare steps in
 
     def __post_init__(self) -> None:
         if not _JOB_NAME.fullmatch(self.job):
@@ -177,7 +176,7 @@ class HostPlan:
         """Where this host's workers keep their checkpoints (CKPT_DIR made absolute), None if it runs none."""
         for p in self.processes:
             if p.rank is not None:
-                return posixpath.join(p.cwd, p.env[E.CKPT_DIR])
+                return posixpath.join(p.cwd, p.env[envvars.CKPT_DIR])
         return None
 
 
@@ -327,18 +326,18 @@ class _ProcessBuilder:
         options, jd = self.options, job_dir(sched, self.options)
         return Process(
             host=sched.name,
-            role=E.ROLE_SCHED,
+            role=envvars.ROLE_SCHED,
             node_id=SCHED_NODE_ID,
             rank=None,
             local_rank=None,
             argv=(_python(sched, options), "-m", "toolkit.scheduler"),
             cwd=self._cwd(jd),
             env=MappingProxyType({
-                **self.common, **_dir_env(jd), E.MS_ROLE: E.ROLE_SCHED, E.MS_NODE_ID: SCHED_NODE_ID,
-                E.TOOLKIT_EXPECTED: posixpath.join(jd, EXPECTED_FILE),
-                E.TOOLKIT_STRAGGLER_FACTOR: _num(options.straggler_factor),
-                E.TOOLKIT_HOST_TIMEOUT: _num(options.host_timeout),
-                E.TOOLKIT_SPARES: ",".join(n for n in spares if n != sched.name),
+                **self.common, **_dir_env(jd), envvars.MS_ROLE: envvars.ROLE_SCHED, envvars.MS_NODE_ID: SCHED_NODE_ID,
+                envvars.TOOLKIT_EXPECTED: posixpath.join(jd, EXPECTED_FILE),
+                envvars.TOOLKIT_STRAGGLER_FACTOR: _num(options.straggler_factor),
+                envvars.TOOLKIT_HOST_TIMEOUT: _num(options.host_timeout),
+                envvars.TOOLKIT_SPARES: ",".join(n for n in spares if n != sched.name),
             }),
         )
 
@@ -348,7 +347,7 @@ class _ProcessBuilder:
         options, jd = self.options, job_dir(host, self.options)
         return Process(
             host=host.name,
-            role=E.ROLE_WORKER,
+            role=envvars.ROLE_WORKER,
             node_id=worker_node_id(seat.rank),
             rank=seat.rank,
             local_rank=seat.local_rank,
@@ -364,30 +363,32 @@ class _ProcessBuilder:
         env = {
             **self.common,
             **_dir_env(jd),
-            E.MS_ROLE: E.ROLE_WORKER,
-            E.MS_NODE_ID: worker_node_id(seat.rank),
-            E.RANK_ID: rank,
-            E.RANK: rank,
-            E.LOCAL_RANK: str(seat.local_rank),
-            E.DEVICE_ID: str(seat.local_rank),
-            E.LOCAL_WORLD_SIZE: str(seat.local_world),
-            E.GROUP_RANK: str(seat.group_rank),
-            E.GROUP_WORLD_SIZE: str(self.groups),
-            E.ROLE_NAME: E.DEFAULT_ROLE_NAME,
-            E.ROLE_RANK: rank,
-            E.ROLE_WORLD_SIZE: str(self.world),
-            E.TORCHELASTIC_RUN_ID: options.job,
-            E.TORCHELASTIC_MAX_RESTARTS: str(options.max_restarts),
-            E.TOOLKIT_HEARTBEAT_INTERVAL: _num(options.heartbeat_interval),
-            E.TOOLKIT_AGENT_SOCKET: posixpath.join(jd, "state", "progress.sock"),
-            E.TOOLKIT_HOST: host.name,
-            E.TORCHELASTIC_USE_AGENT_STORE: "True",
-            E.CKPT_DIR: options.ckpt_dir or posixpath.join(jd, "ckpt"),
+            envvars.MS_ROLE: envvars.ROLE_WORKER,
+            envvars.MS_NODE_ID: worker_node_id(seat.rank),
+            envvars.RANK_ID: rank,
+            envvars.RANK: rank,
+            envvars.LOCAL_RANK: str(seat.local_rank),
+            envvars.DEVICE_ID: str(seat.local_rank),
+            envvars.LOCAL_WORLD_SIZE: str(seat.local_world),
+            envvars.GROUP_RANK: str(seat.group_rank),
+            envvars.GROUP_WORLD_SIZE: str(self.groups),
+            envvars.ROLE_NAME: envvars.DEFAULT_ROLE_NAME,
+            envvars.ROLE_RANK: rank,
+            envvars.ROLE_WORLD_SIZE: str(self.world),
+            envvars.TORCHELASTIC_RUN_ID: options.job,
+            envvars.TORCHELASTIC_MAX_RESTARTS: str(options.max_restarts),
+            envvars.TOOLKIT_HEARTBEAT_INTERVAL: _num(
+                envvars.heartbeat_interval(self.world, options.heartbeat_interval, options.node_timeout)),
+            envvars.TORCH_NCCL_COORD_CHECK_MILSEC: str(envvars.nccl_coord_check_ms(self.world)),
+            envvars.TOOLKIT_AGENT_SOCKET: posixpath.join(jd, "state", "progress.sock"),
+            envvars.TOOLKIT_HOST: host.name,
+            envvars.TORCHELASTIC_USE_AGENT_STORE: "True",
+            envvars.CKPT_DIR: options.ckpt_dir or posixpath.join(jd, "ckpt"),
         }
         if options.data_path is not None:
-            env[E.DATA_PATH] = options.data_path
+            env[envvars.DATA_PATH] = options.data_path
         if options.torchrun_script:
-            env[E.TOOLKIT_RECOVERY] = P_RECOVERY_RESTART
+            env[envvars.TOOLKIT_RECOVERY] = P_RECOVERY_RESTART
         return env
 
 
@@ -453,25 +454,25 @@ def _check_socket_paths(hp: HostPlan) -> None:
 
 def _common_env(inventory: Inventory, options: JobOptions, sched: Host, world: int) -> dict[str, str]:
     return {
-        E.MS_SCHED_HOST: sched.reach,
-        E.MS_SCHED_PORT: str(options.master_port),
-        E.MASTER_ADDR: sched.reach,
-        E.MASTER_PORT: str(options.master_port + 1),
-        E.MS_WORKER_NUM: str(world),
-        E.RANK_SIZE: str(world),
-        E.WORLD_SIZE: str(world),
-        E.MS_TOPO_TIMEOUT: str(options.cluster_time_out),
-        E.MS_NODE_TIMEOUT: _num(options.node_timeout),
-        E.MS_ENABLE_RECOVERY: "1" if options.recovery else "0",
-        E.TOOLKIT_JOB: options.job,
-        E.OMP_NUM_THREADS: "1",
+        envvars.MS_SCHED_HOST: sched.reach,
+        envvars.MS_SCHED_PORT: str(options.master_port),
+        envvars.MASTER_ADDR: sched.reach,
+        envvars.MASTER_PORT: str(options.master_port + 1),
+        envvars.MS_WORKER_NUM: str(world),
+        envvars.RANK_SIZE: str(world),
+        envvars.WORLD_SIZE: str(world),
+        envvars.MS_TOPO_TIMEOUT: str(options.cluster_time_out),
+        envvars.MS_NODE_TIMEOUT: _num(options.node_timeout),
+        envvars.MS_ENABLE_RECOVERY: "1" if options.recovery else "0",
+        envvars.TOOLKIT_JOB: options.job,
+        envvars.OMP_NUM_THREADS: "1",
     }
 
 
 def _dir_env(jd: str) -> dict[str, str]:
     return {
-        E.MS_RECOVERY_PATH: posixpath.join(jd, "recovery"),
-        E.TOOLKIT_TOKEN_FILE: posixpath.join(jd, "token"),
+        envvars.MS_RECOVERY_PATH: posixpath.join(jd, "recovery"),
+        envvars.TOOLKIT_TOKEN_FILE: posixpath.join(jd, "token"),
     }
 
 

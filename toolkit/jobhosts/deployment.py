@@ -16,8 +16,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Iterable
 
-from toolkit import agentdoc, jobrecord, privatedir
-from toolkit import envvars as E
+from toolkit import agentdoc, envvars, jobrecord, privatedir
 from toolkit.errors import UserError
 from toolkit.jobhosts.output import human_size, relative, say
 from toolkit.jobhosts.reach import STATUS_TIMEOUT, fan_out, ssh_settings
@@ -205,7 +204,7 @@ def _check_ckpt_dir(host: Host, hp: HostPlan, given: str | None) -> None:
     workers = [p for p in (*hp.processes, *hp.standby) if p.rank is not None]
     if given is None or not workers:
         return
-    path = posixpath.join(workers[0].cwd, workers[0].env[E.CKPT_DIR])
+    path = posixpath.join(workers[0].cwd, workers[0].env[envvars.CKPT_DIR])
     result = host.run([hp.python, "-m", "toolkit.privatedir", path, "checkpoint directory",
                        "choose a --ckpt-dir of your own"], timeout=STATUS_TIMEOUT)
     if result.exit_code == privatedir.EXIT_NOT_PRIVATE and result.stdout.strip():

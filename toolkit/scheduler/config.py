@@ -10,10 +10,10 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Mapping
 
-from toolkit import envvars as E
+from toolkit import envvars
 from toolkit.errors import UserError
 
-TOOLKIT_EXPECTED = E.TOOLKIT_EXPECTED
+TOOLKIT_EXPECTED = envvars.TOOLKIT_EXPECTED
 
 
 class ConfigError(UserError):
@@ -35,8 +35,8 @@ class Config:
     recovery_path: Path | None
     token: str = field(repr=False)
     expected: Mapping[str, str] = field(default_factory=dict, hash=False)
-    straggler_factor: float = E.DEFAULT_STRAGGLER_FACTOR
-    host_timeout: float = E.DEFAULT_HOST_TIMEOUT  # 0: no automatic replacement by a spare
+    straggler_factor: float = envvars.DEFAULT_STRAGGLER_FACTOR
+    host_timeout: float = envvars.DEFAULT_HOST_TIMEOUT  # 0: no automatic replacement by a spare
     spares: tuple[str, ...] = ()  # the inventory's spare hosts, in the order they are used
 
     @classmethod
@@ -48,23 +48,26 @@ class Config:
         timeouts not positive and finite; recovery on without MS_RECOVERY_PATH; a token file unset, unreadable or
         empty; an expected-hosts file that is not a JSON object of strings. Defaults: MS_SCHED_PORT and the
         timeouts from toolkit.envvars, MASTER_PORT that port plus 1, job "job", host 127.0.0.1, recovery off."""
-        role = env.get(E.MS_ROLE, E.ROLE_SCHED)
-        if role != E.ROLE_SCHED:
-            raise ConfigError(f"{E.MS_ROLE}={role}: the scheduler runs where {E.MS_ROLE}={E.ROLE_SCHED}")
+        role = env.get(envvars.MS_ROLE, envvars.ROLE_SCHED)
+        if role != envvars.ROLE_SCHED:
+            raise ConfigError(f"{envvars.MS_ROLE}={role}: the scheduler runs where "
+                              f"{envvars.MS_ROLE}={envvars.ROLE_SCHED}")
         port, store_port = _ports(env)
         world = _world_size(env)
-        topo = _float(env, E.MS_TOPO_TIMEOUT, E.DEFAULT_TOPO_TIMEOUT)
-        node = _float(env, E.MS_NODE_TIMEOUT, E.DEFAULT_NODE_TIMEOUT)
+        topo = _float(env, envvars.MS_TOPO_TIMEOUT, envvars.DEFAULT_TOPO_TIMEOUT)
+        node = _float(env, envvars.MS_NODE_TIMEOUT, envvars.DEFAULT_NODE_TIMEOUT)
         if not (0 < topo < math.inf and 0 < node < math.inf):
-            raise ConfigError(f"{E.MS_TOPO_TIMEOUT} and {E.MS_NODE_TIMEOUT} must be positive, finite seconds")
+            raise ConfigError(f"{envvars.MS_TOPO_TIMEOUT} and {envvars.MS_NODE_TIMEOUT} must be positive, finite "
+                              "seconds")
         factor, host_timeout = _straggler_and_host_timeout(env)
-        recovery = env.get(E.MS_ENABLE_RECOVERY, "0").strip().lower() in ("1", "true", "yes", "on")
-        rpath = env.get(E.MS_RECOVERY_PATH)
+        recovery = env.get(envvars.MS_ENABLE_RECOVERY, "0").strip().lower() in ("1", "true", "yes", "on")
+        rpath = env.get(envvars.MS_RECOVERY_PATH)
         if recovery and not rpath:
-            raise ConfigError(f"{E.MS_ENABLE_RECOVERY}=1 needs {E.MS_RECOVERY_PATH}: the directory for the state")
+            raise ConfigError(f"{envvars.MS_ENABLE_RECOVERY}=1 needs {envvars.MS_RECOVERY_PATH}: the directory for the "
+                              "state")
         return cls(
-            job=env.get(E.TOOLKIT_JOB) or "job",
-            host=env.get(E.MS_SCHED_HOST) or "127.0.0.1",
+            job=env.get(envvars.TOOLKIT_JOB) or "job",
+            host=env.get(envvars.MS_SCHED_HOST) or "127.0.0.1",
             port=port,
             store_port=store_port,
             world_size=world,
@@ -76,58 +79,60 @@ class Config:
             expected=MappingProxyType(_expected_hosts(env.get(TOOLKIT_EXPECTED))),
             straggler_factor=factor,
             host_timeout=host_timeout,
-            spares=tuple(n for n in env.get(E.TOOLKIT_SPARES, "").split(",") if n),
+            spares=tuple(n for n in env.get(envvars.TOOLKIT_SPARES, "").split(",") if n),
         )
 
 
 def _ports(env: Mapping[str, str]) -> tuple[int, int]:
     """(MS_SCHED_PORT, MASTER_PORT): the control server's port and the store's (default: the next one). ConfigError
     for a port outside 1-65535 or the two the same."""
-    port = _int(env, E.MS_SCHED_PORT, E.DEFAULT_SCHED_PORT)
-    store_port = _int(env, E.MASTER_PORT, port + 1)
-    for name, value in ((E.MS_SCHED_PORT, port), (E.MASTER_PORT, store_port)):
+    port = _int(env, envvars.MS_SCHED_PORT, envvars.DEFAULT_SCHED_PORT)
+    store_port = _int(env, envvars.MASTER_PORT, port + 1)
+    for name, value in ((envvars.MS_SCHED_PORT, port), (envvars.MASTER_PORT, store_port)):
         if not 1 <= value <= 65535:
             raise ConfigError(f"{name}={value}: not a TCP port (1-65535)")
     if store_port == port:
-        raise ConfigError(f"{E.MASTER_PORT}={store_port} equals {E.MS_SCHED_PORT}: the store needs its own port")
+        raise ConfigError(f"{envvars.MASTER_PORT}={store_port} equals {envvars.MS_SCHED_PORT}: the store needs its "
+                          "own port")
     return port, store_port
 
 
 def _world_size(env: Mapping[str, str]) -> int:
     """MS_WORKER_NUM, required: ConfigError when it is unset or below 1."""
-    if E.MS_WORKER_NUM not in env:
-        raise ConfigError(f"{E.MS_WORKER_NUM} is not set: give the total number of workers")
-    world = _int(env, E.MS_WORKER_NUM, 0)
+    if envvars.MS_WORKER_NUM not in env:
+        raise ConfigError(f"{envvars.MS_WORKER_NUM} is not set: give the total number of workers")
+    world = _int(env, envvars.MS_WORKER_NUM, 0)
     if world < 1:
-        raise ConfigError(f"{E.MS_WORKER_NUM}={world}: a job needs at least 1 worker")
+        raise ConfigError(f"{envvars.MS_WORKER_NUM}={world}: a job needs at least 1 worker")
     return world
 
 
 def _straggler_and_host_timeout(env: Mapping[str, str]) -> tuple[float, float]:
     """(TOOLKIT_STRAGGLER_FACTOR, TOOLKIT_HOST_TIMEOUT): ConfigError for a factor not above 1 or a timeout that is
     negative or infinite."""
-    factor = _float(env, E.TOOLKIT_STRAGGLER_FACTOR, E.DEFAULT_STRAGGLER_FACTOR)
+    factor = _float(env, envvars.TOOLKIT_STRAGGLER_FACTOR, envvars.DEFAULT_STRAGGLER_FACTOR)
     if not 1 < factor < math.inf:
-        raise ConfigError(f"{E.TOOLKIT_STRAGGLER_FACTOR}={factor:g}: give a factor above 1 (e.g. 1.5: a rank whose "
-                          "own work per step takes 1.5x the others' median is a straggler)")
-    host_timeout = _float(env, E.TOOLKIT_HOST_TIMEOUT, E.DEFAULT_HOST_TIMEOUT)
+        raise ConfigError(f"{envvars.TOOLKIT_STRAGGLER_FACTOR}={factor:g}: give a factor above 1 (e.g. 1.5: a rank "
+                          "whose own work per step takes 1.5x the others' median is a straggler)")
+    host_timeout = _float(env, envvars.TOOLKIT_HOST_TIMEOUT, envvars.DEFAULT_HOST_TIMEOUT)
     if not 0 <= host_timeout < math.inf:
-        raise ConfigError(f"{E.TOOLKIT_HOST_TIMEOUT}={host_timeout:g}: give 0 or more seconds (0: a spare takes a "
-                          "lost host's ranks only when the operator asks, with fleet replace)")
+        raise ConfigError(f"{envvars.TOOLKIT_HOST_TIMEOUT}={host_timeout:g}: give 0 or more seconds (0: a spare takes "
+                          "a lost host's ranks only when the operator asks, with fleet replace)")
     return factor, host_timeout
 
 
 def _token(env: Mapping[str, str]) -> str:
     """The job token, from the file TOOLKIT_TOKEN_FILE names. ConfigError when it is unset, unreadable or empty."""
-    token_file = env.get(E.TOOLKIT_TOKEN_FILE)
+    token_file = env.get(envvars.TOOLKIT_TOKEN_FILE)
     if not token_file:
-        raise ConfigError(f"{E.TOOLKIT_TOKEN_FILE} is not set: workers register with the job token in that file")
+        raise ConfigError(f"{envvars.TOOLKIT_TOKEN_FILE} is not set: workers register with the job token in that file")
     try:
         token = Path(token_file).read_text().strip()
     except OSError as e:
-        raise ConfigError(f"{E.TOOLKIT_TOKEN_FILE}={token_file}: cannot read the job token ({e.strerror})") from None
+        raise ConfigError(f"{envvars.TOOLKIT_TOKEN_FILE}={token_file}: cannot read the job token "
+                          f"({e.strerror})") from None
     if not token:
-        raise ConfigError(f"{E.TOOLKIT_TOKEN_FILE}={token_file}: the token file is empty; render the job again")
+        raise ConfigError(f"{envvars.TOOLKIT_TOKEN_FILE}={token_file}: the token file is empty; render the job again")
     return token
 
 

@@ -9,7 +9,7 @@ import posixpath
 from pathlib import Path
 from typing import Any
 
-from toolkit import report as R
+from toolkit import report as run_report
 from toolkit import rundoc
 from toolkit.errors import UserError
 from toolkit.jobhosts.output import say, table_console
@@ -37,18 +37,18 @@ def report(ref: JobRef, out: str | None = None, as_json: bool = False) -> None:
     reached, the ledger is damaged, or the PNG cannot be written."""
     record = load_record(ref)
     ledger, metrics = fetch(record, ref)
-    data = R.report_data(ledger, metrics)
+    data = run_report.report_data(ledger, metrics)
     path = Path(out) if out else (None if as_json else Path.cwd() / f"{record.job}-report.png")
     if path is not None:
         try:
-            R.draw(data, path)
+            run_report.draw(data, path)
         except OSError as e:
             raise UserError(f"cannot write the report to {path}: {e.strerror or e}; give another --out") from None
     if as_json:
         print(json.dumps(data, indent=1))
     else:
         console = table_console()
-        for table in R.summary_tables(data):
+        for table in run_report.summary_tables(data):
             console.print(table)
     if path is not None:
         say(f"report of job {record.job} written to {path}")

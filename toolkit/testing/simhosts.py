@@ -16,10 +16,11 @@ torch's gloo and NCCL bootstraps):
 - an agent says `agent_hello {host, node_ids}`, heartbeats every AGENT_HEARTBEAT naming its running workers
   (`running {node_id: pid}`), reports a killed worker's `exited {signal: SIGKILL}` and relaunches it (a new
   incarnation) after the driver's delay;
-- a worker `register`s (in-place recovery), heartbeats every HEARTBEAT_INTERVAL at its own phase within the second
-  with every pace field, sends `commit` every COMMIT_EVERY steps; after each `formed` it opens a new store
-  connection and runs the bootstrap patterns in order, then says `recovered`; a `generation` notice leaves the
-  group (a bootstrap still running is cut short, as the runtime's fence does);
+- a worker `register`s (in-place recovery), heartbeats every TOOLKIT_HEARTBEAT_INTERVAL the plan gives a job of
+  this size (envvars.heartbeat_interval), at its own phase within it, with every pace field, sends `commit` every
+  COMMIT_EVERY steps; after each `formed` it opens a new store connection and runs the bootstrap patterns in order,
+  then says `recovered`; a `generation` notice leaves the group (a bootstrap still running is cut short, as the
+  runtime's fence does);
 - the store patterns (values checked byte for byte against what their writers set):
   `gloo`          set one 154-byte value, then multi_get every rank's, 128 keys a request (GLOO_ENABLE_STORE_V2_API
                   with GLOO_ENABLE_RANK_AS_SEQUENCE_NUMBER); a store that answers "unknown store command" gets a
@@ -27,7 +28,8 @@ torch's gloo and NCCL bootstraps):
   `gloo-legacy`   gloo without those variables: a value of 154 + 8N bytes, then a wait and a get per rank;
   `nccl`          rank 0 sets the unique id (128 bytes), every other rank gets it (N - 1 waiters on one key);
   `nccl-scalable` every NCCL_RANKS_PER_ROOT-th rank sets its id, every rank one multi_get of them;
-  with a monitor (NCCL's heartbeat monitor), every rank `check`s ["exception_dump"] each MONITOR_INTERVAL.
+  with a monitor (NCCL's heartbeat monitor), every rank `check`s ["exception_dump"] each
+  TORCH_NCCL_COORD_CHECK_MILSEC the plan would give (envvars.nccl_coord_check_ms).
 
 The driver talks to this process over a socketpair (the descriptor named by --channel) in JSON lines: commands
 `go`, `wait {gen}`, `kill {rank, host: bool, delay}`, `stats`, `done`; events `ready`, `built {gen, ranks}`,
@@ -53,15 +55,13 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Generator
 
-from toolkit import procs, protocol
+from toolkit import envvars, procs, protocol
 
 GLOO_VALUE = 154  # bytes of a rank's address with GLOO_ENABLE_RANK_AS_SEQUENCE_NUMBER (torch 2.13, measured)
 NCCL_VALUE = 128  # bytes of an ncclUniqueId
 BATCH = 128  # keys per multi_get: what gloo asks for
 NCCL_RANKS_PER_ROOT = 128  # TORCH_NCCL_RANKS_PER_ROOT
 BUILD_TIMEOUT = 66.0  # s a store wait may take: the runtime's build bound (2 x the collective timeout + node timeout)
-MONITOR_INTERVAL = 1.0  # s: TORCH_NCCL_COORD_CHECK_MILSEC
-HEARTBEAT_INTERVAL = 1.0  # s: TOOLKIT_HEARTBEAT_INTERVAL's default
 AGENT_HEARTBEAT = 1.0  # s: toolkit.agent.link.HEARTBEAT_INTERVAL
 CONTROL_RETRY = 0.25  # s: toolkit.train.runtime.CONNECT_RETRY (not imported here: that module imports torch)
 STORE_RETRY_FIRST, STORE_RETRY_MAX = 0.05, 1.0  # s: toolkit.train.store's connect backoff
@@ -406,7 +406,7 @@ class SimWorker:
     def _ctl_up(self, reply: dict[str, Any]) -> None:
         op = reply.get("op")
         if op == protocol.WELCOME:
-            self.sim.timers.at(self.sim.now + HEARTBEAT_INTERVAL * (0.5 + self.phase), self._beat)
+            self.sim.timers.at(self.sim.now + self.sim.heartbeat * (0.5 + self.phase), self._beat)
             return
         assert self.ctl is not None
         self.ctl.close()
@@ -471,7 +471,7 @@ class SimWorker:
             self.ctl.send(b'{"op":"heartbeat","step":%d,"step_time":0.1,"busy":%s,"loss":2.5,"ckpt_stall":%.4f,'
                           b'"ckpts":%d,"ckpt_every":%d,"ckpt_why":"%d steps: fixed (ckpt_every)"}\n'
                           % (self.step, self.busy, self.ckpts * 0.01, self.ckpts, COMMIT_EVERY, COMMIT_EVERY))
-        self.sim.timers.at(self.sim.now + HEARTBEAT_INTERVAL, self._beat)
+        self.sim.timers.at(self.sim.now + self.sim.heartbeat, self._beat)
 
     # -- the store
 
@@ -558,7 +558,7 @@ class SimWorker:
                                       recomputed=0, seconds=round(now - self.formed.get(gen, now), 4), bytes=0))
         self.sim.built(self, gen)
         if self.sim.monitor:
-            self.sim.timers.at(now + MONITOR_INTERVAL * (0.5 + self.phase), lambda: self._check(gen))
+            self.sim.timers.at(now + self.sim.monitor_interval * (0.5 + self.phase), lambda: self._check(gen))
 
     def _check(self, gen: int) -> None:
         """NCCL's heartbeat monitor: is there an exception dump signal? Once a second while in this group."""
@@ -568,7 +568,7 @@ class SimWorker:
             self.rid += 1
             self.sim.requests += 1
             self.store.send(b'{"op":"kv","id":%d,"cmd":"check","keys":["exception_dump"]}\n' % self.rid)
-        self.sim.timers.at(self.sim.now + MONITOR_INTERVAL, lambda: self._check(gen))
+        self.sim.timers.at(self.sim.now + self.sim.monitor_interval, lambda: self._check(gen))
 
     def _drop_store(self) -> None:
         self.script = None
@@ -673,6 +673,9 @@ class Sim:
     def __init__(self, cfg: dict[str, Any], token: str, channel: socket.socket) -> None:
         self.host, self.port, self.store_port = cfg["host"], cfg["port"], cfg["store_port"]
         self.world, self.patterns, self.monitor = cfg["world"], tuple(cfg["patterns"]), cfg["monitor"]
+        # what the plan gives a job of this size (TOOLKIT_HEARTBEAT_INTERVAL, TORCH_NCCL_COORD_CHECK_MILSEC)
+        self.heartbeat = envvars.heartbeat_interval(self.world, envvars.DEFAULT_HEARTBEAT_INTERVAL, cfg["node_timeout"])
+        self.monitor_interval = envvars.nccl_coord_check_ms(self.world) / 1000
         self.token = token
         self.sel = selectors.DefaultSelector()
         self.timers = Timers()

@@ -295,8 +295,8 @@ class SimJob:
     def _spawn_sim(self, index: int, hosts: list[int], token: Path) -> SimProcess:
         ours, theirs = socket.socketpair()
         config = {"host": "127.0.0.1", "port": self.port, "store_port": self.port + 1, "world": self.world,
-                  "hosts": hosts, "per_host": PER_HOST, "per_host_ips": self.per_host_ips,
-                  "patterns": list(self.patterns), "monitor": self.monitor}
+                  "node_timeout": self.node_timeout, "hosts": hosts, "per_host": PER_HOST,
+                  "per_host_ips": self.per_host_ips, "patterns": list(self.patterns), "monitor": self.monitor}
         argv = (sys.executable, "-m", "toolkit.testing.simhosts", "--channel", str(theirs.fileno()),
                 "--config", json.dumps(config), "--token-file", str(token))
         log = self.dir / f"sim{index}.log"
