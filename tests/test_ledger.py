@@ -4,6 +4,7 @@ in), and its persistence through the journal (toolkit.scheduler.journal) across 
 from __future__ import annotations
 
 import json
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -282,6 +283,8 @@ def test_the_journal_persists_the_ledger_across_a_scheduler_restart(tmp_path: Pa
     journal.tick()  # an incident is written at once
     assert json.loads((tmp_path / "ledger.json").read_text())["incident_count"] == 1
     assert rundoc.read_metrics((tmp_path / "metrics.jsonl").read_text())[-1]["ranks"]["0"][:2] == [5, 2.0]
+    assert {p.name: stat.S_IMODE(p.stat().st_mode) for p in tmp_path.iterdir()} == {  # not 0666 less the umask
+        "ledger.json": 0o600, "live.json": 0o600, "metrics.jsonl": 0o600}
     journal.stopped("the scheduler was stopped by SIGKILL")
     journal.close()
 

@@ -40,6 +40,22 @@ class Trace:
     def __init__(self, m: Membership, steps: list[dict[str, Any]], name: str) -> None:
         self.m, self.steps, self.name = m, steps, name
         self.persisted = ""
+        self.records: dict[str, Any] | None = None  # as state.StateWriter keeps them: whole first, then changes
+
+    def follow(self, event: str) -> None:
+        """Keep the records as the state's writer would (the roster's marks, not the whole snapshot) and check
+        that they are the whole snapshot's, and that the document comes back from them unchanged."""
+        m, whole = self.m, S.records(self.m.snapshot())
+        if self.records is None:
+            self.records = dict(whole)
+        for key, value in S.changes(m).items():
+            if value is None:
+                self.records.pop(key, None)
+            else:
+                self.records[key] = value
+        m.roster.unsaved.clear()
+        assert self.records == whole, event  # no change the roster did not mark
+        assert S.document(whole) == _plain(m.snapshot()), event
 
     def __call__(self, event: str, actions: list[Any] | None) -> list[Any]:
         m = self.m
@@ -54,6 +70,7 @@ class Trace:
             "persisted": persisted if persisted != self.persisted else None,  # only when it changed
         })
         self.persisted = persisted
+        self.follow(event)
         m.dirty = m.commits_dirty = False
         return actions or []
 

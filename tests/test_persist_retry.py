@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -34,13 +35,15 @@ def test_a_state_that_cannot_be_written_is_retried_after_a_pause_and_said_once(
     clock = Clock()
     server = make_server(blocker / "recovery", clock)  # every write fails: ENOTDIR, even for root
     saves: list[float] = []
-    real_save = srv.S.save
+    writer = server.state
+    assert writer is not None
+    real_save = writer.save
 
-    def counting_save(path: Path, doc: object) -> None:
+    def counting_save(changed: Any, snapshot: Any) -> None:
         saves.append(clock.now)
-        real_save(path, doc)
+        real_save(changed, snapshot)
 
-    srv.S.save = counting_save  # type: ignore[assignment]
+    writer.save = counting_save  # type: ignore[method-assign]
     try:
         with caplog.at_level(logging.WARNING, logger="toolkit.scheduler"):
             for _ in range(1000):  # a thousand loop passes within the same instant, the membership changed
@@ -63,6 +66,7 @@ def test_a_state_that_cannot_be_written_is_retried_after_a_pause_and_said_once(
         clock.now += srv.PERSIST_RETRY
         server._persist()
         assert json.loads((blocker / "recovery" / "scheduler.json").read_text())["job"] == "j"
+        assert srv.S.load(blocker / "recovery" / "scheduler.json", "j", 2)["generation"] == 0
         assert not server.members.dirty and server.persist_retry_at == 0.0
     finally:
-        srv.S.save = real_save  # type: ignore[assignment]
+        writer.save = real_save  # type: ignore[method-assign]

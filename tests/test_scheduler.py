@@ -28,6 +28,7 @@ from runtime_harness import (
 
 from toolkit import protocol as P
 from toolkit import scheduler as S
+from toolkit.scheduler import state as state_file
 
 pytestmark = pytest.mark.timeout(180)
 HEARTBEAT = 0.3
@@ -187,7 +188,8 @@ def test_a_wrong_token_is_rejected_logged_and_the_token_never_printed(make_job) 
     ok.send(P.DONE)
     assert sched.wait(20) == 0
     assert job.token not in sched.text()
-    assert job.token not in (job.recovery_path / S.STATE_FILE).read_text()
+    for name in (S.STATE_FILE, state_file.JOURNAL_FILE):
+        assert job.token not in (job.recovery_path / name).read_text()
 
 
 def test_a_fenced_incarnation_coming_back_is_told_to_exit(make_job) -> None:
@@ -282,9 +284,10 @@ def test_scheduler_kill9_mid_training_and_restart_changes_nothing(make_job) -> N
     sched.kill()
     workers[0].wait_for(r"lost the scheduler", 10, start=mark)
     workers[0].wait_for(r"rank 0 step \d+", 10, start=len(workers[0].lines))  # training goes on while it is down
-    state = json.loads((job.recovery_path / S.STATE_FILE).read_text())
-    assert state["generation"] == 0 and state["formed"] and len(state["members"]) == 2
-    assert stat.S_IMODE((job.recovery_path / S.STATE_FILE).stat().st_mode) == 0o600
+    state = state_file.load(job.recovery_path / S.STATE_FILE, job.name, 2)
+    assert state is not None and state["generation"] == 0 and state["formed"] and len(state["members"]) == 2
+    for name in (S.STATE_FILE, state_file.JOURNAL_FILE):
+        assert stat.S_IMODE((job.recovery_path / name).stat().st_mode) == 0o600
     again = started(job)
     again.wait_for(r"resumed job testjob .* generation 0 \(formed\), 2 members", 5)
     again.wait_for(r"worker_0 reconnected", 30)
@@ -296,8 +299,8 @@ def test_scheduler_kill9_mid_training_and_restart_changes_nothing(make_job) -> N
     for r in range(2):
         result = read_result(out / f"rank_{r}.json")
         assert (result["w"], result["generation"], result["reforms"]) == (want, 0, 0)
-    final = json.loads((job.recovery_path / S.STATE_FILE).read_text())
-    assert final["status"] == "finished" and final["committed_step"] == 149
+    final = state_file.load(job.recovery_path / S.STATE_FILE, job.name, 2)
+    assert final is not None and final["status"] == "finished" and final["committed_step"] == 149
 
 
 def test_a_restarted_scheduler_waits_for_its_members_then_declares_the_absent_dead(make_job) -> None:
@@ -342,7 +345,8 @@ def test_sigterm_persists_the_state_and_exits(make_job) -> None:
     sched.signal(signal.SIGTERM)
     assert sched.wait(20) == 128 + signal.SIGTERM
     sched.wait_for(r"stopped by SIGTERM; state persisted", 1)
-    state = json.loads((job.recovery_path / S.STATE_FILE).read_text())
+    state = state_file.load(job.recovery_path / S.STATE_FILE, job.name, 2)
+    assert state is not None
     assert [m["node_id"] for m in state["members"]] == ["worker_0"] and state["status"] == "running"
 
 

@@ -28,7 +28,7 @@ Worker conversation (one connection per worker process, kept for its whole life;
                                             step optional (toolkit.train.pace, `pace_fields`; the last three: the
                                             newest checkpoint a torchrun-style script reported, the steps between
                                             its reports, the first step this process reported:
-                                            toolkit.train.progress)
+                                            toolkit.train.scriptreport)
     sched  -> generation {generation}       a member died: leave the current process group, wait for `formed`
     worker -> commit {step}                 this rank committed a checkpoint of `step`
     worker -> recovered {generation, step, source, from_rank, recomputed, seconds, bytes}

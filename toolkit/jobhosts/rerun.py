@@ -28,8 +28,9 @@ from toolkit.jobrecord import HostRecord, JobRecord
 from toolkit.remote import Host, SshSettings, run_on_all
 from toolkit.scheduler.state import STATE_FILE
 
-MAX_STATE_BYTES = 16 * 1024 * 1024  # the scheduler's state holds a line per rank: far below this at 10,000 ranks
-# Prints the scheduler's persisted state (MS_RECOVERY_PATH as plan.py renders it), nothing when there is none.
+MAX_STATE_BYTES = 16 * 1024 * 1024  # the state's base takes about 160 bytes a rank: far below this at 10,000
+# Prints the base of the scheduler's persisted state (MS_RECOVERY_PATH as plan.py renders it), which holds the job's
+# name and size (they never change in a run), nothing when there is none.
 STATE_SCRIPT = r"""
 head -c "$2" -- "$1" 2>/dev/null
 exit 0

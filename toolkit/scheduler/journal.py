@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -222,7 +223,8 @@ class Journal:
             return
         path = self.dir / rundoc.METRICS_FILE
         try:
-            with open(path, "a") as fh:
+            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            with open(fd, "a") as fh:  # 0600, as every file of the recovery directory (not 0666 less the umask)
                 fh.write(rundoc.metric_line(wall, self.generation, ranks) + "\n")
             self.metrics_lines += 1
             if self.metrics_lines > self.max_metrics:

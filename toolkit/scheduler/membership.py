@@ -53,7 +53,7 @@ from toolkit.scheduler.actions import (  # also re-exported
     Send,
 )
 from toolkit.scheduler.liveness import alive_though_silent, expiry, kill_unreported, vouch
-from toolkit.scheduler.roster import Member, Peer, PeerRole, Roster, rank_of  # also re-exported
+from toolkit.scheduler.roster import Fact, Member, Peer, PeerRole, Roster, rank_of  # also re-exported
 from toolkit.scheduler.spares import LostCheck, Refusal, choose_spare, find_lost
 from toolkit.scheduler.state import JobStatus
 
@@ -186,7 +186,8 @@ class Membership:
 
     What the server reads back: `dirty` (the membership changed: persist before sending what depends on it),
     `commits_dirty` (only commit progress changed: persisted at the server's own pace), `next_deadline()` (when to
-    call `tick`) and `snapshot()` (what to persist)."""
+    call `tick`), `snapshot()` (what to persist) and `roster.unsaved` (which of its records changed: a write
+    costs those, state.changes)."""
 
     def __init__(self, job: str, world_size: int, node_timeout: float, topo_timeout: float, boot: str,
                  address: str, expected: Mapping[str, str] | None = None, now: float = 0.0,
@@ -419,6 +420,7 @@ class Membership:
             step = P.whole(dict(msg), "step")
             if step is not None and step > self.roster.commits.get(member.rank, -1):
                 self.roster.commits[member.rank] = step
+                self.roster.unsaved.add((Fact.COMMIT, member.rank))
                 self.commits_dirty = True
             return []
         if op == P.RECOVERED:
@@ -610,6 +612,7 @@ class Membership:
         if not self.roster.remove(member):
             return []
         self.roster.fenced.add(member.incarnation)
+        self.roster.unsaved.add((Fact.FENCED, member.incarnation))
         self.dirty = True
         out: list[Action] = [Note(NoteKind.DEATH, {
             "node_id": member.node_id, "rank": member.rank, "host": host_of(self.roster, member), "pid": member.pid,
@@ -660,6 +663,7 @@ class Membership:
         `finished` and the scheduler exits EXIT_OK."""
         if rank not in self.roster.done:
             self.roster.done.add(rank)
+            self.roster.unsaved.add((Fact.DONE, rank))
             self.dirty = True
         if len(self.roster.done) < self.world_size or self.status != RUNNING:
             return []

@@ -33,6 +33,20 @@ def rank_of(node_id: str) -> int | None:
     return None
 
 
+class Fact(str, enum.Enum):
+    """A kind of persisted fact, kept one record per rank (MEMBER, DONE, COMMIT), per incarnation (FENCED) or per
+    replacement (REPLACED, by its number): `Roster.unsaved` holds (Fact, rank | incarnation | number)."""
+
+    MEMBER = "member"
+    DONE = "done"
+    FENCED = "fenced"
+    COMMIT = "commit"
+    REPLACED = "replaced"
+
+    __str__ = str.__str__
+    __format__ = str.__format__
+
+
 class PeerRole(str, enum.Enum):
     """What a connection is once it said who it is (prints as its value)."""
 
@@ -137,7 +151,13 @@ class Roster:
     check costs nothing).
 
     `changes` counts the calls of the mutators below but `heard` (an agent's heartbeat), `wait_for_spare` and
-    `reconnect`: a decision cached from the hosts and members (membership's lost-host check) is stale when it moved."""
+    `reconnect`: a decision cached from the hosts and members (membership's lost-host check) is stale when it moved.
+
+    `unsaved`: the persisted facts touched since the state was last written, marked by `admit`, `reconnect`,
+    `remove` and `replace`, and by whoever adds to `done`, `fenced` or `commits` (the membership); the server clears
+    it once the state is written. A mark too many costs a comparison; a mark missing would leave a change unwritten
+    until the next whole rewrite (tests/test_membership_trace.py holds the marks to the whole snapshot at every
+    step)."""
 
     def __init__(self, placement: Mapping[str, str] | None = None, spares: Sequence[str] = ()) -> None:
         self.hosts: dict[str, HostRecord] = {}
@@ -152,6 +172,7 @@ class Roster:
         self.fenced: set[str] = set()
         self.commits: dict[int, int] = {}
         self.connected_members = 0
+        self.unsaved: set[tuple[Fact, int | str]] = set()
         self.changes = 0
         for node_id, host in (placement or {}).items():
             self.place(node_id, host)
@@ -291,6 +312,7 @@ class Roster:
         agent, rec.agent = rec.agent, None
         self.agents.pop(host, None)
         self.record(spare).took_over = True
+        self.unsaved.add((Fact.REPLACED, rec.replaced_seq))
         for node_id in moved:
             self.place(node_id, spare)
         return agent
@@ -308,12 +330,14 @@ class Roster:
         self.changes += 1
         self.members[member.rank] = member
         self.connected_members += member.peer is not None
+        self.unsaved.add((Fact.MEMBER, member.rank))
 
     def reconnect(self, member: Member, peer: int, addr: str, now: float) -> int | None:
         """`member` (re)connected on `peer` from `addr` at `now`; returns its previous connection, or None."""
         old = member.peer
         self.connected_members += old is None
         member.peer, member.addr, member.last_seen = peer, addr, now
+        self.unsaved.add((Fact.MEMBER, member.rank))  # its address is persisted
         return old
 
     def remove(self, member: Member) -> bool:
@@ -323,6 +347,7 @@ class Roster:
         self.changes += 1
         del self.members[member.rank]
         self.connected_members -= member.peer is not None
+        self.unsaved.add((Fact.MEMBER, member.rank))
         return True
 
 

@@ -72,6 +72,8 @@ class Server:
         self.signalled = ""
         self.commits_persist_at = 0.0
         self.persist_retry_at = 0.0  # after a failed write: no new try before this
+        path = self._state_path()
+        self.state = S.StateWriter(path) if path is not None else None
         self.said = RateLimited(clock)
         self.conns = Connections(self.sel, self.admission, self.said, clock, config.token, self._dispatch,
                                  self._drop, self.kv.forget)
@@ -370,27 +372,28 @@ class Server:
         return self.cfg.recovery_path / S.STATE_FILE
 
     def _persist(self, force: bool = False) -> None:
-        """Write Membership.snapshot() durably (state.save) if the membership changed (`dirty`), if `force`d (at
-        exit), or if commit progress changed and COMMIT_PERSIST_INTERVAL has passed since the last write (commits
-        come from every rank at every checkpoint). A failed write is logged as a warning and leaves the flags set,
-        so that a try comes again PERSIST_RETRY s later (a full disk or a lost mount is not retried on every pass, and
-        said at most once per LOG_EVERY); the server goes on either way. Nothing is written with recovery off."""
-        path = self._state_path()
+        """Write the state durably (state.StateWriter: the records that changed, or both files whole) if the
+        membership changed (`dirty`), if `force`d (at exit), or if commit progress changed and
+        COMMIT_PERSIST_INTERVAL has passed since the last write (commits come from every rank at every checkpoint).
+        A failed write is logged as a warning and leaves the flags and the roster's marks set, so that a try comes
+        again PERSIST_RETRY s later (a full disk or a lost mount is not retried on every pass, and said at most once
+        per LOG_EVERY); the server goes on either way. Nothing is written with recovery off."""
         now = self.clock()
         commits_due = self.members.commits_dirty and now >= self.commits_persist_at
-        if path is None or not (self.members.dirty or force or commits_due):
+        if self.state is None or not (self.members.dirty or force or commits_due):
             return
         if now < self.persist_retry_at and not force:
             return
         try:
-            S.save(path, self.members.snapshot())
+            self.state.save(S.changes(self.members), self.members.snapshot)
         except OSError as e:
-            self.said.warn("persist", f"cannot persist the state to {path}: {e.strerror} (recovery after a scheduler "
-                                      f"crash would lose it); trying again every {PERSIST_RETRY:g} s")
+            self.said.warn("persist", f"cannot persist the state to {self.state.path}: {e.strerror} (recovery after "
+                                      f"a scheduler crash would lose it); trying again every {PERSIST_RETRY:g} s")
             self.persist_retry_at = now + PERSIST_RETRY
             return
         self.persist_retry_at = 0.0
         self.members.dirty = self.members.commits_dirty = False
+        self.members.roster.unsaved.clear()
         self.commits_persist_at = now + COMMIT_PERSIST_INTERVAL
 
 

@@ -23,7 +23,7 @@ import socket
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from toolkit import protocol as P
+from toolkit import protocol
 from toolkit.printable import clean
 from toolkit.scheduler.admission import Admission
 
@@ -58,7 +58,7 @@ class Conn:
     kind: str  # CONTROL or STORE
     nonce: str
     deadline: float  # pre-authentication deadline
-    lines: P.LineBuffer = field(default_factory=lambda: P.LineBuffer(P.MAX_PREAUTH_LINE))
+    lines: protocol.LineBuffer = field(default_factory=lambda: protocol.LineBuffer(protocol.MAX_PREAUTH_LINE))
     out: bytearray = field(default_factory=bytearray)
     client_nonce: str | None = None
     authed: bool = False
@@ -162,7 +162,8 @@ class Connections:
                 return
             ip = str(addr[0])
             now = self.clock()
-            conn = Conn(next(self.ids), sock, f"{addr[0]}:{addr[1]}", ip, kind, P.new_nonce(), now + PREAUTH_TIMEOUT)
+            conn = Conn(next(self.ids), sock, f"{addr[0]}:{addr[1]}", ip, kind, protocol.new_nonce(),
+                        now + PREAUTH_TIMEOUT)
             victim = self.conns.get(self.admission.admit(conn.id, ip, now) or 0)
             if victim is not None:
                 lim = self.admission.limits
@@ -175,7 +176,7 @@ class Connections:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self.conns[conn.id] = conn
             self.sel.register(sock, selectors.EVENT_READ, conn)
-            self.send(conn, P.CHALLENGE, nonce=conn.nonce)
+            self.send(conn, protocol.CHALLENGE, nonce=conn.nonce)
 
     def pause(self, e: OSError) -> None:
         """Out of descriptors (or memory): the connection waits in the kernel's backlog while the listeners rest;
@@ -230,7 +231,7 @@ class Connections:
             return
         try:
             messages = conn.lines.feed(data)
-        except P.ProtocolError as e:
+        except protocol.ProtocolError as e:
             self.said.warn("protocol", f"dropped {conn.addr}: {e}")
             self.drop(conn, f"protocol error ({e})")
             return
@@ -244,15 +245,15 @@ class Connections:
         P.MAX_LINE (P.MAX_STORE_LINE on the store), and its next message carries the server's proof."""
         conn.authed, conn.prove, conn.client_nonce = True, True, client_nonce
         self.admission.done(conn.id)
-        conn.lines.limit = P.MAX_STORE_LINE if conn.kind == STORE else P.MAX_LINE
+        conn.lines.limit = protocol.MAX_STORE_LINE if conn.kind == STORE else protocol.MAX_LINE
 
     def send(self, conn: Conn, op: str, **fields: Any) -> None:
         """Queue message `op` for `conn`. The first one after an accepted hello carries the server's proof
         (HMAC over both nonces), which the client checks before it believes anything the scheduler says."""
         if conn.prove and conn.client_nonce is not None:  # the first answer to a hello proves we hold the token
-            fields = {**fields, "proof": P.server_proof(self.token, conn.nonce, conn.client_nonce)}
+            fields = {**fields, "proof": protocol.server_proof(self.token, conn.nonce, conn.client_nonce)}
             conn.prove = False
-        self.queue(conn, P.encode(op, **fields))
+        self.queue(conn, protocol.encode(op, **fields))
 
     def queue(self, conn: Conn, data: bytes) -> None:
         """Append encoded bytes to `conn`'s output for the next flush; nothing is queued to a closed connection."""

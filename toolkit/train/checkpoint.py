@@ -57,8 +57,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from toolkit import atomicfile
-from toolkit import envvars as E
+from toolkit import atomicfile, envvars
 from toolkit.atomicfile import Durability
 from toolkit.train import ckptfile, ckptparts
 from toolkit.train.ckptdir import DirectoryError, HostDir, complete
@@ -126,21 +125,22 @@ class Placement:
         """From the process contract: ``TOOLKIT_HOST`` (else the hostname), ``LOCAL_RANK`` and
         ``LOCAL_WORLD_SIZE`` (torchrun and toolkit set both; default 0 of 1). A world of one is always 0 of 1.
         ValueError naming the variable for a value that cannot be right."""
-        host = (env.get(E.TOOLKIT_HOST) or "").strip() or socket.gethostname()
+        host = (env.get(envvars.TOOLKIT_HOST) or "").strip() or socket.gethostname()
         if world_size == 1:
             return cls(host)
         values = {}
-        for name, default in ((E.LOCAL_RANK, 0), (E.LOCAL_WORLD_SIZE, 1)):
+        for name, default in ((envvars.LOCAL_RANK, 0), (envvars.LOCAL_WORLD_SIZE, 1)):
             raw = (env.get(name) or "").strip()
             try:
                 values[name] = int(raw) if raw else default
             except ValueError:
                 raise ValueError(f"{name}={raw!r}: expected a whole number") from None
-        local_rank, local_world = values[E.LOCAL_RANK], values[E.LOCAL_WORLD_SIZE]
+        local_rank, local_world = values[envvars.LOCAL_RANK], values[envvars.LOCAL_WORLD_SIZE]
         if local_world < 1 or (world_size is not None and local_world > world_size):
-            raise ValueError(f"{E.LOCAL_WORLD_SIZE}={local_world}: expected 1 to the world size ({world_size})")
+            raise ValueError(f"{envvars.LOCAL_WORLD_SIZE}={local_world}: expected 1 to the world size ({world_size})")
         if not 0 <= local_rank < local_world:
-            raise ValueError(f"{E.LOCAL_RANK}={local_rank}: expected 0 to {E.LOCAL_WORLD_SIZE}-1 ({local_world - 1})")
+            raise ValueError(f"{envvars.LOCAL_RANK}={local_rank}: expected 0 to {envvars.LOCAL_WORLD_SIZE}-1 "
+                             f"({local_world - 1})")
         return cls(host, local_rank, local_world)
 
     @property
@@ -289,8 +289,8 @@ def choose(rows: list[list[int]]) -> Choice | None:
         if len(worlds) != 1 or local != list(range(len(ranks))) or worlds != {len(ranks)}:
             raise CheckpointError(
                 f"ranks {ranks} share a host but say they are local ranks {local} of {sorted(worlds)}: "
-                f"{E.LOCAL_RANK} and {E.LOCAL_WORLD_SIZE} must number a host's ranks 0..L-1, and "
-                f"{E.TOOLKIT_HOST} (else the hostname) must tell the hosts apart")
+                f"{envvars.LOCAL_RANK} and {envvars.LOCAL_WORLD_SIZE} must number a host's ranks 0..L-1, and "
+                f"{envvars.TOOLKIT_HOST} (else the hostname) must tell the hosts apart")
         common = set.intersection(*(set(s for s in rows[r][3:] if s >= 0) for r in ranks))
         if common:
             candidate = Choice(max(common), min(ranks))

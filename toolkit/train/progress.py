@@ -30,18 +30,12 @@ A script without toolkit installed can keep the line:
 
 from __future__ import annotations
 
-import math
-import time
 from typing import Any, Protocol
-
-from toolkit import protocol as P
-from toolkit.train.channel import Channel
-from toolkit.train.pace import StepPace
-from toolkit.train.runtime import PROGRESS_INTERVAL, Runtime, WorkerEnv, notify_agent
 
 
 class Reporter(Protocol):
-    """Where report() sends its figures in this process (installed by whoever joined the job here)."""
+    """Where report() sends its figures in this process (installed by whoever joined the job here: the wrapper's
+    scriptreport.ScriptReporter, init()'s runtime.RuntimeReporter)."""
 
     def report(self, step: int, loss: Any, checkpoint: bool) -> None: ...
 
@@ -66,58 +60,3 @@ def report(step: int, loss: Any = None, *, checkpoint: bool = False) -> None:
 def install(reporter: Reporter) -> None:
     """Make `reporter` the one report() uses in this process (a later one replaces it)."""
     _installed[:] = [reporter]
-
-
-class ScriptReporter:
-    """report() for a torchrun-style script: its steps, pace and loss go into the heartbeats of the registration the
-    wrapper made for it (`channel`), with the newest checkpoint reported (`ckpt_step`, also sent as a `commit`), the
-    first step this process reported (`first_step`: after a restart, the one after where it resumed; a heartbeat
-    carries the latest) and the stride of its reports (`stride`: how far that may be from where it resumed), and its
-    step to the host's agent at most once per PROGRESS_INTERVAL. Called on the script's thread; the heartbeat thread
-    only reads what is set here."""
-
-    def __init__(self, cfg: WorkerEnv, channel: Channel) -> None:
-        self.cfg = cfg
-        self.channel = channel
-        self.pace = StepPace(strided=True)
-        self.sent = -math.inf
-        self.checkpoint: int | None = None
-        self.first: int | None = None  # the first step this process reported (after a restart: where it resumed)
-        self.last: int | None = None
-        self.stride: int | None = None  # the smallest step between two reports: 1 when every step is reported
-
-    def report(self, step: int, loss: Any, checkpoint: bool) -> None:
-        """See `report`."""
-        now = time.monotonic()
-        if self.cfg.pace:
-            self.pace.step(step, now)
-            if loss is not None and self.pace.wants_loss(now):
-                self.pace.sample_loss(loss, now)
-        self.channel.step = step
-        if self.first is None:
-            self.first = step
-        if self.last is not None and step > self.last:
-            self.stride = step - self.last if self.stride is None else min(self.stride, step - self.last)
-        self.last = step
-        if checkpoint:
-            self.checkpoint = step if self.checkpoint is None else max(self.checkpoint, step)
-            self.channel.send(P.COMMIT, step=step)
-        if checkpoint or now - self.sent >= PROGRESS_INTERVAL:
-            self.sent = now
-            extra = {k: v for k, v in (("ckpt_step", self.checkpoint), ("stride", self.stride),
-                                        ("first_step", self.first)) if v is not None}
-            self.channel.beat = {**self.channel.beat, **(self.pace.summary() if self.cfg.pace else {}), **extra}
-            notify_agent(self.cfg, {"node_id": self.cfg.node_id, "step": step, "recovery": P.RECOVERY_RESTART})
-
-
-class RuntimeReporter:
-    """report() for a script on toolkit.train.init() that does not use the Trainer (which reports on its own)."""
-
-    def __init__(self, rt: Runtime) -> None:
-        self.rt = rt
-
-    def report(self, step: int, loss: Any, checkpoint: bool) -> None:
-        """See `report`: Runtime.report, and Runtime.committed for a checkpoint."""
-        self.rt.report(step, loss=loss)
-        if checkpoint:
-            self.rt.committed(step)

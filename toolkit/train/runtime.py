@@ -41,11 +41,10 @@ from typing import Any, Iterator, Mapping
 import torch
 import torch.distributed as dist
 
-from toolkit import envvars as E
-from toolkit import protocol as P
-from toolkit import stepfile
+from toolkit import envvars, protocol, stepfile
 from toolkit.errors import UserError
 from toolkit.train import fence as fence_mod
+from toolkit.train import progress
 from toolkit.train import store as job_store
 from toolkit.train.channel import Channel, JobStopped
 from toolkit.train.channel import RegistrationError as RegistrationError  # part of this module's interface
@@ -87,13 +86,13 @@ class WorkerEnv:
     node_id: str = "worker_0"
     job: str = "job"
     sched_host: str = "127.0.0.1"
-    sched_port: int = E.DEFAULT_SCHED_PORT
+    sched_port: int = envvars.DEFAULT_SCHED_PORT
     store_host: str = "127.0.0.1"
-    store_port: int = E.DEFAULT_SCHED_PORT + 1
+    store_port: int = envvars.DEFAULT_SCHED_PORT + 1
     token: str = field(default="", repr=False)
-    heartbeat_interval: float = E.DEFAULT_HEARTBEAT_INTERVAL
-    node_timeout: float = E.DEFAULT_NODE_TIMEOUT
-    topo_timeout: float = E.DEFAULT_TOPO_TIMEOUT
+    heartbeat_interval: float = envvars.DEFAULT_HEARTBEAT_INTERVAL
+    node_timeout: float = envvars.DEFAULT_NODE_TIMEOUT
+    topo_timeout: float = envvars.DEFAULT_TOPO_TIMEOUT
     agent_socket: str | None = None
     step_file: str | None = None  # TOOLKIT_STEP_FILE: the agent reads the latest step there after a death
     restart_only: bool = False  # TOOLKIT_RECOVERY=restart: recover by relaunching even a toolkit.train script
@@ -113,65 +112,67 @@ class WorkerEnv:
         is a world of one. RuntimeConfigError, naming the variable, for another MS_ROLE, no world size, a rank
         outside it, an unreadable token file, a value that is not a number, a heartbeat interval not shorter than
         MS_NODE_TIMEOUT, or a TOOLKIT_RECOVERY other than auto or restart."""
-        role = env.get(E.MS_ROLE)
-        if role is not None and role != E.ROLE_WORKER:
-            raise RuntimeConfigError(f"{E.MS_ROLE}={role}: a training script runs where {E.MS_ROLE}={E.ROLE_WORKER}")
+        role = env.get(envvars.MS_ROLE)
+        if role is not None and role != envvars.ROLE_WORKER:
+            raise RuntimeConfigError(f"{envvars.MS_ROLE}={role}: a training script runs where "
+                                     f"{envvars.MS_ROLE}={envvars.ROLE_WORKER}")
         if role is None:
-            if all(env.get(n) for n in (E.RANK, E.WORLD_SIZE, E.MASTER_ADDR, E.MASTER_PORT)):
-                return cls(mode=MODE_TORCHRUN, rank=_int(env, E.RANK, 0), world_size=_int(env, E.WORLD_SIZE, 1),
-                           local_rank=_int(env, E.LOCAL_RANK, 0), node_id=f"rank_{env[E.RANK]}")
-            return cls(mode=MODE_SINGLE, agent_socket=env.get(E.TOOLKIT_AGENT_SOCKET) or None,
-                       step_file=env.get(E.TOOLKIT_STEP_FILE) or None)
-        world = _int(env, E.MS_WORKER_NUM, 0) or _int(env, E.WORLD_SIZE, 0)
+            if all(env.get(n) for n in (envvars.RANK, envvars.WORLD_SIZE, envvars.MASTER_ADDR, envvars.MASTER_PORT)):
+                return cls(mode=MODE_TORCHRUN, rank=_int(env, envvars.RANK, 0),
+                           world_size=_int(env, envvars.WORLD_SIZE, 1), local_rank=_int(env, envvars.LOCAL_RANK, 0),
+                           node_id=f"rank_{env[envvars.RANK]}")
+            return cls(mode=MODE_SINGLE, agent_socket=env.get(envvars.TOOLKIT_AGENT_SOCKET) or None,
+                       step_file=env.get(envvars.TOOLKIT_STEP_FILE) or None)
+        world = _int(env, envvars.MS_WORKER_NUM, 0) or _int(env, envvars.WORLD_SIZE, 0)
         if world < 1:
-            raise RuntimeConfigError(f"{E.MS_WORKER_NUM} is not set: give the total number of workers")
-        rank_var = E.RANK_ID if env.get(E.RANK_ID) else E.RANK
+            raise RuntimeConfigError(f"{envvars.MS_WORKER_NUM} is not set: give the total number of workers")
+        rank_var = envvars.RANK_ID if env.get(envvars.RANK_ID) else envvars.RANK
         rank = _int(env, rank_var, -1)
         if not 0 <= rank < world:
             raise RuntimeConfigError(f"{rank_var}={env.get(rank_var)!r}: need a rank from 0 to {world - 1}")
-        token_file = env.get(E.TOOLKIT_TOKEN_FILE)
+        token_file = env.get(envvars.TOOLKIT_TOKEN_FILE)
         token = ""
         if token_file:
             try:
                 token = Path(token_file).read_text().strip()
             except OSError as e:
                 raise RuntimeConfigError(
-                    f"{E.TOOLKIT_TOKEN_FILE}={token_file}: cannot read the job token ({e.strerror})") from None
-        sched_host = env.get(E.MS_SCHED_HOST) or "127.0.0.1"
-        sched_port = _int(env, E.MS_SCHED_PORT, E.DEFAULT_SCHED_PORT)
-        interval = _float(env, E.TOOLKIT_HEARTBEAT_INTERVAL, E.DEFAULT_HEARTBEAT_INTERVAL)
-        node_timeout = _float(env, E.MS_NODE_TIMEOUT, E.DEFAULT_NODE_TIMEOUT)
+                    f"{envvars.TOOLKIT_TOKEN_FILE}={token_file}: cannot read the job token ({e.strerror})") from None
+        sched_host = env.get(envvars.MS_SCHED_HOST) or "127.0.0.1"
+        sched_port = _int(env, envvars.MS_SCHED_PORT, envvars.DEFAULT_SCHED_PORT)
+        interval = _float(env, envvars.TOOLKIT_HEARTBEAT_INTERVAL, envvars.DEFAULT_HEARTBEAT_INTERVAL)
+        node_timeout = _float(env, envvars.MS_NODE_TIMEOUT, envvars.DEFAULT_NODE_TIMEOUT)
         if not 0 < interval < node_timeout:
             raise RuntimeConfigError(
-                f"{E.TOOLKIT_HEARTBEAT_INTERVAL}={interval:g} must be positive and shorter than "
-                f"{E.MS_NODE_TIMEOUT}={node_timeout:g}")
+                f"{envvars.TOOLKIT_HEARTBEAT_INTERVAL}={interval:g} must be positive and shorter than "
+                f"{envvars.MS_NODE_TIMEOUT}={node_timeout:g}")
         return cls(
             mode=MODE_TOOLKIT,
             rank=rank,
             world_size=world,
-            local_rank=_int(env, E.LOCAL_RANK, 0),
-            node_id=env.get(E.MS_NODE_ID) or P.worker_node_id(rank),
-            job=env.get(E.TOOLKIT_JOB) or "job",
+            local_rank=_int(env, envvars.LOCAL_RANK, 0),
+            node_id=env.get(envvars.MS_NODE_ID) or protocol.worker_node_id(rank),
+            job=env.get(envvars.TOOLKIT_JOB) or "job",
             sched_host=sched_host,
             sched_port=sched_port,
-            store_host=env.get(E.MASTER_ADDR) or sched_host,
-            store_port=_int(env, E.MASTER_PORT, sched_port + 1),
+            store_host=env.get(envvars.MASTER_ADDR) or sched_host,
+            store_port=_int(env, envvars.MASTER_PORT, sched_port + 1),
             token=token,
             heartbeat_interval=interval,
             node_timeout=node_timeout,
-            topo_timeout=_float(env, E.MS_TOPO_TIMEOUT, E.DEFAULT_TOPO_TIMEOUT),
-            agent_socket=env.get(E.TOOLKIT_AGENT_SOCKET) or None,
-            step_file=env.get(E.TOOLKIT_STEP_FILE) or None,
+            topo_timeout=_float(env, envvars.MS_TOPO_TIMEOUT, envvars.DEFAULT_TOPO_TIMEOUT),
+            agent_socket=env.get(envvars.TOOLKIT_AGENT_SOCKET) or None,
+            step_file=env.get(envvars.TOOLKIT_STEP_FILE) or None,
             restart_only=_recovery(env),
-            pace=(env.get(E.TOOLKIT_PACE) or "1").strip() != "0",
+            pace=(env.get(envvars.TOOLKIT_PACE) or "1").strip() != "0",
         )
 
 
 def _recovery(env: Mapping[str, str]) -> bool:
-    value = (env.get(E.TOOLKIT_RECOVERY) or "auto").strip().lower()
-    if value not in ("auto", P.RECOVERY_RESTART):
-        raise RuntimeConfigError(f"{E.TOOLKIT_RECOVERY}={value!r}: expected auto or {P.RECOVERY_RESTART}")
-    return value == P.RECOVERY_RESTART
+    value = (env.get(envvars.TOOLKIT_RECOVERY) or "auto").strip().lower()
+    if value not in ("auto", protocol.RECOVERY_RESTART):
+        raise RuntimeConfigError(f"{envvars.TOOLKIT_RECOVERY}={value!r}: expected auto or {protocol.RECOVERY_RESTART}")
+    return value == protocol.RECOVERY_RESTART
 
 
 def _int(env: Mapping[str, str], name: str, default: int) -> int:
@@ -375,7 +376,7 @@ class Runtime:
         """A checkpoint of `step` is durable on this rank: the scheduler persists the newest step every rank has.
         Safe to call from a checkpoint writer thread."""
         if self._channel is not None:
-            self._channel.send(P.COMMIT, step=step)
+            self._channel.send(protocol.COMMIT, step=step)
         self._progress(step, self._epoch, time.monotonic())
 
     def recovered(self, step: int, source: str, from_rank: int | None, recomputed: int, seconds: float,
@@ -383,7 +384,7 @@ class Runtime:
         """Tell the scheduler this rank trains again in its generation, from the state of `step` taken from
         `source` ("peer", "checkpoint", "initial"), and how many steps it had done that are now done again."""
         if self._channel is not None:
-            self._channel.send(P.RECOVERED, generation=self.generation, step=step, source=source,
+            self._channel.send(protocol.RECOVERED, generation=self.generation, step=step, source=source,
                                from_rank=from_rank, recomputed=recomputed, seconds=round(seconds, 4), bytes=nbytes)
 
     def _progress(self, step: int, epoch: int | None, now: float) -> None:
@@ -428,6 +429,19 @@ class Runtime:
             self.done()
         else:
             self.close()
+
+
+class RuntimeReporter:
+    """report() for a script on toolkit.train.init() that does not use the Trainer (which reports on its own)."""
+
+    def __init__(self, rt: Runtime) -> None:
+        self.rt = rt
+
+    def report(self, step: int, loss: Any, checkpoint: bool) -> None:
+        """See `progress.report`: Runtime.report, and Runtime.committed for a checkpoint."""
+        self.rt.report(step, loss=loss)
+        if checkpoint:
+            self.rt.committed(step)
 
 
 def leave_group() -> None:
@@ -493,9 +507,7 @@ def init(backend: str | None = None, timeout: float = DEFAULT_TIMEOUT,
     except BaseException:
         rt.close()
         raise
-    from toolkit.train import progress  # it imports this module
-
-    progress.install(progress.RuntimeReporter(rt))  # toolkit.train.report() reaches this runtime
+    progress.install(RuntimeReporter(rt))  # toolkit.train.report() reaches this runtime
     return rt
 
 
@@ -507,11 +519,11 @@ def _torchrun_round(env: Mapping[str, str], timeout: float) -> dict[str, Any]:
     round, until max_restarts is spent (the stale-key hang in REFERENCE.md). On one node every worker of a round
     has the same TORCHELASTIC_RESTART_COUNT, so it names the round. Across nodes the counts can differ (a node
     that joins later starts at 0): there env:// is left as it is."""
-    restart = env.get(E.TORCHELASTIC_RESTART_COUNT)
-    if (restart is None or env.get(E.TORCHELASTIC_USE_AGENT_STORE, "").lower() != "true"
-            or env.get(E.LOCAL_WORLD_SIZE) != env.get(E.WORLD_SIZE)):
+    restart = env.get(envvars.TORCHELASTIC_RESTART_COUNT)
+    if (restart is None or env.get(envvars.TORCHELASTIC_USE_AGENT_STORE, "").lower() != "true"
+            or env.get(envvars.LOCAL_WORLD_SIZE) != env.get(envvars.WORLD_SIZE)):
         return {}
-    store = dist.TCPStore(env[E.MASTER_ADDR], int(env[E.MASTER_PORT]), None, is_master=False,
+    store = dist.TCPStore(env[envvars.MASTER_ADDR], int(env[envvars.MASTER_PORT]), None, is_master=False,
                           timeout=timedelta(seconds=timeout), use_libuv=True)
-    return {"store": dist.PrefixStore(f"toolkit/restart_{restart}/", store), "rank": int(env[E.RANK]),
-            "world_size": int(env[E.WORLD_SIZE])}
+    return {"store": dist.PrefixStore(f"toolkit/restart_{restart}/", store), "rank": int(env[envvars.RANK]),
+            "world_size": int(env[envvars.WORLD_SIZE])}

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from toolkit import protocol as P
+from toolkit import protocol
 from toolkit.session import Unproven, open_session
 
 CONNECT_TIMEOUT = 2.0  # s for the TCP connect
@@ -72,13 +72,13 @@ class JobStore(dist.Store):
         self._timeout = timeout
         self._lock = threading.Lock()
         self._next = 0
-        session = open_session((host, port), token, P.STORE_HELLO, {"node_id": node_id}, handshake,
-                               connect_timeout, limit=P.MAX_STORE_LINE)
-        if session.reply.get("op") != P.WELCOME:
+        session = open_session((host, port), token, protocol.STORE_HELLO, {"node_id": node_id}, handshake,
+                               connect_timeout, limit=protocol.MAX_STORE_LINE)
+        if session.reply.get("op") != protocol.WELCOME:
             session.sock.close()
             raise StoreRefused(f"the job's store at {host}:{port} refused {node_id}: "
                                f"{str(session.reply.get('reason'))[:300]}", session.reply.get("retry") is True)
-        session.lines.limit = P.MAX_STORE_REPLY  # the server proved the token: a multi_get's reply may be long
+        session.lines.limit = protocol.MAX_STORE_REPLY  # the server proved the token: a multi_get's reply may be long
         self._sock, self._lines, self._queued = session.sock, session.lines, session.queued
         self._address = f"{host}:{port}"
 
@@ -186,12 +186,12 @@ class JobStore(dist.Store):
             bound = fields.get("timeout", 0.0) + SLACK + self._seconds()
             try:
                 self._sock.settimeout(bound)
-                self._sock.sendall(P.encode(P.KV, id=rid, cmd=cmd, **fields))
+                self._sock.sendall(protocol.encode(protocol.KV, id=rid, cmd=cmd, **fields))
                 while True:
                     reply = self._read()
-                    if reply.get("op") == P.KV_REPLY and reply.get("id") == rid:
+                    if reply.get("op") == protocol.KV_REPLY and reply.get("id") == rid:
                         break
-            except (OSError, P.ProtocolError) as e:
+            except (OSError, protocol.ProtocolError) as e:
                 raise StoreError(f"the job's store at {self._address}: {cmd} failed ({e})") from None
         if not reply.get("ok"):
             error = str(reply.get("error"))[:300]
@@ -214,8 +214,8 @@ class JobStore(dist.Store):
 
 def _b64(value: Any) -> str:
     data = value.encode() if isinstance(value, str) else bytes(value)
-    if len(data) > P.MAX_STORE_VALUE:
-        raise StoreError(f"a store value of {len(data)} bytes is over the {P.MAX_STORE_VALUE}-byte limit")
+    if len(data) > protocol.MAX_STORE_VALUE:
+        raise StoreError(f"a store value of {len(data)} bytes is over the {protocol.MAX_STORE_VALUE}-byte limit")
     return base64.b64encode(data).decode()
 
 
@@ -226,7 +226,7 @@ def _batches(keys: list[str]) -> Iterator[list[str]]:
     size = 0
     for key in keys:
         n = len(json.dumps(key)) + 1
-        if batch and (len(batch) == P.MAX_STORE_KEYS or size + n > P.MAX_STORE_LINE // 2):
+        if batch and (len(batch) == protocol.MAX_STORE_KEYS or size + n > protocol.MAX_STORE_LINE // 2):
             yield batch
             batch, size = [], 0
         batch.append(key)
@@ -273,5 +273,5 @@ def connect(host: str, port: int, token: str, node_id: str, timeout: timedelta, 
                                  f"{e}") from None
             sleep(pause)
             attempt += 1
-        except (OSError, P.ProtocolError, Unproven) as e:
+        except (OSError, protocol.ProtocolError, Unproven) as e:
             raise StoreError(f"cannot use the job's store at {host}:{port}: {e}") from None

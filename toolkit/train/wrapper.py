@@ -43,8 +43,7 @@ from urllib.parse import urlparse
 
 import torch.distributed as dist
 
-from toolkit import envvars as E
-from toolkit import protocol as P
+from toolkit import envvars, protocol
 from toolkit.errors import UserError
 from toolkit.train import progress
 from toolkit.train import store as job_store
@@ -58,8 +57,9 @@ from toolkit.train.runtime import (
     WorkerEnv,
     notify_agent,
 )
+from toolkit.train.scriptreport import ScriptReporter
 
-EXIT_REJOIN = P.EXIT_REJOIN
+EXIT_REJOIN = protocol.EXIT_REJOIN
 HOOKED = ("env", "tcp")  # the rendezvous schemes that reach the job's store
 
 
@@ -116,8 +116,8 @@ class ScriptSession:
             os._exit(EXIT_REJOIN)
         say(self.cfg.node_id, f"the script's process group: generation {generation}, restart recovery (a fault "
                                "relaunches every worker, which resume from their own checkpoints)")
-        notify_agent(self.cfg, {"node_id": self.cfg.node_id, "recovery": P.RECOVERY_RESTART})
-        progress.install(progress.ScriptReporter(self.cfg, channel))  # toolkit.train.report() from the script
+        notify_agent(self.cfg, {"node_id": self.cfg.node_id, "recovery": protocol.RECOVERY_RESTART})
+        progress.install(ScriptReporter(self.cfg, channel))  # toolkit.train.report() from the script
         store = job_store.connect(self.cfg.store_host, self.cfg.store_port, self.cfg.token, self.cfg.node_id, timeout)
         yield dist.PrefixStore(prefix, store), self.cfg.rank, self.cfg.world_size
         raise RuntimeError("env:// under toolkit does not re-rendezvous in place: the process is relaunched")
@@ -201,7 +201,7 @@ def record_error(error: BaseException) -> None:
     the variable is unset or the file exists: the script's own `@record` wrote it first, and its word stands.
     Called while `error` is being handled (the traceback is the current one). A file that cannot be written is a
     warning: the exit status still tells a failure."""
-    path = os.environ.get(E.TORCHELASTIC_ERROR_FILE)
+    path = os.environ.get(envvars.TORCHELASTIC_ERROR_FILE)
     if not path or os.path.lexists(path):
         return
     try:
@@ -209,7 +209,7 @@ def record_error(error: BaseException) -> None:
 
         ErrorHandler().record_exception(error)
     except Exception as e:  # noqa: BLE001 - the cause is extra; the failure is reported by its status anyway
-        warnings.warn(f"toolkit.train: could not write {E.TORCHELASTIC_ERROR_FILE}={path}: {e}", stacklevel=1)
+        warnings.warn(f"toolkit.train: could not write {envvars.TORCHELASTIC_ERROR_FILE}={path}: {e}", stacklevel=1)
 
 
 def exit_now(code: int) -> NoReturn:
