@@ -12,6 +12,7 @@ from toolkit.agentdoc import ProcState
 from toolkit.jobhosts.output import dash, human_age
 from toolkit.jobhosts.view import HostStatus, ProcStatus, job_live, number
 from toolkit.jobrecord import JobRecord
+from toolkit.scheduler.state import JobStatus
 
 # How a process's state stands out in the table (rich styles); states not listed are plain.
 STATE_STYLE = {"running": "green", "succeeded": "green", "starting": "cyan", "connecting": "cyan",
@@ -83,7 +84,7 @@ def live_lines(live: Mapping[str, Any] | None) -> list[str]:
     goodput = live.get("goodput")
     if isinstance(goodput, dict) and number(goodput.get("goodput")) is not None:
         wall = human_age(number(goodput.get("wall")))
-        head = "goodput" if live.get("status") in ("finished", "failed") else "goodput so far"
+        head = "goodput" if live.get("status") in (JobStatus.FINISHED, JobStatus.FAILED) else "goodput so far"
         if goodput.get("basis") == "formations":
             lines.append(f"{head}: at most {100 * goodput['goodput']:.1f}% of {wall} (the script reports no steps: "
                          "toolkit.train.report(step, loss=...) makes it exact)")
@@ -97,7 +98,7 @@ def recovery_text(inc: Mapping[str, Any], live: Mapping[str, Any]) -> str:
     formed again, and for a script that reports no steps that nothing more can be known; an incident the job ended
     without recovering from says so rather than "not recovered yet"."""
     took, formed = number(inc.get("time_to_recover")), number(inc.get("formed_in"))
-    ended = live.get("status") in ("finished", "failed")
+    ended = live.get("status") in (JobStatus.FINISHED, JobStatus.FAILED)
     if took is not None:
         return f"recovered in {took:.2f} s"
     if formed is not None and not live.get("reports_steps"):
