@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from toolkit.scheduler import server as srv
+from toolkit.scheduler import state
 from toolkit.scheduler.config import Config
 
 
@@ -35,7 +36,7 @@ def test_a_state_that_cannot_be_written_is_retried_after_a_pause_and_said_once(
     clock = Clock()
     server = make_server(blocker / "recovery", clock)  # every write fails: ENOTDIR, even for root
     saves: list[float] = []
-    writer = server.state
+    writer = server.state_writer
     assert writer is not None
     real_save = writer.save
 
@@ -66,7 +67,7 @@ def test_a_state_that_cannot_be_written_is_retried_after_a_pause_and_said_once(
         clock.now += srv.PERSIST_RETRY
         server._persist()
         assert json.loads((blocker / "recovery" / "scheduler.json").read_text())["job"] == "j"
-        assert srv.S.load(blocker / "recovery" / "scheduler.json", "j", 2)["generation"] == 0
+        assert state.load(blocker / "recovery" / "scheduler.json", "j", 2)["generation"] == 0
         assert not server.members.dirty and server.persist_retry_at == 0.0
     finally:
         writer.save = real_save  # type: ignore[method-assign]

@@ -36,8 +36,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-from toolkit import envvars as E
-from toolkit import protocol as P
+from toolkit import envvars, protocol
 from toolkit.scheduler.actions import (  # also re-exported
     CAUSE_CLOSED,
     CAUSE_NOT_BACK,
@@ -90,21 +89,21 @@ def validate_register(peer: int, addr: str, msg: Mapping[str, Any], world_size: 
     """`msg` as a Registration, or the refusal (`reject`, no retry, the connection closed) of a malformed message
     (incarnation of 1 to 64 characters, node id and host of at most 256) or of a world size or rank that is not the
     job's (render the job again)."""
-    node_id, rank, inc = msg.get("node_id"), P.whole(dict(msg), "rank"), msg.get("incarnation")
-    pid, host = P.whole(dict(msg), "pid"), msg.get("host")
+    node_id, rank, inc = msg.get("node_id"), protocol.whole(dict(msg), "rank"), msg.get("incarnation")
+    pid, host = protocol.whole(dict(msg), "pid"), msg.get("host")
     if not (isinstance(node_id, str) and rank is not None and isinstance(inc, str) and 0 < len(inc) <= 64
             and pid is not None and isinstance(host, str) and len(node_id) <= 256 and len(host) <= 256):
         return [Log(WARNING, f"rejected malformed registration from {addr}"),
-                Send(peer, P.REJECT, {"reason": "malformed register message", "retry": False}, close=True)]
+                Send(peer, protocol.REJECT, {"reason": "malformed register message", "retry": False}, close=True)]
     world = msg.get("world_size")
     if world != world_size or not 0 <= rank < world_size:
         reason = (f"{node_id} claims rank {rank} of {world} workers, but the job has {world_size} "
-                  f"({E.MS_WORKER_NUM}); render the job again")
+                  f"({envvars.MS_WORKER_NUM}); render the job again")
         return [Log(WARNING, f"rejected {node_id} from {addr}: {reason}"),
-                Send(peer, P.REJECT, {"reason": reason, "retry": False}, close=True)]
+                Send(peer, protocol.REJECT, {"reason": reason, "retry": False}, close=True)]
     recovery = msg.get("recovery")
     return Registration(node_id, rank, inc, pid, host,
-                        recovery if recovery in (P.RECOVERY_IN_PLACE, P.RECOVERY_RESTART) else "unknown",
+                        recovery if recovery in (protocol.RECOVERY_IN_PLACE, protocol.RECOVERY_RESTART) else "unknown",
                         f"pid {pid} on {host}, {addr}")
 
 
@@ -118,23 +117,23 @@ def refuse_register(peer: int, reg: Registration, roster: Roster, status: str, n
     if by is not None:
         return [Log(WARNING, f"fenced {node_id} ({where}): host {host} was replaced by {by}; told it to exit"),
                 Note(NoteKind.FENCED, {"node_id": node_id, "pid": pid, "host": host}),
-                Send(peer, P.FENCED, {"reason": f"host {host} was replaced by {by}: its processes may not rejoin "
-                                                "the job"}, close=True)]
+                Send(peer, protocol.FENCED, {"reason": f"host {host} was replaced by {by}: its processes may not "
+                                                       "rejoin the job"}, close=True)]
     if reg.incarnation in roster.fenced:
         return [Log(WARNING, f"fenced {node_id} ({where}): that incarnation was declared dead; told it to exit"),
                 Note(NoteKind.FENCED, {"node_id": node_id, "pid": pid, "host": host}),
-                Send(peer, P.FENCED, {"reason": f"{node_id} (pid {pid}) was declared dead; a replacement takes "
+                Send(peer, protocol.FENCED, {"reason": f"{node_id} (pid {pid}) was declared dead; a replacement takes "
                                                 "its place"}, close=True)]
     if status != RUNNING:
-        return [Send(peer, P.REJECT, {"reason": f"the job has {status}", "retry": False}, close=True)]
+        return [Send(peer, protocol.REJECT, {"reason": f"the job has {status}", "retry": False}, close=True)]
     if reg.rank in roster.done:
-        return [Send(peer, P.REJECT, {"reason": f"{node_id} already finished", "retry": False}, close=True)]
+        return [Send(peer, protocol.REJECT, {"reason": f"{node_id} already finished", "retry": False}, close=True)]
     current = roster.members.get(reg.rank)
     if current is not None and current.incarnation != reg.incarnation:
         reason = (f"{node_id} is held by a live process (pid {current.pid} on {current.host}, {current.addr}, "
                   f"heard from {now - current.last_seen:.1f} s ago)")
         return [Log(WARNING, f"rejected {node_id} from {where}: {reason}"),
-                Send(peer, P.REJECT, {"reason": reason, "retry": True}, close=True)]
+                Send(peer, protocol.REJECT, {"reason": reason, "retry": True}, close=True)]
     return []
 
 
@@ -151,7 +150,7 @@ def gave_up_reason(agent: Peer, msg: Mapping[str, Any]) -> str:
     tail = msg.get("log_tail") if isinstance(msg.get("log_tail"), str) else ""
     last = " | ".join(line for line in tail.strip().splitlines()[-5:])[-2000:]
     sig = msg.get("signal") if isinstance(msg.get("signal"), str) else None
-    said = P.cause_field(dict(msg)) or how(P.whole(dict(msg), "code"), sig)
+    said = protocol.cause_field(dict(msg)) or how(protocol.whole(dict(msg), "code"), sig)
     return f"{node_id} on {agent.host} failed after its last allowed restart ({said})" + (
         f"; last log lines: {last}" if last else "")
 
@@ -161,17 +160,17 @@ def recovered(member: Member, msg: Mapping[str, Any]) -> list[Action]:
     took; fields of the wrong type show as None or "?") and a Note for the ledger."""
     m = dict(msg)
     source = msg.get("source")
-    origin = {"peer": f"rank {P.whole(m, 'from_rank')}'s memory",
-              "checkpoint": f"the checkpoint of rank {P.whole(m, 'from_rank')}",
+    origin = {"peer": f"rank {protocol.whole(m, 'from_rank')}'s memory",
+              "checkpoint": f"the checkpoint of rank {protocol.whole(m, 'from_rank')}",
               "initial": "the initial state"}.get(source if isinstance(source, str) else "", "?")
-    seconds = msg.get("seconds") if P.finite_number(msg.get("seconds")) else None
-    return [Log(INFO, f"{member.node_id} trains again in generation {P.whole(m, 'generation')} from step "
-                      f"{P.whole(m, 'step')}, taken from {origin} in {seconds} s; {P.whole(m, 'recomputed')} "
-                      "step(s) recomputed"),
+    seconds = msg.get("seconds") if protocol.finite_number(msg.get("seconds")) else None
+    return [Log(INFO, f"{member.node_id} trains again in generation {protocol.whole(m, 'generation')} from step "
+                      f"{protocol.whole(m, 'step')}, taken from {origin} in {seconds} s; "
+                      f"{protocol.whole(m, 'recomputed')} step(s) recomputed"),
             Note(NoteKind.RECOVERED, {"node_id": member.node_id, "rank": member.rank,
-                               "generation": P.whole(m, "generation"), "step": P.whole(m, "step"),
+                               "generation": protocol.whole(m, "generation"), "step": protocol.whole(m, "step"),
                                "source": source if isinstance(source, str) else None,
-                               "recomputed": P.whole(m, "recomputed"), "seconds": seconds})]
+                               "recomputed": protocol.whole(m, "recomputed"), "seconds": seconds})]
 
 
 class Membership:
@@ -191,7 +190,7 @@ class Membership:
 
     def __init__(self, job: str, world_size: int, node_timeout: float, topo_timeout: float, boot: str,
                  address: str, expected: Mapping[str, str] | None = None, now: float = 0.0,
-                 host_timeout: float = E.DEFAULT_HOST_TIMEOUT, spares: Sequence[str] = ()) -> None:
+                 host_timeout: float = envvars.DEFAULT_HOST_TIMEOUT, spares: Sequence[str] = ()) -> None:
         self.job, self.world_size, self.boot, self.address = job, world_size, boot, address
         self.node_timeout, self.topo_timeout = node_timeout, topo_timeout
         self.host_timeout = host_timeout  # <= 0: no automatic replacement (the operator's `replace` only)
@@ -327,11 +326,11 @@ class Membership:
             out.append(Log(INFO, f"registered {node_id} ({where}, {recovery} recovery): {len(self.roster.members)} of "
                                  f"{self.world_size}"))
             self.dirty = True
-        out.append(Send(peer, P.WELCOME, {"rank": rank, "world_size": self.world_size, "generation": self.generation,
-                                          "job": self.job}))
+        out.append(Send(peer, protocol.WELCOME, {"rank": rank, "world_size": self.world_size,
+                                                 "generation": self.generation, "job": self.job}))
         if self.formed:
-            prefix = P.store_prefix(self.job, self.boot, self.generation)
-            out.append(Send(peer, P.FORMED, {"generation": self.generation, "prefix": prefix}))
+            prefix = protocol.store_prefix(self.job, self.boot, self.generation)
+            out.append(Send(peer, protocol.FORMED, {"generation": self.generation, "prefix": prefix}))
         else:
             out += self._maybe_form(now)
         return out
@@ -351,7 +350,7 @@ class Membership:
         host, node_ids = msg.get("host"), msg.get("node_ids")
         if not isinstance(host, str) or not 0 < len(host) <= 256 or not isinstance(node_ids, list) \
                 or len(node_ids) > 4096:
-            return [Send(peer, P.REJECT, {"reason": "malformed agent_hello", "retry": False}, close=True)]
+            return [Send(peer, protocol.REJECT, {"reason": "malformed agent_hello", "retry": False}, close=True)]
         by = self.roster.replaced_by(host)
         if by is not None:
             reason = (f"host {host} was replaced by {by} in job {self.job}: it is fenced and may not rejoin; "
@@ -359,7 +358,7 @@ class Membership:
             return [Log(WARNING, f"refused the agent of {host} ({addr}): the host was replaced by {by}; told it to "
                                  "stop its processes"),
                     Note(NoteKind.REFUSED, {"host": host, "by": by}),
-                    Send(peer, P.WELCOME, {}), Send(peer, P.STOP, {"reason": reason}, close=True)]
+                    Send(peer, protocol.WELCOME, {}), Send(peer, protocol.STOP, {"reason": reason}, close=True)]
         out: list[Action] = []
         self.roster.peers[peer] = Peer(PeerRole.AGENT, host=host, addr=addr)
         names = [n for n in node_ids if isinstance(n, str) and len(n) <= 256]
@@ -371,15 +370,16 @@ class Membership:
         for node_id in names:
             self.roster.place(node_id, host)
         out += [Log(INFO, f"agent of {host} connected from {addr}, supervising {', '.join(names) or 'nothing'}"),
-                Send(peer, P.WELCOME, {})]
+                Send(peer, protocol.WELCOME, {})]
         if self.status == FINISHED:
-            out.append(Send(peer, P.FINISHED))
+            out.append(Send(peer, protocol.FINISHED))
         elif self.status == FAILED:
-            out.append(Send(peer, P.STOP, {"reason": self.failure}))
+            out.append(Send(peer, protocol.STOP, {"reason": self.failure}))
         else:
             for seq, r in enumerate(self.roster.replacements(), 1):
                 if r["by"] == host and not set(r["node_ids"]) <= set(names):
-                    out.append(Send(peer, P.TAKEOVER, {"host": r["host"], "node_ids": r["node_ids"], "seq": seq}))
+                    out.append(Send(peer, protocol.TAKEOVER,
+                                    {"host": r["host"], "node_ids": r["node_ids"], "seq": seq}))
             out += self._check_lost(now)
         return out
 
@@ -399,11 +399,11 @@ class Membership:
         if who.role == PeerRole.AGENT:
             if who.host is not None:
                 self.roster.heard(who.host, peer, now)
-            if op == P.EXITED:
+            if op == protocol.EXITED:
                 return self._exited(who, msg, now)
-            if op == P.GAVE_UP:
+            if op == protocol.GAVE_UP:
                 return self._fail(gave_up_reason(who, msg), EXIT_FAILED)
-            if op == P.HEARTBEAT:
+            if op == protocol.HEARTBEAT:
                 vouch(self.roster, who.host, msg.get("running"), now)
                 return []
             return [Log(WARNING, f"agent of {who.host} sent unknown op {op[:40]!r} (ignored)")]
@@ -411,21 +411,21 @@ class Membership:
         if member is None or member.peer != peer:
             return []
         member.last_seen, member.busy_said = now, False
-        if op == P.HEARTBEAT:
-            member.step = P.whole(dict(msg), "step", member.step)
+        if op == protocol.HEARTBEAT:
+            member.step = protocol.whole(dict(msg), "step", member.step)
             return [Note(NoteKind.PACE, {"rank": member.rank, "node_id": member.node_id,
                                          "host": host_of(self.roster, member), "pid": member.pid, "step": member.step,
-                                         **P.pace_fields(dict(msg))})]
-        if op == P.COMMIT:
-            step = P.whole(dict(msg), "step")
+                                         **protocol.pace_fields(dict(msg))})]
+        if op == protocol.COMMIT:
+            step = protocol.whole(dict(msg), "step")
             if step is not None and step > self.roster.commits.get(member.rank, -1):
                 self.roster.commits[member.rank] = step
                 self.roster.unsaved.add((Fact.COMMIT, member.rank))
                 self.commits_dirty = True
             return []
-        if op == P.RECOVERED:
+        if op == protocol.RECOVERED:
             return recovered(member, msg)
-        if op == P.DONE:
+        if op == protocol.DONE:
             self.roster.peers[peer] = Peer(PeerRole.FINISHED, rank=member.rank, addr=who.addr)
             out: list[Action] = [Log(INFO, f"{member.node_id} finished (pid {member.pid} on {member.host})")]
             self.dirty |= self.roster.remove(member)  # it leaves without a generation change
@@ -475,9 +475,9 @@ class Membership:
                                                                      self.topo_timeout, out):
                     continue
                 what = "did not reconnect" if member.peer is None else "sent no heartbeat"
-                out += self._death(member, f"{what} for {silent:.1f} s ({E.MS_NODE_TIMEOUT}={self.node_timeout:g})",
-                                   kill=True, now=now, cause=CAUSE_NOT_BACK if member.peer is None
-                                   else CAUSE_SILENCE, silent_for=silent)
+                timeout = f"{envvars.MS_NODE_TIMEOUT}={self.node_timeout:g}"
+                out += self._death(member, f"{what} for {silent:.1f} s ({timeout})", kill=True, now=now,
+                                   cause=CAUSE_NOT_BACK if member.peer is None else CAUSE_SILENCE, silent_for=silent)
             self.hb_check_at = min((expiry(m, self.node_timeout, self.topo_timeout)
                                     for m in self.roster.members.values()), default=math.inf)
         out += kill_unreported(self.roster, self.unreported, now, self.node_timeout)
@@ -510,9 +510,9 @@ class Membership:
         chosen = choose_spare(self.roster, spare, str(host)) if not reason else Refusal(reason)
         if isinstance(chosen, Refusal):
             return [Log(WARNING, f"refused to replace {str(host)[:256]}: {chosen.reason}"),
-                    Send(peer, P.REJECT, {"reason": chosen.reason, "retry": False}, close=True)]
+                    Send(peer, protocol.REJECT, {"reason": chosen.reason, "retry": False}, close=True)]
         node_ids = hosts[str(host)]
-        return ([Send(peer, P.WELCOME, {"host": host, "spare": chosen, "node_ids": node_ids}, close=True)]
+        return ([Send(peer, protocol.WELCOME, {"host": host, "spare": chosen, "node_ids": node_ids}, close=True)]
                 + self._take_over(host, chosen, "replaced by the operator (fleet replace)", now))
 
     # -- decisions
@@ -562,7 +562,7 @@ class Membership:
             Note(NoteKind.REPLACED, {"host": host, "by": spare, "node_ids": node_ids, "reason": reason})]
         if agent is not None:
             self.roster.peers.pop(agent, None)
-            out.append(Send(agent, P.STOP, {"reason": f"host {host} was replaced by {spare} ({reason}): it is "
+            out.append(Send(agent, protocol.STOP, {"reason": f"host {host} was replaced by {spare} ({reason}): it is "
                                                       "fenced from the job"}, close=True))
         for node_id in node_ids:
             member = self.roster.members.get(rank_of(node_id) or 0)
@@ -570,7 +570,7 @@ class Membership:
                 out += self._death(member, f"its host {host} was replaced by {spare}", kill=False, now=now,
                                    cause=CAUSE_REPLACED)
         self.roster.replace(host, spare, reason)  # after the deaths, which name the host their ranks ran on
-        out.append(Send(self.roster.agents[spare], P.TAKEOVER, {"host": host, "node_ids": node_ids,
+        out.append(Send(self.roster.agents[spare], protocol.TAKEOVER, {"host": host, "node_ids": node_ids,
                                                                  "seq": self.roster.hosts[host].replaced_seq}))
         return out
 
@@ -587,15 +587,15 @@ class Membership:
         self.dirty = True
         since = self.gather_since if self.gather_since is not None else now
         self.gather_since = None
-        prefix = P.store_prefix(self.job, self.boot, self.generation)
+        prefix = protocol.store_prefix(self.job, self.boot, self.generation)
         out: list[Action] = [Log(INFO, f"generation {self.generation} formed: {self.world_size} workers in "
                                        f"{now - since:.3f} s; store prefix {prefix}"),
                              Note(NoteKind.FORMED, {"generation": self.generation, "seconds": now - since,
                                              "recovery": sorted({m.recovery for m in self.roster.members.values()})})]
-        out += [Send(m.peer, P.FORMED, {"generation": self.generation, "prefix": prefix})
+        out += [Send(m.peer, protocol.FORMED, {"generation": self.generation, "prefix": prefix})
                 for m in self.roster.members.values() if m.peer is not None]
         if self.generation > 0:  # the generations before are over: their store keys can go
-            out += [DropKeys(P.store_prefix(self.job, self.boot, g)) for g in range(self.generation)]
+            out += [DropKeys(protocol.store_prefix(self.job, self.boot, g)) for g in range(self.generation)]
         return out
 
     def _death(self, member: Member, reason: str, kill: bool, now: float, cause: str = CAUSE_CLOSED,
@@ -622,10 +622,10 @@ class Membership:
             else self.generation})]
         if member.peer is not None:
             self.roster.peers.pop(member.peer, None)
-            out.append(Send(member.peer, P.FENCED, {"reason": f"declared dead: {reason}"}, close=True))
+            out.append(Send(member.peer, protocol.FENCED, {"reason": f"declared dead: {reason}"}, close=True))
         agent = self.roster.agent_at(member.node_id)
         if kill and agent is not None:
-            out.append(Send(agent, P.KILL, {"node_id": member.node_id, "pid": member.pid, "cause": cause}))
+            out.append(Send(agent, protocol.KILL, {"node_id": member.node_id, "pid": member.pid, "cause": cause}))
         if self.status != RUNNING:
             return out
         if self.roster.done:
@@ -636,8 +636,8 @@ class Membership:
             self.gather_since = now
             out.append(Log(WARNING, f"{member.node_id} (pid {member.pid} on {member.host}) is dead: {reason}; "
                                     f"generation {self.generation} begins, waiting for its replacement"))
-            out += [Send(m.peer, P.GENERATION, {"generation": self.generation}) for m in self.roster.members.values()
-                    if m.peer is not None]
+            out += [Send(m.peer, protocol.GENERATION, {"generation": self.generation})
+                    for m in self.roster.members.values() if m.peer is not None]
         else:
             out.append(Log(WARNING, f"{member.node_id} (pid {member.pid} on {member.host}) is dead: {reason}; "
                                     f"generation {self.generation} still gathering"))
@@ -649,9 +649,9 @@ class Membership:
         durable; so an in-place (toolkit.train) member that dies now has finished its training and counts as
         done. Any other member's state is unknown: the job fails at once, saying why, rather than waiting out
         the formation timeout."""
-        finished = ", ".join(P.worker_node_id(r) for r in sorted(self.roster.done))
+        finished = ", ".join(protocol.worker_node_id(r) for r in sorted(self.roster.done))
         who = f"{member.node_id} (pid {member.pid} on {member.host})"
-        if member.recovery == P.RECOVERY_IN_PLACE:
+        if member.recovery == protocol.RECOVERY_IN_PLACE:
             return [Log(WARNING, f"{who} is dead: {reason}, after {finished} finished: every rank had passed the "
                                  "final barrier with its final checkpoint durable, so it counts as finished")
                     ] + self._mark_done(member.rank)
@@ -669,7 +669,7 @@ class Membership:
             return []
         self.status = FINISHED
         return ([Log(INFO, f"all {self.world_size} workers finished: job {self.job} done"), Note(NoteKind.FINISHED)]
-                + [Send(agent, P.FINISHED) for agent in self.roster.agents.values()] + [Exit(EXIT_OK)])
+                + [Send(agent, protocol.FINISHED) for agent in self.roster.agents.values()] + [Exit(EXIT_OK)])
 
     def _fail(self, reason: str, code: int) -> list[Action]:
         """Fail the job, once (later calls do nothing): keep `reason` (persisted, and sent to agents that connect
@@ -680,8 +680,9 @@ class Membership:
         self.failure = reason
         self.dirty = True
         return ([Log(ERROR, f"job {self.job} failed: {reason}"), Note(NoteKind.FAILED, {"reason": reason})]
-                + [Send(agent, P.STOP, {"reason": reason}) for agent in self.roster.agents.values()]
-                + [Send(m.peer, P.STOP, {"reason": reason}) for m in self.roster.members.values() if m.peer is not None]
+                + [Send(agent, protocol.STOP, {"reason": reason}) for agent in self.roster.agents.values()]
+                + [Send(m.peer, protocol.STOP, {"reason": reason})
+                   for m in self.roster.members.values() if m.peer is not None]
                 + [Exit(code)])
 
     def _exited(self, agent: Peer, msg: Mapping[str, Any], now: float) -> list[Action]:
@@ -693,12 +694,12 @@ class Membership:
         gone). Another pid (an incarnation already replaced, or never registered) is logged only. Its cause is the
         agent's `cause` (the first cause: the script's error, or the fencing that killed it) if given, else the code
         or signal; a kill waiting for this report is dropped."""
-        node_id, pid = msg.get("node_id"), P.whole(dict(msg), "pid")
-        code, sig = P.whole(dict(msg), "code"), msg.get("signal") if isinstance(msg.get("signal"), str) else None
+        node_id, pid = msg.get("node_id"), protocol.whole(dict(msg), "pid")
+        code, sig = protocol.whole(dict(msg), "code"), msg.get("signal") if isinstance(msg.get("signal"), str) else None
         if not isinstance(node_id, str):
             return []
         node_id = node_id[:256]
-        said = P.cause_field(dict(msg)) or how(code, sig)
+        said = protocol.cause_field(dict(msg)) or how(code, sig)
         if self.unreported.get(node_id, (None,))[0] == pid:
             del self.unreported[node_id]
         rank = rank_of(node_id)
@@ -727,20 +728,21 @@ class Membership:
         members = self.roster.members
         missing = [r for r in range(self.world_size)
                    if r not in self.roster.done and (r not in members or members[r].peer is None)]
-        attested = [r for r in missing if self.roster.agent_at(P.worker_node_id(r)) is not None]
+        attested = [r for r in missing if self.roster.agent_at(protocol.worker_node_id(r)) is not None]
         if not self.ever_registered and missing and len(attested) == len(missing):
             self.unmanaged = True
             self.gather_since = None
-            return [Log(WARNING, f"no worker registered within {E.MS_TOPO_TIMEOUT}={self.topo_timeout:g} s, but every "
-                                 "one runs under its agent: treating them as scripts that never form a process group "
-                                 "(no heartbeats or generations; their agents' exit reports end the job)")]
+            return [Log(WARNING, f"no worker registered within {envvars.MS_TOPO_TIMEOUT}={self.topo_timeout:g} s, "
+                                 "but every one runs under its agent: treating them as scripts that never form a "
+                                 "process group (no heartbeats or generations; their agents' exit reports end the "
+                                 "job)")]
         names = []
         for r in missing:
-            node_id = P.worker_node_id(r)
+            node_id = protocol.worker_node_id(r)
             host = self.roster.host_of(node_id)
             names.append(f"{node_id} (expected on {host})" if host else node_id)
         what = f"re-forming generation {self.generation}" if self.ever_formed else "cluster formation"
-        reason = (f"{what} timed out after {self.topo_timeout:g} s ({E.MS_TOPO_TIMEOUT}): {len(missing)} of "
+        reason = (f"{what} timed out after {self.topo_timeout:g} s ({envvars.MS_TOPO_TIMEOUT}): {len(missing)} of "
                   f"{self.world_size} workers never registered: {', '.join(names)}; check their logs "
                   f"(logs/worker_<rank>.log) and that they reach {self.address}")
         return self._fail(reason, EXIT_FORMATION)

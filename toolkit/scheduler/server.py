@@ -23,11 +23,9 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from toolkit import envvars as E
-from toolkit import procs
-from toolkit import protocol as P
+from toolkit import envvars, procs, protocol
 from toolkit.printable import clean
-from toolkit.scheduler import state as S
+from toolkit.scheduler import state
 from toolkit.scheduler.actions import Close, DropKeys, Exit, Log, Note, Send
 from toolkit.scheduler.admission import Admission, Limits
 from toolkit.scheduler.config import Config, ConfigError
@@ -62,7 +60,8 @@ class Server:
         self.members = Membership(config.job, config.world_size, config.node_timeout, config.topo_timeout,
                                   self.boot, f"{config.host}:{config.port}", config.expected, clock(),
                                   config.host_timeout, config.spares)
-        self.kv = KVStore(*bounds(config.world_size), generation_prefix=P.generation_prefix(config.job, self.boot))
+        self.kv = KVStore(*bounds(config.world_size),
+                          generation_prefix=protocol.generation_prefix(config.job, self.boot))
         self.journal = Journal(config.recovery_path, config.job, config.world_size, 1.0 / config.straggler_factor,
                                clock)
         self.sel = selectors.DefaultSelector()
@@ -73,7 +72,7 @@ class Server:
         self.commits_persist_at = 0.0
         self.persist_retry_at = 0.0  # after a failed write: no new try before this
         path = self._state_path()
-        self.state = S.StateWriter(path) if path is not None else None
+        self.state_writer = state.StateWriter(path) if path is not None else None
         self.said = RateLimited(clock)
         self.conns = Connections(self.sel, self.admission, self.said, clock, config.token, self._dispatch,
                                  self._drop, self.kv.forget)
@@ -94,11 +93,11 @@ class Server:
         self._apply(self.journal.restore())  # first: the membership's restore notes go into the ledger read back
         path = self._state_path()
         if path is not None:
-            doc = S.load(path, self.cfg.job, self.cfg.world_size)
+            doc = state.load(path, self.cfg.job, self.cfg.world_size)
             if doc is not None:
                 self._apply(self.members.restore(doc, self.clock()))
-        control = self._bind(self.cfg.port, f"{E.MS_SCHED_HOST}:{E.MS_SCHED_PORT}", "")
-        store = self._bind(self.cfg.store_port, E.MASTER_PORT, "the store ")
+        control = self._bind(self.cfg.port, f"{envvars.MS_SCHED_HOST}:{envvars.MS_SCHED_PORT}", "")
+        store = self._bind(self.cfg.store_port, envvars.MASTER_PORT, "the store ")
         self.conns.listen(CONTROL, control)
         self.conns.listen(STORE, store)
         self._wake_r.setblocking(False)
@@ -271,7 +270,7 @@ class Server:
         if not conn.authed:
             self._hello(conn, msg, now)
         elif conn.kind == STORE:
-            if msg["op"] != P.KV:
+            if msg["op"] != protocol.KV:
                 self.conns.drop(conn, f"unexpected {msg['op'][:40]!r} on the store")
                 return
             for reply in self.kv.request(conn.id, msg, now):
@@ -294,34 +293,35 @@ class Server:
         server's proof: the store's `welcome` here; for a worker or an agent, whatever the membership sends it first
         (`welcome`, or a `reject`/`fenced` the client can then trust)."""
         op = msg["op"]
-        expected = (P.STORE_HELLO,) if conn.kind == STORE else (P.REGISTER, P.AGENT_HELLO, P.REPLACE)
-        subject = P.hello_subject(msg)[:80] or "?"  # what the peer claims: cleaned where it is logged
+        expected = ((protocol.STORE_HELLO,) if conn.kind == STORE
+                    else (protocol.REGISTER, protocol.AGENT_HELLO, protocol.REPLACE))
+        subject = protocol.hello_subject(msg)[:80] or "?"  # what the peer claims: cleaned where it is logged
         if op not in expected:
             self.said.warn("rejected:unexpected", f"rejected {conn.addr}: {op[:40]!r} before authenticating")
-            self.conns.send(conn, P.REJECT, reason=f"expected {' or '.join(expected)} first", retry=False)
+            self.conns.send(conn, protocol.REJECT, reason=f"expected {' or '.join(expected)} first", retry=False)
             conn.closing = True
             return
         if "token" in msg:
             reason = ("the job token in the clear is refused: this peer's toolkit is older than the scheduler's; "
                       "install the same toolkit on every host")
-        elif not P.check_client(self.cfg.token, conn.nonce, msg):
+        elif not protocol.check_client(self.cfg.token, conn.nonce, msg):
             reason = "wrong or missing job token"
         else:
             reason = ""
         if reason:
-            what = {P.REGISTER: f"registration of {subject}", P.AGENT_HELLO: "agent hello",
-                    P.STORE_HELLO: f"store connection of {subject}", P.REPLACE: "replace request"}[op]
-            host = f" (host {subject})" if op == P.AGENT_HELLO else ""
+            what = {protocol.REGISTER: f"registration of {subject}", protocol.AGENT_HELLO: "agent hello",
+                    protocol.STORE_HELLO: f"store connection of {subject}", protocol.REPLACE: "replace request"}[op]
+            host = f" (host {subject})" if op == protocol.AGENT_HELLO else ""
             self.said.warn(f"rejected:{op}:{reason[:20]}", f"rejected {what} from {conn.addr}{host}: {reason}")
-            self.conns.send(conn, P.REJECT, reason=reason, retry=False)
+            self.conns.send(conn, protocol.REJECT, reason=reason, retry=False)
             conn.closing = True
             return
         self.conns.authenticate(conn, str(msg["nonce"]))
-        if op == P.STORE_HELLO:
-            self.conns.send(conn, P.WELCOME)
-        elif op == P.REGISTER:
+        if op == protocol.STORE_HELLO:
+            self.conns.send(conn, protocol.WELCOME)
+        elif op == protocol.REGISTER:
             self._apply(self.members.register(conn.id, conn.addr, msg, now))
-        elif op == P.REPLACE:  # the operator's (fleet replace): answered, then closed
+        elif op == protocol.REPLACE:  # the operator's (fleet replace): answered, then closed
             self._apply(self.members.replace(conn.id, msg, now))
         else:
             self._apply(self.members.agent_hello(conn.id, conn.addr, msg, now))
@@ -336,7 +336,8 @@ class Server:
             if isinstance(action, Send):
                 conn = self.conns.get(action.peer)
                 if conn is not None:
-                    extra = self.journal.history() if action.op == P.FORMED else {}  # for the checkpoint interval
+                    # for the checkpoint interval
+                    extra = self.journal.history() if action.op == protocol.FORMED else {}
                     self.conns.send(conn, action.op, **action.fields, **extra)
                     if action.close:
                         conn.closing = True
@@ -369,7 +370,7 @@ class Server:
         """Where the state is persisted (MS_RECOVERY_PATH/scheduler.json), or None when recovery is off."""
         if not self.cfg.recovery or self.cfg.recovery_path is None:
             return None
-        return self.cfg.recovery_path / S.STATE_FILE
+        return self.cfg.recovery_path / state.STATE_FILE
 
     def _persist(self, force: bool = False) -> None:
         """Write the state durably (state.StateWriter: the records that changed, or both files whole) if the
@@ -380,15 +381,15 @@ class Server:
         per LOG_EVERY); the server goes on either way. Nothing is written with recovery off."""
         now = self.clock()
         commits_due = self.members.commits_dirty and now >= self.commits_persist_at
-        if self.state is None or not (self.members.dirty or force or commits_due):
+        if self.state_writer is None or not (self.members.dirty or force or commits_due):
             return
         if now < self.persist_retry_at and not force:
             return
         try:
-            self.state.save(S.changes(self.members), self.members.snapshot)
+            self.state_writer.save(state.changes(self.members), self.members.snapshot)
         except OSError as e:
-            self.said.warn("persist", f"cannot persist the state to {self.state.path}: {e.strerror} (recovery after "
-                                      f"a scheduler crash would lose it); trying again every {PERSIST_RETRY:g} s")
+            self.said.warn("persist", f"cannot persist the state to {self.state_writer.path}: {e.strerror} (recovery "
+                                      f"after a scheduler crash would lose it); trying again every {PERSIST_RETRY:g} s")
             self.persist_retry_at = now + PERSIST_RETRY
             return
         self.persist_retry_at = 0.0

@@ -31,15 +31,12 @@ import json
 import os
 import secrets
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Protocol
 
 from toolkit import atomicfile
 from toolkit.atomicfile import Durability
 from toolkit.errors import UserError
-from toolkit.scheduler.roster import Fact
-
-if TYPE_CHECKING:
-    from toolkit.scheduler.membership import Membership
+from toolkit.scheduler.roster import Fact, Roster
 
 STATE_FILE = "scheduler.json"
 JOURNAL_FILE = "scheduler.journal"
@@ -133,7 +130,14 @@ def document(recs: Mapping[str, Any]) -> dict[str, Any]:
             "replaced": [r for _, r in sorted(facts[Fact.REPLACED], key=lambda item: _number(item[0]))]}
 
 
-def changes(m: Membership) -> dict[str, Any]:
+class Persisted(Protocol):
+    """What `changes` reads of the scheduler's membership: its roster, and each of SCALARS as an attribute (a
+    Protocol, because this module sits below toolkit.scheduler.membership, which imports it)."""
+
+    roster: Roster
+
+
+def changes(m: Persisted) -> dict[str, Any]:
     """The records that may differ from those last written: every scalar, and the record of each fact the roster
     marked changed (`Roster.unsaved`); None for a record that is gone. O(what was marked), not O(N)."""
     roster = m.roster
