@@ -1,6 +1,6 @@
 """The agent's progress socket (state/progress.sock): a unix datagram socket, mode 0600, where the workers say how
 far they got (toolkit.agentdoc.progress: node_id, step, epoch, recovery). Not to be confused with
-toolkit.train.progress, the worker side that reports a script's own progress.
+toolkit.train.progress and scriptreport (toolkit.train.report), which send a script's own progress to the scheduler.
 
 Every datagram is hostile until parsed: one that is not a JSON object with a string `node_id` is dropped, and a field
 of the wrong type is left out (`parse`); at most READS_PER_WAKE datagrams are read per wake-up, so a flood cannot
