@@ -22,6 +22,7 @@ from typing import Any, Callable
 import pytest
 import torch
 
+from toolkit.scheduler import state as scheduler_state
 from toolkit.testing.events import Events
 from toolkit.testing.localjob import EXAMPLES, STEP_LINE, LocalJob, clean_env
 from toolkit.testing.ports import free_port_pair
@@ -192,8 +193,8 @@ def test_kill9_of_a_worker_recovers_in_place_and_ends_bitwise_equal(tmp_path, wo
     # Nothing recomputed: every rank goes on from the newest step a survivor had completed (not a checkpoint's).
     assert step == max(reached.values()) >= killed_at, f"resumed at {step}, survivors had reached {reached} {why}"
 
-    state = json.loads(next((job.dir / "recovery").glob("*.json")).read_text())
-    assert state["commits"] == {str(r): total for r in range(world)}, f"committed steps {why}"
+    state = scheduler_state.load(job.dir / "recovery" / scheduler_state.STATE_FILE, "rec", world)  # base + journal
+    assert state is not None and state["commits"] == {str(r): total for r in range(world)}, f"committed steps {why}"
     (final,) = FINAL.findall(job.log("worker_0.log"))
     assert final[1] == ref_digest, f"final parameters differ from the uninterrupted torchrun run {why}"
     assert_bitwise_equal(Path(final[0]), ref_path)
