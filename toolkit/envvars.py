@@ -4,8 +4,9 @@ Also the Slurm variables fleet reads inside an allocation, and the intervals a j
 
 At a thousand ranks and more, the messages every rank sends the scheduler each interval (its heartbeat; NCCL's
 monitor thread checking the store for a dump signal) are most of the scheduler's steady work, all of it on one Python
-thread. Past STEADY_MESSAGES_PER_S ranks, `heartbeat_interval` and `nccl_coord_check_ms` stretch those intervals so
-that each kind stays at about that many messages a second (at 4096 ranks: every 2 s instead of every second).
+thread. `heartbeat_interval` stretches the heartbeat's past HEARTBEATS_PER_S ranks (every 2 s at 4096 ranks), and
+`nccl_coord_check_ms` the store check's past NCCL_CHECKS_PER_S (every 8 s at 4096), so that each kind stays at about
+that many messages a second.
 """
 
 import math
@@ -17,7 +18,8 @@ DEFAULT_NODE_TIMEOUT = 6.0  # s, MS_NODE_TIMEOUT: heartbeat silence after which 
 DEFAULT_HEARTBEAT_INTERVAL = 1.0  # s, TOOLKIT_HEARTBEAT_INTERVAL
 DEFAULT_HOST_TIMEOUT = 60.0  # s, TOOLKIT_HOST_TIMEOUT: a host whose ranks are dead and whose agent is gone this long
 #                             is lost for good: a spare takes its ranks (only once the job has formed)
-STEADY_MESSAGES_PER_S = 2048  # per kind: heartbeats, and NCCL's store checks, the scheduler gets a second at most
+HEARTBEATS_PER_S = 2048  # workers' heartbeats the scheduler gets a second, at most (and node_timeout allowing)
+NCCL_CHECKS_PER_S = 512  # NCCL monitors' store checks the scheduler gets a second, at most
 DEFAULT_STRAGGLER_FACTOR = 1.5  # TOOLKIT_STRAGGLER_FACTOR: own work per step vs the others' median that names a
 #                                 straggler (between nvidia-resiliency-ext's 1.33, its score 0.75, and DLRover's 2)
 
@@ -90,15 +92,16 @@ SLURM_JOB_ID = "SLURM_JOB_ID"
 
 
 def heartbeat_interval(world: int, configured: float, node_timeout: float) -> float:
-    """TOOLKIT_HEARTBEAT_INTERVAL for a job of `world` ranks: `configured`, or longer past STEADY_MESSAGES_PER_S
+    """TOOLKIT_HEARTBEAT_INTERVAL for a job of `world` ranks: `configured`, or longer past HEARTBEATS_PER_S
     ranks (the scheduler then gets about that many heartbeats a second), but never stretched past a third of
     `node_timeout`: a worker may miss two heartbeats and still be alive. Liveness is unchanged: a process that dies
     is noticed at once by its closed connection and its agent; the heartbeat only catches a silent one."""
-    return max(configured, min(world / STEADY_MESSAGES_PER_S, node_timeout / 3))
+    return max(configured, min(world / HEARTBEATS_PER_S, node_timeout / 3))
 
 
 def nccl_coord_check_ms(world: int) -> int:
     """TORCH_NCCL_COORD_CHECK_MILSEC for a job of `world` ranks: how often NCCL's heartbeat monitor on every rank
-    asks the job's store whether another rank signalled a debug dump. torch's 1000 ms up to STEADY_MESSAGES_PER_S
-    ranks, longer past that (a dump waits that much longer; training never does)."""
-    return max(1000, math.ceil(1000 * world / STEADY_MESSAGES_PER_S))
+    asks the job's store whether another rank signalled a debug dump. torch's 1000 ms up to NCCL_CHECKS_PER_S
+    ranks, longer past that (a dump, which follows a collective timeout of minutes, starts seconds later; training
+    never waits for it)."""
+    return max(1000, math.ceil(1000 * world / NCCL_CHECKS_PER_S))

@@ -5,10 +5,10 @@ toolkit.rundoc (live.json, ledger.json, metrics.jsonl) into the recovery directo
 The server calls `note` for each Note and `tick` on every pass of its loop (`next_deadline` says when the next
 write or evaluation is due, so its select() never polls). Writes are bounded in frequency (named intervals below)
 and in size (the ledger's lists and the metrics file are capped), also in the job's size: live.json holds a row per
-rank and is rewritten at most LIVE_RANKS_PER_S rows a second, metrics.jsonl keeps at most MAX_METRIC_VALUES rank
-samples, and a heartbeat that changes nothing marks nothing to write. A write that fails is logged once a minute
-and retried: the record must never stop the job. Without a recovery directory nothing is written (the tracking
-and the messages still work).
+rank and is rewritten at most LIVE_RANKS_PER_S rows a second, metrics.jsonl gets at most that many rank samples a
+second and keeps at most MAX_METRIC_VALUES, and a heartbeat that changes nothing marks nothing to write. A write
+that fails is logged once a minute and retried: the record must never stop the job. Without a recovery directory
+nothing is written (the tracking and the messages still work).
 """
 
 from __future__ import annotations
@@ -30,7 +30,8 @@ from toolkit.scheduler.stragglers import EVAL_INTERVAL, Cleared, Named, Straggle
 LIVE_INTERVAL = 1.0  # s between rewrites of live.json (what `fleet status` reads), up to LIVE_RANKS_PER_S ranks
 LIVE_RANKS_PER_S = 1024  # ranks' rows in live.json written per second at most: a bigger job's is rewritten less often
 LEDGER_INTERVAL = 5.0  # s: the ledger is written at most this often, except at once when an incident changes
-METRICS_INTERVAL = 1.0  # s between metrics samples at first; doubled each time the file is thinned
+METRICS_INTERVAL = 1.0  # s between metrics samples at first (up to LIVE_RANKS_PER_S ranks, then longer with the
+#                         job's size, as live.json's); doubled each time the file is thinned
 MAX_METRICS = 10_000  # samples kept in metrics.jsonl: past this, every other one goes
 MAX_METRIC_VALUES = 640_000  # ranks x samples kept: a job of more than 64 ranks keeps fewer samples (the file's size
 MIN_METRICS = 100  # and the cost of thinning it stay bounded), but never fewer than this
@@ -57,7 +58,7 @@ class Journal:
         now = clock()
         self.live_at = self.eval_at = self.metrics_at = now
         self.ledger_at = now + LEDGER_INTERVAL
-        self.metrics_interval = METRICS_INTERVAL
+        self.metrics_interval = METRICS_INTERVAL * max(1.0, world_size / LIVE_RANKS_PER_S)
         self.metrics_lines = 0
         self.live_interval = LIVE_INTERVAL * max(1.0, world_size / LIVE_RANKS_PER_S)
         self.max_metrics = min(MAX_METRICS, max(MIN_METRICS, MAX_METRIC_VALUES // max(1, world_size)))
