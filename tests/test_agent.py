@@ -49,6 +49,7 @@ class FakeScheduler:
         self.port = self.srv.getsockname()[1]
         self.messages: queue.Queue = queue.Queue()
         self.conns: list[socket.socket] = []
+        self.welcome: dict = {}  # more fields of the welcome (e.g. the agent's heartbeat interval, `beat`)
         self._stop = False
         self._thread = threading.Thread(target=self._accept, daemon=True)
         self._thread.start()
@@ -80,7 +81,7 @@ class FakeScheduler:
             for msg in lines.feed(data):
                 if msg["op"] == P.AGENT_HELLO:
                     msg["proven"] = P.check_client(TOKEN, nonce, msg)
-                    conn.sendall(P.encode(P.WELCOME, proof=P.server_proof(TOKEN, nonce, msg["nonce"])))
+                    conn.sendall(P.encode(P.WELCOME, proof=P.server_proof(TOKEN, nonce, msg["nonce"]), **self.welcome))
                 self.messages.put(msg)
 
     def next(self, op: str, timeout: float = EVENT_WAIT) -> dict:
@@ -388,6 +389,23 @@ def test_heartbeats_vouch_for_running_children_not_for_a_stopped_one(make_job, s
             assert time.monotonic() < deadline + EVENT_WAIT, "the stopped worker was still vouched for"
     finally:
         os.kill(pids["worker_1"], signal.SIGCONT)
+
+
+def test_the_agent_beats_at_the_interval_its_welcome_gives(make_job, sched):
+    # At thousands of ranks the scheduler stretches the agents' heartbeats (welcome {beat}); the agent's own default
+    # is 1 s, so a second heartbeat within QUIET s would mean the welcome was ignored.
+    quiet = 3.0
+    sched.welcome = {"beat": 30.0}
+    job = make_job([["--block"]], port=sched.port)
+    job.run_agent()
+    sched.next(P.HEARTBEAT)  # the first, at once when the link is up
+    deadline = time.monotonic() + quiet
+    while (left := deadline - time.monotonic()) > 0:
+        try:
+            msg = sched.messages.get(timeout=left)
+        except queue.Empty:
+            break
+        assert msg["op"] != P.HEARTBEAT, "a second heartbeat within 3 s: the welcome's beat (30 s) was ignored"
 
 
 def test_a_late_crash_loop_at_the_same_step_gives_up_at_the_budget(make_job, sched):

@@ -560,3 +560,30 @@ def test_spares_are_used_in_the_inventorys_order_not_the_order_their_agents_conn
     m = spare_job(spares=("s2", "s1"))  # as TOOLKIT_SPARES gives them (Config.spares); s1's agent said hello first
     out = replace(m, "hostB")
     assert sent(out)[0].fields["spare"] == "s2" and [s.peer for s in sent(out, P.TAKEOVER)] == [4]
+
+
+def test_agents_beat_every_second_until_thousands_of_ranks_then_as_the_workers_do() -> None:
+    # The welcome tells the agent its heartbeat interval: at 4096 ranks 512 agents a second would be a sixth of
+    # the scheduler's steady messages; stretched as the workers' (envvars.heartbeat_interval), never past a third
+    # of MS_NODE_TIMEOUT (an agent's vouching must stay fresh within it).
+    def beat(world: int, node_timeout: float = 6.0) -> float:
+        m = Membership("j", world, node_timeout, 60.0, "b", "a:1")
+        out = m.agent_hello(50, "a", {"op": P.AGENT_HELLO, "host": "hostA", "node_ids": ["worker_0"]})
+        welcome = sent(out, P.WELCOME)[0].fields
+        return P.beat_interval(welcome, -1.0)
+
+    assert beat(16) == beat(2048) == 1.0
+    assert beat(4096) == 2.0 and beat(4096, node_timeout=3.0) == 1.0
+    assert beat(65536) == 2.0  # a third of the 6 s node timeout
+
+
+def test_numbers_past_a_floats_range_from_a_worker_are_dropped_not_raised() -> None:
+    # An OverflowError here would end the scheduler's loop: one authenticated worker could stop the job's control.
+    m = membership(2)
+    form(m)
+    huge = P.decode(b'{"op":"recovered","generation":1,"step":3,"source":"peer","seconds":1' + b"0" * 400 + b"}")
+    notes = [a for a in m.message(10, huge, 1.0) if isinstance(a, Note)]
+    assert notes and notes[0].fields["seconds"] is None and notes[0].fields["step"] == 3
+    beat = P.decode(b'{"op":"heartbeat","step":4,"loss":1' + b"0" * 400 + b',"busy":0.25}')
+    notes = [a for a in m.message(10, beat, 1.1) if isinstance(a, Note)]
+    assert notes[0].fields["step"] == 4 and notes[0].fields["busy"] == 0.25 and "loss" not in notes[0].fields

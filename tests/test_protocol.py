@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -111,3 +113,22 @@ def test_the_handshake_proves_the_token_both_ways_and_never_carries_it() -> None
 def test_fields_of_the_wrong_type_are_not_numbers() -> None:
     assert P.whole({"rank": True}, "rank") is None and P.whole({"rank": "1"}, "rank") is None
     assert P.whole({"rank": 3}, "rank") == 3 and P.whole({}, "rank", 7) == 7
+
+
+@pytest.mark.parametrize("beat", [None, "2", True, 0.0, -1.0, 0.01, 61.0, float("nan"), float("inf"), 10**400])
+def test_a_welcome_without_a_sane_beat_leaves_the_agents_own(beat: Any) -> None:
+    assert P.beat_interval({"op": P.WELCOME} if beat is None else {"op": P.WELCOME, "beat": beat}, 1.0) == 1.0
+
+
+def test_a_welcomes_beat_is_taken() -> None:
+    assert P.beat_interval({"op": P.WELCOME, "beat": 2}, 1.0) == 2.0 and P.beat_interval({"beat": 0.5}, 1.0) == 0.5
+
+
+def test_an_integer_past_a_floats_range_is_a_number_out_of_range_not_a_crash() -> None:
+    # JSON allows 10**400 (Python reads up to 4300 digits); math.isfinite and float() of it raise OverflowError,
+    # which in the scheduler's loop would have ended the scheduler on one worker's heartbeat.
+    huge = P.decode(b'{"op":"heartbeat","step":1,"loss":1' + b"0" * 400 + b',"busy":-1' + b"0" * 400
+                    + b',"step_time":0.5,"seconds":1' + b"0" * 400 + b"}")
+    assert P.pace_fields(huge) == {"step_time": 0.5}
+    assert P.seconds_field(huge, "seconds") is None and P.seconds_field(huge, "step_time") == 0.5
+    assert P.finite_number(huge["loss"]) and not P.finite_number(float("nan")) and not P.finite_number(True)

@@ -4,7 +4,8 @@ Also the Slurm variables fleet reads inside an allocation, and the intervals a j
 
 At a thousand ranks and more, the messages every rank sends the scheduler each interval (its heartbeat; NCCL's
 monitor thread checking the store for a dump signal) are most of the scheduler's steady work, all of it on one Python
-thread. `heartbeat_interval` stretches the heartbeat's past HEARTBEATS_PER_S ranks (every 2 s at 4096 ranks), and
+thread. `heartbeat_interval` stretches the heartbeat's past HEARTBEATS_PER_S ranks (every 2 s at 4096 ranks; the agents'
+by the same factor), and
 `nccl_coord_check_ms` the store check's past NCCL_CHECKS_PER_S (every 8 s at 4096), so that each kind stays at about
 that many messages a second.
 """
@@ -16,6 +17,7 @@ DEFAULT_SCHED_PORT = 8118  # MS_SCHED_PORT; the job's store listens on the next 
 DEFAULT_TOPO_TIMEOUT = 600  # s, MS_TOPO_TIMEOUT: for every worker to join
 DEFAULT_NODE_TIMEOUT = 6.0  # s, MS_NODE_TIMEOUT: heartbeat silence after which a worker is dead
 DEFAULT_HEARTBEAT_INTERVAL = 1.0  # s, TOOLKIT_HEARTBEAT_INTERVAL
+DEFAULT_AGENT_HEARTBEAT = 1.0  # s between an agent's heartbeats, stretched as the workers' (the scheduler's `welcome`)
 DEFAULT_HOST_TIMEOUT = 60.0  # s, TOOLKIT_HOST_TIMEOUT: a host whose ranks are dead and whose agent is gone this long
 #                             is lost for good: a spare takes its ranks (only once the job has formed)
 HEARTBEATS_PER_S = 2048  # workers' heartbeats the scheduler gets a second, at most (and node_timeout allowing)

@@ -38,8 +38,8 @@ Worker conversation (one connection per worker process, kept for its whole life;
     sched  -> stop {reason}                 the job failed; stop training
     sched  -> fenced {reason}               this incarnation was declared dead: exit at once, never write again
 
-Agent conversation: `agent_hello {nonce, proof, host, node_ids}` answered by `welcome {proof}`; then the agent
-reports `exited` and `gave_up` (with the exit's first `cause`), and heartbeats naming the children it sees running
+Agent conversation: `agent_hello {nonce, proof, host, node_ids}` answered by `welcome {proof, beat}` (`beat`: the
+seconds between the agent's heartbeats, longer for a job of thousands of ranks); then the agent reports `exited` and `gave_up` (with the exit's first `cause`), and heartbeats naming the children it sees running
 (`running {node_id: pid}`: alive and not stopped, whatever their own heartbeats say); the scheduler sends `kill`
 (with its `cause`), `stop` and `finished` (docs/architecture.md).
 
@@ -64,6 +64,7 @@ import hmac
 import json
 import math
 import secrets
+from collections.abc import Mapping
 from typing import Any
 
 MAX_LINE = 64 << 10  # bytes of one control message (the longest, gave_up, carries a bounded log tail)
@@ -219,7 +220,7 @@ def server_proof(token: str, server_nonce: str, client_nonce: str) -> str:
     return proof(token, "server", server_nonce, client_nonce)
 
 
-def hello_subject(msg: dict[str, Any]) -> str:
+def hello_subject(msg: Mapping[str, Any]) -> str:
     """Who a first message claims to be (part of what its proof covers)."""
     field = "host" if msg.get("op") == AGENT_HELLO else "node_id"
     value = msg.get(field)
@@ -251,7 +252,7 @@ def hello(op: str, token: str, server_nonce: str, **fields: Any) -> tuple[bytes,
     return encode(op, nonce=nonce, proof=client_proof(token, server_nonce, nonce, op, str(who)), **fields), nonce
 
 
-def challenge_nonce(msg: dict[str, Any]) -> str:
+def challenge_nonce(msg: Mapping[str, Any]) -> str:
     """The server nonce of a `challenge`; ProtocolError for anything else."""
     nonce = msg.get("nonce")
     if msg.get("op") != CHALLENGE or not isinstance(nonce, str) or not 16 <= len(nonce) <= 128:
@@ -262,36 +263,63 @@ def challenge_nonce(msg: dict[str, Any]) -> str:
 # --- fields --------------------------------------------------------------------------------------------------
 
 
-def whole(msg: dict[str, Any], name: str, default: int | None = None) -> int | None:
+def whole(msg: Mapping[str, Any], name: str, default: int | None = None) -> int | None:
     """An integer field (never a bool), or `default` when it is missing or of another type."""
     value = msg.get(name)
     return value if isinstance(value, int) and not isinstance(value, bool) else default
 
 
 def finite_number(value: Any) -> bool:
-    """A JSON number (int or float, never a bool) that is finite."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    """A JSON number (int or float, never a bool) that is finite. An int always is (math.isfinite would raise
+    OverflowError for one past a float's range, which JSON allows)."""
+    return type(value) is int or isinstance(value, float) and math.isfinite(value)
+
+
+MAX_SECONDS = 1e9  # s: a duration or age past this (31 years) is nonsense from a peer
+
+
+def seconds_field(msg: Mapping[str, Any], name: str) -> float | None:
+    """A duration field as a float: a finite number from 0 to MAX_SECONDS, else None (a huge JSON integer
+    included: float() of it would raise)."""
+    value = msg.get(name)
+    return float(value) if finite_number(value) and 0 <= value <= MAX_SECONDS else None
+
+
+MIN_BEAT, MAX_BEAT = 0.05, 60.0  # s: an agent's heartbeat interval (`welcome {beat}`) outside is ignored
+
+
+def beat_interval(msg: Mapping[str, Any], default: float) -> float:
+    """The heartbeat interval an agent's `welcome` gives (`beat`), or `default` when it gives none or one out of
+    [MIN_BEAT, MAX_BEAT] (a scheduler of an older version says nothing; the agent then keeps its own)."""
+    value = msg.get("beat")
+    return float(value) if finite_number(value) and MIN_BEAT <= value <= MAX_BEAT else default
 
 
 MAX_PACE_SECONDS = 1e7  # s: a step time, busy time or total stall past this is nonsense from a peer
 MAX_LOSS = 1e30
 MAX_WHY = 400  # characters of a heartbeat's ckpt_why
+_NUMBER = (int, float)  # the exact types of a JSON number (a bool is neither)
+_PACE_SECONDS = ("step_time", "busy", "ckpt_stall")
+_PACE_COUNTS = ("ckpts", "ckpt_every", "ckpt_step", "stride", "first_step")
 
 
-def pace_fields(msg: dict[str, Any]) -> dict[str, Any]:
+def pace_fields(msg: Mapping[str, Any]) -> dict[str, Any]:
     """The valid pace fields of a heartbeat (toolkit.train.pace): numbers finite and in range, counts whole and
-    non-negative, `ckpt_why` a short string; anything else is dropped (a peer's figures are hostile input too)."""
+    non-negative, `ckpt_why` a short string; anything else is dropped (a peer's figures are hostile input too).
+
+    Read for every heartbeat (thousands a second at thousands of ranks), so written for speed: a JSON number is an
+    int or a float (a bool is neither type), and a range check rejects NaN and the infinities."""
     out: dict[str, Any] = {}
-    for name in ("step_time", "busy", "ckpt_stall"):
+    for name in _PACE_SECONDS:
         v = msg.get(name)
-        if finite_number(v) and 0 <= v <= MAX_PACE_SECONDS:
+        if type(v) in _NUMBER and 0 <= v <= MAX_PACE_SECONDS:
             out[name] = float(v)
     loss = msg.get("loss")
-    if finite_number(loss) and abs(loss) <= MAX_LOSS:
+    if type(loss) in _NUMBER and -MAX_LOSS <= loss <= MAX_LOSS:
         out["loss"] = float(loss)
-    for name in ("ckpts", "ckpt_every", "ckpt_step", "stride", "first_step"):
-        v = whole(msg, name)
-        if v is not None and 0 <= v < 1 << 40:
+    for name in _PACE_COUNTS:
+        v = msg.get(name)
+        if type(v) is int and 0 <= v < 1 << 40:
             out[name] = v
     why = msg.get("ckpt_why")
     if isinstance(why, str):
@@ -310,7 +338,7 @@ def one_line(text: str) -> str:
     return line if len(line) <= MAX_CAUSE else line[:MAX_CAUSE - 3] + "..."
 
 
-def cause_field(msg: dict[str, Any]) -> str | None:
+def cause_field(msg: Mapping[str, Any]) -> str | None:
     """A message's `cause` (the first cause of an exit, or why a kill was asked) as one bounded line; None when it is
     missing, empty or not a string."""
     cause = msg.get("cause")

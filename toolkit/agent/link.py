@@ -11,7 +11,7 @@ import socket
 import time
 from typing import Any, Callable
 
-from toolkit import protocol
+from toolkit import envvars, protocol
 from toolkit.agent.log import AgentLog
 from toolkit.agent.timers import Timer, Timers
 from toolkit.agentdoc import LinkState
@@ -22,8 +22,9 @@ LINK_RETRY_INTERVAL = 1.0  # s between attempts to reach the scheduler while it 
 LINK_REJECTED_RETRY = 10.0  # s before trying again after the scheduler rejected us (e.g. a token being re-deployed)
 LINK_CONNECT_TIMEOUT = 3.0  # s for one TCP connect and handshake with the scheduler
 QUEUE_LIMIT = 1000  # reports held for the scheduler while it is unreachable
-HEARTBEAT_INTERVAL = 1.0  # s between the agent's heartbeats while the link is up: a host cut off falls silent, and the
-#                           scheduler finds it lost (a pulled cable closes no connection)
+HEARTBEAT_INTERVAL = envvars.DEFAULT_AGENT_HEARTBEAT  # s between the agent's heartbeats while the link is up, unless
+#                           the scheduler's welcome gives another (`beat`, longer at thousands of ranks): a host cut off
+#                           falls silent, and the scheduler finds it lost (a pulled cable closes no connection)
 
 
 class SchedulerLink:
@@ -53,6 +54,7 @@ class SchedulerLink:
         self.retry: Timer | None = None
         self.connect_timer: Timer | None = None
         self.beat_timer: Timer | None = None
+        self.beat_interval = HEARTBEAT_INTERVAL  # what the scheduler's last welcome said (`beat`)
         self.nonces: tuple[str, str] | None = None  # (server's, ours) while the hello is unanswered
         self.token = ""  # read from the token file at each connection (a re-deploy may have replaced it)
         self.closed = False
@@ -183,6 +185,7 @@ class SchedulerLink:
             if self.connect_timer:
                 self.connect_timer.cancel()
             self.nonces = None
+            self.beat_interval = protocol.beat_interval(msg, HEARTBEAT_INTERVAL)
             self._set(LinkState.UP)
             self._said_down = False
             self.log("agent", f"connected to the scheduler at {self.spec.sched_host}:{self.spec.sched_port}")
@@ -212,7 +215,7 @@ class SchedulerLink:
         self.sel.modify(self.sock, selectors.EVENT_READ | (selectors.EVENT_WRITE if self.wbuf else 0), self._on_event)
 
     def _beat(self) -> None:
-        """Send a heartbeat now and every HEARTBEAT_INTERVAL while the link is up (never queued while it is down),
+        """Send a heartbeat now and every `beat_interval` while the link is up (never queued while it is down),
         with `beat_fields()`: the children running and not stopped, which the scheduler counts as alive even when
         their own heartbeats stop."""
         self.beat_timer = None
@@ -221,7 +224,7 @@ class SchedulerLink:
         self.wbuf += protocol.encode(protocol.HEARTBEAT, **self.beat_fields())
         self._pump()
         if not self.closed and self.state is LinkState.UP:
-            self.beat_timer = self.timers.after(HEARTBEAT_INTERVAL, self._beat)
+            self.beat_timer = self.timers.after(self.beat_interval, self._beat)
 
     def _drop(self, why: str, retry: float = LINK_RETRY_INTERVAL) -> None:
         """Close the connection, discard its unsent bytes (the hello, or reports already moved out of the queue), and

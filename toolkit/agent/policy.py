@@ -197,10 +197,10 @@ def on_scheduler(msg: Mapping[str, Any], running: Mapping[str, int], closing: bo
             return Ignore(f"already took over {host} ({', '.join(names)})")
         return TakeOver(host, new)
     if op == protocol.KILL:
-        node_id, pid = str(msg.get("node_id"))[:256], protocol.whole(dict(msg), "pid")
+        node_id, pid = str(msg.get("node_id"))[:256], protocol.whole(msg, "pid")
         if node_id not in running or (pid is not None and pid != running[node_id]):
             return Ignore(f"scheduler asked to kill {node_id} pid {pid}: not running here")
-        return Kill(node_id, protocol.cause_field(dict(msg)) or "declared dead")
+        return Kill(node_id, protocol.cause_field(msg) or "declared dead")
     if op == protocol.STOP:
         return StopJob(str(msg.get("reason") or "no reason given")[:2000])
     if op == protocol.FINISHED:

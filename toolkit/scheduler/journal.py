@@ -212,7 +212,7 @@ class Journal:
         return Log(logging.INFO, f"straggler no more: {event.node_id} (rank {event.rank}) on {event.host}")
 
     def _write_ledger(self, now: float) -> None:
-        if self._write(rundoc.LEDGER_FILE, json.dumps(self.ledger.to_json(self.wall()), indent=1)):
+        if self._write(rundoc.LEDGER_FILE, json.dumps(self.ledger.to_json(self.wall()))):
             self.ledger.dirty = self.ledger.urgent = False
         self.ledger_at = now + LEDGER_INTERVAL
 

@@ -89,8 +89,8 @@ def validate_register(peer: int, addr: str, msg: Mapping[str, Any], world_size: 
     """`msg` as a Registration, or the refusal (`reject`, no retry, the connection closed) of a malformed message
     (incarnation of 1 to 64 characters, node id and host of at most 256) or of a world size or rank that is not the
     job's (render the job again)."""
-    node_id, rank, inc = msg.get("node_id"), protocol.whole(dict(msg), "rank"), msg.get("incarnation")
-    pid, host = protocol.whole(dict(msg), "pid"), msg.get("host")
+    node_id, rank, inc = msg.get("node_id"), protocol.whole(msg, "rank"), msg.get("incarnation")
+    pid, host = protocol.whole(msg, "pid"), msg.get("host")
     if not (isinstance(node_id, str) and rank is not None and isinstance(inc, str) and 0 < len(inc) <= 64
             and pid is not None and isinstance(host, str) and len(node_id) <= 256 and len(host) <= 256):
         return [Log(WARNING, f"rejected malformed registration from {addr}"),
@@ -150,7 +150,7 @@ def gave_up_reason(agent: Peer, msg: Mapping[str, Any]) -> str:
     tail = msg.get("log_tail") if isinstance(msg.get("log_tail"), str) else ""
     last = " | ".join(line for line in tail.strip().splitlines()[-5:])[-2000:]
     sig = msg.get("signal") if isinstance(msg.get("signal"), str) else None
-    said = protocol.cause_field(dict(msg)) or how(protocol.whole(dict(msg), "code"), sig)
+    said = protocol.cause_field(msg) or how(protocol.whole(msg, "code"), sig)
     return f"{node_id} on {agent.host} failed after its last allowed restart ({said})" + (
         f"; last log lines: {last}" if last else "")
 
@@ -163,7 +163,7 @@ def recovered(member: Member, msg: Mapping[str, Any]) -> list[Action]:
     origin = {"peer": f"rank {protocol.whole(m, 'from_rank')}'s memory",
               "checkpoint": f"the checkpoint of rank {protocol.whole(m, 'from_rank')}",
               "initial": "the initial state"}.get(source if isinstance(source, str) else "", "?")
-    seconds = msg.get("seconds") if protocol.finite_number(msg.get("seconds")) else None
+    seconds = protocol.seconds_field(msg, "seconds")
     return [Log(INFO, f"{member.node_id} trains again in generation {protocol.whole(m, 'generation')} from step "
                       f"{protocol.whole(m, 'step')}, taken from {origin} in {seconds} s; "
                       f"{protocol.whole(m, 'recomputed')} step(s) recomputed"),
@@ -194,6 +194,8 @@ class Membership:
         self.job, self.world_size, self.boot, self.address = job, world_size, boot, address
         self.node_timeout, self.topo_timeout = node_timeout, topo_timeout
         self.host_timeout = host_timeout  # <= 0: no automatic replacement (the operator's `replace` only)
+        # the agents' heartbeat interval (their `welcome`), stretched as the workers' at thousands of ranks
+        self.agent_beat = envvars.heartbeat_interval(world_size, envvars.DEFAULT_AGENT_HEARTBEAT, node_timeout)
         self.roster = Roster(expected, spares)  # every host and every rank: members, peers, done, fenced, commits
         self.unreported: dict[str, tuple[int, float]] = {}  # node_id -> (pid, when to kill it): its connection
         # closed, its agent has not reported its exit yet
@@ -341,7 +343,7 @@ class Membership:
         A malformed hello (host of 1 to 256 characters, a list of at most 4096 node ids) is rejected without retry.
         Otherwise the node ids (strings of at most 256 characters) are recorded as on `host`, which is where a dead
         worker's `kill` goes; a newer connection of the same host's agent replaces the old one (closed). Answered
-        `welcome`, followed at once by `finished` or `stop` if the job has already ended, so an agent that
+        `welcome {beat}` (the agent's heartbeat interval), followed at once by `finished` or `stop` if the job has already ended, so an agent that
         reconnects after the end still learns it.
 
         The agent of a replaced host is refused for good: `welcome` then `stop` (its agent stops its children and
@@ -370,7 +372,7 @@ class Membership:
         for node_id in names:
             self.roster.place(node_id, host)
         out += [Log(INFO, f"agent of {host} connected from {addr}, supervising {', '.join(names) or 'nothing'}"),
-                Send(peer, protocol.WELCOME, {})]
+                Send(peer, protocol.WELCOME, {"beat": self.agent_beat})]
         if self.status == FINISHED:
             out.append(Send(peer, protocol.FINISHED))
         elif self.status == FAILED:
@@ -412,12 +414,12 @@ class Membership:
             return []
         member.last_seen, member.busy_said = now, False
         if op == protocol.HEARTBEAT:
-            member.step = protocol.whole(dict(msg), "step", member.step)
+            member.step = protocol.whole(msg, "step", member.step)
             return [Note(NoteKind.PACE, {"rank": member.rank, "node_id": member.node_id,
                                          "host": host_of(self.roster, member), "pid": member.pid, "step": member.step,
-                                         **protocol.pace_fields(dict(msg))})]
+                                         **protocol.pace_fields(msg)})]
         if op == protocol.COMMIT:
-            step = protocol.whole(dict(msg), "step")
+            step = protocol.whole(msg, "step")
             if step is not None and step > self.roster.commits.get(member.rank, -1):
                 self.roster.commits[member.rank] = step
                 self.roster.unsaved.add((Fact.COMMIT, member.rank))
@@ -694,12 +696,12 @@ class Membership:
         gone). Another pid (an incarnation already replaced, or never registered) is logged only. Its cause is the
         agent's `cause` (the first cause: the script's error, or the fencing that killed it) if given, else the code
         or signal; a kill waiting for this report is dropped."""
-        node_id, pid = msg.get("node_id"), protocol.whole(dict(msg), "pid")
-        code, sig = protocol.whole(dict(msg), "code"), msg.get("signal") if isinstance(msg.get("signal"), str) else None
+        node_id, pid = msg.get("node_id"), protocol.whole(msg, "pid")
+        code, sig = protocol.whole(msg, "code"), msg.get("signal") if isinstance(msg.get("signal"), str) else None
         if not isinstance(node_id, str):
             return []
         node_id = node_id[:256]
-        said = protocol.cause_field(dict(msg)) or how(code, sig)
+        said = protocol.cause_field(msg) or how(code, sig)
         if self.unreported.get(node_id, (None,))[0] == pid:
             del self.unreported[node_id]
         rank = rank_of(node_id)

@@ -171,21 +171,23 @@ class Server:
     def _loop(self) -> None:
         """The event loop, until `exit_code` is set (an Exit action or a signal).
 
-        Each pass: select() until the nearest deadline (`_timeout`: nothing polls), handle the ready sockets, expire
-        unauthenticated connections and timed-out store waits, let the membership act on the time
-        (Membership.tick), resume paused listeners, persist, and flush what was queued. Persisting comes before the
-        flush, so a membership change is on disk before that flush writes the messages it caused (a socket already
-        waiting to write may take its bytes earlier, during event handling); a state that cannot be written is
-        logged and retried at the next pass, and the messages go anyway."""
+        Each pass: select() until the nearest deadline (`_due`: nothing polls), handle the ready sockets; once that
+        deadline has come, do what time brings (`_on_time`); then persist, and flush what was queued. Persisting
+        comes before the flush, so a membership change is on disk before that flush writes the messages it caused (a
+        socket already waiting to write may take its bytes earlier, during event handling); a state that cannot be
+        written is logged and retried at the next pass, and the messages go anyway.
+
+        What the ready sockets made due at once (an urgent ledger write, a lost-host scan after the roster changed)
+        is in the next pass's deadline, which is then now: the next select() does not wait. At thousands of ranks
+        most passes are one or two messages, and doing the timed work only when it is due is a tenth of the
+        scheduler's steady CPU."""
         while self.exit_code is None:
-            for key, mask in self.sel.select(self._timeout(self.clock())):
+            due = self._due()
+            for key, mask in self.sel.select(max(0.0, due - self.clock())):
                 self._event(key, mask)
             now = self.clock()
-            self._expire(now)
-            self.said.flush(now)
-            self._apply(self.members.tick(now))
-            self._apply(self.journal.tick())
-            self.conns.resume(now)
+            if now >= due:
+                self._on_time(now)
             self._persist()
             self.conns.flush()
         if self.signalled:
@@ -210,9 +212,22 @@ class Server:
             if mask & selectors.EVENT_WRITE and not conn.closed:
                 self.conns.write(conn)
 
-    def _timeout(self, now: float) -> float:
-        """Seconds select() may sleep: until the nearest membership or store deadline, pre-authentication deadline,
-        due commit persist or end of a listener pause, and never more than MAX_WAIT; 0 if one has passed."""
+    def _on_time(self, now: float) -> None:
+        """What the passing of time brings: expire unauthenticated connections and timed-out store waits, log the
+        held summaries, let the membership and the journal act on the time (Membership.tick: heartbeats that
+        stopped, a formation too slow; Journal.tick: stragglers, the ledger and live.json), resume paused
+        listeners. Each returns at once when nothing of its own is due."""
+        self._expire(now)
+        self.said.flush(now)
+        self._apply(self.members.tick(now))
+        self._apply(self.journal.tick())
+        self.conns.resume(now)
+
+    def _due(self) -> float:
+        """When the loop has timed work next (monotonic): the nearest membership, journal or store deadline,
+        pre-authentication deadline, log summary, due commit persist or end of a listener pause, and never more
+        than MAX_WAIT from now; now or earlier if one has passed."""
+        now = self.clock()
         deadlines = [now + MAX_WAIT, self.members.next_deadline(), self.kv.next_deadline(),
                      self.journal.next_deadline()]
         connections = self.conns.next_deadline()
@@ -225,7 +240,7 @@ class Server:
         summary = self.said.next_deadline()
         if summary is not None:
             deadlines.append(summary)
-        return max(0.0, min(deadlines) - now)
+        return min(deadlines)
 
     def _linger(self) -> None:
         """Give `finished`/`stop` a bounded moment to reach the agents before the sockets close.

@@ -30,6 +30,9 @@ EVAL_INTERVAL = 2.0  # s between evaluations (heartbeats come every second; the 
 STALE = 10.0  # s: figures older than this are not compared
 
 
+_WHO = frozenset(("rank", "node_id", "host", "pid", "step"))  # a pace Note's fields that are no figures
+
+
 @dataclass
 class RankFigures:
     """The latest pace figures of one rank (a heartbeat's, toolkit.protocol.pace_fields) and where it runs."""
@@ -81,7 +84,7 @@ class Stragglers:
     def observe(self, fields: Mapping[str, Any], now: float) -> None:
         """A heartbeat's figures (a membership `pace` Note: rank, node_id, host, pid, step and pace fields)."""
         rank = fields["rank"]
-        figures = {k: v for k, v in fields.items() if k not in ("rank", "node_id", "host", "pid", "step")}
+        figures = {k: v for k, v in fields.items() if k not in _WHO}
         self.ranks[rank] = RankFigures(rank, fields["node_id"], fields["host"], fields.get("pid"), now,
                                        fields.get("step"), figures)
 

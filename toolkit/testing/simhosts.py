@@ -13,7 +13,7 @@ torch's gloo and NCCL bootstraps):
   answer (toolkit.protocol); a connection closed or refused before that is counted as refused and tried again
   (a worker's control connection every CONTROL_RETRY, its store connection with STORE_RETRY_* backoff, an agent's
   every AGENT_RETRY);
-- an agent says `agent_hello {host, node_ids}`, heartbeats every AGENT_HEARTBEAT naming its running workers
+- an agent says `agent_hello {host, node_ids}`, heartbeats every `beat` its welcome gives naming its running workers
   (`running {node_id: pid}`), reports a killed worker's `exited {signal: SIGKILL}` and relaunches it (a new
   incarnation) after the driver's delay;
 - a worker `register`s (in-place recovery), heartbeats every TOOLKIT_HEARTBEAT_INTERVAL the plan gives a job of
@@ -62,7 +62,7 @@ NCCL_VALUE = 128  # bytes of an ncclUniqueId
 BATCH = 128  # keys per multi_get: what gloo asks for
 NCCL_RANKS_PER_ROOT = 128  # TORCH_NCCL_RANKS_PER_ROOT
 BUILD_TIMEOUT = 66.0  # s a store wait may take: the runtime's build bound (2 x the collective timeout + node timeout)
-AGENT_HEARTBEAT = 1.0  # s: toolkit.agent.link.HEARTBEAT_INTERVAL
+AGENT_HEARTBEAT = envvars.DEFAULT_AGENT_HEARTBEAT  # s, unless the welcome says otherwise (toolkit.agent.link)
 CONTROL_RETRY = 0.25  # s: toolkit.train.runtime.CONNECT_RETRY (not imported here: that module imports torch)
 STORE_RETRY_FIRST, STORE_RETRY_MAX = 0.05, 1.0  # s: toolkit.train.store's connect backoff
 AGENT_RETRY = 1.0  # s: toolkit.agent.link.LINK_RETRY_INTERVAL
@@ -586,6 +586,7 @@ class SimHost:
         self.agent: Link | None = None
         self.alive = True
         self.finished = False
+        self.beat = AGENT_HEARTBEAT  # s between its heartbeats: what the scheduler's welcome said
         self.seq = itertools.count()
         self.workers = {r: SimWorker(sim, self, r, next(self.seq)) for r in ranks}
 
@@ -627,14 +628,15 @@ class SimHost:
             self.sim.count("refused")
             self.sim.error(f"agent of {self.name}: hello answered {reply.get('op')}: {reply.get('reason')}")
             return
-        self.sim.timers.at(self.sim.now + AGENT_HEARTBEAT * random.random(), self._beat)
+        self.beat = protocol.beat_interval(reply, AGENT_HEARTBEAT)
+        self.sim.timers.at(self.sim.now + self.beat * random.random(), self._beat)
 
     def _beat(self) -> None:
         if self.alive and self.agent is not None and self.agent.up and not self.finished:
             running = {w.node_id: w.pid for w in self.workers.values() if w.alive and not w.finishing}
             # vouches for its children, as agents do
             self.agent.send(protocol.encode(protocol.HEARTBEAT, running=running))
-            self.sim.timers.at(self.sim.now + AGENT_HEARTBEAT, self._beat)
+            self.sim.timers.at(self.sim.now + self.beat, self._beat)
 
     def _line(self, line: bytes) -> None:
         msg = protocol.decode(line)

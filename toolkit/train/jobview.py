@@ -134,9 +134,9 @@ def _changed(view: JobView, op: str, msg: dict[str, Any], generation: int | None
         return dataclasses.replace(view, announced=generation)
     if op == protocol.FORMED and generation is not None:  # (on_message checked that it is)
         history = view.history
-        faults, uptime = protocol.whole(msg, "faults"), msg.get("uptime")
-        if faults is not None and faults >= 0 and protocol.finite_number(uptime) and uptime >= 0:
-            history = (faults, float(uptime), now)
+        faults, uptime = protocol.whole(msg, "faults"), protocol.seconds_field(msg, "uptime")
+        if faults is not None and faults >= 0 and uptime is not None:
+            history = (faults, uptime, now)
         return dataclasses.replace(view, formed=(generation, msg["prefix"]), announced=generation, history=history)
     if op == protocol.STOP:
         return dataclasses.replace(view, stop_reason=str(msg.get("reason", "stopped by the scheduler"))[:MAX_REASON])
