@@ -39,9 +39,10 @@ Worker conversation (one connection per worker process, kept for its whole life;
     sched  -> fenced {reason}               this incarnation was declared dead: exit at once, never write again
 
 Agent conversation: `agent_hello {nonce, proof, host, node_ids}` answered by `welcome {proof, beat}` (`beat`: the
-seconds between the agent's heartbeats, longer for a job of thousands of ranks); then the agent reports `exited` and `gave_up` (with the exit's first `cause`), and heartbeats naming the children it sees running
-(`running {node_id: pid}`: alive and not stopped, whatever their own heartbeats say); the scheduler sends `kill`
-(with its `cause`), `stop` and `finished` (docs/architecture.md).
+seconds between the agent's heartbeats, longer for a job of thousands of ranks); then the agent reports `exited` and
+`gave_up` (with the exit's first `cause`), and heartbeats naming the children it sees running (`running {node_id:
+pid}`: alive and not stopped, whatever their own heartbeats say); the scheduler sends `kill` (with its `cause`), `stop`
+and `finished` (docs/architecture.md).
 
 Store conversation (MASTER_PORT): `store_hello {nonce, proof, node_id}` answered by `welcome {proof}`; then
 `kv {id, cmd, ...}` requests, each answered by `kv_reply {id, ok, ...}` (toolkit/scheduler/kvstore.py has the

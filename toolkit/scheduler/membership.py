@@ -343,8 +343,8 @@ class Membership:
         A malformed hello (host of 1 to 256 characters, a list of at most 4096 node ids) is rejected without retry.
         Otherwise the node ids (strings of at most 256 characters) are recorded as on `host`, which is where a dead
         worker's `kill` goes; a newer connection of the same host's agent replaces the old one (closed). Answered
-        `welcome {beat}` (the agent's heartbeat interval), followed at once by `finished` or `stop` if the job has already ended, so an agent that
-        reconnects after the end still learns it.
+        `welcome {beat}` (the agent's heartbeat interval), followed at once by `finished` or `stop` if the job has
+        already ended, so an agent that reconnects after the end still learns it.
 
         The agent of a replaced host is refused for good: `welcome` then `stop` (its agent stops its children and
         exits), and it is not recorded. A spare host's agent (`spare: true`) is recorded as a spare; one that was
