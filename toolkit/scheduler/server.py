@@ -179,8 +179,8 @@ class Server:
 
         What the ready sockets made due at once (an urgent ledger write, a lost-host scan after the roster changed)
         is in the next pass's deadline, which is then now: the next select() does not wait. At thousands of ranks
-        most passes are one or two messages, and doing the timed work only when it is due is a tenth of the
-        scheduler's steady CPU."""
+        most passes carry one or two messages; running the timed work on each of them was about an eighth of the
+        scheduler's busy time in a profile of the steady state at 4096 ranks."""
         while self.exit_code is None:
             due = self._due()
             for key, mask in self.sel.select(max(0.0, due - self.clock())):
