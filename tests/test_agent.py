@@ -393,7 +393,7 @@ def test_heartbeats_vouch_for_running_children_not_for_a_stopped_one(make_job, s
 
 def test_the_agent_beats_at_the_interval_its_welcome_gives(make_job, sched):
     # At thousands of ranks the scheduler stretches the agents' heartbeats (welcome {beat}); the agent's own default
-    # is 1 s, so a second heartbeat within QUIET s would mean the welcome was ignored.
+    # is 1 s, so a second heartbeat within `quiet` s would mean the welcome was ignored.
     quiet = 3.0
     sched.welcome = {"beat": 30.0}
     job = make_job([["--block"]], port=sched.port)
