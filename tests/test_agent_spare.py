@@ -1,13 +1,17 @@
 """The warm spare's life (toolkit.agent.spare) and its pure decisions (toolkit.agent.warmspare), on a fake clock: when
 a spare is wanted, the first one SPARE_DELAY after the start or at once when every worker progressed, spares off
 after SPARE_MAX_FAILURES deaths, and none while closing. The spares here are real processes that die at once (their
-interpreter does not exist), as a broken environment's would."""
+interpreter does not exist), as a broken environment's would; one test runs a real standby interpreter."""
 
 from __future__ import annotations
 
+import select
 import selectors
+import signal
+import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 from toolkit import envvars as E
 from toolkit.agent.log import AgentLog
@@ -39,10 +43,11 @@ def test_early_start_needs_every_running_worker_progressed_and_one_at_least() ->
 
 
 class Rig:
-    def __init__(self, tmp_path: Path, closing: bool = False) -> None:
+    def __init__(self, tmp_path: Path, closing: bool = False,
+                 argv: tuple[str, ...] = ("/nonexistent/python", "x")) -> None:
         (tmp_path / "logs").mkdir(exist_ok=True)
         worker = ProcSpec(node_id="worker_0", role=E.ROLE_WORKER, rank=0, local_rank=0,
-                          argv=("/nonexistent/python", "x"), cwd=str(tmp_path), env_file=str(tmp_path / "env"),
+                          argv=argv, cwd=str(tmp_path), env_file=str(tmp_path / "env"),
                           log_file=str(tmp_path / "w.log"))
         (tmp_path / "env").write_text("")
         self.spec = HostSpec(job="j", host="h", job_dir=tmp_path, sched_host="127.0.0.1", sched_port=1,
@@ -52,10 +57,11 @@ class Rig:
         self.clock = FakeClock()
         self.timers = Timers(self.clock)
         self.closing = closing
+        self.cold: list[float] = []  # launch times of workers started cold that have not progressed
         self.writes = 0
         log = AgentLog(tmp_path / "logs" / "agent.log", "h")
         self.warm = WarmSpare(self.spec, self.sel, self.timers, log, {"PATH": "/usr/bin:/bin"},
-                              template=lambda: worker, cold=lambda: [], closing=lambda: self.closing,
+                              template=lambda: worker, cold=lambda: self.cold, closing=lambda: self.closing,
                               changed=self.changed)
 
     def changed(self) -> None:
@@ -122,3 +128,50 @@ def test_no_spare_while_closing_and_stop_kills_one(tmp_path: Path) -> None:
     assert rig.warm.spare is None and spare.child.wait(0) is not None  # killed and reaped
     assert not rig.sel.get_map()  # its socket and pidfd left the selector
     rig.sel.close()
+
+
+def test_a_spare_held_as_it_turned_ready_goes_on_and_runs_the_handoff(tmp_path: Path) -> None:
+    """The race of CI 2026-11-26: a worker restarted cold while the spare was sending READY. The agent held the spare
+    (SIGSTOP: it did not know it ready yet), then read READY, and a ready spare was never released; the next death
+    handed the worker's place to a stopped process, which never registered (the job timed out re-forming). A spare
+    that turns out ready while held goes on at once, and a handoff to it runs the script."""
+    script = tmp_path / "train.py"
+    ran = tmp_path / "ran"
+    script.write_text(f"open({str(ran)!r}, 'w').write('ran')\n")
+    rig = Rig(tmp_path, argv=(sys.executable, str(script)))
+    w = rig.warm
+    w.arm()
+    w.progressed([True])  # the job is past its start: the spare starts at once
+    sp = w.spare
+    assert sp is not None
+    try:
+        deadline = time.monotonic() + 120  # its imports (torch) take seconds on a loaded machine
+        while not select.select([sp.sock], [], [], 0.5)[0]:  # READY (or its death) is on the way, not yet read
+            assert time.monotonic() < deadline and sp.child.wait(0) is None, "the spare never said it was ready"
+        rig.cold = [rig.timers.now()]  # a worker restarts cold now: the spare, not known ready, is held
+        w.hold()
+        assert w.document().held and wait_state(sp.child.pid, lambda st: st == "T")
+        for key, mask in rig.sel.select(0):  # the agent reads READY
+            key.data(mask)
+        assert w.document().ready and not w.document().held
+        assert wait_state(sp.child.pid, lambda st: st != "T"), "a ready spare was left stopped"
+        child = w.take(rig.spec.processes[0], None, {"PATH": "/usr/bin:/bin"}, "--- marker ---")
+        assert child is sp.child
+        status = child.wait(BOUND)
+        assert status is not None and status.describe() == "exit code 0" and ran.read_text() == "ran"
+    finally:
+        if sp.child.wait(0) is None:  # left stopped (the bug): not left behind
+            sp.child.signal_group(signal.SIGKILL)
+            sp.child.wait(BOUND)
+        rig.sel.close()
+
+
+def wait_state(pid: int, want: Callable[[str], bool]) -> bool:
+    """Whether the state letter of /proc/PID/stat (R, S, T, ...) satisfies `want` within BOUND s (a signal's effect
+    is not synchronous with its sending)."""
+    deadline = time.monotonic() + BOUND
+    while time.monotonic() < deadline:
+        if want(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]):
+            return True
+        time.sleep(0.05)
+    return False

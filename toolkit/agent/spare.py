@@ -127,12 +127,13 @@ class WarmSpare:
     def hold(self) -> None:
         """Hold the warm spare (SIGSTOP to its group) while it imports and a worker relaunched cold starts beside it,
         let it go on (SIGCONT) once none does (warmspare.spare_plan); a timer decides again when the hold's bound
-        passes. A ready spare is idle and never held."""
+        passes. A ready spare is idle and never held: one whose READY crossed the SIGSTOP (it was held before its
+        READY was read) goes on as soon as it is read, else a handoff would go to a stopped process."""
         sp = self.spare
-        if sp is None or sp.ready:
+        if sp is None:
             return
         now = self.timers.now()
-        plan = warmspare.spare_plan(False, self.cold(), now)
+        plan = warmspare.spare_plan(sp.ready, self.cold(), now)
         if sp.hold_timer is not None:
             sp.hold_timer.cancel()
             sp.hold_timer = None
@@ -141,7 +142,7 @@ class WarmSpare:
             sp.child.signal_group(signal.SIGSTOP if sp.held else signal.SIGCONT)
             self.log("agent", f"warm spare pid {sp.child.pid} " + (
                 "held: a worker restarts cold, and the spare's imports would slow it down" if sp.held
-                else "goes on importing"))
+                else "goes on importing" if not sp.ready else "goes on: it was ready as it was held"))
             self.changed()
         if plan.until is not None:
             sp.hold_timer = self.timers.after(plan.until - now, self.hold)
@@ -161,6 +162,7 @@ class WarmSpare:
             sp.ready = True
             self.log("agent", f"warm spare pid {sp.child.pid} ready after {self.timers.now() - sp.started:.1f} s")
             self.changed()
+            self.hold()  # held while its READY was on the way: it must go on
         else:
             self.sel.unregister(sp.sock)  # it went away: its pidfd tells the rest
 
