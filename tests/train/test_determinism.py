@@ -72,3 +72,23 @@ def test_a_reduction_waiting_on_a_stopped_peer_ends_when_the_fence_trips(new_por
                 p.wait(timeout=10)
     assert "gloo" in row["outcome"] and "abandoned" in row["outcome"], row
     assert row["after_trip"] < 30, f"the backward waited for the group's timeout, not the trip: {row}"
+
+
+def test_the_scratch_is_one_buffer_reused_and_grown_for_the_largest_bucket() -> None:
+    """The reducer's thread takes its receive and sum buffers from one kept buffer (no new memory per bucket)."""
+    import torch
+
+    from toolkit.train.determinism import Scratch
+
+    scratch = Scratch()
+    like = torch.zeros(1, dtype=torch.float32)
+    a = scratch.take(3, 100, like)
+    assert [t.numel() for t in a] == [100] * 3 and all(t.dtype == torch.float32 for t in a)
+    for i, t in enumerate(a):
+        t.fill_(i)  # disjoint: each keeps its own values
+    assert [float(t.sum()) for t in a] == [0.0, 100.0, 200.0]
+    first = scratch.buf
+    b = scratch.take(3, 50, torch.zeros(1, dtype=torch.float64))  # 1200 bytes: fits the kept 1200
+    assert scratch.buf is first and b[0].data_ptr() == first.data_ptr() and b[2].dtype == torch.float64
+    scratch.take(4, 100, like)  # larger: grown once
+    assert scratch.buf is not first and scratch.buf.numel() == 1600

@@ -76,6 +76,7 @@ class OrderedReducer:
         self._lock = threading.Lock()
         self._pending: list[torch.futures.Future] = []  # futures handed to DDP and not yet completed
         self._failed: BaseException | None = None  # an exchange failed or the group was abandoned
+        self._scratch = Scratch()  # the thread's receive and sum buffers, reused bucket after bucket
         self._unwatch = fence.watch(self._abandon) if fence is not None else None
 
     def __call__(self, bucket: dist.GradBucket) -> torch.futures.Future:
@@ -137,7 +138,7 @@ class OrderedReducer:
                 self._finish(fut, self._failed)
                 continue
             try:
-                _exchange(buf, self.group, self.rank, self.world, tag)
+                _exchange(buf, self.group, self.rank, self.world, tag, self._scratch)
             except Exception as e:  # noqa: BLE001 - a peer died: the bucket fails, and DDP raises it in backward
                 self._finish(fut, e)
             else:
@@ -149,18 +150,44 @@ def ordered_allreduce_hook(state: OrderedReducer, bucket: dist.GradBucket) -> to
     return state(bucket)
 
 
-def _exchange(buf: torch.Tensor, group: Any, rank: int, world: int, tag: int) -> None:
+class Scratch:
+    """The exchange's working memory on one thread: the n-1 slices received and their sum, carved from one buffer
+    that is kept and grown to the largest bucket seen. Buckets are reduced one at a time there, so this is O(bucket)
+    memory; fresh buffers per bucket would make every step pay their page faults again (a bucket's worth of new
+    memory per bucket)."""
+
+    def __init__(self) -> None:
+        self.buf: torch.Tensor | None = None
+
+    def take(self, count: int, length: int, like: torch.Tensor) -> list[torch.Tensor]:
+        """`count` tensors of `length` elements of `like`'s dtype and device (contents undefined), valid until the
+        next call."""
+        need = count * length * like.element_size()
+        if self.buf is None or self.buf.numel() < need or self.buf.device != like.device:
+            self.buf = torch.empty(need, dtype=torch.uint8, device=like.device)
+        flat = self.buf[:need].view(like.dtype)
+        return [flat[i * length:(i + 1) * length] for i in range(count)]
+
+
+def _exchange(buf: torch.Tensor, group: Any, rank: int, world: int, tag: int, scratch: Scratch | None = None) -> None:
     """Replace `buf` by the rank-ordered mean of every rank's `buf`: rank r owns the r-th of n near-equal slices,
     receives every rank's copy of it, sums them in rank order and divides by n (the arithmetic of
-    ``sum(parts[0..n-1]) / n`` element by element), then every rank receives every slice's result."""
+    ``sum(parts[0..n-1]) / n`` element by element), then every rank receives every slice's result. `scratch`: where
+    the received slices and the sum go (None: new tensors, as on a GPU, whose caching allocator reuses them)."""
     n = buf.numel()
     bounds = [n * i // world for i in range(world + 1)]
     slices = [buf[bounds[p]:bounds[p + 1]] for p in range(world)]
     mine = slices[rank]
-    parts = [mine if p == rank else torch.empty_like(mine) for p in range(world)]
+    size = mine.numel()
+    room = scratch.take(world, size, mine) if scratch is not None else [torch.empty_like(mine) for _ in range(world)]
+    total = room[-1]  # the others: the n-1 slices received
+    parts = [mine if p == rank else room[p if p < rank else p - 1] for p in range(world)]
     _wait(dist.P2POp(op, t, p, group=group, tag=tag) for p in range(world) if p != rank
           for op, t in ((dist.irecv, parts[p]), (dist.isend, slices[p])))
-    total = parts[0] + parts[1] if world > 1 else parts[0].clone()
+    if world > 1:
+        torch.add(parts[0], parts[1], out=total)
+    else:
+        total.copy_(parts[0])
     for part in parts[2:]:
         total.add_(part)
     torch.div(total, world, out=mine)
