@@ -272,3 +272,30 @@ def test_report_outside_toolkit_does_nothing_and_a_bad_step_is_one_clear_error(t
     assert lines[1:] == [f"toolkit.train.report(step={b!r}): give the step as a whole number >= 0"
                          for b in (-1, True, 2.5, "3")]
 
+
+
+def test_a_build_waits_until_every_rank_arrived_and_a_missing_one_ends_the_wait_at_its_bound() -> None:
+    """Runtime._arrive, the wait before gloo connects its pairs (whose own timeout is short): nobody goes on before
+    the last rank of the group arrived; a rank that never comes ends the wait with the store's timeout error."""
+    import threading
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    store = dist.HashStore()
+    gone: list[int] = []
+    threads = [threading.Thread(target=lambda r=r: (R._arrive(store, 3, timedelta(seconds=120)), gone.append(r)))
+               for r in range(2)]
+    for t in threads:
+        t.start()
+    threads[0].join(0.5)
+    assert gone == [], "went on before the third rank arrived"
+    R._arrive(store, 3, timedelta(seconds=120))  # the last one: sets the key the others wait on
+    for t in threads:
+        t.join(120)
+    assert sorted(gone) == [0, 1]
+    alone = dist.HashStore()
+    began = time.monotonic()
+    with pytest.raises(Exception, match="(?i)timeout|timed out"):
+        R._arrive(alone, 2, timedelta(seconds=0.3))
+    assert time.monotonic() - began < 60

@@ -54,6 +54,8 @@ from toolkit.train.log import say
 from toolkit.train.pace import StepPace
 
 DEFAULT_TIMEOUT = 30.0  # s: bound of one collective and of building a process group
+CONNECT_TIMEOUT = 10.0  # s: for each of a group's connections once every rank arrived (`_arrive`); gloo tries 5 times
+ARRIVED, ALL_ARRIVED = "toolkit/arrived", "toolkit/all-arrived"  # a build's keys, under the generation's prefix
 PROGRESS_INTERVAL = 1.0  # s: at most one progress datagram to the agent per interval
 
 MODE_TOOLKIT = "toolkit"
@@ -305,10 +307,16 @@ class Runtime:
             return self.group
 
     def _build(self, generation: int, prefix: str) -> None:
-        """A build waits for every rank's address, and a survivor of a fault may first spend up to one collective
-        timeout leaving the old group (gloo cannot interrupt a collective, and the survivors can be left waiting
-        on each other): a replacement that gave up sooner would die just as they arrive. So the build gets room
-        for that, and collectives get their own timeout afterwards."""
+        """A build waits for every rank, and a survivor of a fault may first spend up to one collective timeout
+        leaving the old group (gloo cannot interrupt a collective, and the survivors can be left waiting on each
+        other): a replacement that gave up sooner would die just as they arrive. So the wait for every rank to
+        arrive gets room for that (`_arrive`; a new generation cuts it short through the store's connection).
+
+        The connections that follow get at most CONNECT_TIMEOUT each: gloo connects its pairs one after another,
+        and a pair waiting for a peer that stopped or died after it published its address is woken by nothing but
+        its timeout (it has no socket yet for a fence to shut down). With the build's bound there, a survivor
+        whose sender died in that instant waited minutes (CI 2026-11-26); now it gives up within CONNECT_TIMEOUT
+        per pair and joins the next generation. Collectives get their own timeout afterwards."""
         build = timedelta(seconds=2 * self.timeout + self.cfg.node_timeout)
         self._fence.arm(generation)
         before = fence_mod.tcp_sockets()
@@ -316,8 +324,10 @@ class Runtime:
         self._fence.add_sockets(fence_mod.opened_since(before))  # a new generation during the build cuts it short
         if self._channel is not None:
             self._fence.overtaken(self._channel.view.announced or generation)
-        dist.init_process_group(self.backend, store=dist.PrefixStore(prefix, self._store), rank=self.rank,
-                                world_size=self.world_size, timeout=build)
+        store = dist.PrefixStore(prefix, self._store)
+        _arrive(store, self.world_size, build)
+        dist.init_process_group(self.backend, store=store, rank=self.rank, world_size=self.world_size,
+                                timeout=timedelta(seconds=min(self.timeout, CONNECT_TIMEOUT)))
         self._fence.add_sockets(fence_mod.opened_since(before))
         if self.backend == "nccl":
             self._fence.add_group(dist.group.WORLD)
@@ -442,6 +452,15 @@ class RuntimeReporter:
         self.rt.report(step, loss=loss)
         if checkpoint:
             self.rt.committed(step)
+
+
+def _arrive(store: Any, world: int, timeout: timedelta) -> None:
+    """Return once every one of the `world` ranks building this group has called this on `store` (the generation's
+    prefix), waiting up to `timeout` (the store raises past it). Two operations per rank: one `add`, and one wait
+    on a key the last to arrive sets."""
+    if int(store.add(ARRIVED, 1)) >= world:
+        store.set(ALL_ARRIVED, "1")
+    store.wait([ALL_ARRIVED], timeout)
 
 
 def leave_group() -> None:
