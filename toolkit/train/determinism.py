@@ -11,9 +11,10 @@ Why each piece is needed:
   ``OrderedReducer`` sums each element's contributions in rank order 0..n-1 and divides by n, the same
   arithmetic on every rank whatever the bucket layout, and moves what a ring allreduce moves: each rank owns an
   n-th of the bucket, receives the others' slices of it (a reduce-scatter by point-to-point sends), sums them in
-  rank order, and sends its sum to every other rank (an all-gather): 2(n-1)/n of the bucket out and in, and n-1
-  slices of extra memory. (gloo's own reduce-scatter is an allreduce underneath, and its allreduce sums in chunk
-  order: neither gives a layout-independent order.)
+  rank order, and sends its sum to every other rank (an all-gather): 2(n-1)/n of the bucket out and in, and n
+  slices of extra memory (the n-1 received and their sum: one bucket's worth, kept from bucket to bucket).
+  (gloo's own reduce-scatter is an allreduce underneath, and its allreduce sums in chunk order: neither gives a
+  layout-independent order.)
 - Thread count changes how CPU kernels split their reductions: ``configure`` pins it.
 - ``torch.use_deterministic_algorithms`` rejects (rather than silently runs) kernels with no deterministic
   implementation.
