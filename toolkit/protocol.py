@@ -108,6 +108,9 @@ FORMED = "formed"
 STORE_HELLO = "store_hello"
 KV = "kv"
 KV_REPLY = "kv_reply"
+# A worker's group build, under the generation's key prefix (toolkit.train.runtime._arrive): each rank adds 1 to
+# ARRIVED, the last one sets ALL_ARRIVED, every rank waits for it before its backend connects.
+ARRIVED, ALL_ARRIVED = "toolkit/arrived", "toolkit/all-arrived"
 
 HELLOS = (REGISTER, AGENT_HELLO, STORE_HELLO, REPLACE)  # the first message of a connection, authenticated
 

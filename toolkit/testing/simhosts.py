@@ -21,7 +21,8 @@ torch's gloo and NCCL bootstraps):
   COMMIT_EVERY steps; after each `formed` it opens a new store connection and runs the bootstrap patterns in order,
   then says `recovered`; a `generation` notice leaves the group (a bootstrap still running is cut short, as the
   runtime's fence does);
-- the store patterns (values checked byte for byte against what their writers set):
+- the store patterns (values checked byte for byte against what their writers set), each after the runtime's
+  arrival wait (`add` to the arrivals, the last rank `set`s the key every rank `wait`s for);
   `gloo`          set one 154-byte value, then multi_get every rank's, 128 keys a request (GLOO_ENABLE_STORE_V2_API
                   with GLOO_ENABLE_RANK_AS_SEQUENCE_NUMBER); a store that answers "unknown store command" gets a
                   wait and a get per key, as gloo then does;
@@ -302,6 +303,7 @@ def pattern_script(pattern: str, boot: Bootstrap, rank: int, rid: Callable[[], i
     multi_get values or None) and receives the reply line; StoreFailed when a reply is wrong. `rid()` is the id the
     request went out with; `tally(what)` counts replies checked."""
     world = boot.world
+    yield from _arrive(f"{boot.prefix}/{pattern}/", world)
     if pattern in ("gloo", "gloo-legacy"):
         _ok((yield _request("set", key=boot.key(pattern, rank), value=boot.value(pattern, rank))))
         if pattern == "gloo":
@@ -324,6 +326,15 @@ def pattern_script(pattern: str, boot: Bootstrap, rank: int, rid: Callable[[], i
         yield from _multi_get(pattern, boot, roots, rid, tally)
     else:
         raise StoreFailed(f"unknown pattern {pattern!r}")
+
+
+def _arrive(prefix: str, world: int) -> Script:
+    """What a worker does before each build (toolkit.train.runtime._arrive): add 1 to the arrivals, set the key
+    every rank waits on if it was the last, and wait for that key."""
+    got = _ok((yield _request("add", key=prefix + protocol.ARRIVED, amount=1)))
+    if got.get("value", 0) >= world:
+        _ok((yield _request("set", key=prefix + protocol.ALL_ARRIVED, value=base64.b64encode(b"1").decode())))
+    _ok((yield _request("wait", keys=[prefix + protocol.ALL_ARRIVED], timeout=BUILD_TIMEOUT)))
 
 
 def _multi_get(pattern: str, boot: Bootstrap, ranks: list[int], rid: Callable[[], int],

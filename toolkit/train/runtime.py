@@ -55,7 +55,6 @@ from toolkit.train.pace import StepPace
 
 DEFAULT_TIMEOUT = 30.0  # s: bound of one collective and of building a process group
 CONNECT_TIMEOUT = 10.0  # s: for each of a group's connections once every rank arrived (`_arrive`); gloo tries 5 times
-ARRIVED, ALL_ARRIVED = "toolkit/arrived", "toolkit/all-arrived"  # a build's keys, under the generation's prefix
 PROGRESS_INTERVAL = 1.0  # s: at most one progress datagram to the agent per interval
 
 MODE_TOOLKIT = "toolkit"
@@ -458,9 +457,9 @@ def _arrive(store: Any, world: int, timeout: timedelta) -> None:
     """Return once every one of the `world` ranks building this group has called this on `store` (the generation's
     prefix), waiting up to `timeout` (the store raises past it). Two operations per rank: one `add`, and one wait
     on a key the last to arrive sets."""
-    if int(store.add(ARRIVED, 1)) >= world:
-        store.set(ALL_ARRIVED, "1")
-    store.wait([ALL_ARRIVED], timeout)
+    if int(store.add(protocol.ARRIVED, 1)) >= world:
+        store.set(protocol.ALL_ARRIVED, "1")
+    store.wait([protocol.ALL_ARRIVED], timeout)
 
 
 def leave_group() -> None:
