@@ -21,7 +21,7 @@ torch's gloo and NCCL bootstraps):
   COMMIT_EVERY steps; after each `formed` it opens a new store connection and runs the bootstrap patterns in order,
   then says `recovered`; a `generation` notice leaves the group (a bootstrap still running is cut short, as the
   runtime's fence does);
-- the store patterns (values checked byte for byte against what their writers set), each after the runtime's
+- the store patterns (values checked byte for byte against what their writers set), gloo's after the runtime's
   arrival wait (`add` to the arrivals, the last rank `set`s the key every rank `wait`s for);
   `gloo`          set one 154-byte value, then multi_get every rank's, 128 keys a request (GLOO_ENABLE_STORE_V2_API
                   with GLOO_ENABLE_RANK_AS_SEQUENCE_NUMBER); a store that answers "unknown store command" gets a
@@ -303,8 +303,8 @@ def pattern_script(pattern: str, boot: Bootstrap, rank: int, rid: Callable[[], i
     multi_get values or None) and receives the reply line; StoreFailed when a reply is wrong. `rid()` is the id the
     request went out with; `tally(what)` counts replies checked."""
     world = boot.world
-    yield from _arrive(f"{boot.prefix}/{pattern}/", world)
     if pattern in ("gloo", "gloo-legacy"):
+        yield from _arrive(f"{boot.prefix}/{pattern}/", world)
         _ok((yield _request("set", key=boot.key(pattern, rank), value=boot.value(pattern, rank))))
         if pattern == "gloo":
             yield from _multi_get(pattern, boot, list(range(world)), rid, tally)

@@ -311,7 +311,7 @@ class Runtime:
         other): a replacement that gave up sooner would die just as they arrive. So the wait for every rank to
         arrive gets room for that (`_arrive`; a new generation cuts it short through the store's connection).
 
-        The connections that follow get at most CONNECT_TIMEOUT each: gloo connects its pairs one after another,
+        The connections that follow (gloo's) get at most CONNECT_TIMEOUT each: gloo connects its pairs in turn,
         and a pair waiting for a peer that stopped or died after it published its address is woken by nothing but
         its timeout (it has no socket yet for a fence to shut down). With the build's bound there, a survivor
         whose sender died in that instant waited minutes (CI 2026-11-26); now it gives up within CONNECT_TIMEOUT
@@ -324,7 +324,8 @@ class Runtime:
         if self._channel is not None:
             self._fence.overtaken(self._channel.view.announced or generation)
         store = dist.PrefixStore(prefix, self._store)
-        _arrive(store, self.world_size, build)
+        if self.backend != "nccl":  # NCCL connects at the first collective, which the fence aborts
+            _arrive(store, self.world_size, build)
         dist.init_process_group(self.backend, store=store, rank=self.rank, world_size=self.world_size,
                                 timeout=timedelta(seconds=min(self.timeout, CONNECT_TIMEOUT)))
         self._fence.add_sockets(fence_mod.opened_since(before))
