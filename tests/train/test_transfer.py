@@ -24,6 +24,9 @@ from toolkit.train.transfer import Layout, TransferError
 
 HERE = Path(__file__).resolve().parent
 PROC_TIMEOUT = 120.0  # s for one worker on a loaded machine; normally ~3 s
+# gloo's connectFullMesh failed once in CI, in the group this harness builds with torch alone, before any transfer
+# ("Connection closed by peer": its connect retries under load); that scenario is started again
+BOOTSTRAP_ATTEMPTS = 3
 
 
 def run_group(scenario: str, world: int, ports: list[int]) -> list[subprocess.Popen]:
@@ -72,12 +75,22 @@ def test_a_sender_killed_mid_transfer_leaves_the_receiver_to_another_holder(new_
     """Rank 2 receives from rank 0, which is made slow after 6 of 48 tensors and killed then. The receive fails
     with part of the state written (the kill took effect mid-transfer), and in a new group rank 1 sends: the
     receiver ends with the holder's state bit for bit."""
-    procs = run_group("killed", 3, [new_port(), new_port()])
-    line = ""
-    deadline = time.monotonic() + PROC_TIMEOUT
-    while '"waiting"' not in line:  # the sender is in the middle of the transfer
-        assert time.monotonic() < deadline and procs[0].poll() is None, procs[0].stderr.read()
-        line = procs[0].stdout.readline()
+    for _ in range(BOOTSTRAP_ATTEMPTS):
+        procs = run_group("killed", 3, [new_port(), new_port()])
+        line = ""
+        deadline = time.monotonic() + PROC_TIMEOUT
+        while '"waiting"' not in line and procs[0].poll() is None:  # the sender is in the middle of the transfer
+            assert time.monotonic() < deadline, "the sender never got to the middle of the transfer"
+            line = procs[0].stdout.readline()
+        if '"waiting"' in line:
+            break
+        err = procs[0].stderr.read()
+        for p in procs:
+            p.kill()
+            p.wait(timeout=10)
+        assert "connectFullMesh failed" in err, err[-3000:]  # only gloo's own bootstrap flake is tried again
+    else:
+        raise AssertionError(f"gloo's bootstrap failed {BOOTSTRAP_ATTEMPTS} times")
     time.sleep(0.5)  # what it sent has arrived
     os.kill(procs[0].pid, signal.SIGKILL)
     out = results(procs, {0: -signal.SIGKILL})
