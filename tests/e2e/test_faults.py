@@ -11,7 +11,7 @@ import re
 import signal
 import subprocess
 
-from fault_harness import E2E, LONG_ARGS, Job
+from fault_harness import E2E, LONG_ARGS, SCRIPT_ARGS, Job
 
 from toolkit.testing.cluster import format_workload
 
@@ -204,7 +204,12 @@ def test_worker_that_crashes_on_every_start(e2e: E2E) -> None:
 
 
 def test_stop_mid_run_then_train_resumes(e2e: E2E, baseline: str) -> None:
-    job = e2e.job("stop-resume")
+    # Steps of 0.6 s (not 0.25): the stop must land mid-run, and on a loaded machine `fleet status` (until every
+    # worker is past KILL_AT) and `fleet stop` took 8 s, past the 30-step job's end (CI 2026-11-26). The digest does
+    # not depend on the delay: `baseline` holds.
+    slower = SCRIPT_ARGS.replace("--step-delay 0.25", "--step-delay 0.6")
+    assert slower != SCRIPT_ARGS
+    job = e2e.job("stop-resume", "--script-args", slower)
     job.start()
     job.wait_step(KILL_AT)
     job.fleet("stop", timeout=60)
