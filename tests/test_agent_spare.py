@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Callable
 
 from toolkit import envvars as E
+from toolkit import procs
 from toolkit.agent.log import AgentLog
 from toolkit.agent.spare import WarmSpare
 from toolkit.agent.timers import Timers
@@ -171,7 +172,8 @@ def wait_state(pid: int, want: Callable[[str], bool]) -> bool:
     is not synchronous with its sending)."""
     deadline = time.monotonic() + BOUND
     while time.monotonic() < deadline:
-        if want(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]):
+        info = procs.proc_info(pid)
+        if info is not None and want(info.state):
             return True
         time.sleep(0.05)
     return False

@@ -8,11 +8,14 @@ import json
 import socket
 import subprocess
 import sys
+import threading
 import time
+from datetime import timedelta
 from pathlib import Path
 from typing import Callable, Iterator
 
 import pytest
+import torch.distributed as dist
 from runtime_harness import FakeAgent, Job, Proc, expected_weights, job_factory, read_result
 
 from toolkit import envvars as E
@@ -273,15 +276,9 @@ def test_report_outside_toolkit_does_nothing_and_a_bad_step_is_one_clear_error(t
                          for b in (-1, True, 2.5, "3")]
 
 
-
 def test_a_build_waits_until_every_rank_arrived_and_a_missing_one_ends_the_wait_at_its_bound() -> None:
     """Runtime._arrive, the wait before gloo connects its pairs (whose own timeout is short): nobody goes on before
     the last rank of the group arrived; a rank that never comes ends the wait with the store's timeout error."""
-    import threading
-    from datetime import timedelta
-
-    import torch.distributed as dist
-
     store = dist.HashStore()
     gone: list[int] = []
     threads = [threading.Thread(target=lambda r=r: (R._arrive(store, 3, timedelta(seconds=120)), gone.append(r)))
