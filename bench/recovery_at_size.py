@@ -7,7 +7,8 @@ Why: in-place recovery must stay ahead of a restart when the state is large, not
 survivors keep their state, the replacement takes it over the link, nothing is recomputed. Not a test: it prints
 MTTR percentiles, lost steps and whether every run ended bitwise equal to an uninterrupted one.
 
-    .venv/bin/python bench/recovery_at_size.py [--runs 3] [--kills-per-run 4] [--epochs 2]
+    .venv/bin/python bench/recovery_at_size.py [--runs 3] [--kills-per-run 4] [--epochs 2] [--batch-size 2]
+                                               [--seq 32]
 
 Each run: the script under one launcher, --kills-per-run kills, each of a uniformly random rank at a uniformly
 random moment of about two steps, the first once the first checkpoint is written (step --ckpt-every), each once
@@ -109,13 +110,17 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--runs", type=int, default=3, help="faulted runs per launcher")
     ap.add_argument("--kills-per-run", type=int, default=4)
-    ap.add_argument("--epochs", type=int, default=2, help="of 40 steps each on 3 workers")
+    ap.add_argument("--epochs", type=int, default=2, help="of 40 steps each on 3 workers at --batch-size 2")
     ap.add_argument("--ckpt-every", type=int, default=20)
+    ap.add_argument("--batch-size", type=int, default=2, help="sequences per rank per step (the state's size does "
+                    "not depend on it; the step's time does)")
+    ap.add_argument("--seq", type=int, default=32, help="tokens per sequence")
     ap.add_argument("--seed", type=int, default=None, help="the victims' and moments' seed")
     ap.add_argument("--keep", action="store_true", help="keep the run directories (logs) for inspection")
     args = ap.parse_args()
     rng = random.Random(args.seed)
-    script_args = ["--epochs", str(args.epochs), "--ckpt-every", str(args.ckpt_every)]
+    script_args = ["--epochs", str(args.epochs), "--ckpt-every", str(args.ckpt_every), "--batch-size",
+                   str(args.batch_size), "--seq", str(args.seq)]
     base = Path(tempfile.mkdtemp(prefix="size-", dir="/tmp"))  # short: unix socket paths are limited
     load = os.getloadavg()
     print(f"{os.cpu_count()} CPUs, load average {load[0]:.2f}; runs in {base}", flush=True)

@@ -13,7 +13,8 @@ LayerNorm layers: a realistic mix of large and small tensors) whose parameters a
 that many MB. Rank 0 trains a step: it holds the state. The others are replacements: a model of their own
 (other values). Each repeat times, on the receivers, one after the other:
   transfer  the Trainer's path (toolkit.train.transfer.share, then load_state_dict) into a replacement whose
-            optimizer never stepped (a process that has just started: its optimizer state is new memory);
+            optimizer never stepped (a process that has just started: its optimizer state is new memory), in
+            deterministic mode as the Trainer's scripts run (toolkit.train.determinism.configure);
   warm      the same into a receiver that holds the optimizer state already (a survivor a step behind);
   raw       a broadcast of as many bytes into a buffer allocated and touched beforehand (the link's best case);
   raw new   the same into a buffer allocated in the timing (new memory, as the replacement's optimizer state).
@@ -41,11 +42,12 @@ import io, json, os, statistics, sys, time
 from datetime import timedelta
 import torch, torch.distributed as dist
 from torch import nn
-from toolkit.train import transfer
+from toolkit.train import determinism, transfer
+from toolkit.train.newmemory import unfilled
 
 rank, world, port, mb, repeats, pickle = (int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4]),
                                           int(sys.argv[5]), sys.argv[6] == "1")
-torch.set_num_threads(1)
+determinism.configure(1)  # as the Trainer's scripts run: deterministic mode fills torch.empty's new memory
 store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=timedelta(seconds=600))
 dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=600))
 layers = 12
@@ -91,7 +93,7 @@ def timed_raw(key, nbytes, touched):
     dist.barrier()
     t0 = time.perf_counter()
     if raw is None:
-        raw = torch.empty(nbytes, dtype=torch.uint8)
+        raw = unfilled((nbytes,), torch.uint8, torch.device("cpu"))  # untouched
     dist.broadcast(raw, 0)
     times[key].append(time.perf_counter() - t0)
 

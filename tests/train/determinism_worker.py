@@ -1,6 +1,6 @@
 """One rank of a real gloo group for the rank-ordered allreduce tests (tests/train/test_determinism.py).
 
-Usage: python determinism_worker.py RANK WORLD PORT [abandoned]
+Usage: python determinism_worker.py RANK WORLD PORT [abandoned | midway]
 
 Each rank computes its own gradients of a small model (sizes that do not divide by the world) on its own batch,
 for two iterations. Printed (JSON): whether DDP with the rank-ordered hook gives, bit for bit, the rank-ordered
@@ -12,6 +12,10 @@ abandoned (world 2): DDP with the rank-ordered hook watching a fence that record
 only the fence's watchers can end a wait); rank 0 stops itself (SIGSTOP) before its second backward, so rank 1's
 reduction waits on it; a thread of rank 1 trips the fence when the test says so on stdin (as the runtime's control
 thread does), and rank 1 prints how its backward ended, how long after the trip.
+
+midway (world 2): the same, with a bucket per parameter, and rank 1's fence trips as its second backward has
+accumulated its first gradient; rank 1 prints how its backward ended and how many of the model's parameters had
+their gradient accumulated (the backward should end at the next bucket, not run to its end).
 """
 
 from __future__ import annotations
@@ -115,6 +119,36 @@ def abandoned(rank: int) -> None:
     os._exit(0)  # the reducer's thread is still blocked on the stopped peer: leave without joining it
 
 
+def midway(rank: int) -> None:
+    fence = Fence()
+    fence.arm(1)
+    m = model()
+    ddp = nn.parallel.DistributedDataParallel(m, bucket_cap_mb=0.0001)  # a bucket per parameter
+    ddp.register_comm_hook(determinism.OrderedReducer(None, fence), determinism.ordered_allreduce_hook)
+    ddp(batch(rank, 0)).square().sum().backward()
+    loss = ddp(batch(rank, 1)).square().sum()
+    if rank == 0:
+        print(json.dumps({"rank": rank, "backward": True}), flush=True)
+        os.kill(os.getpid(), signal.SIGSTOP)  # the test kills it
+    accumulated: list[int] = []
+
+    def seen(p: torch.Tensor) -> None:
+        accumulated.append(1)
+        if len(accumulated) == 1:
+            fence.overtaken(2)  # a new generation, announced while the backward runs
+
+    for p in m.parameters():
+        p.register_post_accumulate_grad_hook(seen)
+    try:
+        loss.backward()
+        outcome = "completed"
+    except RuntimeError as e:
+        outcome = str(e).splitlines()[0][:200]
+    print(json.dumps({"rank": rank, "outcome": outcome, "accumulated": len(accumulated),
+                      "parameters": len(list(m.parameters()))}), flush=True)
+    os._exit(0)
+
+
 def main() -> None:
     rank, world, port = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
     torch.set_num_threads(1)
@@ -122,6 +156,8 @@ def main() -> None:
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=120))
     if sys.argv[4:] == ["abandoned"]:
         abandoned(rank)
+    if sys.argv[4:] == ["midway"]:
+        midway(rank)
     refs = [ordered_mean(local_grads(rank, it), world) for it in range(2)]
     big, ordered_bytes = ddp_grads(rank, 2, None, True)
     small, _ = ddp_grads(rank, 2, 0.001, True)  # a bucket per parameter or so

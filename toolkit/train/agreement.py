@@ -110,8 +110,8 @@ class TrainingState:
         return int(state["step"])
 
     def agree(self, step: int) -> Agreed:
-        """Collective: agree on the source (`choose_source`) and give its state to every rank not holding it.
-        `step`: the step this rank holds (meaningful when `live`)."""
+        """Collective: agree on the source (`choose_source`) and give its state to every rank not holding it;
+        returns once every rank holds it. `step`: the step this rank holds (meaningful when `live`)."""
         table = self._gather([step if self.live else -1, int(self.pristine)])
         found = self.manager.agree(device=self.rt.device) if all(held < 0 for held, _ in table) else None  # collective
         source = choose_source(table, None if found is None else (found.step, found.source))
@@ -126,7 +126,13 @@ class TrainingState:
         if receiving:
             step = self.restore(received)
         self.live = True
-        origin = transfer.assign(source.holders, self.rt.world_size)[self.rt.rank] if receiving else self.rt.rank
+        senders = transfer.assign(source.holders, self.rt.world_size)
+        if senders:
+            # Nobody starts the next step before every rank holds the state: a rank that did would only wait in its
+            # first collective, and meanwhile take its host's CPU and memory bandwidth from the transfer (3 ranks on
+            # 2 cores, bench/transformer.py: kill to every rank resumed 0.91-0.98 s without this, 0.78-0.92 s with).
+            dist.all_reduce(torch.zeros(1, device=self.rt.device))
+        origin = senders[self.rt.rank] if receiving else self.rt.rank
         return Agreed(source, origin, nbytes, step)
 
     def _gather(self, mine: list[int]) -> list[tuple[int, int]]:

@@ -30,6 +30,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from toolkit.train.newmemory import unfilled
+
 CLOSE_WAIT = 10.0  # s for the reducer's thread to finish the buckets queued when its wrapper goes
 
 
@@ -90,8 +92,7 @@ class OrderedReducer:
         fut = torch.futures.Future()
         with self._lock:
             if self._failed is not None:
-                fut.set_exception(self._failed)
-                return fut
+                raise self._failed
             self._pending.append(fut)
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="toolkit-ordered-allreduce", daemon=True)
@@ -165,7 +166,7 @@ class Scratch:
         next call."""
         need = count * length * like.element_size()
         if self.buf is None or self.buf.numel() < need or self.buf.device != like.device:
-            self.buf = torch.empty(need, dtype=torch.uint8, device=like.device)
+            self.buf = unfilled((need,), torch.uint8, like.device)  # received into, summed into: never read first
         flat = self.buf[:need].view(like.dtype)
         return [flat[i * length:(i + 1) * length] for i in range(count)]
 

@@ -41,6 +41,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from toolkit.train.newmemory import unfilled
+
 DIRECT_MIN = 1 << 20  # bytes: a contiguous tensor at least this large travels as its own message
 PACK_BYTES = 64 << 20  # bytes: small tensors are packed into buffers of at most this size
 WINDOW_MESSAGES = 16  # messages in flight at once (gloo waits a round trip per message before its bytes move)
@@ -440,7 +442,7 @@ def _receive(own: Any, link: _Link) -> tuple[Any, int]:
                 _bytes(target).numel() == size:
             window.add(m, link.post_receive(_bytes(target), 2 + m), target, 0)  # into the receiver's own storage
         else:
-            buf = torch.empty(size, dtype=torch.uint8, device=link.device)
+            buf = unfilled((size,), torch.uint8, link.device)  # the message fills it
             window.add(m, link.post_receive(buf, 2 + m), buf, size)
     window.drain()
     values = [_as_leaf(dests[e.alias if e.alias is not None else i], layout.entries[e.alias if e.alias is not None
@@ -483,7 +485,7 @@ def _destinations(own: Any, skeleton: Any, layout: Layout, device: torch.device)
             out.append(mine)
         else:
             new.add(i)
-            out.append(torch.empty(e.shape, dtype=dtype, device=home))
+            out.append(unfilled(e.shape, dtype, home))  # its message fills it
     return out, new
 
 
