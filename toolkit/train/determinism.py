@@ -184,8 +184,16 @@ def _exchange(buf: torch.Tensor, group: Any, rank: int, world: int, tag: int, sc
     room = scratch.take(world, size, mine) if scratch is not None else [torch.empty_like(mine) for _ in range(world)]
     total = room[-1]  # the others: the n-1 slices received
     parts = [mine if p == rank else room[p if p < rank else p - 1] for p in range(world)]
-    _wait(dist.P2POp(op, t, p, group=group, tag=tag) for p in range(world) if p != rank
-          for op, t in ((dist.irecv, parts[p]), (dist.isend, slices[p])))
+    peers = [p for p in range(world) if p != rank]
+    # The results' receives are posted with the first phase: gloo moves a message's bytes only once its receive is
+    # posted, so they are waiting when the owners send. Slice p is free for p's result by then: p sums only after
+    # every rank's copy of slice p has left.
+    scatter = [dist.P2POp(op, t, p, group=group, tag=tag) for p in peers
+               for op, t in ((dist.irecv, parts[p]), (dist.isend, slices[p]))]
+    works = dist.batch_isend_irecv(scatter + [dist.P2POp(dist.irecv, slices[p], p, group=group, tag=tag + 1)
+                                              for p in peers]) if peers else []
+    for work in works[:len(scatter)]:
+        work.wait()
     if world > 1:
         torch.add(parts[0], parts[1], out=total)
     else:
@@ -193,8 +201,9 @@ def _exchange(buf: torch.Tensor, group: Any, rank: int, world: int, tag: int, sc
     for part in parts[2:]:
         total.add_(part)
     torch.div(total, world, out=mine)
-    _wait(dist.P2POp(op, t, p, group=group, tag=tag + 1) for p in range(world) if p != rank
-          for op, t in ((dist.irecv, slices[p]), (dist.isend, mine)))
+    _wait(dist.P2POp(dist.isend, mine, p, group=group, tag=tag + 1) for p in peers)
+    for work in works[len(scatter):]:
+        work.wait()
 
 
 def _wait(ops: Any) -> None:
