@@ -66,9 +66,10 @@ class OrderedReducer:
     so this thread cannot cross a collective issued by the training thread. On a GPU (NCCL) the exchange is issued
     from the hook itself, in bucket order: NCCL orders it on the device, and the host does not wait.
 
-    `fence` (toolkit.train.fence.Fence, optional): when it trips, the buckets not yet reduced fail at once, so
-    that backward returns with the error; the thread, which may be stuck in a receive gloo never wakes (see the
-    fence module), is left to its timeout."""
+    `fence` (toolkit.train.fence.Fence, optional): when it trips, the buckets not yet reduced fail at once, and a
+    bucket handed over after that raises in the hook, which ends the backward there (a survivor would otherwise
+    compute the rest of its gradients, up to a whole backward, before it could re-form); the thread, which may be
+    stuck in a receive gloo never wakes (see the fence module), is left to its timeout."""
 
     def __init__(self, group: Any = None, fence: Any = None) -> None:
         self.group = group
