@@ -132,20 +132,44 @@ class OrderedReducer:
                         f.set_exception(self._failed or error)
 
     def _run(self) -> None:
+        """Bucket after bucket, in the order DDP hands them over. A bucket's results (the second phase) stay in
+        flight while the next bucket, if one is queued already, is sent and summed: the wait overlaps that work
+        instead of idling the thread (the scratch is free again once a bucket is summed)."""
+        flight: tuple[torch.futures.Future, torch.Tensor, list[Any]] | None = None
         while True:
+            if flight is not None and self._queue.empty():
+                self._land(*flight)
+                flight = None
             item = self._queue.get()
             if item is None:
+                if flight is not None:
+                    self._land(*flight)
                 return
             buf, tag, fut = item
             if self._failed is not None:  # the group is broken: no more traffic on it
                 self._finish(fut, self._failed)
                 continue
             try:
-                _exchange(buf, self.group, self.rank, self.world, tag, self._scratch)
+                works = _exchange_start(buf, self.group, self.rank, self.world, tag, self._scratch)
             except Exception as e:  # noqa: BLE001 - a peer died: the bucket fails, and DDP raises it in backward
                 self._finish(fut, e)
-            else:
-                self._finish(fut, None, buf)
+                continue
+            if flight is not None:
+                self._land(*flight)
+            flight = (fut, buf, works)
+
+    def _land(self, fut: torch.futures.Future, buf: torch.Tensor, works: list[Any]) -> None:
+        """Wait for a bucket's results and complete its future (or fail it)."""
+        if self._failed is not None:
+            self._finish(fut, self._failed)
+            return
+        try:
+            for work in works:
+                work.wait()
+        except Exception as e:  # noqa: BLE001 - as in _run
+            self._finish(fut, e)
+        else:
+            self._finish(fut, None, buf)
 
 
 def ordered_allreduce_hook(state: OrderedReducer, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -173,10 +197,20 @@ class Scratch:
 
 
 def _exchange(buf: torch.Tensor, group: Any, rank: int, world: int, tag: int, scratch: Scratch | None = None) -> None:
-    """Replace `buf` by the rank-ordered mean of every rank's `buf`: rank r owns the r-th of n near-equal slices,
-    receives every rank's copy of it, sums them in rank order and divides by n (the arithmetic of
-    ``sum(parts[0..n-1]) / n`` element by element), then every rank receives every slice's result. `scratch`: where
-    the received slices and the sum go (None: new tensors, as on a GPU, whose caching allocator reuses them)."""
+    """Replace `buf` by the rank-ordered mean of every rank's `buf` (`_exchange_start`, then its results waited
+    for)."""
+    for work in _exchange_start(buf, group, rank, world, tag, scratch):
+        work.wait()
+
+
+def _exchange_start(buf: torch.Tensor, group: Any, rank: int, world: int, tag: int,
+                    scratch: Scratch | None = None) -> list[Any]:
+    """Start replacing `buf` by the rank-ordered mean of every rank's `buf`: rank r owns the r-th of n near-equal
+    slices, receives every rank's copy of it, sums them in rank order and divides by n (the arithmetic of
+    ``sum(parts[0..n-1]) / n`` element by element), then every rank receives every slice's result. Returns once
+    this rank's slice is summed and sent, with the works to wait for before `buf` holds every result. `scratch`:
+    where the received slices and the sum go, free again on return (None: new tensors, as on a GPU, whose caching
+    allocator reuses them)."""
     n = buf.numel()
     bounds = [n * i // world for i in range(world + 1)]
     slices = [buf[bounds[p]:bounds[p + 1]] for p in range(world)]
@@ -202,13 +236,6 @@ def _exchange(buf: torch.Tensor, group: Any, rank: int, world: int, tag: int, sc
     for part in parts[2:]:
         total.add_(part)
     torch.div(total, world, out=mine)
-    _wait(dist.P2POp(dist.isend, mine, p, group=group, tag=tag + 1) for p in peers)
-    for work in works[len(scatter):]:
-        work.wait()
-
-
-def _wait(ops: Any) -> None:
-    ops = list(ops)
-    if ops:
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
+    sends = dist.batch_isend_irecv([dist.P2POp(dist.isend, mine, p, group=group, tag=tag + 1)
+                                    for p in peers]) if peers else []
+    return [*sends, *works[len(scatter):]]
