@@ -5,33 +5,46 @@ speed bench/bitwise_allreduce.py's."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Iterator
 
 HERE = Path(__file__).resolve().parent
 PROC_TIMEOUT = 120.0  # s for one worker on a loaded machine; normally ~5 s
 
 
-def test_the_ordered_mean_is_layout_independent_and_close_to_a_plain_allreduce(new_port) -> None:
-    """World 3 (a ring's order differs from rank order from 3 ranks on); world 4 runs end to end in test_zero_loss."""
-    world, port = 3, new_port()
-    procs = [subprocess.Popen([sys.executable, str(HERE / "determinism_worker.py"), str(r), str(world), str(port)],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              env={**os.environ, "OMP_NUM_THREADS": "1"}) for r in range(world)]
-    rows = []
+@contextlib.contextmanager
+def workers(world: int, port: int, *scenario: str) -> Iterator[list[subprocess.Popen]]:
+    """The ranks of determinism_worker.py (`scenario`: its optional last argument), killed on the way out if still
+    running."""
+    procs = [subprocess.Popen([sys.executable, str(HERE / "determinism_worker.py"), str(r), str(world), str(port),
+                               *scenario], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}) for r in range(world)]
     try:
-        for r, p in enumerate(procs):
-            out, err = p.communicate(timeout=PROC_TIMEOUT)
-            assert p.returncode == 0, f"rank {r}:\n{err[-3000:]}"
-            rows.append(json.loads(out.strip().splitlines()[-1]))
+        yield procs
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
                 p.wait(timeout=10)
+
+
+def last_row(p: subprocess.Popen) -> dict:
+    """The worker's last JSON line, once it exited 0."""
+    out, err = p.communicate(timeout=PROC_TIMEOUT)
+    assert p.returncode == 0, err[-3000:]
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def test_the_ordered_mean_is_layout_independent_and_close_to_a_plain_allreduce(new_port) -> None:
+    """World 3 (a ring's order differs from rank order from 3 ranks on); world 4 runs end to end in test_zero_loss."""
+    world = 3
+    with workers(world, new_port()) as procs:
+        rows = [last_row(p) for p in procs]
     for row in rows:
         # Bit for bit the rank-ordered mean, in DDP's first iteration and after it rebuilt its buckets, with one
         # bucket or many: the bucket layout does not enter the arithmetic.
@@ -50,11 +63,7 @@ def test_a_reduction_waiting_on_a_stopped_peer_ends_when_the_fence_trips(new_por
     rank 1's fence, as the runtime does when a new generation is announced, ends its backward at once with an
     error the runtime reads as a broken collective: nothing else can (a gloo receive cut mid-message is never
     woken, toolkit.train.fence), so here the fence records no socket and only its watchers act."""
-    port = new_port()
-    procs = [subprocess.Popen([sys.executable, str(HERE / "determinism_worker.py"), str(r), "2", str(port),
-                               "abandoned"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}) for r in range(2)]
-    try:
+    with workers(2, new_port(), "abandoned") as procs:
         for p in procs:
             line = ""
             while '"backward"' not in line:
@@ -62,14 +71,7 @@ def test_a_reduction_waiting_on_a_stopped_peer_ends_when_the_fence_trips(new_por
                 line = p.stdout.readline()
         procs[1].stdin.write("trip\n")  # rank 1's fence trips, as at a new generation
         procs[1].stdin.flush()
-        out, err = procs[1].communicate(timeout=PROC_TIMEOUT)
-        assert procs[1].returncode == 0, err[-3000:]
-        row = json.loads(out.strip().splitlines()[-1])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait(timeout=10)
+        row = last_row(procs[1])
     assert "gloo" in row["outcome"] and "abandoned" in row["outcome"], row
     assert row["after_trip"] < 30, f"the backward waited for the group's timeout, not the trip: {row}"
 
@@ -79,19 +81,8 @@ def test_a_backward_under_way_when_the_fence_trips_ends_at_its_next_bucket(new_p
     with the error the runtime reads as a broken collective, instead of computing the rest of the gradients first
     (a whole backward, 0.3-0.5 s of a 670 MB model here, before the survivor could re-form). Rank 0 stops before
     its backward; rank 1's fence trips once its first gradient is accumulated."""
-    port = new_port()
-    procs = [subprocess.Popen([sys.executable, str(HERE / "determinism_worker.py"), str(r), "2", str(port),
-                               "midway"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}) for r in range(2)]
-    try:
-        out, err = procs[1].communicate(timeout=PROC_TIMEOUT)
-        assert procs[1].returncode == 0, err[-3000:]
-        row = json.loads(out.strip().splitlines()[-1])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait(timeout=10)
+    with workers(2, new_port(), "midway") as procs:
+        row = last_row(procs[1])
     assert "gloo" in row["outcome"] and "abandoned" in row["outcome"], row
     assert row["accumulated"] < row["parameters"], f"the backward ran to its end after the trip: {row}"
 

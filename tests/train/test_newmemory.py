@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 
+from toolkit.testing.simjob import Usage
 from toolkit.train.newmemory import unfilled
 
 SIZE = 96 << 20  # bytes: above glibc's largest mmap threshold, so new pages stay untouched until written
 
 
 def resident() -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+    return Usage.of(os.getpid()).rss
 
 
 def test_unfilled_is_a_contiguous_tensor_of_the_shape_and_dtype_asked() -> None:

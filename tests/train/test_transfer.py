@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 import torch
 
+from toolkit.testing.simjob import Usage
 from toolkit.train import transfer
 from toolkit.train.transfer import Layout, TransferError
 
@@ -200,18 +201,14 @@ def test_a_receivers_new_memory_is_faulted_in_before_its_message_is_posted() -> 
     """The prefault thread's effect, as the receive loop relies on it: once wait(m) returns, every page of message
     m's new tensors is resident (a receive posted then copies into mapped memory, and nothing writes there after
     it), and a message without new tensors does not wait."""
-
-    def resident() -> int:
-        with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
-
     size = 96 << 20  # above glibc's largest mmap threshold: pages untouched until written
     first, second = torch.empty(size, dtype=torch.uint8), torch.empty(size // 4, dtype=torch.float32)
-    before = resident()
+    before = Usage.of(os.getpid()).rss
     prefault = transfer._Prefault([[first], [], [second]])
     prefault.wait(0)
     prefault.wait(1)
-    assert resident() - before >= 0.95 * size, "message 0's tensor was not faulted in before its wait returned"
+    assert Usage.of(os.getpid()).rss - before >= 0.95 * size, "message 0's tensor was not faulted in before its wait " \
+        "returned"
     prefault.wait(2)
-    assert resident() - before >= 0.95 * 2 * size, "message 2's tensor was not faulted in"
+    assert Usage.of(os.getpid()).rss - before >= 0.95 * 2 * size, "message 2's tensor was not faulted in"
     assert prefault.ready == 3

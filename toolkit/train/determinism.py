@@ -196,10 +196,10 @@ class Scratch:
         return [flat[i * length:(i + 1) * length] for i in range(count)]
 
 
-def _exchange(buf: torch.Tensor, group: Any, rank: int, world: int, tag: int, scratch: Scratch | None = None) -> None:
+def _exchange(buf: torch.Tensor, group: Any, rank: int, world: int, tag: int) -> None:
     """Replace `buf` by the rank-ordered mean of every rank's `buf` (`_exchange_start`, then its results waited
     for)."""
-    for work in _exchange_start(buf, group, rank, world, tag, scratch):
+    for work in _exchange_start(buf, group, rank, world, tag):
         work.wait()
 
 
