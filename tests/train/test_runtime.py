@@ -296,3 +296,33 @@ def test_a_build_waits_until_every_rank_arrived_and_a_missing_one_ends_the_wait_
     with pytest.raises(Exception, match="(?i)timeout|timed out"):
         R._arrive(alone, 2, timedelta(seconds=0.3))
     assert time.monotonic() - began < 60
+
+
+def test_under_torchrun_a_survivor_blocked_when_a_peer_dies_leaves_at_the_launchers_sigterm(tmp_path: Path) -> None:
+    """The real torchrun, a Trainer script (tests/scripts/torchrun_blocked.py): rank 1 is killed (-9) inside a step
+    while ranks 0 and 2 wait on each other there, a wait gloo never ends (their peer is alive). torchrun then
+    SIGTERMs them and SIGKILLs them 30 s later if they are still there; the Trainer must instead abandon the group
+    at the SIGTERM (a connection's peer hung up) and leave for the restart with its one line and exit 1. Before
+    that, torchrun's 30 s and SIGKILL were every such survivor's end (measured on bench/transformer.py: the restart
+    took 37 s instead of 7)."""
+    argv = [str(Path(sys.executable).parent / "torchrun"), "--nproc-per-node", "3", "--max-restarts", "0",
+            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port_pair()}", "--log-dir",
+            str(tmp_path / "logs"), "--redirects", "3", str(Path(__file__).resolve().parents[1] / "scripts" /
+                                                              "torchrun_blocked.py")]
+    proc = subprocess.run(argv, cwd=tmp_path, env={**clean_env(), E.CKPT_DIR: str(tmp_path / "ckpt"),
+                                                   "OMP_NUM_THREADS": "1"},
+                          stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=150)
+    launcher = proc.stdout + proc.stderr
+    logs = {int(p.parent.name): (p.read_text(), (p.parent / "stderr.log").read_text())
+            for p in (tmp_path / "logs").glob("*/attempt_0/*/stdout.log")}
+    evidence = f"torchrun exit {proc.returncode}:\n{launcher[-3000:]}\n" + "\n".join(
+        f"--- rank {r}\n{out[-800:]}\n{err[-1500:]}" for r, (out, err) in sorted(logs.items()))
+    assert proc.returncode != 0 and "exitcode: -9" in launcher and "local_rank: 1" in launcher, evidence
+    for r in (0, 2):
+        out, err = logs[r]
+        assert f"rank {r}: waiting on rank {2 - r}" in out, evidence  # it was in the wait when rank 1 died
+        assert f"rank {r}: a collective failed, a peer is gone" in err and "exiting for a restart" in err, evidence
+    # The first survivor to abandon the group shuts its connection to the other, which may end that one's wait first.
+    assert any("SIGTERM from the launcher with a peer's connection closed: the peer is gone, the group is abandoned"
+               in logs[r][1] for r in (0, 2)), evidence
+    assert "forcefully exiting via 9" not in launcher, evidence  # torchrun never had to SIGKILL a survivor

@@ -114,8 +114,8 @@ class OrderedReducer:
 
     def _abandon(self) -> None:
         """The fence tripped: fail every bucket not yet reduced (from the thread that tripped it)."""
-        self._finish(None, RuntimeError("gloo: the rank-ordered allreduce was abandoned: a new generation began and "
-                                        "the group's connections were shut down"))
+        self._finish(None, RuntimeError("gloo: the rank-ordered allreduce was abandoned: the group's connections "
+                                        "were shut down (a new generation began, or a peer is gone)"))
 
     def _finish(self, fut: torch.futures.Future | None, error: BaseException | None, buf: Any = None) -> None:
         """Complete `fut` with `buf`, or fail it with `error` (every pending one if `fut` is None); once."""

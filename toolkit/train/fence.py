@@ -4,13 +4,15 @@ Why: gloo cannot interrupt a collective (pytorch#130345). When a rank dies mid-c
 left waiting on each other (one may have finished the collective the others did not) until the collective
 timeout: minutes by default. The scheduler tells every survivor within milliseconds that the job moved to a new
 generation, on the worker's control thread; this module lets that thread make the main thread's blocked call
-fail right then, so recovery costs the same wherever in a step the fault lands.
+fail right then, so recovery costs the same wherever in a step the fault lands. Under torchrun there is no such
+word: the launcher's SIGTERM and a connection whose peer hung up are the cue (toolkit.train.stopping).
 
 How: on CPU (gloo) a group's transport is its TCP connections. The sockets a group build opened are recorded
-(`SocketSet.opened_since`), and `Fence.trip()` shuts them down: every pending read and write on them fails as
-if the peer had vanished, gloo raises, and the call returns with an error (which the runtime turns into
-GenerationChanged). Shutting a socket down is all the side thread does; closing and freeing stay with the main
-thread (`destroy_process_group`), so no descriptor is ever closed under a thread using it. A recorded socket is
+(`opened_since`), and `Fence.abandon()` shuts them down: every pending read and write on them fails as if the
+peer had vanished, gloo raises, and the call returns with an error (which the runtime turns into
+GenerationChanged, or under torchrun into the end for a restart). Shutting a socket down is all the side thread
+does; closing and freeing stay with the main thread (`destroy_process_group`), so no descriptor is ever closed
+under a thread using it. A recorded socket is
 identified by descriptor and inode: a descriptor number reused after the group closed is never touched. On CUDA
 (NCCL) the group's own abort is the tool (`ProcessGroupNCCL` aborts its communicators, ncclCommAbort): that path
 is written here but was not run on this project's CPU-only machines.
@@ -27,6 +29,7 @@ shut).
 from __future__ import annotations
 
 import os
+import select
 import socket
 import threading
 from dataclasses import dataclass, field
@@ -36,8 +39,9 @@ T = TypeVar("T")
 
 
 class Abandoned(RuntimeError):
-    """The group was abandoned (a new generation began) while this call waited on it. Its text names gloo and the
-    connection, as a collective's failure does, so that the runtime treats it as one."""
+    """The group was abandoned (a new generation began, or under torchrun a peer is gone) while this call waited on
+    it. Its text names gloo and the connection, as a collective's failure does, so that the runtime treats it as
+    one."""
 
 FD_DIR = "/proc/self/fd"
 
@@ -143,8 +147,8 @@ class Fence:
         finally:
             stop()
         if not out:
-            raise Abandoned(f"gloo: {what} abandoned: a new generation began and the group's connections were shut "
-                            "down")
+            raise Abandoned(f"gloo: {what} abandoned: the group's connections were shut down (a new generation "
+                            "began, or a peer is gone)")
         ok, value = out[0]
         if not ok:
             raise value
@@ -168,8 +172,16 @@ class Fence:
     def overtaken(self, announced: int) -> int:
         """The job moved to generation `announced`: if that is newer than the armed one, make every call
         blocked in its group fail now. Returns the number of sockets shut down (0 if nothing was tripped)."""
+        generation = self.generation
+        if generation is None or announced <= generation:
+            return 0
+        return self.abandon(generation)
+
+    def abandon(self, generation: int) -> int:
+        """Make every call blocked in the group of `generation` fail now, if that group is the one armed and the
+        fence has not tripped yet. Returns the number of sockets shut down (0 if nothing was tripped)."""
         with self._lock:
-            if self.tripped or self.generation is None or announced <= self.generation:
+            if self.tripped or self.generation != generation:
                 return 0
             self.tripped = True
             for group in self._groups:
@@ -179,6 +191,26 @@ class Fence:
         for callback in watchers:
             callback()
         return done
+
+
+    def wait_hangup(self, timeout: float) -> bool:
+        """Wait up to `timeout` s for a recorded connection to lose its peer: True once the peer has closed or reset
+        one (or it is no longer open: gloo closed it on an error), False at the timeout or with nothing recorded
+        (NCCL). The kernel says it (poll for POLLRDHUP; data arriving does not wake it): a peer's death is seen
+        the moment its connections close. Only reads: it never touches the group."""
+        with self._lock:
+            sockets = dict(self._sockets)
+        if not sockets:
+            return False
+        poller = select.poll()
+        for fd, inode in sockets.items():
+            try:
+                if os.fstat(fd).st_ino != inode:
+                    return True
+            except OSError:
+                return True
+            poller.register(fd, select.POLLRDHUP)
+        return bool(poller.poll(max(0, int(timeout * 1000))))
 
 
 def opened_since(before: dict[int, int]) -> dict[int, int]:

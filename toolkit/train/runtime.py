@@ -512,7 +512,12 @@ def init(backend: str | None = None, timeout: float = DEFAULT_TIMEOUT,
         rt.generation = 0
         return rt
     if cfg.mode == MODE_TORCHRUN:
+        rt._fence.arm(0)  # what the Trainer abandons when torchrun's SIGTERM comes and a peer is gone
+        before = fence_mod.tcp_sockets()
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout), **_torchrun_round(env, timeout))
+        rt._fence.add_sockets(fence_mod.opened_since(before))
+        if backend == "nccl":
+            rt._fence.add_group(dist.group.WORLD)
         rt.rank, rt.world_size = dist.get_rank(), dist.get_world_size()
         rt.generation = 0
         return rt

@@ -115,7 +115,7 @@ class Trainer:
         self._applied = _Applied()  # optimizer steps run (a step that ran before a fault still counts)
         self._hook = optimizer.register_step_post_hook(self._applied)
         self._loss: Any = None
-        self._stopping = Stopping()
+        self._stopping = Stopping(runtime)
         self._finished = False
         self._divergence = DivergenceCheck(runtime.world_size)  # after a recovery: do the ranks still agree?
 

@@ -1,0 +1,68 @@
+"""toolkit.train.fence with real loopback TCP connections: a peer's hangup is seen (`wait_hangup`), and abandoning
+the armed group shuts its connections down and tells its watchers, once, and only for the generation armed."""
+
+from __future__ import annotations
+
+import socket
+import threading
+from typing import Iterator
+
+import pytest
+
+from toolkit.train import fence as fence_mod
+from toolkit.train.fence import Fence
+
+BOUND = 30.0  # s: generous, the hangup is reported at once
+
+
+@pytest.fixture
+def connection() -> Iterator[tuple[socket.socket, socket.socket]]:
+    """(ours, the peer's): one loopback TCP connection."""
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        before = fence_mod.tcp_sockets()
+        ours = socket.create_connection(server.getsockname())
+        peer, _ = server.accept()
+    assert ours.fileno() in fence_mod.opened_since(before)
+    yield ours, peer
+    ours.close()
+    peer.close()
+
+
+def armed(ours: socket.socket, generation: int = 0) -> Fence:
+    f = Fence()
+    f.arm(generation)
+    f.add_sockets({ours.fileno(): fence_mod.tcp_sockets()[ours.fileno()]})
+    return f
+
+
+def test_a_live_peer_is_no_hangup_and_its_death_is_one(connection) -> None:
+    ours, peer = connection
+    f = armed(ours)
+    peer.sendall(b"data arriving does not count")
+    assert f.wait_hangup(0.2) is False
+    peer.close()
+    assert f.wait_hangup(BOUND) is True
+    assert Fence().wait_hangup(0.0) is False  # nothing recorded (NCCL): never a hangup
+
+
+def test_a_recorded_connection_closed_since_counts_as_its_peer_gone(connection) -> None:
+    ours, _ = connection
+    f = armed(ours)
+    ours.close()
+    assert f.wait_hangup(BOUND) is True
+
+
+def test_abandon_shuts_the_armed_groups_connections_once_and_only_for_its_generation(connection) -> None:
+    ours, peer = connection
+    f = armed(ours, generation=4)
+    told: list[int] = []
+    f.watch(lambda: told.append(1))
+    assert f.abandon(3) == 0 and not f.tripped and told == []  # another generation's group: untouched
+    got: list[bytes] = []
+    reader = threading.Thread(target=lambda: got.append(ours.recv(10)))
+    reader.start()  # a receive blocked on a live peer
+    assert f.abandon(4) == 1 and f.tripped and told == [1]
+    reader.join(BOUND)
+    assert got == [b""]  # the blocked receive returned: its connection was shut down
+    assert f.abandon(4) == 0 and told == [1]  # once
+    assert peer.recv(10) == b""  # and the peer sees it end
