@@ -12,10 +12,9 @@ How: on CPU (gloo) a group's transport is its TCP connections. The sockets a gro
 peer had vanished, gloo raises, and the call returns with an error (which the runtime turns into
 GenerationChanged, or under torchrun into the end for a restart). Shutting a socket down is all the side thread
 does; closing and freeing stay with the main thread (`destroy_process_group`), so no descriptor is ever closed
-under a thread using it. A recorded socket is
-identified by descriptor and inode: a descriptor number reused after the group closed is never touched. On CUDA
-(NCCL) the group's own abort is the tool (`ProcessGroupNCCL` aborts its communicators, ncclCommAbort): that path
-is written here but was not run on this project's CPU-only machines.
+under a thread using it. A recorded socket is identified by descriptor and inode: a descriptor number reused after
+the group closed is never touched. On CUDA (NCCL) the group's own abort is the tool (`ProcessGroupNCCL` aborts its
+communicators, ncclCommAbort): that path is written here but was not run on this project's CPU-only machines.
 
 One case the sockets cannot settle: a gloo receive whose message had started to arrive when its connection broke
 waits out the collective timeout (gloo's `Pair::signalException` wakes every pending operation of the pair but the
@@ -191,7 +190,6 @@ class Fence:
         for callback in watchers:
             callback()
         return done
-
 
     def wait_hangup(self, timeout: float) -> bool:
         """Wait up to `timeout` s for a recorded connection to lose its peer: True once the peer has closed or reset

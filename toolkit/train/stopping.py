@@ -37,9 +37,10 @@ class Stopping:
         self._stop = threading.Event()
         self._interrupt = False  # SIGTERM raises Terminated at once (while blocked forming a group)
         self._previous_handler = _install_sigterm(self._on_sigterm)
+        self._agreed = threading.Event()  # the ranks agreed to stop: a peer leaving now is no fault
         self._watch: PeerLossWatch | None = None
         if self._previous_handler is not None and rt is not None and rt.mode == MODE_TORCHRUN and rt.world_size > 1:
-            self._watch = PeerLossWatch.start(rt.fence, rt.generation or 0, rt.rank, rt.timeout)
+            self._watch = PeerLossWatch.start(rt.fence, rt.generation or 0, rt.rank, rt.timeout, self._agreed)
 
     @property
     def requested(self) -> bool:
@@ -78,6 +79,7 @@ class Stopping:
             anyone, agreed = bool(mine), proposal
         if not anyone:
             return None, agreed
+        self._agreed.set()
         return rt.mode != MODE_TOOLKIT or bool(mine), agreed
 
     def release(self) -> None:
@@ -109,17 +111,21 @@ class PeerLossWatch:
     The wakeup descriptor is one per process: if something else holds it (an asyncio loop in the main thread),
     nothing is watched and stderr says so."""
 
-    def __init__(self, fence: Fence, generation: int, rank: int, bound: float, wake_write: int) -> None:
+    def __init__(self, fence: Fence, generation: int, rank: int, bound: float, agreed: threading.Event,
+                 wake_write: int) -> None:
         self._fence = fence
         self._generation = generation
         self._rank = rank
         self._bound = bound
+        self._agreed = agreed
         self._wake_write = wake_write
 
     @classmethod
-    def start(cls, fence: Fence, generation: int, rank: int, bound: float) -> PeerLossWatch | None:
+    def start(cls, fence: Fence, generation: int, rank: int, bound: float,
+              agreed: threading.Event) -> PeerLossWatch | None:
         """Watch from now (called on the main thread, which alone may set the wakeup descriptor); None if the
-        wakeup descriptor is taken."""
+        wakeup descriptor is taken. `agreed`: set once the ranks agreed to stop, after which peers leave on
+        purpose and nothing is abandoned."""
         wake_read, wake_write = os.pipe()
         os.set_blocking(wake_write, False)  # the C handler must never block
         previous = signal.set_wakeup_fd(wake_write, warn_on_full_buffer=False)
@@ -130,25 +136,27 @@ class PeerLossWatch:
             print(f"rank {rank}: signal.set_wakeup_fd is taken (an asyncio loop?): a survivor blocked in a collective "
                   "when torchrun stops it waits for torchrun's SIGKILL", file=sys.stderr, flush=True)
             return None
-        watch = cls(fence, generation, rank, bound, wake_write)
+        watch = cls(fence, generation, rank, bound, agreed, wake_write)
         threading.Thread(target=watch._run, args=(wake_read,), name="toolkit-peer-loss", daemon=True).start()
         return watch
 
     def _run(self, wake_read: int) -> None:
+        """Read signals until close() closes the other end (reading on after the SIGTERM: a pipe whose reader
+        is gone would make CPython report every later signal's write as an error)."""
+        answered = False
         try:
-            while True:
-                signals = os.read(wake_read, 64)  # until a signal comes or close() closes the other end
-                if not signals:
-                    return
-                if int(signal.SIGTERM) in signals:
-                    break
+            while signals := os.read(wake_read, 64):
+                if answered or int(signal.SIGTERM) not in signals:
+                    continue
+                answered = True
+                if self._fence.wait_hangup(self._bound) and not self._agreed.is_set():
+                    shut = self._fence.abandon(self._generation)
+                    if shut:
+                        print(f"rank {self._rank}: SIGTERM from the launcher with a peer's connection closed: the "
+                              f"peer is gone, the group is abandoned ({shut} connections shut down)",
+                              file=sys.stderr, flush=True)
         finally:
             os.close(wake_read)
-        if self._fence.wait_hangup(self._bound):
-            shut = self._fence.abandon(self._generation)
-            if shut:
-                print(f"rank {self._rank}: SIGTERM from the launcher with a peer's connection closed: the peer is "
-                      f"gone, the group is abandoned ({shut} connections shut down)", file=sys.stderr, flush=True)
 
     def close(self) -> None:
         """Stop watching (on the main thread; elsewhere nothing changes): the wakeup descriptor given back, and the
