@@ -11,7 +11,7 @@ import os
 import signal
 import sys
 import threading
-from typing import Any, Iterator, NoReturn
+from typing import Any, Callable, Iterator, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -23,6 +23,9 @@ from toolkit.train.runtime import MODE_TOOLKIT, MODE_TORCHRUN, Runtime
 
 EXIT_TERMINATED = 128 + signal.SIGTERM
 EXIT_PEER_LOST = 1  # under torchrun or alone: a peer is gone, the launcher restarts the world
+# s after torchrun's SIGTERM to see a peer's connection closed: the death that made torchrun send it closed them
+# before torchrun knew (room for a loaded machine and for the FIN from another host); a stop has none closed
+HANGUP_WINDOW = 2.0
 
 
 class Terminated(SystemExit):
@@ -37,10 +40,14 @@ class Stopping:
         self._stop = threading.Event()
         self._interrupt = False  # SIGTERM raises Terminated at once (while blocked forming a group)
         self._previous_handler = _install_sigterm(self._on_sigterm)
-        self._agreed = threading.Event()  # the ranks agreed to stop: a peer leaving now is no fault
+        # Under torchrun: whether the ranks agreed to stop (peers leaving then is no fault) or the group was
+        # abandoned (a peer died), decided once, under the lock, by whichever comes first.
+        self._lock = threading.Lock()
+        self._agreed = False
+        self._abandoned = False
         self._watch: PeerLossWatch | None = None
         if self._previous_handler is not None and rt is not None and rt.mode == MODE_TORCHRUN and rt.world_size > 1:
-            self._watch = PeerLossWatch.start(rt.fence, rt.generation or 0, rt.rank, rt.timeout, self._agreed)
+            self._watch = PeerLossWatch.start(rt.fence, rt.generation or 0, rt.rank, self._claim_abandon)
 
     @property
     def requested(self) -> bool:
@@ -77,10 +84,24 @@ class Stopping:
             anyone, agreed = bool(flag[0].item()), int(flag[1].item())
         else:
             anyone, agreed = bool(mine), proposal
+        with self._lock:
+            if self._abandoned:  # a peer died and the group is shut: leave as after any broken collective
+                raise RuntimeError("gloo: the group was abandoned at the launcher's SIGTERM: a peer's connection "
+                                   "closed")
+            self._agreed = self._agreed or anyone
         if not anyone:
             return None, agreed
-        self._agreed.set()
         return rt.mode != MODE_TOOLKIT or bool(mine), agreed
+
+    def _claim_abandon(self) -> bool:
+        """PeerLossWatch's question: may the group be abandoned? Not once the ranks agreed to stop (their leaving
+        closes connections on purpose, and this process ends through the interpreter, whose teardown of a shut
+        gloo group aborts it); once said yes, `agree` raises instead of agreeing."""
+        with self._lock:
+            if self._agreed:
+                return False
+            self._abandoned = True
+            return True
 
     def release(self) -> None:
         """Give SIGTERM back to the handler it had before, if this took it (and stop watching for a peer's loss)."""
@@ -92,7 +113,7 @@ class Stopping:
 
 
 class PeerLossWatch:
-    """Under torchrun: the launcher's SIGTERM, once a connection of the group has lost its peer, abandons the group
+    """Under torchrun: the launcher's SIGTERM, when a connection of the group has lost its peer, abandons the group
     (its fence), so that a call blocked in it fails at once and the process ends for the restart (`end_for_restart`,
     the checkpoint in flight made durable).
 
@@ -103,29 +124,27 @@ class PeerLossWatch:
     their backward until torchrun's SIGKILL, and the restart took 37 s where it takes 7 s.
 
     How: a thread learns of the signal as it arrives: signal.set_wakeup_fd, where CPython's C-level handler writes
-    the signal's number whatever the main thread is doing. It then waits (at most `bound` s: past the collective
-    timeout gloo has raised on its own) for a connection of the group to lose its peer, which the kernel reports
-    the moment the peer's process dies. A peer gone means the step can never finish: the fence is tripped. A stop
-    with every peer alive (torchrun itself stopped) is left to the step-boundary agreement and its last words.
+    the signal's number whatever the main thread is doing. A worker's death closes its connections before
+    torchrun even learns of it (the kernel closes a dying process's files before it tells the parent), so when the
+    SIGTERM says a worker died, a connection has lost its peer already: the thread looks for that for HANGUP_WINDOW
+    (the kernel says it: poll), and if it is there and the ranks have not agreed to stop (`claim`), trips the
+    fence. A stop (torchrun itself told to stop) comes with every peer alive: nothing is abandoned, the
+    step-boundary agreement and its last words follow as before.
 
     The wakeup descriptor is one per process: if something else holds it (an asyncio loop in the main thread),
     nothing is watched and stderr says so."""
 
-    def __init__(self, fence: Fence, generation: int, rank: int, bound: float, agreed: threading.Event,
-                 wake_write: int) -> None:
+    def __init__(self, fence: Fence, generation: int, rank: int, claim: Callable[[], bool], wake_write: int) -> None:
         self._fence = fence
         self._generation = generation
         self._rank = rank
-        self._bound = bound
-        self._agreed = agreed
+        self._claim = claim
         self._wake_write = wake_write
 
     @classmethod
-    def start(cls, fence: Fence, generation: int, rank: int, bound: float,
-              agreed: threading.Event) -> PeerLossWatch | None:
+    def start(cls, fence: Fence, generation: int, rank: int, claim: Callable[[], bool]) -> PeerLossWatch | None:
         """Watch from now (called on the main thread, which alone may set the wakeup descriptor); None if the
-        wakeup descriptor is taken. `agreed`: set once the ranks agreed to stop, after which peers leave on
-        purpose and nothing is abandoned."""
+        wakeup descriptor is taken. `claim()`: whether the group may be abandoned now (asked once, at the trip)."""
         wake_read, wake_write = os.pipe()
         os.set_blocking(wake_write, False)  # the C handler must never block
         previous = signal.set_wakeup_fd(wake_write, warn_on_full_buffer=False)
@@ -136,7 +155,7 @@ class PeerLossWatch:
             print(f"rank {rank}: signal.set_wakeup_fd is taken (an asyncio loop?): a survivor blocked in a collective "
                   "when torchrun stops it waits for torchrun's SIGKILL", file=sys.stderr, flush=True)
             return None
-        watch = cls(fence, generation, rank, bound, agreed, wake_write)
+        watch = cls(fence, generation, rank, claim, wake_write)
         threading.Thread(target=watch._run, args=(wake_read,), name="toolkit-peer-loss", daemon=True).start()
         return watch
 
@@ -149,19 +168,16 @@ class PeerLossWatch:
                 if answered or int(signal.SIGTERM) not in signals:
                     continue
                 answered = True
-                if self._fence.wait_hangup(self._bound) and not self._agreed.is_set():
+                if self._fence.wait_hangup(HANGUP_WINDOW) and self._claim():
                     shut = self._fence.abandon(self._generation)
-                    if shut:
-                        print(f"rank {self._rank}: SIGTERM from the launcher with a peer's connection closed: the "
-                              f"peer is gone, the group is abandoned ({shut} connections shut down)",
-                              file=sys.stderr, flush=True)
+                    print(f"rank {self._rank}: SIGTERM from the launcher with a peer's connection closed: the peer is "
+                          f"gone, the group is abandoned ({shut} connections shut down)", file=sys.stderr, flush=True)
         finally:
             os.close(wake_read)
 
     def close(self) -> None:
         """Stop watching (on the main thread; elsewhere nothing changes): the wakeup descriptor given back, and the
-        thread ended if it still waits for a signal (one already waiting for a hangup ends within its bound, and
-        the group it would trip is disarmed by then)."""
+        thread ended."""
         try:
             current = signal.set_wakeup_fd(-1)
         except ValueError:
