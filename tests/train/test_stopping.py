@@ -1,13 +1,15 @@
-"""toolkit.train.stopping's one decision under torchrun, with a real SIGTERM to this process: a group abandoned at
-the launcher's SIGTERM (a peer died) and the ranks' agreement to stop exclude each other, whichever comes first.
-Abandoning after the agreement would shut connections that the stopping peers close on purpose, and this process,
-which then ends through the interpreter, would abort in gloo's teardown (seen in CI)."""
+"""toolkit.train.stopping's one decision under torchrun: a group abandoned at the launcher's SIGTERM (a peer died)
+and the ranks' agreement to stop exclude each other, whichever comes first. Abandoning after the agreement would
+shut connections that the stopping peers close on purpose, and this process, which then ends through the
+interpreter, would abort in gloo's teardown (seen in CI).
+
+The SIGTERM is the Trainer's handler called as the signal would call it: a real one to a test process would meet
+whatever handler the session installed (tests/conftest.py's cluster turns it into KeyboardInterrupt). The real
+signal, under the real torchrun, is tests/train/test_runtime.py's."""
 
 from __future__ import annotations
 
-import os
 import signal
-import threading
 from types import SimpleNamespace
 from typing import Iterator
 
@@ -17,12 +19,9 @@ import torch
 from toolkit.train.faults import looks_collective
 from toolkit.train.stopping import Stopping
 
-BOUND = 30.0  # s for this process's own SIGTERM to reach its handler
-
 
 @pytest.fixture
 def stopping() -> Iterator[Stopping]:
-    assert threading.current_thread() is threading.main_thread()
     s = Stopping()
     yield s
     s.release()
@@ -33,8 +32,7 @@ def alone() -> SimpleNamespace:
 
 
 def sigterm(s: Stopping) -> None:
-    os.kill(os.getpid(), signal.SIGTERM)
-    s._stop.wait(BOUND)
+    s._on_sigterm(signal.SIGTERM, None)
     assert s.requested
 
 
