@@ -1,10 +1,16 @@
 """toolkit.train.fence with real loopback TCP connections: a peer's hangup is seen (`wait_hangup`), and abandoning
-the armed group shuts its connections down and tells its watchers, once, and only for the generation armed."""
+the armed group shuts its connections down and tells its watchers, once, and only for the generation armed; with a
+real gloo group, `wait` ends a collective at the trip and keeps it, with its group, until gloo ends it."""
 
 from __future__ import annotations
 
+import json
+import os
 import socket
+import subprocess
+import sys
 import threading
+from pathlib import Path
 from typing import Iterator
 
 import pytest
@@ -13,6 +19,8 @@ from toolkit.train import fence as fence_mod
 from toolkit.train.fence import Fence
 
 BOUND = 30.0  # s: generous, the hangup is reported at once
+HERE = Path(__file__).resolve().parent
+PROC_TIMEOUT = 180.0  # s for a worker of fence_worker.py on a loaded machine; normally ~15 s
 
 
 @pytest.fixture
@@ -66,3 +74,28 @@ def test_abandon_shuts_the_armed_groups_connections_once_and_only_for_its_genera
     assert got == [b""]  # the blocked receive returned: its connection was shut down
     assert f.abandon(4) == 0 and told == [1]  # once
     assert peer.recv(10) == b""  # and the peer sees it end
+
+
+def test_wait_gives_a_collectives_result_and_at_a_trip_leaves_it_stranded_with_its_group(new_port) -> None:
+    """`Fence.wait` on a real gloo group of two processes: the result of a collective that completes; and one that
+    only the group's timeout could end (the peer never joins it, no socket recorded) raises Abandoned at the trip
+    while it is still pending, the group's destroy returns before that collective ends (its group is held), and the
+    group is let go once gloo ended it (at the group's timeout, 8 s here)."""
+    port = new_port()
+    procs = [subprocess.Popen([sys.executable, str(HERE / "fence_worker.py"), str(r), str(port), "8"],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"}) for r in range(2)]
+    try:
+        out, err = procs[0].communicate(timeout=PROC_TIMEOUT)
+        assert procs[0].returncode == 0, err[-3000:]
+        row = json.loads(out.strip().splitlines()[-1])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.communicate(timeout=PROC_TIMEOUT)
+    assert row["gathered"] == [10, 11], row
+    assert "gloo" in row["outcome"] and "abandoned" in row["outcome"], row  # read as a broken collective
+    assert row["pending_at_raise"] and row["stranded_at_raise"] == 1, row  # the trip, not the timeout, ended it
+    assert row["pending_after_destroy"], f"destroying the group waited for its stranded collective: {row}"
+    assert row["released"], row

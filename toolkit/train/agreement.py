@@ -131,7 +131,8 @@ class TrainingState:
             # Nobody starts the next step before every rank holds the state: a rank that did would only wait in its
             # first collective, and meanwhile take its host's CPU and memory bandwidth from the transfer (3 ranks on
             # 2 cores, bench/transformer.py: kill to every rank resumed 0.91-0.98 s without this, 0.78-0.92 s with).
-            dist.all_reduce(torch.zeros(1, device=self.rt.device))
+            self.rt.fence.wait(dist.all_reduce(torch.zeros(1, device=self.rt.device), async_op=True),
+                               "the wait for every rank to hold the state")
         origin = senders[self.rt.rank] if receiving else self.rt.rank
         return Agreed(source, origin, nbytes, step)
 
@@ -141,5 +142,5 @@ class TrainingState:
             return [(mine[0], mine[1])]
         t = torch.tensor(mine, dtype=torch.int64, device=self.rt.device)
         every = [torch.empty_like(t) for _ in range(self.rt.world_size)]
-        dist.all_gather(every, t)
+        self.rt.fence.wait(dist.all_gather(every, t, async_op=True), "the agreement on the newest state")
         return [(int(held), int(initial)) for held, initial in (x.tolist() for x in every)]

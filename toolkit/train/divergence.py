@@ -65,7 +65,7 @@ class DivergenceCheck:
         every = [torch.empty_like(mine) for _ in range(rt.world_size)]
         try:
             with (guard or rt.guard)():
-                dist.all_gather(every, mine)
+                rt.fence.wait(dist.all_gather(every, mine, async_op=True), "the divergence check")
         except GenerationChanged as e:
             print(f"rank {rt.rank}: generation {rt.generation} -> {e.new} at step {step} (between two steps: "
                   "nothing in flight): re-forming the group", flush=True)

@@ -22,7 +22,15 @@ one it is reading; measured: a 2 GB receive from a peer killed mid-way returned 
 messages are exactly where that happens (the state transfer, a gradient bucket). So waits on large transfers run
 in a helper thread (`Fence.call`) or complete futures that a trip fails (`Fence.watch`): the training thread goes
 on at the trip, and the abandoned helper ends at its own timeout without touching anything (its connections are
-shut).
+shut). Small collectives were thought safe, until CI (2026-11-26) saw a survivor's 32-byte all_gather outlive the
+trip by the whole 120 s timeout while every other rank waited for it to re-form; so the training thread's own
+collectives are waited on here too (`Fence.wait`), whatever their size.
+
+A collective that gloo cannot interrupt also holds its group: gloo's destructor waits for the group's queued
+collectives, so destroying the group would block the re-forming thread for the rest of the timeout (measured:
+`destroy_process_group()` beside a collective no peer answers returned only at its timeout; with one more reference
+to the group held, at once). So a collective abandoned by `Fence.wait` is kept with its group ("stranded") until
+it ends on its own; the group is freed then, at a later `arm` or `disarm`.
 """
 
 from __future__ import annotations
@@ -35,6 +43,9 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, TypeVar
 
 T = TypeVar("T")
+
+
+WAIT_MARGIN = 30.0  # s past the group's timeout before `Fence.wait` gives a collective up itself
 
 
 class Abandoned(RuntimeError):
@@ -95,20 +106,34 @@ class Fence:
     _groups: list[Any] = field(default_factory=list, repr=False)
     _watchers: dict[int, Callable[[], None]] = field(default_factory=dict, repr=False)
     _next_watcher: int = 0
+    _stranded: list[tuple[Any, Any]] = field(default_factory=list, repr=False)  # (group, future) abandoned by `wait`
     generation: int | None = None  # the generation whose group is recorded; None: disarmed
     tripped: bool = False
+    timeout: float = 1800.0  # s: the group's collective timeout (gloo fails a collective by then: `wait`'s bound)
 
     def arm(self, generation: int) -> None:
         """Start recording the group being built for `generation`: forget what was recorded before, clear a trip."""
         with self._lock:
             self._sockets, self._groups, self._watchers = {}, [], {}
             self.generation, self.tripped = generation, False
+            self._release_ended()
 
     def disarm(self) -> None:
         """Forget the group (it is being destroyed): a later trip must not touch descriptors reused since."""
         with self._lock:
             self._sockets, self._groups, self._watchers = {}, [], {}
             self.generation, self.tripped = None, False
+            self._release_ended()
+
+    @property
+    def stranded(self) -> int:
+        """Collectives abandoned by `wait` that gloo has not ended yet (each holds its group)."""
+        with self._lock:
+            self._release_ended()
+            return len(self._stranded)
+
+    def _release_ended(self) -> None:
+        self._stranded = [(group, future) for group, future in self._stranded if not future.done()]
 
     def watch(self, callback: Callable[[], None]) -> Callable[[], None]:
         """Call `callback` (quick, thread-safe: it runs on the thread that trips the fence) when the armed group is
@@ -152,6 +177,39 @@ class Fence:
         if not ok:
             raise value
         return value
+
+    def wait(self, work: Any, what: str, group: Any = None) -> None:
+        """Wait for `work` (a collective issued with async_op=True on the group this fence guards; `group`: that
+        group, None for the default one) and raise its error, if any. If the fence trips first, Abandoned at once,
+        naming `what`, and the work is kept with its group until gloo ends it (module docstring). Bounded: gloo
+        fails a collective at the group's timeout, and a work still pending `timeout` + WAIT_MARGIN s after the
+        call fails here as a broken collective. With NCCL (a group recorded to abort) the trip aborts the group,
+        which fails the wait itself: plain `work.wait()`."""
+        with self._lock:
+            nccl = bool(self._groups)
+        if nccl:
+            work.wait()
+            return
+        done = threading.Event()
+        future = work.get_future()
+        future.add_done_callback(lambda _: done.set())
+        stop = self.watch(done.set)
+        try:
+            done.wait(self.timeout + WAIT_MARGIN)
+        finally:
+            stop()
+        if future.done():  # (the work's own is_completed() may still say False at this moment)
+            work.wait()  # raises the collective's error, if it failed
+            return
+        import torch.distributed as dist
+
+        with self._lock:
+            self._stranded.append((dist.group.WORLD if group is None else group, future))
+        if self.tripped:
+            raise Abandoned(f"gloo: {what} abandoned: the group's connections were shut down (a new generation "
+                            "began, or a peer is gone)")
+        raise Abandoned(f"gloo: {what} still pending {self.timeout + WAIT_MARGIN:.0f} s after it began, past the "
+                        "group's timeout: the connection is taken for broken")
 
     def add_sockets(self, sockets: dict[int, int]) -> None:
         """Record sockets the group's build opened ({descriptor: inode}, from `opened_since`); if the fence has

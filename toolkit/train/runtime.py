@@ -212,7 +212,7 @@ class Runtime:
         self.generation: int | None = None
         self._channel: Channel | None = None
         self._store: Any = None
-        self._fence = Fence()
+        self._fence = Fence(timeout=timeout)
         self._progress_sock: socket.socket | None = None
         self._progress_lock = threading.Lock()  # progress comes from the training thread and the checkpoint writer
         self._progress_sent = 0.0

@@ -80,7 +80,7 @@ class Stopping:
         mine = 1 if self._stop.is_set() else 0
         if rt.world_size > 1:
             flag = torch.tensor([mine, proposal], dtype=torch.int64, device=rt.device)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            rt.fence.wait(dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True), "the stop agreement")
             anyone, agreed = bool(flag[0].item()), int(flag[1].item())
         else:
             anyone, agreed = bool(mine), proposal

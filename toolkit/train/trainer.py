@@ -211,7 +211,8 @@ class Trainer:
                     self._ckpt.save(self.step_count, self._state.capture)
                     self.manager.flush()
                     if self.rt.world_size > 1:
-                        dist.barrier()  # nobody says done while a peer may still need the state
+                        # nobody says done while a peer may still need the state
+                        self.rt.fence.wait(dist.barrier(async_op=True), "the final barrier")
                 break
             except GenerationChanged:
                 self._need_sync = True
