@@ -113,7 +113,9 @@ class TrainingState:
         """Collective: agree on the source (`choose_source`) and give its state to every rank not holding it;
         returns once every rank holds it. `step`: the step this rank holds (meaningful when `live`)."""
         table = self._gather([step if self.live else -1, int(self.pristine)])
-        found = self.manager.agree(device=self.rt.device) if all(held < 0 for held, _ in table) else None  # collective
+        found = None
+        if all(held < 0 for held, _ in table):  # collective
+            found = self.manager.agree(device=self.rt.device, fence=self.rt.fence)
         source = choose_source(table, None if found is None else (found.step, found.source))
         if source.kind == FROM_CHECKPOINT and self.rt.rank == source.rank:
             step = self.restore(self.manager.load(source.reached))

@@ -299,13 +299,18 @@ def choose(rows: list[list[int]]) -> Choice | None:
     return best
 
 
-def _gather(row: list[int], group: Any, device: torch.device | None) -> list[list[int]]:
-    """Every rank's row (all of the same length), in rank order, as int64 tensors: nothing unpickled."""
+def _gather(row: list[int], group: Any, device: torch.device | None, fence: Any = None) -> list[list[int]]:
+    """Every rank's row (all of the same length), in rank order, as int64 tensors: nothing unpickled. `fence`
+    (toolkit.train.fence.Fence, optional): waited on through it, so that a new generation ends the wait."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
         return [row]
     mine = torch.tensor(row, dtype=torch.int64, device=device or torch.device("cpu"))
     every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(every, mine, group=group)
+    work = dist.all_gather(every, mine, group=group, async_op=True)
+    if fence is None:
+        work.wait()
+    else:
+        fence.wait(work, "the agreement on the newest checkpoint", group)
     return [[int(v) for v in t.tolist()] for t in every]
 
 
@@ -459,9 +464,10 @@ class CheckpointManager:
                 log.warning("%s; falling back to the previous checkpoint", e)
         return None
 
-    def agree(self, group: Any = None, device: torch.device | None = None) -> Choice | None:
+    def agree(self, group: Any = None, device: torch.device | None = None, fence: Any = None) -> Choice | None:
         """Collective over ``group`` (every rank calls it; the default group, or none for one process): the newest
         step whose copy is complete and authentic on some host, and the rank that reads it (module docstring).
+        ``fence``: the group's toolkit.train.fence.Fence, if any (a new generation then ends the wait).
         Each rank verifies its share of its host's files; files that fail are moved to ``refused/`` and parts
         newer than the choice are removed, each named in a log line. None: no host has a copy (a fresh start)."""
         listing = self.dir.listing()
@@ -469,7 +475,7 @@ class CheckpointManager:
         steps = sorted(vouched, reverse=True)[:MAX_CANDIDATES]
         p = self.placement
         row = [p.key, p.local_rank, p.local_world, *steps, *[-1] * (MAX_CANDIDATES - len(steps))]
-        choice = choose(_gather(row, group, device))
+        choice = choose(_gather(row, group, device, fence))
         self.dir.tidy(listing, failed, None if choice is None else choice.step, self._writes)
         return choice
 
