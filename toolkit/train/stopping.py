@@ -169,9 +169,10 @@ class PeerLossWatch:
                     continue
                 answered = True
                 if self._fence.wait_hangup(HANGUP_WINDOW) and self._claim():
-                    shut = self._fence.abandon(self._generation)
+                    # Said first: the abandon wakes the main thread, which may leave (os._exit) before a line after it.
                     print(f"rank {self._rank}: SIGTERM from the launcher with a peer's connection closed: the peer is "
-                          f"gone, the group is abandoned ({shut} connections shut down)", file=sys.stderr, flush=True)
+                          "gone, the group is abandoned", file=sys.stderr, flush=True)
+                    self._fence.abandon(self._generation)
         finally:
             os.close(wake_read)
 
