@@ -53,6 +53,11 @@ class Abandoned(RuntimeError):
     it. Its text names gloo and the connection, as a collective's failure does, so that the runtime treats it as
     one."""
 
+    @classmethod
+    def during(cls, what: str) -> "Abandoned":
+        return cls(f"gloo: {what} abandoned: the group's connections were shut down (a new generation began, or a "
+                   "peer is gone)")
+
 FD_DIR = "/proc/self/fd"
 
 
@@ -171,8 +176,7 @@ class Fence:
         finally:
             stop()
         if not out:
-            raise Abandoned(f"gloo: {what} abandoned: the group's connections were shut down (a new generation "
-                            "began, or a peer is gone)")
+            raise Abandoned.during(what)
         ok, value = out[0]
         if not ok:
             raise value
@@ -206,8 +210,7 @@ class Fence:
         with self._lock:
             self._stranded.append((dist.group.WORLD if group is None else group, future))
         if self.tripped:
-            raise Abandoned(f"gloo: {what} abandoned: the group's connections were shut down (a new generation "
-                            "began, or a peer is gone)")
+            raise Abandoned.during(what)
         raise Abandoned(f"gloo: {what} still pending {self.timeout + WAIT_MARGIN:.0f} s after it began, past the "
                         "group's timeout: the connection is taken for broken")
 
