@@ -219,6 +219,20 @@ ROUNDS = [
 ]
 
 
+def round_evidence(job: LocalJob, launches: dict[int, int]) -> str:
+    """A round's evidence, root cause first: each signalled rank's incarnation of the round and the one after it
+    (without the loss lines), then the agent's log, then the usual tails."""
+    parts = []
+    for r, launch in launches.items():
+        runs = incarnations(job.log(f"worker_{r}.log"))
+        for i in (launch, launch + 1):
+            text = runs[i] if i < len(runs) else "(not started)"
+            kept = [line for line in text.splitlines() if " loss is " not in line]
+            parts.append(f"--- worker_{r}.log, incarnation {i}\n" + "\n".join(kept[-60:]))
+    parts.append("--- agent.log (last 40 lines)\n" + "\n".join(job.log("agent.log").splitlines()[-40:]))
+    return "\n".join(parts) + "\n" + job.evidence()
+
+
 def sigterm_plan(events: str) -> tuple[dict[str, Any], list[dict[int, int]]]:
     """The plan of ROUNDS for sigterm_worker.py, and each round's incarnation (launch) of every signalled rank."""
     launch = {0: 0, 1: 0}
@@ -267,7 +281,7 @@ def test_sigterm_in_every_order_saves_the_agreed_step_on_every_rank_and_loses_no
                 said = until(f"round {n + 1}: rank {r}'s last words",
                              lambda r=r, launch=launch: [int(m.group(2)) for m in LAST_WORDS.finditer(
                                  (incarnations(first.log(f"worker_{r}.log")) + [""] * 9)[launch])], JOB_TIMEOUT,
-                             first.evidence)
+                             lambda launches=launches: round_evidence(first, launches))
                 assert said == [step], f"round {n + 1} ({arm}, {points}): rank {r} said {said}\n{first.evidence()}"
                 parts = list(ckpt.glob(f"host_*/step_{step:012d}.p{r}of{world}.ckpt"))  # its share of the copy
                 assert len(parts) == 1, f"round {n + 1}: rank {r}: {sorted(ckpt.rglob('*'))}"

@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from toolkit.protocol import EXIT_FATAL
+from toolkit.train import log
 from toolkit.train.runtime import GenerationChanged, Runtime
 
 INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64, 16: torch.int64}
@@ -67,14 +68,14 @@ class DivergenceCheck:
             with (guard or rt.guard)():
                 rt.fence.wait(dist.all_gather(every, mine, async_op=True), "the divergence check")
         except GenerationChanged as e:
-            print(f"rank {rt.rank}: generation {rt.generation} -> {e.new} at step {step} (between two steps: "
-                  "nothing in flight): re-forming the group", flush=True)
+            log.line(f"rank {rt.rank}: generation {rt.generation} -> {e.new} at step {step} (between two steps: "
+                     "nothing in flight): re-forming the group")
             return False
         table = [[int(v) for v in t.tolist()] for t in every]
         line = verdict(table, self.since if self.since is not None else step, step)
         if line is None:
             return True
-        print(f"rank {rt.rank}: {line}", file=sys.stderr, flush=True)
+        log.line(f"rank {rt.rank}: {line}", sys.stderr)
         sys.stdout.flush()
         os._exit(EXIT_FATAL)  # not SystemExit: the script must not go on, nor catch it and save a checkpoint
 

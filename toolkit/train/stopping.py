@@ -16,6 +16,7 @@ from typing import Any, Callable, Iterator, NoReturn
 import torch
 import torch.distributed as dist
 
+from toolkit.train import log
 from toolkit.train.checkpoint import CheckpointManager
 from toolkit.train.faults import first_line
 from toolkit.train.fence import Fence
@@ -152,8 +153,8 @@ class PeerLossWatch:
             signal.set_wakeup_fd(previous)
             os.close(wake_read)
             os.close(wake_write)
-            print(f"rank {rank}: signal.set_wakeup_fd is taken (an asyncio loop?): a survivor blocked in a collective "
-                  "when torchrun stops it waits for torchrun's SIGKILL", file=sys.stderr, flush=True)
+            log.line(f"rank {rank}: signal.set_wakeup_fd is taken (an asyncio loop?): a survivor blocked in a "
+                     "collective when torchrun stops it waits for torchrun's SIGKILL", sys.stderr)
             return None
         watch = cls(fence, generation, rank, claim, wake_write)
         threading.Thread(target=watch._run, args=(wake_read,), name="toolkit-peer-loss", daemon=True).start()
@@ -170,8 +171,8 @@ class PeerLossWatch:
                 answered = True
                 if self._fence.wait_hangup(HANGUP_WINDOW) and self._claim():
                     # Said first: the abandon wakes the main thread, which may leave (os._exit) before a line after it.
-                    print(f"rank {self._rank}: SIGTERM from the launcher with a peer's connection closed: the peer is "
-                          "gone, the group is abandoned", file=sys.stderr, flush=True)
+                    log.line(f"rank {self._rank}: SIGTERM from the launcher with a peer's connection closed: the "
+                             "peer is gone, the group is abandoned", sys.stderr)
                     self._fence.abandon(self._generation)
         finally:
             os.close(wake_read)
@@ -196,8 +197,8 @@ def end_for_restart(manager: CheckpointManager, rank: int, why: str) -> NoReturn
     try:
         manager.flush()
     except Exception as e:  # noqa: BLE001 - the restart resumes from the newest checkpoint that is whole
-        print(f"rank {rank}: the checkpoint in flight was not saved: {first_line(e)}", file=sys.stderr)
-    print(why, file=sys.stderr, flush=True)
+        log.line(f"rank {rank}: the checkpoint in flight was not saved: {first_line(e)}", sys.stderr)
+    log.line(why, sys.stderr)
     sys.stdout.flush()
     os._exit(EXIT_PEER_LOST)
 
@@ -208,7 +209,6 @@ def _install_sigterm(handler: Any) -> Any:
     if threading.current_thread() is not threading.main_thread():
         return None
     if signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, None):
-        print("toolkit.train.Trainer: SIGTERM already has a handler: no last-words checkpoint", file=sys.stderr,
-              flush=True)
+        log.line("toolkit.train.Trainer: SIGTERM already has a handler: no last-words checkpoint", sys.stderr)
         return None
     return signal.signal(signal.SIGTERM, handler)

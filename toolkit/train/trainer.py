@@ -54,7 +54,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from toolkit.train import checkpoint, interval
+from toolkit.train import checkpoint, interval, log
 from toolkit.train.agreement import FROM_CHECKPOINT, FROM_INITIAL, FROM_PEER, TrainingState, recomputed_steps
 from toolkit.train.checkpointing import Checkpointing, manager_for, parse_every
 from toolkit.train.ddpmodel import GroupModel
@@ -249,10 +249,10 @@ class Trainer:
         self._need_sync = True
         how = 'the step was complete here' if kept else 'the step in flight is redone'
         if generation is None:
-            print(f"rank {self.rt.rank}: the group broke at step {self.step_count} ({how})", flush=True)
+            log.line(f"rank {self.rt.rank}: the group broke at step {self.step_count} ({how})")
         else:
-            print(f"rank {self.rt.rank}: generation {self.rt.generation} -> {generation} at step {self.step_count} "
-                  f"({how}): re-forming the group", flush=True)
+            log.line(f"rank {self.rt.rank}: generation {self.rt.generation} -> {generation} at step {self.step_count} "
+                     f"({how}): re-forming the group")
         if self._stopping.requested and self.rt.mode == MODE_TOOLKIT:
             self._last_words()
 
@@ -318,13 +318,13 @@ class Trainer:
         what = {FROM_PEER: f"rank {agreed.origin}'s memory", FROM_CHECKPOINT: f"rank {agreed.origin}'s checkpoint",
                 FROM_INITIAL: "the initial state"}[source]
         if source == FROM_INITIAL:
-            print(f"rank {self.rt.rank}: starting fresh", flush=True)
+            log.line(f"rank {self.rt.rank}: starting fresh")
         else:
             epoch, batch = self.position.where(self.step_count)
             tail = f": {recomputed} step(s) recomputed" if recomputed >= 0 else ""
-            print(f"rank {self.rt.rank}: resumed from step {self.step_count} (epoch {epoch}, batch {batch} of "
-                  f"{self.position.per_epoch}) out of {what} in {seconds:.2f} s ({agreed.nbytes / 1e6:.2f} MB), "
-                  f"generation {self.rt.generation}{tail}", flush=True)
+            log.line(f"rank {self.rt.rank}: resumed from step {self.step_count} (epoch {epoch}, batch {batch} of "
+                     f"{self.position.per_epoch}) out of {what} in {seconds:.2f} s ({agreed.nbytes / 1e6:.2f} MB), "
+                     f"generation {self.rt.generation}{tail}")
 
     # -- SIGTERM
 
@@ -347,8 +347,8 @@ class Trainer:
         self.manager.flush()
         if leaving or self._stopping.requested:
             self._last_words()
-        print(f"rank {self.rt.rank}: a peer stops by SIGTERM at step {self.step_count}, checkpoint saved; training "
-              "goes on", flush=True)
+        log.line(f"rank {self.rt.rank}: a peer stops by SIGTERM at step {self.step_count}, checkpoint saved; training "
+                 "goes on")
 
     def _last_words(self) -> NoReturn:
         """Leave on SIGTERM: the state this rank holds saved (once: its share of the host's copy, whole when the
@@ -360,10 +360,9 @@ class Trainer:
         if self._state.live:
             self._ckpt.save(self.step_count, self._state.capture)
             self.manager.flush()
-            print(f"rank {self.rt.rank}: stopped by SIGTERM at step {self.step_count}, checkpoint saved", flush=True)
+            log.line(f"rank {self.rt.rank}: stopped by SIGTERM at step {self.step_count}, checkpoint saved")
         else:
-            print(f"rank {self.rt.rank}: stopped by SIGTERM before it held a training state: nothing to save",
-                  flush=True)
+            log.line(f"rank {self.rt.rank}: stopped by SIGTERM before it held a training state: nothing to save")
         self.close()
         raise Terminated(EXIT_TERMINATED if self.rt.mode == MODE_TOOLKIT else 0)
 

@@ -45,7 +45,7 @@ import torch.distributed as dist
 
 from toolkit import envvars, protocol
 from toolkit.errors import UserError
-from toolkit.train import progress
+from toolkit.train import log, progress
 from toolkit.train import store as job_store
 from toolkit.train.channel import Channel, JobStopped
 from toolkit.train.faults import first_line, looks_collective
@@ -166,6 +166,7 @@ def run_script(argv: Sequence[str], env: dict[str, str] | None = None) -> int:
     if session is not None:
         session.install()
     sys.argv = list(argv)  # the script reads its own arguments, as under `python SCRIPT ARGS`
+    log.whole_lines()  # its prints and the control thread's lines share the log: none may tear another
     sys.path[0] = str(Path(script).resolve().parent)  # and imports its neighbours, as under `python SCRIPT`
     code, error = _run_path(script)
     if session is not None:
@@ -183,7 +184,7 @@ def _run_path(script: str) -> tuple[int, BaseException | None]:
             return 0, None
         if isinstance(e.code, int):
             return e.code, None
-        print(e.code, file=sys.stderr, flush=True)
+        log.line(str(e.code), sys.stderr)
         record_error(e)
         return 1, e
     except KeyboardInterrupt:
@@ -230,7 +231,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         code = run_script(sys.argv[1:] if argv is None else argv)
     except UserError as e:
-        print(f"toolkit.train: error: {e}", file=sys.stderr, flush=True)
+        log.line(f"toolkit.train: error: {e}", sys.stderr)
         return 2
     if code != 0:
         exit_now(code)
