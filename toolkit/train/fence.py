@@ -55,8 +55,10 @@ class Abandoned(RuntimeError):
 
     @classmethod
     def during(cls, what: str) -> "Abandoned":
+        """The error of a wait on `what` (a collective's name) that the trip ended."""
         return cls(f"gloo: {what} abandoned: the group's connections were shut down (a new generation began, or a "
                    "peer is gone)")
+
 
 FD_DIR = "/proc/self/fd"
 
