@@ -105,3 +105,17 @@ def test_the_scratch_is_one_buffer_reused_and_grown_for_the_largest_bucket() -> 
     assert scratch.buf is first and b[0].data_ptr() == first.data_ptr() and b[2].dtype == torch.float64
     scratch.take(4, 100, like)  # larger: grown once
     assert scratch.buf is not first and scratch.buf.numel() == 1600
+
+
+def test_the_trainers_wrapper_has_larger_buckets_for_the_ordered_reduction_on_gloo_and_the_user_decides_last() -> None:
+    """The bucket size the rank-ordered reduction is measured with (bench/bitwise_allreduce.py) is the one the
+    Trainer's DDP wrapper gets; NCCL and DDP's own allreduce keep DDP's default; the user's `ddp=` arguments win."""
+    from toolkit.train import determinism
+    from toolkit.train.ddpmodel import ddp_arguments
+
+    assert ddp_arguments({}, True, "gloo") == {"init_sync": False, "bucket_cap_mb": determinism.GLOO_BUCKET_MB}
+    assert determinism.GLOO_BUCKET_MB > 25  # DDP's default
+    assert ddp_arguments({}, True, "nccl") == {"init_sync": False}
+    assert ddp_arguments({}, False, "gloo") == {"init_sync": False}
+    assert ddp_arguments({"bucket_cap_mb": 10, "init_sync": True}, True, "gloo") == {"init_sync": True,
+                                                                                     "bucket_cap_mb": 10}

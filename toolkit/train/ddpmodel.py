@@ -70,9 +70,8 @@ class GroupModel:
         if rt.world_size == 1:
             self.current = self.module
             return
-        # Every rank holds the same state (agreement.py): DDP's own broadcast of it at construction is not needed.
         ddp = nn.parallel.DistributedDataParallel(self.module, process_group=rt.group,
-                                                  **{"init_sync": False, **self.ddp_args})
+                                                  **ddp_arguments(self.ddp_args, self.deterministic, rt.backend))
         if not self._wrapped:
             # The first DDP of a process imports torch._dynamo, whose import leaves cyclic garbage that refers to
             # the wrapper: collected now (young, ~1 ms) the wrapper is freed by drop() without a full collection.
@@ -97,6 +96,17 @@ class GroupModel:
             last - began if last is not None and last >= began else None)
         self.clock.since = ended
         return busy
+
+
+def ddp_arguments(user: Mapping[str, Any], deterministic: bool, backend: str) -> dict[str, Any]:
+    """The DistributedDataParallel arguments of a wrapper: the user's (`user`) over ours. Ours: no broadcast of the
+    state at construction (every rank holds the same state already, agreement.py), and for the rank-ordered
+    reduction on gloo DDP buckets of determinism.GLOO_BUCKET_MB (each bucket costs that reduction a fixed exchange;
+    see there)."""
+    ours: dict[str, Any] = {"init_sync": False}
+    if deterministic and backend == "gloo":
+        ours["bucket_cap_mb"] = determinism.GLOO_BUCKET_MB
+    return {**ours, **user}
 
 
 def _timed_hook(state, bucket):  # type: ignore[no-untyped-def]  # DDP rejects the annotations as strings

@@ -33,6 +33,11 @@ import torch.distributed as dist
 from toolkit.train.newmemory import unfilled
 
 CLOSE_WAIT = 10.0  # s for the reducer's thread to finish the buckets queued when its wrapper goes
+# DDP's bucket size (MB) for this reduction on gloo, where DDP's default is 25. Each bucket costs a fixed exchange
+# (its hand-over to the thread, two rounds of messages, the sum's wait for the last slice); fewer, larger buckets
+# pay it less often. Measured (bench/bitwise_allreduce.py, docs/benchmarks.md): at 25 MB 0.95-0.97x DDP's own
+# allreduce at world 3 and 4, at 50 MB 1.01-1.09x. Memory: the scratch holds one bucket. NCCL keeps DDP's default.
+GLOO_BUCKET_MB = 50.0
 
 
 def configure(threads: int = 1) -> None:
