@@ -6,7 +6,7 @@ Why: bitwise reproducibility across recoveries must not cost a slower job. The r
 ring allreduce moves (2(n-1)/n of the gradients per rank) instead of an all-gather's n-1 times; this measures
 whether it also keeps pace. Not a test: it prints medians and ratios (target: steps/s >= 0.95x, bytes <= 1.1x).
 
-    .venv/bin/python bench/bitwise_allreduce.py [--worlds 2,3,4] [--params 25] [--steps 10] [--rounds 3]
+    .venv/bin/python bench/bitwise_allreduce.py [--worlds 2,3,4] [--params 25] [--steps 10] [--rounds 3] [--bucket-mb 0]
 
 For each world size, that many processes (gloo over loopback, one thread each) train a stack of 1024x1024 Linear
 layers of about --params million parameters with SGD on a batch of --batch rows; each round builds three DDP
@@ -40,6 +40,7 @@ from toolkit.train import determinism
 from toolkit.train.ddpmodel import ddp_arguments
 
 rank, world, port, params, steps, rounds, batch = (int(a) for a in sys.argv[1:8])
+bucket_mb = float(sys.argv[8])
 torch.set_num_threads(1)
 store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=timedelta(seconds=600))
 dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=600))
@@ -53,7 +54,7 @@ def wchar():
     with open("/proc/self/io") as f:
         return next(int(line.split(":")[1]) for line in f if line.startswith("wchar"))
 
-ours = ddp_arguments({}, True, "gloo")
+ours = ddp_arguments({"bucket_cap_mb": bucket_mb} if bucket_mb else {}, True, "gloo")
 args = {"plain": {}, "plain_ours": {"bucket_cap_mb": ours["bucket_cap_mb"]}, "ordered": ours}
 res = {variant: [] for variant in args}
 for r in range(rounds):
@@ -86,7 +87,7 @@ dist.destroy_process_group()
 def measure(world: int, args: argparse.Namespace) -> dict:
     port = free_port()
     env = {"OMP_NUM_THREADS": "1", "PATH": os.environ.get("PATH", "/usr/bin")}
-    argv = [str(port), str(args.params), str(args.steps), str(args.rounds), str(args.batch)]
+    argv = [str(port), str(args.params), str(args.steps), str(args.rounds), str(args.batch), str(args.bucket_mb)]
     procs = [subprocess.Popen([sys.executable, "-c", WORKER, str(r), str(world), *argv], stdout=subprocess.PIPE,
                               text=True, env=env, cwd=ROOT) for r in range(world)]
     try:
@@ -108,6 +109,9 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=10, help="timed steps per wrapper and round")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--batch", type=int, default=32, help="rows per rank per step")
+    ap.add_argument("--bucket-mb", type=float, default=0.0,
+                    help="DDP bucket size of the second and third wrapper (0: the Trainer's for the rank-ordered "
+                         "reduction)")
     args = ap.parse_args()
     load = os.getloadavg()
     print(f"gloo over loopback, {os.cpu_count()} CPUs, load average {load[0]:.2f}; medians of {args.rounds} rounds "
