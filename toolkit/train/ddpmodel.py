@@ -14,6 +14,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from toolkit.train import determinism
+from toolkit.train.newmemory import no_fill
 from toolkit.train.runtime import Runtime
 
 
@@ -70,8 +71,9 @@ class GroupModel:
         if rt.world_size == 1:
             self.current = self.module
             return
-        ddp = nn.parallel.DistributedDataParallel(self.module, process_group=rt.group,
-                                                  **ddp_arguments(self.ddp_args, self.deterministic, rt.backend))
+        with no_fill():  # its buckets are written whole before they are read (newmemory.no_fill)
+            ddp = nn.parallel.DistributedDataParallel(self.module, process_group=rt.group,
+                                                      **ddp_arguments(self.ddp_args, self.deterministic, rt.backend))
         if not self._wrapped:
             # The first DDP of a process imports torch._dynamo, whose import leaves cyclic garbage that refers to
             # the wrapper: collected now (young, ~1 ms) the wrapper is freed by drop() without a full collection.
