@@ -35,8 +35,9 @@ from toolkit.train.newmemory import unfilled
 CLOSE_WAIT = 10.0  # s for the reducer's thread to finish the buckets queued when its wrapper goes
 # DDP's bucket size (MB) for this reduction on gloo, where DDP's default is 25. Each bucket costs a fixed exchange
 # (its hand-over to the thread, two rounds of messages, the sum's wait for the last slice); fewer, larger buckets
-# pay it less often. Measured (bench/bitwise_allreduce.py, docs/benchmarks.md): at 25 MB 0.95-0.97x DDP's own
-# allreduce at world 3 and 4, at 50 MB 1.01-1.09x. Memory: the scratch holds one bucket. NCCL keeps DDP's default.
+# pay it less often. Measured (bench/bitwise_allreduce.py, docs/benchmarks.md), steps/s over DDP's defaults at
+# world 3: 0.91-1.02x at 25 MB, 1.00-1.09x at 50 MB (a few percent, about this machine's run-to-run spread).
+# Memory: the scratch holds one bucket. NCCL keeps DDP's default.
 GLOO_BUCKET_MB = 50.0
 
 
