@@ -11,10 +11,10 @@ whether it also keeps pace. Not a test: it prints medians and ratios (target: st
 For each world size, that many processes (gloo over loopback, one thread each) train a stack of 1024x1024 Linear
 layers of about --params million parameters with SGD on a batch of --batch rows; each round builds three DDP
 wrappers, in rotating order: DDP's defaults (the target's reference), DDP's allreduce with the Trainer's bucket
-size for the rank-ordered reduction (where the rest of the difference comes from), and the rank-ordered hook as
-the Trainer builds it (toolkit.train.ddpmodel.ddp_arguments); each is timed over --steps steps (forward, backward,
-optimizer) after 2 warm-up steps. Bytes sent per step: what rank 0 wrote to its sockets
-(/proc/self/io wchar; gloo writes with writev), per step.
+size and gradients as bucket views for the rank-ordered reduction (where the rest of the difference comes from),
+and the rank-ordered hook as the Trainer builds it (toolkit.train.ddpmodel.ddp_arguments); each is timed over
+--steps steps (forward, backward, optimizer) after 2 warm-up steps. Bytes sent per step: what rank 0 wrote to its
+sockets (/proc/self/io wchar; gloo writes with writev), per step.
 """
 
 from __future__ import annotations
@@ -54,8 +54,9 @@ def wchar():
     with open("/proc/self/io") as f:
         return next(int(line.split(":")[1]) for line in f if line.startswith("wchar"))
 
-ours = ddp_arguments({"bucket_cap_mb": bucket_mb} if bucket_mb else {}, True, "gloo")
-args = {"plain": {}, "plain_ours": {"bucket_cap_mb": ours["bucket_cap_mb"]}, "ordered": ours}
+ours = ddp_arguments({"bucket_cap_mb_list": [bucket_mb]} if bucket_mb else {}, True, "gloo")
+args = {"plain": {}, "plain_ours": {k: ours[k] for k in ("bucket_cap_mb_list", "gradient_as_bucket_view")},
+        "ordered": ours}
 res = {variant: [] for variant in args}
 for r in range(rounds):
     for variant in [list(args)[(r + j) % len(args)] for j in range(len(args))]:
@@ -77,7 +78,8 @@ for r in range(rounds):
             reducer.close()
         del ddp
 if rank == 0:
-    print(json.dumps({"params": sum(p.numel() for p in model.parameters()), "bucket_mb": ours["bucket_cap_mb"], **{
+    print(json.dumps({"params": sum(p.numel() for p in model.parameters()),
+                      "bucket_mb": ours["bucket_cap_mb_list"][0], **{
         k: {"steps_per_s": statistics.median(s for s, _ in v), "bytes": statistics.median(b for _, b in v)}
         for k, v in res.items()}}), flush=True)
 dist.destroy_process_group()

@@ -33,6 +33,7 @@ import torch.distributed as dist
 from torch import nn
 
 from toolkit.train import determinism
+from toolkit.train.ddpmodel import ddp_arguments
 from toolkit.train.fence import Fence
 
 
@@ -64,13 +65,21 @@ def ordered_mean(grads: list[torch.Tensor], world: int) -> list[torch.Tensor]:
     return out
 
 
-def ddp_grads(rank: int, its: int, bucket_mb: float | None, ordered: bool) -> tuple[list[list[torch.Tensor]], int]:
+def ddp_grads(rank: int, its: int, kwargs: dict, ordered: bool) -> tuple[list[list[torch.Tensor]], int, list[int]]:
+    """Each iteration's gradients of DDP built with `kwargs` (with the rank-ordered hook if `ordered`), the bytes
+    sent per iteration, and the buckets each iteration reduced."""
     m = model()
-    kwargs = {} if bucket_mb is None else {"bucket_cap_mb": bucket_mb}
     ddp = nn.parallel.DistributedDataParallel(m, **kwargs)
     reducer = determinism.OrderedReducer(None) if ordered else None
+    buckets = [0] * its
+    it = 0
+
+    def counted(state, bucket):  # type: ignore[no-untyped-def]  # DDP rejects string annotations
+        buckets[it] += 1
+        return determinism.ordered_allreduce_hook(state, bucket)
+
     if reducer is not None:
-        ddp.register_comm_hook(reducer, determinism.ordered_allreduce_hook)
+        ddp.register_comm_hook(reducer, counted)
     out = []
     written = 0
     for it in range(its):
@@ -81,7 +90,7 @@ def ddp_grads(rank: int, its: int, bucket_mb: float | None, ordered: bool) -> tu
         out.append([p.grad.clone() for p in m.parameters()])
     if reducer is not None:
         reducer.close()
-    return out, written // its
+    return out, written // its, buckets
 
 
 def sent_bytes() -> int:
@@ -159,16 +168,20 @@ def main() -> None:
     if sys.argv[4:] == ["midway"]:
         midway(rank)
     refs = [ordered_mean(local_grads(rank, it), world) for it in range(2)]
-    big, ordered_bytes = ddp_grads(rank, 2, None, True)
-    small, _ = ddp_grads(rank, 2, 0.001, True)  # a bucket per parameter or so
-    plain, plain_bytes = ddp_grads(rank, 2, None, False)
+    big, ordered_bytes, _ = ddp_grads(rank, 2, {}, True)
+    small, _, _ = ddp_grads(rank, 2, {"bucket_cap_mb": 0.001}, True)  # a bucket per parameter or so
+    # as the Trainer builds it (bucket sizes from the first iteration, gradients as views of the buckets), small
+    trainers, _, trainers_buckets = ddp_grads(rank, 2, ddp_arguments({"bucket_cap_mb_list": [0.01]}, True, "gloo"),
+                                              True)
+    plain, plain_bytes, _ = ddp_grads(rank, 2, {}, False)
 
     def same(a: list[list[torch.Tensor]]) -> list[bool]:
         return [all(torch.equal(x, y) for x, y in zip(a[it], refs[it], strict=True)) for it in range(2)]
 
     diff = max(float((x - y).abs().max()) for it in range(2) for x, y in zip(plain[it], refs[it], strict=True))
     scale = max(float(y.abs().max()) for it in range(2) for y in refs[it])
-    print(json.dumps({"rank": rank, "one_bucket": same(big), "many_buckets": same(small), "plain_diff": diff,
+    print(json.dumps({"rank": rank, "one_bucket": same(big), "many_buckets": same(small), "trainers": same(trainers),
+                      "trainers_buckets": trainers_buckets, "plain_diff": diff,
                       "scale": scale, "ordered_bytes": ordered_bytes, "plain_bytes": plain_bytes,
                       "grad_bytes": sum(g.numel() * 4 for g in refs[0])}), flush=True)
     dist.destroy_process_group()

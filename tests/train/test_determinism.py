@@ -50,6 +50,10 @@ def test_the_ordered_mean_is_layout_independent_and_close_to_a_plain_allreduce(n
         # bucket or many: the bucket layout does not enter the arithmetic.
         assert row["one_bucket"] == [True, True], row
         assert row["many_buckets"] == [True, True], row
+        # The Trainer's wrapper: its bucket size from the first iteration on (several buckets there, where DDP's
+        # default has one), gradients as views of the buckets; the same bits.
+        assert row["trainers"] == [True, True], row
+        assert row["trainers_buckets"][0] > 1, row
         # DDP's own allreduce adds in another order: close, not necessarily equal.
         assert row["plain_diff"] <= 1e-5 * row["scale"], row
         # A ring allreduce's traffic: 2(n-1)/n of the gradients each way, as DDP's own (not n-1 times).
@@ -107,15 +111,20 @@ def test_the_scratch_is_one_buffer_reused_and_grown_for_the_largest_bucket() -> 
     assert scratch.buf is not first and scratch.buf.numel() == 1600
 
 
-def test_the_trainers_wrapper_has_larger_buckets_for_the_ordered_reduction_on_gloo_and_the_user_decides_last() -> None:
+def test_the_trainers_ordered_reduction_wrapper_has_its_buckets_from_the_start_and_the_user_decides_last() -> None:
     """The bucket size the rank-ordered reduction is measured with (bench/bitwise_allreduce.py) is the one the
-    Trainer's DDP wrapper gets; NCCL and DDP's own allreduce keep DDP's default; the user's `ddp=` arguments win."""
+    Trainer's DDP wrapper gets, as a list (DDP then lays its buckets out from the first iteration, not one bucket for
+    all), with gradients as views of the buckets; NCCL and DDP's own allreduce keep DDP's defaults; the user's `ddp=`
+    arguments win, and a bucket size of the user's, either way given, replaces ours."""
     from toolkit.train import determinism
     from toolkit.train.ddpmodel import ddp_arguments
 
-    assert ddp_arguments({}, True, "gloo") == {"init_sync": False, "bucket_cap_mb": determinism.GLOO_BUCKET_MB}
+    assert ddp_arguments({}, True, "gloo") == {"init_sync": False, "bucket_cap_mb_list": [determinism.GLOO_BUCKET_MB],
+                                               "gradient_as_bucket_view": True}
     assert determinism.GLOO_BUCKET_MB > 25  # DDP's default
     assert ddp_arguments({}, True, "nccl") == {"init_sync": False}
     assert ddp_arguments({}, False, "gloo") == {"init_sync": False}
-    assert ddp_arguments({"bucket_cap_mb": 10, "init_sync": True}, True, "gloo") == {"init_sync": True,
-                                                                                     "bucket_cap_mb": 10}
+    assert ddp_arguments({"bucket_cap_mb": 10, "init_sync": True, "gradient_as_bucket_view": False}, True, "gloo") == \
+        {"init_sync": True, "bucket_cap_mb": 10, "gradient_as_bucket_view": False}
+    assert ddp_arguments({"bucket_cap_mb_list": [5, 10]}, True, "gloo") == {
+        "init_sync": False, "bucket_cap_mb_list": [5, 10], "gradient_as_bucket_view": True}

@@ -54,7 +54,14 @@ class GroupModel:
     def drop(self) -> None:
         """Let go of the DDP wrapper of the broken group: its reducer holds that group and hooks the parameters,
         so it must be gone before the next one is built. Dropping the last reference frees it at once; a full
-        gc.collect() (0.25-0.42 s in a process with a DataLoader, measured) runs only if something still holds it."""
+        gc.collect() (0.25-0.42 s in a process with a DataLoader, measured) runs only if something still holds it.
+
+        The gradients go too, so that every rank of the next group starts without: a replacement has none, and a
+        survivor's are those of a step abandoned (partial, redone from its start) or complete (applied already);
+        kept, the next backward of a script that clears them after its optimizer step would add to them, and the
+        ranks would differ. (They may also be views of the old wrapper's buckets, which they would keep alive.)"""
+        for p in self.module.parameters():
+            p.grad = None
         ddp, self.current = self.current, None
         inner, self.clock.state = self.clock.state, None
         if isinstance(inner, determinism.OrderedReducer):
@@ -102,12 +109,24 @@ class GroupModel:
 
 def ddp_arguments(user: Mapping[str, Any], deterministic: bool, backend: str) -> dict[str, Any]:
     """The DistributedDataParallel arguments of a wrapper: the user's (`user`) over ours. Ours: no broadcast of the
-    state at construction (every rank holds the same state already, agreement.py), and for the rank-ordered
-    reduction on gloo DDP buckets of determinism.GLOO_BUCKET_MB (each bucket costs that reduction a fixed exchange;
-    see there)."""
+    state at construction (every rank holds the same state already, agreement.py); for the rank-ordered reduction
+    on gloo, buckets of determinism.GLOO_BUCKET_MB (each bucket costs that reduction a fixed exchange; see there)
+    from the wrapper's first step, and gradients that are views of the buckets.
+
+    Why from the first step: every recovery builds a new wrapper, and DDP's default puts all the gradients in one
+    bucket for a wrapper's first backward (its order of readiness is not known yet), so the step redone after a
+    fault would reduce nothing until its whole backward is done. A bucket size given as a list is used from the
+    start, in the parameters' reverse order, then rebuilt in the order seen. DDP holds back its initial layout
+    because a bucket launched early could meet another collective of the backward on another rank; the rank-ordered
+    reduction's messages are tagged point-to-point messages of its own thread, which no collective can match.
+    Why views: no copy of each gradient into its bucket and back each step, and no second set of gradient memory
+    to fault in after a recovery. Measured (bench/recovery_at_size.py, docs/benchmarks.md): the step redone after a
+    kill at the 670 MB size ..."""
     ours: dict[str, Any] = {"init_sync": False}
     if deterministic and backend == "gloo":
-        ours["bucket_cap_mb"] = determinism.GLOO_BUCKET_MB
+        if "bucket_cap_mb" not in user and "bucket_cap_mb_list" not in user:
+            ours["bucket_cap_mb_list"] = [determinism.GLOO_BUCKET_MB]
+        ours["gradient_as_bucket_view"] = True
     return {**ours, **user}
 
 

@@ -38,7 +38,7 @@ CLOSE_WAIT = 10.0  # s for the reducer's thread to finish the buckets queued whe
 # pay it less often. Measured (bench/bitwise_allreduce.py, docs/benchmarks.md), steps/s over DDP's defaults at
 # world 3: 0.91-1.02x at 25 MB, 1.00-1.09x at 50 MB (a few percent, about this machine's run-to-run spread).
 # Memory: the scratch holds one bucket. NCCL keeps DDP's default.
-GLOO_BUCKET_MB = 50.0
+GLOO_BUCKET_MB = 50
 
 
 def configure(threads: int = 1) -> None:
