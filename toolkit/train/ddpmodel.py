@@ -122,7 +122,7 @@ def ddp_arguments(user: Mapping[str, Any], deterministic: bool, backend: str) ->
     Why views: no copy of each gradient into its bucket and back each step, and no second set of gradient memory
     to fault in after a recovery. Measured at the 670 MB size (bench/recovery_at_size.py, docs/benchmarks.md): the
     step redone after a kill took 1.1-1.4 s where a step takes 0.75 s, 0.86-0.92 s with both; MTTR p50 1.82-1.88 s
-    before, 1.43-1.48 s after."""
+    before, 1.43-1.51 s after."""
     ours: dict[str, Any] = {"init_sync": False}
     if deterministic and backend == "gloo":
         if "bucket_cap_mb" not in user and "bucket_cap_mb_list" not in user:
