@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 
 import torch
 
@@ -67,30 +70,42 @@ def test_no_fill_lifts_the_fill_within_and_restores_it_after_even_on_error() -> 
     assert fresh.numel() == filled.numel()
 
 
-def test_a_ddp_built_without_the_fill_reduces_its_gradients_exactly(new_port) -> None:
+DDP_CHILD = """
+import json, os
+import torch
+import torch.distributed as dist
+from torch import nn
+from toolkit.train.newmemory import no_fill
+
+torch.use_deterministic_algorithms(True)
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8))
+alone = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8))
+alone.load_state_dict(model.state_dict())
+with no_fill():
+    ddp = nn.parallel.DistributedDataParallel(model, init_sync=False, bucket_cap_mb=0.01)
+x = torch.randn(16, 64)
+ddp(x).square().mean().backward()
+alone(x).square().mean().backward()
+pairs = list(zip(model.named_parameters(), alone.parameters(), strict=True))
+print(json.dumps({"compared": len(pairs), "differ": [n for (n, p), q in pairs if not torch.equal(p.grad, q.grad)]}),
+      flush=True)
+os._exit(0)
+"""
+CHILD_TIMEOUT = 120.0  # s on a loaded machine; normally ~3 s
+
+
+def test_a_ddp_built_without_the_fill_reduces_its_gradients_exactly() -> None:
     """Why no_fill is safe around DDP's construction (toolkit.train.ddpmodel): its gradient buckets are written whole
     before they are read, so a step gives the bits of the same model without DDP, in deterministic mode, where a
-    read of unwritten memory would not. A world of one over gloo; the bitwise runs across kills are
-    test_zero_loss.py's."""
-    import torch.distributed as dist
-    from torch import nn
-
-    was = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True)
-    store = dist.TCPStore("127.0.0.1", new_port(), 1, True)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    try:
-        torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8))
-        alone = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8))
-        alone.load_state_dict(model.state_dict())
-        with no_fill():
-            ddp = nn.parallel.DistributedDataParallel(model, init_sync=False, bucket_cap_mb=0.01)
-        x = torch.randn(16, 64)
-        ddp(x).square().mean().backward()
-        alone(x).square().mean().backward()
-        for (name, p), q in zip(model.named_parameters(), alone.parameters(), strict=True):
-            assert torch.equal(p.grad, q.grad), name
-    finally:
-        dist.destroy_process_group()
-        torch.use_deterministic_algorithms(was)
+    read of unwritten memory would not. A world of one over gloo, in a process of its own that leaves with
+    os._exit: freeing a gloo group joins its threads with the GIL held, and one of them may be freeing a work
+    launched in a backward, which holds a Python object (torch 2.13 stashes the backward's context in the
+    thread-local state a work captures) and needs the GIL: freed in the test's process that hung it once. The
+    bitwise runs across kills are test_zero_loss.py's."""
+    done = subprocess.run([sys.executable, "-c", DDP_CHILD], capture_output=True, text=True, timeout=CHILD_TIMEOUT,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    row = json.loads(done.stdout.strip().splitlines()[-1])
+    assert row == {"compared": 4, "differ": []}, row
