@@ -102,7 +102,7 @@ def test_a_ddp_built_without_the_fill_reduces_its_gradients_exactly() -> None:
     read of unwritten memory would not. A world of one over gloo, in a process of its own that leaves with
     os._exit: freeing a gloo group joins its threads with the GIL held, and one of them may be freeing a work
     launched in a backward, which holds a Python object (torch 2.13 stashes the backward's context in the
-    thread-local state a work captures) and needs the GIL: freed in the test's process that hung it once. The
+    thread-local state a work captures) and needs the GIL. Run in the test's own process, that hung it once. The
     bitwise runs across kills are test_zero_loss.py's."""
     done = subprocess.run([sys.executable, "-c", DDP_CHILD], capture_output=True, text=True, timeout=CHILD_TIMEOUT,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})

@@ -36,7 +36,8 @@ CLOSE_WAIT = 10.0  # s for the reducer's thread to finish the buckets queued whe
 # DDP's bucket size (MB) for this reduction on gloo, where DDP's default is 25. Each bucket costs a fixed exchange
 # (its hand-over to the thread, two rounds of messages, the sum's wait for the last slice); fewer, larger buckets
 # pay it less often. Measured (bench/bitwise_allreduce.py, docs/benchmarks.md), steps/s over DDP's defaults at
-# world 3: 0.91-1.02x at 25 MB, 1.00-1.09x at 50 MB (a few percent, about this machine's run-to-run spread).
+# world 3: 0.91-1.02x at 25 MB, 1.00-1.09x at 50 MB (a few percent, about this machine's run-to-run spread), both
+# with gradients copied into the buckets; as views of them (ddpmodel.ddp_arguments) 1.14x.
 # Memory: the scratch holds one bucket. NCCL keeps DDP's default.
 GLOO_BUCKET_MB = 50
 
