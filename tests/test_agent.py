@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import re
 import shlex
 import signal
 import socket
@@ -678,6 +679,11 @@ def test_warm_spare_takes_a_dead_workers_place(make_job):
     doc = job.wait_doc(lambda d: d["warm_spare"]["ready"], timeout=120)  # it imports torch: seconds
     spare = doc["warm_spare"]["pid"]
     assert os.sched_getscheduler(spare) == os.SCHED_IDLE  # waiting, it takes only CPU the workers leave
+    # told the memory of the largest running worker, which it faults in ahead beyond its own (none here: the workers
+    # hold less than the spare's imports)
+    held = re.search(rf"warm spare pid {spare} starting \(.*; a worker holds (\d+) MB of private memory\)",
+                     job.agent_log())
+    assert held and int(held.group(1)) >= 1
     os.kill(first["worker_0"]["pid"], signal.SIGKILL)
     again = job.events.next()
     assert again["pid"] == spare and again["warm"]  # the spare, with torch and DDP's imports done

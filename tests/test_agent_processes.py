@@ -42,7 +42,7 @@ class Rig:
         self.timers = Timers(self.clock)
         log = AgentLog(tmp_path / "logs" / "agent.log", "h")
         warm = WarmSpare(self.spec, self.sel, self.timers, log, {}, template=lambda: procs[0], cold=list,
-                         closing=lambda: self.closing, changed=self.changed)
+                         memory=lambda: 0, closing=lambda: self.closing, changed=self.changed)
         self.reports: list[tuple[str, dict[str, Any]]] = []
         self.finished: list[tuple[str, str | None]] = []
         self.writes, self.closing = 0, False

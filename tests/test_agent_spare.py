@@ -5,6 +5,7 @@ interpreter does not exist), as a broken environment's would; one test runs a re
 
 from __future__ import annotations
 
+import os
 import select
 import selectors
 import signal
@@ -21,6 +22,7 @@ from toolkit.agent.timers import Timers
 from toolkit.agent.warmspare import SPARE_DELAY, SPARE_MAX_FAILURES, Step, early_start, next_step
 from toolkit.agentdoc import WarmSpareDoc
 from toolkit.hostspec import HostSpec, ProcSpec, RestartPolicy
+from toolkit.standby import prefault_size, private_bytes
 from toolkit.testing.clock import FakeClock
 
 BOUND = 30.0  # s of real time a spare may take to die on a loaded machine
@@ -59,11 +61,12 @@ class Rig:
         self.timers = Timers(self.clock)
         self.closing = closing
         self.cold: list[float] = []  # launch times of workers started cold that have not progressed
+        self.memory = 0  # bytes of private memory the largest worker holds
         self.writes = 0
         log = AgentLog(tmp_path / "logs" / "agent.log", "h")
         self.warm = WarmSpare(self.spec, self.sel, self.timers, log, {"PATH": "/usr/bin:/bin"},
-                              template=lambda: worker, cold=lambda: self.cold, closing=lambda: self.closing,
-                              changed=self.changed)
+                              template=lambda: worker, cold=lambda: self.cold, memory=lambda: self.memory,
+                              closing=lambda: self.closing, changed=self.changed)
 
     def changed(self) -> None:
         self.writes += 1
@@ -177,3 +180,66 @@ def wait_state(pid: int, want: Callable[[str], bool]) -> bool:
             return True
         time.sleep(0.05)
     return False
+
+
+def test_prefault_size_is_a_workers_memory_beyond_the_spares_own_within_half_of_what_is_available() -> None:
+    mb = 1 << 20
+    assert prefault_size(900 * mb, 200 * mb, 16000 * mb) == 700 * mb
+    assert prefault_size(900 * mb, 200 * mb, 1000 * mb) == 500 * mb  # at most half of the available memory
+    assert prefault_size(150 * mb, 200 * mb, 16000 * mb) == 0  # a worker smaller than the spare's imports
+    assert prefault_size(0, 200 * mb, 16000 * mb) == 0  # no worker running
+    assert prefault_size(900 * mb, -1, 16000 * mb) == prefault_size(900 * mb, 200 * mb, -1) == 0  # unknown: none
+    assert private_bytes("self") > 0 and private_bytes(2**22 + 1) == -1  # pid_max is at most 2**22
+
+
+FAULTS_SCRIPT = """\
+import resource, sys, torch
+def faults() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+before = faults()
+block = torch.empty({size}, dtype=torch.uint8)
+block.fill_(1)
+open(sys.argv[1], "w").write(str(faults() - before))
+"""
+
+
+def test_a_spare_faults_in_a_workers_memory_ahead_so_that_its_replacement_allocates_without_page_faults(
+        tmp_path: Path) -> None:
+    """The replacement's first allocations (its model, the optimizer state it receives, its gradient buckets) take
+    pages the spare faulted in while it waited: a 64 MB tensor written after the handoff costs almost no page fault.
+    Beside it, a spare told no worker holds memory (the same heap policy, nothing faulted in ahead) takes a fault per
+    page for the same tensor: what the test measures is the spare's doing."""
+    size = 64 << 20
+    pages = size // os.sysconf("SC_PAGE_SIZE")
+    rigs = {}
+    for name, memory in (("ahead", 1 << 30), ("none", 0)):
+        root = tmp_path / name
+        root.mkdir()
+        script = root / "train.py"
+        script.write_text(FAULTS_SCRIPT.format(size=size))
+        rigs[name] = Rig(root, argv=(sys.executable, str(script), str(root / "faults")))
+        rigs[name].memory = memory
+        rigs[name].warm.arm()
+        rigs[name].warm.progressed([True])  # the job is past its start: the spare starts at once
+    try:
+        deadline = time.monotonic() + 180  # two spares import torch side by side on a loaded machine
+        for rig in rigs.values():
+            while not rig.warm.document().ready:
+                assert time.monotonic() < deadline and rig.warm.spare is not None, "a spare never said it was ready"
+                for key, mask in rig.sel.select(0.5):
+                    key.data(mask)
+        children = {name: rig.warm.take(rig.spec.processes[0], None, {"PATH": "/usr/bin:/bin"}, "--- marker ---")
+                    for name, rig in rigs.items()}
+        for name, child in children.items():
+            status = child.wait(BOUND * 4)
+            assert status is not None and status.describe() == "exit code 0", (name, status)
+        faults = {name: int((tmp_path / name / "faults").read_text()) for name in rigs}
+        assert faults["ahead"] < pages // 4, faults
+        assert faults["none"] > pages * 9 // 10, faults  # without the spare's doing, a fault per page
+        standby_log = (tmp_path / "ahead" / "logs" / "standby.log").read_text()
+        assert "MB of heap faulted in ahead (a worker holds 1024 MB)" in standby_log
+        assert "faulted in ahead" not in (tmp_path / "none" / "logs" / "standby.log").read_text()
+    finally:
+        for rig in rigs.values():
+            rig.warm.stop()
+            rig.sel.close()

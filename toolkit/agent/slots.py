@@ -1,7 +1,8 @@
 """What the agent knows of each process it supervises (a Slot: its running incarnation, launches, exits, progress,
 and the timers pending for it), and the pure views of them the agent needs: the CPU sets of bind_core (`cpu_sets`),
-the children it vouches for in heartbeats (`running`), and the cold relaunches that hold the warm spare back
-(`cold_launches`). No I/O but a process's step file and /proc reads; the loop that changes slots is supervisor.py.
+the children it vouches for in heartbeats (`running`), the cold relaunches that hold the warm spare back
+(`cold_launches`) and the memory it faults in ahead (`largest_worker_memory`). No I/O but a process's step file and
+/proc reads; the loop that changes slots is supervisor.py.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Iterable
 
-from toolkit import procs, stepfile
+from toolkit import procs, standby, stepfile
 from toolkit.agent import openfiles, policy
 from toolkit.agent.log import iso
 from toolkit.agent.progressinbox import Report
@@ -160,6 +161,12 @@ class Slot:
             failed_at=self.failed_at, same_failure=self.same_failure,
             log_file=self.spec.log_file, argv=tuple(self.spec.argv),
         )
+
+
+def largest_worker_memory(slots: Iterable[Slot]) -> int:
+    """The private resident memory of the largest running worker in bytes, 0 if none can be read: what the warm spare
+    faults in ahead (toolkit.standby)."""
+    return max([0, *(standby.private_bytes(s.child.pid) for s in slots if s.spec.is_worker and s.child is not None)])
 
 
 def cold_launches(slots: Iterable[Slot]) -> list[float]:

@@ -46,14 +46,15 @@ class Spare:
 class WarmSpare:
     """The agent's warm spare, on its selector `sel` and `timers`. `base_env` is the children's environment;
     `template()` the worker whose interpreter and env file a spare uses; `cold()` the launch times of the workers
-    relaunched cold that have not progressed since (what holds the spare back); `closing()` whether the agent is
+    relaunched cold that have not progressed since (what holds the spare back); `memory()` the private memory of the
+    largest running worker in bytes (what a spare faults in ahead, toolkit.standby); `closing()` whether the agent is
     closing; `changed()` rewrites agent.json. Loop thread only."""
 
     def __init__(self, spec: HostSpec, sel: selectors.BaseSelector, timers: Timers, log: AgentLog,
                  base_env: dict[str, str], template: Callable[[], ProcSpec], cold: Callable[[], list[float]],
-                 closing: Callable[[], bool], changed: Callable[[], None]) -> None:
+                 memory: Callable[[], int], closing: Callable[[], bool], changed: Callable[[], None]) -> None:
         self.spec, self.sel, self.timers, self.log, self.base_env = spec, sel, timers, log, base_env
-        self.template, self.cold, self.closing, self.changed = template, cold, closing, changed
+        self.template, self.cold, self.memory, self.closing, self.changed = template, cold, memory, closing, changed
         self.spare: Spare | None = None
         self.timer: Timer | None = None
         self.failures = 0  # spares that died on their own since the latest handoff
@@ -90,8 +91,9 @@ class WarmSpare:
     def _start(self) -> None:
         """Timer callback: start a warm spare, if one is wanted (warmspare.next_step). The spare is `<interpreter> -m
         toolkit.standby` with the template worker's interpreter and env file (so it imports the same torch), run in
-        the job directory with its output in logs/standby.log and one end of a socketpair; it gets no CPUs of its own
-        (it takes the worker's at handoff). While a worker restarts cold it is not started (warmspare.spare_plan) and
+        the job directory with its output in logs/standby.log and one end of a socketpair, told how much memory the
+        largest worker holds now (it faults in as much ahead); it gets no CPUs of its own (it takes the worker's at
+        handoff). While a worker restarts cold it is not started (warmspare.spare_plan) and
         the timer decides again later. A spare that cannot be spawned turns spares off for good: workers then restart
         cold."""
         self.timer = None
@@ -104,7 +106,8 @@ class WarmSpare:
         template = self.template()
         interpreter = template.argv[0]
         mine, theirs = socket.socketpair()
-        argv = [interpreter, "-m", "toolkit.standby", "--fd", str(theirs.fileno())]
+        memory = self.memory()
+        argv = [interpreter, "-m", "toolkit.standby", "--fd", str(theirs.fileno()), "--memory", str(memory)]
         try:
             child = procs.spawn(LaunchSpec(
                 argv=tuple(procs.env_argv(template.env_file, argv)), env=self.base_env, cwd=str(self.spec.job_dir),
@@ -119,7 +122,8 @@ class WarmSpare:
             theirs.close()
         mine.setblocking(False)
         self.spare = Spare(child, mine, interpreter, self.timers.now())
-        self.log("agent", f"warm spare pid {child.pid} starting (importing {', '.join(standby.WARM_MODULES)})")
+        self.log("agent", f"warm spare pid {child.pid} starting (importing {', '.join(standby.WARM_MODULES)}; "
+                          f"a worker holds {memory >> 20} MB of private memory)")
         self.sel.register(mine, selectors.EVENT_READ, lambda _m: self._on_sock())
         self.sel.register(child, selectors.EVENT_READ, lambda _m: self._on_exit())
         self.changed()

@@ -32,7 +32,7 @@ from toolkit.agent.link import SchedulerLink
 from toolkit.agent.log import AgentLog, iso
 from toolkit.agent.processes import Processes
 from toolkit.agent.progressinbox import ProgressInbox, Report
-from toolkit.agent.slots import cold_launches, running
+from toolkit.agent.slots import cold_launches, largest_worker_memory, running
 from toolkit.agent.spare import WarmSpare
 from toolkit.agent.timers import Timer, Timers
 from toolkit.agentdoc import AgentDoc, AgentState, ControlOp, ProcState, Takeover, recorded_groups
@@ -95,8 +95,9 @@ class Agent:
             self.base_env.setdefault(name, "1")
         self.warm = WarmSpare(spec, self.sel, self.timers, log, self.base_env,
                               template=lambda: next(s.spec for s in self.processes.slots.values() if s.spec.is_worker),
-                              cold=lambda: cold_launches(self.processes.slots.values()), closing=lambda: self.closing,
-                              changed=lambda: self.writer.write())
+                              cold=lambda: cold_launches(self.processes.slots.values()),
+                              memory=lambda: largest_worker_memory(self.processes.slots.values()),
+                              closing=lambda: self.closing, changed=lambda: self.writer.write())
         self.writer = DocWriter(spec.agent_json, self.timers, self.document)
         self.took_over: list[Takeover] = []  # a spare's takeovers
         self.link = SchedulerLink(spec, self.sel, self.timers, log, self._on_scheduler, self._changed,
