@@ -513,3 +513,18 @@ def test_ranks_that_claim_the_same_share_of_a_host_are_told_so(tmp_path, new_por
     results = run_group(tmp_path, [("a", 0, 1), ("a", 0, 1)], new_port())
     for r in results:
         assert r["step"] is None and "ranks [0, 1] share a host" in r["error"], r
+
+
+def test_host_copies_are_equal_independent_and_keep_dtype_and_layout() -> None:
+    """What the checkpoint stages: copies equal to the originals bit for bit, in their dtype and strides, that a
+    change to an original after the call does not reach (the training loop goes on once staging returns). Here the
+    CPU branch; the CUDA one (pinned host memory, one synchronise per device) was not run: no GPU."""
+    base = torch.arange(24, dtype=torch.float64).reshape(4, 6)
+    tensors = [base, base.t(), torch.tensor([1, 2, 3], dtype=torch.int8), torch.ones(3, dtype=torch.bfloat16)]
+    copies = checkpoint.host_copies(tensors)
+    for t, c in zip(tensors, copies, strict=True):
+        assert c.device.type == "cpu" and c.dtype == t.dtype and c.stride() == t.stride() and torch.equal(c, t)
+        assert c.untyped_storage().data_ptr() != t.untyped_storage().data_ptr()
+    base.add_(1)
+    assert copies[0][0, 0].item() == 0.0 and copies[1][0, 0].item() == 0.0  # the originals moved on, not the copies
+    assert checkpoint.host_copies([]) == []
