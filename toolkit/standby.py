@@ -129,25 +129,23 @@ def prefault_size(worker: int, own: int, available: int, share: float = AVAILABL
 def private_bytes(pid: int | str) -> int:
     """A process's private resident memory (RssAnon of /proc/PID/status; "self" for this one) in bytes; -1 if it
     cannot be read (the process is gone, or /proc says something else)."""
-    try:
-        with open(f"/proc/{pid}/status", "rb") as f:
-            for line in f:
-                if line.startswith(b"RssAnon:"):
-                    value, unit = line.split()[1:3]
-                    return int(value) * 1024 if unit == b"kB" else -1
-    except (OSError, ValueError, IndexError):
-        return -1
-    return -1
+    return _proc_kb(f"/proc/{pid}/status", b"RssAnon")
 
 
 def available_bytes() -> int:
     """The host's available memory (MemAvailable of /proc/meminfo) in bytes; -1 if unknown."""
+    return _proc_kb("/proc/meminfo", b"MemAvailable")
+
+
+def _proc_kb(path: str, name: bytes) -> int:
+    """The `name:  N kB` line of a /proc file, in bytes; -1 if the file or the line cannot be read."""
     try:
-        with open("/proc/meminfo", "rb") as f:
+        with open(path, "rb") as f:
             for line in f:
-                if line.startswith(b"MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
+                if line.startswith(name + b":"):
+                    value, unit = line.split()[1:3]
+                    return int(value) * 1024 if unit == b"kB" else -1
+    except (OSError, ValueError):
         return -1
     return -1
 
