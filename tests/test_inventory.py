@@ -167,7 +167,7 @@ def test_ansible_groups_ranges_and_vars(tmp_path: Path) -> None:
     assert (n4.address, n4.port, n4.user, n4.slots, n4.key_file) == ("10.0.0.4", 2222, "ml", 4, "/k/id")
     assert n4.workdir == "/data/jobs"  # group var of 'workers' beats all:vars
     assert inv.host("head").workdir == "/srv/jobs" and inv.host("head").python == "/opt/py/bin/python"
-    assert inv.total_slots == 10
+    assert sum(h.slots for h in inv.worker_hosts) == 10
 
 
 def test_yaml_inventory(tmp_path: Path) -> None:

@@ -22,7 +22,12 @@ from typing import Any, Callable, Mapping
 from toolkit import protocol as P
 from toolkit.scheduler import state as S
 from toolkit.scheduler.membership import Membership
-from toolkit.scheduler.roster import problems
+from toolkit.scheduler.roster import Roster, problems
+
+
+def fenced_hosts(roster: Roster) -> dict[str, str]:
+    """Every replaced host -> the spare that took its ranks, in the order they were replaced."""
+    return {r["host"]: str(r["by"]) for r in roster.replacements()}
 
 DATA = Path(__file__).parent / "data" / "membership_trace.json"
 NODE_TIMEOUT, TOPO_TIMEOUT, HOST_TIMEOUT = 3.0, 60.0, 10.0
@@ -66,7 +71,7 @@ class Trace:
             "actions": [{"action": type(a).__name__, **{f.name: _plain(getattr(a, f.name))
                                                          for f in dataclasses.fields(a)}} for a in actions or []],
             "dirty": m.dirty, "commits_dirty": m.commits_dirty, "next_deadline": m.next_deadline(),
-            "worker_hosts": m.roster.worker_hosts(), "fenced_hosts": m.roster.fenced_hosts(),
+            "worker_hosts": m.roster.worker_hosts(), "fenced_hosts": fenced_hosts(m.roster),
             "persisted": persisted if persisted != self.persisted else None,  # only when it changed
         })
         self.persisted = persisted

@@ -104,11 +104,6 @@ class Inventory:
         """The worker hosts, in `workers` order (the order ranks are assigned in)."""
         return tuple(self._by_name[n] for n in self.workers)
 
-    @property
-    def total_slots(self) -> int:
-        """Workers the inventory can hold: the slots of the worker hosts (spares not counted)."""
-        return sum(h.slots for h in self.worker_hosts)
-
     def with_hosts(self, hosts: Iterable[Host]) -> Inventory:
         """The same inventory with some hosts replaced (by name), e.g. with addresses or workdirs resolved."""
         new = {h.name: h for h in hosts}

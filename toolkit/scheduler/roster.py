@@ -206,10 +206,6 @@ class Roster:
         holding.sort(key=lambda rec: rank_of(rec.node_ids[0]) or 0)
         return {rec.name: list(rec.node_ids) for rec in holding}
 
-    def fenced_hosts(self) -> dict[str, str]:
-        """Every replaced host -> the spare that took its ranks, in the order they were replaced."""
-        return {host: str(self.hosts[host].replaced_by) for host in self._replaced}
-
     def replacements(self) -> list[dict[str, Any]]:
         """The replacements in order, as persisted: {host, by, node_ids, reason}."""
         return [{"host": rec.name, "by": rec.replaced_by, "node_ids": list(rec.replaced_node_ids),

@@ -6,7 +6,7 @@
 - `python -m toolkit.train SCRIPT` runs any script as a worker (toolkit.train.wrapper).
 - `report(step, loss=...)` shows a torchrun-style script's progress in `fleet status` and `fleet report`, one line
   of the script; a no-op outside toolkit (toolkit.train.progress).
-- The sampler and checkpoints live in `toolkit.train.data` and `toolkit.train.checkpoint`.
+- Checkpoints live in `toolkit.train.checkpoint`; the sample's IDX reader in `toolkit.train.data`.
 """
 
 from toolkit.train.progress import report

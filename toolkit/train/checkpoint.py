@@ -41,7 +41,6 @@ import hashlib
 import io
 import logging
 import os
-import random
 import re
 import shutil
 import socket
@@ -53,7 +52,6 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -203,32 +201,6 @@ def host_copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     for device in devices:
         torch.cuda.synchronize(device)
     return copies
-
-
-def capture_rng_state() -> dict[str, Any]:
-    """torch (CPU and CUDA), Python and numpy global generators, in types ``torch.load(weights_only=True)``
-    accepts; restoring them makes dropout and any random augmentation replay exactly."""
-    name, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
-    state: dict[str, Any] = {
-        "torch": torch.get_rng_state(),
-        "python": random.getstate(),
-        "numpy": (name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached)),
-    }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def restore_rng_state(state: dict[str, Any]) -> None:
-    """Set torch's, Python's and numpy's global generators (CUDA's too, if saved and available here) to a
-    ``capture_rng_state`` result, so the randomness that followed the capture replays exactly."""
-    torch.set_rng_state(state["torch"])
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    name, keys, pos, has_gauss, cached = state["numpy"]
-    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 _PLAIN = frozenset({str, bytes, int, float, bool, complex, type(None), torch.dtype, torch.device, torch.Size})
