@@ -11,6 +11,7 @@ that many messages a second.
 """
 
 import math
+from typing import Mapping
 
 # Defaults of the contract (msrun's where it has one)
 DEFAULT_SCHED_PORT = 8118  # MS_SCHED_PORT; the job's store listens on the next port
@@ -107,3 +108,27 @@ def nccl_coord_check_ms(world: int) -> int:
     ranks, longer past that (a dump, which follows a collective timeout of minutes, starts seconds later; training
     never waits for it)."""
     return max(1000, math.ceil(1000 * world / NCCL_CHECKS_PER_S))
+
+
+def read_int(env: Mapping[str, str], name: str, default: int, error: type[Exception] = ValueError) -> int:
+    """The whole number in `env[name]` (`default` when unset or blank); `error` naming the variable and its value
+    when it is not one. The one reader of numeric variables for every process (the scheduler's and the worker's
+    error types differ, so the caller names its own)."""
+    raw = env.get(name)
+    if raw is None or not raw.strip():
+        return default
+    try:
+        return int(raw.strip(), 10)
+    except ValueError:
+        raise error(f"{name}={raw!r}: expected a whole number") from None
+
+
+def read_seconds(env: Mapping[str, str], name: str, default: float, error: type[Exception] = ValueError) -> float:
+    """A number of seconds in `env[name]`, as read_int reads whole numbers."""
+    raw = env.get(name)
+    if raw is None or not raw.strip():
+        return default
+    try:
+        return float(raw.strip())
+    except ValueError:
+        raise error(f"{name}={raw!r}: expected a number of seconds") from None

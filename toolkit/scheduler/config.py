@@ -137,23 +137,11 @@ def _token(env: Mapping[str, str]) -> str:
 
 
 def _int(env: Mapping[str, str], name: str, default: int) -> int:
-    raw = env.get(name)
-    if raw is None or raw.strip() == "":
-        return default
-    try:
-        return int(raw.strip(), 10)
-    except ValueError:
-        raise ConfigError(f"{name}={raw!r}: expected a whole number") from None
+    return envvars.read_int(env, name, default, ConfigError)
 
 
 def _float(env: Mapping[str, str], name: str, default: float) -> float:
-    raw = env.get(name)
-    if raw is None or raw.strip() == "":
-        return default
-    try:
-        return float(raw.strip())
-    except ValueError:
-        raise ConfigError(f"{name}={raw!r}: expected a number of seconds") from None
+    return envvars.read_seconds(env, name, default, ConfigError)
 
 
 def _expected_hosts(path: str | None) -> dict[str, str]:

@@ -177,23 +177,11 @@ def _recovery(env: Mapping[str, str]) -> bool:
 
 
 def _int(env: Mapping[str, str], name: str, default: int) -> int:
-    raw = env.get(name)
-    if raw is None or not raw.strip():
-        return default
-    try:
-        return int(raw.strip(), 10)
-    except ValueError:
-        raise RuntimeConfigError(f"{name}={raw!r}: expected a whole number") from None
+    return envvars.read_int(env, name, default, RuntimeConfigError)
 
 
 def _float(env: Mapping[str, str], name: str, default: float) -> float:
-    raw = env.get(name)
-    if raw is None or not raw.strip():
-        return default
-    try:
-        return float(raw.strip())
-    except ValueError:
-        raise RuntimeConfigError(f"{name}={raw!r}: expected a number of seconds") from None
+    return envvars.read_seconds(env, name, default, RuntimeConfigError)
 
 
 class Runtime:
