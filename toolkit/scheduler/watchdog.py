@@ -1,0 +1,159 @@
+"""The progress watchdog: which rank stopped making progress while its peers wait for it.
+
+In synchronous data parallelism one stuck rank (in its own code, a deadlock, a blocking call, a call into C that
+never returns) stops every rank: the others enter the step's collective and wait there for it. Steps alone cannot
+tell who is stuck (every rank's step stops at once), nor can heartbeats (a rank asleep in its own code still
+heartbeats). What does: each worker's heartbeat says whether its training thread is waiting in a collective now
+(`waiting`: toolkit.train.stacks looks at the thread's Python stack), and a rank holding its GIL sends no heartbeat
+at all while its agent still sees it running. So once the job has made no step for
+
+    bound = max(STALL_FACTOR x p99, STALL_FLOOR)         (protocol.stall_bound; 10 x p99, at least 5 s)
+
+with p99 the job's observed 99th percentile of the time between two steps (the largest any rank reports), a rank
+that is not waiting (for OUTSIDE_BEATS heartbeats in a row, or silent for SILENT_BEATS) while at least one peer is
+waiting is stuck. No setting: the bound follows the job's own step times.
+
+What must not trip it: the first step of a generation (every rank must have made a step in the current generation
+before its stalls are judged: the first step of the job, the first after a recovery, compile and warm-up), a phase
+a rank says is legitimately long (`long` in its heartbeat: a checkpoint the Trainer writes, an evaluation in
+`toolkit.train.long_phase`), ranks that are all busy in their own work (nobody waits), and ranks that all wait (a
+collective every rank entered and none completes: no rank to blame; its timeout ends it).
+
+Pure: heartbeats and times come in, verdicts come out; the membership declares a stuck rank dead (cause
+CAUSE_STUCK) and has its agent dump its stacks and kill it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from toolkit import protocol
+
+OUTSIDE_BEATS = 2  # heartbeats in a row a rank must say it is outside any collective before it can be blamed
+SILENT_BEATS = 3  # heartbeat intervals without one: the rank cannot say where it is (a call holding its GIL)
+CHECK_INTERVAL = 1.0  # s between checks while the job is formed
+
+
+@dataclass
+class RankProgress:
+    """What the watchdog knows of one rank in the current generation."""
+
+    node_id: str
+    heard_at: float
+    step: int | None = None
+    stepped_at: float | None = None  # when its step last changed in this generation (None: not yet)
+    waiting: bool = False  # its last heartbeat said: waiting in a collective
+    outside: int = 0  # heartbeats in a row that said: not waiting
+    long: str | None = None  # a legitimately long phase it said it is in
+    p99: float | None = None  # its p99 time between steps
+
+
+@dataclass(frozen=True)
+class Stuck:
+    """`rank` has made no progress for `stalled` s (more than `bound`) since the job's step `step` while `waiting`
+    wait in a collective; `silent`: it sent no heartbeat for `silent_for` s (its agent sees it running: a call that
+    holds its GIL)."""
+
+    rank: int
+    node_id: str
+    step: int | None
+    stalled: float
+    bound: float
+    p99: float | None
+    waiting: tuple[str, ...]
+    silent: bool
+    silent_for: float
+
+    def reason(self) -> str:
+        """The one line the scheduler's log, the ledger and the agent's exit record carry."""
+        where = (f"sent no heartbeat for {self.silent_for:.1f} s though running (a call holding its GIL?)"
+                 if self.silent else "not in any collective")
+        peers = ", ".join(self.waiting[:4]) + (f" and {len(self.waiting) - 4} more" if len(self.waiting) > 4 else "")
+        p99 = "no step time yet" if self.p99 is None else f"p99 step {self.p99:.3g} s"
+        return (f"stuck: no step for {self.stalled:.0f} s after step {self.step} ({where}) while {peers} waited for it "
+                f"in a collective (bound {self.bound:.3g} s: max({protocol.STALL_FACTOR:g} x {p99}, "
+                f"{protocol.STALL_FLOOR:g} s))")
+
+
+class Watchdog:
+    """Each member's progress in the current generation and the stuck verdicts on them. `beat`: the workers'
+    heartbeat interval (s)."""
+
+    def __init__(self, beat: float) -> None:
+        self.beat = beat
+        self.ranks: dict[int, RankProgress] = {}
+        self.checked_at = -math.inf
+
+    def formed(self) -> None:
+        """A generation formed: every rank must make a step in it before its stalls are judged (its first step,
+        which may take long: the group's warm-up, a replacement's state, a compile)."""
+        for r in self.ranks.values():
+            r.stepped_at = None
+
+    def heard(self, rank: int, node_id: str, step: int | None, msg: Mapping[str, Any], now: float) -> None:
+        """A heartbeat of `rank` (the member `node_id`) with its `step` (the membership's) and its watchdog fields
+        (`waiting`, `long`, `step_p99`; hostile input: anything of the wrong type reads as absent)."""
+        r = self.ranks.get(rank)
+        if r is None or r.node_id != node_id:
+            r = self.ranks[rank] = RankProgress(node_id, now)
+        if step != r.step:
+            r.step, r.stepped_at = step, now
+        r.heard_at = now
+        r.waiting = msg.get("waiting") is True
+        r.outside = 0 if r.waiting else r.outside + 1
+        long = msg.get("long")
+        r.long = long[:protocol.MAX_LONG] if isinstance(long, str) and long else None
+        p99 = protocol.pace_fields(msg).get("step_p99")
+        r.p99 = p99 if p99 else r.p99
+
+    def forget(self, rank: int) -> None:
+        """`rank` died or left: its figures go (a replacement starts afresh)."""
+        self.ranks.pop(rank, None)
+
+    def due(self) -> float:
+        """When `check` next may have work: inf while fewer than two ranks are known or some has made no step in
+        this generation; else not before the bound can have passed since the job's last step, nor within
+        CHECK_INTERVAL of the last check."""
+        judged = self._judged()
+        if judged is None:
+            return math.inf
+        last_step, bound, _ = judged
+        return max(last_step + bound, self.checked_at + CHECK_INTERVAL)
+
+    def _judged(self) -> tuple[float, float, float | None] | None:
+        """(the job's last step, the bound, the p99 it came from), or None when stalls are not judged now: fewer
+        than two ranks, one that made no step in this generation, or one in a legitimately long phase."""
+        ranks = self.ranks.values()
+        if len(self.ranks) < 2 or any(r.stepped_at is None or r.long for r in ranks):
+            return None
+        p99s = [r.p99 for r in ranks if r.p99]
+        p99 = max(p99s) if p99s else None
+        return max(r.stepped_at for r in ranks if r.stepped_at is not None), protocol.stall_bound(p99), p99
+
+    def check(self, now: float) -> list[Stuck]:
+        """The stuck ranks now (see the module docstring); each is named once (forgotten here)."""
+        self.checked_at = now
+        ranks = self.ranks
+        judged = self._judged()
+        if judged is None:
+            return []
+        last_step, bound, p99 = judged
+        stalled = now - last_step
+        if stalled < bound:
+            return []
+        silent_after = SILENT_BEATS * self.beat
+        waiting = tuple(r.node_id for r in ranks.values() if r.waiting and now - r.heard_at <= silent_after)
+        if not waiting:
+            return []
+        steps = [r.step for r in ranks.values() if r.step is not None]
+        job_step = max(steps) if steps else None  # a silent rank's last heartbeat may be a few steps behind
+        out = []
+        for rank, r in ranks.items():
+            silent = now - r.heard_at > silent_after
+            if silent or r.outside >= OUTSIDE_BEATS:
+                out.append(Stuck(rank, r.node_id, job_step, stalled, bound, p99, waiting, silent, now - r.heard_at))
+        for s in out:
+            self.forget(s.rank)
+        return out
