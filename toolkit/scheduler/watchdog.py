@@ -9,9 +9,12 @@ at all while its agent still sees it running. So once the job has made no step f
 
     bound = max(STALL_FACTOR x p99, STALL_FLOOR)         (protocol.stall_bound; 10 x p99, at least 5 s)
 
-with p99 the job's observed 99th percentile of the time between two steps (the largest any rank reports), a rank
-that is not waiting (for OUTSIDE_BEATS heartbeats in a row, or silent for SILENT_BEATS) while at least one peer is
-waiting is stuck. No setting: the bound follows the job's own step times.
+with p99 the job's observed 99th percentile of the time between two steps (the largest any rank reports), and some
+rank has been waiting in a collective for that long too (every heartbeat since said so), a rank that is not waiting
+(for OUTSIDE_BEATS heartbeats in a row, or silent for SILENT_BEATS) is stuck. The wait counts, not only the time
+since the last step: ranks that all spend long in their own work (an evaluation on every rank) and end it at
+different times make the first ones wait briefly, which is no hang. No setting: the bound follows the job's own
+step times.
 
 What must not trip it: the first step of a generation (every rank must have made a step in the current generation
 before its stalls are judged: the first step of the job, the first after a recovery, compile and warm-up), a phase
@@ -45,6 +48,7 @@ class RankProgress:
     step: int | None = None
     stepped_at: float | None = None  # when its step last changed in this generation (None: not yet)
     waiting: bool = False  # its last heartbeat said: waiting in a collective
+    waiting_since: float | None = None  # the first of the heartbeats in a row that said so
     outside: int = 0  # heartbeats in a row that said: not waiting
     long: str | None = None  # a legitimately long phase it said it is in
     p99: float | None = None  # its p99 time between steps
@@ -102,6 +106,7 @@ class Watchdog:
             r.step, r.stepped_at = step, now
         r.heard_at = now
         r.waiting = msg.get("waiting") is True
+        r.waiting_since = (r.waiting_since if r.waiting_since is not None else now) if r.waiting else None
         r.outside = 0 if r.waiting else r.outside + 1
         long = msg.get("long")
         r.long = long[:protocol.MAX_LONG] if isinstance(long, str) and long else None
@@ -144,9 +149,10 @@ class Watchdog:
         if stalled < bound:
             return []
         silent_after = SILENT_BEATS * self.beat
-        waiting = tuple(r.node_id for r in ranks.values() if r.waiting and now - r.heard_at <= silent_after)
-        if not waiting:
+        waiters = [r for r in ranks.values() if r.waiting_since is not None and now - r.heard_at <= silent_after]
+        if not waiters or now - min(r.waiting_since for r in waiters if r.waiting_since is not None) < bound:
             return []
+        waiting = tuple(r.node_id for r in waiters)
         steps = [r.step for r in ranks.values() if r.step is not None]
         job_step = max(steps) if steps else None  # a silent rank's last heartbeat may be a few steps behind
         out = []
