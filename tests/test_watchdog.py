@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from toolkit import protocol as P
+from toolkit.agent import policy
 from toolkit.jobhosts.tables import live_lines, process_note
 from toolkit.jobhosts.view import ProcStatus
 from toolkit.scheduler.actions import CAUSE_STUCK, Note, NoteKind, Send
@@ -175,24 +176,31 @@ def test_the_p99_step_time_is_of_the_intervals_between_reports_and_a_recovery_is
     assert max(pace.intervals) == 2.0 and pace.intervals[-1] == 1.0
 
 
-def test_the_training_thread_is_seen_waiting_only_inside_a_collective_place() -> None:
-    code = compile("def wait(event):\n    event.wait(60)\n", "/venv/site-packages/torch/distributed/fake.py",
-                   "exec")
-    fake_torch: dict[str, Any] = {}
-    exec(code, fake_torch)  # noqa: S102 - our own two lines, compiled under a path of torch.distributed
-    inside, outside, done = threading.Event(), threading.Event(), threading.Event()
-    t1 = threading.Thread(target=lambda: (inside.set(), fake_torch["wait"](done)))
-    t2 = threading.Thread(target=lambda: (outside.set(), done.wait(60)))
-    for t, started in ((t1, inside), (t2, outside)):
+def fake(path: str) -> Any:
+    """A function `wait(event)` whose code lives at `path` (as if it were that library's)."""
+    space: dict[str, Any] = {}
+    exec(compile("def wait(event):\n    event.wait(60)\n", path, "exec"), space)  # noqa: S102 - our own two lines
+    return space["wait"]
+
+
+def test_the_training_thread_is_seen_waiting_only_inside_a_collective_place_and_saving_as_long() -> None:
+    done = threading.Event()
+    targets = [fake("/venv/site-packages/torch/distributed/c10d.py"), lambda event: event.wait(60),
+               fake("/venv/site-packages/torch/serialization.py")]
+    started = [threading.Event() for _ in targets]
+    threads = [threading.Thread(target=lambda f=f, s=s: (s.set(), f(done))) for f, s in zip(targets, started,
+                                                                                            strict=True)]
+    for t, s in zip(threads, started, strict=True):
         t.start()
-        assert started.wait(30)
+        assert s.wait(30)
     try:
-        assert stacks.waiting(t1.ident) and not stacks.waiting(t2.ident)
-        assert not stacks.waiting(-1)  # a thread that is gone
+        assert [stacks.sample(t.ident) for t in threads] == [(True, None), (False, None),
+                                                             (False, "a torch.save or torch.load")]
+        assert stacks.sample(-1) == (False, None)  # a thread that is gone
     finally:
         done.set()
-        t1.join(30)
-        t2.join(30)
+        for t in threads:
+            t.join(30)
 
 
 # --- shown as a stall ---------------------------------------------------------------------------------------------
@@ -220,3 +228,12 @@ def test_a_stall_shows_as_one_in_the_live_view_and_is_not_productive() -> None:
     live = journal.live(60.0, 1060.0)
     assert live["stalled_for"] is None and live["ranks"]["0"]["steps_per_s"] == 10.0
     assert "stalled" not in live["goodput"]
+
+
+def test_the_agent_dumps_only_when_told_so_in_so_many_words() -> None:
+    running = {"worker_1": 101}
+    for dump, expected in ((True, True), ("yes", False), (None, False)):
+        msg = {"op": P.KILL, "node_id": "worker_1", "pid": 101, "cause": CAUSE_STUCK,
+               **({} if dump is None else {"dump": dump})}
+        assert policy.on_scheduler(msg, running, False, [], ["worker_1"]) == policy.Kill("worker_1", CAUSE_STUCK,
+                                                                                          expected)

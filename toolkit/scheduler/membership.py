@@ -436,6 +436,7 @@ class Membership:
         if op == protocol.RECOVERED:
             return recovered(member, msg)
         if op == protocol.DONE:
+            self.watchdog.forget(member.rank)  # a finished rank is not stuck
             self.roster.peers[peer] = Peer(PeerRole.FINISHED, rank=member.rank, addr=who.addr)
             out: list[Action] = [Log(INFO, f"{member.node_id} finished (pid {member.pid} on {member.host})")]
             self.dirty |= self.roster.remove(member)  # it leaves without a generation change

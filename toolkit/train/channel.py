@@ -202,9 +202,10 @@ class Channel:
                 wake = jobview.next_wake(time.monotonic(), next_beat, self.finishing, self.cfg.heartbeat_interval)
                 next_beat, wait_until = wake.next_beat, wake.wait_until
                 if wake.beat:
-                    long = self.long
-                    self.send(protocol.HEARTBEAT, strict=True, step=self.step, **self.beat,
-                              waiting=stacks.waiting(self.training_thread), **({"long": long} if long else {}))
+                    waiting, busy = stacks.sample(self.training_thread)
+                    long = self.long or busy
+                    self.send(protocol.HEARTBEAT, strict=True, step=self.step, **self.beat, waiting=waiting,
+                              **({"long": long} if long else {}))
             except (OSError, ValueError, protocol.ProtocolError) as e:
                 if self.closing.is_set() or self.finishing:
                     return

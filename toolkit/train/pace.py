@@ -27,7 +27,7 @@ from typing import Any
 
 WINDOW = 32  # steps: the medians are over this many recent steps (robust to one slow step, a GC pause)
 SAMPLE_INTERVAL = 1.0  # s: the loss is turned into a float at most this often
-P99_WINDOW = 512  # intervals between reported steps the p99 is taken over (a checkpoint every 100 steps is in it)
+P99_WINDOW = 512  # intervals between reported steps the p99 is taken over (a slow one in under 100 is in it)
 
 
 class StepPace:

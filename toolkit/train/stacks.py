@@ -1,7 +1,8 @@
 """What the progress watchdog (toolkit.scheduler.watchdog) needs of a worker: where its training thread is, and its
 stacks when it is found stuck.
 
-- `waiting(thread)`: whether the thread's Python stack is inside a collective wait now, sampled by the control
+- `sample(thread)`: whether the thread's Python stack is inside a collective wait now, or in a phase that may
+  legitimately take long (a `torch.save` or `torch.load`: a checkpoint of the script's own), sampled by the control
   thread at each heartbeat. A frame anywhere on the stack in torch.distributed (dist.all_reduce, barrier, ...),
   torch.autograd (a backward, where DDP's gradient allreduce is waited for), torch.nn.parallel (DDP's forward, which
   may broadcast buffers) or toolkit's own waits (the fence, the scheduler's word, the rank-ordered allreduce) counts
@@ -29,12 +30,15 @@ from toolkit import protocol
 # Where a training thread waits for its peers (path fragments, '/' separated; matched against each frame's file)
 WAIT_PLACES = ("/torch/distributed/", "/torch/autograd/", "/torch/nn/parallel/", "/toolkit/train/fence.py",
                "/toolkit/train/channel.py", "/toolkit/train/determinism.py")
+# Where a training thread is busy with work of its own that may take much longer than a step (the watchdog blames
+# nobody meanwhile): the place, and what the heartbeat's `long` says
+LONG_PLACES = (("/torch/serialization.py", "a torch.save or torch.load"),)
 MAX_DEPTH = 200  # frames looked at from the innermost (a deeper stack is the script's own recursion)
 
 
-def waiting(thread_id: int | None) -> bool:
-    """Whether the thread `thread_id` (threading.get_ident() of it; None: the main thread) waits in a collective now
-    (see the module docstring). False for a thread that is gone."""
+def sample(thread_id: int | None) -> tuple[bool, str | None]:
+    """(whether the thread `thread_id` waits in a collective now, the long phase it is in or None); see the module
+    docstring. None is the main thread; a thread that is gone is (False, None). The innermost place found counts."""
     ident = thread_id if thread_id is not None else threading.main_thread().ident
     frame: FrameType | None = sys._current_frames().get(ident or 0)
     depth = 0
@@ -42,10 +46,13 @@ def waiting(thread_id: int | None) -> bool:
         name = frame.f_code.co_filename
         if os.sep != "/":
             name = name.replace(os.sep, "/")
+        for place, what in LONG_PLACES:
+            if place in name:
+                return False, what
         if any(place in name for place in WAIT_PLACES):
-            return True
+            return True, None
         frame, depth = frame.f_back, depth + 1
-    return False
+    return False, None
 
 
 def dump_on_signal() -> None:
