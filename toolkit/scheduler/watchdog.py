@@ -23,7 +23,8 @@ a rank says is legitimately long (`long` in its heartbeat: a checkpoint the Trai
 collective every rank entered and none completes: no rank to blame; its timeout ends it).
 
 Pure: heartbeats and times come in, verdicts come out; the membership declares a stuck rank dead (cause
-CAUSE_STUCK) and has its agent dump its stacks and kill it.
+CAUSE_STUCK) and has its agent dump its stacks and kill it. Cost: a heartbeat O(1) and `due` O(1) (the server asks
+at every pass of its loop), `check` O(N), and only once the bound can have passed since the job's last step.
 """
 
 from __future__ import annotations
@@ -89,12 +90,20 @@ class Watchdog:
         self.beat = beat
         self.ranks: dict[int, RankProgress] = {}
         self.checked_at = -math.inf
+        # kept as heartbeats come, so that `due` costs O(1): the ranks with no step in this generation, those in a
+        # long phase, the job's last step, the largest p99 heard in this generation
+        self.unstepped: set[int] = set()
+        self.longs: set[int] = set()
+        self.last_step_at = -math.inf
+        self.p99 = 0.0
 
     def formed(self) -> None:
         """A generation formed: every rank must make a step in it before its stalls are judged (its first step,
         which may take long: the group's warm-up, a replacement's state, a compile)."""
         for r in self.ranks.values():
             r.stepped_at = None
+        self.unstepped = set(self.ranks)
+        self.last_step_at, self.p99 = -math.inf, 0.0
 
     def heard(self, rank: int, node_id: str, step: int | None, msg: Mapping[str, Any], now: float) -> None:
         """A heartbeat of `rank` (the member `node_id`) with its `step` (the membership's) and its watchdog fields
@@ -102,20 +111,27 @@ class Watchdog:
         r = self.ranks.get(rank)
         if r is None or r.node_id != node_id:
             r = self.ranks[rank] = RankProgress(node_id, now)
+            self.unstepped.add(rank)
         if step != r.step:
             r.step, r.stepped_at = step, now
+            self.unstepped.discard(rank)
+            self.last_step_at = now
         r.heard_at = now
         r.waiting = msg.get("waiting") is True
         r.waiting_since = (r.waiting_since if r.waiting_since is not None else now) if r.waiting else None
         r.outside = 0 if r.waiting else r.outside + 1
         long = msg.get("long")
         r.long = long[:protocol.MAX_LONG] if isinstance(long, str) and long else None
+        (self.longs.add if r.long else self.longs.discard)(rank)
         p99 = protocol.pace_fields(msg).get("step_p99")
         r.p99 = p99 if p99 else r.p99
+        self.p99 = max(self.p99, r.p99 or 0.0)
 
     def forget(self, rank: int) -> None:
         """`rank` died or left: its figures go (a replacement starts afresh)."""
         self.ranks.pop(rank, None)
+        self.unstepped.discard(rank)
+        self.longs.discard(rank)
 
     def due(self) -> float:
         """When `check` next may have work: inf while fewer than two ranks are known or some has made no step in
@@ -128,14 +144,13 @@ class Watchdog:
         return max(last_step + bound, self.checked_at + CHECK_INTERVAL)
 
     def _judged(self) -> tuple[float, float, float | None] | None:
-        """(the job's last step, the bound, the p99 it came from), or None when stalls are not judged now: fewer
-        than two ranks, one that made no step in this generation, or one in a legitimately long phase."""
-        ranks = self.ranks.values()
-        if len(self.ranks) < 2 or any(r.stepped_at is None or r.long for r in ranks):
+        """(the job's last step, the bound, the p99 it came from: the largest heard in this generation), or None
+        when stalls are not judged now: fewer than two ranks, one that made no step in this generation, or one in
+        a legitimately long phase."""
+        if len(self.ranks) < 2 or self.unstepped or self.longs:
             return None
-        p99s = [r.p99 for r in ranks if r.p99]
-        p99 = max(p99s) if p99s else None
-        return max(r.stepped_at for r in ranks if r.stepped_at is not None), protocol.stall_bound(p99), p99
+        p99 = self.p99 or None
+        return self.last_step_at, protocol.stall_bound(p99), p99
 
     def check(self, now: float) -> list[Stuck]:
         """The stuck ranks now (see the module docstring); each is named once (forgotten here)."""
