@@ -2,7 +2,7 @@
 its benchmark (bench/stall_detection.py).
 
     python -m toolkit.train stuck_worker.py --mode ported|report|plain --marks DIR [--steps N] [--step-delay S]
-        [--stuck RANK:STEP:HOW ...] [--slow-first RANK:SECONDS] [--pause STEP:SECONDS]
+        [--stuck RANK:STEP:HOW ...] [--slow-first RANK:SECONDS] [--pause STEP:FILE]
 
 --mode: ported (toolkit.train.Trainer, in-place recovery), report (a torchrun-style script with
 toolkit.train.report()), plain (the same without report()). --stuck: rank RANK gets stuck before the forward of
@@ -10,7 +10,7 @@ step STEP, once for the job (a file in --marks says it happened: its replacement
 own Python code), `gil` (in a C call that holds the GIL: ctypes.PyDLL's sleep), `c` (in a C call that releases it:
 ctypes.CDLL's sleep). It first prints "stuck RANK at step STEP (HOW) at <time.time()>". --slow-first: rank RANK's
 first step of the job takes SECONDS more (healthy, just slow: a compile, a warm-up). --pause: every rank sleeps
-SECONDS before step STEP, once (a stall nobody waits in: no rank to blame). Each rank prints "step N" after
+before step STEP while FILE exists, once (a stall nobody waits in: no rank to blame). Each rank prints "step N" after
 each step; plain and report modes keep no checkpoint (a restart trains from step 0 again).
 """
 
@@ -56,12 +56,14 @@ def faults(args: argparse.Namespace, rank: int, step: int) -> None:
             print(f"slow first step on rank {rank}: {seconds} s", flush=True)
             time.sleep(float(seconds))
     if args.pause:
-        at, seconds = args.pause.split(":")
+        at, hold = args.pause.split(":", 1)
         mark = marks / f"pause-{rank}"
         if int(at) == step and not mark.exists():
             mark.touch()
-            print(f"pause at step {step}: {seconds} s", flush=True)
-            time.sleep(float(seconds))
+            print(f"pause at step {step}", flush=True)
+            deadline = time.monotonic() + FOREVER
+            while os.path.exists(hold) and time.monotonic() < deadline:
+                time.sleep(0.1)
     for spec in args.stuck:
         who, at, how = spec.split(":")
         mark = marks / f"stuck-{who}-{at}-{how}"
@@ -123,7 +125,7 @@ def main() -> None:
     p.add_argument("--step-delay", type=float, default=0.05)
     p.add_argument("--stuck", action="append", default=[], metavar="RANK:STEP:HOW")
     p.add_argument("--slow-first", default=None, metavar="RANK:SECONDS")
-    p.add_argument("--pause", default=None, metavar="STEP:SECONDS")
+    p.add_argument("--pause", default=None, metavar="STEP:FILE")
     args = p.parse_args()
     os.makedirs(args.marks, exist_ok=True)
     torch.manual_seed(0)

@@ -52,7 +52,7 @@ from toolkit.scheduler.actions import (  # also re-exported
     NoteKind,
     Send,
 )
-from toolkit.scheduler.liveness import alive_though_silent, expiry, kill_unreported, vouch
+from toolkit.scheduler.liveness import alive_though_silent, expiry, kill_unreported, vouch, vouched
 from toolkit.scheduler.roster import Fact, Member, Peer, PeerRole, Roster, rank_of  # also re-exported
 from toolkit.scheduler.spares import LostCheck, Refusal, choose_spare, find_lost
 from toolkit.scheduler.state import JobStatus
@@ -493,7 +493,8 @@ class Membership:
                                     for m in self.roster.members.values()), default=math.inf)
         out += kill_unreported(self.roster, self.unreported, now, self.node_timeout)
         if self.formed and now >= self.watchdog.due():
-            for stuck in self.watchdog.check(now):
+            for stuck in self.watchdog.check(now, lambda rank: vouched(self.roster.members.get(rank), now,
+                                                                      self.node_timeout)):
                 member = self.roster.members.get(stuck.rank)
                 if member is not None and member.node_id == stuck.node_id:
                     out += self._death(member, stuck.reason(), kill=True, now=now, cause=CAUSE_STUCK,

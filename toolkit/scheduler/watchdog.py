@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from toolkit import protocol
 
@@ -152,8 +152,10 @@ class Watchdog:
         p99 = self.p99 or None
         return self.last_step_at, protocol.stall_bound(p99), p99
 
-    def check(self, now: float) -> list[Stuck]:
-        """The stuck ranks now (see the module docstring); each is named once (forgotten here)."""
+    def check(self, now: float, vouched: Callable[[int], bool] = lambda rank: True) -> list[Stuck]:
+        """The stuck ranks now (see the module docstring); each is named once (forgotten here). `vouched(rank)`:
+        whether the rank's agent sees its process running (not stopped) now; a silent rank that is not vouched for
+        is no call holding its GIL but a stopped or cut-off process, which heartbeat silence declares dead."""
         self.checked_at = now
         ranks = self.ranks
         judged = self._judged()
@@ -173,7 +175,7 @@ class Watchdog:
         out = []
         for rank, r in ranks.items():
             silent = now - r.heard_at > silent_after
-            if silent or r.outside >= OUTSIDE_BEATS:
+            if (silent and vouched(rank)) or (not silent and r.outside >= OUTSIDE_BEATS):
                 out.append(Stuck(rank, r.node_id, job_step, stalled, bound, p99, waiting, silent, now - r.heard_at))
         for s in out:
             self.forget(s.rank)
