@@ -20,6 +20,7 @@ from toolkit.scheduler.membership import Membership
 from toolkit.scheduler.watchdog import Watchdog
 from toolkit.train import stacks
 from toolkit.train.pace import StepPace
+from toolkit.train.runtime import Runtime, WorkerEnv
 
 BEAT = 1.0
 
@@ -238,3 +239,27 @@ def test_the_agent_dumps_only_when_told_so_in_so_many_words() -> None:
                **({} if dump is None else {"dump": dump})}
         assert policy.on_scheduler(msg, running, False, [], ["worker_1"]) == policy.Kill("worker_1", CAUSE_STUCK,
                                                                                           expected)
+
+
+class WordChannel:
+    """The Runtime's side of the control channel that `changed_by` uses: records how long it was asked to wait."""
+
+    def __init__(self) -> None:
+        self.bounds: list[float] = []
+
+    def wait_change(self, current: int | None, bound: float) -> int | None:
+        self.bounds.append(bound)
+        return 1
+
+
+def test_a_survivor_whose_collective_timed_out_waits_the_watchdogs_bound_for_the_word() -> None:
+    cfg = WorkerEnv.from_env({"MS_ROLE": "MS_WORKER", "MS_WORKER_NUM": "2", "RANK_ID": "0", "MS_NODE_TIMEOUT": "6"})
+    rt = Runtime(cfg, "gloo", 30.0)
+    channel = WordChannel()
+    rt._channel = channel  # type: ignore[assignment]  # the point: what changed_by waits, no scheduler needed
+    timed_out = RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 10000ms for recv")
+    assert rt.changed_by(timed_out) is not None
+    for step in range(1, 40):
+        rt.pace.step(step, step * 2.0)  # 2 s steps: the watchdog's bound is 20 s
+    assert rt.changed_by(timed_out) is not None
+    assert channel.bounds == [cfg.word_wait + P.STALL_FLOOR, cfg.word_wait + 20.0] and cfg.word_wait == 9.0
