@@ -129,6 +129,17 @@ class Child:
         """Not reaped yet: a child that exited but was not reaped is still `alive`."""
         return self.status is None
 
+    def signal_leader(self, sig: int) -> bool:
+        """Signal the process itself, not its group (its own children, e.g. DataLoader workers, are left alone).
+        Safe from pid reuse as `signal_group`."""
+        if self.status is not None:
+            return False
+        try:
+            os.kill(self.pid, sig)
+            return True
+        except ProcessLookupError:
+            return False
+
     def signal_group(self, sig: int) -> bool:
         """Signal the whole group. Safe from pid reuse: until we reap the leader its pid and pgid stay ours."""
         if self.status is not None:

@@ -24,11 +24,15 @@ Worker conversation (one connection per worker process, kept for its whole life;
                                             PrefixStore(prefix, the job's store); faults and uptime (s) are the
                                             ledger's, for the workers' checkpoint interval
     worker -> heartbeat {step, step_time, busy, loss, ckpt_stall, ckpts, ckpt_every, ckpt_why, ckpt_step, stride,
-                         first_step}        every TOOLKIT_HEARTBEAT_INTERVAL; any message counts as one; all but
-                                            step optional (toolkit.train.pace, `pace_fields`; the last three: the
-                                            newest checkpoint a torchrun-style script reported, the steps between
-                                            its reports, the first step this process reported:
-                                            toolkit.train.scriptreport)
+                         first_step, step_p99, waiting, long}
+                                            every TOOLKIT_HEARTBEAT_INTERVAL; any message counts as one; all but
+                                            step optional (toolkit.train.pace, `pace_fields`; ckpt_step, stride,
+                                            first_step: the newest checkpoint a torchrun-style script reported, the
+                                            steps between its reports, the first step this process reported:
+                                            toolkit.train.scriptreport; step_p99, waiting, long: for the progress
+                                            watchdog, the p99 time between steps, whether the training thread
+                                            waits in a collective now, a legitimately long phase it is in:
+                                            toolkit.train.stacks)
     sched  -> generation {generation}       a member died: leave the current process group, wait for `formed`
     worker -> commit {step}                 this rank committed a checkpoint of `step`
     worker -> recovered {generation, step, source, from_rank, recomputed, seconds, bytes}
@@ -41,8 +45,9 @@ Worker conversation (one connection per worker process, kept for its whole life;
 Agent conversation: `agent_hello {nonce, proof, host, node_ids}` answered by `welcome {proof, beat}` (`beat`: the
 seconds between the agent's heartbeats, longer for a job of thousands of ranks); then the agent reports `exited` and
 `gave_up` (with the exit's first `cause`), and heartbeats naming the children it sees running (`running {node_id:
-pid}`: alive and not stopped, whatever their own heartbeats say); the scheduler sends `kill` (with its `cause`), `stop`
-and `finished` (docs/architecture.md).
+pid}`: alive and not stopped, whatever their own heartbeats say); the scheduler sends `kill` (with its `cause`, and
+`dump`: write the process's Python stacks to its log first, STACKS_SIGNAL), `stop` and `finished`
+(docs/architecture.md).
 
 Store conversation (MASTER_PORT): `store_hello {nonce, proof, node_id}` answered by `welcome {proof}`; then
 `kv {id, cmd, ...}` requests, each answered by `kv_reply {id, ok, ...}` (toolkit/scheduler/kvstore.py has the
@@ -65,6 +70,7 @@ import hmac
 import json
 import math
 import secrets
+import signal
 from collections.abc import Mapping
 from typing import Any
 
@@ -86,6 +92,7 @@ EXITED = "exited"
 GAVE_UP = "gave_up"
 # scheduler -> agent
 KILL = "kill"
+STACKS_SIGNAL = signal.SIGUSR1  # a worker writes every thread's Python stack to its log on it (faulthandler, no GIL)
 STOP = "stop"
 FINISHED = "finished"
 TAKEOVER = "takeover"  # to a spare's agent: {host, node_ids}: start these processes, the lost host's
@@ -303,7 +310,7 @@ MAX_PACE_SECONDS = 1e7  # s: a step time, busy time or total stall past this is 
 MAX_LOSS = 1e30
 MAX_WHY = 400  # characters of a heartbeat's ckpt_why
 _NUMBER = (int, float)  # the exact types of a JSON number (a bool is neither)
-_PACE_SECONDS = ("step_time", "busy", "ckpt_stall")
+_PACE_SECONDS = ("step_time", "busy", "ckpt_stall", "step_p99")
 _PACE_COUNTS = ("ckpts", "ckpt_every", "ckpt_step", "stride", "first_step")
 
 
@@ -329,6 +336,21 @@ def pace_fields(msg: Mapping[str, Any]) -> dict[str, Any]:
     if isinstance(why, str):
         out["ckpt_why"] = why[:MAX_WHY]
     return out
+
+
+# The progress watchdog (toolkit.scheduler.watchdog): a rank that has not entered the collective its peers wait in
+# is stuck once the job has made no step for stall_bound(p99) seconds, p99 being the job's observed 99th percentile
+# of the time between two steps. Part of the contract: a worker whose collective failed waits that long (and the
+# word's usual wait) for the scheduler to name the stuck peer before it counts the failure as its own.
+STALL_FACTOR = 10.0  # k: a stall of k x the p99 step time (nvidia-resiliency-ext learns 5x the longest interval)
+STALL_FLOOR = 5.0  # s: never sooner (a step time of milliseconds must not make a GC pause or a page-in a hang)
+MAX_LONG = 80  # characters of a heartbeat's `long` (the legitimately long phase a rank is in, e.g. "checkpoint")
+
+
+def stall_bound(p99: float | None) -> float:
+    """Seconds without a step after which a rank outside the collective its peers wait in is stuck: max(STALL_FACTOR
+    x `p99`, STALL_FLOOR); `p99` None (no step time known yet) gives the floor."""
+    return max(STALL_FACTOR * p99, STALL_FLOOR) if p99 is not None and p99 > 0 else STALL_FLOOR
 
 
 MAX_CAUSE = 300  # characters of a failure's cause (`exited`, `gave_up`, `kill`): one line

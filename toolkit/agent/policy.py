@@ -141,6 +141,7 @@ class Kill:
 
     node_id: str
     cause: str = "declared dead"
+    dump: bool = False  # write its Python stacks to its log first (protocol.STACKS_SIGNAL): a stuck rank's
 
 
 @dataclass(frozen=True)
@@ -200,7 +201,7 @@ def on_scheduler(msg: Mapping[str, Any], running: Mapping[str, int], closing: bo
         node_id, pid = str(msg.get("node_id"))[:256], protocol.whole(msg, "pid")
         if node_id not in running or (pid is not None and pid != running[node_id]):
             return Ignore(f"scheduler asked to kill {node_id} pid {pid}: not running here")
-        return Kill(node_id, protocol.cause_field(msg) or "declared dead")
+        return Kill(node_id, protocol.cause_field(msg) or "declared dead", msg.get("dump") is True)
     if op == protocol.STOP:
         return StopJob(str(msg.get("reason") or "no reason given")[:2000])
     if op == protocol.FINISHED:

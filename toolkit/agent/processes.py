@@ -29,6 +29,7 @@ from toolkit.agentdoc import AgentState, ExitRecord, Failure, ProcState
 from toolkit.hostspec import HostSpec, ProcSpec
 from toolkit.procs import Child, ExitStatus, LaunchSpec
 
+DUMP_WAIT = 1.0  # s from a stuck worker's STACKS_SIGNAL to its SIGKILL: faulthandler writes in the handler itself
 GAVE_UP_TAIL_BYTES = 8 << 10  # of the log tail sent with gave_up (a message is at most protocol.MAX_LINE)
 
 
@@ -70,17 +71,25 @@ class Processes:
         """Whether any process has a child now."""
         return any(s.child for s in self.slots.values())
 
-    def fence(self, node_id: str, cause: str) -> None:
+    def fence(self, node_id: str, cause: str, dump: bool = False) -> None:
         """The scheduler declared `node_id`'s incarnation dead (`cause`): SIGKILL its group (an incarnation declared
         dead, e.g. SIGSTOPped, must lose its sockets); its death then goes through `_on_child` like any other, with
-        `cause` as its first cause. Raises RuntimeError if the node has no child (policy.Kill names only running
-        ones: a bug)."""
+        `cause` as its first cause. With `dump` (a stuck rank) the process first gets protocol.STACKS_SIGNAL, on
+        which it writes every thread's Python stack to its log (faulthandler: in the signal handler, without the
+        GIL, so also when a call holding the GIL is what is stuck), and the SIGKILL follows DUMP_WAIT later. Raises
+        RuntimeError if the node has no child (policy.Kill names only running ones: a bug)."""
         slot = self.slots[node_id]
-        if slot.child is None:
+        child = slot.child
+        if child is None:
             raise RuntimeError(f"kill for {node_id}, which has no child")
         slot.fenced = cause
-        self.log(slot.spec.node_id, f"the scheduler declared pid {slot.child.pid} dead ({cause}): SIGKILL (fencing)")
-        slot.child.signal_group(signal.SIGKILL)
+        if dump and slot.kill_timer is None and child.signal_leader(protocol.STACKS_SIGNAL):
+            self.log(node_id, f"the scheduler declared pid {child.pid} dead ({cause}): its stacks to its log "
+                              f"({protocol.STACKS_SIGNAL.name}), SIGKILL (fencing) in {DUMP_WAIT:g} s")
+            slot.kill_timer = self.timers.after(DUMP_WAIT, lambda: child.signal_group(signal.SIGKILL))
+            return
+        self.log(node_id, f"the scheduler declared pid {child.pid} dead ({cause}): SIGKILL (fencing)")
+        child.signal_group(signal.SIGKILL)
 
     def cancel_pending(self) -> None:
         """The job finished: pending relaunches are cancelled, and their processes end `stopped`."""

@@ -266,7 +266,8 @@ class Agent:
         (the scheduler has proved the job token).
 
         `kill`: SIGKILL the node's group (fencing: an incarnation declared dead, e.g. SIGSTOPped, must lose its
-        sockets); its death then goes through `_on_child` like any other. `stop`: finish `failed` with EXIT_FAILED.
+        sockets; a stuck one first writes its stacks); its death then goes through `_on_child` like any other.
+        `stop`: finish `failed` with EXIT_FAILED.
         `finished`: close the link (the scheduler exits), cancel pending restarts, state `finishing`, and finish with
         EXIT_OK once nothing runs, or after `grace` s (`_shutdown` stops the rest). Anything else is logged and ignored.
         Raises RuntimeError only if the policy names a node without a child (a bug)."""
@@ -276,7 +277,7 @@ class Agent:
         if isinstance(reaction, policy.TakeOver):
             self._take_over(reaction, protocol.whole(msg, "seq"))
         elif isinstance(reaction, policy.Kill):
-            self.processes.fence(reaction.node_id, reaction.cause)
+            self.processes.fence(reaction.node_id, reaction.cause, reaction.dump)
         elif isinstance(reaction, policy.StopJob):
             self.log("agent", f"the scheduler stopped the job: {reaction.reason}")
             self._finish(AgentState.FAILED, EXIT_FAILED, f"stopped by the scheduler: {reaction.reason}")

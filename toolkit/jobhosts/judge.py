@@ -106,6 +106,7 @@ def _proc(host: str, p: Mapping[str, Any], got: ProcDoc | None, state: str, now:
         loss=number(figures.get("loss")),
         heartbeat_age=number(figures.get("heartbeat_age")) if state == ProcState.RUNNING else None,
         straggler=straggler,
+        no_step_for=number(figures.get("no_step_for")) if state == ProcState.RUNNING else None,
         repeating=_repeating(got.same_failure if got else None),
     )
 

@@ -53,6 +53,8 @@ def status_table(record: JobRecord, hosts: list[HostStatus], title: str | None =
 def process_note(p: ProcStatus) -> tuple[str, str]:
     """What stands out about a process (a straggler and by how much, a lagging heartbeat, its last bad exit) and
     the style to show it in; ("", "") for nothing."""
+    if p.no_step_for is not None:
+        return f"no step for {p.no_step_for:.0f} s", "bold red"
     if p.straggler is not None:
         return f"straggler: {p.straggler:.2f}x the others' own work per step", "bold magenta"
     if p.state == ProcState.RUNNING and p.heartbeat_age is not None and p.heartbeat_age > LAGGING_AFTER:
@@ -74,6 +76,10 @@ def live_lines(live: Mapping[str, Any] | None) -> list[str]:
     lines = [f"straggler: {s.get('node_id')} (rank {s.get('rank')}) on {s.get('host')}: its own work per step "
              f"takes {s.get('factor')}x the median of the others" for s in live.get("stragglers") or []
              if isinstance(s, dict)]
+    stalled = number(live.get("stalled_for"))
+    if stalled is not None:
+        lines.append(f"stalled: no step for {stalled:.0f} s (the progress watchdog names a rank that stopped while "
+                     "its peers wait for it; docs/porting.md)")
     inc = live.get("last_incident")
     if isinstance(inc, dict):
         recomputed = "" if inc.get("recomputed") is None else f", {inc['recomputed']} step(s) recomputed"

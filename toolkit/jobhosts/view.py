@@ -33,6 +33,7 @@ class ProcStatus:
     loss: float | None = None
     heartbeat_age: float | None = None  # s since the scheduler last heard from it
     straggler: float | None = None  # named a straggler: its own work per step over the others' median
+    no_step_for: float | None = None  # the job is stalled (live.json `stalled_for`): s since this rank's step moved
     repeating: str | None = None  # it keeps failing the same way: how (the agent's policy.repeated_failure)
 
     @property

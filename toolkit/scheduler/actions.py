@@ -38,6 +38,8 @@ CAUSE_CLOSED = "connection closed"
 CAUSE_SILENCE = "heartbeat silence"
 CAUSE_NOT_BACK = "did not reconnect"
 CAUSE_REPLACED = "host replaced"
+# the progress watchdog (toolkit.scheduler.watchdog): no progress while its peers waited for it
+CAUSE_STUCK = "stuck (no progress while its peers waited)"
 
 
 @dataclass(frozen=True)

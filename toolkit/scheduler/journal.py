@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from toolkit import atomicfile, rundoc
+from toolkit import atomicfile, protocol, rundoc
 from toolkit.scheduler.actions import Log, Note, NoteKind
 from toolkit.scheduler.ledger import Ledger
 from toolkit.scheduler.state import JobStatus
@@ -174,12 +174,16 @@ class Journal:
     def live(self, now: float, wall: float) -> dict[str, Any]:
         """live.json's document (toolkit.rundoc)."""
         ranks = {}
+        stalled_for = self.stalled_for(now)
         for r, fig in sorted(self.stragglers.ranks.items()):
             score = self.stragglers.scores.get(r)
             step_time = fig.figures.get("step_time")
             ranks[str(r)] = {
                 "node_id": fig.node_id, "host": fig.host, "pid": fig.pid, "step": fig.step,
-                "steps_per_s": round(1.0 / step_time, 3) if step_time else None,
+                "steps_per_s": 0.0 if stalled_for is not None else round(1.0 / step_time, 3) if step_time else None,
+                # while the job is stalled: how long since this rank's step moved
+                "no_step_for": None if stalled_for is None or fig.stepped_at is None else round(now - fig.stepped_at,
+                                                                                                  1),
                 "step_time": step_time, "busy": fig.figures.get("busy"), "loss": fig.figures.get("loss"),
                 "heartbeat_age": round(now - fig.seen_at, 3), "score": round(score, 3) if score else None,
                 "straggler": r in self.stragglers.flagged, "ckpt_every": fig.figures.get("ckpt_every"),
@@ -198,8 +202,22 @@ class Journal:
                 "formed_in": None if last.formed_at is None else round(last.formed_at - last.failed_at, 3)},
             "incidents": self.ledger.faults.count,
             "reports_steps": self.ledger.accounting.last_step is not None,
-            "goodput": self.ledger.goodput(wall),
+            "stalled_for": None if stalled_for is None else round(stalled_for, 1),
+            "goodput": self.ledger.goodput(wall, stalled_for or 0.0),
         }
+
+    def stalled_for(self, now: float) -> float | None:
+        """Seconds since the job's newest step moved, once that is the progress watchdog's bound or more
+        (protocol.stall_bound of the largest p99 step time a rank reports) while the job runs formed; else None.
+        A stall is shown as one (`no step for 42 s`, 0 steps/s, not productive in the goodput so far) whether or
+        not the watchdog can name a rank for it (a script that reports its steps but blocks outside a collective
+        on every rank, or whose stuck rank is in a phase it said is long)."""
+        figs = [f for f in self.stragglers.ranks.values() if f.stepped_at is not None]
+        if not figs or not self.formed or self.status != JobStatus.RUNNING:
+            return None
+        p99s = [f.figures["step_p99"] for f in figs if f.figures.get("step_p99")]
+        idle = now - max(f.stepped_at for f in figs if f.stepped_at is not None)
+        return idle if idle >= protocol.stall_bound(max(p99s) if p99s else None) else None
 
     def _straggler(self, event: Named | Cleared, wall: float) -> Log:
         if isinstance(event, Named):

@@ -176,11 +176,14 @@ class Goodput:
         """Seconds since the job started (its first scheduler start)."""
         return max(0.0, now - self.started_at)
 
-    def goodput(self, end: float, incidents: list[Incident], generations: list[dict[str, Any]]) -> dict[str, Any]:
+    def goodput(self, end: float, incidents: list[Incident], generations: list[dict[str, Any]],
+                stalled: float = 0.0) -> dict[str, Any]:
         """The wall time until `end` split as the module docstring says, in seconds, and goodput = productive /
-        wall. `basis` says what it stands on: "steps" (the steps the ranks reported), or for a torchrun-style
-        script that reports none, "formations": the time after each formation of its group counts as training
-        (its own start-up and resume after it are not known), so the goodput is an upper bound, as `note` says."""
+        wall; `stalled` s before `end` the job made no step (a stall not yet an incident: not productive, and
+        `stalled` in the split while it lasts). `basis` says what it stands on: "steps" (the steps the ranks
+        reported), or for a torchrun-style script that reports none, "formations": the time after each formation
+        of its group counts as training (its own start-up and resume after it are not known), so the goodput is
+        an upper bound, as `note` says."""
         wall = max(0.0, end - self.started_at - self.paused)
         formations = [g["formed_at"] for g in generations if isinstance(g.get("formed_at"), (int, float))]
         guess = self.stepless() and bool(formations)
@@ -196,8 +199,11 @@ class Goodput:
                 recomputed += inc.recomputed * inc.step_time
         stalls = [base + last for base, last in self.stall.values()]
         checkpoint = sum(stalls) / len(stalls) if stalls else 0.0
-        productive = max(0.0, wall - startup - recovery - recomputed - checkpoint)
+        open_ = bool(incidents) and incidents[-1].recovered_at is None  # its recovery already counts the time
+        stalled = 0.0 if open_ or guess else min(stalled, max(0.0, end - first))
+        productive = max(0.0, wall - startup - recovery - recomputed - checkpoint - stalled)
         return {"wall": round(wall, 3), "startup": round(startup, 3), "recovery": round(recovery, 3),
+                **({"stalled": round(stalled, 3)} if stalled else {}),
                 "recomputed": round(recomputed, 3), "checkpoint": round(checkpoint, 3),
                 "productive": round(productive, 3), "goodput": round(productive / wall, 4) if wall > 0 else None,
                 "basis": "formations" if guess else "steps", "note": STEPLESS_NOTE if guess else None}
@@ -438,10 +444,12 @@ class Ledger:
         """Seconds since the job started (its first scheduler start)."""
         return self.accounting.uptime(now)
 
-    def goodput(self, now: float) -> dict[str, Any]:
-        """The goodput so far, or until the job ended (Goodput.goodput)."""
+    def goodput(self, now: float, stalled: float = 0.0) -> dict[str, Any]:
+        """The goodput so far, or until the job ended (Goodput.goodput); `stalled`: the job has made no step for
+        that many seconds up to `now` (a stall the progress watchdog's bound says is one): not productive."""
         end = self.ended_at if self.ended_at is not None else now
-        return self.accounting.goodput(end, self.faults.incidents, self.faults.generations)
+        return self.accounting.goodput(end, self.faults.incidents, self.faults.generations,
+                                       stalled if self.ended_at is None else 0.0)
 
     # -- the document
 

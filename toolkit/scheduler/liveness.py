@@ -35,14 +35,18 @@ def vouch(roster: Roster, host: str | None, running: Any, now: float) -> None:
             member.vouched_at = now
 
 
+def vouched(member: Member | None, now: float, node_timeout: float) -> bool:
+    """Whether `member` is connected and its agent vouched for it (running, not stopped) within node_timeout."""
+    return member is not None and member.peer is not None and member.vouched_at is not None \
+        and now - member.vouched_at < node_timeout
+
+
 def alive_though_silent(member: Member, silent: float, now: float, node_timeout: float, topo_timeout: float,
                         out: list[Action]) -> bool:
     """Whether `member`, unheard for `silent` s (at least node_timeout), is alive anyway: connected, and its agent
     vouched for it within node_timeout (a call holding its GIL stops its heartbeat thread, not its process), for at
     most topo_timeout of silence. Says so once per silence (appended to `out`)."""
-    vouched = member.peer is not None and member.vouched_at is not None \
-        and now - member.vouched_at < node_timeout
-    if not vouched or silent >= topo_timeout:
+    if not vouched(member, now, node_timeout) or silent >= topo_timeout:
         return False
     if not member.busy_said:
         member.busy_said = True

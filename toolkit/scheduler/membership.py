@@ -42,6 +42,7 @@ from toolkit.scheduler.actions import (  # also re-exported
     CAUSE_NOT_BACK,
     CAUSE_REPLACED,
     CAUSE_SILENCE,
+    CAUSE_STUCK,
     Action,
     Close,
     DropKeys,
@@ -51,10 +52,11 @@ from toolkit.scheduler.actions import (  # also re-exported
     NoteKind,
     Send,
 )
-from toolkit.scheduler.liveness import alive_though_silent, expiry, kill_unreported, vouch
+from toolkit.scheduler.liveness import alive_though_silent, expiry, kill_unreported, vouch, vouched
 from toolkit.scheduler.roster import Fact, Member, Peer, PeerRole, Roster, rank_of  # also re-exported
 from toolkit.scheduler.spares import LostCheck, Refusal, choose_spare, find_lost
 from toolkit.scheduler.state import JobStatus
+from toolkit.scheduler.watchdog import Watchdog
 
 EXIT_OK = 0
 EXIT_FAILED = 1  # a node gave up: the job failed
@@ -196,6 +198,9 @@ class Membership:
         self.host_timeout = host_timeout  # <= 0: no automatic replacement (the operator's `replace` only)
         # the agents' heartbeat interval (their `welcome`), stretched as the workers' at thousands of ranks
         self.agent_beat = envvars.heartbeat_interval(world_size, envvars.DEFAULT_AGENT_HEARTBEAT, node_timeout)
+        # which rank stopped making progress while its peers wait for it (judged while formed and running)
+        self.watchdog = Watchdog(envvars.heartbeat_interval(world_size, envvars.DEFAULT_HEARTBEAT_INTERVAL,
+                                                            node_timeout))
         self.roster = Roster(expected, spares)  # every host and every rank: members, peers, done, fenced, commits
         self.unreported: dict[str, tuple[int, float]] = {}  # node_id -> (pid, when to kill it): its connection
         # closed, its agent has not reported its exit yet
@@ -224,6 +229,8 @@ class Membership:
             deadlines.append(self.gather_since + self.topo_timeout)
         if self.status == RUNNING:  # a host may be found lost then (at once if the roster changed since the scan)
             deadlines.append(self.lost_check.deadline(self.roster))
+        if self.status == RUNNING and self.formed:
+            deadlines.append(self.watchdog.due())
         return min(deadlines, default=math.inf)
 
     def snapshot(self) -> dict[str, Any]:
@@ -415,6 +422,7 @@ class Membership:
         member.last_seen, member.busy_said = now, False
         if op == protocol.HEARTBEAT:
             member.step = protocol.whole(msg, "step", member.step)
+            self.watchdog.heard(member.rank, member.node_id, member.step, msg, now)
             return [Note(NoteKind.PACE, {"rank": member.rank, "node_id": member.node_id,
                                          "host": host_of(self.roster, member), "pid": member.pid, "step": member.step,
                                          **protocol.pace_fields(msg)})]
@@ -428,6 +436,7 @@ class Membership:
         if op == protocol.RECOVERED:
             return recovered(member, msg)
         if op == protocol.DONE:
+            self.watchdog.forget(member.rank)  # a finished rank is not stuck
             self.roster.peers[peer] = Peer(PeerRole.FINISHED, rank=member.rank, addr=who.addr)
             out: list[Action] = [Log(INFO, f"{member.node_id} finished (pid {member.pid} on {member.host})")]
             self.dirty |= self.roster.remove(member)  # it leaves without a generation change
@@ -483,6 +492,13 @@ class Membership:
             self.hb_check_at = min((expiry(m, self.node_timeout, self.topo_timeout)
                                     for m in self.roster.members.values()), default=math.inf)
         out += kill_unreported(self.roster, self.unreported, now, self.node_timeout)
+        if self.formed and now >= self.watchdog.due():
+            for stuck in self.watchdog.check(now, lambda rank: vouched(self.roster.members.get(rank), now,
+                                                                      self.node_timeout)):
+                member = self.roster.members.get(stuck.rank)
+                if member is not None and member.node_id == stuck.node_id:
+                    out += self._death(member, stuck.reason(), kill=True, now=now, cause=CAUSE_STUCK,
+                                       silent_for=stuck.stalled)  # it failed when the job's steps stopped
         out += self._check_lost(now)
         if (self.status == RUNNING and self.gather_since is not None and not self.unmanaged
                 and now >= self.gather_since + self.topo_timeout):
@@ -587,6 +603,7 @@ class Membership:
             return []
         self.formed = self.ever_formed = True
         self.dirty = True
+        self.watchdog.formed()
         since = self.gather_since if self.gather_since is not None else now
         self.gather_since = None
         prefix = protocol.store_prefix(self.job, self.boot, self.generation)
@@ -613,6 +630,7 @@ class Membership:
         generation's store keys go when the next one forms."""
         if not self.roster.remove(member):
             return []
+        self.watchdog.forget(member.rank)
         self.roster.fenced.add(member.incarnation)
         self.roster.unsaved.add((Fact.FENCED, member.incarnation))
         self.dirty = True
@@ -622,12 +640,16 @@ class Membership:
             "recovery": member.recovery, "begins": self.formed and self.status == RUNNING and not self.roster.done,
             "generation": self.generation + 1 if self.formed and self.status == RUNNING and not self.roster.done
             else self.generation})]
+        agent = self.roster.agent_at(member.node_id)
         if member.peer is not None:
             self.roster.peers.pop(member.peer, None)
-            out.append(Send(member.peer, protocol.FENCED, {"reason": f"declared dead: {reason}"}, close=True))
-        agent = self.roster.agent_at(member.node_id)
+            # a stuck rank is told nothing: the word would end it before its agent has its stacks written (its
+            # connection closes when the agent kills it, and is ignored meanwhile)
+            if not (cause == CAUSE_STUCK and kill and agent is not None):
+                out.append(Send(member.peer, protocol.FENCED, {"reason": f"declared dead: {reason}"}, close=True))
         if kill and agent is not None:
-            out.append(Send(agent, protocol.KILL, {"node_id": member.node_id, "pid": member.pid, "cause": cause}))
+            out.append(Send(agent, protocol.KILL, {"node_id": member.node_id, "pid": member.pid, "cause": cause,
+                                                   **({"dump": True} if cause == CAUSE_STUCK else {})}))
         if self.status != RUNNING:
             return out
         if self.roster.done:

@@ -44,6 +44,7 @@ class RankFigures:
     seen_at: float
     step: int | None = None
     figures: dict[str, Any] = field(default_factory=dict)
+    stepped_at: float | None = None  # when its step last changed (None: no step heard yet)
 
 
 @dataclass(frozen=True)
@@ -85,8 +86,11 @@ class Stragglers:
         """A heartbeat's figures (a membership `pace` Note: rank, node_id, host, pid, step and pace fields)."""
         rank = fields["rank"]
         figures = {k: v for k, v in fields.items() if k not in _WHO}
-        self.ranks[rank] = RankFigures(rank, fields["node_id"], fields["host"], fields.get("pid"), now,
-                                       fields.get("step"), figures)
+        before, step = self.ranks.get(rank), fields.get("step")
+        same = before is not None and before.step == step and before.node_id == fields["node_id"]
+        self.ranks[rank] = RankFigures(rank, fields["node_id"], fields["host"], fields.get("pid"), now, step, figures,
+                                       before.stepped_at if same and before is not None else
+                                       (now if step is not None else None))
 
     def forget(self, rank: int) -> list[Cleared]:
         """`rank` died: its figures go (its replacement starts afresh); a straggler verdict on it is cleared."""

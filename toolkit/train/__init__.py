@@ -5,11 +5,12 @@
 - `Trainer` gives a data-parallel loop in-place recovery with no lost step (toolkit.train.trainer).
 - `python -m toolkit.train SCRIPT` runs any script as a worker (toolkit.train.wrapper).
 - `report(step, loss=...)` shows a torchrun-style script's progress in `fleet status` and `fleet report`, one line
-  of the script; a no-op outside toolkit (toolkit.train.progress).
+  of the script; a no-op outside toolkit (toolkit.train.progress). `long_phase("evaluation")` around a part of the
+  loop the progress watchdog must not take for a hang.
 - Checkpoints live in `toolkit.train.checkpoint`; the sample's IDX reader in `toolkit.train.data`.
 """
 
-from toolkit.train.progress import report
+from toolkit.train.progress import long_phase, report
 from toolkit.train.runtime import (
     GenerationChanged,
     JobStopped,
@@ -32,5 +33,6 @@ __all__ = [
     "TrainerError",
     "WorkerEnv",
     "init",
+    "long_phase",
     "report",
 ]

@@ -24,7 +24,7 @@ from typing import Any, Protocol
 from toolkit import envvars, protocol
 from toolkit.errors import UserError
 from toolkit.session import Unproven, open_session
-from toolkit.train import jobview
+from toolkit.train import jobview, stacks
 from toolkit.train.fence import Fence
 from toolkit.train.jobview import DONE_WAIT
 from toolkit.train.log import say
@@ -97,6 +97,8 @@ class Channel:
         self.view = jobview.JobView(restart_only=exit_on_new_generation)
         self.step: int | None = None
         self.beat: dict[str, Any] = {}  # the latest StepPace.summary() (and checkpoint interval): sent with heartbeats
+        self.long: str | None = None  # a legitimately long phase the training thread is in (the watchdog waits)
+        self.training_thread = threading.get_ident()  # the thread whose waits each heartbeat samples (stacks)
         self.sock: socket.socket | None = None
         self.lines = protocol.LineBuffer()
         self.send_lock = threading.Lock()
@@ -200,7 +202,10 @@ class Channel:
                 wake = jobview.next_wake(time.monotonic(), next_beat, self.finishing, self.cfg.heartbeat_interval)
                 next_beat, wait_until = wake.next_beat, wake.wait_until
                 if wake.beat:
-                    self.send(protocol.HEARTBEAT, strict=True, step=self.step, **self.beat)
+                    waiting, busy = stacks.sample(self.training_thread)
+                    long = self.long or busy
+                    self.send(protocol.HEARTBEAT, strict=True, step=self.step, **self.beat, waiting=waiting,
+                              **({"long": long} if long else {}))
             except (OSError, ValueError, protocol.ProtocolError) as e:
                 if self.closing.is_set() or self.finishing:
                     return

@@ -11,6 +11,9 @@ A rank's own figures, measured on its training thread and sent with its heartbea
 - `loss`: the last loss the script reported, sampled at most once a SAMPLE_INTERVAL (turning a tensor into a
   float waits for the device, so not at every step).
 - `ckpt_stall`: seconds the training thread has spent blocked in checkpoint saves, in total, and `ckpts` how many.
+- `step_p99`: the 99th percentile of the wall time between two reported steps over the last P99_WINDOW (checkpoints
+  and evaluations included, as they happen): what the progress watchdog scales its bound by
+  (protocol.stall_bound; toolkit.scheduler.watchdog).
 
 Pure: the caller passes the times (perf_counter seconds), so tests drive it with a fake clock.
 """
@@ -24,6 +27,7 @@ from typing import Any
 
 WINDOW = 32  # steps: the medians are over this many recent steps (robust to one slow step, a GC pause)
 SAMPLE_INTERVAL = 1.0  # s: the loss is turned into a float at most this often
+P99_WINDOW = 512  # intervals between reported steps the p99 is taken over (a slow one in under 100 is in it)
 
 
 class StepPace:
@@ -34,6 +38,7 @@ class StepPace:
         self.strided = strided
         self.walls: deque[float] = deque(maxlen=window)
         self.busies: deque[float] = deque(maxlen=window)
+        self.intervals: deque[float] = deque(maxlen=P99_WINDOW)  # s between two reported steps, not divided
         self.last_step: int | None = None
         self.last_at: float | None = None
         self.loss: float | None = None
@@ -47,9 +52,15 @@ class StepPace:
         if self.last_step is not None and self.last_at is not None and (
                 step == self.last_step + 1 or (self.strided and step > self.last_step)):
             self.walls.append(max(0.0, now - self.last_at) / (step - self.last_step))
+            self.intervals.append(max(0.0, now - self.last_at))
             if busy is not None and math.isfinite(busy) and busy >= 0 and step == self.last_step + 1:
                 self.busies.append(busy)
         self.last_step, self.last_at = step, now
+
+    def restart(self) -> None:
+        """The group was re-formed: the next step, even if its number follows, does not follow in time (the gap
+        holds the fault, its detection and the recovery, which are no step's time)."""
+        self.last_step = self.last_at = None
 
     def wants_loss(self, now: float) -> bool:
         """Whether a loss reported now should be sampled (SAMPLE_INTERVAL passed since the last sample)."""
@@ -71,9 +82,19 @@ class StepPace:
         self.ckpt_stall += max(0.0, stalled)
         self.ckpts += 1
 
+    def p99(self) -> float | None:
+        """The 99th percentile of the time between two reported steps (None before two steps in a row)."""
+        if not self.intervals:
+            return None
+        ordered = sorted(self.intervals)
+        return ordered[min(len(ordered) - 1, math.ceil(0.99 * len(ordered)) - 1)]
+
     def summary(self) -> dict[str, Any]:
         """The heartbeat's pace fields (absent when not known yet)."""
         out: dict[str, Any] = {"ckpt_stall": round(self.ckpt_stall, 4), "ckpts": self.ckpts}
+        p99 = self.p99()
+        if p99 is not None:
+            out["step_p99"] = round(p99, 6)
         if self.walls:
             out["step_time"] = round(statistics.median(self.walls), 6)
         if self.busies:

@@ -30,7 +30,8 @@ A script without toolkit installed can keep the line:
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+import contextlib
+from typing import Any, ContextManager, Iterator, Protocol
 
 
 class Reporter(Protocol):
@@ -38,6 +39,8 @@ class Reporter(Protocol):
     scriptreport.ScriptReporter, init()'s runtime.RuntimeReporter)."""
 
     def report(self, step: int, loss: Any, checkpoint: bool) -> None: ...
+
+    def long_phase(self, what: str) -> ContextManager[None]: ...
 
 
 # The process's reporter, installed once by what joins the job in this process (the wrapper's rendezvous for a
@@ -55,6 +58,21 @@ def report(step: int, loss: Any = None, *, checkpoint: bool = False) -> None:
         raise ValueError(f"toolkit.train.report(step={step!r}): give the step as a whole number >= 0")
     if _installed:
         _installed[-1].report(step, loss, checkpoint)
+
+
+@contextlib.contextmanager
+def long_phase(what: str = "evaluation") -> Iterator[None]:
+    """`with toolkit.train.long_phase("evaluation"):` around a part of the loop that may take much longer than a step
+    on some ranks while the others wait for them (an evaluation, a save of the script's own): the progress watchdog
+    (which names a rank that stopped making progress while its peers wait, after max(10 x the p99 step time, 5 s))
+    blames no rank while any rank is in one. A no-op outside toolkit. The Trainer marks its own checkpoints."""
+    if not isinstance(what, str) or not what:
+        raise ValueError(f"toolkit.train.long_phase(what={what!r}): name the phase, e.g. \"evaluation\"")
+    if not _installed:
+        yield
+        return
+    with _installed[-1].long_phase(what):
+        yield
 
 
 def install(reporter: Reporter) -> None:

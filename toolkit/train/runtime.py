@@ -44,7 +44,7 @@ import torch.distributed as dist
 from toolkit import envvars, protocol, stepfile
 from toolkit.errors import UserError
 from toolkit.train import fence as fence_mod
-from toolkit.train import progress
+from toolkit.train import progress, stacks
 from toolkit.train import store as job_store
 from toolkit.train.channel import Channel, JobStopped
 from toolkit.train.channel import RegistrationError as RegistrationError  # part of this module's interface
@@ -255,7 +255,10 @@ class Runtime:
         ch = self._channel
         if ch is None or not looks_collective(error):
             return None
-        new = ch.wait_change(self.generation, self.cfg.word_wait)
+        # WorkerEnv.word_wait, and the progress watchdog's bound (protocol.stall_bound of this rank's p99 step time,
+        # about the job's): a collective that timed out on a stuck peer is this rank's failure only if the watchdog
+        # did not name the peer meanwhile
+        new = ch.wait_change(self.generation, self.cfg.word_wait + protocol.stall_bound(self.pace.p99()))
         return None if new is None else GenerationChanged(self.generation, new)
 
     def reform(self) -> dist.ProcessGroup:
@@ -288,6 +291,7 @@ class Runtime:
                 continue
             previous, self.generation = self.generation, generation
             ch.adopt(generation)
+            self.pace.restart()  # a fault and its recovery are no step's time (the watchdog's p99 step time)
             say(self.node_id, f"generation {generation}: process group of {self.world_size} ready in "
                                f"{time.monotonic() - started:.2f} s" + ("" if previous is None else
                                                                        f" (was {previous})"))
@@ -440,6 +444,10 @@ class RuntimeReporter:
         self.rt.report(step, loss=loss)
         if checkpoint:
             self.rt.committed(step)
+
+    def long_phase(self, what: str) -> contextlib.AbstractContextManager[None]:
+        """See `progress.long_phase`: the heartbeats say `long` while in it."""
+        return stacks.long_phase(self.rt._channel, what)
 
 
 def _arrive(store: Any, world: int, timeout: timedelta) -> None:

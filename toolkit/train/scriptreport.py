@@ -4,11 +4,13 @@ public report() imports nothing of the runtime, which installs its own reporter 
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from typing import Any
 
 from toolkit import protocol
+from toolkit.train import stacks
 from toolkit.train.channel import Channel
 from toolkit.train.pace import StepPace
 from toolkit.train.runtime import PROGRESS_INTERVAL, WorkerEnv, notify_agent
@@ -54,3 +56,7 @@ class ScriptReporter:
                                         ("first_step", self.first)) if v is not None}
             self.channel.beat = {**self.channel.beat, **(self.pace.summary() if self.cfg.pace else {}), **extra}
             notify_agent(self.cfg, {"node_id": self.cfg.node_id, "step": step, "recovery": protocol.RECOVERY_RESTART})
+
+    def long_phase(self, what: str) -> contextlib.AbstractContextManager[None]:
+        """See `progress.long_phase`: the heartbeats say `long` while in it."""
+        return stacks.long_phase(self.channel, what)

@@ -54,7 +54,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from toolkit.train import checkpoint, interval, log
+from toolkit.train import checkpoint, interval, log, progress
 from toolkit.train.agreement import FROM_CHECKPOINT, FROM_INITIAL, FROM_PEER, TrainingState, recomputed_steps
 from toolkit.train.checkpointing import Checkpointing, manager_for, parse_every
 from toolkit.train.ddpmodel import GroupModel
@@ -191,7 +191,8 @@ class Trainer:
         self.rt.report(self.step_count, self.epoch, loss=self._loss, busy=busy)
         self._loss = None
         if self._ckpt.due(self.step_count):
-            self._ckpt.save(self.step_count, self._state.capture)
+            with progress.long_phase("checkpoint"):  # the progress watchdog waits for it
+                self._ckpt.save(self.step_count, self._state.capture)
         if leaving is not None:
             self._leave(leaving)
 
@@ -207,7 +208,7 @@ class Trainer:
             return
         while True:
             try:
-                with self._guarded():
+                with self._guarded(), progress.long_phase("the final checkpoint"):
                     self._ckpt.save(self.step_count, self._state.capture)
                     self.manager.flush()
                     if self.rt.world_size > 1:

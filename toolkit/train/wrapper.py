@@ -45,7 +45,7 @@ import torch.distributed as dist
 
 from toolkit import envvars, protocol
 from toolkit.errors import UserError
-from toolkit.train import log, progress
+from toolkit.train import log, progress, stacks
 from toolkit.train import store as job_store
 from toolkit.train.channel import Channel, JobStopped
 from toolkit.train.faults import first_line, looks_collective
@@ -69,6 +69,7 @@ class ScriptSession:
     def __init__(self, cfg: WorkerEnv) -> None:
         self.cfg = cfg
         self.channel: Channel | None = None
+        self.reporter: ScriptReporter | None = None
 
     def install(self) -> None:
         """Route env:// (and tcp:// naming this job's store) through `rendezvous`; tcp:// elsewhere keeps torch's
@@ -117,7 +118,8 @@ class ScriptSession:
         say(self.cfg.node_id, f"the script's process group: generation {generation}, restart recovery (a fault "
                                "relaunches every worker, which resume from their own checkpoints)")
         notify_agent(self.cfg, {"node_id": self.cfg.node_id, "recovery": protocol.RECOVERY_RESTART})
-        progress.install(ScriptReporter(self.cfg, channel))  # toolkit.train.report() from the script
+        self.reporter = ScriptReporter(self.cfg, channel)
+        progress.install(self.reporter)  # toolkit.train.report() from the script
         store = job_store.connect(self.cfg.store_host, self.cfg.store_port, self.cfg.token, self.cfg.node_id, timeout)
         yield dist.PrefixStore(prefix, store), self.cfg.rank, self.cfg.world_size
         raise RuntimeError("env:// under toolkit does not re-rendezvous in place: the process is relaunched")
@@ -142,10 +144,12 @@ class ScriptSession:
         if ch.view.held is None or self.cfg.world_size == 1 or (error is not None and not looks_collective(error)):
             return code
         what = f"{type(error).__name__}: {first_line(error)}" if error is not None else f"exit code {code}"
-        say(self.cfg.node_id, f"the script failed ({what}); waiting up to {self.cfg.word_wait:g} s for the "
-                               "scheduler's word (a peer's death breaks the collectives before it is announced)")
+        # and the progress watchdog's bound: a collective that timed out on a stuck peer is not this rank's failure
+        wait = self.cfg.word_wait + protocol.stall_bound(self.reporter.pace.p99() if self.reporter else None)
+        say(self.cfg.node_id, f"the script failed ({what}); waiting up to {wait:g} s for the scheduler's word (a "
+                               "peer's death, or a stuck peer, breaks the collectives before it is announced)")
         try:
-            moved = ch.wait_change(ch.view.held, self.cfg.word_wait)
+            moved = ch.wait_change(ch.view.held, wait)
         except JobStopped:
             return code
         if moved is None:
@@ -165,6 +169,7 @@ def run_script(argv: Sequence[str], env: dict[str, str] | None = None) -> int:
     session = ScriptSession(cfg) if cfg.mode == MODE_TOOLKIT else None
     if session is not None:
         session.install()
+        stacks.dump_on_signal()  # a stuck worker's stacks to its log before its agent kills it
     sys.argv = list(argv)  # the script reads its own arguments, as under `python SCRIPT ARGS`
     log.whole_lines()  # its prints and the control thread's lines share the log: none may tear another
     sys.path[0] = str(Path(script).resolve().parent)  # and imports its neighbours, as under `python SCRIPT`

@@ -1,0 +1,182 @@
+"""The progress watchdog: which rank stopped making progress while its peers wait for it.
+
+In synchronous data parallelism one stuck rank (in its own code, a deadlock, a blocking call, a call into C that
+never returns) stops every rank: the others enter the step's collective and wait there for it. Steps alone cannot
+tell who is stuck (every rank's step stops at once), nor can heartbeats (a rank asleep in its own code still
+heartbeats). What does: each worker's heartbeat says whether its training thread is waiting in a collective now
+(`waiting`: toolkit.train.stacks looks at the thread's Python stack), and a rank holding its GIL sends no heartbeat
+at all while its agent still sees it running. So once the job has made no step for
+
+    bound = max(STALL_FACTOR x p99, STALL_FLOOR)         (protocol.stall_bound; 10 x p99, at least 5 s)
+
+with p99 the job's observed 99th percentile of the time between two steps (the largest any rank reports), and some
+rank has been waiting in a collective for that long too (every heartbeat since said so), a rank that is not waiting
+(for OUTSIDE_BEATS heartbeats in a row, or silent for SILENT_BEATS) is stuck. The wait counts, not only the time
+since the last step: ranks that all spend long in their own work (an evaluation on every rank) and end it at
+different times make the first ones wait briefly, which is no hang. No setting: the bound follows the job's own
+step times.
+
+What must not trip it: the first step of a generation (every rank must have made a step in the current generation
+before its stalls are judged: the first step of the job, the first after a recovery, compile and warm-up), a phase
+a rank says is legitimately long (`long` in its heartbeat: a checkpoint the Trainer writes, an evaluation in
+`toolkit.train.long_phase`), ranks that are all busy in their own work (nobody waits), and ranks that all wait (a
+collective every rank entered and none completes: no rank to blame; its timeout ends it).
+
+Pure: heartbeats and times come in, verdicts come out; the membership declares a stuck rank dead (cause
+CAUSE_STUCK) and has its agent dump its stacks and kill it. Cost: a heartbeat O(1) and `due` O(1) (the server asks
+at every pass of its loop), `check` O(N), and only once the bound can have passed since the job's last step.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+from toolkit import protocol
+
+OUTSIDE_BEATS = 2  # heartbeats in a row a rank must say it is outside any collective before it can be blamed
+SILENT_BEATS = 3  # heartbeat intervals without one: the rank cannot say where it is (a call holding its GIL)
+CHECK_INTERVAL = 1.0  # s between checks while the job is formed
+
+
+@dataclass
+class RankProgress:
+    """What the watchdog knows of one rank in the current generation."""
+
+    node_id: str
+    heard_at: float
+    step: int | None = None
+    stepped_at: float | None = None  # when its step last changed in this generation (None: not yet)
+    waiting: bool = False  # its last heartbeat said: waiting in a collective
+    waiting_since: float | None = None  # the first of the heartbeats in a row that said so
+    outside: int = 0  # heartbeats in a row that said: not waiting
+    long: str | None = None  # a legitimately long phase it said it is in
+    p99: float | None = None  # its p99 time between steps
+
+
+@dataclass(frozen=True)
+class Stuck:
+    """`rank` has made no progress for `stalled` s (more than `bound`) since the job's step `step` while `waiting`
+    wait in a collective; `silent`: it sent no heartbeat for `silent_for` s (its agent sees it running: a call that
+    holds its GIL)."""
+
+    rank: int
+    node_id: str
+    step: int | None
+    stalled: float
+    bound: float
+    p99: float | None
+    waiting: tuple[str, ...]
+    silent: bool
+    silent_for: float
+
+    def reason(self) -> str:
+        """The one line the scheduler's log, the ledger and the agent's exit record carry."""
+        where = (f"sent no heartbeat for {self.silent_for:.1f} s though running (a call holding its GIL?)"
+                 if self.silent else "not in any collective")
+        peers = ", ".join(self.waiting[:4]) + (f" and {len(self.waiting) - 4} more" if len(self.waiting) > 4 else "")
+        p99 = "no step time yet" if self.p99 is None else f"p99 step {self.p99:.3g} s"
+        return (f"stuck: no step for {self.stalled:.0f} s after step {self.step} ({where}) while {peers} waited for it "
+                f"in a collective (bound {self.bound:.3g} s: max({protocol.STALL_FACTOR:g} x {p99}, "
+                f"{protocol.STALL_FLOOR:g} s))")
+
+
+class Watchdog:
+    """Each member's progress in the current generation and the stuck verdicts on them. `beat`: the workers'
+    heartbeat interval (s)."""
+
+    def __init__(self, beat: float) -> None:
+        self.beat = beat
+        self.ranks: dict[int, RankProgress] = {}
+        self.checked_at = -math.inf
+        # kept as heartbeats come, so that `due` costs O(1): the ranks with no step in this generation, those in a
+        # long phase, the job's last step, the largest p99 heard in this generation
+        self.unstepped: set[int] = set()
+        self.longs: set[int] = set()
+        self.last_step_at = -math.inf
+        self.p99 = 0.0
+
+    def formed(self) -> None:
+        """A generation formed: every rank must make a step in it before its stalls are judged (its first step,
+        which may take long: the group's warm-up, a replacement's state, a compile)."""
+        for r in self.ranks.values():
+            r.stepped_at = None
+        self.unstepped = set(self.ranks)
+        self.last_step_at, self.p99 = -math.inf, 0.0
+
+    def heard(self, rank: int, node_id: str, step: int | None, msg: Mapping[str, Any], now: float) -> None:
+        """A heartbeat of `rank` (the member `node_id`) with its `step` (the membership's) and its watchdog fields
+        (`waiting`, `long`, `step_p99`; hostile input: anything of the wrong type reads as absent)."""
+        r = self.ranks.get(rank)
+        if r is None or r.node_id != node_id:
+            r = self.ranks[rank] = RankProgress(node_id, now)
+            self.unstepped.add(rank)
+        if step != r.step:
+            r.step, r.stepped_at = step, now
+            self.unstepped.discard(rank)
+            self.last_step_at = now
+        r.heard_at = now
+        r.waiting = msg.get("waiting") is True
+        r.waiting_since = (r.waiting_since if r.waiting_since is not None else now) if r.waiting else None
+        r.outside = 0 if r.waiting else r.outside + 1
+        long = msg.get("long")
+        r.long = long[:protocol.MAX_LONG] if isinstance(long, str) and long else None
+        (self.longs.add if r.long else self.longs.discard)(rank)
+        p99 = protocol.pace_fields(msg).get("step_p99")
+        r.p99 = p99 if p99 else r.p99
+        self.p99 = max(self.p99, r.p99 or 0.0)
+
+    def forget(self, rank: int) -> None:
+        """`rank` died or left: its figures go (a replacement starts afresh)."""
+        self.ranks.pop(rank, None)
+        self.unstepped.discard(rank)
+        self.longs.discard(rank)
+
+    def due(self) -> float:
+        """When `check` next may have work: inf while fewer than two ranks are known or some has made no step in
+        this generation; else not before the bound can have passed since the job's last step, nor within
+        CHECK_INTERVAL of the last check."""
+        judged = self._judged()
+        if judged is None:
+            return math.inf
+        last_step, bound, _ = judged
+        return max(last_step + bound, self.checked_at + CHECK_INTERVAL)
+
+    def _judged(self) -> tuple[float, float, float | None] | None:
+        """(the job's last step, the bound, the p99 it came from: the largest heard in this generation), or None
+        when stalls are not judged now: fewer than two ranks, one that made no step in this generation, or one in
+        a legitimately long phase."""
+        if len(self.ranks) < 2 or self.unstepped or self.longs:
+            return None
+        p99 = self.p99 or None
+        return self.last_step_at, protocol.stall_bound(p99), p99
+
+    def check(self, now: float, vouched: Callable[[int], bool] = lambda rank: True) -> list[Stuck]:
+        """The stuck ranks now (see the module docstring); each is named once (forgotten here). `vouched(rank)`:
+        whether the rank's agent sees its process running (not stopped) now; a silent rank that is not vouched for
+        is no call holding its GIL but a stopped or cut-off process, which heartbeat silence declares dead."""
+        self.checked_at = now
+        ranks = self.ranks
+        judged = self._judged()
+        if judged is None:
+            return []
+        last_step, bound, p99 = judged
+        stalled = now - last_step
+        if stalled < bound:
+            return []
+        silent_after = SILENT_BEATS * self.beat
+        waiters = [r for r in ranks.values() if r.waiting_since is not None and now - r.heard_at <= silent_after]
+        if not waiters or now - min(r.waiting_since for r in waiters if r.waiting_since is not None) < bound:
+            return []
+        waiting = tuple(r.node_id for r in waiters)
+        steps = [r.step for r in ranks.values() if r.step is not None]
+        job_step = max(steps) if steps else None  # a silent rank's last heartbeat may be a few steps behind
+        out = []
+        for rank, r in ranks.items():
+            silent = now - r.heard_at > silent_after
+            if (silent and vouched(rank)) or (not silent and r.outside >= OUTSIDE_BEATS):
+                out.append(Stuck(rank, r.node_id, job_step, stalled, bound, p99, waiting, silent, now - r.heard_at))
+        for s in out:
+            self.forget(s.rank)
+        return out
