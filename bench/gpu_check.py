@@ -23,10 +23,12 @@ Checks (`--only` takes their names, comma-separated):
                beside plain DDP.
   nccl         a world-1 NCCL group through the Trainer: init, a step (with a collective), the fence's abort of the
                communicator (toolkit.train.fence), a new group and a step on it; each timed.
-  recovery     the sample (examples/train.py) on the device as a local job of 2 workers over gloo, kill -9 of one at
-               a random moment: recovered in place, 0 steps lost, final parameters bitwise those of a run without a
-               fault; MTTR (kill -> every rank past the step it had reached).
-  spare        kill -9 -> the replacement's first step on the device, with the warm spare and without.
+  recovery     the sample (examples/train.py) on the device as a local job of 2 workers over gloo (the real agent
+               and scheduler: toolkit.testing.localjob), kill -9 of one at a random moment: recovered in place,
+               0 steps lost, final parameters bitwise those of a run without a fault; MTTR (kill -> every rank past
+               the step it had reached), and kill -> the replacement's first step, without the warm spare.
+  spare        the same with the agent's warm spare, killed once it is ready: the replacement comes from the
+               spare; kill -> its first step on the device beside the cold start's, and the MTTR.
 Exit: 0 every check ok, 1 a check failed, 2 no CUDA here (without --dry) or bad flags.
 """
 
@@ -68,8 +70,13 @@ DRY_MB = 8.0  # MB of state in the CPU twin
 DEPTH = 8  # hidden layers of the MLP whose parameters and AdamW moments make --size-mb
 WORKER_BOUND = 600.0  # s for a check's processes (a loaded CI machine; about 10 s on the GPU host)
 JOB_BOUND = 240.0  # s for one local job of the sample
-SPARE_BOUND = 60.0  # s for the agent's warm spare to import torch
+SPARE_BOUND = 180.0  # s for the agent's warm spare to import torch (a heavily loaded CI machine took over 60)
 POLL = 0.02  # s between looks at a log: no event tells that a line was appended
+# as tests/train/test_recovery.py's: a fault noticed in seconds, a finished worker's teardown given time
+JOB_OPTIONS = {"node_timeout": 3, "cluster_time_out": 120, "grace": 20}
+WARM_EPOCHS = 20  # of the job with the warm spare, stopped once recovered: the spare is ready long before its end
+SAMPLE_EPOCH = 23  # steps of an epoch of the sample at 2 workers (1440 digits, 32 a batch per rank)
+ABORT_PROBE = 10.0  # s an all_reduce on the aborted group is given to (wrongly) complete
 CUBLAS = ":4096:8"  # CUBLAS_WORKSPACE_CONFIG: cuBLAS's deterministic mode, which deterministic algorithms demand
 FINAL = re.compile(r"^final parameters: \S+ sha256 ([0-9a-f]{64})$", re.M)
 RESUMED = re.compile(r"^rank \d+: resumed from step (\d+) .*out of rank \d+'s (\w+).*: (\d+) step\(s\) recomputed$",
@@ -105,7 +112,7 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 
 def same_bits(a: Iterable[torch.Tensor], b: Iterable[torch.Tensor]) -> bool:
     pairs = list(zip(a, b, strict=True))
-    return all(x.dtype == y.dtype and x.shape == y.shape and torch.equal(bits(x).cpu(), bits(y).cpu())
+    return all(x.dtype == y.dtype and x.shape == y.shape and torch.equal(bits(x), bits(y).to(x.device))
                for x, y in pairs)
 
 
@@ -254,7 +261,7 @@ def worker_ordered(rank: int, port: int, p: dict[str, Any]) -> dict[str, Any]:
     model = nn.Sequential(*[nn.Linear(width, width) for _ in range(DEPTH)]).to(device)
     initial = {k: v.clone() for k, v in model.state_dict().items()}
     x = torch.randn(16, width, generator=torch.Generator().manual_seed(rank)).to(device)
-    small = max(p["mb"] / 4 / DEPTH / 2, 0.01)  # MB: about two buckets per layer
+    small = max(p["mb"] / DEPTH / 2, 0.01)  # MB: about two buckets per layer
     variants = {"plain": None, "ordered": {}, "ordered_small": {"bucket_cap_mb_list": [small]}}
     out: dict[str, Any] = {}
     for name, user in variants.items():
@@ -316,13 +323,30 @@ def worker_nccl(rank: int, port: int, p: dict[str, Any]) -> dict[str, Any]:
     rt.fence.abandon(rt.generation)
     times["abort"] = time.perf_counter() - t0
     tripped = rt.fence.tripped
+    after = collective_after_abort(rt.device) if p["device"] == "cuda" else "not tried (gloo: no communicator)"
     t0 = time.perf_counter()
     trainer.close()  # leaves the aborted group (Runtime.close: the fence disarmed, the group destroyed)
     rt = toolkit.train.init(backend=p["backend"])
     times["reform"] = time.perf_counter() - t0
     trainer, times["step_after"] = clocked(rt.device, lambda: one_step(rt))
     trainer.finish()
-    return {"times": times, "tripped": tripped, "steps": steps, "backend": rt.backend}
+    return {"times": times, "tripped": tripped, "steps": steps, "backend": rt.backend, "after_abort": after}
+
+
+def collective_after_abort(device: torch.device) -> str:
+    """What an all_reduce on the aborted NCCL group does: it must fail (or never complete), not succeed."""
+    try:
+        work = dist.all_reduce(torch.ones(1, device=device), async_op=True)
+        deadline = time.monotonic() + ABORT_PROBE
+        while not work.is_completed() and time.monotonic() < deadline:
+            time.sleep(POLL)
+        if not work.is_completed():
+            return f"still pending after {ABORT_PROBE:g} s"
+        work.wait()
+        torch.cuda.synchronize(device)
+    except Exception as e:  # noqa: BLE001 - the failure is the point
+        return f"failed: {tail(str(e), 1)[:120]}"
+    return "completed"
 
 
 WORKERS = {"transfer": worker_transfer, "ordered": worker_ordered, "nccl": worker_nccl}
@@ -389,26 +413,20 @@ def check_nccl(cfg: argparse.Namespace, tmp: Path) -> tuple[str, str]:
     env = {**worker_env(cfg), "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     (r,) = run_workers("nccl", 1, {"device": cfg.device, "backend": backend, "dir": str(tmp)}, env)
-    if r["backend"] != backend or not r["tripped"] or r["steps"] != [1, 2]:
-        raise CheckFailed(f"backend {r['backend']}, fence tripped {r['tripped']}, steps {r['steps']} (expected "
-                          f"{backend}, True, [1, 2])")
+    if r["backend"] != backend or not r["tripped"] or r["steps"] != [1, 2] or r["after_abort"] == "completed":
+        raise CheckFailed(f"backend {r['backend']}, fence tripped {r['tripped']}, steps {r['steps']}, a collective "
+                          f"after the abort {r['after_abort']} (expected {backend}, True, [1, 2], not completed)")
     t = r["times"]
-    return (f"{backend}: init, step, abort, new group, step 2 resumed",
+    return (f"{backend}: init, step, abort (a collective after it: {r['after_abort']}), new group, step 2 resumed",
             f"init {t['init']:.2f} s, step {t['step']:.2f} s, abort {t['abort'] * 1e3:.1f} ms, re-form "
             f"{t['reform']:.2f} s, step {t['step_after']:.2f} s")
 
 
 # -- the sample as a local job (the real agent, scheduler, warm spare and workers)
 
-def sample_args(cfg: argparse.Namespace, delay: float) -> list[str]:
-    return ["--device", cfg.device, "--backend", "gloo", "--epochs", str(cfg.epochs),
-            "--ckpt-interval", "4", "--timeout", "30", "--step-delay", str(delay)]
-
-
-def sample_job(cfg: argparse.Namespace, tmp: Path, name: str, warm: bool, delay: float) -> LocalJob:
-    """Short timeouts, as tests/train/test_recovery.py has them: a fault is noticed in seconds."""
-    return LocalJob(tmp / name, 2, sample_args(cfg, delay), job=name, node_timeout=3, cluster_time_out=120, grace=20,
-                    warm_spare=warm)
+def sample_args(cfg: argparse.Namespace, epochs: int, delay: float) -> list[str]:
+    return ["--device", cfg.device, "--backend", "gloo", "--epochs", str(epochs), "--ckpt-interval", "4",
+            "--timeout", "30", "--step-delay", str(delay)]
 
 
 def wait_for(what: str, predicate: Callable[[], Any], bound: float, job: LocalJob) -> Any:
@@ -427,78 +445,96 @@ def final_digest(job: LocalJob) -> str | None:
 
 def reference_digest(cfg: argparse.Namespace, tmp: Path) -> str:
     """The final parameters' digest of the sample run without a fault (computed once)."""
-    if "reference" not in cfg.cache:
-        job = sample_job(cfg, tmp, "ref", warm=False, delay=0.0)
+
+    def run() -> str:
+        job = LocalJob(tmp / "ref", 2, sample_args(cfg, cfg.epochs, 0.0), job="ref", warm_spare=False, **JOB_OPTIONS)
         try:
             job.start(worker_env(cfg))
             code = job.finish(JOB_BOUND)
         finally:
             job.cleanup()
         found = final_digest(job)
-        cfg.cache["reference"] = found if code == 0 and found else CheckFailed(
-            f"the run without a fault ended with {code}: {tail(job.evidence())}")
-    if isinstance(cfg.cache["reference"], CheckFailed):
-        raise cfg.cache["reference"]
-    return cfg.cache["reference"]
+        if code != 0 or found is None:
+            raise CheckFailed(f"the run without a fault ended with {code}: {tail(job.evidence())}")
+        return found
+
+    return once(cfg, "reference", run)
 
 
 def killed_run(cfg: argparse.Namespace, tmp: Path, warm: bool) -> dict[str, Any]:
-    """The sample with one worker killed (-9) at a random moment after the first checkpoint (with the warm spare:
-    once it is ready); checked to recover in place with 0 steps lost and to end bitwise as the reference."""
-    reference = reference_digest(cfg, tmp)
-    rng = random.Random(cfg.seed)
+    """The sample with one worker killed (-9) at a random moment after the first checkpoint, recovered in place with
+    0 steps lost. Without the warm spare the job runs to its end and must end bitwise as the run without a fault.
+    With it the job is long (the spare must be ready before the training ends, on a loaded machine too), the kill
+    comes once the spare is ready, and the job is stopped once every rank is past the step the victim had reached."""
+    rng = random.Random(cfg.seed + warm)
     victim = rng.randrange(2)
-    job = sample_job(cfg, tmp, "warm" if warm else "cold", warm=warm, delay=cfg.step_delay)
+    epochs = WARM_EPOCHS if warm else cfg.epochs
+    total = epochs * SAMPLE_EPOCH
+    job = LocalJob(tmp / ("warm" if warm else "cold"), 2, sample_args(cfg, epochs, cfg.step_delay),
+                   job="warm" if warm else "cold", warm_spare=warm, **JOB_OPTIONS)
     try:
         job.start(worker_env(cfg))
         spare = wait_for("warm spare ready", lambda: (job.doc().get("warm_spare") or {}).get("ready")
                          and job.doc()["warm_spare"]["pid"], SPARE_BOUND, job) if warm else None
-        target = max(job.last_step(victim), 4) + rng.randint(1, 3)
+        target = max(job.last_step(victim), 4) + rng.randint(1, 3) if warm else rng.randint(5, total - 10)
+        if target > total - 3:
+            raise CheckFailed(f"the training was at step {target} of {total} when the warm spare was ready")
         wait_for(f"step {target} of worker_{victim}", lambda: job.last_step(victim) >= target, JOB_BOUND, job)
         time.sleep(rng.uniform(0.0, cfg.step_delay))  # a random moment of the step
-        pid = job.procs()[f"worker_{victim}"]["pid"]
-        os.kill(pid, signal.SIGKILL)
+        os.kill(job.procs()[f"worker_{victim}"]["pid"], signal.SIGKILL)
         killed, reached = time.monotonic(), job.last_step(victim)
 
-        def replacement() -> str | None:
+        def replacement() -> str:
             parts = START.split(job.log(f"worker_{victim}.log"))
-            return parts[2] if len(parts) > 2 else None
+            return parts[2] if len(parts) > 2 else ""
 
-        wait_for("first step of the replacement", lambda: STEP_LINE.search(replacement() or ""), JOB_BOUND, job)
+        wait_for("first step of the replacement", lambda: STEP_LINE.search(replacement()), JOB_BOUND, job)
         first = time.monotonic() - killed
-        wait_for("every rank past the step reached", lambda: all(job.last_step(r) > reached for r in range(2))
-                 and STEP_LINE.search(replacement() or ""), JOB_BOUND, job)
+        wait_for("every rank past the step reached", lambda: all(job.last_step(r) > reached for r in range(2)),
+                 JOB_BOUND, job)
         mttr = time.monotonic() - killed
-        code = job.finish(JOB_BOUND)
+        code = None if warm else job.finish(JOB_BOUND)
     finally:
         job.cleanup()
     procs = job.procs()
-    survivor = procs[f"worker_{1 - victim}"]
     resumed = [m for r in range(2) for m in RESUMED.findall(job.log(f"worker_{r}.log"))]
     problems = [what for what, bad in (
-        (f"the agent ended the job with {code}", code != 0),
-        ("the survivor was restarted", survivor["restarts"] != 0),
-        (f"worker_{victim} restarted {procs[f'worker_{victim}']['restarts']} times", procs[f"worker_{victim}"]
-         ["restarts"] != 1),
+        ("the survivor was restarted", procs[f"worker_{1 - victim}"]["restarts"] != 0),
+        (f"worker_{victim} restarted {procs[f'worker_{victim}']['restarts']} times",
+         procs[f"worker_{victim}"]["restarts"] != 1),
         ("the replacement did not come from the warm spare", warm and procs[f"worker_{victim}"]["last_pid"] != spare),
         (f"resumed {resumed} (expected each rank once, from memory, 0 steps recomputed)",
          len(resumed) != 2 or any(src != "memory" or lost != "0" for _, src, lost in resumed)),
-        ("the final parameters differ from the run without a fault", final_digest(job) != reference)) if bad]
+        (f"the agent ended the job with {code}", not warm and code != 0),
+        ("the final parameters differ from the run without a fault",
+         not warm and final_digest(job) != reference_digest(cfg, tmp))) if bad]
     if problems:
         raise CheckFailed("; ".join(problems))
     return {"first_step": first, "mttr": mttr, "step": reached, "victim": victim}
 
 
+def once(cfg: argparse.Namespace, key: str, fn: Callable[[], Any]) -> Any:
+    """fn()'s result, or the CheckFailed it raised, computed once for the checks that share it."""
+    if key not in cfg.cache:
+        try:
+            cfg.cache[key] = fn()
+        except CheckFailed as e:
+            cfg.cache[key] = e
+    if isinstance(cfg.cache[key], CheckFailed):
+        raise cfg.cache[key]
+    return cfg.cache[key]
+
+
 def check_recovery(cfg: argparse.Namespace, tmp: Path) -> tuple[str, str]:
-    r = cfg.cache["warm"] = killed_run(cfg, tmp, warm=True)
+    r = once(cfg, "cold", lambda: killed_run(cfg, tmp, warm=False))
     return ("recovered in place, 0 steps lost, bitwise",
-            f"MTTR {r['mttr']:.2f} s (worker_{r['victim']} killed at step {r['step']})")
+            f"MTTR {r['mttr']:.2f} s, a cold start (worker_{r['victim']} killed at step {r['step']})")
 
 
 def check_spare(cfg: argparse.Namespace, tmp: Path) -> tuple[str, str]:
-    warm = cfg.cache.get("warm") or killed_run(cfg, tmp, warm=True)
-    cold = killed_run(cfg, tmp, warm=False)
-    return ("kill -9 -> the replacement's first step",
+    warm = killed_run(cfg, tmp, warm=True)
+    cold = once(cfg, "cold", lambda: killed_run(cfg, tmp, warm=False))
+    return (f"kill -9 -> the replacement's first step; recovered in place, MTTR {warm['mttr']:.2f} s",
             f"{warm['first_step']:.2f} s with the warm spare, {cold['first_step']:.2f} s without "
             f"({warm['first_step'] / cold['first_step']:.2f}x)")
 
@@ -557,9 +593,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--device", choices=("cuda", "cpu"), default=None, help="default: cuda (cpu with --dry)")
     ap.add_argument("--size-mb", type=float, default=None, help="MB of state in checkpoint and transfer (default "
                     f"2000; {DRY_MB:g} with --dry)")
-    ap.add_argument("--steps", type=int, default=None, help="timed steps of each DDP variant (default 20; 3 dry)")
-    ap.add_argument("--epochs", type=int, default=None, help="of the sample in the local jobs, 23 steps each "
-                    "(default 3; 2 with --dry)")
+    ap.add_argument("--steps", type=int, default=None, help="timed steps of each DDP variant (default 10; 3 dry)")
+    ap.add_argument("--epochs", type=int, default=None,
+                    help=f"of the sample in the local jobs, {SAMPLE_EPOCH} steps each (default 3; 2 with --dry)")
     ap.add_argument("--only", default=",".join(CHECKS), help=f"checks to run, of {','.join(CHECKS)}")
     ap.add_argument("--json", type=Path, default=Path("gpu-check.json"), help="where the table goes as JSON")
     ap.add_argument("--seed", type=int, default=None, help="the victim's and the kill's moment's seed")
@@ -570,7 +606,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     cfg = ap.parse_args(argv)
     cfg.device = cfg.device or ("cpu" if cfg.dry else "cuda")
     cfg.size_mb = cfg.size_mb or (DRY_MB if cfg.dry else 2000.0)
-    cfg.steps = cfg.steps or (3 if cfg.dry else 20)
+    cfg.steps = cfg.steps or (3 if cfg.dry else 10)
     cfg.epochs = cfg.epochs or (2 if cfg.dry else 3)
     cfg.step_delay = 0.1 if cfg.device == "cpu" else 0.05  # s a step sleeps in the killed runs: a moment to hit
     cfg.seed = cfg.seed if cfg.seed is not None else random.SystemRandom().randrange(2**32)
