@@ -136,7 +136,7 @@ def write_final(path: Path, model: nn.Module) -> str:
     checkpoint.write_atomic(path, buf.getbuffer(), what="final parameters")
     h = hashlib.sha256()
     for name in sorted(params):
-        t = params[name].cpu().contiguous()
+        t = params[name].contiguous()
         h.update(f"{name}:{t.dtype}:{tuple(t.shape)}\n".encode())
         h.update(t.numpy().tobytes())
     return h.hexdigest()
