@@ -93,6 +93,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="DDP's default allreduce instead of the rank-ordered one (faster, not bit-reproducible)")
     p.add_argument("--step-delay", type=float, default=0.0,
                    help="extra seconds of work per step (a slower model; not done while the process is stopped)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="where the model trains (cuda: the GPU of LOCAL_RANK modulo the GPUs there are)")
+    p.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto",
+                   help="the process group's backend (auto: nccl where CUDA is available under a launcher, else "
+                        "gloo; gloo lets several workers share one GPU)")
     args = p.parse_args(argv)
     for name in ("epochs", "batch_size", "log_every", "threads"):
         if getattr(args, name) < 1:
@@ -101,6 +106,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         p.error(f"--keep-max must be >= {checkpoint.MIN_KEEP}: one checkpoint leaves nothing to fall back to")
     if args.step_delay < 0:
         p.error("--step-delay must be >= 0")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: this torch has no usable CUDA device (torch.cuda.is_available() is False)")
     return args
 
 
@@ -122,7 +129,7 @@ class Net(nn.Module):
 
 def write_final(path: Path, model: nn.Module) -> str:
     """The final parameters (a {name: tensor} dict) and the sha256 of their names, types, shapes and bytes."""
-    params = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    params = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
     buf = io.BytesIO()
     torch.save(params, buf)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -145,7 +152,11 @@ def train(args: argparse.Namespace) -> int:
     model = Net(images.shape[2], images.shape[3])
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
 
-    rt = toolkit.train.init(timeout=args.timeout)
+    rt = toolkit.train.init(backend=None if args.backend == "auto" else args.backend, timeout=args.timeout)
+    device = torch.device("cpu")
+    if args.device == "cuda":
+        device = torch.device("cuda", rt.local_rank % torch.cuda.device_count())
+        model.to(device)  # before the optimizer's state exists: its moments follow the parameters
     sampler = DistributedSampler(dataset, rt.world_size, rt.rank, shuffle=True, seed=args.seed)
     loader = DataLoader(dataset, batch_size=args.batch_size, sampler=sampler)
     continued = Continued()  # for --step-delay: time stopped is not work done
@@ -155,7 +166,7 @@ def train(args: argparse.Namespace) -> int:
     for x, y in trainer.batches(args.epochs):
         with trainer.step() as step:
             optimizer.zero_grad(set_to_none=True)
-            loss = F.cross_entropy(trainer.model(x), y)
+            loss = F.cross_entropy(trainer.model(x.to(device)), y.to(device))
             loss.backward()
             optimizer.step()
             trainer.report(loss)  # for fleet status and fleet report (read at most once a second)

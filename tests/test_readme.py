@@ -19,7 +19,8 @@ is checked in one of these ways (COMMANDS says which):
   clone: the one line a user edits), with `--syntax-check` appended (the playbooks run against the cluster in
   tests/test_playbooks.py): the playbook files are found from there.
 - COVERED: scripts/demo.sh (tests/test_demo.py runs scripts/demo.py, which demo.sh runs after scripts/install.sh,
-  which made this environment) and scripts/test.sh (this suite): checked to be executable bash here.
+  which made this environment), scripts/test.sh (this suite) and scripts/gpu-check.sh (tests/test_gpu_check.py
+  runs its --dry; its CUDA install needs a GPU host and the network): checked to be executable bash here.
 
 The project's train.py is tests/scripts/resume_worker.py: plain Python that takes any argument (--lr 0.1 included),
 and with `--hold FILE` (the cluster project's default arguments) trains until FILE is gone.
@@ -61,6 +62,7 @@ RUN_CLONE, RUN_LOCAL, RUN_CLUSTER, HELP, ANSIBLE, COVERED = "clone", "local", "c
 COMMANDS = {
     "scripts/demo.sh": COVERED,
     "scripts/test.sh": COVERED,
+    "scripts/gpu-check.sh": COVERED,
     ". .venv/bin/activate": RUN_CLONE,
     "fleet run --nproc-per-node 2 train.py --lr 0.1": RUN_LOCAL,
     "fleet run --hosts=node1,node2 --nproc-per-node 4 train.py --lr 0.1": RUN_CLUSTER,

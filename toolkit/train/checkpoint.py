@@ -186,7 +186,8 @@ def host_copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     tensor is copied into pinned host memory (torch's caching host allocator, which reuses a block once its tensor
     is freed: no new pinning per checkpoint) without blocking, then each device is synchronised once: the copies
     run at the link's speed one after another on the device, none staged through pageable memory. A CPU tensor is
-    cloned. Not run here (no GPU): the CUDA branch is the documented torch idiom, nothing more."""
+    cloned. Not run here (no GPU): the CUDA branch is the documented torch idiom, checked on a GPU host by
+    bench/gpu_check.py (docs/benchmarks.md "Not run here: the CUDA paths")."""
     copies: list[torch.Tensor] = []
     devices: set[torch.device] = set()
     for t in tensors:

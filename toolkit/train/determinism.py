@@ -71,7 +71,9 @@ class OrderedReducer:
     On CPU (gloo) one thread per wrapper does each bucket's exchange while backward goes on, as DDP's own
     allreduce does on gloo's threads: gloo matches point-to-point messages by peer and tag (the bucket's index),
     so this thread cannot cross a collective issued by the training thread. On a GPU (NCCL) the exchange is issued
-    from the hook itself, in bucket order: NCCL orders it on the device, and the host does not wait.
+    from the hook itself, in bucket order: NCCL orders it on the device, and the host does not wait. Device buckets
+    on gloo (several ranks on one GPU, where NCCL refuses to run) are copied to the host, exchanged there from the
+    hook and copied back: gloo's sends read host memory only.
 
     `fence` (toolkit.train.fence.Fence, optional): when it trips, the buckets not yet reduced fail at once, and a
     bucket handed over after that raises in the hook, which ends the backward there (a survivor would otherwise
@@ -82,6 +84,7 @@ class OrderedReducer:
         self.group = group
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
+        self._device_link = dist.get_backend(group) == "nccl"  # device buffers travel as themselves (else via host)
         self._queue: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
@@ -94,7 +97,12 @@ class OrderedReducer:
         buf = bucket.buffer()
         if buf.device.type != "cpu":
             fut = torch.futures.Future(devices=[buf.device])  # waiting on it orders the waiter's stream after ours
-            _exchange(buf, self.group, self.rank, self.world, 0)
+            if self._device_link:
+                _exchange(buf, self.group, self.rank, self.world, 0)
+            else:  # gloo's point-to-point messages move host memory only: the bucket goes through a host copy
+                host = buf.cpu()
+                _exchange(host, self.group, self.rank, self.world, 0)
+                buf.copy_(host)
             fut.set_result(buf)
             return fut
         fut = torch.futures.Future()
