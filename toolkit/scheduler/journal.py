@@ -63,6 +63,8 @@ class Journal:
         self.live_interval = LIVE_INTERVAL * max(1.0, world_size / LIVE_RANKS_PER_S)
         self.max_metrics = min(MAX_METRICS, max(MIN_METRICS, MAX_METRIC_VALUES // max(1, world_size)))
         self.error_said = -math.inf
+        self.deaths: dict[int, tuple[str, int]] = {}  # rank -> (node id, deaths of its processes): restarts
+        self.step_heard_at: float | None = None  # monotonic: when the job's newest step was first heard
 
     def restore(self) -> list[Log]:
         """Read back the ledger of this run (after a scheduler restart, or `train` after `stop`); a damaged or
@@ -103,7 +105,11 @@ class Journal:
         f = note.fields
         if note.kind == NoteKind.PACE:
             self.stragglers.observe(f, now)
+            last = self.ledger.accounting.last_step
+            if isinstance(f.get("step"), int) and (last is None or f["step"] > last):
+                self.step_heard_at = now
         elif note.kind == NoteKind.DEATH:
+            self.deaths[f["rank"]] = (f["node_id"], self.deaths.get(f["rank"], ("", 0))[1] + 1)
             for c in self.stragglers.forget(f["rank"]):
                 self.ledger.straggler_cleared(c.rank, wall)
             self.generation = f["generation"]
@@ -126,6 +132,15 @@ class Journal:
     def history(self) -> dict[str, Any]:
         """What `formed` tells the workers for their checkpoint interval: the faults so far and the job's age."""
         return {"faults": self.ledger.faults.count, "uptime": round(self.ledger.uptime(self.wall()), 3)}
+
+    def restarts(self) -> list[tuple[int, str, int]]:
+        """(rank, node id, deaths of its processes) of every rank that died since this scheduler started: each death
+        was followed by a restart or a replacement (the metrics endpoint's restarts per process)."""
+        return [(r, node_id, n) for r, (node_id, n) in sorted(self.deaths.items())]
+
+    def checkpoint_bytes(self) -> int:
+        """Bytes of the newest checkpoint, summed over the ranks' latest reports (0 before any)."""
+        return sum(f.figures.get("ckpt_bytes", 0) for f in self.stragglers.ranks.values())
 
     def stopped(self, why: str) -> None:
         """The scheduler is stopped by a signal: the ledger says so (a later start resumes it)."""

@@ -82,7 +82,7 @@ class Checkpointing:
         stalled = time.monotonic() - began + self._staging_wait
         self._staging_wait = 0.0
         self._saved = step
-        self.rt.checkpoint_stalled(stalled)
+        self.rt.checkpoint_stalled(stalled, self.manager.last_bytes)
         if self.chooser is not None:
             self.chooser.stalled(stalled)
         self._choose_interval()

@@ -40,6 +40,7 @@ class StepPace:
         self.loss_sampled_at = -math.inf
         self.ckpt_stall = 0.0
         self.ckpts = 0
+        self.ckpt_bytes = 0  # bytes of this rank's part of its newest checkpoint
 
     def step(self, step: int, now: float, busy: float | None = None) -> None:
         """Step `step` ended at `now`; `busy` is the rank's own time in it (None: not measured). A step that does
@@ -66,14 +67,16 @@ class StepPace:
             return
         self.loss = loss if math.isfinite(loss) else None
 
-    def checkpoint(self, stalled: float) -> None:
-        """The training thread was blocked `stalled` seconds by one checkpoint save."""
+    def checkpoint(self, stalled: float, nbytes: int = 0) -> None:
+        """The training thread was blocked `stalled` seconds by one checkpoint save of `nbytes` (this rank's part)."""
         self.ckpt_stall += max(0.0, stalled)
         self.ckpts += 1
+        self.ckpt_bytes = max(0, nbytes)
 
     def summary(self) -> dict[str, Any]:
         """The heartbeat's pace fields (absent when not known yet)."""
-        out: dict[str, Any] = {"ckpt_stall": round(self.ckpt_stall, 4), "ckpts": self.ckpts}
+        out: dict[str, Any] = {"ckpt_stall": round(self.ckpt_stall, 4), "ckpts": self.ckpts,
+                               "ckpt_bytes": self.ckpt_bytes}
         if self.walls:
             out["step_time"] = round(statistics.median(self.walls), 6)
         if self.busies:

@@ -372,9 +372,10 @@ class Runtime:
         faults, uptime, told = h
         return faults, uptime + (time.monotonic() - told)
 
-    def checkpoint_stalled(self, seconds: float) -> None:
-        """The training thread was blocked `seconds` by a checkpoint save (the goodput ledger's checkpoint time)."""
-        self.pace.checkpoint(seconds)
+    def checkpoint_stalled(self, seconds: float, nbytes: int = 0) -> None:
+        """The training thread was blocked `seconds` by a checkpoint save of `nbytes` (this rank's part): the
+        goodput ledger's checkpoint time, the metrics endpoint's checkpoint bytes."""
+        self.pace.checkpoint(seconds, nbytes)
 
     def publish_pace(self, **extra: Any) -> None:
         """Hand the current pace figures (and `extra` fields such as the checkpoint interval in use) to the
