@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import threading
 import time
@@ -20,6 +21,8 @@ import pytest
 import yaml
 from promlite import Recording, evaluate, metric_names, parse, seconds
 
+from toolkit import rundoc
+from toolkit.jobhosts.tables import live_lines, progress_line
 from toolkit.plan import JobOptions, PlanError
 from toolkit.scheduler.exposition import MTTR_BUCKETS, cause_kind
 from toolkit.scheduler.metrics import Endpoint, Exchange
@@ -33,6 +36,7 @@ WORLD = 2
 ARGS = ["--epochs", "100", "--batch-size", "16", "--step-delay", "0.1"]
 STOPPED_FOR = 4.0  # s worker_1 is stopped: no step for ~40 step times (node_timeout below is longer)
 SCRAPE_EVERY = 0.5  # s between the recorder's scrapes
+LOSS_LINE = re.compile(r"^epoch: \d+, step: (\d+), loss is ([-+0-9.e]+)$", re.M)
 TIMEOUT = 240.0  # s for each wait on a loaded 2-core machine
 
 pytestmark = pytest.mark.timeout(900)
@@ -51,6 +55,7 @@ class Recorder:
         self.rec = Recording()
         self.texts: list[str] = []
         self.marks: dict[str, float] = {}
+        self.live: dict[str, Any] = {}
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
 
@@ -123,6 +128,9 @@ def recorded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Recorde
         rec.marks["recovered"] = time.monotonic()
         until("every rank's pace again", lambda: all(rec.latest("toolkit_rank_steps_per_second", rank=str(r))
                                                      for r in range(WORLD)), job)
+        rec.live = until("live.json with the progress", lambda: (lambda d: d if d and (d.get("progress") or {}).get(
+            "total") and d["progress"].get("steps_per_s") else None)(rundoc.read_live(
+                (job.dir / "recovery" / rundoc.LIVE_FILE).read_text())), job)
         yield rec, job, done
     finally:
         rec.stop.set()
@@ -238,3 +246,43 @@ def test_a_bad_metrics_address_is_one_line_naming_the_flag() -> None:
         with pytest.raises(PlanError, match=r"^--metrics-address .*\[HOST:\]PORT"):
             JobOptions(job="j", metrics_address=bad)
     assert JobOptions(job="j", metrics_address="[::1]:9464").metrics_address == "[::1]:9464"
+
+
+def test_status_and_watch_show_step_of_total_a_bar_and_the_eta(
+        recorded: tuple[Recorder, LocalJob, dict[str, Any]]) -> None:
+    live = recorded[0].live
+    progress = live["progress"]
+    assert progress["total"] % 100 == 0 and 0 < progress["step"] < progress["total"], progress  # 100 epochs
+    lines = live_lines(live)  # what fleet status and --watch print under the table
+    shown = next(line for line in lines if line.startswith("progress: "))
+    assert f"step {progress['step']}/{progress['total']} [" in shown and "ETA " in shown, shown
+    assert len(shown) <= 100, shown
+    assert progress_line({"step": 50, "total": 100, "steps_per_s": 5.0}) == (
+        "progress: step 50/100 [##########----------] 50.0%, ETA 10s at 5.00 steps/s")
+    assert "total not known" in progress_line({"step": 5, "total": None, "steps_per_s": 1.0})
+    assert progress_line({"step": None}) is None
+
+
+def test_tensorboard_holds_the_loss_of_every_step_rank_0_reported(
+        recorded: tuple[Recorder, LocalJob, dict[str, Any]]) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    job = recorded[1]
+    printed = {int(s): float(v) for s, v in LOSS_LINE.findall(job.log("worker_0.log"))}
+    assert len(printed) > 40, "the job printed too few steps"
+    tb = job.dir / "tb"
+
+    def losses() -> dict[int, float]:
+        acc = EventAccumulator(str(tb), size_guidance={"scalars": 0})
+        acc.Reload()
+        return {e.step: e.value for e in acc.Scalars("loss")} if "loss" in acc.Tags()["scalars"] else {}
+
+    seen = until("the event files to hold every printed step", lambda: (lambda d: d if set(printed) <= set(d)
+                                                                        else None)(losses()), job)
+    for step, value in printed.items():
+        assert seen[step] == pytest.approx(value, abs=1e-5), step
+    acc = EventAccumulator(str(tb))
+    acc.Reload()
+    assert "steps_per_s" in acc.Tags()["scalars"]
+    texts = [v.tensor_proto.string_val[0].decode() for v in acc.Tensors("incidents/text_summary")]
+    assert texts and "generation" in texts[0], texts  # the recovery, as text

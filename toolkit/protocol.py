@@ -23,7 +23,7 @@ Worker conversation (one connection per worker process, kept for its whole life;
                                             every rank of `generation` is registered: build the process group over
                                             PrefixStore(prefix, the job's store); faults and uptime (s) are the
                                             ledger's, for the workers' checkpoint interval
-    worker -> heartbeat {step, step_time, busy, loss, ckpt_stall, ckpts, ckpt_bytes, ckpt_every, ckpt_why,
+    worker -> heartbeat {step, total, step_time, busy, loss, ckpt_stall, ckpts, ckpt_bytes, ckpt_every, ckpt_why,
                          ckpt_step, stride, first_step}
                                             every TOOLKIT_HEARTBEAT_INTERVAL; any message counts as one; all but
                                             step optional (toolkit.train.pace, `pace_fields`; the last three: the
@@ -305,7 +305,7 @@ MAX_LOSS = 1e30
 MAX_WHY = 400  # characters of a heartbeat's ckpt_why
 _NUMBER = (int, float)  # the exact types of a JSON number (a bool is neither)
 _PACE_SECONDS = ("step_time", "busy", "ckpt_stall")
-_PACE_COUNTS = ("ckpts", "ckpt_bytes", "ckpt_every", "ckpt_step", "stride", "first_step")
+_PACE_COUNTS = ("ckpts", "ckpt_bytes", "total", "ckpt_every", "ckpt_step", "stride", "first_step")
 
 
 def pace_fields(msg: Mapping[str, Any]) -> dict[str, Any]:

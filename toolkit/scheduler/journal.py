@@ -214,7 +214,16 @@ class Journal:
             "incidents": self.ledger.faults.count,
             "reports_steps": self.ledger.accounting.last_step is not None,
             "goodput": self.ledger.goodput(wall),
+            "progress": self.progress(ranks.values()),
         }
+
+    def progress(self, rows: Any) -> dict[str, Any]:
+        """How far the job got: the newest step, the steps the run will take (the largest `total` a rank reported;
+        None when the script does not say), and the median of the ranks' recent steps/s (what an ETA stands on)."""
+        totals = [f.figures["total"] for f in self.stragglers.ranks.values() if "total" in f.figures]
+        rates = sorted(r["steps_per_s"] for r in rows if r["steps_per_s"])
+        return {"step": self.ledger.accounting.last_step, "total": max(totals, default=None),
+                "steps_per_s": rates[len(rates) // 2] if rates else None}
 
     def _straggler(self, event: Named | Cleared, wall: float) -> Log:
         if isinstance(event, Named):

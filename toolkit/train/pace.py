@@ -41,6 +41,7 @@ class StepPace:
         self.ckpt_stall = 0.0
         self.ckpts = 0
         self.ckpt_bytes = 0  # bytes of this rank's part of its newest checkpoint
+        self.total: int | None = None  # the steps the run will take, when the script knows (ETA in fleet status)
 
     def step(self, step: int, now: float, busy: float | None = None) -> None:
         """Step `step` ended at `now`; `busy` is the rank's own time in it (None: not measured). A step that does
@@ -77,6 +78,8 @@ class StepPace:
         """The heartbeat's pace fields (absent when not known yet)."""
         out: dict[str, Any] = {"ckpt_stall": round(self.ckpt_stall, 4), "ckpts": self.ckpts,
                                "ckpt_bytes": self.ckpt_bytes}
+        if self.total is not None:
+            out["total"] = self.total
         if self.walls:
             out["step_time"] = round(statistics.median(self.walls), 6)
         if self.busies:

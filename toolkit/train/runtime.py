@@ -448,8 +448,10 @@ class RuntimeReporter:
     def __init__(self, rt: Runtime) -> None:
         self.rt = rt
 
-    def report(self, step: int, loss: Any, checkpoint: bool) -> None:
+    def report(self, step: int, loss: Any, checkpoint: bool, total: int | None = None) -> None:
         """See `progress.report`: Runtime.report, and Runtime.committed for a checkpoint."""
+        if total is not None:
+            self.rt.pace.total = total
         self.rt.report(step, loss=loss)
         if checkpoint:
             self.rt.committed(step)
