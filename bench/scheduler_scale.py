@@ -138,10 +138,13 @@ def scrape_run(world: int, args: argparse.Namespace, workdir: Path) -> str:
             scraper.join(60)
         job.finish(args.bound)
     q, s = statistics.median(quiet), statistics.median(scraped)
+    per_scrape = (sum(scraped) - sum(quiet)) * args.steady / max(1, len(latency))
+    load = Path("/proc/loadavg").read_text().split()[0]
     return (f"{world:>5} ranks: scheduler CPU {100 * q:.1f}% unscraped, {100 * s:.1f}% scraped every "
-            f"{args.scrape:g} s: +{100 * (s - q):.2f} points (medians of {args.repeats} x {args.steady:g} s); scrape "
-            f"p50 {1000 * percentile(latency, 0.5):.0f} ms, max {1000 * max(latency):.0f} ms ({len(latency)} "
-            f"scrapes); {series} series, {size / 1e6:.2f} MB")
+            f"{args.scrape:g} s: {100 * (s - q):+.2f} points (medians of {args.repeats} x {args.steady:g} s; "
+            f"{1000 * per_scrape:.0f} CPU-ms a scrape); scrape p50 {1000 * percentile(latency, 0.5):.0f} ms, max "
+            f"{1000 * max(latency):.0f} ms ({len(latency)} scrapes, load {load}); "
+            f"{series} series, {size / 1e6:.2f} MB")
 
 
 def _stats_or_none(job: SimJob) -> dict[str, Any] | None:

@@ -19,13 +19,18 @@ from typing import Any, Callable, Iterator
 
 import pytest
 import yaml
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 from promlite import Recording, evaluate, metric_names, parse, seconds
 
 from toolkit import rundoc
 from toolkit.jobhosts.tables import live_lines, progress_line
 from toolkit.plan import JobOptions, PlanError
-from toolkit.scheduler.exposition import MTTR_BUCKETS, cause_kind
+from toolkit.scheduler.actions import Note, NoteKind
+from toolkit.scheduler.exposition import CAUSE_KINDS, MTTR_BUCKETS, JobCollector, cause_kind, take
+from toolkit.scheduler.journal import Journal
 from toolkit.scheduler.metrics import Endpoint, Exchange
+from toolkit.scheduler.roster import Roster
 from toolkit.testing.localjob import LocalJob
 from toolkit.testing.ports import free_port
 
@@ -164,7 +169,7 @@ def test_the_scrape_moves_as_the_ledger_does(recorded: tuple[Recorder, LocalJob,
     for rank in range(WORLD):
         assert value(after, "toolkit_rank_steps_per_second", rank=str(rank)) > 0
         assert value(after, "toolkit_rank_loss", rank=str(rank)) is not None
-        assert value(after, "toolkit_rank_straggler", rank=str(rank)) == 0
+        assert value(after, "toolkit_rank_straggler", rank=str(rank)) is None  # a series only for a straggler
     assert value(after, "toolkit_job_goodput_ratio") == pytest.approx(doc["goodput"]["goodput"], abs=0.2)
     page = rec.texts[-1]
     for secret in (job.token, str(job.dir), "train.py", "--step-delay"):
@@ -197,8 +202,8 @@ def test_the_alert_rules_parse_name_served_metrics_and_fire_on_the_recording(
     assert not fires("ToolkitHostLost", marks["steady"], marks["recovered"])  # before, its agent was connecting
     doctored = Recording()  # the same scrapes with rank 1 a straggler and the host down: those two fire
     for t, samples in rec.rec.scrapes:
-        doctored.scrapes.append((t, {k: (1.0 if k[0] == "toolkit_rank_straggler" and ("rank", "1") in k[1] else
-                                         0.0 if k[0] == "toolkit_host_up" else v) for k, v in samples.items()}))
+        doctored.scrapes.append((t, {k: 0.0 if k[0] == "toolkit_host_up" else v for k, v in samples.items()}))
+        doctored.scrapes[-1][1][("toolkit_rank_straggler", frozenset({"rank": "1", "job": "watched"}.items()))] = 1.0
     assert evaluate(parse(rules["ToolkitStraggler"]["expr"]), doctored, marks["recovered"])
     assert evaluate(parse(rules["ToolkitHostLost"]["expr"]), doctored, marks["recovered"])
 
@@ -284,5 +289,44 @@ def test_tensorboard_holds_the_loss_of_every_step_rank_0_reported(
     acc = EventAccumulator(str(tb))
     acc.Reload()
     assert "steps_per_s" in acc.Tags()["scalars"]
+    goodput = acc.Scalars("goodput")  # at each formation: the first, and the one after the kill
+    assert len(goodput) >= 2 and 0 < goodput[-1].value <= 1, goodput
     texts = [v.tensor_proto.string_val[0].decode() for v in acc.Tensors("incidents/text_summary")]
     assert texts and "generation" in texts[0], texts  # the recovery, as text
+
+
+def test_the_series_are_bounded_at_4096_ranks_and_causes_are_kinds_not_text() -> None:
+    world, per_host = 4096, 8
+    journal = Journal(None, "big", world, 0.75)
+    roster = Roster({f"worker_{r}": f"h{r // per_host}" for r in range(world)})
+    for r in range(world):
+        journal.note(Note(NoteKind.PACE, {"rank": r, "node_id": f"worker_{r}", "host": f"h{r // per_host}", "pid": r,
+                                          "step": 10, "step_time": 0.1, "busy": 0.05, "loss": 1.0, "total": 100}))
+    for rec_ in roster.hosts.values():
+        rec_.heard_at = 0.0  # watched: every host has its toolkit_host_up series
+    snap = take(journal, roster, 0, 3, time.monotonic(), time.time())
+    registry = CollectorRegistry()
+    registry.register(JobCollector(lambda: snap))
+    samples = [s for f in text_string_to_metric_families(generate_latest(registry).decode()) for s in f.samples]
+    assert len(samples) == 4 * world + world // per_host + 38 == 16_934  # the figure exposition's docstring gives
+    assert {cause_kind(c) for c in ("killed by SIGKILL", "exit code 3", "RuntimeError: /secret/path boom",
+                                    "heartbeat silence", "connection closed", "did not reconnect",
+                                    "host lost (h1: its agent went too)", "host h1 lost, replaced by spare s1",
+                                    "host replaced")} == set(CAUSE_KINDS)
+
+
+def test_run_and_join_print_the_progress_with_its_eta_every_so_often(capsys: pytest.CaptureFixture[str]) -> None:
+    from toolkit.jobhosts.follow import JOIN_PROGRESS_EVERY, _Watch
+    from toolkit.jobhosts.view import HostStatus
+
+    def polled(step: int) -> list[HostStatus]:
+        live = {"progress": {"step": step, "total": 1000, "steps_per_s": 10.0}}
+        return [HostStatus("a", True, None, "running", True, 1, None, live=live)]
+
+    watch = _Watch()
+    watch.progress(polled(100), 0.0)
+    watch.progress(polled(150), JOIN_PROGRESS_EVERY / 2)  # too soon: nothing
+    watch.progress(polled(400), JOIN_PROGRESS_EVERY)
+    lines = [line.split(" ", 1)[1] for line in capsys.readouterr().out.splitlines()]  # less the time stamp
+    assert lines == ["progress: step 100/1000 [##------------------] 10.0%, ETA 2m at 10.00 steps/s",
+                     "progress: step 400/1000 [########------------] 40.0%, ETA 1m at 10.00 steps/s"]

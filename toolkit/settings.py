@@ -79,7 +79,7 @@ OPTIONS: tuple[Option, ...] = (
     _job_option("bind_core", bool, "pin each worker to its own CPUs"),
     _job_option("warm_spare", bool, "a spare interpreter per host, for fast restarts"),
     _job_option("straggler_factor", float, "own work per step vs the median: a straggler", "X"),
-    _job_option("metrics_address", str, "the scheduler's Prometheus endpoint [off]", "[HOST:]PORT"),
+    _job_option("metrics_address", str, "the scheduler's Prometheus endpoint, [HOST:]PORT", "ADDR"),
     _job_option("torchrun_script", bool, "on a fault restart all workers, even on toolkit.train"),
     Option("known_hosts", str, "~/.ssh/known_hosts", "host keys are checked against it", "FILE", "ssh"),
     Option("accept_new_host_keys", bool, False, "add unknown host keys (never changed ones)", group="ssh"),

@@ -161,17 +161,20 @@ class Recording:
 
     def __init__(self) -> None:
         self.scrapes: list[tuple[float, dict[tuple[str, Labels], float]]] = []
+        self.families: set[str] = set()  # every family's name, those without samples in any scrape too
 
     def add(self, at: float, text: str) -> None:
         samples = {}
         for family in text_string_to_metric_families(text):
+            self.families.add(family.name)
             for s in family.samples:
                 samples[(s.name, Labels(s.labels.items()))] = s.value
         self.scrapes.append((at, samples))
 
     def names(self) -> set[str]:
-        """Every sample name seen, and every family's name (a histogram's and a counter's base names too)."""
-        out = set()
+        """Every sample name seen, and every family's name (a histogram's and a counter's base names too; a family
+        served without samples, such as the stragglers when there are none, counts)."""
+        out = set(self.families)
         for _, samples in self.scrapes:
             for name, _ in samples:
                 out.add(name)

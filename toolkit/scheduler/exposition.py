@@ -6,10 +6,13 @@ and the membership's roster hold into a `Snapshot` of plain values; `JobCollecto
 turns the newest snapshot into metric families when the listener's thread renders a scrape. The loop's objects are
 never read from another thread (toolkit.scheduler.metrics hands snapshots between the two).
 
-The series, and why their number is bounded (N ranks, H hosts): per rank 5 gauges (steps/s, step, own work per step,
-straggler verdict, and the loss when the script reports one), labelled job, rank, node_id, host; per process that
-restarted one counter (at most N); per host one gauge (H); per job about 30 (the goodput's parts, 8 causes of
-incidents, 12 histogram buckets). At 4096 ranks on 512 hosts: at most 6 x 4096 + 512 + 30 = 25,118 series.
+The series, and why their number is bounded (N ranks, H hosts): per rank 4 gauges (steps/s, step, own work per step,
+and the loss when the script reports one), labelled job, rank, node_id, host; per rank named a straggler one gauge
+(1: the verdict; the others have none, which keeps a scrape at 4096 ranks a quarter cheaper than a 0 per rank); per
+process that restarted one counter; per host one gauge (H); per job 38 (17 gauges, the goodput's 4 lost parts among
+them, 7 kinds of cause, 14 histogram samples). At 4096 ranks on 512 hosts: 4 x 4096 + 512 + 38 = 16,934 series in a
+healthy job, at most 6 x 4096 + 512 + 38 = 25,126 if every rank were a straggler and had restarted
+(tests/test_metrics.py counts them).
 
 Nothing here names a file, a token, a command line or a script's error text: incidents are counted by `cause_kind`,
 a fixed set of kinds.
@@ -19,7 +22,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Iterator, NamedTuple
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -49,9 +52,8 @@ def cause_kind(cause: str) -> str:
     return "script error"
 
 
-@dataclass(frozen=True)
-class RankRow:
-    """One rank's latest figures, as its heartbeats carried them."""
+class RankRow(NamedTuple):
+    """One rank's latest figures, as its heartbeats carried them (a tuple: 4096 of them are made per scrape)."""
 
     rank: int
     node_id: str
@@ -81,6 +83,7 @@ class Snapshot:
     checkpoint_stall: float  # s, mean over ranks
     checkpoint_bytes: int  # bytes written by the newest checkpoint, summed over ranks
     last_step: int | None
+    total: int | None  # the steps the run will take, as the ranks reported it
     since_last_step: float | None  # s since the newest step was first heard
     max_restarts: int | None
     host_of: dict[int, str] = field(default_factory=dict)
@@ -105,6 +108,7 @@ def take(journal: Any, roster: Any, generation: int, max_restarts: int | None, n
         recover_times=tuple(i.time_to_recover for i in ledger.faults.incidents if i.time_to_recover is not None),
         restarts=tuple(journal.restarts()), checkpoint_stall=sum(stalls) / len(stalls) if stalls else 0.0,
         checkpoint_bytes=journal.checkpoint_bytes(), last_step=ledger.accounting.last_step,
+        total=journal.progress(()).get("total"),
         since_last_step=None if journal.step_heard_at is None else max(0.0, now - journal.step_heard_at),
         max_restarts=max_restarts, host_of=host_of)
 
@@ -141,8 +145,8 @@ class JobCollector(Collector):
         busy = GaugeMetricFamily("toolkit_rank_busy_seconds", "The rank's own work per step (median of recent "
                                  "steps), before its last gradient bucket went to the allreduce", labels=RANK_LABELS)
         loss = GaugeMetricFamily("toolkit_rank_loss", "The loss the rank reported last", labels=RANK_LABELS)
-        slow = GaugeMetricFamily("toolkit_rank_straggler", "1 while the rank is named a straggler, else 0",
-                                 labels=RANK_LABELS)
+        slow = GaugeMetricFamily("toolkit_rank_straggler", "1 while the rank is named a straggler (no series for "
+                                 "the others)", labels=RANK_LABELS)
         for row in snap.ranks:
             labels = [snap.job, str(row.rank), row.node_id, row.host]
             if row.step_time:
@@ -153,7 +157,8 @@ class JobCollector(Collector):
                 busy.add_metric(labels, row.busy)
             if row.loss is not None:
                 loss.add_metric(labels, row.loss)
-            slow.add_metric(labels, 1.0 if row.straggler else 0.0)
+            if row.straggler:
+                slow.add_metric(labels, 1.0)
         yield from (rate, step, busy, loss, slow)
 
     @staticmethod
@@ -174,6 +179,8 @@ class JobCollector(Collector):
         yield from gauge("toolkit_job_generation", "The job's generation (1 up at every re-formation)",
                          snap.generation)
         yield from gauge("toolkit_job_last_step", "The newest step any rank reported", snap.last_step)
+        yield from gauge("toolkit_job_total_steps", "The steps the run will take (the Trainer's, or report(total=))",
+                         snap.total)
         yield from gauge("toolkit_job_seconds_since_last_step", "Seconds since the scheduler first heard the job's "
                          "newest step (its own clock)", snap.since_last_step)
         yield from gauge("toolkit_job_step_p99_seconds", "The 99th percentile of the ranks' recent step times",

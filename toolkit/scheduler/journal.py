@@ -65,6 +65,7 @@ class Journal:
         self.error_said = -math.inf
         self.deaths: dict[int, tuple[str, int]] = {}  # rank -> (node id, deaths of its processes): restarts
         self.step_heard_at: float | None = None  # monotonic: when the job's newest step was first heard
+        self._goodput: tuple[Any, float | None] = (None, None)  # (generation and faults, goodput) told at formation
 
     def restore(self) -> list[Log]:
         """Read back the ledger of this run (after a scheduler restart, or `train` after `stop`); a damaged or
@@ -130,8 +131,14 @@ class Journal:
         return out
 
     def history(self) -> dict[str, Any]:
-        """What `formed` tells the workers for their checkpoint interval: the faults so far and the job's age."""
-        return {"faults": self.ledger.faults.count, "uptime": round(self.ledger.uptime(self.wall()), 3)}
+        """What `formed` tells the workers: the faults so far and the job's age (for their checkpoint interval), and
+        the goodput so far (rank 0's TensorBoard scalars). The goodput is computed once per formation (every rank's
+        `formed` asks: O(incidents) once, not per rank)."""
+        key = (self.generation, self.ledger.faults.count)
+        if self._goodput[0] != key:
+            self._goodput = (key, self.ledger.goodput(self.wall()).get("goodput"))
+        return {"faults": self.ledger.faults.count, "uptime": round(self.ledger.uptime(self.wall()), 3),
+                **({"goodput": self._goodput[1]} if self._goodput[1] is not None else {})}
 
     def restarts(self) -> list[tuple[int, str, int]]:
         """(rank, node id, deaths of its processes) of every rank that died since this scheduler started: each death

@@ -372,6 +372,10 @@ class Runtime:
         faults, uptime, told = h
         return faults, uptime + (time.monotonic() - told)
 
+    def goodput(self) -> float | None:
+        """The job's goodput so far (0 to 1) as the scheduler said when the current generation formed; None before."""
+        return self._channel.view.goodput if self._channel is not None else None
+
     def checkpoint_stalled(self, seconds: float, nbytes: int = 0) -> None:
         """The training thread was blocked `seconds` by a checkpoint save of `nbytes` (this rank's part): the
         goodput ledger's checkpoint time, the metrics endpoint's checkpoint bytes."""

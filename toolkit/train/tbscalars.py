@@ -2,9 +2,10 @@
 (pip install 'toolkit[tensorboard]'): where a lab already looks at its experiments.
 
 What: `loss` and `steps_per_s` at every step the Trainer runs (the loss as the script reported it with
-trainer.report; steps/s from the rank's recent step times, toolkit.train.pace), and each recovery as text
-(`incidents`: the generation change and the step it happened at). The goodput, the incidents' causes and their cost
-are the scheduler's (its ledger, `fleet report`, the Prometheus endpoint): a worker does not know them.
+trainer.report; steps/s from the rank's recent step times, toolkit.train.pace), `goodput` at each formation of the
+group (the scheduler's ledger sends it with `formed`: so after every recovery), and each recovery as text
+(`incidents`: the generation change and the step it happened at). The incidents' causes and their cost are the
+scheduler's (its ledger, `fleet report`, the Prometheus endpoint).
 
 Where: `tensorboard_dir` of the Trainer, else `$CKPT_DIR/../tb`, else `./tb`: the job's directory on the host of
 rank 0 (`tensorboard --logdir` there, or copy it). Without tensorboard installed, nothing is written and nothing
@@ -46,6 +47,11 @@ class Scalars:
                 self.writer.add_scalar("loss", value, step)
         if steps_per_s:
             self.writer.add_scalar("steps_per_s", steps_per_s, step)
+
+    def goodput(self, step: int, goodput: float | None) -> None:
+        """The job's goodput so far, as the scheduler said when the group formed at `step` (None: not said)."""
+        if goodput is not None:
+            self.writer.add_scalar("goodput", goodput, step)
 
     def incident(self, step: int, text: str) -> None:
         """A recovery at `step`, as one line of text."""
