@@ -6,6 +6,7 @@ One job (module fixture) serves every test here."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
@@ -22,15 +23,18 @@ import yaml
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from promlite import Recording, evaluate, metric_names, parse, seconds
+from rich.console import Console
 
 from toolkit import rundoc
 from toolkit.jobhosts.tables import live_lines, progress_line
+from toolkit.jobrecord import HostRecord, JobRecord
 from toolkit.plan import JobOptions, PlanError
 from toolkit.scheduler.actions import Note, NoteKind
 from toolkit.scheduler.exposition import CAUSE_KINDS, MTTR_BUCKETS, JobCollector, cause_kind, take
 from toolkit.scheduler.journal import Journal
 from toolkit.scheduler.metrics import Endpoint, Exchange
 from toolkit.scheduler.roster import Roster
+from toolkit.tasks.watch import View, render
 from toolkit.testing.localjob import LocalJob
 from toolkit.testing.ports import free_port
 
@@ -258,10 +262,17 @@ def test_status_and_watch_show_step_of_total_a_bar_and_the_eta(
     live = recorded[0].live
     progress = live["progress"]
     assert progress["total"] % 100 == 0 and 0 < progress["step"] < progress["total"], progress  # 100 epochs
-    lines = live_lines(live)  # what fleet status and --watch print under the table
+    lines = live_lines(live)  # what fleet status prints under the table
     shown = next(line for line in lines if line.startswith("progress: "))
     assert f"step {progress['step']}/{progress['total']} [" in shown and "ETA " in shown, shown
     assert len(shown) <= 100, shown
+    record = JobRecord("watched", True, "localhost", 8118, (HostRecord("localhost", "localhost", None, None, None,
+                                                                       "/w/job", "python3", ("sched",)),),
+                       ({"host": "localhost", "role": "sched", "node_id": "sched", "rank": None,
+                         "local_rank": None, "log": "logs/scheduler.log"},), {})
+    console = Console(width=100, record=True, file=io.StringIO())
+    console.print(render(record, View([], live, None, 0.0), 2.0))  # one refresh of --watch
+    assert shown in console.export_text(), console.export_text()
     assert progress_line({"step": 50, "total": 100, "steps_per_s": 5.0}) == (
         "progress: step 50/100 [##########----------] 50.0%, ETA 10s at 5.00 steps/s")
     assert "total not known" in progress_line({"step": 5, "total": None, "steps_per_s": 1.0})

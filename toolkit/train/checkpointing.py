@@ -112,7 +112,7 @@ class Checkpointing:
             return
         history = self.rt.fault_history()
         if history is not None:
-            self.chooser.history(*history)
+            self.chooser.history(history[0], history[1])
         self.chooser.update(self.rt.pace.summary().get("step_time"))  # proposed at the next step's agreement
         self._published = None  # the reason changed: publish the agreed interval with it
 

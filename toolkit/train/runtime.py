@@ -363,18 +363,15 @@ class Runtime:
             self.publish_pace()
             self._progress(step, epoch, now)
 
-    def fault_history(self) -> tuple[int, float] | None:
-        """The job's faults so far and its age in seconds, as the scheduler's ledger last said (with the generation
-        it formed), aged by the time since; None before the scheduler said it."""
-        h = self._channel.view.history if self._channel is not None else None
-        if h is None:
+    def fault_history(self) -> tuple[int, float, float | None] | None:
+        """The job's faults so far, its age in seconds and its goodput so far (0 to 1; None: not known yet), as the
+        scheduler's ledger last said (with the generation it formed), the age aged by the time since; None before
+        the scheduler said it."""
+        view = self._channel.view if self._channel is not None else None
+        if view is None or view.history is None:
             return None
-        faults, uptime, told = h
-        return faults, uptime + (time.monotonic() - told)
-
-    def goodput(self) -> float | None:
-        """The job's goodput so far (0 to 1) as the scheduler said when the current generation formed; None before."""
-        return self._channel.view.goodput if self._channel is not None else None
+        faults, uptime, told = view.history
+        return faults, uptime + (time.monotonic() - told), view.goodput
 
     def checkpoint_stalled(self, seconds: float, nbytes: int = 0) -> None:
         """The training thread was blocked `seconds` by a checkpoint save of `nbytes` (this rank's part): the

@@ -327,8 +327,9 @@ class Trainer:
         recomputed = recomputed_steps(agreed.source, self.step_count)
         seconds = time.monotonic() - started
         self.rt.recovered(self.step_count, source, agreed.origin, recomputed, seconds, agreed.nbytes)
-        if self._tb is not None:
-            self._tb.goodput(self.step_count, self.rt.goodput())
+        history = self.rt.fault_history()
+        if self._tb is not None and history is not None:
+            self._tb.goodput(self.step_count, history[2])
         what = {FROM_PEER: f"rank {agreed.origin}'s memory", FROM_CHECKPOINT: f"rank {agreed.origin}'s checkpoint",
                 FROM_INITIAL: "the initial state"}[source]
         if source == FROM_INITIAL:
