@@ -122,7 +122,7 @@ class Settings:
 # The options that are part of a deployed job (the record keeps them): typed again later, they must agree with it.
 JOB_OPTIONS = ("script", "script_args", "worker_num", "nproc_per_node", "nnodes", "master_port", "cluster_time_out",
                "node_timeout", "recovery", "data_path", "ckpt_dir", "workdir", "python", "max_restarts", "grace",
-               "bind_core", "warm_spare", "torchrun_script", "host_timeout", "restart_refill")
+               "bind_core", "warm_spare", "torchrun_script", "host_timeout", "restart_refill", "metrics_address")
 
 
 # How deploy reached the hosts, kept in the job record's `ssh` (every later task reaches them the same way): typed
