@@ -30,6 +30,7 @@ from toolkit.jobhosts.tables import live_lines, progress_line
 from toolkit.jobrecord import HostRecord, JobRecord
 from toolkit.plan import JobOptions, PlanError
 from toolkit.scheduler.actions import Note, NoteKind
+from toolkit.scheduler.config import ConfigError
 from toolkit.scheduler.exposition import CAUSE_KINDS, MTTR_BUCKETS, JobCollector, cause_kind, take
 from toolkit.scheduler.journal import Journal
 from toolkit.scheduler.metrics import Endpoint, Exchange
@@ -246,6 +247,9 @@ def test_the_listener_serves_get_metrics_only_and_turns_away_extra_clients() -> 
         with pytest.raises(urllib.error.HTTPError) as e:
             urllib.request.urlopen(req, timeout=10)  # noqa: S310 - a loopback URL the test built
         assert e.value.code == 501
+        with pytest.raises(ConfigError, match=rf"^cannot serve the metrics on 127.0.0.1:{endpoint.port} "
+                                              r"\(--metrics-address\): .*choose another port"):
+            Endpoint("127.0.0.1", endpoint.port, exchange).start()  # the port is taken (by the first)
     finally:
         endpoint.close()
 
