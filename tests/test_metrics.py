@@ -345,3 +345,29 @@ def test_run_and_join_print_the_progress_with_its_eta_every_so_often(capsys: pyt
     lines = [line.split(" ", 1)[1] for line in capsys.readouterr().out.splitlines()]  # less the time stamp
     assert lines == ["progress: step 100/1000 [##------------------] 10.0%, ETA 2m at 10.00 steps/s",
                      "progress: step 400/1000 [########------------] 40.0%, ETA 1m at 10.00 steps/s"]
+
+
+def test_a_plain_script_gives_its_total_with_report_and_a_wrong_one_is_one_clear_error() -> None:
+    from toolkit.train import progress
+    from toolkit.train.pace import StepPace
+
+    class Reporter:  # stands for the wrapper's ScriptReporter: what report() hands on
+        def __init__(self) -> None:
+            self.pace = StepPace()
+
+        def report(self, step: int, loss: Any, checkpoint: bool, total: int | None = None) -> None:
+            if total is not None:
+                self.pace.total = total
+
+    saved = list(progress._installed)
+    reporter = Reporter()
+    progress.install(reporter)
+    try:
+        progress.report(3, total=1000)
+        progress.report(4)
+        assert reporter.pace.summary()["total"] == 1000  # rides every heartbeat from now on
+        for bad in (-1, 2.5, True):
+            with pytest.raises(ValueError, match=r"^toolkit.train.report\(total=.*\): give the total steps"):
+                progress.report(5, total=bad)
+    finally:
+        progress._installed[:] = saved
