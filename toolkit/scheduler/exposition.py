@@ -22,12 +22,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Iterator, NamedTuple
+from typing import Any, Callable, Iterator, NamedTuple
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from toolkit.scheduler.actions import CAUSE_CLOSED, CAUSE_NOT_BACK, CAUSE_REPLACED, CAUSE_SILENCE
+from toolkit.scheduler.journal import Journal
+from toolkit.scheduler.roster import Roster
 
 # Bounds of the time-to-recover histogram, s: in-place recovery takes a second or two, a restart from checkpoints
 # tens of seconds, a lost host waits for its spare (TOOLKIT_HOST_TIMEOUT, 60 s by default) and more.
@@ -89,9 +91,10 @@ class Snapshot:
     host_of: dict[int, str] = field(default_factory=dict)
 
 
-def take(journal: Any, roster: Any, generation: int, max_restarts: int | None, now: float, wall: float) -> Snapshot:
-    """Copy the figures of `journal` (toolkit.scheduler.journal.Journal) and `roster` (the membership's) into a
-    Snapshot; `now` monotonic, `wall` the time of day. O(ranks + incidents kept); run on the loop's thread."""
+def take(journal: Journal, roster: Roster, generation: int, max_restarts: int | None, now: float,
+         wall: float) -> Snapshot:
+    """Copy the figures of `journal` and `roster` (the membership's) into a Snapshot; `now` monotonic, `wall` the
+    time of day. O(ranks + incidents kept); run on the loop's thread."""
     strag, ledger = journal.stragglers, journal.ledger
     ranks = tuple(RankRow(r, f.node_id, f.host, f.step, f.figures.get("step_time"), f.figures.get("busy"),
                           f.figures.get("loss"), r in strag.flagged) for r, f in sorted(strag.ranks.items()))
@@ -125,7 +128,7 @@ class JobCollector(Collector):
     """A prometheus_client Collector over the newest Snapshot that `source()` returns (None: nothing yet, no
     series)."""
 
-    def __init__(self, source: Any) -> None:
+    def __init__(self, source: Callable[[], Snapshot | None]) -> None:
         self.source = source
 
     def collect(self) -> Iterator[Metric]:
