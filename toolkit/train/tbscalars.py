@@ -12,7 +12,9 @@ rank 0 (`tensorboard --logdir` there, or copy it). Without tensorboard installed
 is said but one line at the start.
 
 Cost: reading the loss each step waits for the device (on a GPU a synchronisation per step on rank 0 only); the
-writer queues events and flushes every FLUSH_SECS in its own thread.
+writer queues events and flushes every FLUSH_SECS in its own thread. Importing tensorboard takes 0.5-0.9 s here, so
+the writer is opened in a thread of its own and what comes before it is ready waits in a bounded queue: a rank 0
+that starts (or replaces a dead one) does not train later for it.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from __future__ import annotations
 import importlib.util
 import math
 import os
+import threading
+from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -27,16 +31,47 @@ from toolkit import envvars
 from toolkit.train import log
 
 FLUSH_SECS = 10  # s between the writer's flushes to disk
+MAX_EARLY = 100_000  # events kept while the writer opens (the oldest go first)
+OPEN_WAIT = 30.0  # s close() waits for a writer still opening
 
 
 class Scalars:
-    """A SummaryWriter on `directory` with the few things the Trainer writes."""
+    """A SummaryWriter on `directory` (opened in a thread: `_open`) with the few things the Trainer writes."""
 
     def __init__(self, directory: Path) -> None:
-        from torch.utils.tensorboard import SummaryWriter  # imports tensorboard: only when it is installed
-
         self.directory = directory
-        self.writer = SummaryWriter(log_dir=str(directory), flush_secs=FLUSH_SECS)
+        self.writer: Any = None
+        self.failed = False
+        self._early: deque[tuple[str, tuple[Any, ...]]] = deque(maxlen=MAX_EARLY)
+        self._lock = threading.Lock()
+        self._opener = threading.Thread(target=self._open, name="tensorboard", daemon=True)
+        self._opener.start()
+
+    def _open(self) -> None:
+        """Import tensorboard, open the writer and write what came before it."""
+        try:
+            from torch.utils.tensorboard import SummaryWriter  # imports tensorboard: only when it is installed
+
+            writer = SummaryWriter(log_dir=str(self.directory), flush_secs=FLUSH_SECS)
+        except Exception as e:  # noqa: BLE001 - the scalars are a view: training goes on without them
+            log.line(f"rank 0: no TensorBoard scalars: cannot write to {self.directory} ({e})")
+            self.failed = True
+            return
+        with self._lock:
+            for what, args in self._early:
+                getattr(writer, what)(*args)
+            self._early.clear()
+            self.writer = writer
+
+    def _add(self, what: str, *args: Any) -> None:
+        """writer.`what`(*args) now, or once the writer is open."""
+        if self.writer is None:
+            with self._lock:
+                if self.writer is None:
+                    if not self.failed:
+                        self._early.append((what, args))
+                    return
+        getattr(self.writer, what)(*args)
 
     def step(self, step: int, loss: Any, steps_per_s: float | None) -> None:
         """Step `step` ended: its loss (a float or a one-element tensor; None: not reported) and the pace."""
@@ -44,22 +79,25 @@ class Scalars:
             detach = getattr(loss, "detach", None)
             value = float(detach() if callable(detach) else loss)
             if math.isfinite(value):
-                self.writer.add_scalar("loss", value, step)
+                self._add("add_scalar", "loss", value, step)
         if steps_per_s:
-            self.writer.add_scalar("steps_per_s", steps_per_s, step)
+            self._add("add_scalar", "steps_per_s", steps_per_s, step)
 
     def goodput(self, step: int, goodput: float | None) -> None:
         """The job's goodput so far, as the scheduler said when the group formed at `step` (None: not said)."""
         if goodput is not None:
-            self.writer.add_scalar("goodput", goodput, step)
+            self._add("add_scalar", "goodput", goodput, step)
 
     def incident(self, step: int, text: str) -> None:
         """A recovery at `step`, as one line of text."""
-        self.writer.add_text("incidents", text, step)
+        self._add("add_text", "incidents", text, step)
 
     def close(self) -> None:
-        """Flush and close the event file."""
-        self.writer.close()
+        """Flush and close the event file (after waiting up to OPEN_WAIT s for it to open)."""
+        self._opener.join(OPEN_WAIT)
+        with self._lock:
+            if self.writer is not None:
+                self.writer.close()
 
 
 def directory(tensorboard_dir: str | Path | None) -> Path:
