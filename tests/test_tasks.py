@@ -558,6 +558,8 @@ def test_tasks_read_every_flag_from_the_job_record(tmp_path: Path, job: str) -> 
     r = fleet("status", "--worker-num", "2", "--script", "src/run.py", cwd=tmp_path)
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert f"error: --worker-num 2, but job {job} was deployed with 3: run 'fleet deploy'" in r.stderr
+    r = fleet("status", "--metrics-address", "9464", cwd=tmp_path)  # the scheduler's endpoint is set at deploy
+    assert r.returncode == 2 and f"--metrics-address '9464', but job {job} was deployed without it" in r.stderr
     r = fleet("stop", "--workdir", str(tmp_path / "other"), cwd=tmp_path)
     assert r.returncode == 2 and "--workdir" in r.stderr and str(work) in r.stderr
     assert all(p["state"] == "running" for p in status_here(tmp_path)["processes"])  # nothing was stopped

@@ -86,12 +86,28 @@ TOOLKIT_HOST = "TOOLKIT_HOST"  # worker: the inventory name of its host (what it
 TOOLKIT_HOST_TIMEOUT = "TOOLKIT_HOST_TIMEOUT"  # scheduler: see DEFAULT_HOST_TIMEOUT
 TOOLKIT_SPARES = "TOOLKIT_SPARES"  # scheduler: the inventory's spare hosts, comma-separated, in the order they are used
 TOOLKIT_EXPECTED = "TOOLKIT_EXPECTED"  # scheduler: JSON file {node_id: host}, for the formation-timeout message
+TOOLKIT_METRICS_ADDRESS = "TOOLKIT_METRICS_ADDRESS"  # scheduler: [HOST:]PORT of its Prometheus endpoint; unset: none
+DEFAULT_METRICS_HOST = "127.0.0.1"  # where the endpoint listens when the address gives a port only
 
 # Slurm's, read (never set) by fleet inside an allocation: its hosts and slots (toolkit/slurm.py)
 SLURM_JOB_NODELIST = "SLURM_JOB_NODELIST"  # the allocation's hosts, a hostlist: gpu[01-04,07]
 SLURM_TASKS_PER_NODE = "SLURM_TASKS_PER_NODE"  # tasks of each host, in order: 4(x3),2
 SLURM_NTASKS_PER_NODE = "SLURM_NTASKS_PER_NODE"  # --ntasks-per-node, when given: one count for every host
 SLURM_JOB_ID = "SLURM_JOB_ID"
+
+
+def metrics_address(text: str) -> tuple[str, int]:
+    """`[HOST:]PORT` (`[V6]:PORT` for an IPv6 literal) of the scheduler's Prometheus endpoint, as (host, port); a
+    port alone listens on DEFAULT_METRICS_HOST (this host only). ValueError saying what is wrong."""
+    host, sep, port = text.strip().rpartition(":")
+    host = host.strip("[]") if host.startswith("[") and host.endswith("]") else host
+    if not sep:
+        host = DEFAULT_METRICS_HOST
+    if not port.isascii() or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ValueError(f"{text!r}: give [HOST:]PORT with a port from 1 to 65535 (e.g. 127.0.0.1:9464)")
+    if not host or any(c.isspace() or c in "/[]" for c in host) or (":" in host and not text.startswith("[")):
+        raise ValueError(f"{text!r}: give [HOST:]PORT, an IPv6 address in brackets ([::1]:9464)")
+    return host, int(port)
 
 
 def heartbeat_interval(world: int, configured: float, node_timeout: float) -> float:

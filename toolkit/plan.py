@@ -69,6 +69,7 @@ class JobOptions:
     torchrun_script: bool = False  # recover by relaunching every worker even if the script uses toolkit.train
     straggler_factor: float = envvars.DEFAULT_STRAGGLER_FACTOR  # own work per step vs the others' median: a straggler
     host_timeout: float = envvars.DEFAULT_HOST_TIMEOUT  # s a host's ranks dead, its agent gone: lost, a spare steps in
+    metrics_address: str | None = None  # [HOST:]PORT of the scheduler's Prometheus endpoint; None: not served
 
     def __post_init__(self) -> None:
         if not _JOB_NAME.fullmatch(self.job):
@@ -110,6 +111,11 @@ class JobOptions:
         if not 0 <= self.host_timeout < math.inf:
             raise PlanError(f"--host-timeout {self.host_timeout}: give 0 or more seconds (how long a host's agent may "
                             "be gone, its workers dead, before a spare takes its ranks; 0: only 'fleet replace')")
+        if self.metrics_address:
+            try:
+                envvars.metrics_address(self.metrics_address)
+            except ValueError as e:
+                raise PlanError(f"--metrics-address {e}") from None
         if not self.script.strip():
             raise PlanError("--script is empty: name the training script, e.g. --script train.py")
         for name, value in (("--workdir", self.workdir), ("--python", self.python), ("--script", self.script)):
@@ -338,6 +344,8 @@ class _ProcessBuilder:
                 envvars.TOOLKIT_STRAGGLER_FACTOR: _num(options.straggler_factor),
                 envvars.TOOLKIT_HOST_TIMEOUT: _num(options.host_timeout),
                 envvars.TOOLKIT_SPARES: ",".join(n for n in spares if n != sched.name),
+                envvars.TORCHELASTIC_MAX_RESTARTS: str(options.max_restarts),
+                **({envvars.TOOLKIT_METRICS_ADDRESS: options.metrics_address} if options.metrics_address else {}),
             }),
         )
 

@@ -19,12 +19,13 @@ Worker conversation (one connection per worker process, kept for its whole life;
     worker -> register {nonce, proof, node_id, rank, world_size, incarnation, pid, host, generation, rejoin,
                         recovery}
     sched  -> welcome {proof, rank, world_size, generation, job}   or reject {reason, retry} / fenced {reason}
-    sched  -> formed {generation, prefix, faults, uptime}
+    sched  -> formed {generation, prefix, faults, uptime, goodput}
                                             every rank of `generation` is registered: build the process group over
                                             PrefixStore(prefix, the job's store); faults and uptime (s) are the
-                                            ledger's, for the workers' checkpoint interval
-    worker -> heartbeat {step, step_time, busy, loss, ckpt_stall, ckpts, ckpt_every, ckpt_why, ckpt_step, stride,
-                         first_step, step_p99, waiting, long}
+                                            ledger's, for the workers' checkpoint interval; goodput (0-1, when
+                                            known) for rank 0's TensorBoard scalars
+    worker -> heartbeat {step, total, step_time, busy, loss, ckpt_stall, ckpts, ckpt_bytes, ckpt_every, ckpt_why,
+                         ckpt_step, stride, first_step, step_p99, waiting, long}
                                             every TOOLKIT_HEARTBEAT_INTERVAL; any message counts as one; all but
                                             step optional (toolkit.train.pace, `pace_fields`; ckpt_step, stride,
                                             first_step: the newest checkpoint a torchrun-style script reported, the
@@ -311,7 +312,7 @@ MAX_LOSS = 1e30
 MAX_WHY = 400  # characters of a heartbeat's ckpt_why
 _NUMBER = (int, float)  # the exact types of a JSON number (a bool is neither)
 _PACE_SECONDS = ("step_time", "busy", "ckpt_stall", "step_p99")
-_PACE_COUNTS = ("ckpts", "ckpt_every", "ckpt_step", "stride", "first_step")
+_PACE_COUNTS = ("ckpts", "ckpt_bytes", "total", "ckpt_every", "ckpt_step", "stride", "first_step")
 
 
 def pace_fields(msg: Mapping[str, Any]) -> dict[str, Any]:

@@ -249,10 +249,11 @@ RESUMED_PLAIN = re.compile(r"^rank 0: resumed from step (\d+)$", re.M)
 
 def reporting_script(project: Path) -> Path:
     """plain.py with the lines docs/porting.md shows for progress without a port: the import, a report of each step
-    with its loss, and of each checkpoint."""
+    with its loss (and the run's total of steps), and of each checkpoint."""
     text = (project / "plain.py").read_text()
     edits = [("import torch\n", "import torch\nfrom toolkit.train import report\n"),
-             ("            step += 1\n", "            step += 1\n            report(step, loss=loss)\n"),
+             ("            step += 1\n",
+              "            step += 1\n            report(step, loss=loss, total=args.epochs * len(loader))\n"),
              ("                save(ckpt, model, optimizer, step)\n",
               "                save(ckpt, model, optimizer, step)\n                report(step, checkpoint=True)\n")]
     for old, new in edits:
@@ -291,6 +292,7 @@ def test_a_plain_script_reporting_its_steps_shows_progress_and_what_a_fault_and_
             isinstance(p["step"], int) and p["step"] > 10 and isinstance(p["loss"], float)
             for p in s["processes"] if p["role"] == "worker") else None)(fleet_status(tmp_path)), run)
         assert status["live"]["reports_steps"] is True
+        assert status["live"]["progress"]["total"] == total  # report(total=): the ETA of status and --watch
         pid = run.procs()["worker_1"]["pid"]
         os.kill(pid, signal.SIGKILL)
         until("rank 0 resumed from the checkpoint", lambda: RESUMED_PLAIN.search(run.log("worker_0.log")), run)

@@ -24,7 +24,8 @@ from toolkit.jobhosts.output import dash, emit, interrupt_sets, say
 from toolkit.jobhosts.poll import collect_status
 from toolkit.jobhosts.reach import STATUS_TIMEOUT, host_target
 from toolkit.jobhosts.stopping import stop_one
-from toolkit.jobhosts.view import HostStatus, ProcStatus
+from toolkit.jobhosts.tables import progress_line
+from toolkit.jobhosts.view import HostStatus, ProcStatus, job_live
 from toolkit.jobrecord import HostRecord, JobRecord
 from toolkit.printable import clean
 from toolkit.remote import (
@@ -38,6 +39,7 @@ from toolkit.remote import (
 FAILURE_TAIL_LINES = 10  # log lines shown for a process that ended badly, when its agent recorded none
 JOIN_POLL_INTERVAL = 2.0  # s between status polls of `train --join`: remote state cannot be waited on otherwise
 JOIN_GONE_AFTER = 60.0  # s a host may be unreachable, or its agent gone, before --join stops watching it
+JOIN_PROGRESS_EVERY = 30.0  # s between the progress lines (step/total, bar, ETA) that --join prints
 JOIN_SETTLE = 30.0  # s beyond the grace period that --join waits, after a host failed, for the others to stop
 EXIT_JOB_FAILED = 1
 EXIT_INTERRUPTED = 130
@@ -113,6 +115,7 @@ class _Watch:
         self.unwatched: dict[str, str] = {}
         self.failed_at: float | None = None
         self.last: dict[str, HostStatus] = {}
+        self.progress_at = -JOIN_PROGRESS_EVERY  # when the last progress line was printed
 
     def watched(self, record: JobRecord) -> list[HostRecord]:
         """The hosts to poll: the job's live hosts still watched."""
@@ -136,6 +139,16 @@ class _Watch:
                     say(f"{st.host}: {self.unwatched[st.host]}: no longer watched")
             else:
                 self.trouble_since.pop(st.host, None)
+        self.progress(polled, now)
+
+    def progress(self, polled: list[HostStatus], now: float) -> None:
+        """Print the job's progress (step/total, a bar, the ETA: tables.progress_line from the scheduler's live.json)
+        at most every JOIN_PROGRESS_EVERY s, and only while it steps."""
+        live = job_live(polled)
+        line = progress_line(live.get("progress")) if live is not None else None
+        if line and now - self.progress_at >= JOIN_PROGRESS_EVERY:
+            self.progress_at = now
+            emit(line)
 
     def states(self, record: JobRecord) -> dict[str, str]:
         """{host: agent state} of the live hosts still watched."""

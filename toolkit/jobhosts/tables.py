@@ -87,6 +87,9 @@ def live_lines(live: Mapping[str, Any] | None) -> list[str]:
         at = f" at step {inc['step']}" if isinstance(inc.get("step"), int) else ""
         lines.append(f"last incident (#{inc.get('number')} of {live.get('incidents')}): {inc.get('cause')}: "
                      f"{procs} on {where}{at}; {recovery_text(inc, live)}{recomputed}")
+    line = progress_line(live.get("progress"))
+    if line:
+        lines.append(line)
     goodput = live.get("goodput")
     if isinstance(goodput, dict) and number(goodput.get("goodput")) is not None:
         wall = human_age(number(goodput.get("wall")))
@@ -97,6 +100,32 @@ def live_lines(live: Mapping[str, Any] | None) -> list[str]:
         else:
             lines.append(f"{head}: {100 * goodput['goodput']:.1f}% of {wall}")
     return lines
+
+
+BAR_WIDTH = 20  # characters of the progress bar
+
+
+def progress_line(progress: Any) -> str | None:
+    """`progress: step 120/1000 [##------------------] 12.0%, ETA 3m at 4.40 steps/s` from live.json's
+    `progress`: without a total (the script did not say) the step and rate only; None before any step."""
+    if not isinstance(progress, dict):
+        return None
+    step, total, rate = progress.get("step"), progress.get("total"), number(progress.get("steps_per_s"))
+    if not isinstance(step, int):
+        return None
+    at = f" at {rate:.2f} steps/s" if rate else ""
+    if not isinstance(total, int) or total <= 0:
+        return f"progress: step {step} (total not known: the Trainer reports it, or report(step, total=N)){at}"
+    done = min(1.0, step / total)
+    filled = round(done * BAR_WIDTH)
+    bar = "#" * filled + "-" * (BAR_WIDTH - filled)
+    if step >= total:
+        eta = ", done"
+    elif rate:
+        eta = f", ETA {human_age((total - step) / rate)}"
+    else:
+        eta = ", ETA not known yet"
+    return f"progress: step {step}/{total} [{bar}] {100 * done:.1f}%{eta}{at}"
 
 
 def recovery_text(inc: Mapping[str, Any], live: Mapping[str, Any]) -> str:

@@ -38,6 +38,8 @@ class Config:
     straggler_factor: float = envvars.DEFAULT_STRAGGLER_FACTOR
     host_timeout: float = envvars.DEFAULT_HOST_TIMEOUT  # 0: no automatic replacement by a spare
     spares: tuple[str, ...] = ()  # the inventory's spare hosts, in the order they are used
+    metrics: tuple[str, int] | None = None  # (host, port) of the Prometheus endpoint; None: not served
+    max_restarts: int | None = None  # each process's restarts allowed (TORCHELASTIC_MAX_RESTARTS), for the metrics
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> "Config":
@@ -80,6 +82,9 @@ class Config:
             straggler_factor=factor,
             host_timeout=host_timeout,
             spares=tuple(n for n in env.get(envvars.TOOLKIT_SPARES, "").split(",") if n),
+            metrics=_metrics(env),
+            max_restarts=_int(env, envvars.TORCHELASTIC_MAX_RESTARTS, -1) if env.get(
+                envvars.TORCHELASTIC_MAX_RESTARTS) else None,
         )
 
 
@@ -119,6 +124,17 @@ def _straggler_and_host_timeout(env: Mapping[str, str]) -> tuple[float, float]:
         raise ConfigError(f"{envvars.TOOLKIT_HOST_TIMEOUT}={host_timeout:g}: give 0 or more seconds (0: a spare takes "
                           "a lost host's ranks only when the operator asks, with fleet replace)")
     return factor, host_timeout
+
+
+def _metrics(env: Mapping[str, str]) -> tuple[str, int] | None:
+    """TOOLKIT_METRICS_ADDRESS as (host, port), None when unset or empty; ConfigError when it is not [HOST:]PORT."""
+    raw = env.get(envvars.TOOLKIT_METRICS_ADDRESS, "").strip()
+    if not raw:
+        return None
+    try:
+        return envvars.metrics_address(raw)
+    except ValueError as e:
+        raise ConfigError(f"{envvars.TOOLKIT_METRICS_ADDRESS}={e}") from None
 
 
 def _token(env: Mapping[str, str]) -> str:

@@ -63,6 +63,9 @@ class Journal:
         self.live_interval = LIVE_INTERVAL * max(1.0, world_size / LIVE_RANKS_PER_S)
         self.max_metrics = min(MAX_METRICS, max(MIN_METRICS, MAX_METRIC_VALUES // max(1, world_size)))
         self.error_said = -math.inf
+        self.deaths: dict[int, tuple[str, int]] = {}  # rank -> (node id, deaths of its processes): restarts
+        self.step_heard_at: float | None = None  # monotonic: when the job's newest step was first heard
+        self._goodput: tuple[Any, float | None] = (None, None)  # (generation and faults, goodput) told at formation
 
     def restore(self) -> list[Log]:
         """Read back the ledger of this run (after a scheduler restart, or `train` after `stop`); a damaged or
@@ -103,7 +106,11 @@ class Journal:
         f = note.fields
         if note.kind == NoteKind.PACE:
             self.stragglers.observe(f, now)
+            last = self.ledger.accounting.last_step
+            if isinstance(f.get("step"), int) and (last is None or f["step"] > last):
+                self.step_heard_at = now
         elif note.kind == NoteKind.DEATH:
+            self.deaths[f["rank"]] = (f["node_id"], self.deaths.get(f["rank"], ("", 0))[1] + 1)
             for c in self.stragglers.forget(f["rank"]):
                 self.ledger.straggler_cleared(c.rank, wall)
             self.generation = f["generation"]
@@ -124,8 +131,23 @@ class Journal:
         return out
 
     def history(self) -> dict[str, Any]:
-        """What `formed` tells the workers for their checkpoint interval: the faults so far and the job's age."""
-        return {"faults": self.ledger.faults.count, "uptime": round(self.ledger.uptime(self.wall()), 3)}
+        """What `formed` tells the workers: the faults so far and the job's age (for their checkpoint interval), and
+        the goodput so far (rank 0's TensorBoard scalars). The goodput is computed once per formation (every rank's
+        `formed` asks: O(incidents) once, not per rank)."""
+        key = (self.generation, self.ledger.faults.count)
+        if self._goodput[0] != key:
+            self._goodput = (key, self.ledger.goodput(self.wall()).get("goodput"))
+        return {"faults": self.ledger.faults.count, "uptime": round(self.ledger.uptime(self.wall()), 3),
+                **({"goodput": self._goodput[1]} if self._goodput[1] is not None else {})}
+
+    def restarts(self) -> list[tuple[int, str, int]]:
+        """(rank, node id, deaths of its processes) of every rank that died since this scheduler started: each death
+        was followed by a restart or a replacement (the metrics endpoint's restarts per process)."""
+        return [(r, node_id, n) for r, (node_id, n) in sorted(self.deaths.items())]
+
+    def checkpoint_bytes(self) -> int:
+        """Bytes of the newest checkpoint, summed over the ranks' latest reports (0 before any)."""
+        return sum(f.figures.get("ckpt_bytes", 0) for f in self.stragglers.ranks.values())
 
     def stopped(self, why: str) -> None:
         """The scheduler is stopped by a signal: the ledger says so (a later start resumes it)."""
@@ -204,6 +226,7 @@ class Journal:
             "reports_steps": self.ledger.accounting.last_step is not None,
             "stalled_for": None if stalled_for is None else round(stalled_for, 1),
             "goodput": self.ledger.goodput(wall, stalled_for or 0.0),
+            "progress": self.progress(ranks.values()),
         }
 
     def stalled_for(self, now: float) -> float | None:
@@ -218,6 +241,14 @@ class Journal:
         p99s = [f.figures["step_p99"] for f in figs if f.figures.get("step_p99")]
         idle = now - max(f.stepped_at for f in figs if f.stepped_at is not None)
         return idle if idle >= protocol.stall_bound(max(p99s) if p99s else None) else None
+
+    def progress(self, rows: Any) -> dict[str, Any]:
+        """How far the job got: the newest step, the steps the run will take (the largest `total` a rank reported;
+        None when the script does not say), and the median of the ranks' recent steps/s (what an ETA stands on)."""
+        totals = [f.figures["total"] for f in self.stragglers.ranks.values() if "total" in f.figures]
+        rates = sorted(r["steps_per_s"] for r in rows if r["steps_per_s"])
+        return {"step": self.ledger.accounting.last_step, "total": max(totals, default=None),
+                "steps_per_s": rates[len(rates) // 2] if rates else None}
 
     def _straggler(self, event: Named | Cleared, wall: float) -> Log:
         if isinstance(event, Named):

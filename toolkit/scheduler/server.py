@@ -25,13 +25,14 @@ from typing import Any, Callable
 
 from toolkit import envvars, procs, protocol
 from toolkit.printable import clean
-from toolkit.scheduler import state
+from toolkit.scheduler import exposition, state
 from toolkit.scheduler.actions import Close, DropKeys, Exit, Log, Note, Send
 from toolkit.scheduler.admission import Admission, Limits
 from toolkit.scheduler.config import Config, ConfigError
 from toolkit.scheduler.journal import Journal
 from toolkit.scheduler.kvstore import KVStore, bounds
 from toolkit.scheduler.membership import Membership
+from toolkit.scheduler.metrics import Endpoint, Exchange
 from toolkit.scheduler.transport import CONTROL, MAX_LOG_TEXT, PREAUTH_TIMEOUT, STORE, Conn, Connections, RateLimited
 
 log = logging.getLogger("toolkit.scheduler")
@@ -77,6 +78,8 @@ class Server:
         self.conns = Connections(self.sel, self.admission, self.said, clock, config.token, self._dispatch,
                                  self._drop, self.kv.forget)
         self._wake_r, self._wake_w = socket.socketpair()
+        self.exchange = Exchange(self._wake)
+        self.metrics = Endpoint(*config.metrics, self.exchange) if config.metrics is not None else None
 
     # -- life cycle
 
@@ -98,6 +101,13 @@ class Server:
                 self._apply(self.members.restore(doc, self.clock()))
         control = self._bind(self.cfg.port, f"{envvars.MS_SCHED_HOST}:{envvars.MS_SCHED_PORT}", "")
         store = self._bind(self.cfg.store_port, envvars.MASTER_PORT, "the store ")
+        if self.metrics is not None:
+            try:
+                self.metrics.start()
+            except ConfigError:
+                control.close()
+                store.close()
+                raise
         self.conns.listen(CONTROL, control)
         self.conns.listen(STORE, store)
         self._wake_r.setblocking(False)
@@ -117,6 +127,8 @@ class Server:
                 self.journal.stopped(f"the scheduler was stopped by {self.signalled}")
             self._persist(force=True)
             self.journal.close()
+            if self.metrics is not None:
+                self.metrics.close()
             self._shutdown()
         return self.exit_code if self.exit_code is not None else EXIT_FAILED
 
@@ -188,6 +200,8 @@ class Server:
             now = self.clock()
             if now >= due:
                 self._on_time(now)
+            if self.exchange.wanted:
+                self.exchange.serve(self._snapshot)
             self._persist()
             self.conns.flush()
         if self.signalled:
@@ -241,6 +255,18 @@ class Server:
         if summary is not None:
             deadlines.append(summary)
         return min(deadlines)
+
+    def _wake(self) -> None:
+        """Wake select() from another thread (the metrics listener's: a scrape waits for a snapshot)."""
+        try:
+            self._wake_w.send(b"m")
+        except OSError:
+            pass  # full (a wake-up is already pending) or closed (the server ends)
+
+    def _snapshot(self) -> exposition.Snapshot:
+        """The figures the metrics endpoint serves, copied on this thread (exposition.take)."""
+        return exposition.take(self.journal, self.members.roster, self.members.generation, self.cfg.max_restarts,
+                               self.clock(), self.journal.wall())
 
     def _linger(self) -> None:
         """Give `finished`/`stop` a bounded moment to reach the agents before the sockets close.

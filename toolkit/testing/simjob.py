@@ -223,7 +223,7 @@ class SimJob:
     def __init__(self, world: int, workdir: Path, patterns: tuple[str, ...] = ("gloo",), monitor: bool | None = None,
                  sims: int | None = None, per_host_ips: bool = True, delay: float = 0.0, nofile: int | None = None,
                  node_timeout: float = envvars.DEFAULT_NODE_TIMEOUT, topo_timeout: float = 600.0,
-                 tree: Path | None = None, profile: Path | None = None) -> None:
+                 tree: Path | None = None, profile: Path | None = None, metrics_port: int | None = None) -> None:
         unknown = [p for p in patterns if p not in PATTERNS]
         if unknown or world < 2:
             raise ValueError(f"patterns {unknown} (known: {', '.join(PATTERNS)}), world {world} (at least 2)")
@@ -235,6 +235,7 @@ class SimJob:
         self.node_timeout, self.topo_timeout = node_timeout, topo_timeout
         self.tree = tree or ROOT
         self.profile = profile
+        self.metrics_port = metrics_port  # the scheduler's Prometheus endpoint on 127.0.0.1 (None: not served)
         self.hosts = hosts
         self.port = 0
         self.sched: procs.Child | None = None
@@ -273,6 +274,8 @@ class SimJob:
                     envvars.TOOLKIT_JOB: "sim",
                     envvars.TOOLKIT_TOKEN_FILE: str(token), envvars.TOOLKIT_EXPECTED: str(expected),
                     "PYTHONPATH": str(self.tree), "PYTHONDONTWRITEBYTECODE": "1"})
+        if self.metrics_port is not None:
+            env[envvars.TOOLKIT_METRICS_ADDRESS] = f"127.0.0.1:{self.metrics_port}"
         argv = [sys.executable, "-m", "toolkit.scheduler"]
         if self.profile is not None:  # cProfile writes its file when the scheduler returns (after done or SIGTERM)
             argv[1:1] = ["-m", "cProfile", "-o", str(self.profile)]

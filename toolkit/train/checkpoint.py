@@ -391,6 +391,7 @@ class CheckpointManager:
         self._staging = False  # the writer still has to copy tensors the training loop must not change yet
         self._error: CheckpointError | None = None
         self._closed = False
+        self.last_bytes = 0  # bytes of this rank's part of the newest checkpoint saved (for the heartbeat)
         self._thread: threading.Thread | None = None
         if async_write:
             self._thread = threading.Thread(target=self._writer, name=f"ckpt-writer:{self.directory}", daemon=True)
@@ -489,6 +490,7 @@ class CheckpointManager:
         mine = cut.ordinals(self.placement.local_rank)
         name = PartName(step, self.placement.local_rank, self.placement.local_world)
         job = _Job(name, cut, mine, [None] * len(mine), sum(cut.tensors[i].nbytes for i in mine))
+        self.last_bytes = job.size
         if not self.async_write:
             self._write(job)
             self._committed(step)

@@ -82,7 +82,7 @@ class Checkpointing:
         stalled = time.monotonic() - began + self._staging_wait
         self._staging_wait = 0.0
         self._saved = step
-        self.rt.checkpoint_stalled(stalled)
+        self.rt.checkpoint_stalled(stalled, self.manager.last_bytes)
         if self.chooser is not None:
             self.chooser.stalled(stalled)
         self._choose_interval()
@@ -112,7 +112,7 @@ class Checkpointing:
             return
         history = self.rt.fault_history()
         if history is not None:
-            self.chooser.history(*history)
+            self.chooser.history(history[0], history[1])
         self.chooser.update(self.rt.pace.summary().get("step_time"))  # proposed at the next step's agreement
         self._published = None  # the reason changed: publish the agreed interval with it
 

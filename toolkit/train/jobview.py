@@ -39,6 +39,7 @@ class JobView:
     held: int | None = None  # generation of the group this process holds (sent when rejoining)
     history: tuple[int, float, float] | None = None  # (faults, job uptime s, monotonic time told): the ledger's
     restart_only: bool = False  # restart recovery: a newer generation ends the process (EXIT_REJOIN)
+    goodput: float | None = None  # the job's goodput so far (0 to 1) as the scheduler said at the last formation
 
 
 @dataclass(frozen=True)
@@ -137,7 +138,10 @@ def _changed(view: JobView, op: str, msg: dict[str, Any], generation: int | None
         faults, uptime = protocol.whole(msg, "faults"), protocol.seconds_field(msg, "uptime")
         if faults is not None and faults >= 0 and uptime is not None:
             history = (faults, uptime, now)
-        return dataclasses.replace(view, formed=(generation, msg["prefix"]), announced=generation, history=history)
+        goodput = msg.get("goodput")
+        goodput = float(goodput) if type(goodput) in (int, float) and 0 <= goodput <= 1 else None
+        return dataclasses.replace(view, formed=(generation, msg["prefix"]), announced=generation, history=history,
+                                   goodput=goodput)
     if op == protocol.STOP:
         return dataclasses.replace(view, stop_reason=str(msg.get("reason", "stopped by the scheduler"))[:MAX_REASON])
     return view

@@ -45,6 +45,8 @@ class StepPace:
         self.loss_sampled_at = -math.inf
         self.ckpt_stall = 0.0
         self.ckpts = 0
+        self.ckpt_bytes = 0  # bytes of this rank's part of its newest checkpoint
+        self.total: int | None = None  # the steps the run will take, when the script knows (ETA in fleet status)
 
     def step(self, step: int, now: float, busy: float | None = None) -> None:
         """Step `step` ended at `now`; `busy` is the rank's own time in it (None: not measured). A step that does
@@ -77,10 +79,11 @@ class StepPace:
             return
         self.loss = loss if math.isfinite(loss) else None
 
-    def checkpoint(self, stalled: float) -> None:
-        """The training thread was blocked `stalled` seconds by one checkpoint save."""
+    def checkpoint(self, stalled: float, nbytes: int = 0) -> None:
+        """The training thread was blocked `stalled` seconds by one checkpoint save of `nbytes` (this rank's part)."""
         self.ckpt_stall += max(0.0, stalled)
         self.ckpts += 1
+        self.ckpt_bytes = max(0, nbytes)
 
     def p99(self) -> float | None:
         """The 99th percentile of the time between two reported steps (None before two steps in a row)."""
@@ -91,7 +94,10 @@ class StepPace:
 
     def summary(self) -> dict[str, Any]:
         """The heartbeat's pace fields (absent when not known yet)."""
-        out: dict[str, Any] = {"ckpt_stall": round(self.ckpt_stall, 4), "ckpts": self.ckpts}
+        out: dict[str, Any] = {"ckpt_stall": round(self.ckpt_stall, 4), "ckpts": self.ckpts,
+                               "ckpt_bytes": self.ckpt_bytes}
+        if self.total is not None:
+            out["total"] = self.total
         p99 = self.p99()
         if p99 is not None:
             out["step_p99"] = round(p99, 6)

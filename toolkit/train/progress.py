@@ -38,7 +38,7 @@ class Reporter(Protocol):
     """Where report() sends its figures in this process (installed by whoever joined the job here: the wrapper's
     scriptreport.ScriptReporter, init()'s runtime.RuntimeReporter)."""
 
-    def report(self, step: int, loss: Any, checkpoint: bool) -> None: ...
+    def report(self, step: int, loss: Any, checkpoint: bool, total: int | None = None) -> None: ...
 
     def long_phase(self, what: str) -> ContextManager[None]: ...
 
@@ -49,15 +49,18 @@ class Reporter(Protocol):
 _installed: list[Reporter] = []
 
 
-def report(step: int, loss: Any = None, *, checkpoint: bool = False) -> None:
+def report(step: int, loss: Any = None, *, checkpoint: bool = False, total: int | None = None) -> None:
     """Training reached `step` (a whole number, the script's own count; `loss` a float or a one-element tensor, None:
-    not reported); with `checkpoint`, a checkpoint of `step` is durable. A no-op outside toolkit (see the module
-    docstring). ValueError for a step that is not a whole number >= 0, under any launcher, so a wrong call shows on
-    the first run."""
+    not reported); with `checkpoint`, a checkpoint of `step` is durable; `total`, the steps the run will take (for
+    the progress bar and ETA of `fleet status`), once is enough. A no-op outside toolkit (see the module
+    docstring). ValueError for a step or total that is not a whole number >= 0, under any launcher, so a wrong call
+    shows on the first run."""
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ValueError(f"toolkit.train.report(step={step!r}): give the step as a whole number >= 0")
+    if total is not None and (isinstance(total, bool) or not isinstance(total, int) or total < 0):
+        raise ValueError(f"toolkit.train.report(total={total!r}): give the total steps as a whole number >= 0")
     if _installed:
-        _installed[-1].report(step, loss, checkpoint)
+        _installed[-1].report(step, loss, checkpoint, total)
 
 
 @contextlib.contextmanager

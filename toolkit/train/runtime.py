@@ -355,18 +355,20 @@ class Runtime:
             self.publish_pace()
             self._progress(step, epoch, now)
 
-    def fault_history(self) -> tuple[int, float] | None:
-        """The job's faults so far and its age in seconds, as the scheduler's ledger last said (with the generation
-        it formed), aged by the time since; None before the scheduler said it."""
-        h = self._channel.view.history if self._channel is not None else None
-        if h is None:
+    def fault_history(self) -> tuple[int, float, float | None] | None:
+        """The job's faults so far, its age in seconds and its goodput so far (0 to 1; None: not known yet), as the
+        scheduler's ledger last said (with the generation it formed), the age aged by the time since; None before
+        the scheduler said it."""
+        view = self._channel.view if self._channel is not None else None
+        if view is None or view.history is None:
             return None
-        faults, uptime, told = h
-        return faults, uptime + (time.monotonic() - told)
+        faults, uptime, told = view.history
+        return faults, uptime + (time.monotonic() - told), view.goodput
 
-    def checkpoint_stalled(self, seconds: float) -> None:
-        """The training thread was blocked `seconds` by a checkpoint save (the goodput ledger's checkpoint time)."""
-        self.pace.checkpoint(seconds)
+    def checkpoint_stalled(self, seconds: float, nbytes: int = 0) -> None:
+        """The training thread was blocked `seconds` by a checkpoint save of `nbytes` (this rank's part): the
+        goodput ledger's checkpoint time, the metrics endpoint's checkpoint bytes."""
+        self.pace.checkpoint(seconds, nbytes)
 
     def publish_pace(self, **extra: Any) -> None:
         """Hand the current pace figures (and `extra` fields such as the checkpoint interval in use) to the
@@ -439,8 +441,10 @@ class RuntimeReporter:
     def __init__(self, rt: Runtime) -> None:
         self.rt = rt
 
-    def report(self, step: int, loss: Any, checkpoint: bool) -> None:
+    def report(self, step: int, loss: Any, checkpoint: bool, total: int | None = None) -> None:
         """See `progress.report`: Runtime.report, and Runtime.committed for a checkpoint."""
+        if total is not None:
+            self.rt.pace.total = total
         self.rt.report(step, loss=loss)
         if checkpoint:
             self.rt.committed(step)

@@ -34,9 +34,11 @@ class ScriptReporter:
         self.last: int | None = None
         self.stride: int | None = None  # the smallest step between two reports: 1 when every step is reported
 
-    def report(self, step: int, loss: Any, checkpoint: bool) -> None:
+    def report(self, step: int, loss: Any, checkpoint: bool, total: int | None = None) -> None:
         """See `report`."""
         now = time.monotonic()
+        if total is not None:
+            self.pace.total = total
         if self.cfg.pace:
             self.pace.step(step, now)
             if loss is not None and self.pace.wants_loss(now):

@@ -63,6 +63,7 @@ from toolkit.train.faults import first_line, looks_collective
 from toolkit.train.runtime import MODE_TOOLKIT, GenerationChanged, JobStopped, Runtime
 from toolkit.train.stepdata import StepData
 from toolkit.train.stopping import EXIT_PEER_LOST, EXIT_TERMINATED, Stopping, Terminated, end_for_restart
+from toolkit.train.tbscalars import open_scalars
 from toolkit.train.trainererror import TrainerError
 
 __all__ = ["EXIT_PEER_LOST", "EXIT_TERMINATED", "Terminated", "Trainer", "TrainerError"]
@@ -83,14 +84,17 @@ class Trainer:
 
     Each step is timed for the scheduler (toolkit.train.pace): its wall time, and the time this rank worked before
     handing its last gradient bucket to the allreduce, which names a straggler; `report(loss=...)` adds the loss
-    to what `fleet status` and `fleet report` show."""
+    to what `fleet status` and `fleet report` show. Rank 0 writes TensorBoard scalars (loss, steps/s, recoveries as
+    text) to `tensorboard_dir` (default $CKPT_DIR/../tb) when tensorboard is installed (toolkit.train.tbscalars).
+    The total of steps that `batches(epochs)` will run goes to the scheduler: `fleet status` shows a progress bar
+    and an ETA."""
 
     def __init__(self, runtime: Runtime, model: nn.Module, optimizer: torch.optim.Optimizer, loader: Any, *,
                  state: Mapping[str, Any] | None = None, ckpt_dir: str | Path | None = None,
                  ckpt_every: int | str = 100, keep: int = 3, seed: int | None = 0, deterministic: bool = True,
                  async_ckpt: bool = True, ddp: Mapping[str, Any] | None = None,
                  ckpt_bounds: tuple[int, int] = interval.DEFAULT_BOUNDS,
-                 prior_mtbf: float = interval.DEFAULT_PRIOR_MTBF) -> None:
+                 prior_mtbf: float = interval.DEFAULT_PRIOR_MTBF, tensorboard_dir: str | Path | None = None) -> None:
         chooser, every = parse_every(ckpt_every, ckpt_bounds, prior_mtbf)
         extra = dict(state or {})
         for name, obj in extra.items():
@@ -118,6 +122,7 @@ class Trainer:
         self._stopping = Stopping(runtime)
         self._finished = False
         self._divergence = DivergenceCheck(runtime.world_size)  # after a recovery: do the ranks still agree?
+        self._tb = open_scalars(runtime.rank, tensorboard_dir)  # rank 0's TensorBoard scalars (toolkit.train.tbscalars)
 
     # -- what the loop sees
 
@@ -140,6 +145,7 @@ class Trainer:
         if epochs < 1:
             raise TrainerError(f"epochs={epochs}: give at least 1")
         total = epochs * self.position.per_epoch
+        self.rt.pace.total = total  # the progress bar and ETA of fleet status
         while True:
             if not self._entered:
                 raise TrainerError("each batch from trainer.batches() must be trained inside `with trainer.step():` "
@@ -189,6 +195,9 @@ class Trainer:
         self._state.live = True
         busy = self._group.end_step(began)
         self.rt.report(self.step_count, self.epoch, loss=self._loss, busy=busy)
+        if self._tb is not None:
+            step_time = self.rt.pace.summary().get("step_time")
+            self._tb.step(self.step_count, self._loss, 1.0 / step_time if step_time else None)
         self._loss = None
         if self._ckpt.due(self.step_count):
             with progress.long_phase("checkpoint"):  # the progress watchdog waits for it
@@ -249,6 +258,9 @@ class Trainer:
         self._state.live = True
         self._need_sync = True
         how = 'the step was complete here' if kept else 'the step in flight is redone'
+        if self._tb is not None:
+            self._tb.incident(self.step_count, f"generation {self.rt.generation} -> {generation}: the group broke at "
+                                               f"step {self.step_count} ({how})")
         if generation is None:
             log.line(f"rank {self.rt.rank}: the group broke at step {self.step_count} ({how})")
         else:
@@ -316,6 +328,9 @@ class Trainer:
         recomputed = recomputed_steps(agreed.source, self.step_count)
         seconds = time.monotonic() - started
         self.rt.recovered(self.step_count, source, agreed.origin, recomputed, seconds, agreed.nbytes)
+        history = self.rt.fault_history()
+        if self._tb is not None and history is not None:
+            self._tb.goodput(self.step_count, history[2])
         what = {FROM_PEER: f"rank {agreed.origin}'s memory", FROM_CHECKPOINT: f"rank {agreed.origin}'s checkpoint",
                 FROM_INITIAL: "the initial state"}[source]
         if source == FROM_INITIAL:
@@ -370,6 +385,8 @@ class Trainer:
     def _close(self) -> None:
         self._finished = True
         self._hook.remove()
+        if self._tb is not None:
+            self._tb.close()
         self._group.drop()
         self._data.close()
         try:

@@ -1,0 +1,236 @@
+"""What the scheduler's Prometheus endpoint serves: a snapshot of what the scheduler already holds, turned into
+metric families by prometheus_client (no exposition text is written here).
+
+`take` copies, on the scheduler's loop thread, the figures the journal (its straggler tracking and goodput ledger)
+and the membership's roster hold into a `Snapshot` of plain values; `JobCollector` (a prometheus_client Collector)
+turns the newest snapshot into metric families when the listener's thread renders a scrape. The loop's objects are
+never read from another thread (toolkit.scheduler.metrics hands snapshots between the two).
+
+The series, and why their number is bounded (N ranks, H hosts): per rank 4 gauges (steps/s, step, own work per step,
+and the loss when the script reports one), labelled job, rank, node_id, host; per rank named a straggler one gauge
+(1: the verdict; the others have none, which keeps a scrape at 4096 ranks a quarter cheaper than a 0 per rank); per
+process that restarted one counter; per host one gauge (H); per job 38 (17 gauges, the goodput's 4 lost parts among
+them, 7 kinds of cause, 14 histogram samples). At 4096 ranks on 512 hosts: 4 x 4096 + 512 + 38 = 16,934 series in a
+healthy job, at most 6 x 4096 + 512 + 38 = 25,126 if every rank were a straggler and had restarted
+(tests/test_metrics.py counts them).
+
+Nothing here names a file, a token, a command line or a script's error text: incidents are counted by `cause_kind`,
+a fixed set of kinds.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, NamedTuple
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from toolkit.scheduler.actions import CAUSE_CLOSED, CAUSE_NOT_BACK, CAUSE_REPLACED, CAUSE_SILENCE
+from toolkit.scheduler.journal import Journal
+from toolkit.scheduler.roster import Roster
+
+# Bounds of the time-to-recover histogram, s: in-place recovery takes a second or two, a restart from checkpoints
+# tens of seconds, a lost host waits for its spare (TOOLKIT_HOST_TIMEOUT, 60 s by default) and more.
+MTTR_BUCKETS = (0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+CAUSE_KINDS = ("signal", "exit code", "script error", "heartbeat silence", "connection closed", "host lost",
+               "did not reconnect")
+GOODPUT_PARTS = ("startup", "recovery", "recomputed", "checkpoint")
+RANK_LABELS = ("job", "rank", "node_id", "host")
+
+
+def cause_kind(cause: str) -> str:
+    """The kind of an incident's cause (one of CAUSE_KINDS): its text may hold a script's error message, which is
+    neither bounded in number nor fit to publish."""
+    if cause.startswith("killed by "):
+        return "signal"
+    if cause.startswith("exit code "):
+        return "exit code"
+    if cause.startswith(("host lost", "host ")) or cause == CAUSE_REPLACED:
+        return "host lost"
+    if cause in (CAUSE_SILENCE, CAUSE_CLOSED, CAUSE_NOT_BACK):
+        return cause
+    return "script error"
+
+
+class RankRow(NamedTuple):
+    """One rank's latest figures, as its heartbeats carried them (a tuple: 4096 of them are made per scrape)."""
+
+    rank: int
+    node_id: str
+    host: str
+    step: int | None
+    step_time: float | None
+    busy: float | None
+    loss: float | None
+    straggler: bool
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """What one scrape serves, copied from the scheduler's state on its loop thread (`take`)."""
+
+    job: str
+    world_size: int
+    members: int  # ranks whose live process is connected
+    generation: int
+    ranks: tuple[RankRow, ...]
+    hosts: tuple[tuple[str, bool], ...]  # (host, its agent connected) for every host watched
+    goodput: dict[str, Any]
+    causes: dict[str, int]
+    incidents: int
+    recover_times: tuple[float, ...]
+    restarts: tuple[tuple[int, str, int], ...]  # (rank, node id, deaths of its processes)
+    checkpoint_stall: float  # s, mean over ranks
+    checkpoint_bytes: int  # bytes written by the newest checkpoint, summed over ranks
+    last_step: int | None
+    total: int | None  # the steps the run will take, as the ranks reported it
+    since_last_step: float | None  # s since the newest step was first heard
+    max_restarts: int | None
+    host_of: dict[int, str] = field(default_factory=dict)
+
+
+def take(journal: Journal, roster: Roster, generation: int, max_restarts: int | None, now: float,
+         wall: float) -> Snapshot:
+    """Copy the figures of `journal` and `roster` (the membership's) into a Snapshot; `now` monotonic, `wall` the
+    time of day. O(ranks + incidents kept); run on the loop's thread."""
+    strag, ledger = journal.stragglers, journal.ledger
+    ranks = tuple(RankRow(r, f.node_id, f.host, f.step, f.figures.get("step_time"), f.figures.get("busy"),
+                          f.figures.get("loss"), r in strag.flagged) for r, f in sorted(strag.ranks.items()))
+    causes = dict.fromkeys(CAUSE_KINDS, 0)
+    for inc in ledger.faults.incidents:
+        causes[cause_kind(inc.cause)] += 1
+    hosts = tuple((name, rec.connected) for name, rec in sorted(roster.hosts.items())
+                  if rec.heard_at is not None or rec.connected)
+    host_of = {r: roster.node_host.get(node_id, "") for r, node_id, _ in journal.restarts()}
+    stalls = [base + last for base, last in ledger.accounting.stall.values()]
+    return Snapshot(
+        job=journal.job, world_size=journal.world_size, members=roster.connected_members, generation=generation,
+        ranks=ranks, hosts=hosts, goodput=ledger.goodput(wall), causes=causes, incidents=ledger.faults.count,
+        recover_times=tuple(i.time_to_recover for i in ledger.faults.incidents if i.time_to_recover is not None),
+        restarts=tuple(journal.restarts()), checkpoint_stall=sum(stalls) / len(stalls) if stalls else 0.0,
+        checkpoint_bytes=journal.checkpoint_bytes(), last_step=ledger.accounting.last_step,
+        total=journal.progress(()).get("total"),
+        since_last_step=None if journal.step_heard_at is None else max(0.0, now - journal.step_heard_at),
+        max_restarts=max_restarts, host_of=host_of)
+
+
+def p99(values: list[float]) -> float | None:
+    """The 99th percentile of `values` (nearest rank), None when there are none."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, math.ceil(0.99 * len(ordered)) - 1)]
+
+
+class JobCollector(Collector):
+    """A prometheus_client Collector over the newest Snapshot that `source()` returns (None: nothing yet, no
+    series)."""
+
+    def __init__(self, source: Callable[[], Snapshot | None]) -> None:
+        self.source = source
+
+    def collect(self) -> Iterator[Metric]:
+        snap = self.source()
+        if snap is None:
+            return
+        yield from self._ranks(snap)
+        yield from self._job(snap)
+        yield from self._incidents(snap)
+
+    @staticmethod
+    def _ranks(snap: Snapshot) -> Iterator[Metric]:
+        """The per-rank gauges (labels RANK_LABELS)."""
+        rate = GaugeMetricFamily("toolkit_rank_steps_per_second", "Steps a second (1 / the median of the rank's "
+                                 "recent step times)", labels=RANK_LABELS)
+        step = GaugeMetricFamily("toolkit_rank_step", "The newest step the rank reported", labels=RANK_LABELS)
+        busy = GaugeMetricFamily("toolkit_rank_busy_seconds", "The rank's own work per step (median of recent "
+                                 "steps), before its last gradient bucket went to the allreduce", labels=RANK_LABELS)
+        loss = GaugeMetricFamily("toolkit_rank_loss", "The loss the rank reported last", labels=RANK_LABELS)
+        slow = GaugeMetricFamily("toolkit_rank_straggler", "1 while the rank is named a straggler (no series for "
+                                 "the others)", labels=RANK_LABELS)
+        for row in snap.ranks:
+            labels = [snap.job, str(row.rank), row.node_id, row.host]
+            if row.step_time:
+                rate.add_metric(labels, 1.0 / row.step_time)
+            if row.step is not None:
+                step.add_metric(labels, row.step)
+            if row.busy is not None:
+                busy.add_metric(labels, row.busy)
+            if row.loss is not None:
+                loss.add_metric(labels, row.loss)
+            if row.straggler:
+                slow.add_metric(labels, 1.0)
+        yield from (rate, step, busy, loss, slow)
+
+    @staticmethod
+    def _job(snap: Snapshot) -> Iterator[Metric]:
+        """The job's gauges: its size, pace, goodput and checkpoints, and its hosts."""
+        job = [snap.job]
+
+        def gauge(name: str, doc: str, value: float | None) -> Iterator[Metric]:
+            family = GaugeMetricFamily(name, doc, labels=["job"])
+            if value is not None:
+                family.add_metric(job, value)
+            yield family
+
+        g = snap.goodput
+        yield from gauge("toolkit_job_world_size", "Ranks the job runs", snap.world_size)
+        yield from gauge("toolkit_job_members", "Ranks whose live process is connected to the scheduler",
+                         snap.members)
+        yield from gauge("toolkit_job_generation", "The job's generation (1 up at every re-formation)",
+                         snap.generation)
+        yield from gauge("toolkit_job_last_step", "The newest step any rank reported", snap.last_step)
+        yield from gauge("toolkit_job_total_steps", "The steps the run will take (the Trainer's, or report(total=))",
+                         snap.total)
+        yield from gauge("toolkit_job_seconds_since_last_step", "Seconds since the scheduler first heard the job's "
+                         "newest step (its own clock)", snap.since_last_step)
+        yield from gauge("toolkit_job_step_p99_seconds", "The 99th percentile of the ranks' recent step times",
+                         p99([r.step_time for r in snap.ranks if r.step_time]))
+        yield from gauge("toolkit_job_goodput_ratio", "Productive time / wall time since the job started",
+                         g.get("goodput"))
+        yield from gauge("toolkit_job_wall_seconds", "Wall time since the job started, less the time its operator "
+                         "had it stopped", g.get("wall"))
+        yield from gauge("toolkit_job_productive_seconds", "Wall time in steps that count", g.get("productive"))
+        lost = GaugeMetricFamily("toolkit_job_lost_seconds", "Wall time not productive, by what it went to",
+                                 labels=["job", "part"])
+        for part in GOODPUT_PARTS:
+            lost.add_metric([snap.job, part], g.get(part) or 0.0)
+        yield lost
+        yield from gauge("toolkit_job_checkpoint_stall_seconds", "Seconds the training thread was blocked in "
+                         "checkpoint saves (mean over ranks)", snap.checkpoint_stall)
+        yield from gauge("toolkit_job_checkpoint_bytes", "Bytes of the newest checkpoint, summed over ranks",
+                         snap.checkpoint_bytes)
+        yield from gauge("toolkit_job_max_restarts", "Restarts allowed to each process (--max-restarts)",
+                         snap.max_restarts)
+        up = GaugeMetricFamily("toolkit_host_up", "1 while the host's agent is connected to the scheduler",
+                               labels=["job", "host"])
+        for host, connected in snap.hosts:
+            up.add_metric([snap.job, host], 1.0 if connected else 0.0)
+        yield up
+
+    @staticmethod
+    def _incidents(snap: Snapshot) -> Iterator[Metric]:
+        """Incidents by cause, time to recover, restarts per process."""
+        inc = CounterMetricFamily("toolkit_job_incidents", "Incidents (faults) of the job, by the kind of their "
+                                  "cause", labels=["job", "cause"])
+        for kind, n in snap.causes.items():
+            inc.add_metric([snap.job, kind], n)
+        yield inc
+        counted = sorted(snap.recover_times)
+        buckets, i = [], 0
+        for bound in MTTR_BUCKETS:
+            while i < len(counted) and counted[i] <= bound:
+                i += 1
+            buckets.append((repr(bound), i))
+        buckets.append(("+Inf", len(counted)))
+        mttr = HistogramMetricFamily("toolkit_job_time_to_recover_seconds", "Seconds from each failure until every "
+                                     "rank trained again", labels=["job"])
+        mttr.add_metric([snap.job], buckets, sum(counted))
+        yield mttr
+        restarts = CounterMetricFamily("toolkit_process_restarts", "Deaths of each rank's processes (each one "
+                                       "restarted or replaced)", labels=list(RANK_LABELS))
+        for rank, node_id, n in snap.restarts:
+            restarts.add_metric([snap.job, str(rank), node_id, snap.host_of.get(rank, "")], n)
+        yield restarts
