@@ -90,6 +90,24 @@ def test_any_truncation_or_flipped_byte_is_caught(data):
     assert ckptfile.verify(memoryview(blob), name, KEY) is not None
 
 
+def test_a_restore_reads_the_file_into_the_tensors_without_a_copy_of_it_in_memory(tmp_path):
+    """A restore holds the state once: the file is authenticated through one small buffer and loaded from the open
+    file into the tensors' storage; no buffer the size of the file (read whole, then copied into a BytesIO, it
+    took 3x the state). Python's own allocations (tracemalloc) are where such a copy would be."""
+    import tracemalloc
+    n = 4_000_000  # 16 MB of float32
+    with manager(tmp_path) as m:
+        m.save(1, state_of(1, n=n))
+    tracemalloc.start()
+    try:
+        state = m.load(1)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert_state(state, 1, n=n)
+    assert peak < n * 4 / 4, f"{peak} bytes allocated while loading a {n * 4}-byte state"
+
+
 def test_a_file_of_another_key_or_renamed_does_not_verify():
     blob = memoryview(one_part())
     with pytest.raises(BadPart, match="fails authentication"):

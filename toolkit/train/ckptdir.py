@@ -96,16 +96,16 @@ class HostDir:
     def read(self, name: PartName) -> Any:
         """The verified, unpickled content of one part. ckptfile.BadPart (why) if it must not be used, OSError if
         it cannot be read."""
-        payload = ckptfile.read_part(self.fd, name, self.key)
-        try:
-            return ckptfile.decode(payload)
-        except Exception as e:  # noqa: BLE001 - it verified, so this is a file of ours that torch cannot read
-            raise ckptfile.BadPart(f"authentic but does not load ({str(e).splitlines()[0][:200]})") from None
+        with ckptfile.open_part(self.fd, name, self.key) as payload:
+            try:
+                return ckptfile.decode(payload)
+            except Exception as e:  # noqa: BLE001 - it verified, so this is a file of ours that torch cannot read
+                raise ckptfile.BadPart(f"authentic but does not load ({str(e).splitlines()[0][:200]})") from None
 
     def check(self, name: PartName) -> str | None:
         """None if the file `name` is authentic (its MAC checks; not unpickled), else why not."""
         try:
-            ckptfile.read_part(self.fd, name, self.key)
+            ckptfile.check_part(self.fd, name, self.key)
         except ckptfile.BadPart as e:
             return str(e)
         except OSError as e:

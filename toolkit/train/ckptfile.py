@@ -21,8 +21,8 @@ following links, its owner and mode checked on every read).
 
 Writing: to a random temporary name created with O_EXCL | O_NOFOLLOW in the directory's fd, the payload streamed
 through the MAC (no copy of the state in memory), the header written last, fsynced, renamed over the final name in
-the same directory fd, the directory fsynced. Reading: opened with O_NOFOLLOW, a regular file only, read whole,
-verified, then unpickled.
+the same directory fd, the directory fsynced. Reading: opened with O_NOFOLLOW, a regular file only, authenticated
+through one small buffer, then unpickled from the same open file straight into the tensors (`open_part`).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ import stat
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, BinaryIO, Mapping
 
 import torch
 
@@ -52,7 +52,7 @@ KEY_FILE = Path("toolkit") / "checkpoint.key"
 KEY_SIZE = 32
 NAME_RE = re.compile(r"^step_(\d{12})\.p(\d{1,5})of(\d{1,5})\.ckpt$")
 TEMP_RE = re.compile(r"^" + re.escape(atomicfile.TMP_PREFIX) + r"(step_\d{12}\.p\d{1,5}of\d{1,5}\.ckpt)\.[0-9a-f]+$")
-READ_CHUNK = 1 << 24
+READ_CHUNK = 1 << 20  # the one buffer a file is authenticated through
 
 
 class KeyFileError(RuntimeError):
@@ -225,48 +225,88 @@ def write_part(dir_fd: int, name: PartName, obj: Any, key: bytes) -> int:
 # Reading
 
 
-def read_part(dir_fd: int, name: PartName, key: bytes) -> memoryview:
-    """The verified payload of the checkpoint file `name` in `dir_fd`. BadPart (why) if it is not a regular file,
-    is truncated or too long, is not a toolkit checkpoint, says another step or part than its name, or fails
-    authentication; OSError if it cannot be read."""
+def check_part(dir_fd: int, name: PartName, key: bytes) -> None:
+    """Authenticate the checkpoint file `name` in `dir_fd` without unpickling it. BadPart (why) if it must not be
+    used, OSError if it cannot be read."""
+    with open_part(dir_fd, name, key):
+        pass
+
+
+def open_part(dir_fd: int, name: PartName, key: bytes) -> BinaryIO:
+    """The checkpoint file `name` in `dir_fd`, authenticated, open and positioned at its payload (for `decode`).
+
+    Why streamed: the MAC is computed over the file through one READ_CHUNK buffer, and `decode` then reads the
+    payload from the same open file straight into the tensors' storage, so a restore holds the state once (plus
+    one chunk), not the file, a copy of it and the tensors. The file is opened once (O_NOFOLLOW, a regular file
+    only): a name swapped after the check changes nothing; only someone who may write the file itself (its owner,
+    in a private directory) could change it between the check and the load.
+
+    BadPart (why) if it is not a regular file, is truncated or too long, is not a toolkit checkpoint, says another
+    step or part than its name, or fails authentication; OSError if it cannot be read."""
     fd = os.open(name.name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+    f = os.fdopen(fd, "rb", buffering=0)
     try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise BadPart("not a regular file")
-        data = bytearray(st.st_size)
-        view, got = memoryview(data), 0
-        while got < len(data):
-            n = os.readv(fd, [view[got:got + READ_CHUNK]])
-            if n == 0:
-                break
-            got += n
-    finally:
-        os.close(fd)
-    return verify(memoryview(data)[:got], name, key)
+        size = os.fstat(fd).st_size
+        header = f.read(HEADER.size)
+        fields, mac = _header(header, size, name)
+        check = _mac(key)
+        chunk = bytearray(min(READ_CHUNK, max(size - HEADER.size, 1)))
+        left = size - HEADER.size
+        while left > 0:
+            n = f.readinto(memoryview(chunk)[:min(left, len(chunk))])
+            if not n:
+                raise BadPart(f"truncated while read: {left} bytes of the payload missing")
+            check.update(memoryview(chunk)[:n])
+            left -= n
+        _authentic(check, fields, mac, name)
+        f.seek(HEADER.size)
+    except BaseException:
+        f.close()
+        raise
+    return f
 
 
-def verify(data: memoryview, name: PartName, key: bytes) -> memoryview:
-    """The payload of `data` (a whole file) if it is the authentic file `name`, else BadPart saying why."""
-    if len(data) < HEADER.size:
-        raise BadPart(f"truncated: {len(data)} bytes, shorter than the {HEADER.size}-byte header")
-    magic, step, part, parts, length, mac = HEADER.unpack_from(data)
-    if magic != MAGIC:
-        raise BadPart("not a toolkit checkpoint (bad magic)")
+def verify(data: memoryview | bytes, name: PartName, key: bytes) -> memoryview:
+    """The payload of `data` (a whole file in memory) if it is the authentic file `name`, else BadPart saying why."""
+    data = memoryview(data)
+    fields, mac = _header(data[:HEADER.size], len(data), name)
     body = data[HEADER.size:]
-    if len(body) != length:
-        state = "truncated" if len(body) < length else "has trailing bytes"
-        raise BadPart(f"{state}: payload is {len(body)} bytes, header says {length}")
     check = _mac(key)
     check.update(body)
-    check.update(FIELDS.pack(magic, step, part, parts, length))
-    if not hmac.compare_digest(check.digest(), mac):
-        raise BadPart("fails authentication: not written by this job (another key), or damaged")
-    if (step, part, parts) != (name.step, name.part, name.parts):
-        raise BadPart(f"holds step {step} part {part} of {parts}, not what its name says")
+    _authentic(check, fields, mac, name)
     return body
 
 
-def decode(payload: memoryview) -> Any:
-    """Unpickle a verified payload (tensors on CPU, weights_only: no code runs even for a file that verifies)."""
-    return torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
+def _header(header: bytes | memoryview, size: int, name: PartName) -> tuple[bytes, bytes]:
+    """The MAC'd fields and the MAC of a file of `size` bytes starting with `header`; BadPart if its shape is wrong
+    (truncated, not a checkpoint, a payload length that is not the file's)."""
+    if size < HEADER.size or len(header) < HEADER.size:
+        raise BadPart(f"truncated: {size} bytes, shorter than the {HEADER.size}-byte header")
+    magic, step, part, parts, length, mac = HEADER.unpack_from(header)
+    if magic != MAGIC:
+        raise BadPart("not a toolkit checkpoint (bad magic)")
+    body = size - HEADER.size
+    if body != length:
+        state = "truncated" if body < length else "has trailing bytes"
+        raise BadPart(f"{state}: payload is {body} bytes, header says {length}")
+    return FIELDS.pack(magic, step, part, parts, length), mac
+
+
+def _authentic(check: Any, fields: bytes, mac: bytes, name: PartName) -> None:
+    """BadPart unless `check` (the MAC over the payload so far) with `fields` gives `mac`, and the fields say what
+    `name` says."""
+    check.update(fields)
+    if not hmac.compare_digest(check.digest(), mac):
+        raise BadPart("fails authentication: not written by this job (another key), or damaged")
+    _, step, part, parts, _ = FIELDS.unpack(fields)
+    if (step, part, parts) != (name.step, name.part, name.parts):
+        raise BadPart(f"holds step {step} part {part} of {parts}, not what its name says")
+
+
+def decode(payload: BinaryIO | memoryview) -> Any:
+    """Unpickle a verified payload: an `open_part` file (read straight into the tensors) or bytes in memory (tensors
+    on CPU, weights_only: no code runs even for a file that verifies)."""
+    source = io.BytesIO(payload) if isinstance(payload, memoryview) else payload
+    return torch.load(source, map_location="cpu", weights_only=True)
