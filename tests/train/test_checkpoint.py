@@ -116,6 +116,27 @@ def test_a_file_of_another_key_or_renamed_does_not_verify():
         ckptfile.verify(blob, PartName(4, 0, 1), KEY)
 
 
+def test_a_refused_file_never_overwrites_one_refused_before(tmp_path):
+    """Two files refused under the same name (a damaged copy, then another one a later run finds): refused/ keeps
+    both, byte for byte: refused files are moved aside, never deleted."""
+    with manager(tmp_path) as m:
+        m.save(1, state_of(1))
+        m.save(2, state_of(2))
+    planted = []
+    for attempt in range(3):
+        fd = os.open(m.directory, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            ckptfile.write_part(fd, PartName(9, 0, 1), state_of(attempt), b"another key of thirty-two bytes!")
+        finally:
+            os.close(fd)
+        planted.append((m.directory / PartName(9, 0, 1).name).read_bytes())
+        assert m.agree() == Choice(2, 0)
+    refused = m.directory / "refused"
+    name = PartName(9, 0, 1).name
+    assert sorted(p.name for p in refused.iterdir()) == [name, f"{name}.1", f"{name}.2"]
+    assert [(refused / n).read_bytes() for n in (name, f"{name}.1", f"{name}.2")] == planted
+
+
 def test_the_job_key_comes_from_the_token_and_is_not_the_token(tmp_path):
     token = tmp_path / "token"
     token.write_text("ab" * 32 + "\n")

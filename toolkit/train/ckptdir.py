@@ -7,7 +7,7 @@ anything in them is trusted.
 
 A step's copy on the host is complete when every part of one layout (``p<i>of<L>``) is there; the files that must
 not be used (they fail authentication or are damaged) are moved into ``refused/`` (never deleted: they may be
-someone's evidence, or this user's own files under another key).
+someone's evidence, or this user's own files under another key; a name already there gets a numbered one).
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from toolkit.train.ckptfile import PartName
 log = logging.getLogger("toolkit.train.checkpoint")
 
 REFUSED = "refused"
+MAX_REFUSED_NAMES = 1000  # refused files of one name kept apart (<name>, <name>.1, ...)
 PRIVATE_FIX = "point --ckpt-dir (CKPT_DIR) at a directory of your own"
 Listing = dict[int, dict[int, set[int]]]  # {step: {parts: {part indices present}}}
 
@@ -161,8 +162,9 @@ class HostDir:
             pass
 
     def refuse(self, name: PartName) -> str:
-        """Move a part that must not be used into ``refused/`` (kept, out of every listing). Returns where it went
-        (or why it stayed)."""
+        """Move a part that must not be used into ``refused/`` (kept, out of every listing), under a name nothing
+        there has yet (``<name>``, else ``<name>.1``, ...: a file refused earlier is never overwritten). Returns
+        where it went (or why it stayed)."""
         try:
             os.mkdir(REFUSED, 0o700, dir_fd=self.fd)
         except FileExistsError:
@@ -171,10 +173,17 @@ class HostDir:
             st = os.stat(REFUSED, dir_fd=self.fd, follow_symlinks=False)
             if not stat.S_ISDIR(st.st_mode):
                 return f"left in place ({REFUSED} is not a directory)"
-            os.rename(name.name, f"{REFUSED}/{name.name}", src_dir_fd=self.fd, dst_dir_fd=self.fd)
+            for n in range(MAX_REFUSED_NAMES):
+                target = f"{REFUSED}/{name.name}" + (f".{n}" if n else "")
+                try:  # a link never replaces what is there (a rename would), then the name is dropped
+                    os.link(name.name, target, src_dir_fd=self.fd, dst_dir_fd=self.fd, follow_symlinks=False)
+                except FileExistsError:
+                    continue
+                os.unlink(name.name, dir_fd=self.fd)
+                return f"moved to {self.path / target}"
         except OSError as e:
             return f"left in place ({e.strerror})"
-        return f"moved to {self.path / REFUSED / name.name}"
+        return f"left in place ({REFUSED} already holds {MAX_REFUSED_NAMES} files of that name)"
 
     def remove_temps(self, mine: Callable[[PartName], bool]) -> None:
         """Delete the temporary files whose final name `mine(PartName)` says are this writer's: left by an
