@@ -340,24 +340,36 @@ def test_keep_max_below_two_is_refused_with_the_reason(tmp_path):
 
 
 @pytest.mark.parametrize("async_write", [False, True])
-def test_disk_full_is_one_clear_error_and_the_previous_checkpoint_stays(tiny_tmpfs, async_write):
+def test_a_full_disk_skips_the_checkpoint_says_so_once_and_the_next_one_is_tried_again(tiny_tmpfs, async_write,
+                                                                                       caplog):
+    """A full disk costs the checkpoints that do not fit, never the job: no error reaches the training loop (it used
+    to exit at every save, and in-place recovery spent the restart budget on it), the older copy stays, one line
+    says so (not one per interval), nothing is committed for the skipped steps, and once there is room the next
+    checkpoint is written and that is said too."""
     d = tiny_tmpfs / "ckpt"
-    m = manager(d, async_write=async_write)
+    commits = []
+    m = manager(d, async_write=async_write, on_commit=commits.append)
     m.save(1, state_of(1, n=1000))  # ~5 KB
     m.flush()
     before = m.path_for(1).read_bytes()
-    with pytest.raises(CheckpointError) as e:
-        m.save(2, state_of(2, n=200_000))  # ~800 KB on a 256 KiB disk
-        m.flush()
-    msg = str(e.value)
-    assert "\n" not in msg
-    assert str(d) in msg and "no space left on device" in msg and "CKPT_DIR" in msg and "untouched" in msg
-    assert m.path_for(1).read_bytes() == before
-    assert m.steps_on_disk() == [1] and m.verify(1) is None
-    assert not [p for p in m.directory.iterdir() if p.name.startswith(checkpoint.TMP_PREFIX)], "temp left"
-    m.save(3, state_of(3, n=1000))  # the disk has room again for a small one: the manager goes on
-    m.close()
-    assert m.steps_on_disk() == [1, 3]
+    with caplog.at_level(logging.WARNING, logger="toolkit.train.checkpoint"):
+        for step in (2, 3):
+            m.save(step, state_of(step, n=200_000))  # ~800 KB on a 256 KiB disk
+            m.flush()
+        skipped = [r.getMessage() for r in caplog.records]
+        assert len(skipped) == 1, skipped
+        msg = skipped[0]
+        assert str(d) in msg and "no space left on device" in msg and "CKPT_DIR" in msg and "step 2 skipped" in msg
+        assert "training goes on" in msg and "tries again" in msg and m.skipped == 2
+        assert m.path_for(1).read_bytes() == before
+        assert m.steps_on_disk() == [1] and m.verify(1) is None and commits == [1]
+        assert not [p for p in m.directory.iterdir() if p.name.startswith(checkpoint.TMP_PREFIX)], "temp left"
+        caplog.clear()
+        m.save(4, state_of(4, n=1000))  # the disk has room again for a small one
+        m.close()
+    assert m.steps_on_disk() == [1, 4] and commits == [1, 4] and m.skipped == 0
+    assert [r.getMessage() for r in caplog.records] == [
+        f"checkpoint of step 4 written in {m.directory}: checkpoints are saved again (2 skipped for lack of space)"]
 
 
 def test_read_only_directory_is_one_clear_error_and_nothing_changes(tiny_tmpfs):

@@ -20,6 +20,9 @@ back to an older copy, and never be resumed. So:
   by the writer while the loop runs the next forward and backward; ``wait_staged`` (the Trainer calls it before
   every optimizer step and before any recovery touches the state) blocks until that copy is done. So training
   stalls for the structure and the small tensors only, not for copying the state, let alone writing it.
+- A full disk (ENOSPC, or EDQUOT) skips the checkpoint and nothing else: the failed write leaves nothing behind,
+  the older copies stay, no error reaches the training loop, one line says so (once, until a checkpoint is written
+  again, which is said too), and the next interval tries again. Any other write error is raised.
 - At least ``keep_max >= 2`` complete copies are kept (MindSpore's rule), the oldest pruned only after a newer
   part is durable and that copy is complete.
 - A whole-job restart (``agree``): every rank verifies its share of its host's files, the ranks exchange what they
@@ -68,6 +71,7 @@ log = logging.getLogger(__name__)
 TMP_PREFIX = atomicfile.TMP_PREFIX
 MIN_KEEP = 2
 DEFAULT_WRITE_TIMEOUT = 600.0
+FULL = frozenset({errno.ENOSPC, errno.EDQUOT})  # a write that fails for these skips its checkpoint
 MAX_CANDIDATES = 64  # steps each rank reports in the restart agreement (its newest verified ones)
 SAFE_HOST = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,200}$")
 
@@ -418,6 +422,8 @@ class CheckpointManager:
         self._staging = False  # the writer still has to copy tensors the training loop must not change yet
         self._error: CheckpointError | None = None
         self._closed = False
+        self._written: set[PartName] = set()  # parts this manager wrote (known authentic: pruned without a read)
+        self.skipped = 0  # checkpoints skipped in a row for a full disk (or quota), 0 once one is written
         self._thread: threading.Thread | None = None
         if async_write:
             self._thread = threading.Thread(target=self._writer, name=f"ckpt-writer:{self.directory}", daemon=True)
@@ -506,7 +512,8 @@ class CheckpointManager:
     def save(self, step: int, state: dict[str, Any], stable: frozenset[int] = frozenset()) -> None:
         """Make ``state`` (the same on every rank of the host) the checkpoint of ``step``: this rank writes its part.
         Synchronous: returns once the part is durable. Async: returns once the part is staged or handed to the
-        writer; a failed background write is raised by the next ``save``/``flush``/``close``. ``stable``: storage
+        writer; a failed background write is raised by the next ``save``/``flush``/``close``. A full disk is not
+        raised: the checkpoint is skipped (module docstring; ``skipped`` counts them). ``stable``: storage
         addresses (``untyped_storage().data_ptr()``) of tensors that will not change before ``wait_staged()``:
         the writer copies those (when it is idle), the rest are copied here."""
         if step < 0:
@@ -517,8 +524,8 @@ class CheckpointManager:
         name = PartName(step, self.placement.local_rank, self.placement.local_world)
         job = _Job(name, cut, mine, [None] * len(mine), sum(cut.tensors[i].nbytes for i in mine))
         if not self.async_write:
-            self._write(job)
-            self._committed(step)
+            if self._write(job):
+                self._committed(step)
             return
         with self._cond:
             if self._closed:
@@ -601,13 +608,34 @@ class CheckpointManager:
         """Whether this rank writes (and may clean up after) the file `name`."""
         return name.part % self.placement.local_world == self.placement.local_rank
 
-    def _write(self, job: _Job) -> None:
+    def _write(self, job: _Job) -> bool:
+        """Write the job's part and prune; False if the disk was full (skipped: see `_skip`)."""
         tensors = [t if t is not None else job.cut.tensors[i] for t, i in zip(job.staged, job.ordinals, strict=True)]
         try:
             self.dir.write(job.name, job.cut.payload(self.placement.local_rank, tensors))
         except OSError as e:
+            if e.errno in FULL:
+                self._skip(job, e)
+                return False
             raise write_error(e, self.directory, f"checkpoint of step {job.name.step}", job.size) from None
+        self._written.add(job.name)
+        if self.skipped:
+            log.warning("checkpoint of step %d written in %s: checkpoints are saved again (%d skipped for lack of "
+                        "space)", job.name.step, self.directory, self.skipped)
+            self.skipped = 0
         self.prune(job.name.step)
+        return True
+
+    def _skip(self, job: _Job, e: OSError) -> None:
+        """A full disk (or quota) costs this checkpoint, never the job: the write left nothing behind (its temporary
+        file is removed), the older copies stay, training goes on, and the next checkpoint tries again. Said once
+        per run of skipped checkpoints, not at every interval."""
+        self.skipped += 1
+        if self.skipped == 1:
+            log.warning("%s; checkpoint of step %d skipped: training goes on and the next checkpoint tries again "
+                        "(this is said once until one is written)",
+                        write_error(e, self.directory, f"checkpoint of step {job.name.step}", job.size),
+                        job.name.step)
 
     def _writer(self) -> None:
         while True:
@@ -619,6 +647,7 @@ class CheckpointManager:
                 self._busy = True
                 self._cond.notify_all()
             error: CheckpointError | None = None
+            written = False
             try:
                 try:
                     job.stage()
@@ -626,7 +655,7 @@ class CheckpointManager:
                     with self._cond:
                         self._staging = False
                         self._cond.notify_all()
-                self._write(job)
+                written = self._write(job)
             except CheckpointError as e:
                 error = e
             except Exception as e:  # noqa: BLE001 - keep the thread alive; the training thread raises it
@@ -634,7 +663,7 @@ class CheckpointManager:
             finally:
                 step = job.name.step
                 del job
-                if error is None:
+                if written:
                     self._committed(step)  # before the flush below returns: flush() means "committed and told"
                 with self._cond:
                     if error is not None:
