@@ -609,15 +609,21 @@ class CheckpointManager:
         return name.part % self.placement.local_world == self.placement.local_rank
 
     def _write(self, job: _Job) -> bool:
-        """Write the job's part and prune; False if the disk was full (skipped: see `_skip`)."""
+        """Write the job's part and prune; False if the disk was full. A full disk (or quota) costs this checkpoint,
+        never the job: the write left nothing behind (its temporary file is removed), the older copies stay,
+        training goes on and the next checkpoint tries again; said once per run of skipped checkpoints."""
         tensors = [t if t is not None else job.cut.tensors[i] for t, i in zip(job.staged, job.ordinals, strict=True)]
         try:
             self.dir.write(job.name, job.cut.payload(self.placement.local_rank, tensors))
         except OSError as e:
-            if e.errno in FULL:
-                self._skip(job, e)
-                return False
-            raise write_error(e, self.directory, f"checkpoint of step {job.name.step}", job.size) from None
+            error = write_error(e, self.directory, f"checkpoint of step {job.name.step}", job.size)
+            if e.errno not in FULL:
+                raise error from None
+            self.skipped += 1
+            if self.skipped == 1:
+                log.warning("%s; checkpoint of step %d skipped: training goes on and the next checkpoint tries "
+                            "again (this is said once until one is written)", error, job.name.step)
+            return False
         self._written.add(job.name)
         if self.skipped:
             log.warning("checkpoint of step %d written in %s: checkpoints are saved again (%d skipped for lack of "
@@ -625,17 +631,6 @@ class CheckpointManager:
             self.skipped = 0
         self.prune(job.name.step)
         return True
-
-    def _skip(self, job: _Job, e: OSError) -> None:
-        """A full disk (or quota) costs this checkpoint, never the job: the write left nothing behind (its temporary
-        file is removed), the older copies stay, training goes on, and the next checkpoint tries again. Said once
-        per run of skipped checkpoints, not at every interval."""
-        self.skipped += 1
-        if self.skipped == 1:
-            log.warning("%s; checkpoint of step %d skipped: training goes on and the next checkpoint tries again "
-                        "(this is said once until one is written)",
-                        write_error(e, self.directory, f"checkpoint of step {job.name.step}", job.size),
-                        job.name.step)
 
     def _writer(self) -> None:
         while True:
