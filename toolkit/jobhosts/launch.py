@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
 
-from toolkit import jobrecord
+from toolkit import ckptkey, jobrecord
 from toolkit.agentdoc import AgentState
 from toolkit.check.gather import failure_text, print_report, run_check
 from toolkit.errors import UserError
@@ -189,12 +189,13 @@ def _previous_run(record: JobRecord, ssh: SshSettings, fresh: bool, again: bool,
         return
     stamp = time.strftime("%Y%m%dT%H%M%S")
     written = project_checkpoints(record, ssh, project, {h.host: h.updated_at for h in hosts})
+    key_id = ckptkey.key_id(ckptkey.job_key(jobrecord.token(project, record.job)))  # its checkpoints' key
 
     def archive(host: Host) -> str:
         """Move this host's previous run aside (ARCHIVE_SCRIPT, move_checkpoints); returns its "moved ..." lines."""
         h = record.host(host.name)
-        moved = host.run(["sh", "-c", ARCHIVE_SCRIPT, "sh", h.job_dir, h.ckpt_dir or f"{h.job_dir}/ckpt", stamp],
-                         timeout=STATUS_TIMEOUT, check=True).stdout.strip()
+        moved = host.run(["sh", "-c", ARCHIVE_SCRIPT, "sh", h.job_dir, h.ckpt_dir or f"{h.job_dir}/ckpt", stamp,
+                          key_id], timeout=STATUS_TIMEOUT, check=True).stdout.strip()
         files = written.get(host.name, [])
         return "\n".join(filter(None, [moved, move_checkpoints(host, h, workdir_of(h, record.local, project), files,
                                                                 stamp)]))

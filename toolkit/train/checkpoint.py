@@ -24,7 +24,8 @@ back to an older copy, and never be resumed. So:
   the older copies stay, no error reaches the training loop, one line says so (once, until a checkpoint is written
   again, which is said too), and the next interval tries again. Any other write error is raised.
 - At least ``keep_max >= 2`` complete copies are kept (MindSpore's rule), the oldest pruned only after a newer
-  part is durable and that copy is complete.
+  part is durable and that copy is complete; each rank prunes its own share, and deletes only what it wrote itself
+  or what authenticates under the job's key (anything else is moved aside, never deleted).
 - A whole-job restart (``agree``): every rank verifies its share of its host's files, the ranks exchange what they
   found as one small int64 tensor each (nothing unpickled from a peer), and all pick the newest step whose copy is
   complete and authentic on some host, and the lowest rank of that host to read it. Nothing is deleted for lack
@@ -60,9 +61,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from toolkit import atomicfile, envvars
+from toolkit import atomicfile, ckptkey, envvars
 from toolkit.atomicfile import Durability
-from toolkit.train import ckptfile, ckptparts
+from toolkit.train import ckptparts
 from toolkit.train.ckptdir import DirectoryError, HostDir, complete
 from toolkit.train.ckptfile import BadPart, PartName
 
@@ -367,9 +368,11 @@ class CheckpointManager:
 
     ``placement`` says which host's copy this rank shares and which part it writes (default: from the
     environment, Placement.from_env); ``key`` the MAC key (default: the job's, from ``TOOLKIT_TOKEN_FILE``, else
-    this user's; ckptfile.default_key). Construction checks that ``directory`` (the checkpoint root, CKPT_DIR) is
-    private (owned by this user, written by nobody else, nor anything above it: toolkit.privatedir) and writable,
-    and removes temporary files a previous incarnation of this rank left; CheckpointError says what is wrong.
+    the project's: toolkit.ckptkey.default_key). Construction checks that ``directory`` (the checkpoint root,
+    CKPT_DIR) is private (owned by this user, written by nobody else, nor anything above it: toolkit.privatedir),
+    writable and this key's (its ``key-id``, toolkit.train.ckptdir: another job's or project's directory is refused,
+    nothing in it touched), and removes temporary files a previous incarnation of this rank left; CheckpointError
+    says what is wrong.
 
     Use it as a context manager (or call ``close()``) so that an asynchronous write in flight is finished before
     the process exits; an ``atexit`` hook does the same for a process that forgets.
@@ -393,8 +396,8 @@ class CheckpointManager:
             raise ValueError(f"write_timeout must be > 0 seconds, got {write_timeout}")
         try:
             self.placement = placement or Placement.from_env(os.environ)
-            key = key if key is not None else ckptfile.default_key(os.environ)
-        except (ValueError, ckptfile.KeyFileError) as e:
+            key = key if key is not None else ckptkey.default_key(os.environ)
+        except (ValueError, ckptkey.KeyFileError) as e:
             raise CheckpointError(str(e)) from None
         self.root = Path(directory)
         self.keep_max = keep_max
@@ -583,8 +586,16 @@ class CheckpointManager:
         self.close()
 
     def prune(self, newest: int | None = None) -> list[int]:
-        """Keep the ``keep_max`` newest complete copies at or below ``newest`` (default: all) and remove every
-        file of older steps (complete or not; any rank of the host may do it). Returns the removed steps."""
+        """Keep the ``keep_max`` newest complete copies at or below ``newest`` (default: all) and remove this rank's
+        share (``_writes``) of every older step, complete or not. Only what is this key's is removed: a file this
+        manager wrote, or one that authenticates (read once, for a file of an earlier incarnation); any other is
+        refused (moved aside, named in a log line), never deleted. Returns the steps pruned.
+
+        Why each rank its own share: deleting a peer's part would need reading it first (this rank did not write
+        it), a copy's worth of reads per checkpoint. Every rank prunes before and after each of its writes, so the
+        host holds what it did before (``keep_max`` copies, and the one being written), except that between two
+        checkpoints a rank whose write did not complete a step still holds its part of the step that step made
+        prunable."""
         listing = self.dir.listing()
         complete_steps = sorted(s for s in listing if (newest is None or s <= newest)
                                 and complete(listing, s, self.placement.local_world))
@@ -592,14 +603,20 @@ class CheckpointManager:
             return []
         oldest_kept = complete_steps[-self.keep_max]
         removed = sorted(s for s in listing if s < oldest_kept)
-        for s in removed:
-            for parts, present in listing[s].items():
-                for part in present:
-                    try:
-                        self.dir.remove(PartName(s, part, parts))
-                    except OSError as e:
-                        log.warning("could not prune %s: %s", self.directory / PartName(s, part, parts).name,
-                                    e.strerror)
+        for name in (PartName(s, part, parts) for s in removed for parts, present in listing[s].items()
+                     for part in sorted(present)):
+            if not self._writes(name):
+                continue
+            reason = None if name in self._written else self.dir.check(name)
+            if reason is not None:
+                log.warning("checkpoint %s: %s; not pruned, %s", self.directory / name.name, reason,
+                            self.dir.refuse(name))
+                continue
+            try:
+                self.dir.remove(name)
+            except OSError as e:
+                log.warning("could not prune %s: %s", self.directory / name.name, e.strerror)
+            self._written.discard(name)
         return removed
 
     # --- internals ---
@@ -613,6 +630,7 @@ class CheckpointManager:
         never the job: the write left nothing behind (its temporary file is removed), the older copies stay,
         training goes on and the next checkpoint tries again; said once per run of skipped checkpoints."""
         tensors = [t if t is not None else job.cut.tensors[i] for t, i in zip(job.staged, job.ordinals, strict=True)]
+        self.prune(job.name.step)  # what became prunable since this rank's last write (its peers completed a step)
         try:
             self.dir.write(job.name, job.cut.payload(self.placement.local_rank, tensors))
         except OSError as e:

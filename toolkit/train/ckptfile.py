@@ -1,4 +1,4 @@
-"""One checkpoint file (a part of one host's copy of a step): its name, its authenticated format, its key.
+"""One checkpoint file (a part of one host's copy of a step): its name and its authenticated format.
 
 Why authenticated: the checkpoint directory may be on storage others can reach, and a checkpoint is code-adjacent
 (it becomes the model the job trains on and hands out). A checksum anyone can compute says a file is whole, not
@@ -13,11 +13,7 @@ The MAC is HMAC-SHA256 over the payload followed by the header's first five fiel
 another step or part, truncated, extended, or written with another key does not verify. Name:
 ``step_<012d>.p<part>of<parts>.ckpt`` (zero-padded: names sort as steps do).
 
-The key: under toolkit, derived from the job token (``TOOLKIT_TOKEN_FILE``, 0600 in the job directory, never sent
-anywhere): HMAC-SHA256(token, "toolkit checkpoint key v1"), the same on every host of the job and never written
-down. Alone or under torchrun (no token), a random key of this user's, made once in
-``$XDG_CONFIG_HOME/toolkit/checkpoint.key`` (default ``~/.config``; 0600, in a 0700 directory, created without
-following links, its owner and mode checked on every read).
+The key: the job's (derived from its token), or alone the project's (toolkit.ckptkey).
 
 Writing: to a random temporary name created with O_EXCL | O_NOFOLLOW in the directory's fd, the payload streamed
 through the MAC (no copy of the state in memory), the header written last, fsynced, renamed over the final name in
@@ -35,28 +31,19 @@ import re
 import stat
 import struct
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, BinaryIO, Mapping
+from typing import Any, BinaryIO
 
 import torch
 
-from toolkit import atomicfile, privatedir
-from toolkit.envvars import TOOLKIT_TOKEN_FILE
+from toolkit import atomicfile
 
 MAGIC = b"TKCKPT02"
 FIELDS = struct.Struct("<8sQIIQ")  # magic, step, part, parts, payload length
 HEADER = struct.Struct("<8sQIIQ32s")  # the fields, then the MAC
 MAC_SIZE = 32
-KEY_INFO = b"toolkit checkpoint key v1"
-KEY_FILE = Path("toolkit") / "checkpoint.key"
-KEY_SIZE = 32
 NAME_RE = re.compile(r"^step_(\d{12})\.p(\d{1,5})of(\d{1,5})\.ckpt$")
 TEMP_RE = re.compile(r"^" + re.escape(atomicfile.TMP_PREFIX) + r"(step_\d{12}\.p\d{1,5}of\d{1,5}\.ckpt)\.[0-9a-f]+$")
 READ_CHUNK = 1 << 20  # the one buffer a file is authenticated through
-
-
-class KeyFileError(RuntimeError):
-    """The checkpoint key cannot be made or read safely; one line naming the file and what to do."""
 
 
 class BadPart(Exception):
@@ -84,71 +71,6 @@ class PartName:
             return None
         step, part, parts = int(m.group(1)), int(m.group(2)), int(m.group(3))
         return cls(step, part, parts) if 0 <= part < parts else None
-
-
-# ----------------------------------------------------------------------------------------------------------
-# The key
-
-
-def job_key(token: str) -> bytes:
-    """The checkpoint key of a job: derived from its token (never the token itself, which proves identity to the
-    scheduler: a key that leaked from a checkpoint tool must not open the job's ports)."""
-    return hmac.new(token.encode(), KEY_INFO, hashlib.sha256).digest()
-
-
-def user_key(env: Mapping[str, str]) -> bytes:
-    """This user's checkpoint key for runs without a job token, made once (see the module docstring)."""
-    base = Path(env.get("XDG_CONFIG_HOME") or Path.home() / ".config")
-    path = base / KEY_FILE
-    try:
-        privatedir.ensure(path.parent, "checkpoint key directory",
-                          "remove it (a new key is made; checkpoints of the old key are then not resumed)")
-    except privatedir.NotPrivate as e:
-        raise KeyFileError(str(e)) from None
-    except OSError as e:
-        raise KeyFileError(f"checkpoint key directory {path.parent} cannot be made: {e.strerror}") from None
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    except FileExistsError:
-        return _read_key(path)
-    except OSError as e:
-        raise KeyFileError(f"checkpoint key {path} cannot be made: {e.strerror}") from None
-    try:
-        os.write(fd, os.urandom(KEY_SIZE))
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    return _read_key(path)
-
-
-def _read_key(path: Path) -> bytes:
-    fix = "remove it (a new key is made; checkpoints made with the old one are then not resumed)"
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError as e:
-        raise KeyFileError(f"checkpoint key {path} cannot be read ({e.strerror}): {fix}") from None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
-            raise KeyFileError(f"checkpoint key {path} is not a private file of yours (uid {st.st_uid}, mode "
-                            f"{stat.S_IMODE(st.st_mode):o}): {fix}")
-        data = os.read(fd, KEY_SIZE + 1)
-    finally:
-        os.close(fd)
-    if len(data) != KEY_SIZE:
-        raise KeyFileError(f"checkpoint key {path} is {len(data)} bytes, not {KEY_SIZE}: {fix}")
-    return data
-
-
-def default_key(env: Mapping[str, str]) -> bytes:
-    """The job's key if `env` names a token file (a worker under toolkit), else this user's key."""
-    token_file = env.get(TOOLKIT_TOKEN_FILE)
-    if token_file:
-        try:
-            return job_key(Path(token_file).read_text().strip())
-        except OSError as e:
-            raise KeyFileError(f"{TOOLKIT_TOKEN_FILE}={token_file}: cannot read the job token ({e.strerror})") from None
-    return user_key(env)
 
 
 # ----------------------------------------------------------------------------------------------------------
