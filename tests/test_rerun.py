@@ -119,6 +119,59 @@ def test_a_new_worker_count_is_refused_before_anything_starts(project: Path, tmp
     assert all(p["restarts"] == 0 for p in after["processes"])
 
 
+def test_a_finished_job_run_again_is_refused_before_anything_is_deployed(project: Path, tmp_path: Path) -> None:
+    """`fleet run` of a finished job with new arguments: refused as `train` refuses it, and before deploy, so the
+    job's record and its hosts' files keep the arguments of the run that finished (it re-deployed them, then
+    refused)."""
+    work = tmp_path / "w"
+    flags = ["--job", "fin", "--workdir", str(work), "--master-port", str(free_port_pair()), "--no-warm-spare",
+             "--grace", "3"]
+    ok(fleet("run", "--nproc-per-node", "1", *flags, "train.py", "--steps", "2", cwd=project))
+    deployed = {p: p.read_bytes() for p in [*(project / ".toolkit").rglob("*"), *(work / "fin").glob("*")]
+                if p.is_file()}
+    r = fleet("run", "--nproc-per-node", "1", *flags, "train.py", "--steps", "7", cwd=project)
+    refused(r, "error: job fin already finished at step 2")
+    assert "deployed job" not in r.stderr, r.stderr
+    assert {p: p.read_bytes() for p in deployed} == deployed
+
+
+def test_two_jobs_sharing_a_ckpt_dir_keep_apart_and_fresh_moves_only_its_own(project: Path, tmp_path: Path) -> None:
+    """Two jobs given the same --ckpt-dir: each checkpoints in its own subdirectory, and `--fresh` on one moves
+    only that one aside (it moved the whole shared directory); the other resumes from its own."""
+    shared = tmp_path / "shared"
+    work = tmp_path / "w"
+    common = ["--workdir", str(work), "--no-warm-spare", "--grace", "3", "--ckpt-dir", str(shared)]
+    for job in ("ja", "jb"):
+        ok(fleet("run", "--nproc-per-node", "1", "--job", job, "--master-port", str(free_port_pair()), *common,
+                 "train.py", "--steps", "2", "--in-ckpt-dir", cwd=project))
+        assert json.loads((shared / job / "checkpoints" / "last-0.pt").read_text()) == {"step": 2}
+    r = ok(fleet("train", "--job", "ja", "--fresh", "--join", cwd=project))
+    assert f"moved {shared / 'ja'} to {shared / 'ja'}.previous-" in r.stderr, r.stderr
+    assert sorted(p.name for p in shared.iterdir() if not p.name.startswith("ja.previous-")) == ["ja", "jb"]
+    assert json.loads((shared / "jb" / "checkpoints" / "last-0.pt").read_text()) == {"step": 2}
+    ok(fleet("train", "--job", "jb", "--again", "--join", cwd=project))
+    assert "resumed from " in (work / "jb" / "logs" / "worker_0.log").read_text()
+
+
+def test_fresh_leaves_a_checkpoint_directory_another_jobs_key_id_names(tmp_path: Path) -> None:
+    """ARCHIVE_SCRIPT as --fresh runs it on a host: a checkpoint directory whose key-id is another job's (two
+    projects' jobs of one name given one --ckpt-dir) stays where it is, and the line says so; the job's own moves."""
+    from toolkit import ckptkey
+    from toolkit.jobhosts.scripts import ARCHIVE_SCRIPT
+
+    mine = ckptkey.key_id(ckptkey.job_key("ab" * 32))
+    for owner, moved in ((ckptkey.key_id(ckptkey.job_key("cd" * 32)), False), (mine, True)):
+        job_dir, ckpt = tmp_path / f"job-{moved}", tmp_path / f"ckpt-{moved}"
+        (job_dir / "recovery").mkdir(parents=True)
+        ckpt.mkdir()
+        (ckpt / "key-id").write_text(owner + "\n")
+        out = subprocess.run(["sh", "-c", ARCHIVE_SCRIPT, "sh", str(job_dir), str(ckpt), "STAMP", mine],
+                             capture_output=True, text=True, timeout=COMMAND_TIMEOUT, check=True).stdout
+        assert ckpt.exists() != moved and (tmp_path / f"ckpt-{moved}.previous-STAMP").exists() == moved, out
+        said = "moved" if moved else "left"
+        assert f"{said} {ckpt}" in out and not (job_dir / "recovery").exists(), out
+
+
 def test_what_fresh_takes_for_a_checkpoint() -> None:
     from toolkit.jobhosts.rerun import checkpoint_like
 

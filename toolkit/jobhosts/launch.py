@@ -156,6 +156,19 @@ def finished_run(hosts: list[HostStatus]) -> Finished | None:
     return Finished(max(steps) if steps else None, max(stamps) if stamps else None)
 
 
+def refuse_finished(job: str, hosts: list[HostStatus], fresh: bool, again: bool, verb: str) -> None:
+    """UserError (saying what to type) when the job's previous run finished (`finished_run`) and neither `fresh`
+    nor `again` says what to do with it."""
+    done = finished_run(hosts)
+    if done is not None and not (fresh or again):
+        step = f" at step {done.step}" if done.step is not None else ""
+        when = f" ({done.at})" if done.at else ""
+        raise UserError(f"job {job} already finished{step}{when}: nothing to train. '{verb} --fresh' "
+                        "trains it again from the start (its checkpoints and state are moved aside, not deleted), "
+                        f"'{verb} --again' goes on from its final checkpoints (e.g. with more epochs), or "
+                        "deploy it under another --job name")
+
+
 def _previous_run(record: JobRecord, ssh: SshSettings, fresh: bool, again: bool, verb: str = "fleet train",
                   project: Path = Path(".")) -> None:
     """Refuse to start a finished job again unless told how (see `train`), and a job whose previous run had another
@@ -176,14 +189,7 @@ def _previous_run(record: JobRecord, ssh: SshSettings, fresh: bool, again: bool,
                             f"then '{verb} --fresh' starts it over")
         refuse_size_change(record, ssh, verb, running=True)
         return
-    done = finished_run(hosts)
-    if done is not None and not (fresh or again):
-        step = f" at step {done.step}" if done.step is not None else ""
-        when = f" ({done.at})" if done.at else ""
-        raise UserError(f"job {record.job} already finished{step}{when}: nothing to train. '{verb} --fresh' "
-                        "trains it again from the start (its checkpoints and state are moved aside, not deleted), "
-                        f"'{verb} --again' goes on from its final checkpoints (e.g. with more epochs), or "
-                        "deploy it under another --job name")
+    refuse_finished(record.job, hosts, fresh, again, verb)
     if not fresh:
         refuse_size_change(record, ssh, verb)
         return
