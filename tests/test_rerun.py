@@ -176,7 +176,49 @@ def test_what_fresh_takes_for_a_checkpoint() -> None:
     from toolkit.jobhosts.rerun import checkpoint_like
 
     for path in ("./checkpoints/last.pt", "./model.PTH", "./out/step_10.ckpt", "./my_ckpt/rank_0/state",
-                 "./Checkpoints/epoch3/weights.safetensors", "./run/opt.pkl"):
+                 "./Checkpoints/epoch3/weights.safetensors", "./run/checkpoint_opt.pkl", "./ckpt/moments.npy"):
         assert checkpoint_like(path), path
-    for path in ("./train.py", "./ckpt_utils/io.py", "./results.csv", "./logs/events.out.tfevents.1", "./notes.txt"):
+    for path in ("./train.py", "./ckpt_utils/io.py", "./results.csv", "./logs/events.out.tfevents.1", "./notes.txt",
+                 "./data/tokens.npy", "./data/vocab.bin", "./run/opt.pkl", "./MNIST_Data/train.pt",
+                 "./datasets/features.h5"):
         assert not checkpoint_like(path), path
+
+
+def test_fresh_leaves_environments_and_data_and_moves_odd_names_all_or_nothing(tmp_path: Path) -> None:
+    """What the red team saw moved (round 3, item 6): files a run wrote under a virtualenv's .../checkpoint/, and
+    data/tokens.npy, data/vocab.bin; and a directory name ending in a newline stopped the move half way. Real
+    files, the host scripts run as on a host (this machine, LocalHost): the environment and the data stay, the
+    odd name moves with the others, and a move that cannot complete puts back what it moved."""
+    from toolkit.jobhosts.rerun import MOVE_SCRIPT, written_files
+    from toolkit.remote import LocalHost
+
+    proj, since = tmp_path / "proj", tmp_path / "since"
+    since.write_text("")
+    hour_ago = time.time() - 3600
+    os.utime(since, (hour_ago, hour_ago))
+    made = {"venv/pyvenv.cfg": "home = /usr/bin", "venv/lib/python3/site-packages/torch/utils/checkpoint/_c.so": "",
+            "venv/lib/python3/site-packages/torch/utils/checkpoint/__init__.pyi": "",
+            "env2/lib/site-packages/pkg/checkpoint.pt": "", "data/tokens.npy": "corpus", "data/vocab.bin": "vocab",
+            "checkpoints/last.pt": "step 3", "odd\n/ckpt/step_3.pt": "step 3, odd", "model.pth": "weights"}
+    for name, text in made.items():
+        (proj / name).parent.mkdir(parents=True, exist_ok=True)
+        (proj / name).write_text(text)
+    host = LocalHost()
+    found = written_files(host, sys.executable, str(proj), str(since), "")
+    assert sorted(found) == ["./checkpoints/last.pt", "./model.pth", "./odd\n/ckpt/step_3.pt"], found
+
+    dest = tmp_path / "job" / "project.previous-1"
+    (dest / "model.pth").parent.mkdir(parents=True)
+    (dest / "model.pth").write_text("moved by an earlier --fresh of this stamp")  # the last move cannot be done
+    r = host.run([sys.executable, "-I", "-c", MOVE_SCRIPT, str(proj), str(dest), *sorted(found)],
+                 timeout=COMMAND_TIMEOUT)
+    assert r.exit_code == 1 and "nothing was moved" in r.stderr and "model.pth" in r.stderr, r.stderr
+    assert all((proj / name).read_text() == text for name, text in made.items())  # everything is back
+    assert (dest / "model.pth").read_text() == "moved by an earlier --fresh of this stamp"
+
+    (dest / "model.pth").unlink()
+    r = host.run([sys.executable, "-I", "-c", MOVE_SCRIPT, str(proj), str(dest), *sorted(found)],
+                 timeout=COMMAND_TIMEOUT)
+    assert r.exit_code == 0, r.stderr
+    assert (dest / "odd\n" / "ckpt" / "step_3.pt").read_text() == "step 3, odd"
+    assert not (proj / "odd\n" / "ckpt" / "step_3.pt").exists() and (proj / "data" / "tokens.npy").exists()

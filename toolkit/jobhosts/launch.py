@@ -200,11 +200,11 @@ def _previous_run(record: JobRecord, ssh: SshSettings, fresh: bool, again: bool,
     def archive(host: Host) -> str:
         """Move this host's previous run aside (ARCHIVE_SCRIPT, move_checkpoints); returns its "moved ..." lines."""
         h = record.host(host.name)
+        files = written.get(host.name, [])  # first, all or nothing: if it fails, nothing of the host was moved
+        from_project = move_checkpoints(host, h, workdir_of(h, record.local, project), files, stamp)
         moved = host.run(["sh", "-c", ARCHIVE_SCRIPT, "sh", h.job_dir, h.ckpt_dir or f"{h.job_dir}/ckpt", stamp,
                           key_id], timeout=STATUS_TIMEOUT, check=True).stdout.strip()
-        files = written.get(host.name, [])
-        return "\n".join(filter(None, [moved, move_checkpoints(host, h, workdir_of(h, record.local, project), files,
-                                                                stamp)]))
+        return "\n".join(filter(None, [moved, from_project]))
 
     moved = fan_out("moving the previous run aside", record_targets(record), archive, ssh)
     for name, text in moved.items():
