@@ -165,12 +165,13 @@ def open_part(dir_fd: int, name: PartName, key: bytes) -> BinaryIO:
 
     BadPart (why) if it is not a regular file, is truncated or too long, is not a toolkit checkpoint, says another
     step or part than its name, or fails authentication; OSError if it cannot be read."""
-    fd = os.open(name.name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+    fd = os.open(name.name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=dir_fd)  # FIFO: no wait
     f = os.fdopen(fd, "rb", buffering=0)
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
             raise BadPart("not a regular file")
-        size = os.fstat(fd).st_size
+        size = st.st_size
         header = f.read(HEADER.size)
         fields, mac = _header(header, size, name)
         check = _mac(key)
