@@ -32,6 +32,7 @@ def run(request: Request, join_timeout: float | None = None, fresh: bool = False
         if alive:
             raise UserError(f"job {job} already runs on {', '.join(alive)}: 'fleet train --join' waits for it, "
                             "'fleet stop' ends it; or give this run another --job name")
-        refuse_finished(job, hosts, fresh, again, "fleet run")  # before deploy: nothing of it is changed
+        if not any(h.other_job for h in hosts):  # (another project's job there: start_job says so, in its words)
+            refuse_finished(job, hosts, fresh, again, "fleet run")  # before deploy: nothing of it is changed
     deploy(settings)
     start_job(request, join=True, join_timeout=join_timeout, fresh=fresh, again=again, check=check, verb="fleet run")
