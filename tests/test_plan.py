@@ -72,6 +72,8 @@ def test_scheduler_on_its_own_host_and_per_host_vars(tmp_path: Path) -> None:
         assert p.env[E.MS_ENABLE_RECOVERY] == "0"
     assert plan.process("worker_0").env[E.CKPT_DIR] == "/scratch/demo/ckpt"
     assert plan.process("worker_2").env[E.CKPT_DIR] == "toolkit-jobs/demo/ckpt"
+    shared = make_plan(load_ansible_inventory(path), opts(master_port=9000, ckpt_dir="/nfs/ckpt"))
+    assert {p.env[E.CKPT_DIR] for p in shared.processes() if p.rank is not None} == {"/nfs/ckpt/demo"}  # its own
 
 
 def test_fewer_workers_than_slots_uses_the_first_slots() -> None:

@@ -119,11 +119,106 @@ def test_a_new_worker_count_is_refused_before_anything_starts(project: Path, tmp
     assert all(p["restarts"] == 0 for p in after["processes"])
 
 
+def test_a_finished_job_run_again_is_refused_before_anything_is_deployed(project: Path, tmp_path: Path) -> None:
+    """`fleet run` of a finished job with new arguments: refused as `train` refuses it, and before deploy, so the
+    job's record and its hosts' files keep the arguments of the run that finished (it re-deployed them, then
+    refused)."""
+    work = tmp_path / "w"
+    flags = ["--job", "fin", "--workdir", str(work), "--master-port", str(free_port_pair()), "--no-warm-spare",
+             "--grace", "3"]
+    ok(fleet("run", "--nproc-per-node", "1", *flags, "train.py", "--steps", "2", cwd=project))
+    deployed = {p: p.read_bytes() for p in [*(project / ".toolkit").rglob("*"), *(work / "fin").glob("*")]
+                if p.is_file()}
+    r = fleet("run", "--nproc-per-node", "1", *flags, "train.py", "--steps", "7", cwd=project)
+    refused(r, "error: job fin already finished at step 2")
+    assert "deployed job" not in r.stderr, r.stderr
+    assert {p: p.read_bytes() for p in deployed} == deployed
+
+
+def test_two_jobs_sharing_a_ckpt_dir_keep_apart_and_fresh_moves_only_its_own(project: Path, tmp_path: Path) -> None:
+    """Two jobs given the same --ckpt-dir: each checkpoints in its own subdirectory, and `--fresh` on one moves
+    only that one aside (it moved the whole shared directory); the other resumes from its own."""
+    shared = tmp_path / "shared"
+    work = tmp_path / "w"
+    common = ["--workdir", str(work), "--no-warm-spare", "--grace", "3", "--ckpt-dir", str(shared)]
+    for job in ("ja", "jb"):
+        ok(fleet("run", "--nproc-per-node", "1", "--job", job, "--master-port", str(free_port_pair()), *common,
+                 "train.py", "--steps", "2", "--in-ckpt-dir", cwd=project))
+        assert json.loads((shared / job / "checkpoints" / "last-0.pt").read_text()) == {"step": 2}
+    r = ok(fleet("train", "--job", "ja", "--fresh", "--join", cwd=project))
+    assert f"moved {shared / 'ja'} to {shared / 'ja'}.previous-" in r.stderr, r.stderr
+    assert sorted(p.name for p in shared.iterdir() if not p.name.startswith("ja.previous-")) == ["ja", "jb"]
+    assert json.loads((shared / "jb" / "checkpoints" / "last-0.pt").read_text()) == {"step": 2}
+    ok(fleet("train", "--job", "jb", "--again", "--join", cwd=project))
+    assert "resumed from " in (work / "jb" / "logs" / "worker_0.log").read_text()
+
+
+def test_fresh_leaves_a_checkpoint_directory_another_jobs_key_id_names(tmp_path: Path) -> None:
+    """ARCHIVE_SCRIPT as --fresh runs it on a host: a checkpoint directory whose key-id is another job's (two
+    projects' jobs of one name given one --ckpt-dir) stays where it is, and the line says so; the job's own moves."""
+    from toolkit import ckptkey
+    from toolkit.jobhosts.scripts import ARCHIVE_SCRIPT
+
+    mine = ckptkey.key_id(ckptkey.job_key("ab" * 32))
+    for owner, moved in ((ckptkey.key_id(ckptkey.job_key("cd" * 32)), False), (mine, True)):
+        job_dir, ckpt = tmp_path / f"job-{moved}", tmp_path / f"ckpt-{moved}"
+        (job_dir / "recovery").mkdir(parents=True)
+        ckpt.mkdir()
+        (ckpt / "key-id").write_text(owner + "\n")
+        out = subprocess.run(["sh", "-c", ARCHIVE_SCRIPT, "sh", str(job_dir), str(ckpt), "STAMP", mine],
+                             capture_output=True, text=True, timeout=COMMAND_TIMEOUT, check=True).stdout
+        assert ckpt.exists() != moved and (tmp_path / f"ckpt-{moved}.previous-STAMP").exists() == moved, out
+        said = "moved" if moved else "left"
+        assert f"{said} {ckpt}" in out and not (job_dir / "recovery").exists(), out
+
+
 def test_what_fresh_takes_for_a_checkpoint() -> None:
     from toolkit.jobhosts.rerun import checkpoint_like
 
     for path in ("./checkpoints/last.pt", "./model.PTH", "./out/step_10.ckpt", "./my_ckpt/rank_0/state",
-                 "./Checkpoints/epoch3/weights.safetensors", "./run/opt.pkl"):
+                 "./Checkpoints/epoch3/weights.safetensors", "./run/checkpoint_opt.pkl", "./ckpt/moments.npy"):
         assert checkpoint_like(path), path
-    for path in ("./train.py", "./ckpt_utils/io.py", "./results.csv", "./logs/events.out.tfevents.1", "./notes.txt"):
+    for path in ("./train.py", "./ckpt_utils/io.py", "./results.csv", "./logs/events.out.tfevents.1", "./notes.txt",
+                 "./data/tokens.npy", "./data/vocab.bin", "./run/opt.pkl", "./MNIST_Data/train.pt",
+                 "./datasets/features.h5"):
         assert not checkpoint_like(path), path
+
+
+def test_fresh_leaves_environments_and_data_and_moves_odd_names_all_or_nothing(tmp_path: Path) -> None:
+    """What the red team saw moved (round 3, item 6): files a run wrote under a virtualenv's .../checkpoint/, and
+    data/tokens.npy, data/vocab.bin; and a directory name ending in a newline stopped the move half way. Real
+    files, the host scripts run as on a host (this machine, LocalHost): the environment and the data stay, the
+    odd name moves with the others, and a move that cannot complete puts back what it moved."""
+    from toolkit.jobhosts.rerun import MOVE_SCRIPT, written_files
+    from toolkit.remote import LocalHost
+
+    proj, since = tmp_path / "proj", tmp_path / "since"
+    since.write_text("")
+    hour_ago = time.time() - 3600
+    os.utime(since, (hour_ago, hour_ago))
+    made = {"venv/pyvenv.cfg": "home = /usr/bin", "venv/lib/python3/site-packages/torch/utils/checkpoint/_c.so": "",
+            "venv/lib/python3/site-packages/torch/utils/checkpoint/__init__.pyi": "",
+            "env2/lib/site-packages/pkg/checkpoint.pt": "", "data/tokens.npy": "corpus", "data/vocab.bin": "vocab",
+            "checkpoints/last.pt": "step 3", "odd\n/ckpt/step_3.pt": "step 3, odd", "model.pth": "weights"}
+    for name, text in made.items():
+        (proj / name).parent.mkdir(parents=True, exist_ok=True)
+        (proj / name).write_text(text)
+    host = LocalHost()
+    found = written_files(host, sys.executable, str(proj), str(since), "")
+    assert sorted(found) == ["./checkpoints/last.pt", "./model.pth", "./odd\n/ckpt/step_3.pt"], found
+
+    dest = tmp_path / "job" / "project.previous-1"
+    (dest / "model.pth").parent.mkdir(parents=True)
+    (dest / "model.pth").write_text("moved by an earlier --fresh of this stamp")  # the last move cannot be done
+    r = host.run([sys.executable, "-I", "-c", MOVE_SCRIPT, str(proj), str(dest), *sorted(found)],
+                 timeout=COMMAND_TIMEOUT)
+    assert r.exit_code == 1 and "nothing was moved" in r.stderr and "model.pth" in r.stderr, r.stderr
+    assert all((proj / name).read_text() == text for name, text in made.items())  # everything is back
+    assert (dest / "model.pth").read_text() == "moved by an earlier --fresh of this stamp"
+
+    (dest / "model.pth").unlink()
+    r = host.run([sys.executable, "-I", "-c", MOVE_SCRIPT, str(proj), str(dest), *sorted(found)],
+                 timeout=COMMAND_TIMEOUT)
+    assert r.exit_code == 0, r.stderr
+    assert (dest / "odd\n" / "ckpt" / "step_3.pt").read_text() == "step 3, odd"
+    assert not (proj / "odd\n" / "ckpt" / "step_3.pt").exists() and (proj / "data" / "tokens.npy").exists()

@@ -625,14 +625,15 @@ def test_deploy_refuses_a_job_directory_others_could_change_and_keeps_its_own_pr
 
     ckpt = Path(tempfile.mkdtemp(prefix="tk-ckpt-", dir="/tmp"))  # --ckpt-dir where every local user may write
     try:
-        ckpt.chmod(0o1777)
+        ckpt.chmod(0o777)
         r = fleet("deploy", *flags, "--ckpt-dir", str(ckpt), cwd=d)
         lines = r.stderr.strip().splitlines()
-        assert r.returncode == 2 and f"checkpoint directory {ckpt} is writable by other users (mode 1777)" in lines[-1]
+        assert r.returncode == 2 and f"checkpoint directory {ckpt / job}: {ckpt} above it is writable by other " \
+            "users (mode 777, no sticky bit)" in lines[-1], r.stderr
         assert "--ckpt-dir" in lines[-1] and "Traceback" not in r.stderr, r.stderr
         ckpt.chmod(0o700)
         ok(fleet("deploy", *flags, "--ckpt-dir", str(ckpt / "mnist"), cwd=d))
-        assert (ckpt / "mnist").stat().st_mode & 0o777 == 0o700
+        assert (ckpt / "mnist" / job).stat().st_mode & 0o777 == 0o700  # the job's own subdirectory
     finally:
         shutil.rmtree(ckpt)
 

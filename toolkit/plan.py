@@ -243,6 +243,14 @@ class LaunchPlan:
         return {p.node_id: p.host for p in self.processes() if p.rank is not None}
 
 
+def job_ckpt_dir(options: JobOptions) -> str | None:
+    """The job's own directory under --ckpt-dir (`<ckpt-dir>/<job>`), None without one. Why not the directory as
+    given: two jobs given the same one destroyed each other's checkpoints (each took the other's for files to
+    refuse or prune), and `--fresh` moved it all aside; under its own subdirectory a job sees only its own (and a
+    checkpoint root holding another key's is refused outright: toolkit.train.ckptdir)."""
+    return posixpath.join(options.ckpt_dir, options.job) if options.ckpt_dir else None
+
+
 def job_dir(host: Host, options: JobOptions) -> str:
     """`<workdir>/<job>` on `host`, the host's own workdir (inventory) taking precedence over --workdir. A relative
     workdir is under the login user's home on that host; deploy resolves it and plans again."""
@@ -391,7 +399,7 @@ class _ProcessBuilder:
             envvars.TOOLKIT_AGENT_SOCKET: posixpath.join(jd, "state", "progress.sock"),
             envvars.TOOLKIT_HOST: host.name,
             envvars.TORCHELASTIC_USE_AGENT_STORE: "True",
-            envvars.CKPT_DIR: options.ckpt_dir or posixpath.join(jd, "ckpt"),
+            envvars.CKPT_DIR: job_ckpt_dir(options) or posixpath.join(jd, "ckpt"),
         }
         if options.data_path is not None:
             env[envvars.DATA_PATH] = options.data_path

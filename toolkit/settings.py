@@ -72,7 +72,7 @@ OPTIONS: tuple[Option, ...] = (
     _job_option("host_timeout", float, "agent gone, workers dead: a spare takes over", "S"),
     _job_option("recovery", bool, "persist scheduler state (MS_ENABLE_RECOVERY)"),
     Option("data_path", str, None, "data root for the script (DATA_PATH)", "DIR"),
-    Option("ckpt_dir", str, None, "checkpoint root (CKPT_DIR) [<job dir>/ckpt]", "DIR"),
+    Option("ckpt_dir", str, None, "checkpoints in DIR/<job> (CKPT_DIR) [<job dir>/ckpt]", "DIR"),
     Option("workdir", str, None, f"where jobs live on each host [~/{DEFAULT_WORKDIR}]", "DIR"),
     Option("python", str, None, "python on the hosts [python3; here: this one]", "PATH"),
     _job_option("grace", float, "from SIGTERM to SIGKILL when stopping", "S"),

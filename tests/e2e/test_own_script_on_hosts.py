@@ -55,5 +55,5 @@ def test_an_unmodified_torchrun_script_survives_a_kill_and_its_rank_0_host_cut_o
                  lambda: all(job.processes()[n]["pid"] != old for n, old in pids.items()))
     code, output = job.join()
     assert code == 0, f"{output}\n{job.evidence()}"
-    assert torch.load(ckpt / "plain.pt", weights_only=True)["step"] == TOTAL
+    assert torch.load(ckpt / job.name / "plain.pt", weights_only=True)["step"] == TOTAL  # the job's own subdirectory
     job.wait_no_leftovers()

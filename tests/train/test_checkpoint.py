@@ -21,6 +21,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from toolkit import ckptkey
 from toolkit.train import checkpoint, ckptfile, ckptparts
 from toolkit.train.checkpoint import CheckpointError, CheckpointManager, Choice, CorruptCheckpoint, Placement, choose
 from toolkit.train.ckptfile import BadPart, PartName
@@ -43,6 +44,12 @@ def assert_state(state: dict, step: int, n: int = 1000) -> None:
     assert state["step"] == step
     assert torch.equal(state["w"], torch.full((n,), float(step)))
     assert torch.equal(state["opt"]["m"][0], torch.arange(3.0) * step)
+
+
+def one_line(e: pytest.ExceptionInfo) -> str:
+    msg = str(e.value)
+    assert "\n" not in msg, msg
+    return msg
 
 
 def files(d: Path) -> list[str]:
@@ -89,6 +96,24 @@ def test_any_truncation_or_flipped_byte_is_caught(data):
     assert ckptfile.verify(memoryview(blob), name, KEY) is not None
 
 
+def test_a_restore_reads_the_file_into_the_tensors_without_a_copy_of_it_in_memory(tmp_path):
+    """A restore holds the state once: the file is authenticated through one small buffer and loaded from the open
+    file into the tensors' storage; no buffer the size of the file (read whole, then copied into a BytesIO, it
+    took 3x the state). Python's own allocations (tracemalloc) are where such a copy would be."""
+    import tracemalloc
+    n = 4_000_000  # 16 MB of float32
+    with manager(tmp_path) as m:
+        m.save(1, state_of(1, n=n))
+    tracemalloc.start()
+    try:
+        state = m.load(1)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert_state(state, 1, n=n)
+    assert peak < n * 4 / 4, f"{peak} bytes allocated while loading a {n * 4}-byte state"
+
+
 def test_a_file_of_another_key_or_renamed_does_not_verify():
     blob = memoryview(one_part())
     with pytest.raises(BadPart, match="fails authentication"):
@@ -97,27 +122,93 @@ def test_a_file_of_another_key_or_renamed_does_not_verify():
         ckptfile.verify(blob, PartName(4, 0, 1), KEY)
 
 
+def test_a_refused_file_never_overwrites_one_refused_before(tmp_path):
+    """Two files refused under the same name (a damaged copy, then another one a later run finds): refused/ keeps
+    both, byte for byte: refused files are moved aside, never deleted."""
+    with manager(tmp_path) as m:
+        m.save(1, state_of(1))
+        m.save(2, state_of(2))
+    planted = []
+    for attempt in range(3):
+        fd = os.open(m.directory, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            ckptfile.write_part(fd, PartName(9, 0, 1), state_of(attempt), b"another key of thirty-two bytes!")
+        finally:
+            os.close(fd)
+        planted.append((m.directory / PartName(9, 0, 1).name).read_bytes())
+        assert m.agree() == Choice(2, 0)
+    refused = m.directory / "refused"
+    name = PartName(9, 0, 1).name
+    assert sorted(p.name for p in refused.iterdir()) == [name, f"{name}.1", f"{name}.2"]
+    assert [(refused / n).read_bytes() for n in (name, f"{name}.1", f"{name}.2")] == planted
+
+
+def snapshot_files(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_a_second_job_given_the_same_directory_is_refused_in_one_line_and_touches_nothing(tmp_path):
+    """Two jobs (two keys) sharing a checkpoint root: the second is refused when its manager is made, naming the
+    directory and what to do; the first's files stay as they were (nothing moved to refused/, nothing pruned), and
+    the first goes on from them."""
+    with manager(tmp_path) as first:
+        for step in (1, 2, 3):
+            first.save(step, state_of(step))
+    before = snapshot_files(tmp_path)
+    assert (tmp_path / "key-id").read_text().strip() == ckptkey.key_id(KEY)
+    for host in ("a", "b"):  # its own host's directory or the first's: the root is refused either way
+        with pytest.raises(CheckpointError) as e:
+            manager(tmp_path, host=host, key=b"the other job's key, 32 bytes!!!")
+        msg = one_line(e)
+        assert f"checkpoint directory {tmp_path} holds another job's checkpoints" in msg, msg
+        assert "nothing in it was used or changed" in msg and "CKPT_DIR" in msg and "--ckpt-dir" in msg, msg
+    assert snapshot_files(tmp_path) == before and not (tmp_path / "host_b").exists()
+    with manager(tmp_path) as again:
+        assert again.load_latest()[0] == 3
+
+
+def test_pruning_deletes_only_what_authenticates_and_refuses_the_rest(tmp_path, caplog):
+    """A complete copy of an old step that is not this key's (planted, or another job's from before key-ids) is
+    never deleted by pruning: it is moved aside; an authentic old copy this process did not write is checked, then
+    deleted."""
+    with manager(tmp_path) as m:
+        m.save(1, state_of(1))  # authentic, written by an earlier incarnation
+    fd = os.open(m.directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        ckptfile.write_part(fd, PartName(0, 0, 1), state_of(0), b"another key of thirty-two bytes!")
+    finally:
+        os.close(fd)
+    foreign = (m.directory / PartName(0, 0, 1).name).read_bytes()
+    with caplog.at_level(logging.WARNING, logger="toolkit.train.checkpoint"), manager(tmp_path) as m:
+        m.save(2, state_of(2))
+        m.save(3, state_of(3))  # keep 2: steps 0 and 1 go
+    assert m.steps_on_disk() == [2, 3]
+    assert (m.directory / "refused" / PartName(0, 0, 1).name).read_bytes() == foreign
+    said = [r.getMessage() for r in caplog.records if PartName(0, 0, 1).name in r.getMessage()]
+    assert len(said) == 1 and "fails authentication" in said[0] and "not pruned" in said[0], said
+
+
 def test_the_job_key_comes_from_the_token_and_is_not_the_token(tmp_path):
     token = tmp_path / "token"
     token.write_text("ab" * 32 + "\n")
-    key = ckptfile.default_key({"TOOLKIT_TOKEN_FILE": str(token)})
-    assert key == ckptfile.job_key("ab" * 32) and len(key) == 32 and key != ("ab" * 32).encode()[:32]
-    assert ckptfile.job_key("cd" * 32) != key
+    key = ckptkey.default_key({"TOOLKIT_TOKEN_FILE": str(token)})
+    assert key == ckptkey.job_key("ab" * 32) and len(key) == 32 and key != ("ab" * 32).encode()[:32]
+    assert ckptkey.job_key("cd" * 32) != key
 
 
 def test_this_users_key_is_made_once_and_must_stay_private(tmp_path):
     env = {"XDG_CONFIG_HOME": str(tmp_path / "config")}
-    key = ckptfile.user_key(env)
+    key = ckptkey.user_key(env)
     path = tmp_path / "config" / "toolkit" / "checkpoint.key"
-    assert ckptfile.user_key(env) == key and len(key) == 32
+    assert ckptkey.user_key(env) == key and len(key) == 32
     assert oct(path.stat().st_mode & 0o777) == "0o600" and oct(path.parent.stat().st_mode & 0o777) == "0o700"
     path.chmod(0o644)
-    with pytest.raises(ckptfile.KeyFileError, match=f"{path} is not a private file of yours.*remove it"):
-        ckptfile.user_key(env)
+    with pytest.raises(ckptkey.KeyFileError, match=f"{path} is not a private file of yours.*remove it"):
+        ckptkey.user_key(env)
     path.unlink()
     path.symlink_to(tmp_path / "elsewhere")
-    with pytest.raises(ckptfile.KeyFileError, match="cannot be read"):
-        ckptfile.user_key(env)
+    with pytest.raises(ckptkey.KeyFileError, match="cannot be read"):
+        ckptkey.user_key(env)
 
 
 # --- one copy per host, split between its ranks --------------------------------------------------------------------
@@ -286,9 +377,13 @@ def test_keep_counts_only_complete_copies(tmp_path):
             m.save(step, state_of(step, n=10))
     ranks[0].save(3, state_of(3, n=10))  # rank 1 has not written its part of 3 yet: 1 and 2 stay
     assert ranks[0].steps_on_disk() == [1, 2]
-    ranks[1].save(3, state_of(3, n=10))
+    ranks[1].save(3, state_of(3, n=10))  # 3 is complete: rank 1 prunes its share of 1 (each rank prunes its own)
     assert ranks[0].steps_on_disk() == [2, 3] and files(ranks[0].directory) == [
-        f"step_00000000000{s}.p{r}of2.ckpt" for s in (2, 3) for r in range(2)]
+        "step_000000000001.p0of2.ckpt", *(f"step_00000000000{s}.p{r}of2.ckpt" for s in (2, 3) for r in range(2))]
+    for m in ranks:  # rank 0 prunes its share of 1 before it writes 4; rank 1 its share of 2 once 4 is complete
+        m.save(4, state_of(4, n=10))
+    assert files(ranks[0].directory) == [
+        "step_000000000002.p0of2.ckpt", *(f"step_00000000000{s}.p{r}of2.ckpt" for s in (3, 4) for r in range(2))]
 
 
 def test_keep_max_below_two_is_refused_with_the_reason(tmp_path):
@@ -300,24 +395,36 @@ def test_keep_max_below_two_is_refused_with_the_reason(tmp_path):
 
 
 @pytest.mark.parametrize("async_write", [False, True])
-def test_disk_full_is_one_clear_error_and_the_previous_checkpoint_stays(tiny_tmpfs, async_write):
+def test_a_full_disk_skips_the_checkpoint_says_so_once_and_the_next_one_is_tried_again(tiny_tmpfs, async_write,
+                                                                                       caplog):
+    """A full disk costs the checkpoints that do not fit, never the job: no error reaches the training loop (it used
+    to exit at every save, and in-place recovery spent the restart budget on it), the older copy stays, one line
+    says so (not one per interval), nothing is committed for the skipped steps, and once there is room the next
+    checkpoint is written and that is said too."""
     d = tiny_tmpfs / "ckpt"
-    m = manager(d, async_write=async_write)
+    commits = []
+    m = manager(d, async_write=async_write, on_commit=commits.append)
     m.save(1, state_of(1, n=1000))  # ~5 KB
     m.flush()
     before = m.path_for(1).read_bytes()
-    with pytest.raises(CheckpointError) as e:
-        m.save(2, state_of(2, n=200_000))  # ~800 KB on a 256 KiB disk
-        m.flush()
-    msg = str(e.value)
-    assert "\n" not in msg
-    assert str(d) in msg and "no space left on device" in msg and "CKPT_DIR" in msg and "untouched" in msg
-    assert m.path_for(1).read_bytes() == before
-    assert m.steps_on_disk() == [1] and m.verify(1) is None
-    assert not [p for p in m.directory.iterdir() if p.name.startswith(checkpoint.TMP_PREFIX)], "temp left"
-    m.save(3, state_of(3, n=1000))  # the disk has room again for a small one: the manager goes on
-    m.close()
-    assert m.steps_on_disk() == [1, 3]
+    with caplog.at_level(logging.WARNING, logger="toolkit.train.checkpoint"):
+        for step in (2, 3):
+            m.save(step, state_of(step, n=200_000))  # ~800 KB on a 256 KiB disk
+            m.flush()
+        skipped = [r.getMessage() for r in caplog.records]
+        assert len(skipped) == 1, skipped
+        msg = skipped[0]
+        assert str(d) in msg and "no space left on device" in msg and "CKPT_DIR" in msg and "step 2 skipped" in msg
+        assert "training goes on" in msg and "tries again" in msg and m.skipped == 2
+        assert m.path_for(1).read_bytes() == before
+        assert m.steps_on_disk() == [1] and m.verify(1) is None and commits == [1]
+        assert not [p for p in m.directory.iterdir() if p.name.startswith(checkpoint.TMP_PREFIX)], "temp left"
+        caplog.clear()
+        m.save(4, state_of(4, n=1000))  # the disk has room again for a small one
+        m.close()
+    assert m.steps_on_disk() == [1, 4] and commits == [1, 4] and m.skipped == 0
+    assert [r.getMessage() for r in caplog.records] == [
+        f"checkpoint of step 4 written in {m.directory}: checkpoints are saved again (2 skipped for lack of space)"]
 
 
 def test_read_only_directory_is_one_clear_error_and_nothing_changes(tiny_tmpfs):

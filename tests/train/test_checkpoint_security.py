@@ -6,6 +6,8 @@
 - A checkpoint planted in the job's directory (it was open for a while, then closed again) is never resumed: it
   fails authentication, is named in one line and moved aside, and the job resumes from its own.
 - A link planted at the name the writer will use for its temporary file is never followed.
+- Another project of the same user, run alone with the same CKPT_DIR, is refused in one line instead of resuming
+  the first's checkpoints (issue 39, round 3 item 10); the first still resumes its own.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from toolkit import atomicfile
+from toolkit import atomicfile, ckptkey
 from toolkit.train import ckptfile
 from toolkit.train.checkpoint import CheckpointError, CheckpointManager, Placement
 from toolkit.train.ckptfile import PartName
@@ -98,12 +100,12 @@ def test_a_directory_of_ours_in_a_sticky_directory_is_accepted_and_a_planted_hos
     assert str(sticky) in msg and "writable by other users" in msg
 
 
-def sample(ckpt: Path, *args: str) -> subprocess.CompletedProcess[str]:
+def sample(ckpt: Path, *args: str, script: Path = SAMPLE) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                                                             "LOCAL_RANK", "LOCAL_WORLD_SIZE", "TOOLKIT_HOST",
                                                             "TOOLKIT_TOKEN_FILE", "MS_ROLE")}
-    env.update(CKPT_DIR=str(ckpt), OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, str(SAMPLE), "--epochs", "1", "--ckpt-interval", "10", "--log-every",
+    env.update(CKPT_DIR=str(ckpt), OMP_NUM_THREADS="1", DATA_PATH=str(SAMPLE.parent / "MNIST_Data"))
+    return subprocess.run([sys.executable, str(script), "--epochs", "1", "--ckpt-interval", "10", "--log-every",
                            "100", *args], env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT)
 
 
@@ -137,10 +139,32 @@ def test_a_planted_newer_checkpoint_is_refused_naming_the_file_and_the_job_resum
     assert not planted.exists() and (host / "refused" / planted.name).stat().st_uid == 65534
 
 
+def test_another_project_with_the_same_ckpt_dir_is_refused_in_one_line_and_the_first_resumes(tmp_path):
+    """The unlucky user: a second project (a copy of the sample elsewhere), run alone with the CKPT_DIR the first
+    used. It used to resume the first's checkpoint (one key per user); now the keys are per project, and the
+    directory's key-id refuses it before anything is read or moved."""
+    ckpt = tmp_path / "ckpt"
+    first = sample(ckpt)
+    assert first.returncode == 0, first.stderr
+    before = {p: p.read_bytes() for p in ckpt.rglob("*") if p.is_file()}
+    other = tmp_path / "other-project"
+    other.mkdir()
+    shutil.copy(SAMPLE, other / "train.py")
+    second = sample(ckpt, script=other / "train.py")
+    assert second.returncode == 2, second.stdout + second.stderr
+    lines = second.stderr.strip().splitlines()
+    assert len(lines) == 1 and f"checkpoint directory {ckpt} holds another job's checkpoints" in lines[0], lines
+    assert not RESUMED.search(second.stdout) and "step" not in second.stdout, second.stdout
+    assert {p: p.read_bytes() for p in ckpt.rglob("*") if p.is_file()} == before
+    again = sample(ckpt)
+    assert again.returncode == 0 and RESUMED.search(again.stdout).group(1) == "45", again.stdout + again.stderr
+
+
 def forge(host: Path, scratch: Path) -> bytes:
     """What the attacker would plant: a checkpoint in the right format, of the job's own structure (known from its
     source), with their numbers, under their own key (the job's they do not have)."""
-    with CheckpointManager(host.parent, placement=Placement(host.name[len("host_"):])) as m:
+    key = ckptkey.default_key(os.environ, SAMPLE)  # the job's own key: the sample's project's
+    with CheckpointManager(host.parent, placement=Placement(host.name[len("host_"):]), key=key) as m:
         state = m.load(45)
     state["step"] = 9999
     for name, t in state["model"].items():

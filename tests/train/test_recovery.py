@@ -303,7 +303,10 @@ def test_sigterm_in_every_order_saves_the_agreed_step_on_every_rank_and_loses_no
     assert "rank 0: a peer stops by SIGTERM at step 26, checkpoint saved; training goes on" in first.log("worker_0.log")
 
     saved = ROUNDS[-1][2]
-    second = local_job(tmp_path / "second", world, ARGS, ckpt_dir=str(ckpt), token=first.token)  # the same job
+    shared = tmp_path / "shared"  # the checkpoints moved where --ckpt-dir puts the job's: <ckpt-dir>/<job>
+    shared.mkdir(mode=0o700)
+    ckpt.rename(shared / first.dir.name)  # the job's name: the second run is the same job
+    second = local_job(tmp_path / "second", world, ARGS, ckpt_dir=str(shared), token=first.token)  # the same job
     try:
         second.start()
         assert second.finish(JOB_TIMEOUT) == 0, second.evidence()

@@ -181,6 +181,19 @@ def test_runs_alone_and_a_second_run_resumes_the_finished_job(tmp_path):
     assert again.matches(FINAL)[0].group(2) == final.group(2)
 
 
+def test_a_full_disk_costs_the_checkpoints_not_the_run(tiny_tmpfs, tmp_path):
+    """CKPT_DIR on a disk too small for one checkpoint (a 256 KiB tmpfs, a checkpoint is ~0.3 MB): the run trains
+    to its end, says once that checkpoints are skipped, and writes its final parameters (~0.2 MB fit)."""
+    w = Worker(0, 1, 0, tiny_tmpfs / "ckpt", ["--epochs", "1", "--ckpt-interval", "10"], tmp_path)
+    assert w.wait(ROUND_TIMEOUT) == 0, w.stderr()
+    assert [int(m.group(2)) for m in w.matches(STEP_LINE)] == list(range(1, 46))
+    skipped = [line for line in w.stderr().splitlines() if "skipped" in line]
+    assert len(skipped) == 1 and "no space left on device" in skipped[0] and "training goes on" in skipped[0], \
+        w.stderr()
+    assert not list((tiny_tmpfs / "ckpt" / HOST_DIR).glob("*.ckpt")), "the disk was meant to be too small"
+    assert w.matches(FINAL)
+
+
 def test_a_missing_dataset_is_one_line_and_exit_2(tmp_path):
     env_path = tmp_path / "nowhere"
     proc = subprocess.run([sys.executable, str(SAMPLE)], capture_output=True, text=True, timeout=EXIT_TIMEOUT,

@@ -113,12 +113,13 @@ def _env_file(record: JobRecord, h: HostRecord) -> tuple[str, bool]:
 
 
 def _ckpt_dir(record: JobRecord, h: HostRecord) -> str:
-    """Where the host's workers keep checkpoints (a spare's: where its standby workers would, --ckpt-dir relative to
-    their project directory as the plan renders it); the job directory's ckpt/ on a host that runs no worker."""
+    """Where the host's workers keep checkpoints (a spare's: where its standby workers would, the job's subdirectory
+    of --ckpt-dir relative to their project directory as the plan renders it); the job directory's ckpt/ on a host
+    that runs no worker."""
     if h.ckpt_dir:
         return h.ckpt_dir
     given = record.options.get("ckpt_dir")
-    return posixpath.join(h.job_dir, "project", given) if given and h.spare else f"{h.job_dir}/ckpt"
+    return posixpath.join(h.job_dir, "project", given, record.job) if given and h.spare else f"{h.job_dir}/ckpt"
 
 
 def facts_args(project: str, job_dir: str, ckpt_dir: str, data: Sequence[str], ports: Sequence[int]) -> dict[str, Any]:

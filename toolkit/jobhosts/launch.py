@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
 
-from toolkit import jobrecord
+from toolkit import ckptkey, jobrecord
 from toolkit.agentdoc import AgentState
 from toolkit.check.gather import failure_text, print_report, run_check
 from toolkit.errors import UserError
@@ -156,6 +156,19 @@ def finished_run(hosts: list[HostStatus]) -> Finished | None:
     return Finished(max(steps) if steps else None, max(stamps) if stamps else None)
 
 
+def refuse_finished(job: str, hosts: list[HostStatus], fresh: bool, again: bool, verb: str) -> None:
+    """UserError (saying what to type) when the job's previous run finished (`finished_run`) and neither `fresh`
+    nor `again` says what to do with it."""
+    done = finished_run(hosts)
+    if done is not None and not (fresh or again):
+        step = f" at step {done.step}" if done.step is not None else ""
+        when = f" ({done.at})" if done.at else ""
+        raise UserError(f"job {job} already finished{step}{when}: nothing to train. '{verb} --fresh' "
+                        "trains it again from the start (its checkpoints and state are moved aside, not deleted), "
+                        f"'{verb} --again' goes on from its final checkpoints (e.g. with more epochs), or "
+                        "deploy it under another --job name")
+
+
 def _previous_run(record: JobRecord, ssh: SshSettings, fresh: bool, again: bool, verb: str = "fleet train",
                   project: Path = Path(".")) -> None:
     """Refuse to start a finished job again unless told how (see `train`), and a job whose previous run had another
@@ -176,28 +189,22 @@ def _previous_run(record: JobRecord, ssh: SshSettings, fresh: bool, again: bool,
                             f"then '{verb} --fresh' starts it over")
         refuse_size_change(record, ssh, verb, running=True)
         return
-    done = finished_run(hosts)
-    if done is not None and not (fresh or again):
-        step = f" at step {done.step}" if done.step is not None else ""
-        when = f" ({done.at})" if done.at else ""
-        raise UserError(f"job {record.job} already finished{step}{when}: nothing to train. '{verb} --fresh' "
-                        "trains it again from the start (its checkpoints and state are moved aside, not deleted), "
-                        f"'{verb} --again' goes on from its final checkpoints (e.g. with more epochs), or "
-                        "deploy it under another --job name")
+    refuse_finished(record.job, hosts, fresh, again, verb)
     if not fresh:
         refuse_size_change(record, ssh, verb)
         return
     stamp = time.strftime("%Y%m%dT%H%M%S")
     written = project_checkpoints(record, ssh, project, {h.host: h.updated_at for h in hosts})
+    key_id = ckptkey.key_id(ckptkey.job_key(jobrecord.token(project, record.job)))  # its checkpoints' key
 
     def archive(host: Host) -> str:
         """Move this host's previous run aside (ARCHIVE_SCRIPT, move_checkpoints); returns its "moved ..." lines."""
         h = record.host(host.name)
-        moved = host.run(["sh", "-c", ARCHIVE_SCRIPT, "sh", h.job_dir, h.ckpt_dir or f"{h.job_dir}/ckpt", stamp],
-                         timeout=STATUS_TIMEOUT, check=True).stdout.strip()
-        files = written.get(host.name, [])
-        return "\n".join(filter(None, [moved, move_checkpoints(host, h, workdir_of(h, record.local, project), files,
-                                                                stamp)]))
+        files = written.get(host.name, [])  # first, all or nothing: if it fails, nothing of the host was moved
+        from_project = move_checkpoints(host, h, workdir_of(h, record.local, project), files, stamp)
+        moved = host.run(["sh", "-c", ARCHIVE_SCRIPT, "sh", h.job_dir, h.ckpt_dir or f"{h.job_dir}/ckpt", stamp,
+                          key_id], timeout=STATUS_TIMEOUT, check=True).stdout.strip()
+        return "\n".join(filter(None, [moved, from_project]))
 
     moved = fan_out("moving the previous run aside", record_targets(record), archive, ssh)
     for name, text in moved.items():

@@ -6,10 +6,14 @@ into their project.
 Why the project: a worker's working directory is the project (its copy on a remote host), so a plain script that
 saves `checkpoints/last.pt` saves it there, where toolkit's own reset (CKPT_DIR, the scheduler's state) does not
 reach, and its next run resumes from it. toolkit cannot know the name a script chose; it knows when the job ran:
-launch.sh marks the job's first start (`state/since`, moved aside with the run), and every file with a checkpoint's
-name (CHECKPOINT_NAMES, or under a directory whose name says ckpt or checkpoint) written in the working directory
-between that mark and the end of the last run is moved aside with the run, to `project.previous-<stamp>/` in the
-job directory. A file added after the last run ended, or before the first start, is the user's and stays.
+launch.sh marks the job's first start (`state/since`, moved aside with the run), and every file taken for a
+checkpoint (`checkpoint_like`: a checkpoint format's name, not under a data directory; any file under a directory,
+or with a name, that says ckpt or checkpoint) written in the working directory between that mark and the end of
+the last run is moved aside with the run, to `project.previous-<stamp>/` in the job directory. A file added after
+the last run ended, or before the first start, is the user's and stays; so is what lies in an installed environment
+(a virtualenv, site-packages, node_modules: WRITTEN_SCRIPT), and data in formats checkpoints share (data/tokens.npy,
+vocab.bin). On each host the project's files are moved first, all or nothing, then the checkpoint directory and the
+scheduler's state (toolkit.jobhosts.launch): a failure leaves that host as it was.
 
 Remote state is read in one bounded command per host and judged here (pure: `size_change`, `checkpoint_like`)."""
 
@@ -79,46 +83,103 @@ def refuse_size_change(record: JobRecord, ssh: SshSettings, verb: str, running: 
         raise UserError(why)
 
 
-# Names a checkpoint has (fnmatch, case-insensitive), and what a directory of checkpoints is called.
-CHECKPOINT_NAMES = ("*.pt", "*.pth", "*.ckpt", "*.safetensors", "*.bin", "*.pkl", "*.pickle", "*.npz", "*.npy",
-                    "*.h5", "*.hdf5", "*.msgpack", "*.distcp")
-CHECKPOINT_DIRS = ("ckpt", "checkpoint")
+# What --fresh takes for a checkpoint (fnmatch on the lowered name): the formats checkpoints are saved in, unless
+# under a directory whose name says data; the formats data is kept in as often as checkpoints (a tokenised corpus
+# in tokens.npy, a vocabulary in vocab.bin), only under a directory, or with a name, that says checkpoint; any file
+# but Python source under a directory named like checkpoints.
+CHECKPOINT_NAMES = ("*.pt", "*.pth", "*.ckpt", "*.safetensors", "*.distcp")
+CHECKPOINT_WORDS = ("ckpt", "checkpoint")
+DATA_WORD = "data"
 MAX_FRESH_FILES = 10_000  # files to move aside: more is not a run's checkpoints, and too many to list
 
-# Lists (NUL-terminated, relative to the working directory) the regular files modified after the job's first start
-# (state/since) and, with a third argument, no later than that time: the end of its last run. Never follows a
-# symlink nor leaves the file system. Arguments: working directory, the mark, the end (@<epoch> or "").
+# Lists (NUL-terminated, "./" and relative to the working directory) the regular files modified after the job's
+# first start (the mark, state/since) and, when an end is given (@<epoch>), no later than it: the end of its last
+# run. Python (-I: nothing of the host's environment or working directory imported), so that no name is ever
+# shell text. Never follows a symlink nor leaves the file system; never enters .git, caches, or an installed
+# environment (a directory holding pyvenv.cfg or conda-meta, site-packages, node_modules, ...: what pip writes
+# there during a run is not a checkpoint). Arguments: working directory, the mark, the end ("" for none).
 WRITTEN_SCRIPT = r"""
-cwd=$1 since=$2 end=$3
-[ -f "$since" ] && cd -- "$cwd" || exit 0
-if [ -n "$end" ]; then
-    find . -xdev \( -name .git -o -name __pycache__ -o -name .toolkit \) -prune -o -type f -newer "$since" \
-        ! -newermt "$end" -print0 2>/dev/null
-else
-    find . -xdev \( -name .git -o -name __pycache__ -o -name .toolkit \) -prune -o -type f -newer "$since" \
-        -print0 2>/dev/null
-fi
-exit 0
+import os, stat, sys
+cwd, since, end = sys.argv[1:4]
+try:
+    mark = os.stat(since).st_mtime_ns
+    os.chdir(cwd)
+except OSError:
+    sys.exit(0)
+limit = int(float(end[1:]) * 1e9) if end else None
+skip = {".git", "__pycache__", ".toolkit", "site-packages", "dist-packages", "node_modules", "__pypackages__",
+        ".tox", ".nox", ".mypy_cache", ".pytest_cache", ".ruff_cache"}
+dev = os.stat(".").st_dev
+out = sys.stdout.buffer
+for top, dirs, files in os.walk(".", followlinks=False):
+    if os.path.lexists(os.path.join(top, "pyvenv.cfg")) or os.path.lexists(os.path.join(top, "conda-meta")):
+        dirs[:] = []
+        continue
+    keep = []
+    for d in dirs:
+        try:
+            if d not in skip and os.lstat(os.path.join(top, d)).st_dev == dev:
+                keep.append(d)
+        except OSError:
+            pass
+    dirs[:] = keep
+    for name in files:
+        path = os.path.join(top, name)
+        try:
+            st = os.lstat(path)
+        except OSError:
+            continue
+        if stat.S_ISREG(st.st_mode) and st.st_mtime_ns > mark and (limit is None or st.st_mtime_ns <= limit):
+            out.write(os.fsencode(path) + b"\0")
 """
 
-# Moves the files named (relative to the working directory) into the destination, keeping their relative paths.
-# Arguments: working directory, destination, files.
+# Moves the files named (relative to the working directory) into the destination, keeping their relative paths:
+# all or nothing (on a failure, what was moved goes back, and the line says which file failed and why, exit 1);
+# a file already at a destination is never replaced. Python, the names as arguments: no name is ever shell text
+# (a directory name ending in a newline stopped the shell version half way). Arguments: cwd, destination, files.
 MOVE_SCRIPT = r"""
-cwd=$1 dest=$2; shift 2
-cd -- "$cwd" || exit 1
-for f; do
-    mkdir -p -- "$dest/$(dirname -- "$f")" && mv -- "$f" "$dest/$f" || exit 1
-done
-exit 0
+import os, shutil, sys
+cwd, dest, files = sys.argv[1], sys.argv[2], sys.argv[3:]
+done, name = [], cwd
+try:
+    os.chdir(cwd)
+    for name in files:
+        target = os.path.join(dest, name)
+        if os.path.lexists(target):
+            raise FileExistsError(f"{target!r} is there already")
+        os.makedirs(os.path.dirname(target), mode=0o700, exist_ok=True)
+        shutil.move(name, target)
+        done.append((name, target))
+except (OSError, shutil.Error) as e:
+    for name, target in reversed(done):
+        try:
+            shutil.move(target, name)
+        except (OSError, shutil.Error):
+            print(f"could not put {name!r} back from {target!r}", file=sys.stderr)
+    print(f"cannot move {name!r} aside ({e}): nothing was moved", file=sys.stderr)
+    sys.exit(1)
 """
 
 
 def checkpoint_like(path: str) -> bool:
-    """Whether `path` (relative) has a checkpoint's name, or lies under a directory named like checkpoints (and is
-    no Python source: code is never taken for a checkpoint)."""
+    """Whether `path` (relative) is taken for a checkpoint (see CHECKPOINT_NAMES): never Python source; any file
+    under a directory named like checkpoints, or whose name says checkpoint; a checkpoint format's file unless under
+    a directory named like data."""
     parts = path.lower().split("/")
-    return (any(fnmatch.fnmatchcase(parts[-1], pattern) for pattern in CHECKPOINT_NAMES)
-            or (not parts[-1].endswith(".py") and any(word in part for part in parts[:-1] for word in CHECKPOINT_DIRS)))
+    name, dirs = parts[-1], parts[:-1]
+    if name.endswith(".py"):
+        return False
+    if any(word in part for part in dirs for word in CHECKPOINT_WORDS) or any(w in name for w in CHECKPOINT_WORDS):
+        return True
+    return (any(fnmatch.fnmatchcase(name, pattern) for pattern in CHECKPOINT_NAMES)
+            and not any(DATA_WORD in part for part in dirs))
+
+
+def written_files(host: Host, python: str, cwd: str, since: str, end: str) -> list[str]:
+    """The checkpoint-like files (`./`-relative) in `cwd` on `host` modified after the mark `since` and no later than
+    `end` (@<epoch>, "" for none): WRITTEN_SCRIPT run with `python`, filtered by checkpoint_like."""
+    out = host.run([python, "-I", "-c", WRITTEN_SCRIPT, cwd, since, end], timeout=STATUS_TIMEOUT, check=True).stdout
+    return [f for f in out.split("\0") if f and checkpoint_like(f)]
 
 
 def workdir_of(h: HostRecord, local: bool, project: Path) -> str:
@@ -136,11 +197,10 @@ def project_checkpoints(record: JobRecord, ssh: SshSettings, project: Path,
         """The host's checkpoint-like files written by the job's runs."""
         h = record.host(host.name)
         cwd = workdir_of(h, record.local, project)
-        out = host.run(["sh", "-c", WRITTEN_SCRIPT, "sh", cwd, posixpath.join(h.job_dir, "state", "since"),
-                        _epoch(ends.get(host.name))], timeout=STATUS_TIMEOUT, check=True).stdout
+        found = written_files(host, h.python, cwd, posixpath.join(h.job_dir, "state", "since"),
+                              _epoch(ends.get(host.name)))
         inside = [d for d in (h.ckpt_dir, h.job_dir) if d]
-        return [f for f in out.split("\0") if f and checkpoint_like(f)
-                and not any(_under(posixpath.normpath(posixpath.join(cwd, f)), d) for d in inside)]
+        return [f for f in found if not any(_under(posixpath.normpath(posixpath.join(cwd, f)), d) for d in inside)]
 
     found = fan_out("looking for checkpoints the last runs wrote", record_targets(record), written, ssh)
     for name, files in found.items():
@@ -152,12 +212,13 @@ def project_checkpoints(record: JobRecord, ssh: SshSettings, project: Path,
 
 
 def move_checkpoints(host: Host, h: HostRecord, cwd: str, files: list[str], stamp: str) -> str:
-    """Move `files` (from project_checkpoints) into `<job dir>/project.previous-<stamp>/`, keeping their paths;
-    returns the line that says so ("" for none). Raises what `Host.run(check=True)` raises."""
+    """Move `files` (from project_checkpoints) into `<job dir>/project.previous-<stamp>/`, keeping their paths, all
+    or nothing (MOVE_SCRIPT); returns the line that says so ("" for none). Raises what `Host.run(check=True)`
+    raises (nothing was moved then)."""
     if not files:
         return ""
     dest = posixpath.join(h.job_dir, f"project.previous-{stamp}")
-    host.run(["sh", "-c", MOVE_SCRIPT, "sh", cwd, dest, *files], timeout=STATUS_TIMEOUT, check=True)
+    host.run([h.python, "-I", "-c", MOVE_SCRIPT, cwd, dest, *files], timeout=STATUS_TIMEOUT, check=True)
     shown = ", ".join(f.removeprefix("./") for f in files[:5]) + (f" and {len(files) - 5} more" if len(files) > 5
                                                                   else "")
     return f"moved {len(files)} checkpoint file(s) the last runs wrote in the project to {dest}: {shown}"

@@ -54,10 +54,16 @@ LAYOUT_NOT_OURS, LAYOUT_OPEN_TO_OTHERS, LAYOUT_OTHER_JOB, LAYOUT_SYMLINK = 20, 2
 
 # Moves a run's checkpoints, scheduler state, agent.json and the mark of its first start (state/since) aside under
 # one stamp (a shared checkpoint directory is moved once: the first host's mv wins, the others find nothing to move).
+# A checkpoint directory whose key-id (toolkit.train.ckptdir) names another key than the job's ($4) holds another
+# job's checkpoints: it stays where it is, and the line says so. Arguments: job dir, checkpoint dir, stamp, key id.
 ARCHIVE_SCRIPT = r"""
-d=$1 ckpt=$2 stamp=$3
+d=$1 ckpt=$2 stamp=$3 id=$4
 for p in "$ckpt" "$d/recovery"; do
-    if [ -e "$p" ]; then mv -- "$p" "$p.previous-$stamp" && echo "moved $p to $p.previous-$stamp"; fi
+    [ -e "$p" ] || continue
+    if [ "$p" = "$ckpt" ] && [ -f "$p/key-id" ] && [ "$(head -c 128 -- "$p/key-id")" != "$id" ]; then
+        echo "left $p where it is: its key-id says it holds another job's checkpoints"; continue
+    fi
+    mv -- "$p" "$p.previous-$stamp" && echo "moved $p to $p.previous-$stamp"
 done
 if [ -e "$d/state/agent.json" ]; then mv -- "$d/state/agent.json" "$d/state/agent.previous-$stamp.json"; fi
 if [ -e "$d/state/since" ]; then mv -- "$d/state/since" "$d/state/since.previous-$stamp"; fi

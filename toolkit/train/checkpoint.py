@@ -20,8 +20,12 @@ back to an older copy, and never be resumed. So:
   by the writer while the loop runs the next forward and backward; ``wait_staged`` (the Trainer calls it before
   every optimizer step and before any recovery touches the state) blocks until that copy is done. So training
   stalls for the structure and the small tensors only, not for copying the state, let alone writing it.
+- A full disk (ENOSPC, or EDQUOT) skips the checkpoint and nothing else: the failed write leaves nothing behind,
+  the older copies stay, no error reaches the training loop, one line says so (once, until a checkpoint is written
+  again, which is said too), and the next interval tries again. Any other write error is raised.
 - At least ``keep_max >= 2`` complete copies are kept (MindSpore's rule), the oldest pruned only after a newer
-  part is durable and that copy is complete.
+  part is durable and that copy is complete; each rank prunes its own share, and deletes only what it wrote itself
+  or what authenticates under the job's key (anything else is moved aside, never deleted).
 - A whole-job restart (``agree``): every rank verifies its share of its host's files, the ranks exchange what they
   found as one small int64 tensor each (nothing unpickled from a peer), and all pick the newest step whose copy is
   complete and authentic on some host, and the lowest rank of that host to read it. Nothing is deleted for lack
@@ -55,9 +59,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from toolkit import atomicfile, envvars
+from toolkit import atomicfile, ckptkey, envvars
 from toolkit.atomicfile import Durability
-from toolkit.train import ckptfile, ckptparts
+from toolkit.train import ckptparts
 from toolkit.train.ckptdir import DirectoryError, HostDir, complete
 from toolkit.train.ckptfile import BadPart, PartName
 
@@ -66,6 +70,7 @@ log = logging.getLogger(__name__)
 TMP_PREFIX = atomicfile.TMP_PREFIX
 MIN_KEEP = 2
 DEFAULT_WRITE_TIMEOUT = 600.0
+FULL = frozenset({errno.ENOSPC, errno.EDQUOT})  # a write that fails for these skips its checkpoint
 MAX_CANDIDATES = 64  # steps each rank reports in the restart agreement (its newest verified ones)
 SAFE_HOST = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,200}$")
 
@@ -336,9 +341,11 @@ class CheckpointManager:
 
     ``placement`` says which host's copy this rank shares and which part it writes (default: from the
     environment, Placement.from_env); ``key`` the MAC key (default: the job's, from ``TOOLKIT_TOKEN_FILE``, else
-    this user's; ckptfile.default_key). Construction checks that ``directory`` (the checkpoint root, CKPT_DIR) is
-    private (owned by this user, written by nobody else, nor anything above it: toolkit.privatedir) and writable,
-    and removes temporary files a previous incarnation of this rank left; CheckpointError says what is wrong.
+    the project's: toolkit.ckptkey.default_key). Construction checks that ``directory`` (the checkpoint root,
+    CKPT_DIR) is private (owned by this user, written by nobody else, nor anything above it: toolkit.privatedir),
+    writable and this key's (its ``key-id``, toolkit.train.ckptdir: another job's or project's directory is refused,
+    nothing in it touched), and removes temporary files a previous incarnation of this rank left; CheckpointError
+    says what is wrong.
 
     Use it as a context manager (or call ``close()``) so that an asynchronous write in flight is finished before
     the process exits; an ``atexit`` hook does the same for a process that forgets.
@@ -362,8 +369,8 @@ class CheckpointManager:
             raise ValueError(f"write_timeout must be > 0 seconds, got {write_timeout}")
         try:
             self.placement = placement or Placement.from_env(os.environ)
-            key = key if key is not None else ckptfile.default_key(os.environ)
-        except (ValueError, ckptfile.KeyFileError) as e:
+            key = key if key is not None else ckptkey.default_key(os.environ)
+        except (ValueError, ckptkey.KeyFileError) as e:
             raise CheckpointError(str(e)) from None
         self.root = Path(directory)
         self.keep_max = keep_max
@@ -392,6 +399,8 @@ class CheckpointManager:
         self._error: CheckpointError | None = None
         self._closed = False
         self.last_bytes = 0  # bytes of this rank's part of the newest checkpoint saved (for the heartbeat)
+        self._written: set[PartName] = set()  # parts this manager wrote (known authentic: pruned without a read)
+        self.skipped = 0  # checkpoints skipped in a row for a full disk (or quota), 0 once one is written
         self._thread: threading.Thread | None = None
         if async_write:
             self._thread = threading.Thread(target=self._writer, name=f"ckpt-writer:{self.directory}", daemon=True)
@@ -480,7 +489,8 @@ class CheckpointManager:
     def save(self, step: int, state: dict[str, Any], stable: frozenset[int] = frozenset()) -> None:
         """Make ``state`` (the same on every rank of the host) the checkpoint of ``step``: this rank writes its part.
         Synchronous: returns once the part is durable. Async: returns once the part is staged or handed to the
-        writer; a failed background write is raised by the next ``save``/``flush``/``close``. ``stable``: storage
+        writer; a failed background write is raised by the next ``save``/``flush``/``close``. A full disk is not
+        raised: the checkpoint is skipped (module docstring; ``skipped`` counts them). ``stable``: storage
         addresses (``untyped_storage().data_ptr()``) of tensors that will not change before ``wait_staged()``:
         the writer copies those (when it is idle), the rest are copied here."""
         if step < 0:
@@ -492,8 +502,8 @@ class CheckpointManager:
         job = _Job(name, cut, mine, [None] * len(mine), sum(cut.tensors[i].nbytes for i in mine))
         self.last_bytes = job.size
         if not self.async_write:
-            self._write(job)
-            self._committed(step)
+            if self._write(job):
+                self._committed(step)
             return
         with self._cond:
             if self._closed:
@@ -551,8 +561,16 @@ class CheckpointManager:
         self.close()
 
     def prune(self, newest: int | None = None) -> list[int]:
-        """Keep the ``keep_max`` newest complete copies at or below ``newest`` (default: all) and remove every
-        file of older steps (complete or not; any rank of the host may do it). Returns the removed steps."""
+        """Keep the ``keep_max`` newest complete copies at or below ``newest`` (default: all) and remove this rank's
+        share (``_writes``) of every older step, complete or not. Only what is this key's is removed: a file this
+        manager wrote, or one that authenticates (read once, for a file of an earlier incarnation); any other is
+        refused (moved aside, named in a log line), never deleted. Returns the steps pruned.
+
+        Why each rank its own share: deleting a peer's part would need reading it first (this rank did not write
+        it), a copy's worth of reads per checkpoint. Every rank prunes before and after each of its writes, so the
+        host holds what it did before (``keep_max`` copies, and the one being written), except that between two
+        checkpoints a rank whose write did not complete a step still holds its part of the step that step made
+        prunable."""
         listing = self.dir.listing()
         complete_steps = sorted(s for s in listing if (newest is None or s <= newest)
                                 and complete(listing, s, self.placement.local_world))
@@ -560,14 +578,20 @@ class CheckpointManager:
             return []
         oldest_kept = complete_steps[-self.keep_max]
         removed = sorted(s for s in listing if s < oldest_kept)
-        for s in removed:
-            for parts, present in listing[s].items():
-                for part in present:
-                    try:
-                        self.dir.remove(PartName(s, part, parts))
-                    except OSError as e:
-                        log.warning("could not prune %s: %s", self.directory / PartName(s, part, parts).name,
-                                    e.strerror)
+        for name in (PartName(s, part, parts) for s in removed for parts, present in listing[s].items()
+                     for part in sorted(present)):
+            if not self._writes(name):
+                continue
+            reason = None if name in self._written else self.dir.check(name)
+            if reason is not None:
+                log.warning("checkpoint %s: %s; not pruned, %s", self.directory / name.name, reason,
+                            self.dir.refuse(name))
+                continue
+            try:
+                self.dir.remove(name)
+            except OSError as e:
+                log.warning("could not prune %s: %s", self.directory / name.name, e.strerror)
+            self._written.discard(name)
         return removed
 
     # --- internals ---
@@ -576,13 +600,30 @@ class CheckpointManager:
         """Whether this rank writes (and may clean up after) the file `name`."""
         return name.part % self.placement.local_world == self.placement.local_rank
 
-    def _write(self, job: _Job) -> None:
+    def _write(self, job: _Job) -> bool:
+        """Write the job's part and prune; False if the disk was full. A full disk (or quota) costs this checkpoint,
+        never the job: the write left nothing behind (its temporary file is removed), the older copies stay,
+        training goes on and the next checkpoint tries again; said once per run of skipped checkpoints."""
         tensors = [t if t is not None else job.cut.tensors[i] for t, i in zip(job.staged, job.ordinals, strict=True)]
+        self.prune(job.name.step)  # what became prunable since this rank's last write (its peers completed a step)
         try:
             self.dir.write(job.name, job.cut.payload(self.placement.local_rank, tensors))
         except OSError as e:
-            raise write_error(e, self.directory, f"checkpoint of step {job.name.step}", job.size) from None
+            error = write_error(e, self.directory, f"checkpoint of step {job.name.step}", job.size)
+            if e.errno not in FULL:
+                raise error from None
+            self.skipped += 1
+            if self.skipped == 1:
+                log.warning("%s; checkpoint of step %d skipped: training goes on and the next checkpoint tries "
+                            "again (this is said once until one is written)", error, job.name.step)
+            return False
+        self._written.add(job.name)
+        if self.skipped:
+            log.warning("checkpoint of step %d written in %s: checkpoints are saved again (%d skipped for lack of "
+                        "space)", job.name.step, self.directory, self.skipped)
+            self.skipped = 0
         self.prune(job.name.step)
+        return True
 
     def _writer(self) -> None:
         while True:
@@ -594,6 +635,7 @@ class CheckpointManager:
                 self._busy = True
                 self._cond.notify_all()
             error: CheckpointError | None = None
+            written = False
             try:
                 try:
                     job.stage()
@@ -601,7 +643,7 @@ class CheckpointManager:
                     with self._cond:
                         self._staging = False
                         self._cond.notify_all()
-                self._write(job)
+                written = self._write(job)
             except CheckpointError as e:
                 error = e
             except Exception as e:  # noqa: BLE001 - keep the thread alive; the training thread raises it
@@ -609,7 +651,7 @@ class CheckpointManager:
             finally:
                 step = job.name.step
                 del job
-                if error is None:
+                if written:
                     self._committed(step)  # before the flush below returns: flush() means "committed and told"
                 with self._cond:
                     if error is not None:

@@ -12,7 +12,8 @@ from typing import Any, Callable
 
 import torch
 
-from toolkit.train import checkpoint, ckptfile, interval
+from toolkit import ckptkey
+from toolkit.train import checkpoint, interval
 from toolkit.train.checkpoint import CheckpointManager
 from toolkit.train.ddpmodel import StepClock
 from toolkit.train.runtime import Runtime
@@ -119,14 +120,14 @@ class Checkpointing:
 
 def manager_for(rt: Runtime, ckpt_dir: str | Path | None, keep: int, async_ckpt: bool) -> CheckpointManager:
     """The rank's checkpoint manager: its host's copy under the root (ckpt_dir, else CKPT_DIR, else ./ckpt), its
-    share from the environment (checkpoint.Placement), the job's key (from its token; this user's key without one).
+    share from the environment (checkpoint.Placement), the job's key (from its token; the project's without one).
     TrainerError, one line, for a layout or directory that cannot be used."""
     root = Path(ckpt_dir) if ckpt_dir is not None else Path(os.environ.get("CKPT_DIR") or "ckpt")
     try:
         placement = checkpoint.Placement.from_env(os.environ, world_size=rt.world_size)
     except ValueError as e:
         raise TrainerError(f"checkpoint layout: {e}") from None
-    key = ckptfile.job_key(rt.cfg.token) if rt.cfg.token else None
+    key = ckptkey.job_key(rt.cfg.token) if rt.cfg.token else None
     try:
         return CheckpointManager(root, keep_max=keep, placement=placement, key=key, async_write=async_ckpt,
                                  on_commit=rt.committed)

@@ -5,9 +5,14 @@ path component swapped for a link later changes nothing; with O_NOFOLLOW on ever
 directory is ever followed. The directory and the root above it are checked private (toolkit.privatedir) before
 anything in them is trusted.
 
+The root is one key's (one job's, or alone one project's): its ``key-id`` file names the key's public id
+(toolkit.ckptkey), written by the first run that uses it. A run under another key is refused at once, with one
+line, and touches nothing there: without this, a second job given the same directory moved the first's files into
+``refused/`` (they do not authenticate under its key) and pruned its authentic copies.
+
 A step's copy on the host is complete when every part of one layout (``p<i>of<L>``) is there; the files that must
 not be used (they fail authentication or are damaged) are moved into ``refused/`` (never deleted: they may be
-someone's evidence, or this user's own files under another key).
+someone's evidence, or this user's own files under another key; a name already there gets a numbered one).
 """
 
 from __future__ import annotations
@@ -22,13 +27,16 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any, Callable
 
-from toolkit import atomicfile, privatedir
+from toolkit import atomicfile, ckptkey, privatedir
 from toolkit.train import ckptfile
 from toolkit.train.ckptfile import PartName
 
 log = logging.getLogger("toolkit.train.checkpoint")
 
 REFUSED = "refused"
+KEY_ID_FILE = "key-id"  # in the checkpoint root: the public id of the key its checkpoints are under
+MAX_ID_BYTES = 128
+MAX_REFUSED_NAMES = 1000  # refused files of one name kept apart (<name>, <name>.1, ...)
 PRIVATE_FIX = "point --ckpt-dir (CKPT_DIR) at a directory of your own"
 Listing = dict[int, dict[int, set[int]]]  # {step: {parts: {part indices present}}}
 
@@ -58,6 +66,7 @@ class HostDir:
         self.key = key
         try:
             privatedir.ensure(self.root, "checkpoint directory", PRIVATE_FIX)
+            claim(self.root, ckptkey.key_id(key))
             privatedir.ensure(self.path, "checkpoint directory", PRIVATE_FIX)
             self.fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except privatedir.NotPrivate as e:
@@ -96,16 +105,16 @@ class HostDir:
     def read(self, name: PartName) -> Any:
         """The verified, unpickled content of one part. ckptfile.BadPart (why) if it must not be used, OSError if
         it cannot be read."""
-        payload = ckptfile.read_part(self.fd, name, self.key)
-        try:
-            return ckptfile.decode(payload)
-        except Exception as e:  # noqa: BLE001 - it verified, so this is a file of ours that torch cannot read
-            raise ckptfile.BadPart(f"authentic but does not load ({str(e).splitlines()[0][:200]})") from None
+        with ckptfile.open_part(self.fd, name, self.key) as payload:
+            try:
+                return ckptfile.decode(payload)
+            except Exception as e:  # noqa: BLE001 - it verified, so this is a file of ours that torch cannot read
+                raise ckptfile.BadPart(f"authentic but does not load ({str(e).splitlines()[0][:200]})") from None
 
     def check(self, name: PartName) -> str | None:
         """None if the file `name` is authentic (its MAC checks; not unpickled), else why not."""
         try:
-            ckptfile.read_part(self.fd, name, self.key)
+            ckptfile.check_part(self.fd, name, self.key)
         except ckptfile.BadPart as e:
             return str(e)
         except OSError as e:
@@ -161,8 +170,9 @@ class HostDir:
             pass
 
     def refuse(self, name: PartName) -> str:
-        """Move a part that must not be used into ``refused/`` (kept, out of every listing). Returns where it went
-        (or why it stayed)."""
+        """Move a part that must not be used into ``refused/`` (kept, out of every listing), under a name nothing
+        there has yet (``<name>``, else ``<name>.1``, ...: a file refused earlier is never overwritten). Returns
+        where it went (or why it stayed)."""
         try:
             os.mkdir(REFUSED, 0o700, dir_fd=self.fd)
         except FileExistsError:
@@ -171,10 +181,17 @@ class HostDir:
             st = os.stat(REFUSED, dir_fd=self.fd, follow_symlinks=False)
             if not stat.S_ISDIR(st.st_mode):
                 return f"left in place ({REFUSED} is not a directory)"
-            os.rename(name.name, f"{REFUSED}/{name.name}", src_dir_fd=self.fd, dst_dir_fd=self.fd)
+            for n in range(MAX_REFUSED_NAMES):
+                target = f"{REFUSED}/{name.name}" + (f".{n}" if n else "")
+                try:  # a link never replaces what is there (a rename would), then the name is dropped
+                    os.link(name.name, target, src_dir_fd=self.fd, dst_dir_fd=self.fd, follow_symlinks=False)
+                except FileExistsError:
+                    continue
+                os.unlink(name.name, dir_fd=self.fd)
+                return f"moved to {self.path / target}"
         except OSError as e:
             return f"left in place ({e.strerror})"
-        return f"moved to {self.path / REFUSED / name.name}"
+        return f"left in place ({REFUSED} already holds {MAX_REFUSED_NAMES} files of that name)"
 
     def remove_temps(self, mine: Callable[[PartName], bool]) -> None:
         """Delete the temporary files whose final name `mine(PartName)` says are this writer's: left by an
@@ -194,6 +211,57 @@ class HostDir:
             return shutil.disk_usage(self.path).free
         except OSError:
             return None
+
+
+def claim(root: Path, mine: str) -> None:
+    """Make the checkpoint root `root` this key's, or find it is: its KEY_ID_FILE says `mine` (written here if it
+    is not there yet, without ever replacing one). DirectoryError (one line: whose it is, what to do; nothing in
+    it touched) when it names another key: another job's or project's checkpoints are there, and would otherwise
+    be moved aside as not authentic, or pruned."""
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        found = _read_id(fd)
+        if found is None:
+            tmp_fd, tmp = atomicfile.create_temp(KEY_ID_FILE, 0o600, dir_fd=fd)
+            try:
+                try:
+                    os.write(tmp_fd, f"{mine}\n".encode())
+                    os.fsync(tmp_fd)
+                finally:
+                    os.close(tmp_fd)
+                try:  # a link never replaces: of two first users at once, one names the directory
+                    os.link(tmp, KEY_ID_FILE, src_dir_fd=fd, dst_dir_fd=fd, follow_symlinks=False)
+                except FileExistsError:
+                    pass
+            finally:
+                os.unlink(tmp, dir_fd=fd)
+            found = _read_id(fd)
+    finally:
+        os.close(fd)
+    if found != mine:
+        raise DirectoryError(
+            f"checkpoint directory {root} holds another job's checkpoints ({root / KEY_ID_FILE} names key "
+            f"{(found or '?')[:12]}..., this run's is {mine[:12]}...: another project, script or job wrote them); "
+            "nothing in it was used or changed: give this job a directory of its own (CKPT_DIR, --ckpt-dir), or move "
+            f"{root} away to start this one afresh")
+
+
+def _read_id(dir_fd: int) -> str | None:
+    """What KEY_ID_FILE in `dir_fd` says (a regular file, not followed, at most MAX_ID_BYTES), None if it is not
+    there; "" for one that says nothing sensible (another key's, as far as anyone can tell)."""
+    try:
+        fd = os.open(KEY_ID_FILE, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=dir_fd)
+    except FileNotFoundError:
+        return None
+    except OSError:
+        return ""
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return ""
+        raw = os.read(fd, MAX_ID_BYTES)
+    finally:
+        os.close(fd)
+    return raw.decode("ascii", "replace").strip()
 
 
 def _os_reason(e: OSError, path: Path) -> str:

@@ -1,4 +1,4 @@
-"""One checkpoint file (a part of one host's copy of a step): its name, its authenticated format, its key.
+"""One checkpoint file (a part of one host's copy of a step): its name and its authenticated format.
 
 Why authenticated: the checkpoint directory may be on storage others can reach, and a checkpoint is code-adjacent
 (it becomes the model the job trains on and hands out). A checksum anyone can compute says a file is whole, not
@@ -13,16 +13,12 @@ The MAC is HMAC-SHA256 over the payload followed by the header's first five fiel
 another step or part, truncated, extended, or written with another key does not verify. Name:
 ``step_<012d>.p<part>of<parts>.ckpt`` (zero-padded: names sort as steps do).
 
-The key: under toolkit, derived from the job token (``TOOLKIT_TOKEN_FILE``, 0600 in the job directory, never sent
-anywhere): HMAC-SHA256(token, "toolkit checkpoint key v1"), the same on every host of the job and never written
-down. Alone or under torchrun (no token), a random key of this user's, made once in
-``$XDG_CONFIG_HOME/toolkit/checkpoint.key`` (default ``~/.config``; 0600, in a 0700 directory, created without
-following links, its owner and mode checked on every read).
+The key: the job's (derived from its token), or alone the project's (toolkit.ckptkey).
 
 Writing: to a random temporary name created with O_EXCL | O_NOFOLLOW in the directory's fd, the payload streamed
 through the MAC (no copy of the state in memory), the header written last, fsynced, renamed over the final name in
-the same directory fd, the directory fsynced. Reading: opened with O_NOFOLLOW, a regular file only, read whole,
-verified, then unpickled.
+the same directory fd, the directory fsynced. Reading: opened with O_NOFOLLOW, a regular file only, authenticated
+through one small buffer, then unpickled from the same open file straight into the tensors (`open_part`).
 """
 
 from __future__ import annotations
@@ -35,28 +31,19 @@ import re
 import stat
 import struct
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, BinaryIO
 
 import torch
 
-from toolkit import atomicfile, privatedir
-from toolkit.envvars import TOOLKIT_TOKEN_FILE
+from toolkit import atomicfile
 
 MAGIC = b"TKCKPT02"
 FIELDS = struct.Struct("<8sQIIQ")  # magic, step, part, parts, payload length
 HEADER = struct.Struct("<8sQIIQ32s")  # the fields, then the MAC
 MAC_SIZE = 32
-KEY_INFO = b"toolkit checkpoint key v1"
-KEY_FILE = Path("toolkit") / "checkpoint.key"
-KEY_SIZE = 32
 NAME_RE = re.compile(r"^step_(\d{12})\.p(\d{1,5})of(\d{1,5})\.ckpt$")
 TEMP_RE = re.compile(r"^" + re.escape(atomicfile.TMP_PREFIX) + r"(step_\d{12}\.p\d{1,5}of\d{1,5}\.ckpt)\.[0-9a-f]+$")
-READ_CHUNK = 1 << 24
-
-
-class KeyFileError(RuntimeError):
-    """The checkpoint key cannot be made or read safely; one line naming the file and what to do."""
+READ_CHUNK = 1 << 20  # the one buffer a file is authenticated through
 
 
 class BadPart(Exception):
@@ -84,71 +71,6 @@ class PartName:
             return None
         step, part, parts = int(m.group(1)), int(m.group(2)), int(m.group(3))
         return cls(step, part, parts) if 0 <= part < parts else None
-
-
-# ----------------------------------------------------------------------------------------------------------
-# The key
-
-
-def job_key(token: str) -> bytes:
-    """The checkpoint key of a job: derived from its token (never the token itself, which proves identity to the
-    scheduler: a key that leaked from a checkpoint tool must not open the job's ports)."""
-    return hmac.new(token.encode(), KEY_INFO, hashlib.sha256).digest()
-
-
-def user_key(env: Mapping[str, str]) -> bytes:
-    """This user's checkpoint key for runs without a job token, made once (see the module docstring)."""
-    base = Path(env.get("XDG_CONFIG_HOME") or Path.home() / ".config")
-    path = base / KEY_FILE
-    try:
-        privatedir.ensure(path.parent, "checkpoint key directory",
-                          "remove it (a new key is made; checkpoints of the old key are then not resumed)")
-    except privatedir.NotPrivate as e:
-        raise KeyFileError(str(e)) from None
-    except OSError as e:
-        raise KeyFileError(f"checkpoint key directory {path.parent} cannot be made: {e.strerror}") from None
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    except FileExistsError:
-        return _read_key(path)
-    except OSError as e:
-        raise KeyFileError(f"checkpoint key {path} cannot be made: {e.strerror}") from None
-    try:
-        os.write(fd, os.urandom(KEY_SIZE))
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    return _read_key(path)
-
-
-def _read_key(path: Path) -> bytes:
-    fix = "remove it (a new key is made; checkpoints made with the old one are then not resumed)"
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError as e:
-        raise KeyFileError(f"checkpoint key {path} cannot be read ({e.strerror}): {fix}") from None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
-            raise KeyFileError(f"checkpoint key {path} is not a private file of yours (uid {st.st_uid}, mode "
-                            f"{stat.S_IMODE(st.st_mode):o}): {fix}")
-        data = os.read(fd, KEY_SIZE + 1)
-    finally:
-        os.close(fd)
-    if len(data) != KEY_SIZE:
-        raise KeyFileError(f"checkpoint key {path} is {len(data)} bytes, not {KEY_SIZE}: {fix}")
-    return data
-
-
-def default_key(env: Mapping[str, str]) -> bytes:
-    """The job's key if `env` names a token file (a worker under toolkit), else this user's key."""
-    token_file = env.get(TOOLKIT_TOKEN_FILE)
-    if token_file:
-        try:
-            return job_key(Path(token_file).read_text().strip())
-        except OSError as e:
-            raise KeyFileError(f"{TOOLKIT_TOKEN_FILE}={token_file}: cannot read the job token ({e.strerror})") from None
-    return user_key(env)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -225,48 +147,89 @@ def write_part(dir_fd: int, name: PartName, obj: Any, key: bytes) -> int:
 # Reading
 
 
-def read_part(dir_fd: int, name: PartName, key: bytes) -> memoryview:
-    """The verified payload of the checkpoint file `name` in `dir_fd`. BadPart (why) if it is not a regular file,
-    is truncated or too long, is not a toolkit checkpoint, says another step or part than its name, or fails
-    authentication; OSError if it cannot be read."""
-    fd = os.open(name.name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+def check_part(dir_fd: int, name: PartName, key: bytes) -> None:
+    """Authenticate the checkpoint file `name` in `dir_fd` without unpickling it. BadPart (why) if it must not be
+    used, OSError if it cannot be read."""
+    with open_part(dir_fd, name, key):
+        pass
+
+
+def open_part(dir_fd: int, name: PartName, key: bytes) -> BinaryIO:
+    """The checkpoint file `name` in `dir_fd`, authenticated, open and positioned at its payload (for `decode`).
+
+    Why streamed: the MAC is computed over the file through one READ_CHUNK buffer, and `decode` then reads the
+    payload from the same open file straight into the tensors' storage, so a restore holds the state once (plus
+    one chunk), not the file, a copy of it and the tensors. The file is opened once (O_NOFOLLOW, a regular file
+    only): a name swapped after the check changes nothing; only someone who may write the file itself (its owner,
+    in a private directory) could change it between the check and the load.
+
+    BadPart (why) if it is not a regular file, is truncated or too long, is not a toolkit checkpoint, says another
+    step or part than its name, or fails authentication; OSError if it cannot be read."""
+    fd = os.open(name.name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=dir_fd)  # FIFO: no wait
+    f = os.fdopen(fd, "rb", buffering=0)
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise BadPart("not a regular file")
-        data = bytearray(st.st_size)
-        view, got = memoryview(data), 0
-        while got < len(data):
-            n = os.readv(fd, [view[got:got + READ_CHUNK]])
-            if n == 0:
-                break
-            got += n
-    finally:
-        os.close(fd)
-    return verify(memoryview(data)[:got], name, key)
+        size = st.st_size
+        header = f.read(HEADER.size)
+        fields, mac = _header(header, size, name)
+        check = _mac(key)
+        chunk = bytearray(min(READ_CHUNK, max(size - HEADER.size, 1)))
+        left = size - HEADER.size
+        while left > 0:
+            n = f.readinto(memoryview(chunk)[:min(left, len(chunk))])
+            if not n:
+                raise BadPart(f"truncated while read: {left} bytes of the payload missing")
+            check.update(memoryview(chunk)[:n])
+            left -= n
+        _authentic(check, fields, mac, name)
+        f.seek(HEADER.size)
+    except BaseException:
+        f.close()
+        raise
+    return f
 
 
-def verify(data: memoryview, name: PartName, key: bytes) -> memoryview:
-    """The payload of `data` (a whole file) if it is the authentic file `name`, else BadPart saying why."""
-    if len(data) < HEADER.size:
-        raise BadPart(f"truncated: {len(data)} bytes, shorter than the {HEADER.size}-byte header")
-    magic, step, part, parts, length, mac = HEADER.unpack_from(data)
-    if magic != MAGIC:
-        raise BadPart("not a toolkit checkpoint (bad magic)")
+def verify(data: memoryview | bytes, name: PartName, key: bytes) -> memoryview:
+    """The payload of `data` (a whole file in memory) if it is the authentic file `name`, else BadPart saying why."""
+    data = memoryview(data)
+    fields, mac = _header(data[:HEADER.size], len(data), name)
     body = data[HEADER.size:]
-    if len(body) != length:
-        state = "truncated" if len(body) < length else "has trailing bytes"
-        raise BadPart(f"{state}: payload is {len(body)} bytes, header says {length}")
     check = _mac(key)
     check.update(body)
-    check.update(FIELDS.pack(magic, step, part, parts, length))
-    if not hmac.compare_digest(check.digest(), mac):
-        raise BadPart("fails authentication: not written by this job (another key), or damaged")
-    if (step, part, parts) != (name.step, name.part, name.parts):
-        raise BadPart(f"holds step {step} part {part} of {parts}, not what its name says")
+    _authentic(check, fields, mac, name)
     return body
 
 
-def decode(payload: memoryview) -> Any:
-    """Unpickle a verified payload (tensors on CPU, weights_only: no code runs even for a file that verifies)."""
-    return torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
+def _header(header: bytes | memoryview, size: int, name: PartName) -> tuple[bytes, bytes]:
+    """The MAC'd fields and the MAC of a file of `size` bytes starting with `header`; BadPart if its shape is wrong
+    (truncated, not a checkpoint, a payload length that is not the file's)."""
+    if size < HEADER.size or len(header) < HEADER.size:
+        raise BadPart(f"truncated: {size} bytes, shorter than the {HEADER.size}-byte header")
+    magic, step, part, parts, length, mac = HEADER.unpack_from(header)
+    if magic != MAGIC:
+        raise BadPart("not a toolkit checkpoint (bad magic)")
+    body = size - HEADER.size
+    if body != length:
+        state = "truncated" if body < length else "has trailing bytes"
+        raise BadPart(f"{state}: payload is {body} bytes, header says {length}")
+    return FIELDS.pack(magic, step, part, parts, length), mac
+
+
+def _authentic(check: Any, fields: bytes, mac: bytes, name: PartName) -> None:
+    """BadPart unless `check` (the MAC over the payload so far) with `fields` gives `mac`, and the fields say what
+    `name` says."""
+    check.update(fields)
+    if not hmac.compare_digest(check.digest(), mac):
+        raise BadPart("fails authentication: not written by this job (another key), or damaged")
+    _, step, part, parts, _ = FIELDS.unpack(fields)
+    if (step, part, parts) != (name.step, name.part, name.parts):
+        raise BadPart(f"holds step {step} part {part} of {parts}, not what its name says")
+
+
+def decode(payload: BinaryIO | memoryview) -> Any:
+    """Unpickle a verified payload: an `open_part` file (read straight into the tensors) or bytes in memory (tensors
+    on CPU, weights_only: no code runs even for a file that verifies)."""
+    source = io.BytesIO(payload) if isinstance(payload, memoryview) else payload
+    return torch.load(source, map_location="cpu", weights_only=True)

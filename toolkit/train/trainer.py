@@ -363,8 +363,12 @@ class Trainer:
         self.manager.flush()
         if leaving or self._stopping.requested:
             self._last_words()
-        log.line(f"rank {self.rt.rank}: a peer stops by SIGTERM at step {self.step_count}, checkpoint saved; training "
-                 "goes on")
+        log.line(f"rank {self.rt.rank}: a peer stops by SIGTERM at step {self.step_count}, {self._saved_or_not()}; "
+                 "training goes on")
+
+    def _saved_or_not(self) -> str:
+        """What became of the checkpoint just flushed: saved, or skipped for a full disk (CheckpointManager.skipped)."""
+        return "checkpoint saved" if not self.manager.skipped else "checkpoint skipped (the disk is full, see above)"
 
     def _last_words(self) -> NoReturn:
         """Leave on SIGTERM: the state this rank holds saved (once: its share of the host's copy, whole when the
@@ -376,7 +380,7 @@ class Trainer:
         if self._state.live:
             self._ckpt.save(self.step_count, self._state.capture)
             self.manager.flush()
-            log.line(f"rank {self.rt.rank}: stopped by SIGTERM at step {self.step_count}, checkpoint saved")
+            log.line(f"rank {self.rt.rank}: stopped by SIGTERM at step {self.step_count}, {self._saved_or_not()}")
         else:
             log.line(f"rank {self.rt.rank}: stopped by SIGTERM before it held a training state: nothing to save")
         self.close()
