@@ -27,10 +27,10 @@ from toolkit import atomicfile
 from toolkit.train import ckptfile
 from toolkit.train.checkpoint import CheckpointError, CheckpointManager, Placement
 from toolkit.train.ckptfile import PartName
+from toolkit.testing.stranger import AS_STRANGER
 
 REPO = Path(__file__).resolve().parents[2]
 SAMPLE = REPO / "examples" / "train.py"
-OTHER = ["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups", "--"]
 RUN_TIMEOUT = 240.0
 KEY = b"security test key of 32 bytes!!!"
 RESUMED = re.compile(r"^rank 0: resumed from step (\d+) ", re.M)
@@ -50,7 +50,7 @@ def open_dir():
 
 
 def as_other(*argv: str, data: bytes | None = None) -> subprocess.CompletedProcess[bytes]:
-    return subprocess.run([*OTHER, *argv], input=data, capture_output=True, timeout=60)
+    return subprocess.run([*AS_STRANGER, *argv], input=data, capture_output=True, timeout=60, cwd="/")
 
 
 def one_line(e: pytest.ExceptionInfo) -> str:
