@@ -24,10 +24,10 @@ import pytest
 import torch
 
 from toolkit import atomicfile
+from toolkit.testing.stranger import AS_STRANGER
 from toolkit.train import ckptfile
 from toolkit.train.checkpoint import CheckpointError, CheckpointManager, Placement
 from toolkit.train.ckptfile import PartName
-from toolkit.testing.stranger import AS_STRANGER
 
 REPO = Path(__file__).resolve().parents[2]
 SAMPLE = REPO / "examples" / "train.py"
