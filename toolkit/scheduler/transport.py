@@ -3,10 +3,10 @@ messages mean.
 
 `Connections` accepts on the two listeners, reads lines, queues and writes replies, and closes; it bounds every
 connection before and after it authenticates: a first message of at most MAX_PREAUTH_LINE bytes within
-PREAUTH_TIMEOUT, a table of such connections sized for the job that makes room for a newcomer by closing the oldest
-(toolkit.scheduler.admission: a rate per source, surplus connections evicted first, a hello waiting unread never
-evicted), lines of at most MAX_LINE (MAX_STORE_LINE on the
-store), at most MAX_OUTBUF queued for a peer that stopped reading, at most ACCEPT_BATCH accepts between reads. When
+PREAUTH_TIMEOUT, a table of such connections sized for the job that makes room for a newcomer by closing another
+(toolkit.scheduler.admission: a rate per source, connections beyond it closed first, a hello waiting unread passed
+over), lines of at most MAX_LINE (MAX_STORE_LINE on the store), at most MAX_OUTBUF queued for a peer that stopped
+reading, at most ACCEPT_BATCH accepts between reads. When
 the process runs out of file descriptors, the listeners pause for ACCEPT_PAUSE instead of spinning. Every pass costs
 what is ready, pending or due, never a walk over all connections (issue 24). `RateLimited` says each kind of
 warning at most once per LOG_EVERY.
