@@ -1,6 +1,7 @@
 """The scheduler's table of connections waiting to authenticate (toolkit.scheduler.admission), driven directly with a
-fake clock: a flood never refuses a newcomer, it only ever evicts the oldest waiting connections, one address holds at
-most half the table, and the limits follow the job's size and the descriptors there are."""
+fake clock: a newcomer within its source's rate is never refused, a flood beyond its rate only ever evicts itself (its
+surplus, never another source's worker), a hello waiting unread is passed over, one address holds at most half the
+table, and the limits follow the job's size and the descriptors there are."""
 
 from __future__ import annotations
 
