@@ -1,6 +1,7 @@
 """The scheduler's table of connections waiting to authenticate (toolkit.scheduler.admission), driven directly with a
-fake clock: a flood never refuses a newcomer, it only ever evicts the oldest waiting connections, one address holds at
-most half the table, and the limits follow the job's size and the descriptors there are."""
+fake clock: a newcomer within its source's rate is never refused, a flood beyond its rate only ever evicts itself (its
+surplus, never another source's worker), a hello waiting unread is passed over, one address holds at most half the
+table, and the limits follow the job's size and the descriptors there are."""
 
 from __future__ import annotations
 
@@ -49,3 +50,40 @@ def test_limits_follow_the_job_size_within_the_descriptors() -> None:
     assert tight.total == 10000 - (2 * 4096 + 512) - RESERVE_FDS
     assert Limits.for_job(world_size=4096, hosts=512, nofile=1024).total == MIN_FIT
     assert Limits.fds_needed(4096, 512) == 2 * 4096 + 512 + RESERVE_FDS + MIN_FIT
+
+
+def test_a_flood_beyond_its_rate_only_evicts_itself_and_never_a_worker_of_another_source() -> None:
+    """The red team's flood (round 3): connections opened as fast as the scheduler accepts them, from one address
+    and from random loopback addresses (one source: this host). A worker of another host that connected first, and
+    has not answered yet, stays; the flood's surplus is what goes."""
+    table = Admission(Limits(total=8, per_address=4), timeout=10.0, rate=10.0, burst=2)
+    assert table.admit(1, "10.0.0.1", now=0.0) is None  # the worker's connection, waiting for its hello
+    assert table.admit(2, "10.0.0.2", now=0.0) is None  # another host's agent
+    t, evicted = 0.0, []
+    for i in range(100, 20_100):  # 20000 connections in 2 s: 10000 a second, from 3 addresses
+        t += 1e-4
+        address = ("10.0.0.9", f"127.{i % 250}.{i // 250 % 250}.{i % 7 + 1}", "10.0.0.8")[i % 3]
+        out = table.admit(i, address, now=t)
+        if out is not None and out != i:
+            evicted.append(out)
+    assert 1 in table.waiting and 2 in table.waiting  # within their rate: never evicted by the flood's surplus
+    assert evicted and all(e >= 100 for e in evicted)  # only ever the flood itself
+    assert len(table) <= 8 and len(table.by_address["loopback"]) <= 4  # every 127.x.y.z is one source
+
+
+def test_a_surplus_newcomer_is_refused_when_only_connections_within_their_rate_wait() -> None:
+    table = Admission(Limits(total=4, per_address=2), timeout=10.0, rate=1.0, burst=1)
+    for i, address in enumerate(("a", "b", "c", "d")):
+        assert table.admit(i, address, now=0.0) is None
+    assert table.admit(10, "e", now=0.0) == 0  # within its rate (a first connection): the oldest of all goes
+    assert table.admit(11, "e", now=0.0) == 11  # beyond it, with nothing beyond theirs to close: refused
+    assert 11 not in table.waiting and len(table) == 4
+
+
+def test_a_worker_whose_hello_waits_unread_is_passed_over() -> None:
+    """The loop accepts a batch before it reads: a worker that answered meanwhile is not the one evicted."""
+    table = Admission(Limits(total=8, per_address=3), timeout=10.0)
+    for i in range(1, 4):
+        table.admit(i, "10.0.0.9", now=0.1 * i)
+    assert table.admit(4, "10.0.0.9", now=0.5, ready=lambda c: c == 1) == 2  # 1's hello is there: 2 goes instead
+    assert list(table.waiting) == [1, 3, 4]

@@ -22,7 +22,7 @@ from toolkit.agent.timers import Timers
 from toolkit.agent.warmspare import SPARE_DELAY, SPARE_MAX_FAILURES, Step, early_start, next_step
 from toolkit.agentdoc import WarmSpareDoc
 from toolkit.hostspec import HostSpec, ProcSpec, RestartPolicy
-from toolkit.standby import prefault_size, private_bytes
+from toolkit.standby import OOM_FIRST, prefault_size, private_bytes
 from toolkit.testing.clock import FakeClock
 
 BOUND = 30.0  # s of real time a spare may take to die on a loaded machine
@@ -138,10 +138,12 @@ def test_a_spare_held_as_it_turned_ready_goes_on_and_runs_the_handoff(tmp_path: 
     """The race of CI 2026-11-26: a worker restarted cold while the spare was sending READY. The agent held the spare
     (SIGSTOP: it did not know it ready yet), then read READY, and a ready spare was never released; the next death
     handed the worker's place to a stopped process, which never registered (the job timed out re-forming). A spare
-    that turns out ready while held goes on at once, and a handoff to it runs the script."""
+    that turns out ready while held goes on at once, and a handoff to it runs the script. While it waits, the spare
+    is the OOM killer's first choice; the worker it becomes has the agent's oom_score_adj again."""
     script = tmp_path / "train.py"
     ran = tmp_path / "ran"
-    script.write_text(f"open({str(ran)!r}, 'w').write('ran')\n")
+    script.write_text(f"open({str(ran)!r}, 'w').write(open('/proc/self/oom_score_adj').read().strip())\n")
+    ours = Path("/proc/self/oom_score_adj").read_text().strip()
     rig = Rig(tmp_path, argv=(sys.executable, str(script)))
     w = rig.warm
     w.arm()
@@ -158,11 +160,12 @@ def test_a_spare_held_as_it_turned_ready_goes_on_and_runs_the_handoff(tmp_path: 
         for key, mask in rig.sel.select(0):  # the agent reads READY
             key.data(mask)
         assert w.document().ready and not w.document().held
+        assert Path(f"/proc/{sp.child.pid}/oom_score_adj").read_text().strip() == str(OOM_FIRST)
         assert wait_state(sp.child.pid, lambda st: st != "T"), "a ready spare was left stopped"
         child = w.take(rig.spec.processes[0], None, {"PATH": "/usr/bin:/bin"}, "--- marker ---")
         assert child is sp.child
         status = child.wait(BOUND)
-        assert status is not None and status.describe() == "exit code 0" and ran.read_text() == "ran"
+        assert status is not None and status.describe() == "exit code 0" and ran.read_text() == ours
     finally:
         if sp.child.wait(0) is None:  # left stopped (the bug): not left behind
             sp.child.signal_group(signal.SIGKILL)

@@ -18,7 +18,6 @@ import resource
 import signal
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -26,9 +25,9 @@ from typing import Any, Callable
 import pytest
 
 from toolkit.testing.localjob import LocalJob
+from toolkit.testing.stranger import AS_STRANGER, readable_copies, stranger_python
 
-SCRIPTS = Path(__file__).resolve().parent / "scripts"
-STRANGER = ["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups"]
+FLOOD_SCRIPT = Path(__file__).resolve().parent / "scripts" / "flood.py"  # copied where the stranger can read it
 WAIT = 120.0  # s for each state of the job on a loaded 2-core machine
 POLL = 0.2  # s between looks at a log or agent.json: no event tells that a line was appended
 LOW_LIMIT = 1024  # the agent's soft open-file limit when started (raised to the hard limit for the workers)
@@ -74,7 +73,16 @@ def soft_limit(pid: int) -> int:
     return int(line.split()[3])
 
 
-def test_another_user_can_neither_lock_workers_out_nor_quietly_exhaust_a_workers_files(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def stranger_flood() -> Any:
+    """argv prefix that runs flood.py as uid 65534: an interpreter and a copy that user can reach, wherever the
+    clone is (a 0700 home, say)."""
+    with readable_copies([FLOOD_SCRIPT]) as copies:
+        yield [*AS_STRANGER, stranger_python(), str(copies["flood.py"])]
+
+
+def test_another_user_can_neither_lock_workers_out_nor_quietly_exhaust_a_workers_files(
+        tmp_path: Path, stranger_flood: list[str]) -> None:
     job = LocalJob(tmp_path, 2, ["--epochs", "60", "--step-delay", "0.1", "--timeout", "30"], job="nb",
                    node_timeout=3, cluster_time_out=60, grace=5, warm_spare=False)
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -96,9 +104,8 @@ def test_another_user_can_neither_lock_workers_out_nor_quietly_exhaust_a_workers
         gloo = listening_ports(pid0)
         assert gloo and all(addr == "127.0.0.1" for addr, _ in gloo), gloo  # loopback: the interface toward the
         # scheduler (GLOO_SOCKET_IFNAME), not every interface
-        churn = subprocess.run([*STRANGER, sys.executable, str(SCRIPTS / "flood.py"), "churn", "127.0.0.1",
-                                ",".join(str(p) for _, p in gloo), str(CHURN)], capture_output=True, text=True,
-                               timeout=WAIT)
+        churn = subprocess.run([*stranger_flood, "churn", "127.0.0.1", ",".join(str(p) for _, p in gloo),
+                                str(CHURN)], capture_output=True, text=True, timeout=WAIT, cwd="/")
         assert churn.returncode == 0, churn.stderr
         warned = re.compile(rf"worker_0: pid {pid0} holds (\d+) open files, up from {baseline} once it had joined "
                             r"its group \(limit \d+\): connections that never close, e.g. to its gloo port")
@@ -108,9 +115,9 @@ def test_another_user_can_neither_lock_workers_out_nor_quietly_exhaust_a_workers
         assert job.procs()["worker_0"]["open_files"]["climbing"] is True
 
         # 2. the scheduler's ports, flooded while a worker dies: the job recovers in place through the flood.
-        flood = subprocess.Popen([*STRANGER, sys.executable, str(SCRIPTS / "flood.py"), "idle", "127.0.0.1",
-                                  f"{sched_port},{sched_port + 1}", str(FLOOD), str(FLOOD_RATE)],
-                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        flood = subprocess.Popen([*stranger_flood, "idle", "127.0.0.1", f"{sched_port},{sched_port + 1}", str(FLOOD),
+                                  str(FLOOD_RATE)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                 start_new_session=True, cwd="/")
         assert flood.stdout is not None
         until(f"the flood's first {2 * FLOOD} connections open",
               lambda: flood.stdout.readline().strip() == f"opened {2 * FLOOD}", job.evidence)  # a line a second

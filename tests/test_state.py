@@ -211,19 +211,22 @@ def test_damage_is_refused_in_one_line_naming_the_file_and_line(tmp_path: Path,
     lines = good.split(b"\n")
     for number, line in ((2, b'{"set": {"commit/0": 5}, "de'), (3, b'{"set": [], "del": []}'),
                          (3, b'{"set": {}, "del": [1]}'), (2, b"\xff\xfe"), (1, b'{"version": 1, "epoch": "x"}'),
-                         (3, b"[" * 100_000)):
+                         (3, b"[" * 100_000), (3, b'{"set":{"generation":1e400},"del":[]}'),
+                         (3, b'{"set":{"generation":NaN},"del":[]}'), (3, b'{"set":{"commit/1":-Infinity},"del":[]}')):
         p.writer.journal.write_bytes(b"\n".join(lines[:number - 1] + [line] + lines[number:]))
         message = damaged(p)
         assert message.startswith(f"{p.writer.journal}: line {number} is damaged"), message
         assert "away to start the job afresh" in message and S.STATE_FILE in message
     for record in ('{"set": {"member/x": {}}, "del": []}', '{"set": {"what": 1}, "del": []}',
-                   '{"set": {"done/1": false}, "del": []}', '{"set": {"member/1": {"rank": 1}}, "del": []}'):
+                   '{"set": {"done/1": false}, "del": []}', '{"set": {"member/1": {"rank": 1}}, "del": []}',
+                   '{"set": {"commit/0001": 5}, "del": []}', '{"set": {"replaced/01": {}}, "del": []}'):
         p.writer.journal.write_bytes(good + record.encode() + b"\n")  # well-formed lines, records that are not
         assert damaged(p).startswith(f"{p.path} (with {S.JOURNAL_FILE}): damaged scheduler state"), record
     p.writer.journal.write_bytes(good)
     assert p.loaded() == plain(p.m.snapshot())
 
-    for base in (b"{", b"[]", json.dumps({"version": 3}).encode(), json.dumps({"version": 2, "members": 5}).encode()):
+    for base in (b"{", b"[]", json.dumps({"version": 3}).encode(), json.dumps({"version": 2, "members": 5}).encode(),
+                 json.dumps({**p.m.snapshot(), "version": 2, "generation": 1e400}).encode()):
         p.path.write_bytes(base)
         assert damaged(p).startswith(str(p.path))
     monkeypatch.setattr(S, "MAX_FILE_BYTES", 100)

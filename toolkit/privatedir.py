@@ -71,6 +71,36 @@ def ensure(path: str | Path, what: str = "directory", fix: str = "choose a direc
     return Path(os.path.realpath(path))
 
 
+def open_private(path: str | Path, what: str = "directory", fix: str = "choose a directory of your own") -> int:
+    """`ensure` `path`, then open what was checked: the resolved path, one component at a time from /, each opened
+    relative to the one above with O_NOFOLLOW and held to the rule (module docstring) by fstat of what was opened.
+    So a link swapped in the path after the check, or a component replaced by another directory, is never followed:
+    NotPrivate says the path changed while it was checked. Returns an O_DIRECTORY fd (the caller closes it)."""
+    real = ensure(path, what, fix)
+    me = os.geteuid()
+    fd = os.open("/", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        names = real.parts[1:]
+        for i, name in enumerate(names):
+            try:
+                nxt = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+            except OSError as e:
+                raise NotPrivate(f"{what} {real} changed while it was checked ({name}: {e.strerror}); {fix}") from None
+            os.close(fd)
+            fd = nxt
+            st = os.fstat(fd)
+            last = i == len(names) - 1
+            owner_ok = st.st_uid == me if last else st.st_uid in (me, 0)
+            write_ok = not st.st_mode & OTHERS_WRITE or not last and st.st_mode & stat.S_ISVTX
+            if not (owner_ok and write_ok):
+                raise NotPrivate(f"{what} {real} changed while it was checked ({name} is now uid {st.st_uid}, mode "
+                                 f"{stat.S_IMODE(st.st_mode):o}); {fix}")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 def main(argv: list[str]) -> int:
     """`python -m toolkit.privatedir DIR WHAT FIX`: make DIR if missing and check it; on a problem print its one line
     on stdout and exit 2 (what deploy runs on every host for --ckpt-dir)."""

@@ -14,8 +14,13 @@ faults a new page in at about 0.3 s/GB here, on the recovery's critical path. So
 spare keeps what it frees (one heap for every thread, no allocation served by its own mapping, no trimming:
 `mallopt`), and once its imports are done it faults in as much memory as the largest worker of its host held
 privately when the spare was started (`--memory`, counted beyond the spare's own; at most half of the host's
-available memory), then frees it into that heap. The replacement's allocations take those pages without a fault;
-the policy stays with the process for its life as a worker (it keeps its peak, as a training process does anyway).
+available memory, and at most half of the headroom of its memory cgroup, limit minus usage, where the job runs under
+a limit: toolkit.memcgroup; nothing when that half is below MIN_PREFAULT), then frees it into that heap. The
+replacement's allocations take those pages without a fault; the policy stays with the process for its life as a
+worker (it keeps its peak, as a training process does anyway).
+
+While it waits, the spare is the OOM killer's first choice (oom_score_adj OOM_FIRST; its own value again at the
+handoff): workers that grow after the spare started must never be the ones killed for the memory it holds.
 
     python -m toolkit.standby --fd N [--memory BYTES]
 """
@@ -34,6 +39,8 @@ import socket
 import sys
 from typing import Any
 
+from toolkit import memcgroup
+
 # Imported before the spare is offered. torch._dynamo is what DistributedDataParallel imports lazily on
 # construction (with sympy); without it here a replacement still spends ~1.8 s in its first DDP wrap. toolkit.train
 # is what every script that recovers in place imports (~40 ms here, a sixth of such a recovery).
@@ -41,7 +48,10 @@ WARM_MODULES = ("torch", "torch.distributed", "torch.nn.parallel", "torch._dynam
 TASKS = "/proc/self/task"
 READY = b"ready\n"
 MAX_SPEC = 4 << 20
-AVAILABLE_SHARE = 0.5  # of the host's available memory, at most, faulted in ahead by a spare
+AVAILABLE_SHARE = 0.5  # of the host's available memory (and of the cgroup's headroom), at most, faulted in ahead
+MIN_PREFAULT = 64 << 20  # bytes: below this much room, nothing is faulted in ahead (a cgroup near its limit)
+OOM_SCORE_ADJ = "/proc/self/oom_score_adj"
+OOM_FIRST = 1000  # oom_score_adj while waiting: killed before any worker (any process may raise its own)
 # glibc's mallopt parameters (malloc.h)
 M_TRIM_THRESHOLD, M_MMAP_MAX, M_ARENA_MAX = -1, -4, -8
 NO_TRIM = -1  # M_TRIM_THRESHOLD's value that turns trimming off
@@ -72,6 +82,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="private memory of the largest worker: the heap to fault in ahead (beyond this process's own)")
     args = ap.parse_args(argv)
     link = socket.socket(fileno=args.fd)
+    own_adj = _set_oom_score_adj(str(OOM_FIRST))
     libc = _keep_freed_memory()  # before any thread has an arena of its own
     idle = _idle_while_waiting()
     for name in WARM_MODULES:
@@ -80,10 +91,15 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as e:  # noqa: BLE001 - a spare without one module is still worth having
             print(f"standby: could not pre-import {name}: {e}", file=sys.stderr, flush=True)
     if libc is not None and args.memory > 0:
-        size = prefault_size(args.memory, private_bytes("self"), available_bytes())
+        cgroup = memcgroup.of_process()
+        headroom = cgroup.headroom(memcgroup.read_text) if cgroup is not None else None
+        size = prefault_size(args.memory, private_bytes("self"), available_bytes(), headroom)
         if size and _fault_in(libc, size):
             print(f"standby: {size >> 20} MB of heap faulted in ahead (a worker holds {args.memory >> 20} MB)",
                   file=sys.stderr, flush=True)
+        elif headroom is not None and not size:
+            print(f"standby: nothing faulted in ahead: the memory cgroup has {headroom >> 20} MB left before its "
+                  "limit", file=sys.stderr, flush=True)
     link.sendall(READY)
     data = _read_spec(link)
     link.close()
@@ -92,6 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     spec = json.loads(data)
     if idle:
         _normal_priority()
+    if own_adj is not None:
+        _set_oom_score_adj(own_adj)
     become(spec)
     return 0
 
@@ -117,13 +135,30 @@ def _normal_priority() -> None:
             continue
 
 
-def prefault_size(worker: int, own: int, available: int, share: float = AVAILABLE_SHARE) -> int:
+def prefault_size(worker: int, own: int, available: int, headroom: int | None = None,
+                  share: float = AVAILABLE_SHARE) -> int:
     """Bytes of heap to fault in ahead: what a worker holds privately (`worker`) beyond what this process already
-    does (`own`: the imports), at most `share` of the host's `available` memory (a spare must not push its host
-    toward the OOM killer); 0 if any figure is unknown (negative)."""
+    does (`own`: the imports), at most `share` of the host's `available` memory and `share` of the memory cgroup's
+    `headroom` (limit minus usage; None: no limit), so that a spare never pushes its host or its job's cgroup toward
+    the OOM killer; 0 if any figure is unknown (negative) or if the room left is below MIN_PREFAULT."""
     if worker <= 0 or own < 0 or available <= 0:
         return 0
-    return max(0, min(worker - own, int(available * share)))
+    room = int(available * share) if headroom is None else min(int(available * share), int(headroom * share))
+    if room < MIN_PREFAULT:
+        return 0
+    return max(0, min(worker - own, room))
+
+
+def _set_oom_score_adj(value: str) -> str | None:
+    """Write this process's oom_score_adj; returns the value it had, None if it cannot be read or written."""
+    try:
+        with open(OOM_SCORE_ADJ, "r+") as f:
+            before = f.read().strip()
+            f.seek(0)
+            f.write(value)
+        return before
+    except OSError:
+        return None
 
 
 def private_bytes(pid: int | str) -> int:

@@ -1,10 +1,11 @@
 """Another local user's flood, for the tests (standard library only, run under an unprivileged uid): idle TCP
 connections that never say a word, or connections opened and closed at once.
 
-usage: flood.py idle HOST PORT[,PORT...] PER_PORT RATE   keep PER_PORT idle connections open to each port; one the
+usage: flood.py idle HOST PORT[,PORT...] PER_PORT RATE [SOURCE]
+                                                         keep PER_PORT idle connections open to each port; one the
                                                          server closes is opened again, at most RATE new ones a second
-                                                         in all; prints "opened N" once the first N are open, then
-                                                         "replaced N" each second
+                                                         in all (from address SOURCE if given); prints "opened N" once
+                                                         the first N are open, then "replaced N" each second
        flood.py churn HOST PORT[,PORT...] COUNT          open and close COUNT connections to each port, then exit
 
 Runs until killed (idle) and prints one line per second of what it did.
@@ -19,8 +20,10 @@ import sys
 import time
 
 
-def connect(host: str, port: int) -> socket.socket | None:
+def connect(host: str, port: int, source: str | None = None) -> socket.socket | None:
     s = socket.socket()
+    if source:
+        s.bind((source, 0))
     s.setblocking(False)
     code = s.connect_ex((host, port))
     if code not in (0, errno.EINPROGRESS):
@@ -29,7 +32,7 @@ def connect(host: str, port: int) -> socket.socket | None:
     return s
 
 
-def idle(host: str, ports: list[int], per_port: int, rate: float) -> None:
+def idle(host: str, ports: list[int], per_port: int, rate: float, source: str | None = None) -> None:
     sel = selectors.DefaultSelector()
     want = {port: per_port for port in ports}  # connections to open
     replaced = opened = 0
@@ -41,7 +44,7 @@ def idle(host: str, ports: list[int], per_port: int, rate: float) -> None:
         budget, last = min(rate, budget + (now - last) * rate), now
         for port in ports:
             while want[port] and budget >= 1:
-                s = connect(host, port)
+                s = connect(host, port, source)
                 budget -= 1
                 if s is None:
                     break
@@ -77,7 +80,7 @@ def churn(host: str, ports: list[int], count: int) -> None:
 def main() -> None:
     mode, host, ports = sys.argv[1], sys.argv[2], [int(p) for p in sys.argv[3].split(",")]
     if mode == "idle":
-        idle(host, ports, int(sys.argv[4]), float(sys.argv[5]))
+        idle(host, ports, int(sys.argv[4]), float(sys.argv[5]), sys.argv[6] if len(sys.argv) > 6 else None)
     else:
         churn(host, ports, int(sys.argv[4]))
 

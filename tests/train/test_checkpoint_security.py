@@ -25,14 +25,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from toolkit import atomicfile, ckptkey
+from toolkit import atomicfile, ckptkey, privatedir
+from toolkit.testing.stranger import AS_STRANGER
 from toolkit.train import ckptfile
 from toolkit.train.checkpoint import CheckpointError, CheckpointManager, Placement
+from toolkit.train.ckptdir import HostDir
 from toolkit.train.ckptfile import PartName
 
 REPO = Path(__file__).resolve().parents[2]
 SAMPLE = REPO / "examples" / "train.py"
-OTHER = ["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups", "--"]
 RUN_TIMEOUT = 240.0
 KEY = b"security test key of 32 bytes!!!"
 RESUMED = re.compile(r"^rank 0: resumed from step (\d+) ", re.M)
@@ -52,7 +53,7 @@ def open_dir():
 
 
 def as_other(*argv: str, data: bytes | None = None) -> subprocess.CompletedProcess[bytes]:
-    return subprocess.run([*OTHER, *argv], input=data, capture_output=True, timeout=60)
+    return subprocess.run([*AS_STRANGER, *argv], input=data, capture_output=True, timeout=60, cwd="/")
 
 
 def one_line(e: pytest.ExceptionInfo) -> str:
@@ -198,3 +199,36 @@ def test_the_writer_never_follows_a_link_planted_at_its_temporary_name(tmp_path,
     assert victim.read_text() == "ssh-ed25519 AAAA the victim's key\n"
     links = [p for p in m.directory.iterdir() if p.is_symlink()]
     assert len(links) == 2 and all(p.resolve() == victim for p in links)
+
+
+def test_a_link_swapped_after_the_check_is_not_followed_the_checked_directory_is_opened(open_dir, monkeypatch):
+    """The checkpoint root is a link of ours in a directory another user can write; between the check of the host
+    directory and its opening, they point the link at another directory (one of ours they could move there). What
+    was checked is what is opened: the fd is the directory the link resolved to when it was checked."""
+    mine, writable = open_dir / "mine", open_dir / "open"
+    mine.mkdir(mode=0o700)
+    writable.mkdir()
+    writable.chmod(0o777)  # noqa: S103 - the fault: a directory every local user may write, no sticky bit
+    other = writable / "other"
+    (other / "host_a").mkdir(mode=0o700, parents=True)
+    other.chmod(0o700)
+    link = writable / "ckpt"
+    link.symlink_to(mine)
+    real_ensure = privatedir.ensure
+    swapped = []
+
+    def ensure_then_swap(path, *args):
+        checked = real_ensure(path, *args)
+        if Path(path).name == "host_a":  # the host directory was just checked: the attacker's moment
+            done = as_other("ln", "-sfn", str(other), str(link))
+            assert done.returncode == 0, done.stderr
+            swapped.append(os.readlink(link))
+        return checked
+
+    monkeypatch.setattr(privatedir, "ensure", ensure_then_swap)
+    host = HostDir(link, "host_a", KEY)
+    try:
+        assert swapped == [str(other)], "the attacker's swap did not happen"
+        assert os.fstat(host.fd).st_ino == (mine / "host_a").stat().st_ino  # the checked one, not other/host_a
+    finally:
+        host.close()

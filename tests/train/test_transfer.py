@@ -153,6 +153,9 @@ def test_a_value_that_cannot_travel_is_named() -> None:
     b'{"v": 1, "skeleton": 0, "entries": [["float32", [-1], "cpu", "tensor", 0, 0]], "messages": [8]}',
     b'{"v": 1, "skeleton": 0, "entries": [], "messages": [true]}',
     b'{"v": 1, "skeleton": 0, "entries": [], "messages": [], "extra": 1}',
+    # sizes beyond what the entries account for: a receiver would allocate them before a byte arrives
+    b'{"v": 1, "skeleton": 0, "entries": [["float32", [2], "cpu", "tensor", 0, 0]], "messages": [1099511627776]}',
+    b'{"v": 1, "skeleton": 0, "entries": [], "messages": [1099511627776]}',
 ])
 def test_a_malformed_description_from_a_peer_is_refused(bad: bytes) -> None:
     with pytest.raises(TransferError):
@@ -212,3 +215,38 @@ def test_a_receivers_new_memory_is_faulted_in_before_its_message_is_posted() -> 
     prefault.wait(2)
     assert Usage.of(os.getpid()).rss - before >= 0.95 * 2 * size, "message 2's tensor was not faulted in"
     assert prefault.ready == 3
+
+
+class HostileLink:
+    """What an authenticated but hostile (or broken) sender puts on the wire, message by message, by tag: the
+    receiver's side of `_receive` runs as it does on a real link. Counts the bytes it was asked to receive into."""
+
+    def __init__(self, meta: bytes, total: int) -> None:
+        self.device, self.src, self.received = torch.device("cpu"), 1, 0
+        self.wire = {0: torch.tensor([transfer.MAGIC, transfer.VERSION, len(meta), total], dtype=torch.int64),
+                     1: torch.frombuffer(bytearray(meta), dtype=torch.uint8)}
+
+    def post_receive(self, buf: torch.Tensor, tag: int) -> list[Any]:
+        self.received += buf.numel() * buf.element_size()
+        if tag in self.wire:
+            buf.copy_(self.wire[tag])
+        return []
+
+
+def test_a_peer_declaring_more_state_than_the_receiver_expects_is_refused_before_it_is_allocated() -> None:
+    own = {"model": {"w": torch.zeros(1000)}, "optimizer": {}}  # a replacement: 4000 bytes, no optimizer state yet
+    limit = transfer.NEW_STATE_FACTOR * transfer.state_bytes(own) + transfer.NEW_STATE_SLACK
+    skeleton, _ = transfer.flatten({"model": {"w": torch.zeros(1000)}, "optimizer": {"m": torch.zeros(1)}})
+    huge = limit // 4 + 1  # float32 elements: one more than the receiver would take
+    doc = {"v": transfer.VERSION, "skeleton": skeleton, "messages": [4000, huge * 4],
+           "entries": [["float32", [1000], "cpu", "tensor", 0, 0], ["float32", [huge], "cpu", "tensor", 1, 0]]}
+    meta = json.dumps(doc).encode()
+    link = HostileLink(meta, sum(doc["messages"]))
+    with pytest.raises(TransferError, match=rf"rank 1 declares {huge * 4} bytes of tensors this rank lacks"):
+        transfer._receive(own, link)
+    assert link.received == 4 * 8 + len(meta)  # the header and the description, nothing allocated for the rest
+
+    doc["entries"][1], doc["messages"][1] = ["float32", [1000], "cpu", "tensor", 1, 0], 4000  # what is expected
+    link = HostileLink(json.dumps(doc).encode(), sum(doc["messages"]))
+    received, _ = transfer._receive(own, link)
+    assert received["optimizer"]["m"].shape == (1000,) and received["model"]["w"] is own["model"]["w"]

@@ -7,7 +7,9 @@ must read is the cause that came first, in this order:
 1. the script's own: the message of its error file (TORCHELASTIC_ERROR_FILE, torch's `@record` format, written by
    the script's `@record` or by toolkit.train.wrapper for an exception), else its exit code;
 2. a signal from outside (SIGSEGV, a `kill -9`): the signal;
-3. fencing: a signal the agent sent because the scheduler declared the process dead, named by the scheduler's cause
+3. the kernel's OOM killer: a SIGKILL while the memory cgroup's `oom_kill` count rose (toolkit.memcgroup), named
+   with the cgroup and its limit;
+4. fencing: a signal the agent sent because the scheduler declared the process dead, named by the scheduler's cause
    (heartbeat silence, ...).
 
 Pure but for `read_error_file` (one bounded read of a file the worker wrote, treated as hostile input).
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import stat
 from pathlib import Path
 
@@ -59,16 +62,27 @@ def read_error_file(path: Path) -> str | None:
     return protocol.one_line(message)
 
 
-def first_cause(status: ExitStatus, message: str | None, fenced: str | None) -> str | None:
+def oom_verdict(before: int | None, after: int | None, cgroup: str, limit: int | None) -> str | None:
+    """The kernel's word that it killed for want of memory: the memory cgroup's `oom_kill` count rose from `before`
+    to `after` (None: unknown), as one line naming the cgroup and its `limit` (None: none); None if it did not."""
+    if before is None or after is None or after <= before:
+        return None
+    where = f"memory cgroup {cgroup}" + (f", limit {limit >> 20} MB" if limit is not None else "")
+    return f"killed by the kernel's OOM killer ({where}: oom_kill {before} -> {after})"
+
+
+def first_cause(status: ExitStatus, message: str | None, fenced: str | None, oom: str | None = None) -> str | None:
     """The first cause of an exit with `status`, as one line, or None when the status says it all (an exit code,
     or a signal from outside) or the exit is no failure (0, EXIT_FENCED, EXIT_REJOIN). `message`: the error file's
     (the script's own word, first whatever ended the process afterwards); `fenced`: the scheduler's cause when the
     agent signalled the process to fence it (it counts only when a signal ended it: a process that exited on its
-    own first gave its own status)."""
+    own first gave its own status); `oom`: `oom_verdict` since the last exit, which counts for a SIGKILL."""
     if status.ok or status.code in (protocol.EXIT_FENCED, protocol.EXIT_REJOIN):
         return None
     if message:
         return f"{message} ({status.describe()})"
+    if oom and status.signal == signal.SIGKILL:
+        return f"{oom} ({status.describe()})"
     if fenced and status.signal is not None:
         return f"{fenced}: fenced by the scheduler ({status.describe()})"
     return None

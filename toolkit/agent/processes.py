@@ -19,7 +19,7 @@ import subprocess
 import time
 from typing import Callable
 
-from toolkit import envvars, procs, protocol
+from toolkit import envvars, memcgroup, procs, protocol
 from toolkit.agent import causes, openfiles, policy
 from toolkit.agent.log import AgentLog, iso, log_tail
 from toolkit.agent.slots import EXIT_HISTORY, Slot, cpu_sets
@@ -55,6 +55,8 @@ class Processes:
         self.slots = {p.node_id: Slot(p, by_node.get(p.node_id), spec.step_file(p.node_id)) for p in spec.processes}
         self.failure: Failure | None = None
         self.nofile = 0  # the workers' open-file limit (the agent raises it to the hard limit before the start)
+        self.cgroup = memcgroup.of_process()  # the agent's memory cgroup, which its children share
+        self.oom_kills = self._oom_kills()  # the cgroup's OOM kills as of the last exit recorded
 
     def start(self) -> None:
         """The first start: the scheduler, if it lives here, before the workers."""
@@ -236,11 +238,17 @@ class Processes:
             with contextlib.suppress(OSError):
                 slot.error_file.unlink(missing_ok=True)
             slot.error_file = None
+        before, self.oom_kills = self.oom_kills, self._oom_kills()
+        oom = causes.oom_verdict(before, self.oom_kills, self.cgroup.dirs[0] if self.cgroup else "",
+                                 self.cgroup.limit(memcgroup.read_text) if self.cgroup else None)
         rec = ExitRecord(**status.as_dict(), pid=pid, at=iso(time.time()), ran_for=round(ran, 3), step=step,
-                         cause=causes.first_cause(status, message, slot.fenced))
+                         cause=causes.first_cause(status, message, slot.fenced, oom))
         slot.last_exit = rec
         slot.exits = (slot.exits + [rec])[-EXIT_HISTORY:]
         return rec
+
+    def _oom_kills(self) -> int | None:
+        return self.cgroup.oom_kills(memcgroup.read_text) if self.cgroup is not None else None
 
     def _after_exit(self, slot: Slot, child: Child | None, status: ExitStatus) -> None:
         """Record the exit, tell the scheduler at once, and apply what policy.on_exit decides. Runs on the loop thread,

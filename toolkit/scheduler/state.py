@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import enum
 import json
+import math
 import os
 import secrets
 from pathlib import Path
@@ -70,7 +71,7 @@ def load(path: Path, job: str, world_size: int) -> dict[str, Any] | None:
     if data is None:
         return None
     try:
-        base = json.loads(data)
+        base = _decode(data)
     except (ValueError, RecursionError) as e:
         raise StateError(f"{path}: unreadable scheduler state ({e}); move it away to start the job afresh") from None
     if not isinstance(base, dict) or base.get("version") not in READABLE:
@@ -85,7 +86,7 @@ def load(path: Path, job: str, world_size: int) -> dict[str, Any] | None:
         doc = document(recs)
         if doc.get("job") == job and doc.get("world_size") == world_size:
             _check(doc)
-    except (KeyError, TypeError, ValueError) as e:
+    except (KeyError, TypeError, ValueError, OverflowError) as e:
         raise StateError(f"{where}: damaged scheduler state ({type(e).__name__}: {str(e)[:200]}); move {them} away "
                          "to start the job afresh") from None
     if doc.get("job") != job or doc.get("world_size") != world_size:
@@ -245,7 +246,7 @@ def _replay(journal: Path, epoch: str, recs: dict[str, Any]) -> bool:
         return False
     for number, line in enumerate(lines, 1):
         try:
-            entry = json.loads(line)
+            entry = _decode(line)
             if number == 1:
                 if not (isinstance(entry, dict) and entry.get("version") == VERSION
                         and isinstance(entry.get("epoch"), str)):
@@ -265,10 +266,28 @@ def _replay(journal: Path, epoch: str, recs: dict[str, Any]) -> bool:
     return True
 
 
+def _decode(data: bytes) -> Any:
+    """The JSON value of `data`, with finite numbers only: ValueError for NaN, Infinity or a float beyond the
+    double's range (`1e400`, which Python reads as inf and whose int() would raise OverflowError)."""
+    return json.loads(data, parse_constant=_no_constant, parse_float=_finite)
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a number a state holds")
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text[:64]} is out of range")
+    return value
+
+
 def _number(name: str) -> int:
-    """A record's rank or replacement number: decimal digits only (ValueError otherwise)."""
-    if not (name.isascii() and name.isdigit()):
-        raise ValueError(f"not a number: {name[:64]!r}")
+    """A record's rank or replacement number, written as the writer writes it: decimal digits without a leading
+    zero (ValueError otherwise: `commit/0001` would otherwise stand for rank 1 beside `commit/1`)."""
+    if not (name.isascii() and name.isdigit() and str(int(name)) == name):
+        raise ValueError(f"not a number as the writer writes it: {name[:64]!r}")
     return int(name)
 
 

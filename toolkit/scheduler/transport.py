@@ -3,9 +3,10 @@ messages mean.
 
 `Connections` accepts on the two listeners, reads lines, queues and writes replies, and closes; it bounds every
 connection before and after it authenticates: a first message of at most MAX_PREAUTH_LINE bytes within
-PREAUTH_TIMEOUT, a table of such connections sized for the job that makes room for a newcomer by closing the oldest
-(toolkit.scheduler.admission: a flood never locks a worker out), lines of at most MAX_LINE (MAX_STORE_LINE on the
-store), at most MAX_OUTBUF queued for a peer that stopped reading, at most ACCEPT_BATCH accepts between reads. When
+PREAUTH_TIMEOUT, a table of such connections sized for the job that makes room for a newcomer by closing another
+(toolkit.scheduler.admission: a rate per source, connections beyond it closed first, a hello waiting unread passed
+over), lines of at most MAX_LINE (MAX_STORE_LINE on the store), at most MAX_OUTBUF queued for a peer that stopped
+reading, at most ACCEPT_BATCH accepts between reads. When
 the process runs out of file descriptors, the listeners pause for ACCEPT_PAUSE instead of spinning. Every pass costs
 what is ready, pending or due, never a walk over all connections (issue 24). `RateLimited` says each kind of
 warning at most once per LOG_EVERY.
@@ -164,7 +165,14 @@ class Connections:
             now = self.clock()
             conn = Conn(next(self.ids), sock, f"{addr[0]}:{addr[1]}", ip, kind, protocol.new_nonce(),
                         now + PREAUTH_TIMEOUT)
-            victim = self.conns.get(self.admission.admit(conn.id, ip, now) or 0)
+            out = self.admission.admit(conn.id, ip, now, self._hello_waiting)
+            if out == conn.id:  # beyond its source's rate, and nothing of the kind to close: refused
+                self.said.warn("refused", f"refused {conn.addr}: {len(self.admission)} connections are waiting to "
+                                          f"authenticate and its source opened more than {self.admission.rate:g} a "
+                                          "second")
+                sock.close()
+                continue
+            victim = self.conns.get(out or 0)
             if victim is not None:
                 lim = self.admission.limits
                 self.said.warn("evicted", f"closed {victim.addr}, which had not authenticated after "
@@ -177,6 +185,17 @@ class Connections:
             self.conns[conn.id] = conn
             self.sel.register(sock, selectors.EVENT_READ, conn)
             self.send(conn, protocol.CHALLENGE, nonce=conn.nonce)
+
+    def _hello_waiting(self, conn_id: int) -> bool:
+        """Whether connection `conn_id` has a whole line (its hello) waiting unread: it answered while the loop was
+        accepting, and is read this pass rather than evicted (a peek; nothing is consumed)."""
+        conn = self.conns.get(conn_id)
+        if conn is None or conn.closed:
+            return False
+        try:
+            return b"\n" in conn.sock.recv(protocol.MAX_PREAUTH_LINE, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        except OSError:
+            return False
 
     def pause(self, e: OSError) -> None:
         """Out of descriptors (or memory): the connection waits in the kernel's backlog while the listeners rest;

@@ -67,17 +67,12 @@ class HostDir:
         try:
             privatedir.ensure(self.root, "checkpoint directory", PRIVATE_FIX)
             claim(self.root, ckptkey.key_id(key))
-            privatedir.ensure(self.path, "checkpoint directory", PRIVATE_FIX)
-            self.fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            self.fd = privatedir.open_private(self.path, "checkpoint directory", PRIVATE_FIX)  # what was checked
         except privatedir.NotPrivate as e:
             raise DirectoryError(str(e)) from None
         except OSError as e:
             raise DirectoryError(_os_reason(e, self.path)) from None
         self._closer = weakref.finalize(self, os.close, self.fd)  # with the object: readers may outlive a close()
-        st = os.fstat(self.fd)
-        if st.st_uid != os.geteuid() or st.st_mode & privatedir.OTHERS_WRITE:  # what was opened, not what was checked
-            self._closer()
-            raise DirectoryError(f"checkpoint directory {self.path} changed while it was checked; {PRIVATE_FIX}")
 
     def close(self) -> None:
         """Close the directory fd now (else it closes when the object goes)."""

@@ -50,6 +50,12 @@ WINDOW_BYTES = 2 * PACK_BYTES  # staging buffers (packed or copied messages) in 
 ALIGN = 64  # bytes: each packed tensor starts at a multiple of this (any dtype can be viewed there)
 MAX_META = 256 << 20  # bytes: the longest description a receiver accepts
 MAX_DEPTH = 64  # nesting a receiver accepts in a description
+# A receiver allocates what the sender declares before a byte of it arrives, so it bounds the declared sizes by what
+# it expects: each message exactly the bytes of its entries, and the tensors it lacks (a replacement's optimizer
+# state) at most NEW_STATE_FACTOR times its own state's bytes plus NEW_STATE_SLACK (optimizers hold a few times
+# the parameters: Adam two, with the model three).
+NEW_STATE_FACTOR = 8
+NEW_STATE_SLACK = PACK_BYTES
 MAGIC = 0x544B5354  # "TKST"
 VERSION = 1
 HOME_CPU, HOME_DEVICE = "cpu", "device"
@@ -218,6 +224,7 @@ class Layout:
         if not isinstance(doc["entries"], list):
             raise TransferError("the peer's state description: no list of entries")
         entries = tuple(_entry(raw, i, messages) for i, raw in enumerate(doc["entries"]))
+        _check_extents(entries, messages)
         return doc["skeleton"], cls(entries, tuple(messages))
 
 
@@ -246,6 +253,37 @@ def _entry(raw: Any, index: int, messages: list[int]) -> Entry:
     if (message == -1) != (entry.nbytes == 0) or message >= 0 and offset + entry.nbytes > messages[message]:
         raise TransferError(f"{where}: its bytes lie outside its message")
     return entry
+
+
+def _check_extents(entries: Sequence[Entry], messages: Sequence[int]) -> None:
+    """Each message of a peer's layout is exactly the bytes of its entries (`plan_layout` leaves no slack after
+    the last one), so a declared size never exceeds what the entries' dtypes and shapes account for."""
+    ends = [0] * len(messages)
+    for e in entries:
+        if e.alias is None and e.message >= 0:
+            ends[e.message] = max(ends[e.message], e.offset + e.nbytes)
+    for m, (size, end) in enumerate(zip(messages, ends, strict=True)):
+        if size != end:
+            raise TransferError(f"the peer's state description: message {m} declares {size} bytes, its entries "
+                                f"{end}")
+
+
+def state_bytes(state: Any) -> int:
+    """The bytes of the tensors, numpy arrays and numpy scalars in `state` (0 for None)."""
+    _, leaves = flatten(state)
+    return sum(v.numel() * v.element_size() if isinstance(v, torch.Tensor) else np.asarray(v).nbytes
+               for v in leaves)
+
+
+def check_new_bytes(new_bytes: int, own_bytes: int, src: int) -> None:
+    """TransferError unless the tensors a receiver must allocate (`new_bytes`) are within what it expects of a
+    state whose own tensors hold `own_bytes` (NEW_STATE_FACTOR, NEW_STATE_SLACK): a peer's declared sizes are never
+    allocated unbounded."""
+    limit = NEW_STATE_FACTOR * own_bytes + NEW_STATE_SLACK
+    if new_bytes > limit:
+        raise TransferError(f"rank {src} declares {new_bytes} bytes of tensors this rank lacks, more than "
+                            f"{NEW_STATE_FACTOR} times its own state's {own_bytes} bytes plus {NEW_STATE_SLACK}: "
+                            "not received")
 
 
 def plan_layout(leaves: Sequence[torch.Tensor], kinds: Sequence[str], transport: torch.device) -> Layout:
@@ -425,7 +463,7 @@ def _receive(own: Any, link: _Link) -> tuple[Any, int]:
     skeleton, layout = Layout.decode(meta.cpu().numpy().tobytes())
     if layout.total != total:
         raise TransferError(f"rank {link.src}'s state description does not match its header")
-    dests, new = _destinations(own, skeleton, layout, link.device)
+    dests, new = _destinations(own, skeleton, layout, link.device, link.src)
     members = _by_message(layout)
     prefault = _Prefault([[dests[i] for i in members[m] if i in new] for m in range(len(layout.messages))])
 
@@ -465,27 +503,32 @@ def _by_message(layout: Layout) -> list[list[int]]:
     return out
 
 
-def _destinations(own: Any, skeleton: Any, layout: Layout, device: torch.device) -> tuple[list[torch.Tensor],
-                                                                                          set[int]]:
+def _destinations(own: Any, skeleton: Any, layout: Layout, device: torch.device,
+                  src: int) -> tuple[list[torch.Tensor], set[int]]:
     """(where each leaf is received, the indices of new tensors among them): the receiver's own tensor at the same
     place in its state if it has the same dtype, shape and home (its parameters, an optimizer state already
-    there), else a new tensor."""
+    there), else a new tensor, allocated only once all of them are within what this rank expects
+    (`check_new_bytes`)."""
     paths = leaf_paths(skeleton)
+    found: list[torch.Tensor | None] = []
+    for i, e in enumerate(layout.entries):
+        if e.alias is not None:
+            found.append(None)
+            continue
+        home = torch.device("cpu") if e.home == HOME_CPU or e.kind != KIND_TENSOR else device
+        mine = lookup(own, paths[i]) if e.kind == KIND_TENSOR and i in paths else None
+        ok = isinstance(mine, torch.Tensor) and mine.dtype == DTYPES[e.dtype] and tuple(mine.shape) == e.shape and \
+            (mine.device == home or e.home == HOME_DEVICE and mine.device.type != "cpu")
+        found.append(mine if ok else None)
+    new = {i for i, e in enumerate(layout.entries) if e.alias is None and found[i] is None}
+    check_new_bytes(sum(layout.entries[i].nbytes for i in new), state_bytes(own), src)
     out: list[torch.Tensor] = []
-    new: set[int] = set()
     for i, e in enumerate(layout.entries):
         if e.alias is not None:
             out.append(out[e.alias])
-            continue
-        dtype = DTYPES[e.dtype]
-        home = torch.device("cpu") if e.home == HOME_CPU or e.kind != KIND_TENSOR else device
-        mine = lookup(own, paths[i]) if e.kind == KIND_TENSOR and i in paths else None
-        if isinstance(mine, torch.Tensor) and mine.dtype == dtype and tuple(mine.shape) == e.shape and \
-                (mine.device == home or e.home == HOME_DEVICE and mine.device.type != "cpu"):
-            out.append(mine)
         else:
-            new.add(i)
-            out.append(unfilled(e.shape, dtype, home))  # its message fills it
+            home = torch.device("cpu") if e.home == HOME_CPU or e.kind != KIND_TENSOR else device
+            out.append(found[i] if i not in new else unfilled(e.shape, DTYPES[e.dtype], home))  # its message fills
     return out, new
 
 
