@@ -65,8 +65,11 @@ class HostDir:
         self.path = self.root / name
         self.key = key
         try:
-            privatedir.ensure(self.root, "checkpoint directory", PRIVATE_FIX)
-            claim(self.root, ckptkey.key_id(key))
+            root_fd = privatedir.open_private(self.root, "checkpoint directory", PRIVATE_FIX)  # what was checked
+            try:
+                claim(root_fd, self.root, ckptkey.key_id(key))
+            finally:
+                os.close(root_fd)
             self.fd = privatedir.open_private(self.path, "checkpoint directory", PRIVATE_FIX)  # what was checked
         except privatedir.NotPrivate as e:
             raise DirectoryError(str(e)) from None
@@ -208,31 +211,27 @@ class HostDir:
             return None
 
 
-def claim(root: Path, mine: str) -> None:
-    """Make the checkpoint root `root` this key's, or find it is: its KEY_ID_FILE says `mine` (written here if it
-    is not there yet, without ever replacing one). DirectoryError (one line: whose it is, what to do; nothing in
-    it touched) when it names another key: another job's or project's checkpoints are there, and would otherwise
-    be moved aside as not authentic, or pruned."""
-    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    try:
-        found = _read_id(fd)
-        if found is None:
-            tmp_fd, tmp = atomicfile.create_temp(KEY_ID_FILE, 0o600, dir_fd=fd)
+def claim(fd: int, root: Path, mine: str) -> None:
+    """Make the checkpoint root `root` (open as `fd`) this key's, or find it is: its KEY_ID_FILE says `mine` (written
+    here if it is not there yet, without ever replacing one). DirectoryError (one line: whose it is, what to do;
+    nothing in it touched) when it names another key: another job's or project's checkpoints are there, and would
+    otherwise be moved aside as not authentic, or pruned."""
+    found = _read_id(fd)
+    if found is None:
+        tmp_fd, tmp = atomicfile.create_temp(KEY_ID_FILE, 0o600, dir_fd=fd)
+        try:
             try:
-                try:
-                    os.write(tmp_fd, f"{mine}\n".encode())
-                    os.fsync(tmp_fd)
-                finally:
-                    os.close(tmp_fd)
-                try:  # a link never replaces: of two first users at once, one names the directory
-                    os.link(tmp, KEY_ID_FILE, src_dir_fd=fd, dst_dir_fd=fd, follow_symlinks=False)
-                except FileExistsError:
-                    pass
+                os.write(tmp_fd, f"{mine}\n".encode())
+                os.fsync(tmp_fd)
             finally:
-                os.unlink(tmp, dir_fd=fd)
-            found = _read_id(fd)
-    finally:
-        os.close(fd)
+                os.close(tmp_fd)
+            try:  # a link never replaces: of two first users at once, one names the directory
+                os.link(tmp, KEY_ID_FILE, src_dir_fd=fd, dst_dir_fd=fd, follow_symlinks=False)
+            except FileExistsError:
+                pass
+        finally:
+            os.unlink(tmp, dir_fd=fd)
+        found = _read_id(fd)
     if found != mine:
         raise DirectoryError(
             f"checkpoint directory {root} holds another job's checkpoints ({root / KEY_ID_FILE} names key "
