@@ -323,15 +323,19 @@ _AGAIN = (False, "a finished job: once more from its final checkpoints")
 _NO_CHECK = (False, "start without checking the hosts ('fleet check')")
 
 
-@cluster_task(own={"fresh": _FRESH, "again": _AGAIN, "no_check": _NO_CHECK, "join_timeout": _JOIN_TIMEOUT},
+@cluster_task(own={"fresh": _FRESH, "again": _AGAIN, "no_check": _NO_CHECK, "join_timeout": _JOIN_TIMEOUT,
+                   "detach": (False, "return once started; the job goes on (no Ctrl-C stop)")},
               plans=True, usage="[FLAGS] SCRIPT [SCRIPT ARGS...]")
-def run(request: Request, fresh: bool, again: bool, no_check: bool, join_timeout: str) -> None:
+def run(request: Request, fresh: bool, again: bool, no_check: bool, join_timeout: str, detach: bool) -> None:
     """Deploy, start and wait in one, the script and its arguments last.
 
-    As torchrun: all after SCRIPT is the script's; 'fleet deploy train --join --script SCRIPT -- ARGS' does the
-    same. --max-restarts counts per process, not per group; MASTER_PORT is --master-port + 1."""
+    As torchrun: all after SCRIPT is the script's; Ctrl-C stops the job (SIGTERM: last words, then the grace
+    period), a second Ctrl-C at once. In a project with a job, what is not typed (hosts, size, port, options) is
+    the job's as recorded. --max-restarts counts per process, not per group; MASTER_PORT is --master-port + 1."""
+    if detach and join_timeout:
+        raise UserError("--detach returns once the job started; --join-timeout bounds a wait: give one of them")
     tasks.run(request, join_timeout=_seconds("--join-timeout", join_timeout), fresh=fresh, again=again,
-              check=not no_check)
+              check=not no_check, detach=detach)
 
 
 @cluster_task(own={"json": (False, "print the plan as JSON"),

@@ -111,6 +111,7 @@ class Settings:
     accept_new_host_keys: bool
     known_hosts: str
     core: CoreFlags
+    default_port: bool = False  # no --master-port typed, configured or recorded: a local job's is chosen at deploy
 
     @property
     def local(self) -> bool:
@@ -144,11 +145,16 @@ class Request:
     core: CoreFlags
     cwd: Path
     environ: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    recorded: Recorded | None = None
 
     def settings(self, script_required: bool = True) -> Settings:
         """Resolve the request for a task that plans a job (see `resolve`); UserError names the first bad input."""
         return resolve(self.given, self.config, self.core, self.cwd, script_required=script_required,
-                       environ=self.environ)
+                       environ=self.environ, recorded=self.recorded)
+
+    def with_recorded(self, recorded: Recorded) -> Request:
+        """The same request with a deployed job's values as the defaults of what was not typed (`run`)."""
+        return dataclasses.replace(self, recorded=recorded)
 
     def job_ref(self) -> JobRef:
         """Where to find the deployed job's record: in --project if given, else where the command is typed (the
@@ -196,6 +202,21 @@ class Request:
         return out
 
 
+# The flags that say where a job runs and how many workers it has: typed, none of them is taken from a record.
+HOST_FLAGS = ("hosts", "hostfile", "inventory", "slurm", "standalone")
+SIZE_FLAGS = ("worker_num", "nproc_per_node", "nnodes")
+
+
+@dataclass(frozen=True)
+class Recorded:
+    """What a deployed job was deployed with, as the defaults of a command that deploys it again (`run`): its
+    job options (JOB_OPTIONS) and, for a job on hosts, its inventory. They come after the typed flags and before
+    the project's config: only what is typed changes the job (`resolve` applies them)."""
+
+    options: Mapping[str, Any]
+    inventory: Inventory | None  # None: a job on this machine
+
+
 @dataclass(frozen=True)
 class JobRef:
     """Which deployed job a task works on: the project whose record it is in, its name (None: the project's only
@@ -224,7 +245,8 @@ def _values(given: Mapping[str, Any], config: Mapping[str, Any]) -> dict[str, An
 
 
 def resolve(given: Mapping[str, Any], config: Mapping[str, Any], core: CoreFlags, cwd: Path,
-            script_required: bool = True, environ: Mapping[str, str] | None = None) -> Settings:
+            script_required: bool = True, environ: Mapping[str, str] | None = None,
+            recorded: Recorded | None = None) -> Settings:
     """`given` holds only the flags typed on the command line; `config` is the `toolkit:` config section; `environ`
     the environment (only a Slurm allocation's variables are read). With `script_required` (deploy, train) the
     training script must exist in the project; a plan is shown without.
@@ -235,9 +257,16 @@ def resolve(given: Mapping[str, Any], config: Mapping[str, Any], core: CoreFlags
     workers (default 1) on this machine, --workdir made absolute (default ~/toolkit-jobs), this interpreter as
     --python. Raises UserError (InventoryError and PlanError are ones) for the first bad input: an unknown config
     key, a value of the wrong type, two host sources, a malformed host source (a Slurm variable included), a
-    project that is not a directory, a missing script, flags JobOptions rejects, --parallel below 1."""
+    project that is not a directory, a missing script, flags JobOptions rejects, --parallel below 1.
+
+    With `recorded` (a deployed job's values, see Recorded), they stand in for what was not typed: its options
+    (but none of SIZE_FLAGS when one of them was typed) and its hosts (unless a host flag was typed)."""
+    config = _without_recorded(config, recorded, given, core)
     values = {o.name: o.default for o in OPTIONS} | _values(given, config)
-    inventory = _inventory(given, config, core.hosts, values, cwd, environ or {})
+    if recorded is not None and recorded.inventory is not None and not _typed_hosts(given, core):
+        inventory = recorded.inventory
+    else:
+        inventory = _inventory(given, config, core.hosts, values, cwd, environ or {})
     project = (cwd / str(values["project"])).resolve()
     if not project.is_dir():
         raise UserError(f"--project {project}: not a directory; give the directory that holds the training script")
@@ -266,7 +295,33 @@ def resolve(given: Mapping[str, Any], config: Mapping[str, Any], core: CoreFlags
         accept_new_host_keys=values["accept_new_host_keys"],
         known_hosts=str(Path(values["known_hosts"]).expanduser()),
         core=core,
+        default_port="master_port" not in given and "master_port" not in config,
     )
+
+
+def _typed_hosts(given: Mapping[str, Any], core: CoreFlags) -> bool:
+    return core.hosts is not None or any(given.get(k) not in (None, False) for k in HOST_FLAGS if k != "hosts")
+
+
+def _without_recorded(config: Mapping[str, Any], recorded: Recorded | None, given: Mapping[str, Any],
+                      core: CoreFlags) -> Mapping[str, Any]:
+    """The config with the recorded job's options over it (they beat the config, typed flags beat them): none of
+    SIZE_FLAGS when one was typed, and the host sources of the config only when a host flag was typed (else the
+    recorded hosts, or for a local job this machine)."""
+    if recorded is None:
+        return config
+    out = dict(config)
+    sized = any(given.get(k) is not None for k in SIZE_FLAGS)
+    for name, value in recorded.options.items():
+        if name in OPTION_NAMES and not (sized and name in SIZE_FLAGS):
+            out[name] = value
+        if value is None:
+            out.pop(name, None)
+    if not _typed_hosts(given, core):
+        for key in ("hostfile", "inventory", "slurm"):
+            out.pop(key, None)
+        out["slurm"] = False  # the recorded hosts, not an allocation's
+    return out
 
 
 def _inventory(given: Mapping[str, Any], config: Mapping[str, Any], cli_hosts: str | None, values: Mapping[str, Any],

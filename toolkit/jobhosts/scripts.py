@@ -67,13 +67,15 @@ exit 0
 
 # Stops the job through the host's stop.sh (SIGTERM, grace, SIGKILL, verified); says so when nothing was deployed
 # in that directory, which is success too (nothing of the job can run there). Arguments: job dir, host name, job id
-# (another project's job in that directory is left running: the agent's exit 4, with one line).
+# (another project's job in that directory is left running: the agent's exit 4, with one line), then stop.sh's own
+# flags (`--timeout 0`: no grace).
 STOP_SCRIPT = r"""
-if [ -x "$1/stop.sh" ]; then
-    if [ -n "$3" ]; then exec "$1/stop.sh" --job-id "$3"; fi
-    exec "$1/stop.sh"
+d=$1 host=$2 id=$3; shift 3
+if [ -x "$d/stop.sh" ]; then
+    if [ -n "$id" ]; then exec "$d/stop.sh" --job-id "$id" "$@"; fi
+    exec "$d/stop.sh" "$@"
 fi
-echo "$2: nothing deployed in $1: nothing to stop"
+echo "$host: nothing deployed in $d: nothing to stop"
 """
 
 
