@@ -86,8 +86,12 @@ def test_run_locally_then_fresh_moves_aside_the_checkpoints_the_script_wrote(pro
 
     r = ok(fleet("train", "--fresh", "--join", cwd=project))
     assert "moved 8 checkpoint file(s) the last runs wrote in the project to " in r.stderr, r.stderr
-    runs = (work / "fr" / "logs" / "worker_0.log").read_text().split("starting at step 0")
-    assert len(runs) == 3 and "resumed from" not in runs[-1] and "step 3" in runs[-1]  # the third run: from step 0
+    # each start began new logs: logs/ holds the third run only (from step 0), the earlier ones are kept by number
+    log = (work / "fr" / "logs" / "worker_0.log").read_text()
+    assert log.count("starting at step 0") == 1 and "resumed from" not in log and "step 3" in log, log
+    assert "resumed from checkpoints/last-0.pt at step 3" in (work / "fr" / "logs" / "runs" / "2" / "worker_0.log"
+                                                            ).read_text()
+    assert "starting at step 0" in (work / "fr" / "logs" / "runs" / "1" / "worker_0.log").read_text()
     moved = next(work.glob("fr/project.previous-*"))
     assert json.loads((moved / "checkpoints" / "last-0.pt").read_text()) == {"step": 3}  # aside, not deleted
     assert sorted(p.name for p in (moved / "my_ckpt" / "rank_1").iterdir()) == [

@@ -142,7 +142,7 @@ def test_two_jobs_without_a_port_and_the_recorded_job_as_default(project: Path, 
     with fleet_in_terminal("run", "--workdir", str(work), "--no-warm-spare", "train.py", "--steps", "2",
                            cwd=other) as term:
         out = finish(term, 0)
-    assert "job other succeeded" in out, out
+    assert "job other succeeded" in out and "[rank0]: done" in out, out  # its output, as torchrun's --tee shows it
     assert all(is_running(pid, ticks) for pid, ticks in first)  # the first one still runs
     ports = {json.loads((d / ".toolkit" / "jobs" / f"{d.name}.json").read_text())["sched_port"]
              for d in (project, other)}
@@ -158,9 +158,13 @@ def test_two_jobs_without_a_port_and_the_recorded_job_as_default(project: Path, 
     assert "last ran with 2 worker(s) and this run asks for 1" in out and "deployed job" not in out, out
     assert (project / ".toolkit" / "jobs" / "proj.json").read_text() == record
     # no flag at all: the recorded job (2 workers, its workdir, its port) runs again
-    with fleet_in_terminal("run", "--again", "train.py", "--steps", "3", cwd=project) as term:
+    with fleet_in_terminal("run", "--again", "--local-ranks-filter", "1", "train.py", "--steps", "3",
+                           cwd=project) as term:
         out = finish(term, 0)
     assert "job proj succeeded" in out, out
+    # its output: rank 1's alone, and only this run's (each start begins new logs)
+    assert "[rank1]: resumed from checkpoints/last-1.pt at step " in out and "[rank0]" not in out, out
+    assert "[rank1]: starting at step 0" not in out, out
     doc = agent_doc(work / "proj")
     assert [p["node_id"] for p in doc["processes"]] == ["sched", "worker_0", "worker_1"]
     assert json.loads((project / ".toolkit" / "jobs" / "proj.json").read_text())["sched_port"] in ports

@@ -321,21 +321,24 @@ _JOIN_TIMEOUT = ("", "stop waiting after S seconds (the job goes on)", "S")
 _FRESH = (False, "start over from step 0 (the old run moved aside)")
 _AGAIN = (False, "a finished job: once more from its final checkpoints")
 _NO_CHECK = (False, "start without checking the hosts ('fleet check')")
+_RANKS = ("", "show only these ranks' output (0,3)", "LIST")
+_LOCAL_RANKS = ("", "show only these local ranks' output, on every host", "LIST")
+_QUIET = (False, "show no output of the ranks (their logs keep it)")
+_STREAM = {"ranks": _RANKS, "local_ranks_filter": _LOCAL_RANKS, "quiet": _QUIET}
 
 
 @cluster_task(own={"fresh": _FRESH, "again": _AGAIN, "no_check": _NO_CHECK, "join_timeout": _JOIN_TIMEOUT,
-                   "detach": (False, "return once started; the job goes on (no Ctrl-C stop)")},
+                   "detach": (False, "return once started; the job goes on (no Ctrl-C stop)"), **_STREAM},
               plans=True, usage="[FLAGS] SCRIPT [SCRIPT ARGS...]")
-def run(request: Request, fresh: bool, again: bool, no_check: bool, join_timeout: str, detach: bool) -> None:
-    """Deploy, start and wait in one, the script and its arguments last.
-
-    As torchrun: all after SCRIPT is the script's; Ctrl-C stops the job (SIGTERM: last words, then the grace
-    period), a second Ctrl-C at once. In a project with a job, what is not typed (hosts, size, port, options) is
-    the job's as recorded. --max-restarts counts per process, not per group; MASTER_PORT is --master-port + 1."""
-    if detach and join_timeout:
-        raise UserError("--detach returns once the job started; --join-timeout bounds a wait: give one of them")
+def run(request: Request, fresh: bool, again: bool, no_check: bool, join_timeout: str, detach: bool, ranks: str,
+        local_ranks_filter: str, quiet: bool) -> None:
+    """Deploy, start and wait, as torchrun; Ctrl-C stops the job."""
+    stream = tasks.RankFilter.parse(ranks, local_ranks_filter, quiet)
+    if detach and (join_timeout or stream != tasks.RankFilter()):
+        raise UserError("--detach returns once the job started; --join-timeout, --ranks, --local-ranks-filter and "
+                        "--quiet are for a run that waits: leave them out, or --detach")
     tasks.run(request, join_timeout=_seconds("--join-timeout", join_timeout), fresh=fresh, again=again,
-              check=not no_check, detach=detach)
+              check=not no_check, detach=detach, stream=stream)
 
 
 @cluster_task(own={"json": (False, "print the plan as JSON"),
@@ -360,13 +363,17 @@ def deploy(request: Request) -> None:
     "fresh": _FRESH,
     "again": _AGAIN,
     "no_check": _NO_CHECK,
+    "ranks": _RANKS,
+    "quiet": _QUIET,
 }, plans=True, usage="[FLAGS] [-- SCRIPT ARGS...]")
-def train(request: Request, join: bool, join_timeout: str, fresh: bool, again: bool, no_check: bool) -> None:
-    """Start the job on every host at once (all or nothing), after a check.
-
-    Deploys it first if it never was; a finished job needs --fresh (start over) or --again (go on)."""
+def train(request: Request, join: bool, join_timeout: str, fresh: bool, again: bool, no_check: bool, ranks: str,
+          quiet: bool) -> None:
+    """Start the job on every host at once (all or nothing), after a check."""
+    stream = tasks.RankFilter.parse(ranks, "", quiet)
+    if not join and stream != tasks.RankFilter():
+        raise UserError("--ranks and --quiet choose the output --join shows: add --join")
     tasks.train(request, join=join, join_timeout=_seconds("--join-timeout", join_timeout), fresh=fresh,
-                again=again, check=not no_check)
+                again=again, check=not no_check, stream=stream)
 
 
 @cluster_task(own={

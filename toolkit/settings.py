@@ -64,7 +64,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("project", str, ".", "the script's project, copied to every host", "DIR"),
     _job_option("script", str, "training script, in the project", "FILE"),
     _job_option("script_args", str, "its arguments as one string (or after --)", "ARGS"),
-    _job_option("master_port", int, "scheduler P, torch's store P+1 (MASTER_PORT)", "P"),
+    _job_option("master_port", int, "scheduler P, store P+1 (here: a free pair)", "P"),
     _job_option("max_restarts", int, "restarts of each process before the job fails", "N"),
     _job_option("restart_refill", str, "refills the restarts: progress, never or S", "WHEN"),
     _job_option("node_timeout", float, "heartbeat silence after which a worker is dead", "S"),

@@ -32,8 +32,9 @@ from toolkit.jobhosts.reach import (
     unless_other_job,
 )
 from toolkit.jobhosts.rerun import move_checkpoints, project_checkpoints, refuse_size_change, workdir_of
-from toolkit.jobhosts.scripts import ARCHIVE_SCRIPT
+from toolkit.jobhosts.scripts import ARCHIVE_SCRIPT, LOG_ROTATE_SCRIPT
 from toolkit.jobhosts.stopping import stop_on_interrupt, stop_one
+from toolkit.jobhosts.streams import RankFilter
 from toolkit.jobhosts.view import HostStatus
 from toolkit.jobrecord import JobRecord
 from toolkit.remote import (
@@ -51,10 +52,13 @@ from toolkit.remote import (
 )
 from toolkit.settings import Request
 
+LOG_RUNS_KEPT = 10  # earlier runs' logs kept on each host (logs/runs/<n>/), the newest
+
 
 def start_job(request: Request, join: bool = False, join_timeout: float | None = None, fresh: bool = False,
               again: bool = False, check: bool = True, verb: str = "fleet train", deployed: JobRecord | None = None,
-              known: list[HostStatus] | None = None, stop_on_ctrl_c: bool = False) -> None:
+              known: list[HostStatus] | None = None, stop_on_ctrl_c: bool = False,
+              stream: RankFilter | None = None) -> None:
     """Start the deployed job on every host at once (deploying it first if it never was); all or nothing: if a
     host fails to start, what started elsewhere is stopped. With `join`, wait for the job to end.
 
@@ -79,7 +83,7 @@ def start_job(request: Request, join: bool = False, join_timeout: float | None =
     (not read again), and `known`, every live host's status asked before that deploy and judged by
     `refuse_start` then. With `stop_on_ctrl_c` (run), Ctrl-C while joined stops the job (as `fleet stop`,
     jobhosts.stopping.stop_on_interrupt) and raises StoppedOnInterrupt; without it, Interrupted (the job goes
-    on)."""
+    on). `stream`: whose output --join prints while it waits (jobhosts.streams.RankFilter)."""
     if fresh and again:
         raise UserError("--fresh and --again both given: start the job over (--fresh) or go on from where it "
                         "ended (--again), not both")
@@ -97,7 +101,7 @@ def start_job(request: Request, join: bool = False, join_timeout: float | None =
     try:
         _start_all(record, ssh, frozenset(h.host for h in known if h.alive))
         if join:
-            join_job(record, ssh, join_timeout, project=ref.project)
+            join_job(record, ssh, join_timeout, project=ref.project, stream=stream)
     except (Interrupted, KeyboardInterrupt):  # Ctrl-C while starting (what started is stopped too) or joined
         if not stop_on_ctrl_c:
             raise
@@ -142,8 +146,10 @@ def _start_host(record: JobRecord, alive: frozenset[str], host: Host) -> bool:
     port = record.sched_port
     if h.name == record.scheduler_host and h.name not in alive:
         host.preflight(h.python, h.job_dir, ports=(port, port + 1))
-    launch = host.run([f"{h.job_dir}/launch.sh"] + (["--job-id", record.job_id] if record.job_id else []),
-                      timeout=LAUNCH_TIMEOUT)
+    argv = [f"{h.job_dir}/launch.sh"] + (["--job-id", record.job_id] if record.job_id else [])
+    if h.name not in alive:  # a new run on this host: new log files (the last run's kept under logs/runs/<n>/)
+        argv = ["sh", "-c", LOG_ROTATE_SCRIPT, "sh", h.job_dir, str(LOG_RUNS_KEPT), *argv]
+    launch = host.run(argv, timeout=LAUNCH_TIMEOUT)
     return "already running" not in unless_other_job(host.name, launch).check().stdout
 
 

@@ -18,6 +18,7 @@ from toolkit.jobhosts.deployment import deploy, launch_plan
 from toolkit.jobhosts.launch import refuse_start, start_job
 from toolkit.jobhosts.poll import collect_status
 from toolkit.jobhosts.reach import record_ssh
+from toolkit.jobhosts.streams import RankFilter
 from toolkit.jobhosts.view import HostStatus
 from toolkit.jobrecord import JobRecord
 from toolkit.settings import Recorded, Request
@@ -26,10 +27,11 @@ VERB = "fleet run"
 
 
 def run(request: Request, join_timeout: float | None = None, fresh: bool = False, again: bool = False,
-        check: bool = True, detach: bool = False) -> None:
+        check: bool = True, detach: bool = False, stream: RankFilter | None = None) -> None:
     """Deploy the job (the recorded one, with what was typed over it), start it and wait for its end
     (toolkit.jobhosts.launch.start_job with join, as `train --join` does); Ctrl-C stops the job with last words
-    (a second one at once); `detach` returns once it started, leaving it running.
+    (a second one at once); `detach` returns once it started, leaving it running; `stream`: whose output is shown
+    while it waits (jobhosts.streams.RankFilter).
 
     Refused before anything is deployed (UserError, saying what to type): a job of that name that still runs on
     some host, and what `refuse_start` refuses (a finished job, another size, another project's job). Raises what
@@ -51,7 +53,7 @@ def run(request: Request, join_timeout: float | None = None, fresh: bool = False
     if known is not None and not _same_hosts(old, record):  # type: ignore[arg-type]
         known = None  # other hosts or job directories: start_job asks the new ones
     start_job(request, join=not detach, join_timeout=join_timeout, fresh=fresh, again=again, check=check, verb=VERB,
-              deployed=record, known=known, stop_on_ctrl_c=True)
+              deployed=record, known=known, stop_on_ctrl_c=True, stream=stream)
 
 
 def _refuse_before_deploy(old: JobRecord, request: Request, world_size: int, fresh: bool,
