@@ -168,3 +168,24 @@ def test_two_jobs_without_a_port_and_the_recorded_job_as_default(project: Path, 
     doc = agent_doc(work / "proj")
     assert [p["node_id"] for p in doc["processes"]] == ["sched", "worker_0", "worker_1"]
     assert json.loads((project / ".toolkit" / "jobs" / "proj.json").read_text())["sched_port"] in ports
+
+
+def test_a_module_and_a_program_run_as_torchrun_runs_them(project: Path, work: Path) -> None:
+    """`fleet run -m pkg.mod` runs a module as `python -m` does (from the project, with its arguments), and
+    `--no-python PROGRAM` a program that is not Python, with the same environment."""
+    (project / "pkg").mkdir()
+    (project / "pkg" / "__init__.py").write_text("")
+    shutil.copy(WORKER, project / "pkg" / "mod.py")
+    with fleet_in_terminal("run", "--job", "mod", "--workdir", str(work), "--no-warm-spare", "-m", "pkg.mod",
+                           "--steps", "2", cwd=project) as term:
+        out = finish(term, 0)
+    assert "[rank0]: step 2" in out and "job mod succeeded" in out, out
+    contract = next(line for line in (work / "mod" / "logs" / "worker_0.log").read_text().splitlines()
+                    if line.startswith("contract "))
+    assert json.loads(contract[len("contract "):])["argv"] == ["--steps", "2"]
+    (project / "prog.sh").write_text('#!/bin/sh\necho "rank $RANK of $WORLD_SIZE: $*"\n')
+    (project / "prog.sh").chmod(0o755)
+    with fleet_in_terminal("run", "--job", "prog", "--workdir", str(work), "--no-warm-spare", "--nproc-per-node",
+                           "2", "--no-python", "./prog.sh", "a b", cwd=project) as term:
+        out = finish(term, 0)
+    assert "[rank1]: rank 1 of 2: a b" in out and "[rank0]: rank 0 of 2: a b" in out, out

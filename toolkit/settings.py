@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import re
 import sys
 from dataclasses import dataclass
@@ -64,6 +65,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("project", str, ".", "the script's project, copied to every host", "DIR"),
     _job_option("script", str, "training script, in the project", "FILE"),
     _job_option("script_args", str, "its arguments as one string (or after --)", "ARGS"),
+    _job_option("module", bool, "the script is a module, run as python -m (run's -m)"),
+    _job_option("no_python", bool, "the script is a program, not Python (run's --no-python)"),
     _job_option("master_port", int, "scheduler P, store P+1 (here: a free pair)", "P"),
     _job_option("max_restarts", int, "restarts of each process before the job fails", "N"),
     _job_option("restart_refill", str, "refills the restarts: progress, never or S", "WHEN"),
@@ -120,9 +123,9 @@ class Settings:
 
 
 # The options that are part of a deployed job (the record keeps them): typed again later, they must agree with it.
-JOB_OPTIONS = ("script", "script_args", "worker_num", "nproc_per_node", "nnodes", "master_port", "cluster_time_out",
-               "node_timeout", "recovery", "data_path", "ckpt_dir", "workdir", "python", "max_restarts", "grace",
-               "bind_core", "warm_spare", "torchrun_script", "host_timeout", "restart_refill")
+JOB_OPTIONS = ("script", "script_args", "module", "no_python", "worker_num", "nproc_per_node", "nnodes", "master_port",
+               "cluster_time_out", "node_timeout", "recovery", "data_path", "ckpt_dir", "workdir", "python",
+               "max_restarts", "grace", "bind_core", "warm_spare", "torchrun_script", "host_timeout", "restart_refill")
 
 
 # How deploy reached the hosts, kept in the job record's `ssh` (every later task reaches them the same way): typed
@@ -262,6 +265,8 @@ def resolve(given: Mapping[str, Any], config: Mapping[str, Any], core: CoreFlags
     With `recorded` (a deployed job's values, see Recorded), they stand in for what was not typed: its options
     (but none of SIZE_FLAGS when one of them was typed) and its hosts (unless a host flag was typed)."""
     config = _without_recorded(config, recorded, given, core)
+    given, config = (_counted_nproc(d, where, _typed_hosts(given, core) or bool(set(config) & set(HOST_FLAGS)))
+                     for d, where in ((given, "--nproc-per-node"), (config, "fabric.yaml: toolkit.nproc_per_node")))
     values = {o.name: o.default for o in OPTIONS} | _values(given, config)
     if recorded is not None and recorded.inventory is not None and not _typed_hosts(given, core):
         inventory = recorded.inventory
@@ -279,7 +284,8 @@ def resolve(given: Mapping[str, Any], config: Mapping[str, Any], core: CoreFlags
         workdir = str((cwd / Path(workdir).expanduser()).resolve())
     python = values["python"] or (sys.executable if local else "python3")
     script = values["script"]
-    if script_required and not Path(script).is_absolute() and not (project / script).is_file():
+    is_file = not (values["module"] or values["no_python"])  # a module or program is found where it runs
+    if script_required and is_file and not Path(script).is_absolute() and not (project / script).is_file():
         raise UserError(f"--script {script}: no such file in {project}; pass --project DIR or the script's path in it")
 
     job_fields = {f.name for f in dataclasses.fields(JobOptions)} & OPTION_NAMES
@@ -297,6 +303,30 @@ def resolve(given: Mapping[str, Any], config: Mapping[str, Any], core: CoreFlags
         core=core,
         default_port="master_port" not in given and "master_port" not in config,
     )
+
+
+NVIDIA_GPUS = Path("/proc/driver/nvidia/gpus")  # one directory per GPU the driver knows (no torch import needed)
+
+
+def _counted_nproc(values: Mapping[str, Any], where: str, on_hosts: bool) -> Mapping[str, Any]:
+    """`values` with torchrun's `--nproc-per-node auto|cpu|gpu` counted on this machine: gpu its GPUs (UserError if
+    it has none), cpu its CPUs, auto its GPUs if it has any, else its CPUs. On hosts they would have to be counted
+    on each host: UserError saying to give a number (or each host's slots)."""
+    word = str(values.get("nproc_per_node", "")).strip().lower()
+    if word not in ("auto", "cpu", "gpu"):
+        return values
+    if on_hosts:
+        raise UserError(f"{where} {word}: counted on this machine only; for hosts give a number, or each host's "
+                        "slots (host:N in --hosts, slots=N in a hostfile or inventory)")
+    try:
+        gpus = sum(1 for _ in NVIDIA_GPUS.iterdir())
+    except OSError:
+        gpus = 0
+    if word == "gpu" and not gpus:
+        raise UserError(f"{where} gpu: this machine has no GPU the NVIDIA driver knows ({NVIDIA_GPUS}); give a number, "
+                        "or cpu")
+    count = gpus if word == "gpu" or (word == "auto" and gpus) else (os.cpu_count() or 1)
+    return {**values, "nproc_per_node": count}
 
 
 def _typed_hosts(given: Mapping[str, Any], core: CoreFlags) -> bool:
