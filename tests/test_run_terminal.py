@@ -7,6 +7,7 @@ redeployed); `--detach` leaves the job running."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -189,3 +190,11 @@ def test_a_module_and_a_program_run_as_torchrun_runs_them(project: Path, work: P
                            "2", "--no-python", "./prog.sh", "a b", cwd=project) as term:
         out = finish(term, 0)
     assert "[rank1]: rank 1 of 2: a b" in out and "[rank0]: rank 0 of 2: a b" in out, out
+    # the status table in an 80-column terminal: its compact layout, nothing cut to `loc…`
+    with Terminal([str(BIN / "fleet"), "status", "--job", "prog"], cwd=project, columns=80) as term:
+        out = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", finish(term, 0)).replace("\r", "")
+    rows = [line for line in out.splitlines() if line.startswith("localhost ")]
+    assert [row.split()[:4] for row in rows] == [["localhost", "sched", "-", "succeeded"],
+                                                 ["localhost", "worker_0", "-", "succeeded"],
+                                                 ["localhost", "worker_1", "-", "succeeded"]], out
+    assert "…" not in out and max(len(line) for line in out.splitlines()) <= 80, out

@@ -426,7 +426,9 @@ def test_a_finished_job_is_not_started_again_by_accident(tmp_path: Path, job: st
 
     r = ok(fleet("train", "--join", "--again", *flags, cwd=d))
     assert f"job {job} succeeded" in r.stderr
-    assert ok(fleet("logs", "--job", job, "--rank", "0", "-n", "100", cwd=d)).stdout.count("step: 3,") == 2
+    # each start begins new logs: `fleet logs` shows the --again run's alone, the first run's is kept by number
+    assert ok(fleet("logs", "--job", job, "--rank", "0", "-n", "100", cwd=d)).stdout.count("step: 3,") == 1
+    assert "step: 3," in (work / job / "logs" / "runs" / "1" / "worker_0.log").read_text()
 
     r = fleet("train", "--fresh", "--again", *flags, cwd=d)
     assert r.returncode == 2 and "--fresh and --again both given" in r.stderr

@@ -50,7 +50,8 @@ TORCHRUN_ONLY = {
     "--monitor-interval": "each host's agent waits on its workers' exit: there is no interval to set",
     "--log-dir": "each process logs to logs/ in its job directory; 'fleet logs' shows them",
     "--redirects": "each process logs to logs/ in its job directory; 'fleet logs' shows them",
-    "--tee": "each process logs to logs/ in its job directory; 'fleet logs' shows them",
+    "--tee": "'fleet run' shows every rank's output prefixed [rank1]: (--ranks, --local-ranks-filter, --quiet "
+             "choose) and each process logs to logs/ in its job directory",
     "--role": "every worker has the one role 'default' (ROLE_NAME)",
 }
 
