@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -121,6 +122,23 @@ def test_a_new_worker_count_is_refused_before_anything_starts(project: Path, tmp
     after = agent_doc(work, "sz")
     assert after["state"] == "succeeded" and [p["node_id"] for p in after["processes"]] == ["sched", "worker_0"]
     assert all(p["restarts"] == 0 for p in after["processes"])
+
+
+def test_fresh_moves_nothing_aside_when_the_start_cannot_pass(project: Path, tmp_path: Path) -> None:
+    """`--fresh` on a busy port: the start's own check (the scheduler's ports) refuses it before the previous run
+    is moved aside, so its checkpoints and state stay where the next start finds them."""
+    work = tmp_path / "w"
+    port = free_port_pair()
+    flags = ["--job", "busy", "--workdir", str(work), "--master-port", str(port), "--no-warm-spare", "--grace", "3"]
+    ok(fleet("run", *flags, "train.py", "--steps", "2", cwd=project))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", port))
+        taken.listen()
+        r = fleet("train", "--fresh", "--join", cwd=project)
+    assert r.returncode == 2 and f"port {port}" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert "moved" not in r.stderr and not list(work.glob("busy/*previous*")), r.stderr
+    assert json.loads((project / "checkpoints" / "last-0.pt").read_text()) == {"step": 2}  # left where it was
+    assert agent_doc(work, "busy")["state"] == "succeeded"
 
 
 def test_what_fresh_takes_for_a_checkpoint() -> None:

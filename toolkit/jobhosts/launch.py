@@ -47,6 +47,7 @@ from toolkit.remote import (
     PreflightFailed,
     SshSettings,
     UnknownHostKey,
+    check_all,
     rich_progress,
     run_on_all,
 )
@@ -96,7 +97,8 @@ def start_job(request: Request, join: bool = False, join_timeout: float | None =
     if known is None:
         _, known = collect_status(record, ssh)
         refuse_start(record, known, ssh, fresh=fresh, again=again, verb=verb)
-    if fresh:
+    if fresh:  # nothing is moved aside before the start's own checks passed (the scheduler's ports)
+        _preflight_scheduler(record, ssh, frozenset(h.host for h in known if h.alive))
         _move_aside(record, ssh, known, ref.project)
     try:
         _start_all(record, ssh, frozenset(h.host for h in known if h.alive))
@@ -151,6 +153,17 @@ def _start_host(record: JobRecord, alive: frozenset[str], host: Host) -> bool:
         argv = ["sh", "-c", LOG_ROTATE_SCRIPT, "sh", h.job_dir, str(LOG_RUNS_KEPT), *argv]
     launch = host.run(argv, timeout=LAUNCH_TIMEOUT)
     return "already running" not in unless_other_job(host.name, launch).check().stdout
+
+
+def _preflight_scheduler(record: JobRecord, ssh: SshSettings, alive: frozenset[str]) -> None:
+    """The scheduler host's preflight with its two ports (as `_start_host` runs it), unless its agent runs (`alive`):
+    ClusterError (a UserError naming the host and the busy port) before anything was moved or started."""
+    h = record.host(record.scheduler_host)
+    if h.name in alive:
+        return
+    port = record.sched_port
+    check_all(run_on_all([host_target(h, record.local)],
+                         lambda host: host.preflight(h.python, h.job_dir, ports=(port, port + 1)), ssh))
 
 
 def _check_first(record: JobRecord, ssh: SshSettings, project: Path) -> None:
