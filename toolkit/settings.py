@@ -265,8 +265,9 @@ def resolve(given: Mapping[str, Any], config: Mapping[str, Any], core: CoreFlags
     With `recorded` (a deployed job's values, see Recorded), they stand in for what was not typed: its options
     (but none of SIZE_FLAGS when one of them was typed) and its hosts (unless a host flag was typed)."""
     config = _without_recorded(config, recorded, given, core)
-    given, config = (_counted_nproc(d, where, _typed_hosts(given, core) or bool(set(config) & set(HOST_FLAGS)))
-                     for d, where in ((given, "--nproc-per-node"), (config, "fabric.yaml: toolkit.nproc_per_node")))
+    on_hosts = _typed_hosts(given, core) or any(config.get(k) for k in ("hostfile", "inventory", "slurm"))
+    given = _counted_nproc(given, "--nproc-per-node", on_hosts)
+    config = _counted_nproc(config, "fabric.yaml: toolkit.nproc_per_node", on_hosts)
     values = {o.name: o.default for o in OPTIONS} | _values(given, config)
     if recorded is not None and recorded.inventory is not None and not _typed_hosts(given, core):
         inventory = recorded.inventory

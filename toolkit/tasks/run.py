@@ -50,7 +50,7 @@ def run(request: Request, join_timeout: float | None = None, fresh: bool = False
     if old is not None and old.job == settings.options.job:
         known = _refuse_before_deploy(old, request, launch_plan(settings).world_size, fresh, again)
     record = deploy(settings)
-    if known is not None and not _same_hosts(old, record):  # type: ignore[arg-type]
+    if old is not None and known is not None and not _same_hosts(old, record):
         known = None  # other hosts or job directories: start_job asks the new ones
     start_job(request, join=not detach, join_timeout=join_timeout, fresh=fresh, again=again, check=check, verb=VERB,
               deployed=record, known=known, stop_on_ctrl_c=True, stream=stream)
