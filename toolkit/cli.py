@@ -124,6 +124,8 @@ def split_command_line(tokens: list[str], contexts: Mapping[str, ParserContext],
         elif ctx is not None and ctx.name == RUN:
             return CommandLine(out, word, tokens[i + 1:], kind)
         else:
+            if word in contexts:  # another task (or the same one again): its flags are counted anew
+                seen = {key for key in seen if key[0] == ""}
             ctx = contexts.get(word, ctx)
             out.append(word)
         i += 1
