@@ -184,6 +184,11 @@ def test_a_module_and_a_program_run_as_torchrun_runs_them(project: Path, work: P
     contract = next(line for line in (work / "mod" / "logs" / "worker_0.log").read_text().splitlines()
                     if line.startswith("contract "))
     assert json.loads(contract[len("contract "):])["argv"] == ["--steps", "2"]
+    # a module that is not there: the set-up error fails the job at once, not after 3 restarts with backoff
+    with fleet_in_terminal("run", "--job", "nomod", "--workdir", str(work), "--no-warm-spare", "-m", "pkg.nothere",
+                           cwd=project) as term:
+        out = finish(term, 1)
+    assert "-m pkg.nothere: no such module" in out and "after 0 restart(s)" in out, out
     (project / "prog.sh").write_text('#!/bin/sh\necho "rank $RANK of $WORLD_SIZE: $*"\n')
     (project / "prog.sh").chmod(0o755)
     with fleet_in_terminal("run", "--job", "prog", "--workdir", str(work), "--no-warm-spare", "--nproc-per-node",
