@@ -13,6 +13,7 @@ from toolkit.jobhosts.scripts import STOP_SCRIPT
 from toolkit.jobrecord import JobRecord
 from toolkit.remote import ClusterError, Host, SshSettings, check_all, rich_progress, run_on_all
 
+STOP_WAIT_MARGIN = 30.0  # s beyond stop_job's own bound that run's Ctrl-C waits for it (connecting, the fan-out)
 EXIT_STOPPED = 130  # `run` stopped the job on Ctrl-C: as a shell reports a command ended by SIGINT
 
 
@@ -82,7 +83,9 @@ def stop_on_interrupt(record: JobRecord, ssh: SshSettings) -> StoppedOnInterrupt
     worker = threading.Thread(target=stop_gently, name="stop", daemon=True)
     with interrupt_sets(again, wake):
         worker.start()
-        wake.wait()
+        if not wake.wait(record.grace + STOP_TIMEOUT_EXTRA + STOP_WAIT_MARGIN):  # stop_job is bounded by less
+            raise UserError(f"stopping job {record.job} did not end in time: the job may still run; run 'fleet stop' "
+                            "again")
         if again.is_set() and worker.is_alive():
             say(f"Ctrl-C again: stopping job {record.job} at once (SIGKILL)")
             stop_job(record, ssh, now=True)
