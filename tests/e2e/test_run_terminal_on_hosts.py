@@ -1,10 +1,12 @@
 """`fleet run` in a terminal on 3 namespace hosts (6 ranks of the sample trainer, over SSH): the ranks chosen with
 --ranks print their output in the terminal, `[rank3]: ...`, from remote hosts, and no other rank's; Ctrl-C stops
-the job on every host with last words (each rank saves the step it stopped at), leaving no process."""
+the job on every host with last words (each rank saves the step it stopped at), leaving no process. Then `fleet run
+train.py` with no host or port flag runs the recorded job again (its hosts, 6 ranks, its port) from those words."""
 
 from __future__ import annotations
 
 import re
+import subprocess
 
 from fault_harness import E2E, FLEET
 
@@ -33,3 +35,13 @@ def test_run_streams_the_chosen_ranks_and_ctrl_c_stops_every_host(e2e: E2E) -> N
     for rank in (0, 3):
         assert re.search(r"stopped by SIGTERM at step \d+, checkpoint saved", job.log(f"worker_{rank}")), \
             job.log(f"worker_{rank}")[-2000:]
+
+    # the recorded job is the default: no host, size or port typed (the project's config names its inventory, the
+    # record wins), and it resumes from the last words
+    r = subprocess.run([FLEET, "run", "--job", job.name, "--no-check", "--quiet", "train.py", "--epochs", "1",
+                        "--batch-size", "16", "--ckpt-interval", "100000"], cwd=e2e.project, capture_output=True,
+                       text=True, timeout=BOUND)
+    assert r.returncode == 0 and f"job {job.name} succeeded" in r.stderr and "[rank" not in r.stdout, r.stderr
+    assert f"scheduler on {job.host_of('worker_0')}:{job.port}" in r.stderr, r.stderr
+    assert re.search(r"^rank 3: resumed from step [1-9]", job.log("worker_3"), re.M), job.log("worker_3")[-2000:]
+    job.wait_no_leftovers()
