@@ -41,7 +41,10 @@ def run(request: Request, join_timeout: float | None = None, fresh: bool = False
         raise UserError("--fresh and --again both given: start the job over (--fresh) or go on from where it "
                         "ended (--again), not both")
     ref = request.job_ref()
-    name = jobrecord.choose(ref.project, ref.job, ref.default_job)
+    try:
+        name = jobrecord.choose(ref.project, ref.job, ref.default_job)
+    except UserError:  # several jobs there, none named: run deploys the one named after the project, as before
+        name = ref.default_job
     old = jobrecord.load(ref.project, name) if name is not None and jobrecord.exists(ref.project, name) else None
     if old is not None:
         request = request.with_recorded(Recorded(old.options, None if old.local else recorded_inventory(old)))
