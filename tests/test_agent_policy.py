@@ -124,6 +124,14 @@ def test_a_worker_that_says_the_job_cannot_go_on_fails_it_at_once() -> None:
     assert policy.on_exit(RULES, exit_(code=P.EXIT_FATAL, closing=True), "exit code 77") == Settle("stopped", False)
 
 
+def test_a_set_up_error_before_any_step_fails_at_once() -> None:
+    """Exit 2 (a usage or set-up error: an unusable checkpoint directory, a missing module) before any progress is
+    given up on at once, not retried with backoff; after progress it is a failure like any other."""
+    assert policy.on_exit(RULES, exit_(code=policy.EXIT_SETUP), "exit code 2") == GiveUp(0)
+    after = policy.on_exit(RULES, exit_(code=policy.EXIT_SETUP, progressed=True), "exit code 2")
+    assert isinstance(after, Relaunch) and after.counted == 1
+
+
 def test_success_and_closing() -> None:
     assert policy.on_exit(RULES, exit_(code=0), "exit code 0") == Succeeded(False)
     assert policy.on_exit(RULES, exit_(code=0, others_succeeded=True), "exit code 0") == Succeeded(True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -252,6 +253,28 @@ def test_torchrun_spellings(project: Path) -> None:
     assert plan["scheduler"]["port"] == 9100
     r = run("fleet", "plan", "--standalone", "--nproc-per-node", "3", "--json", cwd=project)
     assert r.returncode == 0 and json.loads(r.stdout)["world_size"] == 3, r.stderr
+
+
+def test_torchrun_remaining_spellings(project: Path) -> None:
+    """--nproc-per-node auto|cpu counts this machine's CPUs (no GPU here: gpu is refused with why, and on hosts any
+    of them), --run-path and --start-method spawn are what toolkit does anyway, another start method is refused
+    with why, and a flag given twice is one line naming it (it was "unknown task 2")."""
+    cpus = os.cpu_count()
+    for word in ("auto", "cpu"):
+        r = run("fleet", "plan", "--nproc-per-node", word, "--run-path", "--start-method", "spawn", "--json",
+                cwd=project)
+        assert r.returncode == 0 and json.loads(r.stdout)["world_size"] == cpus, r.stderr
+    refusals = {
+        ("plan", "--nproc-per-node", "gpu"): "error: --nproc-per-node gpu: this machine has no GPU",
+        ("plan", "--hosts=a,b", "--nproc_per_node=auto"): "error: --nproc-per-node auto: counted on this machine only",
+        ("plan", "--start_method", "fork"): "error: --start-method fork: each host's agent starts every worker as a "
+                                            "fresh interpreter",
+        ("run", "--nproc-per-node", "2", "--nproc_per_node", "2", "train.py"): "error: --nproc-per-node given twice",
+        ("run", "-m", "--no-python", "x"): "error: -m and --no-python: SCRIPT is a module or a program",
+    }
+    for args, said in refusals.items():
+        r = run("fleet", *args, cwd=project)
+        assert r.returncode == 2 and r.stderr.count("\n") == 1 and r.stderr.startswith(said), (args, r.stderr)
 
 
 def test_train_with_other_script_arguments_says_what_to_type(project: Path) -> None:

@@ -65,6 +65,7 @@ COMMANDS = {
     "scripts/gpu-check.sh": COVERED,
     ". .venv/bin/activate": RUN_CLONE,
     "fleet run --nproc-per-node 2 train.py --lr 0.1": RUN_LOCAL,
+    "fleet run --again train.py --lr 0.1": RUN_LOCAL,
     "fleet run --hosts=node1,node2 --nproc-per-node 4 train.py --lr 0.1": RUN_CLUSTER,
     "fleet plan --hosts=node1:4,node2:4": RUN_CLUSTER,
     "fleet deploy train --slurm": RUN_CLUSTER,
@@ -220,6 +221,8 @@ def test_the_readme_commands_run_as_typed(cluster: Cluster, tmp_path: Path) -> N
         assert "Usage: fleet TASK" in user.run("fleet --help", here).stdout
         user.run("fleet run --nproc-per-node 2 train.py --lr 0.1", here)
         assert "step 3" in user.run("fleet logs --rank 1 -n 20", here).stdout
+        again = user.run("fleet run --again train.py --lr 0.1", here)  # the recorded job: its 2 workers again
+        assert "job here succeeded" in again.stderr and "[rank1]: " in again.stdout, again
 
         for command in (c for c in shown if COMMANDS[c] == HELP):
             task = command.split()[1]

@@ -499,8 +499,20 @@ def test_cluster_error_lists_every_failed_host_earliest_first(
     lines = str(e.value).splitlines()
     assert e.value.root_cause.host == rekeyed.name  # refused at once; the cut-off host only after its timeout
     assert lines[0].startswith(f"2 of {len(targets)} hosts failed; root cause: {rekeyed.name}: host key for")
-    assert lines[1].startswith(f"  {rekeyed.name}: ") and lines[1].endswith("(root cause)")
-    assert lines[2].startswith(f"  {cut.name}: unreachable")
+    assert len(lines) == 2 and lines[1].startswith(f"  {cut.name}: unreachable")  # the root cause said once
+
+
+def test_one_failure_shared_by_hosts_is_one_line() -> None:
+    """One fact, one line: hosts that failed the same way are named together, a host's name is never doubled."""
+    from toolkit.remote import HostResult
+    from toolkit.remote.results import failure_lines
+
+    failures = [HostResult(h, False, error=f"{h}: /ckpt is writable by other users (mode 1777)", finished=t)
+                for t, h in enumerate(("a", "b", "c"))]
+    failures.append(HostResult("d", False, error="d: unreachable: timed out", finished=9))
+    assert failure_lines(failures, 5) == [
+        "4 of 5 hosts failed; root cause: a: /ckpt is writable by other users (mode 1777) (also on b, c)",
+        "  d: unreachable: timed out"]
 
 
 def test_fail_fast_skips_hosts_not_yet_started(cluster: Cluster, targets: list[Target], tmp_path: Path) -> None:
@@ -525,3 +537,14 @@ def test_bad_settings_are_one_line_user_errors(tmp_path: Path) -> None:
         run_on_all([Target("x")], lambda h: None, SshSettings(ssh_config=str(tmp_path / "none")))
     with pytest.raises(UserError, match="listed twice"):
         run_on_all([Target("x"), Target("x")], lambda h: None, SshSettings())
+
+
+def test_a_host_named_by_its_error_is_not_named_twice() -> None:
+    from toolkit.errors import UserError
+    from toolkit.remote import SshSettings, Target, run_on_all
+
+    def refuse(host: Any) -> None:
+        raise UserError(f"{host.name}: checkpoint directory /x is writable by other users")
+
+    results = run_on_all([Target("localhost", local=True)], refuse, SshSettings())
+    assert results["localhost"].error == "localhost: checkpoint directory /x is writable by other users"

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -86,8 +87,12 @@ def test_run_locally_then_fresh_moves_aside_the_checkpoints_the_script_wrote(pro
 
     r = ok(fleet("train", "--fresh", "--join", cwd=project))
     assert "moved 8 checkpoint file(s) the last runs wrote in the project to " in r.stderr, r.stderr
-    runs = (work / "fr" / "logs" / "worker_0.log").read_text().split("starting at step 0")
-    assert len(runs) == 3 and "resumed from" not in runs[-1] and "step 3" in runs[-1]  # the third run: from step 0
+    # each start began new logs: logs/ holds the third run only (from step 0), the earlier ones are kept by number
+    log = (work / "fr" / "logs" / "worker_0.log").read_text()
+    assert log.count("starting at step 0") == 1 and "resumed from" not in log and "step 3" in log, log
+    assert "resumed from checkpoints/last-0.pt at step 3" in (work / "fr" / "logs" / "runs" / "2" / "worker_0.log"
+                                                            ).read_text()
+    assert "starting at step 0" in (work / "fr" / "logs" / "runs" / "1" / "worker_0.log").read_text()
     moved = next(work.glob("fr/project.previous-*"))
     assert json.loads((moved / "checkpoints" / "last-0.pt").read_text()) == {"step": 3}  # aside, not deleted
     assert sorted(p.name for p in (moved / "my_ckpt" / "rank_1").iterdir()) == [
@@ -170,6 +175,23 @@ def test_fresh_leaves_a_checkpoint_directory_another_jobs_key_id_names(tmp_path:
         assert ckpt.exists() != moved and (tmp_path / f"ckpt-{moved}.previous-STAMP").exists() == moved, out
         said = "moved" if moved else "left"
         assert f"{said} {ckpt}" in out and not (job_dir / "recovery").exists(), out
+
+
+def test_fresh_moves_nothing_aside_when_the_start_cannot_pass(project: Path, tmp_path: Path) -> None:
+    """`--fresh` on a busy port: the start's own check (the scheduler's ports) refuses it before the previous run
+    is moved aside, so its checkpoints and state stay where the next start finds them."""
+    work = tmp_path / "w"
+    port = free_port_pair()
+    flags = ["--job", "busy", "--workdir", str(work), "--master-port", str(port), "--no-warm-spare", "--grace", "3"]
+    ok(fleet("run", *flags, "train.py", "--steps", "2", cwd=project))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", port))
+        taken.listen()
+        r = fleet("train", "--fresh", "--join", cwd=project)
+    assert r.returncode == 2 and f"port {port}" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert "moved" not in r.stderr and not list(work.glob("busy/*previous*")), r.stderr
+    assert json.loads((project / "checkpoints" / "last-0.pt").read_text()) == {"step": 2}  # left where it was
+    assert agent_doc(work, "busy")["state"] == "succeeded"
 
 
 def test_what_fresh_takes_for_a_checkpoint() -> None:

@@ -50,9 +50,22 @@ TORCHRUN_ONLY = {
     "--monitor-interval": "each host's agent waits on its workers' exit: there is no interval to set",
     "--log-dir": "each process logs to logs/ in its job directory; 'fleet logs' shows them",
     "--redirects": "each process logs to logs/ in its job directory; 'fleet logs' shows them",
-    "--tee": "each process logs to logs/ in its job directory; 'fleet logs' shows them",
+    "--tee": "'fleet run' shows every rank's output prefixed [rank1]: (--ranks, --local-ranks-filter, --quiet "
+             "choose) and each process logs to logs/ in its job directory",
     "--role": "every worker has the one role 'default' (ROLE_NAME)",
 }
+
+
+# torchrun's flags that mean what toolkit does anyway: accepted (with these values) and dropped, or refused saying why.
+TORCHRUN_SAME = {
+    "--run-path": (None, "every script runs as runpy.run_path runs it"),
+    "--start-method": ("spawn", "each host's agent starts every worker as a fresh interpreter, as spawn does; fork "
+                                "and forkserver have no meaning there"),
+}
+
+
+# torchrun's flags that say what `run`'s SCRIPT is (the kind CommandLine records).
+SCRIPT_KINDS = {"-m": "module", "--module": "module", "--no-python": "program", "--no_python": "program"}
 
 
 @dataclass(frozen=True)
@@ -64,6 +77,7 @@ class CommandLine:
     tokens: list[str]
     script: str | None = None
     script_args: list[str] | None = None
+    kind: str = ""  # `run`'s SCRIPT: "module" (-m, --module), "program" (--no-python), "" a Python file
 
 
 def split_command_line(tokens: list[str], contexts: Mapping[str, ParserContext],
@@ -74,6 +88,8 @@ def split_command_line(tokens: list[str], contexts: Mapping[str, ParserContext],
     torchrun's that toolkit has no equivalent for exits 2 saying why. Anything else invoke judges."""
     out: list[str] = []
     ctx: ParserContext | None = None
+    seen: set[tuple[str, int]] = set()
+    kind = ""
     i = 0
     while i < len(tokens):
         word = tokens[i]
@@ -85,18 +101,48 @@ def split_command_line(tokens: list[str], contexts: Mapping[str, ParserContext],
             if name in TORCHRUN_ONLY and not (ctx and name in ctx.flags):
                 raise Exit(f"error: {name} is torchrun's and means nothing here: {TORCHRUN_ONLY[name]}",
                            code=EXIT_USAGE)
-            out.append(name + eq + value)
+            if ctx is not None and ctx.name == RUN and name in SCRIPT_KINDS and not eq:
+                if kind:
+                    raise Exit("error: -m and --no-python: SCRIPT is a module or a program, give one of them",
+                               code=EXIT_USAGE)
+                kind = SCRIPT_KINDS[name]
+                i += 1
+                continue
+            if name in TORCHRUN_SAME and not (ctx and name in ctx.flags):
+                i += _torchrun_same(name, value if eq else (tokens[i + 1] if i + 1 < len(tokens) else ""), eq)
+                continue
             arg = _flag(name, ctx, initial)
+            if arg is not None and arg.kind is not list:
+                key = (ctx.name if ctx is not None and name in ctx.flags else "", id(arg))
+                if key in seen:
+                    raise Exit(f"error: {name} given twice: give it once", code=EXIT_USAGE)
+                seen.add(key)
+            out.append(name + eq + value)
             if arg is not None and arg.takes_value and not arg.optional and not eq and i + 1 < len(tokens):
                 out.append(tokens[i + 1])
                 i += 1
         elif ctx is not None and ctx.name == RUN:
-            return CommandLine(out, word, tokens[i + 1:])
+            return CommandLine(out, word, tokens[i + 1:], kind)
         else:
+            if word in contexts:  # another task (or the same one again): its flags are counted anew
+                seen = {key for key in seen if key[0] == ""}
             ctx = contexts.get(word, ctx)
             out.append(word)
         i += 1
     return CommandLine(out)
+
+
+def _torchrun_same(name: str, value: str, eq: str) -> int:
+    """How many words a TORCHRUN_SAME flag takes (dropped: it means what toolkit does anyway); exits 2 for a value
+    toolkit cannot honour, saying why."""
+    wanted, why = TORCHRUN_SAME[name]
+    if wanted is None:
+        if eq:
+            raise Exit(f"error: {name} takes no value: {why}", code=EXIT_USAGE)
+        return 1
+    if value != wanted:
+        raise Exit(f"error: {name} {value or '(no value)'}: {why}; give {wanted} or leave it out", code=EXIT_USAGE)
+    return 1 if eq else 2
 
 
 def _flag(name: str, ctx: ParserContext | None, initial: ParserContext) -> Argument | None:
@@ -113,7 +159,7 @@ def _dashed(name: str, ctx: ParserContext | None, initial: ParserContext) -> str
     if not name.startswith("--") or "_" not in name:
         return name
     dashed = name.replace("_", "-")
-    known = dashed in initial.flags or dashed in TORCHRUN_ONLY or (
+    known = dashed in initial.flags or dashed in TORCHRUN_ONLY or dashed in TORCHRUN_SAME or (
         ctx is not None and (dashed in ctx.flags or dashed in ctx.inverse_flags))
     return dashed if known else name
 
@@ -237,7 +283,8 @@ def _script_flags(given: dict[str, Any], names: list[str], line: CommandLine) ->
         if line.script is None:
             raise Exit("error: fleet run: name the training script after the flags, its arguments after it (fleet "
                        "run --nproc-per-node 2 train.py --lr 0.1)", code=EXIT_USAGE)
-        return {**given, "script": line.script, "script_args": shlex.join(line.script_args or [])}
+        return {**given, "script": line.script, "script_args": shlex.join(line.script_args or []),
+                "module": line.kind == "module", "no_python": line.kind == "program"}
     if line.script_args is None:
         return given
     if "script_args" in given:
@@ -321,17 +368,24 @@ _JOIN_TIMEOUT = ("", "stop waiting after S seconds (the job goes on)", "S")
 _FRESH = (False, "start over from step 0 (the old run moved aside)")
 _AGAIN = (False, "a finished job: once more from its final checkpoints")
 _NO_CHECK = (False, "start without checking the hosts ('fleet check')")
+_RANKS = ("", "show only these ranks' output (0,3)", "LIST")
+_LOCAL_RANKS = ("", "show only these local ranks' output, on every host", "LIST")
+_QUIET = (False, "show no output of the ranks (their logs keep it)")
+_STREAM = {"ranks": _RANKS, "local_ranks_filter": _LOCAL_RANKS, "quiet": _QUIET}
 
 
-@cluster_task(own={"fresh": _FRESH, "again": _AGAIN, "no_check": _NO_CHECK, "join_timeout": _JOIN_TIMEOUT},
-              plans=True, usage="[FLAGS] SCRIPT [SCRIPT ARGS...]")
-def run(request: Request, fresh: bool, again: bool, no_check: bool, join_timeout: str) -> None:
-    """Deploy, start and wait in one, the script and its arguments last.
-
-    As torchrun: all after SCRIPT is the script's; 'fleet deploy train --join --script SCRIPT -- ARGS' does the
-    same. --max-restarts counts per process, not per group; MASTER_PORT is --master-port + 1."""
+@cluster_task(own={"fresh": _FRESH, "again": _AGAIN, "no_check": _NO_CHECK, "join_timeout": _JOIN_TIMEOUT,
+                   "detach": (False, "return once started; the job goes on (no Ctrl-C stop)"), **_STREAM},
+              plans=True, usage="[FLAGS] [-m | --no-python] SCRIPT [SCRIPT ARGS...]")
+def run(request: Request, fresh: bool, again: bool, no_check: bool, join_timeout: str, detach: bool, ranks: str,
+        local_ranks_filter: str, quiet: bool) -> None:
+    """Deploy, start and wait, as torchrun; Ctrl-C stops the job."""
+    stream = tasks.RankFilter.parse(ranks, local_ranks_filter, quiet)
+    if detach and (join_timeout or stream != tasks.RankFilter()):
+        raise UserError("--detach returns once the job started; --join-timeout, --ranks, --local-ranks-filter and "
+                        "--quiet are for a run that waits: leave them out, or --detach")
     tasks.run(request, join_timeout=_seconds("--join-timeout", join_timeout), fresh=fresh, again=again,
-              check=not no_check)
+              check=not no_check, detach=detach, stream=stream)
 
 
 @cluster_task(own={"json": (False, "print the plan as JSON"),
@@ -356,13 +410,17 @@ def deploy(request: Request) -> None:
     "fresh": _FRESH,
     "again": _AGAIN,
     "no_check": _NO_CHECK,
+    "ranks": _RANKS,
+    "quiet": _QUIET,
 }, plans=True, usage="[FLAGS] [-- SCRIPT ARGS...]")
-def train(request: Request, join: bool, join_timeout: str, fresh: bool, again: bool, no_check: bool) -> None:
-    """Start the job on every host at once (all or nothing), after a check.
-
-    Deploys it first if need be; a finished job needs --fresh or --again (below)."""
+def train(request: Request, join: bool, join_timeout: str, fresh: bool, again: bool, no_check: bool, ranks: str,
+          quiet: bool) -> None:
+    """Start the job on every host at once (all or nothing), after a check."""
+    stream = tasks.RankFilter.parse(ranks, "", quiet)
+    if not join and stream != tasks.RankFilter():
+        raise UserError("--ranks and --quiet choose the output --join shows: add --join")
     tasks.train(request, join=join, join_timeout=_seconds("--join-timeout", join_timeout), fresh=fresh,
-                again=again, check=not no_check)
+                again=again, check=not no_check, stream=stream)
 
 
 @cluster_task(own={

@@ -107,7 +107,7 @@ def task_help(binary: str, task: TaskDoc) -> str:
     if task.own:
         out.append(f"Flags of {task.name}:")
         out += _flag_lines(list(task.own))
-    shared = [o for o in OPTIONS if o.name not in _NOT_FOR.get(task.name, ())]
+    shared = [o for o in OPTIONS if o.name not in not_for(task.name)]
     if task.plans:
         for group, title in GROUPS.items():
             docs = [option_doc(o) for o in shared if o.group == group]
@@ -129,13 +129,16 @@ def task_help(binary: str, task: TaskDoc) -> str:
     return "\n".join(out) + "\n"
 
 
-# Shared flags a task does not take: `run` is given the script and its arguments after its flags.
+# Shared flags a task does not take: `run` is given the script and its arguments after its flags. `module` and
+# `no_python` are no task's flags: `run -m MODULE` and `run --no-python PROGRAM` set them (as torchrun's); a config
+# may too.
 _NOT_FOR = {"run": ("script", "script_args")}
+_NO_FLAG = ("module", "no_python")
 
 
 def not_for(task: str) -> tuple[str, ...]:
     """The shared flags `task` refuses (attribute names)."""
-    return _NOT_FOR.get(task, ())
+    return _NOT_FOR.get(task, ()) + _NO_FLAG
 
 
 def _wrap(text: str, width: int, **kw: str) -> list[str]:

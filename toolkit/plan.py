@@ -49,6 +49,8 @@ class JobOptions:
     job: str
     script: str = "train.py"
     script_args: str = ""
+    module: bool = False  # `script` is a module's name, run as `python -m` runs it (torchrun's -m)
+    no_python: bool = False  # `script` is a program, run as it is (torchrun's --no-python)
     worker_num: int | None = None  # None: every slot
     nproc_per_node: int | None = None  # torchrun's: workers on each worker host (instead of its slots)
     nnodes: int | None = None  # torchrun's: the number of hosts that run workers, checked against the plan
@@ -116,6 +118,8 @@ class JobOptions:
                 envvars.metrics_address(self.metrics_address)
             except ValueError as e:
                 raise PlanError(f"--metrics-address {e}") from None
+        if self.module and self.no_python:
+            raise PlanError("-m and --no-python: the script is a module or a program, give one of them")
         if not self.script.strip():
             raise PlanError("--script is empty: name the training script, e.g. --script train.py")
         for name, value in (("--workdir", self.workdir), ("--python", self.python), ("--script", self.script)):
@@ -367,7 +371,8 @@ class _ProcessBuilder:
             node_id=worker_node_id(seat.rank),
             rank=seat.rank,
             local_rank=seat.local_rank,
-            argv=(_python(host, options), *_wrapper(options), options.script, *options.script_argv),
+            argv=(_python(host, options), *_wrapper(options), *_script_kind(options), options.script,
+                  *options.script_argv),
             cwd=self._cwd(jd),
             env=MappingProxyType(self._worker_env(host, seat, jd)),
         )
@@ -490,6 +495,11 @@ def _dir_env(jd: str) -> dict[str, str]:
         envvars.MS_RECOVERY_PATH: posixpath.join(jd, "recovery"),
         envvars.TOOLKIT_TOKEN_FILE: posixpath.join(jd, "token"),
     }
+
+
+def _script_kind(options: JobOptions) -> tuple[str, ...]:
+    """What toolkit.train's wrapper is told the script is: a module (`-m`), a program (`--no-python`) or a file."""
+    return ("-m",) if options.module else ("--no-python",) if options.no_python else ()
 
 
 def _wrapper(options: JobOptions) -> tuple[str, ...]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import re
 import sys
 from dataclasses import dataclass
@@ -64,7 +65,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("project", str, ".", "the script's project, copied to every host", "DIR"),
     _job_option("script", str, "training script, in the project", "FILE"),
     _job_option("script_args", str, "its arguments as one string (or after --)", "ARGS"),
-    _job_option("master_port", int, "scheduler P, torch's store P+1 (MASTER_PORT)", "P"),
+    _job_option("module", bool, "the script is a module, run as python -m (run's -m)"),
+    _job_option("no_python", bool, "the script is a program, not Python (run's --no-python)"),
+    _job_option("master_port", int, "scheduler P, store P+1 (here: a free pair)", "P"),
     _job_option("max_restarts", int, "restarts of each process before the job fails", "N"),
     _job_option("restart_refill", str, "refills the restarts: progress, never or S", "WHEN"),
     _job_option("node_timeout", float, "heartbeat silence after which a worker is dead", "S"),
@@ -112,6 +115,7 @@ class Settings:
     accept_new_host_keys: bool
     known_hosts: str
     core: CoreFlags
+    default_port: bool = False  # no --master-port typed, configured or recorded: a local job's is chosen at deploy
 
     @property
     def local(self) -> bool:
@@ -120,9 +124,10 @@ class Settings:
 
 
 # The options that are part of a deployed job (the record keeps them): typed again later, they must agree with it.
-JOB_OPTIONS = ("script", "script_args", "worker_num", "nproc_per_node", "nnodes", "master_port", "cluster_time_out",
-               "node_timeout", "recovery", "data_path", "ckpt_dir", "workdir", "python", "max_restarts", "grace",
-               "bind_core", "warm_spare", "torchrun_script", "host_timeout", "restart_refill", "metrics_address")
+JOB_OPTIONS = ("script", "script_args", "module", "no_python", "worker_num", "nproc_per_node", "nnodes", "master_port",
+               "cluster_time_out", "node_timeout", "recovery", "data_path", "ckpt_dir", "workdir", "python",
+               "max_restarts", "grace", "bind_core", "warm_spare", "torchrun_script", "host_timeout", "restart_refill",
+               "metrics_address")
 
 
 # How deploy reached the hosts, kept in the job record's `ssh` (every later task reaches them the same way): typed
@@ -145,11 +150,16 @@ class Request:
     core: CoreFlags
     cwd: Path
     environ: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    recorded: Recorded | None = None
 
     def settings(self, script_required: bool = True) -> Settings:
         """Resolve the request for a task that plans a job (see `resolve`); UserError names the first bad input."""
         return resolve(self.given, self.config, self.core, self.cwd, script_required=script_required,
-                       environ=self.environ)
+                       environ=self.environ, recorded=self.recorded)
+
+    def with_recorded(self, recorded: Recorded) -> Request:
+        """The same request with a deployed job's values as the defaults of what was not typed (`run`)."""
+        return dataclasses.replace(self, recorded=recorded)
 
     def job_ref(self) -> JobRef:
         """Where to find the deployed job's record: in --project if given, else where the command is typed (the
@@ -197,6 +207,21 @@ class Request:
         return out
 
 
+# The flags that say where a job runs and how many workers it has: typed, none of them is taken from a record.
+HOST_FLAGS = ("hosts", "hostfile", "inventory", "slurm", "standalone")
+SIZE_FLAGS = ("worker_num", "nproc_per_node", "nnodes")
+
+
+@dataclass(frozen=True)
+class Recorded:
+    """What a deployed job was deployed with, as the defaults of a command that deploys it again (`run`): its
+    job options (JOB_OPTIONS) and, for a job on hosts, its inventory. They come after the typed flags and before
+    the project's config: only what is typed changes the job (`resolve` applies them)."""
+
+    options: Mapping[str, Any]
+    inventory: Inventory | None  # None: a job on this machine
+
+
 @dataclass(frozen=True)
 class JobRef:
     """Which deployed job a task works on: the project whose record it is in, its name (None: the project's only
@@ -225,7 +250,8 @@ def _values(given: Mapping[str, Any], config: Mapping[str, Any]) -> dict[str, An
 
 
 def resolve(given: Mapping[str, Any], config: Mapping[str, Any], core: CoreFlags, cwd: Path,
-            script_required: bool = True, environ: Mapping[str, str] | None = None) -> Settings:
+            script_required: bool = True, environ: Mapping[str, str] | None = None,
+            recorded: Recorded | None = None) -> Settings:
     """`given` holds only the flags typed on the command line; `config` is the `toolkit:` config section; `environ`
     the environment (only a Slurm allocation's variables are read). With `script_required` (deploy, train) the
     training script must exist in the project; a plan is shown without.
@@ -236,9 +262,19 @@ def resolve(given: Mapping[str, Any], config: Mapping[str, Any], core: CoreFlags
     workers (default 1) on this machine, --workdir made absolute (default ~/toolkit-jobs), this interpreter as
     --python. Raises UserError (InventoryError and PlanError are ones) for the first bad input: an unknown config
     key, a value of the wrong type, two host sources, a malformed host source (a Slurm variable included), a
-    project that is not a directory, a missing script, flags JobOptions rejects, --parallel below 1."""
+    project that is not a directory, a missing script, flags JobOptions rejects, --parallel below 1.
+
+    With `recorded` (a deployed job's values, see Recorded), they stand in for what was not typed: its options
+    (but none of SIZE_FLAGS when one of them was typed) and its hosts (unless a host flag was typed)."""
+    config = _without_recorded(config, recorded, given, core)
+    on_hosts = _typed_hosts(given, core) or any(config.get(k) for k in ("hostfile", "inventory", "slurm"))
+    given = _counted_nproc(given, "--nproc-per-node", on_hosts)
+    config = _counted_nproc(config, "fabric.yaml: toolkit.nproc_per_node", on_hosts)
     values = {o.name: o.default for o in OPTIONS} | _values(given, config)
-    inventory = _inventory(given, config, core.hosts, values, cwd, environ or {})
+    if recorded is not None and recorded.inventory is not None and not _typed_hosts(given, core):
+        inventory = recorded.inventory
+    else:
+        inventory = _inventory(given, config, core.hosts, values, cwd, environ or {})
     project = (cwd / str(values["project"])).resolve()
     if not project.is_dir():
         raise UserError(f"--project {project}: not a directory; give the directory that holds the training script")
@@ -251,7 +287,8 @@ def resolve(given: Mapping[str, Any], config: Mapping[str, Any], core: CoreFlags
         workdir = str((cwd / Path(workdir).expanduser()).resolve())
     python = values["python"] or (sys.executable if local else "python3")
     script = values["script"]
-    if script_required and not Path(script).is_absolute() and not (project / script).is_file():
+    is_file = not (values["module"] or values["no_python"])  # a module or program is found where it runs
+    if script_required and is_file and not Path(script).is_absolute() and not (project / script).is_file():
         raise UserError(f"--script {script}: no such file in {project}; pass --project DIR or the script's path in it")
 
     job_fields = {f.name for f in dataclasses.fields(JobOptions)} & OPTION_NAMES
@@ -267,7 +304,57 @@ def resolve(given: Mapping[str, Any], config: Mapping[str, Any], core: CoreFlags
         accept_new_host_keys=values["accept_new_host_keys"],
         known_hosts=str(Path(values["known_hosts"]).expanduser()),
         core=core,
+        default_port="master_port" not in given and "master_port" not in config,
     )
+
+
+NVIDIA_GPUS = Path("/proc/driver/nvidia/gpus")  # one directory per GPU the driver knows (no torch import needed)
+
+
+def _counted_nproc(values: Mapping[str, Any], where: str, on_hosts: bool) -> Mapping[str, Any]:
+    """`values` with torchrun's `--nproc-per-node auto|cpu|gpu` counted on this machine: gpu its GPUs (UserError if
+    it has none), cpu its CPUs, auto its GPUs if it has any, else its CPUs. On hosts they would have to be counted
+    on each host: UserError saying to give a number (or each host's slots)."""
+    word = str(values.get("nproc_per_node", "")).strip().lower()
+    if word not in ("auto", "cpu", "gpu"):
+        return values
+    if on_hosts:
+        raise UserError(f"{where} {word}: counted on this machine only; for hosts give a number, or each host's "
+                        "slots (host:N in --hosts, slots=N in a hostfile or inventory)")
+    try:
+        gpus = sum(1 for _ in NVIDIA_GPUS.iterdir())
+    except OSError:
+        gpus = 0
+    if word == "gpu" and not gpus:
+        raise UserError(f"{where} gpu: this machine has no GPU the NVIDIA driver knows ({NVIDIA_GPUS}); give a number, "
+                        "or cpu")
+    count = gpus if word == "gpu" or (word == "auto" and gpus) else (os.cpu_count() or 1)
+    return {**values, "nproc_per_node": count}
+
+
+def _typed_hosts(given: Mapping[str, Any], core: CoreFlags) -> bool:
+    return core.hosts is not None or any(given.get(k) not in (None, False) for k in HOST_FLAGS if k != "hosts")
+
+
+def _without_recorded(config: Mapping[str, Any], recorded: Recorded | None, given: Mapping[str, Any],
+                      core: CoreFlags) -> Mapping[str, Any]:
+    """The config with the recorded job's options over it (they beat the config, typed flags beat them): none of
+    SIZE_FLAGS when one was typed, and the host sources of the config only when a host flag was typed (else the
+    recorded hosts, or for a local job this machine)."""
+    if recorded is None:
+        return config
+    out = dict(config)
+    sized = any(given.get(k) is not None for k in SIZE_FLAGS)
+    for name, value in recorded.options.items():
+        if name in OPTION_NAMES and not (sized and name in SIZE_FLAGS):
+            out[name] = value
+        if value is None:
+            out.pop(name, None)
+    if not _typed_hosts(given, core):
+        for key in ("hostfile", "inventory", "slurm"):
+            out.pop(key, None)
+        out["slurm"] = False  # the recorded hosts, not an allocation's
+    return out
 
 
 def _inventory(given: Mapping[str, Any], config: Mapping[str, Any], cli_hosts: str | None, values: Mapping[str, Any],

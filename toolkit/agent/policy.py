@@ -82,9 +82,16 @@ class GiveUp:
     failed_at: int | None = None
 
 
+# A usage or set-up error: argparse's exit status, toolkit.train's (a missing script or module), the sample's (data or
+# checkpoint directory unusable: another user may write it, read-only, no space). Before any step it cannot heal.
+EXIT_SETUP = 2
+
+
 def on_exit(policy: RestartPolicy, e: Exited, how: str) -> Settle | Relaunch | Succeeded | GiveUp:
     """The reaction to one process's exit. Pure. In order: a closing agent only settles the final state; the operator's
-    restart relaunches at once, uncounted; exit 0 is success; EXIT_FATAL gives up at once; EXIT_FENCED and EXIT_REJOIN
+    restart relaunches at once, uncounted; exit 0 is success; EXIT_FATAL gives up at once, and so does EXIT_SETUP
+    before the process made any progress (retried with backoff, it took 10-19 s to say what the first exit said);
+    EXIT_FENCED and EXIT_REJOIN
     relaunch at once, uncounted; any other exit, a death by signal included, is a failure that
     RestartPolicy.after_failure counts, backs off or gives up on. `how` describes the exit ("exit code 3", "killed by
     SIGKILL") for the reasons given."""
@@ -96,6 +103,8 @@ def on_exit(policy: RestartPolicy, e: Exited, how: str) -> Settle | Relaunch | S
         return Succeeded(e.others_succeeded)
     if e.code == protocol.EXIT_FATAL:
         return GiveUp(e.counted)  # the worker found the job cannot go on correctly: a restart would hide it
+    if e.code == EXIT_SETUP and not e.progressed:
+        return GiveUp(e.counted)  # a usage or set-up error before any step: the same again, whatever the backoff
     if e.code in (protocol.EXIT_FENCED, protocol.EXIT_REJOIN):
         # Not the process's fault: the scheduler fenced a stale incarnation, or a wrapped torchrun-style script
         # left a broken generation. Relaunch at once, outside the crash budget.

@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Iterable
 
-from toolkit import agentdoc, envvars, jobrecord, privatedir
+from toolkit import agentdoc, envvars, freeports, jobrecord, privatedir
 from toolkit.errors import UserError
 from toolkit.jobhosts.output import human_size, relative, say
 from toolkit.jobhosts.reach import STATUS_TIMEOUT, fan_out, ssh_settings
@@ -45,9 +45,28 @@ PROJECT_EXCLUDE = DEFAULT_EXCLUDE + (".toolkit",)
 
 
 def launch_plan(settings: Settings) -> LaunchPlan:
-    """The plan for the typed settings (pure: no host is asked). A remote workdir relative to home stays
-    relative here; deploy plans again once the hosts have resolved it. Raises PlanError (a UserError)."""
+    """The plan for the typed settings (no host is asked; a local job given no port gets one, see `with_port`). A
+    remote workdir relative to home stays relative here; deploy plans again once the hosts have resolved it.
+    Raises PlanError (a UserError)."""
+    settings = with_port(settings)
     return make_plan(settings.inventory, settings.options, str(settings.project) if settings.local else None)
+
+
+def with_port(settings: Settings) -> Settings:
+    """`settings` with the port of a job on this machine given no --master-port: the one its record has (deployed
+    again, a job keeps its port, so what runs keeps its scheduler), else a free pair (freeports): a second local
+    job runs beside the first without a port typed. On hosts the default stays fixed (every host must agree on it;
+    the start's preflight says when it is taken). The port is recorded with the job, where later commands read it."""
+    if not (settings.local and settings.default_port):
+        return settings
+    job = settings.options.job
+    port = None
+    if jobrecord.exists(settings.project, job):
+        with contextlib.suppress(UserError):  # an unreadable record: deploy rewrites it
+            old = jobrecord.load(settings.project, job)
+            port = old.sched_port if old.local else None
+    port = port or freeports.free_port_pair()
+    return replace(settings, options=replace(settings.options, master_port=port), default_port=False)
 
 
 def deploy(settings: Settings) -> JobRecord:
@@ -61,6 +80,7 @@ def deploy(settings: Settings) -> JobRecord:
     or writable by others, is refused (UserError, naming it). Every remote call is bounded (STATUS_TIMEOUT for
     the layout, command_timeout otherwise; transfers by their size). In local mode the project is not copied:
     the job runs in place. Prints a line per host and a summary; returns the record it saved."""
+    settings = with_port(settings)
     plan = launch_plan(settings)
     if settings.inventory.note:
         say(f"note: {settings.inventory.note}")

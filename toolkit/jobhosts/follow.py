@@ -24,6 +24,7 @@ from toolkit.jobhosts.output import dash, emit, interrupt_sets, say
 from toolkit.jobhosts.poll import collect_status
 from toolkit.jobhosts.reach import STATUS_TIMEOUT, host_target
 from toolkit.jobhosts.stopping import stop_one
+from toolkit.jobhosts.streams import RankFilter, streamed
 from toolkit.jobhosts.tables import progress_line
 from toolkit.jobhosts.view import HostStatus, ProcStatus, job_live
 from toolkit.jobrecord import HostRecord, JobRecord
@@ -63,7 +64,8 @@ class Interrupted(UserError):
 
 
 def join_job(record: JobRecord, ssh: SshSettings, timeout: float | None = None,
-             interval: float = JOIN_POLL_INTERVAL, project: Path | None = None) -> None:
+             interval: float = JOIN_POLL_INTERVAL, project: Path | None = None,
+             stream: RankFilter | None = None) -> None:
     """Wait until the job ends, printing every change of state; return if every worker succeeded, else raise
     JobFailed with the evidence (node, host, exit status, log tail). A host that cannot be asked, or whose
     agent is gone, for JOIN_GONE_AFTER is no longer watched and counts as a failure. After a host failed, the
@@ -73,14 +75,15 @@ def join_job(record: JobRecord, ssh: SshSettings, timeout: float | None = None,
     Called by `train` with join. Every poll is bounded per host (STATUS_TIMEOUT, plus the SSH bounds); a failed
     poll only marks that host unreachable for that round. Raises UserError for a non-positive `timeout`,
     JobFailed when the job fails or `timeout` passes, Interrupted on Ctrl-C (main thread only), and ClusterError
-    if stopping what still runs after a failure fails on some host."""
+    if stopping what still runs after a failure fails on some host. While it waits, the output of the workers
+    `stream` chooses is printed as they write it (jobhosts.streams.streamed: `[rank1]: text`)."""
     if timeout is not None and timeout <= 0:
         raise UserError(f"--join-timeout {timeout:g}: give a positive number of seconds")
     begun = time.monotonic()
     deadline = None if timeout is None else begun + timeout
     interrupted = threading.Event()
     watch = _Watch()
-    with HostPool() as pool, interrupt_sets(interrupted):
+    with HostPool() as pool, interrupt_sets(interrupted), streamed(record, ssh, stream):
         while True:
             watched = watch.watched(record)
             now = time.monotonic()

@@ -18,9 +18,9 @@ from toolkit.agentdoc import AgentState
 from toolkit.check.gather import failure_text, print_report, run_check
 from toolkit.errors import UserError
 from toolkit.jobhosts.deployment import deploy
-from toolkit.jobhosts.follow import join_job
+from toolkit.jobhosts.follow import Interrupted, join_job
 from toolkit.jobhosts.output import say
-from toolkit.jobhosts.poll import collect_status, poll_status
+from toolkit.jobhosts.poll import collect_status
 from toolkit.jobhosts.reach import (
     LAUNCH_TIMEOUT,
     STATUS_TIMEOUT,
@@ -32,8 +32,9 @@ from toolkit.jobhosts.reach import (
     unless_other_job,
 )
 from toolkit.jobhosts.rerun import move_checkpoints, project_checkpoints, refuse_size_change, workdir_of
-from toolkit.jobhosts.scripts import ARCHIVE_SCRIPT
-from toolkit.jobhosts.stopping import stop_one
+from toolkit.jobhosts.scripts import ARCHIVE_SCRIPT, LOG_ROTATE_SCRIPT
+from toolkit.jobhosts.stopping import stop_on_interrupt, stop_one
+from toolkit.jobhosts.streams import RankFilter
 from toolkit.jobhosts.view import HostStatus
 from toolkit.jobrecord import JobRecord
 from toolkit.remote import (
@@ -46,14 +47,19 @@ from toolkit.remote import (
     PreflightFailed,
     SshSettings,
     UnknownHostKey,
+    check_all,
     rich_progress,
     run_on_all,
 )
 from toolkit.settings import Request
 
+LOG_RUNS_KEPT = 10  # earlier runs' logs kept on each host (logs/runs/<n>/), the newest
+
 
 def start_job(request: Request, join: bool = False, join_timeout: float | None = None, fresh: bool = False,
-              again: bool = False, check: bool = True, verb: str = "fleet train") -> None:
+              again: bool = False, check: bool = True, verb: str = "fleet train", deployed: JobRecord | None = None,
+              known: list[HostStatus] | None = None, stop_on_ctrl_c: bool = False,
+              stream: RankFilter | None = None) -> None:
     """Start the deployed job on every host at once (deploying it first if it never was); all or nothing: if a
     host fails to start, what started elsewhere is stopped. With `join`, wait for the job to end.
 
@@ -72,30 +78,52 @@ def start_job(request: Request, join: bool = False, join_timeout: float | None =
     With `check` (the default; `--no-check` turns it off), the hosts of a job on hosts (not a local one) are
     checked first, after any deploy (toolkit.check.gather): a problem refuses the start (UserError listing them) before
     anything is started; a host or link that is only slow is a warning. `verb` is the command the messages tell
-    the user to type again (`fleet run` passes its own)."""
+    the user to type again (`fleet run` passes its own).
+
+    `run` passes what it already has, so that no host is asked twice: `deployed`, the record its deploy returned
+    (not read again), and `known`, every live host's status asked before that deploy and judged by
+    `refuse_start` then. With `stop_on_ctrl_c` (run), Ctrl-C while joined stops the job (as `fleet stop`,
+    jobhosts.stopping.stop_on_interrupt) and raises StoppedOnInterrupt; without it, Interrupted (the job goes
+    on). `stream`: whose output --join prints while it waits (jobhosts.streams.RankFilter)."""
     if fresh and again:
         raise UserError("--fresh and --again both given: start the job over (--fresh) or go on from where it "
                         "ended (--again), not both")
     ref = request.job_ref()
-    record = _deployed_record(request)
+    record = deployed or _deployed_record(request)
     ssh = record_ssh(record, request.core)
     if check and not record.local:
         _check_first(record, ssh, ref.project)
     record.host(record.scheduler_host)  # a record naming a scheduler host it does not list: one line, nothing started
-    _previous_run(record, ssh, fresh=fresh, again=again, verb=verb, project=ref.project)
+    if known is None:
+        _, known = collect_status(record, ssh)
+        refuse_start(record, known, ssh, fresh=fresh, again=again, verb=verb)
+    if fresh:  # nothing is moved aside before the start's own checks passed (the scheduler's ports)
+        _preflight_scheduler(record, ssh, frozenset(h.host for h in known if h.alive))
+        _move_aside(record, ssh, known, ref.project)
+    try:
+        _start_all(record, ssh, frozenset(h.host for h in known if h.alive))
+        if join:
+            join_job(record, ssh, join_timeout, project=ref.project, stream=stream)
+    except (Interrupted, KeyboardInterrupt):  # Ctrl-C while starting (what started is stopped too) or joined
+        if not stop_on_ctrl_c:
+            raise
+        raise stop_on_interrupt(record, ssh) from None
+
+
+def _start_all(record: JobRecord, ssh: SshSettings, alive: frozenset[str]) -> None:
+    """Start every live host at once (`_start_host`; `alive`: the hosts whose agent already ran), rolling back what
+    started if one fails (`_roll_back` raises), then say how it went."""
     begun = time.monotonic()
     with rich_progress("starting", len(record.live_hosts)) as progress:
         results = run_on_all([host_target(h, record.local) for h in record.live_hosts],
-                             functools.partial(_start_host, record), ssh, progress=progress, fail_fast=True)
+                             functools.partial(_start_host, record, alive), ssh, progress=progress, fail_fast=True)
     if any(not r.ok for r in results.values()):
         _roll_back(record, ssh, results)
     started = sum(1 for r in results.values() if r.value)
     already = "" if started == len(results) else f" ({len(results) - started} already running)"
     say(f"job {record.job} started on {len(results)} host(s){already} in {time.monotonic() - begun:.1f} s: "
-         f"{record.world_size} worker(s), scheduler on {record.scheduler_host}:{record.sched_port}; "
-         "follow it with 'fleet status' and 'fleet logs -f', end it with 'fleet stop'")
-    if join:
-        join_job(record, ssh, join_timeout, project=ref.project)
+        f"{record.world_size} worker(s), scheduler on {record.scheduler_host}:{record.sched_port}; "
+        "follow it with 'fleet status' and 'fleet logs -f', end it with 'fleet stop'")
 
 
 def _deployed_record(request: Request) -> JobRecord:
@@ -111,17 +139,31 @@ def _deployed_record(request: Request) -> JobRecord:
     return record
 
 
-def _start_host(record: JobRecord, host: Host) -> bool:
+def _start_host(record: JobRecord, alive: frozenset[str], host: Host) -> bool:
     """Run the host's launch.sh: True if this call started the agent (False: this job's agent already ran). On the
-    scheduler's host without a running agent, preflight first with the scheduler's two ports. OtherJob, with
-    nothing started, where the job directory holds another project's job (launch.sh --job-id)."""
+    scheduler's host without a running agent (`alive`: the hosts whose agent ran when they were asked), preflight
+    first with the scheduler's two ports. OtherJob, with nothing started, where the job directory holds another
+    project's job (launch.sh --job-id)."""
     h = record.host(host.name)
     port = record.sched_port
-    if h.name == record.scheduler_host and not poll_status(host, h)["doc"].alive:
+    if h.name == record.scheduler_host and h.name not in alive:
         host.preflight(h.python, h.job_dir, ports=(port, port + 1))
-    launch = host.run([f"{h.job_dir}/launch.sh"] + (["--job-id", record.job_id] if record.job_id else []),
-                      timeout=LAUNCH_TIMEOUT)
+    argv = [f"{h.job_dir}/launch.sh"] + (["--job-id", record.job_id] if record.job_id else [])
+    if h.name not in alive:  # a new run on this host: new log files (the last run's kept under logs/runs/<n>/)
+        argv = ["sh", "-c", LOG_ROTATE_SCRIPT, "sh", h.job_dir, str(LOG_RUNS_KEPT), *argv]
+    launch = host.run(argv, timeout=LAUNCH_TIMEOUT)
     return "already running" not in unless_other_job(host.name, launch).check().stdout
+
+
+def _preflight_scheduler(record: JobRecord, ssh: SshSettings, alive: frozenset[str]) -> None:
+    """The scheduler host's preflight with its two ports (as `_start_host` runs it), unless its agent runs (`alive`):
+    ClusterError (a UserError naming the host and the busy port) before anything was moved or started."""
+    h = record.host(record.scheduler_host)
+    if h.name in alive:
+        return
+    port = record.sched_port
+    check_all(run_on_all([host_target(h, record.local)],
+                         lambda host: host.preflight(h.python, h.job_dir, ports=(port, port + 1)), ssh))
 
 
 def _check_first(record: JobRecord, ssh: SshSettings, project: Path) -> None:
@@ -169,13 +211,13 @@ def refuse_finished(job: str, hosts: list[HostStatus], fresh: bool, again: bool,
                         "deploy it under another --job name")
 
 
-def _previous_run(record: JobRecord, ssh: SshSettings, fresh: bool, again: bool, verb: str = "fleet train",
-                  project: Path = Path(".")) -> None:
-    """Refuse to start a finished job again unless told how (see `train`), and a job whose previous run had another
-    number of workers unless `fresh` (jobhosts.rerun); with `fresh`, move its previous run aside on every host, so
-    that the new run starts from step 0 and no status shows the old run's processes: its checkpoints, state, and
-    the checkpoints its scripts wrote in their project (`project`: where a local job runs; rerun says which)."""
-    _, hosts = collect_status(record, ssh)
+def refuse_start(record: JobRecord, hosts: list[HostStatus], ssh: SshSettings, fresh: bool, again: bool,
+                 verb: str = "fleet train", world_size: int | None = None) -> None:
+    """Refuse to start job `record` on what its previous run left (`hosts`: its hosts' statuses), nothing started
+    and nothing moved: another project's job in its directories; a running job with `fresh`; a finished job
+    without `fresh` or `again` (see `start_job`); a run of another size than the previous one (jobhosts.rerun;
+    `world_size`: the size it will have, default the record's) unless `fresh`. UserError saying what to type
+    (`verb`: the command to type again)."""
     other = [h for h in hosts if h.other_job is not None]
     if other:
         running = " (running)" if any(h.alive for h in other) else ""
@@ -187,12 +229,18 @@ def _previous_run(record: JobRecord, ssh: SshSettings, fresh: bool, again: bool,
         if fresh:
             raise UserError(f"job {record.job} is running on {', '.join(alive)}: stop it first ('fleet stop'), "
                             f"then '{verb} --fresh' starts it over")
-        refuse_size_change(record, ssh, verb, running=True)
+        refuse_size_change(record, ssh, verb, running=True, world_size=world_size)
         return
     refuse_finished(record.job, hosts, fresh, again, verb)
     if not fresh:
-        refuse_size_change(record, ssh, verb)
-        return
+        refuse_size_change(record, ssh, verb, world_size=world_size)
+
+
+def _move_aside(record: JobRecord, ssh: SshSettings, hosts: list[HostStatus], project: Path) -> None:
+    """`--fresh`: move the previous run aside on every host, so that the new run starts from step 0 and no status
+    shows the old run's processes: its checkpoints, state, and the checkpoints its scripts wrote in their project
+    (`project`: where a local job runs; jobhosts.rerun says which; `hosts`: their statuses, for when each last
+    ran)."""
     stamp = time.strftime("%Y%m%dT%H%M%S")
     written = project_checkpoints(record, ssh, project, {h.host: h.updated_at for h in hosts})
     key_id = ckptkey.key_id(ckptkey.job_key(jobrecord.token(project, record.job)))  # its checkpoints' key

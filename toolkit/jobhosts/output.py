@@ -69,13 +69,13 @@ def relative(path: Path) -> str:
 
 
 @contextlib.contextmanager
-def interrupt_sets(event: threading.Event) -> Iterator[None]:
-    """Ctrl-C (SIGINT) sets `event` instead of raising in the middle of a fan-out, so every thread can end its
-    remote command cleanly. Only the main thread can install a handler; elsewhere the event is all there is."""
+def interrupt_sets(*events: threading.Event) -> Iterator[None]:
+    """Ctrl-C (SIGINT) sets `events` instead of raising in the middle of a fan-out, so every thread can end its
+    remote command cleanly. Only the main thread can install a handler; elsewhere the events are all there is."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = signal.signal(signal.SIGINT, lambda *_: event.set())
+    previous = signal.signal(signal.SIGINT, lambda *_: [e.set() for e in events])
     try:
         yield
     finally:

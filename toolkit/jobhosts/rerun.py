@@ -58,27 +58,31 @@ def previous_state(record: JobRecord, ssh: SshSettings) -> dict[str, Any] | None
     return doc if isinstance(doc, dict) else None
 
 
-def size_change(record: JobRecord, state: dict[str, Any] | None, verb: str, running: bool = False) -> str | None:
+def size_change(record: JobRecord, state: dict[str, Any] | None, verb: str, running: bool = False,
+                world_size: int | None = None) -> str | None:
     """Why job `record` cannot start on the previous run's `state` (its scheduler's): the message when that run had
-    another number of workers, else None. `verb` is the command to type again (`fleet train`, `fleet run`);
-    `running`: that run still runs (it must be stopped first)."""
+    another number of workers than `world_size` (default the record's: `run` asks before it deploys the new size),
+    else None. `verb` is the command to type again (`fleet train`, `fleet run`); `running`: that run still runs (it
+    must be stopped first)."""
     if not state or state.get("job") != record.job:
         return None
+    new = record.world_size if world_size is None else world_size
     old = state.get("world_size")
-    if not isinstance(old, int) or isinstance(old, bool) or old == record.world_size:
+    if not isinstance(old, int) or isinstance(old, bool) or old == new:
         return None
-    new = record.world_size
     where = f"{record.scheduler_host}:{posixpath.join(record.host(record.scheduler_host).job_dir, 'recovery')}"
     first = "'fleet stop', then " if running else ""
-    return (f"job {record.job} {'runs' if running else 'last ran'} with {old} worker(s) and is deployed now with "
+    now = "is deployed now with" if world_size is None else "this run asks for"
+    return (f"job {record.job} {'runs' if running else 'last ran'} with {old} worker(s) and {now} "
             f"{new}: a run cannot change its size (the scheduler's state in {where} and the "
             f"checkpoints it would resume from are those of {old}); {first}'{verb} --fresh' starts it over with {new} "
             f"(the old run is moved aside, not deleted), or deploy it again with {old} worker(s) to go on")
 
 
-def refuse_size_change(record: JobRecord, ssh: SshSettings, verb: str, running: bool = False) -> None:
+def refuse_size_change(record: JobRecord, ssh: SshSettings, verb: str, running: bool = False,
+                       world_size: int | None = None) -> None:
     """UserError (nothing has been started) when the previous run had another size; see `size_change`."""
-    why = size_change(record, previous_state(record, ssh), verb, running)
+    why = size_change(record, previous_state(record, ssh), verb, running, world_size)
     if why:
         raise UserError(why)
 

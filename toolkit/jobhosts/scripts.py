@@ -71,15 +71,37 @@ exit 0
 """
 
 
+# Starts a new run's logs, then runs the rest of its arguments (launch.sh): the last run's logs (logs/*.log) move to
+# logs/runs/<n>/, n counting up from 1 (logs/runs/last holds the last n), and only the newest `keep` of those are
+# kept. Run only where the host's agent is not running (a running agent writes into its open files). Arguments: job
+# dir, keep, then the command.
+LOG_ROTATE_SCRIPT = r"""
+d=$1 keep=$2; shift 2
+logs=$d/logs runs=$d/logs/runs
+if [ -d "$logs" ] && [ -n "$(find "$logs" -maxdepth 1 -name '*.log' -size +0 -print -quit 2>/dev/null)" ]; then
+    n=$(cat -- "$runs/last" 2>/dev/null) || n=0
+    case $n in ''|*[!0-9]*) n=0 ;; esac
+    n=$((n + 1))
+    mkdir -p -m 700 -- "$runs/$n" || exit 1
+    find "$logs" -maxdepth 1 -name '*.log' -exec mv -- {} "$runs/$n/" \; || exit 1
+    echo "$n" > "$runs/last"
+    for old in $(ls -- "$runs" | grep -E '^[0-9]+$' | sort -n | head -n "-$keep"); do rm -rf -- "$runs/$old"; done
+fi
+exec "$@"
+"""
+
+
 # Stops the job through the host's stop.sh (SIGTERM, grace, SIGKILL, verified); says so when nothing was deployed
 # in that directory, which is success too (nothing of the job can run there). Arguments: job dir, host name, job id
-# (another project's job in that directory is left running: the agent's exit 4, with one line).
+# (another project's job in that directory is left running: the agent's exit 4, with one line), then stop.sh's own
+# flags (`--timeout 0`: no grace).
 STOP_SCRIPT = r"""
-if [ -x "$1/stop.sh" ]; then
-    if [ -n "$3" ]; then exec "$1/stop.sh" --job-id "$3"; fi
-    exec "$1/stop.sh"
+d=$1 host=$2 id=$3; shift 3
+if [ -x "$d/stop.sh" ]; then
+    if [ -n "$id" ]; then exec "$d/stop.sh" --job-id "$id" "$@"; fi
+    exec "$d/stop.sh" "$@"
 fi
-echo "$2: nothing deployed in $1: nothing to stop"
+echo "$host: nothing deployed in $d: nothing to stop"
 """
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
+from rich import box
 from rich.markup import escape
 from rich.table import Table
 
@@ -21,19 +22,24 @@ STATE_STYLE = {"running": "green", "succeeded": "green", "starting": "cyan", "co
 
 
 LAGGING_AFTER = 5.0  # s without a heartbeat at the scheduler before a running worker's row says it lags
+COMPACT_BELOW = 100  # terminal columns below which the status table takes its compact layout
 
 
-def status_table(record: JobRecord, hosts: list[HostStatus], title: str | None = None) -> Table:
+def status_table(record: JobRecord, hosts: list[HostStatus], title: str | None = None,
+                 width: int | None = None) -> Table:
     """One row per process: where it runs, its state as its agent sees it, and the scheduler's figures (step,
     steps/s, loss, heartbeat age; a straggler's factor). Shared by `status` and `status --watch`. Dead,
     restarting, fenced and unreachable states are coloured, and so are lagging workers (heartbeat older than
-    LAGGING_AFTER while running) and stragglers."""
+    LAGGING_AFTER while running) and stragglers. On a terminal `width` columns wide, below COMPACT_BELOW, the
+    compact layout (`_compact_table`): nothing is cut to `loc…`."""
     live = job_live(hosts)
     if title is None:
         title = f"job {record.job}: {record.world_size} worker(s) on {len(record.live_hosts)} host(s), " \
                 f"scheduler {record.scheduler_host}:{record.sched_port}"
         if live is not None:
             title += f", generation {live.get('generation')}"
+    if width is not None and width < COMPACT_BELOW:
+        return _compact_table(hosts, title)
     table = Table(title=title)
     right = ("rank", "pid", "restarts", "step", "steps/s", "loss", "heartbeat")
     for column in ("host", "node id", "rank", "pid", "state", "restarts", "step", "steps/s", "loss", "heartbeat",
@@ -47,6 +53,31 @@ def status_table(record: JobRecord, hosts: list[HostStatus], title: str | None =
                           dash(p.step), _fixed(p.steps_per_s, 2), _fixed(p.loss, 4),
                           human_age(p.heartbeat_age) if p.heartbeat_age is not None else "-",
                           human_age(p.log_age), f"[{style}]{escape(note)}" if note else "")
+    return table
+
+
+def _state(p: ProcStatus) -> str:
+    return f"[{STATE_STYLE[p.state]}]{escape(p.state)}" if p.state in STATE_STYLE else escape(p.state)
+
+
+def _compact_table(hosts: list[HostStatus], title: str) -> Table:
+    """The status table for a narrow terminal: no borders, one space between columns, short headings, the rank
+    left to the node id (worker_<rank>) and the log age out; the note folds onto more lines instead of being
+    cut. About 70 columns before the note."""
+    table = Table(title=title, box=box.SIMPLE_HEAD, padding=(0, 1), collapse_padding=True, pad_edge=False,
+                  show_edge=False, title_justify="left")
+    for column, justify in (("host", "left"), ("node", "left"), ("pid", "right"), ("state", "left"),
+                            ("rst", "right"), ("step", "right"), ("st/s", "right"), ("loss", "right"),
+                            ("hb", "right")):
+        table.add_column(column, justify=justify, no_wrap=True)  # type: ignore[arg-type]
+    table.add_column("note", overflow="fold")
+    for h in hosts:
+        for p in h.processes:
+            note, style = process_note(p)
+            table.add_row(p.host, p.node_id, dash(p.pid), _state(p), str(p.restarts), dash(p.step),
+                          _fixed(p.steps_per_s, 1), _fixed(p.loss, 3),
+                          human_age(p.heartbeat_age) if p.heartbeat_age is not None else "-",
+                          f"[{style}]{escape(note)}" if note else "")
     return table
 
 

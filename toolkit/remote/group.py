@@ -189,7 +189,8 @@ def _error_text(target: Target, e: Exception) -> str:
     if isinstance(e, RemoteError):
         return str(e)
     if isinstance(e, UserError):
-        return f"{target.name}: {' '.join(str(e).split())}"
+        text = " ".join(str(e).split())
+        return text if text.startswith(f"{target.name}: ") else f"{target.name}: {text}"  # named once, not twice
     return f"{target.name}: {_one_line(e)}"
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import signal
 from dataclasses import dataclass, field
-from typing import Any, Generic, Mapping, TypeVar
+from typing import Any, Generic, Mapping, Sequence, TypeVar
 
 from toolkit.errors import UserError
 
@@ -182,15 +182,28 @@ class ClusterError(UserError):
         self.failures = tuple(attempted + [r for r in failed if r.skipped])
         if not self.failures:
             raise ValueError("ClusterError needs at least one failed host")
-        root = self.failures[0]
-        lines = [f"{len(failed)} of {len(results)} hosts failed; root cause: {root.error}"]
-        lines += [f"  {r.error}" + (" (root cause)" if r is root else "") for r in self.failures]
-        super().__init__("\n".join(lines))
+        super().__init__("\n".join(failure_lines(self.failures, len(results))))
 
     @property
     def root_cause(self) -> HostResult[Any]:
         """The earliest attempted failure (a skipped host only if every failed host was skipped)."""
         return self.failures[0]
+
+
+def failure_lines(failures: Sequence[HostResult[Any]], total: int) -> list[str]:
+    """ClusterError's text, one fact one line: the root cause first (the earliest failure), with the other hosts
+    that failed the same way ("also on b, c"), then one line per other way of failing, naming its hosts."""
+    same: dict[str, list[str]] = {}
+    for r in failures:
+        error = r.error or f"{r.host}: failed"
+        same.setdefault(error.removeprefix(f"{r.host}: "), []).append(r.host)
+    root = failures[0]
+    root_fact = (root.error or "").removeprefix(f"{root.host}: ")
+    also = [h for h in same.pop(root_fact, []) if h != root.host]
+    lines = [f"{len(failures)} of {total} hosts failed; root cause: {root.error}"
+             + (f" (also on {', '.join(also)})" if also else "")]
+    lines += [f"  {', '.join(hosts)}: {fact}" for fact, hosts in same.items()]
+    return lines
 
 
 def signal_name(number: int) -> str:

@@ -6,6 +6,7 @@ to a spare (`replace`). A command imports no other command: what they share live
 following and stopping the job, deploying it, the terminal output) and toolkit.check.gather. The command line
 (toolkit.cli) calls only what this package exports."""
 
+from toolkit.jobhosts.streams import RankFilter
 from toolkit.tasks.check import Limits, check
 from toolkit.tasks.deploy import deploy, record_deploy, show_plan
 from toolkit.tasks.logs import LOG_LINES, logs
@@ -17,5 +18,5 @@ from toolkit.tasks.status import status
 from toolkit.tasks.stop import restart, stop
 from toolkit.tasks.watch import WATCH_INTERVAL, watch
 
-__all__ = ["LOG_LINES", "WATCH_INTERVAL", "Limits", "check", "deploy", "logs", "record_deploy", "replace", "report",
-           "restart", "run", "show_plan", "status", "stop", "train", "watch"]
+__all__ = ["LOG_LINES", "WATCH_INTERVAL", "Limits", "RankFilter", "check", "deploy", "logs", "record_deploy", "replace",
+           "report", "restart", "run", "show_plan", "status", "stop", "train", "watch"]

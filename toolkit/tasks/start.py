@@ -9,12 +9,13 @@ when the job is formed; `--join` waits for the end. The starting itself is toolk
 from __future__ import annotations
 
 from toolkit.jobhosts.launch import start_job
+from toolkit.jobhosts.streams import RankFilter
 from toolkit.settings import Request
 
 
 def train(request: Request, join: bool = False, join_timeout: float | None = None, fresh: bool = False,
-          again: bool = False, check: bool = True) -> None:
+          again: bool = False, check: bool = True, stream: RankFilter | None = None) -> None:
     """`fleet train`: start the deployed job (deploying it first if it never was) and, with `join`, wait for its
     end; `fresh`, `again` and `check` as toolkit.jobhosts.launch.start_job takes them, which also says what it
-    raises."""
-    start_job(request, join=join, join_timeout=join_timeout, fresh=fresh, again=again, check=check)
+    raises; `stream`: whose output --join shows (jobhosts.streams.RankFilter)."""
+    start_job(request, join=join, join_timeout=join_timeout, fresh=fresh, again=again, check=check, stream=stream)

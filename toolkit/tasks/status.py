@@ -86,7 +86,8 @@ def _status_json(record: JobRecord, hosts: list[HostStatus]) -> dict[str, Any]:
 def _print_status(record: JobRecord, hosts: list[HostStatus]) -> None:
     """The table on stdout (one row per process, unreachable ones included), then notes, the stragglers, the last
     incident and the recovery mode on stderr."""
-    table_console().print(status_table(record, hosts))
+    console = table_console()
+    console.print(status_table(record, hosts, width=console.width))
     for h in hosts:
         note = _host_note(h)
         if note:

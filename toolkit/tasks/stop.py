@@ -15,43 +15,22 @@ from toolkit.jobhosts.reach import (
     host_target,
     load_record,
     record_ssh,
-    record_targets,
-    result_line,
     unless_other_job,
 )
-from toolkit.jobhosts.stopping import stop_one
+from toolkit.jobhosts.stopping import stop_job
 from toolkit.remote import (
-    ClusterError,
     Host,
     check_all,
-    rich_progress,
     run_on_all,
 )
 from toolkit.settings import JobRef
 
 
 def stop(ref: JobRef) -> None:
-    """Stop the job on every host (SIGTERM, grace, SIGKILL) and verify that no process of it remains.
-
-    Every host in parallel, each bounded by the job's grace period plus STOP_TIMEOUT_EXTRA; a host where nothing
-    was deployed counts as stopped. Raises UserError listing the hosts that failed (root cause first) and
-    saying the job may still run there: run `fleet stop` again once they answer. Repeating it is harmless. A host
-    replaced by a spare is stopped too if it answers (a healed partition may have left processes there); if it does
-    not, that is only said: the scheduler fences it from the job anyway."""
+    """Stop the job on every host (SIGTERM, grace, SIGKILL) and verify that no process of it remains
+    (toolkit.jobhosts.stopping.stop_job, which `run` calls on Ctrl-C too, says how and what it raises)."""
     record = load_record(ref)
-    ssh = record_ssh(record, ref.request.core)
-    with rich_progress("stopping", len(record.hosts), line=result_line) as progress:
-        results = run_on_all(record_targets(record), lambda host: stop_one(host, record), ssh, progress=progress)
-    for name in [n for n, r in results.items() if isinstance(r.exception, OtherJob)]:
-        say(f"{results.pop(name).error}; nothing of this job runs there")
-    for name in [n for n, r in results.items() if not r.ok and record.host(n).replaced_by]:
-        say(f"{name} (replaced by {record.host(name).replaced_by}) could not be stopped: {results.pop(name).error}; "
-            "it is fenced from the job")
-    try:
-        check_all(results)
-    except ClusterError as e:
-        raise UserError(f"{e}\nthe job may still run there: run 'fleet stop' again once the host answers") from None
-    say(f"job {record.job} stopped on {len(results)} host(s); each verified that no process of the job is left")
+    stop_job(record, record_ssh(record, ref.request.core))
 
 
 # --- restart -----------------------------------------------------------------------------------------------------

@@ -114,8 +114,9 @@ def view_json(record: JobRecord, view: View) -> dict[str, Any]:
             "processes": [asdict(p) for h in view.hosts for p in h.processes]}
 
 
-def render(record: JobRecord, view: View, interval: float) -> Group:
-    """The table and, under it, each unreachable host, the stragglers, the last incident and the goodput."""
+def render(record: JobRecord, view: View, interval: float, width: int | None = None) -> Group:
+    """The table (compact on a terminal `width` columns wide, see tables.status_table) and, under it, each
+    unreachable host, the stragglers, the last incident and the goodput."""
     live = view.live
     title = f"job {record.job}: {record.world_size} worker(s) on {len(record.live_hosts)} host(s)"
     if live is not None:
@@ -127,7 +128,7 @@ def render(record: JobRecord, view: View, interval: float) -> Group:
     if view.outcome is not None:
         lines.append(Text(f"job {record.job} {view.outcome}", style="bold green" if view.outcome is AgentState.SUCCEEDED
                           else "bold red"))
-    return Group(status_table(record, view.hosts, title), *lines)
+    return Group(status_table(record, view.hosts, title, width), *lines)
 
 
 class Pollers:
@@ -216,7 +217,7 @@ def watch_record(record: JobRecord, ssh: SshSettings, interval: float = WATCH_IN
                 with Live(console=out, auto_refresh=False, transient=False) as live:
                     while view is None or view.outcome is None:
                         view = _next(record, pollers, interval, stop, view)
-                        live.update(render(record, view, interval), refresh=True)
+                        live.update(render(record, view, interval, out.width), refresh=True)
         finally:
             pollers.close()
     if view.outcome is not AgentState.SUCCEEDED:

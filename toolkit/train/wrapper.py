@@ -30,8 +30,10 @@ import atexit
 import contextlib
 import gc
 import importlib
+import importlib.util
 import os
 import runpy
+import subprocess
 import sys
 import time
 import traceback
@@ -160,10 +162,23 @@ class ScriptSession:
 def run_script(argv: Sequence[str], env: dict[str, str] | None = None) -> int:
     """Run SCRIPT ARGS as `python SCRIPT ARGS` would, as a toolkit worker (see the module docstring); returns the
     exit status."""
-    if not argv:
-        raise RuntimeConfigError("usage: python -m toolkit.train SCRIPT [ARGS...]: name the training script")
+    if not argv or argv[0] in ("-m", "--no-python") and len(argv) < 2:
+        raise RuntimeConfigError("usage: python -m toolkit.train [-m MODULE | --no-python PROGRAM | SCRIPT] "
+                                 "[ARGS...]: name the training script, module or program")
+    module = argv[1] if argv[0] == "-m" else None
     script = argv[0]
-    if not Path(script).is_file():
+    if argv[0] == "--no-python":
+        return _run_program(list(argv[1:]))
+    if module is not None:
+        sys.path[0] = os.getcwd()  # as `python -m`: the module is found from the working directory
+        try:
+            spec = importlib.util.find_spec(module)
+        except (ImportError, ValueError):
+            spec = None
+        if spec is None:
+            raise RuntimeConfigError(f"-m {module}: no such module (from {Path.cwd()} and the python path)")
+        script, argv = spec.origin or module, [spec.origin or module, *argv[2:]]
+    elif not Path(script).is_file():
         raise RuntimeConfigError(f"{script}: no such training script (relative to {Path.cwd()})")
     cfg = WorkerEnv.from_env(os.environ if env is None else env)
     session = ScriptSession(cfg) if cfg.mode == MODE_TOOLKIT else None
@@ -172,18 +187,40 @@ def run_script(argv: Sequence[str], env: dict[str, str] | None = None) -> int:
         stacks.dump_on_signal()  # a stuck worker's stacks to its log before its agent kills it
     sys.argv = list(argv)  # the script reads its own arguments, as under `python SCRIPT ARGS`
     log.whole_lines()  # its prints and the control thread's lines share the log: none may tear another
-    sys.path[0] = str(Path(script).resolve().parent)  # and imports its neighbours, as under `python SCRIPT`
-    code, error = _run_path(script)
+    if module is None:
+        sys.path[0] = str(Path(script).resolve().parent)  # and imports its neighbours, as under `python SCRIPT`
+    code, error = _run(script, module)
     if session is not None:
         code = session.end(code, error)
     return code
 
 
-def _run_path(script: str) -> tuple[int, BaseException | None]:
-    """Run the script as `python SCRIPT` would; (its exit status, the exception it raised or None). An exception is
-    shown as python shows it and recorded in the error file (`record_error`)."""
+def _run_program(argv: list[str]) -> int:
+    """`--no-python PROGRAM ARGS` (torchrun's): run the program as a child in this process's group (the agent's
+    signals reach it with this process) and return its exit status (128 + N for a signal N, as a shell says). It
+    gets the worker's environment, as a script that never asks for a process group does (there is no group to
+    hook in another program)."""
     try:
-        runpy.run_path(script, run_name="__main__")
+        child = subprocess.Popen(argv)
+    except OSError as e:
+        raise RuntimeConfigError(f"--no-python {argv[0]}: {e.strerror} (relative to {Path.cwd()} and PATH)") from None
+    while True:
+        try:
+            code = child.wait()
+            break
+        except KeyboardInterrupt:
+            continue  # the child got the same SIGINT: its status says what it did with it
+    return 128 - code if code < 0 else code
+
+
+def _run(script: str, module: str | None) -> tuple[int, BaseException | None]:
+    """Run the script as `python SCRIPT` would (a `module` as `python -m MODULE`); (its exit status, the exception
+    it raised or None). An exception is shown as python shows it and recorded in the error file (`record_error`)."""
+    try:
+        if module is not None:
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
+        else:
+            runpy.run_path(script, run_name="__main__")
     except SystemExit as e:
         if e.code is None:
             return 0, None
