@@ -185,6 +185,7 @@ def test_fresh_moves_nothing_aside_when_the_start_cannot_pass(project: Path, tmp
     flags = ["--job", "busy", "--workdir", str(work), "--master-port", str(port), "--no-warm-spare", "--grace", "3"]
     ok(fleet("run", *flags, "train.py", "--steps", "2", cwd=project))
     with socket.socket() as taken:
+        taken.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # the finished run's connections may linger
         taken.bind(("127.0.0.1", port))
         taken.listen()
         r = fleet("train", "--fresh", "--join", cwd=project)

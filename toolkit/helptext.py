@@ -100,7 +100,7 @@ def program_help(binary: str, tasks: list[TaskDoc]) -> str:
 def task_help(binary: str, task: TaskDoc) -> str:
     """`fleet TASK --help`: usage, the task's docstring, its own flags, then the shared ones (by section for a task
     that plans a job; else those that name the job and reach its hosts, and the rest in one paragraph)."""
-    out = [f"Usage: {binary} {task.name} {task.usage}".rstrip(), ""]
+    out = [f"Usage: {binary} {task.name} {task.usage}".rstrip()]  # the task's docstring under it: one screen
     for paragraph in task.doc.strip().split("\n\n"):
         out += _wrap(" ".join(paragraph.split()), WIDTH)
     out.append("")
