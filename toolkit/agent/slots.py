@@ -78,6 +78,7 @@ class Slot:
         self.epoch: int | None = None
         self.step_at: float | None = None
         self.progressed = False  # progress reported since the latest launch
+        self.said_done = False  # the latest incarnation told the scheduler it finished training
         self.timer: Timer | None = None
         self.next_start: float | None = None
         self.manual = False  # the operator asked for a restart: the coming death is expected and not counted
@@ -112,6 +113,8 @@ class Slot:
         `recovery` (the worker joined its group) or a `step` marks the process `progressed` since its launch, which
         spares its next failure the backoff (hostspec.RestartPolicy.after_failure); `epoch` counts only with a step."""
         changed = False
+        if report.done:
+            self.said_done = True
         if report.recovery is not None:
             self.progressed = True  # it got as far as its process group: not a crash loop
             if report.recovery != self.recovery:

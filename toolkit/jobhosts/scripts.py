@@ -70,8 +70,8 @@ exit 0
 # (another project's job in that directory is left running: the agent's exit 4, with one line).
 STOP_SCRIPT = r"""
 if [ -x "$1/stop.sh" ]; then
-    if [ -n "$3" ]; then exec "$1/stop.sh" --job-id "$3"; fi
-    exec "$1/stop.sh"
+    if [ -n "$3" ]; then exec "$1/stop.sh" --job-id "$3" --by "$4"; fi
+    exec "$1/stop.sh" --by "$4"
 fi
 echo "$2: nothing deployed in $1: nothing to stop"
 """
