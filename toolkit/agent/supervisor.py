@@ -240,7 +240,8 @@ class Agent:
         self.link.close()
         self.warm.stop()
         # a scheduler here has the failure
-        self.processes.stop(live, told=final_state is AgentState.FAILED and delivered, why=self._stopped_why(final_state))
+        self.processes.stop(live, told=final_state is AgentState.FAILED and delivered,
+                            why=self._stopped_why(final_state))
         self.state = final_state
         self.writer.write()
         self.log("agent", f"agent exits: {self.state}" + (f" ({self.reason})" if self.reason else "")

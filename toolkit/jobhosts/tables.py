@@ -79,8 +79,10 @@ def live_lines(live: Mapping[str, Any] | None) -> list[str]:
         recomputed = "" if inc.get("recomputed") is None else f", {inc['recomputed']} step(s) recomputed"
         procs, where = (", ".join(map(str, inc.get(k) or [])) for k in ("processes", "hosts"))
         at = f" at step {inc['step']}" if isinstance(inc.get("step"), int) else ""
+        relaunched = ", ".join(map(str, inc.get("relaunched") or []))
+        also = f" ({relaunched} relaunched with it: restart recovery)" if relaunched else ""
         lines.append(f"last incident (#{inc.get('number')} of {live.get('incidents')}): {inc.get('cause')}: "
-                     f"{procs} on {where}{at}; {recovery_text(inc, live)}{recomputed}")
+                     f"{procs} on {where}{at}{also}; {recovery_text(inc, live)}{recomputed}")
     goodput = live.get("goodput")
     if isinstance(goodput, dict) and number(goodput.get("goodput")) is not None:
         wall = human_age(number(goodput.get("wall")))
