@@ -298,6 +298,7 @@ class Processes:
         if manual:
             self.log(node, f"pid {pid} ended ({how}) for the requested restart")
         elif status.code in (protocol.EXIT_FENCED, protocol.EXIT_REJOIN):
+            slot.relaunched += 1  # the job's restart, not a fault of this process: `fleet status` counts it apart
             self.log(node, f"pid {pid} {how} (told to by the scheduler); relaunching now")
         else:
             budget = f"restart {reaction.counted} of {self.spec.policy.max_restarts}"

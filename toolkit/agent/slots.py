@@ -69,6 +69,7 @@ class Slot:
         self.state: ProcState = ProcState.PENDING
         self.launches = 0
         self.counted = 0
+        self.relaunched = 0  # launches that were the job's restart of this healthy process (EXIT_REJOIN, EXIT_FENCED)
         self.started_mono = 0.0
         self.started_wall: float | None = None
         self.warm = False
@@ -155,7 +156,7 @@ class Slot:
             pid=c.pid if c else None, pgid=c.pgid if c else None, start_ticks=c.start_ticks if c else None,
             last_pid=self.last_pid, last_start_ticks=self.last_ticks,
             started_at=iso(self.started_wall), warm=self.warm if c else None,
-            restarts=max(0, self.launches - 1), counted_restarts=self.counted,
+            restarts=max(0, self.launches - 1), counted_restarts=self.counted, relaunched=self.relaunched,
             max_restarts=policy.max_restarts, next_start_at=iso(self.next_start),
             last_exit=self.last_exit, exits=tuple(self.exits),
             step=self.step, epoch=self.epoch, step_at=iso(self.step_at), recovery=self.recovery,

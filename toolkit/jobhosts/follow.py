@@ -272,7 +272,7 @@ def _report_changes(st: HostStatus, seen: dict[tuple[str, str], tuple[Any, ...]]
             why = f" ({st.reason})" if st.reason and st.agent in FINAL_STATES else ""
             emit(f"{st.host}: agent {st.agent}{why}" if st.agent != "unreachable" else f"{st.error}")
     for p in st.processes:
-        key = (p.state, p.pid, p.restarts)
+        key = (p.state, p.pid, p.restarts, p.relaunched)
         if seen.get((p.host, p.node_id)) == key:
             continue
         seen[(p.host, p.node_id)] = key
@@ -281,6 +281,8 @@ def _report_changes(st: HostStatus, seen: dict[tuple[str, str], tuple[Any, ...]]
             parts.append(f"pid {p.pid}")
         if p.restarts:
             parts.append(f"{p.restarts} restart(s)")
+        if p.relaunched:
+            parts.append(f"relaunched {p.relaunched} time(s) with the job's restart")
         if p.last_exit and p.last_exit != "exit code 0":
             parts.append(f"last exit: {p.last_exit}")
         emit(f"{p.prefix} {', '.join(parts)}")

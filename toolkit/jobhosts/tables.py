@@ -43,7 +43,8 @@ def status_table(record: JobRecord, hosts: list[HostStatus], title: str | None =
         for p in h.processes:
             note, style = process_note(p)
             table.add_row(p.host, p.node_id, dash(p.rank), dash(p.pid), f"[{STATE_STYLE.get(p.state, '')}]"
-                          f"{escape(p.state)}" if p.state in STATE_STYLE else escape(p.state), str(p.restarts),
+                          f"{escape(p.state)}" if p.state in STATE_STYLE else escape(p.state),
+                          f"{p.restarts} (+{p.relaunched} relaunched)" if p.relaunched else str(p.restarts),
                           dash(p.step), _fixed(p.steps_per_s, 2), _fixed(p.loss, 4),
                           human_age(p.heartbeat_age) if p.heartbeat_age is not None else "-",
                           human_age(p.log_age), f"[{style}]{escape(note)}" if note else "")
