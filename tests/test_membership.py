@@ -313,6 +313,21 @@ def test_a_restarted_scheduler_gives_members_node_timeout_to_reconnect() -> None
     assert not logged(out)  # worker_0 reconnected in time; worker_1 was never a member of the new state
 
 
+def test_restored_restart_recovery_members_that_never_reconnect_are_not_taken_for_leaving_ones() -> None:
+    """After a stop and a start again, the restored members of a torchrun-style script are ghosts: the first one
+    found not back begins a generation, but the others are no processes about to exit for a relaunch; their absence
+    is judged as such (`did not reconnect`), never noted as relaunched."""
+    m = membership(2)
+    for rank in range(2):
+        register(m, 10 + rank, rank, 0.0, recovery=P.RECOVERY_RESTART)
+    again = membership(2, now=100.0)
+    again.restore(m.snapshot(), 100.0)
+    again.started(100.0)
+    out = again.tick(100.0 + NODE_TIMEOUT + 0.1)  # neither came back
+    deaths = [a for a in out if isinstance(a, Note) and a.kind == "death"]
+    assert len(deaths) == 2 and not any(d.fields["relaunched"] for d in deaths), deaths
+
+
 @pytest.mark.parametrize("field,value", [("rank", True), ("rank", "1"), ("pid", 2.5), ("incarnation", ""),
                                          ("node_id", ["worker_0"]), ("world_size", 3), ("rank", 7)])
 def test_a_malformed_or_wrong_registration_is_refused_without_retry(field: str, value: Any) -> None:

@@ -647,8 +647,10 @@ class Membership:
             self.generation += 1
             self.formed = False
             self.gather_since = now
+            # the connected ones: told of the generation below, they exit (a restored member that has not
+            # reconnected after a restart of the job is no process that leaves: its absence is judged as such)
             self.leaving |= {m.incarnation for m in self.roster.members.values()
-                             if m.recovery == protocol.RECOVERY_RESTART}
+                             if m.recovery == protocol.RECOVERY_RESTART and m.peer is not None}
             out.append(Log(WARNING, f"{member.node_id} (pid {member.pid} on {member.host}) is dead: {reason}; "
                                     f"generation {self.generation} begins, waiting for its replacement"))
             out += [Send(m.peer, protocol.GENERATION, {"generation": self.generation})
