@@ -6,7 +6,10 @@ real CLI (`fleet deploy train --join`, `fleet stop`, `fleet restart`) on the por
   "succeeded";
 - `fleet restart --node` and `fleet stop` with DataLoader workers (num_workers 0 and 2): the SIGTERM reaches the
   training process only, so its last words (the final checkpoint) are written; the exits are recorded as the
-  operator's restart and stop, not as what they did to a DataLoader worker; --join says `stopped` and exits 3.
+  operator's restart and stop, not as what they did to a DataLoader worker; --join says `stopped` and exits 3;
+- 20 single kills of a plain script reporting its steps (examples/ddp/plain.py with toolkit.train.report) are 20
+  incidents, each naming the killed rank, with the healthy one listed apart as relaunched (no phantom `exit code
+  76` incident), and `status` counts the relaunches apart from the restarts.
 
 (A plain torchrun script ending with `dist.destroy_process_group()` is examples/ddp/plain.py, which every
 test_own_scripts.py run of it ends 0.)
