@@ -140,6 +140,19 @@ def test_success_and_closing() -> None:
                           "exit code 0") == Settle("succeeded", True)
 
 
+def test_a_nonzero_exit_after_the_end_fails_the_job_and_is_not_restarted() -> None:
+    """Issue 41: a worker that said `done` and then exits 1 (or is killed) is not restarted (its rank finished) but
+    settled `failed`; so is any non-zero exit while the agent finishes. A stopping agent's exits stay `stopped`."""
+    assert policy.on_exit(RULES, exit_(said_done=True), "exit code 1") == Settle("failed", False)
+    assert policy.on_exit(RULES, exit_(code=None, said_done=True, manual=True), "killed by SIGKILL") == \
+        Settle("failed", False)
+    assert policy.on_exit(RULES, exit_(closing=True, finishing=True, others_running=False), "exit code 1") == \
+        Settle("failed", True)
+    assert policy.on_exit(RULES, exit_(code=0, said_done=True, others_succeeded=True), "exit code 0") == \
+        Succeeded(True)
+    assert policy.on_exit(RULES, exit_(closing=True), "exit code 143") == Settle("stopped", False)
+
+
 def test_the_schedulers_messages() -> None:
     running = {"worker_0": 100}
     assert policy.on_scheduler({"op": P.KILL, "node_id": "worker_0", "pid": 100}, running, False) == Kill("worker_0")

@@ -75,7 +75,7 @@ class Rig:
             self.check()
 
     def end(self) -> None:
-        self.p.stop(self.p.quiesce(), told=False)
+        self.p.stop(self.p.quiesce(), told=False, why="stopped by the test")
         self.check()
         self.sel.close()
 
@@ -124,6 +124,7 @@ def test_the_operators_restart_is_not_counted_and_its_kill_timer_is_cancelled_by
     assert rig.p.manual_restart("worker_0")["was_pid"] == was  # a second request signals nothing more
     rig.until(lambda: slot.child is not None and slot.child.pid != was)
     assert slot.exits[-1].signal == signal.SIGTERM.name and slot.counted == 0
+    assert slot.exits[-1].cause == "restarted by fleet restart --node (killed by SIGTERM)"  # the operator's act
     assert slot.kill_timer is None and rig.timers.timeout(IDLE) == IDLE  # the SIGKILL will not come
     assert rig.p.manual_restart("nope")["ok"] is False
     rig.closing = True

@@ -27,6 +27,8 @@ from toolkit.testing.clock import FakeClock
     (b'{"node_id": "worker_1", "recovery": "restart"}', Report("worker_1", recovery=P.RECOVERY_RESTART)),
     (b'{"node_id": "w", "step": true, "epoch": "2", "recovery": "sideways"}', Report("w")),  # wrong types left out
     (b'{"node_id": "w", "step": 1.5, "recovery": ["in-place"]}', Report("w")),
+    (b'{"node_id": "w", "done": true}', Report("w", done=True)),
+    (b'{"node_id": "w", "done": 1}', Report("w")),  # only the JSON value true says done
     (b'{"node_id": 3, "step": 1}', None),
     (b'{"step": 1}', None),
     (b'["worker_0", 1]', None),

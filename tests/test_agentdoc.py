@@ -57,6 +57,7 @@ def _old_proc(slot: Slot, policy: RestartPolicy, exits: list[dict], same: dict |
         "open_files": slot.files.document() if slot.files else None,
         "failed_at": slot.failed_at, "same_failure": same,
         "log_file": slot.spec.log_file, "argv": list(slot.spec.argv),
+        "relaunched": slot.relaunched,  # added by issue 41 (the job's restarts of a healthy process, apart)
     }
 
 

@@ -32,6 +32,16 @@ def test_the_scripts_own_word_comes_first_then_the_signal_then_fencing() -> None
         "x (exit code 1)"
 
 
+def test_the_operators_stop_or_restart_is_the_cause_of_the_exit_it_brought_about() -> None:
+    term = ExitStatus(None, signal.SIGTERM)
+    assert causes.operator_cause(ExitStatus(143, None), "stopped by fleet stop") == \
+        "stopped by fleet stop (exit code 143)"
+    assert causes.operator_cause(term, causes.RESTARTED_BY_OPERATOR) == \
+        "restarted by fleet restart --node (killed by SIGTERM)"
+    assert causes.operator_cause(ExitStatus(0, None), "stopped by fleet stop") is None  # a clean exit needs none
+    assert causes.operator_cause(term, None) is None
+
+
 def test_torchs_error_file_is_read_and_a_hostile_one_is_not(tmp_path: Path, monkeypatch) -> None:
     path = causes.error_file(tmp_path, "worker_3", 2)
     assert path == tmp_path / "worker_3.2.json" and causes.read_error_file(path) is None  # none written

@@ -127,6 +127,19 @@ def test_restart_recovery_ends_at_the_first_step_after_the_formation() -> None:
     assert (inc.resumed_from, inc.recomputed) == (8, 2)  # its first step is 9: it resumed from 8; 10 was heard
 
 
+def test_the_healthy_ranks_relaunched_with_a_restart_are_listed_apart_and_open_no_incident() -> None:
+    led = started()
+    led.note("death", death(1, "killed by SIGKILL", 1, recovery="restart"), T0 + 21)
+    led.note("death", {**death(0, CAUSE_CLOSED, 1, begins=False, recovery="restart"), "relaunched": True}, T0 + 21.1)
+    led.note("formed", {"generation": 1}, T0 + 23)
+    led.note("death", {**death(0, CAUSE_CLOSED, 1, begins=True, recovery="restart"), "relaunched": True}, T0 + 24)
+    assert led.faults.count == 1  # a relaunch is never a fault of its own, even when noted as beginning one
+    (inc,) = led.faults.incidents
+    assert [p["node_id"] for p in inc.processes] == ["worker_1"] and inc.cause == "killed by SIGKILL"
+    assert [p["node_id"] for p in inc.relaunched] == ["worker_0", "worker_0"]
+    assert Ledger.from_json(led.to_json(T0 + 30)).faults.incidents[0].relaunched == inc.relaunched
+
+
 def test_a_torchrun_style_script_reporting_steps_and_checkpoints_is_measured_like_any_other() -> None:
     """toolkit.train.report(step, checkpoint=True) from rank 0 only (it saves the one checkpoint): reported every 5th
     step, the incident resumes from that checkpoint (it lies in the 5 steps before the first reported after)."""

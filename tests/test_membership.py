@@ -24,10 +24,10 @@ def membership(world: int = 2, now: float = 0.0) -> Membership:
 
 
 def register(m: Membership, peer: int, rank: int, now: float, incarnation: str | None = None,
-             pid: int | None = None) -> list[Any]:
+             pid: int | None = None, recovery: str = P.RECOVERY_IN_PLACE) -> list[Any]:
     msg = {"op": P.REGISTER, "node_id": P.worker_node_id(rank), "rank": rank, "world_size": m.world_size,
            "incarnation": incarnation or f"inc{peer}", "pid": pid or 1000 + peer, "host": "hostA",
-           "recovery": P.RECOVERY_IN_PLACE}
+           "recovery": recovery}
     return m.register(peer, f"10.0.0.2:{peer}", msg, now)
 
 
@@ -75,6 +75,28 @@ def test_a_death_while_formed_starts_one_generation_and_a_second_while_gathering
     out = register(m, 22, 2, 6.1)
     assert m.formed and m.generation == 1
     assert DropKeys(P.store_prefix("job", "boot", 0)) in out  # generation 0's store keys can go
+
+
+def test_restart_recovery_survivors_leaving_to_be_relaunched_are_not_counted_nor_a_new_fault() -> None:
+    """Issue 41: a torchrun-style script's survivor exits 76 on the next generation. A replacement registering
+    before that exit is seen must not form the generation with the leaving survivor (whose exit then began another
+    generation: a phantom incident); its exit is noted as relaunched, not as the beginning of a fault."""
+    m = membership(2)
+    for rank in range(2):
+        register(m, 10 + rank, rank, 0.0, recovery=P.RECOVERY_RESTART)
+    assert m.formed
+    m.lost(10, "connection closed", 5.0)  # rank 0 killed: generation 1 begins
+    out = register(m, 20, 0, 5.1, recovery=P.RECOVERY_RESTART)  # its warm replacement, before rank 1 has left
+    assert not m.formed and not sent(out, P.FORMED), "formed with a survivor about to exit 76"
+    out = m.lost(11, "connection closed", 5.2)  # the survivor exits 76 for its relaunch
+    (death,) = [a for a in out if isinstance(a, Note) and a.kind == "death"]
+    assert death.fields["relaunched"] is True and death.fields["begins"] is False
+    assert m.generation == 1 and not sent(out, P.GENERATION)
+    out = register(m, 21, 1, 5.5, recovery=P.RECOVERY_RESTART)  # its relaunch
+    assert m.formed and m.generation == 1 and {s.peer for s in sent(out, P.FORMED)} == {20, 21}
+    out = m.lost(20, "connection closed", 9.0)  # a real fault later is one again
+    (death,) = [a for a in out if isinstance(a, Note) and a.kind == "death"]
+    assert death.fields["begins"] is True and death.fields["relaunched"] is False and m.generation == 2
 
 
 def test_a_dead_incarnation_is_fenced_when_it_comes_back() -> None:
@@ -289,6 +311,21 @@ def test_a_restarted_scheduler_gives_members_node_timeout_to_reconnect() -> None
     assert "worker_0 reconnected" in logged(out)
     out = again.tick(100.0 + NODE_TIMEOUT + 0.1)
     assert not logged(out)  # worker_0 reconnected in time; worker_1 was never a member of the new state
+
+
+def test_restored_restart_recovery_members_that_never_reconnect_are_not_taken_for_leaving_ones() -> None:
+    """After a stop and a start again, the restored members of a torchrun-style script are ghosts: the first one
+    found not back begins a generation, but the others are no processes about to exit for a relaunch; their absence
+    is judged as such (`did not reconnect`), never noted as relaunched."""
+    m = membership(2)
+    for rank in range(2):
+        register(m, 10 + rank, rank, 0.0, recovery=P.RECOVERY_RESTART)
+    again = membership(2, now=100.0)
+    again.restore(m.snapshot(), 100.0)
+    again.started(100.0)
+    out = again.tick(100.0 + NODE_TIMEOUT + 0.1)  # neither came back
+    deaths = [a for a in out if isinstance(a, Note) and a.kind == "death"]
+    assert len(deaths) == 2 and not any(d.fields["relaunched"] for d in deaths), deaths
 
 
 @pytest.mark.parametrize("field,value", [("rank", True), ("rank", "1"), ("pid", 2.5), ("incarnation", ""),

@@ -238,6 +238,7 @@ class ProcDoc:
     same_failure: Mapping[str, Any] | None = field(hash=False)
     log_file: str | None
     argv: tuple[str, ...]
+    relaunched: int | None = None  # of `restarts`: the job's restart of this healthy process (exit 76 or 75)
 
     def to_dict(self) -> dict[str, Any]:
         return _dict(self)
@@ -259,7 +260,7 @@ class ProcDoc:
             _int(g("step")), _int(g("epoch")), _text(g("step_at")), _text(g("recovery")),
             tuple(c for c in map(_int, cpus[:MAX_ENTRIES]) if c is not None) if isinstance(cpus, list) else None,
             _flat(g("open_files")), _int(g("failed_at")), _flat(g("same_failure")), _text(g("log_file")),
-            _texts(g("argv")))
+            _texts(g("argv")), _int(g("relaunched")))
 
 
 @dataclass(frozen=True)

@@ -332,7 +332,7 @@ def cluster_task(own: Own | None = None, short: dict[str, str] | None = None, pl
             try:
                 return body(c.request(), **{k: flags[k] for k in own})
             except UserError as e:
-                raise Exit(f"error: {e}", code=e.exit_code) from None
+                raise Exit(f"{e.prefix}{e}", code=e.exit_code) from None
 
         shared = [o for o in OPTIONS if o.name not in helptext.not_for(name)]
         params = [inspect.Parameter("c", inspect.Parameter.POSITIONAL_OR_KEYWORD)]

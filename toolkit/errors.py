@@ -6,3 +6,4 @@ class UserError(Exception):
     is wrong, where (file and line, host, node), and what to do."""
 
     exit_code = 2
+    prefix = "error: "  # how the command line introduces the message ("" for an outcome that is no error)

@@ -93,7 +93,8 @@ def program_help(binary: str, tasks: list[TaskDoc]) -> str:
     out += ["", *_wrap(
         "Script arguments go after the script ('fleet run train.py --lr 0.1') or after '--' ('fleet deploy train "
         "-- --lr 0.1'). Exit codes: 0 success, 1 the job failed (the evidence is printed), 2 a usage or input "
-        "error, 130 Ctrl-C while waiting. Documentation: README.md and docs/ of toolkit.", WIDTH)]
+        "error, 3 the job was stopped (fleet stop) before it ended, 130 Ctrl-C while waiting. Documentation: "
+        "README.md and docs/ of toolkit.", WIDTH)]
     return "\n".join(out) + "\n"
 
 

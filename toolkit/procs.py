@@ -15,7 +15,7 @@ import signal
 import subprocess
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Mapping, Sequence
+from typing import Callable, Collection, Iterable, Mapping, Sequence
 
 PR_SET_PDEATHSIG = 1
 
@@ -129,17 +129,6 @@ class Child:
         """Not reaped yet: a child that exited but was not reaped is still `alive`."""
         return self.status is None
 
-    def signal_leader(self, sig: int) -> bool:
-        """Signal the process itself, not its group (its own children, e.g. DataLoader workers, are left alone).
-        Safe from pid reuse as `signal_group`."""
-        if self.status is not None:
-            return False
-        try:
-            os.kill(self.pid, sig)
-            return True
-        except ProcessLookupError:
-            return False
-
     def signal_group(self, sig: int) -> bool:
         """Signal the whole group. Safe from pid reuse: until we reap the leader its pid and pgid stay ours."""
         if self.status is not None:
@@ -151,6 +140,18 @@ class Child:
             return False
         except PermissionError:
             # the leader is a zombie and every other member is gone
+            return False
+
+    def signal_leader(self, sig: int) -> bool:
+        """Signal the leader alone (through its pidfd: never someone else's process), not the rest of its group: a
+        training process is asked to stop while its helpers (DataLoader workers) keep serving its last steps; the
+        group goes when the leader is reaped (`reap`) or with SIGKILL after the grace period."""
+        if self.status is not None:
+            return False
+        try:
+            signal.pidfd_send_signal(self._pidfd, sig)
+            return True
+        except ProcessLookupError:
             return False
 
     def reap(self) -> ExitStatus | None:
@@ -241,13 +242,17 @@ def spawn(spec: LaunchSpec) -> Child:
 
 
 def stop_all(children: Iterable[Child], grace: float,
-             on_kill: Callable[[Child], None] | None = None) -> dict[int, ExitStatus]:
-    """SIGTERM every child's group, wait up to `grace` seconds for all of them, SIGKILL the groups still there, reap.
-    Returns the exit status by pid. `on_kill(child)` is told of each child that needed SIGKILL. Bounded by about `grace`
-    plus KILL_WAIT; a child still not gone after that (stuck in the kernel) is missing from the result."""
+             on_kill: Callable[[Child], None] | None = None, leaders: Collection[int] = ()) -> dict[int, ExitStatus]:
+    """SIGTERM every child's group (only the leader for the pids in `leaders`: Child.signal_leader), wait up to
+    `grace` seconds for all of them, SIGKILL the groups still there, reap. Returns the exit status by pid.
+    `on_kill(child)` is told of each child that needed SIGKILL. Bounded by about `grace` plus KILL_WAIT; a child
+    still not gone after that (stuck in the kernel) is missing from the result."""
     live = [c for c in children if c.alive]
     for c in live:
-        c.signal_group(signal.SIGTERM)
+        if c.pid in leaders:
+            c.signal_leader(signal.SIGTERM)
+        else:
+            c.signal_group(signal.SIGTERM)
     _wait_exits(live, grace)
     for c in live:
         if c.reap() is None:

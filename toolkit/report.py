@@ -165,6 +165,7 @@ def _incident(i: Mapping[str, Any], t0: float) -> dict[str, Any]:
         "number": i.get("number"), "cause": i.get("cause"), "generation": i.get("generation"), "step": step,
         "processes": [p.get("node_id") for p in procs], "hosts": sorted({str(p.get("host")) for p in procs}),
         "ranks": [p.get("rank") for p in procs],
+        "relaunched": [p.get("node_id") for p in i.get("relaunched") or [] if isinstance(p, Mapping)],
         "failed": None if failed is None else round(failed - t0, 3),
         "detected_after": None if failed is None or detected is None else round(detected - failed, 3),
         "recovered": None if recovered is None else round(recovered - t0, 3),
@@ -300,11 +301,13 @@ def summary_tables(data: Mapping[str, Any]) -> list[Table]:
     tables = [run]
     if data["incidents"]:
         inc = Table(title="incidents")
-        for column in ("#", "cause", "processes", "hosts", "generation", "step", "detected after s",
-                       "time to recover s", "resumed from", "recomputed"):
-            inc.add_column(column, justify="right" if column not in ("cause", "processes", "hosts") else "left")
+        for column in ("#", "cause", "processes", "relaunched with them", "hosts", "generation", "step",
+                       "detected after s", "time to recover s", "resumed from", "recomputed"):
+            inc.add_column(column, justify="right" if column not in ("cause", "processes", "relaunched with them",
+                                                                     "hosts") else "left")
         for i in data["incidents"]:
             inc.add_row(_fmt(i["number"]), str(i["cause"]), ", ".join(map(str, i["processes"])),
+                        ", ".join(map(str, i.get("relaunched") or [])) or "-",
                         ", ".join(i["hosts"]), _fmt(i["generation"]), _fmt(i["step"]), _fmt(i["detected_after"]),
                         _fmt(i["time_to_recover"]), _fmt(i["resumed_from"]), _fmt(i["recomputed"]))
         tables.append(inc)

@@ -88,6 +88,19 @@ def first_cause(status: ExitStatus, message: str | None, fenced: str | None, oom
     return None
 
 
+RESTARTED_BY_OPERATOR = "restarted by fleet restart --node"  # the operator's restart (recover.sh), as an exit's cause
+
+
+def operator_cause(status: ExitStatus, operator: str | None) -> str | None:
+    """The cause of an exit the agent brought about for its operator (`operator`: "stopped by fleet stop",
+    RESTARTED_BY_OPERATOR), with its status; None for a clean exit or without one. It comes before the script's
+    own error: what a stop does to a process (its DataLoader workers killed, a collective broken) is no fault of
+    it."""
+    if status.ok or not operator:
+        return None
+    return f"{operator} ({status.describe()})"
+
+
 def describe(status: ExitStatus, cause: str | None) -> str:
     """How a process ended, for logs and reports: its first cause when there is one, else "exit code N" or "killed
     by SIGNAME"."""

@@ -255,9 +255,11 @@ def restart(spec: HostSpec, node_id: str) -> int:
     return EXIT_OK
 
 
-def stop(spec: HostSpec, timeout: float | None = None, job_id: str | None = None) -> int:
+def stop(spec: HostSpec, timeout: float | None = None, job_id: str | None = None, by: str | None = None) -> int:
     """stop.sh: SIGTERM the agent, wait (bounded) for it to stop its processes, SIGKILL it if it must, then make sure no
-    process of the groups it recorded is left.
+    process of the groups it recorded is left. With `by` (who stops it: "fleet stop"), the agent is first asked on its
+    control socket (bounded by CLIENT_TIMEOUT), so that its processes' exits are recorded as that stop ("stopped by
+    fleet stop"); SIGTERM when it does not answer.
 
     Returns EXIT_OK when nothing of the job is left, else EXIT_FAILED naming the survivors on stderr. The agent gets
     `timeout` s (default grace + STOP_MARGIN), then procs.KILL_WAIT after its SIGKILL; each leftover process gets
@@ -272,7 +274,8 @@ def stop(spec: HostSpec, timeout: float | None = None, job_id: str | None = None
     said = f"{spec.host}: agent was not running"
     if rec is not None:
         pid, ticks = rec
-        procs.kill_quietly(pid, signal.SIGTERM)
+        if not (by and _asked_to_stop(spec, by)):
+            procs.kill_quietly(pid, signal.SIGTERM)
         if procs.wait_gone(pid, ticks, timeout):
             said = f"{spec.host}: stopped (agent pid {pid})"
         else:
@@ -285,6 +288,14 @@ def stop(spec: HostSpec, timeout: float | None = None, job_id: str | None = None
         return EXIT_FAILED
     print(f"{said}; no process of the job is left")
     return EXIT_OK
+
+
+def _asked_to_stop(spec: HostSpec, by: str) -> bool:
+    """Whether the agent took a stop request naming `by` on its control socket (one bounded conversation)."""
+    try:
+        return request(spec, {"op": ControlOp.STOP.value, "by": by}).get("ok") is True
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def _recorded_groups(spec: HostSpec) -> list[tuple[str, int, int]]:
@@ -375,6 +386,8 @@ def main(argv: list[str] | None = None) -> int:
     if command == "stop":
         ap.add_argument("--timeout", type=float, default=None,
                         help="seconds to wait for the agent before SIGKILL (default: grace + 10)")
+        ap.add_argument("--by", default=None, help="who stops the job (e.g. 'fleet stop'): the cause recorded for "
+                                                   "its processes")
     if command in ("start", "stop"):
         ap.add_argument("--job-id", default=None,
                         help="act only if the job directory holds this job (its job-id file); else exit 4")
@@ -398,7 +411,7 @@ def main(argv: list[str] | None = None) -> int:
         if command == "restart":
             return restart(spec, args.node_id)
         if command == "stop":
-            return stop(spec, args.timeout, args.job_id)
+            return stop(spec, args.timeout, args.job_id, args.by)
         if command == "replace":
             return replace(spec, args.host, args.spare)
         print(json.dumps(status(spec), indent=1))

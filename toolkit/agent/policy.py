@@ -41,6 +41,7 @@ class Exited:
     others_succeeded: bool  # every other process of this host has exited 0
     reached: int | None = None  # the last step this incarnation completed (toolkit.stepfile), None: it reported none
     failed_at: int | None = None  # the furthest step this count's failures reached (None: none, or no step)
+    said_done: bool = False  # this incarnation told the scheduler it finished training
 
 
 # --- reactions to an exit ---
@@ -48,8 +49,9 @@ class Exited:
 
 @dataclass(frozen=True)
 class Settle:
-    """The agent is closing: the process's final state is `state`; with `finish`, nothing runs any more and the
-    finishing agent is done."""
+    """The process's final state is `state` (the agent is closing, or the process exited after it finished
+    training); with `finish`, nothing runs any more and the finishing agent is done. `state` FAILED: a non-zero exit
+    after the end, which makes the job failed (its exit status is the truth)."""
 
     state: ProcState
     finish: bool
@@ -88,15 +90,20 @@ EXIT_SETUP = 2
 
 
 def on_exit(policy: RestartPolicy, e: Exited, how: str) -> Settle | Relaunch | Succeeded | GiveUp:
-    """The reaction to one process's exit. Pure. In order: a closing agent only settles the final state; the operator's
+    """The reaction to one process's exit. Pure. In order: a non-zero exit (a signal included) after the process
+    said `done`, or while the agent finishes, settles it `failed` (the job has failed: a worker's exit status is the
+    truth, and the scheduler will not take it back); a closing agent only settles the final state; the operator's
     restart relaunches at once, uncounted; exit 0 is success; EXIT_FATAL gives up at once, and so does EXIT_SETUP
     before the process made any progress (retried with backoff, it took 10-19 s to say what the first exit said);
     EXIT_FENCED and EXIT_REJOIN
     relaunch at once, uncounted; any other exit, a death by signal included, is a failure that
     RestartPolicy.after_failure counts, backs off or gives up on. `how` describes the exit ("exit code 3", "killed by
     SIGKILL") for the reasons given."""
+    done_here = e.finishing and not e.others_running
+    if e.code != 0 and (e.said_done or e.closing and e.finishing):
+        return Settle(ProcState.FAILED, done_here)  # after the end: no restart can undo it, the job has failed
     if e.closing:
-        return Settle(ProcState.SUCCEEDED if e.code == 0 else ProcState.STOPPED, e.finishing and not e.others_running)
+        return Settle(ProcState.SUCCEEDED if e.code == 0 else ProcState.STOPPED, done_here)
     if e.manual:
         return Relaunch("restart requested by the operator", 0.0, e.counted)
     if e.code == 0:

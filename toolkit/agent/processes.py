@@ -113,18 +113,19 @@ class Processes:
             self.sel.unregister(slot.child)
         return live
 
-    def stop(self, live: list[Slot], told: bool) -> None:
+    def stop(self, live: list[Slot], told: bool, why: str) -> None:
         """Stop the children of `live` (from `quiesce`) and record how each ended; blocking, bounded by about grace +
         procs.KILL_WAIT, twice when `told`. `told`: the agent failed and the scheduler has its reports, so a
         scheduler running here is given grace to exit on its own once the workers are stopped (it has the failure
         to record; a SIGTERM could come first and leave the job "stopped" with no cause). Processes not already
-        succeeded or failed end `stopped`."""
+        succeeded or failed end `stopped`. `why`: what the agent stops them for (its reason: "stopped by fleet
+        stop"), the cause of each exit it brings about."""
         workers = [s for s in live if s.spec.is_worker or not told]
-        self.stop_children(workers)
+        self.stop_children(workers, why)
         for slot in (s for s in live if s not in workers):
             status = slot.child.wait(self.spec.grace)
             if status is None:
-                self.stop_children([slot])
+                self.stop_children([slot], why)
             else:
                 self.record_exit(slot, status)
                 self.log(slot.spec.node_id, f"pid {slot.child.pid} exited ({status.describe()})")
@@ -181,7 +182,7 @@ class Processes:
         slot.pids = (slot.pids + [child.pid])[-EXIT_HISTORY:]
         slot.started_mono, slot.started_wall = time.monotonic(), time.time()
         slot.state = ProcState.RUNNING
-        slot.progressed = False
+        slot.progressed = slot.said_done = False
         slot.files = openfiles.Trend(self.nofile) if slot.spec.is_worker else None
         self.sel.register(child, selectors.EVENT_READ, lambda _m, s=slot, c=child: self._on_child(s, c))
         since = ""
@@ -225,15 +226,16 @@ class Processes:
         self.warm.hold()  # a worker starting cold may be gone
 
     def record_exit(self, slot: Slot, status: ExitStatus, pid: int | None = None,
-                     step: int | None = None) -> ExitRecord:
+                     step: int | None = None, operator: str | None = None) -> ExitRecord:
         """Record an exit as `slot.last_exit` and in its history (the last EXIT_HISTORY), with the `step` the
         incarnation had reached; returns the record. In memory only: the caller writes agent.json. Its `cause` is the
-        first cause (toolkit.agent.causes: the incarnation's error file, read and removed here, or the scheduler's
-        cause when the agent killed it for fencing), None when the code or signal says it all."""
+        first cause (toolkit.agent.causes: `operator`, the stop or restart the agent was asked for, when it ended
+        the process; else the incarnation's error file, read and removed here, or the scheduler's cause when the
+        agent killed it for fencing), None when the code or signal says it all."""
         ran = time.monotonic() - slot.started_mono
         message = None
         if slot.error_file is not None:
-            if not status.ok:
+            if not status.ok and operator is None:
                 message = causes.read_error_file(slot.error_file)
             with contextlib.suppress(OSError):
                 slot.error_file.unlink(missing_ok=True)
@@ -242,7 +244,8 @@ class Processes:
         oom = causes.oom_verdict(before, self.oom_kills, self.cgroup.dirs[0] if self.cgroup else "",
                                  self.cgroup.limit(memcgroup.read_text) if self.cgroup else None)
         rec = ExitRecord(**status.as_dict(), pid=pid, at=iso(time.time()), ran_for=round(ran, 3), step=step,
-                         cause=causes.first_cause(status, message, slot.fenced, oom))
+                         cause=causes.operator_cause(status, operator) or causes.first_cause(status, message,
+                                                                                             slot.fenced, oom))
         slot.last_exit = rec
         slot.exits = (slot.exits + [rec])[-EXIT_HISTORY:]
         return rec
@@ -260,7 +263,8 @@ class Processes:
         finishes `succeeded` once every process of the host has), GiveUp (`_give_up`), Relaunch (`_relaunch`)."""
         pid = child.pid if child else None
         ran = time.monotonic() - slot.started_mono
-        record = self.record_exit(slot, status, pid, slot.reached_step())
+        record = self.record_exit(slot, status, pid, slot.reached_step(),
+                                  causes.RESTARTED_BY_OPERATOR if slot.manual else None)
         cause = record.cause
         if slot.kill_timer:
             slot.kill_timer.cancel()
@@ -275,7 +279,7 @@ class Processes:
             finishing=self.agent_state() is AgentState.FINISHING,
             others_running=any(s.child for s in others),
             others_succeeded=all(s.state is ProcState.SUCCEEDED for s in others),
-            reached=record.step, failed_at=slot.failed_at)
+            reached=record.step, failed_at=slot.failed_at, said_done=slot.said_done)
         how = causes.describe(status, cause)
         reaction = policy.on_exit(self.spec.policy, facts, how)
         slot.manual = False
@@ -283,7 +287,10 @@ class Processes:
         node = slot.spec.node_id
         if isinstance(reaction, policy.Settle):
             slot.state = reaction.state
-            self.log(node, f"pid {pid} exited ({how})")
+            if reaction.state is ProcState.FAILED:
+                self._failed_after_end(slot, pid, status, how)
+            else:
+                self.log(node, f"pid {pid} exited ({how})")
             self.changed()
             if reaction.finish:
                 self.finish_now()
@@ -308,6 +315,7 @@ class Processes:
         if manual:
             self.log(node, f"pid {pid} ended ({how}) for the requested restart")
         elif status.code in (protocol.EXIT_FENCED, protocol.EXIT_REJOIN):
+            slot.relaunched += 1  # the job's restart, not a fault of this process: `fleet status` counts it apart
             self.log(node, f"pid {pid} {how} (told to by the scheduler); relaunching now")
         else:
             budget = f"restart {reaction.counted} of {self.spec.policy.max_restarts}"
@@ -321,6 +329,22 @@ class Processes:
             slot.next_start = time.time() + reaction.delay
             slot.timer = self.timers.after(reaction.delay, lambda: self.launch(slot, reaction.why))
             self.changed()
+
+    def _failed_after_end(self, slot: Slot, pid: int | None, status: ExitStatus, how: str) -> None:
+        """`slot` exited non-zero (`how`) after it finished training (it said `done`, or the job had finished): not
+        restarted (the scheduler counts its rank finished), but the job has failed, whatever its training did. The
+        first such exit is the host's `failure` (cause, log tail); the agent ends `failed` once it is done."""
+        tail = log_tail(slot.spec.log_file)
+        cause = f"{how} at the end of the job"
+        self.log(slot.spec.node_id, f"pid {pid} {cause}: the job has failed (a worker must exit 0); last "
+                                    f"{len(tail)} lines of {slot.spec.log_file}:")
+        for line in tail:
+            self.log(slot.spec.node_id, f"| {line}")
+        if self.failure is None:
+            self.failure = Failure(
+                host=self.spec.host, node_id=slot.spec.node_id, rank=slot.spec.rank, pid=pid, code=status.code,
+                signal=status.signal_name, status=status.describe(), cause=cause, restarts=slot.counted,
+                log_file=slot.spec.log_file, log_tail=tuple(tail), at=iso(time.time()))
 
     def _give_up(self, slot: Slot, pid: int | None, status: ExitStatus, ran: float, cause: str | None) -> None:
         """The job has failed here: `slot` died with its restarts used up (`cause`: its first cause, or None when its
@@ -369,9 +393,10 @@ class Processes:
         if not self.closing():
             self.timers.after(openfiles.SAMPLE_INTERVAL, self.count_open_files)
 
-    def stop_children(self, slots: list[Slot]) -> None:
-        """SIGTERM the groups of `slots`' children, SIGKILL what is left after grace (procs.stop_all), and record how
-        each ended. Blocking, bounded by about grace + procs.KILL_WAIT."""
+    def stop_children(self, slots: list[Slot], why: str) -> None:
+        """SIGTERM `slots`' children (a worker alone, its helpers such as DataLoader workers left to serve its last
+        words; the scheduler with its group), SIGKILL the groups still there after grace (procs.stop_all), and record
+        how each ended, `why` its cause. Blocking, bounded by about grace + procs.KILL_WAIT."""
         if not slots:
             return
         names = {s.child.pid: s for s in slots}
@@ -380,10 +405,11 @@ class Processes:
         out = procs.stop_all(
             [s.child for s in slots], self.spec.grace,
             on_kill=lambda c: self.log(names[c.pid].spec.node_id,
-                                       f"pid {c.pid} still running after {self.spec.grace:g} s: SIGKILL"))
+                                       f"pid {c.pid} still running after {self.spec.grace:g} s: SIGKILL"),
+            leaders=[s.child.pid for s in slots if s.spec.is_worker])
         for pid, status in out.items():
             slot = names[pid]
-            self.record_exit(slot, status)
+            self.record_exit(slot, status, operator=why)
             self.log(slot.spec.node_id, f"pid {pid} stopped ({status.describe()})")
 
     def manual_restart(self, node_id: str) -> dict:
@@ -413,7 +439,10 @@ class Processes:
         if not slot.manual:
             slot.manual = True
             slot.state = ProcState.RESTARTING
-            child.signal_group(signal.SIGTERM)
+            if slot.spec.is_worker:
+                child.signal_leader(signal.SIGTERM)  # its DataLoader workers serve its last words
+            else:
+                child.signal_group(signal.SIGTERM)
             slot.kill_timer = self.timers.after(self.spec.grace, lambda: child.signal_group(signal.SIGKILL))
             self.changed()
         return {"ok": True, "node_id": node_id, "was_pid": child.pid, "pid": None}

@@ -33,12 +33,13 @@ class Report:
     step: int | None = None
     epoch: int | None = None
     recovery: str | None = None
+    done: bool = False  # the worker told the scheduler it finished training (toolkit.train's `done`)
 
 
 def parse(data: bytes) -> Report | None:
     """The Report in one datagram; None when it is not a JSON object naming a node (a string `node_id`). A `step`
     that is not an int (a bool is not) is left out; so is an `epoch` that is not an int; so is a `recovery` other
-    than protocol.RECOVERY_IN_PLACE or RECOVERY_RESTART. Pure."""
+    than protocol.RECOVERY_IN_PLACE or RECOVERY_RESTART; `done` counts only as the JSON value true. Pure."""
     try:
         msg = json.loads(data)
     except (ValueError, RecursionError):
@@ -50,7 +51,8 @@ def parse(data: bytes) -> Report | None:
                   step if isinstance(step, int) and not isinstance(step, bool) else None,
                   epoch if isinstance(epoch, int) else None,
                   recovery if isinstance(recovery, str)
-                  and recovery in (protocol.RECOVERY_IN_PLACE, protocol.RECOVERY_RESTART) else None)
+                  and recovery in (protocol.RECOVERY_IN_PLACE, protocol.RECOVERY_RESTART) else None,
+                  msg.get("done") is True)
 
 
 class ProgressInbox:
@@ -79,6 +81,11 @@ class ProgressInbox:
             self._sock.close()
             self._sock = None
             self.path.unlink(missing_ok=True)
+
+    def owns(self, fileobj: object) -> bool:
+        """Whether `fileobj` (a selector key's) is this inbox's socket: the loop reads it before the children's exits
+        seen in the same wake-up, since a worker's last datagram (its `done`) was sent before it exited."""
+        return self._sock is not None and fileobj is self._sock
 
     def _on_readable(self, _mask: int) -> None:
         """Selector callback: read up to READS_PER_WAKE datagrams, parse each, and hand the valid ones on."""

@@ -69,6 +69,7 @@ class Slot:
         self.state: ProcState = ProcState.PENDING
         self.launches = 0
         self.counted = 0
+        self.relaunched = 0  # launches that were the job's restart of this healthy process (EXIT_REJOIN, EXIT_FENCED)
         self.started_mono = 0.0
         self.started_wall: float | None = None
         self.warm = False
@@ -78,6 +79,7 @@ class Slot:
         self.epoch: int | None = None
         self.step_at: float | None = None
         self.progressed = False  # progress reported since the latest launch
+        self.said_done = False  # the latest incarnation told the scheduler it finished training
         self.timer: Timer | None = None
         self.next_start: float | None = None
         self.manual = False  # the operator asked for a restart: the coming death is expected and not counted
@@ -112,6 +114,8 @@ class Slot:
         `recovery` (the worker joined its group) or a `step` marks the process `progressed` since its launch, which
         spares its next failure the backoff (hostspec.RestartPolicy.after_failure); `epoch` counts only with a step."""
         changed = False
+        if report.done:
+            self.said_done = True
         if report.recovery is not None:
             self.progressed = True  # it got as far as its process group: not a crash loop
             if report.recovery != self.recovery:
@@ -152,7 +156,7 @@ class Slot:
             pid=c.pid if c else None, pgid=c.pgid if c else None, start_ticks=c.start_ticks if c else None,
             last_pid=self.last_pid, last_start_ticks=self.last_ticks,
             started_at=iso(self.started_wall), warm=self.warm if c else None,
-            restarts=max(0, self.launches - 1), counted_restarts=self.counted,
+            restarts=max(0, self.launches - 1), counted_restarts=self.counted, relaunched=self.relaunched,
             max_restarts=policy.max_restarts, next_start_at=iso(self.next_start),
             last_exit=self.last_exit, exits=tuple(self.exits),
             step=self.step, epoch=self.epoch, step_at=iso(self.step_at), recovery=self.recovery,

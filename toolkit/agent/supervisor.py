@@ -40,6 +40,7 @@ from toolkit.hostspec import HostSpec
 
 REPORT_FLUSH_TIMEOUT = 3.0  # s to deliver the last reports (gave_up) before exiting
 IDLE_WAKE = 30.0  # s: the loop wakes at least this often (nothing depends on it; it bounds every select)
+STOP_BY_MAX = 80  # characters of a stop request's `by` kept in the reason (it comes from the control socket)
 
 EXIT_OK = 0
 EXIT_FAILED = 1  # a process passed max_restarts here, or the scheduler stopped the job
@@ -147,7 +148,9 @@ class Agent:
             ready(f"ready {self.pid}")
         try:
             while self.exit_code is None:
-                for key, mask in self.sel.select(self.timers.timeout(IDLE_WAKE)):
+                events = self.sel.select(self.timers.timeout(IDLE_WAKE))
+                events.sort(key=lambda e: not self.progress.owns(e[0].fileobj))  # a `done` before its exit
+                for key, mask in events:
                     if self.sel.get_map().get(key.fd) is not key:
                         continue  # unregistered by an earlier event of this batch
                     key.data(mask)
@@ -237,13 +240,24 @@ class Agent:
         self.link.close()
         self.warm.stop()
         # a scheduler here has the failure
-        self.processes.stop(live, told=final_state is AgentState.FAILED and delivered)
+        self.processes.stop(live, told=final_state is AgentState.FAILED and delivered,
+                            why=self._stopped_why(final_state))
         self.state = final_state
         self.writer.write()
         self.log("agent", f"agent exits: {self.state}" + (f" ({self.reason})" if self.reason else "")
                  + f", exit status {self.exit_code}")
         self._close_sockets()
         return self.exit_code
+
+    def _stopped_why(self, state: AgentState) -> str:
+        """The cause of the exits `_shutdown` brings about for an agent ending in `state`: the operator's stop as
+        the agent's reason says it ("stopped by fleet stop", "stopped by SIGTERM"), else that the job failed or had
+        finished."""
+        if state is AgentState.STOPPED:
+            return self.reason or "stopped"
+        if state is AgentState.FAILED:
+            return "stopped: the job failed"
+        return "stopped: still running after the job finished"
 
     def _close_sockets(self) -> None:
         """Close what `_setup` opened; safe after a partial `_setup` (what was never made is skipped). Signals no longer
@@ -316,10 +330,15 @@ class Agent:
         return {"host": self.spec.host, "node_ids": list(self.processes.slots), "spare": self.spec.spare}
 
     def _finish_now(self) -> None:
-        """End a finishing agent with success (EXIT_OK): called when its last child has exited or when the grace period
-        after `finished` runs out; cancels that grace timer."""
+        """End a finishing agent: called when its last child has exited or when the grace period after `finished`
+        runs out; cancels that grace timer. Success (EXIT_OK) unless a process of this host exited non-zero after
+        the end (Processes.failure): then `failed` (EXIT_FAILED), that exit its cause."""
         if self._stop_after:
             self._stop_after.cancel()
+        bad = self.processes.failure
+        if bad is not None:
+            self._finish(AgentState.FAILED, EXIT_FAILED, f"{bad.node_id} {bad.cause}; the job has failed")
+            return
         self._finish(AgentState.SUCCEEDED, EXIT_OK, "the scheduler said the job finished")
 
     # -- signals, control socket, progress
@@ -343,14 +362,18 @@ class Agent:
     def _control_request(self, req: Any) -> tuple[dict, Callable[[], None] | None]:
         """One control request -> (reply, action to run once the reply is sent, or None). The ops are
         agentdoc.ControlOp: `status` returns the agent.json document, `stop` replies ok and defers
-        `_finish(AgentState.STOPPED, EXIT_STOPPED)`, `restart` is `_manual_restart`; anything else, a request that is
+        `_finish(AgentState.STOPPED, EXIT_STOPPED)` (its reason "stopped by BY" when the request names who, `by`:
+        `fleet stop`), `restart` is `_manual_restart`; anything else, a request that is
         not an object included, gets an error naming the known ops."""
         op = req.get("op") if isinstance(req, dict) else None
         if op == ControlOp.STATUS:
             return self.document().to_dict(), None
         if op == ControlOp.STOP:
-            self.log("agent", "stop requested on the control socket")
-            return {"ok": True}, lambda: self._finish(AgentState.STOPPED, EXIT_STOPPED, "stop requested")
+            by = req.get("by")
+            reason = f"stopped by {protocol.one_line(by)[:STOP_BY_MAX]}" if isinstance(by, str) and by.strip() \
+                else "stop requested"
+            self.log("agent", f"stop requested on the control socket ({reason})")
+            return {"ok": True}, lambda: self._finish(AgentState.STOPPED, EXIT_STOPPED, reason)
         if op == ControlOp.RESTART:
             return self.processes.manual_restart(str(req.get("node_id"))[:256]), None
         known = ", ".join(o.value for o in ControlOp)

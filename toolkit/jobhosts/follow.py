@@ -4,7 +4,8 @@ Remote state cannot be waited on, so the job is polled every JOIN_POLL_INTERVAL:
 (POLL_SCRIPT: the agent's files, no Python started) over connections kept open between polls (HostPool). An agent
 on this machine (a local job) is also waited on: its exit, which ends its host's part of the job, wakes the wait
 at once (a pidfd), so --join returns when the job ends, not up to an interval later. The exit status tells a
-script what happened: 0 succeeded, 1 (JobFailed) failed, 130 (Interrupted) stopped watching."""
+script what happened: 0 succeeded, 1 (JobFailed) failed, 3 (JobStopped) stopped by its operator, 130 (Interrupted)
+stopped watching."""
 
 from __future__ import annotations
 
@@ -43,6 +44,7 @@ JOIN_GONE_AFTER = 60.0  # s a host may be unreachable, or its agent gone, before
 JOIN_PROGRESS_EVERY = 30.0  # s between the progress lines (step/total, bar, ETA) that --join prints
 JOIN_SETTLE = 30.0  # s beyond the grace period that --join waits, after a host failed, for the others to stop
 EXIT_JOB_FAILED = 1
+EXIT_JOB_STOPPED = 3  # as the agent's own exit status for a stop (toolkit.agent.supervisor.EXIT_STOPPED)
 EXIT_INTERRUPTED = 130
 
 
@@ -54,6 +56,14 @@ class JobFailed(UserError):
     further with `fleet status` and `fleet logs`."""
 
     exit_code = EXIT_JOB_FAILED
+
+
+class JobStopped(UserError):
+    """`train --join` saw the job stopped by its operator (`fleet stop`) before it ended: no failure, but not a
+    success either. Exits 3; `fleet train` (or `fleet run` again) resumes it from its checkpoints."""
+
+    exit_code = EXIT_JOB_STOPPED
+    prefix = ""
 
 
 class Interrupted(UserError):
@@ -178,7 +188,7 @@ def _stop_the_rest(record: JobRecord, ssh: SshSettings, pool: HostPool, watch: _
     say(f"the job failed but is still running on {', '.join(running)} after {now - failed_at:.0f} s: stopping it "
         "there")
     check_all(run_on_all([host_target(record.host(n), record.local) for n in running],
-                         functools.partial(stop_one, record=record), ssh))
+                         functools.partial(stop_one, record=record, by="fleet --join: the job failed"), ssh))
     record, polled = collect_status(record, ssh, pool, [record.host(n) for n in running])
     watch.last.update({st.host: st for st in polled})
     return record
@@ -197,13 +207,20 @@ def _wait_before_next_poll(record: JobRecord, interval: float, timeout: float | 
 
 
 def _conclude(record: JobRecord, ssh: SshSettings, watch: _Watch, begun: float) -> None:
-    """The end of the wait: say the job succeeded (every live host's agent succeeded, none unwatched), else raise
-    JobFailed with the evidence, the log tails of the processes that ended badly fetched now."""
+    """The end of the wait: say the job succeeded (every live host's agent succeeded, none unwatched: an agent
+    succeeds only when each of its processes exited 0), raise JobStopped when its operator stopped it (some host
+    `stopped`, none failed), else JobFailed with the evidence, the log tails of the processes that ended badly
+    fetched now."""
     hosts = [watch.last[h.name] for h in record.live_hosts]
     took = time.monotonic() - begun
     if not watch.unwatched and all(h.agent == AgentState.SUCCEEDED for h in hosts):
         say(f"job {record.job} succeeded: every worker exited 0 ({took:.1f} s)")
         return
+    stopped = [h for h in hosts if h.agent == AgentState.STOPPED]
+    if not watch.unwatched and stopped and all(h.agent in (AgentState.SUCCEEDED, AgentState.STOPPED) for h in hosts):
+        why = sorted({h.reason for h in stopped if h.reason})
+        raise JobStopped(f"job {record.job} stopped after {took:.1f} s ({'; '.join(why) or 'stopped'}): "
+                         "'fleet train' resumes it from its checkpoints")
     raise JobFailed(_failure_text(record, hosts, watch.unwatched, took, _failed_tails(record, ssh, hosts)))
 
 
@@ -271,7 +288,7 @@ def _report_changes(st: HostStatus, seen: dict[tuple[str, str], tuple[Any, ...]]
             why = f" ({st.reason})" if st.reason and st.agent in FINAL_STATES else ""
             emit(f"{st.host}: agent {st.agent}{why}" if st.agent != "unreachable" else f"{st.error}")
     for p in st.processes:
-        key = (p.state, p.pid, p.restarts)
+        key = (p.state, p.pid, p.restarts, p.relaunched)
         if seen.get((p.host, p.node_id)) == key:
             continue
         seen[(p.host, p.node_id)] = key
@@ -280,6 +297,8 @@ def _report_changes(st: HostStatus, seen: dict[tuple[str, str], tuple[Any, ...]]
             parts.append(f"pid {p.pid}")
         if p.restarts:
             parts.append(f"{p.restarts} restart(s)")
+        if p.relaunched:
+            parts.append(f"relaunched {p.relaunched} time(s) with the job's restart")
         if p.last_exit and p.last_exit != "exit code 0":
             parts.append(f"last exit: {p.last_exit}")
         emit(f"{p.prefix} {', '.join(parts)}")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
+from toolkit import protocol
 from toolkit.agentdoc import FINAL_STATES, AgentDoc, AgentState, ProcDoc, ProcState, Takeover
 from toolkit.jobhosts.view import OTHER_JOB, HostStatus, ProcStatus, number
 from toolkit.jobrecord import JobRecord
@@ -85,7 +86,10 @@ def _proc(host: str, p: Mapping[str, Any], got: ProcDoc | None, state: str, now:
     how = None
     if last is not None:  # its first cause when the agent found one (the script's error, the fencing)
         how = clean(last.cause, 400) if last.cause is not None else (
-            f"killed by {last.signal}" if last.signal else f"exit code {last.code}")
+            f"killed by {last.signal}" if last.signal else
+            f"left for the job's restart (exit code {last.code})" if last.code == protocol.EXIT_REJOIN else
+            f"exit code {last.code}")
+    relaunched = max(0, got.relaunched or 0) if got else 0
     steps = [v for v in (got.step if got else None, figures.get("step"))
              if isinstance(v, int) and not isinstance(v, bool)]
     score = number(figures.get("score"))
@@ -97,7 +101,8 @@ def _proc(host: str, p: Mapping[str, Any], got: ProcDoc | None, state: str, now:
         rank=p["rank"],
         pid=got.pid if got and state not in (AgentState.GONE, "unreachable") else None,
         state=state,
-        restarts=(got.restarts or 0) if got else 0,
+        restarts=max(0, (got.restarts or 0) - relaunched) if got else 0,
+        relaunched=relaunched,
         step=max(steps) if steps else None,
         log_age=age,
         last_exit=how,

@@ -275,7 +275,7 @@ def _roll_back(record: JobRecord, ssh: SshSettings, results: Mapping[str, HostRe
     lines = [str(error)]
     if started:
         stopped = run_on_all([host_target(h, record.local) for h in started],
-                             lambda host: stop_one(host, record), ssh)
+                             lambda host: stop_one(host, record, "fleet train: its start failed"), ssh)
         ok = [n for n, r in stopped.items() if r.ok]
         bad = [r for r in stopped.values() if not r.ok]
         if ok:

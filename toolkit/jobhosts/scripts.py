@@ -96,10 +96,10 @@ exec "$@"
 # (another project's job in that directory is left running: the agent's exit 4, with one line), then stop.sh's own
 # flags (`--timeout 0`: no grace).
 STOP_SCRIPT = r"""
-d=$1 host=$2 id=$3; shift 3
+d=$1 host=$2 id=$3 by=$4; shift 4
 if [ -x "$d/stop.sh" ]; then
-    if [ -n "$id" ]; then exec "$d/stop.sh" --job-id "$id" "$@"; fi
-    exec "$d/stop.sh" "$@"
+    if [ -n "$id" ]; then exec "$d/stop.sh" --job-id "$id" --by "$by" "$@"; fi
+    exec "$d/stop.sh" --by "$by" "$@"
 fi
 echo "$host: nothing deployed in $d: nothing to stop"
 """

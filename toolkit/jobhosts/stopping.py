@@ -24,20 +24,21 @@ class StoppedOnInterrupt(UserError):
     exit_code = EXIT_STOPPED
 
 
-def stop_one(host: Host, record: JobRecord, now: bool = False) -> str:
+def stop_one(host: Host, record: JobRecord, by: str = "fleet stop", now: bool = False) -> str:
     """Stop the job on one host through its stop.sh (STOP_SCRIPT) and return what it printed. Bounded by the
     grace period plus STOP_TIMEOUT_EXTRA; `now`: no grace (the agent is killed at once, and what it leaves: the
     second Ctrl-C of `run`). Raises CommandFailed (stop.sh could not verify that nothing is left, or timed out),
     ConnectionLost or HostStalled, and OtherJob where the job directory holds another project's job (left
-    running). Used by `stop`, `run`, train's rollback and --join after a failure."""
+    running). Used by `stop`, `run`, train's rollback and --join after a failure; `by` says which (the cause the
+    agent records for the processes it stops: "stopped by fleet stop")."""
     h = record.host(host.name)
-    result = host.run(["sh", "-c", STOP_SCRIPT, "sh", h.job_dir, h.name, record.job_id or "",
+    result = host.run(["sh", "-c", STOP_SCRIPT, "sh", h.job_dir, h.name, record.job_id or "", by,
                        *(["--timeout", "0"] if now else [])],
                       timeout=(0 if now else record.grace) + STOP_TIMEOUT_EXTRA)
     return unless_other_job(host.name, result).check().stdout.strip()
 
 
-def stop_job(record: JobRecord, ssh: SshSettings, now: bool = False) -> None:
+def stop_job(record: JobRecord, ssh: SshSettings, now: bool = False, by: str = "fleet stop") -> None:
     """`fleet stop`: stop the job on every host (SIGTERM, grace, SIGKILL; `now`: SIGKILL at once) and verify that
     no process of it remains.
 
@@ -47,7 +48,7 @@ def stop_job(record: JobRecord, ssh: SshSettings, now: bool = False) -> None:
     (a healed partition may have left processes there); if it does not, that is only said: the scheduler fences it
     from the job anyway."""
     with rich_progress("stopping", len(record.hosts), line=result_line) as progress:
-        results = run_on_all(record_targets(record), lambda host: stop_one(host, record, now), ssh,
+        results = run_on_all(record_targets(record), lambda host: stop_one(host, record, by, now), ssh,
                              progress=progress)
     for name in [n for n, r in results.items() if isinstance(r.exception, OtherJob)]:
         say(f"{results.pop(name).error}; nothing of this job runs there")
@@ -74,7 +75,7 @@ def stop_on_interrupt(record: JobRecord, ssh: SshSettings) -> StoppedOnInterrupt
 
     def stop_gently() -> None:
         try:
-            stop_job(record, ssh)
+            stop_job(record, ssh, by="Ctrl-C of fleet run")
         except BaseException as e:  # noqa: BLE001 - handed to the main thread, raised there
             failure.append(e)
         finally:
@@ -88,7 +89,7 @@ def stop_on_interrupt(record: JobRecord, ssh: SshSettings) -> StoppedOnInterrupt
                             "again")
         if again.is_set() and worker.is_alive():
             say(f"Ctrl-C again: stopping job {record.job} at once (SIGKILL)")
-            stop_job(record, ssh, now=True)
+            stop_job(record, ssh, now=True, by="Ctrl-C of fleet run")
             return StoppedOnInterrupt(f"job {record.job} killed (second Ctrl-C): no process of it is left; its last "
                                       "checkpoint is the one saved before")
     if failure:

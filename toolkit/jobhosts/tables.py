@@ -49,7 +49,8 @@ def status_table(record: JobRecord, hosts: list[HostStatus], title: str | None =
         for p in h.processes:
             note, style = process_note(p)
             table.add_row(p.host, p.node_id, dash(p.rank), dash(p.pid), f"[{STATE_STYLE.get(p.state, '')}]"
-                          f"{escape(p.state)}" if p.state in STATE_STYLE else escape(p.state), str(p.restarts),
+                          f"{escape(p.state)}" if p.state in STATE_STYLE else escape(p.state),
+                          f"{p.restarts} (+{p.relaunched} relaunched)" if p.relaunched else str(p.restarts),
                           dash(p.step), _fixed(p.steps_per_s, 2), _fixed(p.loss, 4),
                           human_age(p.heartbeat_age) if p.heartbeat_age is not None else "-",
                           human_age(p.log_age), f"[{style}]{escape(note)}" if note else "")
@@ -116,8 +117,10 @@ def live_lines(live: Mapping[str, Any] | None) -> list[str]:
         recomputed = "" if inc.get("recomputed") is None else f", {inc['recomputed']} step(s) recomputed"
         procs, where = (", ".join(map(str, inc.get(k) or [])) for k in ("processes", "hosts"))
         at = f" at step {inc['step']}" if isinstance(inc.get("step"), int) else ""
+        relaunched = ", ".join(map(str, inc.get("relaunched") or []))
+        also = f" ({relaunched} relaunched with it: restart recovery)" if relaunched else ""
         lines.append(f"last incident (#{inc.get('number')} of {live.get('incidents')}): {inc.get('cause')}: "
-                     f"{procs} on {where}{at}; {recovery_text(inc, live)}{recomputed}")
+                     f"{procs} on {where}{at}{also}; {recovery_text(inc, live)}{recomputed}")
     line = progress_line(live.get("progress"))
     if line:
         lines.append(line)

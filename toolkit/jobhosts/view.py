@@ -24,7 +24,7 @@ class ProcStatus:
     rank: int | None
     pid: int | None
     state: str  # the agent's (running, backoff, restarting, succeeded, failed, stopped), or gone, unreachable
-    restarts: int
+    restarts: int  # for its own faults and the operator's restarts
     step: int | None
     log_age: float | None  # s since its log was last written, by the host's clock
     last_exit: str | None  # "exit code 3", "killed by SIGKILL"
@@ -35,6 +35,7 @@ class ProcStatus:
     straggler: float | None = None  # named a straggler: its own work per step over the others' median
     no_step_for: float | None = None  # the job is stalled (live.json `stalled_for`): s since this rank's step moved
     repeating: str | None = None  # it keeps failing the same way: how (the agent's policy.repeated_failure)
+    relaunched: int = 0  # relaunches for the job's restart (a peer's fault), not counted in `restarts`
 
     @property
     def prefix(self) -> str:

@@ -220,6 +220,7 @@ class Journal:
                 "number": last.number, "cause": last.cause, "at": last.detected_at, "step": last.step,
                 "processes": [p["node_id"] for p in last.processes], "hosts": sorted({p["host"] for p in
                                                                                      last.processes}),
+                "relaunched": [p["node_id"] for p in last.relaunched],
                 "time_to_recover": last.time_to_recover, "recomputed": last.recomputed,
                 "formed_in": None if last.formed_at is None else round(last.formed_at - last.failed_at, 3)},
             "incidents": self.ledger.faults.count,

@@ -59,6 +59,7 @@ class Incident:
     step_time: float | None  # the job's step time then (for the recomputation's cost)
     recovery: str  # in-place, restart or unknown: how its first process's script recovers
     processes: list[dict[str, Any]] = field(default_factory=list)  # node_id, rank, host, pid, cause, reason
+    relaunched: list[dict[str, Any]] = field(default_factory=list)  # healthy ranks relaunched with them: node_id, ...
     formed_at: float | None = None
     recovered_at: float | None = None
     recomputed: int | None = None
@@ -230,7 +231,14 @@ class Incidents:
         self._agent_lost: dict[str, float] = {}  # host -> when its agent disconnected
 
     def death(self, f: Mapping[str, Any], now: float) -> None:
-        """A member died (NoteKind.DEATH): it opens an incident, or joins the one whose generation gathers."""
+        """A member died (NoteKind.DEATH): it opens an incident, or joins the one whose generation gathers. A healthy
+        restart-recovery member leaving to be relaunched (`relaunched`) opens none: it is listed apart, with the
+        incident that made it leave."""
+        if f.get("relaunched"):
+            if self.incidents:
+                self.incidents[-1].relaunched.append({k: f[k] for k in ("node_id", "rank", "host", "pid")})
+                self.changed(True)
+            return
         if self.after_stop and f["cause"] == CAUSE_NOT_BACK:
             self._held.append((dict(f), now))  # decided at the formation: every member gone is the operator's stop
             return

@@ -202,6 +202,10 @@ class Membership:
         self.watchdog = Watchdog(envvars.heartbeat_interval(world_size, envvars.DEFAULT_HEARTBEAT_INTERVAL,
                                                             node_timeout))
         self.roster = Roster(expected, spares)  # every host and every rank: members, peers, done, fenced, commits
+        # incarnations of restart-recovery members (torchrun-style scripts) that held the generation a death ended:
+        # they exit EXIT_REJOIN to be relaunched, so the next generation does not count them, and their exit is
+        # no fault (listed as relaunched with the incident, not as a death)
+        self.leaving: set[str] = set()
         self.unreported: dict[str, tuple[int, float]] = {}  # node_id -> (pid, when to kill it): its connection
         # closed, its agent has not reported its exit yet
         self.generation = 0
@@ -593,13 +597,17 @@ class Membership:
         return out
 
     def _maybe_form(self, now: float) -> list[Action]:
-        """Form the current generation once world_size members are connected: tell each `formed` with the
+        """Form the current generation once world_size members are connected, none of them `leaving` (a restart
+        recovery member about to exit for its relaunch: counted, the generation formed with it and its exit began
+        another, a phantom incident): tell each `formed` with the
         generation's store prefix, stop the formation clock, mark the state `dirty`, and drop the store keys of
         every earlier generation of this scheduler start (DropKeys). Nothing once formed or once the job has ended.
         (A death after a rank is done never gets here: `_death_after_done`.)"""
         if self.formed or self.status != RUNNING:
             return []
-        if self.roster.connected_members < self.world_size:
+        leaving = sum(1 for m in self.roster.members.values() if m.peer is not None and m.incarnation in self.leaving) \
+            if self.leaving else 0
+        if self.roster.connected_members - leaving < self.world_size:
             return []
         self.formed = self.ever_formed = True
         self.dirty = True
@@ -631,13 +639,16 @@ class Membership:
         if not self.roster.remove(member):
             return []
         self.watchdog.forget(member.rank)
+        relaunched = member.incarnation in self.leaving
+        self.leaving.discard(member.incarnation)
         self.roster.fenced.add(member.incarnation)
         self.roster.unsaved.add((Fact.FENCED, member.incarnation))
         self.dirty = True
         out: list[Action] = [Note(NoteKind.DEATH, {
             "node_id": member.node_id, "rank": member.rank, "host": host_of(self.roster, member), "pid": member.pid,
             "cause": cause, "reason": reason, "silent_for": silent_for, "step": member.step,
-            "recovery": member.recovery, "begins": self.formed and self.status == RUNNING and not self.roster.done,
+            "recovery": member.recovery, "relaunched": relaunched,
+            "begins": self.formed and self.status == RUNNING and not self.roster.done and not relaunched,
             "generation": self.generation + 1 if self.formed and self.status == RUNNING and not self.roster.done
             else self.generation})]
         agent = self.roster.agent_at(member.node_id)
@@ -658,6 +669,10 @@ class Membership:
             self.generation += 1
             self.formed = False
             self.gather_since = now
+            # the connected ones: told of the generation below, they exit (a restored member that has not
+            # reconnected after a restart of the job is no process that leaves: its absence is judged as such)
+            self.leaving |= {m.incarnation for m in self.roster.members.values()
+                             if m.recovery == protocol.RECOVERY_RESTART and m.peer is not None}
             out.append(Log(WARNING, f"{member.node_id} (pid {member.pid} on {member.host}) is dead: {reason}; "
                                     f"generation {self.generation} begins, waiting for its replacement"))
             out += [Send(m.peer, protocol.GENERATION, {"generation": self.generation})

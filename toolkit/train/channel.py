@@ -318,10 +318,11 @@ class Channel:
                     return None
                 self.cond.wait(left)
 
-    def done(self) -> None:
+    def done(self) -> bool:
         """Say `done`, then wait (bounded) for the scheduler to close: proof it read the message before our exit
         (closing first could reset the connection and lose it). If the scheduler is down right now (restarting),
-        wait a bounded time for the reconnect: a `done` that never arrives would look like a death."""
+        wait a bounded time for the reconnect: a `done` that never arrives would look like a death. Returns whether
+        `done` was sent."""
         deadline = time.monotonic() + DONE_WAIT + 2 * self.cfg.node_timeout
         with self.cond:
             while self.sock is None and self.view.stop_reason is None and time.monotonic() < deadline:
@@ -340,6 +341,7 @@ class Channel:
         elif self.thread is not None:
             self.thread.join(DONE_WAIT)
         self.close()
+        return self.finishing
 
     def close(self) -> None:
         """Stop the control thread (bounded join) and close the connection; without a `done` first, the scheduler

@@ -409,19 +409,32 @@ class Runtime:
 
     def done(self) -> None:
         """Training ended cleanly on this rank: the scheduler counts it finished (not dead) and exits 0 once every
-        rank is. Also releases the process group."""
-        if self._channel is not None and not self._closed:
-            self._channel.done()
-        self.close()
+        rank is, and the host agent is told this rank said so (a non-zero exit after it is then the job's failure,
+        not a crash to restart). The default process group is left in place, as torchrun leaves it: the script's
+        usual ending, `dist.destroy_process_group()`, destroys it (and `dist.get_rank()` still answers until then);
+        under `python -m toolkit.train` one the script left is destroyed once it returns."""
+        if self._closed:
+            return
+        said = False
+        if self._channel is not None:
+            said = self._channel.done()
+        if said:
+            notify_agent(self.cfg, {"node_id": self.node_id, "done": True})
+        self.close(keep_group=True)
 
-    def close(self) -> None:
-        """Release everything without claiming success (the scheduler sees this rank's exit as a death)."""
+    def close(self, *, keep_group: bool = False) -> None:
+        """Release everything without claiming success (the scheduler sees this rank's exit as a death): the channel,
+        the progress socket and the process group, unless `keep_group` (`done`'s: its fence is disarmed, nothing is
+        abandoned after the end)."""
         if self._closed:
             return
         self._closed = True
         if self._channel is not None:
             self._channel.close()
-        self._leave()
+        if keep_group:
+            self._fence.disarm()
+        else:
+            self._leave()
         if self._progress_sock is not None:
             self._progress_sock.close()
 

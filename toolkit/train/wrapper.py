@@ -141,7 +141,8 @@ class ScriptSession:
         if ch is None:
             return code
         if code == 0:
-            ch.done()
+            if ch.done():
+                notify_agent(self.cfg, {"node_id": self.cfg.node_id, "done": True})
             return 0
         if ch.view.held is None or self.cfg.world_size == 1 or (error is not None and not looks_collective(error)):
             return code
@@ -192,6 +193,10 @@ def run_script(argv: Sequence[str], env: dict[str, str] | None = None) -> int:
     code, error = _run(script, module)
     if session is not None:
         code = session.end(code, error)
+    if code == 0 and dist.is_initialized():
+        # the script's group, left for it after the end (Runtime.done): destroyed here when the script did not
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
     return code
 
 
