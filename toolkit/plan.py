@@ -69,6 +69,7 @@ class JobOptions:
     torchrun_script: bool = False  # recover by relaunching every worker even if the script uses toolkit.train
     straggler_factor: float = envvars.DEFAULT_STRAGGLER_FACTOR  # own work per step vs the others' median: a straggler
     host_timeout: float = envvars.DEFAULT_HOST_TIMEOUT  # s a host's ranks dead, its agent gone: lost, a spare steps in
+    verify_every: str = "auto"  # steps between the Trainer's replica checks, 0 never, auto: at most 1% of step time
 
     def __post_init__(self) -> None:
         if not _JOB_NAME.fullmatch(self.job):
@@ -110,6 +111,9 @@ class JobOptions:
         if not 0 <= self.host_timeout < math.inf:
             raise PlanError(f"--host-timeout {self.host_timeout}: give 0 or more seconds (how long a host's agent may "
                             "be gone, its workers dead, before a spare takes its ranks; 0: only 'fleet replace')")
+        if self.verify_every != "auto" and not self.verify_every.isdigit():
+            raise PlanError(f"--verify-every {self.verify_every!r}: give a number of steps between the replicas' "
+                            "checks (0: never) or auto (checks costing at most 1% of the step time)")
         if not self.script.strip():
             raise PlanError("--script is empty: name the training script, e.g. --script train.py")
         for name, value in (("--workdir", self.workdir), ("--python", self.python), ("--script", self.script)):
@@ -389,6 +393,8 @@ class _ProcessBuilder:
             env[envvars.DATA_PATH] = options.data_path
         if options.torchrun_script:
             env[envvars.TOOLKIT_RECOVERY] = P_RECOVERY_RESTART
+        if options.verify_every != "auto":
+            env[envvars.TOOLKIT_VERIFY_EVERY] = options.verify_every
         return env
 
 

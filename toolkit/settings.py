@@ -80,6 +80,7 @@ OPTIONS: tuple[Option, ...] = (
     _job_option("warm_spare", bool, "a spare interpreter per host, for fast restarts"),
     _job_option("straggler_factor", float, "own work per step vs the median: a straggler", "X"),
     _job_option("torchrun_script", bool, "on a fault restart all workers, even on toolkit.train"),
+    _job_option("verify_every", str, "steps between replica checks (0: never; auto: <= 1% of a step)", "N"),
     Option("known_hosts", str, "~/.ssh/known_hosts", "host keys are checked against it", "FILE", "ssh"),
     Option("accept_new_host_keys", bool, False, "add unknown host keys (never changed ones)", group="ssh"),
     Option("parallel", int, 32, "hosts contacted at once", "N", "ssh"),
@@ -121,7 +122,7 @@ class Settings:
 # The options that are part of a deployed job (the record keeps them): typed again later, they must agree with it.
 JOB_OPTIONS = ("script", "script_args", "worker_num", "nproc_per_node", "nnodes", "master_port", "cluster_time_out",
                "node_timeout", "recovery", "data_path", "ckpt_dir", "workdir", "python", "max_restarts", "grace",
-               "bind_core", "warm_spare", "torchrun_script", "host_timeout", "restart_refill")
+               "bind_core", "warm_spare", "torchrun_script", "host_timeout", "restart_refill", "verify_every")
 
 
 # How deploy reached the hosts, kept in the job record's `ssh` (every later task reaches them the same way): typed

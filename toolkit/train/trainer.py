@@ -46,6 +46,8 @@ current group and the step's timing (toolkit.train.ddpmodel); each step's batch 
 from __future__ import annotations
 
 import contextlib
+import os
+import socket
 import time
 from pathlib import Path
 from typing import Any, Iterator, Mapping, NoReturn
@@ -54,12 +56,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from toolkit.train import checkpoint, interval, log
+from toolkit import envvars
+from toolkit.train import checkpoint, interval, log, replicas
 from toolkit.train.agreement import FROM_CHECKPOINT, FROM_INITIAL, FROM_PEER, TrainingState, recomputed_steps
 from toolkit.train.checkpointing import Checkpointing, manager_for, parse_every
 from toolkit.train.ddpmodel import GroupModel
-from toolkit.train.divergence import DivergenceCheck
 from toolkit.train.faults import first_line, looks_collective
+from toolkit.train.inject import Injector
+from toolkit.train.replicas import ReplicaCheck
 from toolkit.train.runtime import MODE_TOOLKIT, GenerationChanged, JobStopped, Runtime
 from toolkit.train.stepdata import StepData
 from toolkit.train.stopping import EXIT_PEER_LOST, EXIT_TERMINATED, Stopping, Terminated, end_for_restart
@@ -90,8 +94,12 @@ class Trainer:
                  ckpt_every: int | str = 100, keep: int = 3, seed: int | None = 0, deterministic: bool = True,
                  async_ckpt: bool = True, ddp: Mapping[str, Any] | None = None,
                  ckpt_bounds: tuple[int, int] = interval.DEFAULT_BOUNDS,
-                 prior_mtbf: float = interval.DEFAULT_PRIOR_MTBF) -> None:
+                 prior_mtbf: float = interval.DEFAULT_PRIOR_MTBF, verify_every: int | str | None = None) -> None:
         chooser, every = parse_every(ckpt_every, ckpt_bounds, prior_mtbf)
+        try:
+            verify = replicas.parse_every(runtime.cfg.verify_every if verify_every is None else verify_every)
+        except ValueError as e:
+            raise TrainerError(str(e)) from None
         extra = dict(state or {})
         for name, obj in extra.items():
             if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
@@ -117,7 +125,10 @@ class Trainer:
         self._loss: Any = None
         self._stopping = Stopping(runtime)
         self._finished = False
-        self._divergence = DivergenceCheck(runtime.world_size)  # after a recovery: do the ranks still agree?
+        broadcast = (ddp or {}).get("broadcast_buffers", True)  # DDP's default: rank 0's buffers go to all
+        host = (os.environ.get(envvars.TOOLKIT_HOST) or "").strip() or socket.gethostname()
+        self._replicas = ReplicaCheck(runtime, self._state, verify, buffers=not broadcast, host=host)
+        self._inject = Injector.from_env(os.environ, runtime.rank, runtime.mode == MODE_TOOLKIT)
 
     # -- what the loop sees
 
@@ -146,12 +157,10 @@ class Trainer:
                                    "(it is what makes a fault in the step recoverable)")
             if self._need_sync:
                 self._sync()
-                self._divergence.arm(self.rt.generation, self.step_count)
+                self._replicas.arm(self.rt.generation, self.step_count)
             if self.step_count >= total:
                 return
-            if self._divergence.due(self.step_count) and not self._divergence.check(
-                    self.rt, self.module, self.optimizer, self.step_count, guard=self._guarded):
-                self._need_sync = True  # a fault during the check: re-form, as after one in a step
+            if self._replicas.due(self.step_count) and not self._verify():
                 continue
             batch = self._data.batch(self.step_count)
             self._entered = False
@@ -187,6 +196,9 @@ class Trainer:
             raise
         self.step_count += 1
         self._state.live = True
+        if self._inject is not None:
+            for line in self._inject.after_step(self.step_count, self.module, self.optimizer):
+                log.line(f"rank {self.rt.rank}: {line}")
         busy = self._group.end_step(began)
         self.rt.report(self.step_count, self.epoch, loss=self._loss, busy=busy)
         self._loss = None
@@ -236,6 +248,22 @@ class Trainer:
             self.close()
 
     # -- faults
+
+    def _verify(self) -> bool:
+        """The replica check (toolkit.train.replicas) at a due step: True to go on with the next batch; False when
+        the loop must look again (a new generation cut the check short: re-form; or the ranks went back to the
+        last good check's step, whose batches are drawn again)."""
+        self.manager.wait_staged()  # a roll-back writes the tensors a checkpoint in flight may be copying
+        went = self._replicas.run(self.step_count, guard=self._guarded)
+        if went is None:
+            self._need_sync = True  # a fault during the check: re-form, as after one in a step
+            return False
+        if went == self.step_count:
+            return True
+        self.step_count = went
+        self._ckpt.redo()
+        self._group.clock.rest()  # the roll-back is not the next step's work
+        return False
 
     def _abandoned(self, applied_before: int, generation: int | None) -> None:
         """The step ended by a fault (`generation`: the one announced; None: SIGTERM came before the word). If this

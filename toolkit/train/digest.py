@@ -1,0 +1,130 @@
+"""A digest of a training state over every byte of it, computed where the state lives: what the replicas compare
+(toolkit.train.replicas), what a state transfer carries (toolkit.train.transfer) and what a checkpoint records.
+
+Why not a cryptographic hash: the state is gigabytes on an accelerator, and the check runs every few hundred steps
+on every rank; moving it to the host to hash it would cost more than the check may. Why not a sum of each tensor
+(the divergence check's fingerprint before this module): it is blind to position, so two rows of a weight swapped
+summed the same.
+
+What: the bytes of each tensor, in the state's order, are one stream of 64-bit words (a tensor whose size is not a
+multiple of 8 bytes ends in one word of its last bytes). Each word is multiplied by an odd weight that depends on its
+position within a chunk of CHUNK words; each chunk's wrapping sum goes into a running value by Horner's rule
+(value * MULT + sum, wrapping), so the chunk's position counts too. Everything is integer arithmetic on the tensor's
+own device (torch kernels, no copy to the host): about 7 GB/s on one CPU core here, against 1.4 GB/s for blake2b
+(bench/replica_check.py). Guarantee: a change confined to one 64-bit word (any bit flip, any number of flips in
+one word) always changes the digest (an odd weight is invertible modulo 2^64); a swap of two elements, or a random
+change of several words, leaves it equal with a probability of about 2^-63. The state's structure and its plain
+values (names, shapes, dtypes, numbers) go through blake2b and into the same digest. Not a defence against an
+attacker who chooses the bytes: the transfer and the checkpoint have their own authentication for that.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any, Iterable
+
+import numpy as np
+import torch
+
+CHUNK = 1 << 20  # words per chunk: the weight table's size (8 MB on each device that holds state)
+MULT = 0x9E3779B97F4A7C15  # odd: the Horner multiplier between chunks
+MASK = (1 << 64) - 1
+
+
+def _signed(x: int) -> int:
+    x &= MASK
+    return x - (1 << 64) if x >> 63 else x
+
+
+class Digester:
+    """Digests of states and tensors. Keeps one weight table per device it has seen (built on first use)."""
+
+    def __init__(self) -> None:
+        self._weights: dict[torch.device, torch.Tensor] = {}
+
+    def weights(self, device: torch.device) -> torch.Tensor:
+        """CHUNK odd 64-bit weights on `device` (splitmix64 of the position), the same everywhere."""
+        table = self._weights.get(device)
+        if table is None:
+            x = torch.arange(CHUNK, dtype=torch.int64, device=device) * _signed(MULT) + 0x2545F491
+            x = (x ^ ((x >> 30) & ((1 << 34) - 1))) * _signed(0xBF58476D1CE4E5B9)
+            x = (x ^ ((x >> 27) & ((1 << 37) - 1))) * _signed(0x94D049BB133111EB)
+            table = self._weights[device] = x | 1
+        return table
+
+    def tensors(self, tensors: Iterable[torch.Tensor]) -> int:
+        """The digest (63 bits) of the tensors' bytes, in order; their shapes and dtypes are not part of it (see
+        `state`)."""
+        acc: dict[torch.device, torch.Tensor] = {}
+        words: dict[torch.device, int] = {}
+        order: list[torch.device] = []
+        for t in tensors:
+            flat = as_bytes(t)
+            if flat.numel() == 0:
+                continue
+            dev = flat.device
+            if dev not in acc:
+                acc[dev] = torch.zeros((), dtype=torch.int64, device=dev)
+                words[dev] = 0
+                order.append(dev)
+            acc[dev], words[dev] = self._add(acc[dev], words[dev], flat)
+        total = hashlib.blake2b(digest_size=8)
+        for dev in order:  # one wait per device, at the end
+            total.update(int(acc[dev].item()).to_bytes(8, "little", signed=True) + words[dev].to_bytes(8, "little"))
+        return int.from_bytes(total.digest(), "little") >> 1
+
+    def _add(self, acc: torch.Tensor, at: int, flat: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """`flat` (uint8) added to the running value `acc`, its first word at stream position `at`."""
+        w = self.weights(flat.device)
+        n8 = flat.numel() // 8 * 8
+        main = _as_words(flat[:n8])
+        mult = _signed(MULT)
+        for start in range(0, main.numel(), CHUNK):
+            part = main[start:start + CHUNK]
+            acc = acc * mult + (part * w[:part.numel()]).sum()
+            at += part.numel()
+        tail = flat[n8:]
+        if tail.numel():  # the last 1-7 bytes as one word
+            shifts = torch.arange(tail.numel(), dtype=torch.int64, device=flat.device) * 8
+            acc = acc * mult + (tail.to(torch.int64) << shifts).sum() * w[0]
+            at += 1
+        return acc, at
+
+    def state(self, state: Any) -> int:
+        """The digest of a state as toolkit.train.transfer describes it (nested dicts, lists and tuples of tensors,
+        numpy arrays and plain values): its structure, plain values, dtypes and shapes through blake2b, its tensors'
+        bytes through `tensors`, both in one 63-bit integer."""
+        from toolkit.train.transfer import flatten  # transfer imports this module for its own digests
+
+        skeleton, leaves = flatten(state)
+        tensors = [leaf if isinstance(leaf, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(leaf))
+                   for leaf in leaves]
+        shape = json.dumps([skeleton, [[str(t.dtype), list(t.shape)] for t in tensors]], separators=(",", ":"))
+        h = hashlib.blake2b(shape.encode(), digest_size=8)
+        h.update(self.tensors(tensors).to_bytes(8, "little"))
+        return int.from_bytes(h.digest(), "little") >> 1
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's bytes as a flat uint8 tensor on its device: a view of its storage when it is contiguous, else a
+    contiguous copy."""
+    t = t.detach()
+    if t.is_conj():
+        t = t.resolve_conj()
+    if t.is_neg():
+        t = t.resolve_neg()
+    if not t.is_contiguous():
+        t = t.contiguous()
+    if t.dim() == 0:
+        t = t.reshape(1)
+    return t.reshape(-1).view(torch.uint8)
+
+
+def _as_words(b: torch.Tensor) -> torch.Tensor:
+    """A uint8 tensor whose size is a multiple of 8, as int64 words: a view where its storage offset allows, else a
+    copy."""
+    try:
+        return b.view(torch.int64)
+    except RuntimeError:
+        return b.clone().view(torch.int64)
