@@ -12,8 +12,12 @@ import torch
 from torch import nn
 
 from toolkit.train import inject
+from toolkit.train.agreement import DIGEST, TrainingState, verified_load
+from toolkit.train.checkpoint import CheckpointManager, Placement
+from toolkit.train.ckptfile import job_key
 from toolkit.train.digest import Digester
 from toolkit.train.replicas import AGREE, CONFIG, ODD, SPLIT, Schedule, fingerprint, parse_every, verdict
+from toolkit.train.trainererror import TrainerError
 
 
 def model_and_optimizer(norm: bool = False) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -136,3 +140,25 @@ def test_the_injector_reads_its_variable_under_toolkit_only_and_names_a_bad_entr
         with pytest.raises(inject.InjectionError, match=says) as e:
             inject.parse(text)
         assert str(e.value).startswith("TOOLKIT_INJECT_CORRUPTION: ")
+
+
+def test_a_checkpoint_whose_state_differs_from_its_recorded_digest_is_refused_with_one_line(tmp_path) -> None:
+    """Real files, the job's key: a checkpoint records the digest of the state at the save; a state changed after
+    the digest was taken and before it was written (as a failing staging copy would) is refused at restore."""
+    model, opt = model_and_optimizer()
+    manager = CheckpointManager(tmp_path / "ckpt", keep_max=3, placement=Placement("h"), key=job_key("k" * 32),
+                                async_write=False)
+    held = TrainingState(None, model, opt, {}, manager)  # type: ignore[arg-type]  # no runtime: no agreement here
+    manager.save(3, held.checkpoint(3))
+    good = verified_load(manager, 3)
+    assert DIGEST not in good and torch.equal(good["model"]["0.weight"], model[0].weight)
+    state = held.checkpoint(5)
+    state["model"]["0.weight"].data[0, 0] += 1.0  # after the digest, before the write
+    manager.save(5, state)
+    assert manager.load(5)["model"]["0.weight"][0, 0] == model[0].weight[0, 0]  # the file itself is authentic
+    with pytest.raises(TrainerError) as e:
+        verified_load(manager, 5)
+    assert str(e.value) == (f"checkpoint of step 5 in {tmp_path / 'ckpt' / 'host_h'}: its state does not match the "
+                            "digest recorded when it was saved (it changed in memory before it was written): "
+                            "refused; move its files aside to resume from the previous checkpoint")
+    manager.close()

@@ -203,7 +203,7 @@ class Trainer:
         self.rt.report(self.step_count, self.epoch, loss=self._loss, busy=busy)
         self._loss = None
         if self._ckpt.due(self.step_count):
-            self._ckpt.save(self.step_count, self._state.capture)
+            self._ckpt.save(self.step_count, self._state.checkpoint)
         if leaving is not None:
             self._leave(leaving)
 
@@ -220,7 +220,7 @@ class Trainer:
         while True:
             try:
                 with self._guarded():
-                    self._ckpt.save(self.step_count, self._state.capture)
+                    self._ckpt.save(self.step_count, self._state.checkpoint)
                     self.manager.flush()
                     if self.rt.world_size > 1:
                         # nobody says done while a peer may still need the state
@@ -371,7 +371,7 @@ class Trainer:
         """A rank got SIGTERM by this step's agreement: every rank saves this step. Those that got it leave, and
         so does one whose own SIGTERM came during or after the agreement (when every rank is told to stop, the
         signals need not all land before the same boundary); the others go on and meet the replacements."""
-        self._ckpt.save(self.step_count, self._state.capture)
+        self._ckpt.save(self.step_count, self._state.checkpoint)
         self.manager.flush()
         if leaving or self._stopping.requested:
             self._last_words()
@@ -386,7 +386,7 @@ class Trainer:
         holds), or the group is being re-formed. A rank that holds no state yet (a replacement still joining) has
         nothing to save."""
         if self._state.live:
-            self._ckpt.save(self.step_count, self._state.capture)
+            self._ckpt.save(self.step_count, self._state.checkpoint)
             self.manager.flush()
             log.line(f"rank {self.rt.rank}: stopped by SIGTERM at step {self.step_count}, checkpoint saved")
         else:
