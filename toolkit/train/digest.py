@@ -16,7 +16,8 @@ for blake2b and 50 ms for sha256 (bench/replica_check.py). Guarantee: a change c
 flip, any number of flips in one word) always changes the digest (an odd weight is invertible modulo 2^64); a swap
 of two elements, or a random change of several words, leaves it equal with a probability of about 2^-63. The
 state's structure and its plain values (names, shapes, dtypes, numbers) go through blake2b and into the same digest.
-Not a defence against an attacker who chooses the bytes: the transfer and the checkpoint have their own authentication for that.
+Not a defence against an attacker who chooses the bytes: the transfer and the checkpoint have their own
+authentication for that.
 """
 
 from __future__ import annotations
