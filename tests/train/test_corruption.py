@@ -6,13 +6,17 @@ The same rank corrupt twice is fenced: the job stops with one line naming it."""
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import pytest
+from rich.console import Console
 
+from toolkit.jobhosts.tables import live_lines
+from toolkit.report import report_data, summary_tables
 from toolkit.testing.localjob import LocalJob
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "corrupt_worker.py"
@@ -52,6 +56,15 @@ def final(j: LocalJob) -> str:
     return digest
 
 
+def recorded(j: LocalJob, name: str) -> Any:
+    """The scheduler's ledger.json or live.json, as `fleet report` and `fleet status` read them."""
+    return json.loads((j.dir / "recovery" / name).read_text())
+
+
+def corruption_causes(j: LocalJob) -> list[str]:
+    return [i["cause"] for i in recorded(j, "ledger.json")["incidents"] if i["cause"].startswith("corruption")]
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> Callable[[int], str]:
     """The final digest of an uninterrupted run per world size (computed once each)."""
@@ -85,6 +98,21 @@ def test_world_3_a_flipped_parameter_and_optimizer_state_are_named_healed_and_ch
                 "it started in steps 13-16; every rank goes back to step 12") in logs[r], faulted.evidence()
     assert "MB received)" in logs[1] and "MB received)" in logs[2]  # the named ranks took the state from a peer
     assert final(faulted) == want, "the healed run differs from the uninterrupted one"
+    # seen: the ledger's incidents, `fleet status`'s last incident, `fleet report`'s table
+    ledger = recorded(faulted, "ledger.json")
+    first, second = (i for i in ledger["incidents"] if i["corruption"])
+    assert first["cause"] == "corruption: rank 1 on localhost, started in steps 5-8: healed"
+    assert (first["corruption"], first["resumed_from"], first["recomputed"]) == (
+        {"ranks": [1], "hosts": ["localhost"], "window": [5, 8], "action": "healed"}, 4, 4)
+    assert second["cause"] == "corruption: rank 2 on localhost, started in steps 13-16: healed"
+    status = live_lines(recorded(faulted, "live.json"))
+    assert any(line.startswith("last incident (#2 of 2): corruption: rank 2 on localhost, started in steps 13-16: "
+                               "healed: worker_2 on localhost at step 16; recovered in") and
+               line.endswith("4 step(s) recomputed") for line in status), status
+    console = Console(record=True, width=300)
+    for table in summary_tables(report_data(ledger, [])):
+        console.print(table)
+    assert "corruption: rank 1 on localhost, started in steps 5-8: healed" in console.export_text()
 
 
 def test_world_2_rolls_back_and_redoes_bitwise_and_a_rank_corrupt_twice_is_fenced(
@@ -98,6 +126,8 @@ def test_world_2_rolls_back_and_redoes_bitwise_and_a_rank_corrupt_twice_is_fence
                 "(localhost); ranks 1 (localhost)); it started in steps 5-8: every rank goes back to step 4") \
             in pair.log(f"worker_{r}.log"), pair.evidence()
     assert final(pair) == want, "the rolled-back run differs from the uninterrupted one"
+    assert corruption_causes(pair) == [
+        "corruption: rank 0 on localhost, rank 1 on localhost, started in steps 5-8: rolled back"]
     fenced = ("rank 1: toolkit.train: rank 1 on localhost found corrupt twice: fenced (it leaves and the job stops: "
               "its host is not to be trusted with the job's state; replace it, e.g. fleet replace)")
     assert fenced in twice.log("worker_1.log"), twice.evidence()
@@ -105,3 +135,5 @@ def test_world_2_rolls_back_and_redoes_bitwise_and_a_rank_corrupt_twice_is_fence
     sched = twice.log("scheduler.log")
     assert "job corrupt failed: worker_1 on localhost failed after its last allowed restart (exit code 77)" in sched
     assert "found corrupt twice: fenced" in sched  # the reason reaches the scheduler's line (the log tail)
+    assert corruption_causes(twice) == ["corruption: rank 1 on localhost, started in steps 5-8: healed",
+                                        "corruption: rank 1 on localhost, started in steps 13-16: fenced"]

@@ -298,12 +298,15 @@ class ReplicaCheck:
         window = f"steps {since + 1}-{step}" if since is not None else f"at or before step {step}"
         if found.kind == SPLIT:
             groups = "; ".join("ranks " + ", ".join(f"{r} ({hosts[r]})" for r in g) for g in found.groups)
+            everyone = list(range(self.rt.world_size))
             if good is None or self.last_split == step:
+                self._report(0, step, since, everyone, hosts, "stopped")
                 again = "again after going back to step " if self.last_split == step else "with no verified state "
                 _fatal(f"rank {rank}: toolkit.train: at step {step} the replicas' states differ with no majority "
                        f"({groups}), {again}{since if self.last_split == step else ''}: no healthy replica to tell "
                        "the faulty one; stopping the job (restart it from a checkpoint of a verified step)")
             self.last_split = step
+            self._report(0, step, since, everyone, hosts, "rolled back")
             log.line(f"rank {rank}: corruption found at step {step}: the replicas' states differ with no majority "
                      f"({groups}); it started in {window}: every rank goes back to step {since} (its last good check) "
                      "and redoes the steps")
@@ -338,6 +341,8 @@ class ReplicaCheck:
         log.line(f"rank {rank}: corruption found at step {step}: {named} {verb} from the majority (ranks "
                  f"{', '.join(map(str, holders))}); it started in {window}; every rank {how}"
                  + (f" ({nbytes / 1e6:.2f} MB received)" if rank not in holders else ""))
+        self._report(holders[0], step, since, list(found.odd), [hosts[r] for r in found.odd],
+                     "fenced" if fenced else "healed")
         if fenced:
             line = (f"{', '.join(names[r] for r in fenced)} found corrupt twice: fenced (it leaves and the job "
                     "stops: its host is not to be trusted with the job's state; replace it, e.g. fleet replace)")
@@ -345,6 +350,12 @@ class ReplicaCheck:
                 _fatal(f"rank {rank}: toolkit.train: {line}")
             log.line(f"rank {rank}: {line}")
         return back
+
+
+    def _report(self, by: int, step: int, since: int | None, ranks: list[int], hosts: list[str], action: str) -> None:
+        """Rank `by` tells the scheduler (its ledger: `fleet status`, `fleet report`): `ranks` and their `hosts`."""
+        if self.rt.rank == by:
+            self.rt.corrupted(step=step, since=since, ranks=ranks, hosts=hosts, action=action)
 
 
 def _fatal(line: str) -> NoReturn:

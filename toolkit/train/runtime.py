@@ -408,6 +408,12 @@ class Runtime:
             self._channel.send(protocol.RECOVERED, generation=self.generation, step=step, source=source,
                                from_rank=from_rank, recomputed=recomputed, seconds=round(seconds, 4), bytes=nbytes)
 
+    def corrupted(self, **fields: Any) -> None:
+        """Tell the scheduler the replica check found corruption (toolkit.train.replicas: step, since, ranks, hosts,
+        action), for its ledger."""
+        if self._channel is not None:
+            self._channel.send(protocol.CORRUPTION, generation=self.generation, **fields)
+
     def _progress(self, step: int, epoch: int | None, now: float) -> None:
         path = self.cfg.agent_socket
         self._progress_sent = now
