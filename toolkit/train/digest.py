@@ -40,10 +40,12 @@ def _signed(x: int) -> int:
 
 
 class Digester:
-    """Digests of states and tensors. Keeps one weight table per device it has seen (built on first use)."""
+    """Digests of states and tensors. Keeps one weight table and one scratch chunk per device it has seen (built on
+    first use: 16 MB each); not for two threads at once."""
 
     def __init__(self) -> None:
         self._weights: dict[torch.device, torch.Tensor] = {}
+        self._scratch: dict[torch.device, torch.Tensor] = {}  # a chunk's products (no allocation per chunk)
 
     def weights(self, device: torch.device) -> torch.Tensor:
         """CHUNK odd 64-bit weights on `device` (splitmix64 of the position), the same everywhere."""
@@ -75,13 +77,17 @@ class Digester:
     def _value(self, flat: torch.Tensor) -> torch.Tensor:
         """The running value (a 0-d int64 tensor on its device) of one tensor's bytes `flat` (uint8)."""
         w = self.weights(flat.device)
+        scratch = self._scratch.get(flat.device)
+        if scratch is None:
+            scratch = self._scratch[flat.device] = torch.empty(CHUNK, dtype=torch.int64, device=flat.device)
         acc = torch.zeros((), dtype=torch.int64, device=flat.device)
         n8 = flat.numel() // 8 * 8
         main = _as_words(flat[:n8])
         mult = _signed(MULT)
         for start in range(0, main.numel(), CHUNK):
             part = main[start:start + CHUNK]
-            acc = acc * mult + (part * w[:part.numel()]).sum()
+            products = torch.mul(part, w[:part.numel()], out=scratch[:part.numel()])
+            acc = acc * mult + products.sum()
         tail = flat[n8:]
         if tail.numel():  # the last 1-7 bytes as one word
             shifts = torch.arange(tail.numel(), dtype=torch.int64, device=flat.device) * 8
