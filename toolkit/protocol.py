@@ -34,6 +34,10 @@ Worker conversation (one connection per worker process, kept for its whole life;
     worker -> recovered {generation, step, source, from_rank, recomputed, seconds, bytes}
                                             this rank trains again in `generation` from the state of `step`,
                                             taken from `source` ("peer", "checkpoint" or "initial")
+    worker -> corruption {generation, step, since, ranks, hosts, action}
+                                            the replica check found `ranks` (on `hosts`) corrupt at `step`, the
+                                            last good check at `since`; action: healed, rolled back, fenced or
+                                            stopped (toolkit.train.replicas; `corruption_fields`)
     worker -> done {}                       clean finish; the EOF that follows is not a death
     sched  -> stop {reason}                 the job failed; stop training
     sched  -> fenced {reason}               this incarnation was declared dead: exit at once, never write again
