@@ -8,7 +8,7 @@ Also the digest's speed against blake2b and sha256 over the same 100 MB.
 Why one process: the check's cost does not depend on the world size (one all_gather of 40 bytes per rank), and a
 step without an allreduce is shorter than a real one, so the share measured here is an upper bound.
 
-    .venv/bin/python bench/replica_check.py [--sizes 25 150] [--rounds 2]
+    .venv/bin/python bench/replica_check.py [--sizes 25 150] [--rounds 2] [--threads 1]
 """
 
 from __future__ import annotations
@@ -42,12 +42,13 @@ def step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor) -> None:
     opt.step()
 
 
-def check(d: Digester, model: nn.Module, opt: torch.optim.Optimizer, n: int) -> None:
-    """One rank's work in a check that agrees: fingerprint, all_gather, the verified copy."""
+def check(d: Digester, model: nn.Module, opt: torch.optim.Optimizer, n: int, kept: list[Verified]) -> None:
+    """One rank's work in a check that agrees: fingerprint, all_gather, the verified copy (into the last one's
+    memory, as the Trainer keeps it)."""
     mine = torch.tensor(fingerprint(d, model, opt, {}, False, 0), dtype=torch.int64)
     every = [torch.empty_like(mine)]
     dist.all_gather(every, mine)
-    Verified(n, {"model": model.state_dict(), "optimizer": opt.state_dict()})
+    kept[:] = [Verified(n, {"model": model.state_dict(), "optimizer": opt.state_dict()}, kept[0] if kept else None)]
 
 
 def hashes() -> None:
@@ -70,6 +71,7 @@ def measure(millions: int, rounds: int) -> None:
     params = sum(p.numel() for p in model.parameters())
     x = torch.randn(BATCH, WIDTH)
     d = Digester()
+    kept: list[Verified] = []
     for _ in range(2):
         step(model, opt, x)  # warm: the momentum buffers exist
     steps = []
@@ -80,7 +82,7 @@ def measure(millions: int, rounds: int) -> None:
     costs = []
     for i in range(5):
         began = time.perf_counter()
-        check(d, model, opt, i)
+        check(d, model, opt, i, kept)
         costs.append(time.perf_counter() - began)
     s, c = statistics.median(steps), statistics.median(costs)
     every = Schedule(2, parse_every(AUTO)).proposal(c, s)
@@ -90,10 +92,10 @@ def measure(millions: int, rounds: int) -> None:
     for _ in range(rounds):  # side by side: a run of `every` steps without the check, then one with it
         for kind in ("off", "on"):
             began = time.perf_counter()
-            for n in range(every):
+            for _ in range(every):
                 step(model, opt, x)
             if kind == "on":
-                check(d, model, opt, every)
+                check(d, model, opt, every, kept)
             (off if kind == "off" else on).append(every / (time.perf_counter() - began))
     a, b = statistics.median(off), statistics.median(on)
     print(f"  steps/s off {a:.3f}, on {b:.3f}: ratio {b / a:.4f} (runs of {every} steps, {rounds} of each)")
@@ -103,7 +105,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sizes", type=int, nargs="+", default=[25, 150], help="millions of parameters")
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--threads", type=int, default=1, help="intra-op threads (a data-parallel worker's, fixed)")
     a = p.parse_args()
+    torch.set_num_threads(a.threads)
     store = dist.HashStore()
     dist.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=timedelta(seconds=60))
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")

@@ -181,9 +181,9 @@ def _config_line(table: Sequence[Sequence[int]], since: int | None, step: int) -
 class Verified:
     """The state of the last good check, in host memory (a copy), with its step: what the ranks go back to."""
 
-    def __init__(self, step: int, state: Any) -> None:
+    def __init__(self, step: int, state: Any, previous: Verified | None = None) -> None:
         self.step = step
-        self.state = host_copy(state)
+        self.state = host_copy(state, previous.state if previous is not None else None)
 
     def fresh(self) -> Any:
         """A copy of the kept state to load (a loaded optimizer state may alias what it is given, and the kept
@@ -191,11 +191,20 @@ class Verified:
         return host_copy(self.state)
 
 
-def host_copy(state: Any) -> Any:
-    """`state` with every tensor and array copied to host memory."""
+def host_copy(state: Any, into: Any = None) -> Any:
+    """`state` with every tensor and array copied to host memory: into the tensors of `into` (an earlier copy of a
+    state of the same structure, which is then reused: no new memory to fault in at each check), else new ones."""
     skeleton, leaves = transfer.flatten(state)
-    copies = [leaf.detach().to("cpu", copy=True) if isinstance(leaf, torch.Tensor) else np.array(leaf, copy=True)
-              for leaf in leaves]
+    reuse: list[Any] = []
+    if into is not None:
+        old_skeleton, old = transfer.flatten(into)
+        if old_skeleton == skeleton and all(
+                isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape and
+                a.dtype == b.dtype for a, b in zip(leaves, old, strict=True)):
+            reuse = old
+    copies = [reuse[i].copy_(leaf.detach()) if reuse else
+              leaf.detach().to("cpu", copy=True) if isinstance(leaf, torch.Tensor) else np.array(leaf, copy=True)
+              for i, leaf in enumerate(leaves)]
     copies = [c[()] if isinstance(leaf, np.generic) else c for c, leaf in zip(copies, leaves, strict=True)]
     return transfer.inflate(skeleton, copies)
 
@@ -258,7 +267,7 @@ class ReplicaCheck:
                 found = verdict(every, self.schedule.since, step)
                 if found.kind == AGREE:
                     if self.rt.world_size > 1:
-                        self.verified = Verified(step, s.capture(step))
+                        self.verified = Verified(step, s.capture(step), self.verified)
                     self.last_split = None
                     went = step
                 elif found.kind == CONFIG:
