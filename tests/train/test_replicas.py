@@ -11,12 +11,15 @@ import pytest
 import torch
 from torch import nn
 
+from toolkit.plan import PlanError, make_plan
+from toolkit.settings import CoreFlags, resolve
 from toolkit.train import inject
 from toolkit.train.agreement import DIGEST, TrainingState, verified_load
 from toolkit.train.checkpoint import CheckpointManager, Placement
 from toolkit.train.ckptfile import job_key
 from toolkit.train.digest import Digester
 from toolkit.train.replicas import AGREE, CONFIG, ODD, SPLIT, Schedule, fingerprint, parse_every, verdict
+from toolkit.train.runtime import RuntimeConfigError, WorkerEnv
 from toolkit.train.trainererror import TrainerError
 
 
@@ -162,3 +165,21 @@ def test_a_checkpoint_whose_state_differs_from_its_recorded_digest_is_refused_wi
                             "digest recorded when it was saved (it changed in memory before it was written): "
                             "refused; move its files aside to resume from the previous checkpoint")
     manager.close()
+
+
+def test_verify_every_goes_from_the_flag_to_the_worker_and_a_bad_value_is_one_line(tmp_path) -> None:
+    """--verify-every (or toolkit.verify_every in fabric.yaml) -> the plan's TOOLKIT_VERIFY_EVERY in each worker's
+    env file -> WorkerEnv.verify_every, which a Trainer without verify_every= uses."""
+    (tmp_path / "train.py").write_text("")
+    settings = resolve({"verify_every": "25"}, {}, CoreFlags(), tmp_path, environ={})
+    plan = make_plan(settings.inventory, settings.options, str(settings.project))
+    env = {k: v for k, v in plan.process("worker_0").env.items() if k != "TOOLKIT_TOKEN_FILE"}  # not written here
+    assert env["TOOLKIT_VERIFY_EVERY"] == "25"
+    assert WorkerEnv.from_env(env).verify_every == 25
+    auto = resolve({}, {"verify_every": "auto"}, CoreFlags(), tmp_path, environ={})
+    assert "TOOLKIT_VERIFY_EVERY" not in make_plan(auto.inventory, auto.options, str(tmp_path)).process(
+        "worker_0").env and WorkerEnv.from_env({}).verify_every == "auto"
+    with pytest.raises(PlanError, match=r"^--verify-every 'often': give a number of steps"):
+        resolve({"verify_every": "often"}, {}, CoreFlags(), tmp_path, environ={})
+    with pytest.raises(RuntimeConfigError, match=r"^TOOLKIT_VERIFY_EVERY='-3': expected a number of steps"):
+        WorkerEnv.from_env({**env, "TOOLKIT_VERIFY_EVERY": "-3"})
