@@ -48,6 +48,7 @@ def test_it_checks_every_k_steps_and_at_doubling_distances_after_a_recovery() ->
             seen.append(s)
             check.checked(s, [50])
     assert seen[:8] == [141, 142, 144, 148, 156, 172, 204, 254]  # doubling until the gap reaches K
+    assert check.final(check.last + 1) and not check.final(check.last)  # the end of training is checked, once
     never = Schedule(world_size=3, every=0)
     never.arm(0, 0)
     assert not any(never.due(s) for s in range(1000))

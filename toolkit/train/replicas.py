@@ -78,6 +78,7 @@ class Schedule:
         self.every = every if every is not None else AUTO_FIRST
         self.since: int | None = None  # the step of the latest recovery; None: none since the job's first formation
         self.next: int | None = None
+        self.last: int | None = None  # the step of the latest check
 
     def arm(self, generation: int | None, step: int) -> None:
         """The group was (re-)formed at `step` (generation 0: the job's first formation; a later one follows a
@@ -93,8 +94,13 @@ class Schedule:
     def due(self, step: int) -> bool:
         return self.next is not None and step >= self.next
 
+    def final(self, step: int) -> bool:
+        """Whether training ending at `step` needs a last check (so that the final state is verified too)."""
+        return self.next is not None and self.last != step
+
     def checked(self, step: int, proposals: Sequence[int]) -> None:
         """A check at `step` gathered the ranks' `proposals` for the interval: the next check."""
+        self.last = step
         if self.fixed is None and proposals:
             self.every = max(proposals)
         gap = self.every
@@ -246,8 +252,9 @@ class ReplicaCheck:
         self.schedule.arm(generation, step)
         self.verified = None
 
-    def due(self, step: int) -> bool:
-        return self.schedule.due(step)
+    def due(self, step: int, end: bool = False) -> bool:
+        """Whether to check at `step` (`end`: training ends there: a last check unless `step` was checked)."""
+        return self.schedule.final(step) if end else self.schedule.due(step)
 
     def run(self, step: int, guard: Callable[[], ContextManager[None]]) -> int | None:
         """Collective: compare, and on a mismatch heal. Returns the step every rank goes on from (`step`, or the

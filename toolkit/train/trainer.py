@@ -159,6 +159,8 @@ class Trainer:
                 self._sync()
                 self._replicas.arm(self.rt.generation, self.step_count)
             if self.step_count >= total:
+                if self._replicas.due(self.step_count, end=True) and not self._verify():
+                    continue
                 return
             if self._replicas.due(self.step_count) and not self._verify():
                 continue
