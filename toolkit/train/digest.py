@@ -23,7 +23,6 @@ authentication for that.
 from __future__ import annotations
 
 import hashlib
-import json
 from typing import Any, Iterable
 
 import numpy as np
@@ -32,6 +31,7 @@ import torch
 CHUNK = 1 << 20  # words per chunk: the weight table's size (8 MB on each device that holds state)
 MULT = 0x9E3779B97F4A7C15  # odd: the Horner multiplier between chunks
 MASK = (1 << 64) - 1
+MAX_DEPTH = 64  # nesting of a state (as toolkit.train.transfer accepts)
 
 
 def _signed(x: int) -> int:
@@ -95,18 +95,39 @@ class Digester:
         return acc
 
     def state(self, state: Any) -> int:
-        """The digest of a state as toolkit.train.transfer describes it (nested dicts, lists and tuples of tensors,
-        numpy arrays and plain values): its structure, plain values, dtypes and shapes through blake2b, its tensors'
-        bytes through `tensors`, both in one 63-bit integer."""
-        from toolkit.train.transfer import flatten  # transfer imports this module for its own digests
-
-        skeleton, leaves = flatten(state)
-        tensors = [leaf if isinstance(leaf, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(leaf))
-                   for leaf in leaves]
-        shape = json.dumps([skeleton, [[str(t.dtype), list(t.shape)] for t in tensors]], separators=(",", ":"))
-        h = hashlib.blake2b(shape.encode(), digest_size=8)
+        """The digest of a state (nested dicts, lists and tuples of tensors, numpy arrays and plain values, as a
+        checkpoint or a transfer holds it): its structure, plain values, dtypes and shapes through blake2b, its
+        tensors' bytes through `tensors`, both in one 63-bit integer."""
+        tensors: list[torch.Tensor] = []
+        shape: list[str] = []
+        _walk(state, tensors, shape)
+        h = hashlib.blake2b("\0".join(shape).encode(errors="surrogatepass"), digest_size=8)
         h.update(self.tensors(tensors).to_bytes(8, "little"))
         return int.from_bytes(h.digest(), "little") >> 1
+
+
+def _walk(obj: Any, tensors: list[torch.Tensor], shape: list[str], depth: int = 0) -> None:
+    """`obj`'s tensors (numpy's as tensors) into `tensors`, the rest of it as text into `shape`, in order."""
+    if depth > MAX_DEPTH:
+        raise ValueError(f"a state nested deeper than {MAX_DEPTH}")
+    if isinstance(obj, torch.Tensor):
+        tensors.append(obj)
+        shape.append(f"T{obj.dtype}{tuple(obj.shape)}")
+    elif isinstance(obj, (np.ndarray, np.generic)):
+        arr = np.ascontiguousarray(obj)
+        tensors.append(torch.from_numpy(arr.reshape(-1).view(np.uint8)))
+        shape.append(f"N{arr.dtype.str}{arr.shape}")
+    elif isinstance(obj, dict):
+        shape.append(f"D{len(obj)}")
+        for k, v in obj.items():
+            shape.append(repr(k))
+            _walk(v, tensors, shape, depth + 1)
+    elif isinstance(obj, (list, tuple)):
+        shape.append(f"{'L' if isinstance(obj, list) else 'U'}{len(obj)}")
+        for v in obj:
+            _walk(v, tensors, shape, depth + 1)
+    else:
+        shape.append(f"{type(obj).__name__}:{obj!r}")
 
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:

@@ -50,7 +50,7 @@ from toolkit.protocol import EXIT_FATAL
 from toolkit.train import log, transfer
 from toolkit.train.agreement import TrainingState
 from toolkit.train.digest import Digester
-from toolkit.train.runtime import GenerationChanged, Runtime
+from toolkit.train.runtime import GenerationChanged, Runtime, report_corruption
 
 LR, HYPER, STATE, LR0, PROPOSAL = range(5)  # the fields of a fingerprint
 AUTO = "auto"
@@ -313,21 +313,7 @@ class ReplicaCheck:
         since = good.step if good is not None else None
         window = f"steps {since + 1}-{step}" if since is not None else f"at or before step {step}"
         if found.kind == SPLIT:
-            groups = "; ".join("ranks " + ", ".join(f"{r} ({hosts[r]})" for r in g) for g in found.groups)
-            everyone = list(range(self.rt.world_size))
-            if good is None or self.last_split == step:
-                self._report(0, step, since, everyone, hosts, "stopped")
-                again = "again after going back to step " if self.last_split == step else "with no verified state "
-                _fatal(f"rank {rank}: toolkit.train: at step {step} the replicas' states differ with no majority "
-                       f"({groups}), {again}{since if self.last_split == step else ''}: no healthy replica to tell "
-                       "the faulty one; stopping the job (restart it from a checkpoint of a verified step)")
-            self.last_split = step
-            self._report(0, step, since, everyone, hosts, "rolled back")
-            log.line(f"rank {rank}: corruption found at step {step}: the replicas' states differ with no majority "
-                     f"({groups}); it started in {window}: every rank goes back to step {since} (its last good check) "
-                     "and redoes the steps")
-            s.restore(good.fresh())
-            return since
+            return self._split(found, step, hosts, window)
         names = {r: f"rank {r} on {hosts[r]}" for r in found.odd}
         named = ", ".join(names.values())
         for who in names.values():
@@ -368,10 +354,31 @@ class ReplicaCheck:
         return back
 
 
+    def _split(self, found: Verdict, step: int, hosts: list[str], window: str) -> int:
+        """No majority: every rank goes back to its own verified state and redoes the steps; a second split at the
+        same check, or none to go back to, stops the job."""
+        rank, good = self.rt.rank, self.verified
+        since = good.step if good is not None else None
+        groups = "; ".join("ranks " + ", ".join(f"{r} ({hosts[r]})" for r in g) for g in found.groups)
+        everyone = list(range(self.rt.world_size))
+        if good is None or self.last_split == step:
+            self._report(0, step, since, everyone, hosts, "stopped")
+            again = f"again after going back to step {since}" if self.last_split == step else "with no verified state"
+            _fatal(f"rank {rank}: toolkit.train: at step {step} the replicas' states differ with no majority "
+                   f"({groups}), {again}: no healthy replica to tell the faulty one; stopping the job (restart it "
+                   "from a checkpoint of a verified step)")
+        self.last_split = step
+        self._report(0, step, since, everyone, hosts, "rolled back")
+        log.line(f"rank {rank}: corruption found at step {step}: the replicas' states differ with no majority "
+                 f"({groups}); it started in {window}: every rank goes back to step {since} (its last good check) "
+                 "and redoes the steps")
+        self.state.restore(good.fresh())
+        return since
+
     def _report(self, by: int, step: int, since: int | None, ranks: list[int], hosts: list[str], action: str) -> None:
         """Rank `by` tells the scheduler (its ledger: `fleet status`, `fleet report`): `ranks` and their `hosts`."""
         if self.rt.rank == by:
-            self.rt.corrupted(step=step, since=since, ranks=ranks, hosts=hosts, action=action)
+            report_corruption(self.rt, step=step, since=since, ranks=ranks, hosts=hosts, action=action)
 
 
 def _fatal(line: str) -> NoReturn:

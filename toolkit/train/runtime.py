@@ -408,12 +408,6 @@ class Runtime:
             self._channel.send(protocol.RECOVERED, generation=self.generation, step=step, source=source,
                                from_rank=from_rank, recomputed=recomputed, seconds=round(seconds, 4), bytes=nbytes)
 
-    def corrupted(self, **fields: Any) -> None:
-        """Tell the scheduler the replica check found corruption (toolkit.train.replicas: step, since, ranks, hosts,
-        action), for its ledger."""
-        if self._channel is not None:
-            self._channel.send(protocol.CORRUPTION, generation=self.generation, **fields)
-
     def _progress(self, step: int, epoch: int | None, now: float) -> None:
         path = self.cfg.agent_socket
         self._progress_sent = now
@@ -469,6 +463,13 @@ class RuntimeReporter:
         self.rt.report(step, loss=loss)
         if checkpoint:
             self.rt.committed(step)
+
+
+def report_corruption(rt: Runtime, **fields: Any) -> None:
+    """Tell the scheduler that the replica check found corruption (toolkit.train.replicas: step, since, ranks, hosts,
+    action), for its ledger; nothing outside toolkit. A function, not a method: Runtime's interface stays small."""
+    if rt._channel is not None:
+        rt._channel.send(protocol.CORRUPTION, generation=rt.generation, **fields)
 
 
 def _arrive(store: Any, world: int, timeout: timedelta) -> None:
