@@ -360,7 +360,7 @@ def deploy(request: Request) -> None:
 def train(request: Request, join: bool, join_timeout: str, fresh: bool, again: bool, no_check: bool) -> None:
     """Start the job on every host at once (all or nothing), after a check.
 
-    Deploys it first if it never was; a finished job needs --fresh (start over) or --again (go on)."""
+    Deploys it first if need be; a finished job needs --fresh or --again."""
     tasks.train(request, join=join, join_timeout=_seconds("--join-timeout", join_timeout), fresh=fresh,
                 again=again, check=not no_check)
 

@@ -80,7 +80,7 @@ OPTIONS: tuple[Option, ...] = (
     _job_option("warm_spare", bool, "a spare interpreter per host, for fast restarts"),
     _job_option("straggler_factor", float, "own work per step vs the median: a straggler", "X"),
     _job_option("torchrun_script", bool, "on a fault restart all workers, even on toolkit.train"),
-    _job_option("verify_every", str, "steps between replica checks (0: never; auto: <= 1% of a step)", "N"),
+    _job_option("verify_every", str, "steps between replica checks (0: never)", "N"),
     Option("known_hosts", str, "~/.ssh/known_hosts", "host keys are checked against it", "FILE", "ssh"),
     Option("accept_new_host_keys", bool, False, "add unknown host keys (never changed ones)", group="ssh"),
     Option("parallel", int, 32, "hosts contacted at once", "N", "ssh"),
