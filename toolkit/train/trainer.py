@@ -32,9 +32,11 @@ Under torchrun or alone the same script runs: a fault there ends the process wit
 
 What a step may contain: anything, as long as every collective of the step runs inside `trainer.step()` (a
 collective outside it fails like any other error when a peer dies). Extra state (an LR scheduler, a grad scaler)
-must be the same on every rank, as everything replicated in data parallelism is; pass it as `state={...}`. After
-a recovery the ranks compare a fingerprint of it now and then (toolkit.train.divergence): forgotten state stops the
-job with one line naming it, rather than letting the ranks train on apart.
+must be the same on every rank, as everything replicated in data parallelism is; pass it as `state={...}`. Every
+`verify_every` steps (and after a recovery) the ranks compare a digest of every byte of their state
+(toolkit.train.replicas): forgotten state stops the job with one line naming it; a rank whose state was corrupted
+(a bit flipped in memory) is named by the majority and every rank goes back to the last good check and redoes the
+steps, bitwise.
 
 The Trainer composes its parts, one concern each: which state the ranks go on from, and its transfer
 (toolkit.train.agreement); SIGTERM, interruptible waits, the stop agreement, the end for a restart
@@ -83,7 +85,9 @@ class Trainer:
     (toolkit.train.interval: the measured stall and the observed MTBF, within `ckpt_bounds` steps, `prior_mtbf` s
     assumed until a fault). `seed` makes each step's randomness a function of
     the step (None: leave the generators alone; then a recovered run is not bitwise the same). `ddp` holds extra
-    DistributedDataParallel arguments.
+    DistributedDataParallel arguments. `verify_every`: steps between the replica checks (toolkit.train.replicas), 0
+    for none, "auto" for checks within 1% of the step time; None: TOOLKIT_VERIFY_EVERY (fleet's --verify-every),
+    else "auto".
 
     Each step is timed for the scheduler (toolkit.train.pace): its wall time, and the time this rank worked before
     handing its last gradient bucket to the allreduce, which names a straggler; `report(loss=...)` adds the loss
