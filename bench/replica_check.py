@@ -6,7 +6,9 @@ of the state kept in host memory for a roll-back, the all_gather of its five int
 Also the digest's speed against blake2b and sha256 over the same 100 MB.
 
 Why one process: the check's cost does not depend on the world size (one all_gather of 40 bytes per rank), and a
-step without an allreduce is shorter than a real one, so the share measured here is an upper bound.
+step without an allreduce is shorter than a real one, so the share measured here is an upper bound. Why CPU time
+(this process's, one thread): on a machine shared with other jobs the wall time of a run swings by tens of percent
+from one minute to the next, more than the 1% measured; the CPU time a run takes does not (both are printed).
 
     .venv/bin/python bench/replica_check.py [--sizes 25 150] [--rounds 2] [--threads 1]
 """
@@ -18,6 +20,7 @@ import hashlib
 import statistics
 import time
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -58,12 +61,8 @@ def hashes() -> None:
     for name, fn in (("digest", lambda: d.tensors([x])),
                      ("blake2b", lambda: hashlib.blake2b(x.numpy().data).digest()),
                      ("sha256", lambda: hashlib.sha256(x.numpy().data).digest())):
-        times = []
-        for _ in range(5):
-            began = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - began)
-        print(f"  {name:8s} 100 MB: {1e3 * statistics.median(times):6.1f} ms")
+        times = [timed(fn)[0] for _ in range(5)]
+        print(f"  {name:8s} 100 MB: {1e3 * statistics.median(times):6.1f} ms CPU")
 
 
 def measure(millions: int, rounds: int) -> None:
@@ -74,37 +73,38 @@ def measure(millions: int, rounds: int) -> None:
     kept: list[Verified] = []
     for _ in range(2):
         step(model, opt, x)  # warm: the momentum buffers exist
-    steps = []
-    for _ in range(5):
-        began = time.perf_counter()
-        step(model, opt, x)
-        steps.append(time.perf_counter() - began)
-    costs = []
+    steps, costs = [], []
     for i in range(5):
-        began = time.perf_counter()
-        check(d, model, opt, i, kept)
-        costs.append(time.perf_counter() - began)
-    s, c = statistics.median(steps), statistics.median(costs)
+        steps.append(timed(lambda: step(model, opt, x)))
+        costs.append(timed(lambda i=i: check(d, model, opt, i, kept)))
+    s, c = (statistics.median(t[0] for t in v) for v in (steps, costs))
+    sw, cw = (statistics.median(t[1] for t in v) for v in (steps, costs))
     every = Schedule(2, parse_every(AUTO)).proposal(c, s)
     print(f"{params / 1e6:.1f} M parameters ({4 * 2 * params / 1e6:.0f} MB of state): step {s:.3f} s, check "
-          f"{c:.3f} s ({100 * c / s:.1f}% of a step): auto interval {every} steps -> {100 * c / (every * s):.2f}%")
-    off, on = [], []
+          f"{c:.3f} s CPU ({sw:.3f} s, {cw:.3f} s wall): {100 * c / s:.1f}% of a step: auto interval {every} steps "
+          f"-> {100 * c / (every * s):.2f}%")
+    ratios = []
     for _ in range(rounds):  # side by side: a run of `every` steps without the check, then one with it
-        for kind in ("off", "on"):
-            began = time.perf_counter()
-            for _ in range(every):
-                step(model, opt, x)
-            if kind == "on":
-                check(d, model, opt, every, kept)
-            (off if kind == "off" else on).append(every / (time.perf_counter() - began))
-    a, b = statistics.median(off), statistics.median(on)
-    print(f"  steps/s off {a:.3f}, on {b:.3f}: ratio {b / a:.4f} (runs of {every} steps, {rounds} of each)")
+        off = timed(lambda: [step(model, opt, x) for _ in range(every)])
+        on = timed(lambda: ([step(model, opt, x) for _ in range(every)], check(d, model, opt, every, kept)))
+        ratios.append((off[0] / on[0], off[1] / on[1]))
+        print(f"  steps/s off {every / off[0]:.3f}, on {every / on[0]:.3f} (CPU time): ratio {ratios[-1][0]:.4f}; "
+              f"wall: ratio {ratios[-1][1]:.4f}")
+    print(f"  median ratio on/off over {rounds} pairs of {every} steps: {statistics.median(r[0] for r in ratios):.4f}"
+          f" (CPU), {statistics.median(r[1] for r in ratios):.4f} (wall)")
+
+
+def timed(fn: Any) -> tuple[float, float]:
+    """(CPU seconds of this process, wall seconds) that `fn()` took."""
+    cpu, wall = time.process_time(), time.perf_counter()
+    fn()
+    return time.process_time() - cpu, time.perf_counter() - wall
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sizes", type=int, nargs="+", default=[25, 150], help="millions of parameters")
-    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--threads", type=int, default=1, help="intra-op threads (a data-parallel worker's, fixed)")
     a = p.parse_args()
     torch.set_num_threads(a.threads)

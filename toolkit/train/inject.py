@@ -22,7 +22,7 @@ flips of the same rank at two steps are a host that corrupts twice.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Mapping
 
 import torch
 
@@ -120,7 +120,3 @@ def flip_bit(f: Flip, module: torch.nn.Module, optimizer: torch.optim.Optimizer)
         bits[byte] ^= 1 << bit
     return f"injected corruption after step {f.step}: flipped bit {byte * 8 + bit} of {f.where} {name}[{index}]"
 
-
-def describe(flips: tuple[Flip, ...]) -> Any:
-    """The flips as plain data (for a log line)."""
-    return [vars(f) for f in flips]

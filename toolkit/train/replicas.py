@@ -26,8 +26,9 @@ copy lives in the memory that failed), and the steps are redone: bitwise what a 
 the fault came after that check (a fault's gradients reach every replica through the allreduce, so the healthy ones
 go back too). Without a majority (two replicas, or a tie), every rank goes back to its own copy and redoes the steps;
 differing again at the same check, with nothing to tell the faulty one from the healthy one, stops the job with one
-line. A host named twice is fenced: its ranks leave with one line (EXIT_FATAL), the scheduler records it, and a
-spare or the operator takes over (toolkit.scheduler).
+line. A rank named twice is fenced: it leaves with one line (EXIT_FATAL) and the job stops, for the operator to
+replace its host (`fleet replace`; a spare does not take over on its own yet). Every finding is reported to the
+scheduler (one rank reports it), whose ledger keeps it as a `corruption` incident (`fleet status`, `fleet report`).
 """
 
 from __future__ import annotations
@@ -117,7 +118,8 @@ class Schedule:
         return min(max(math.ceil(check_seconds / (BUDGET * step_seconds)), AUTO_BOUNDS[0]), AUTO_BOUNDS[1])
 
 
-def covered(module: nn.Module, optimizer: torch.optim.Optimizer, extra: dict[str, Any], buffers: bool) -> dict:
+def covered(module: nn.Module, optimizer: torch.optim.Optimizer, extra: dict[str, Any],
+            buffers: bool) -> dict[str, Any]:
     """What must be the same on every rank: parameters, buffers (when they are not broadcast), optimizer state,
     extra state. References, not copies."""
     return {"params": dict(module.named_parameters()),
