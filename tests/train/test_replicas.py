@@ -59,7 +59,7 @@ def test_it_checks_every_k_steps_and_at_doubling_distances_after_a_recovery() ->
 
 def test_auto_takes_the_largest_proposal_and_keeps_the_check_within_its_budget() -> None:
     auto = Schedule(world_size=2, every=parse_every("auto"))
-    assert auto.proposal(0.05, 0.1) == 50  # a check of 50 ms, steps of 100 ms: 1% every 50 steps
+    assert auto.proposal(0.04, 0.1) == 50  # a check of 40 ms, steps of 100 ms: 0.8% every 50 steps
     assert auto.proposal(0.0001, 1.0) == 5 and auto.proposal(100.0, 0.001) == 10_000  # the bounds
     auto.arm(0, 0)
     auto.checked(20, [50, 70])
