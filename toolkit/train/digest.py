@@ -11,8 +11,8 @@ in one word of its last bytes). Each word is multiplied by an odd weight that de
 chunk of CHUNK words; each chunk's wrapping sum goes into the tensor's running value by Horner's rule (value * MULT
 + sum, wrapping), so the chunk's position counts too; the tensors' values, each with its size, go through blake2b
 in order (so the same bytes give the same digest on any device). Everything else is integer arithmetic on the
-tensor's own device (torch kernels, no copy to the host): 100 MB in 5-8 ms on this 2-core machine, against 72 ms
-for blake2b and 50 ms for sha256 (bench/replica_check.py). Guarantee: a change confined to one 64-bit word (any bit
+tensor's own device (torch kernels, no copy to the host): 100 MB in 9-11 ms of CPU here, against 70-73 ms for
+blake2b and 48-49 ms for sha256 (bench/replica_check.py). Guarantee: a change confined to one 64-bit word (any bit
 flip, any number of flips in one word) always changes the digest (an odd weight is invertible modulo 2^64); a swap
 of two elements, or a random change of several words, leaves it equal with a probability of about 2^-63. The
 state's structure and its plain values (names, shapes, dtypes, numbers) go through blake2b and into the same digest.
