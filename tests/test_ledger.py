@@ -365,3 +365,25 @@ def test_the_records_writes_stay_bounded_at_thousands_of_ranks(tmp_path: Path) -
     small = Journal(tmp_path / "small", "small", 2, 0.75, clock=clock.mono, wall=clock.wall)
     assert (small.live_interval, small.metrics_interval, small.max_metrics) == (  # small jobs as before
         J.LIVE_INTERVAL, J.METRICS_INTERVAL, J.MAX_METRICS)
+
+
+def test_a_corruption_report_is_an_incident_and_a_malformed_one_is_ignored() -> None:
+    """The replica check's report (protocol `corruption`, toolkit.train.replicas): checked as a peer's input, then an
+    incident dealt with at once whose redone steps count as recomputed; it survives a scheduler restart."""
+    from toolkit.protocol import corruption_fields
+
+    good = {"generation": 0, "step": 16, "since": 12, "ranks": [2], "hosts": ["h2\nEVIL"], "action": "healed"}
+    assert corruption_fields(good, 4) == {**good, "hosts": ["h2"]}  # one line of a host name
+    for bad in ({"ranks": [4]}, {"ranks": [True]}, {"since": 17}, {"action": "ignored"}, {"hosts": []},
+                {"step": -1}, {"ranks": [0, 1, 2, 3, 0], "hosts": ["h"] * 5}):
+        assert corruption_fields({**good, **bad}, 4) is None, bad
+    led = started()
+    led.note("corruption", corruption_fields(good, 4), T0 + 30)
+    (inc,) = led.to_json(T0 + 31)["incidents"]
+    assert inc["cause"] == "corruption: rank 2 on h2, started in steps 13-16: healed"
+    assert (inc["resumed_from"], inc["recomputed"], inc["time_to_recover"]) == (12, 4, 0.0)
+    assert inc["corruption"] == {"ranks": [2], "hosts": ["h2"], "window": [13, 16], "action": "healed"}
+    assert Ledger.from_json(json.loads(json.dumps(led.to_json(T0 + 31)))).faults.incidents[0].corruption == \
+        inc["corruption"]
+    led.note("corruption", {**corruption_fields(good, 4), "action": "fenced"}, T0 + 40)
+    assert led.faults.incidents[-1].recovered_at is None  # fenced: the job's end follows

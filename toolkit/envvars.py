@@ -82,6 +82,9 @@ TOOLKIT_HEARTBEAT_INTERVAL = "TOOLKIT_HEARTBEAT_INTERVAL"
 TOOLKIT_RECOVERY = "TOOLKIT_RECOVERY"  # worker: "restart" (--torchrun-script) forces restart recovery; default auto
 TOOLKIT_STRAGGLER_FACTOR = "TOOLKIT_STRAGGLER_FACTOR"  # scheduler: see DEFAULT_STRAGGLER_FACTOR
 TOOLKIT_PACE = "TOOLKIT_PACE"  # worker: "0" turns step timing off (to measure what it costs); default on
+TOOLKIT_VERIFY_EVERY = "TOOLKIT_VERIFY_EVERY"  # worker: steps between replica checks, 0 never, or auto (the default)
+TOOLKIT_INJECT_CORRUPTION = "TOOLKIT_INJECT_CORRUPTION"  # worker: bits to flip, for tests (toolkit.train.inject);
+#                             read from the env file only: the agent does not pass it on from its own environment
 TOOLKIT_HOST = "TOOLKIT_HOST"  # worker: the inventory name of its host (what it registers as; a lost host is fenced)
 TOOLKIT_HOST_TIMEOUT = "TOOLKIT_HOST_TIMEOUT"  # scheduler: see DEFAULT_HOST_TIMEOUT
 TOOLKIT_SPARES = "TOOLKIT_SPARES"  # scheduler: the inventory's spare hosts, comma-separated, in the order they are used

@@ -72,6 +72,7 @@ class JobOptions:
     straggler_factor: float = envvars.DEFAULT_STRAGGLER_FACTOR  # own work per step vs the others' median: a straggler
     host_timeout: float = envvars.DEFAULT_HOST_TIMEOUT  # s a host's ranks dead, its agent gone: lost, a spare steps in
     metrics_address: str | None = None  # [HOST:]PORT of the scheduler's Prometheus endpoint; None: not served
+    verify_every: str = "auto"  # steps between the Trainer's replica checks, 0 never, auto: at most 1% of step time
 
     def __post_init__(self) -> None:
         if not _JOB_NAME.fullmatch(self.job):
@@ -120,6 +121,9 @@ class JobOptions:
                 raise PlanError(f"--metrics-address {e}") from None
         if self.module and self.no_python:
             raise PlanError("-m and --no-python: the script is a module or a program, give one of them")
+        if self.verify_every != "auto" and not self.verify_every.isdigit():
+            raise PlanError(f"--verify-every {self.verify_every!r}: give a number of steps between the replicas' "
+                            "checks (0: never) or auto (checks costing at most 1% of the step time)")
         if not self.script.strip():
             raise PlanError("--script is empty: name the training script, e.g. --script train.py")
         for name, value in (("--workdir", self.workdir), ("--python", self.python), ("--script", self.script)):
@@ -410,6 +414,8 @@ class _ProcessBuilder:
             env[envvars.DATA_PATH] = options.data_path
         if options.torchrun_script:
             env[envvars.TOOLKIT_RECOVERY] = P_RECOVERY_RESTART
+        if options.verify_every != "auto":
+            env[envvars.TOOLKIT_VERIFY_EVERY] = options.verify_every
         return env
 
 

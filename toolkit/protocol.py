@@ -39,6 +39,10 @@ Worker conversation (one connection per worker process, kept for its whole life;
     worker -> recovered {generation, step, source, from_rank, recomputed, seconds, bytes}
                                             this rank trains again in `generation` from the state of `step`,
                                             taken from `source` ("peer", "checkpoint" or "initial")
+    worker -> corruption {generation, step, since, ranks, hosts, action}
+                                            the replica check found `ranks` (on `hosts`) corrupt at `step`, the
+                                            last good check at `since`; action: healed, rolled back, fenced or
+                                            stopped (toolkit.train.replicas; `corruption_fields`)
     worker -> done {}                       clean finish; the EOF that follows is not a death
     sched  -> stop {reason}                 the job failed; stop training
     sched  -> fenced {reason}               this incarnation was declared dead: exit at once, never write again
@@ -105,6 +109,7 @@ REGISTER = "register"
 HEARTBEAT = "heartbeat"
 COMMIT = "commit"
 RECOVERED = "recovered"
+CORRUPTION = "corruption"  # {generation, step, since, ranks, hosts, action}: the replica check found one (ledger)
 DONE = "done"
 # scheduler -> worker (and REJECT to an agent with a wrong token; STOP to workers too)
 WELCOME = "welcome"
@@ -131,8 +136,8 @@ EXIT_FENCED = 75
 # A wrapped torchrun-style script (`python -m toolkit.train SCRIPT`) exits with this code when the job moves to a
 # new generation: it cannot re-form in place, so its agent relaunches it and it rejoins with fresh store keys.
 EXIT_REJOIN = 76
-# A worker found that the job cannot go on correctly (toolkit.train.divergence: the ranks' training state differs
-# after a recovery): its agent gives up at once, with no restart, and the job fails with the worker's one line.
+# A worker found that the job cannot go on correctly (toolkit.train.replicas: forgotten state, a rank corrupt twice):
+# its agent gives up at once, with no restart, and the job fails with the worker's one line.
 EXIT_FATAL = 77
 
 
@@ -370,6 +375,26 @@ def cause_field(msg: Mapping[str, Any]) -> str | None:
     missing, empty or not a string."""
     cause = msg.get("cause")
     return (one_line(cause) or None) if isinstance(cause, str) else None
+
+
+CORRUPTION_ACTIONS = ("healed", "rolled back", "fenced", "stopped")
+MAX_HOST = 256  # characters of a host name in a peer's message
+
+
+def corruption_fields(msg: Mapping[str, Any], world_size: int) -> dict[str, Any] | None:
+    """A worker's `corruption` report checked: step and since (the last good check, or None) whole and in order,
+    ranks within the world each with its host (a bounded string), an action of CORRUPTION_ACTIONS; None if any is
+    not (a peer's message is hostile input)."""
+    step, since, generation = whole(msg, "step"), whole(msg, "since"), whole(msg, "generation")
+    ranks, hosts, action = msg.get("ranks"), msg.get("hosts"), msg.get("action")
+    if step is None or step < 0 or since is not None and not 0 <= since <= step or action not in CORRUPTION_ACTIONS:
+        return None
+    if not (isinstance(ranks, list) and isinstance(hosts, list) and 0 < len(ranks) == len(hosts) <= world_size):
+        return None
+    if not all(type(r) is int and 0 <= r < world_size for r in ranks) or not all(isinstance(h, str) for h in hosts):
+        return None
+    return {"generation": generation, "step": step, "since": since, "ranks": ranks,
+            "hosts": [one_line(h)[:MAX_HOST] for h in hosts], "action": action}
 
 
 def store_prefix(job: str, boot: str, generation: int) -> str:

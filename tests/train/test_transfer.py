@@ -72,6 +72,18 @@ def test_every_tensor_arrives_bit_exactly_into_the_receivers_own_storage(new_por
     assert got[0]["bytes"] > 0 and got[1]["bytes"] > 0, "the two holders share the sending (one receiver each)"
 
 
+def test_a_state_changed_in_flight_is_refused_and_sent_again(new_port) -> None:
+    """A byte of each message changed as it arrives (the test's hook, on the first receive only): the receiver's
+    digest differs from the sender's, it refuses the state and says so, the sender sends it again, and the
+    receiver ends with the sender's state bit for bit."""
+    procs = run_group("tampered", 2, [new_port()])
+    got = {r: rows[-1] for r, rows in results(procs).items()}
+    assert got[1]["changed"] == [0, 1]  # the fault took effect: both messages (the big tensor, the packed ones)
+    assert got[1]["digest"] == got[0]["digest"], "the receiver used a state changed in flight"
+    assert got[1]["bytes"] > 2 * 4 * (1 << 19)  # the state travelled twice
+    assert got[0]["bytes"] > 2 * 4 * (1 << 19)
+
+
 def test_a_sender_killed_mid_transfer_leaves_the_receiver_to_another_holder(new_port) -> None:
     """Rank 2 receives from rank 0, which is made slow after 6 of 48 tensors and killed then. The receive fails
     with part of the state written (the kill took effect mid-transfer), and in a new group rank 1 sends: the

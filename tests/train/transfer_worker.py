@@ -10,6 +10,7 @@ exact: ranks 0 and 1 hold a trained state (model with tied, non-contiguous, floa
 killed: ranks 0 and 1 hold a state of 48 tensors of 1 MB; rank 0 sends it to rank 2 and, after its sixth tensor,
   waits (a slow sender) and says so, so that the test can kill it in the middle of the transfer. Then ranks 1 and
   2 form a new group on PORT2 and rank 1 sends.
+tampered: world 2, rank 1 changes a byte of each message of its first receive (a byte changed in flight).
 abandoned: world 2, the group built inside a fence as the runtime builds it (toolkit.train.fence); rank 0 sends
   one 400 MB tensor and says so (the test kills it meanwhile); rank 1 receives it with the fence, and a thread of
   its own trips the fence when the test says so on stdin (as the runtime's control thread does when a new
@@ -218,6 +219,25 @@ def abandoned(rank: int, port: int) -> None:
     os._exit(0)  # the abandoned receive is still blocked in gloo until its timeout: leave without joining it
 
 
+def tampered(rank: int, port: int) -> None:
+    """World 2: rank 0 sends a 2 MB tensor (its own message) and small ones (packed); rank 1 changes one byte of each
+    message as it arrives, the first time only (`tamper`), and prints what it ends with."""
+    torch.manual_seed(0 if rank == 0 else 1)
+    state = {"step": 5, "big": torch.randn(1 << 19), "small": [torch.randn(7), torch.arange(5)]}
+    group(rank, 2, port)
+    changed = []
+
+    def tamper(attempt: int, message: int, buf: torch.Tensor) -> None:
+        if attempt == 0:
+            buf.view(torch.uint8)[-1] ^= 0x10
+            changed.append(message)
+
+    received, nbytes = transfer.share(state, [0], rank=rank, world=2, device=torch.device("cpu"), tamper=tamper)
+    final = received if received is not None else state
+    print(json.dumps({"rank": rank, "digest": digest(final), "bytes": nbytes, "changed": changed}), flush=True)
+    dist.destroy_process_group()
+
+
 def main() -> None:
     scenario, rank, world, port = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
     torch.set_num_threads(1)
@@ -225,6 +245,8 @@ def main() -> None:
         exact(rank, world, port)
     elif scenario == "abandoned":
         abandoned(rank, port)
+    elif scenario == "tampered":
+        tampered(rank, port)
     else:
         killed(rank, port, int(sys.argv[5]))
 

@@ -87,6 +87,7 @@ class Agent:
         self.ticks = procs.start_ticks(self.pid)
         self.started = time.time()
         self.base_env = dict(os.environ)  # a copy: the agent's own environment is never written
+        self.base_env.pop(envvars.TOOLKIT_INJECT_CORRUPTION, None)  # the fault injector: from the env file only
         if envvars.GLOO_SOCKET_IFNAME not in self.base_env:  # gloo's own choice is loopback where the hostname misleads
             interface = netif.interface_toward(spec.sched_host, spec.sched_port)
             if interface is not None:

@@ -24,6 +24,7 @@ class NoteKind(str, enum.Enum):
     AGENT_LOST = "agent_lost"  # an agent's connection ended
     FORMED = "formed"  # a generation formed
     RECOVERED = "recovered"  # a worker trains again after a recovery
+    CORRUPTION = "corruption"  # the replica check found a rank's state corrupt (toolkit.train.replicas)
     REPLACED = "replaced"  # a spare took a host's ranks
     FINISHED = "finished"  # every rank is done
     FAILED = "failed"  # the job failed

@@ -34,7 +34,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Mapping
 
-from toolkit.protocol import RECOVERY_IN_PLACE, RECOVERY_RESTART
+from toolkit.protocol import RECOVERY_IN_PLACE, RECOVERY_RESTART, worker_node_id
 from toolkit.rundoc import LEDGER_VERSION as VERSION
 from toolkit.scheduler.actions import CAUSE_CLOSED, CAUSE_NOT_BACK, CAUSE_SILENCE, NoteKind
 from toolkit.scheduler.state import JobStatus
@@ -67,6 +67,7 @@ class Incident:
     recovered_ranks: list[int] = field(default_factory=list)
     fenced: list[dict[str, Any]] = field(default_factory=list)  # incarnations that came back and were refused
     checkpoint: int | None = None  # the newest checkpoint step a torchrun-style script had reported before it
+    corruption: dict[str, Any] | None = None  # ranks, hosts, window [from, to] and action of a corruption found
 
     @property
     def time_to_recover(self) -> float | None:
@@ -357,6 +358,29 @@ class Incidents:
                 self.changed(True)
                 return
 
+    def corruption(self, f: Mapping[str, Any], now: float) -> None:
+        """The replica check found corruption (NoteKind.CORRUPTION): an incident of its own, found and dealt with at
+        once (healed, rolled back: the steps since the last good check are done again; fenced or stopped: the
+        job's end follows)."""
+        self.count += 1
+        since, step, action = f["since"], f["step"], f["action"]
+        who = ", ".join(f"rank {r} on {h}" for r, h in zip(f["ranks"], f["hosts"], strict=True))
+        window = f"steps {since + 1}-{step}" if since is not None else f"at or before step {step}"
+        done = action in ("healed", "rolled back")
+        self.incidents.append(Incident(
+            number=self.count, cause=f"corruption: {who}, started in {window}: {action}", failed_at=now,
+            detected_at=now, generation=f["generation"] if f["generation"] is not None else -1, step=step,
+            step_time=self.steps.step_time, recovery=RECOVERY_IN_PLACE,
+            processes=[{"node_id": worker_node_id(r), "rank": r, "host": h, "pid": None, "cause": "corruption",
+                        "reason": action} for r, h in zip(f["ranks"], f["hosts"], strict=True)],
+            formed_at=now, recovered_at=now if done else None,
+            recomputed=step - since if done and since is not None else 0 if done else None,
+            resumed_from=since if done and since is not None else step if done else None,
+            corruption={"ranks": list(f["ranks"]), "hosts": list(f["hosts"]), "window": [
+                None if since is None else since + 1, step], "action": action}))
+        del self.incidents[:-MAX_INCIDENTS]
+        self.changed(True)
+
     def gathering(self) -> Incident | None:
         """The newest incident whose replacement generation has not formed yet."""
         if self.incidents and self.incidents[-1].formed_at is None:
@@ -386,7 +410,8 @@ class Ledger:
             NoteKind.DEATH: self.faults.death, NoteKind.EXITED: self.faults.exited,
             NoteKind.REPLACED: self.faults.replaced, NoteKind.AGENT_LOST: self.faults.agent_lost,
             NoteKind.FORMED: self._on_formed, NoteKind.RECOVERED: self.faults.recovered,
-            NoteKind.PACE: self._on_pace, NoteKind.FENCED: self.faults.fenced, NoteKind.RESTORED: self._on_restored,
+            NoteKind.PACE: self._on_pace, NoteKind.FENCED: self.faults.fenced,
+            NoteKind.CORRUPTION: self.faults.corruption, NoteKind.RESTORED: self._on_restored,
             NoteKind.FINISHED: self._on_finished, NoteKind.FAILED: self._on_failed}
 
     # -- facts

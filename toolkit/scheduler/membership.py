@@ -175,6 +175,19 @@ def recovered(member: Member, msg: Mapping[str, Any]) -> list[Action]:
                                "recomputed": protocol.whole(m, "recomputed"), "seconds": seconds})]
 
 
+def corrupted(member: Member, msg: Mapping[str, Any], world_size: int) -> list[Action]:
+    """A worker's `corruption` report (the replica check found a rank's state corrupt): its log line and a Note for
+    the ledger; a malformed one is logged and ignored."""
+    f = protocol.corruption_fields(msg, world_size)
+    if f is None:
+        return [Log(WARNING, f"{member.node_id} sent a malformed corruption report (ignored)")]
+    who = ", ".join(f"rank {r} on {h}" for r, h in zip(f["ranks"], f["hosts"], strict=True))
+    window = f"steps {f['since'] + 1}-{f['step']}" if f["since"] is not None else f"at or before step {f['step']}"
+    return [Log(WARNING, f"corruption found at step {f['step']} (reported by {member.node_id}): {who}, started in "
+                         f"{window}: {f['action']}"),
+            Note(NoteKind.CORRUPTION, {**f, "node_id": member.node_id})]
+
+
 class Membership:
     """See the module docstring. `boot` names this scheduler start in the store prefixes; `expected` maps node ids
     to the host the plan put them on (for the formation-timeout message).
@@ -439,6 +452,8 @@ class Membership:
             return []
         if op == protocol.RECOVERED:
             return recovered(member, msg)
+        if op == protocol.CORRUPTION:
+            return corrupted(member, msg, self.world_size)
         if op == protocol.DONE:
             self.watchdog.forget(member.rank)  # a finished rank is not stuck
             self.roster.peers[peer] = Peer(PeerRole.FINISHED, rank=member.rank, addr=who.addr)

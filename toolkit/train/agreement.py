@@ -20,10 +20,12 @@ from torch import nn
 
 from toolkit.train import transfer
 from toolkit.train.checkpoint import CheckpointManager
+from toolkit.train.digest import Digester
 from toolkit.train.runtime import Runtime
 from toolkit.train.trainererror import TrainerError
 
 FROM_PEER, FROM_CHECKPOINT, FROM_INITIAL = "peer", "checkpoint", "initial"
+DIGEST = "digest"  # a checkpoint's entry: the digest (toolkit.train.digest) of the rest of it, taken at the save
 
 
 @dataclass(frozen=True)
@@ -101,6 +103,13 @@ class TrainingState:
         return {"step": step, "model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
                 "extra": {name: obj.state_dict() for name, obj in self.extra.items()}}
 
+    def checkpoint(self, step: int) -> dict[str, Any]:
+        """The state at `step` as a checkpoint holds it: `capture`, and the digest of it (DIGEST), which a restore
+        checks (`verified_load`): what was written is what the ranks held, whatever happened to it in between (a
+        host copy staged in memory that failed, a bug) that the file's authentication, computed later, cannot see."""
+        state = self.capture(step)
+        return {**state, DIGEST: Digester().state(state)}
+
     def restore(self, state: dict[str, Any]) -> int:
         """Load a captured state into the user's objects; returns its step."""
         self.module.load_state_dict(state["model"])
@@ -118,7 +127,7 @@ class TrainingState:
             found = self.manager.agree(device=self.rt.device, fence=self.rt.fence)
         source = choose_source(table, None if found is None else (found.step, found.source))
         if source.kind == FROM_CHECKPOINT and self.rt.rank == source.rank:
-            step = self.restore(self.manager.load(source.reached))
+            step = self.restore(verified_load(self.manager, source.reached))
             self.pristine = False
         receiving = self.rt.rank not in source.holders
         if receiving:
@@ -146,3 +155,16 @@ class TrainingState:
         every = [torch.empty_like(t) for _ in range(self.rt.world_size)]
         self.rt.fence.wait(dist.all_gather(every, t, async_op=True), "the agreement on the newest state")
         return [(int(held), int(initial)) for held, initial in (x.tolist() for x in every)]
+
+
+def verified_load(manager: CheckpointManager, step: int) -> dict[str, Any]:
+    """The checkpoint of `step`, its state checked against the digest recorded at the save (a checkpoint without
+    one, written before digests were recorded, is taken as it is). TrainerError, one line naming the copy, when they
+    differ: the state changed between the save's digest and the file."""
+    state = dict(manager.load(step))
+    recorded = state.pop(DIGEST, None)
+    if recorded is not None and Digester().state(state) != recorded:
+        raise TrainerError(f"checkpoint of step {step} in {manager.directory}: its state does not match the digest "
+                           "recorded when it was saved (it changed in memory before it was written): refused; move "
+                           "its files aside to resume from the previous checkpoint")
+    return state

@@ -89,6 +89,11 @@ class Checkpointing:
         self._choose_interval()
         self.clock.rest()  # the stall is not the next step's work
 
+    def redo(self) -> None:
+        """The ranks went back to an earlier step (toolkit.train.replicas): the steps saved since are saved again
+        when they are redone (what was saved held the fault)."""
+        self._saved = -1
+
     def close(self) -> None:
         """Stop holding the optimizer, then complete the checkpoints in flight (CheckpointManager.close)."""
         self._pre_hook.remove()

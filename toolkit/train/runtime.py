@@ -98,6 +98,7 @@ class WorkerEnv:
     step_file: str | None = None  # TOOLKIT_STEP_FILE: the agent reads the latest step there after a death
     restart_only: bool = False  # TOOLKIT_RECOVERY=restart: recover by relaunching even a toolkit.train script
     pace: bool = True  # TOOLKIT_PACE: time the steps for the scheduler (toolkit.train.pace); "0" turns it off
+    verify_every: int | str = "auto"  # TOOLKIT_VERIFY_EVERY: steps between replica checks (toolkit.train.replicas)
 
     @property
     def word_wait(self) -> float:
@@ -165,7 +166,7 @@ class WorkerEnv:
             agent_socket=env.get(envvars.TOOLKIT_AGENT_SOCKET) or None,
             step_file=env.get(envvars.TOOLKIT_STEP_FILE) or None,
             restart_only=_recovery(env),
-            pace=(env.get(envvars.TOOLKIT_PACE) or "1").strip() != "0",
+            pace=(env.get(envvars.TOOLKIT_PACE) or "1").strip() != "0", verify_every=_verify_every(env),
         )
 
 
@@ -174,6 +175,16 @@ def _recovery(env: Mapping[str, str]) -> bool:
     if value not in ("auto", protocol.RECOVERY_RESTART):
         raise RuntimeConfigError(f"{envvars.TOOLKIT_RECOVERY}={value!r}: expected auto or {protocol.RECOVERY_RESTART}")
     return value == protocol.RECOVERY_RESTART
+
+
+def _verify_every(env: Mapping[str, str]) -> int | str:
+    value = (env.get(envvars.TOOLKIT_VERIFY_EVERY) or "auto").strip().lower()
+    if value == "auto":
+        return value
+    if not value.isdigit():
+        raise RuntimeConfigError(f"{envvars.TOOLKIT_VERIFY_EVERY}={value!r}: expected a number of steps (0: never) "
+                                 "or auto")
+    return int(value)
 
 
 def _int(env: Mapping[str, str], name: str, default: int) -> int:
@@ -465,6 +476,13 @@ class RuntimeReporter:
     def long_phase(self, what: str) -> contextlib.AbstractContextManager[None]:
         """See `progress.long_phase`: the heartbeats say `long` while in it."""
         return stacks.long_phase(self.rt._channel, what)
+
+
+def report_corruption(rt: Runtime, **fields: Any) -> None:
+    """Tell the scheduler that the replica check found corruption (toolkit.train.replicas: step, since, ranks, hosts,
+    action), for its ledger; nothing outside toolkit. A function, not a method: Runtime's interface stays small."""
+    if rt._channel is not None:
+        rt._channel.send(protocol.CORRUPTION, generation=rt.generation, **fields)
 
 
 def _arrive(store: Any, world: int, timeout: timedelta) -> None:

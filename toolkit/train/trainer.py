@@ -32,9 +32,11 @@ Under torchrun or alone the same script runs: a fault there ends the process wit
 
 What a step may contain: anything, as long as every collective of the step runs inside `trainer.step()` (a
 collective outside it fails like any other error when a peer dies). Extra state (an LR scheduler, a grad scaler)
-must be the same on every rank, as everything replicated in data parallelism is; pass it as `state={...}`. After
-a recovery the ranks compare a fingerprint of it now and then (toolkit.train.divergence): forgotten state stops the
-job with one line naming it, rather than letting the ranks train on apart.
+must be the same on every rank, as everything replicated in data parallelism is; pass it as `state={...}`. Every
+`verify_every` steps (and after a recovery) the ranks compare a digest of every byte of their state
+(toolkit.train.replicas): forgotten state stops the job with one line naming it; a rank whose state was corrupted
+(a bit flipped in memory) is named by the majority and every rank goes back to the last good check and redoes the
+steps, bitwise.
 
 The Trainer composes its parts, one concern each: which state the ranks go on from, and its transfer
 (toolkit.train.agreement); SIGTERM, interruptible waits, the stop agreement, the end for a restart
@@ -46,6 +48,8 @@ current group and the step's timing (toolkit.train.ddpmodel); each step's batch 
 from __future__ import annotations
 
 import contextlib
+import os
+import socket
 import time
 from pathlib import Path
 from typing import Any, Iterator, Mapping, NoReturn
@@ -54,12 +58,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from toolkit.train import checkpoint, interval, log, progress
+from toolkit import envvars
+from toolkit.train import checkpoint, interval, log, progress, replicas
 from toolkit.train.agreement import FROM_CHECKPOINT, FROM_INITIAL, FROM_PEER, TrainingState, recomputed_steps
 from toolkit.train.checkpointing import Checkpointing, manager_for, parse_every
 from toolkit.train.ddpmodel import GroupModel
-from toolkit.train.divergence import DivergenceCheck
 from toolkit.train.faults import first_line, looks_collective
+from toolkit.train.inject import Injector
+from toolkit.train.replicas import ReplicaCheck
 from toolkit.train.runtime import MODE_TOOLKIT, GenerationChanged, JobStopped, Runtime
 from toolkit.train.stepdata import StepData
 from toolkit.train.stopping import EXIT_PEER_LOST, EXIT_TERMINATED, Stopping, Terminated, end_for_restart
@@ -80,7 +86,9 @@ class Trainer:
     (toolkit.train.interval: the measured stall and the observed MTBF, within `ckpt_bounds` steps, `prior_mtbf` s
     assumed until a fault). `seed` makes each step's randomness a function of
     the step (None: leave the generators alone; then a recovered run is not bitwise the same). `ddp` holds extra
-    DistributedDataParallel arguments.
+    DistributedDataParallel arguments. `verify_every`: steps between the replica checks (toolkit.train.replicas), 0
+    for none, "auto" for checks within 1% of the step time; None: TOOLKIT_VERIFY_EVERY (fleet's --verify-every),
+    else "auto".
 
     Each step is timed for the scheduler (toolkit.train.pace): its wall time, and the time this rank worked before
     handing its last gradient bucket to the allreduce, which names a straggler; `report(loss=...)` adds the loss
@@ -94,8 +102,13 @@ class Trainer:
                  ckpt_every: int | str = 100, keep: int = 3, seed: int | None = 0, deterministic: bool = True,
                  async_ckpt: bool = True, ddp: Mapping[str, Any] | None = None,
                  ckpt_bounds: tuple[int, int] = interval.DEFAULT_BOUNDS,
-                 prior_mtbf: float = interval.DEFAULT_PRIOR_MTBF, tensorboard_dir: str | Path | None = None) -> None:
+                 prior_mtbf: float = interval.DEFAULT_PRIOR_MTBF, tensorboard_dir: str | Path | None = None,
+                 verify_every: int | str | None = None) -> None:
         chooser, every = parse_every(ckpt_every, ckpt_bounds, prior_mtbf)
+        try:
+            verify = replicas.parse_every(runtime.cfg.verify_every if verify_every is None else verify_every)
+        except ValueError as e:
+            raise TrainerError(str(e)) from None
         extra = dict(state or {})
         for name, obj in extra.items():
             if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
@@ -121,7 +134,10 @@ class Trainer:
         self._loss: Any = None
         self._stopping = Stopping(runtime)
         self._finished = False
-        self._divergence = DivergenceCheck(runtime.world_size)  # after a recovery: do the ranks still agree?
+        broadcast = (ddp or {}).get("broadcast_buffers", True)  # DDP's default: rank 0's buffers go to all
+        host = (os.environ.get(envvars.TOOLKIT_HOST) or "").strip() or socket.gethostname()
+        self._replicas = ReplicaCheck(runtime, self._state, verify, buffers=not broadcast, host=host)
+        self._inject = Injector.from_env(os.environ, runtime.rank, runtime.mode == MODE_TOOLKIT)
         self._tb = open_scalars(runtime.rank, tensorboard_dir)  # rank 0's TensorBoard scalars (toolkit.train.tbscalars)
 
     # -- what the loop sees
@@ -152,12 +168,12 @@ class Trainer:
                                    "(it is what makes a fault in the step recoverable)")
             if self._need_sync:
                 self._sync()
-                self._divergence.arm(self.rt.generation, self.step_count)
+                self._replicas.arm(self.rt.generation, self.step_count)
             if self.step_count >= total:
+                if self._replicas.due(self.step_count, end=True) and not self._verify():
+                    continue
                 return
-            if self._divergence.due(self.step_count) and not self._divergence.check(
-                    self.rt, self.module, self.optimizer, self.step_count, guard=self._guarded):
-                self._need_sync = True  # a fault during the check: re-form, as after one in a step
+            if self._replicas.due(self.step_count) and not self._verify():
                 continue
             batch = self._data.batch(self.step_count)
             self._entered = False
@@ -193,6 +209,9 @@ class Trainer:
             raise
         self.step_count += 1
         self._state.live = True
+        if self._inject is not None:
+            for line in self._inject.after_step(self.step_count, self.module, self.optimizer):
+                log.line(f"rank {self.rt.rank}: {line}")
         busy = self._group.end_step(began)
         self.rt.report(self.step_count, self.epoch, loss=self._loss, busy=busy)
         if self._tb is not None:
@@ -201,7 +220,7 @@ class Trainer:
         self._loss = None
         if self._ckpt.due(self.step_count):
             with progress.long_phase("checkpoint"):  # the progress watchdog waits for it
-                self._ckpt.save(self.step_count, self._state.capture)
+                self._ckpt.save(self.step_count, self._state.checkpoint)
         if leaving is not None:
             self._leave(leaving)
 
@@ -218,7 +237,7 @@ class Trainer:
         while True:
             try:
                 with self._guarded(), progress.long_phase("the final checkpoint"):
-                    self._ckpt.save(self.step_count, self._state.capture)
+                    self._ckpt.save(self.step_count, self._state.checkpoint)
                     self.manager.flush()
                     if self.rt.world_size > 1:
                         # nobody says done while a peer may still need the state
@@ -246,6 +265,22 @@ class Trainer:
             self.close()
 
     # -- faults
+
+    def _verify(self) -> bool:
+        """The replica check (toolkit.train.replicas) at a due step: True to go on with the next batch; False when
+        the loop must look again (a new generation cut the check short: re-form; or the ranks went back to the
+        last good check's step, whose batches are drawn again)."""
+        self.manager.wait_staged()  # a roll-back writes the tensors a checkpoint in flight may be copying
+        went = self._replicas.run(self.step_count, guard=self._guarded)
+        if went is None:
+            self._need_sync = True  # a fault during the check: re-form, as after one in a step
+            return False
+        if went == self.step_count:
+            return True
+        self.step_count = went
+        self._ckpt.redo()
+        self._group.clock.rest()  # the roll-back is not the next step's work
+        return False
 
     def _abandoned(self, applied_before: int, generation: int | None) -> None:
         """The step ended by a fault (`generation`: the one announced; None: SIGTERM came before the word). If this
@@ -359,7 +394,7 @@ class Trainer:
         """A rank got SIGTERM by this step's agreement: every rank saves this step. Those that got it leave, and
         so does one whose own SIGTERM came during or after the agreement (when every rank is told to stop, the
         signals need not all land before the same boundary); the others go on and meet the replacements."""
-        self._ckpt.save(self.step_count, self._state.capture)
+        self._ckpt.save(self.step_count, self._state.checkpoint)
         self.manager.flush()
         if leaving or self._stopping.requested:
             self._last_words()
@@ -378,7 +413,7 @@ class Trainer:
         holds), or the group is being re-formed. A rank that holds no state yet (a replacement still joining) has
         nothing to save."""
         if self._state.live:
-            self._ckpt.save(self.step_count, self._state.capture)
+            self._ckpt.save(self.step_count, self._state.checkpoint)
             self.manager.flush()
             log.line(f"rank {self.rt.rank}: stopped by SIGTERM at step {self.step_count}, {self._saved_or_not()}")
         else:

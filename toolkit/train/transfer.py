@@ -41,6 +41,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from toolkit.train import log
+from toolkit.train.digest import Digester
 from toolkit.train.newmemory import unfilled
 
 DIRECT_MIN = 1 << 20  # bytes: a contiguous tensor at least this large travels as its own message
@@ -56,6 +58,7 @@ MAX_DEPTH = 64  # nesting a receiver accepts in a description
 # the parameters: Adam two, with the model three).
 NEW_STATE_FACTOR = 8
 NEW_STATE_SLACK = PACK_BYTES
+MAX_SENDS = 3  # a receiver whose bytes fail the sender's digest is sent the state again, this many times in all
 MAGIC = 0x544B5354  # "TKST"
 VERSION = 1
 HOME_CPU, HOME_DEVICE = "cpu", "device"
@@ -353,12 +356,17 @@ def assign(holders: Sequence[int], world: int) -> dict[int, int]:
 # -- the executor
 
 def share(state: Any, holders: Sequence[int], *, rank: int, world: int, device: torch.device, group: Any = None,
-          fence: Any = None) -> tuple[Any, int]:
+          fence: Any = None, tamper: Any = None) -> tuple[Any, int]:
     """Collective over `group` (every rank calls it with the same `holders`): the ranks not in `holders` receive
     the state the holders hold. A holder passes its state and gets (None, bytes it sent); a receiver passes its
     own state (its tensors are where matching ones are received) and gets (the state received, bytes received).
     Tensors travel on `device` (the group's: CPU for gloo, the rank's GPU for NCCL). With `fence` (the group's
-    toolkit.train.fence.Fence) a trip ends the wait at once (fence.Abandoned)."""
+    toolkit.train.fence.Fence) a trip ends the wait at once (fence.Abandoned).
+
+    Verified: after the tensors, the sender sends the digest of what it sent (toolkit.train.digest, every byte in
+    order); a receiver checks its own bytes against it before using them, and answers; one that refuses is sent the
+    state again (MAX_SENDS in all, then TransferError). `tamper(attempt, message, buffer)`: a test's hook, called
+    by a receiver on each message's bytes as they arrive (a byte changed in flight)."""
     senders = assign(holders, world)
     if world == 1 or not senders:
         return None, 0
@@ -369,7 +377,7 @@ def share(state: Any, holders: Sequence[int], *, rank: int, world: int, device: 
         link = _Link(device, group, src=rank, peers=mine)
         return _run(lambda: (None, _send(state, link)), fence, device)
     link = _Link(device, group, src=senders[rank], peers=[rank])
-    return _run(lambda: _receive(state, link), fence, device)
+    return _run(lambda: _receive(state, link, tamper), fence, device)
 
 
 def _run(fn: Any, fence: Any, device: torch.device) -> tuple[Any, int]:
@@ -395,6 +403,17 @@ class _Link:
 
     def post_receive(self, buf: torch.Tensor, tag: int) -> list[Any]:
         return dist.batch_isend_irecv([dist.P2POp(dist.irecv, buf, self.src, group=self.group, tag=tag)])
+
+    def answers(self, tag: int) -> dict[int, bool]:
+        """Each peer's answer to the digest (True: accepted), received under `tag`."""
+        bufs = {peer: torch.zeros(1, dtype=torch.int64, device=self.device) for peer in self.peers}
+        _wait(dist.batch_isend_irecv([dist.P2POp(dist.irecv, buf, peer, group=self.group, tag=tag)
+                                      for peer, buf in bufs.items()]))
+        return {peer: bool(buf.item()) for peer, buf in bufs.items()}
+
+    def answer(self, ok: bool, tag: int) -> None:
+        buf = torch.tensor([int(ok)], dtype=torch.int64, device=self.device)
+        _wait(dist.batch_isend_irecv([dist.P2POp(dist.isend, buf, self.src, group=self.group, tag=tag)]))
 
 
 class _Window:
@@ -436,22 +455,40 @@ def _send(state: Any, link: _Link) -> int:
     window.add(-2, link.post_send(header, 0), header, 0)
     meta_buf = torch.frombuffer(bytearray(meta), dtype=torch.uint8).to(link.device)
     window.add(-1, link.post_send(meta_buf, 1), meta_buf, 0)
-    for m, members in enumerate(_by_message(layout)):
+    window.drain()
+    members = _by_message(layout)
+    sent = len(meta) + header.numel() * 8
+    digest = None
+    for _ in range(MAX_SENDS):
+        _send_messages(leaves, layout, members, link)
+        if digest is None:  # after the bytes went: the receiver computes its own meanwhile
+            digest = torch.tensor([Digester().tensors(leaves)], dtype=torch.int64, device=link.device)
+        _wait(link.post_send(digest, 2 + len(layout.messages)))
+        sent += layout.total + 8
+        refused = [peer for peer, ok in link.answers(3 + len(layout.messages)).items() if not ok]
+        if not refused:
+            break
+        link = _Link(link.device, link.group, link.src, refused)  # again, to those that refused
+    return sent
+
+
+def _send_messages(leaves: list[torch.Tensor], layout: Layout, members: list[list[int]], link: _Link) -> None:
+    window = _Window()
+    for m, inside in enumerate(members):
         size = layout.messages[m]
-        first = leaves[members[0]]
-        if len(members) == 1 and first.device == link.device and first.is_contiguous() and _bytes(first).numel() \
+        first = leaves[inside[0]]
+        if len(inside) == 1 and first.device == link.device and first.is_contiguous() and _bytes(first).numel() \
                 == size:
             window.add(m, link.post_send(_bytes(first), 2 + m), first, 0)  # its own storage: no copy
             continue
         buf = torch.empty(size, dtype=torch.uint8, device=link.device)
-        for i in members:
+        for i in inside:
             _typed(buf, layout.entries[i]).copy_(leaves[i])  # copy_ reads any strides, from any device
         window.add(m, link.post_send(buf, 2 + m), buf, size)
     window.drain()
-    return len(meta) + header.numel() * 8 + layout.total
 
 
-def _receive(own: Any, link: _Link) -> tuple[Any, int]:
+def _receive(own: Any, link: _Link, tamper: Any = None) -> tuple[Any, int]:
     header = torch.empty(4, dtype=torch.int64, device=link.device)
     _wait(link.post_receive(header, 0))
     magic, version, meta_len, total = (int(v) for v in header.tolist())
@@ -466,8 +503,33 @@ def _receive(own: Any, link: _Link) -> tuple[Any, int]:
     dests, new = _destinations(own, skeleton, layout, link.device, link.src)
     members = _by_message(layout)
     prefault = _Prefault([[dests[i] for i in members[m] if i in new] for m in range(len(layout.messages))])
+    received = meta_len + header.numel() * 8
+    for attempt in range(MAX_SENDS):
+        _receive_messages(dests, layout, members, link, prefault, lambda m, buf, a=attempt: tamper and tamper(a, m,
+                                                                                                              buf))
+        theirs = torch.empty(1, dtype=torch.int64, device=link.device)
+        _wait(link.post_receive(theirs, 2 + len(layout.messages)))
+        received += total + 8
+        ok = Digester().tensors(dests) == int(theirs.item())
+        link.answer(ok, 3 + len(layout.messages))
+        if ok:
+            break
+        log.line(f"the state received from rank {link.src} fails its digest (changed in flight): refused, "
+                 f"{'asking for it again' if attempt + 1 < MAX_SENDS else 'giving up'}")
+    else:
+        raise TransferError(f"the state received from rank {link.src} failed its digest {MAX_SENDS} times: the link "
+                            "or this host's memory changes bytes")
+    values = [_as_leaf(dests[e.alias if e.alias is not None else i], layout.entries[e.alias if e.alias is not None
+                                                                                     else i].kind)
+              for i, e in enumerate(layout.entries)]
+    return inflate(skeleton, values), received
 
+
+def _receive_messages(dests: list[torch.Tensor], layout: Layout, members: list[list[int]], link: _Link,
+                      prefault: _Prefault, tamper: Any) -> None:
+    """Every message into its place (its tensor's own storage, or a staging buffer copied out)."""
     def unpack(m: int, buf: torch.Tensor) -> None:
+        tamper(m, buf)
         if buf.data_ptr() != dests[members[m][0]].data_ptr():  # staged: copy each tensor to its place
             for i in members[m]:
                 dests[i].copy_(_typed(buf, layout.entries[i]))
@@ -483,10 +545,6 @@ def _receive(own: Any, link: _Link) -> tuple[Any, int]:
             buf = unfilled((size,), torch.uint8, link.device)  # the message fills it
             window.add(m, link.post_receive(buf, 2 + m), buf, size)
     window.drain()
-    values = [_as_leaf(dests[e.alias if e.alias is not None else i], layout.entries[e.alias if e.alias is not None
-                                                                                     else i].kind)
-              for i, e in enumerate(layout.entries)]
-    return inflate(skeleton, values), meta_len + header.numel() * 8 + total
 
 
 def _wait(works: list[Any]) -> None:
