@@ -104,7 +104,6 @@ def task_help(binary: str, task: TaskDoc) -> str:
     out = [f"Usage: {binary} {task.name} {task.usage}".rstrip()]  # the task's docstring under it: one screen
     for paragraph in task.doc.strip().split("\n\n"):
         out += _wrap(" ".join(paragraph.split()), WIDTH)
-    out.append("")
     if task.own:
         out.append(f"Flags of {task.name}:")
         out += _flag_lines(list(task.own))

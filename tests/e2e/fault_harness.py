@@ -80,7 +80,10 @@ class Job:
         sees differently (spares) starts with it, as a user's would."""
         self.output = None
         unchecked = [] if check else ["--no-check"]
-        self.runner = subprocess.Popen([FLEET, *(tasks or ("deploy", "train")), "--join", *unchecked, *self.args()],
+        # --quiet: the ranks' output is not streamed here (tests/e2e/test_run_terminal_on_hosts.py streams it): its
+        # followers run on the hosts for as long as --join waits, and the matrix checks hosts for leftovers mid-run
+        self.runner = subprocess.Popen([FLEET, *(tasks or ("deploy", "train")), "--join", "--quiet", *unchecked,
+                                        *self.args()],
                                        cwd=self.e2e.project, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                        text=True, start_new_session=True)
 

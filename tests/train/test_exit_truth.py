@@ -31,9 +31,9 @@ import pytest
 from test_own_scripts import JOB_TIMEOUT, REPORTING, last_step, project, reporting_script, until
 
 from toolkit import rundoc
+from toolkit.ckptkey import job_key
 from toolkit.testing.localjob import EXAMPLES, FLEET, FleetRun, clean_env
 from toolkit.train.checkpoint import CheckpointManager, Placement
-from toolkit.train.ckptfile import job_key
 
 pytestmark = pytest.mark.timeout(900)
 EXIT_STOPPED = 3

@@ -11,12 +11,12 @@ import pytest
 import torch
 from torch import nn
 
+from toolkit.ckptkey import job_key
 from toolkit.plan import PlanError, make_plan
 from toolkit.settings import CoreFlags, resolve
 from toolkit.train import inject
 from toolkit.train.agreement import DIGEST, TrainingState, verified_load
 from toolkit.train.checkpoint import CheckpointManager, Placement
-from toolkit.train.ckptfile import job_key
 from toolkit.train.digest import Digester
 from toolkit.train.replicas import AGREE, CONFIG, ODD, SPLIT, Schedule, fingerprint, parse_every, verdict
 from toolkit.train.runtime import RuntimeConfigError, WorkerEnv

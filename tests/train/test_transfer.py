@@ -21,6 +21,7 @@ import torch
 
 from toolkit.testing.simjob import Usage
 from toolkit.train import transfer
+from toolkit.train.digest import Digester
 from toolkit.train.transfer import Layout, TransferError
 
 HERE = Path(__file__).resolve().parent
@@ -238,11 +239,18 @@ class HostileLink:
         self.wire = {0: torch.tensor([transfer.MAGIC, transfer.VERSION, len(meta), total], dtype=torch.int64),
                      1: torch.frombuffer(bytearray(meta), dtype=torch.uint8)}
 
+        self.answers: list[bool] = []
+
     def post_receive(self, buf: torch.Tensor, tag: int) -> list[Any]:
         self.received += buf.numel() * buf.element_size()
         if tag in self.wire:
             buf.copy_(self.wire[tag])
+        else:  # a message's bytes: zeros
+            buf.zero_()
         return []
+
+    def answer(self, ok: bool, tag: int) -> None:
+        self.answers.append(ok)
 
 
 def test_a_peer_declaring_more_state_than_the_receiver_expects_is_refused_before_it_is_allocated() -> None:
@@ -260,5 +268,7 @@ def test_a_peer_declaring_more_state_than_the_receiver_expects_is_refused_before
 
     doc["entries"][1], doc["messages"][1] = ["float32", [1000], "cpu", "tensor", 1, 0], 4000  # what is expected
     link = HostileLink(json.dumps(doc).encode(), sum(doc["messages"]))
+    link.wire[2 + len(doc["messages"])] = torch.tensor([Digester().tensors([torch.zeros(1000), torch.zeros(1000)])])
     received, _ = transfer._receive(own, link)
     assert received["optimizer"]["m"].shape == (1000,) and received["model"]["w"] is own["model"]["w"]
+    assert link.answers == [True]  # the sender's digest of every byte checked

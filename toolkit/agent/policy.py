@@ -95,10 +95,9 @@ def on_exit(policy: RestartPolicy, e: Exited, how: str) -> Settle | Relaunch | S
     truth, and the scheduler will not take it back); a closing agent only settles the final state; the operator's
     restart relaunches at once, uncounted; exit 0 is success; EXIT_FATAL gives up at once, and so does EXIT_SETUP
     before the process made any progress (retried with backoff, it took 10-19 s to say what the first exit said);
-    EXIT_FENCED and EXIT_REJOIN
-    relaunch at once, uncounted; any other exit, a death by signal included, is a failure that
-    RestartPolicy.after_failure counts, backs off or gives up on. `how` describes the exit ("exit code 3", "killed by
-    SIGKILL") for the reasons given."""
+    EXIT_FENCED and EXIT_REJOIN relaunch at once, uncounted; any other exit, a death by signal included, is a
+    failure that RestartPolicy.after_failure counts, backs off or gives up on. `how` describes the exit ("exit
+    code 3", "killed by SIGKILL") for the reasons given."""
     done_here = e.finishing and not e.others_running
     if e.code != 0 and (e.said_done or e.closing and e.finishing):
         return Settle(ProcState.FAILED, done_here)  # after the end: no restart can undo it, the job has failed

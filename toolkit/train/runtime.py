@@ -27,6 +27,7 @@ Three modes, chosen from the environment so one script runs everywhere:
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import os
@@ -423,9 +424,11 @@ class Runtime:
         rank is, and the host agent is told this rank said so (a non-zero exit after it is then the job's failure,
         not a crash to restart). The default process group is left in place, as torchrun leaves it: the script's
         usual ending, `dist.destroy_process_group()`, destroys it (and `dist.get_rank()` still answers until then);
-        under `python -m toolkit.train` one the script left is destroyed once it returns."""
+        one the script leaves is destroyed at exit (atexit, before the interpreter's teardown, where gloo's threads
+        would otherwise abort the process: `terminate called without an active exception`)."""
         if self._closed:
             return
+        atexit.register(_destroy_left_group)
         said = False
         if self._channel is not None:
             said = self._channel.done()
@@ -492,6 +495,13 @@ def _arrive(store: Any, world: int, timeout: timedelta) -> None:
     if int(store.add(protocol.ARRIVED, 1)) >= world:
         store.set(protocol.ALL_ARRIVED, "1")
     store.wait([protocol.ALL_ARRIVED], timeout)
+
+
+def _destroy_left_group() -> None:
+    """At exit after a clean end (Runtime.done): the default group the script did not destroy itself."""
+    if dist.is_initialized():
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
 
 
 def leave_group() -> None:
