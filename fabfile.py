@@ -3,7 +3,7 @@
 The same tasks are the `fleet` command, which works from any directory once toolkit is installed.
 """
 
-from toolkit.cli import namespace, use_cluster_executor
+from toolkit.launcher.cli import namespace, use_cluster_executor
 
 use_cluster_executor()
 ns = namespace()

@@ -9,8 +9,8 @@ torchrun); docs/benchmarks.md has the results and how to read them.
 
 torchrun: `torchrun --nproc-per-node 2 --max-restarts 3 --rdzv-backend c10d --rdzv-endpoint 127.0.0.1:PORT
 --log-dir D --redirects 3 train.py ...` (a fresh port per run). toolkit: the local job that `fleet deploy train`
-runs on this machine: toolkit.plan.make_plan(local_inventory(2), ...) + toolkit.render, then `python -m
-toolkit.agent run --job-dir D` (scheduler, 2 workers, warm spare; default restart policy and timeouts).
+runs on this machine: toolkit.launcher.plan.make_plan(local_inventory(2), ...) + toolkit.launcher.render, then `python
+-m toolkit.agent run --job-dir D` (scheduler, 2 workers, warm spare; default restart policy and timeouts).
 
 Metrics (every rank's step lines are followed in its log file; a line's time is when the follower saw it, at most
 POLL late, the same for both launchers):

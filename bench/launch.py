@@ -29,8 +29,8 @@ import time
 import uuid
 from pathlib import Path
 
-from toolkit.inventory import load_ansible_inventory
-from toolkit.remote import SshSettings, Target, check_all, run_on_all
+from toolkit.launcher.inventory import load_ansible_inventory
+from toolkit.launcher.remote import SshSettings, Target, check_all, run_on_all
 from toolkit.testing.cluster import Cluster
 
 REPO = Path(__file__).resolve().parent.parent

@@ -49,7 +49,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from toolkit import envvars as E
+from toolkit.contracts import envvars as E
 from toolkit.testing.ports import free_port
 from toolkit.testing.simjob import SimJob, percentile
 

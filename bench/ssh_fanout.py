@@ -1,6 +1,6 @@
 """How SSH fan-out cost grows with the number of hosts: connect (TCP, key exchange, key auth, strict host-key
-check) and run one trivial command on 1, 4 and 16 namespace hosts through toolkit.remote.run_on_all. The goal is
-that 16 hosts cost about what 4 do (bounded parallelism), not 4x; a serial run is printed beside it.
+check) and run one trivial command on 1, 4 and 16 namespace hosts through toolkit.launcher.remote.run_on_all. The goal
+is that 16 hosts cost about what 4 do (bounded parallelism), not 4x; a serial run is printed beside it.
 
 Run as root: .venv/bin/python bench/ssh_fanout.py [--repeat N] [--hosts 1,4,16]
 """
@@ -13,7 +13,7 @@ import statistics
 import sys
 import time
 
-from toolkit.remote import SshSettings, Target, check_all, open_host, run_on_all
+from toolkit.launcher.remote import SshSettings, Target, check_all, open_host, run_on_all
 from toolkit.testing.cluster import Cluster
 
 

@@ -2,8 +2,8 @@
 """How long the progress watchdog takes to name a stuck rank, at a fast and a slow step, side by side.
 
 Why: the watchdog has no timeout to tune; its bound is max(STALL_FACTOR x the job's p99 step time, STALL_FLOOR)
-(toolkit.protocol.stall_bound: 10 x p99, at least 5 s). This measures what that gives in a real job, against the
-bound, for each step time. Not a test: it prints medians and ratios; docs/benchmarks.md has the results.
+(toolkit.contracts.protocol.stall_bound: 10 x p99, at least 5 s). This measures what that gives in a real job, against
+the bound, for each step time. Not a test: it prints medians and ratios; docs/benchmarks.md has the results.
 
     .venv/bin/python bench/stall_detection.py [--step-times 0.05,2] [--repeats 3] [--mode ported|report]
 

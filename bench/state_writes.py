@@ -26,8 +26,8 @@ from pathlib import Path
 from typing import Callable
 
 from toolkit import atomicfile
-from toolkit import protocol as P
 from toolkit.atomicfile import Durability
+from toolkit.contracts import protocol as P
 from toolkit.scheduler import state as S
 from toolkit.scheduler.membership import Membership
 

@@ -46,8 +46,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from toolkit import envvars as E
-from toolkit import protocol as P
+from toolkit.contracts import envvars as E
+from toolkit.contracts import protocol as P
 from toolkit.testing.ports import free_port_pair
 
 ROOT = Path(__file__).resolve().parents[1]

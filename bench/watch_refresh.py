@@ -22,10 +22,10 @@ from pathlib import Path
 
 from rich.console import Console
 
-from toolkit import jobrecord
-from toolkit.jobhosts.reach import record_ssh
-from toolkit.settings import CoreFlags
-from toolkit.tasks.watch import Pollers, render, watch_view
+from toolkit.contracts import jobrecord
+from toolkit.launcher.jobhosts.reach import record_ssh
+from toolkit.launcher.settings import CoreFlags
+from toolkit.launcher.tasks.watch import Pollers, render, watch_view
 from toolkit.testing.cluster import Cluster
 
 REPO = Path(__file__).resolve().parent.parent

@@ -22,9 +22,9 @@ from hypothesis import strategies as st
 
 from toolkit import agent as A
 from toolkit import procs
-from toolkit import protocol as P
 from toolkit.agent.commands import read_pid_file as running_agent_record
 from toolkit.agent.log import LOG_TAIL_LINES
+from toolkit.contracts import protocol as P
 from toolkit.errors import UserError
 from toolkit.testing.events import Events
 from toolkit.testing.ports import free_port

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from toolkit import protocol as P
 from toolkit.agent import policy
 from toolkit.agent.policy import FinishJob, GiveUp, Ignore, Kill, Relaunch, Settle, StopJob, Succeeded
-from toolkit.hostspec import RestartPolicy
+from toolkit.contracts import protocol as P
+from toolkit.contracts.hostspec import RestartPolicy
 
 RULES = RestartPolicy(max_restarts=3, backoff_base=1.0, backoff_max=30.0, healthy_reset=300.0)
 CRASH = policy.Exited(code=1, ran_for=2.0, progressed=False, counted=0, manual=False, closing=False,

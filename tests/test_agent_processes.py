@@ -10,14 +10,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from toolkit import envvars as E
-from toolkit import protocol as P
 from toolkit.agent.log import AgentLog
 from toolkit.agent.processes import Processes
 from toolkit.agent.spare import WarmSpare
 from toolkit.agent.timers import Timers
-from toolkit.agentdoc import AgentState
-from toolkit.hostspec import HostSpec, ProcSpec, RestartPolicy
+from toolkit.contracts import envvars as E
+from toolkit.contracts import protocol as P
+from toolkit.contracts.agentdoc import AgentState
+from toolkit.contracts.hostspec import HostSpec, ProcSpec, RestartPolicy
 from toolkit.testing.clock import FakeClock
 
 BOUND = 30.0  # s of real time a short process may take on a loaded machine

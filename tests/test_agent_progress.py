@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from toolkit import protocol as P
 from toolkit.agent import progressinbox
 from toolkit.agent.docwriter import PROGRESS_WRITE_INTERVAL, DocWriter
 from toolkit.agent.progressinbox import ProgressInbox, Report
 from toolkit.agent.timers import Timers
-from toolkit.agentdoc import AgentDoc, progress
+from toolkit.contracts import protocol as P
+from toolkit.contracts.agentdoc import AgentDoc, progress
 from toolkit.testing.clock import FakeClock
 
 

@@ -14,14 +14,14 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from toolkit import envvars as E
 from toolkit import procs
 from toolkit.agent.log import AgentLog
 from toolkit.agent.spare import WarmSpare
 from toolkit.agent.timers import Timers
 from toolkit.agent.warmspare import SPARE_DELAY, SPARE_MAX_FAILURES, Step, early_start, next_step
-from toolkit.agentdoc import WarmSpareDoc
-from toolkit.hostspec import HostSpec, ProcSpec, RestartPolicy
+from toolkit.contracts import envvars as E
+from toolkit.contracts.agentdoc import WarmSpareDoc
+from toolkit.contracts.hostspec import HostSpec, ProcSpec, RestartPolicy
 from toolkit.standby import OOM_FIRST, prefault_size, private_bytes
 from toolkit.testing.clock import FakeClock
 

@@ -1,5 +1,5 @@
-"""agent.json's one definition (toolkit.agentdoc): the agent's writer gives the bytes the dict literals it replaced
-gave, the reader gives back what was written, and a hostile file reads as one clear error or bounded fields."""
+"""agent.json's one definition (toolkit.contracts.agentdoc): the agent's writer gives the bytes the dict literals it
+replaced gave, the reader gives back what was written, and a hostile file reads as one clear error or bounded fields."""
 
 from __future__ import annotations
 
@@ -11,12 +11,12 @@ from typing import Any
 
 import pytest
 
-from toolkit import agentdoc
 from toolkit.agent import policy
 from toolkit.agent.log import AgentLog, iso
 from toolkit.agent.slots import Slot
 from toolkit.agent.supervisor import Agent
-from toolkit.agentdoc import (
+from toolkit.contracts import agentdoc
+from toolkit.contracts.agentdoc import (
     AgentDoc,
     AgentState,
     BadDocument,
@@ -28,7 +28,7 @@ from toolkit.agentdoc import (
     judge,
     recorded_groups,
 )
-from toolkit.hostspec import HostSpec, ProcSpec, RestartPolicy
+from toolkit.contracts.hostspec import HostSpec, ProcSpec, RestartPolicy
 from toolkit.procs import ExitStatus
 
 

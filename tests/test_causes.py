@@ -10,8 +10,8 @@ from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
-from toolkit import protocol as P
 from toolkit.agent import causes
+from toolkit.contracts import protocol as P
 from toolkit.procs import ExitStatus
 
 EXIT1, SEGV, KILL = ExitStatus(1, None), ExitStatus(None, signal.SIGSEGV), ExitStatus(None, signal.SIGKILL)

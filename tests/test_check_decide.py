@@ -1,4 +1,5 @@
-"""The check's decisions (toolkit.check.decide) and its probe's manifest, without hosts: facts in, problems out."""
+"""The check's decisions (toolkit.launcher.check.decide) and its probe's manifest, without hosts: facts in, problems
+out."""
 
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from toolkit.check import decide, probe
-from toolkit.check.decide import Problem
+from toolkit.launcher.check import decide, probe
+from toolkit.launcher.check.decide import Problem
 
 
 def test_the_majority_wins_and_a_tie_goes_to_the_scheduler() -> None:
@@ -187,10 +188,10 @@ def test_each_host_is_probed_under_a_workers_env_file_a_spare_under_its_standby_
     side crashed on it)."""
     import io
 
-    from toolkit.inventory import load_ansible_inventory
-    from toolkit.plan import JobOptions, make_plan
-    from toolkit.render import plan_json
-    from toolkit.tasks.check import Limits, facts_problems, main, probe_env_file
+    from toolkit.launcher.inventory import load_ansible_inventory
+    from toolkit.launcher.plan import JobOptions, make_plan
+    from toolkit.launcher.render import plan_json
+    from toolkit.launcher.tasks.check import Limits, facts_problems, main, probe_env_file
 
     assert probe_env_file(["sched", "worker_0", "worker_1"], []) == ("env/worker_0.env", True)
     assert probe_env_file([], ["worker_3", "worker_4"]) == ("env/worker_3.env", True)  # a spare

@@ -171,7 +171,7 @@ SCREEN = (50, 80)  # lines, columns: one screen of a terminal
 
 
 def test_fleet_help_is_toolkits_own_and_one_screen(project: Path) -> None:
-    from toolkit.cli import namespace
+    from toolkit.launcher.cli import namespace
 
     r = run("fleet", "--help", cwd=project)
     assert r.returncode == 0 and r.stderr == ""
@@ -189,7 +189,7 @@ def test_fleet_help_is_toolkits_own_and_one_screen(project: Path) -> None:
 
 def test_every_task_help_is_complete_and_one_screen(project: Path) -> None:
     """Each task's --help lists every flag the task accepts (from the parser's own tables), and fits a screen."""
-    from toolkit.cli import Fleet, namespace
+    from toolkit.launcher.cli import Fleet, namespace
 
     core = [f for f in Fleet(namespace=namespace()).initial_context.flags if f.startswith("--")]
     for ctx in namespace().to_contexts():

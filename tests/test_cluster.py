@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from toolkit.inventory import load_ansible_inventory
+from toolkit.launcher.inventory import load_ansible_inventory
 from toolkit.testing import waits
 from toolkit.testing.cluster import REGISTRY, Cluster, describe, exited
 

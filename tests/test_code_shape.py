@@ -91,10 +91,11 @@ def test_the_checks_find_what_they_look_for(tmp_path: Path, monkeypatch: pytest.
     package.mkdir()
     body = "\n".join(f"    x{i} = {i}" for i in range(MAX_FUNCTION_LINES))
     methods = "\n".join(f"    def m{i}(self):\n        pass" for i in range(MAX_METHODS + 1))
-    (package / "bad.py").write_text(f"from toolkit import envvars as E\nfrom toolkit.protocol import _secret\n\n"
+    (package / "bad.py").write_text(f"from toolkit import envvars as E\n"
+                                    f"from toolkit.contracts.protocol import _secret\n\n"
                                     f"def long():\n{body}\n\nclass Big:\n{methods}\n")
     monkeypatch.setattr(sys.modules[__name__], "TOOLKIT", package)
     assert [line.split()[-3:] for line in long_functions()] == [["long:", "61", "lines"]]
     assert [line.split()[-3:] for line in big_classes()] == [["Big:", "21", "methods"]]
-    assert [line.split(" ", 1)[1] for line in private_imports()] == ["from toolkit.protocol import _secret"]
+    assert [line.split(" ", 1)[1] for line in private_imports()] == ["from toolkit.contracts.protocol import _secret"]
     assert [line.split(" ", 1)[1] for line in one_letter_aliases()] == ["envvars as E"]

@@ -1,11 +1,14 @@
-"""The import graph of toolkit/ keeps its layers: the commands (toolkit/tasks) import the shared layer below them
-(toolkit/jobhosts, toolkit/check, ...), never one another, and no module imports itself back through others. Every
-import counts: those inside functions and under TYPE_CHECKING too."""
+"""The import graph of toolkit/ keeps its layers: the commands (toolkit/launcher/tasks) import the shared layer below
+them (toolkit/launcher/jobhosts, toolkit/launcher/check, ...), never one another, and no module imports itself back
+through others. Every import counts: those inside functions and under TYPE_CHECKING too."""
 
 from __future__ import annotations
 
 import ast
+import sys
 from pathlib import Path
+
+import pytest
 
 TOOLKIT = Path(__file__).resolve().parent.parent / "toolkit"
 
@@ -103,14 +106,67 @@ def test_the_cycle_finder_finds_one() -> None:
 
 
 def test_commands_import_no_other_command() -> None:
-    """A command module of toolkit/tasks imports only the layers below (toolkit.jobhosts and the rest), never
-    another module of toolkit/tasks; and nothing below imports a command."""
+    """A command module of toolkit/launcher/tasks imports only the layers below (toolkit.launcher.jobhosts and the
+    rest), never another module of toolkit/launcher/tasks; and nothing below imports a command."""
     graph = _graph()
-    commands = {name for name in graph if name.startswith("toolkit.tasks.")}
-    assert {"toolkit.tasks.start", "toolkit.tasks.status", "toolkit.tasks.run"} <= commands
+    commands = {name for name in graph if name.startswith("toolkit.launcher.tasks.")}
+    assert {"toolkit.launcher.tasks.start", "toolkit.launcher.tasks.status", "toolkit.launcher.tasks.run"} <= commands
     crossing = {name: sorted(graph[name] & commands) for name in sorted(commands) if graph[name] & commands}
     assert not crossing, f"commands importing commands: {crossing}"
-    above = {name: sorted(graph[name] & (commands | {"toolkit.tasks"})) for name in graph
-             if not name.startswith("toolkit.tasks") and name != "toolkit.cli"
-             and graph[name] & (commands | {"toolkit.tasks"})}
+    above = {name: sorted(graph[name] & (commands | {"toolkit.launcher.tasks"})) for name in graph
+             if not name.startswith("toolkit.launcher.tasks") and name != "toolkit.launcher.cli"
+             and graph[name] & (commands | {"toolkit.launcher.tasks"})}
     assert not above, f"modules below the commands importing them: {above}"
+
+
+# The house, bottom up: a module may import its own folder and the floors below it, never a floor above.
+# toolkit/testing is the tests' scaffolding and stands above everything; toolkit/__init__.py holds nothing.
+ROOT_HELPERS = {"toolkit.atomicfile", "toolkit.errors", "toolkit.freeports", "toolkit.memcgroup", "toolkit.netif",
+                "toolkit.printable", "toolkit.privatedir",
+                "toolkit.procs", "toolkit.standby"}
+FLOORS = [("root helpers", ROOT_HELPERS), ("contracts", "toolkit.contracts"),
+          ("processes", ("toolkit.agent", "toolkit.scheduler", "toolkit.train")), ("launcher", "toolkit.launcher"),
+          ("testing", "toolkit.testing")]
+
+
+def _floor(module: str) -> int:
+    for level, (_, members) in enumerate(FLOORS):
+        if isinstance(members, set):
+            if module in members:
+                return level
+        elif any(module == m or module.startswith(m + ".") for m in ([members] if isinstance(members, str)
+                                                                      else members)):
+            return level
+    raise AssertionError(f"{module} stands on no floor: add it to FLOORS in {__file__}")
+
+
+def _process(module: str) -> str | None:
+    return next((p for p in ("toolkit.agent", "toolkit.scheduler", "toolkit.train")
+                 if module == p or module.startswith(p + ".")), None)
+
+
+def test_the_walls_hold() -> None:
+    """agent, scheduler and train import only contracts and the root helpers (and themselves), never each other nor
+    the launcher; contracts import only root helpers; nothing imports a floor above its own."""
+    graph = _graph()
+    wrong = []
+    for module, targets in sorted(graph.items()):
+        if module == "toolkit":
+            continue
+        for target in sorted(targets - {"toolkit"}):
+            upward = _floor(target) > _floor(module)
+            sideways = _process(module) and _process(target) and _process(module) != _process(target)
+            if upward or sideways:
+                wrong.append(f"{module} -> {target}")
+    assert not wrong, "imports through a wall:\n" + "\n".join(wrong)
+
+
+def test_the_walls_test_can_fail(monkeypatch) -> None:
+    """A train module importing the launcher, and one importing the agent, are both found."""
+    fake = {"toolkit.train.x": {"toolkit.launcher.plan", "toolkit.agent.slots", "toolkit.contracts.protocol"},
+            "toolkit.launcher.plan": set(), "toolkit.agent.slots": set(), "toolkit.contracts.protocol": set()}
+    monkeypatch.setattr(sys.modules[__name__], "_graph", lambda: fake)
+    with pytest.raises(AssertionError, match="train.x -> toolkit.agent.slots") as caught:
+        test_the_walls_hold()
+    assert "toolkit.train.x -> toolkit.launcher.plan" in str(caught.value)
+    assert "protocol" not in str(caught.value)

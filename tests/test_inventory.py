@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from toolkit.inventory import (
+from toolkit.launcher.inventory import (
     InventoryError,
     load_ansible_inventory,
     load_hostfile,
@@ -183,7 +183,7 @@ def test_torch_still_loads_after_two_ansible_parses(tmp_path: Path) -> None:
     read an inventory must still be able to train (a fresh interpreter, since this one may have loaded torch)."""
     path = tmp_path / "hosts.ini"
     path.write_text("[workers]\nnode[1:2] slots=2\n")
-    code = ("import sys; from toolkit.inventory import load_ansible_inventory as load; "
+    code = ("import sys; from toolkit.launcher.inventory import load_ansible_inventory as load; "
             f"assert len(load({str(path)!r}).hosts) == len(load({str(path)!r}).hosts) == 2; "
             "import torch._dynamo; import torch; torch.optim.SGD([torch.zeros(1, requires_grad=True)]).step()")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

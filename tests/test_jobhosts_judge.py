@@ -1,15 +1,15 @@
-"""How `fleet` judges each host from what it read there (toolkit.jobhosts.judge): pure, so every rule is checked
-here on documents as the agent writes them (toolkit.agentdoc), without a host."""
+"""How `fleet` judges each host from what it read there (toolkit.launcher.jobhosts.judge): pure, so every rule is
+checked here on documents as the agent writes them (toolkit.contracts.agentdoc), without a host."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from toolkit.agentdoc import AgentDoc, judge
-from toolkit.jobhosts.judge import host_statuses
-from toolkit.jobhosts.view import OTHER_JOB
-from toolkit.jobrecord import HostRecord, JobRecord
-from toolkit.remote import HostResult
+from toolkit.contracts.agentdoc import AgentDoc, judge
+from toolkit.contracts.jobrecord import HostRecord, JobRecord
+from toolkit.launcher.jobhosts.judge import host_statuses
+from toolkit.launcher.jobhosts.view import OTHER_JOB
+from toolkit.launcher.remote import HostResult
 
 
 def _record(job_id: str = "") -> JobRecord:

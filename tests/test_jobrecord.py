@@ -1,4 +1,4 @@
-"""The job record's layout after spares took over (toolkit.jobrecord.JobRecord.with_takeovers): pure, driven
+"""The job record's layout after spares took over (toolkit.contracts.jobrecord.JobRecord.with_takeovers): pure, driven
 directly; `fleet status` applying it to real hosts is in tests/e2e/test_spares.py."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
-from toolkit import jobrecord
-from toolkit.jobrecord import HostRecord, JobRecord
+from toolkit.contracts import jobrecord
+from toolkit.contracts.jobrecord import HostRecord, JobRecord
 
 
 def record() -> JobRecord:

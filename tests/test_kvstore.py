@@ -9,7 +9,7 @@ import json
 import math
 from typing import Any
 
-from toolkit import protocol as P
+from toolkit.contracts import protocol as P
 from toolkit.scheduler import kvstore, transport
 from toolkit.scheduler.kvstore import KVStore, Reply
 

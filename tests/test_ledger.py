@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from toolkit import rundoc
+from toolkit.contracts import rundoc
 from toolkit.scheduler.journal import Journal
 from toolkit.scheduler.ledger import Ledger
 from toolkit.scheduler.membership import CAUSE_CLOSED, CAUSE_NOT_BACK, CAUSE_SILENCE, Note
@@ -370,7 +370,7 @@ def test_the_records_writes_stay_bounded_at_thousands_of_ranks(tmp_path: Path) -
 def test_a_corruption_report_is_an_incident_and_a_malformed_one_is_ignored() -> None:
     """The replica check's report (protocol `corruption`, toolkit.train.replicas): checked as a peer's input, then an
     incident dealt with at once whose redone steps count as recomputed; it survives a scheduler restart."""
-    from toolkit.protocol import corruption_fields
+    from toolkit.contracts.protocol import corruption_fields
 
     good = {"generation": 0, "step": 16, "since": 12, "ranks": [2], "hosts": ["h2\nEVIL"], "action": "healed"}
     assert corruption_fields(good, 4) == {**good, "hosts": ["h2"]}  # one line of a host name

@@ -17,7 +17,7 @@ from typing import Callable, Iterator
 import pytest
 from runtime_harness import PYTHON, Client, Job, Proc, job_factory
 
-from toolkit import protocol as P
+from toolkit.contracts import protocol as P
 from toolkit.scheduler import transport
 from toolkit.testing import waits
 

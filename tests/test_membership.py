@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from toolkit import protocol as P
+from toolkit.contracts import protocol as P
 from toolkit.scheduler import kvstore
 from toolkit.scheduler.membership import Close, DropKeys, Exit, Log, Membership, Note, Send, rank_of
 

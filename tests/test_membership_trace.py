@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from toolkit import protocol as P
+from toolkit.contracts import protocol as P
 from toolkit.scheduler import state as S
 from toolkit.scheduler.membership import Membership
 from toolkit.scheduler.roster import Roster, problems

@@ -25,17 +25,17 @@ from prometheus_client.parser import text_string_to_metric_families
 from promlite import Recording, evaluate, metric_names, parse, seconds
 from rich.console import Console
 
-from toolkit import rundoc
-from toolkit.jobhosts.tables import live_lines, progress_line
-from toolkit.jobrecord import HostRecord, JobRecord
-from toolkit.plan import JobOptions, PlanError
+from toolkit.contracts import rundoc
+from toolkit.contracts.jobrecord import HostRecord, JobRecord
+from toolkit.launcher.jobhosts.tables import live_lines, progress_line
+from toolkit.launcher.plan import JobOptions, PlanError
+from toolkit.launcher.tasks.watch import View, render
 from toolkit.scheduler.actions import Note, NoteKind
 from toolkit.scheduler.config import ConfigError
 from toolkit.scheduler.exposition import CAUSE_KINDS, MTTR_BUCKETS, JobCollector, cause_kind, take
 from toolkit.scheduler.journal import Journal
 from toolkit.scheduler.metrics import Endpoint, Exchange
 from toolkit.scheduler.roster import Roster
-from toolkit.tasks.watch import View, render
 from toolkit.testing.localjob import LocalJob
 from toolkit.testing.ports import free_port
 
@@ -331,8 +331,8 @@ def test_the_series_are_bounded_at_4096_ranks_and_causes_are_kinds_not_text() ->
 
 
 def test_run_and_join_print_the_progress_with_its_eta_every_so_often(capsys: pytest.CaptureFixture[str]) -> None:
-    from toolkit.jobhosts.follow import JOIN_PROGRESS_EVERY, _Watch
-    from toolkit.jobhosts.view import HostStatus
+    from toolkit.launcher.jobhosts.follow import JOIN_PROGRESS_EVERY, _Watch
+    from toolkit.launcher.jobhosts.view import HostStatus
 
     def polled(step: int) -> list[HostStatus]:
         live = {"progress": {"step": step, "total": 1000, "steps_per_s": 10.0}}

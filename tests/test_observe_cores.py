@@ -8,13 +8,13 @@ import warnings
 
 import pytest
 
-from toolkit import protocol as P
-from toolkit.agentdoc import AgentDoc
-from toolkit.jobhosts.tables import live_lines
-from toolkit.jobrecord import HostRecord, JobRecord
-from toolkit.remote import HostResult
+from toolkit.contracts import protocol as P
+from toolkit.contracts.agentdoc import AgentDoc
+from toolkit.contracts.jobrecord import HostRecord, JobRecord
+from toolkit.launcher.jobhosts.tables import live_lines
+from toolkit.launcher.remote import HostResult
+from toolkit.launcher.tasks.watch import SILENT_MIN, Answer, job_outcome, watch_view
 from toolkit.scheduler.stragglers import EVAL_INTERVAL, PERSIST, Cleared, Named, Stragglers
-from toolkit.tasks.watch import SILENT_MIN, Answer, job_outcome, watch_view
 from toolkit.train.interval import DEFAULT_PRIOR_MTBF, IntervalChooser, choose
 from toolkit.train.pace import SAMPLE_INTERVAL, WINDOW, StepPace
 

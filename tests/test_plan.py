@@ -4,10 +4,10 @@ from pathlib import Path
 
 import pytest
 
-from toolkit import envvars as E
-from toolkit.inventory import load_ansible_inventory, local_inventory, parse_hostfile_text, parse_hosts
-from toolkit.plan import JobOptions, PlanError, make_plan
-from toolkit.render import plan_json
+from toolkit.contracts import envvars as E
+from toolkit.launcher.inventory import load_ansible_inventory, local_inventory, parse_hostfile_text, parse_hosts
+from toolkit.launcher.plan import JobOptions, PlanError, make_plan
+from toolkit.launcher.render import plan_json
 
 WORKER_KEYS = {
     E.MS_ROLE, E.MS_SCHED_HOST, E.MS_SCHED_PORT, E.MS_WORKER_NUM, E.MS_NODE_ID, E.MS_TOPO_TIMEOUT, E.MS_NODE_TIMEOUT,

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from toolkit import protocol as P
+from toolkit.contracts import protocol as P
 
 fields = st.dictionaries(
     st.text(min_size=1, max_size=8).filter(lambda k: k != "op"),

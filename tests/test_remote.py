@@ -1,4 +1,4 @@
-"""toolkit.remote against real sshd on the namespace hosts (and LocalHost against this machine): strict host
+"""toolkit.launcher.remote against real sshd on the namespace hosts (and LocalHost against this machine): strict host
 keys, one-line errors per host, bounded waits on cut-off hosts, incremental sync, detaching, fan-out."""
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import pytest
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from toolkit.inventory import load_ansible_inventory
-from toolkit.remote import (
+from toolkit.launcher.inventory import load_ansible_inventory
+from toolkit.launcher.remote import (
     AuthenticationFailed,
     ChangedHostKey,
     ClusterError,
@@ -364,7 +364,7 @@ def test_proxyjump_goes_through_the_jump_host_and_checks_its_key_too(cluster: Cl
 
 
 def test_progress_reports_each_host_once(cluster: Cluster, targets: list[Target]) -> None:
-    from toolkit.remote import rich_progress
+    from toolkit.launcher.remote import rich_progress
 
     seen: list[str] = []
     lock = threading.Lock()
@@ -504,8 +504,8 @@ def test_cluster_error_lists_every_failed_host_earliest_first(
 
 def test_one_failure_shared_by_hosts_is_one_line() -> None:
     """One fact, one line: hosts that failed the same way are named together, a host's name is never doubled."""
-    from toolkit.remote import HostResult
-    from toolkit.remote.results import failure_lines
+    from toolkit.launcher.remote import HostResult
+    from toolkit.launcher.remote.results import failure_lines
 
     failures = [HostResult(h, False, error=f"{h}: /ckpt is writable by other users (mode 1777)", finished=t)
                 for t, h in enumerate(("a", "b", "c"))]
@@ -541,7 +541,7 @@ def test_bad_settings_are_one_line_user_errors(tmp_path: Path) -> None:
 
 def test_a_host_named_by_its_error_is_not_named_twice() -> None:
     from toolkit.errors import UserError
-    from toolkit.remote import SshSettings, Target, run_on_all
+    from toolkit.launcher.remote import SshSettings, Target, run_on_all
 
     def refuse(host: Any) -> None:
         raise UserError(f"{host.name}: checkpoint directory /x is writable by other users")

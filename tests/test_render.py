@@ -12,9 +12,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from toolkit.inventory import parse_hosts
-from toolkit.plan import JobOptions, Process, make_plan
-from toolkit.render import TEMPLATES, RenderError, render_env, render_host, write_files
+from toolkit.launcher.inventory import parse_hosts
+from toolkit.launcher.plan import JobOptions, Process, make_plan
+from toolkit.launcher.render import TEMPLATES, RenderError, render_env, render_host, write_files
 
 HOSTILE = [
     "plain",
@@ -131,8 +131,8 @@ def test_templates_pass_every_value_through_quote() -> None:
 
 
 def test_a_spare_host_gets_every_workers_env_file_and_a_standby_host_json(tmp_path: Path) -> None:
-    from toolkit import hostspec
-    from toolkit.inventory import load_ansible_inventory
+    from toolkit.contracts import hostspec
+    from toolkit.launcher.inventory import load_ansible_inventory
 
     inv = tmp_path / "inventory.ini"
     inv.write_text("[workers]\na slots=1\nb slots=1\n[spares]\ns\n")

@@ -1,5 +1,5 @@
-"""`fleet report`'s pure part (toolkit.report.report_data, the figure and the tables) on a hand-made ledger, and the
-task locally (no SSH) on documents placed where the scheduler writes them. The run with real faults is in
+"""`fleet report`'s pure part (toolkit.launcher.report.report_data, the figure and the tables) on a hand-made ledger,
+and the task locally (no SSH) on documents placed where the scheduler writes them. The run with real faults is in
 tests/e2e/test_ledger_report.py."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from typing import Any
 
 from rich.console import Console
 
-from toolkit import report as R
-from toolkit import rundoc
+from toolkit.contracts import rundoc
+from toolkit.launcher import report as R
 from toolkit.scheduler.ledger import Ledger
 from toolkit.scheduler.membership import CAUSE_CLOSED, CAUSE_SILENCE
 from toolkit.testing.ports import free_port_pair

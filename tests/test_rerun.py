@@ -161,8 +161,8 @@ def test_two_jobs_sharing_a_ckpt_dir_keep_apart_and_fresh_moves_only_its_own(pro
 def test_fresh_leaves_a_checkpoint_directory_another_jobs_key_id_names(tmp_path: Path) -> None:
     """ARCHIVE_SCRIPT as --fresh runs it on a host: a checkpoint directory whose key-id is another job's (two
     projects' jobs of one name given one --ckpt-dir) stays where it is, and the line says so; the job's own moves."""
-    from toolkit import ckptkey
-    from toolkit.jobhosts.scripts import ARCHIVE_SCRIPT
+    from toolkit.contracts import ckptkey
+    from toolkit.launcher.jobhosts.scripts import ARCHIVE_SCRIPT
 
     mine = ckptkey.key_id(ckptkey.job_key("ab" * 32))
     for owner, moved in ((ckptkey.key_id(ckptkey.job_key("cd" * 32)), False), (mine, True)):
@@ -196,7 +196,7 @@ def test_fresh_moves_nothing_aside_when_the_start_cannot_pass(project: Path, tmp
 
 
 def test_what_fresh_takes_for_a_checkpoint() -> None:
-    from toolkit.jobhosts.rerun import checkpoint_like
+    from toolkit.launcher.jobhosts.rerun import checkpoint_like
 
     for path in ("./checkpoints/last.pt", "./model.PTH", "./out/step_10.ckpt", "./my_ckpt/rank_0/state",
                  "./Checkpoints/epoch3/weights.safetensors", "./run/checkpoint_opt.pkl", "./ckpt/moments.npy"):
@@ -212,8 +212,8 @@ def test_fresh_leaves_environments_and_data_and_moves_odd_names_all_or_nothing(t
     data/tokens.npy, data/vocab.bin; and a directory name ending in a newline stopped the move half way. Real
     files, the host scripts run as on a host (this machine, LocalHost): the environment and the data stay, the
     odd name moves with the others, and a move that cannot complete puts back what it moved."""
-    from toolkit.jobhosts.rerun import MOVE_SCRIPT, written_files
-    from toolkit.remote import LocalHost
+    from toolkit.launcher.jobhosts.rerun import MOVE_SCRIPT, written_files
+    from toolkit.launcher.remote import LocalHost
 
     proj, since = tmp_path / "proj", tmp_path / "since"
     since.write_text("")

@@ -12,7 +12,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from toolkit import protocol as P
+from toolkit.contracts import protocol as P
 from toolkit.scheduler.membership import RUNNING, Membership
 from toolkit.scheduler.roster import Member, PeerRole, Roster, problems
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from toolkit import rundoc
+from toolkit.contracts import rundoc
 from toolkit.testing.simjob import SimJob
 from toolkit.testing.waits import wait_for
 

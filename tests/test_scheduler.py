@@ -26,8 +26,8 @@ from runtime_harness import (
     read_result,
 )
 
-from toolkit import protocol as P
 from toolkit import scheduler as S
+from toolkit.contracts import protocol as P
 from toolkit.scheduler import state as state_file
 
 pytestmark = pytest.mark.timeout(180)

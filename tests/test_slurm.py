@@ -16,12 +16,12 @@ from typing import Any
 
 import pytest
 
-from toolkit import envvars as E
+from toolkit.contracts import envvars as E
 from toolkit.errors import UserError
-from toolkit.inventory import InventoryError, parse_hosts
-from toolkit.plan import JobOptions, make_plan
-from toolkit.render import plan_json
-from toolkit.slurm import slurm_inventory
+from toolkit.launcher.inventory import InventoryError, parse_hosts
+from toolkit.launcher.plan import JobOptions, make_plan
+from toolkit.launcher.render import plan_json
+from toolkit.launcher.slurm import slurm_inventory
 from toolkit.testing import waits
 from toolkit.testing.cluster import Cluster, format_workload
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from toolkit import protocol as P
+from toolkit.contracts import protocol as P
 from toolkit.scheduler import state as S
 from toolkit.scheduler.membership import Membership
 

@@ -1,5 +1,6 @@
-"""The step file a worker shares with its agent (toolkit.stepfile): the agent makes it hold no step, the worker's
-writes are read back exactly (after the writer is gone), and neither side follows a link planted in its place."""
+"""The step file a worker shares with its agent (toolkit.contracts.stepfile): the agent makes it hold no step, the
+worker's writes are read back exactly (after the writer is gone), and neither side follows a link planted in its
+place."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from toolkit import stepfile
+from toolkit.contracts import stepfile
 
 
 def test_a_step_survives_the_writers_sigkill_and_links_are_never_followed(tmp_path: Path) -> None:

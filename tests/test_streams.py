@@ -9,7 +9,7 @@ import threading
 import pytest
 
 from toolkit.errors import UserError
-from toolkit.jobhosts.streams import Printer, RankFilter
+from toolkit.launcher.jobhosts.streams import Printer, RankFilter
 
 
 def test_a_full_printer_drops_and_counts_instead_of_holding_more(capsys: pytest.CaptureFixture[str]) -> None:

@@ -22,8 +22,8 @@ from typing import Any, Callable, Iterator
 
 import pytest
 
+from toolkit.launcher.remote import LocalHost
 from toolkit.procs import proc_info
-from toolkit.remote import LocalHost
 from toolkit.testing import waits
 from toolkit.testing.cluster import Cluster, ProcessInfo, describe, format_workload
 from toolkit.testing.ports import free_port_pair
@@ -583,7 +583,7 @@ def _children(pid: int) -> list[int]:
 
 
 def test_tail_output_is_split_by_file_and_keeps_blank_lines() -> None:
-    from toolkit.jobhosts.scripts import TailParser
+    from toolkit.launcher.jobhosts.scripts import TailParser
 
     got: list[tuple[str, str]] = []
     parse = TailParser({"/a.log": "h:worker:0", "/b.log": "h:worker:1"}, lambda p, line: got.append((p, line)))
@@ -650,8 +650,8 @@ def test_join_wakes_when_a_local_agent_exits_and_on_ctrl_c() -> None:
     at the end of the interval: with an interval of 10 minutes, only the event can end these waits in time."""
     import threading
 
-    from toolkit.jobhosts.follow import _sleep
-    from toolkit.jobhosts.output import interrupt_sets
+    from toolkit.launcher.jobhosts.follow import _sleep
+    from toolkit.launcher.jobhosts.output import interrupt_sets
 
     agent = subprocess.Popen(["sleep", "600"])
     threading.Timer(0.5, agent.kill).start()

@@ -10,10 +10,10 @@ from typing import Any
 
 import pytest
 
-from toolkit import protocol as P
 from toolkit.agent import policy
-from toolkit.jobhosts.tables import live_lines, process_note
-from toolkit.jobhosts.view import ProcStatus
+from toolkit.contracts import protocol as P
+from toolkit.launcher.jobhosts.tables import live_lines, process_note
+from toolkit.launcher.jobhosts.view import ProcStatus
 from toolkit.scheduler.actions import CAUSE_STUCK, Note, NoteKind, Send
 from toolkit.scheduler.journal import Journal
 from toolkit.scheduler.membership import Membership

@@ -9,8 +9,8 @@ is one that, resolved through any links,
   carry the sticky bit (as /tmp does: there others cannot rename or remove what is not theirs).
 
 This is OpenSSH's StrictModes rule for ~/.ssh, applied to the whole path. The job directory gets the same owner
-and mode check from deploy (toolkit.jobhosts.scripts.LAYOUT_SCRIPT); checkpoint directories get this one, from deploy
-(`python -m toolkit.privatedir DIR` on each host, standard library only: no torch import) and from every worker's
+and mode check from deploy (toolkit.launcher.jobhosts.scripts.LAYOUT_SCRIPT); checkpoint directories get this one, from
+deploy (`python -m toolkit.privatedir DIR` on each host, standard library only: no torch import) and from every worker's
 CheckpointManager at construction.
 """
 

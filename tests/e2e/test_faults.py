@@ -171,7 +171,7 @@ def test_checkpoint_storage_full_on_one_host(e2e: E2E) -> None:
         # Read where the host sees its tmpfs: every rank there still has intact checkpoints.
         verify = ("import json, sys; from pathlib import Path\n"
                   "from toolkit.train.checkpoint import CheckpointManager, Placement\n"
-                  "from toolkit.ckptkey import job_key\n"
+                  "from toolkit.contracts.ckptkey import job_key\n"
                   "root, key = Path(sys.argv[1]), job_key(Path(sys.argv[2]).read_text().strip())\n"
                   "found = {}\n"
                   "for d in sorted(root.glob('host_*')):\n"

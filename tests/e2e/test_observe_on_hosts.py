@@ -17,10 +17,10 @@ from typing import Any
 from fault_harness import E2E, SCRIPT_ARGS, Job
 from rich.console import Console
 
-from toolkit import jobrecord, rundoc
-from toolkit.jobhosts.reach import record_ssh
-from toolkit.settings import CoreFlags
-from toolkit.tasks.watch import watch_record
+from toolkit.contracts import jobrecord, rundoc
+from toolkit.launcher.jobhosts.reach import record_ssh
+from toolkit.launcher.settings import CoreFlags
+from toolkit.launcher.tasks.watch import watch_record
 
 RUN_ARGS = SCRIPT_ARGS.replace("--epochs 2", "--epochs 10")  # long enough to slow, kill, cut off and recover
 WATCH_EVERY = 0.5  # s between refreshes of the watch under test

@@ -16,7 +16,7 @@ import sys
 import threading
 from typing import Any
 
-from toolkit import protocol as P
+from toolkit.contracts import protocol as P
 from toolkit.train.channel import Channel
 
 HOLD = 120.0  # s at most a `generation` message is held back

@@ -21,8 +21,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping
 
-from toolkit import envvars as E
-from toolkit import protocol as P
+from toolkit.contracts import envvars as E
+from toolkit.contracts import protocol as P
 from toolkit.testing.ports import free_port_pair
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -21,7 +21,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from toolkit import ckptkey
+from toolkit.contracts import ckptkey
 from toolkit.train import checkpoint, ckptfile, ckptparts
 from toolkit.train.checkpoint import CheckpointError, CheckpointManager, Choice, CorruptCheckpoint, Placement, choose
 from toolkit.train.ckptfile import BadPart, PartName

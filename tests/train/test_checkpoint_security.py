@@ -25,7 +25,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from toolkit import atomicfile, ckptkey, privatedir
+from toolkit import atomicfile, privatedir
+from toolkit.contracts import ckptkey
 from toolkit.testing.stranger import AS_STRANGER
 from toolkit.train import ckptfile
 from toolkit.train.checkpoint import CheckpointError, CheckpointManager, Placement

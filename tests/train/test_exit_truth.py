@@ -30,8 +30,8 @@ from typing import Any
 import pytest
 from test_own_scripts import JOB_TIMEOUT, REPORTING, last_step, project, reporting_script, until
 
-from toolkit import rundoc
-from toolkit.ckptkey import job_key
+from toolkit.contracts import rundoc
+from toolkit.contracts.ckptkey import job_key
 from toolkit.testing.localjob import EXAMPLES, FLEET, FleetRun, clean_env
 from toolkit.train.checkpoint import CheckpointManager, Placement
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from toolkit import protocol as P
+from toolkit.contracts import protocol as P
 from toolkit.train import jobview as J
 from toolkit.train.jobview import ExitProcess, JobView, Retry, Say, Stop, TripFence
 
@@ -177,4 +177,4 @@ def test_the_core_is_pure() -> None:
     imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     imported |= {f"{n.module}.{a.name}" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names}
     assert {m.split(".")[0] for m in imported} <= {"__future__", "dataclasses", "typing", "toolkit"}, imported
-    assert {m for m in imported if m.startswith("toolkit")} == {"toolkit.protocol"}  # names and framing only
+    assert {m for m in imported if m.startswith("toolkit")} == {"toolkit.contracts.protocol"}  # names and framing only

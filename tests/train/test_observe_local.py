@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 import pytest
 
-from toolkit import rundoc
+from toolkit.contracts import rundoc
 from toolkit.testing.localjob import LocalJob
 
 WORLD = 3

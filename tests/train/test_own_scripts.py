@@ -186,7 +186,7 @@ def ported_run(tmp_path: Path, name: str) -> FleetRun:
 
 
 def final_model(run: FleetRun, world: int = 3) -> dict[str, torch.Tensor]:
-    from toolkit.ckptkey import job_key
+    from toolkit.contracts.ckptkey import job_key
     from toolkit.train.checkpoint import CheckpointManager, Placement
 
     (host,) = (run.dir / "ckpt").glob("host_*")  # the host's one copy, under the job's key (from its token)

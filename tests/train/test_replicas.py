@@ -11,9 +11,9 @@ import pytest
 import torch
 from torch import nn
 
-from toolkit.ckptkey import job_key
-from toolkit.plan import PlanError, make_plan
-from toolkit.settings import CoreFlags, resolve
+from toolkit.contracts.ckptkey import job_key
+from toolkit.launcher.plan import PlanError, make_plan
+from toolkit.launcher.settings import CoreFlags, resolve
 from toolkit.train import inject
 from toolkit.train.agreement import DIGEST, TrainingState, verified_load
 from toolkit.train.checkpoint import CheckpointManager, Placement

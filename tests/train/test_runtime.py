@@ -18,9 +18,9 @@ import pytest
 import torch.distributed as dist
 from runtime_harness import FakeAgent, Job, Proc, expected_weights, job_factory, read_result
 
-from toolkit import envvars as E
-from toolkit import protocol as P
-from toolkit import stepfile
+from toolkit.contracts import envvars as E
+from toolkit.contracts import protocol as P
+from toolkit.contracts import stepfile
 from toolkit.testing.localjob import clean_env
 from toolkit.testing.ports import free_port_pair
 from toolkit.train import faults

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from runtime_harness import ROOT, Job, Proc
 
-from toolkit import protocol as P
+from toolkit.contracts import protocol as P
 from toolkit.train import store as job_store
 
 pytestmark = pytest.mark.timeout(300)

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from toolkit.jobhosts.tables import live_lines
+from toolkit.launcher.jobhosts.tables import live_lines
 from toolkit.testing.localjob import LocalJob
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "stuck_worker.py"

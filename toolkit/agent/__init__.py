@@ -13,8 +13,8 @@
 - timers.py      the loop's deadlines
 - commands.py    the command line (run, start, stop, status, restart) and the client side of the sockets
 
-Its documents are defined in toolkit.hostspec (host.json, its input) and toolkit.agentdoc (agent.json, agent.pid,
-the control and progress sockets).
+Its documents are defined in toolkit.contracts.hostspec (host.json, its input) and toolkit.contracts.agentdoc
+(agent.json, agent.pid, the control and progress sockets).
 """
 
 from toolkit.agent.commands import (
@@ -33,8 +33,8 @@ from toolkit.agent.commands import (
     with_overrides,
 )
 from toolkit.agent.slots import cpu_sets
-from toolkit.hostspec import HostSpec, ProcSpec, RestartDecision, RestartPolicy
-from toolkit.hostspec import load as load_spec
+from toolkit.contracts.hostspec import HostSpec, ProcSpec, RestartDecision, RestartPolicy
+from toolkit.contracts.hostspec import load as load_spec
 
 __all__ = ["EXIT_FAILED", "EXIT_OK", "EXIT_STOPPED", "EXIT_USAGE", "HostSpec", "ProcSpec", "RestartDecision",
            "RestartPolicy", "cpu_sets", "load_spec", "main", "request", "restart", "run", "running_agent", "start",

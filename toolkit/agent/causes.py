@@ -23,7 +23,7 @@ import signal
 import stat
 from pathlib import Path
 
-from toolkit import protocol
+from toolkit.contracts import protocol
 from toolkit.procs import ExitStatus
 
 MAX_ERROR_FILE = 256 << 10  # bytes read of an error file (a traceback is in it); the rest is ignored

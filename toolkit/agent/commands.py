@@ -27,7 +27,7 @@ import socket
 import sys
 from typing import Any, Callable
 
-from toolkit import hostspec, procs, protocol
+from toolkit import procs
 from toolkit.agent import policy
 from toolkit.agent.control import CLIENT_TIMEOUT
 from toolkit.agent.link import LINK_CONNECT_TIMEOUT
@@ -39,7 +39,8 @@ from toolkit.agent.supervisor import (
     EXIT_USAGE,
     Agent,
 )
-from toolkit.agentdoc import (
+from toolkit.contracts import hostspec, protocol
+from toolkit.contracts.agentdoc import (
     EXIT_OTHER_JOB,
     VERSION,
     AgentDoc,
@@ -49,10 +50,10 @@ from toolkit.agentdoc import (
     pid_record,
     recorded_groups,
 )
+from toolkit.contracts.hostspec import HostSpec
+from toolkit.contracts.session import Unproven, open_session
 from toolkit.errors import UserError
-from toolkit.hostspec import HostSpec
 from toolkit.printable import clean
-from toolkit.session import Unproven, open_session
 
 START_TIMEOUT = 30.0  # s for a detached agent to say it is up
 STOP_MARGIN = 10.0  # s beyond the grace period that `stop` waits for the agent to finish stopping
@@ -75,8 +76,8 @@ def _lock(spec: HostSpec) -> int | None:
 
 
 def read_pid_file(spec: HostSpec) -> tuple[int, int] | None:
-    """(pid, start ticks) from the pid file (toolkit.agentdoc.pid_record); None if it is missing or not in that
-    form."""
+    """(pid, start ticks) from the pid file (toolkit.contracts.agentdoc.pid_record); None if it is missing or not in
+    that form."""
     try:
         return pid_record(spec.pid_file.read_text())
     except OSError:
@@ -208,7 +209,7 @@ def request(spec: HostSpec, msg: dict, timeout: float = CLIENT_TIMEOUT) -> dict:
 
 
 def status(spec: HostSpec) -> dict[str, Any]:
-    """agent.json as the running agent says it, else as it left it, judged by toolkit.agentdoc's rule (a
+    """agent.json as the running agent says it, else as it left it, judged by toolkit.contracts.agentdoc's rule (a
     recorded agent that no longer runs is `gone`), as JSON has it (AgentDoc.to_dict)."""
     rec = running_agent(spec)
     if rec is not None:
@@ -343,9 +344,9 @@ REPLACE_TIMEOUT = 10.0  # s for the scheduler to answer a replace request
 
 def replace(spec: HostSpec, host: str, spare: str | None) -> int:
     """Ask the job's scheduler (host.json's address, the job token) to hand `host`'s ranks to `spare` (or to the first
-    free spare): an authenticated `replace` connection (toolkit.session), bounded by REPLACE_TIMEOUT. Prints the
-    answer: what moved where (EXIT_OK), or the scheduler's reason for refusing (EXIT_FAILED); a scheduler that cannot be
-    reached or proven is a UserError naming its address."""
+    free spare): an authenticated `replace` connection (toolkit.contracts.session), bounded by REPLACE_TIMEOUT. Prints
+    the answer: what moved where (EXIT_OK), or the scheduler's reason for refusing (EXIT_FAILED); a scheduler that
+    cannot be reached or proven is a UserError naming its address."""
     where = f"{spec.sched_host}:{spec.sched_port}"
     try:
         token = spec.token_file.read_text(encoding="utf-8").strip()

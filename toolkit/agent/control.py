@@ -1,6 +1,6 @@
 """The agent's control socket (state/agent.sock): a unix stream socket, mode 0600 (whoever can talk to it can stop
-the job), one JSON request line per connection and one JSON reply line (toolkit.agentdoc.ControlOp). What a request
-means is the agent's business (`handle`); this module only keeps the conversations bounded.
+the job), one JSON request line per connection and one JSON reply line (toolkit.contracts.agentdoc.ControlOp). What a
+request means is the agent's business (`handle`); this module only keeps the conversations bounded.
 
 Every client is hostile until proved otherwise: at most MAX_CONTROL_CLIENTS connections are open at once (more are
 closed unanswered), each has CLIENT_TIMEOUT to send its request (a deadline on the loop's timers, so a silent one

@@ -1,5 +1,5 @@
-"""When the agent rewrites agent.json (toolkit.agentdoc): at once on every change of state, and for progress alone
-at most once per PROGRESS_WRITE_INTERVAL (workers may report many steps a second; a reader polling the file needs
+"""When the agent rewrites agent.json (toolkit.contracts.agentdoc): at once on every change of state, and for progress
+alone at most once per PROGRESS_WRITE_INTERVAL (workers may report many steps a second; a reader polling the file needs
 at most one version a second). A write for a change of state carries the pending progress with it.
 
 Each write is atomicfile.write with VISIBLE durability: a reader sees the old or the new document, never a mix.
@@ -12,13 +12,13 @@ from typing import Callable
 
 from toolkit import atomicfile
 from toolkit.agent.timers import Timer, Timers
-from toolkit.agentdoc import AgentDoc
+from toolkit.contracts.agentdoc import AgentDoc
 
 PROGRESS_WRITE_INTERVAL = 1.0  # s: agent.json is rewritten for progress at most this often
 
 
 class DocWriter:
-    """Writes `build()` (the document, a toolkit.agentdoc.AgentDoc, as its to_json) to `path`, on the loop's
+    """Writes `build()` (the document, a toolkit.contracts.agentdoc.AgentDoc, as its to_json) to `path`, on the loop's
     `timers` and their clock. Loop thread only."""
 
     def __init__(self, path: Path, timers: Timers, build: Callable[[], AgentDoc],

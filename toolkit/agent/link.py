@@ -1,4 +1,4 @@
-"""The agent's one connection to the scheduler (toolkit.protocol): hello, then heartbeats and the `exited` and
+"""The agent's one connection to the scheduler (toolkit.contracts.protocol): hello, then heartbeats and the `exited` and
 `gave_up` reports out, `kill`, `stop`, `finished` and (to a spare) `takeover` in. Driven by the supervisor's
 selector: never blocks its loop."""
 
@@ -11,12 +11,12 @@ import socket
 import time
 from typing import Any, Callable
 
-from toolkit import envvars, protocol
 from toolkit.agent.log import AgentLog
 from toolkit.agent.timers import Timer, Timers
-from toolkit.agentdoc import LinkState
-from toolkit.hostspec import HostSpec
-from toolkit.session import Unproven, open_session
+from toolkit.contracts import envvars, protocol
+from toolkit.contracts.agentdoc import LinkState
+from toolkit.contracts.hostspec import HostSpec
+from toolkit.contracts.session import Unproven, open_session
 
 LINK_RETRY_INTERVAL = 1.0  # s between attempts to reach the scheduler while it is down
 LINK_REJECTED_RETRY = 10.0  # s before trying again after the scheduler rejected us (e.g. a token being re-deployed)
@@ -33,7 +33,8 @@ class SchedulerLink:
     is tried every LINK_RETRY_INTERVAL.
 
     States: down -> connecting (TCP) -> hello (the server's challenge answered, its proof awaited) -> up. Nothing
-    the scheduler says is acted on, and no report is sent, before it proved the job token (toolkit.protocol)."""
+    the scheduler says is acted on, and no report is sent, before it proved the job token
+    (toolkit.contracts.protocol)."""
 
     def __init__(self, spec: HostSpec, sel: selectors.BaseSelector, timers: Timers, log: AgentLog,
                  on_message: Callable[[dict[str, Any]], None], on_change: Callable[[], None],
@@ -257,9 +258,9 @@ class SchedulerLink:
         """At exit: deliver what is queued within `timeout`, connecting if needed; True if nothing is left.
 
         Blocking: called by Agent._shutdown only, after the loop. Marks the link closed, so no reconnect follows.
-        Without a live link it opens a fresh authenticated session (toolkit.session.open_session: the scheduler must
-        prove the token and welcome the agent), then sends everything in one sendall bounded by what is left of
-        `timeout`. False on any failure: unreachable, rejected, unproven, timed out."""
+        Without a live link it opens a fresh authenticated session (toolkit.contracts.session.open_session: the
+        scheduler must prove the token and welcome the agent), then sends everything in one sendall bounded by what is
+        left of `timeout`. False on any failure: unreachable, rejected, unproven, timed out."""
         self.closed = True
         if self.retry:
             self.retry.cancel()

@@ -21,9 +21,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Collection, Mapping, Sequence
 
-from toolkit import protocol
-from toolkit.agentdoc import ProcState
-from toolkit.hostspec import RestartPolicy
+from toolkit.contracts import protocol
+from toolkit.contracts.agentdoc import ProcState
+from toolkit.contracts.hostspec import RestartPolicy
 
 
 @dataclass(frozen=True)
@@ -39,7 +39,7 @@ class Exited:
     finishing: bool  # ... because the job finished: once nothing runs, the agent is done
     others_running: bool  # another process of this host still runs
     others_succeeded: bool  # every other process of this host has exited 0
-    reached: int | None = None  # the last step this incarnation completed (toolkit.stepfile), None: it reported none
+    reached: int | None = None  # the last step this incarnation completed (contracts.stepfile); None: none
     failed_at: int | None = None  # the furthest step this count's failures reached (None: none, or no step)
     said_done: bool = False  # this incarnation told the scheduler it finished training
 

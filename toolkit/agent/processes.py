@@ -19,14 +19,15 @@ import subprocess
 import time
 from typing import Callable
 
-from toolkit import envvars, memcgroup, procs, protocol
+from toolkit import memcgroup, procs
 from toolkit.agent import causes, openfiles, policy
 from toolkit.agent.log import AgentLog, iso, log_tail
 from toolkit.agent.slots import EXIT_HISTORY, Slot, cpu_sets
 from toolkit.agent.spare import WarmSpare
 from toolkit.agent.timers import Timers
-from toolkit.agentdoc import AgentState, ExitRecord, Failure, ProcState
-from toolkit.hostspec import HostSpec, ProcSpec
+from toolkit.contracts import envvars, protocol
+from toolkit.contracts.agentdoc import AgentState, ExitRecord, Failure, ProcState
+from toolkit.contracts.hostspec import HostSpec, ProcSpec
 from toolkit.procs import Child, ExitStatus, LaunchSpec
 
 DUMP_WAIT = 1.0  # s from a stuck worker's STACKS_SIGNAL to its SIGKILL: faulthandler writes in the handler itself

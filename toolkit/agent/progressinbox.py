@@ -1,5 +1,5 @@
 """The agent's progress socket (state/progress.sock): a unix datagram socket, mode 0600, where the workers say how
-far they got (toolkit.agentdoc.progress: node_id, step, epoch, recovery). Not to be confused with
+far they got (toolkit.contracts.agentdoc.progress: node_id, step, epoch, recovery). Not to be confused with
 toolkit.train.progress and scriptreport (toolkit.train.report), which send a script's own progress to the scheduler.
 
 Every datagram is hostile until parsed: one that is not a JSON object with a string `node_id` is dropped, and a field
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from toolkit import protocol
+from toolkit.contracts import protocol
 
 READS_PER_WAKE = 256  # datagrams read per wake-up of the loop
 MAX_DATAGRAM = 4096  # bytes of one datagram read (the rest of a longer one is discarded by the kernel)

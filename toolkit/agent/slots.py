@@ -11,14 +11,15 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Iterable
 
-from toolkit import procs, standby, stepfile
+from toolkit import procs, standby
 from toolkit.agent import openfiles, policy
 from toolkit.agent.log import iso
 from toolkit.agent.progressinbox import Report
 from toolkit.agent.timers import Timer
-from toolkit.agentdoc import ExitRecord, ProcDoc, ProcState
+from toolkit.contracts import stepfile
+from toolkit.contracts.agentdoc import ExitRecord, ProcDoc, ProcState
+from toolkit.contracts.hostspec import ProcSpec, RestartPolicy
 from toolkit.errors import UserError
-from toolkit.hostspec import ProcSpec, RestartPolicy
 from toolkit.procs import Child
 
 EXIT_HISTORY = 10  # exits (and pids) kept per process for agent.json
@@ -64,7 +65,7 @@ class Slot:
     def __init__(self, spec: ProcSpec, cpus: frozenset[int] | None, step_file: Path | None = None) -> None:
         self.spec = spec
         self.cpus = cpus
-        self.step_file = step_file if spec.is_worker else None  # toolkit.stepfile: the step of a death, exactly
+        self.step_file = step_file if spec.is_worker else None  # contracts.stepfile: a death's step, exactly
         self.child: Child | None = None
         self.state: ProcState = ProcState.PENDING
         self.launches = 0
@@ -147,8 +148,8 @@ class Slot:
     def document(self, policy: RestartPolicy) -> ProcDoc:
         """This process's entry in agent.json's `processes`; no I/O. `pid`, `pgid` and `start_ticks` name the running
         incarnation (None between incarnations), `last_pid` and `last_start_ticks` the latest one, running or not:
-        `stop` and the next agent find leftover groups from these (toolkit.agentdoc.recorded_groups), so a group is
-        always recorded with its leader's start time."""
+        `stop` and the next agent find leftover groups from these (toolkit.contracts.agentdoc.recorded_groups), so a
+        group is always recorded with its leader's start time."""
         c = self.child
         return ProcDoc(
             node_id=self.spec.node_id, role=self.spec.role, rank=self.spec.rank,

@@ -24,8 +24,8 @@ from toolkit.agent.control import CLIENT_TIMEOUT
 from toolkit.agent.log import AgentLog, iso, log_tail
 from toolkit.agent.timers import Timer, Timers
 from toolkit.agent.warmspare import SPARE_DELAY, SPARE_MAX_FAILURES, Step
-from toolkit.agentdoc import WarmSpareDoc
-from toolkit.hostspec import HostSpec, ProcSpec
+from toolkit.contracts.agentdoc import WarmSpareDoc
+from toolkit.contracts.hostspec import HostSpec, ProcSpec
 from toolkit.procs import Child, LaunchSpec
 
 

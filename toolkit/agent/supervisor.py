@@ -9,8 +9,8 @@ scheduler link, signals (through the wakeup fd) and timers.
 This module is the loop, the agent's life (setup, signals, the first `_finish`, the shutdown order) and the
 dispatch of the scheduler's messages and the control requests. Each concern lives in its own module: the processes'
 launches, exits and relaunches in processes.py (what to do is decided in policy.py), the warm spare in spare.py, the
-sockets' conversations in control.py and progressinbox.py, and when agent.json (toolkit.agentdoc) is rewritten in
-docwriter.py: at once on every change of state, at most once per PROGRESS_WRITE_INTERVAL for progress.
+sockets' conversations in control.py and progressinbox.py, and when agent.json (toolkit.contracts.agentdoc) is rewritten
+in docwriter.py: at once on every change of state, at most once per PROGRESS_WRITE_INTERVAL for progress.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import sys
 import time
 from typing import Any, Callable
 
-from toolkit import agentdoc, atomicfile, envvars, netif, procs, protocol
+from toolkit import atomicfile, netif, procs
 from toolkit.agent import openfiles, policy
 from toolkit.agent.control import ControlServer
 from toolkit.agent.docwriter import DocWriter
@@ -35,8 +35,9 @@ from toolkit.agent.progressinbox import ProgressInbox, Report
 from toolkit.agent.slots import cold_launches, largest_worker_memory, running
 from toolkit.agent.spare import WarmSpare
 from toolkit.agent.timers import Timer, Timers
-from toolkit.agentdoc import AgentDoc, AgentState, ControlOp, ProcState, Takeover, recorded_groups
-from toolkit.hostspec import HostSpec
+from toolkit.contracts import agentdoc, envvars, protocol
+from toolkit.contracts.agentdoc import AgentDoc, AgentState, ControlOp, ProcState, Takeover, recorded_groups
+from toolkit.contracts.hostspec import HostSpec
 
 REPORT_FLUSH_TIMEOUT = 3.0  # s to deliver the last reports (gave_up) before exiting
 IDLE_WAKE = 30.0  # s: the loop wakes at least this often (nothing depends on it; it bounds every select)
@@ -405,7 +406,7 @@ class Agent:
 
     def document(self) -> AgentDoc:
         """The agent.json document, also the control socket's `status` reply (as its to_dict). No I/O; its fields are
-        toolkit.agentdoc.AgentDoc's (commands.status adds `alive`)."""
+        toolkit.contracts.agentdoc.AgentDoc's (commands.status adds `alive`)."""
         return AgentDoc(
             version=agentdoc.VERSION, job=self.spec.job, host=self.spec.host,
             job_dir=str(self.spec.job_dir), job_id=self.spec.job_id,

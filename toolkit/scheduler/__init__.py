@@ -23,7 +23,7 @@ import signal
 import stat
 import sys
 
-from toolkit import envvars
+from toolkit.contracts import envvars
 from toolkit.scheduler.config import TOOLKIT_EXPECTED, Config, ConfigError
 from toolkit.scheduler.membership import EXIT_FAILED, EXIT_FORMATION, EXIT_OK, Membership, rank_of
 from toolkit.scheduler.server import Server

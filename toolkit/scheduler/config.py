@@ -10,7 +10,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Mapping
 
-from toolkit import envvars
+from toolkit.contracts import envvars
 from toolkit.errors import UserError
 
 TOOLKIT_EXPECTED = envvars.TOOLKIT_EXPECTED
@@ -49,7 +49,8 @@ class Config:
         MS_SCHED); a port outside 1-65535, or MASTER_PORT equal to MS_SCHED_PORT; MS_WORKER_NUM unset or below 1;
         timeouts not positive and finite; recovery on without MS_RECOVERY_PATH; a token file unset, unreadable or
         empty; an expected-hosts file that is not a JSON object of strings. Defaults: MS_SCHED_PORT and the
-        timeouts from toolkit.envvars, MASTER_PORT that port plus 1, job "job", host 127.0.0.1, recovery off."""
+        timeouts from toolkit.contracts.envvars, MASTER_PORT that port plus 1, job "job", host 127.0.0.1, recovery
+        off."""
         role = env.get(envvars.MS_ROLE, envvars.ROLE_SCHED)
         if role != envvars.ROLE_SCHED:
             raise ConfigError(f"{envvars.MS_ROLE}={role}: the scheduler runs where "

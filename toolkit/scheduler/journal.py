@@ -1,6 +1,6 @@
 """The scheduler's record of a run for its operator: it feeds the membership's Notes to the goodput ledger
 (toolkit.scheduler.ledger) and the straggler tracking (toolkit.scheduler.stragglers), and writes the documents of
-toolkit.rundoc (live.json, ledger.json, metrics.jsonl) into the recovery directory.
+toolkit.contracts.rundoc (live.json, ledger.json, metrics.jsonl) into the recovery directory.
 
 The server calls `note` for each Note and `tick` on every pass of its loop (`next_deadline` says when the next
 write or evaluation is due, so its select() never polls). Writes are bounded in frequency (named intervals below)
@@ -21,7 +21,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from toolkit import atomicfile, protocol, rundoc
+from toolkit import atomicfile
+from toolkit.contracts import protocol, rundoc
 from toolkit.scheduler.actions import Log, Note, NoteKind
 from toolkit.scheduler.ledger import Ledger
 from toolkit.scheduler.state import JobStatus
@@ -194,7 +195,7 @@ class Journal:
     # -- documents
 
     def live(self, now: float, wall: float) -> dict[str, Any]:
-        """live.json's document (toolkit.rundoc)."""
+        """live.json's document (toolkit.contracts.rundoc)."""
         ranks = {}
         stalled_for = self.stalled_for(now)
         for r, fig in sorted(self.stragglers.ranks.items()):

@@ -3,8 +3,8 @@ sockets, no clock of its own; the server hands it requests and the time, and del
 
 Why not torch's TCPStore: it listens on every interface whatever address it is given, has no authentication
 (anyone who can reach the port can read, write and delete keys) and no bound on memory. This store is reached
-only through the scheduler's authenticated connections (toolkit.protocol), bounded in keys, bytes and value size
-(`bounds`: from the job's size), and forgets a generation's keys once the job has moved past it.
+only through the scheduler's authenticated connections (toolkit.contracts.protocol), bounded in keys, bytes and value
+size (`bounds`: from the job's size), and forgets a generation's keys once the job has moved past it.
 
 Requests (`kv` messages; keys are strings, values base64 on the wire and here):
 
@@ -44,7 +44,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from toolkit import protocol
+from toolkit.contracts import protocol
 
 MAX_KEYS = 1 << 16  # the least a store holds, whatever the job's size
 MAX_BYTES = 64 << 20  # keys and values together, the least

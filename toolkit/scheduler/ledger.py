@@ -26,7 +26,7 @@ Straggler episodes and the checkpoint intervals workers chose are kept alongside
 
 Pure: facts come in with the time (wall-clock seconds, since the ledger outlives the scheduler process: it is
 persisted by toolkit.scheduler.journal and read back after a scheduler restart); nothing here does I/O.
-The document's fields are defined by `to_json`; toolkit.rundoc reads it for `fleet report`.
+The document's fields are defined by `to_json`; toolkit.contracts.rundoc reads it for `fleet report`.
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Mapping
 
-from toolkit.protocol import RECOVERY_IN_PLACE, RECOVERY_RESTART, worker_node_id
-from toolkit.rundoc import LEDGER_VERSION as VERSION
+from toolkit.contracts.protocol import RECOVERY_IN_PLACE, RECOVERY_RESTART, worker_node_id
+from toolkit.contracts.rundoc import LEDGER_VERSION as VERSION
 from toolkit.scheduler.actions import CAUSE_CLOSED, CAUSE_NOT_BACK, CAUSE_SILENCE, NoteKind
 from toolkit.scheduler.state import JobStatus
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from toolkit import envvars, protocol
+from toolkit.contracts import envvars, protocol
 from toolkit.scheduler.actions import CAUSE_CLOSED, Action, Log, Send
 from toolkit.scheduler.roster import Member, Roster, rank_of
 

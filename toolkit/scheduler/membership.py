@@ -36,7 +36,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-from toolkit import envvars, protocol
+from toolkit.contracts import envvars, protocol
 from toolkit.scheduler.actions import (  # also re-exported
     CAUSE_CLOSED,
     CAUSE_NOT_BACK,

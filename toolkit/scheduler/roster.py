@@ -21,7 +21,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
-from toolkit import protocol
+from toolkit.contracts import protocol
 
 
 def rank_of(node_id: str) -> int | None:
@@ -62,9 +62,9 @@ class PeerRole(str, enum.Enum):
 class Member:
     """The live incarnation that holds a rank.
 
-    `incarnation` is random per process (toolkit.protocol); `last_seen` is when it last registered or sent anything
-    on its current connection (for a restored member: when the server started listening); `peer` is None only for a
-    restored member that has not reconnected yet; `step` is its last heartbeat's. Only `to_json`'s fields are
+    `incarnation` is random per process (toolkit.contracts.protocol); `last_seen` is when it last registered or sent
+    anything on its current connection (for a restored member: when the server started listening); `peer` is None only
+    for a restored member that has not reconnected yet; `step` is its last heartbeat's. Only `to_json`'s fields are
     persisted."""
 
     rank: int

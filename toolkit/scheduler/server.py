@@ -1,11 +1,11 @@
 """The scheduler's server: two listeners on MS_SCHED_HOST, one thread, one selector.
 
-- MS_SCHED_PORT: the control server (toolkit.protocol), through which workers register and heartbeat and agents
-  report exits. What to do about each message is decided by `Membership`; this module only carries messages.
+- MS_SCHED_PORT: the control server (toolkit.contracts.protocol), through which workers register and heartbeat and
+  agents report exits. What to do about each message is decided by `Membership`; this module only carries messages.
 - MASTER_PORT: the job's store (`KVStore`), which process groups bootstrap from.
 
-Every connection is hostile until it proves the job token (toolkit.protocol's challenge-response, checked here in
-`_hello`), and bounded before and after by the connection table (toolkit.scheduler.transport: the pre-authentication
+Every connection is hostile until it proves the job token (toolkit.contracts.protocol's challenge-response, checked here
+in `_hello`), and bounded before and after by the connection table (toolkit.scheduler.transport: the pre-authentication
 deadline and table, line and output limits, accept batches, a pause of the listeners when the process runs out of
 file descriptors). The server owns the loop, the signals, the deadlines, the actions and the persisted state.
 """
@@ -23,7 +23,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from toolkit import envvars, procs, protocol
+from toolkit import procs
+from toolkit.contracts import envvars, protocol
 from toolkit.printable import clean
 from toolkit.scheduler import exposition, state
 from toolkit.scheduler.actions import Close, DropKeys, Exit, Log, Note, Send

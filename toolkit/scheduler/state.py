@@ -21,12 +21,11 @@ contains (a crash between the two rewrites) or one of a base moved away: it is i
 write. A last line without its newline is a write a crash cut short: never acknowledged, so nothing that depended
 on it was sent; it is ignored. Anything else malformed is refused, in one line naming the file and what to do.
 
-`job` and `world_size` never change in a run: `toolkit.jobhosts.rerun` reads them from the base alone.
+`job` and `world_size` never change in a run: `toolkit.launcher.jobhosts.rerun` reads them from the base alone.
 """
 
 from __future__ import annotations
 
-import enum
 import json
 import math
 import os
@@ -36,10 +35,10 @@ from typing import Any, Callable, Mapping, Protocol
 
 from toolkit import atomicfile
 from toolkit.atomicfile import Durability
+from toolkit.contracts.rundoc import STATE_FILE, JobStatus
 from toolkit.errors import UserError
 from toolkit.scheduler.roster import Fact, Roster
 
-STATE_FILE = "scheduler.json"
 JOURNAL_FILE = "scheduler.journal"
 VERSION = 2
 READABLE = (1, VERSION)  # version 1: the whole document alone (toolkit before the journal), read as a base
@@ -47,18 +46,6 @@ SCALARS = ("job", "world_size", "status", "failure", "generation", "formed")
 MAX_FILE_BYTES = 64 << 20  # per file; the base is 0.65 MB at 4096 ranks, the journal at most about as much
 JOURNAL_FLOOR = 64 << 10  # bytes the journal may always grow to before a compaction
 JOURNAL_RATIO = 1.0  # ... and the multiple of the base's size
-
-
-class JobStatus(str, enum.Enum):
-    """The job's state in the document (`status`); a member prints, formats and serializes as its value."""
-
-    RUNNING = "running"
-    FINISHED = "finished"
-    FAILED = "failed"
-    STOPPED = "stopped"  # the ledger's outcome when its operator stopped the scheduler
-
-    __str__ = str.__str__
-    __format__ = str.__format__
 
 
 class StateError(UserError):

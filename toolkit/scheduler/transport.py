@@ -24,7 +24,7 @@ import socket
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from toolkit import protocol
+from toolkit.contracts import protocol
 from toolkit.printable import clean
 from toolkit.scheduler.admission import Admission
 

@@ -33,7 +33,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
-from toolkit import protocol
+from toolkit.contracts import protocol
 
 OUTSIDE_BEATS = 2  # heartbeats in a row a rank must say it is outside any collective before it can be blamed
 SILENT_BEATS = 3  # heartbeat intervals without one: the rank cannot say where it is (a call holding its GIL)

@@ -13,10 +13,10 @@ import sys
 from pathlib import Path
 from typing import Any, Mapping
 
-from toolkit.agentdoc import AgentDoc, BadDocument
-from toolkit.inventory import local_inventory
-from toolkit.plan import JobOptions, make_plan
-from toolkit.render import render_host, write_files
+from toolkit.contracts.agentdoc import AgentDoc, BadDocument
+from toolkit.launcher.inventory import local_inventory
+from toolkit.launcher.plan import JobOptions, make_plan
+from toolkit.launcher.render import render_host, write_files
 from toolkit.testing.ports import free_port_pair
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"  # in a source checkout (the editable install)
@@ -42,7 +42,8 @@ class JobDirFiles:
     dir_known = True
 
     def agent_doc(self) -> AgentDoc | None:
-        """The agent's state/agent.json as it is now (toolkit.agentdoc); None before the agent first writes it."""
+        """The agent's state/agent.json as it is now (toolkit.contracts.agentdoc); None before the agent first writes
+        it."""
         try:
             return AgentDoc.parse((self.dir / "state" / "agent.json").read_bytes())
         except (OSError, BadDocument):

@@ -10,7 +10,7 @@ asyncio streams nor TCPStore clients: nothing here shares a lock or a thread wit
 What a simulated process does, as the real one does it (toolkit.agent, toolkit.train.runtime, toolkit.train.store,
 torch's gloo and NCCL bootstraps):
 - every connection answers the challenge with an HMAC proof and checks the server's proof before believing the
-  answer (toolkit.protocol); a connection closed or refused before that is counted as refused and tried again
+  answer (toolkit.contracts.protocol); a connection closed or refused before that is counted as refused and tried again
   (a worker's control connection every CONTROL_RETRY, its store connection with STORE_RETRY_* backoff, an agent's
   every AGENT_RETRY);
 - an agent says `agent_hello {host, node_ids}`, heartbeats every `beat` its welcome gives naming its running workers
@@ -56,7 +56,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Generator
 
-from toolkit import envvars, procs, protocol
+from toolkit import procs
+from toolkit.contracts import envvars, protocol
 
 GLOO_VALUE = 154  # bytes of a rank's address with GLOO_ENABLE_RANK_AS_SEQUENCE_NUMBER (torch 2.13, measured)
 NCCL_VALUE = 128  # bytes of an ncclUniqueId

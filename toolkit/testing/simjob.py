@@ -37,7 +37,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from toolkit import envvars, procs, protocol, rundoc
+from toolkit import procs
+from toolkit.contracts import envvars, protocol, rundoc
 from toolkit.testing.ports import free_port_pair
 from toolkit.testing.simhosts import PATTERNS
 from toolkit.testing.waits import wait_for

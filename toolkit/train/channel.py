@@ -21,9 +21,9 @@ import threading
 import time
 from typing import Any, Protocol
 
-from toolkit import envvars, protocol
+from toolkit.contracts import envvars, protocol
+from toolkit.contracts.session import Unproven, open_session
 from toolkit.errors import UserError
-from toolkit.session import Unproven, open_session
 from toolkit.train import jobview, stacks
 from toolkit.train.fence import Fence
 from toolkit.train.jobview import DONE_WAIT

@@ -59,8 +59,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from toolkit import atomicfile, ckptkey, envvars
+from toolkit import atomicfile
 from toolkit.atomicfile import Durability
+from toolkit.contracts import ckptkey, envvars
 from toolkit.train import ckptparts
 from toolkit.train.ckptdir import DirectoryError, HostDir, complete
 from toolkit.train.ckptfile import BadPart, PartName
@@ -341,7 +342,7 @@ class CheckpointManager:
 
     ``placement`` says which host's copy this rank shares and which part it writes (default: from the
     environment, Placement.from_env); ``key`` the MAC key (default: the job's, from ``TOOLKIT_TOKEN_FILE``, else
-    the project's: toolkit.ckptkey.default_key). Construction checks that ``directory`` (the checkpoint root,
+    the project's: toolkit.contracts.ckptkey.default_key). Construction checks that ``directory`` (the checkpoint root,
     CKPT_DIR) is private (owned by this user, written by nobody else, nor anything above it: toolkit.privatedir),
     writable and this key's (its ``key-id``, toolkit.train.ckptdir: another job's or project's directory is refused,
     nothing in it touched), and removes temporary files a previous incarnation of this rank left; CheckpointError

@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 import torch
 
-from toolkit import ckptkey
+from toolkit.contracts import ckptkey
 from toolkit.train import checkpoint, interval
 from toolkit.train.checkpoint import CheckpointManager
 from toolkit.train.ddpmodel import StepClock

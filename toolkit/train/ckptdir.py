@@ -6,7 +6,7 @@ directory is ever followed. The directory and the root above it are checked priv
 anything in them is trusted.
 
 The root is one key's (one job's, or alone one project's): its ``key-id`` file names the key's public id
-(toolkit.ckptkey), written by the first run that uses it. A run under another key is refused at once, with one
+(toolkit.contracts.ckptkey), written by the first run that uses it. A run under another key is refused at once, with one
 line, and touches nothing there: without this, a second job given the same directory moved the first's files into
 ``refused/`` (they do not authenticate under its key) and pruned its authentic copies.
 
@@ -27,7 +27,8 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any, Callable
 
-from toolkit import atomicfile, ckptkey, privatedir
+from toolkit import atomicfile, privatedir
+from toolkit.contracts import ckptkey
 from toolkit.train import ckptfile
 from toolkit.train.ckptfile import PartName
 

@@ -13,7 +13,7 @@ The MAC is HMAC-SHA256 over the payload followed by the header's first five fiel
 another step or part, truncated, extended, or written with another key does not verify. Name:
 ``step_<012d>.p<part>of<parts>.ckpt`` (zero-padded: names sort as steps do).
 
-The key: the job's (derived from its token), or alone the project's (toolkit.ckptkey).
+The key: the job's (derived from its token), or alone the project's (toolkit.contracts.ckptkey).
 
 Writing: to a random temporary name created with O_EXCL | O_NOFOLLOW in the directory's fd, the payload streamed
 through the MAC (no copy of the state in memory), the header written last, fsynced, renamed over the final name in

@@ -26,7 +26,7 @@ from typing import Mapping
 
 import torch
 
-from toolkit import envvars
+from toolkit.contracts import envvars
 from toolkit.errors import UserError
 
 IN_PARAMS, IN_OPTIMIZER = "params", "optimizer"

@@ -22,7 +22,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Union
 
-from toolkit import protocol
+from toolkit.contracts import protocol
 
 DONE_WAIT = 5.0  # s to hear the scheduler acknowledge `done` (by closing) before exiting anyway
 MAX_REASON = 2000  # characters of a `stop` reason kept

@@ -1,6 +1,7 @@
 """How fast this rank trains, for the scheduler's straggler tracking, `fleet status` and the goodput ledger.
 
-A rank's own figures, measured on its training thread and sent with its heartbeats (toolkit.protocol HEARTBEAT):
+A rank's own figures, measured on its training thread and sent with its heartbeats (toolkit.contracts.protocol
+HEARTBEAT):
 
 - `step_time`: the median wall time of its recent steps (consecutive steps only: the gap across a recovery is
   not a step). In synchronous data parallelism every rank has about the same, the slowest rank's pace.

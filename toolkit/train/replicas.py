@@ -47,7 +47,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from toolkit.protocol import EXIT_FATAL
+from toolkit.contracts.protocol import EXIT_FATAL
 from toolkit.train import log, transfer
 from toolkit.train.agreement import TrainingState
 from toolkit.train.digest import Digester

@@ -42,7 +42,7 @@ from typing import Any, Iterator, Mapping
 import torch
 import torch.distributed as dist
 
-from toolkit import envvars, protocol, stepfile
+from toolkit.contracts import envvars, protocol, stepfile
 from toolkit.errors import UserError
 from toolkit.train import fence as fence_mod
 from toolkit.train import progress, stacks

@@ -9,7 +9,7 @@ import math
 import time
 from typing import Any
 
-from toolkit import protocol
+from toolkit.contracts import protocol
 from toolkit.train import stacks
 from toolkit.train.channel import Channel
 from toolkit.train.pace import StepPace

@@ -25,7 +25,7 @@ import threading
 from types import FrameType
 from typing import Any, Iterator
 
-from toolkit import protocol
+from toolkit.contracts import protocol
 
 # Where a training thread waits for its peers (path fragments, '/' separated; matched against each frame's file)
 WAIT_PLACES = ("/torch/distributed/", "/torch/autograd/", "/torch/nn/parallel/", "/toolkit/train/fence.py",

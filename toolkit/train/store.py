@@ -1,7 +1,7 @@
 """The client of the job's store (toolkit.scheduler.kvstore), as a `torch.distributed.Store`: what process groups
 bootstrap from under toolkit, in place of torch's TCPStore (which has no authentication and listens everywhere).
 
-One authenticated connection per client (toolkit.session), one request at a time (torch calls a store from the
+One authenticated connection per client (toolkit.contracts.session), one request at a time (torch calls a store from the
 thread that builds the group). Every wait is bounded by the store's timeout; a connection the fence shut down
 (toolkit.train.fence: a newer generation overtook the build) fails the pending call at once.
 
@@ -26,8 +26,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from toolkit import protocol
-from toolkit.session import Unproven, open_session
+from toolkit.contracts import protocol
+from toolkit.contracts.session import Unproven, open_session
 
 CONNECT_TIMEOUT = 2.0  # s for the TCP connect
 HANDSHAKE_TIMEOUT = 10.0  # s for the challenge and the answer

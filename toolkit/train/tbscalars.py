@@ -27,7 +27,7 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
-from toolkit import envvars
+from toolkit.contracts import envvars
 from toolkit.train import log
 
 FLUSH_SECS = 10  # s between the writer's flushes to disk

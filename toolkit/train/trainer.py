@@ -58,7 +58,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from toolkit import envvars
+from toolkit.contracts import envvars
 from toolkit.train import checkpoint, interval, log, progress, replicas
 from toolkit.train.agreement import FROM_CHECKPOINT, FROM_INITIAL, FROM_PEER, TrainingState, recomputed_steps
 from toolkit.train.checkpointing import Checkpointing, manager_for, parse_every

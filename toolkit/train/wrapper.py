@@ -45,7 +45,7 @@ from urllib.parse import urlparse
 
 import torch.distributed as dist
 
-from toolkit import envvars, protocol
+from toolkit.contracts import envvars, protocol
 from toolkit.errors import UserError
 from toolkit.train import log, progress, stacks
 from toolkit.train import store as job_store
