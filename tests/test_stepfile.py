@@ -17,7 +17,7 @@ def test_a_step_survives_the_writers_sigkill_and_links_are_never_followed(tmp_pa
     path = tmp_path / "worker_0.step"
     stepfile.reset(path)
     assert stepfile.read(path) is None and oct(path.stat().st_mode & 0o777) == "0o600"
-    writer = subprocess.Popen([sys.executable, "-c", "import sys, time; from toolkit import stepfile; "
+    writer = subprocess.Popen([sys.executable, "-c", "import sys, time; from toolkit.contracts import stepfile; "
                                "w = stepfile.Writer.open(sys.argv[1]); [w.set(s) for s in range(1, 1235)]; "
                                "print('set', flush=True); time.sleep(60)", str(path)],
                               stdout=subprocess.PIPE, text=True)
