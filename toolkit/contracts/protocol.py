@@ -42,7 +42,8 @@ Worker conversation (one connection per worker process, kept for its whole life;
     worker -> corruption {generation, step, since, ranks, hosts, action}
                                             the replica check found `ranks` (on `hosts`) corrupt at `step`, the
                                             last good check at `since`; action: healed, rolled back, fenced or
-                                            stopped (toolkit.train.replicas; `corruption_fields`)
+                                            stopped (toolkit.train.replicas; `corruption_fields`). `fenced`:
+                                            found corrupt twice, their hosts go to spares or the job stops
     worker -> done {}                       clean finish; the EOF that follows is not a death
     sched  -> stop {reason}                 the job failed; stop training
     sched  -> fenced {reason}               this incarnation was declared dead: exit at once, never write again
@@ -377,7 +378,8 @@ def cause_field(msg: Mapping[str, Any]) -> str | None:
     return (one_line(cause) or None) if isinstance(cause, str) else None
 
 
-CORRUPTION_ACTIONS = ("healed", "rolled back", "fenced", "stopped")
+CORRUPT_FENCED = "fenced"  # a corruption report's action: the ranks were found corrupt twice (their hosts go)
+CORRUPTION_ACTIONS = ("healed", "rolled back", CORRUPT_FENCED, "stopped")
 MAX_HOST = 256  # characters of a host name in a peer's message
 
 

@@ -54,7 +54,7 @@ from toolkit.scheduler.actions import (  # also re-exported
 )
 from toolkit.scheduler.liveness import alive_though_silent, expiry, kill_unreported, vouch, vouched
 from toolkit.scheduler.roster import Fact, Member, Peer, PeerRole, Roster, rank_of  # also re-exported
-from toolkit.scheduler.spares import LostCheck, Refusal, choose_spare, find_lost
+from toolkit.scheduler.spares import LostCheck, Refusal, choose_spare, fenced_host_spare, find_lost
 from toolkit.scheduler.state import JobStatus
 from toolkit.scheduler.watchdog import Watchdog
 
@@ -175,17 +175,52 @@ def recovered(member: Member, msg: Mapping[str, Any]) -> list[Action]:
                                "recomputed": protocol.whole(m, "recomputed"), "seconds": seconds})]
 
 
-def corrupted(member: Member, msg: Mapping[str, Any], world_size: int) -> list[Action]:
+def corrupted(m: Membership, member: Member, msg: Mapping[str, Any], now: float) -> list[Action]:
     """A worker's `corruption` report (the replica check found a rank's state corrupt): its log line and a Note for
-    the ledger; a malformed one is logged and ignored."""
-    f = protocol.corruption_fields(msg, world_size)
+    the ledger; a malformed one is logged and ignored. Ranks found corrupt twice (action `fenced`) lose their hosts
+    (`fence_corrupt`)."""
+    f = protocol.corruption_fields(msg, m.world_size)
     if f is None:
         return [Log(WARNING, f"{member.node_id} sent a malformed corruption report (ignored)")]
     who = ", ".join(f"rank {r} on {h}" for r, h in zip(f["ranks"], f["hosts"], strict=True))
     window = f"steps {f['since'] + 1}-{f['step']}" if f["since"] is not None else f"at or before step {f['step']}"
-    return [Log(WARNING, f"corruption found at step {f['step']} (reported by {member.node_id}): {who}, started in "
-                         f"{window}: {f['action']}"),
-            Note(NoteKind.CORRUPTION, {**f, "node_id": member.node_id})]
+    out: list[Action] = [Log(WARNING, f"corruption found at step {f['step']} (reported by {member.node_id}): {who}, "
+                                      f"started in {window}: {f['action']}"),
+                         Note(NoteKind.CORRUPTION, {**f, "node_id": member.node_id})]
+    if f["action"] == protocol.CORRUPT_FENCED:
+        out += fence_corrupt(m, f, f"found corrupt twice by the replica check ({who}; the second time in {window})",
+                             now)
+    return out
+
+
+def fence_corrupt(m: Membership, f: Mapping[str, Any], why: str, now: float) -> list[Action]:
+    """The hosts of the ranks in report `f` (checked) are not to be trusted with the job's state: each one's ranks go
+    to a free spare at once, as `fleet replace` does (its workers fenced, the others re-forming with the spare's,
+    which take the state from a peer). Where no spare can take them (spares.fenced_host_spare), the job stops with
+    one line naming the host, why, and what to do: the decision point where an elastic job would shrink instead
+    (issue 42). A report of an earlier generation is not acted on (its ranks may be held elsewhere by now), nor one
+    while the job is not running formed with every rank training, nor for a rank the report places on another host
+    than the scheduler does (it has moved since)."""
+    if f["generation"] != m.generation or not m.formed or m.status != RUNNING or m.roster.done:
+        return [Log(WARNING, f"not fencing after the corruption report of generation {f['generation']}: the job is "
+                             f"in generation {m.generation}, {m.status}{'' if m.formed else ', gathering'}"
+                             + (", some ranks finished" if m.roster.done else ""))]
+    hosts: dict[str, None] = {}  # in order, once each
+    for r, h in zip(f["ranks"], f["hosts"], strict=True):
+        placed = m.roster.host_of(protocol.worker_node_id(r))
+        if placed is not None and placed != h:
+            return [Log(WARNING, f"not fencing after the corruption report: it places rank {r} on {h}, the scheduler "
+                                 f"on {placed}")]
+        hosts[h] = None
+    out: list[Action] = []
+    for host in hosts:
+        if m.roster.replaced_by(host) is not None:
+            continue  # handed over already
+        spare = fenced_host_spare(m.roster, host)
+        if isinstance(spare, Refusal):
+            return out + m._fail(f"host {host} is fenced: {why}, and {spare.reason}", EXIT_FAILED)
+        out += m._take_over(host, spare, f"fenced: {why}", now)
+    return out
 
 
 class Membership:
@@ -453,7 +488,7 @@ class Membership:
         if op == protocol.RECOVERED:
             return recovered(member, msg)
         if op == protocol.CORRUPTION:
-            return corrupted(member, msg, self.world_size)
+            return corrupted(self, member, msg, now)
         if op == protocol.DONE:
             self.watchdog.forget(member.rank)  # a finished rank is not stuck
             self.roster.peers[peer] = Peer(PeerRole.FINISHED, rank=member.rank, addr=who.addr)

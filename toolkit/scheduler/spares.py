@@ -9,6 +9,9 @@ out). The membership (toolkit.scheduler.membership) applies them: it fences the 
 - A spare is free when its agent is connected and said it is one, and it holds no ranks, never took any and was
   not replaced (Roster.free_spares: the inventory's order, then the order spares said hello). The operator may
   name one; otherwise the first free one is taken.
+- A host the replica check found corrupt twice (a `corruption` report whose action is `fenced`) is not to be trusted
+  with the job's state: its ranks go to the first free spare, as for `fleet replace`, unless it runs the scheduler
+  (`fenced_host_spare`).
 
 Finding lost hosts scans every host; `LostCheck` says when that scan can find something, so that at a thousand ranks
 most of the scheduler's passes skip it.
@@ -97,3 +100,17 @@ def choose_spare(roster: Roster, asked: Any, host: str) -> str | Refusal:
         return Refusal(f"no spare is free to take over {host} (spares with an agent: "
                        f"{', '.join(with_agent) or 'none'}); add a host to the inventory's [spares], deploy and train")
     return str(asked) if asked is not None else free[0]
+
+
+def fenced_host_spare(roster: Roster, host: str) -> str | Refusal:
+    """The spare to take the ranks of `host`, which the replica check found corrupt twice (toolkit.train.replicas):
+    the first free one, or a Refusal naming why none can (it holds no worker of the job, it runs the scheduler, or
+    no spare is free) and what to do."""
+    rec = roster.hosts.get(host)
+    if rec is None or not rec.node_ids:
+        return Refusal(f"host {host[:256]} holds no worker of the job (the report names a host the scheduler does not "
+                       "place ranks on)")
+    if rec.runs_scheduler:
+        return Refusal(f"host {host} runs the scheduler: it cannot be replaced while the job runs; move the scheduler "
+                       "off it (or replace the host) and train again")
+    return choose_spare(roster, None, host)
