@@ -1,17 +1,20 @@
 """A small ported script for the replica check's tests (tests/train/test_corruption.py): three Linear layers, SGD
 with momentum, a DataLoader, the Trainer with `--verify-every` (rank-ordered reduction: bitwise reproducible).
 
-usage: corrupt_worker.py [--steps N] [--verify-every K]
+usage: corrupt_worker.py [--steps N] [--verify-every K] [--die-rank R --die-at S]
 
 Prints `rank R step S` per step and, on rank 0 at the end, `final parameters: - sha256 HEX` (parameters and
 optimizer state), so that two runs compare bit for bit. Faults come from TOOLKIT_INJECT_CORRUPTION in a worker's env
-file (toolkit.train.inject).
+file (toolkit.train.inject). With --die-rank and --die-at, that rank's first process kills itself (SIGKILL) after step
+S: its agent launches it again and it takes the state from a peer (an in-place recovery).
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
+import os
+import signal
 
 import torch
 from torch.utils.data import DataLoader, TensorDataset
@@ -24,6 +27,8 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=24, help="steps of one epoch")
     p.add_argument("--verify-every", type=int, default=4)
+    p.add_argument("--die-rank", type=int, default=-1)
+    p.add_argument("--die-at", type=int, default=0)
     args = p.parse_args()
     determinism.configure(1)
     determinism.seed_all(1)
@@ -42,6 +47,8 @@ def main() -> None:
             loss.backward()
             optimizer.step()
             print(f"rank {rt.rank} step {step}", flush=True)
+        if (rt.rank, step) == (args.die_rank, args.die_at) and os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0":
+            os.kill(os.getpid(), signal.SIGKILL)
     trainer.finish()
     if rt.rank == 0:
         h = hashlib.sha256()

@@ -2,7 +2,9 @@
 worker's env file, toolkit.train.inject) in one rank's parameters or optimizer state; the replica check
 (toolkit.train.replicas) must name the rank and the steps the fault started in, heal it, and the run must end
 bitwise equal to an uninterrupted one. With two replicas there is no majority: both go back and redo the steps.
-The same rank corrupt twice is fenced: the job stops with one line naming it."""
+The same rank corrupt twice is fenced: with no spare to take its host the job stops with one line naming it (a spare
+taking it is tests/e2e/test_corruption_on_hosts.py). A state taken in a recovery that changed after the transfer's
+own check is caught by the check right after the recovery."""
 
 from __future__ import annotations
 
@@ -26,13 +28,14 @@ FINAL = re.compile(r"^final parameters: \S+ sha256 ([0-9a-f]{64})$", re.M)
 pytestmark = pytest.mark.timeout(900)
 
 
-def job(root: Path, world: int, inject: str = "") -> LocalJob:
-    """A job of the small script, checking every 4 steps; `inject` written into every worker's env file."""
+def job(root: Path, world: int, inject: str = "", *args: str) -> LocalJob:
+    """A job of the small script, checking every 4 steps, with the script's `args`; `inject` written into every
+    worker's env file."""
     project = root / "project"
     project.mkdir(parents=True)
     shutil.copy(SCRIPT, project / SCRIPT.name)
-    j = LocalJob(root / "work", world, ["--verify-every", "4"], job="corrupt", project=project, script=SCRIPT.name,
-                 node_timeout=3, cluster_time_out=120, grace=20)
+    j = LocalJob(root / "work", world, ["--verify-every", "4", *args], job="corrupt", project=project,
+                 script=SCRIPT.name, node_timeout=3, cluster_time_out=120, grace=20)
     if inject:
         for r in range(world):
             with open(j.dir / "env" / f"worker_{r}.env", "a") as f:
@@ -128,12 +131,42 @@ def test_world_2_rolls_back_and_redoes_bitwise_and_a_rank_corrupt_twice_is_fence
     assert final(pair) == want, "the rolled-back run differs from the uninterrupted one"
     assert corruption_causes(pair) == [
         "corruption: rank 0 on localhost, rank 1 on localhost, started in steps 5-8: rolled back"]
-    fenced = ("rank 1: toolkit.train: rank 1 on localhost found corrupt twice: fenced (it leaves and the job stops: "
-              "its host is not to be trusted with the job's state; replace it, e.g. fleet replace)")
-    assert fenced in twice.log("worker_1.log"), twice.evidence()
-    assert "rank 1 on localhost differs from the majority" in twice.log("worker_0.log")
+    # twice: fenced; the scheduler, told, cannot hand the host to a spare (none, and it is the scheduler's host): the
+    # job stops with one line naming it, which the fenced rank, waiting for that word, repeats as it leaves
+    stopped = ("host localhost is fenced: found corrupt twice by the replica check (rank 1 on localhost; the second "
+               "time in steps 13-16), and host localhost runs the scheduler: it cannot be replaced while the job runs")
     sched = twice.log("scheduler.log")
-    assert "job corrupt failed: worker_1 on localhost failed after its last allowed restart (exit code 77)" in sched
-    assert "found corrupt twice: fenced" in sched  # the reason reaches the scheduler's line (the log tail)
+    assert f"job corrupt failed: {stopped}" in sched, twice.evidence()
+    assert ("rank 1: toolkit.train: rank 1 on localhost found corrupt twice: fenced (its host is not to be trusted "
+            f"with the job's state), and the scheduler stopped the job: {stopped}") in twice.log("worker_1.log")
+    assert ("rank 0: rank 1 on localhost found corrupt twice: fenced (its host is not to be trusted with the job's "
+            "state): the scheduler hands its host's ranks to a spare, or stops the job if none is free") \
+        in twice.log("worker_0.log")
     assert corruption_causes(twice) == ["corruption: rank 1 on localhost, started in steps 5-8: healed",
                                         "corruption: rank 1 on localhost, started in steps 13-16: fenced"]
+
+
+def test_world_4_a_flipped_parameter_is_healed_and_a_state_corrupted_after_its_transfer_is_caught_at_once(
+        tmp_path: Path, reference: Callable[[int], str]) -> None:
+    """At world 4 the majority of three names the odd rank. Then rank 2 dies after step 10 and its new process takes
+    the state from a peer, a bit of which flips right after the transfer checked it (in=recovered): the check right
+    after the recovery, before a step trains on it, names rank 2 and sends it the state again."""
+    faulted = job(tmp_path, 4, "rank=1,step=5,bit=20;rank=2,step=1,in=recovered,bit=20", "--die-rank", "2",
+                  "--die-at", "10")
+    want = reference(4)
+    assert run(faulted) == [0], faulted.evidence()
+    logs = [faulted.log(f"worker_{r}.log") for r in range(4)]
+    assert "rank 1: injected corruption after step 5: flipped bit 20 of params 0.weight[0]" in logs[1]
+    assert "rank 2: injected corruption after the recovery at step 10: flipped bit 20 of params 0.weight[0]" in logs[2]
+    assert "rank 2: resumed from step 10" in logs[2] and "out of rank 0's memory" in logs[2], faulted.evidence()
+    for r in range(4):
+        assert (f"rank {r}: corruption found at step 8: rank 1 on localhost differs from the majority (ranks 0, 2, 3); "
+                "it started in steps 5-8; every rank goes back to step 4 (the last good check), rank 1 on localhost "
+                "receiving it from rank 0") in logs[r], faulted.evidence()
+        assert (f"rank {r}: corruption found at step 10: rank 2 on localhost differs from the majority (ranks 0, 1, "
+                "3); it started in the recovery at step 10 (the state taken then changed in or after the transfer); "
+                "every rank goes on from step 10, rank 2 on localhost receiving rank 0's state again") in logs[r], \
+            faulted.evidence()
+    assert final(faulted) == want, "the healed run differs from the uninterrupted one"
+    assert corruption_causes(faulted) == ["corruption: rank 1 on localhost, started in steps 5-8: healed",
+                                          "corruption: rank 2 on localhost, started in at or before step 10: healed"]

@@ -47,7 +47,14 @@ def test_it_checks_every_k_steps_and_at_doubling_distances_after_a_recovery() ->
         if check.due(s):
             seen.append(s)
             check.checked(s, [50])
-    assert seen[:8] == [141, 142, 144, 148, 156, 172, 204, 254]  # doubling until the gap reaches K
+    # at once (the state taken in the recovery, before a step trains on it), then doubling until the gap reaches K
+    assert seen[:9] == [140, 141, 142, 144, 148, 156, 172, 204, 254]
+    check.recheck(250, 262)  # a heal at 262 went back to 250: its received state checked at once, then 262 again
+    assert check.due(250) and not check.due(249)
+    check.checked(250, [50])
+    assert check.next == 262 and check.again == 262
+    check.checked(262, [50])
+    assert check.next == 312 and check.again is None
     assert check.final(check.last + 1) and not check.final(check.last)  # the end of training is checked, once
     never = Schedule(world_size=3, every=0)
     never.arm(0, 0)
@@ -138,8 +145,15 @@ def test_the_injector_reads_its_variable_under_toolkit_only_and_names_a_bad_entr
     assert flips.after_step(2, model, opt) == ["injected corruption after step 2: flipped bit 31 of params "
                                                "0.weight[0]"]
     assert model[0].weight[0, 0] == -before[0, 0] and flips.after_step(2, model, opt) == []  # once only
+    recovered = inject.Injector(inject.parse("rank=0,step=5,in=recovered,bit=31"), 0)
+    assert recovered.after_step(5, model, opt) == [] and recovered.after_recovery(0, 9, model, opt) == []
+    assert recovered.after_recovery(1, 4, model, opt) == []  # a recovery before step 5
+    assert recovered.after_recovery(2, 9, model, opt) == [
+        "injected corruption after the recovery at step 9: flipped bit 31 of params 0.weight[0]"]
+    assert model[0].weight[0, 0] == before[0, 0] and recovered.pending == []  # flipped back: once only
     for text, says in (("rank=1", "give rank= and step="), ("rank=1,step=x", "whole numbers"),
-                       ("rank=1,step=2,in=grads", "in=params or in=optimizer"), ("rank=1,step=0", "step >= 1"),
+                       ("rank=1,step=2,in=grads", "in=params, in=optimizer or in=recovered"),
+                       ("rank=1,step=0", "step >= 1"),
                        ("rank=1,step=2,colour=red", "key=value pairs")):
         with pytest.raises(inject.InjectionError, match=says) as e:
             inject.parse(text)

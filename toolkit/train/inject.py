@@ -11,7 +11,10 @@ someone who can already change the job's files can set it. Its value: one or mor
     rank=1,step=7,in=params,bit=3;rank=1,step=20,in=optimizer
 
 - rank: the rank whose state is changed (required); step: after which step (required, >= 1);
-- in: `params` (default) or `optimizer` (its state tensors, e.g. SGD's momentum buffers: after the first step);
+- in: `params` (default) or `optimizer` (its state tensors, e.g. SGD's momentum buffers: after the first step), or
+  `recovered`: the parameters right after this process's first recovery at or after `step` (the group re-formed
+  after a fault and the state agreed on, before a step trains on it): a state taken from a peer that changed past
+  the transfer's own digest, which the check right after a recovery must catch;
 - tensor: the index of the tensor among them, in the state's order (default 0); element: the element in it,
   flattened (default 0); bit: the bit of that element to flip (default 0, the lowest: a change no loss curve shows).
 
@@ -29,7 +32,7 @@ import torch
 from toolkit.contracts import envvars
 from toolkit.errors import UserError
 
-IN_PARAMS, IN_OPTIMIZER = "params", "optimizer"
+IN_PARAMS, IN_OPTIMIZER, IN_RECOVERED = "params", "optimizer", "recovered"
 KEYS = ("rank", "step", "in", "tensor", "element", "bit")
 
 
@@ -66,9 +69,9 @@ def parse(text: str) -> tuple[Flip, ...]:
         if "rank" not in fields or "step" not in fields:
             raise InjectionError(f"{envvars.TOOLKIT_INJECT_CORRUPTION}: {entry!r}: give rank= and step=")
         where = fields.pop("in", IN_PARAMS)
-        if where not in (IN_PARAMS, IN_OPTIMIZER):
-            raise InjectionError(f"{envvars.TOOLKIT_INJECT_CORRUPTION}: {entry!r}: in={where}: give in=params or "
-                                 "in=optimizer")
+        if where not in (IN_PARAMS, IN_OPTIMIZER, IN_RECOVERED):
+            raise InjectionError(f"{envvars.TOOLKIT_INJECT_CORRUPTION}: {entry!r}: in={where}: give in=params, "
+                                 "in=optimizer or in=recovered")
         try:
             numbers = {k: int(v, 10) for k, v in fields.items()}
         except ValueError:
@@ -97,20 +100,32 @@ class Injector:
 
     def after_step(self, step: int, module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
         """Apply the flips due after `step`; one line for the log per flip."""
-        due = [f for f in self.pending if f.step == step]
-        self.pending = [f for f in self.pending if f.step != step]
+        due = [f for f in self.pending if f.step == step and f.where != IN_RECOVERED]
+        self.pending = [f for f in self.pending if f not in due]
         return [flip_bit(f, module, optimizer) for f in due]
 
+    def after_recovery(self, generation: int | None, step: int, module: torch.nn.Module,
+                       optimizer: torch.optim.Optimizer) -> list[str]:
+        """Apply the `recovered` flips due once the group re-formed after a fault (`generation` > 0) at `step`."""
+        if not generation:
+            return []
+        due = [f for f in self.pending if f.where == IN_RECOVERED and f.step <= step]
+        self.pending = [f for f in self.pending if f not in due]
+        return [flip_bit(f, module, optimizer, when=f"after the recovery at step {step}") for f in due]
 
-def flip_bit(f: Flip, module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> str:
-    """Flip one bit as `f` says, in place, without autograd; the line saying what was changed."""
-    if f.where == IN_PARAMS:
+
+def flip_bit(f: Flip, module: torch.nn.Module, optimizer: torch.optim.Optimizer, when: str = "") -> str:
+    """Flip one bit as `f` says, in place, without autograd; the line saying what was changed (`when`: after which
+    step, by default `f`'s)."""
+    when = when or f"after step {f.step}"
+    what = IN_OPTIMIZER if f.where == IN_OPTIMIZER else IN_PARAMS
+    if f.where != IN_OPTIMIZER:
         named = [(name, p) for name, p in module.named_parameters()]
     else:
         named = [(f"state[{i}][{key}]", v) for i, s in sorted(optimizer.state_dict()["state"].items())
                  for key, v in sorted(s.items()) if isinstance(v, torch.Tensor) and v.numel()]
     if not named:
-        return f"injected corruption after step {f.step}: no {f.where} tensor yet, nothing flipped"
+        return f"injected corruption {when}: no {what} tensor yet, nothing flipped"
     name, t = named[f.tensor % len(named)]
     flat = t.detach().view(-1)
     index = f.element % flat.numel()
@@ -118,5 +133,5 @@ def flip_bit(f: Flip, module: torch.nn.Module, optimizer: torch.optim.Optimizer)
     byte, bit = divmod(f.bit % (8 * t.element_size()), 8)
     with torch.no_grad():
         bits[byte] ^= 1 << bit
-    return f"injected corruption after step {f.step}: flipped bit {byte * 8 + bit} of {f.where} {name}[{index}]"
+    return f"injected corruption {when}: flipped bit {byte * 8 + bit} of {what} {name}[{index}]"
 

@@ -8,8 +8,10 @@ at all, it is found days late; compared here, it is found within K steps, and th
 
 When (`Schedule`): every K steps (`verify_every`: a number, 0 for never, or "auto": the ranks measure what a check
 costs and what a step takes and agree on the largest of their proposals, so that checking costs about BUDGET of the
-step time, below 1%), and after every recovery at the steps since + 1, 2, 4, 8, ... until the gap reaches K (forgotten
-state shows once the object acts, which may be every step or once an epoch).
+step time, below 1%), and after every recovery at once (the state a rank took from a peer is compared with the others'
+before a step trains on it: a transfer that went wrong past its own digest, or memory that failed right after it),
+then at the steps since + 1, 2, 4, 8, ... until the gap reaches K (forgotten state shows once the object acts, which
+may be every step or once an epoch). A heal's received state is checked at once too.
 
 What (`fingerprint`): a hash of each param group's learning rate, one of the other hyperparameters, the digest of
 the state (toolkit.train.digest: every byte of the parameters, the buffers unless DDP broadcasts them from rank 0
@@ -26,9 +28,12 @@ copy lives in the memory that failed), and the steps are redone: bitwise what a 
 the fault came after that check (a fault's gradients reach every replica through the allreduce, so the healthy ones
 go back too). Without a majority (two replicas, or a tie), every rank goes back to its own copy and redoes the steps;
 differing again at the same check, with nothing to tell the faulty one from the healthy one, stops the job with one
-line. A rank named twice is fenced: it leaves with one line (EXIT_FATAL) and the job stops, for the operator to
-replace its host (`fleet replace`; a spare does not take over on its own yet). Every finding is reported to the
-scheduler (one rank reports it), whose ledger keeps it as a `corruption` incident (`fleet status`, `fleet report`).
+line. A rank named twice is fenced: its host is not to be trusted with the job's state. The scheduler, told, hands
+the host's ranks to a free spare of the inventory's [spares] (toolkit.scheduler.membership.fence_corrupt), whose
+workers take the state from a peer, and the job goes on; with none free it stops the job with one line naming the
+host. The fenced rank waits for that word (bounded) instead of training on; outside toolkit, or with no word, it
+leaves with one line (EXIT_FATAL) and the job stops. Every finding is reported to the scheduler (one rank reports
+it), whose ledger keeps it as a `corruption` incident (`fleet status`, `fleet report`).
 """
 
 from __future__ import annotations
@@ -47,11 +52,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from toolkit.contracts.protocol import EXIT_FATAL
+from toolkit.contracts.protocol import CORRUPT_FENCED, EXIT_FATAL
 from toolkit.train import log, transfer
 from toolkit.train.agreement import TrainingState
 from toolkit.train.digest import Digester
-from toolkit.train.runtime import GenerationChanged, Runtime, report_corruption
+from toolkit.train.runtime import MODE_TOOLKIT, GenerationChanged, Runtime, await_word, report_corruption
 
 LR, HYPER, STATE, LR0, PROPOSAL = range(5)  # the fields of a fingerprint
 AUTO = "auto"
@@ -81,15 +86,17 @@ class Schedule:
         self.since: int | None = None  # the step of the latest recovery; None: none since the job's first formation
         self.next: int | None = None
         self.last: int | None = None  # the step of the latest check
+        self.again: int | None = None  # a step to check again once reached (the one a heal went back from)
 
     def arm(self, generation: int | None, step: int) -> None:
         """The group was (re-)formed at `step` (generation 0: the job's first formation; a later one follows a
         fault). The same on every rank: both values are agreed."""
         self.since = step if generation and self.world_size > 1 else None
+        self.again = None
         if self.world_size < 2:
             self.next = None
         elif self.since is not None:
-            self.next = step + 1
+            self.next = step  # the state taken in the recovery checked before a step trains on it
         else:
             self.next = step + self.every if self.every else None
 
@@ -106,9 +113,19 @@ class Schedule:
         if self.fixed is None and proposals:
             self.every = max(proposals)
         gap = self.every
-        if self.since is not None and 0 < step - self.since < gap:
-            gap = step - self.since  # the doubling after a recovery
+        if self.since is not None and step - self.since < gap:
+            gap = max(1, step - self.since)  # the doubling after a recovery
         self.next = step + gap if gap else None
+        if self.again is not None and self.again > step:
+            self.next = self.again if self.next is None else min(self.next, self.again)
+        elif self.again is not None:
+            self.again = None
+
+    def recheck(self, now: int, later: int) -> None:
+        """A heal gave ranks a state from a peer at step `now` (going back from `later`): check it at once, before a
+        step trains on it, and `later` again once the steps are redone."""
+        self.next = now
+        self.again = later if later > now else None
 
     def proposal(self, check_seconds: float, step_seconds: float | None) -> int:
         """This rank's interval for "auto": checks costing at most BUDGET of the step time, within AUTO_BOUNDS."""
@@ -289,7 +306,9 @@ class ReplicaCheck:
                      "steps: nothing in flight): re-forming the group")
             return None
         self.schedule.checked(step, [row[PROPOSAL] for row in every])
-        if went != step:
+        if found.kind == ODD:
+            self.schedule.recheck(went, step)  # what the named ranks received, checked before a step uses it
+        elif went != step:
             self.schedule.next = step  # the same check again once the steps are redone
         self._cost = time.monotonic() - began
         self._last = (time.monotonic(), went)
@@ -310,7 +329,7 @@ class ReplicaCheck:
 
     def _heal(self, found: Verdict, step: int, hosts: list[str]) -> int:
         """A state digest differs: name, go back to the verified state (the odd ranks receiving it from a healthy
-        peer), say so; the step every rank goes on from."""
+        peer), say so; the step every rank goes on from (checked again there before a step trains on it: `run`)."""
         rank, s = self.rt.rank, self.state
         good = self.verified
         since = good.step if good is not None else None
@@ -323,7 +342,7 @@ class ReplicaCheck:
             self.named[who] = self.named.get(who, 0) + 1
         fenced = [r for r, who in names.items() if self.named[who] >= 2]
         holders = list(found.healthy)
-        if good is None:  # no verified copy: the odd ranks take the healthy ones' current state (not bitwise)
+        if good is None:  # no verified copy: the odd ranks take the healthy ones' current state
             sent = s.capture(step)
             back = step
         else:
@@ -336,26 +355,50 @@ class ReplicaCheck:
                 s.restore(good.fresh())
         else:
             s.restore(received)
-            if good is not None:
-                self.verified = Verified(back, received)
         verb = "differs" if len(found.odd) == 1 else "differ"
-        how = (f"goes back to step {back} (the last good check), {named} receiving it from rank {holders[0]}, and "
-               "redoes the steps" if good is not None else
-               f"goes on from step {step}, {named} taking rank {holders[0]}'s state (no verified state to go back to: "
-               "the steps since the fault are not redone)")
+        if good is not None:
+            how = (f"goes back to step {back} (the last good check), {named} receiving it from rank {holders[0]}, "
+                   "and redoes the steps")
+        elif step == self.schedule.since:
+            window = f"the recovery at step {step} (the state taken then changed in or after the transfer)"
+            how = f"goes on from step {step}, {named} receiving rank {holders[0]}'s state again"
+        else:
+            how = (f"goes on from step {step}, {named} taking rank {holders[0]}'s state (no verified state to go back "
+                   "to: the steps since the fault are not redone)")
         log.line(f"rank {rank}: corruption found at step {step}: {named} {verb} from the majority (ranks "
                  f"{', '.join(map(str, holders))}); it started in {window}; every rank {how}"
                  + (f" ({nbytes / 1e6:.2f} MB received)" if rank not in holders else ""))
-        self._report(holders[0], step, since, list(found.odd), [hosts[r] for r in found.odd],
-                     "fenced" if fenced else "healed")
+        healed = [r for r in found.odd if r not in fenced]
+        for ranks, action in ((healed, "healed"), (fenced, CORRUPT_FENCED)):
+            if ranks:
+                self._report(holders[0], step, since, ranks, [hosts[r] for r in ranks], action)
         if fenced:
-            line = (f"{', '.join(names[r] for r in fenced)} found corrupt twice: fenced (it leaves and the job "
-                    "stops: its host is not to be trusted with the job's state; replace it, e.g. fleet replace)")
-            if rank in fenced:
-                _fatal(f"rank {rank}: toolkit.train: {line}")
-            log.line(f"rank {rank}: {line}")
+            self._fenced(", ".join(names[r] for r in fenced), rank in fenced)
         return back
 
+    def _fenced(self, who: str, mine: bool) -> None:
+        """`who` was found corrupt twice: its host is not to be trusted with the job's state. Under toolkit the
+        scheduler (told by `_report`) hands its host's ranks to a spare, which ends this process if it is one of
+        them (`fenced`), or stops the job where no spare can take them: a fenced rank waits for that word
+        (bounded) instead of training on; elsewhere, or with no word in time, it leaves with one line (EXIT_FATAL)
+        and the job stops, for the operator to replace its host."""
+        rank = self.rt.rank
+        line = f"{who} found corrupt twice: fenced (its host is not to be trusted with the job's state)"
+        if self.rt.mode != MODE_TOOLKIT:
+            if mine:
+                _fatal(f"rank {rank}: toolkit.train: {line}: it leaves and the job stops; replace its host")
+            log.line(f"rank {rank}: {line}: it leaves and the job stops")
+            return
+        log.line(f"rank {rank}: {line}: the scheduler hands its host's ranks to a spare, or stops the job if none is "
+                 "free")
+        if not mine:
+            return
+        bound = self.rt.cfg.word_wait
+        said = await_word(self.rt, bound)
+        _fatal(f"rank {rank}: toolkit.train: {line}, and " + (
+            f"the scheduler stopped the job: {said}" if said is not None else
+            f"no word from the scheduler within {bound:g} s: it leaves and the job stops; replace its host (e.g. "
+            "fleet replace)"))
 
     def _split(self, found: Verdict, step: int, hosts: list[str], window: str) -> int:
         """No majority: every rank goes back to its own verified state and redoes the steps; a second split at the

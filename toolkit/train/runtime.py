@@ -488,6 +488,25 @@ def report_corruption(rt: Runtime, **fields: Any) -> None:
         rt._channel.send(protocol.CORRUPTION, generation=rt.generation, **fields)
 
 
+def await_word(rt: Runtime, bound: float) -> str | None:
+    """Wait up to `bound` s for the scheduler to act on this process after its rank was fenced (toolkit.train.replicas):
+    a `fenced` ends it on the channel's thread (its host's ranks go to a spare); a `stop` returns the reason the job
+    stopped. None when no word came in time, or outside toolkit. New generations meanwhile are waited through."""
+    ch = rt._channel
+    if ch is None:
+        return None
+    deadline = time.monotonic() + bound
+    current = rt.generation
+    while (left := deadline - time.monotonic()) > 0:
+        try:
+            current = ch.wait_change(current, left)
+        except JobStopped as e:
+            return str(e)
+        if current is None:
+            return None
+    return None
+
+
 def _arrive(store: Any, world: int, timeout: timedelta) -> None:
     """Return once every one of the `world` ranks building this group has called this on `store` (the generation's
     prefix), waiting up to `timeout` (the store raises past it). Two operations per rank: one `add`, and one wait

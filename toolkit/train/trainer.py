@@ -169,6 +169,9 @@ class Trainer:
             if self._need_sync:
                 self._sync()
                 self._replicas.arm(self.rt.generation, self.step_count)
+                for line in self._inject.after_recovery(self.rt.generation, self.step_count, self.module,
+                                                        self.optimizer) if self._inject is not None else ():
+                    log.line(f"rank {self.rt.rank}: {line}")  # a test's fault (toolkit.train.inject)
             if self.step_count >= total:
                 if self._replicas.due(self.step_count, end=True) and not self._verify():
                     continue
