@@ -1,0 +1,117 @@
+"""Silent corruption on real hosts (issue 44), as a user runs it: a small ported script
+(tests/scripts/corrupt_worker.py) deployed with `fleet deploy` then `fleet train --join` on two worker hosts of two
+workers each (world 4), a third host in the inventory's [spares]. The operator's env file on the second host flips a
+bit of rank 2's parameters after step 5 and one of its optimizer state after step 14 (TOOLKIT_INJECT_CORRUPTION).
+
+At world 4 the majority names rank 2 at the check of step 8 and heals it in place; named again at step 16, it is
+fenced: the scheduler hands its host's two ranks to the spare at once (no `fleet replace`), whose workers take the
+state from a peer. The job finishes with the final parameters of an uninterrupted run of world 4 (a local run of the
+same script: they depend on the world size and the arguments only)."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+from fault_harness import E2E, REPO, Job
+
+from toolkit.testing.cluster import Cluster
+from toolkit.testing.localjob import LocalJob
+
+SCRIPT = REPO / "tests" / "scripts" / "corrupt_worker.py"
+SLOTS = 2
+ARGS = "--verify-every 4 --steps 24"
+INJECT = "rank=2,step=5,bit=20;rank=2,step=14,in=optimizer,bit=22"
+FINAL = re.compile(r"^final parameters: - sha256 ([0-9a-f]{64})$", re.M)
+REFERENCE_TIMEOUT = 300.0  # s for the local run of world 4 on a loaded 2-core machine; normally ~10 s
+
+
+@pytest.fixture(scope="module")
+def corrupt_e2e(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> E2E:
+    hosts = cluster.names[:3]
+    if len(hosts) < 3:
+        pytest.fail("the corruption test needs 3 cluster hosts (TOOLKIT_TEST_HOSTS >= 3)")
+    project = tmp_path_factory.mktemp("corrupt-project")
+    shutil.copy(SCRIPT, project / SCRIPT.name)
+    lines = []
+    for group, names in (("workers", hosts[:2]), ("spares", hosts[2:])):
+        lines.append(f"[{group}]")
+        for name in names:
+            h = cluster.host(name)
+            lines.append(f"{name} ansible_host={h.address} ansible_user=root "
+                         f"ansible_ssh_private_key_file={cluster.key} slots={SLOTS} workdir={h.workdir} "
+                         f"python={cluster.python}")
+    (project / "inventory.ini").write_text("\n".join(lines) + "\n")
+    (project / "fabric.yaml").write_text(
+        "toolkit:\n"
+        f"  inventory: {project / 'inventory.ini'}\n"
+        f"  known_hosts: {cluster.known_hosts}\n"
+        f"  script: {SCRIPT.name}\n"
+        f"  script_args: '{ARGS}'\n"
+        "  node_timeout: 3\n"
+        "  cluster_time_out: 120\n"
+        "  grace: 5\n"
+    )
+    return E2E(cluster, project, hosts, iter(range(25000, 26000, 2)))
+
+
+def reference(root: Path) -> str:
+    """The final digest of an uninterrupted local run of the same script and arguments at world 4."""
+    project = root / "project"
+    project.mkdir(parents=True)
+    shutil.copy(SCRIPT, project / SCRIPT.name)
+    j = LocalJob(root / "work", 4, ARGS.split(), job="reference", project=project, script=SCRIPT.name,
+                 node_timeout=3, cluster_time_out=120, grace=20)
+    try:
+        j.start()
+        assert j.finish(REFERENCE_TIMEOUT) == 0, j.evidence()
+        (digest,) = FINAL.findall(j.log("worker_0.log"))
+        return digest
+    finally:
+        j.cleanup()
+
+
+def running(job: Job, host: str) -> set[str]:
+    """The workers `host`'s agent runs now."""
+    return {p["node_id"] for p in job.agent(host).get("processes") or []
+            if p["node_id"] != "sched" and p.get("state") == "running" and p.get("pid")}
+
+
+def test_a_host_found_corrupt_twice_is_handed_to_a_spare_and_the_job_ends_bitwise(
+        corrupt_e2e: E2E, tmp_path: Path) -> None:
+    a, b, c = corrupt_e2e.hosts
+    want = reference(tmp_path)
+    job = corrupt_e2e.job("corrupt")
+    job.fleet("deploy")
+    with open(job.job_dir(b) / "env" / "worker_2.env", "a") as f:  # the operator's fault, on b only
+        f.write(f"export TOOLKIT_INJECT_CORRUPTION='{INJECT}'\n")
+    job.start("train")
+    job.wait_for(f"the spare {c} holding {b}'s ranks", lambda: running(job, c) == {"worker_2", "worker_3"},
+                 timeout=180)
+    digest = job.finish_ok()
+
+    on_b = (job.job_dir(b) / "logs" / "worker_2.log").read_text()
+    assert "rank 2: injected corruption after step 5: flipped bit 20 of params 0.weight[0]" in on_b
+    assert "rank 2: injected corruption after step 14: flipped bit 22 of optimizer state[0][momentum_buffer][0]" \
+        in on_b
+    first = job.log("worker_0")
+    assert (f"rank 0: corruption found at step 8: rank 2 on {b} differs from the majority (ranks 0, 1, 3); it started "
+            f"in steps 5-8; every rank goes back to step 4 (the last good check), rank 2 on {b} receiving it from "
+            "rank 0") in first, job.evidence()
+    assert f"rank 0: rank 2 on {b} found corrupt twice: fenced" in first
+    sched = job.log("sched")
+    assert (f"host {b} replaced by spare {c}: fenced: found corrupt twice by the replica check (rank 2 on {b}; the "
+            "second time in steps 13-16)") in sched, sched[-3000:]
+    assert f"fenced by the scheduler: declared dead: its host {b} was replaced by {c}" in on_b  # it waited for it
+    on_c = (job.job_dir(c) / "logs" / "worker_2.log").read_text()
+    assert "rank 2: resumed from step 12" in on_c and "rank 2 step 24" in on_c, on_c[-2000:]
+
+    assert digest == want, "the run after the spare took over differs from the uninterrupted one"
+    status = json.loads(job.fleet("status", "--json").stdout)
+    assert status["replaced"] == {b: c}
+    assert {p["node_id"]: p["host"] for p in status["processes"] if p["node_id"] != "sched"} == {
+        "worker_0": a, "worker_1": a, "worker_2": c, "worker_3": c}
+    job.wait_no_leftovers()
