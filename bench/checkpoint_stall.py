@@ -1,6 +1,8 @@
 #!/usr/bin/env python3
 """How long a checkpoint of a 600 MB state stalls training, side by side: a synchronous ``torch.save``, toolkit's
-synchronous save, and toolkit's asynchronous one as the Trainer uses it; and the bytes one host writes.
+synchronous save, and toolkit's asynchronous one, without and with the digest of the state the Trainer records in
+each checkpoint (toolkit.train.agreement: taken on the training thread at the save, checked at a restore); and the
+bytes one host writes.
 
 Why: the checkpoint interval trades lost work against stall. An asynchronous checkpoint should cost the loop
 only the state's structure and its small tensors: the parameters and optimizer state are copied by the writer
@@ -32,7 +34,9 @@ import torch
 from torch import nn
 
 from toolkit.train import determinism
+from toolkit.train.agreement import DIGEST
 from toolkit.train.checkpoint import CheckpointManager, Placement
+from toolkit.train.digest import Digester
 
 KEY = b"benchmark key, thirty-two bytes!"
 
@@ -83,21 +87,25 @@ def run(mode: str, directory: Path, args: argparse.Namespace) -> dict[str, float
     plain, during, stalls, durable = [], [], [], []
     for _ in range(2):
         loop.step()  # warm up: AdamW's moments exist from the first step
+    background = mode.startswith("async")
+    digester = Digester() if mode == "async+digest" else None
     if mode != "torch.save":
         loop.manager = CheckpointManager(directory / mode, keep_max=2, placement=Placement("bench"), key=KEY,
-                                         async_write=mode == "async")
+                                         async_write=background)
     for s in range(1, args.repeats + 1):
         for _ in range(args.between):
             plain.append(loop.step())
         state = state_of(s, loop.model, loop.opt)
         t0 = time.perf_counter()
+        if digester is not None:  # as TrainingState.checkpoint: on the training thread, inside the save's stall
+            state[DIGEST] = digester.state(state)
         if loop.manager is None:
             torch.save(state, directory / f"torch-{s % 2}.pt")
         else:
             loop.manager.save(s, state, stable=stable(loop.model, loop.opt))
         blocked = time.perf_counter() - t0
         loop.waited = 0.0
-        if mode == "async":
+        if background:
             for _ in range(args.between):  # the loop goes on while the writer stages and writes
                 during.append(loop.step())
             loop.manager.flush()
@@ -139,17 +147,20 @@ def main(argv: list[str]) -> int:
     params = sum(t.numel() for t in build(args.width, args.depth)[0].parameters())
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         os.chmod(tmp, 0o700)
-        results = {mode: run(mode, Path(tmp), args) for mode in ("torch.save", "sync", "async")}
+        results = {mode: run(mode, Path(tmp), args) for mode in ("torch.save", "sync", "async", "async+digest")}
         size, written = host_bytes(Path(tmp), args.host_ranks, args)
     print(f"model: {params / 1e6:.1f} M parameters + AdamW = {size / 1e6:.0f} MB of state, {args.repeats} "
           f"checkpoints per mode, medians, {args.threads} thread(s)")
-    print(f"{'mode':<11} {'stall ms':>10} {'durable ms':>11} {'step ms':>9} {'step during write ms':>21}")
+    print(f"{'mode':<13} {'stall ms':>10} {'durable ms':>11} {'step ms':>9} {'step during write ms':>21}")
     for mode, r in results.items():
-        print(f"{mode:<11} {r['stall'] * 1e3:>10.1f} {r['durable'] * 1e3:>11.1f} {r['step'] * 1e3:>9.1f} "
+        print(f"{mode:<13} {r['stall'] * 1e3:>10.1f} {r['durable'] * 1e3:>11.1f} {r['step'] * 1e3:>9.1f} "
               f"{r['step_during'] * 1e3:>21.1f}")
     base = results["torch.save"]["stall"]
     print(f"async stall / torch.save: {results['async']['stall'] / base:.3f} ({results['async']['stall'] * 1e3:.1f} ms "
           f"vs {base * 1e3:.0f} ms); toolkit sync / torch.save: {results['sync']['stall'] / base:.2f}")
+    digested = results["async+digest"]["stall"]
+    print(f"the digest in the async stall: {(digested - results['async']['stall']) * 1e3:.1f} ms "
+          f"(async+digest / async: {digested / results['async']['stall']:.2f}; / torch.save: {digested / base:.3f})")
     print(f"one host of {args.host_ranks} ranks wrote {written / 1e6:.0f} MB for one checkpoint of a "
           f"{size / 1e6:.0f} MB state ({written / size:.3f}x the state; one copy per rank would be "
           f"{args.host_ranks}x)")
