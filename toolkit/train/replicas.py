@@ -312,6 +312,8 @@ class ReplicaCheck:
             self.schedule.next = step  # the same check again once the steps are redone
         self._cost = time.monotonic() - began
         self._last = (time.monotonic(), went)
+        if found.kind == ODD and went == step:  # the state just received checked before a step trains on it
+            return self.run(step, guard)  # bounded: a rank named twice is fenced
         return went
 
     def _gather(self, mine: torch.Tensor) -> list[list[int]]:
