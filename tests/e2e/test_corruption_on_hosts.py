@@ -16,7 +16,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from fault_harness import E2E, REPO, Job
+from fault_harness import E2E, REPO
 
 from toolkit.testing.cluster import Cluster
 from toolkit.testing.localjob import LocalJob
@@ -74,12 +74,6 @@ def reference(root: Path) -> str:
         j.cleanup()
 
 
-def running(job: Job, host: str) -> set[str]:
-    """The workers `host`'s agent runs now."""
-    return {p["node_id"] for p in job.agent(host).get("processes") or []
-            if p["node_id"] != "sched" and p.get("state") == "running" and p.get("pid")}
-
-
 def test_a_host_found_corrupt_twice_is_handed_to_a_spare_and_the_job_ends_bitwise(
         corrupt_e2e: E2E, tmp_path: Path) -> None:
     a, b, c = corrupt_e2e.hosts
@@ -89,9 +83,7 @@ def test_a_host_found_corrupt_twice_is_handed_to_a_spare_and_the_job_ends_bitwis
     with open(job.job_dir(b) / "env" / "worker_2.env", "a") as f:  # the operator's fault, on b only
         f.write(f"export TOOLKIT_INJECT_CORRUPTION='{INJECT}'\n")
     job.start("train")
-    job.wait_for(f"the spare {c} holding {b}'s ranks", lambda: running(job, c) == {"worker_2", "worker_3"},
-                 timeout=180)
-    digest = job.finish_ok()
+    digest = job.finish_ok()  # the spare's part is checked after the end: it trains only a few seconds
 
     on_b = (job.job_dir(b) / "logs" / "worker_2.log").read_text()
     assert "rank 2: injected corruption after step 5: flipped bit 20 of params 0.weight[0]" in on_b
