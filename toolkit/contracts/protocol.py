@@ -152,10 +152,18 @@ def encode(op: str, **fields: Any) -> bytes:
     return json.dumps({"op": op, **fields}, separators=(",", ":")).encode() + b"\n"
 
 
+def finite_json(data: bytes | str) -> Any:
+    """The JSON value of UTF-8 `data`, with finite numbers only: ValueError (UnicodeDecodeError is one) for bad JSON,
+    NaN, Infinity or a float beyond a double's range (`1e400`, which Python reads as inf and whose int() would raise
+    OverflowError); RecursionError for nesting too deep. The one reader of what another process wrote: the wire's
+    lines here, the scheduler's state file and journal (toolkit.scheduler.state)."""
+    return _DECODER.decode(data.decode("utf-8") if isinstance(data, bytes) else data)
+
+
 def decode(line: bytes) -> dict[str, Any]:
     """One message from one line; any other input is a ProtocolError, never another exception."""
     try:
-        msg = _DECODER.decode(line.decode("utf-8"))
+        msg = finite_json(line)
     except (UnicodeDecodeError, ValueError, RecursionError) as e:  # ValueError: bad JSON, too many digits
         raise ProtocolError(f"not a JSON line: {type(e).__name__}: {str(e)[:100]}") from None
     if not isinstance(msg, dict) or not isinstance(msg.get("op"), str):
@@ -164,13 +172,13 @@ def decode(line: bytes) -> dict[str, Any]:
 
 
 def _no_constant(name: str) -> float:
-    raise ValueError(f"{name} is not a number of this protocol")
+    raise ValueError(f"{name} is not a number of this format")
 
 
 def _finite(text: str) -> float:
     value = float(text)
     if not math.isfinite(value):
-        raise ValueError(f"{text[:20]} is not a finite number")
+        raise ValueError(f"{text[:64]} is out of range: not a finite number")
     return value
 
 
