@@ -77,7 +77,7 @@ import math
 import secrets
 import signal
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, TypeGuard
 
 MAX_LINE = 64 << 10  # bytes of one control message (the longest, gave_up, carries a bounded log tail)
 MAX_STORE_LINE = 512 << 10  # bytes of one store message (a value of up to MAX_STORE_VALUE, base64)
@@ -288,10 +288,21 @@ def challenge_nonce(msg: Mapping[str, Any]) -> str:
 # --- fields --------------------------------------------------------------------------------------------------
 
 
+def is_int(value: object) -> TypeGuard[int]:
+    """An int and not a bool: JSON's and YAML's `true` reads as a bool, which Python counts as an int (True == 1).
+    The one such check of every document and message the processes read."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_number(value: object) -> TypeGuard[int | float]:
+    """An int or a float and not a bool (see is_int); NaN and infinities included: finite_number excludes them."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def whole(msg: Mapping[str, Any], name: str, default: int | None = None) -> int | None:
     """An integer field (never a bool), or `default` when it is missing or of another type."""
     value = msg.get(name)
-    return value if isinstance(value, int) and not isinstance(value, bool) else default
+    return value if is_int(value) else default
 
 
 def finite_number(value: Any) -> bool:
