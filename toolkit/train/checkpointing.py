@@ -17,8 +17,8 @@ from toolkit.contracts.protocol import is_int
 from toolkit.train import checkpoint, interval
 from toolkit.train.checkpoint import CheckpointManager
 from toolkit.train.ddpmodel import StepClock
+from toolkit.train.faults import TrainerError
 from toolkit.train.runtime import Runtime
-from toolkit.train.trainererror import TrainerError
 
 
 def parse_every(ckpt_every: int | str, bounds: tuple[int, int],
