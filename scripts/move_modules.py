@@ -201,7 +201,7 @@ def rewrite_text(text: str, rules: list[tuple[re.Pattern[str], str, str]]) -> st
     for pattern, new, old in rules:
         if old.endswith(".py"):  # a path that starts a fixed-width row ("toolkit/train/log.py    the worker's
             # lines") keeps the row's columns
-            pad = re.compile(r"(?m)^(\s*)" + re.escape(old) + r"( {2,})(?=\S)")
+            pad = re.compile(r"(?m)^(\s*(?:- )?)" + re.escape(old) + r"( {2,})(?=\S)")
             text = pad.sub(lambda mm, old=old, new=new: mm.group(1) + new
                            + " " * max(2, len(old) + len(mm.group(2)) - len(new)), text)
         text = pattern.sub(new.replace("\\", "\\\\"), text)
