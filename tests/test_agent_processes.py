@@ -11,8 +11,10 @@ from pathlib import Path
 from typing import Any
 
 from toolkit.agent.log import AgentLog
+from toolkit.agent.port import AgentPort, Workers
 from toolkit.agent.processes import Processes
-from toolkit.agent.spare import WarmSpare
+from toolkit.agent.slots import WorkersOf
+from toolkit.agent.supervisor import Agent
 from toolkit.agent.timers import Timers
 from toolkit.contracts import envvars as E
 from toolkit.contracts import protocol as P
@@ -25,7 +27,7 @@ IDLE = 1e6  # a select cap no timer reaches
 
 
 class Rig:
-    """Processes as the agent drives them, with its callbacks recorded."""
+    """Processes as the agent drives them; the rig is its AgentPort (toolkit.agent.port) and records what is asked."""
 
     def __init__(self, tmp_path: Path, argvs: dict[str, tuple[str, ...]], cwd: str | None = None) -> None:
         procs = tuple(ProcSpec(node_id=n, role=E.ROLE_WORKER, rank=i, local_rank=i, argv=argv,
@@ -41,20 +43,22 @@ class Rig:
         self.clock = FakeClock()
         self.timers = Timers(self.clock)
         log = AgentLog(tmp_path / "logs" / "agent.log", "h")
-        warm = WarmSpare(self.spec, self.sel, self.timers, log, {}, template=lambda: procs[0], cold=list,
-                         memory=lambda: 0, closing=lambda: self.closing, changed=self.changed)
         self.reports: list[tuple[str, dict[str, Any]]] = []
         self.finished: list[tuple[str, str | None]] = []
-        self.writes, self.closing = 0, False
-        self.p = Processes(self.spec, self.sel, self.timers, log, {"PATH": "/usr/bin:/bin"}, warm, self.report,
-                           self.changed, lambda: AgentState.RUNNING, lambda: self.closing,
-                           lambda state, reason: self.finished.append((state, reason)), lambda: None)
+        self.writes, self.closing, self.state = 0, False, AgentState.RUNNING
+        self.p = Processes(self.spec, self.sel, self.timers, log, {"PATH": "/usr/bin:/bin"}, self)
 
     def report(self, op: str, coalesce: str | None = None, **fields: Any) -> None:
         self.reports.append((op, fields))
 
-    def changed(self) -> None:
+    def write_doc(self) -> None:
         self.writes += 1
+
+    def finish(self, state: AgentState, reason: str | None) -> None:
+        self.finished.append((state, reason))
+
+    def finish_now(self) -> None:
+        """Only a finishing agent's processes call it; these tests run none."""
 
     def check(self) -> None:
         """Invariant 1: the slots with a child are exactly the registered pidfds."""
@@ -140,3 +144,13 @@ def test_every_process_exiting_0_finishes_the_host(tmp_path: Path) -> None:
     assert rig.finished == [("succeeded", "every process of this host exited 0")]
     assert all(s.state == "succeeded" for s in rig.p.slots.values())
     rig.end()
+
+
+def test_the_agent_is_the_port_its_parts_talk_through() -> None:
+    """Every call of the AgentPort is a method of the Agent (`state` and `closing` are its attributes, set when it is
+    made): an attribute call that nothing type-checks at run time must not fail only once a job finishes."""
+    calls = [n for n, v in vars(AgentPort).items() if callable(v) and not n.startswith("_")]
+    assert sorted(calls) == ["finish", "finish_now", "report", "write_doc"]
+    assert all(callable(getattr(Agent, n, None)) for n in calls), [n for n in calls if not hasattr(Agent, n)]
+    assert all(callable(getattr(WorkersOf, n, None)) for n, v in vars(Workers).items()
+               if callable(v) and not n.startswith("_"))

@@ -1,5 +1,5 @@
-"""The warm spare's life (toolkit.agent.spare) and its pure decisions (toolkit.agent.warmspare), on a fake clock: when
-a spare is wanted, the first one SPARE_DELAY after the start or at once when every worker progressed, spares off
+"""The warm spare's life (toolkit.agent.spare) and its pure decisions (toolkit.agent.warmspare), on a fake clock:
+when a spare is wanted, the first one SPARE_DELAY after the start or at once when every worker progressed, spares off
 after SPARE_MAX_FAILURES deaths, and none while closing. The spares here are real processes that die at once (their
 interpreter does not exist), as a broken environment's would; one test runs a real standby interpreter."""
 
@@ -12,7 +12,7 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 from toolkit import procs
 from toolkit.agent.log import AgentLog
@@ -20,7 +20,7 @@ from toolkit.agent.spare import WarmSpare
 from toolkit.agent.timers import Timers
 from toolkit.agent.warmspare import SPARE_DELAY, SPARE_MAX_FAILURES, Step, early_start, next_step
 from toolkit.contracts import envvars as E
-from toolkit.contracts.agentdoc import WarmSpareDoc
+from toolkit.contracts.agentdoc import AgentState, WarmSpareDoc
 from toolkit.contracts.hostspec import HostSpec, ProcSpec, RestartPolicy
 from toolkit.standby import OOM_FIRST, prefault_size, private_bytes
 from toolkit.testing.clock import FakeClock
@@ -64,12 +64,34 @@ class Rig:
         self.memory = 0  # bytes of private memory the largest worker holds
         self.writes = 0
         log = AgentLog(tmp_path / "logs" / "agent.log", "h")
-        self.warm = WarmSpare(self.spec, self.sel, self.timers, log, {"PATH": "/usr/bin:/bin"},
-                              template=lambda: worker, cold=lambda: self.cold, memory=lambda: self.memory,
-                              closing=lambda: self.closing, changed=self.changed)
+        self.worker, self.state = worker, AgentState.RUNNING
+        # the rig is both ports (toolkit.agent.port): the workers the spare reads, and the agent
+        self.warm = WarmSpare(self.spec, self.sel, self.timers, log, {"PATH": "/usr/bin:/bin"}, self, self)
 
-    def changed(self) -> None:
+    # -- port.Workers
+
+    def template(self) -> ProcSpec:
+        return self.worker
+
+    def cold_launches(self) -> list[float]:
+        return self.cold
+
+    def largest_memory(self) -> int:
+        return self.memory
+
+    # -- port.AgentPort (the spare asks only `closing` and `write_doc`)
+
+    def write_doc(self) -> None:
         self.writes += 1
+
+    def report(self, op: str, coalesce: str | None = None, **fields: Any) -> None:
+        raise AssertionError("the warm spare reports nothing to the scheduler")
+
+    def finish(self, state: AgentState, reason: str | None) -> None:
+        raise AssertionError("the warm spare never ends the agent")
+
+    def finish_now(self) -> None:
+        raise AssertionError("the warm spare never ends the agent")
 
     def wait_death(self) -> None:
         """Run the loop until the spare is gone (its pidfd fired)."""

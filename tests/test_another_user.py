@@ -18,12 +18,13 @@ import resource
 import signal
 import socket
 import subprocess
-import time
+from functools import partial
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 
+from toolkit.testing import waits
 from toolkit.testing.localjob import LocalJob
 from toolkit.testing.stranger import AS_STRANGER, readable_copies, stranger_python
 
@@ -37,19 +38,9 @@ FLOOD_RATE = 400  # new flood connections a second, at most
 RESUMED = re.compile(r"^rank 1: resumed from step (\d+) .*rank 0's memory", re.M)
 EVICTIONS = re.compile(r"^(\S+) sched WARNING \d+ more like this in the last .* to make room for", re.M)
 STEP = re.compile(r"^epoch: \d+, step: (\d+), loss is", re.M)
+until = partial(waits.until, bound=WAIT, poll=POLL)
 
 pytestmark = pytest.mark.timeout(600)
-
-
-def until(what: str, predicate: Callable[[], Any], evidence: Callable[[], str], timeout: float = WAIT) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}\n{evidence()}")
-        time.sleep(POLL)
 
 
 def listening_ports(pid: int) -> list[tuple[str, int]]:
@@ -98,7 +89,7 @@ def test_another_user_can_neither_lock_workers_out_nor_quietly_exhaust_a_workers
         # 1. gloo's port: the worker may hold many more descriptors than the agent was started with, and when a
         #    stranger makes them climb, the agent says which worker and why.
         baseline = until("worker_0's open files counted once it joined its group",
-                         lambda: (job.procs().get("worker_0", {}).get("open_files") or {}).get("low"), job.evidence)
+                         lambda: (job.procs().get("worker_0", {}).get("open_files") or {}).get("low"), job)
         pid0 = job.procs()["worker_0"]["pid"]
         assert soft_limit(pid0) == hard  # raised from LOW_LIMIT
         gloo = listening_ports(pid0)
@@ -110,7 +101,7 @@ def test_another_user_can_neither_lock_workers_out_nor_quietly_exhaust_a_workers
         warned = re.compile(rf"worker_0: pid {pid0} holds (\d+) open files, up from {baseline} once it had joined "
                             r"its group \(limit \d+\): connections that never close, e.g. to its gloo port")
         m = until("the agent to name worker_0's climbing open files", lambda: warned.search(job.log("agent.log")),
-                  job.evidence)
+                  job)
         assert int(m.group(1)) >= baseline + CHURN
         assert job.procs()["worker_0"]["open_files"]["climbing"] is True
 
@@ -120,17 +111,17 @@ def test_another_user_can_neither_lock_workers_out_nor_quietly_exhaust_a_workers
                                  start_new_session=True, cwd="/")
         assert flood.stdout is not None
         until(f"the flood's first {2 * FLOOD} connections open",
-              lambda: flood.stdout.readline().strip() == f"opened {2 * FLOOD}", job.evidence)  # a line a second
+              lambda: flood.stdout.readline().strip() == f"opened {2 * FLOOD}", job)  # a line a second
         until("the scheduler's table of connections waiting to authenticate full",
-              lambda: "to make room for" in job.log("scheduler.log"), job.evidence)
+              lambda: "to make room for" in job.log("scheduler.log"), job)
         victim = job.procs()["worker_1"]["pid"]
         os.kill(victim, signal.SIGKILL)
         killed_at = max(int(s) for s in STEP.findall(job.log("worker_1.log")))
         resumed = until("worker_1 relaunched and back in the group from rank 0's memory",
-                        lambda: RESUMED.search(job.log("worker_1.log")), job.evidence)
+                        lambda: RESUMED.search(job.log("worker_1.log")), job)
         until("both ranks training past the step of the kill",
               lambda: all(max(map(int, STEP.findall(job.log(f"worker_{r}.log")[-5000:])), default=0) > killed_at + 2
-                          for r in (0, 1)), job.evidence)
+                          for r in (0, 1)), job)
         assert int(resumed.group(1)) >= killed_at
         assert job.procs()["worker_1"]["restarts"] == 1 and job.procs()["worker_0"]["restarts"] == 0
         sched_log = job.log("scheduler.log")
@@ -140,7 +131,7 @@ def test_another_user_can_neither_lock_workers_out_nor_quietly_exhaust_a_workers
         # stamped after the new generation formed shows the table was still being flooded then
         until("a summary of evictions stamped after generation 1 formed",
               lambda: any(stamp > formed.group(1) for stamp in EVICTIONS.findall(job.log("scheduler.log"))),
-              job.evidence)
+              job)
         assert "refused" not in sched_log
     finally:
         if flood is not None:

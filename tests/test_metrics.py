@@ -15,8 +15,9 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from functools import partial
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import pytest
 import yaml
@@ -36,6 +37,7 @@ from toolkit.scheduler.exposition import CAUSE_KINDS, MTTR_BUCKETS, JobCollector
 from toolkit.scheduler.journal import Journal
 from toolkit.scheduler.metrics import Endpoint, Exchange
 from toolkit.scheduler.roster import Roster
+from toolkit.testing import waits
 from toolkit.testing.localjob import LocalJob
 from toolkit.testing.ports import free_port
 
@@ -48,6 +50,7 @@ STOPPED_FOR = 4.0  # s worker_1 is stopped: no step for ~40 step times (node_tim
 SCRAPE_EVERY = 0.5  # s between the recorder's scrapes
 LOSS_LINE = re.compile(r"^epoch: \d+, step: (\d+), loss is ([-+0-9.e]+)$", re.M)
 TIMEOUT = 240.0  # s for each wait on a loaded 2-core machine
+until = partial(waits.until, bound=TIMEOUT)
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -87,19 +90,6 @@ class Recorder:
                     return v
             return None
         return None
-
-
-def until(what: str, predicate: Callable[[], Any], job: LocalJob) -> Any:
-    deadline = time.monotonic() + TIMEOUT
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if job.agent is not None and job.agent.poll() is not None:
-            raise AssertionError(f"the job ended while waiting for {what}\n{job.evidence()}")
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {TIMEOUT} s waiting for {what}\n{job.evidence()}")
-        time.sleep(0.2)
 
 
 def ledger(job: LocalJob) -> dict[str, Any]:

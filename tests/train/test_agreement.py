@@ -15,7 +15,7 @@ from toolkit.train.agreement import (
     choose_source,
     recomputed_steps,
 )
-from toolkit.train.trainererror import TrainerError
+from toolkit.train.faults import TrainerError
 
 
 def test_the_lowest_rank_at_the_highest_held_step_wins() -> None:

@@ -10,13 +10,14 @@ import os
 import re
 import signal
 import threading
-import time
+from functools import partial
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 
 from toolkit.contracts import rundoc
+from toolkit.testing import waits
 from toolkit.testing.localjob import LocalJob
 
 WORLD = 3
@@ -25,21 +26,9 @@ EVEN_STEPS = 40  # steps before the slowing: ~5 s of straggler evaluations that 
 BURST_STOP, BURST_RUN = 0.06, 0.03  # s stopped, then running, in turn, finer than a step: a third of its speed
 TIMEOUT = 240.0  # s for each wait on a loaded 2-core machine
 POLL = 0.1
+until = partial(waits.until, bound=TIMEOUT, poll=POLL)
 
 pytestmark = pytest.mark.timeout(600)
-
-
-def until(what: str, predicate: Callable[[], Any], job: LocalJob) -> Any:
-    deadline = time.monotonic() + TIMEOUT
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if job.agent is not None and job.agent.poll() is not None:
-            raise AssertionError(f"the job ended while waiting for {what}\n{job.evidence()}")
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {TIMEOUT} s waiting for {what}\n{job.evidence()}")
-        time.sleep(POLL)
 
 
 def live(job: LocalJob) -> dict[str, Any]:

@@ -21,13 +21,14 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
+from functools import partial
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import torch
 
+from toolkit.testing import waits
 from toolkit.testing.localjob import EXAMPLES, FLEET, FleetRun, clean_env
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
@@ -36,25 +37,13 @@ POLL = 0.05  # s between looks at a log: no event tells that a line was appended
 STEP = re.compile(r"^epoch (\d+) step (\d+) loss", re.M)
 PLAIN_ARGS = "--epochs 3 --step-delay 0.04"
 EXIT_REJOIN = 76
+until = partial(waits.until, bound=JOB_TIMEOUT, poll=POLL)
 
 pytestmark = pytest.mark.timeout(900)
 
 
 def steps_total(world: int, epochs: int = 3, dataset: int = 2048, batch: int = 32) -> int:
     return epochs * math.ceil(math.ceil(dataset / world) / batch)
-
-
-def until(what: str, predicate: Callable[[], Any], run: FleetRun, timeout: float = JOB_TIMEOUT) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if run.runner is not None and run.runner.poll() is not None:
-            raise AssertionError(f"the job ended while waiting for {what}:\n{run.join(1)[1]}\n{run.evidence()}")
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}\n{run.evidence()}")
-        time.sleep(POLL)
 
 
 def last_step(run: FleetRun, rank: int) -> int:

@@ -14,11 +14,13 @@ import random
 import re
 import signal
 import time
+from functools import partial
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 import pytest
 
+from toolkit.testing import waits
 from toolkit.testing.localjob import STEP_LINE, LocalJob
 
 WORLD = 4
@@ -31,6 +33,7 @@ RECOVERED = re.compile(r"^rank (\d+): resumed from step (\d+) .* out of (rank (\
                        r"state).*?(?:: (\d+) step\(s\) recomputed)?$", re.M)
 FORMED = re.compile(r"generation (\d+) formed")
 DEATH = re.compile(r"(worker_\d+) \(pid (\d+) on \S+\) is dead")
+until = partial(waits.until, bound=JOB_TIMEOUT, poll=POLL)
 
 pytestmark = pytest.mark.timeout(1200)
 
@@ -38,19 +41,6 @@ pytestmark = pytest.mark.timeout(1200)
 def local_job(root: Path, world: int = WORLD) -> LocalJob:
     return LocalJob(root, world, ARGS + ["--step-delay", STEP_DELAY], job="zero", node_timeout=3,
                     cluster_time_out=120, grace=5, max_restarts=30)
-
-
-def until(what: str, predicate: Callable[[], Any], job: LocalJob, timeout: float = JOB_TIMEOUT) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if job.agent is not None and job.agent.poll() is not None:
-            raise AssertionError(f"the job ended while waiting for {what}\n{job.evidence()}")
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}\n{job.evidence()}")
-        time.sleep(POLL)
 
 
 def steps(job: LocalJob, rank: int) -> int:

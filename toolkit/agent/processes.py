@@ -6,7 +6,7 @@ each is a Slot (slots.py).
 Invariants, kept here and nowhere else: while the loop runs, a slot has a `child` exactly when that child's pidfd is
 registered in the selector (`launch` registers, `_on_child` unregisters before reaping, `quiesce` unregisters the
 rest for the final stop); once the agent is closing, nothing is launched or relaunched. Runs on the agent's loop
-thread, through its selector and timers; what it needs of the agent comes in as callbacks.
+thread, through its selector and timers; what it needs of the agent it asks through toolkit.agent.port.AgentPort.
 """
 
 from __future__ import annotations
@@ -17,12 +17,12 @@ import selectors
 import signal
 import subprocess
 import time
-from typing import Callable
 
 from toolkit import memcgroup, procs
 from toolkit.agent import causes, openfiles, policy
 from toolkit.agent.log import AgentLog, iso, log_tail
-from toolkit.agent.slots import EXIT_HISTORY, Slot, cpu_sets
+from toolkit.agent.port import AgentPort
+from toolkit.agent.slots import EXIT_HISTORY, Slot, WorkersOf, cpu_sets
 from toolkit.agent.spare import WarmSpare
 from toolkit.agent.timers import Timers
 from toolkit.contracts import envvars, protocol
@@ -37,19 +37,15 @@ GAVE_UP_TAIL_BYTES = 8 << 10  # of the log tail sent with gave_up (a message is 
 class Processes:
     """This host's processes of one job, by node id (`slots`, in host.json's order; a takeover adds more).
 
-    From the agent: `base_env` (the children's environment), `warm` (the warm spare, which may take a relaunch),
-    `report(op, coalesce=None, **fields)` (to the scheduler), `changed()` (rewrite agent.json), `agent_state()`,
-    `closing()`, `finish(state, reason)` (leave the loop with that final state; the first call counts) and
-    `finish_now()` (a finishing agent whose last child exited). `failure` is set when a process gives up
-    (agent.json's `failure`). Raises UserError when bind_core asks for more CPUs than this process may use."""
+    `base_env` is the children's environment; `agent` the Agent (its state, reports to the scheduler, agent.json,
+    the end of the loop). It builds its warm spare (`warm`, which may take a relaunch), which reads the workers
+    from the slots (slots.WorkersOf). `failure` is set when a process gives up (agent.json's `failure`). Raises
+    UserError when bind_core asks for more CPUs than this process may use."""
 
     def __init__(self, spec: HostSpec, sel: selectors.BaseSelector, timers: Timers, log: AgentLog,
-                 base_env: dict[str, str], warm: WarmSpare, report: Callable[..., None],
-                 changed: Callable[[], None], agent_state: Callable[[], AgentState], closing: Callable[[], bool],
-                 finish: Callable[[AgentState, str | None], None], finish_now: Callable[[], None]) -> None:
-        self.spec, self.sel, self.timers, self.log, self.base_env, self.warm = spec, sel, timers, log, base_env, warm
-        self.report, self.changed, self.agent_state, self.closing = report, changed, agent_state, closing
-        self.finish, self.finish_now = finish, finish_now
+                 base_env: dict[str, str], agent: AgentPort) -> None:
+        self.spec, self.sel, self.timers, self.log, self.base_env = spec, sel, timers, log, base_env
+        self.agent = agent
         workers = [p for p in spec.processes if p.is_worker]
         sets = cpu_sets(os.sched_getaffinity(0), len(workers), spec.host) if spec.bind_core else []
         by_node = dict(zip((p.node_id for p in workers), sets, strict=False))  # no sets without bind_core
@@ -58,6 +54,7 @@ class Processes:
         self.nofile = 0  # the workers' open-file limit (the agent raises it to the hard limit before the start)
         self.cgroup = memcgroup.of_process()  # the agent's memory cgroup, which its children share
         self.oom_kills = self._oom_kills()  # the cgroup's OOM kills as of the last exit recorded
+        self.warm = WarmSpare(spec, sel, timers, log, base_env, WorkersOf(self.slots), agent)
 
     def start(self) -> None:
         """The first start: the scheduler, if it lives here, before the workers."""
@@ -151,7 +148,7 @@ class Processes:
         (there was no pid). On success the child's pidfd is registered (-> `_on_child`), `progressed` is reset, and
         agent.json is rewritten."""
         slot.timer, slot.next_start = None, None
-        if self.closing():
+        if self.agent.closing:
             return
         n = slot.launches
         env = dict(self.base_env)
@@ -192,7 +189,7 @@ class Processes:
             slot.seen_dead = None
         self.log(slot.spec.node_id, f"started pid {child.pid} ({why}{', warm spare' if slot.warm else ''}"
                                     f"{', restart count ' + str(n) if n else ''}{since})")
-        self.changed()
+        self.agent.write_doc()
         if not slot.warm:
             self.warm.hold()
 
@@ -271,13 +268,13 @@ class Processes:
             slot.kill_timer.cancel()
             slot.kill_timer = None
         if pid is not None:
-            self.report(protocol.EXITED, coalesce=slot.spec.node_id, node_id=slot.spec.node_id, pid=pid,
-                        code=status.code, signal=status.signal_name, cause=cause)
+            self.agent.report(protocol.EXITED, coalesce=slot.spec.node_id, node_id=slot.spec.node_id, pid=pid,
+                              code=status.code, signal=status.signal_name, cause=cause)
         others = [s for s in self.slots.values() if s is not slot]
         facts = policy.Exited(
             code=status.code if status.signal is None else None, ran_for=ran, progressed=slot.progressed,
-            counted=slot.counted, manual=slot.manual, closing=self.closing(),
-            finishing=self.agent_state() is AgentState.FINISHING,
+            counted=slot.counted, manual=slot.manual, closing=self.agent.closing,
+            finishing=self.agent.state is AgentState.FINISHING,
             others_running=any(s.child for s in others),
             others_succeeded=all(s.state is ProcState.SUCCEEDED for s in others),
             reached=record.step, failed_at=slot.failed_at, said_done=slot.said_done)
@@ -292,15 +289,15 @@ class Processes:
                 self._failed_after_end(slot, pid, status, how)
             else:
                 self.log(node, f"pid {pid} exited ({how})")
-            self.changed()
+            self.agent.write_doc()
             if reaction.finish:
-                self.finish_now()
+                self.agent.finish_now()
         elif isinstance(reaction, policy.Succeeded):
             slot.state = ProcState.SUCCEEDED
             self.log(node, f"pid {pid} finished (exit code 0 after {ran:.1f} s)")
-            self.changed()
+            self.agent.write_doc()
             if reaction.all_done:
-                self.finish(AgentState.SUCCEEDED, "every process of this host exited 0")
+                self.agent.finish(AgentState.SUCCEEDED, "every process of this host exited 0")
         elif isinstance(reaction, policy.GiveUp):
             self._give_up(slot, pid, status, ran, cause)
         else:
@@ -329,7 +326,7 @@ class Processes:
             slot.state = ProcState.BACKOFF
             slot.next_start = time.time() + reaction.delay
             slot.timer = self.timers.after(reaction.delay, lambda: self.launch(slot, reaction.why))
-            self.changed()
+            self.agent.write_doc()
 
     def _failed_after_end(self, slot: Slot, pid: int | None, status: ExitStatus, how: str) -> None:
         """`slot` exited non-zero (`how`) after it finished training (it said `done`, or the job had finished): not
@@ -371,9 +368,9 @@ class Processes:
                                f"{n} allowed restart(s) are used up; last {len(tail)} lines of {spec.log_file}:")
         for line in tail:
             self.log(spec.node_id, f"| {line}")
-        self.report(protocol.GAVE_UP, node_id=spec.node_id, code=status.code, signal=status.signal_name, cause=cause,
-                         log_tail="\n".join(tail)[-GAVE_UP_TAIL_BYTES:])
-        self.finish(AgentState.FAILED, reason)
+        self.agent.report(protocol.GAVE_UP, node_id=spec.node_id, code=status.code, signal=status.signal_name,
+                          cause=cause, log_tail="\n".join(tail)[-GAVE_UP_TAIL_BYTES:])
+        self.agent.finish(AgentState.FAILED, reason)
 
     def count_open_files(self) -> None:
         """Timer callback, every openfiles.SAMPLE_INTERVAL: count each running worker's open files and warn (agent
@@ -390,8 +387,8 @@ class Processes:
                 self.log(slot.spec.node_id, f"pid {slot.child.pid} {warning}")
             changed = changed or bool(warning)
         if changed:
-            self.changed()
-        if not self.closing():
+            self.agent.write_doc()
+        if not self.agent.closing:
             self.timers.after(openfiles.SAMPLE_INTERVAL, self.count_open_files)
 
     def stop_children(self, slots: list[Slot], why: str) -> None:
@@ -426,9 +423,9 @@ class Processes:
         if slot is None:
             return {"ok": False, "error": f"no process {node_id} on {self.spec.host}; this host runs "
                                           f"{', '.join(self.slots)}"}
-        if self.closing():
+        if self.agent.closing:
             return {"ok": False,
-                    "error": f"the agent on {self.spec.host} is {self.agent_state()}; nothing is restarted"}
+                    "error": f"the agent on {self.spec.host} is {self.agent.state}; nothing is restarted"}
         self.log(node_id, "restart requested by the operator (not counted against max_restarts)")
         if slot.child is None:
             if slot.timer:
@@ -445,5 +442,5 @@ class Processes:
             else:
                 child.signal_group(signal.SIGTERM)
             slot.kill_timer = self.timers.after(self.spec.grace, lambda: child.signal_group(signal.SIGKILL))
-            self.changed()
+            self.agent.write_doc()
         return {"ok": True, "node_id": node_id, "was_pid": child.pid, "pid": None}

@@ -48,7 +48,7 @@ def parse(data: bytes) -> Report | None:
         return None
     step, epoch, recovery = msg.get("step"), msg.get("epoch"), msg.get("recovery")
     return Report(msg["node_id"],
-                  step if isinstance(step, int) and not isinstance(step, bool) else None,
+                  step if protocol.is_int(step) else None,
                   epoch if isinstance(epoch, int) else None,
                   recovery if isinstance(recovery, str)
                   and recovery in (protocol.RECOVERY_IN_PLACE, protocol.RECOVERY_RESTART) else None,

@@ -1,15 +1,15 @@
 """What the agent knows of each process it supervises (a Slot: its running incarnation, launches, exits, progress,
 and the timers pending for it), and the pure views of them the agent needs: the CPU sets of bind_core (`cpu_sets`),
-the children it vouches for in heartbeats (`running`), the cold relaunches that hold the warm spare back
-(`cold_launches`) and the memory it faults in ahead (`largest_worker_memory`). No I/O but a process's step file and
-/proc reads; the loop that changes slots is supervisor.py.
+the children it vouches for in heartbeats (`running`), and what the warm spare reads of the workers (`WorkersOf`:
+the cold relaunches that hold it back, the memory it faults in ahead). No I/O but a process's step file and /proc
+reads; the loop that changes slots is supervisor.py.
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Mapping
 
 from toolkit import procs, standby
 from toolkit.agent import openfiles, policy
@@ -168,14 +168,26 @@ class Slot:
         )
 
 
-def largest_worker_memory(slots: Iterable[Slot]) -> int:
-    """The private resident memory of the largest running worker in bytes, 0 if none can be read: what the warm spare
-    faults in ahead (toolkit.standby)."""
-    return max([0, *(standby.private_bytes(s.child.pid) for s in slots if s.spec.is_worker and s.child is not None)])
+class WorkersOf:
+    """What the warm spare reads of a host's workers (toolkit.agent.port.Workers), from its slots as they are at each
+    call (`slots`: Processes.slots, which a takeover grows)."""
 
+    def __init__(self, slots: Mapping[str, Slot]) -> None:
+        self.slots = slots
 
-def cold_launches(slots: Iterable[Slot]) -> list[float]:
-    """When each worker relaunched cold that has not progressed since was launched (monotonic s): what holds the
-    warm spare back (toolkit.agent.warmspare). A first start is not a recovery: SPARE_DELAY paces the spare then."""
-    return [s.started_mono for s in slots if s.spec.is_worker and s.child is not None and not s.warm
-            and not s.progressed and s.launches > 1]
+    def template(self) -> ProcSpec:
+        """The first worker: its interpreter and env file are what a spare uses."""
+        return next(s.spec for s in self.slots.values() if s.spec.is_worker)
+
+    def largest_memory(self) -> int:
+        """The private resident memory of the largest running worker in bytes, 0 if none can be read: what the warm
+        spare faults in ahead (toolkit.standby)."""
+        return max([0, *(standby.private_bytes(s.child.pid) for s in self.slots.values()
+                         if s.spec.is_worker and s.child is not None)])
+
+    def cold_launches(self) -> list[float]:
+        """When each worker relaunched cold that has not progressed since was launched (monotonic s): what holds the
+        warm spare back (toolkit.agent.warmspare). A first start is not a recovery: SPARE_DELAY paces the spare
+        then."""
+        return [s.started_mono for s in self.slots.values() if s.spec.is_worker and s.child is not None
+                and not s.warm and not s.progressed and s.launches > 1]

@@ -16,12 +16,12 @@ import signal
 import socket
 import subprocess
 import time
-from typing import Callable
 
 from toolkit import procs, standby
 from toolkit.agent import warmspare
 from toolkit.agent.control import CLIENT_TIMEOUT
 from toolkit.agent.log import AgentLog, iso, log_tail
+from toolkit.agent.port import AgentPort, Workers
 from toolkit.agent.timers import Timer, Timers
 from toolkit.agent.warmspare import SPARE_DELAY, SPARE_MAX_FAILURES, Step
 from toolkit.contracts.agentdoc import WarmSpareDoc
@@ -45,23 +45,21 @@ class Spare:
 
 class WarmSpare:
     """The agent's warm spare, on its selector `sel` and `timers`. `base_env` is the children's environment;
-    `template()` the worker whose interpreter and env file a spare uses; `cold()` the launch times of the workers
-    relaunched cold that have not progressed since (what holds the spare back); `memory()` the private memory of the
-    largest running worker in bytes (what a spare faults in ahead, toolkit.standby); `closing()` whether the agent is
-    closing; `changed()` rewrites agent.json. Loop thread only."""
+    `workers` what it reads of the workers (port.Workers: the template worker, the cold launches that hold it back,
+    the memory to fault in ahead, toolkit.standby); `agent` whether the agent is closing, and agent.json's rewrite
+    (port.AgentPort). Loop thread only."""
 
     def __init__(self, spec: HostSpec, sel: selectors.BaseSelector, timers: Timers, log: AgentLog,
-                 base_env: dict[str, str], template: Callable[[], ProcSpec], cold: Callable[[], list[float]],
-                 memory: Callable[[], int], closing: Callable[[], bool], changed: Callable[[], None]) -> None:
+                 base_env: dict[str, str], workers: Workers, agent: AgentPort) -> None:
         self.spec, self.sel, self.timers, self.log, self.base_env = spec, sel, timers, log, base_env
-        self.template, self.cold, self.memory, self.closing, self.changed = template, cold, memory, closing, changed
+        self.workers, self.agent = workers, agent
         self.spare: Spare | None = None
         self.timer: Timer | None = None
         self.failures = 0  # spares that died on their own since the latest handoff
         self.enabled = spec.warm_spare and any(p.is_worker for p in spec.processes)
 
     def _step(self) -> Step:
-        return warmspare.next_step(self.enabled, self.failures, self.closing(), self.spare is not None)
+        return warmspare.next_step(self.enabled, self.failures, self.agent.closing, self.spare is not None)
 
     def arm(self) -> None:
         """(Re)arm the spare timer for SPARE_DELAY from now if a spare is wanted (warmspare.next_step). A timer already
@@ -99,14 +97,14 @@ class WarmSpare:
         self.timer = None
         if self._step() is not Step.ARM:
             return
-        plan = warmspare.spare_plan(False, self.cold(), self.timers.now())
+        plan = warmspare.spare_plan(False, self.workers.cold_launches(), self.timers.now())
         if not plan.run and plan.until is not None:  # a worker restarts cold: importing now would slow it down
             self.timer = self.timers.after(plan.until - self.timers.now(), self._start)
             return
-        template = self.template()
+        template = self.workers.template()
         interpreter = template.argv[0]
         mine, theirs = socket.socketpair()
-        memory = self.memory()
+        memory = self.workers.largest_memory()
         argv = [interpreter, "-m", "toolkit.standby", "--fd", str(theirs.fileno()), "--memory", str(memory)]
         try:
             child = procs.spawn(LaunchSpec(
@@ -126,7 +124,7 @@ class WarmSpare:
                           f"a worker holds {memory >> 20} MB of private memory)")
         self.sel.register(mine, selectors.EVENT_READ, lambda _m: self._on_sock())
         self.sel.register(child, selectors.EVENT_READ, lambda _m: self._on_exit())
-        self.changed()
+        self.agent.write_doc()
 
     def hold(self) -> None:
         """Hold the warm spare (SIGSTOP to its group) while it imports and a worker relaunched cold starts beside it,
@@ -137,7 +135,7 @@ class WarmSpare:
         if sp is None:
             return
         now = self.timers.now()
-        plan = warmspare.spare_plan(sp.ready, self.cold(), now)
+        plan = warmspare.spare_plan(sp.ready, self.workers.cold_launches(), now)
         if sp.hold_timer is not None:
             sp.hold_timer.cancel()
             sp.hold_timer = None
@@ -147,7 +145,7 @@ class WarmSpare:
             self.log("agent", f"warm spare pid {sp.child.pid} " + (
                 "held: a worker restarts cold, and the spare's imports would slow it down" if sp.held
                 else "goes on importing" if not sp.ready else "goes on: it was ready as it was held"))
-            self.changed()
+            self.agent.write_doc()
         if plan.until is not None:
             sp.hold_timer = self.timers.after(plan.until - now, self.hold)
 
@@ -165,7 +163,7 @@ class WarmSpare:
         if data == standby.READY:
             sp.ready = True
             self.log("agent", f"warm spare pid {sp.child.pid} ready after {self.timers.now() - sp.started:.1f} s")
-            self.changed()
+            self.agent.write_doc()
             self.hold()  # held while its READY was on the way: it must go on
         else:
             self.sel.unregister(sp.sock)  # it went away: its pidfd tells the rest
@@ -196,7 +194,7 @@ class WarmSpare:
             self.log("agent", f"{self.failures} warm spares died: no more spares, workers restart cold")
         elif step is Step.ARM:
             self.timer = self.timers.after(SPARE_DELAY, self._start)
-        self.changed()
+        self.agent.write_doc()
 
     def take(self, worker: ProcSpec, cpus: frozenset[int] | None, env: dict[str, str], marker: str) -> Child | None:
         """Give `worker`'s place (bound to `cpus`) to the ready spare; None (and a cold start) if there is none or it

@@ -6,11 +6,11 @@ warm spare when one is ready; one still importing is held while a worker restart
 or giving up. One thread, one selector loop: children's pidfds, the control socket, the progress socket, the
 scheduler link, signals (through the wakeup fd) and timers.
 
-This module is the loop, the agent's life (setup, signals, the first `_finish`, the shutdown order) and the
+This module is the loop, the agent's life (setup, signals, the first `finish`, the shutdown order) and the
 dispatch of the scheduler's messages and the control requests. Each concern lives in its own module: the processes'
-launches, exits and relaunches in processes.py (what to do is decided in policy.py), the warm spare in spare.py, the
-sockets' conversations in control.py and progressinbox.py, and when agent.json (toolkit.contracts.agentdoc) is rewritten
-in docwriter.py: at once on every change of state, at most once per PROGRESS_WRITE_INTERVAL for progress.
+launches, exits and relaunches in processes.py (what to do is decided in policy.py), the warm spare in spare.py,
+the sockets' conversations in control.py and progressinbox.py, and when agent.json (toolkit.contracts.agentdoc) is
+rewritten in docwriter.py: at once on every change of state, at most once per PROGRESS_WRITE_INTERVAL for progress.
 """
 
 from __future__ import annotations
@@ -32,8 +32,7 @@ from toolkit.agent.link import SchedulerLink
 from toolkit.agent.log import AgentLog, iso
 from toolkit.agent.processes import Processes
 from toolkit.agent.progressinbox import ProgressInbox, Report
-from toolkit.agent.slots import cold_launches, largest_worker_memory, running
-from toolkit.agent.spare import WarmSpare
+from toolkit.agent.slots import running
 from toolkit.agent.timers import Timer, Timers
 from toolkit.contracts import agentdoc, envvars, protocol
 from toolkit.contracts.agentdoc import AgentDoc, AgentState, ControlOp, ProcState, Takeover, recorded_groups
@@ -66,7 +65,7 @@ class Agent:
     ours. Everything that waits longer (stopping children, the last reports) happens in `_shutdown`, after the loop.
 
     Invariants: while the loop runs, a slot has a `child` exactly when that child's pidfd is registered in the selector
-    (kept by Processes); once `closing` is set nothing is launched or relaunched; the first `_finish` fixes the exit
+    (kept by Processes); once `closing` is set nothing is launched or relaunched; the first `finish` fixes the exit
     code, state and reason; agent.json is rewritten after every change of state (for progress alone, at most once per
     PROGRESS_WRITE_INTERVAL). `state` goes starting -> running -> [finishing ->] [stopping ->] succeeded, failed or
     stopped, with exit code EXIT_OK, EXIT_FAILED or EXIT_STOPPED (EXIT_CODES)."""
@@ -96,19 +95,15 @@ class Agent:
         # gloo's bootstrap in O(N/128) requests
         for name in (envvars.GLOO_ENABLE_STORE_V2_API, envvars.GLOO_ENABLE_RANK_AS_SEQUENCE_NUMBER):
             self.base_env.setdefault(name, "1")
-        self.warm = WarmSpare(spec, self.sel, self.timers, log, self.base_env,
-                              template=lambda: next(s.spec for s in self.processes.slots.values() if s.spec.is_worker),
-                              cold=lambda: cold_launches(self.processes.slots.values()),
-                              memory=lambda: largest_worker_memory(self.processes.slots.values()),
-                              closing=lambda: self.closing, changed=lambda: self.writer.write())
         self.writer = DocWriter(spec.agent_json, self.timers, self.document)
         self.took_over: list[Takeover] = []  # a spare's takeovers
+        # the processes and their warm spare talk to this agent through toolkit.agent.port.AgentPort (its methods
+        # below); they run only once the loop does, when the link exists too
+        self.processes = Processes(spec, self.sel, self.timers, log, self.base_env, self)
+        self.warm = self.processes.warm
+        slots = self.processes.slots
         self.link = SchedulerLink(spec, self.sel, self.timers, log, self._on_scheduler, self._changed,
-                                  self._hello_fields, lambda: {"running": running(self.processes.slots.values())})
-        self.processes = Processes(spec, self.sel, self.timers, log, self.base_env, self.warm, self.link.report,
-                                   self.writer.write, lambda: self.state, lambda: self.closing,
-                                   lambda state, reason: self._finish(state, EXIT_CODES[state], reason),
-                                   self._finish_now)
+                                  self._hello_fields, lambda: {"running": running(slots.values())})
         self._stop_after: Timer | None = None
         self._wake_r: socket.socket | None = None
         self.control = ControlServer(spec.control_socket, self.sel, self.timers, self._control_request)
@@ -123,7 +118,7 @@ class Agent:
         scheduler, if it lives here, is started before the workers, agent.json is written, the scheduler link starts,
         the warm spare is armed, and `ready("ready <pid>")` is called once (commands.start waits for that line). The
         loop dispatches selector events and due timers, waking at least every IDLE_WAKE s, until a callback calls
-        `_finish`; `_shutdown` then stops what is left and its exit code is returned. An exception out of a callback (a
+        `finish`; `_shutdown` then stops what is left and its exit code is returned. An exception out of a callback (a
         bug, or agent.json unwritable) fails the agent: it is logged, `_shutdown` still stops every child (within its
         bound), and the exception propagates."""
         try:
@@ -161,7 +156,7 @@ class Agent:
                 self.timers.run_due()
         except BaseException as e:
             self.log("agent", f"internal error, stopping everything: {type(e).__name__}: {e}")
-            self._finish(AgentState.FAILED, EXIT_FAILED, f"agent error: {type(e).__name__}: {e}")
+            self.finish(AgentState.FAILED, f"agent error: {type(e).__name__}: {e}")
             with contextlib.suppress(Exception):
                 self._shutdown()
             raise
@@ -207,13 +202,23 @@ class Agent:
                 self.log(node_id, f"killed {len(killed)} process(es) left running by the previous agent in "
                                   f"group {pgid}: {killed}")
 
-    def _finish(self, state: AgentState, code: int, reason: str | None) -> None:
+    # -- the port the processes and the warm spare talk through (toolkit.agent.port.AgentPort)
+
+    def finish(self, state: AgentState, reason: str | None) -> None:
         """Leave the loop; _shutdown does the stopping. Returns at once. Only the first call counts: it fixes `state`,
-        the exit code and `reason` (a SIGTERM during a give-up changes nothing). Sets `closing`, so no exit from now on
-        is relaunched."""
+        the exit code (EXIT_CODES) and `reason` (a SIGTERM during a give-up changes nothing). Sets `closing`, so no
+        exit from now on is relaunched."""
         if self.exit_code is None:
-            self.state, self.exit_code, self.reason = state, code, reason
+            self.state, self.exit_code, self.reason = state, EXIT_CODES[state], reason
             self.closing = True
+
+    def report(self, op: str, coalesce: str | None = None, **fields: Any) -> None:
+        """A message for the scheduler, through the link (SchedulerLink.report: never blocks, never raises)."""
+        self.link.report(op, coalesce, **fields)
+
+    def write_doc(self) -> None:
+        """Rewrite agent.json now (a process's or the spare's state changed)."""
+        self.writer.write()
 
     def _shutdown(self) -> int:
         """After the loop: stop everything this agent started and return the exit code.
@@ -296,7 +301,7 @@ class Agent:
             self.processes.fence(reaction.node_id, reaction.cause, reaction.dump)
         elif isinstance(reaction, policy.StopJob):
             self.log("agent", f"the scheduler stopped the job: {reaction.reason}")
-            self._finish(AgentState.FAILED, EXIT_FAILED, f"stopped by the scheduler: {reaction.reason}")
+            self.finish(AgentState.FAILED, f"stopped by the scheduler: {reaction.reason}")
         elif isinstance(reaction, policy.FinishJob):
             self.log("agent", "the scheduler says the job finished")
             self.link.close()  # it exits now; nothing more to tell it
@@ -304,9 +309,9 @@ class Agent:
             self.state = AgentState.FINISHING
             self.processes.cancel_pending()
             if not self.processes.any_running():
-                self._finish_now()
+                self.finish_now()
             else:
-                self._stop_after = self.timers.after(self.spec.grace, self._finish_now)
+                self._stop_after = self.timers.after(self.spec.grace, self.finish_now)
                 self.writer.write()
         elif reaction.why != "already closing":
             self.log("agent", reaction.why)
@@ -331,7 +336,7 @@ class Agent:
         and whether it is a spare host's agent (the scheduler may hand it a lost host's ranks)."""
         return {"host": self.spec.host, "node_ids": list(self.processes.slots), "spare": self.spec.spare}
 
-    def _finish_now(self) -> None:
+    def finish_now(self) -> None:
         """End a finishing agent: called when its last child has exited or when the grace period after `finished`
         runs out; cancels that grace timer. Success (EXIT_OK) unless a process of this host exited non-zero after
         the end (Processes.failure): then `failed` (EXIT_FAILED), that exit its cause."""
@@ -339,9 +344,9 @@ class Agent:
             self._stop_after.cancel()
         bad = self.processes.failure
         if bad is not None:
-            self._finish(AgentState.FAILED, EXIT_FAILED, f"{bad.node_id} {bad.cause}; the job has failed")
+            self.finish(AgentState.FAILED, f"{bad.node_id} {bad.cause}; the job has failed")
             return
-        self._finish(AgentState.SUCCEEDED, EXIT_OK, "the scheduler said the job finished")
+        self.finish(AgentState.SUCCEEDED, "the scheduler said the job finished")
 
     # -- signals, control socket, progress
 
@@ -359,12 +364,12 @@ class Agent:
                 self.log("agent", "SIGHUP ignored (the agent outlives the session that started it)")
                 continue
             self.log("agent", f"{name} received: stopping")
-            self._finish(AgentState.STOPPED, EXIT_STOPPED, f"stopped by {name}")
+            self.finish(AgentState.STOPPED, f"stopped by {name}")
 
     def _control_request(self, req: Any) -> tuple[dict, Callable[[], None] | None]:
         """One control request -> (reply, action to run once the reply is sent, or None). The ops are
         agentdoc.ControlOp: `status` returns the agent.json document, `stop` replies ok and defers
-        `_finish(AgentState.STOPPED, EXIT_STOPPED)` (its reason "stopped by BY" when the request names who, `by`:
+        `finish(AgentState.STOPPED)` (its reason "stopped by BY" when the request names who, `by`:
         `fleet stop`), `restart` is `_manual_restart`; anything else, a request that is
         not an object included, gets an error naming the known ops."""
         op = req.get("op") if isinstance(req, dict) else None
@@ -375,7 +380,7 @@ class Agent:
             reason = f"stopped by {protocol.one_line(by)[:STOP_BY_MAX]}" if isinstance(by, str) and by.strip() \
                 else "stop requested"
             self.log("agent", f"stop requested on the control socket ({reason})")
-            return {"ok": True}, lambda: self._finish(AgentState.STOPPED, EXIT_STOPPED, reason)
+            return {"ok": True}, lambda: self.finish(AgentState.STOPPED, reason)
         if op == ControlOp.RESTART:
             return self.processes.manual_restart(str(req.get("node_id"))[:256]), None
         known = ", ".join(o.value for o in ControlOp)

@@ -1,5 +1,5 @@
-"""The warm spare's decisions (pure: facts and a clock in; toolkit.agent.spare applies them): whether one is wanted at
-all (`next_step`), and when it may import torch: never while a worker relaunched cold starts beside it
+"""The warm spare's decisions (pure: facts and a clock in; toolkit.agent.spare applies them): whether one is
+wanted at all (`next_step`), and when it may import torch: never while a worker relaunched cold starts beside it
 (`spare_plan`).
 
 Wanted: a spare is (re)built SPARE_DELAY after a launch or a handoff (sooner once every worker has progressed), never

@@ -18,6 +18,8 @@ import json
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Mapping
 
+from toolkit.contracts.protocol import is_int, is_number
+
 JOB_ID_FILE = "job-id"  # in the job directory: "<job id>\n<project it was deployed from>\n"
 MAX_IDENTITY = 2048  # bytes of it read: it is two short lines
 EXIT_OTHER_JOB = 4  # the agent's `start`/`stop --job-id`: the directory holds another project's job (left alone)
@@ -133,11 +135,11 @@ class BadDocument(ValueError):
 
 
 def _int(v: Any) -> int | None:
-    return v if isinstance(v, int) and not isinstance(v, bool) else None
+    return v if is_int(v) else None
 
 
 def _num(v: Any) -> float | None:
-    return v if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+    return v if is_number(v) else None
 
 
 def _bool(v: Any) -> bool | None:

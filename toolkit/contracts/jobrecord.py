@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from toolkit import atomicfile
+from toolkit.contracts.protocol import is_int, is_number
 from toolkit.errors import UserError
 
 RECORD_DIR = ".toolkit/jobs"
@@ -259,7 +260,7 @@ def _parse(data: Any) -> JobRecord:
         if not isinstance(h, dict):
             raise RecordError(f"hosts[{i}] is not an object")
         port = h.get("port")
-        if port is not None and (not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536):
+        if port is not None and (not is_int(port) or not 0 < port < 65536):
             raise RecordError(f"{where}port is {json.dumps(port)[:60]}")
         node_ids = field_(h, "node_ids", list, where)
         ckpt = h.get("ckpt_dir")
@@ -285,7 +286,7 @@ def _parse(data: Any) -> JobRecord:
         if name not in ssh:
             raise RecordError(f"ssh.{name} is missing")
     grace = data.get("grace", 10.0)
-    if isinstance(grace, bool) or not isinstance(grace, (int, float)) or not 0 <= grace < 86400:
+    if not is_number(grace) or not 0 <= grace < 86400:
         raise RecordError(f"grace is {json.dumps(grace)[:60]}")
     port = field_(data, "sched_port", int)
     options = data.get("options") or {}

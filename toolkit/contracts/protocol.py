@@ -78,7 +78,7 @@ import math
 import secrets
 import signal
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, TypeGuard
 
 MAX_LINE = 64 << 10  # bytes of one control message (the longest, gave_up, carries a bounded log tail)
 MAX_STORE_LINE = 512 << 10  # bytes of one store message (a value of up to MAX_STORE_VALUE, base64)
@@ -153,10 +153,18 @@ def encode(op: str, **fields: Any) -> bytes:
     return json.dumps({"op": op, **fields}, separators=(",", ":")).encode() + b"\n"
 
 
+def finite_json(data: bytes | str) -> Any:
+    """The JSON value of UTF-8 `data`, with finite numbers only: ValueError (UnicodeDecodeError is one) for bad JSON,
+    NaN, Infinity or a float beyond a double's range (`1e400`, which Python reads as inf and whose int() would raise
+    OverflowError); RecursionError for nesting too deep. The one reader of what another process wrote: the wire's
+    lines here, the scheduler's state file and journal (toolkit.scheduler.state)."""
+    return _DECODER.decode(data.decode("utf-8") if isinstance(data, bytes) else data)
+
+
 def decode(line: bytes) -> dict[str, Any]:
     """One message from one line; any other input is a ProtocolError, never another exception."""
     try:
-        msg = _DECODER.decode(line.decode("utf-8"))
+        msg = finite_json(line)
     except (UnicodeDecodeError, ValueError, RecursionError) as e:  # ValueError: bad JSON, too many digits
         raise ProtocolError(f"not a JSON line: {type(e).__name__}: {str(e)[:100]}") from None
     if not isinstance(msg, dict) or not isinstance(msg.get("op"), str):
@@ -165,13 +173,13 @@ def decode(line: bytes) -> dict[str, Any]:
 
 
 def _no_constant(name: str) -> float:
-    raise ValueError(f"{name} is not a number of this protocol")
+    raise ValueError(f"{name} is not a number of this format")
 
 
 def _finite(text: str) -> float:
     value = float(text)
     if not math.isfinite(value):
-        raise ValueError(f"{text[:20]} is not a finite number")
+        raise ValueError(f"{text[:64]} is out of range: not a finite number")
     return value
 
 
@@ -281,10 +289,21 @@ def challenge_nonce(msg: Mapping[str, Any]) -> str:
 # --- fields --------------------------------------------------------------------------------------------------
 
 
+def is_int(value: object) -> TypeGuard[int]:
+    """An int and not a bool: JSON's and YAML's `true` reads as a bool, which Python counts as an int (True == 1).
+    The one such check of every document and message the processes read."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_number(value: object) -> TypeGuard[int | float]:
+    """An int or a float and not a bool (see is_int); NaN and infinities included: finite_number excludes them."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def whole(msg: Mapping[str, Any], name: str, default: int | None = None) -> int | None:
     """An integer field (never a bool), or `default` when it is missing or of another type."""
     value = msg.get(name)
-    return value if isinstance(value, int) and not isinstance(value, bool) else default
+    return value if is_int(value) else default
 
 
 def finite_number(value: Any) -> bool:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping
 
+from toolkit.contracts.protocol import is_int
 from toolkit.errors import UserError
 
 LOCALHOST = "localhost"
@@ -49,7 +50,7 @@ class Host:
     max_slots: int | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.slots, int) or isinstance(self.slots, bool) or self.slots < 1:
+        if not is_int(self.slots) or self.slots < 1:
             raise InventoryError(f"host {self.name}: slots={self.slots!r}: {_SLOTS_HELP}")
         if self.slots > MAX_SLOTS:
             raise InventoryError(f"host {self.name}: slots={self.slots}: more than {MAX_SLOTS} workers on one host; "
@@ -460,7 +461,7 @@ def _host_from_vars(name: str, v: Mapping[str, Any], where: str) -> Host:
             return None
         if isinstance(value, str) and re.fullmatch(r"\s*[0-9]+\s*", value):
             value = int(value)
-        if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:
+        if not is_int(value) or not lo <= value <= hi:
             raise InventoryError(f"{where}: {key}={value!r}: {hint}")
         return value
 

@@ -25,6 +25,8 @@ from typing import Any, Mapping, Sequence
 
 from rich.table import Table
 
+from toolkit.contracts.protocol import is_int, is_number
+
 BREAKDOWN = ("productive", "startup", "recovery", "recomputed", "checkpoint")  # the goodput parts, in drawing order
 COLORS = {"productive": "#2ca02c", "startup": "#7f7f7f", "recovery": "#d62728", "recomputed": "#ff7f0e",
           "checkpoint": "#1f77b4"}
@@ -331,11 +333,11 @@ def _fmt(v: Any) -> str:
 
 
 def _whole(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+    return is_int(v) and v >= 0
 
 
 def _num(v: Any) -> float | None:
-    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+    return float(v) if is_number(v) else None
 
 
 def _rank_key(rank: str) -> tuple[int, str]:

@@ -136,7 +136,7 @@ class KVStore:
         sent while the connection still waits, a malformed field, a full store or an unknown command is an error
         reply."""
         rid = msg.get("id")
-        if not isinstance(rid, int) or isinstance(rid, bool):
+        if not protocol.is_int(rid):
             return [Reply(peer, -1, False, {"error": "request without an integer id"})]
         if peer in self.waiters:
             return [Reply(peer, rid, False, {"error": "one request at a time per connection"})]
@@ -228,7 +228,7 @@ class KVStore:
         raise StoreError(f"unknown store command {str(cmd)[:40]!r}")
 
     def _add(self, peer: int, rid: int, key: str, amount: Any) -> list[Reply]:
-        if not isinstance(amount, int) or isinstance(amount, bool) or abs(amount) > 1 << 62:
+        if not protocol.is_int(amount) or abs(amount) > 1 << 62:
             raise StoreError("add needs an integer amount")
         try:
             current = int(base64.b64decode(self.data.get(key, "MA==")))  # "0"
@@ -395,7 +395,7 @@ def _value(msg: dict[str, Any], name: str) -> str:
 
 def _timeout(msg: dict[str, Any]) -> float:
     value = msg.get("timeout")
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= MAX_WAIT:
+    if not protocol.is_number(value) or not 0 < value <= MAX_WAIT:
         raise StoreError(f"timeout must be a number of seconds from 0 to {MAX_WAIT:g}")
     return float(value)
 

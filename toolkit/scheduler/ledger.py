@@ -34,7 +34,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Mapping
 
-from toolkit.contracts.protocol import RECOVERY_IN_PLACE, RECOVERY_RESTART, worker_node_id
+from toolkit.contracts.protocol import RECOVERY_IN_PLACE, RECOVERY_RESTART, is_int, worker_node_id
 from toolkit.contracts.rundoc import LEDGER_VERSION as VERSION
 from toolkit.scheduler.actions import CAUSE_CLOSED, CAUSE_NOT_BACK, CAUSE_SILENCE, NoteKind
 from toolkit.scheduler.state import JobStatus
@@ -529,7 +529,7 @@ class Ledger:
         acc.restarting = float(doc.get("restarting", 0.0))
         acc.recovery = doc.get("recovery") if doc.get("recovery") in (RECOVERY_IN_PLACE, RECOVERY_RESTART) else None
         step = doc.get("checkpoint_step")
-        acc.checkpoint_step = step if isinstance(step, int) and not isinstance(step, bool) else None
+        acc.checkpoint_step = step if is_int(step) else None
         return led
 
     def resume(self, now: float) -> None:

@@ -30,8 +30,8 @@ def vouch(roster: Roster, host: str | None, running: Any, now: float) -> None:
     for node_id, pid in list(running.items())[:4096]:
         rank = rank_of(node_id) if isinstance(node_id, str) else None
         member = roster.members.get(rank) if rank is not None else None
-        if (member is not None and member.node_id == node_id and isinstance(pid, int)
-                and not isinstance(pid, bool) and pid == member.pid and roster.host_of(node_id) == host):
+        if (member is not None and member.node_id == node_id and protocol.is_int(pid)
+                and pid == member.pid and roster.host_of(node_id) == host):
             member.vouched_at = now
 
 

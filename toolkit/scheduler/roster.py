@@ -99,8 +99,8 @@ class Peer:
 
 
 @dataclass
-class HostRecord:
-    """One host as the scheduler knows it.
+class RosterHost:
+    """One host as the scheduler knows it (RosterHost, not the launcher's jobrecord.HostRecord: where it was deployed).
 
     `heard_at` is since when its agent is unheard: while connected, its last message (agents heartbeat); while
     not, its disconnection (or, for a host the plan put workers on, the time peers could first connect); None while
@@ -160,7 +160,7 @@ class Roster:
     step)."""
 
     def __init__(self, placement: Mapping[str, str] | None = None, spares: Sequence[str] = ()) -> None:
-        self.hosts: dict[str, HostRecord] = {}
+        self.hosts: dict[str, RosterHost] = {}
         self.node_host: dict[str, str] = {}
         self.agents: dict[str, int] = {}
         self.spare_order: list[str] = list(spares)
@@ -179,11 +179,11 @@ class Roster:
 
     # -- queries
 
-    def record(self, host: str) -> HostRecord:
+    def record(self, host: str) -> RosterHost:
         """The record of `host`, created (unwatched, not connected) if it is new."""
         rec = self.hosts.get(host)
         if rec is None:
-            rec = self.hosts[host] = HostRecord(host)
+            rec = self.hosts[host] = RosterHost(host)
         return rec
 
     def host_of(self, node_id: str) -> str | None:
@@ -222,7 +222,7 @@ class Roster:
                 out.append(host)
         return out
 
-    def unheard_for(self, now: float, timeout: float) -> list[HostRecord]:
+    def unheard_for(self, now: float, timeout: float) -> list[RosterHost]:
         """The watched hosts unheard for `timeout` at `now`: disconnected ones in the order they went, then
         connected ones in the order they first said hello."""
         stale = [rec for rec in self.hosts.values() if rec.heard_at is not None and now - rec.heard_at >= timeout]

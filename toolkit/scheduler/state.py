@@ -27,7 +27,6 @@ on it was sent; it is ignored. Anything else malformed is refused, in one line n
 from __future__ import annotations
 
 import json
-import math
 import os
 import secrets
 from pathlib import Path
@@ -35,6 +34,7 @@ from typing import Any, Callable, Mapping, Protocol
 
 from toolkit import atomicfile
 from toolkit.atomicfile import Durability
+from toolkit.contracts.protocol import finite_json
 from toolkit.contracts.rundoc import STATE_FILE, JobStatus
 from toolkit.errors import UserError
 from toolkit.scheduler.roster import Fact, Roster
@@ -58,7 +58,7 @@ def load(path: Path, job: str, world_size: int) -> dict[str, Any] | None:
     if data is None:
         return None
     try:
-        base = _decode(data)
+        base = finite_json(data)
     except (ValueError, RecursionError) as e:
         raise StateError(f"{path}: unreadable scheduler state ({e}); move it away to start the job afresh") from None
     if not isinstance(base, dict) or base.get("version") not in READABLE:
@@ -233,7 +233,7 @@ def _replay(journal: Path, epoch: str, recs: dict[str, Any]) -> bool:
         return False
     for number, line in enumerate(lines, 1):
         try:
-            entry = _decode(line)
+            entry = finite_json(line)
             if number == 1:
                 if not (isinstance(entry, dict) and entry.get("version") == VERSION
                         and isinstance(entry.get("epoch"), str)):
@@ -251,23 +251,6 @@ def _replay(journal: Path, epoch: str, recs: dict[str, Any]) -> bool:
             raise StateError(f"{journal}: line {number} is damaged ({type(e).__name__}: {str(e)[:200]}); move it "
                              f"and {STATE_FILE} away to start the job afresh") from None
     return True
-
-
-def _decode(data: bytes) -> Any:
-    """The JSON value of `data`, with finite numbers only: ValueError for NaN, Infinity or a float beyond the
-    double's range (`1e400`, which Python reads as inf and whose int() would raise OverflowError)."""
-    return json.loads(data, parse_constant=_no_constant, parse_float=_finite)
-
-
-def _no_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not a number a state holds")
-
-
-def _finite(text: str) -> float:
-    value = float(text)
-    if not math.isfinite(value):
-        raise ValueError(f"{text[:64]} is out of range")
-    return value
 
 
 def _number(name: str) -> int:

@@ -104,6 +104,12 @@ class LocalJob(JobDirFiles):
                                           stdout=out, stderr=out, start_new_session=True)
         return self.agent
 
+    def ended(self) -> str | None:
+        """Why nothing more will come of the job (its agent exited, with what), or None while it runs."""
+        if self.agent is None or self.agent.poll() is None:
+            return None
+        return f"the job ended (its agent exited with {self.agent.returncode})"
+
     def last_step(self, rank: int) -> int:
         """The newest step rank `rank` printed (the sample trainer's `epoch: E, step: S, loss is` lines); 0 if none."""
         steps = STEP_LINE.findall(self.log(f"worker_{rank}.log"))
@@ -176,6 +182,12 @@ class FleetRun(JobDirFiles):
                 raise AssertionError(f"the job did not end within {timeout} s\n{self.output}\n{self.evidence()}") \
                     from None
         return self.runner.returncode, self.output
+
+    def ended(self) -> str | None:
+        """Why nothing more will come of the job (the fleet command exited: its output), or None while it runs."""
+        if self.runner is None or self.runner.poll() is None:
+            return None
+        return f"the job ended:\n{self.join(1)[1]}"
 
     def stop(self) -> None:
         """Whatever happened: nothing of the job left running (`fleet stop`, bounded). The agents run detached from

@@ -8,7 +8,7 @@ evidence a reader needs, never with a bare timeout."""
 from __future__ import annotations
 
 import time
-from typing import Callable, TypeVar
+from typing import Callable, Protocol, TypeVar
 
 T = TypeVar("T")
 
@@ -32,3 +32,19 @@ def wait_for(what: str, predicate: Callable[[], T], bound: float, *, poll: float
             more = evidence() if evidence is not None else ""
             raise AssertionError(f"waiting for {what}: {why}" + (f"\n{more}" if more else ""))
         time.sleep(poll)
+
+
+class Watched(Protocol):
+    """A running job a test waits on (toolkit.testing.localjob's LocalJob and FleetRun)."""
+
+    def ended(self) -> str | None:
+        """Why what the test waits for can no longer come about (the job ended, and how); None while it runs."""
+
+    def evidence(self) -> str:
+        """What a failed wait prints: the job's state and its logs' tails."""
+
+
+def until(what: str, predicate: Callable[[], T], job: Watched, bound: float, *, poll: float = POLL) -> T:
+    """`wait_for` on a running job: stops as soon as the job ends, and fails with the job's evidence. A test module
+    binds its bound once (`until = functools.partial(waits.until, bound=TIMEOUT)`)."""
+    return wait_for(what, predicate, bound, poll=poll, evidence=job.evidence, ended=job.ended)

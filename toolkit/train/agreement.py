@@ -21,8 +21,8 @@ from torch import nn
 from toolkit.train import transfer
 from toolkit.train.checkpoint import CheckpointManager
 from toolkit.train.digest import Digester
+from toolkit.train.faults import TrainerError
 from toolkit.train.runtime import Runtime
-from toolkit.train.trainererror import TrainerError
 
 FROM_PEER, FROM_CHECKPOINT, FROM_INITIAL = "peer", "checkpoint", "initial"
 DIGEST = "digest"  # a checkpoint's entry: the digest (toolkit.train.digest) of the rest of it, taken at the save

@@ -344,9 +344,9 @@ class CheckpointManager:
     environment, Placement.from_env); ``key`` the MAC key (default: the job's, from ``TOOLKIT_TOKEN_FILE``, else
     the project's: toolkit.contracts.ckptkey.default_key). Construction checks that ``directory`` (the checkpoint root,
     CKPT_DIR) is private (owned by this user, written by nobody else, nor anything above it: toolkit.privatedir),
-    writable and this key's (its ``key-id``, toolkit.train.ckptdir: another job's or project's directory is refused,
-    nothing in it touched), and removes temporary files a previous incarnation of this rank left; CheckpointError
-    says what is wrong.
+    writable and this key's (its ``key-id``, toolkit.train.ckptdir: another job's or project's directory is
+    refused, nothing in it touched), and removes temporary files a previous incarnation of this rank left;
+    CheckpointError says what is wrong.
 
     Use it as a context manager (or call ``close()``) so that an asynchronous write in flight is finished before
     the process exits; an ``atexit`` hook does the same for a process that forgets.

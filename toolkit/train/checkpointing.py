@@ -13,11 +13,12 @@ from typing import Any, Callable
 import torch
 
 from toolkit.contracts import ckptkey
+from toolkit.contracts.protocol import is_int
 from toolkit.train import checkpoint, interval
 from toolkit.train.checkpoint import CheckpointManager
 from toolkit.train.ddpmodel import StepClock
+from toolkit.train.faults import TrainerError
 from toolkit.train.runtime import Runtime
-from toolkit.train.trainererror import TrainerError
 
 
 def parse_every(ckpt_every: int | str, bounds: tuple[int, int],
@@ -30,7 +31,7 @@ def parse_every(ckpt_every: int | str, bounds: tuple[int, int],
         except ValueError as e:
             raise TrainerError(str(e)) from None
         return chooser, chooser.current.steps
-    if isinstance(ckpt_every, bool) or not isinstance(ckpt_every, int) or ckpt_every < 1:
+    if not is_int(ckpt_every) or ckpt_every < 1:
         raise TrainerError(f"ckpt_every={ckpt_every!r}: give a number of steps of at least 1, or \"auto\"")
     return None, ckpt_every
 

@@ -1,8 +1,16 @@
-"""How a worker tells a failed collective from the script's own error, and how it names an error in one line."""
+"""The worker's faults: TrainerError (the training loop uses the Trainer wrongly), how a worker tells a failed
+collective from the script's own error, and how it names an error in one line. TrainerError lives here, not in
+trainer.py, so that the Trainer's parts (agreement, checkpointing) raise it without importing the Trainer."""
 
 from __future__ import annotations
 
 import torch.distributed as dist
+
+
+class TrainerError(RuntimeError):
+    """The training loop uses the Trainer wrongly (a loop, an argument or a state that cannot work); the message
+    says how to fix it."""
+
 
 COLLECTIVE_WORDS = ("gloo", "nccl", "connection", "timed out", "timeout", "peer")  # in a transport's error text
 

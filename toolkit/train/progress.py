@@ -33,6 +33,8 @@ from __future__ import annotations
 import contextlib
 from typing import Any, ContextManager, Iterator, Protocol
 
+from toolkit.contracts.protocol import is_int
+
 
 class Reporter(Protocol):
     """Where report() sends its figures in this process (installed by whoever joined the job here: the wrapper's
@@ -55,9 +57,9 @@ def report(step: int, loss: Any = None, *, checkpoint: bool = False, total: int 
     the progress bar and ETA of `fleet status`), once is enough. A no-op outside toolkit (see the module
     docstring). ValueError for a step or total that is not a whole number >= 0, under any launcher, so a wrong call
     shows on the first run."""
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+    if not is_int(step) or step < 0:
         raise ValueError(f"toolkit.train.report(step={step!r}): give the step as a whole number >= 0")
-    if total is not None and (isinstance(total, bool) or not isinstance(total, int) or total < 0):
+    if total is not None and (not is_int(total) or total < 0):
         raise ValueError(f"toolkit.train.report(total={total!r}): give the total steps as a whole number >= 0")
     if _installed:
         _installed[-1].report(step, loss, checkpoint, total)

@@ -63,14 +63,13 @@ from toolkit.train import checkpoint, interval, log, progress, replicas
 from toolkit.train.agreement import FROM_CHECKPOINT, FROM_INITIAL, FROM_PEER, TrainingState, recomputed_steps
 from toolkit.train.checkpointing import Checkpointing, manager_for, parse_every
 from toolkit.train.ddpmodel import GroupModel
-from toolkit.train.faults import first_line, looks_collective
+from toolkit.train.faults import TrainerError, first_line, looks_collective
 from toolkit.train.inject import Injector
 from toolkit.train.replicas import ReplicaCheck
 from toolkit.train.runtime import MODE_TOOLKIT, GenerationChanged, JobStopped, Runtime
 from toolkit.train.stepdata import StepData
 from toolkit.train.stopping import EXIT_PEER_LOST, EXIT_TERMINATED, Stopping, Terminated, end_for_restart
 from toolkit.train.tbscalars import open_scalars
-from toolkit.train.trainererror import TrainerError
 
 __all__ = ["EXIT_PEER_LOST", "EXIT_TERMINATED", "Terminated", "Trainer", "TrainerError"]
 

@@ -91,7 +91,7 @@ def _proc(host: str, p: Mapping[str, Any], got: ProcDoc | None, state: str, now:
             f"exit code {last.code}")
     relaunched = max(0, got.relaunched or 0) if got else 0
     steps = [v for v in (got.step if got else None, figures.get("step"))
-             if isinstance(v, int) and not isinstance(v, bool)]
+             if protocol.is_int(v)]
     score = number(figures.get("score"))
     straggler = round(1 / score, 2) if figures.get("straggler") is True and score else None
     return ProcStatus(

@@ -198,19 +198,6 @@ def finished_run(hosts: list[HostStatus]) -> Finished | None:
     return Finished(max(steps) if steps else None, max(stamps) if stamps else None)
 
 
-def refuse_finished(job: str, hosts: list[HostStatus], fresh: bool, again: bool, verb: str) -> None:
-    """UserError (saying what to type) when the job's previous run finished (`finished_run`) and neither `fresh`
-    nor `again` says what to do with it."""
-    done = finished_run(hosts)
-    if done is not None and not (fresh or again):
-        step = f" at step {done.step}" if done.step is not None else ""
-        when = f" ({done.at})" if done.at else ""
-        raise UserError(f"job {job} already finished{step}{when}: nothing to train. '{verb} --fresh' "
-                        "trains it again from the start (its checkpoints and state are moved aside, not deleted), "
-                        f"'{verb} --again' goes on from its final checkpoints (e.g. with more epochs), or "
-                        "deploy it under another --job name")
-
-
 def refuse_start(record: JobRecord, hosts: list[HostStatus], ssh: SshSettings, fresh: bool, again: bool,
                  verb: str = "fleet train", world_size: int | None = None) -> None:
     """Refuse to start job `record` on what its previous run left (`hosts`: its hosts' statuses), nothing started
@@ -231,7 +218,14 @@ def refuse_start(record: JobRecord, hosts: list[HostStatus], ssh: SshSettings, f
                             f"then '{verb} --fresh' starts it over")
         refuse_size_change(record, ssh, verb, running=True, world_size=world_size)
         return
-    refuse_finished(record.job, hosts, fresh, again, verb)
+    done = finished_run(hosts)
+    if done is not None and not (fresh or again):
+        step = f" at step {done.step}" if done.step is not None else ""
+        when = f" ({done.at})" if done.at else ""
+        raise UserError(f"job {record.job} already finished{step}{when}: nothing to train. '{verb} --fresh' "
+                        "trains it again from the start (its checkpoints and state are moved aside, not deleted), "
+                        f"'{verb} --again' goes on from its final checkpoints (e.g. with more epochs), or "
+                        "deploy it under another --job name")
     if not fresh:
         refuse_size_change(record, ssh, verb, world_size=world_size)
 

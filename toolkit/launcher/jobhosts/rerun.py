@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from toolkit.contracts.jobrecord import HostRecord, JobRecord
+from toolkit.contracts.protocol import is_int
 from toolkit.contracts.rundoc import STATE_FILE
 from toolkit.errors import UserError
 from toolkit.launcher.jobhosts.reach import STATUS_TIMEOUT, fan_out, host_target, record_targets
@@ -68,7 +69,7 @@ def size_change(record: JobRecord, state: dict[str, Any] | None, verb: str, runn
         return None
     new = record.world_size if world_size is None else world_size
     old = state.get("world_size")
-    if not isinstance(old, int) or isinstance(old, bool) or old == new:
+    if not is_int(old) or old == new:
         return None
     where = f"{record.scheduler_host}:{posixpath.join(record.host(record.scheduler_host).job_dir, 'recovery')}"
     first = "'fleet stop', then " if running else ""

@@ -10,7 +10,7 @@ from typing import Any, Mapping
 
 from toolkit.contracts import rundoc
 from toolkit.contracts.jobrecord import JobRecord
-from toolkit.contracts.protocol import RECOVERY_IN_PLACE, RECOVERY_RESTART
+from toolkit.contracts.protocol import RECOVERY_IN_PLACE, RECOVERY_RESTART, is_number
 from toolkit.launcher.jobhosts.output import dash
 
 
@@ -106,4 +106,4 @@ def recovery_mode(processes: list[ProcStatus], forced: bool = False) -> dict[str
 
 
 def number(value: Any) -> float | None:
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+    return float(value) if is_number(value) else None
