@@ -13,6 +13,15 @@ server nonce, client nonce, the op, who it claims to be); the server's answer ca
 the scheduler's port while the scheduler restarted learns nothing and can order nothing). A first message with a
 plain `token` field, or none of these, is refused.
 
+Hello first (what every client of ours sends): the client does not wait for the challenge. Its hello goes out as soon
+as the TCP connection is up, with `sent` (its wall clock, integer ms) and `proof` = HMAC(token, "client", "", client
+nonce, op, who, sent): no server nonce. So a worker's hello is usually in the socket when the scheduler accepts it,
+and the scheduler authenticates it at once, before a flood of connections that prove nothing (another user on the
+worker's own host) can compete with it for the table of connections waiting to authenticate
+(toolkit.scheduler.transport). Freshness without the server nonce: the scheduler accepts `sent` within HELLO_SKEW of
+its own clock and each client nonce once within that window (toolkit.scheduler.replay); a proven `reject` names a
+larger clock difference. The server still sends its challenge, and its proof still covers both nonces.
+
 Worker conversation (one connection per worker process, kept for its whole life; its EOF is a death signal):
 
     sched  -> challenge {nonce}
@@ -88,6 +97,7 @@ MAX_STORE_KEYS = 1024  # keys in one store request (wait, check, multi_get)
 MAX_STORE_REPLY = 1 << 20
 MAX_PREAUTH_LINE = 4 << 10  # bytes of a first message: hellos are small
 NONCE_BYTES = 16
+HELLO_SKEW = 300.0  # s a hello-first `sent` may differ from the scheduler's clock (hosts' clocks kept by NTP)
 
 # both ways, before anything else
 CHALLENGE = "challenge"
@@ -244,12 +254,28 @@ def hello_subject(msg: Mapping[str, Any]) -> str:
     return value if isinstance(value, str) else ""
 
 
+def hello_sent(msg: Mapping[str, Any]) -> int | None:
+    """A hello-first message's `sent` (the client's wall clock, ms), None for a hello that answers a challenge; a
+    `sent` that is not a whole number (a bool, a float, text) is -1, which no proof covers and no window accepts."""
+    if "sent" not in msg:
+        return None
+    sent = msg["sent"]
+    return sent if isinstance(sent, int) and not isinstance(sent, bool) else -1
+
+
 def check_client(token: str, server_nonce: str, msg: dict[str, Any]) -> bool:
-    """Whether a first message proves the token (constant-time); a plain `token` field never does."""
+    """Whether a first message proves the token (constant-time); a plain `token` field never does. A hello-first
+    message (`sent`) is checked without the server nonce; its freshness is the server's to judge (module docstring)."""
     nonce, given = msg.get("nonce"), msg.get("proof")
     if "token" in msg or not isinstance(nonce, str) or not isinstance(given, str) or not 16 <= len(nonce) <= 128:
         return False
-    want = client_proof(token, server_nonce, nonce, str(msg["op"]), hello_subject(msg))
+    sent = hello_sent(msg)
+    if sent is None:
+        want = client_proof(token, server_nonce, nonce, str(msg["op"]), hello_subject(msg))
+    elif sent < 0:
+        return False
+    else:
+        want = proof(token, "client", "", nonce, str(msg["op"]), hello_subject(msg), str(sent))
     return hmac.compare_digest(want.encode(), given.encode())
 
 
@@ -267,6 +293,16 @@ def hello(op: str, token: str, server_nonce: str, **fields: Any) -> tuple[bytes,
     nonce = new_nonce()
     who = fields.get("host" if op == AGENT_HELLO else "node_id", "")
     return encode(op, nonce=nonce, proof=client_proof(token, server_nonce, nonce, op, str(who)), **fields), nonce
+
+
+def first_hello(op: str, token: str, wall: float, **fields: Any) -> tuple[bytes, str]:
+    """The hello-first message `op` (module docstring), sent before the challenge is read, at wall-clock time `wall`
+    (s; time.time()), and the client nonce the server's proof must cover."""
+    nonce = new_nonce()
+    who = str(fields.get("host" if op == AGENT_HELLO else "node_id", ""))
+    sent = int(wall * 1000)
+    return encode(op, nonce=nonce, sent=sent, proof=proof(token, "client", "", nonce, op, who, str(sent)),
+                  **fields), nonce
 
 
 def challenge_nonce(msg: Mapping[str, Any]) -> str:
