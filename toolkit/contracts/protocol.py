@@ -34,7 +34,7 @@ Worker conversation (one connection per worker process, kept for its whole life;
                                             ledger's, for the workers' checkpoint interval; goodput (0-1, when
                                             known) for rank 0's TensorBoard scalars
     worker -> heartbeat {step, total, step_time, busy, loss, ckpt_stall, ckpts, ckpt_bytes, ckpt_every, ckpt_why,
-                         ckpt_step, stride, first_step, step_p99, waiting, long}
+                         ckpt_step, stride, first_step, step_p99, waiting, long, ckpt_skipped, ckpt_full}
                                             every TOOLKIT_HEARTBEAT_INTERVAL; any message counts as one; all but
                                             step optional (toolkit.train.pace, `pace_fields`; ckpt_step, stride,
                                             first_step: the newest checkpoint a torchrun-style script reported, the
@@ -42,7 +42,9 @@ Worker conversation (one connection per worker process, kept for its whole life;
                                             toolkit.train.scriptreport; step_p99, waiting, long: for the progress
                                             watchdog, the p99 time between steps, whether the training thread
                                             waits in a collective now, a legitimately long phase it is in:
-                                            toolkit.train.stacks)
+                                            toolkit.train.stacks; ckpt_skipped, ckpt_full: checkpoints
+                                            skipped in a row for a full disk and the line saying why, 0 once one
+                                            is written: toolkit.train.checkpointing)
     sched  -> generation {generation}       a member died: leave the current process group, wait for `formed`
     worker -> commit {step}                 this rank committed a checkpoint of `step`
     worker -> recovered {generation, step, source, from_rank, recomputed, seconds, bytes}
@@ -350,15 +352,17 @@ def beat_interval(msg: Mapping[str, Any], default: float) -> float:
 
 MAX_PACE_SECONDS = 1e7  # s: a step time, busy time or total stall past this is nonsense from a peer
 MAX_LOSS = 1e30
-MAX_WHY = 400  # characters of a heartbeat's ckpt_why
+MAX_WHY = 400  # characters of a heartbeat's ckpt_why or ckpt_full
 _NUMBER = (int, float)  # the exact types of a JSON number (a bool is neither)
 _PACE_SECONDS = ("step_time", "busy", "ckpt_stall", "step_p99")
-_PACE_COUNTS = ("ckpts", "ckpt_bytes", "total", "ckpt_every", "ckpt_step", "stride", "first_step")
+_PACE_COUNTS = ("ckpts", "ckpt_bytes", "total", "ckpt_every", "ckpt_step", "stride", "first_step", "ckpt_skipped")
+_PACE_TEXTS = ("ckpt_why", "ckpt_full")  # strings of at most MAX_WHY characters
 
 
 def pace_fields(msg: Mapping[str, Any]) -> dict[str, Any]:
     """The valid pace fields of a heartbeat (toolkit.train.pace): numbers finite and in range, counts whole and
-    non-negative, `ckpt_why` a short string; anything else is dropped (a peer's figures are hostile input too).
+    non-negative, `ckpt_why` and `ckpt_full` short strings; anything else is dropped (a peer's figures are hostile
+    input too).
 
     Read for every heartbeat (thousands a second at thousands of ranks), so written for speed: a JSON number is an
     int or a float (a bool is neither type), and a range check rejects NaN and the infinities."""
@@ -374,9 +378,10 @@ def pace_fields(msg: Mapping[str, Any]) -> dict[str, Any]:
         v = msg.get(name)
         if type(v) is int and 0 <= v < 1 << 40:
             out[name] = v
-    why = msg.get("ckpt_why")
-    if isinstance(why, str):
-        out["ckpt_why"] = why[:MAX_WHY]
+    for name in _PACE_TEXTS:
+        text = msg.get(name)
+        if isinstance(text, str):
+            out[name] = text[:MAX_WHY]
     return out
 
 
