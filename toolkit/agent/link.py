@@ -33,8 +33,7 @@ class SchedulerLink:
     is tried every LINK_RETRY_INTERVAL.
 
     States: down -> connecting (TCP) -> hello (hello sent first; the server's challenge and proven answer awaited)
-    -> up. Nothing
-    the scheduler says is acted on, and no report is sent, before it proved the job token
+    -> up. Nothing the scheduler says is acted on, and no report is sent, before it proved the job token
     (toolkit.contracts.protocol)."""
 
     def __init__(self, spec: HostSpec, sel: selectors.BaseSelector, timers: Timers, log: AgentLog,
@@ -137,11 +136,14 @@ class SchedulerLink:
                 data = self.sock.recv(65536)
             except (BlockingIOError, InterruptedError):
                 data = None
+            except ConnectionResetError as e:
+                self._closed_by_peer(str(e))
+                return
             except OSError as e:
                 self._drop(str(e))
                 return
             if data == b"":
-                self._closed_by_peer()
+                self._closed_by_peer("the scheduler closed the connection")
                 return
             if data:
                 try:
@@ -170,15 +172,15 @@ class SchedulerLink:
         self._set(LinkState.HELLO)
         self._pump()
 
-    def _closed_by_peer(self) -> None:
-        """The scheduler closed the connection: during the hello (to make room, under a flood) reconnect at once, up
-        to AT_ONCE times in a row; else after the usual LINK_RETRY_INTERVAL."""
+    def _closed_by_peer(self, why: str) -> None:
+        """The scheduler closed (or reset) the connection: during the hello (to make room, under a flood) reconnect
+        at once, up to AT_ONCE times in a row; else after the usual LINK_RETRY_INTERVAL."""
         if self.state is LinkState.HELLO and self.at_once < AT_ONCE:
             self.at_once += 1
-            self._drop("the scheduler closed the connection during the hello", 0.0)
+            self._drop(f"{why} during the hello", 0.0)
             return
         self.at_once = 0
-        self._drop("the scheduler closed the connection")
+        self._drop(why)
 
     def _handle(self, msg: dict[str, Any]) -> bool:
         """One message; False once the link was dropped."""
