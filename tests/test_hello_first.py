@@ -97,8 +97,9 @@ def test_a_flood_from_the_workers_own_address_never_keeps_a_worker_out(make_job,
     evicts the oldest of that source all the time. Through it, the real store client connects again and again (as
     every worker does after each formation): every connection is served, and it takes no more tries than
     connections, give or take the few whose hello had not arrived when the scheduler accepted them (those reconnect
-    at once, uncounted by any pause). Measured with 100 connections: 100 tries with hello first; with the challenge
-    answered first (the old client), 126 and 168 tries, and pauses after runs of evictions."""
+    at once, uncounted by any pause; a fifth more tries at most, for a loaded machine). Measured with 100
+    connections: 100 tries with hello first, twice; with the challenge answered first (the old client), 126 and 168
+    tries, and pauses after runs of evictions."""
     job = make_job(1)
     sched = job.scheduler()
     job.wait_serving(sched)
@@ -131,7 +132,7 @@ def test_a_flood_from_the_workers_own_address_never_keeps_a_worker_out(make_job,
         assert flood.poll() is None, "the flood stopped: it was not there for the whole test"
         assert sched.count("to make room for") >= 1 and sched.popen.poll() is None
         assert not pauses, f"a connection waited {pauses}: only evictions are retried, and those at once"
-        assert len(tries) <= SESSIONS + SESSIONS // 10, f"{len(tries)} tries for {SESSIONS} connections"
+        assert len(tries) <= SESSIONS + SESSIONS // 5, f"{len(tries)} tries for {SESSIONS} connections"
     finally:
         flood.send_signal(signal.SIGKILL)
         flood.wait(30)
