@@ -3,9 +3,10 @@ connections, side by side: no flood, a flood from another address of this host t
 the host's own address, a different source), and a flood from the workers' own address (127.0.0.1: the same source).
 Prints the seconds from the kill to the scheduler's "generation 1 formed" line, and the ratio to no flood.
 
-    .venv/bin/python bench/flood_recovery.py [--rate 5000] [--per-port 200] [--source ADDR]
+    .venv/bin/python bench/flood_recovery.py [--rate 5000] [--per-port 200] [--source ADDR] [--mode partial]
 
---source defaults to the first non-loopback IPv4 address of this host. Each scenario starts a fresh 2-worker job
+--source defaults to the first non-loopback IPv4 address of this host; --mode partial holds the start of a hello
+on each flood connection (the red team's round 3) instead of idle ones. Each scenario starts a fresh 2-worker job
 (the sample trainer, no warm spare) and takes ~1 min on a loaded 2-core machine.
 """
 
@@ -46,7 +47,7 @@ def host_address() -> str:
     return next(a for a in out if "." in a and not a.startswith("127."))
 
 
-def scenario(source: str | None, rate: float, per_port: int) -> float:
+def scenario(source: str | None, rate: float, per_port: int, mode: str = "idle") -> float:
     with tempfile.TemporaryDirectory(prefix="tk-flood-") as root:
         job = LocalJob(Path(root), 2, ["--epochs", "60", "--step-delay", "0.1", "--timeout", "60"], job="fl",
                        node_timeout=3, cluster_time_out=120, grace=5, warm_spare=False)
@@ -56,7 +57,7 @@ def scenario(source: str | None, rate: float, per_port: int) -> float:
             until("both workers training", lambda: all(STEP.search(job.log(f"worker_{r}.log")) for r in (0, 1)), job)
             port = json.loads((job.dir / "host.json").read_text())["scheduler"]["port"]
             if source is not None:
-                flood = subprocess.Popen([sys.executable, str(FLOOD), "idle", "127.0.0.1", f"{port},{port + 1}",
+                flood = subprocess.Popen([sys.executable, str(FLOOD), mode, "127.0.0.1", f"{port},{port + 1}",
                                           str(per_port), str(rate), source], stdout=subprocess.DEVNULL,
                                          stderr=subprocess.DEVNULL, start_new_session=True)
                 until("the flood filling the table", lambda: "to make room for" in job.log("scheduler.log"), job)
@@ -76,12 +77,14 @@ def main() -> None:
     ap.add_argument("--rate", type=float, default=5000.0, help="new flood connections a second, at most")
     ap.add_argument("--per-port", type=int, default=200, help="idle flood connections kept open per port")
     ap.add_argument("--source", default=None, help="the other address to flood from (default: this host's)")
+    ap.add_argument("--mode", choices=("idle", "partial"), default="idle",
+                    help="flood connections that say nothing, or that hold the start of a hello")
     args = ap.parse_args()
     other = args.source or host_address()
     socket.inet_aton(other)
     results = {}
     for name, source in (("no flood", None), (f"flood from {other}", other), ("flood from 127.0.0.1", "127.0.0.1")):
-        results[name] = scenario(source, args.rate, args.per_port)
+        results[name] = scenario(source, args.rate, args.per_port, args.mode)
         print(f"{name:28s} re-formed {results[name]:7.2f} s after the kill", flush=True)
     base = results["no flood"]
     for name, seconds in results.items():

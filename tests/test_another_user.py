@@ -4,9 +4,11 @@ run by the real agent, attacked on the ports anyone on the host can reach.
 - A worker's gloo port: every connection to it costs the worker a descriptor for good (gloo's doing, and gloo
   aborts at the limit). The agent raised its workers' limit to the hard one and names the worker whose open files
   climb.
-- The scheduler's two ports, flooded with idle connections that never authenticate while a worker is killed: the
-  survivors and the replacement reconnect (a new store connection each, a registration) through the flood, and the
-  job recovers in place. Before, 64 idle connections from one address locked the job's own workers out.
+- The scheduler's two ports, flooded from the workers' own address with partial hellos that never authenticate (the
+  red team's round 3), far beyond one source's rate, while a worker is killed: the survivors and the replacement
+  reconnect (a new store connection each, a registration) through the flood, their hellos read at accept, and the
+  job recovers in place; nobody else is declared dead. Before, 64 idle connections from one address locked the
+  job's own workers out.
 """
 
 from __future__ import annotations
@@ -33,8 +35,8 @@ WAIT = 120.0  # s for each state of the job on a loaded 2-core machine
 POLL = 0.2  # s between looks at a log or agent.json: no event tells that a line was appended
 LOW_LIMIT = 1024  # the agent's soft open-file limit when started (raised to the hard limit for the workers)
 CHURN = 600  # connections opened and closed to the worker's gloo port
-FLOOD = 200  # idle connections kept open to each of the scheduler's ports (its table holds 256, 128 per address)
-FLOOD_RATE = 400  # new flood connections a second, at most
+FLOOD = 200  # partial hellos kept open to each of the scheduler's ports (its table holds 256, 128 per address)
+FLOOD_RATE = 2000  # new flood connections a second, at most (one source may open 64 a second within its rate)
 RESUMED = re.compile(r"^rank 1: resumed from step (\d+) .*rank 0's memory", re.M)
 EVICTIONS = re.compile(r"^(\S+) sched WARNING \d+ more like this in the last .* to make room for", re.M)
 STEP = re.compile(r"^epoch: \d+, step: (\d+), loss is", re.M)
@@ -106,7 +108,7 @@ def test_another_user_can_neither_lock_workers_out_nor_quietly_exhaust_a_workers
         assert job.procs()["worker_0"]["open_files"]["climbing"] is True
 
         # 2. the scheduler's ports, flooded while a worker dies: the job recovers in place through the flood.
-        flood = subprocess.Popen([*stranger_flood, "idle", "127.0.0.1", f"{sched_port},{sched_port + 1}", str(FLOOD),
+        flood = subprocess.Popen([*stranger_flood, "partial", "127.0.0.1", f"{sched_port},{sched_port + 1}", str(FLOOD),
                                   str(FLOOD_RATE)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                  start_new_session=True, cwd="/")
         assert flood.stdout is not None
@@ -133,6 +135,9 @@ def test_another_user_can_neither_lock_workers_out_nor_quietly_exhaust_a_workers
               lambda: any(stamp > formed.group(1) for stamp in EVICTIONS.findall(job.log("scheduler.log"))),
               job)
         assert "refused" not in sched_log
+        dead = re.findall(r"^\S+ sched WARNING (\S+) \(pid \d+ on .*\) is dead: ", job.log("scheduler.log"), re.M)
+        assert dead == ["worker_1"], dead  # the one killed, and no false death through the flood
+        assert "is lost" not in job.log("scheduler.log")  # nor the host's agent, whose link reconnects through it
     finally:
         if flood is not None:
             os.killpg(flood.pid, signal.SIGKILL)

@@ -11,6 +11,7 @@ import pytest
 
 from toolkit.launcher.check import decide, probe
 from toolkit.launcher.check.decide import Problem
+from toolkit.launcher.jobhosts.preflight import failure_text
 
 
 def test_the_majority_wins_and_a_tie_goes_to_the_scheduler() -> None:
@@ -223,3 +224,22 @@ def test_each_host_is_probed_under_a_workers_env_file_a_spare_under_its_standby_
     found, _ = facts_problems(facts, "head", None, window, Limits(), ["head"])
     assert [p.line() for p in found] == ["spare1: environment: NCCL_DEBUG='INFO' (others: unset); set them alike "
                                          "on every host (the login environment, or the job's env files) or unset them"]
+
+
+def test_a_problem_every_host_shares_is_one_line_naming_the_hosts_and_no_host_is_said_twice() -> None:
+    """One fact, one line (issue 43 item 8): the checkpoint directory on a shared file system too full for every host
+    is one line with the three hosts, a host's own problem stays its own line, and an error text that begins with its
+    host's name (as a host's error message does) does not name it twice."""
+    shared = {"path": "/shared/ckpt/job", "free": 10**8}
+    found = decide.disk_problems({h: shared for h in ("n1", "n2", "n3")}, min_bytes=10**9)
+    found += decide.disk_problems({"n4": {"path": "/local/ckpt/job", "free": 2 * 10**8}}, min_bytes=10**9)
+    found.append(Problem("n5", "probe", "n5: /usr/bin/python3 not found", "fix the host"))
+    assert len(found) == 5
+    assert failure_text(found).splitlines() == [
+        "check found 3 problem(s):",
+        "n1, n2, n3: disk: 0.10 GB free at /shared/ckpt/job, below 1.00 GB; free space there, choose another "
+        "--ckpt-dir, or lower --min-free-gb",
+        "n4: disk: 0.20 GB free at /local/ckpt/job, below 1.00 GB; free space there, choose another --ckpt-dir, or "
+        "lower --min-free-gb",
+        "n5: probe: /usr/bin/python3 not found; fix the host",
+    ]

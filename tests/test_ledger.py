@@ -387,3 +387,21 @@ def test_a_corruption_report_is_an_incident_and_a_malformed_one_is_ignored() -> 
         inc["corruption"]
     led.note("corruption", {**corruption_fields(good, 4), "action": "fenced"}, T0 + 40)
     assert led.faults.incidents[-1].recovered_at is None  # fenced: the job's end follows
+
+
+def test_checkpoints_skipped_for_a_full_disk_are_a_run_per_rank_kept_across_a_restart_closed_once_written() -> None:
+    led = started()
+    full = "cannot write checkpoint of step 20 in /ckpt/job/host_h1: no space left on device"
+    led.note("pace", pace(1, 20, ckpt_skipped=0, ckpt_full=""), T0 + 21)  # writing: nothing to say
+    assert led.accounting.skipped == []
+    led.note("pace", pace(1, 25, ckpt_skipped=1, ckpt_full=full), T0 + 25)
+    led.note("pace", pace(1, 26, ckpt_skipped=1, ckpt_full=full), T0 + 26)  # every heartbeat says it again
+    led.note("pace", pace(1, 30, ckpt_skipped=2, ckpt_full=full), T0 + 30)
+    (run,) = led.accounting.skipped
+    assert run == {"rank": 1, "node_id": "worker_1", "host": "h1", "since": T0 + 25, "until": None, "skipped": 2,
+                   "why": full}
+    back = Ledger.from_json(json.loads(json.dumps(led.to_json(T0 + 31))))  # a scheduler restart
+    assert back.accounting.skipped == [run] and back.accounting.skipping == {1: run}
+    back.note("pace", pace(1, 35, ckpt_skipped=0, ckpt_full=""), T0 + 35)  # one is written again
+    assert back.accounting.skipped == [{**run, "until": T0 + 35}] and back.accounting.skipping == {}
+    assert back.to_json(T0 + 36)["skipped_checkpoints"][0]["until"] == T0 + 35

@@ -132,3 +132,10 @@ def test_an_integer_past_a_floats_range_is_a_number_out_of_range_not_a_crash() -
     assert P.pace_fields(huge) == {"step_time": 0.5}
     assert P.seconds_field(huge, "seconds") is None and P.seconds_field(huge, "step_time") == 0.5
     assert P.finite_number(huge["loss"]) and not P.finite_number(float("nan")) and not P.finite_number(True)
+
+
+def test_the_heartbeat_says_checkpoints_skipped_for_a_full_disk_and_why_bounded() -> None:
+    got = P.pace_fields({"ckpt_skipped": 3, "ckpt_full": "x" * 1000})
+    assert got == {"ckpt_skipped": 3, "ckpt_full": "x" * P.MAX_WHY}
+    assert P.pace_fields({"ckpt_skipped": -1, "ckpt_full": 5}) == {}
+    assert P.pace_fields({"ckpt_skipped": True}) == {}

@@ -1,11 +1,14 @@
 """Another local user's flood, for the tests (standard library only, run under an unprivileged uid): idle TCP
-connections that never say a word, or connections opened and closed at once.
+connections that never say a word or hold a partial hello, or connections opened and closed at once.
 
 usage: flood.py idle HOST PORT[,PORT...] PER_PORT RATE [SOURCE]
                                                          keep PER_PORT idle connections open to each port; one the
                                                          server closes is opened again, at most RATE new ones a second
                                                          in all (from address SOURCE if given); prints "opened N" once
                                                          the first N are open, then "replaced N" each second
+       flood.py partial HOST PORT[,PORT...] PER_PORT RATE [SOURCE]
+                                                         the same, each connection sending the start of a hello
+                                                         (PARTIAL, no newline, no token needed) once it is up
        flood.py churn HOST PORT[,PORT...] COUNT          open and close COUNT connections to each port, then exit
 
 Runs until killed (idle) and prints one line per second of what it did.
@@ -18,6 +21,8 @@ import selectors
 import socket
 import sys
 import time
+
+PARTIAL = b'{"op": "register"'  # the start of a hello, as the red team's flood held (round 3)
 
 
 def connect(host: str, port: int, source: str | None = None) -> socket.socket | None:
@@ -32,7 +37,8 @@ def connect(host: str, port: int, source: str | None = None) -> socket.socket | 
     return s
 
 
-def idle(host: str, ports: list[int], per_port: int, rate: float, source: str | None = None) -> None:
+def idle(host: str, ports: list[int], per_port: int, rate: float, source: str | None = None,
+         say: bytes = b"") -> None:
     sel = selectors.DefaultSelector()
     want = {port: per_port for port in ports}  # connections to open
     replaced = opened = 0
@@ -50,11 +56,18 @@ def idle(host: str, ports: list[int], per_port: int, rate: float, source: str | 
                     break
                 want[port] -= 1
                 opened += 1
-                sel.register(s, selectors.EVENT_READ, port)
+                sel.register(s, selectors.EVENT_READ | (selectors.EVENT_WRITE if say else 0), port)
                 if opened == first:
                     print(f"opened {first}", flush=True)
-        for key, _ in sel.select(0.05):
+        for key, mask in sel.select(0.05):
             s = key.fileobj
+            if mask & selectors.EVENT_WRITE:  # connected: say the start of a hello, once
+                try:
+                    s.send(say)
+                except OSError:
+                    pass
+                sel.modify(s, selectors.EVENT_READ, key.data)
+                continue
             try:
                 data = s.recv(4096)  # the server's challenge: read and ignore
             except OSError:
@@ -79,8 +92,9 @@ def churn(host: str, ports: list[int], count: int) -> None:
 
 def main() -> None:
     mode, host, ports = sys.argv[1], sys.argv[2], [int(p) for p in sys.argv[3].split(",")]
-    if mode == "idle":
-        idle(host, ports, int(sys.argv[4]), float(sys.argv[5]), sys.argv[6] if len(sys.argv) > 6 else None)
+    if mode in ("idle", "partial"):
+        idle(host, ports, int(sys.argv[4]), float(sys.argv[5]), sys.argv[6] if len(sys.argv) > 6 else None,
+             PARTIAL if mode == "partial" else b"")
     else:
         churn(host, ports, int(sys.argv[4]))
 

@@ -233,3 +233,43 @@ def test_a_link_swapped_after_the_check_is_not_followed_the_checked_directory_is
         assert os.fstat(host.fd).st_ino == (mine / "host_a").stat().st_ino  # the checked one, not other/host_a
     finally:
         host.close()
+
+
+def test_the_key_directory_is_opened_as_it_was_checked_a_link_swapped_after_the_check_is_not_followed(
+        open_dir, monkeypatch):
+    """Without a job token the checkpoint key is this user's secret under $XDG_CONFIG_HOME/toolkit. The config
+    directory is a link of ours in a directory another user can write; right after the key directory was checked,
+    they point the link at a directory of theirs holding a key file they know. The key made is ours, in the
+    directory that was checked: their key is never read and nothing is written in their directory."""
+    mine, writable = open_dir / "mine", open_dir / "open"
+    mine.mkdir(mode=0o700)
+    writable.mkdir()
+    writable.chmod(0o777)  # noqa: S103 - the fault: a directory every local user may write, no sticky bit
+    link = writable / "config"
+    link.symlink_to(mine)
+    theirs = writable / "theirs"
+    assert as_other("mkdir", "-m", "755", str(theirs)).returncode == 0
+    assert as_other("mkdir", "-m", "700", str(theirs / "toolkit")).returncode == 0
+    known = b"k" * ckptkey.KEY_SIZE  # the key the attacker would have us use (and could then forge under)
+    assert as_other("sh", "-c", 'umask 077; cat > "$1"', "sh", str(theirs / "toolkit" / "checkpoint.key"),
+                    data=known).returncode == 0
+    real_ensure = privatedir.ensure
+    swapped = []
+
+    def ensure_then_swap(path, *args):
+        checked = real_ensure(path, *args)
+        done = as_other("ln", "-sfn", str(theirs), str(link))  # the attacker's moment: the check is over
+        assert done.returncode == 0, done.stderr
+        swapped.append(os.readlink(link))
+        return checked
+
+    monkeypatch.setattr(privatedir, "ensure", ensure_then_swap)
+    key = ckptkey.user_key({"XDG_CONFIG_HOME": str(link)})
+    assert swapped == [str(theirs)], "the attacker's swap did not happen"
+    assert key != known
+    assert (mine / "toolkit" / "checkpoint.key").read_bytes() == key  # made in the directory that was checked
+    assert sorted(p.name for p in (theirs / "toolkit").iterdir()) == ["checkpoint.key"]
+    monkeypatch.setattr(privatedir, "ensure", real_ensure)
+    with pytest.raises(ckptkey.KeyFileError) as e:  # and now, with the link theirs at the check: refused, one line
+        ckptkey.user_key({"XDG_CONFIG_HOME": str(link)})
+    assert f"checkpoint key directory {theirs / 'toolkit'} belongs to uid" in one_line(e)

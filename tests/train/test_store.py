@@ -141,7 +141,8 @@ def test_connect_retries_a_refusing_store_until_it_serves(served) -> None:
             store.close()
     finally:
         gate.close()
-    assert len(pauses) == 3 and gate.accepted == 2  # refused, refused, closed at accept, then served
+    # refused, refused (each after a pause), closed at accept (to make room, as under a flood: again at once), served
+    assert len(pauses) == 2 and gate.accepted == 2
     assert all(job_store.RETRY_FIRST / 2 <= p <= job_store.RETRY_MAX for p in pauses)
 
 

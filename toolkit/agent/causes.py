@@ -5,14 +5,16 @@ connection close, had it killed; or a SIGSTOPped worker was killed by its agent 
 must read is the cause that came first, in this order:
 
 1. the script's own: the message of its error file (TORCHELASTIC_ERROR_FILE, torch's `@record` format, written by
-   the script's `@record` or by toolkit.train.wrapper for an exception), else its exit code;
+   the script's `@record` or by toolkit.train.wrapper for an exception), else for a set-up error (exit code 2) the
+   line it said last, else its exit code;
 2. a signal from outside (SIGSEGV, a `kill -9`): the signal;
 3. the kernel's OOM killer: a SIGKILL while the memory cgroup's `oom_kill` count rose (toolkit.memcgroup), named
    with the cgroup and its limit;
 4. fencing: a signal the agent sent because the scheduler declared the process dead, named by the scheduler's cause
    (heartbeat silence, ...).
 
-Pure but for `read_error_file` (one bounded read of a file the worker wrote, treated as hostile input).
+Pure but for `read_error_file` (one bounded read of a file the worker wrote, treated as hostile input); `last_word`
+takes lines the caller read.
 """
 
 from __future__ import annotations
@@ -60,6 +62,17 @@ def read_error_file(path: Path) -> str | None:
     if not isinstance(message, str) or not message.strip():
         return None
     return protocol.one_line(message)
+
+
+LAST_WORD_LINES = 3  # lines read from the end of a log for a set-up error's last word (blank ones skipped)
+
+
+def last_word(tail: list[str]) -> str | None:
+    """What a process said last (the last non-blank of its log's last lines `tail`), as one line: the cause of a
+    set-up error (exit code 2), which scripts say in one line before they exit (argparse's `error: ...`, the
+    Trainer's refusal of its checkpoint directory) without an error file; None for nothing said."""
+    said = [line for line in tail if line.strip()]
+    return protocol.one_line(said[-1]) if said else None
 
 
 def oom_verdict(before: int | None, after: int | None, cgroup: str, limit: int | None) -> str | None:

@@ -16,7 +16,7 @@ from toolkit.agent.timers import Timer, Timers
 from toolkit.contracts import envvars, protocol
 from toolkit.contracts.agentdoc import LinkState
 from toolkit.contracts.hostspec import HostSpec
-from toolkit.contracts.session import Unproven, open_session
+from toolkit.contracts.session import AT_ONCE, Unproven, open_session
 
 LINK_RETRY_INTERVAL = 1.0  # s between attempts to reach the scheduler while it is down
 LINK_REJECTED_RETRY = 10.0  # s before trying again after the scheduler rejected us (e.g. a token being re-deployed)
@@ -32,8 +32,8 @@ class SchedulerLink:
     down scheduler means reports wait in a queue (an `exited` per node coalesced to the latest) and a reconnect
     is tried every LINK_RETRY_INTERVAL.
 
-    States: down -> connecting (TCP) -> hello (the server's challenge answered, its proof awaited) -> up. Nothing
-    the scheduler says is acted on, and no report is sent, before it proved the job token
+    States: down -> connecting (TCP) -> hello (hello sent first; the server's challenge and proven answer awaited)
+    -> up. Nothing the scheduler says is acted on, and no report is sent, before it proved the job token
     (toolkit.contracts.protocol)."""
 
     def __init__(self, spec: HostSpec, sel: selectors.BaseSelector, timers: Timers, log: AgentLog,
@@ -56,7 +56,8 @@ class SchedulerLink:
         self.connect_timer: Timer | None = None
         self.beat_timer: Timer | None = None
         self.beat_interval = HEARTBEAT_INTERVAL  # what the scheduler's last welcome said (`beat`)
-        self.nonces: tuple[str, str] | None = None  # (server's, ours) while the hello is unanswered
+        self.nonces: tuple[str, str] | None = None  # (server's, ours) while the hello is unanswered ("": no challenge)
+        self.at_once = 0  # reconnects at once in a row after the scheduler closed a hello (`_closed_by_peer`)
         self.token = ""  # read from the token file at each connection (a re-deploy may have replaced it)
         self.closed = False
         self._said_down = False
@@ -128,18 +129,21 @@ class SchedulerLink:
                 self._drop(os.strerror(err))
                 return
             self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            self.sel.modify(self.sock, selectors.EVENT_READ, self._on_event)  # the challenge comes first
+            self._hello()  # hello first: read at the scheduler's accept, before a flood can evict it
             return
         if mask & selectors.EVENT_READ:
             try:
                 data = self.sock.recv(65536)
             except (BlockingIOError, InterruptedError):
                 data = None
+            except ConnectionResetError as e:
+                self._closed_by_peer(str(e))
+                return
             except OSError as e:
                 self._drop(str(e))
                 return
             if data == b"":
-                self._drop("the scheduler closed the connection")
+                self._closed_by_peer("the scheduler closed the connection")
                 return
             if data:
                 try:
@@ -153,25 +157,39 @@ class SchedulerLink:
         if mask & selectors.EVENT_WRITE and self.sock is not None:
             self._pump()
 
+    def _hello(self) -> None:
+        """The TCP connection is up: send the hello at once (protocol.first_hello; the token read anew, a re-deploy
+        may have replaced it); the server's challenge and its proven answer follow."""
+        try:
+            token = self.spec.token_file.read_text(encoding="utf-8").strip()
+        except OSError as e:
+            self._drop(f"cannot read the job token {self.spec.token_file}: {e}")
+            return
+        hello, nonce = protocol.first_hello(protocol.AGENT_HELLO, token, time.time(), **self.hello_fields())
+        self.nonces = ("", nonce)  # the server's nonce comes with its challenge
+        self.token = token
+        self.wbuf = bytearray(hello)
+        self._set(LinkState.HELLO)
+        self._pump()
+
+    def _closed_by_peer(self, why: str) -> None:
+        """The scheduler closed (or reset) the connection: during the hello (to make room, under a flood) reconnect
+        at once, up to AT_ONCE times in a row; else after the usual LINK_RETRY_INTERVAL."""
+        if self.state is LinkState.HELLO and self.at_once < AT_ONCE:
+            self.at_once += 1
+            self._drop(f"{why} during the hello", 0.0)
+            return
+        self.at_once = 0
+        self._drop(why)
+
     def _handle(self, msg: dict[str, Any]) -> bool:
         """One message; False once the link was dropped."""
-        if self.state is LinkState.CONNECTING:
-            server_nonce = protocol.challenge_nonce(msg)
-            try:
-                token = self.spec.token_file.read_text(encoding="utf-8").strip()
-            except OSError as e:
-                self._drop(f"cannot read the job token {self.spec.token_file}: {e}")
-                return False
-            hello, nonce = protocol.hello(protocol.AGENT_HELLO, token, server_nonce, **self.hello_fields())
-            self.nonces = (server_nonce, nonce)
-            self.token = token
-            self.wbuf = bytearray(hello)
-            self._set(LinkState.HELLO)
-            self._pump()
-            return self.sock is not None
         if self.state is LinkState.HELLO:
             if self.nonces is None:  # a hello is sent with its nonces: this is a bug, not input
                 raise RuntimeError("scheduler link in state hello without nonces")
+            if not self.nonces[0]:  # the server's challenge: its nonce, which its proof covers
+                self.nonces = (protocol.challenge_nonce(msg), self.nonces[1])
+                return True
             if not protocol.check_server(self.token, *self.nonces, msg):
                 reason = (str(msg.get("reason"))[:300] if msg.get("op") == protocol.REJECT
                           else f"{msg['op'][:40]} unproven")
@@ -185,7 +203,7 @@ class SchedulerLink:
                 return False
             if self.connect_timer:
                 self.connect_timer.cancel()
-            self.nonces = None
+            self.nonces, self.at_once = None, 0
             self.beat_interval = protocol.beat_interval(msg, HEARTBEAT_INTERVAL)
             self._set(LinkState.UP)
             self._said_down = False
@@ -193,6 +211,9 @@ class SchedulerLink:
             self._pump()
             self._beat()
             return self.sock is not None
+        if self.state is not LinkState.UP:  # nothing is read before the hello is sent: never acted on
+            self._drop(f"{msg['op'][:40]} before the hello")
+            return False
         self.on_message(msg)
         return True
 

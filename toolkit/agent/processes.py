@@ -228,8 +228,9 @@ class Processes:
         """Record an exit as `slot.last_exit` and in its history (the last EXIT_HISTORY), with the `step` the
         incarnation had reached; returns the record. In memory only: the caller writes agent.json. Its `cause` is the
         first cause (toolkit.agent.causes: `operator`, the stop or restart the agent was asked for, when it ended
-        the process; else the incarnation's error file, read and removed here, or the scheduler's cause when the
-        agent killed it for fencing), None when the code or signal says it all."""
+        the process; else the incarnation's error file, read and removed here, or for a set-up error (EXIT_SETUP)
+        without one the line it ended its log with, or the scheduler's cause when the agent killed it for
+        fencing), None when the code or signal says it all."""
         ran = time.monotonic() - slot.started_mono
         message = None
         if slot.error_file is not None:
@@ -238,6 +239,8 @@ class Processes:
             with contextlib.suppress(OSError):
                 slot.error_file.unlink(missing_ok=True)
             slot.error_file = None
+        if message is None and status.code == policy.EXIT_SETUP and operator is None:
+            message = causes.last_word(log_tail(slot.spec.log_file, causes.LAST_WORD_LINES))
         before, self.oom_kills = self.oom_kills, self._oom_kills()
         oom = causes.oom_verdict(before, self.oom_kills, self.cgroup.dirs[0] if self.cgroup else "",
                                  self.cgroup.limit(memcgroup.read_text) if self.cgroup else None)

@@ -3,9 +3,10 @@
 Which key: under toolkit, the job's, derived from its token (``TOOLKIT_TOKEN_FILE``, 0600 in the job directory,
 never sent anywhere): HMAC-SHA256(token, "toolkit checkpoint key v1"), the same on every host of the job and never
 written down. Alone or under torchrun (no token), the project's: HMAC-SHA256 of this user's secret (random, made
-once in ``$XDG_CONFIG_HOME/toolkit/checkpoint.key``, default ``~/.config``; 0600, in a 0700 directory, created
-without following links, its owner and mode checked on every read) over the real path of the script that runs
-(``sys.argv[0]``; the working directory when there is none). Why per project and not per user: two projects of one
+once in ``$XDG_CONFIG_HOME/toolkit/checkpoint.key``, default ``~/.config``; 0600, in a 0700 directory opened as
+it was checked, the file made and read through that descriptor without following links, its owner and mode checked
+on what was opened) over the real path of the script that runs (``sys.argv[0]``; the working directory when there
+is none). Why per project and not per user: two projects of one
 user pointed at the same CKPT_DIR must not resume each other's checkpoints (the red team's round 3 saw the second
 resume the first's, silently). Why the script: it is what names the job when no launcher does (torchrun's run id is
 random with --standalone, the working directory changes with where it is typed); moving or renaming the script
@@ -78,34 +79,46 @@ def default_key(env: Mapping[str, str], script: str | os.PathLike[str] | None = 
 
 
 def user_key(env: Mapping[str, str]) -> bytes:
-    """This user's secret, made once (module docstring); never a checkpoint key itself (project_key is)."""
+    """This user's secret, made once (module docstring); never a checkpoint key itself (project_key is).
+
+    The directory is opened as it was checked (privatedir.open_private: one component at a time, O_NOFOLLOW, each
+    held to the rule by fstat of what was opened), and the key file is made or read relative to that descriptor,
+    also without following links: another user who swaps a link into the path after the check (in a directory
+    above that they may write) gets nothing followed, and the key is never read from or written to their file."""
     base = Path(env.get("XDG_CONFIG_HOME") or Path.home() / ".config")
     path = base / KEY_FILE
     try:
-        privatedir.ensure(path.parent, "checkpoint key directory",
-                          "remove it (a new key is made; checkpoints of the old key are then not resumed)")
+        dir_fd = privatedir.open_private(path.parent, "checkpoint key directory",
+                                         "remove it (a new key is made; checkpoints of the old key are then not "
+                                         "resumed)")
     except privatedir.NotPrivate as e:
         raise KeyFileError(str(e)) from None
     except OSError as e:
         raise KeyFileError(f"checkpoint key directory {path.parent} cannot be made: {e.strerror}") from None
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    except FileExistsError:
-        return _read_key(path)
-    except OSError as e:
-        raise KeyFileError(f"checkpoint key {path} cannot be made: {e.strerror}") from None
-    try:
-        os.write(fd, os.urandom(KEY_SIZE))
-        os.fsync(fd)
+        try:
+            fd = os.open(path.name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
+                         dir_fd=dir_fd)
+        except FileExistsError:
+            return _read_key(path, dir_fd)
+        except OSError as e:
+            raise KeyFileError(f"checkpoint key {path} cannot be made: {e.strerror}") from None
+        try:
+            os.write(fd, os.urandom(KEY_SIZE))
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        return _read_key(path, dir_fd)
     finally:
-        os.close(fd)
-    return _read_key(path)
+        os.close(dir_fd)
 
 
-def _read_key(path: Path) -> bytes:
+def _read_key(path: Path, dir_fd: int) -> bytes:
+    """The key file `path`'s bytes, opened by its name in the checked directory `dir_fd` without following a link,
+    and held to being a private regular file of ours by fstat of what was opened."""
     fix = "remove it (a new key is made; checkpoints made with the old one are then not resumed)"
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = os.open(path.name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
     except OSError as e:
         raise KeyFileError(f"checkpoint key {path} cannot be read ({e.strerror}): {fix}") from None
     try:

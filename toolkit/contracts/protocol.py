@@ -13,6 +13,15 @@ server nonce, client nonce, the op, who it claims to be); the server's answer ca
 the scheduler's port while the scheduler restarted learns nothing and can order nothing). A first message with a
 plain `token` field, or none of these, is refused.
 
+Hello first (what every client of ours sends): the client does not wait for the challenge. Its hello goes out as soon
+as the TCP connection is up, with `sent` (its wall clock, integer ms) and `proof` = HMAC(token, "client", "", client
+nonce, op, who, sent): no server nonce. So a worker's hello is usually in the socket when the scheduler accepts it,
+and the scheduler authenticates it at once, before a flood of connections that prove nothing (another user on the
+worker's own host) can compete with it for the table of connections waiting to authenticate
+(toolkit.scheduler.transport). Freshness without the server nonce: the scheduler accepts `sent` within HELLO_SKEW of
+its own clock and each client nonce once within that window (toolkit.scheduler.replay); a proven `reject` names a
+larger clock difference. The server still sends its challenge, and its proof still covers both nonces.
+
 Worker conversation (one connection per worker process, kept for its whole life; its EOF is a death signal):
 
     sched  -> challenge {nonce}
@@ -25,7 +34,7 @@ Worker conversation (one connection per worker process, kept for its whole life;
                                             ledger's, for the workers' checkpoint interval; goodput (0-1, when
                                             known) for rank 0's TensorBoard scalars
     worker -> heartbeat {step, total, step_time, busy, loss, ckpt_stall, ckpts, ckpt_bytes, ckpt_every, ckpt_why,
-                         ckpt_step, stride, first_step, step_p99, waiting, long}
+                         ckpt_step, stride, first_step, step_p99, waiting, long, ckpt_skipped, ckpt_full}
                                             every TOOLKIT_HEARTBEAT_INTERVAL; any message counts as one; all but
                                             step optional (toolkit.train.pace, `pace_fields`; ckpt_step, stride,
                                             first_step: the newest checkpoint a torchrun-style script reported, the
@@ -33,7 +42,9 @@ Worker conversation (one connection per worker process, kept for its whole life;
                                             toolkit.train.scriptreport; step_p99, waiting, long: for the progress
                                             watchdog, the p99 time between steps, whether the training thread
                                             waits in a collective now, a legitimately long phase it is in:
-                                            toolkit.train.stacks)
+                                            toolkit.train.stacks; ckpt_skipped, ckpt_full: checkpoints
+                                            skipped in a row for a full disk and the line saying why, 0 once one
+                                            is written: toolkit.train.checkpointing)
     sched  -> generation {generation}       a member died: leave the current process group, wait for `formed`
     worker -> commit {step}                 this rank committed a checkpoint of `step`
     worker -> recovered {generation, step, source, from_rank, recomputed, seconds, bytes}
@@ -89,6 +100,7 @@ MAX_STORE_KEYS = 1024  # keys in one store request (wait, check, multi_get)
 MAX_STORE_REPLY = 1 << 20
 MAX_PREAUTH_LINE = 4 << 10  # bytes of a first message: hellos are small
 NONCE_BYTES = 16
+HELLO_SKEW = 300.0  # s a hello-first `sent` may differ from the scheduler's clock (hosts' clocks kept by NTP)
 
 # both ways, before anything else
 CHALLENGE = "challenge"
@@ -253,12 +265,28 @@ def hello_subject(msg: Mapping[str, Any]) -> str:
     return value if isinstance(value, str) else ""
 
 
+def hello_sent(msg: Mapping[str, Any]) -> int | None:
+    """A hello-first message's `sent` (the client's wall clock, ms), None for a hello that answers a challenge; a
+    `sent` that is not a whole number (a bool, a float, text) is -1, which no proof covers and no window accepts."""
+    if "sent" not in msg:
+        return None
+    sent = msg["sent"]
+    return sent if isinstance(sent, int) and not isinstance(sent, bool) else -1
+
+
 def check_client(token: str, server_nonce: str, msg: dict[str, Any]) -> bool:
-    """Whether a first message proves the token (constant-time); a plain `token` field never does."""
+    """Whether a first message proves the token (constant-time); a plain `token` field never does. A hello-first
+    message (`sent`) is checked without the server nonce; its freshness is the server's to judge (module docstring)."""
     nonce, given = msg.get("nonce"), msg.get("proof")
     if "token" in msg or not isinstance(nonce, str) or not isinstance(given, str) or not 16 <= len(nonce) <= 128:
         return False
-    want = client_proof(token, server_nonce, nonce, str(msg["op"]), hello_subject(msg))
+    sent = hello_sent(msg)
+    if sent is None:
+        want = client_proof(token, server_nonce, nonce, str(msg["op"]), hello_subject(msg))
+    elif sent < 0:
+        return False
+    else:
+        want = proof(token, "client", "", nonce, str(msg["op"]), hello_subject(msg), str(sent))
     return hmac.compare_digest(want.encode(), given.encode())
 
 
@@ -276,6 +304,16 @@ def hello(op: str, token: str, server_nonce: str, **fields: Any) -> tuple[bytes,
     nonce = new_nonce()
     who = fields.get("host" if op == AGENT_HELLO else "node_id", "")
     return encode(op, nonce=nonce, proof=client_proof(token, server_nonce, nonce, op, str(who)), **fields), nonce
+
+
+def first_hello(op: str, token: str, wall: float, **fields: Any) -> tuple[bytes, str]:
+    """The hello-first message `op` (module docstring), sent before the challenge is read, at wall-clock time `wall`
+    (s; time.time()), and the client nonce the server's proof must cover."""
+    nonce = new_nonce()
+    who = str(fields.get("host" if op == AGENT_HELLO else "node_id", ""))
+    sent = int(wall * 1000)
+    return encode(op, nonce=nonce, sent=sent, proof=proof(token, "client", "", nonce, op, who, str(sent)),
+                  **fields), nonce
 
 
 def challenge_nonce(msg: Mapping[str, Any]) -> str:
@@ -334,15 +372,17 @@ def beat_interval(msg: Mapping[str, Any], default: float) -> float:
 
 MAX_PACE_SECONDS = 1e7  # s: a step time, busy time or total stall past this is nonsense from a peer
 MAX_LOSS = 1e30
-MAX_WHY = 400  # characters of a heartbeat's ckpt_why
+MAX_WHY = 400  # characters of a heartbeat's ckpt_why or ckpt_full
 _NUMBER = (int, float)  # the exact types of a JSON number (a bool is neither)
 _PACE_SECONDS = ("step_time", "busy", "ckpt_stall", "step_p99")
-_PACE_COUNTS = ("ckpts", "ckpt_bytes", "total", "ckpt_every", "ckpt_step", "stride", "first_step")
+_PACE_COUNTS = ("ckpts", "ckpt_bytes", "total", "ckpt_every", "ckpt_step", "stride", "first_step", "ckpt_skipped")
+_PACE_TEXTS = ("ckpt_why", "ckpt_full")  # strings of at most MAX_WHY characters
 
 
 def pace_fields(msg: Mapping[str, Any]) -> dict[str, Any]:
     """The valid pace fields of a heartbeat (toolkit.train.pace): numbers finite and in range, counts whole and
-    non-negative, `ckpt_why` a short string; anything else is dropped (a peer's figures are hostile input too).
+    non-negative, `ckpt_why` and `ckpt_full` short strings; anything else is dropped (a peer's figures are hostile
+    input too).
 
     Read for every heartbeat (thousands a second at thousands of ranks), so written for speed: a JSON number is an
     int or a float (a bool is neither type), and a range check rejects NaN and the infinities."""
@@ -358,9 +398,10 @@ def pace_fields(msg: Mapping[str, Any]) -> dict[str, Any]:
         v = msg.get(name)
         if type(v) is int and 0 <= v < 1 << 40:
             out[name] = v
-    why = msg.get("ckpt_why")
-    if isinstance(why, str):
-        out["ckpt_why"] = why[:MAX_WHY]
+    for name in _PACE_TEXTS:
+        text = msg.get(name)
+        if isinstance(text, str):
+            out[name] = text[:MAX_WHY]
     return out
 
 

@@ -1,6 +1,7 @@
 """A blocking, authenticated connection to the scheduler (its control port or the job's store), for the worker
-runtime, the store client and the agent's last words: connect, answer the server's challenge with a proof of the
-job token, and accept the answer only if it proves the token too (toolkit.contracts.protocol has the scheme and why).
+runtime, the store client and the agent's last words: connect, send a hello that proves the job token at once (hello
+first, without waiting for the server's challenge), and accept the answer only if it proves the token too
+(toolkit.contracts.protocol has the scheme and why).
 
 The agent's everyday link is non-blocking and does the same steps in its event loop (toolkit.agent)."""
 
@@ -16,7 +17,18 @@ from toolkit.contracts import protocol
 
 class ClosedEarly(ConnectionError):
     """The scheduler closed the connection before the handshake was over (a store or control port under a flood
-    closes the oldest connections still waiting to authenticate): trying again may work."""
+    closes connections still waiting to authenticate, or refuses one beyond its source's rate): trying again at once
+    may work (the hello is read at accept then)."""
+
+
+AT_ONCE = 8  # evictions in a row a client answers by connecting again at once, before its usual pause between tries
+
+
+def evicted(e: BaseException) -> bool:
+    """Whether a failed handshake looks like the scheduler closing it to make room (ClosedEarly, or a reset or broken
+    pipe while the hello was sent): the client connects again at once, its hello read at accept this time, rather
+    than after a pause (callers bound it: AT_ONCE in a row)."""
+    return isinstance(e, (ClosedEarly, ConnectionResetError, BrokenPipeError))
 
 
 class Unproven(Exception):
@@ -64,9 +76,9 @@ def open_session(address: tuple[str, int], token: str, op: str, fields: dict[str
                 pending.extend(lines.feed(data))
             return pending.pop(0)
 
+        hello, client_nonce = protocol.first_hello(op, token, time.time(), **fields)
+        sock.sendall(hello)  # hello first: usually read at the scheduler's accept, before any flood can evict it
         server_nonce = protocol.challenge_nonce(next_message())
-        hello, client_nonce = protocol.hello(op, token, server_nonce, **fields)
-        sock.sendall(hello)
         reply = next_message()
         if not protocol.check_server(token, server_nonce, client_nonce, reply):
             said = (f"it said: {str(reply.get('reason'))[:300]}" if reply.get("op") == protocol.REJECT

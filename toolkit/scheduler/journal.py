@@ -210,6 +210,7 @@ class Journal:
                 "step_time": step_time, "busy": fig.figures.get("busy"), "loss": fig.figures.get("loss"),
                 "heartbeat_age": round(now - fig.seen_at, 3), "score": round(score, 3) if score else None,
                 "straggler": r in self.stragglers.flagged, "ckpt_every": fig.figures.get("ckpt_every"),
+                "ckpt_skipped": fig.figures.get("ckpt_skipped"),
             }
         last = self.ledger.faults.incidents[-1] if self.ledger.faults.incidents else None
         return {
@@ -217,6 +218,7 @@ class Journal:
             "generation": self.generation, "formed": self.formed, "world_size": self.world_size, "ranks": ranks,
             "stragglers": [{"rank": n.rank, "node_id": n.node_id, "host": n.host, "factor": round(n.factor, 2)}
                            for n in self.stragglers.flagged.values()],
+            "skipping_checkpoints": list(self.ledger.accounting.skipping.values()),  # runs that last now
             "last_incident": None if last is None else {
                 "number": last.number, "cause": last.cause, "at": last.detected_at, "step": last.step,
                 "processes": [p["node_id"] for p in last.processes], "hosts": sorted({p["host"] for p in

@@ -22,7 +22,8 @@ Goodput = time in steps that survive / wall time. The wall time since the job st
   productive   the rest: steps that count.
 For a torchrun-style script that reports no steps the goodput stands on its group's formations instead (start-up
 until the first, recovery until the next; its own resume is not known): an upper bound, and `goodput` says so.
-Straggler episodes and the checkpoint intervals workers chose are kept alongside.
+Straggler episodes, the checkpoint intervals workers chose and the runs of checkpoints a full disk made a rank skip
+(`skipped_checkpoints`: training went on, the older copies stayed) are kept alongside.
 
 Pure: facts come in with the time (wall-clock seconds, since the ledger outlives the scheduler process: it is
 persisted by toolkit.scheduler.journal and read back after a scheduler restart); nothing here does I/O.
@@ -98,6 +99,10 @@ class Goodput:
         self.checkpoint_step: int | None = None  # the newest checkpoint a torchrun-style script reported
         self._rank_step: dict[int, int] = {}  # rank -> the step its latest heartbeat carried (not persisted)
         self._stride: dict[int, int] = {}  # rank -> steps between a torchrun-style script's reports (not persisted)
+        # runs of checkpoints a full disk made a rank skip: rank, node_id, host, since, until (None while it lasts),
+        # skipped (how many), why (the worker's line); the open one per rank in `skipping`
+        self.skipped: list[dict[str, Any]] = []
+        self.skipping: dict[int, dict[str, Any]] = {}
 
     def pace(self, f: Mapping[str, Any], now: float) -> None:
         """A heartbeat's figures (NoteKind.PACE): step, step time, checkpoint stall, stride and checkpoints."""
@@ -133,6 +138,29 @@ class Goodput:
                                        "why": f.get("ckpt_why", "")})
                 del self.intervals[:-MAX_EPISODES]
                 self.changed(False)
+
+    def skipped_checkpoints(self, f: Mapping[str, Any], now: float) -> None:
+        """A heartbeat's `ckpt_skipped` (checkpoints skipped in a row for a full disk, 0 once one is written) and
+        `ckpt_full` (why): a run of them opens an episode (said in `fleet status` while it lasts and kept in the
+        ledger), its count follows, and a checkpoint written again closes it."""
+        count = f.get("ckpt_skipped")
+        if count is None:
+            return
+        rank = f["rank"]
+        open_ = self.skipping.get(rank)
+        if count > 0 and (open_ is None or open_["skipped"] != count):
+            if open_ is None:
+                open_ = self.skipping[rank] = {"rank": rank, "node_id": f.get("node_id"), "host": f.get("host"),
+                                                "since": now, "until": None, "skipped": count,
+                                                "why": f.get("ckpt_full", "")}
+                self.skipped.append(open_)
+                del self.skipped[:-MAX_EPISODES]
+            open_["skipped"] = count
+            self.changed(True)
+        elif count == 0 and open_ is not None:
+            open_["until"] = now
+            del self.skipping[rank]
+            self.changed(True)
 
     def formed(self, f: Mapping[str, Any], now: float) -> None:
         """A generation formed: the recovery mode its members registered; for a script that reports no steps, a
@@ -430,6 +458,7 @@ class Ledger:
     def _on_pace(self, f: Mapping[str, Any], now: float) -> None:
         self.faults.stepped(f, now)  # first: the stride that closes an incident is the one before this heartbeat
         self.accounting.pace(f, now)
+        self.accounting.skipped_checkpoints(f, now)
 
     def _on_restored(self, f: Mapping[str, Any], now: float) -> None:
         self.scheduler_restarts.append(now)
@@ -500,6 +529,7 @@ class Ledger:
             "checkpoint_stall": {str(r): [round(b, 4), round(last, 4)] for r, (b, last) in acc.stall.items()},
             "paused": round(acc.paused, 3), "restarting": round(acc.restarting, 3),
             "recovery": acc.recovery, "checkpoint_step": acc.checkpoint_step,
+            "skipped_checkpoints": acc.skipped,
             "goodput": self.goodput(now),
         }
 
@@ -530,6 +560,8 @@ class Ledger:
         acc.recovery = doc.get("recovery") if doc.get("recovery") in (RECOVERY_IN_PLACE, RECOVERY_RESTART) else None
         step = doc.get("checkpoint_step")
         acc.checkpoint_step = step if is_int(step) else None
+        acc.skipped = [dict(e) for e in doc.get("skipped_checkpoints") or []]  # older ledgers have none
+        acc.skipping = {e["rank"]: e for e in acc.skipped if e.get("until") is None}
         return led
 
     def resume(self, now: float) -> None:

@@ -34,6 +34,7 @@ from toolkit.scheduler.journal import Journal
 from toolkit.scheduler.kvstore import KVStore, bounds
 from toolkit.scheduler.membership import Membership
 from toolkit.scheduler.metrics import Endpoint, Exchange
+from toolkit.scheduler.replay import CLOCK_SKEW, Replays
 from toolkit.scheduler.transport import CONTROL, MAX_LOG_TEXT, PREAUTH_TIMEOUT, STORE, Conn, Connections, RateLimited
 
 log = logging.getLogger("toolkit.scheduler")
@@ -55,9 +56,12 @@ class Server:
     injectable for tests. `boot` is random per start and names this start in every store prefix, so keys of a
     previous scheduler start are never mistaken for this one's."""
 
-    def __init__(self, config: Config, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, config: Config, clock: Callable[[], float] = time.monotonic,
+                 wall: Callable[[], float] = time.time) -> None:
         self.cfg = config
         self.clock = clock
+        self.wall = wall  # for the hello-first messages' `sent` (replay.Replays)
+        self.replays = Replays()
         self.boot = secrets.token_hex(8)
         self.members = Membership(config.job, config.world_size, config.node_timeout, config.topo_timeout,
                                   self.boot, f"{config.host}:{config.port}", config.expected, clock(),
@@ -326,14 +330,15 @@ class Server:
         """Authenticate a connection's first message and act on it.
 
         It must be its port's hello (`store_hello` on the store; `register`, `agent_hello` or the operator's
-        `replace` on the control port)
-        with a client proof over this connection's nonce (protocol.check_client, constant-time). A plain `token`
-        field is refused with a line saying the peer's toolkit is older. Any refusal is a `reject {retry: false}`
-        carrying no proof, and the connection closes once it is written; it is logged rate-limited (one line per
-        kind of refusal per LOG_EVERY, then a summary), the claimed name cleaned. Accepted: the connection is
-        authed, its line limit rises to P.MAX_LINE (P.MAX_STORE_LINE on the store), and its first reply carries the
-        server's proof: the store's `welcome` here; for a worker or an agent, whatever the membership sends it first
-        (`welcome`, or a `reject`/`fenced` the client can then trust)."""
+        `replace` on the control port) with a client proof (protocol.check_client, constant-time): over this
+        connection's nonce, or hello first, fresh (replay.Replays.judge). A plain `token` field is refused with a
+        line saying the peer's toolkit is older. Any refusal is a `reject {retry: false}` carrying no proof (but
+        for a clock too far from ours under a proof that checked: the client then trusts the reason and says it),
+        and the connection closes once it is written; it is logged rate-limited (one line per kind of refusal per
+        LOG_EVERY, then a summary), the claimed name cleaned. Accepted: the connection is authed, its line limit
+        rises to P.MAX_LINE (P.MAX_STORE_LINE on the store), and its first reply carries the server's proof: the
+        store's `welcome` here; for a worker or an agent, whatever the membership sends it first (`welcome`, or a
+        `reject`/`fenced` the client can then trust)."""
         op = msg["op"]
         expected = ((protocol.STORE_HELLO,) if conn.kind == STORE
                     else (protocol.REGISTER, protocol.AGENT_HELLO, protocol.REPLACE))
@@ -349,12 +354,14 @@ class Server:
         elif not protocol.check_client(self.cfg.token, conn.nonce, msg):
             reason = "wrong or missing job token"
         else:
-            reason = ""
+            reason = self.replays.judge(msg, self.wall())
         if reason:
             what = {protocol.REGISTER: f"registration of {subject}", protocol.AGENT_HELLO: "agent hello",
                     protocol.STORE_HELLO: f"store connection of {subject}", protocol.REPLACE: "replace request"}[op]
             host = f" (host {subject})" if op == protocol.AGENT_HELLO else ""
             self.said.warn(f"rejected:{op}:{reason[:20]}", f"rejected {what} from {conn.addr}{host}: {reason}")
+            if reason.startswith(CLOCK_SKEW):  # its proof checked: a proven reject, which the client trusts and says
+                self.conns.authenticate(conn, str(msg["nonce"]))
             self.conns.send(conn, protocol.REJECT, reason=reason, retry=False)
             conn.closing = True
             return

@@ -145,10 +145,13 @@ class Connections:
         """Accept what waits on listener `kind` (CONTROL or STORE), at most ACCEPT_BATCH at a time (the listener
         stays readable for the next pass, and the hellos already received are read in between).
 
-        Admission is bounded before a byte is read, and never by refusing the newcomer: when the table of connections
-        waiting to authenticate is full (for its address, or in all) the oldest one waiting is closed to make room
-        (admission.Admission; a rate-limited warning says so). An admitted connection is non-blocking with
-        TCP_NODELAY, and must prove the token within PREAUTH_TIMEOUT (`expire`). Out of descriptors or memory
+        A connection whose whole hello is already there (our clients send it first, toolkit.contracts.protocol) is
+        read and judged at once: authenticated, or refused and closed, it never enters the table of connections
+        waiting to authenticate, so no flood of connections that prove nothing can compete with it (from any
+        source, the worker's own included). Any other is admitted (`_admit`): when that table is full (for its
+        source, or in all) another waiting one is closed to make room (admission.Admission; a rate-limited warning
+        says so), or, beyond its source's rate, it is refused itself. It is non-blocking with TCP_NODELAY, and must
+        prove the token within PREAUTH_TIMEOUT (`expire`). Out of descriptors or memory
         (RESOURCE_ERRORS) the listeners pause (`pause`) instead of spinning on a listener that stays readable; any
         other accept error waits for the next readiness."""
         listener = self.listeners[kind]
@@ -165,26 +168,35 @@ class Connections:
             now = self.clock()
             conn = Conn(next(self.ids), sock, f"{addr[0]}:{addr[1]}", ip, kind, protocol.new_nonce(),
                         now + PREAUTH_TIMEOUT)
-            out = self.admission.admit(conn.id, ip, now, self._hello_waiting)
-            if out == conn.id:  # beyond its source's rate, and nothing of the kind to close: refused
-                self.said.warn("refused", f"refused {conn.addr}: {len(self.admission)} connections are waiting to "
-                                          f"authenticate and its source opened more than {self.admission.rate:g} a "
-                                          "second")
-                sock.close()
-                continue
-            victim = self.conns.get(out or 0)
-            if victim is not None:
-                lim = self.admission.limits
-                self.said.warn("evicted", f"closed {victim.addr}, which had not authenticated after "
-                                          f"{now - victim.deadline + PREAUTH_TIMEOUT:.1f} s, to make room for "
-                                          f"{conn.addr}: {len(self.admission)} connections are waiting to "
-                                          f"authenticate (at most {lim.total}, {lim.per_address} from one address)")
-                self.close(victim)
             sock.setblocking(False)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self.conns[conn.id] = conn
             self.sel.register(sock, selectors.EVENT_READ, conn)
             self.send(conn, protocol.CHALLENGE, nonce=conn.nonce)
+            if self._hello_waiting(conn.id):  # hello first: read and judged now, before any admission
+                self.read(conn)
+                if conn.authed or conn.closed or conn.closing:
+                    continue
+            self._admit(conn, now)
+
+    def _admit(self, conn: Conn, now: float) -> None:
+        """Enter `conn`, which has not proved the token yet, in the table of connections waiting to authenticate
+        (admission.Admission): close the one it names to make room, or `conn` itself when it is refused."""
+        out = self.admission.admit(conn.id, conn.ip, now, self._hello_waiting)
+        if out == conn.id:  # beyond its source's rate, and nothing of the kind to close: refused
+            self.said.warn("refused", f"refused {conn.addr}: {len(self.admission)} connections are waiting to "
+                                      f"authenticate and its source opened more than {self.admission.rate:g} a "
+                                      "second")
+            self.close(conn)
+            return
+        victim = self.conns.get(out or 0)
+        if victim is not None:
+            lim = self.admission.limits
+            self.said.warn("evicted", f"closed {victim.addr}, which had not authenticated after "
+                                      f"{now - victim.deadline + PREAUTH_TIMEOUT:.1f} s, to make room for "
+                                      f"{conn.addr}: {len(self.admission)} connections are waiting to "
+                                      f"authenticate (at most {lim.total}, {lim.per_address} from one address)")
+            self.close(victim)
 
     def _hello_waiting(self, conn_id: int) -> bool:
         """Whether connection `conn_id` has a whole line (its hello) waiting unread: it answered while the loop was

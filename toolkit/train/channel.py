@@ -22,7 +22,7 @@ import time
 from typing import Any, Protocol
 
 from toolkit.contracts import envvars, protocol
-from toolkit.contracts.session import Unproven, open_session
+from toolkit.contracts.session import AT_ONCE, Unproven, evicted, open_session
 from toolkit.errors import UserError
 from toolkit.train import jobview, stacks
 from toolkit.train.fence import Fence
@@ -135,6 +135,7 @@ class Channel:
         """First registration: retry while the scheduler is not up yet (it starts alongside the workers) and
         while our node id is still held by a predecessor the scheduler has not yet found dead."""
         rejected_since: float | None = None
+        at_once = 0
         while True:
             now = time.monotonic()
             try:
@@ -152,6 +153,10 @@ class Channel:
                         f"{self.cfg.node_id}: cannot reach the scheduler at {self.cfg.sched_host}:"
                         f"{self.cfg.sched_port} within {envvars.MS_TOPO_TIMEOUT}={self.cfg.topo_timeout:g} s ({e}); "
                         f"is it running, and is {envvars.MS_SCHED_HOST} this job's scheduler host?") from None
+                if evicted(e) and at_once < AT_ONCE:
+                    at_once += 1  # closed to make room (a flood): again at once, the hello is read at accept
+                    continue
+            at_once = 0
             if self.closing.wait(CONNECT_RETRY):
                 raise RegistrationError(f"{self.cfg.node_id}: closed while registering")
 
@@ -171,6 +176,7 @@ class Channel:
         closes after `done`, or when a refusal is final."""
         next_beat = wait_until = time.monotonic()
         refused_since: float | None = None
+        at_once = 0
         while not self.closing.is_set():
             sock = self.sock
             if sock is None:
@@ -185,15 +191,18 @@ class Channel:
                         return
                     if isinstance(decision, jobview.ExitProcess):
                         self._apply([decision])
-                except (OSError, protocol.ProtocolError, Unproven):
-                    pass
+                except (OSError, protocol.ProtocolError, Unproven) as e:
+                    if evicted(e) and at_once < AT_ONCE:
+                        at_once += 1  # closed to make room (a flood): again at once, the hello is read at accept
+                        continue
                 else:
                     with self.cond:
                         self.cond.notify_all()
                     say(self.cfg.node_id, f"reconnected to the scheduler (generation {self.view.announced})")
                     refused_since, next_beat = None, time.monotonic()
-                    wait_until = next_beat
+                    wait_until, at_once = next_beat, 0
                     continue
+                at_once = 0
                 self.closing.wait(CONNECT_RETRY)
                 continue
             try:

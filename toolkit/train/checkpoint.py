@@ -402,6 +402,7 @@ class CheckpointManager:
         self.last_bytes = 0  # bytes of this rank's part of the newest checkpoint saved (for the heartbeat)
         self._written: set[PartName] = set()  # parts this manager wrote (known authentic: pruned without a read)
         self.skipped = 0  # checkpoints skipped in a row for a full disk (or quota), 0 once one is written
+        self.skip_why = ""  # the line that said why the first of them was skipped (heartbeat: fleet status, ledger)
         self._thread: threading.Thread | None = None
         if async_write:
             self._thread = threading.Thread(target=self._writer, name=f"ckpt-writer:{self.directory}", daemon=True)
@@ -615,6 +616,7 @@ class CheckpointManager:
                 raise error from None
             self.skipped += 1
             if self.skipped == 1:
+                self.skip_why = str(error)
                 log.warning("%s; checkpoint of step %d skipped: training goes on and the next checkpoint tries "
                             "again (this is said once until one is written)", error, job.name.step)
             return False

@@ -85,10 +85,19 @@ class Checkpointing:
         self._staging_wait = 0.0
         self._saved = step
         self.rt.checkpoint_stalled(stalled, self.manager.last_bytes)
+        self._publish_skipped()
         if self.chooser is not None:
             self.chooser.stalled(stalled)
         self._choose_interval()
         self.clock.rest()  # the stall is not the next step's work
+
+    def _publish_skipped(self) -> None:
+        """Tell the scheduler (heartbeat `ckpt_skipped`, `ckpt_full`) how many checkpoints in a row the disk had no
+        room for, and why, for `fleet status` and the ledger; 0 once one is written. With asynchronous writes the
+        outcome of a write is known at the next save, so it is said one interval late. Said at every save, so that a
+        relaunched rank that writes again closes the run its predecessor left open."""
+        skipped = self.manager.skipped
+        self.rt.publish_pace(ckpt_skipped=skipped, ckpt_full=self.manager.skip_why if skipped else "")
 
     def redo(self) -> None:
         """The ranks went back to an earlier step (toolkit.train.replicas): the steps saved since are saved again

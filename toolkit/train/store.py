@@ -27,7 +27,7 @@ from typing import Any
 import torch.distributed as dist
 
 from toolkit.contracts import protocol
-from toolkit.contracts.session import Unproven, open_session
+from toolkit.contracts.session import AT_ONCE, Unproven, evicted, open_session
 
 CONNECT_TIMEOUT = 2.0  # s for the TCP connect
 HANDSHAKE_TIMEOUT = 10.0  # s for the challenge and the answer
@@ -252,13 +252,14 @@ def connect(host: str, port: int, token: str, node_id: str, timeout: timedelta, 
     """The job's store, or StoreError if it cannot be reached and trusted by `deadline` (time.monotonic();
     default: `timeout` from now, the bound of the build that needs the store).
 
-    A refused or reset connection, or one the scheduler closes before its challenge (a scheduler at its connection
-    limits does that at accept), is tried again after `retry_pause`, until the deadline; each attempt is bounded by
+    A connection the scheduler closed during the handshake (to make room, under a flood: session.evicted) is tried
+    again at once, up to AT_ONCE times in a row; a refused connection, or more of those, after `retry_pause`, until
+    the deadline; each attempt is bounded by
     CONNECT_TIMEOUT and HANDSHAKE_TIMEOUT and by what is left. A peer that cannot prove the job token (Unproven),
     a proven refusal without `retry`, a timeout and anything else the network says fail at once."""
     if deadline is None:
         deadline = time.monotonic() + timeout.total_seconds()
-    attempt = 0
+    attempt = at_once = 0
     while True:
         left = deadline - time.monotonic()
         try:
@@ -267,6 +268,10 @@ def connect(host: str, port: int, token: str, node_id: str, timeout: timedelta, 
         except (ConnectionError, StoreRefused) as e:
             if isinstance(e, StoreRefused) and not e.retry:
                 raise
+            if evicted(e) and at_once < AT_ONCE and time.monotonic() < deadline:
+                at_once += 1  # closed to make room (a flood): at once, the hello is read at accept this time
+                continue
+            at_once = 0
             pause = retry_pause(attempt)
             if time.monotonic() + pause >= deadline:
                 raise StoreError(f"cannot use the job's store at {host}:{port} after {attempt + 1} attempts: "

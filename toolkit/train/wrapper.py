@@ -21,7 +21,10 @@ is written to TORCHELASTIC_ERROR_FILE in torch's `@record` format (unless the sc
 the agent reads; a torchrun-style script whose collective failed waits a bounded time for the scheduler's word, so
 that a peer's death seen first as a reset connection is a rejoin (EXIT_REJOIN), not this worker's crash; and the
 process then exits at once with the script's status, without the interpreter's teardown (it would destroy process
-groups left behind, whose transport threads can abort the process: SIGABRT instead of the script's status).
+groups left behind, whose transport threads can abort the process: SIGABRT instead of the script's status). A
+failure while the job's checkpoint directory cannot take a checkpoint (another user may write it, read-only, a full
+disk) is no crash a restart heals: it is said in one line, first, and the process ends with EXIT_FATAL, which the
+agent gives up on at once (`cannot_heal`).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import contextlib
 import gc
 import importlib
 import importlib.util
+import json
 import os
 import runpy
 import subprocess
@@ -45,6 +49,7 @@ from urllib.parse import urlparse
 
 import torch.distributed as dist
 
+from toolkit import atomicfile, privatedir
 from toolkit.contracts import envvars, protocol
 from toolkit.errors import UserError
 from toolkit.train import log, progress, stacks
@@ -62,6 +67,7 @@ from toolkit.train.runtime import (
 from toolkit.train.scriptreport import ScriptReporter
 
 EXIT_REJOIN = protocol.EXIT_REJOIN
+EXIT_SETUP = 2  # a usage or set-up error, said by the script (argparse, the Trainer's refusal of its directory)
 HOOKED = ("env", "tcp")  # the rendezvous schemes that reach the job's store
 
 
@@ -193,6 +199,8 @@ def run_script(argv: Sequence[str], env: dict[str, str] | None = None) -> int:
     code, error = _run(script, module)
     if session is not None:
         code = session.end(code, error)
+        if code not in (0, EXIT_REJOIN, EXIT_SETUP):  # a set-up error (the Trainer's refusal) said it already
+            code = cannot_heal(code, error, os.environ if env is None else env)
     if code == 0 and dist.is_initialized():
         # the script's group, left for it after the end (Runtime.done): destroyed here when the script did not
         with contextlib.suppress(Exception):
@@ -241,6 +249,56 @@ def _run(script: str, module: str | None) -> tuple[int, BaseException | None]:
         record_error(e)
         return 1, e
     return 0, None
+
+
+FULL_BELOW = 1 << 20  # bytes free under which a checkpoint directory's disk is full: no checkpoint fits there
+
+
+def unusable(directory: str) -> str | None:
+    """Why checkpoint directory `directory` cannot take a checkpoint, whatever restarts come: one line naming it and
+    what to do; None when it can (or does not exist: the script may not use it). Another user may write it (or a
+    directory above it: privatedir), it is on a read-only file system, this user may not write it, or its disk has
+    less than FULL_BELOW free. Read-only checks (stat, statvfs, access): nothing is written."""
+    path = Path(directory)
+    if not path.is_dir():
+        return None
+    fix = "choose a --ckpt-dir of your own on a disk with room, or fix this one, then run the job again"
+    found = privatedir.problem(path, "checkpoint directory", fix)
+    if found is not None:
+        return found
+    try:
+        fs = os.statvfs(path)
+    except OSError as e:
+        return f"checkpoint directory {path} cannot be read ({e.strerror}); {fix}"
+    if fs.f_flag & os.ST_RDONLY:
+        return f"checkpoint directory {path} is on a read-only file system; {fix}"
+    if not os.access(path, os.W_OK | os.X_OK):
+        return f"checkpoint directory {path} is not writable by this user (uid {os.geteuid()}); {fix}"
+    free = fs.f_bavail * fs.f_frsize
+    if free < FULL_BELOW:
+        return f"checkpoint directory {path} is on a full disk ({free >> 10} KiB free); {fix}"
+    return None
+
+
+def cannot_heal(code: int, error: BaseException | None, env: dict[str, str] | os._Environ[str]) -> int:
+    """The script failed with `code` (`error`: its exception, if any) under toolkit: if its checkpoint directory
+    (CKPT_DIR) cannot take a checkpoint (`unusable`), no restart can fix that, and a torchrun-style script would fail
+    again at its next save, restart after restart (the red team's read-only and full directories: 10-19 s of
+    backoff to fail). Then one line says so, first, in the log and in the error file (what the agent reports as the
+    cause, the script's own word after it), and the status is EXIT_FATAL: the agent gives up at once. Else `code`
+    stands."""
+    directory = env.get(envvars.CKPT_DIR)
+    why = unusable(directory) if directory else None
+    if why is None:
+        return code
+    what = f"{type(error).__name__}: {first_line(error)}" if error is not None else f"exit code {code}"
+    line = f"{why} (no restart can fix that; the script failed: {what})"
+    log.line(f"toolkit.train: {line}", sys.stderr)
+    path = env.get(envvars.TORCHELASTIC_ERROR_FILE)
+    if path:
+        with contextlib.suppress(OSError):  # the cause is extra: the status says the job cannot go on anyway
+            atomicfile.write(Path(path), json.dumps({"message": line}).encode(), mode=0o600)
+    return protocol.EXIT_FATAL
 
 
 def record_error(error: BaseException) -> None:

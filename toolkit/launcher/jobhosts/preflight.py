@@ -57,8 +57,16 @@ class Report:
 
 
 def failure_text(problems: Sequence[Problem]) -> str:
-    """The error's text: a count, then one line per problem."""
-    return f"check found {len(problems)} problem(s):\n" + "\n".join(p.line() for p in problems)
+    """The error's text, one fact one line: a count, then one line per problem, the hosts that share one (the same
+    check, text and fix: a disk too small on a shared file system, a port every host lacks) named together on it
+    (`a, b, c: disk: ...`), in the order first found. A text that begins with its host's name again (an error
+    message of the host's) loses that prefix: the host is said once."""
+    facts: dict[tuple[str, str, str], list[str]] = {}
+    for p in problems:
+        key = (p.check, p.text.removeprefix(f"{p.host}: "), p.fix)
+        facts.setdefault(key, []).append(p.host)
+    lines = [Problem(", ".join(dict.fromkeys(hosts)), *key).line() for key, hosts in facts.items()]
+    return f"check found {len(lines)} problem(s):\n" + "\n".join(lines)
 
 
 def run_check(record: JobRecord, ssh: SshSettings, project: Path, data: Sequence[str] = (),

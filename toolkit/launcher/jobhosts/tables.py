@@ -101,13 +101,18 @@ def _fixed(value: float | None, digits: int) -> str:
 
 
 def live_lines(live: Mapping[str, Any] | None) -> list[str]:
-    """The scheduler's view in a few lines: each straggler (host, rank, by how much), the last incident (cause,
-    processes, step, time to recover, steps recomputed) and the goodput so far. Empty without a live document."""
+    """The scheduler's view in a few lines: each straggler (host, rank, by how much), each rank skipping checkpoints
+    for a full disk (how many, why), the last incident (cause, processes, step, time to recover, steps recomputed)
+    and the goodput so far. Empty without a live document."""
     if live is None:
         return []
     lines = [f"straggler: {s.get('node_id')} (rank {s.get('rank')}) on {s.get('host')}: its own work per step "
              f"takes {s.get('factor')}x the median of the others" for s in live.get("stragglers") or []
              if isinstance(s, dict)]
+    lines += [f"checkpoints skipped: {e.get('node_id')} (rank {e.get('rank')}) on {e.get('host')}: "
+              f"{e.get('skipped')} in a row, the disk is full: {e.get('why')} (training goes on from the older "
+              "copies; the next checkpoint tries again)" for e in live.get("skipping_checkpoints") or []
+              if isinstance(e, dict)]
     stalled = number(live.get("stalled_for"))
     if stalled is not None:
         lines.append(f"stalled: no step for {stalled:.0f} s (the progress watchdog names a rank that stopped while "
