@@ -271,7 +271,7 @@ def hello_sent(msg: Mapping[str, Any]) -> int | None:
     if "sent" not in msg:
         return None
     sent = msg["sent"]
-    return sent if isinstance(sent, int) and not isinstance(sent, bool) else -1
+    return sent if is_int(sent) else -1
 
 
 def check_client(token: str, server_nonce: str, msg: dict[str, Any]) -> bool:
