@@ -2,7 +2,8 @@
 logical ranks (`--logical-ranks 4`) end with parameters bitwise equal to those of 4 workers under the real torchrun;
 and so does such a job whose worker is killed with SIGKILL mid-run (each process serving 2 logical ranks), the
 survivor going on in place and the replacement taking its state from it. The processes there run the step body
-once per logical rank: each worker's log has every step twice.
+once per logical rank: each worker's log has every step twice. And a real worker told a wrong assignment in an
+authenticated `formed` stops with one line instead of training on it.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import os
 import random
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -20,7 +22,9 @@ from typing import Any, Callable
 
 import pytest
 import torch
+from runtime_harness import Job
 
+from toolkit.contracts import protocol as P
 from toolkit.testing.localjob import EXAMPLES, STEP_LINE, LocalJob, clean_env
 from toolkit.testing.ports import free_port_pair
 
@@ -124,3 +128,35 @@ def test_a_kill9_of_a_worker_serving_two_logical_ranks_recovers_in_place_bitwise
     (final,) = FINAL.findall(survivor)
     assert final[1] == four_workers[1], f"final parameters differ from 4 workers' {why}"
     assert_bitwise_equal(Path(final[0]), four_workers[0])
+
+
+def test_a_worker_told_a_wrong_assignment_stops_with_one_line_and_never_trains(tmp_path) -> None:
+    """A scheduler that proves the job token (a bug or another toolkit version, not noise) sends a `formed` whose
+    assignment leaves logical rank 1 to nobody: the real worker exits 77 with one line, before any step."""
+    job = Job(tmp_path, 2)
+    server = socket.create_server(("127.0.0.1", job.port))
+    worker = job.worker(0, args=["--steps", "3", "--out", str(tmp_path / "out")])
+    try:
+        server.settimeout(120)
+        conn, _ = server.accept()
+        conn.settimeout(60)
+        nonce = P.new_nonce()
+        conn.sendall(P.encode(P.CHALLENGE, nonce=nonce))
+        lines = P.LineBuffer(P.MAX_LINE)
+        got: list = []
+        while not got:
+            got = lines.feed(conn.recv(65536))
+        hello = got[0]
+        assert hello["op"] == P.REGISTER and P.check_client(job.token, nonce, hello)
+        conn.sendall(P.encode(P.WELCOME, proof=P.server_proof(job.token, nonce, hello["nonce"]), rank=0,
+                              world_size=2, generation=0, job=job.name))
+        conn.sendall(P.encode(P.FORMED, generation=0, prefix="x/", logical_world=4, logical=[[0, 2, 3], [2]]))
+        assert worker.wait(120) == P.EXIT_FATAL, worker.text()
+        conn.close()
+    finally:
+        server.close()
+        job.cleanup()
+    text = worker.text()
+    assert "the scheduler's formed message of generation 0 is wrong: the assignment does not cover each of the 4 " \
+           "logical ranks exactly once; stopping rather than training on it (exit 77)" in text, text
+    assert "Traceback" not in text and "rank 0 step" not in text and "starts at step" not in text, text
