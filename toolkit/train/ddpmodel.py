@@ -114,6 +114,12 @@ class GroupModel:
         self.current = ddp
         self.clock.rest()  # a new group: the time since the last step is a recovery, not this rank's work
 
+    def reduce_logical(self, *_: Any) -> None:
+        """The optimizer's pre-hook: in a process serving several logical ranks, the step's gradient is the mean of
+        theirs, reduced in logical-rank order before the optimizer runs (toolkit.train.logicalgrad)."""
+        if self.logical is not None:
+            self.logical.reduce()
+
     def end_step(self, began: float) -> float | None:
         """A step that began at `began` ended now: the time this rank worked on it (until its last gradient bucket
         went to the allreduce; the whole step in a world of one), or None if not known."""

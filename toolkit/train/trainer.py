@@ -134,7 +134,7 @@ class Trainer:
         self._hook = optimizer.register_step_post_hook(self._applied)
         self._lane = 0  # which of this process's logical ranks the next batch is for (toolkit.train.logicalgrad)
         self._began, self._applied_before = 0.0, 0  # the step in progress: when it began, optimizer steps before it
-        self._pre_hook = optimizer.register_step_pre_hook(self._reduce_logical)
+        self._pre_hook = optimizer.register_step_pre_hook(self._group.reduce_logical)
         self._loss: Any = None
         self._stopping = Stopping(runtime)
         self._finished = False
@@ -458,13 +458,6 @@ class Trainer:
             self._ckpt.close()
         finally:
             self._stopping.release()
-
-
-    def _reduce_logical(self, *_: Any) -> None:
-        """The optimizer's pre-hook: in a process serving several logical ranks, the step's gradient is the mean of
-        theirs, reduced in logical-rank order before the optimizer runs (toolkit.train.logicalgrad)."""
-        if self._group.logical is not None:
-            self._group.logical.reduce()
 
 
 class _Applied:
