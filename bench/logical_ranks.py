@@ -116,14 +116,14 @@ def steady_round(src: Path, work: Path, args: argparse.Namespace) -> float:
     out = work / f"out-{src.name}.json"
     port = free_port()
     env = {**clean_env(), "PYTHONPATH": str(src), "OMP_NUM_THREADS": "1", "CKPT_DIR": str(work / "ckpt" / src.name),
-           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2"}
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}
     procs = [subprocess.Popen([sys.executable, str(script), str(args.steps), "3", str(args.width), str(args.layers),
                                str(args.batch), str(out)], env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
-    for p in procs:
-        text, _ = p.communicate(timeout=PROC_TIMEOUT)
+    texts = [p.communicate(timeout=PROC_TIMEOUT)[0] for p in procs]
+    for r, (p, text) in enumerate(zip(procs, texts, strict=True)):
         if p.returncode != 0:
-            raise SystemExit(f"a steady-state worker exited {p.returncode}:\n{text[-3000:]}")
+            raise SystemExit(f"steady-state rank {r} exited {p.returncode}:\n{text[-3000:]}")
     return json.loads(out.read_text())["steps_per_s"]
 
 
