@@ -115,7 +115,8 @@ def steady_round(src: Path, work: Path, args: argparse.Namespace) -> float:
     script.write_text(TRAIN)
     out = work / f"out-{src.name}.json"
     port = free_port()
-    env = {**clean_env(), "PYTHONPATH": str(src), "OMP_NUM_THREADS": "1", "CKPT_DIR": str(work / "ckpt" / src.name),
+    env = {**clean_env(), "PYTHONPATH": str(src), "OMP_NUM_THREADS": "1",
+           "CKPT_DIR": tempfile.mkdtemp(prefix="ckpt-", dir=work),  # fresh: no run resumes another's checkpoint
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}
     procs = [subprocess.Popen([sys.executable, str(script), str(args.steps), "3", str(args.width), str(args.layers),
                                str(args.batch), str(out)], env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
