@@ -16,6 +16,7 @@ from types import MappingProxyType
 from typing import Iterator, Mapping, Sequence
 
 from toolkit.contracts import envvars, hostspec
+from toolkit.contracts.logical import MAX_LOGICAL_RANKS
 from toolkit.contracts.protocol import RECOVERY_RESTART as P_RECOVERY_RESTART
 from toolkit.contracts.protocol import worker_node_id
 from toolkit.errors import UserError
@@ -73,6 +74,7 @@ class JobOptions:
     host_timeout: float = envvars.DEFAULT_HOST_TIMEOUT  # s a host's ranks dead, its agent gone: lost, a spare steps in
     metrics_address: str | None = None  # [HOST:]PORT of the scheduler's Prometheus endpoint; None: not served
     verify_every: str = "auto"  # steps between the Trainer's replica checks, 0 never, auto: at most 1% of step time
+    logical_ranks: int | None = None  # the job's logical ranks L (toolkit.contracts.logical); None: the worker count
 
     def __post_init__(self) -> None:
         if not _JOB_NAME.fullmatch(self.job):
@@ -124,6 +126,7 @@ class JobOptions:
         if self.verify_every != "auto" and not self.verify_every.isdigit():
             raise PlanError(f"--verify-every {self.verify_every!r}: give a number of steps between the replicas' "
                             "checks (0: never) or auto (checks costing at most 1% of the step time)")
+        _check_logical_ranks(self.logical_ranks, None)
         if not self.script.strip():
             raise PlanError("--script is empty: name the training script, e.g. --script train.py")
         for name, value in (("--workdir", self.workdir), ("--python", self.python), ("--script", self.script)):
@@ -281,6 +284,7 @@ def make_plan(inventory: Inventory, options: JobOptions, local_project_dir: str 
         raise PlanError("a local job needs the project directory it runs in")
     placement = _placement(inventory, options)
     world = sum(n for _, n in placement)
+    _check_logical_ranks(options.logical_ranks, world)
     sched = inventory.host(inventory.scheduler)
     build = _ProcessBuilder(options, _common_env(inventory, options, sched, world), world, len(placement),
                             local_project_dir if inventory.local else None)
@@ -362,6 +366,7 @@ class _ProcessBuilder:
                 envvars.TOOLKIT_SPARES: ",".join(n for n in spares if n != sched.name),
                 envvars.TORCHELASTIC_MAX_RESTARTS: str(options.max_restarts),
                 **({envvars.TOOLKIT_METRICS_ADDRESS: options.metrics_address} if options.metrics_address else {}),
+                **({envvars.TOOLKIT_LOGICAL_RANKS: str(options.logical_ranks)} if options.logical_ranks else {}),
             }),
         )
 
@@ -434,6 +439,17 @@ def _host_plans(inventory: Inventory, options: JobOptions, by_host: Mapping[str,
         for h in (inventory.host(name) for name in inventory.spares)
         if h.name not in by_host
     )
+
+
+def _check_logical_ranks(logical: int | None, world: int | None) -> None:
+    """PlanError naming --logical-ranks for a count out of range, or below the `world` workers (when known)."""
+    if logical is None:
+        return
+    if not 1 <= logical <= MAX_LOGICAL_RANKS:
+        raise PlanError(f"--logical-ranks {logical}: give 1 to {MAX_LOGICAL_RANKS} (at least the number of workers)")
+    if world is not None and logical < world:
+        raise PlanError(f"--logical-ranks {logical} is below the {world} workers: each worker serves one logical rank "
+                        f"or more; give at least {world}, or leave it out (then it is {world})")
 
 
 def _placement(inventory: Inventory, options: JobOptions) -> list[tuple[Host, int]]:

@@ -85,6 +85,7 @@ OPTIONS: tuple[Option, ...] = (
     _job_option("metrics_address", str, "the scheduler's Prometheus endpoint, [HOST:]PORT", "ADDR"),
     _job_option("torchrun_script", bool, "on a fault restart all workers, even on toolkit.train"),
     _job_option("verify_every", str, "steps between replica checks (0: never)", "N"),
+    _job_option("logical_ranks", int, "the job's logical ranks, served by the workers", "L"),
     Option("known_hosts", str, "~/.ssh/known_hosts", "host keys are checked against it", "FILE", "ssh"),
     Option("accept_new_host_keys", bool, False, "add unknown host keys (never changed ones)", group="ssh"),
     Option("parallel", int, 32, "hosts contacted at once", "N", "ssh"),
@@ -128,7 +129,7 @@ class Settings:
 JOB_OPTIONS = ("script", "script_args", "module", "no_python", "worker_num", "nproc_per_node", "nnodes", "master_port",
                "cluster_time_out", "node_timeout", "recovery", "data_path", "ckpt_dir", "workdir", "python",
                "max_restarts", "grace", "bind_core", "warm_spare", "torchrun_script", "host_timeout", "restart_refill",
-               "metrics_address", "verify_every")
+               "metrics_address", "verify_every", "logical_ranks")
 
 
 # How deploy reached the hosts, kept in the job record's `ssh` (every later task reaches them the same way): typed

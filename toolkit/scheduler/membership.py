@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 from toolkit.contracts import envvars, protocol
+from toolkit.contracts.logical import assign
 from toolkit.scheduler.actions import (  # also re-exported
     CAUSE_CLOSED,
     CAUSE_NOT_BACK,
@@ -223,6 +224,13 @@ def fence_corrupt(m: Membership, f: Mapping[str, Any], why: str, now: float) -> 
     return out
 
 
+def formed_fields(m: "Membership") -> dict[str, Any]:
+    """The fields of `formed` for `m`'s current generation: its store prefix and its assignment of logical ranks
+    (`logical`: one ascending list per rank, index = rank; toolkit.contracts.logical)."""
+    return {"generation": m.generation, "prefix": protocol.store_prefix(m.job, m.boot, m.generation),
+            "logical_world": m.logical_world, "logical": [list(m.logical[r]) for r in range(m.world_size)]}
+
+
 class Membership:
     """See the module docstring. `boot` names this scheduler start in the store prefixes; `expected` maps node ids
     to the host the plan put them on (for the formation-timeout message).
@@ -240,8 +248,13 @@ class Membership:
 
     def __init__(self, job: str, world_size: int, node_timeout: float, topo_timeout: float, boot: str,
                  address: str, expected: Mapping[str, str] | None = None, now: float = 0.0,
-                 host_timeout: float = envvars.DEFAULT_HOST_TIMEOUT, spares: Sequence[str] = ()) -> None:
+                 host_timeout: float = envvars.DEFAULT_HOST_TIMEOUT, spares: Sequence[str] = (),
+                 logical_world: int | None = None) -> None:
         self.job, self.world_size, self.boot, self.address = job, world_size, boot, address
+        # the job's L logical ranks, and which rank serves which (contracts.logical.assign, at each formation; sent
+        # in `formed`). Keyed by rank: the world size is fixed here.
+        self.logical_world = world_size if logical_world is None else logical_world
+        self.logical: dict[int, tuple[int, ...]] = assign(range(world_size), self.logical_world)
         self.node_timeout, self.topo_timeout = node_timeout, topo_timeout
         self.host_timeout = host_timeout  # <= 0: no automatic replacement (the operator's `replace` only)
         # the agents' heartbeat interval (their `welcome`), stretched as the workers' at thousands of ranks
@@ -390,8 +403,7 @@ class Membership:
         out.append(Send(peer, protocol.WELCOME, {"rank": rank, "world_size": self.world_size,
                                                  "generation": self.generation, "job": self.job}))
         if self.formed:
-            prefix = protocol.store_prefix(self.job, self.boot, self.generation)
-            out.append(Send(peer, protocol.FORMED, {"generation": self.generation, "prefix": prefix}))
+            out.append(Send(peer, protocol.FORMED, formed_fields(self)))
         else:
             out += self._maybe_form(now)
         return out
@@ -665,12 +677,14 @@ class Membership:
         since = self.gather_since if self.gather_since is not None else now
         self.gather_since = None
         prefix = protocol.store_prefix(self.job, self.boot, self.generation)
-        out: list[Action] = [Log(INFO, f"generation {self.generation} formed: {self.world_size} workers in "
+        self.logical = assign(range(self.world_size), self.logical_world, self.logical)
+        serving = "" if self.logical_world == self.world_size else f", serving {self.logical_world} logical ranks"
+        out: list[Action] = [Log(INFO, f"generation {self.generation} formed: {self.world_size} workers{serving} in "
                                        f"{now - since:.3f} s; store prefix {prefix}"),
                              Note(NoteKind.FORMED, {"generation": self.generation, "seconds": now - since,
                                              "recovery": sorted({m.recovery for m in self.roster.members.values()})})]
-        out += [Send(m.peer, protocol.FORMED, {"generation": self.generation, "prefix": prefix})
-                for m in self.roster.members.values() if m.peer is not None]
+        formed = formed_fields(self)
+        out += [Send(m.peer, protocol.FORMED, formed) for m in self.roster.members.values() if m.peer is not None]
         if self.generation > 0:  # the generations before are over: their store keys can go
             out += [DropKeys(protocol.store_prefix(self.job, self.boot, g)) for g in range(self.generation)]
         return out

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple, Union
 
 from toolkit.contracts import protocol
+from toolkit.contracts.logical import parse_formed
 
 DONE_WAIT = 5.0  # s to hear the scheduler acknowledge `done` (by closing) before exiting anyway
 MAX_REASON = 2000  # characters of a `stop` reason kept
@@ -40,6 +41,9 @@ class JobView:
     history: tuple[int, float, float] | None = None  # (faults, job uptime s, monotonic time told): the ledger's
     restart_only: bool = False  # restart recovery: a newer generation ends the process (EXIT_REJOIN)
     goodput: float | None = None  # the job's goodput so far (0 to 1) as the scheduler said at the last formation
+    world_size: int = 1  # ranks of a generation (the worker's MS_WORKER_NUM): what `formed`'s assignment must cover
+    # (generation, L, the logical ranks each rank serves) of the newest `formed` (toolkit.contracts.logical)
+    logical: tuple[int, int, tuple[tuple[int, ...], ...]] | None = None
 
 
 @dataclass(frozen=True)
@@ -103,7 +107,9 @@ def on_message(view: JobView, msg: dict[str, Any], now: float) -> tuple[JobView,
     yet): the fence, armed for the generation being built or held, makes the last call. `fenced` returns `view`
     itself and one ExitProcess. A malformed message (welcome, generation or formed without a generation >= 0,
     formed without a store prefix) raises ProtocolError and changes nothing: the channel drops the connection like
-    any broken one and reconnects. An op this worker does not know changes nothing."""
+    any broken one and reconnects. A `formed` whose assignment of logical ranks is wrong (authenticated, so a bug or
+    a version skew, not noise) changes nothing and ends the process (EXIT_FATAL) with one line. An op this worker
+    does not know changes nothing."""
     op = msg["op"]
     if op == protocol.FENCED:
         return view, [fenced(msg.get("reason"))]
@@ -112,6 +118,12 @@ def on_message(view: JobView, msg: dict[str, Any], now: float) -> tuple[JobView,
         raise protocol.ProtocolError(f"{op} without a generation")
     if op == protocol.FORMED and not isinstance(msg.get("prefix"), str):
         raise protocol.ProtocolError("formed without a store prefix")
+    if op == protocol.FORMED:
+        try:
+            logical = _logical(msg, view.world_size)
+        except ValueError as e:
+            return view, [_bad_assignment(generation, e)]
+        view = dataclasses.replace(view, logical=(generation, *logical))
     new = _changed(view, op, msg, generation, now)
     effects: list[Effect] = []
     if new.announced is not None and (new.held is None or new.announced > new.held):
@@ -126,6 +138,25 @@ def on_message(view: JobView, msg: dict[str, Any], now: float) -> tuple[JobView,
     elif op == protocol.STOP:
         effects.append(Say(f"the scheduler stopped the job: {msg.get('reason')}"))
     return new, effects
+
+
+def _logical(msg: dict[str, Any], world_size: int) -> tuple[int, tuple[tuple[int, ...], ...]]:
+    """(L, the logical ranks of each rank) of a `formed` message: without the two fields (a scheduler that does not
+    send them), one logical rank per rank, rank r serving r. ValueError naming what is wrong with them."""
+    if "logical" not in msg and "logical_world" not in msg:
+        return world_size, tuple((r,) for r in range(world_size))
+    parts = parse_formed(msg.get("logical"), world_size, msg.get("logical_world"))
+    return msg["logical_world"], parts
+
+
+def _bad_assignment(generation: int | None, error: ValueError) -> ExitProcess:
+    """A `formed` whose assignment of logical ranks is wrong (toolkit.contracts.logical.parse_formed): this worker
+    cannot know which data and gradients are its own, so it stops (EXIT_FATAL: its agent gives up, the job fails
+    with this line) rather than train on it."""
+    code = protocol.EXIT_FATAL
+    return ExitProcess(code, f"the scheduler's formed message of generation {generation} is wrong: "
+                             f"{str(error)[:MAX_FENCED_REASON]}; stopping rather than training on it (exit {code}): "
+                             "the scheduler and this worker may run different toolkit versions")
 
 
 def _changed(view: JobView, op: str, msg: dict[str, Any], generation: int | None, now: float) -> JobView:

@@ -197,7 +197,9 @@ def _float(env: Mapping[str, str], name: str, default: float) -> float:
 
 
 class Runtime:
-    """A training process's view of the job: rank, world size, the current process group, and generations."""
+    """A training process's view of the job: rank, world size, the current process group, and generations; and the
+    job's logical ranks (`logical_world`, L) and the ones this process serves (`logical_ranks`), as the scheduler's
+    `formed` said at the last re-formation (under torchrun or alone: L = world size, this rank serves its own)."""
 
     def __init__(self, cfg: WorkerEnv, backend: str, timeout: float) -> None:
         self.cfg = cfg
@@ -210,6 +212,8 @@ class Runtime:
         self.mode = cfg.mode
         self.device = torch.device(f"cuda:{cfg.local_rank}") if backend == "nccl" else torch.device("cpu")
         self.generation: int | None = None
+        self.logical_world, self.assignment, self.logical_ranks = 1, ((0,),), (0,)
+        serve(self, self.world_size, one_each(self.world_size))
         self._channel: Channel | None = None
         self._store: Any = None
         self._fence = Fence(timeout=timeout)
@@ -288,7 +292,11 @@ class Runtime:
         deadline = started + self.cfg.topo_timeout + self.cfg.node_timeout
         while True:
             generation, prefix = ch.wait_formed(self.generation, deadline)
+            logical = ch.view.logical
+            if logical is None or logical[0] != generation:  # a newer generation formed meanwhile: wait for it
+                continue
             self._leave()
+            serve(self, logical[1], logical[2])
             try:
                 self._build(generation, prefix)
             except Exception as e:  # a peer died while the group was being built: wait for the next generation
@@ -462,6 +470,18 @@ class Runtime:
             self.close()
 
 
+def one_each(world_size: int) -> tuple[tuple[int, ...], ...]:
+    """One logical rank per rank, rank r serving r: under torchrun, alone, and before the first `formed`."""
+    return tuple((r,) for r in range(world_size))
+
+
+def serve(rt: Runtime, logical_world: int, assignment: tuple[tuple[int, ...], ...]) -> None:
+    """`rt` serves, from now on, its part of `assignment` (the ascending logical ranks each rank of the current group
+    serves, index = rank; toolkit.contracts.logical) of the job's `logical_world` (L) logical ranks. A function, not
+    a method: Runtime's interface stays small."""
+    rt.logical_world, rt.assignment, rt.logical_ranks = logical_world, assignment, assignment[rt.rank]
+
+
 class RuntimeReporter:
     """report() for a script on toolkit.train.init() that does not use the Trainer (which reports on its own)."""
 
@@ -579,6 +599,7 @@ def init(backend: str | None = None, timeout: float = DEFAULT_TIMEOUT,
         if backend == "nccl":
             rt._fence.add_group(dist.group.WORLD)
         rt.rank, rt.world_size = dist.get_rank(), dist.get_world_size()
+        serve(rt, rt.world_size, one_each(rt.world_size))
         rt.generation = 0
         return rt
     channel = Channel(cfg, exit_on_new_generation=cfg.restart_only, fence=rt._fence)
