@@ -14,10 +14,10 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from toolkit.train import determinism
+from toolkit.train.faults import TrainerError
 from toolkit.train.logicalgrad import LogicalGrad
 from toolkit.train.newmemory import no_fill
 from toolkit.train.runtime import Runtime
-from toolkit.train.trainererror import TrainerError
 
 
 class StepClock:
