@@ -25,7 +25,7 @@ Worker conversation (one connection per worker process, kept for its whole life;
                                             ledger's, for the workers' checkpoint interval; goodput (0-1, when
                                             known) for rank 0's TensorBoard scalars
     worker -> heartbeat {step, total, step_time, busy, loss, ckpt_stall, ckpts, ckpt_bytes, ckpt_every, ckpt_why,
-                         ckpt_step, stride, first_step, step_p99, waiting, long}
+                         ckpt_step, stride, first_step, step_p99, waiting, long, collectives}
                                             every TOOLKIT_HEARTBEAT_INTERVAL; any message counts as one; all but
                                             step optional (toolkit.train.pace, `pace_fields`; ckpt_step, stride,
                                             first_step: the newest checkpoint a torchrun-style script reported, the
@@ -33,7 +33,8 @@ Worker conversation (one connection per worker process, kept for its whole life;
                                             toolkit.train.scriptreport; step_p99, waiting, long: for the progress
                                             watchdog, the p99 time between steps, whether the training thread
                                             waits in a collective now, a legitimately long phase it is in:
-                                            toolkit.train.stacks)
+                                            toolkit.train.stacks; collectives: the collectives its default
+                                            group entered, sent while it reports no step)
     sched  -> generation {generation}       a member died: leave the current process group, wait for `formed`
     worker -> commit {step}                 this rank committed a checkpoint of `step`
     worker -> recovered {generation, step, source, from_rank, recomputed, seconds, bytes}
