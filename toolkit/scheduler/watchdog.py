@@ -53,8 +53,8 @@ from toolkit.contracts import protocol
 OUTSIDE_BEATS = 2  # heartbeats in a row a rank must say it is outside any collective before it can be blamed
 SILENT_BEATS = 3  # heartbeat intervals without one: the rank cannot say where it is (a call holding its GIL)
 CHECK_INTERVAL = 1.0  # s between checks while the job is formed
-# A rank that reports no step (judged by its collectives): heartbeats with a new count before its first step in a
-# generation counts as made (the group's set-up and DDP's construction move the count before any training step)
+# A rank judged by its collectives (it reports no step): its first steps in a generation are over after more than
+# this many heartbeats with a new count (the group's set-up and DDP's construction move it before any training step)
 COLLECTIVE_STEPS = 3
 GAP_WINDOW = 256  # the ranks' latest intervals between moves whose p99 stands for the step time of such a job
 MAX_COLLECTIVES = 1 << 62  # a heartbeat's `collectives` past this (or not a whole number) reads as absent
