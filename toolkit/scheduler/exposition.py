@@ -6,7 +6,7 @@ and the membership's roster hold into a `Snapshot` of plain values; `JobCollecto
 turns the newest snapshot into metric families when the listener's thread renders a scrape. The loop's objects are
 never read from another thread (toolkit.scheduler.metrics hands snapshots between the two).
 
-The per-rank families are most of a page (16,384 of its 16,934 lines at 4096 ranks), and prometheus_client's
+The per-rank families are most of a page (16,384 of its 16,934 series at 4096 ranks), and prometheus_client's
 generate_latest escapes, validates and sorts every label of every sample anew: about 6 us a sample, 100 ms of CPU a
 scrape at 4096 ranks, while a rank's labels never change between scrapes, only its values. `RankLines` renders
 them with the library's own pieces, once per label set: each rank's label text comes from generate_latest itself
