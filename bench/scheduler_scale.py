@@ -9,6 +9,7 @@ control and store connection, and a cost that grows with N per message, per pass
     .venv/bin/python bench/scheduler_scale.py [--sizes 64,256,1024] [--patterns gloo,nccl] [--repeats 3]
                                               [--steady 10] [--kill rank|host] [--baseline REV] [--keep DIR]
     .venv/bin/python bench/scheduler_scale.py --scrape 5 --sizes 4096 --steady 20   # the metrics endpoint's cost
+    .venv/bin/python bench/scheduler_scale.py --scrape 5 --sizes 4096 --steady 20 --baseline REV   # and REV's
 
 The harness (toolkit.testing.simjob): the real scheduler configured as a deployed job (recovery on, on disk), and
 simulated hosts (toolkit.testing.simhosts; an agent and 8 workers each, from their own loopback address, in
@@ -105,15 +106,17 @@ def one_run(world: int, pattern: str, args: argparse.Namespace, workdir: Path, t
     return fig
 
 
-def scrape_run(world: int, args: argparse.Namespace, workdir: Path) -> str:
+def scrape_run(world: int, args: argparse.Namespace, workdir: Path, tree: Path | None = None) -> dict[str, Any]:
     """The metrics endpoint's cost (issue 46: a scrape every 5 s adds <= 2% scheduler CPU and answers in <= 200 ms):
     one job with the endpoint on, formed; --steady s unscraped, then --steady s scraped every --scrape s, in turn,
     --repeats times each (the machine's other load spreads over both); the scheduler's CPU share in each, the
-    difference, and the scrapes' latency, size and series count."""
+    difference, and the scrapes' latency, size and series count. `tree`: a baseline's scheduler instead of this
+    tree's."""
     port = free_port()
     url = f"http://127.0.0.1:{port}/metrics"
     quiet, scraped, latency, size, series = [], [], [], 0, 0
-    with SimJob(world, workdir, patterns=("gloo",), node_timeout=args.node_timeout, metrics_port=port) as job:
+    with SimJob(world, workdir, patterns=("gloo",), node_timeout=args.node_timeout, metrics_port=port,
+                tree=tree) as job:
         job.start()
         job.form(args.bound)
         for _ in range(args.repeats):
@@ -137,14 +140,21 @@ def scrape_run(world: int, args: argparse.Namespace, workdir: Path) -> str:
             stop.set()
             scraper.join(60)
         job.finish(args.bound)
-    q, s = statistics.median(quiet), statistics.median(scraped)
-    per_scrape = (sum(scraped) - sum(quiet)) * args.steady / max(1, len(latency))
-    load = Path("/proc/loadavg").read_text().split()[0]
-    return (f"{world:>5} ranks: scheduler CPU {100 * q:.1f}% unscraped, {100 * s:.1f}% scraped every "
+    return {"world": world, "quiet": statistics.median(quiet), "scraped": statistics.median(scraped),
+            "per_scrape": (sum(scraped) - sum(quiet)) * args.steady / max(1, len(latency)),
+            "p50": percentile(latency, 0.5), "p99": percentile(latency, 0.99), "max": max(latency),
+            "scrapes": len(latency), "load": Path("/proc/loadavg").read_text().split()[0], "series": series,
+            "size": size}
+
+
+def scrape_line(r: dict[str, Any], args: argparse.Namespace) -> str:
+    """One scrape_run's figures, on one line."""
+    q, s = r["quiet"], r["scraped"]
+    return (f"{r['world']:>5} ranks: scheduler CPU {100 * q:.1f}% unscraped, {100 * s:.1f}% scraped every "
             f"{args.scrape:g} s: {100 * (s - q):+.2f} points (medians of {args.repeats} x {args.steady:g} s; "
-            f"{1000 * per_scrape:.0f} CPU-ms a scrape); scrape p50 {1000 * percentile(latency, 0.5):.0f} ms, max "
-            f"{1000 * max(latency):.0f} ms ({len(latency)} scrapes, load {load}); "
-            f"{series} series, {size / 1e6:.2f} MB")
+            f"{1000 * r['per_scrape']:.0f} CPU-ms a scrape); scrape p50 {1000 * r['p50']:.0f} ms, p99 "
+            f"{1000 * r['p99']:.0f} ms, max {1000 * r['max']:.0f} ms ({r['scrapes']} scrapes, load {r['load']}); "
+            f"{r['series']} series, {r['size'] / 1e6:.2f} MB")
 
 
 def _stats_or_none(job: SimJob) -> dict[str, Any] | None:
@@ -201,8 +211,17 @@ def main() -> int:
     args = parser.parse_args()
     if args.scrape:
         with tempfile.TemporaryDirectory(prefix="sched-scale-") as tmp:
+            tree = export(args.baseline, Path(tmp)) if args.baseline else None
             for world in (int(s) for s in args.sizes.split(",")):
-                print(scrape_run(world, args, Path(tmp) / str(world)), flush=True)
+                if tree is not None:  # side by side: the baseline's scheduler first, then this tree's
+                    base = scrape_run(world, args, Path(tmp) / f"{world}-base", tree)
+                    print(f"{args.baseline}: {scrape_line(base, args)}", flush=True)
+                new = scrape_run(world, args, Path(tmp) / str(world))
+                print(f"this tree: {scrape_line(new, args)}", flush=True)
+                if tree is not None:
+                    print(f"      ratio (baseline / this tree): scrape p50 {base['p50'] / new['p50']:.2f}x, p99 "
+                          f"{base['p99'] / new['p99']:.2f}x, CPU-ms a scrape "
+                          f"{base['per_scrape'] / max(new['per_scrape'], 1e-6):.2f}x", flush=True)
         return 0
     if args.profile:
         args.profile.mkdir(parents=True, exist_ok=True)

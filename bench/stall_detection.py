@@ -5,7 +5,7 @@ Why: the watchdog has no timeout to tune; its bound is max(STALL_FACTOR x the jo
 (toolkit.contracts.protocol.stall_bound: 10 x p99, at least 5 s). This measures what that gives in a real job, against
 the bound, for each step time. Not a test: it prints medians and ratios; docs/benchmarks.md has the results.
 
-    .venv/bin/python bench/stall_detection.py [--step-times 0.05,2] [--repeats 3] [--mode ported|report]
+    .venv/bin/python bench/stall_detection.py [--step-times 0.05,2] [--repeats 3] [--mode ported|report|plain]
 
 Each run is a local 2-worker job (scheduler, agent, gloo) of tests/scripts/stuck_worker.py: --step-delay T, and rank
 1 sleeping forever in its own code before the forward of a random step (after at least 8 steps and 16 s of
@@ -70,7 +70,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--step-times", default="0.05,2", help="seconds per step, comma-separated")
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--mode", choices=("ported", "report"), default="ported")
+    p.add_argument("--mode", choices=("ported", "report", "plain"), default="ported")
     args = p.parse_args()
     rng = random.Random()
     times = [float(t) for t in args.step_times.split(",")]

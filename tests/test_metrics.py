@@ -33,7 +33,16 @@ from toolkit.launcher.plan import JobOptions, PlanError
 from toolkit.launcher.tasks.watch import View, render
 from toolkit.scheduler.actions import Note, NoteKind
 from toolkit.scheduler.config import ConfigError
-from toolkit.scheduler.exposition import CAUSE_KINDS, MTTR_BUCKETS, JobCollector, cause_kind, take
+from toolkit.scheduler.exposition import (
+    CAUSE_KINDS,
+    MTTR_BUCKETS,
+    JobCollector,
+    RankLines,
+    RankRow,
+    Snapshot,
+    cause_kind,
+    take,
+)
 from toolkit.scheduler.journal import Journal
 from toolkit.scheduler.metrics import Endpoint, Exchange
 from toolkit.scheduler.roster import Roster
@@ -318,6 +327,35 @@ def test_the_series_are_bounded_at_4096_ranks_and_causes_are_kinds_not_text() ->
                                     "heartbeat silence", "connection closed", "did not reconnect",
                                     "host lost (h1: its agent went too)", "host h1 lost, replaced by spare s1",
                                     "host replaced")} == set(CAUSE_KINDS)
+
+
+def test_the_rank_lines_kept_between_scrapes_render_the_page_generate_latest_would() -> None:
+    """The endpoint's page (RankLines for the ranks, generate_latest for the rest) is byte for byte the library's
+    rendering of the whole collector, scrape after scrape: values changing, a rank moved to another host, ranks gone
+    and new, label values a hostile inventory could hold, figures missing."""
+    hostile = ['h"1', "h\\2", "h\n3", "h 4", "hé5", "h}6"]
+
+    def snapshot(scrape: int) -> Snapshot:
+        ranks = tuple(RankRow(r, f"worker_{r}", hostile[r % 6] if not (scrape and r == 7) else "spare",
+                              None if r % 5 == 0 else 100 * scrape + r, None if r % 4 == 0 else 0.1 + r / 1e4 + scrape,
+                              None if r % 3 == 0 else 1e-7 * r, None if r % 2 else 2.5 - r / 1e3, r % 9 == scrape)
+                      for r in range(scrape, 40 + 2 * scrape))
+        return Snapshot(job='j"ob', world_size=64, members=40, generation=scrape, ranks=ranks,
+                        hosts=(("a", True),), goodput={"goodput": 0.5}, causes=dict.fromkeys(CAUSE_KINDS, 0),
+                        incidents=0, recover_times=(), restarts=((3, "worker_3", 1),), checkpoint_stall=0.0,
+                        checkpoint_bytes=0, last_step=None, total=None, since_last_step=None, max_restarts=None)
+
+    lines = RankLines()
+    assert lines.render(None) == b""
+    for scrape in range(4):
+        snap = snapshot(scrape)
+        whole, rest = CollectorRegistry(auto_describe=False), CollectorRegistry(auto_describe=False)
+        whole.register(JobCollector(lambda snap=snap: snap))
+        rest.register(JobCollector(lambda snap=snap: snap, ranks=False))
+        page = lines.render(snap) + generate_latest(rest)
+        assert page == generate_latest(whole), scrape
+        assert len(lines.prefixes) == len(snap.ranks)  # the ranks gone are forgotten
+    assert 'host="spare"' in page.decode() and 'host="h\\"1"' in page.decode()
 
 
 def test_run_and_join_print_the_progress_with_its_eta_every_so_often(capsys: pytest.CaptureFixture[str]) -> None:

@@ -26,6 +26,7 @@ WORKER = REPO / "tests" / "scripts" / "resume_worker.py"
 EXAMPLE = REPO / "examples" / "train.py"
 BOUND = 240.0  # s for a job to start, train a few steps or end, on a loaded machine
 EXIT_STOPPED = 130
+PROGRESS = re.compile(r"progress: step (?P<step>\d+)/(?P<total>\d+) \[[#-]{20}\] [\d.]+%, ETA [^\r\n]+")
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -103,8 +104,14 @@ def test_ctrl_c_stops_the_job_with_a_final_checkpoint(tmp_path: Path, work: Path
         log = work / "ex" / "logs" / "worker_0.log"
         wait_for("step 3 in worker_0's log", lambda: log.exists() and "step: 3," in log.read_text(), BOUND,
                  evidence=lambda: term.output[-3000:])
+        # `run` prints the job's progress (the Trainer knows its total): step/total, a bar, the ETA at its pace
+        term.wait_for_text("progress: step ", BOUND)
         term.ctrl_c()
         out = finish(term, EXIT_STOPPED)
+    progress = PROGRESS.search(out)
+    assert progress, out
+    step, total = int(progress["step"]), int(progress["total"])
+    assert 0 < step < total and total % 100 == 0, out  # 100 epochs of the same number of steps
     assert "Ctrl-C: stopping job ex" in out and "job ex stopped (Ctrl-C)" in out, out
     assert [pid for pid, ticks in pids if is_running(pid, ticks)] == []  # nothing of the job is left
     doc = agent_doc(work / "ex")

@@ -128,6 +128,92 @@ def test_hostile_fields_read_as_absent() -> None:
     assert w.ranks[0].waiting and len(w.ranks[0].long or "") == P.MAX_LONG and w.ranks[0].p99 is None
 
 
+# --- a script that reports no step: judged by its collectives ---------------------------------------------------
+
+
+def counted(w: Watchdog, now: float, counts: dict[int, int], waiting: set[int]) -> None:
+    """A heartbeat at `now` of each rank in `counts`, which reports no step: its default group's collective count."""
+    for rank, count in counts.items():
+        w.heard(rank, f"worker_{rank}", None, {"waiting": rank in waiting, "collectives": count}, now)
+
+
+def test_a_script_without_steps_is_judged_by_its_collectives_and_the_rank_behind_is_named() -> None:
+    w = Watchdog(BEAT)
+    for t in range(11):  # DDP's set-up (6 collectives), then 7 allreduces (buckets) a step, a step per heartbeat
+        counted(w, float(t), {0: 6 + 7 * t, 1: 6 + 7 * t}, set())
+        assert (w.due() == float("inf")) == (t < 3), t  # the first steps: 4 heartbeats with a new count each
+    last = 6 + 7 * 10
+    for t in range(11, 16):  # rank 1 spins in its own code at 76; rank 0 entered the next step's first allreduce
+        counted(w, float(t), {0: last + 1, 1: last}, {0})
+        assert w.check(float(t)) == [], t
+    counted(w, 16.0, {0: last + 1, 1: last}, {0})
+    (stuck,) = w.check(16.0)
+    assert (stuck.rank, stuck.collectives, stuck.peers_at, stuck.silent, stuck.step) == (1, last, last + 1, False, None)
+    assert stuck.stalled == 5.0 and stuck.bound == P.STALL_FLOOR  # the job's last move: rank 0's, at t=11
+    assert stuck.reason().startswith(f"stuck: entered no collective for 5 s after its collective {last} (not in any "
+                                     f"collective) while worker_0 waited for it in a collective (theirs: {last + 1}"), \
+        stuck.reason()
+
+
+def test_a_rank_not_behind_the_waiting_peers_is_never_blamed() -> None:
+    w = Watchdog(BEAT)
+    for t in range(11):
+        counted(w, float(t), {0: 6 + 7 * t, 1: 6 + 7 * t}, set())
+    # rank 1 entered the collective rank 0 waits in (same count) and is seen outside any: not the culprit
+    for t in range(11, 40):
+        counted(w, float(t), {0: 100, 1: 100}, {0})
+        assert w.check(float(t)) == [], t
+
+
+def test_the_bound_follows_the_observed_intervals_between_collectives() -> None:
+    """A healthy slow rank: rank 1 works 8 s at each step while rank 0 waits 7 s for it (past the 5 s floor), never
+    blamed; the bound is then 10 x the intervals learned (at their least: 8 s between moves, less a heartbeat), after
+    which a rank stuck behind is named."""
+    w = Watchdog(BEAT)
+    count = 6
+    for t in range(0, 64):
+        if t % 8 == 0:
+            count += 7
+        counted(w, float(t), {0: count + (t % 8 > 0), 1: count}, {0} if t % 8 > 0 else set())
+        assert w.check(float(t)) == [], t
+    assert w.gap_p99 == 7.0 and w.due() == 57 + 70  # rank 0 entered the last step's allreduce at t=57
+    for t in range(64, 127):
+        counted(w, float(t), {0: count + 1, 1: count}, {0})
+        assert w.check(float(t)) == [], t
+    counted(w, 127.0, {0: count + 1, 1: count}, {0})
+    (stuck,) = w.check(127.0)
+    assert stuck.rank == 1 and stuck.bound == 70.0 and "p99 interval 7 s" in stuck.reason(), stuck.reason()
+
+
+def test_hostile_collective_counts_read_as_absent() -> None:
+    w = Watchdog(BEAT)
+    for bad in ("7", 7.0, -1, 1 << 70, True, None):
+        w.heard(0, "worker_0", None, {"collectives": bad}, 0.0)
+        assert w.ranks[0].collectives is None and w.ranks[0].moves == 0, bad
+
+
+def test_the_collective_count_is_read_from_another_thread_while_one_waits(tmp_path: Any) -> None:
+    """stacks.collectives on a real gloo group of one: None before it exists, then torch's count of the collectives
+    the process entered."""
+    import torch
+    import torch.distributed as dist
+
+    assert stacks.collectives() is None
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        before = stacks.collectives()
+        for _ in range(3):
+            dist.all_reduce(torch.ones(2))
+        seen: list[int | None] = []
+        reader = threading.Thread(target=lambda: seen.append(stacks.collectives()))
+        reader.start()
+        reader.join(30)
+        assert before is not None and seen == [before + 3]
+    finally:
+        dist.destroy_process_group()
+    assert stacks.collectives() is None
+
+
 # --- in the membership ---------------------------------------------------------------------------------------
 
 

@@ -2,16 +2,17 @@
 its benchmark (bench/stall_detection.py).
 
     python -m toolkit.train stuck_worker.py --mode ported|report|plain --marks DIR [--steps N] [--step-delay S]
-        [--stuck RANK:STEP:HOW ...] [--slow-first RANK:SECONDS] [--pause STEP:FILE]
+        [--stuck RANK:STEP:HOW ...] [--slow-first RANK:SECONDS] [--slow RANK:SECONDS] [--pause STEP:FILE]
 
 --mode: ported (toolkit.train.Trainer, in-place recovery), report (a torchrun-style script with
 toolkit.train.report()), plain (the same without report()). --stuck: rank RANK gets stuck before the forward of
 step STEP, once for the job (a file in --marks says it happened: its replacement trains on); HOW is `sleep` (in its
-own Python code), `gil` (in a C call that holds the GIL: ctypes.PyDLL's sleep), `c` (in a C call that releases it:
-ctypes.CDLL's sleep). It first prints "stuck RANK at step STEP (HOW) at <time.time()>". --slow-first: rank RANK's
-first step of the job takes SECONDS more (healthy, just slow: a compile, a warm-up). --pause: every rank sleeps
-before step STEP while FILE exists, once (a stall nobody waits in: no rank to blame). Each rank prints "step N" after
-each step; plain and report modes keep no checkpoint (a restart trains from step 0 again).
+own Python code), `spin` (busy in its own Python code), `gil` (in a C call that holds the GIL: ctypes.PyDLL's sleep),
+`c` (in a C call that releases it: ctypes.CDLL's sleep). It first prints "stuck RANK at step STEP (HOW) at
+<time.time()>". --slow-first: rank RANK's first step of the job takes SECONDS more (healthy, just slow: a compile, a
+warm-up); --slow: each of its steps does (a slow rank its peer waits for at every step, but not stuck). --pause:
+every rank sleeps before step STEP while FILE exists, once (a stall nobody waits in: no rank to blame). Each rank
+prints "step N" after each step; plain and report modes keep no checkpoint (a restart trains from step 0 again).
 """
 
 from __future__ import annotations
@@ -41,6 +42,10 @@ def stuck(rank: int, step: int, how: str, marks: Path) -> None:
         ctypes.PyDLL(None).sleep(FOREVER)  # PyDLL keeps the GIL through the call
     elif how == "c":
         ctypes.CDLL(None).sleep(FOREVER)  # CDLL releases it
+    elif how == "spin":
+        deadline = time.monotonic() + FOREVER
+        while time.monotonic() < deadline:
+            pass
     else:
         time.sleep(FOREVER)
 
@@ -54,6 +59,10 @@ def faults(args: argparse.Namespace, rank: int, step: int) -> None:
         if int(who) == rank and not mark.exists():
             mark.touch()
             print(f"slow first step on rank {rank}: {seconds} s", flush=True)
+            time.sleep(float(seconds))
+    if args.slow:
+        who, seconds = args.slow.split(":")
+        if int(who) == rank:
             time.sleep(float(seconds))
     if args.pause:
         at, hold = args.pause.split(":", 1)
@@ -125,6 +134,7 @@ def main() -> None:
     p.add_argument("--step-delay", type=float, default=0.05)
     p.add_argument("--stuck", action="append", default=[], metavar="RANK:STEP:HOW")
     p.add_argument("--slow-first", default=None, metavar="RANK:SECONDS")
+    p.add_argument("--slow", default=None, metavar="RANK:SECONDS")
     p.add_argument("--pause", default=None, metavar="STEP:FILE")
     args = p.parse_args()
     os.makedirs(args.marks, exist_ok=True)

@@ -6,7 +6,8 @@ real CLI (`fleet deploy train --join`, `fleet stop`, `fleet restart`) on the por
   "succeeded";
 - `fleet restart --node` and `fleet stop` with DataLoader workers (num_workers 0 and 2): the SIGTERM reaches the
   training process only, so its last words (the final checkpoint) are written; the exits are recorded as the
-  operator's restart and stop, not as what they did to a DataLoader worker; --join says `stopped` and exits 3;
+  operator's restart and stop, not as what they did to a DataLoader worker; --join and `status --watch` say
+  `stopped` and exit 3;
 - 20 single kills of a plain script reporting its steps (examples/ddp/plain.py with toolkit.train.report) are 20
   incidents, each naming the killed rank, with the healthy one listed apart as relaunched (no phantom `exit code
   76` incident), and `status` counts the relaunches apart from the restarts.
@@ -126,6 +127,10 @@ def test_restart_and_stop_are_the_operators_and_the_last_words_are_written(tmp_p
     assert re.search(rf"^job {name} stopped after [\d.]+ s \(stopped by fleet stop\): 'fleet train' resumes it",
                      output, re.M), output
     assert "failed" not in output, output
+    watched = fleet(tmp_path, "status", "--watch", "--interval", "0.5", "--job", name)  # the stopped job: at once
+    assert watched.returncode == EXIT_STOPPED, f"{watched.stdout}\n{watched.stderr}"
+    assert re.search(rf"^job {name} stopped \(stopped by fleet stop\): 'fleet train' resumes it", watched.stderr,
+                     re.M), watched.stderr
     said = {}
     for r in range(2):
         p = run.procs()[f"worker_{r}"]

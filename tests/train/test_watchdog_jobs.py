@@ -120,3 +120,42 @@ def test_a_stuck_rank_is_named_dumped_and_replaced_and_its_healthy_peer_left_alo
     assert [e["code"] for e in procs["worker_0"]["exits"]] == [76, 0] and procs["worker_0"]["counted_restarts"] == 0
     assert procs["worker_1"]["exits"][0]["signal"] == "SIGKILL" and procs["worker_1"]["exits"][0]["cause"].startswith(
         "stuck (no progress while its peers waited)")
+
+
+def test_a_script_without_report_is_judged_by_its_collectives(tmp_path: Path) -> None:
+    """A torchrun-style script that never calls report(): rank 1 spins in its own Python code at step 120 while rank
+    0 waits in the step's gradient allreduce. It is named (the rank behind its peer's collective count, not the
+    healthy one), its stacks dumped, killed; rank 0 relaunched with it, not counted as crashed; the job ends 0. A
+    healthy slow script of the same kind (rank 1 works 7 s more at every step: rank 0 waits for it longer than the
+    5 s floor) trips nothing: its bound is learned from the intervals between its collectives."""
+    stuck = job(tmp_path / "plain", "plain", "--steps", "160", "--stuck", "1:120:spin")
+    slow = job(tmp_path / "slow", "plain", "--steps", "7", "--slow", "1:7")
+    try:
+        stuck.start()
+        slow.start()
+        assert stuck.finish(JOB_TIMEOUT) == 0, stuck.evidence()
+        assert slow.finish(JOB_TIMEOUT) == 0, slow.evidence()
+    finally:
+        stuck.cleanup()
+        slow.cleanup()
+
+    assert "stuck 1 at step 120 (spin) at " in stuck.log("worker_1.log")  # the fault took effect
+    (death, *others) = deaths(stuck)
+    node, pid, why = death
+    assert node == "worker_1" and why.startswith("stuck: entered no collective for ") and "(not in any collective) " \
+        "while worker_0 waited for it in a collective (theirs: " in why, why
+    behind, ahead = map(int, re.search(r"after its collective (\d+) .*\(theirs: (\d+);", why).groups())
+    assert behind < ahead, why
+    assert all(why.startswith("connection closed") and node == "worker_0" for node, _, why in others), others
+    assert dumped_after_stuck(stuck.log("worker_1.log"), "spin"), stuck.log("worker_1.log")[-3000:]
+    procs = stuck.procs()
+    first = procs["worker_1"]["exits"][0]
+    assert first["pid"] == pid and first["signal"] == "SIGKILL", first
+    assert first["cause"].startswith("stuck (no progress while its peers waited): fenced by the scheduler"), first
+    assert [e["code"] for e in procs["worker_0"]["exits"]] == [76, 0] and procs["worker_0"]["counted_restarts"] == 0
+    ledger = json.loads((stuck.dir / "recovery" / "ledger.json").read_text())
+    assert ledger, ledger
+
+    assert "step 7" in slow.log("worker_0.log") and "step 7" in slow.log("worker_1.log")
+    assert deaths(slow) == [], deaths(slow)
+    assert all(len(p["exits"]) == 1 and p["exits"][0]["code"] == 0 for p in slow.procs().values()), slow.procs()

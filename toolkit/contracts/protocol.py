@@ -39,7 +39,8 @@ Worker conversation (one connection per worker process, kept for its whole life;
                                             checkpoint interval; goodput (0-1, when known) for rank 0's
                                             TensorBoard scalars
     worker -> heartbeat {step, total, step_time, busy, loss, ckpt_stall, ckpts, ckpt_bytes, ckpt_every, ckpt_why,
-                         ckpt_step, stride, first_step, step_p99, waiting, long, ckpt_skipped, ckpt_full}
+                         ckpt_step, stride, first_step, step_p99, waiting, long, ckpt_skipped, ckpt_full,
+                         collectives}
                                             every TOOLKIT_HEARTBEAT_INTERVAL; any message counts as one; all but
                                             step optional (toolkit.train.pace, `pace_fields`; ckpt_step, stride,
                                             first_step: the newest checkpoint a torchrun-style script reported, the
@@ -49,7 +50,8 @@ Worker conversation (one connection per worker process, kept for its whole life;
                                             waits in a collective now, a legitimately long phase it is in:
                                             toolkit.train.stacks; ckpt_skipped, ckpt_full: checkpoints
                                             skipped in a row for a full disk and the line saying why, 0 once one
-                                            is written: toolkit.train.checkpointing)
+                                            is written: toolkit.train.checkpointing; collectives: the collectives
+                                            its default group entered, sent while it reports no step)
     sched  -> generation {generation}       a member died: leave the current process group, wait for `formed`
     worker -> commit {step}                 this rank committed a checkpoint of `step`
     worker -> recovered {generation, step, source, from_rank, recomputed, seconds, bytes}

@@ -460,7 +460,7 @@ def status(request: Request, json: bool, watch: bool, interval: str) -> None:
     """Every process: host, rank, pid, state, restarts, step, loss.
 
     Also steps/s, heartbeat age, stragglers, the last incident and the goodput so far. --watch keeps the table
-    live and exits 0 if the job succeeded, 1 if not."""
+    live and exits 0 if the job succeeded, 3 if stopped, 1 if it failed."""
     seconds = _seconds("--interval", interval)
     if seconds is not None and not watch:
         raise UserError("--interval is the refresh of --watch; add --watch")

@@ -6,6 +6,15 @@ and the membership's roster hold into a `Snapshot` of plain values; `JobCollecto
 turns the newest snapshot into metric families when the listener's thread renders a scrape. The loop's objects are
 never read from another thread (toolkit.scheduler.metrics hands snapshots between the two).
 
+The per-rank families are most of a page (16,384 of its 16,934 series at 4096 ranks), and prometheus_client's
+generate_latest escapes, validates and sorts every label of every sample anew: about 6 us a sample, 100 ms of CPU a
+scrape at 4096 ranks, while a rank's labels never change between scrapes, only its values. `RankLines` renders
+them with the library's own pieces, once per label set: each rank's label text comes from generate_latest itself
+(kept while the rank keeps its node id and host), the families' HELP and TYPE lines too, and each value is
+formatted by the library's floatToGoString; the page is byte for byte generate_latest's (tests/test_metrics.py
+compares them). The rest of the page (per job, per host, incidents) is generate_latest's over `JobCollector(...,
+ranks=False)`.
+
 The series, and why their number is bounded (N ranks, H hosts): per rank 4 gauges (steps/s, step, own work per step,
 and the loss when the script reports one), labelled job, rank, node_id, host; per rank named a straggler one gauge
 (1: the verdict; the others have none, which keeps a scrape at 4096 ranks a quarter cheaper than a 0 per rank); per
@@ -24,8 +33,10 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, NamedTuple
 
+from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from toolkit.scheduler.actions import CAUSE_CLOSED, CAUSE_NOT_BACK, CAUSE_REPLACED, CAUSE_SILENCE
 from toolkit.scheduler.journal import Journal
@@ -124,45 +135,51 @@ def p99(values: list[float]) -> float | None:
     return ordered[min(len(ordered) - 1, math.ceil(0.99 * len(ordered)) - 1)]
 
 
+def rank_families() -> tuple[GaugeMetricFamily, ...]:
+    """The per-rank gauges (labels RANK_LABELS), empty: steps/s, step, own work, loss, straggler, in this order."""
+    return (GaugeMetricFamily("toolkit_rank_steps_per_second", "Steps a second (1 / the median of the rank's recent "
+                              "step times)", labels=RANK_LABELS),
+            GaugeMetricFamily("toolkit_rank_step", "The newest step the rank reported", labels=RANK_LABELS),
+            GaugeMetricFamily("toolkit_rank_busy_seconds", "The rank's own work per step (median of recent steps), "
+                              "before its last gradient bucket went to the allreduce", labels=RANK_LABELS),
+            GaugeMetricFamily("toolkit_rank_loss", "The loss the rank reported last", labels=RANK_LABELS),
+            GaugeMetricFamily("toolkit_rank_straggler", "1 while the rank is named a straggler (no series for the "
+                              "others)", labels=RANK_LABELS))
+
+
+def rank_values(row: RankRow) -> tuple[float | None, ...]:
+    """`row`'s value in each of rank_families() (None: no series)."""
+    return (1.0 / row.step_time if row.step_time else None, row.step, row.busy, row.loss,
+            1.0 if row.straggler else None)
+
+
 class JobCollector(Collector):
     """A prometheus_client Collector over the newest Snapshot that `source()` returns (None: nothing yet, no
-    series)."""
+    series); `ranks` False leaves the per-rank families out (RankLines renders them)."""
 
-    def __init__(self, source: Callable[[], Snapshot | None]) -> None:
+    def __init__(self, source: Callable[[], Snapshot | None], ranks: bool = True) -> None:
         self.source = source
+        self.ranks = ranks
 
     def collect(self) -> Iterator[Metric]:
         snap = self.source()
         if snap is None:
             return
-        yield from self._ranks(snap)
+        if self.ranks:
+            yield from self._ranks(snap)
         yield from self._job(snap)
         yield from self._incidents(snap)
 
     @staticmethod
     def _ranks(snap: Snapshot) -> Iterator[Metric]:
         """The per-rank gauges (labels RANK_LABELS)."""
-        rate = GaugeMetricFamily("toolkit_rank_steps_per_second", "Steps a second (1 / the median of the rank's "
-                                 "recent step times)", labels=RANK_LABELS)
-        step = GaugeMetricFamily("toolkit_rank_step", "The newest step the rank reported", labels=RANK_LABELS)
-        busy = GaugeMetricFamily("toolkit_rank_busy_seconds", "The rank's own work per step (median of recent "
-                                 "steps), before its last gradient bucket went to the allreduce", labels=RANK_LABELS)
-        loss = GaugeMetricFamily("toolkit_rank_loss", "The loss the rank reported last", labels=RANK_LABELS)
-        slow = GaugeMetricFamily("toolkit_rank_straggler", "1 while the rank is named a straggler (no series for "
-                                 "the others)", labels=RANK_LABELS)
+        families = rank_families()
         for row in snap.ranks:
             labels = [snap.job, str(row.rank), row.node_id, row.host]
-            if row.step_time:
-                rate.add_metric(labels, 1.0 / row.step_time)
-            if row.step is not None:
-                step.add_metric(labels, row.step)
-            if row.busy is not None:
-                busy.add_metric(labels, row.busy)
-            if row.loss is not None:
-                loss.add_metric(labels, row.loss)
-            if row.straggler:
-                slow.add_metric(labels, 1.0)
-        yield from (rate, step, busy, loss, slow)
+            for family, value in zip(families, rank_values(row), strict=True):
+                if value is not None:
+                    family.add_metric(labels, value)
+        yield from families
 
     @staticmethod
     def _job(snap: Snapshot) -> Iterator[Metric]:
@@ -234,3 +251,60 @@ class JobCollector(Collector):
         for rank, node_id, n in snap.restarts:
             restarts.add_metric([snap.job, str(rank), node_id, snap.host_of.get(rank, "")], n)
         yield restarts
+
+
+class _Families(Collector):
+    """A Collector of the given families (for generate_latest to render them)."""
+
+    def __init__(self, families: tuple[Metric, ...]) -> None:
+        self.families = families
+
+    def collect(self) -> Iterator[Metric]:
+        return iter(self.families)
+
+
+def _latest(*families: Metric) -> str:
+    """generate_latest's text of `families`."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Families(families))
+    return generate_latest(registry).decode()
+
+
+class RankLines:
+    """The per-rank families' text as generate_latest renders it, the labels rendered once per rank (see the module
+    docstring). Used from one thread (the listener's, under its lock)."""
+
+    def __init__(self) -> None:
+        families = rank_families()
+        self.heads = tuple(_latest(f) for f in families)  # each family's HELP and TYPE lines
+        self.names = tuple(f.name for f in families)
+        # (job, rank, node id, host) -> each family's "name{labels} ", for the ranks of the last rendering
+        self.prefixes: dict[tuple[str, int, str, str], tuple[str, ...]] = {}
+
+    def render(self, snap: Snapshot | None) -> bytes:
+        """The per-rank families of `snap` (b"" for None), as generate_latest would render them."""
+        if snap is None:
+            return b""
+        keys = [(snap.job, row.rank, row.node_id, row.host) for row in snap.ranks]
+        self._learn([k for k in keys if k not in self.prefixes])
+        self.prefixes = {k: self.prefixes[k] for k in keys}  # ranks gone, or moved, are forgotten
+        parts: list[list[str]] = [[head] for head in self.heads]
+        for key, row in zip(keys, snap.ranks, strict=True):
+            prefixes = self.prefixes[key]
+            for i, value in enumerate(rank_values(row)):
+                if value is not None:
+                    parts[i].append(f"{prefixes[i]}{floatToGoString(value)}\n")
+        return "".join("".join(p) for p in parts).encode()
+
+    def _learn(self, keys: list[tuple[str, int, str, str]]) -> None:
+        """Render the label text of `keys` through generate_latest (one family of one sample per key) and keep each
+        family's line prefix."""
+        if not keys:
+            return
+        probe = GaugeMetricFamily("x", "", labels=RANK_LABELS)
+        for job, rank, node_id, host in keys:
+            probe.add_metric([job, str(rank), node_id, host], 0.0)
+        lines = _latest(probe).splitlines()[2:]  # after its HELP and TYPE lines, one line per key, in order
+        for key, line in zip(keys, lines, strict=True):
+            labels = line[1:line.rindex(" ")]  # x{...} 0.0: the value has no space, a label value may
+            self.prefixes[key] = tuple(f"{name}{labels} " for name in self.names)

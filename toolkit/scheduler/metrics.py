@@ -26,7 +26,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from toolkit.scheduler.config import ConfigError
-from toolkit.scheduler.exposition import JobCollector, Snapshot
+from toolkit.scheduler.exposition import JobCollector, RankLines, Snapshot
 
 MAX_CLIENTS = 4  # connections served at once; more are closed unanswered
 REQUEST_TIMEOUT = 5.0  # s for a request to arrive and its answer to leave
@@ -102,7 +102,8 @@ class Endpoint:
     def __init__(self, host: str, port: int, exchange: Exchange) -> None:
         self.host, self.port, self.exchange = host, port, exchange
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(JobCollector(self._snapshot))
+        self.registry.register(JobCollector(self._snapshot, ranks=False))
+        self.rank_lines = RankLines()  # the per-rank families, their labels rendered once (exposition)
         self._lock = threading.Lock()
         self._page = b""
         self._rendered_at = -RENDER_EVERY
@@ -119,7 +120,7 @@ class Endpoint:
             now = time.monotonic()
             if now - self._rendered_at >= RENDER_EVERY:
                 self._pending = self.exchange.ask(SNAPSHOT_WAIT)
-                self._page = generate_latest(self.registry)
+                self._page = self.rank_lines.render(self._pending) + generate_latest(self.registry)
                 self._pending = None
                 self._rendered_at = time.monotonic()
             return self._page

@@ -16,6 +16,20 @@ since the last step: ranks that all spend long in their own work (an evaluation 
 different times make the first ones wait briefly, which is no hang. No setting: the bound follows the job's own
 step times.
 
+A script that reports no step (a torchrun-style script that never calls `toolkit.train.report()`) is judged by its
+collectives instead: each heartbeat also carries `collectives`, the sequence number of the worker's default
+process group (toolkit.train.stacks.collectives: torch counts every collective a rank enters, DDP's gradient
+allreduces issued from C++ included). A rank's count moving is its progress; a rank stuck in its own code stays at
+the count of the last collective it entered while the peers waiting for it are past it, which names the culprit
+(a rank at the peers' count, or ahead of them, is never blamed). With no step time reported, the p99 in the bound
+is that of the ranks' observed intervals between moves of their counts (the last GAP_WINDOW of any rank, kept
+across generations, each rank's counted once past its first steps in the generation: below). Seen at heartbeats
+only, an interval is taken at its least: the time between the two heartbeats that brought a new count, less one
+heartbeat interval (so a job that moves at every heartbeat has the floor; a rank that works 6 s at each step while
+its peers wait learns a bound near 50 s). A rank's first steps in a generation are over once more than
+COLLECTIVE_STEPS of its heartbeats brought a new count (the group's set-up and DDP's construction move it before
+the first step, which can be long).
+
 What must not trip it: the first step of a generation (every rank must have made a step in the current generation
 before its stalls are judged: the first step of the job, the first after a recovery, compile and warm-up), a phase
 a rank says is legitimately long (`long` in its heartbeat: a checkpoint the Trainer writes, an evaluation in
@@ -30,6 +44,7 @@ at every pass of its loop), `check` O(N), and only once the bound can have passe
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
@@ -38,6 +53,11 @@ from toolkit.contracts import protocol
 OUTSIDE_BEATS = 2  # heartbeats in a row a rank must say it is outside any collective before it can be blamed
 SILENT_BEATS = 3  # heartbeat intervals without one: the rank cannot say where it is (a call holding its GIL)
 CHECK_INTERVAL = 1.0  # s between checks while the job is formed
+# A rank judged by its collectives (it reports no step): its first steps in a generation are over after more than
+# this many heartbeats with a new count (the group's set-up and DDP's construction move it before any training step)
+COLLECTIVE_STEPS = 3
+GAP_WINDOW = 256  # the ranks' latest intervals between moves whose p99 stands for the step time of such a job
+MAX_COLLECTIVES = 1 << 62  # a heartbeat's `collectives` past this (or not a whole number) reads as absent
 
 
 @dataclass
@@ -53,6 +73,9 @@ class RankProgress:
     outside: int = 0  # heartbeats in a row that said: not waiting
     long: str | None = None  # a legitimately long phase it said it is in
     p99: float | None = None  # its p99 time between steps
+    collectives: int | None = None  # its default group's collective count, last heard (a script with no step)
+    mark: tuple[int | None, int | None] = (None, None)  # its progress: (step, or the count when it reports none)
+    moves: int = 0  # heartbeats in this generation whose mark had changed
 
 
 @dataclass(frozen=True)
@@ -70,16 +93,23 @@ class Stuck:
     waiting: tuple[str, ...]
     silent: bool
     silent_for: float
+    collectives: int | None = None  # judged by collectives (it reports no step): the count it stopped at
+    peers_at: int | None = None  # and the waiting peers' (the largest)
 
     def reason(self) -> str:
         """The one line the scheduler's log, the ledger and the agent's exit record carry."""
         where = (f"sent no heartbeat for {self.silent_for:.1f} s though running (a call holding its GIL?)"
                  if self.silent else "not in any collective")
         peers = ", ".join(self.waiting[:4]) + (f" and {len(self.waiting) - 4} more" if len(self.waiting) > 4 else "")
+        bound = f"(bound {self.bound:.3g} s: max({protocol.STALL_FACTOR:g} x {{}}, {protocol.STALL_FLOOR:g} s))"
+        if self.collectives is not None:
+            p99 = "no interval yet" if self.p99 is None else f"p99 interval {self.p99:.3g} s"
+            return (f"stuck: entered no collective for {self.stalled:.0f} s after its collective {self.collectives} "
+                    f"({where}) while {peers} waited for it in a collective (theirs: {self.peers_at}; it reports no "
+                    f"step: judged by its collectives) " + bound.format(p99))
         p99 = "no step time yet" if self.p99 is None else f"p99 step {self.p99:.3g} s"
         return (f"stuck: no step for {self.stalled:.0f} s after step {self.step} ({where}) while {peers} waited for it "
-                f"in a collective (bound {self.bound:.3g} s: max({protocol.STALL_FACTOR:g} x {p99}, "
-                f"{protocol.STALL_FLOOR:g} s))")
+                f"in a collective " + bound.format(p99))
 
 
 class Watchdog:
@@ -96,25 +126,38 @@ class Watchdog:
         self.longs: set[int] = set()
         self.last_step_at = -math.inf
         self.p99 = 0.0
+        # the intervals between moves of ranks judged by their collectives, and their p99 (kept across generations:
+        # the job's pace is its own), brought up to date by `check` (`gaps_new`: since the last time)
+        self.gaps: deque[float] = deque(maxlen=GAP_WINDOW)
+        self.gap_p99 = 0.0
+        self.gaps_new = False
 
     def formed(self) -> None:
         """A generation formed: every rank must make a step in it before its stalls are judged (its first step,
         which may take long: the group's warm-up, a replacement's state, a compile)."""
         for r in self.ranks.values():
-            r.stepped_at = None
+            r.stepped_at, r.moves = None, 0
         self.unstepped = set(self.ranks)
         self.last_step_at, self.p99 = -math.inf, 0.0
 
     def heard(self, rank: int, node_id: str, step: int | None, msg: Mapping[str, Any], now: float) -> None:
         """A heartbeat of `rank` (the member `node_id`) with its `step` (the membership's) and its watchdog fields
-        (`waiting`, `long`, `step_p99`; hostile input: anything of the wrong type reads as absent)."""
+        (`waiting`, `long`, `step_p99`, `collectives`; hostile input: anything of the wrong type reads as absent).
+        A rank with no step progresses by its collectives (see the module docstring)."""
         r = self.ranks.get(rank)
         if r is None or r.node_id != node_id:
             r = self.ranks[rank] = RankProgress(node_id, now)
             self.unstepped.add(rank)
-        if step != r.step:
-            r.step, r.stepped_at = step, now
-            self.unstepped.discard(rank)
+        count = msg.get("collectives")
+        r.collectives = count if type(count) is int and 0 <= count < MAX_COLLECTIVES else None
+        mark = (step, r.collectives if step is None else None)
+        if mark != r.mark:
+            if step is None and r.stepped_at is not None and r.moves >= COLLECTIVE_STEPS:  # past its first steps
+                self.gaps.append(max(0.0, now - r.stepped_at - self.beat))
+                self.gaps_new = True
+            r.mark, r.step, r.stepped_at, r.moves = mark, step, now, r.moves + 1
+            if step is not None or r.moves > COLLECTIVE_STEPS:
+                self.unstepped.discard(rank)
             self.last_step_at = now
         r.heard_at = now
         r.waiting = msg.get("waiting") is True
@@ -144,12 +187,13 @@ class Watchdog:
         return max(last_step + bound, self.checked_at + CHECK_INTERVAL)
 
     def _judged(self) -> tuple[float, float, float | None] | None:
-        """(the job's last step, the bound, the p99 it came from: the largest heard in this generation), or None
+        """(the job's last step, the bound, the p99 it came from: the largest heard in this generation, or of the
+        intervals between collectives as of the last check), or None
         when stalls are not judged now: fewer than two ranks, one that made no step in this generation, or one in
         a legitimately long phase."""
         if len(self.ranks) < 2 or self.unstepped or self.longs:
             return None
-        p99 = self.p99 or None
+        p99 = max(self.p99, self.gap_p99) or None
         return self.last_step_at, protocol.stall_bound(p99), p99
 
     def check(self, now: float, vouched: Callable[[int], bool] = lambda rank: True) -> list[Stuck]:
@@ -157,6 +201,8 @@ class Watchdog:
         whether the rank's agent sees its process running (not stopped) now; a silent rank that is not vouched for
         is no call holding its GIL but a stopped or cut-off process, which heartbeat silence declares dead."""
         self.checked_at = now
+        if self.gaps_new:  # here, not at each heartbeat: O(GAP_WINDOW), at most every CHECK_INTERVAL
+            self.gap_p99, self.gaps_new = sorted(self.gaps)[int(0.99 * (len(self.gaps) - 1))], False
         ranks = self.ranks
         judged = self._judged()
         if judged is None:
@@ -172,10 +218,19 @@ class Watchdog:
         waiting = tuple(r.node_id for r in waiters)
         steps = [r.step for r in ranks.values() if r.step is not None]
         job_step = max(steps) if steps else None  # a silent rank's last heartbeat may be a few steps behind
+        counts = [r.collectives for r in waiters if r.step is None and r.collectives is not None]
+        peers_at = max(counts) if counts else None
         out = []
         for rank, r in ranks.items():
             silent = now - r.heard_at > silent_after
-            if (silent and vouched(rank)) or (not silent and r.outside >= OUTSIDE_BEATS):
+            if not ((silent and vouched(rank)) or (not silent and r.outside >= OUTSIDE_BEATS)):
+                continue
+            if r.step is None and r.collectives is not None:  # judged by collectives: it must be behind its peers
+                if peers_at is None or r.collectives >= peers_at:
+                    continue
+                out.append(Stuck(rank, r.node_id, job_step, stalled, bound, p99, waiting, silent, now - r.heard_at,
+                                 r.collectives, peers_at))
+            else:
                 out.append(Stuck(rank, r.node_id, job_step, stalled, bound, p99, waiting, silent, now - r.heard_at))
         for s in out:
             self.forget(s.rank)

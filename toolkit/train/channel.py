@@ -96,6 +96,9 @@ class Channel:
         # and by `adopt`), so one read of it, with or without the lock, is one consistent view
         self.view = jobview.JobView(restart_only=exit_on_new_generation, world_size=cfg.world_size)
         self.step: int | None = None
+        # a torchrun-style script's (toolkit.train.wrapper): while it reports no step, its heartbeats carry the
+        # collectives its default group entered, which the progress watchdog then judges it by
+        self.count_collectives = False
         self.beat: dict[str, Any] = {}  # the latest StepPace.summary() (and checkpoint interval): sent with heartbeats
         self.long: str | None = None  # a legitimately long phase the training thread is in (the watchdog waits)
         self.training_thread = threading.get_ident()  # the thread whose waits each heartbeat samples (stacks)
@@ -213,8 +216,9 @@ class Channel:
                 if wake.beat:
                     waiting, busy = stacks.sample(self.training_thread)
                     long = self.long or busy
+                    count = stacks.collectives() if self.count_collectives and self.step is None else None
                     self.send(protocol.HEARTBEAT, strict=True, step=self.step, **self.beat, waiting=waiting,
-                              **({"long": long} if long else {}))
+                              **({"long": long} if long else {}), **({} if count is None else {"collectives": count}))
             except (OSError, ValueError, protocol.ProtocolError) as e:
                 if self.closing.is_set() or self.finishing:
                     return

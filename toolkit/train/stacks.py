@@ -10,6 +10,11 @@ stacks when it is found stuck.
   heuristic by design, erring on the side of "waiting": a rank seen waiting is never blamed, so a wrong guess can
   miss a hang (a custom autograd function that blocks forever) but not blame a healthy rank. A thread holding its
   GIL cannot be sampled: its heartbeats stop, which the watchdog reads as its own sign.
+- `collectives()`: how many collectives the process has entered in its default process group (torch's sequence
+  number of the group, which every collective increments when it is issued: a script's `dist.*` calls and DDP's
+  gradient allreduces alike, on gloo and NCCL). Sent with each heartbeat, it is the progress the watchdog judges a
+  script by when it reports no step: a rank stuck in its own code stays at its count while its peers, waiting for
+  it in the next collective, are past it. Read from the control thread, without the training thread's help.
 - `dump_on_signal()`: every thread's Python stack to stderr (the worker's log) on protocol.STACKS_SIGNAL, the
   signal the agent sends a stuck worker before it kills it. faulthandler writes in the signal handler itself,
   without the GIL, so a thread stuck in C holding the GIL is dumped too.
@@ -24,6 +29,8 @@ import sys
 import threading
 from types import FrameType
 from typing import Any, Iterator
+
+import torch.distributed as dist
 
 from toolkit.contracts import protocol
 
@@ -53,6 +60,17 @@ def sample(thread_id: int | None) -> tuple[bool, str | None]:
             return True, None
         frame, depth = frame.f_back, depth + 1
     return False, None
+
+
+def collectives() -> int | None:
+    """The number of collectives this process entered in its default process group (see the module docstring), or
+    None when it has none (not formed yet, destroyed) or this torch cannot say."""
+    try:
+        if not dist.is_initialized():
+            return None
+        return int(dist.distributed_c10d._get_default_group()._get_sequence_number_for_group())
+    except Exception:  # noqa: BLE001 - a group being torn down, a backend without a count: the count is unknown
+        return None
 
 
 def dump_on_signal() -> None:

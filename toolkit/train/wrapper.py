@@ -113,6 +113,7 @@ class ScriptSession:
             raise RuntimeError("a second init_process_group() in one process: under toolkit a torchrun-style script "
                                "forms its group once; a fault relaunches the process")
         channel = Channel(self.cfg, exit_on_new_generation=True)
+        channel.count_collectives = True  # the progress the watchdog sees while the script reports no step
         self.channel = channel
         deadline = time.monotonic() + self.cfg.topo_timeout
         channel.join(deadline)

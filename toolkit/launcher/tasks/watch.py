@@ -5,8 +5,9 @@ host its live.json; one bounded command, over a connection kept open), so a host
 nobody: its row says since when it has not answered, and the others keep updating. The view is rebuilt from the
 latest answers at every refresh by `watch_view` (pure: answers and a clock in, rows and an outcome out).
 
-The watch ends when every host's agent has ended (the job's outcome: exit 0 if every worker succeeded, 1 if not),
-or on Ctrl-C (exit 130; the job keeps running). Watching never changes the job."""
+The watch ends when every host's agent has ended (the job's outcome: exit 0 if every worker succeeded, 3 if its
+operator stopped it, 1 if it failed: as `fleet run` and `train --join` say), or on Ctrl-C (exit 130; the job keeps
+running). Watching never changes the job."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from rich.text import Text
 from toolkit.contracts.agentdoc import FINAL_STATES, AgentState
 from toolkit.contracts.jobrecord import HostRecord, JobRecord
 from toolkit.errors import UserError
-from toolkit.launcher.jobhosts.follow import Interrupted, JobFailed
+from toolkit.launcher.jobhosts.follow import Interrupted, JobFailed, JobStopped
 from toolkit.launcher.jobhosts.output import human_age, interrupt_sets, table_console
 from toolkit.launcher.jobhosts.poll import poll_status, settle_layout
 from toolkit.launcher.jobhosts.reach import host_target, load_record, record_ssh
@@ -189,7 +190,8 @@ def watch(ref: JobRef, interval: float = WATCH_INTERVAL, as_json: bool = False,
     """Show the job live until it ends (see the module docstring). `console` is where the view goes (a terminal's
     by default; tests pass a recording one); `as_json` prints one JSON object per refresh on stdout instead.
 
-    Returns when every worker succeeded; raises JobFailed (exit 1) when the job ended otherwise, Interrupted
+    Returns when every worker succeeded; raises JobStopped (exit 3) when its operator stopped it (`fleet stop`),
+    JobFailed (exit 1) when it failed, Interrupted
     (exit 130) on Ctrl-C, UserError for an interval below MIN_INTERVAL."""
     if not interval >= MIN_INTERVAL:
         raise UserError(f"--interval {interval:g}: give at least {MIN_INTERVAL:g} seconds (each refresh asks every "
@@ -220,6 +222,10 @@ def watch_record(record: JobRecord, ssh: SshSettings, interval: float = WATCH_IN
                         live.update(render(record, view, interval, out.width), refresh=True)
         finally:
             pollers.close()
+    if view.outcome is AgentState.STOPPED:
+        why = sorted({h.reason for h in view.hosts if h.agent == AgentState.STOPPED and h.reason})
+        raise JobStopped(f"job {record.job} stopped ({'; '.join(why) or 'stopped'}): 'fleet train' resumes it from "
+                         "its checkpoints")
     if view.outcome is not AgentState.SUCCEEDED:
         raise JobFailed(f"job {record.job} {view.outcome}: 'fleet status' and 'fleet logs' show why")
 
