@@ -54,6 +54,8 @@ class JobOptions:
     worker_num: int | None = None  # None: every slot
     nproc_per_node: int | None = None  # torchrun's: workers on each worker host (instead of its slots)
     nnodes: int | None = None  # torchrun's: the number of hosts that run workers, checked against the plan
+    min_nodes: int | None = None  # torchrun's --nnodes MIN:MAX's MIN: the job may shrink to that many hosts
+    min_workers: int | None = None  # the fewest workers the job may shrink to (a lost host, no spare); None: never
     master_port: int = envvars.DEFAULT_SCHED_PORT
     cluster_time_out: int = envvars.DEFAULT_TOPO_TIMEOUT
     node_timeout: float = envvars.DEFAULT_NODE_TIMEOUT
@@ -90,6 +92,12 @@ class JobOptions:
             raise PlanError(f"--nproc-per-node {self.nproc_per_node}: give 1 to {MAX_SLOTS} workers per host")
         if self.nnodes is not None and self.nnodes < 1:
             raise PlanError(f"--nnodes {self.nnodes}: a job runs on at least 1 host")
+        if self.min_workers is not None and self.min_workers < 1:
+            raise PlanError(f"--min-workers {self.min_workers}: give at least 1 (the fewest workers the job may "
+                            "shrink to when a host is lost with no spare)")
+        if self.min_workers is not None and self.min_nodes is not None:
+            raise PlanError(f"--min-workers {self.min_workers} and --nnodes {self.min_nodes}:{self.nnodes}: both say "
+                            "how far the job may shrink; give one of them")
         if self.cluster_time_out < 1:
             raise PlanError(f"--cluster-time-out {self.cluster_time_out}: give a positive number of seconds")
         for flag, value in (("--node-timeout", self.node_timeout), ("--grace", self.grace)):
@@ -283,7 +291,7 @@ def make_plan(inventory: Inventory, options: JobOptions, local_project_dir: str 
     world = sum(n for _, n in placement)
     sched = inventory.host(inventory.scheduler)
     build = _ProcessBuilder(options, _common_env(inventory, options, sched, world), world, len(placement),
-                            local_project_dir if inventory.local else None)
+                            local_project_dir if inventory.local else None, min_workers(options, placement))
     seats = _seats(placement)
     by_host: dict[str, list[Process]] = {h.name: [] for h, _ in placement}
     by_host.setdefault(sched.name, []).append(build.scheduler(sched, inventory.spares))
@@ -337,6 +345,7 @@ class _ProcessBuilder:
     world: int
     groups: int
     project: str | None
+    min_workers: int | None = None  # TOOLKIT_MIN_WORKERS (`min_workers`): None, the job never shrinks
 
     def _cwd(self, jd: str) -> str:
         """Where a process of the job directory `jd` runs."""
@@ -359,6 +368,7 @@ class _ProcessBuilder:
                 envvars.TOOLKIT_EXPECTED: posixpath.join(jd, EXPECTED_FILE),
                 envvars.TOOLKIT_STRAGGLER_FACTOR: _num(options.straggler_factor),
                 envvars.TOOLKIT_HOST_TIMEOUT: _num(options.host_timeout),
+                **({envvars.TOOLKIT_MIN_WORKERS: str(self.min_workers)} if self.min_workers is not None else {}),
                 envvars.TOOLKIT_SPARES: ",".join(n for n in spares if n != sched.name),
                 envvars.TORCHELASTIC_MAX_RESTARTS: str(options.max_restarts),
                 **({envvars.TOOLKIT_METRICS_ADDRESS: options.metrics_address} if options.metrics_address else {}),
@@ -434,6 +444,21 @@ def _host_plans(inventory: Inventory, options: JobOptions, by_host: Mapping[str,
         for h in (inventory.host(name) for name in inventory.spares)
         if h.name not in by_host
     )
+
+
+def min_workers(options: JobOptions, placement: Sequence[tuple[Host, int]]) -> int | None:
+    """How far the job may shrink, in workers: --min-workers, or for --nnodes MIN:MAX the workers of the MIN hosts
+    with the fewest (whichever hosts are lost, MIN hosts left hold at least that many). None: it never shrinks.
+    PlanError for --min-workers above the job's workers (it could never run) and MIN above MAX."""
+    world = sum(n for _, n in placement)
+    if options.min_workers is not None and options.min_workers > world:
+        raise PlanError(f"--min-workers {options.min_workers} is above the job's {world} workers: give 1 to {world}")
+    if options.min_nodes is None:
+        return options.min_workers
+    if options.min_nodes > len(placement):
+        raise PlanError(f"--nnodes {options.min_nodes}:{options.nnodes}: MIN is above the {len(placement)} host(s) "
+                        "that run workers; give MIN <= MAX")
+    return sum(sorted(n for _, n in placement)[:options.min_nodes])
 
 
 def _placement(inventory: Inventory, options: JobOptions) -> list[tuple[Host, int]]:

@@ -39,10 +39,10 @@ class Option:
         return "--" + self.name.replace("_", "-")
 
 
-def _job_option(name: str, kind: type, help: str, metavar: str = "") -> Option:
+def _job_option(name: str, kind: type, help: str, metavar: str = "", group: str = "job") -> Option:
     """A flag that is a field of JobOptions: its default is JobOptions', the one place it is defined."""
     return Option(name, kind, next(f.default for f in dataclasses.fields(JobOptions) if f.name == name), help,
-                  metavar)
+                  metavar, group)
 
 
 # The sections of a task's help that the shared flags are listed in, in order, with their titles.
@@ -59,7 +59,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("slurm", bool, False, "the Slurm allocation's hosts (default inside one)", group="hosts"),
     Option("standalone", bool, False, "this machine only, even inside an allocation", group="hosts"),
     Option("nproc_per_node", int, None, "workers on each host (sets every host's slots)", "N", "hosts"),
-    Option("nnodes", int, None, "check: the number of hosts that run workers", "N", "hosts"),
+    Option("nnodes", int, None, "hosts with workers (checked); MIN:MAX may shrink", "N", "hosts"),
+    _job_option("min_workers", int, "a lost host, no spare: go on with N or more", "N", "hosts"),
     Option("worker_num", int, None, "total workers [every slot; here: 1]", "N", "hosts"),
     Option("job", str, None, "job name [the project directory's name]", "NAME"),
     Option("project", str, ".", "the script's project, copied to every host", "DIR"),
@@ -128,7 +129,7 @@ class Settings:
 JOB_OPTIONS = ("script", "script_args", "module", "no_python", "worker_num", "nproc_per_node", "nnodes", "master_port",
                "cluster_time_out", "node_timeout", "recovery", "data_path", "ckpt_dir", "workdir", "python",
                "max_restarts", "grace", "bind_core", "warm_spare", "torchrun_script", "host_timeout", "restart_refill",
-               "metrics_address", "verify_every")
+               "metrics_address", "verify_every", "min_workers", "min_nodes")
 
 
 # How deploy reached the hosts, kept in the job record's `ssh` (every later task reaches them the same way): typed
@@ -293,7 +294,12 @@ def resolve(given: Mapping[str, Any], config: Mapping[str, Any], core: CoreFlags
         raise UserError(f"--script {script}: no such file in {project}; pass --project DIR or the script's path in it")
 
     job_fields = {f.name for f in dataclasses.fields(JobOptions)} & OPTION_NAMES
-    options = JobOptions(**{**{n: values[n] for n in job_fields}, "job": job, "workdir": workdir, "python": python})
+    sizes = {"nnodes": values["nnodes"][1], "min_nodes": values["nnodes"][0]} \
+        if isinstance(values["nnodes"], tuple) else {}  # torchrun's MIN:MAX
+    if "min_nodes" not in sizes and recorded is not None and given.get("nnodes") is None:
+        sizes["min_nodes"] = recorded.options.get("min_nodes")  # the deployed job's MIN
+    options = JobOptions(**{**{n: values[n] for n in job_fields}, **sizes, "job": job, "workdir": workdir,
+                            "python": python})
     parallel = values["parallel"]
     if parallel < 1:
         raise UserError(f"--parallel {parallel}: give at least 1")
@@ -388,8 +394,7 @@ def _convert(option: Option, value: Any, where: str) -> Any:
     if value is None:
         return None
     if option.name == "nnodes" and ":" in str(value):
-        raise UserError(f"{where}={value!r}: toolkit runs the hosts it is given, it does not grow or shrink a job "
-                        "between a minimum and a maximum (torchrun's MIN:MAX); give one number, or leave --nnodes out")
+        return _min_max(str(value), where)
     kind = option.kind
     if kind is bool:
         if isinstance(value, bool):
@@ -411,6 +416,19 @@ def _convert(option: Option, value: Any, where: str) -> Any:
             raise UserError(f"{where}={value!r}: expected a finite number")
         return number
     return str(value)
+
+
+def _min_max(value: str, where: str) -> tuple[int, int]:
+    """torchrun's --nnodes MIN:MAX as (MIN, MAX): MAX is the hosts that run workers (checked against the plan as a
+    single number is), MIN how many of them the job may shrink to. UserError unless 1 <= MIN <= MAX, whole numbers."""
+    low, _, high = value.partition(":")
+    try:
+        lo, hi = int(low.strip(), 10), int(high.strip(), 10)
+    except ValueError:
+        raise UserError(f"{where}={value!r}: expected MIN:MAX, two whole numbers of hosts (2:4)") from None
+    if not 1 <= lo <= hi:
+        raise UserError(f"{where}={value!r}: give 1 <= MIN <= MAX (the job may shrink to MIN hosts of MAX)")
+    return lo, hi
 
 
 def _job_name(project: Path) -> str:
