@@ -25,6 +25,7 @@ from typing import Any, NamedTuple, Union
 from toolkit.contracts import protocol
 
 DONE_WAIT = 5.0  # s to hear the scheduler acknowledge `done` (by closing) before exiting anyway
+MAX_WORLD = 1 << 20  # ranks a `formed` may say a generation has (a hostile bound)
 MAX_REASON = 2000  # characters of a `stop` reason kept
 MAX_FENCED_REASON = 1000  # characters of a `fenced` or refusal reason logged
 
@@ -40,6 +41,9 @@ class JobView:
     history: tuple[int, float, float] | None = None  # (faults, job uptime s, monotonic time told): the ledger's
     restart_only: bool = False  # restart recovery: a newer generation ends the process (EXIT_REJOIN)
     goodput: float | None = None  # the job's goodput so far (0 to 1) as the scheduler said at the last formation
+    # (rank, world size) of this process in the newest formed generation, when the scheduler said (an elastic job
+    # shrinks and grows: issue 42); None: the rank and world size it started with
+    shape: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -112,6 +116,8 @@ def on_message(view: JobView, msg: dict[str, Any], now: float) -> tuple[JobView,
         raise protocol.ProtocolError(f"{op} without a generation")
     if op == protocol.FORMED and not isinstance(msg.get("prefix"), str):
         raise protocol.ProtocolError("formed without a store prefix")
+    if op == protocol.FORMED and "world_size" in msg and _shape(msg) is None:
+        raise protocol.ProtocolError("formed with a rank that is not in its world size")
     new = _changed(view, op, msg, generation, now)
     effects: list[Effect] = []
     if new.announced is not None and (new.held is None or new.announced > new.held):
@@ -141,10 +147,18 @@ def _changed(view: JobView, op: str, msg: dict[str, Any], generation: int | None
         goodput = msg.get("goodput")
         goodput = float(goodput) if type(goodput) in (int, float) and 0 <= goodput <= 1 else None
         return dataclasses.replace(view, formed=(generation, msg["prefix"]), announced=generation, history=history,
-                                   goodput=goodput)
+                                   goodput=goodput, shape=_shape(msg) if "world_size" in msg else view.shape)
     if op == protocol.STOP:
         return dataclasses.replace(view, stop_reason=str(msg.get("reason", "stopped by the scheduler"))[:MAX_REASON])
     return view
+
+
+def _shape(msg: dict[str, Any]) -> tuple[int, int] | None:
+    """A `formed` message's (rank, world size) of this process, None unless 0 <= rank < world size (bounded)."""
+    rank, world = protocol.whole(msg, "rank"), protocol.whole(msg, "world_size")
+    if rank is None or world is None or not 0 <= rank < world <= MAX_WORLD:
+        return None
+    return rank, world
 
 
 def on_refused(first_at: float, now: float, retry: bool, reason: str, node_timeout: float) -> Retry | Stop | \

@@ -289,6 +289,11 @@ class Runtime:
         while True:
             generation, prefix = ch.wait_formed(self.generation, deadline)
             self._leave()
+            shape = ch.view.shape  # an elastic job's generation may number its ranks anew (issue 42)
+            if shape is not None and shape != (self.rank, self.world_size):
+                say(self.node_id, f"generation {generation}: rank {shape[0]} of {shape[1]} (was {self.rank} of "
+                                  f"{self.world_size})")
+                self.rank, self.world_size = shape
             try:
                 self._build(generation, prefix)
             except Exception as e:  # a peer died while the group was being built: wait for the next generation
