@@ -401,6 +401,9 @@ class Ledger:
         self.faults = Incidents(world_size, self.accounting, self._changed)
         self.stragglers: list[dict[str, Any]] = []  # rank, node_id, host, since, until, factor, busy, median
         self.scheduler_restarts: list[float] = []
+        # shrinks and grows (issue 42), their own kind of incident: kind, at, host, slots, workers (after it),
+        # generation, step (the job's newest when it happened: each period's throughput, `world_periods`)
+        self.elastic: list[dict[str, Any]] = []
         self.ended_at: float | None = None
         self.outcome: str | None = None  # finished, failed, stopped
         self.failure: str | None = None
@@ -412,7 +415,9 @@ class Ledger:
             NoteKind.FORMED: self._on_formed, NoteKind.RECOVERED: self.faults.recovered,
             NoteKind.PACE: self._on_pace, NoteKind.FENCED: self.faults.fenced,
             NoteKind.CORRUPTION: self.faults.corruption, NoteKind.RESTORED: self._on_restored,
-            NoteKind.FINISHED: self._on_finished, NoteKind.FAILED: self._on_failed}
+            NoteKind.FINISHED: self._on_finished, NoteKind.FAILED: self._on_failed,
+            NoteKind.SHRINK: lambda f, now: self._on_world("shrink", f, now),
+            NoteKind.GROW: lambda f, now: self._on_world("grow", f, now)}
 
     # -- facts
 
@@ -435,6 +440,30 @@ class Ledger:
         self.scheduler_restarts.append(now)
         self.faults.restored = int(f.get("members", self.world_size))
         self._changed(urgent=True)
+
+    def _on_world(self, kind: str, f: Mapping[str, Any], now: float) -> None:
+        self.elastic.append({"kind": kind, "at": now, "host": f.get("host"),
+                             "slots": list(f.get("slots") or []), "workers": f.get("workers"),
+                             "generation": f.get("generation"), "step": self.accounting.last_step})
+        del self.elastic[:-MAX_EPISODES]
+        self._changed(urgent=True)
+
+    def world_periods(self, now: float) -> list[dict[str, Any]]:
+        """The job's world size over time: one period per size (from its first step, then from each shrink or
+        grow, until the next or `now`/the end), each with its workers and its throughput (steps/s; None when no
+        step was reported in it)."""
+        acc = self.accounting
+        start = acc.first_step_at if acc.first_step_at is not None else acc.started_at
+        marks = [(start, self.world_size, None)] + [(e["at"], e["workers"], e["step"]) for e in self.elastic]
+        end = self.ended_at if self.ended_at is not None else now
+        out = []
+        for i, (at, workers, step) in enumerate(marks):
+            until, last = (marks[i + 1][0], marks[i + 1][2]) if i + 1 < len(marks) else (end, acc.last_step)
+            first = step if step is not None else (0 if i == 0 else None)
+            rate = (last - first) / (until - at) if first is not None and last is not None and until > at else None
+            out.append({"from": at, "until": until, "workers": workers,
+                        "steps_per_s": None if rate is None else round(rate, 4)})
+        return out
 
     def _on_finished(self, f: Mapping[str, Any], now: float) -> None:
         self._end(JobStatus.FINISHED, None, now)
@@ -497,6 +526,7 @@ class Ledger:
             "incidents": [{**asdict(i), "time_to_recover": i.time_to_recover} for i in faults.incidents],
             "generations": faults.generations, "stragglers": self.stragglers, "intervals": acc.intervals,
             "scheduler_restarts": self.scheduler_restarts,
+            "elastic": self.elastic, "world_periods": self.world_periods(now),
             "checkpoint_stall": {str(r): [round(b, 4), round(last, 4)] for r, (b, last) in acc.stall.items()},
             "paused": round(acc.paused, 3), "restarting": round(acc.restarting, 3),
             "recovery": acc.recovery, "checkpoint_step": acc.checkpoint_step,
@@ -519,6 +549,7 @@ class Ledger:
         acc.intervals = list(doc["intervals"])
         acc.interval = {i["rank"]: i["steps"] for i in acc.intervals}
         led.scheduler_restarts = [float(t) for t in doc["scheduler_restarts"]]
+        led.elastic = [dict(e) for e in doc.get("elastic") or [] if isinstance(e, Mapping)]
         acc.first_step_at = doc.get("first_step_at")
         acc.last_step = doc.get("last_step")
         acc.step_time = doc.get("step_time")

@@ -661,7 +661,11 @@ class Membership:
                                        f"{now - since:.3f} s; store prefix {prefix}"),
                              Note(NoteKind.FORMED, {"generation": self.generation, "seconds": now - since,
                                              "recovery": sorted({m.recovery for m in self.roster.members.values()}),
-                                             "workers": len(slots), "logical_world": self.logical_world})]
+                                             "workers": len(slots), "logical_world": self.logical_world,
+                                             # which process serves which logical ranks, when not the plain way
+                                             **({"logical": {protocol.worker_node_id(s): list(p) for s, p in
+                                                             self.world.by_slot().items()}}
+                                                if self.assignment is not None else {})})]
         out += [Send(m.peer, protocol.FORMED, formed_fields(self, m.rank))
                 for m in self.roster.members.values() if m.peer is not None]
         if self.generation > 0:  # the generations before are over: their store keys can go
