@@ -228,6 +228,7 @@ class Incidents:
         self.generations: list[dict[str, Any]] = []  # generation, formed_at, seconds (the gathering)
         self.after_stop = False  # started again after its operator stopped it, until the next formation
         self.restored = world_size  # members the restarted scheduler waits for
+        self.workers = world_size  # processes in the newest formed generation (fewer after a shrink: issue 42)
         self._held: list[tuple[dict[str, Any], float]] = []  # their deaths: a fault only if some came back
         self._agent_lost: dict[str, float] = {}  # host -> when its agent disconnected
 
@@ -305,6 +306,8 @@ class Incidents:
             for death, at in held:
                 self.death(death, at)
         generation = f["generation"]
+        workers = f.get("workers")  # a shrunk generation's (issue 42): its incident closes when they all train
+        self.workers = workers if type(workers) is int and 0 < workers <= self.world_size else self.world_size
         self.generations.append({"generation": generation, "formed_at": now, "seconds": f.get("seconds")})
         del self.generations[:-MAX_INCIDENTS]
         for inc in self.incidents[-3:]:
@@ -328,7 +331,7 @@ class Incidents:
                 recomputed = max(0, inc.step - step)  # from a checkpoint: the ranks' own last steps were lost
             if recomputed is not None and recomputed >= 0:
                 inc.recomputed = max(inc.recomputed or 0, recomputed)
-            if len(inc.recovered_ranks) >= self.world_size:
+            if len(inc.recovered_ranks) >= self.workers:
                 inc.recovered_at = now
             self.changed(inc.recovered_at is not None)  # at once when it closes: 4096 ranks' reports, one write
             return
@@ -404,6 +407,7 @@ class Ledger:
         # shrinks and grows (issue 42), their own kind of incident: kind, at, host, slots, workers (after it),
         # generation, step (the job's newest when it happened: each period's throughput, `world_periods`)
         self.elastic: list[dict[str, Any]] = []
+        self.first_step: int | None = None  # the first step reported (the first period's throughput counts from it)
         self.ended_at: float | None = None
         self.outcome: str | None = None  # finished, failed, stopped
         self.failure: str | None = None
@@ -434,6 +438,8 @@ class Ledger:
 
     def _on_pace(self, f: Mapping[str, Any], now: float) -> None:
         self.faults.stepped(f, now)  # first: the stride that closes an incident is the one before this heartbeat
+        if self.first_step is None and type(f.get("step")) is int:
+            self.first_step = f["step"]
         self.accounting.pace(f, now)
 
     def _on_restored(self, f: Mapping[str, Any], now: float) -> None:
@@ -459,7 +465,7 @@ class Ledger:
         out = []
         for i, (at, workers, step) in enumerate(marks):
             until, last = (marks[i + 1][0], marks[i + 1][2]) if i + 1 < len(marks) else (end, acc.last_step)
-            first = step if step is not None else (0 if i == 0 else None)
+            first = step if i else self.first_step
             rate = (last - first) / (until - at) if first is not None and last is not None and until > at else None
             out.append({"from": at, "until": until, "workers": workers,
                         "steps_per_s": None if rate is None else round(rate, 4)})
@@ -526,7 +532,7 @@ class Ledger:
             "incidents": [{**asdict(i), "time_to_recover": i.time_to_recover} for i in faults.incidents],
             "generations": faults.generations, "stragglers": self.stragglers, "intervals": acc.intervals,
             "scheduler_restarts": self.scheduler_restarts,
-            "elastic": self.elastic, "world_periods": self.world_periods(now),
+            "elastic": self.elastic, "world_periods": self.world_periods(now), "first_step": self.first_step,
             "checkpoint_stall": {str(r): [round(b, 4), round(last, 4)] for r, (b, last) in acc.stall.items()},
             "paused": round(acc.paused, 3), "restarting": round(acc.restarting, 3),
             "recovery": acc.recovery, "checkpoint_step": acc.checkpoint_step,
@@ -550,6 +556,7 @@ class Ledger:
         acc.interval = {i["rank"]: i["steps"] for i in acc.intervals}
         led.scheduler_restarts = [float(t) for t in doc["scheduler_restarts"]]
         led.elastic = [dict(e) for e in doc.get("elastic") or [] if isinstance(e, Mapping)]
+        led.first_step = doc["first_step"] if type(doc.get("first_step")) is int else None
         acc.first_step_at = doc.get("first_step_at")
         acc.last_step = doc.get("last_step")
         acc.step_time = doc.get("step_time")
