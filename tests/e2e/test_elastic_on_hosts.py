@@ -42,23 +42,23 @@ def test_a_lost_host_shrinks_the_job_in_place_and_its_return_grows_it_back(e2e: 
     lost = sorted(n for n, p in job.processes().items() if p["host"] == c and n != "sched")
     assert lost == ["worker_4", "worker_5"]
 
-    cluster.link_down(c)  # c crashes for good: cable pulled, every process killed
-    killed = cluster.kill_host(c)
-    assert killed and not cluster.workload([c])
-    job.wait_for("the scheduler shrinking the job", lambda: "shrinking to 4 of 6 workers" in job.log("sched"),
-                 timeout=120)
-    job.wait_for("a generation of 4 workers formed", lambda: any(n == 4 for _, n in worlds(job)), timeout=120)
-    at = max(min(steps_on(job, a) + steps_on(job, b)), KILL_AT)
-    job.wait_for("the 4 survivors training on", lambda: min(steps_on(job, a) + steps_on(job, b)) > at + 2,
-                 timeout=120)
-    status = job.fleet("status", check=False)  # c is down: status says so (exit 2), and what the job does
-    assert "degraded: 4 of 6 workers, serving 6 logical ranks" in status.stdout, status.stdout + status.stderr
-    assert "logical ranks: worker_0 0,4; worker_1 1,5; worker_2 2; worker_3 3" in status.stdout, status.stdout
-    shrunk = json.loads(job.fleet("status", "--json", check=False).stdout)
-    assert shrunk["elastic"]["workers"] == 4 and shrunk["elastic"]["logical_world"] == 6
+    # c crashes for good (cable pulled, every process killed); the block's end heals it (sshd up, link up)
+    with cluster.partitioned(c), cluster.crashed(c) as crashed:
+        assert not cluster.workload([crashed.name])
+        job.wait_for("the scheduler shrinking the job", lambda: "shrinking to 4 of 6 workers" in job.log("sched"),
+                     timeout=120)
+        job.wait_for("a generation of 4 workers formed", lambda: any(n == 4 for _, n in worlds(job)), timeout=120)
+        at = max(min(steps_on(job, a) + steps_on(job, b)), KILL_AT)
+        job.wait_for("the 4 survivors training on", lambda: min(steps_on(job, a) + steps_on(job, b)) > at + 2,
+                     timeout=120)
+        status = job.fleet("status", check=False)  # c is down: status says so (exit 2), and what the job does
+        said = status.stderr  # the lines under the table
+        assert "degraded: 4 of 6 workers, serving 6 logical ranks" in said, status.stdout + said
+        assert "logical ranks: worker_0 0,4; worker_1 1,5; worker_2 2; worker_3 3" in said, said
+        shrunk = json.loads(job.fleet("status", "--json", check=False).stdout)
+        assert shrunk["elastic"]["workers"] == 4 and shrunk["elastic"]["logical_world"] == 6
 
-    cluster.start_sshd(c)  # healed; its agent started again as an operator would
-    cluster.link_up(c)
+    # its agent started again, as an operator would
     job.fleet("restart", "--host", c)
     job.wait_for("the job growing back", lambda: f"worker_4, worker_5 back on {c}" in job.log("sched"), timeout=120)
     job.wait_for(f"{c}'s workers training again", lambda: len(steps_on(job, c)) == 2 and min(steps_on(job, c)) > at,
@@ -70,4 +70,39 @@ def test_a_lost_host_shrinks_the_job_in_place_and_its_return_grows_it_back(e2e: 
     assert sizes.index(4) < len(sizes) - 1
     grown = (job.job_dir(c) / "logs" / "worker_4.log").read_text()
     assert "from rank" in grown or "memory" in grown, grown[-2000:]  # its state came from a peer
+    job.wait_no_leftovers()
+
+
+PLAIN_STEP = re.compile(r"^epoch (\d+) step (\d+) loss", re.M)
+
+
+def test_a_plain_torchrun_script_under_nnodes_min_max_restarts_at_the_smaller_world(ddp_e2e: E2E, tmp_path) -> None:
+    """examples/ddp/plain.py (unmodified) on 3 hosts of one worker, `--nnodes 2:3`: a host crashes for good, the
+    others are restarted at a world of 2 from the script's own checkpoint (its DistributedSampler then cuts an
+    epoch in 32 steps of 2048 / 2 / 32, not 22: only a world of 2 reaches step 23 in epoch 0), then the host comes
+    back and the job grows back to 3 and finishes."""
+    ckpt = tmp_path / "shared-ckpt"
+    job = ddp_e2e.job("plain-elastic", "--script", "plain.py", "--ckpt-dir", str(ckpt), "--nnodes", "2:3",
+                      "--host-timeout", str(HOST_TIMEOUT), "--script-args", "--epochs 3 --step-delay 0.1")
+
+    def step(node: str) -> int:
+        found = PLAIN_STEP.findall(job.log(node))
+        return int(found[-1][1]) if found else 0
+
+    job.start()
+    job.wait_for("every rank past its first checkpoint", lambda: all(step(f"worker_{r}") > 11 for r in range(3)))
+    c = job.host_of("worker_2")
+    assert c != job.host_of("sched")
+    with ddp_e2e.cluster.partitioned(c), ddp_e2e.cluster.crashed(c):  # healed at the block's end
+        job.wait_for("a generation of 2 workers formed", lambda: any(n == 2 for _, n in worlds(job)), timeout=120)
+        job.wait_for("the 2 restarted at a world of 2 (an epoch of 32 steps)", lambda: all(
+            re.search(r"^epoch 0 step (2[3-9]|3[0-2]) loss", job.log(f"worker_{r}"), re.M) for r in (0, 1)),
+            timeout=180)
+        assert all("resumed from step" in job.log(f"worker_{r}") for r in (0, 1))  # from the script's own checkpoint
+    job.fleet("restart", "--host", c)
+    code, output = job.join()
+    assert code == 0, f"{output}\n{job.evidence()}"
+    sizes = [n for _, n in worlds(job)]
+    assert sizes[0] == 3 and 2 in sizes and sizes[-1] == 3, worlds(job)
+    assert "final checkpoint" in job.log("worker_0")
     job.wait_no_leftovers()
