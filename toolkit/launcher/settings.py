@@ -187,6 +187,10 @@ class Request:
                 value = str((self.cwd / Path(value).expanduser()).resolve())
             if name == "known_hosts":
                 value = str(Path(value).expanduser())
+            if name == "nnodes" and isinstance(value, tuple):  # MIN:MAX: MAX recorded as nnodes, MIN as min_nodes
+                if (value[1], value[0]) == (options[name], options.get("min_nodes")):
+                    continue
+                value = f"{value[0]}:{value[1]}"
             if value == options[name]:
                 continue
             flag = "--" + name.replace("_", "-")
