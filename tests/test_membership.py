@@ -624,3 +624,22 @@ def test_numbers_past_a_floats_range_from_a_worker_are_dropped_not_raised() -> N
     beat = P.decode(b'{"op":"heartbeat","step":4,"loss":1' + b"0" * 400 + b',"busy":0.25}')
     notes = [a for a in m.message(10, beat, 1.1) if isinstance(a, Note)]
     assert notes[0].fields["step"] == 4 and notes[0].fields["busy"] == 0.25 and "loss" not in notes[0].fields
+
+
+def test_formed_tells_every_rank_the_logical_ranks_each_serves_and_a_late_reconnect_gets_the_same() -> None:
+    m = Membership("job", 2, NODE_TIMEOUT, TOPO_TIMEOUT, "boot", "a:1", {}, 0.0, logical_world=5)
+    m.started(0.0)
+    register(m, 10, 0, 0.1)
+    out = register(m, 11, 1, 0.2)
+    formed = sent(out, P.FORMED)
+    assert len(formed) == 2 and all(s.fields["logical_world"] == 5 and s.fields["logical"] == [[0, 1, 2], [3, 4]]
+                                    for s in formed)
+    assert "2 workers, serving 5 logical ranks" in logged(out)
+    again = sent(register(m, 12, 1, 0.3, incarnation="inc11"), P.FORMED)  # the same incarnation reconnects
+    assert again[0].fields["logical"] == [[0, 1, 2], [3, 4]]
+
+
+def test_by_default_each_rank_serves_its_own_logical_rank() -> None:
+    m = membership(3)
+    form(m)
+    assert m.world is not None and m.world.by_slot() == {0: (0,), 1: (1,), 2: (2,)}

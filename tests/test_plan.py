@@ -208,3 +208,16 @@ def test_a_big_job_stretches_the_steady_intervals() -> None:
     assert E.heartbeat_interval(16384, 1.0, 6.0) == 2.0  # capped: a worker may miss two and live
     assert E.heartbeat_interval(16384, 1.0, 30.0) == 8.0 and E.nccl_coord_check_ms(1024) == 2000
     assert E.heartbeat_interval(64, 2.5, 6.0) == 2.5  # a longer interval asked for is kept
+
+
+def test_logical_ranks_reach_the_scheduler_and_fewer_than_the_workers_are_refused_naming_the_flag() -> None:
+    inv = parse_hosts("a:2,b:2")
+    sched = next(p for p in make_plan(inv, opts(logical_ranks=6)).processes() if p.rank is None)
+    assert sched.env[E.TOOLKIT_LOGICAL_RANKS] == "6"
+    sched = next(p for p in make_plan(inv, opts()).processes() if p.rank is None)
+    assert E.TOOLKIT_LOGICAL_RANKS not in sched.env  # the scheduler's default: the worker count
+    with pytest.raises(PlanError, match=r"^--logical-ranks 3 is below the 4 workers: .* give at least 4"):
+        make_plan(inv, opts(logical_ranks=3))
+    for bad in (0, 70000):
+        with pytest.raises(PlanError, match=f"^--logical-ranks {bad}: give 1 to 65536"):
+            opts(logical_ranks=bad)

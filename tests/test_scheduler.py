@@ -477,6 +477,12 @@ def test_config_reads_the_environment_and_hides_the_token(tmp_path: Path) -> Non
         S.Config.from_env({"MS_WORKER_NUM": "3"})
     with pytest.raises(S.ConfigError, match="needs MS_RECOVERY_PATH"):
         S.Config.from_env({"MS_WORKER_NUM": "3", "TOOLKIT_TOKEN_FILE": str(token), "MS_ENABLE_RECOVERY": "1"})
+    assert cfg.logical_ranks == 3  # by default: one logical rank per worker
+    base = {"MS_WORKER_NUM": "3", "TOOLKIT_TOKEN_FILE": str(token)}
+    assert S.Config.from_env({**base, "TOOLKIT_LOGICAL_RANKS": "7"}).logical_ranks == 7
+    for bad in ("2", "70000"):
+        with pytest.raises(S.ConfigError, match=f"TOOLKIT_LOGICAL_RANKS={bad}: give 3 to 65536 logical ranks"):
+            S.Config.from_env({**base, "TOOLKIT_LOGICAL_RANKS": bad})
 
 
 def test_rank_of_node_ids() -> None:

@@ -177,7 +177,9 @@ def test_the_core_is_pure() -> None:
     imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     imported |= {f"{n.module}.{a.name}" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names}
     assert {m.split(".")[0] for m in imported} <= {"__future__", "dataclasses", "typing", "toolkit"}, imported
-    assert {m for m in imported if m.startswith("toolkit")} == {"toolkit.contracts.protocol"}  # names and framing only
+    # names and framing, and the pure check of a formed message's assignment of logical ranks
+    assert {m for m in imported if m.startswith("toolkit")} == {"toolkit.contracts.protocol",
+                                                                 "toolkit.contracts.logical.parse_formed"}
 
 
 def test_formed_may_renumber_this_process_in_an_elastic_job_and_a_hostile_shape_is_refused() -> None:
@@ -192,3 +194,32 @@ def test_formed_may_renumber_this_process_in_an_elastic_job_and_a_hostile_shape_
                 {"rank": 0, "world_size": 1 << 40}):
         with pytest.raises(P.ProtocolError, match="rank"):
             J.on_message(view, {"op": P.FORMED, "generation": 3, "prefix": "p/", **bad}, 0.0)
+
+
+def test_formed_carries_the_assignment_of_logical_ranks_and_without_it_each_rank_serves_its_own() -> None:
+    view, _ = J.on_message(JobView(world_size=2), msg(P.FORMED, generation=1, prefix="p", logical_world=5,
+                                                      logical=[[0, 2, 4], [1, 3]]), NOW)
+    assert view.logical == (1, 5, ((0, 2, 4), (1, 3))) and view.formed == (1, "p")
+    view, _ = J.on_message(JobView(world_size=3), msg(P.FORMED, generation=0, prefix="p"), NOW)
+    assert view.logical == (0, 3, ((0,), (1,), (2,)))
+
+
+@pytest.mark.parametrize("fields", [
+    {"logical_world": 4, "logical": [[0, 1], [2, 2]]},  # a logical rank twice, one missing
+    {"logical_world": 4, "logical": [[0, 1, 2, 3], []]},  # a rank serving none
+    {"logical_world": 4, "logical": [[0, 1], [2, 3], []]},  # not one part per rank
+    {"logical_world": 3, "logical": [[0, 1], [2, 3]]},  # outside range(L)
+    {"logical_world": "4", "logical": [[0, 1], [2, 3]]},
+    {"logical_world": 10**9, "logical": [[0], [1]]},
+    {"logical_world": 2, "logical": [[0], [True]]},
+    {"logical_world": 2, "logical": {"0": [0], "1": [1]}},
+    {"logical": [[0], [1]]},  # half of it
+    {"logical_world": 2},
+])
+def test_a_formed_with_a_bad_assignment_stops_the_worker_with_one_line_and_changes_nothing(fields: dict) -> None:
+    before = JobView(announced=1, formed=(0, "p"), held=0, world_size=2, logical=(0, 2, ((0,), (1,))))
+    view, effects = J.on_message(before, msg(P.FORMED, generation=1, prefix="q", **fields), NOW)
+    assert view is before
+    (effect,) = effects
+    assert isinstance(effect, ExitProcess) and effect.code == P.EXIT_FATAL and "\n" not in effect.why
+    assert effect.why.startswith("the scheduler's formed message of generation 1 is wrong: ")

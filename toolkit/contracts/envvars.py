@@ -91,6 +91,8 @@ TOOLKIT_MIN_WORKERS = "TOOLKIT_MIN_WORKERS"  # scheduler: how far a job may shri
 # (--min-workers, torchrun's --nnodes MIN:MAX); unset: MS_WORKER_NUM (it never shrinks)
 TOOLKIT_SPARES = "TOOLKIT_SPARES"  # scheduler: the inventory's spare hosts, comma-separated, in the order they are used
 TOOLKIT_EXPECTED = "TOOLKIT_EXPECTED"  # scheduler: JSON file {node_id: host}, for the formation-timeout message
+TOOLKIT_LOGICAL_RANKS = "TOOLKIT_LOGICAL_RANKS"  # scheduler: the job's logical ranks L (fleet train --logical-ranks;
+#                             default: MS_WORKER_NUM), sent to the workers in `formed` (toolkit.contracts.logical)
 TOOLKIT_METRICS_ADDRESS = "TOOLKIT_METRICS_ADDRESS"  # scheduler: [HOST:]PORT of its Prometheus endpoint; unset: none
 DEFAULT_METRICS_HOST = "127.0.0.1"  # where the endpoint listens when the address gives a port only
 

@@ -19,11 +19,16 @@ Worker conversation (one connection per worker process, kept for its whole life;
     worker -> register {nonce, proof, node_id, rank, world_size, incarnation, pid, host, generation, rejoin,
                         recovery}
     sched  -> welcome {proof, rank, world_size, generation, job}   or reject {reason, retry} / fenced {reason}
-    sched  -> formed {generation, prefix, faults, uptime, goodput}
+    sched  -> formed {generation, prefix, logical_world, logical, faults, uptime, goodput}
                                             every rank of `generation` is registered: build the process group over
-                                            PrefixStore(prefix, the job's store); faults and uptime (s) are the
-                                            ledger's, for the workers' checkpoint interval; goodput (0-1, when
-                                            known) for rank 0's TensorBoard scalars
+                                            PrefixStore(prefix, the job's store); logical_world is the job's L
+                                            logical ranks and logical, one ascending list per rank of the
+                                            generation (index = rank), the logical ranks each serves
+                                            (toolkit.contracts.logical: a worker checks it with parse_formed and
+                                            stops rather than train on a bad one; absent: L = world size, rank r
+                                            serves r); faults and uptime (s) are the ledger's, for the workers'
+                                            checkpoint interval; goodput (0-1, when known) for rank 0's
+                                            TensorBoard scalars
     worker -> heartbeat {step, total, step_time, busy, loss, ckpt_stall, ckpts, ckpt_bytes, ckpt_every, ckpt_why,
                          ckpt_step, stride, first_step, step_p99, waiting, long}
                                             every TOOLKIT_HEARTBEAT_INTERVAL; any message counts as one; all but

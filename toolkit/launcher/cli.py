@@ -313,14 +313,15 @@ Own = Mapping[str, tuple]  # flag attribute -> (default, help[, metavar]); a lis
 
 
 def cluster_task(own: Own | None = None, short: dict[str, str] | None = None, plans: bool = False,
-                 usage: str = "[FLAGS]") -> Callable:
+                 usage: str = "[FLAGS]", paired: tuple[str, str, str] | None = None) -> Callable:
     """Declare a task taking the shared flags (but those helptext.not_for it) plus its `own` ones ({name: (default,
     help[, metavar])}; a list default makes a flag that may be given several times, collected in a list). The body
     receives (request, **own flags): what the command line asked, resolved by the task as far as it needs (see
     settings.Request); a UserError becomes one line on stderr and its exit code (2, or the error's own: a job that
     failed under `train --join` exits 1). Run outside a ClusterContext (plain invoke) the task exits 2. `plans`:
     the task plans a job from the flags (its help lists the host and job flags by section); `usage` follows the
-    task's name on its usage line. The body's docstring is its help, the first line its summary."""
+    task's name on its usage line. The body's docstring is its help, the first line its summary. `paired`: (flag,
+    flag, help) of two own flags shown on one line of the help (a help at the one screen's cap)."""
     own = dict(own or {})
 
     def decorate(body: Callable[..., Any]) -> Task:
@@ -344,8 +345,12 @@ def cluster_task(own: Own | None = None, short: dict[str, str] | None = None, pl
         help_ = {n: spec[1] for n, spec in own.items()}
         help_.update({o.name: o.help for o in shared})
         iterable = [n for n, spec in own.items() if isinstance(spec[0], list)]
-        doc = helptext.TaskDoc(name, usage, inspect.cleandoc(body.__doc__ or ""),
-                               tuple(_own_doc(n, spec, (short or {}).get(n)) for n, spec in own.items()), plans)
+        rows = [_own_doc(n, spec, (short or {}).get(n)) for n, spec in own.items()
+                if paired is None or n != paired[1]]
+        if paired is not None:
+            first = list(own).index(paired[0])
+            rows[first] = helptext.FlagDoc(f"{rows[first].spec}, --{paired[1].replace('_', '-')}", paired[2])
+        doc = helptext.TaskDoc(name, usage, inspect.cleandoc(body.__doc__ or ""), tuple(rows), plans)
         return _Task(run, short or {}, doc, name=name, help=help_, iterable=iterable)
 
     return decorate
@@ -412,7 +417,8 @@ def deploy(request: Request) -> None:
     "no_check": _NO_CHECK,
     "ranks": _RANKS,
     "quiet": _QUIET,
-}, plans=True, usage="[FLAGS] [-- SCRIPT ARGS...]")
+}, plans=True, usage="[FLAGS] [-- SCRIPT ARGS...]",
+    paired=("fresh", "again", "from step 0 (old run aside); a finished job: again"))
 def train(request: Request, join: bool, join_timeout: str, fresh: bool, again: bool, no_check: bool, ranks: str,
           quiet: bool) -> None:
     """Start the job on every host at once (all or nothing), after a check."""

@@ -16,6 +16,7 @@ from types import MappingProxyType
 from typing import Iterator, Mapping, Sequence
 
 from toolkit.contracts import envvars, hostspec
+from toolkit.contracts.logical import MAX_LOGICAL_RANKS
 from toolkit.contracts.protocol import RECOVERY_RESTART as P_RECOVERY_RESTART
 from toolkit.contracts.protocol import worker_node_id
 from toolkit.errors import UserError
@@ -75,6 +76,7 @@ class JobOptions:
     host_timeout: float = envvars.DEFAULT_HOST_TIMEOUT  # s a host's ranks dead, its agent gone: lost, a spare steps in
     metrics_address: str | None = None  # [HOST:]PORT of the scheduler's Prometheus endpoint; None: not served
     verify_every: str = "auto"  # steps between the Trainer's replica checks, 0 never, auto: at most 1% of step time
+    logical_ranks: int | None = None  # the job's logical ranks L (toolkit.contracts.logical); None: the worker count
 
     def __post_init__(self) -> None:
         if not _JOB_NAME.fullmatch(self.job):
@@ -92,12 +94,6 @@ class JobOptions:
             raise PlanError(f"--nproc-per-node {self.nproc_per_node}: give 1 to {MAX_SLOTS} workers per host")
         if self.nnodes is not None and self.nnodes < 1:
             raise PlanError(f"--nnodes {self.nnodes}: a job runs on at least 1 host")
-        if self.min_workers is not None and self.min_workers < 1:
-            raise PlanError(f"--min-workers {self.min_workers}: give at least 1 (the fewest workers the job may "
-                            "shrink to when a host is lost with no spare)")
-        if self.min_workers is not None and self.min_nodes is not None:
-            raise PlanError(f"--min-workers {self.min_workers} and --nnodes {self.min_nodes}:{self.nnodes}: both say "
-                            "how far the job may shrink; give one of them")
         if self.cluster_time_out < 1:
             raise PlanError(f"--cluster-time-out {self.cluster_time_out}: give a positive number of seconds")
         for flag, value in (("--node-timeout", self.node_timeout), ("--grace", self.grace)):
@@ -132,6 +128,13 @@ class JobOptions:
         if self.verify_every != "auto" and not self.verify_every.isdigit():
             raise PlanError(f"--verify-every {self.verify_every!r}: give a number of steps between the replicas' "
                             "checks (0: never) or auto (checks costing at most 1% of the step time)")
+        if self.logical_ranks is not None and not 1 <= self.logical_ranks <= MAX_LOGICAL_RANKS:
+            raise PlanError(f"--logical-ranks {self.logical_ranks}: give 1 to {MAX_LOGICAL_RANKS} (at least the "
+                            "number of workers)")
+        self._check_text()
+
+    def _check_text(self) -> None:
+        """The script and the paths: not empty, no newline or NUL, arguments a shell can split."""
         if not self.script.strip():
             raise PlanError("--script is empty: name the training script, e.g. --script train.py")
         for name, value in (("--workdir", self.workdir), ("--python", self.python), ("--script", self.script)):
@@ -289,6 +292,9 @@ def make_plan(inventory: Inventory, options: JobOptions, local_project_dir: str 
         raise PlanError("a local job needs the project directory it runs in")
     placement = _placement(inventory, options)
     world = sum(n for _, n in placement)
+    if options.logical_ranks is not None and options.logical_ranks < world:
+        raise PlanError(f"--logical-ranks {options.logical_ranks} is below the {world} workers: each worker serves one "
+                        f"logical rank or more; give at least {world}, or leave it out (then it is {world})")
     sched = inventory.host(inventory.scheduler)
     build = _ProcessBuilder(options, _common_env(inventory, options, sched, world), world, len(placement),
                             local_project_dir if inventory.local else None, min_workers(options, placement))
@@ -372,6 +378,7 @@ class _ProcessBuilder:
                 envvars.TOOLKIT_SPARES: ",".join(n for n in spares if n != sched.name),
                 envvars.TORCHELASTIC_MAX_RESTARTS: str(options.max_restarts),
                 **({envvars.TOOLKIT_METRICS_ADDRESS: options.metrics_address} if options.metrics_address else {}),
+                **({envvars.TOOLKIT_LOGICAL_RANKS: str(options.logical_ranks)} if options.logical_ranks else {}),
             }),
         )
 
@@ -449,8 +456,15 @@ def _host_plans(inventory: Inventory, options: JobOptions, by_host: Mapping[str,
 def min_workers(options: JobOptions, placement: Sequence[tuple[Host, int]]) -> int | None:
     """How far the job may shrink, in workers: --min-workers, or for --nnodes MIN:MAX the workers of the MIN hosts
     with the fewest (whichever hosts are lost, MIN hosts left hold at least that many). None: it never shrinks.
-    PlanError for --min-workers above the job's workers (it could never run) and MIN above MAX."""
+    PlanError for --min-workers below 1 or above the job's workers (it could never run), for both it and MIN:MAX,
+    and for MIN above the hosts."""
     world = sum(n for _, n in placement)
+    if options.min_workers is not None and options.min_workers < 1:
+        raise PlanError(f"--min-workers {options.min_workers}: give at least 1 (the fewest workers the job may "
+                        "shrink to when a host is lost with no spare)")
+    if options.min_workers is not None and options.min_nodes is not None:
+        raise PlanError(f"--min-workers {options.min_workers} and --nnodes {options.min_nodes}:{options.nnodes}: "
+                        "both say how far the job may shrink; give one of them")
     if options.min_workers is not None and options.min_workers > world:
         raise PlanError(f"--min-workers {options.min_workers} is above the job's {world} workers: give 1 to {world}")
     if options.min_nodes is None:

@@ -86,6 +86,7 @@ OPTIONS: tuple[Option, ...] = (
     _job_option("metrics_address", str, "the scheduler's Prometheus endpoint, [HOST:]PORT", "ADDR"),
     _job_option("torchrun_script", bool, "on a fault restart all workers, even on toolkit.train"),
     _job_option("verify_every", str, "steps between replica checks (0: never)", "N"),
+    _job_option("logical_ranks", int, "the job's logical ranks, served by the workers", "L"),
     Option("known_hosts", str, "~/.ssh/known_hosts", "host keys are checked against it", "FILE", "ssh"),
     Option("accept_new_host_keys", bool, False, "add unknown host keys (never changed ones)", group="ssh"),
     Option("parallel", int, 32, "hosts contacted at once", "N", "ssh"),
@@ -129,7 +130,7 @@ class Settings:
 JOB_OPTIONS = ("script", "script_args", "module", "no_python", "worker_num", "nproc_per_node", "nnodes", "master_port",
                "cluster_time_out", "node_timeout", "recovery", "data_path", "ckpt_dir", "workdir", "python",
                "max_restarts", "grace", "bind_core", "warm_spare", "torchrun_script", "host_timeout", "restart_refill",
-               "metrics_address", "verify_every", "min_workers", "min_nodes")
+               "metrics_address", "verify_every", "min_workers", "min_nodes", "logical_ranks")
 
 
 # How deploy reached the hosts, kept in the job record's `ssh` (every later task reaches them the same way): typed
@@ -298,12 +299,8 @@ def resolve(given: Mapping[str, Any], config: Mapping[str, Any], core: CoreFlags
         raise UserError(f"--script {script}: no such file in {project}; pass --project DIR or the script's path in it")
 
     job_fields = {f.name for f in dataclasses.fields(JobOptions)} & OPTION_NAMES
-    sizes = {"nnodes": values["nnodes"][1], "min_nodes": values["nnodes"][0]} \
-        if isinstance(values["nnodes"], tuple) else {}  # torchrun's MIN:MAX
-    if "min_nodes" not in sizes and recorded is not None and given.get("nnodes") is None:
-        sizes["min_nodes"] = recorded.options.get("min_nodes")  # the deployed job's MIN
-    options = JobOptions(**{**{n: values[n] for n in job_fields}, **sizes, "job": job, "workdir": workdir,
-                            "python": python})
+    options = JobOptions(**{**{n: values[n] for n in job_fields}, **_min_max_nodes(values, given, recorded),
+                            "job": job, "workdir": workdir, "python": python})
     parallel = values["parallel"]
     if parallel < 1:
         raise UserError(f"--parallel {parallel}: give at least 1")
@@ -420,6 +417,16 @@ def _convert(option: Option, value: Any, where: str) -> Any:
             raise UserError(f"{where}={value!r}: expected a finite number")
         return number
     return str(value)
+
+
+def _min_max_nodes(values: Mapping[str, Any], given: Mapping[str, Any], recorded: Recorded | None) -> dict[str, Any]:
+    """torchrun's --nnodes MIN:MAX (`_min_max`'s pair) as JobOptions' nnodes (MAX) and min_nodes (MIN); without it
+    typed, a deployed job's recorded MIN."""
+    if isinstance(values["nnodes"], tuple):
+        return {"nnodes": values["nnodes"][1], "min_nodes": values["nnodes"][0]}
+    if recorded is not None and given.get("nnodes") is None:
+        return {"min_nodes": recorded.options.get("min_nodes")}
+    return {}
 
 
 def _min_max(value: str, where: str) -> tuple[int, int]:

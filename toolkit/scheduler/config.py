@@ -11,6 +11,7 @@ from types import MappingProxyType
 from typing import Mapping
 
 from toolkit.contracts import envvars
+from toolkit.contracts.logical import MAX_LOGICAL_RANKS
 from toolkit.errors import UserError
 
 TOOLKIT_EXPECTED = envvars.TOOLKIT_EXPECTED
@@ -41,6 +42,7 @@ class Config:
     metrics: tuple[str, int] | None = None  # (host, port) of the Prometheus endpoint; None: not served
     max_restarts: int | None = None  # each process's restarts allowed (TORCHELASTIC_MAX_RESTARTS), for the metrics
     min_workers: int | None = None  # TOOLKIT_MIN_WORKERS: how far the job may shrink; None: it never does
+    logical_ranks: int = 0  # the job's logical ranks L (TOOLKIT_LOGICAL_RANKS); 0 here: the world size (from_env)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> "Config":
@@ -48,6 +50,7 @@ class Config:
 
         Raises ConfigError, one line naming the variable, for: an MS_ROLE other than MS_SCHED (unset counts as
         MS_SCHED); a port outside 1-65535, or MASTER_PORT equal to MS_SCHED_PORT; MS_WORKER_NUM unset or below 1;
+        TOOLKIT_LOGICAL_RANKS below MS_WORKER_NUM or above contracts.logical.MAX_LOGICAL_RANKS;
         timeouts not positive and finite; recovery on without MS_RECOVERY_PATH; a token file unset, unreadable or
         empty; an expected-hosts file that is not a JSON object of strings. Defaults: MS_SCHED_PORT and the
         timeouts from toolkit.contracts.envvars, MASTER_PORT that port plus 1, job "job", host 127.0.0.1, recovery
@@ -88,7 +91,18 @@ class Config:
             max_restarts=_int(env, envvars.TORCHELASTIC_MAX_RESTARTS, -1) if env.get(
                 envvars.TORCHELASTIC_MAX_RESTARTS) else None,
             min_workers=_min_workers(env, world),
+            logical_ranks=_logical_ranks(env, world),
         )
+
+
+def _logical_ranks(env: Mapping[str, str], world: int) -> int:
+    """TOOLKIT_LOGICAL_RANKS (default: the world size): ConfigError when it is below the world size (a worker would
+    serve no logical rank) or above MAX_LOGICAL_RANKS."""
+    value = _int(env, envvars.TOOLKIT_LOGICAL_RANKS, world)
+    if not world <= value <= MAX_LOGICAL_RANKS:
+        raise ConfigError(f"{envvars.TOOLKIT_LOGICAL_RANKS}={value}: give {world} to {MAX_LOGICAL_RANKS} logical ranks "
+                          f"(at least the {world} workers: each serves one or more; --logical-ranks of fleet train)")
+    return value
 
 
 def _ports(env: Mapping[str, str]) -> tuple[int, int]:

@@ -656,7 +656,7 @@ class Membership:
         since = self.gather_since if self.gather_since is not None else now
         self.gather_since = None
         prefix = protocol.store_prefix(self.job, self.boot, self.generation)
-        serving = f", serving {self.logical_world} logical ranks" if len(slots) < self.world_size else ""
+        serving = f", serving {self.logical_world} logical ranks" if self.logical_world != len(slots) else ""
         out: list[Action] = [Log(INFO, f"generation {self.generation} formed: {len(slots)} workers{serving} in "
                                        f"{now - since:.3f} s; store prefix {prefix}"),
                              Note(NoteKind.FORMED, {"generation": self.generation, "seconds": now - since,

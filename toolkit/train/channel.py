@@ -94,7 +94,7 @@ class Channel:
         self.cond = threading.Condition()
         # what the scheduler said and the generation held: replaced whole under `cond` (by the control thread,
         # and by `adopt`), so one read of it, with or without the lock, is one consistent view
-        self.view = jobview.JobView(restart_only=exit_on_new_generation)
+        self.view = jobview.JobView(restart_only=exit_on_new_generation, world_size=cfg.world_size)
         self.step: int | None = None
         self.beat: dict[str, Any] = {}  # the latest StepPace.summary() (and checkpoint interval): sent with heartbeats
         self.long: str | None = None  # a legitimately long phase the training thread is in (the watchdog waits)

@@ -14,8 +14,10 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from toolkit.train import determinism
+from toolkit.train.logicalgrad import LogicalGrad
 from toolkit.train.newmemory import no_fill
 from toolkit.train.runtime import Runtime
+from toolkit.train.trainererror import TrainerError
 
 
 class StepClock:
@@ -48,6 +50,7 @@ class GroupModel:
         self.ddp_args = dict(ddp_args)
         self.deterministic = deterministic
         self.current: nn.Module | None = None
+        self.logical: LogicalGrad | None = None  # a process serving several logical ranks: their gradients
         self.clock = StepClock()
         self._wrapped = False  # a DDP wrapper was built in this process
 
@@ -62,6 +65,7 @@ class GroupModel:
         ranks would differ. (They may also be views of the old wrapper's buckets, which they would keep alive.)"""
         for p in self.module.parameters():
             p.grad = None
+        self.logical = None
         ddp, self.current = self.current, None
         inner, self.clock.state = self.clock.state, None
         if isinstance(inner, determinism.OrderedReducer):
@@ -74,7 +78,19 @@ class GroupModel:
             gc.collect()
 
     def wrap(self, rt: Runtime) -> None:
-        """Wrap the module for `rt`'s current group (every rank holds the same state already)."""
+        """Wrap the module for `rt`'s current group (every rank holds the same state already). Where a process
+        serves several logical ranks (rt.assignment), no DDP: the module itself, and the logical ranks' gradients
+        reduced by toolkit.train.logicalgrad. Where each serves one, DDP as ever, its rank-ordered reduction
+        summing in the order of the logical ranks (the identity, unless a shrink and grow reordered them)."""
+        if any(len(lrs) > 1 for lrs in rt.assignment):
+            try:
+                self.logical = LogicalGrad(self.module, rt.group, rt.rank, rt.logical_world, rt.assignment, rt.backend,
+                                           broadcast_buffers=self.ddp_args.get("broadcast_buffers", True))
+            except ValueError as e:
+                raise TrainerError(str(e)) from None
+            self.current = self.module
+            self.clock.rest()
+            return
         if rt.world_size == 1:
             self.current = self.module
             return
@@ -87,7 +103,9 @@ class GroupModel:
             self._wrapped = True
             gc.collect(1)
         if self.deterministic:
-            self.clock.state, self.clock.inner = determinism.OrderedReducer(rt.group, rt.fence), \
+            order = sorted(range(rt.world_size), key=lambda r: rt.assignment[r][0])
+            self.clock.state, self.clock.inner = determinism.OrderedReducer(
+                rt.group, rt.fence, None if order == list(range(rt.world_size)) else order), \
                 determinism.ordered_allreduce_hook
         elif rt.cfg.pace:
             self.clock.state, self.clock.inner = rt.group, default_hooks.allreduce_hook

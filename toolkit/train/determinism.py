@@ -80,8 +80,9 @@ class OrderedReducer:
     compute the rest of its gradients, up to a whole backward, before it could re-form); the thread, which may be
     stuck in a receive gloo never wakes (see the fence module), is left to its timeout."""
 
-    def __init__(self, group: Any = None, fence: Any = None) -> None:
+    def __init__(self, group: Any = None, fence: Any = None, order: Any = None) -> None:
         self.group = group
+        self.order = list(order) if order is not None else None  # the ranks in the order their parts are summed
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
         self._device_link = dist.get_backend(group) == "nccl"  # device buffers travel as themselves (else via host)
@@ -98,10 +99,10 @@ class OrderedReducer:
         if buf.device.type != "cpu":
             fut = torch.futures.Future(devices=[buf.device])  # waiting on it orders the waiter's stream after ours
             if self._device_link:
-                _exchange(buf, self.group, self.rank, self.world, 0)
+                _exchange(buf, self.group, self.rank, self.world, 0, self.order)
             else:  # gloo's point-to-point messages move host memory only: the bucket goes through a host copy
                 host = buf.cpu()
-                _exchange(host, self.group, self.rank, self.world, 0)
+                _exchange(host, self.group, self.rank, self.world, 0, self.order)
                 buf.copy_(host)
             fut.set_result(buf)
             return fut
@@ -165,7 +166,7 @@ class OrderedReducer:
                 self._finish(fut, self._failed)
                 continue
             try:
-                works = _exchange_start(buf, self.group, self.rank, self.world, tag, self._scratch)
+                works = _exchange_start(buf, self.group, self.rank, self.world, tag, self._scratch, self.order)
             except Exception as e:  # noqa: BLE001 - a peer died: the bucket fails, and DDP raises it in backward
                 self._finish(fut, e)
                 continue
@@ -211,21 +212,22 @@ class Scratch:
         return [flat[i * length:(i + 1) * length] for i in range(count)]
 
 
-def _exchange(buf: torch.Tensor, group: Any, rank: int, world: int, tag: int) -> None:
+def _exchange(buf: torch.Tensor, group: Any, rank: int, world: int, tag: int, order: Any = None) -> None:
     """Replace `buf` by the rank-ordered mean of every rank's `buf` (`_exchange_start`, then its results waited
     for)."""
-    for work in _exchange_start(buf, group, rank, world, tag):
+    for work in _exchange_start(buf, group, rank, world, tag, None, order):
         work.wait()
 
 
 def _exchange_start(buf: torch.Tensor, group: Any, rank: int, world: int, tag: int,
-                    scratch: Scratch | None = None) -> list[Any]:
+                    scratch: Scratch | None = None, order: Any = None) -> list[Any]:
     """Start replacing `buf` by the rank-ordered mean of every rank's `buf`: rank r owns the r-th of n near-equal
     slices, receives every rank's copy of it, sums them in rank order and divides by n (the arithmetic of
     ``sum(parts[0..n-1]) / n`` element by element), then every rank receives every slice's result. Returns once
     this rank's slice is summed and sent, with the works to wait for before `buf` holds every result. `scratch`:
     where the received slices and the sum go, free again on return (None: new tensors, as on a GPU, whose caching
-    allocator reuses them)."""
+    allocator reuses them). `order`: the ranks in the order their parts are summed (None: 0..n-1); the Trainer
+    gives the order of the logical ranks they serve (toolkit.train.logicalgrad)."""
     n = buf.numel()
     bounds = [n * i // world for i in range(world + 1)]
     slices = [buf[bounds[p]:bounds[p + 1]] for p in range(world)]
@@ -244,11 +246,12 @@ def _exchange_start(buf: torch.Tensor, group: Any, rank: int, world: int, tag: i
                                               for p in peers]) if peers else []
     for work in works[:len(scatter)]:
         work.wait()
+    summed = parts if order is None else [parts[p] for p in order]
     if world > 1:
-        torch.add(parts[0], parts[1], out=total)
+        torch.add(summed[0], summed[1], out=total)
     else:
-        total.copy_(parts[0])
-    for part in parts[2:]:
+        total.copy_(summed[0])
+    for part in summed[2:]:
         total.add_(part)
     torch.div(total, world, out=mine)
     sends = dist.batch_isend_irecv([dist.P2POp(dist.isend, mine, p, group=group, tag=tag + 1)

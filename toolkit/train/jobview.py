@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple, Union
 
 from toolkit.contracts import protocol
+from toolkit.contracts.logical import parse_formed
 
 DONE_WAIT = 5.0  # s to hear the scheduler acknowledge `done` (by closing) before exiting anyway
 MAX_WORLD = 1 << 20  # ranks a `formed` may say a generation has (a hostile bound)
@@ -44,6 +45,9 @@ class JobView:
     # (rank, world size) of this process in the newest formed generation, when the scheduler said (an elastic job
     # shrinks and grows: issue 42); None: the rank and world size it started with
     shape: tuple[int, int] | None = None
+    world_size: int = 1  # ranks of a generation (the worker's MS_WORKER_NUM): what `formed`'s assignment must cover
+    # (generation, L, the logical ranks each rank serves) of the newest `formed` (toolkit.contracts.logical)
+    logical: tuple[int, int, tuple[tuple[int, ...], ...]] | None = None
 
 
 @dataclass(frozen=True)
@@ -107,7 +111,9 @@ def on_message(view: JobView, msg: dict[str, Any], now: float) -> tuple[JobView,
     yet): the fence, armed for the generation being built or held, makes the last call. `fenced` returns `view`
     itself and one ExitProcess. A malformed message (welcome, generation or formed without a generation >= 0,
     formed without a store prefix) raises ProtocolError and changes nothing: the channel drops the connection like
-    any broken one and reconnects. An op this worker does not know changes nothing."""
+    any broken one and reconnects. A `formed` whose assignment of logical ranks is wrong (authenticated, so a bug or
+    a version skew, not noise) changes nothing and ends the process (EXIT_FATAL) with one line. An op this worker
+    does not know changes nothing."""
     op = msg["op"]
     if op == protocol.FENCED:
         return view, [fenced(msg.get("reason"))]
@@ -118,6 +124,13 @@ def on_message(view: JobView, msg: dict[str, Any], now: float) -> tuple[JobView,
         raise protocol.ProtocolError("formed without a store prefix")
     if op == protocol.FORMED and "world_size" in msg and _shape(msg) is None:
         raise protocol.ProtocolError("formed with a rank that is not in its world size")
+    if op == protocol.FORMED:
+        shape = _shape(msg) if "world_size" in msg else None  # an elastic job's generation has its own size
+        try:
+            logical = _logical(msg, shape[1] if shape is not None else view.world_size)
+        except ValueError as e:
+            return view, [_bad_assignment(generation, e)]
+        view = dataclasses.replace(view, logical=(generation, *logical))
     new = _changed(view, op, msg, generation, now)
     effects: list[Effect] = []
     if new.announced is not None and (new.held is None or new.announced > new.held):
@@ -132,6 +145,25 @@ def on_message(view: JobView, msg: dict[str, Any], now: float) -> tuple[JobView,
     elif op == protocol.STOP:
         effects.append(Say(f"the scheduler stopped the job: {msg.get('reason')}"))
     return new, effects
+
+
+def _logical(msg: dict[str, Any], world_size: int) -> tuple[int, tuple[tuple[int, ...], ...]]:
+    """(L, the logical ranks of each rank) of a `formed` message: without the two fields (a scheduler that does not
+    send them), one logical rank per rank, rank r serving r. ValueError naming what is wrong with them."""
+    if "logical" not in msg and "logical_world" not in msg:
+        return world_size, tuple((r,) for r in range(world_size))
+    parts = parse_formed(msg.get("logical"), world_size, msg.get("logical_world"))
+    return msg["logical_world"], parts
+
+
+def _bad_assignment(generation: int | None, error: ValueError) -> ExitProcess:
+    """A `formed` whose assignment of logical ranks is wrong (toolkit.contracts.logical.parse_formed): this worker
+    cannot know which data and gradients are its own, so it stops (EXIT_FATAL: its agent gives up, the job fails
+    with this line) rather than train on it."""
+    code = protocol.EXIT_FATAL
+    return ExitProcess(code, f"the scheduler's formed message of generation {generation} is wrong: "
+                             f"{str(error)[:MAX_FENCED_REASON]}; stopping rather than training on it (exit {code}): "
+                             "the scheduler and this worker may run different toolkit versions")
 
 
 def _changed(view: JobView, op: str, msg: dict[str, Any], generation: int | None, now: float) -> JobView:

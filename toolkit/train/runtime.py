@@ -197,7 +197,9 @@ def _float(env: Mapping[str, str], name: str, default: float) -> float:
 
 
 class Runtime:
-    """A training process's view of the job: rank, world size, the current process group, and generations."""
+    """A training process's view of the job: rank, world size, the current process group, and generations; and the
+    job's logical ranks (`logical_world`, L) and the ones this process serves (`logical_ranks`), as the scheduler's
+    `formed` said at the last re-formation (under torchrun or alone: L = world size, this rank serves its own)."""
 
     def __init__(self, cfg: WorkerEnv, backend: str, timeout: float) -> None:
         self.cfg = cfg
@@ -210,6 +212,7 @@ class Runtime:
         self.mode = cfg.mode
         self.device = torch.device(f"cuda:{cfg.local_rank}") if backend == "nccl" else torch.device("cpu")
         self.generation: int | None = None
+        self.serve_one_each()
         self._channel: Channel | None = None
         self._store: Any = None
         self._fence = Fence(timeout=timeout)
@@ -220,6 +223,17 @@ class Runtime:
         self._epoch: int | None = None
         self._closed = False
         self.pace = StepPace()  # this rank's step times, loss and checkpoint stalls (training thread only)
+
+    def serve_one_each(self) -> None:
+        """One logical rank per rank, rank r serving r: under torchrun, alone, and before the first `formed`."""
+        self.serve(self.world_size, tuple((r,) for r in range(self.world_size)))
+
+    def serve(self, logical_world: int, assignment: tuple[tuple[int, ...], ...]) -> None:
+        """The job's `logical_world` (L) logical ranks, and `assignment`: the ascending logical ranks each rank of
+        the current group serves (index = rank; toolkit.contracts.logical). `logical_ranks`: this process's."""
+        self.logical_world = logical_world
+        self.assignment = assignment
+        self.logical_ranks = assignment[self.rank]
 
     @property
     def group(self) -> dist.ProcessGroup:
@@ -288,12 +302,17 @@ class Runtime:
         deadline = started + self.cfg.topo_timeout + self.cfg.node_timeout
         while True:
             generation, prefix = ch.wait_formed(self.generation, deadline)
+            view = ch.view  # one read: the logical ranks and the shape of the same `formed`
+            logical = view.logical
+            if logical is None or logical[0] != generation:  # a newer generation formed meanwhile: wait for it
+                continue
             self._leave()
-            shape = ch.view.shape  # an elastic job's generation may number its ranks anew (issue 42)
+            shape = view.shape  # an elastic job's generation may number its ranks anew (issue 42)
             if shape is not None and shape != (self.rank, self.world_size):
                 say(self.node_id, f"generation {generation}: rank {shape[0]} of {shape[1]} (was {self.rank} of "
                                   f"{self.world_size})")
                 self.rank, self.world_size = shape
+            self.serve(logical[1], logical[2])
             try:
                 self._build(generation, prefix)
             except Exception as e:  # a peer died while the group was being built: wait for the next generation
@@ -565,6 +584,7 @@ def init(backend: str | None = None, timeout: float = DEFAULT_TIMEOUT,
         if backend == "nccl":
             rt._fence.add_group(dist.group.WORLD)
         rt.rank, rt.world_size = dist.get_rank(), dist.get_world_size()
+        rt.serve_one_each()
         rt.generation = 0
         return rt
     channel = Channel(cfg, exit_on_new_generation=cfg.restart_only, fence=rt._fence)

@@ -65,6 +65,7 @@ from toolkit.train.checkpointing import Checkpointing, manager_for, parse_every
 from toolkit.train.ddpmodel import GroupModel
 from toolkit.train.faults import first_line, looks_collective
 from toolkit.train.inject import Injector
+from toolkit.train.logicalgrad import deferred
 from toolkit.train.replicas import ReplicaCheck
 from toolkit.train.runtime import MODE_TOOLKIT, GenerationChanged, JobStopped, Runtime
 from toolkit.train.stepdata import StepData
@@ -120,7 +121,7 @@ class Trainer:
         self.module = model
         self.optimizer = optimizer
         self.extra = extra
-        self._data = StepData(loader, seed, runtime)
+        self._data = StepData(loader, seed, runtime.logical_world, runtime.logical_ranks)
         self.position = self._data.position
         self.manager = manager_for(runtime, ckpt_dir, keep, async_ckpt)
         self.step_count = 0  # optimizer steps done: the job's global step, the same on every rank
@@ -131,6 +132,9 @@ class Trainer:
         self._entered = True  # the previous batch went through step(): nothing to complain about at the start
         self._applied = _Applied()  # optimizer steps run (a step that ran before a fault still counts)
         self._hook = optimizer.register_step_post_hook(self._applied)
+        self._lane = 0  # which of this process's logical ranks the next batch is for (toolkit.train.logicalgrad)
+        self._began, self._applied_before = 0.0, 0  # the step in progress: when it began, optimizer steps before it
+        self._pre_hook = optimizer.register_step_pre_hook(self._reduce_logical)
         self._loss: Any = None
         self._stopping = Stopping(runtime)
         self._finished = False
@@ -169,13 +173,14 @@ class Trainer:
             if self._need_sync:
                 self._sync()
                 self._replicas.arm(self.rt.generation, self.step_count)
-            if self.step_count >= total:
-                if self._replicas.due(self.step_count, end=True) and not self._verify():
+            if self._lane == 0:  # a step boundary
+                if self.step_count >= total:
+                    if self._replicas.due(self.step_count, end=True) and not self._verify():
+                        continue
+                    return
+                if self._replicas.due(self.step_count) and not self._verify():
                     continue
-                return
-            if self._replicas.due(self.step_count) and not self._verify():
-                continue
-            batch = self._data.batch(self.step_count)
+            batch = self._data.batch(self.step_count, self.rt.logical_ranks[self._lane])
             self._entered = False
             yield batch
 
@@ -184,12 +189,29 @@ class Trainer:
         """One training step; `as` gives its number (step_count + 1). A collective that fails because a peer
         died, or a new generation announced, ends the step without an error: the state it reached is kept or
         discarded and the loop goes on from there. What the block does after optimizer.step() (printing the
-        loss) happens once per step whatever the faults."""
+        loss) happens once per step whatever the faults.
+
+        A process serving several logical ranks runs the block once for each (one batch each from `batches`):
+        `optimizer.step()` and `zero_grad()` do nothing but in the last, whose `optimizer.step()` first reduces
+        every logical rank's gradient (toolkit.train.logicalgrad)."""
         self._entered = True
-        applied = self._applied.count
-        began = self._group.clock.begin()
+        logical = self._group.logical
+        last = logical is None or self._lane == logical.lanes - 1
+        if self._lane == 0:
+            self._began, self._applied_before = self._group.clock.begin(), self._applied.count
+        applied = self._applied_before
         try:  # not rt.guard(): a context manager must run its block, even in a generation already left
-            yield self.step_count + 1
+            if logical is not None:
+                logical.begin(self._lane)
+            with contextlib.nullcontext() if last else deferred(self.optimizer):
+                yield self.step_count + 1
+            if not last:
+                logical.keep(self._lane)
+                self._lane += 1
+                return
+            self._lane = 0
+            if logical is not None:
+                logical.finish()
             leaving = self._agree_stop()
             self.rt.check()
         except GenerationChanged as e:
@@ -212,7 +234,7 @@ class Trainer:
         if self._inject is not None:
             for line in self._inject.after_step(self.step_count, self.module, self.optimizer):
                 log.line(f"rank {self.rt.rank}: {line}")
-        busy = self._group.end_step(began)
+        busy = self._group.end_step(self._began)
         self.rt.report(self.step_count, self.epoch, loss=self._loss, busy=busy)
         if self._tb is not None:
             step_time = self.rt.pace.summary().get("step_time")
@@ -288,6 +310,7 @@ class Trainer:
         state it holds is the next step's: keep it, the others may need it. A rank that got SIGTERM leaves now with
         that state (`_last_words`): its peers may be leaving too, and nobody would re-form with it."""
         kept = self._applied.count != applied_before
+        self._lane = 0  # the step is redone (or the next one begins) from this process's first logical rank
         if kept:
             self.step_count += 1
         self._state.live = True
@@ -355,6 +378,8 @@ class Trainer:
                     agreed = self._state.agree(self.step_count)
                     self.step_count = agreed.step
                     self._group.wrap(self.rt)
+                    self._data.serve(self.rt.logical_world, self.rt.logical_ranks)
+                    self._lane = 0
                 break
             except GenerationChanged:
                 continue
@@ -424,6 +449,7 @@ class Trainer:
     def _close(self) -> None:
         self._finished = True
         self._hook.remove()
+        self._pre_hook.remove()
         if self._tb is not None:
             self._tb.close()
         self._group.drop()
@@ -432,6 +458,13 @@ class Trainer:
             self._ckpt.close()
         finally:
             self._stopping.release()
+
+
+    def _reduce_logical(self, *_: Any) -> None:
+        """The optimizer's pre-hook: in a process serving several logical ranks, the step's gradient is the mean of
+        theirs, reduced in logical-rank order before the optimizer runs (toolkit.train.logicalgrad)."""
+        if self._group.logical is not None:
+            self._group.logical.reduce()
 
 
 class _Applied:
