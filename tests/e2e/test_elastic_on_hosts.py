@@ -12,7 +12,11 @@ The final parameters are bitwise those of an uninterrupted 6-worker run: while d
 from __future__ import annotations
 
 import json
+import os
+import random
 import re
+import signal
+import time
 
 from fault_harness import E2E, LONG_ARGS, Job
 
@@ -74,6 +78,45 @@ def test_a_lost_host_shrinks_the_job_in_place_and_its_return_grows_it_back(e2e: 
     job.wait_no_leftovers()
 
 
+def kill_one(job: Job, hosts: list[str], rng: random.Random) -> str:
+    """SIGKILL a random running worker on `hosts`; returns its node id."""
+    running = {n: p for n, p in job.processes().items()
+               if p["host"] in hosts and n != "sched" and p.get("state") == "running" and p.get("pid")}
+    victim = rng.choice(sorted(running))
+    os.kill(running[victim]["pid"], signal.SIGKILL)
+    return victim
+
+
+def test_a_kill_at_a_random_moment_of_a_shrink_and_of_a_grow_is_recovered(e2e: E2E, long_baseline: str) -> None:
+    """The same flow, with a survivor killed -9 at a random moment of the shrink (between the crash and a while
+    after the smaller generation formed) and a worker killed at a random moment of the grow (from the agent's
+    restart until a while after the job is back at 6): each is recovered like any fault, and the job still ends
+    with the uninterrupted run's final parameters."""
+    a, b, c = e2e.hosts[:3]
+    cluster, rng = e2e.cluster, random.Random()
+    job = e2e.job("elastic-kills", "--min-workers", "4", "--host-timeout", str(HOST_TIMEOUT),
+                  "--script-args", f"{LONG_ARGS} --step-delay 0.3")
+    job.start()
+    job.wait_step(KILL_AT)
+    with cluster.partitioned(c), cluster.crashed(c):
+        time.sleep(rng.uniform(0.0, HOST_TIMEOUT + 2.0))  # before, at or after the shrink
+        victim = kill_one(job, [a, b], rng)
+        job.wait_for("a generation of 4 workers formed after the kill", lambda: any(
+            n == 4 for _, n in worlds(job)) and job.processes()[victim].get("state") == "running", timeout=180)
+        at = max(min(steps_on(job, a) + steps_on(job, b)), KILL_AT)
+        job.wait_for("the 4 training on", lambda: len(steps_on(job, a) + steps_on(job, b)) == 4
+                     and min(steps_on(job, a) + steps_on(job, b)) > at + 2, timeout=180)
+    job.fleet("restart", "--host", c)
+    time.sleep(rng.uniform(0.0, 4.0))  # while c's agent and workers start, register, or the group re-forms
+    second = kill_one(job, [a, b, c], rng)
+    job.wait_for(f"{c}'s workers training again", lambda: len(steps_on(job, c)) == 2 and min(steps_on(job, c)) > at,
+                 timeout=240)
+    assert job.finish_ok() == long_baseline, (victim, second)
+    sizes = [n for _, n in worlds(job)]
+    assert 4 in sizes and sizes[-1] == 6, worlds(job)
+    job.wait_no_leftovers()
+
+
 PLAIN_STEP = re.compile(r"^epoch (\d+) step (\d+) loss", re.M)
 
 
@@ -84,7 +127,7 @@ def test_a_plain_torchrun_script_under_nnodes_min_max_restarts_at_the_smaller_wo
     back and the job grows back to 3 and finishes."""
     ckpt = tmp_path / "shared-ckpt"
     job = ddp_e2e.job("plain-elastic", "--script", "plain.py", "--ckpt-dir", str(ckpt), "--nnodes", "2:3",
-                      "--host-timeout", str(HOST_TIMEOUT), "--script-args", "--epochs 3 --step-delay 0.1")
+                      "--host-timeout", str(HOST_TIMEOUT), "--script-args", "--epochs 8 --step-delay 0.1")
 
     def step(node: str) -> int:
         found = PLAIN_STEP.findall(job.log(node))
@@ -101,6 +144,8 @@ def test_a_plain_torchrun_script_under_nnodes_min_max_restarts_at_the_smaller_wo
             timeout=180)
         assert all("resumed from step" in job.log(f"worker_{r}") for r in (0, 1))  # from the script's own checkpoint
     job.fleet("restart", "--host", c)
+    job.wait_for("the job growing back to 3", lambda: worlds(job)[-1][1] == 3 and f"worker_2 back on {c}"
+                 in job.log("sched"), timeout=180)
     code, output = job.join()
     assert code == 0, f"{output}\n{job.evidence()}"
     sizes = [n for _, n in worlds(job)]
