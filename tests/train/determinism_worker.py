@@ -52,12 +52,13 @@ def local_grads(rank: int, it: int) -> list[torch.Tensor]:
     return [p.grad.clone() for p in m.parameters()]
 
 
-def ordered_mean(grads: list[torch.Tensor], world: int) -> list[torch.Tensor]:
-    """The reference: every rank's gradients, summed in rank order and divided by the world size."""
+def ordered_mean(grads: list[torch.Tensor], world: int, order: list[int] | None = None) -> list[torch.Tensor]:
+    """The reference: every rank's gradients, summed in rank order (or `order`) and divided by the world size."""
     out = []
     for g in grads:
         parts = [torch.empty_like(g) for _ in range(world)]
         dist.all_gather(parts, g)
+        parts = parts if order is None else [parts[r] for r in order]
         total = parts[0].clone()
         for p in parts[1:]:
             total.add_(p)
@@ -65,12 +66,13 @@ def ordered_mean(grads: list[torch.Tensor], world: int) -> list[torch.Tensor]:
     return out
 
 
-def ddp_grads(rank: int, its: int, kwargs: dict, ordered: bool) -> tuple[list[list[torch.Tensor]], int, list[int]]:
+def ddp_grads(rank: int, its: int, kwargs: dict, ordered: bool,
+              order: list[int] | None = None) -> tuple[list[list[torch.Tensor]], int, list[int]]:
     """Each iteration's gradients of DDP built with `kwargs` (with the rank-ordered hook if `ordered`), the bytes
     sent per iteration, and the buckets each iteration reduced."""
     m = model()
     ddp = nn.parallel.DistributedDataParallel(m, **kwargs)
-    reducer = determinism.OrderedReducer(None) if ordered else None
+    reducer = determinism.OrderedReducer(None, order=order) if ordered else None
     buckets = [0] * its
     it = 0
 
@@ -174,6 +176,9 @@ def main() -> None:
     trainers, _, trainers_buckets = ddp_grads(rank, 2, ddp_arguments({"bucket_cap_mb_list": [0.01]}, True, "gloo"),
                                               True)
     plain, plain_bytes, _ = ddp_grads(rank, 2, {}, False)
+    order = [world - 1, *range(world - 1)]  # logical ranks served in another order than the ranks (after a grow)
+    permuted_refs = [ordered_mean(local_grads(rank, it), world, order) for it in range(2)]
+    permuted, _, _ = ddp_grads(rank, 2, {"bucket_cap_mb": 0.001}, True, order)
 
     def same(a: list[list[torch.Tensor]]) -> list[bool]:
         return [all(torch.equal(x, y) for x, y in zip(a[it], refs[it], strict=True)) for it in range(2)]
@@ -183,7 +188,9 @@ def main() -> None:
     print(json.dumps({"rank": rank, "one_bucket": same(big), "many_buckets": same(small), "trainers": same(trainers),
                       "trainers_buckets": trainers_buckets, "plain_diff": diff,
                       "scale": scale, "ordered_bytes": ordered_bytes, "plain_bytes": plain_bytes,
-                      "grad_bytes": sum(g.numel() * 4 for g in refs[0])}), flush=True)
+                      "grad_bytes": sum(g.numel() * 4 for g in refs[0]),
+                      "permuted": [all(torch.equal(x, y) for x, y in zip(permuted[it], permuted_refs[it], strict=True))
+                                   for it in range(2)]}), flush=True)
     dist.destroy_process_group()
 
 

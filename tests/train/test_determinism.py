@@ -54,6 +54,8 @@ def test_the_ordered_mean_is_layout_independent_and_close_to_a_plain_allreduce(n
         # default has one), gradients as views of the buckets; the same bits.
         assert row["trainers"] == [True, True], row
         assert row["trainers_buckets"][0] > 1, row
+        # Summed in a given order of the ranks (that of the logical ranks they serve): that order's mean, bitwise.
+        assert row["permuted"] == [True, True], row
         # DDP's own allreduce adds in another order: close, not necessarily equal.
         assert row["plain_diff"] <= 1e-5 * row["scale"], row
         # A ring allreduce's traffic: 2(n-1)/n of the gradients each way, as DDP's own (not n-1 times).

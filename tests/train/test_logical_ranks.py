@@ -23,10 +23,14 @@ from typing import Any, Callable
 import pytest
 import torch
 from runtime_harness import Job
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from toolkit.contracts import protocol as P
 from toolkit.testing.localjob import EXAMPLES, STEP_LINE, LocalJob, clean_env
 from toolkit.testing.ports import free_port_pair
+from toolkit.train.loader import LoaderError
+from toolkit.train.logicalgrad import LogicalGrad
+from toolkit.train.stepdata import StepData, retarget
 
 TORCHRUN = str(Path(sys.executable).parent / "torchrun")
 ARGS = ["--epochs", "2", "--ckpt-interval", "4", "--keep-max", "3", "--timeout", "30"]
@@ -160,3 +164,76 @@ def test_a_worker_told_a_wrong_assignment_stops_with_one_line_and_never_trains(t
     assert "the scheduler's formed message of generation 0 is wrong: the assignment does not cover each of the 4 " \
            "logical ranks exactly once; stopping rather than training on it (exit 77)" in text, text
     assert "Traceback" not in text and "rank 0 step" not in text and "starts at step" not in text, text
+
+
+# --- the parts, without processes ---------------------------------------------------------------------------------
+
+
+def digits(n: int) -> TensorDataset:
+    return TensorDataset(torch.arange(n, dtype=torch.float32).unsqueeze(1), torch.arange(n))
+
+
+@pytest.mark.parametrize("n, drop_last", [(10, False), (11, False), (11, True)])
+def test_a_sampler_made_for_the_workers_is_set_to_the_shard_of_a_logical_rank(n: int, drop_last: bool) -> None:
+    for logical_world in (3, 4):
+        for lr in range(logical_world):
+            sampler = DistributedSampler(digits(n), 2, 0, shuffle=True, seed=5, drop_last=drop_last)
+            retarget(sampler, logical_world, lr)
+            own = DistributedSampler(digits(n), logical_world, lr, shuffle=True, seed=5, drop_last=drop_last)
+            assert (list(sampler), len(sampler)) == (list(own), len(own))
+
+
+def test_each_logical_rank_served_gets_the_batches_and_randomness_of_a_process_of_its_own() -> None:
+    """A process of 2 workers serving logical ranks 1 and 3 of 4 draws, step by step and across epochs, what the
+    processes of ranks 1 and 3 of 4 would: the same batches, and the same global generator state after each."""
+    data = digits(37)
+    served = DataLoader(data, batch_size=4, sampler=DistributedSampler(data, 2, 0, shuffle=True, seed=1))
+    lanes = StepData(served, 7, 4, (1, 3))
+    alone = {lr: StepData(DataLoader(data, batch_size=4, sampler=DistributedSampler(data, 4, lr, shuffle=True,
+                                                                                      seed=1)), 7, 4, (lr,))
+             for lr in (1, 3)}
+    assert lanes.position.per_epoch == alone[1].position.per_epoch == 3
+    for step in [*range(8), 4, 5]:  # two steps redone
+        for lr in (1, 3):
+            x, _ = lanes.batch(step, lr)
+            drawn = torch.rand(3)
+            y, _ = alone[lr].batch(step, lr)
+            assert torch.equal(x, y) and torch.equal(drawn, torch.rand(3)), (step, lr)
+    lanes.serve(4, (3,))  # a grow takes logical rank 1 away: the script's loader now serves 3
+    assert torch.equal(lanes.batch(8, 3)[0], alone[3].batch(8, 3)[0])
+
+
+def test_data_that_cannot_be_split_by_logical_rank_is_refused_in_one_line() -> None:
+    data = digits(3)
+    own = DataLoader(data, batch_sampler=[[0, 1], [2]])
+    with pytest.raises(LoaderError, match=r"its own batch_sampler \(list\), which cannot be split by logical rank"):
+        StepData(own, 0, 2, (0, 1))
+    small = DataLoader(data, batch_size=1, sampler=DistributedSampler(data, 1, 0))
+    with pytest.raises(LoaderError, match="the dataset's 3 samples cannot be split evenly over the job's 4 logical"):
+        StepData(small, 0, 4, (0, 1, 2, 3))
+
+
+def test_the_gradient_of_several_logical_ranks_is_their_mean_summed_in_logical_order_bitwise() -> None:
+    """One process serving logical ranks 0, 1, 2 of 3: after the three micro-batches the parameters' .grad is
+    ((g0 + g1) + g2) / 3 to the bit, what the rank-ordered allreduce of 3 processes gives; the copies are one per
+    extra logical rank."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Linear(7, 3))
+    xs = [torch.randn(4, 5) for _ in range(3)]
+    grads = []
+    for x in xs:
+        model.zero_grad(set_to_none=True)
+        model(x).pow(2).sum().backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    logical = LogicalGrad(model, None, 0, 3, [(0, 1, 2)], "gloo")
+    logical.bucket = 13  # buckets that cut parameters
+    assert len(logical.copies) == 2
+    for lane, x in enumerate(xs):
+        logical.begin(lane)
+        model(x).pow(2).sum().backward()
+        if lane < 2:
+            logical.keep(lane)
+    logical.reduce()
+    for i, p in enumerate(model.parameters()):
+        want = torch.div(torch.add(grads[0][i], grads[1][i]).add_(grads[2][i]), 3)
+        assert p.grad.numpy().tobytes() == want.numpy().tobytes()

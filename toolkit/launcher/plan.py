@@ -128,13 +128,7 @@ class JobOptions:
         if self.verify_every != "auto" and not self.verify_every.isdigit():
             raise PlanError(f"--verify-every {self.verify_every!r}: give a number of steps between the replicas' "
                             "checks (0: never) or auto (checks costing at most 1% of the step time)")
-        if self.logical_ranks is not None and not 1 <= self.logical_ranks <= MAX_LOGICAL_RANKS:
-            raise PlanError(f"--logical-ranks {self.logical_ranks}: give 1 to {MAX_LOGICAL_RANKS} (at least the "
-                            "number of workers)")
-        self._check_text()
-
-    def _check_text(self) -> None:
-        """The script and the paths: not empty, no newline or NUL, arguments a shell can split."""
+        _check_logical_ranks(self.logical_ranks, None)
         if not self.script.strip():
             raise PlanError("--script is empty: name the training script, e.g. --script train.py")
         for name, value in (("--workdir", self.workdir), ("--python", self.python), ("--script", self.script)):
@@ -292,9 +286,7 @@ def make_plan(inventory: Inventory, options: JobOptions, local_project_dir: str 
         raise PlanError("a local job needs the project directory it runs in")
     placement = _placement(inventory, options)
     world = sum(n for _, n in placement)
-    if options.logical_ranks is not None and options.logical_ranks < world:
-        raise PlanError(f"--logical-ranks {options.logical_ranks} is below the {world} workers: each worker serves one "
-                        f"logical rank or more; give at least {world}, or leave it out (then it is {world})")
+    _check_logical_ranks(options.logical_ranks, world)
     sched = inventory.host(inventory.scheduler)
     build = _ProcessBuilder(options, _common_env(inventory, options, sched, world), world, len(placement),
                             local_project_dir if inventory.local else None, min_workers(options, placement))
@@ -473,6 +465,17 @@ def min_workers(options: JobOptions, placement: Sequence[tuple[Host, int]]) -> i
         raise PlanError(f"--nnodes {options.min_nodes}:{options.nnodes}: MIN is above the {len(placement)} host(s) "
                         "that run workers; give MIN <= MAX")
     return sum(sorted(n for _, n in placement)[:options.min_nodes])
+
+
+def _check_logical_ranks(logical: int | None, world: int | None) -> None:
+    """PlanError naming --logical-ranks for a count out of range, or below the `world` workers (when known)."""
+    if logical is None:
+        return
+    if not 1 <= logical <= MAX_LOGICAL_RANKS:
+        raise PlanError(f"--logical-ranks {logical}: give 1 to {MAX_LOGICAL_RANKS} (at least the number of workers)")
+    if world is not None and logical < world:
+        raise PlanError(f"--logical-ranks {logical} is below the {world} workers: each worker serves one logical rank "
+                        f"or more; give at least {world}, or leave it out (then it is {world})")
 
 
 def _placement(inventory: Inventory, options: JobOptions) -> list[tuple[Host, int]]:

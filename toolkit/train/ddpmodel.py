@@ -114,13 +114,23 @@ class GroupModel:
         self.current = ddp
         self.clock.rest()  # a new group: the time since the last step is a recovery, not this rank's work
 
+    def reduce_logical(self, *_: Any) -> None:
+        """The optimizer's pre-hook: in a process serving several logical ranks, the step's gradient is the mean of
+        theirs, reduced in logical-rank order before the optimizer runs (toolkit.train.logicalgrad)."""
+        if self.logical is not None:
+            self.logical.reduce()
+
     def end_step(self, began: float) -> float | None:
         """A step that began at `began` ended now: the time this rank worked on it (until its last gradient bucket
-        went to the allreduce; the whole step in a world of one), or None if not known."""
+        went to the allreduce; the whole step in a world of one), or None if not known. A process serving several
+        logical ranks: the whole step over their number (its work per logical rank: serving two is not being slow,
+        for the straggler detection)."""
         ended = time.monotonic()
         last = self.clock.last
         busy = ended - began if self.current is self.module else (
             last - began if last is not None and last >= began else None)
+        if busy is not None and self.logical is not None:
+            busy /= self.logical.lanes
         self.clock.since = ended
         return busy
 

@@ -212,7 +212,8 @@ class Runtime:
         self.mode = cfg.mode
         self.device = torch.device(f"cuda:{cfg.local_rank}") if backend == "nccl" else torch.device("cpu")
         self.generation: int | None = None
-        self.serve_one_each()
+        self.logical_world, self.assignment, self.logical_ranks = 1, ((0,),), (0,)
+        serve(self, self.world_size, one_each(self.world_size))
         self._channel: Channel | None = None
         self._store: Any = None
         self._fence = Fence(timeout=timeout)
@@ -223,17 +224,6 @@ class Runtime:
         self._epoch: int | None = None
         self._closed = False
         self.pace = StepPace()  # this rank's step times, loss and checkpoint stalls (training thread only)
-
-    def serve_one_each(self) -> None:
-        """One logical rank per rank, rank r serving r: under torchrun, alone, and before the first `formed`."""
-        self.serve(self.world_size, tuple((r,) for r in range(self.world_size)))
-
-    def serve(self, logical_world: int, assignment: tuple[tuple[int, ...], ...]) -> None:
-        """The job's `logical_world` (L) logical ranks, and `assignment`: the ascending logical ranks each rank of
-        the current group serves (index = rank; toolkit.contracts.logical). `logical_ranks`: this process's."""
-        self.logical_world = logical_world
-        self.assignment = assignment
-        self.logical_ranks = assignment[self.rank]
 
     @property
     def group(self) -> dist.ProcessGroup:
@@ -312,7 +302,7 @@ class Runtime:
                 say(self.node_id, f"generation {generation}: rank {shape[0]} of {shape[1]} (was {self.rank} of "
                                   f"{self.world_size})")
                 self.rank, self.world_size = shape
-            self.serve(logical[1], logical[2])
+            serve(self, logical[1], logical[2])
             try:
                 self._build(generation, prefix)
             except Exception as e:  # a peer died while the group was being built: wait for the next generation
@@ -486,6 +476,18 @@ class Runtime:
             self.close()
 
 
+def one_each(world_size: int) -> tuple[tuple[int, ...], ...]:
+    """One logical rank per rank, rank r serving r: under torchrun, alone, and before the first `formed`."""
+    return tuple((r,) for r in range(world_size))
+
+
+def serve(rt: Runtime, logical_world: int, assignment: tuple[tuple[int, ...], ...]) -> None:
+    """`rt` serves, from now on, its part of `assignment` (the ascending logical ranks each rank of the current group
+    serves, index = rank; toolkit.contracts.logical) of the job's `logical_world` (L) logical ranks. A function, not
+    a method: Runtime's interface stays small."""
+    rt.logical_world, rt.assignment, rt.logical_ranks = logical_world, assignment, assignment[rt.rank]
+
+
 class RuntimeReporter:
     """report() for a script on toolkit.train.init() that does not use the Trainer (which reports on its own)."""
 
@@ -584,7 +586,7 @@ def init(backend: str | None = None, timeout: float = DEFAULT_TIMEOUT,
         if backend == "nccl":
             rt._fence.add_group(dist.group.WORLD)
         rt.rank, rt.world_size = dist.get_rank(), dist.get_world_size()
-        rt.serve_one_each()
+        serve(rt, rt.world_size, one_each(rt.world_size))
         rt.generation = 0
         return rt
     channel = Channel(cfg, exit_on_new_generation=cfg.restart_only, fence=rt._fence)

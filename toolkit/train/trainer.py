@@ -18,9 +18,10 @@ survivor at that step, tensor by tensor into its own storage (toolkit.train.tran
 can leave ranks a step apart (a collective completed on one rank is a complete sum there). Data position and
 randomness are functions of the step, so the replacement needs nothing else: the loader is positioned at the
 step's batch (toolkit.train.loader) and torch's, Python's and numpy's global generators are seeded from (seed,
-rank, step) before each step's batch is drawn. The result is bitwise the one an uninterrupted run gives (with the
-rank-ordered allreduce, `deterministic=True`). Checkpoints (one authenticated copy per host, its writing shared by
-the host's ranks, asynchronous, every `ckpt_every` steps, their commits told to the scheduler:
+logical rank, step) before each step's batch is drawn (toolkit.train.stepdata; a process serving several logical
+ranks runs the step once for each: toolkit.train.logicalgrad). The result is bitwise the one an uninterrupted run
+gives (with the rank-ordered allreduce, `deterministic=True`). Checkpoints (one authenticated copy per host, its
+writing shared by the host's ranks, asynchronous, every `ckpt_every` steps, their commits told to the scheduler:
 toolkit.train.checkpoint) are for when no survivor holds the state: a whole-job restart, from the newest copy any
 host has, or a world of one. SIGTERM: every rank agrees at the next step boundary and saves that step (last
 words); the ranks that got the signal leave (exit 143), the others go on and meet the replacement. A rank whose
@@ -135,7 +136,7 @@ class Trainer:
         self._lane = 0  # which of this process's logical ranks the next batch is for (toolkit.train.logicalgrad)
         self._grad_bytes = headroom.grad_bytes(model.parameters())  # one more logical rank's cost (headroom)
         self._began, self._applied_before = 0.0, 0  # the step in progress: when it began, optimizer steps before it
-        self._pre_hook = optimizer.register_step_pre_hook(self._reduce_logical)
+        self._pre_hook = optimizer.register_step_pre_hook(self._group.reduce_logical)
         self._loss: Any = None
         self._stopping = Stopping(runtime)
         self._finished = False
@@ -462,13 +463,6 @@ class Trainer:
             self._ckpt.close()
         finally:
             self._stopping.release()
-
-
-    def _reduce_logical(self, *_: Any) -> None:
-        """The optimizer's pre-hook: in a process serving several logical ranks, the step's gradient is the mean of
-        theirs, reduced in logical-rank order before the optimizer runs (toolkit.train.logicalgrad)."""
-        if self._group.logical is not None:
-            self._group.logical.reduce()
 
 
 class _Applied:
