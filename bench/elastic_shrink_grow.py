@@ -108,6 +108,7 @@ def main() -> None:
         now = max(s for h in survivors for s in steps(h))
         wait("6 workers training", lambda: len(steps(lost)) == 2 and min(s for h in hosts for s in steps(h)) > now)
         grown = time.time() - back
+        registered = sched_at(log(), f"back on {lost}", crashed)  # its workers registered: the grow began
         out, err = runner.communicate(timeout=TIMEOUT * 2)
         if runner.returncode != 0:
             sys.exit(f"the job failed:\n{out}\n{err}")
@@ -117,7 +118,9 @@ def main() -> None:
         print(f"crash -> training again at 4 workers: {shrunk:6.2f} s  (host-timeout {a.host_timeout:g} s + "
               f"{shrunk - a.host_timeout:.2f} s; formed {formed4 - crashed if formed4 else float('nan'):.2f} s "
               "after the crash)")
-        print(f"agent back -> training at 6 workers:  {grown:6.2f} s")
+        print(f"agent back -> training at 6 workers:  {grown:6.2f} s  (of which its workers' start, to their "
+              f"registration: {registered - back if registered else float('nan'):.2f} s; the grow itself, from "
+              f"their registration: {grown - (registered - back) if registered else float('nan'):.2f} s)")
         for p in periods:
             print(f"  {p['workers']} workers: {p['steps_per_s']} steps/s over {p['until'] - p['from']:.1f} s")
         six = [p["steps_per_s"] for p in periods if p["workers"] == 6 and p["steps_per_s"]]
