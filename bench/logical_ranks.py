@@ -36,7 +36,9 @@ ROOT = Path(__file__).resolve().parent.parent
 PROC_TIMEOUT = 1800.0
 
 TRAIN = textwrap.dedent(r'''
-    """A Trainer loop timed after its warm-up: rank 0 writes {"steps_per_s": ...} to OUT."""
+    """A Trainer loop timed after its warm-up: rank 0 writes {"steps_per_s": ..., "steps_per_cpu_s": ...} to OUT
+    (steps per second of wall time, and per second of this process's CPU time: the machine's load from others moves
+    the first far more than the second)."""
     import json, os, sys, time
     import torch
     from torch import nn
@@ -63,14 +65,14 @@ TRAIN = textwrap.dedent(r'''
             torch.nn.functional.mse_loss(trainer.model(x), y).backward()
             optimizer.step()
         if trainer.step_count == warm and began is None:
-            began = time.perf_counter()
+            began, cpu = time.perf_counter(), time.process_time()
         if trainer.step_count == warm + steps:
             break
-    rate = steps / (time.perf_counter() - began)
+    rate, cpu_rate = steps / (time.perf_counter() - began), steps / (time.process_time() - cpu)
     trainer.finish()
     if rt.rank == 0:
         with open(out, "w") as f:
-            json.dump({"steps_per_s": rate}, f)
+            json.dump({"steps_per_s": rate, "steps_per_cpu_s": cpu_rate}, f)
 ''')
 
 MEMORY = textwrap.dedent(r'''
@@ -109,7 +111,7 @@ def run(argv: list[str], env: dict[str, str], timeout: float = PROC_TIMEOUT) -> 
     return done.stdout
 
 
-def steady_round(src: Path, work: Path, args: argparse.Namespace) -> float:
+def steady_round(src: Path, work: Path, args: argparse.Namespace) -> dict[str, float]:
     """Steps/s of N=2 processes in torchrun's environment, with the toolkit found at `src`."""
     script = work / "train_timed.py"
     script.write_text(TRAIN)
@@ -125,10 +127,10 @@ def steady_round(src: Path, work: Path, args: argparse.Namespace) -> float:
     for r, (p, text) in enumerate(zip(procs, texts, strict=True)):
         if p.returncode != 0:
             raise SystemExit(f"steady-state rank {r} exited {p.returncode}:\n{text[-3000:]}")
-    return json.loads(out.read_text())["steps_per_s"]
+    return json.loads(out.read_text())
 
 
-def degraded_round(workers: int, logical: int, work: Path, args: argparse.Namespace) -> float:
+def degraded_round(workers: int, logical: int, work: Path, args: argparse.Namespace) -> dict[str, float]:
     """Steps/s of `workers` processes serving `logical` logical ranks, through the real agent and scheduler."""
     project = work / "project"
     project.mkdir(exist_ok=True)
@@ -145,7 +147,17 @@ def degraded_round(workers: int, logical: int, work: Path, args: argparse.Namesp
             raise SystemExit(f"the {workers}-worker job failed ({code}):\n{job.evidence()}")
     finally:
         job.cleanup()
-    return json.loads(out.read_text())["steps_per_s"]
+    return json.loads(out.read_text())
+
+
+def report(what: str, pairs: list[tuple[dict[str, float], dict[str, float]]], target: float) -> None:
+    """One line per measure: the medians (the second of each pair over the first), the median of the rounds' own
+    ratios (each round ran its two side by side, so a round's load cancels out), every round's ratio."""
+    for key, unit in (("steps_per_s", "steps/s"), ("steps_per_cpu_s", "steps per CPU-s")):
+        a, b = statistics.median(p[1][key] for p in pairs), statistics.median(p[0][key] for p in pairs)
+        ratios = [p[1][key] / p[0][key] for p in pairs]
+        print(f"{what}: {a:.2f} vs {b:.2f} {unit}, median of the rounds' ratios {statistics.median(ratios):.3f}x "
+              f"(target >= {target:.3f}x; rounds {', '.join(f'{r:.3f}' for r in ratios)})")
 
 
 def baseline(src: str | None, work: Path) -> Path:
@@ -176,21 +188,11 @@ def main() -> int:
         work = Path(tmp)
         if "steady" in parts:
             base = baseline(args.baseline_src, work)
-            ours, theirs = [], []
-            for _ in range(args.rounds):
-                theirs.append(steady_round(base, work, args))
-                ours.append(steady_round(ROOT, work, args))
-            a, b = statistics.median(ours), statistics.median(theirs)
-            print(f"steady, L = N = 2: this checkout {a:.2f} steps/s, main {b:.2f} steps/s: {a / b:.3f}x "
-                  f"(target >= 0.97x; rounds {[round(v, 2) for v in ours]} vs {[round(v, 2) for v in theirs]})")
+            pairs = [(steady_round(base, work, args), steady_round(ROOT, work, args)) for _ in range(args.rounds)]
+            report("steady, L = N = 2: this checkout vs main's code path", pairs, 0.97)
         if "degraded" in parts:
-            four, six = [], []
-            for _ in range(args.rounds):
-                six.append(degraded_round(6, 6, work, args))
-                four.append(degraded_round(4, 6, work, args))
-            a, b = statistics.median(four), statistics.median(six)
-            print(f"degraded: 4 processes serving 6 logical ranks {a:.2f} steps/s, 6 processes {b:.2f} steps/s: "
-                  f"{a / b:.3f}x (target >= {0.9 * 4 / 6:.3f}x)")
+            pairs = [(degraded_round(6, 6, work, args), degraded_round(4, 6, work, args)) for _ in range(args.rounds)]
+            report("degraded: 4 processes serving 6 logical ranks vs 6 processes", pairs, 0.9 * 4 / 6)
         if "memory" in parts:
             peaks = {}
             for k in (1, 2, 3):

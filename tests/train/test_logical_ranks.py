@@ -188,9 +188,9 @@ def test_each_logical_rank_served_gets_the_batches_and_randomness_of_a_process_o
     processes of ranks 1 and 3 of 4 would: the same batches, and the same global generator state after each."""
     data = digits(37)
     served = DataLoader(data, batch_size=4, sampler=DistributedSampler(data, 2, 0, shuffle=True, seed=1))
-    lanes = StepData(served, 7, 4, (1, 3))
+    lanes = StepData(served, 7, 4, (1, 3), False)
     alone = {lr: StepData(DataLoader(data, batch_size=4, sampler=DistributedSampler(data, 4, lr, shuffle=True,
-                                                                                      seed=1)), 7, 4, (lr,))
+                                                                                      seed=1)), 7, 4, (lr,), True)
              for lr in (1, 3)}
     assert lanes.position.per_epoch == alone[1].position.per_epoch == 3
     for step in [*range(8), 4, 5]:  # two steps redone
@@ -199,18 +199,21 @@ def test_each_logical_rank_served_gets_the_batches_and_randomness_of_a_process_o
             drawn = torch.rand(3)
             y, _ = alone[lr].batch(step, lr)
             assert torch.equal(x, y) and torch.equal(drawn, torch.rand(3)), (step, lr)
-    lanes.serve(4, (3,))  # a grow takes logical rank 1 away: the script's loader now serves 3
+    lanes.serve(4, (3,), False)  # a grow takes logical rank 1 away: the script's loader now serves 3
     assert torch.equal(lanes.batch(8, 3)[0], alone[3].batch(8, 3)[0])
+    lanes.serve(4, (0,), True)  # as the script built it (2 replicas, rank 0), as in a job without logical ranks
+    assert (served.sampler.num_replicas, served.sampler.rank, len(served.sampler)) == (2, 0, 19)
 
 
 def test_data_that_cannot_be_split_by_logical_rank_is_refused_in_one_line() -> None:
     data = digits(3)
     own = DataLoader(data, batch_sampler=[[0, 1], [2]])
     with pytest.raises(LoaderError, match=r"its own batch_sampler \(list\), which cannot be split by logical rank"):
-        StepData(own, 0, 2, (0, 1))
+        StepData(own, 0, 2, (0, 1), False)
     small = DataLoader(data, batch_size=1, sampler=DistributedSampler(data, 1, 0))
     with pytest.raises(LoaderError, match="the dataset's 3 samples cannot be split evenly over the job's 4 logical"):
-        StepData(small, 0, 4, (0, 1, 2, 3))
+        StepData(small, 0, 4, (0, 1, 2, 3), False)
+    StepData(own, 0, 1, (0,), True)  # one logical rank, as the script built it: its own batch_sampler is fine
 
 
 def test_the_gradient_of_several_logical_ranks_is_their_mean_summed_in_logical_order_bitwise() -> None:

@@ -9,7 +9,8 @@ own lane: its shard of the data (the loader's DistributedSampler over L replicas
 iterator and its replayed batch. The first logical rank served uses the script's own loader, its sampler set to
 (L, that logical rank) in place; each further one a copy of the loader with its own copy of the sampler (a copy
 of the loader's worker processes too, while it is served). When L is the world size and rank r serves r, the
-script's loader is used as it is (the sampler already is (L, r)): nothing changes from a job without logical ranks.
+script's loader is used as the script built it: nothing changes from a job without logical ranks (a sampler the
+script set to other replicas than its world's stays so).
 """
 
 from __future__ import annotations
@@ -31,32 +32,41 @@ class StepData:
     run is not bitwise the same). `serve` says which logical ranks this process serves (the Trainer calls it at each
     re-formation); `position` is the loader's position arithmetic (batches per epoch of a shard of L)."""
 
-    def __init__(self, loader: Any, seed: int | None, logical_world: int, logical_ranks: Sequence[int]) -> None:
+    def __init__(self, loader: Any, seed: int | None, logical_world: int, logical_ranks: Sequence[int],
+                 as_built: bool) -> None:
         self.seed = seed
         self._loader = loader
         self._pristine = copy.copy(loader.sampler) if getattr(loader, "sampler", None) is not None else None
         self._lanes: dict[int, _Lane] = {}
-        self._first: int | None = None  # the logical rank the script's own loader serves
+        self._first: tuple[int, bool] | None = None  # the logical rank the script's own loader serves, as built?
         self.logical_world = logical_world
-        check_splittable(loader, logical_world)
-        retarget(loader.sampler, logical_world, logical_ranks[0])
+        if not as_built:
+            check_splittable(loader, logical_world)
+            retarget(loader.sampler, logical_world, logical_ranks[0])
         self.position = Positioner(loader)
-        self.serve(logical_world, logical_ranks)
+        self.serve(logical_world, logical_ranks, as_built)
 
-    def serve(self, logical_world: int, logical_ranks: Sequence[int]) -> None:
+    def serve(self, logical_world: int, logical_ranks: Sequence[int], as_built: bool) -> None:
         """Serve `logical_ranks` of `logical_world` from now on: lanes no longer served go (their iterators and
-        worker processes), new ones are made; the script's loader serves the first."""
+        worker processes), new ones are made; the script's loader serves the first, as the script built it if
+        `as_built` (one logical rank each, rank r serving r), else set to that logical rank."""
         if logical_world != self.logical_world:
             raise LoaderError(f"the job's logical ranks changed from {self.logical_world} to {logical_world}: they "
                               "are fixed for a job's life")
-        first = logical_ranks[0]
+        if not as_built:
+            check_splittable(self._loader, logical_world)
+        first = (logical_ranks[0], as_built)
         lanes: dict[int, _Lane] = {}
         for lr in logical_ranks:
             lane = self._lanes.get(lr)
-            if lane is not None and (lr == first) == (lr == self._first):
-                lanes[lr] = lane
-            elif lr == first:
-                retarget(self._loader.sampler, logical_world, lr)
+            was_first = self._first is not None and self._first[0] == lr
+            if lane is not None and was_first == (lr == first[0]) and (not was_first or first == self._first):
+                lanes[lr] = lane  # the same loader, set the same way: its iterator goes on
+            elif lr == first[0]:
+                if as_built:
+                    _restore(self._loader.sampler, self._pristine)
+                else:
+                    retarget(self._loader.sampler, logical_world, lr)
                 lanes[lr] = _Lane(self._loader, self.position)
             else:
                 clone = clone_loader(self._loader, self._pristine, logical_world, lr)
@@ -135,6 +145,13 @@ def retarget(sampler: Any, logical_world: int, logical_rank: int) -> None:
     else:
         sampler.num_samples = math.ceil(n / logical_world)
     sampler.total_size = sampler.num_samples * logical_world
+
+
+def _restore(sampler: Any, pristine: Any) -> None:
+    """Give a DistributedSampler back the replicas and rank the script made it with (`pristine`: a copy then)."""
+    if isinstance(sampler, tud.DistributedSampler):
+        for name in ("num_replicas", "rank", "num_samples", "total_size"):
+            setattr(sampler, name, getattr(pristine, name))
 
 
 def clone_loader(loader: tud.DataLoader, sampler: Any, logical_world: int, logical_rank: int) -> tud.DataLoader:

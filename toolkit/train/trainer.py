@@ -122,7 +122,7 @@ class Trainer:
         self.module = model
         self.optimizer = optimizer
         self.extra = extra
-        self._data = StepData(loader, seed, runtime.logical_world, runtime.logical_ranks)
+        self._data = StepData(loader, seed, runtime.logical_world, runtime.logical_ranks, _as_built(runtime))
         self.position = self._data.position
         self.manager = manager_for(runtime, ckpt_dir, keep, async_ckpt)
         self.step_count = 0  # optimizer steps done: the job's global step, the same on every rank
@@ -380,7 +380,7 @@ class Trainer:
                     agreed = self._state.agree(self.step_count)
                     self.step_count = agreed.step
                     self._group.wrap(self.rt)
-                    self._data.serve(self.rt.logical_world, self.rt.logical_ranks)
+                    self._data.serve(self.rt.logical_world, self.rt.logical_ranks, _as_built(self.rt))
                     self._lane = 0
                 break
             except GenerationChanged:
@@ -463,6 +463,12 @@ class Trainer:
             self._ckpt.close()
         finally:
             self._stopping.release()
+
+
+def _as_built(rt: Runtime) -> bool:
+    """Whether the script's loader serves this process's logical rank as the script built it: one logical rank per
+    rank, rank r serving r (L = N, nothing lost: a job as without logical ranks)."""
+    return rt.logical_world == rt.world_size and rt.logical_ranks == (rt.rank,)
 
 
 class _Applied:
