@@ -10,7 +10,7 @@
 - degraded: N=4 processes serving L=6 logical ranks (`--logical-ranks 6`) against 6 processes, through the real
   agent and scheduler (toolkit.testing.localjob). Target: >= 0.9 x (4/6) of the 6 processes' steps/s. On a machine
   with fewer cores than processes both share the same cores: the ratio says what the logical layer costs, not
-  what losing hosts costs.
+  what losing hosts costs. (Its steps per CPU-second are rank 0's, which serves 2 of the 6: not comparable.)
 - memory: one process serving k = 1, 2, 3 logical ranks of a model of --mb MB of parameters (SGD, no optimizer
   state), its peak RSS after a step; the bytes each extra logical rank adds, over the parameters' bytes, and that
   figure for 600 MB of training state (AdamW: parameters, two moments: 200 MB of gradients).
