@@ -126,8 +126,12 @@ def test_unknown_config_setting(project: Path) -> None:
                                      "scheduler"),
     (["plan", "--hosts=a,b", "--nnodes", "3"], "error: --nnodes 3, but 2 host(s) would run workers (a, b)"),
     (["plan", "--hosts=a", "--standalone"], "error: --hosts and --standalone both given"),
-    (["plan", "--nnodes=1:2"], "error: --nnodes='1:2': toolkit runs the hosts it is given, it does not grow or "
-                               "shrink a job"),
+    (["plan", "--nnodes=2:1"], "error: --nnodes='2:1': give 1 <= MIN <= MAX"),  # elastic (issue 42)
+    (["plan", "--hosts=a,b", "--nnodes=3:4"], "error: --nnodes 4, but 2 host(s) would run workers (a, b)"),
+    (["plan", "--hosts=a:2,b:2", "--nnodes=1:2", "--min-workers", "2"], "error: --min-workers 2 and --nnodes 1:2: "
+                                                                       "both say how far the job may shrink"),
+    (["plan", "--hosts=a:2,b:2", "--min-workers", "5"], "error: --min-workers 5 is above the job's 4 workers"),
+    (["plan", "--min-workers", "0"], "error: --min-workers 0: give at least 1"),
     (["plan", "--nproc-per-node", "0"], "error: --nproc-per-node 0: give 1 to 4096 workers per host"),
     (["run", "--worker-num", "2"], "error: fleet run: name the training script after the flags"),
     (["run", "--script", "t.py", "t.py"], "error: run: unknown flag --script"),

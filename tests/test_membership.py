@@ -642,4 +642,4 @@ def test_formed_tells_every_rank_the_logical_ranks_each_serves_and_a_late_reconn
 def test_by_default_each_rank_serves_its_own_logical_rank() -> None:
     m = membership(3)
     form(m)
-    assert m.logical == {0: (0,), 1: (1,), 2: (2,)}
+    assert m.world is not None and m.world.by_slot() == {0: (0,), 1: (1,), 2: (2,)}

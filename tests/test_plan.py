@@ -221,3 +221,21 @@ def test_logical_ranks_reach_the_scheduler_and_fewer_than_the_workers_are_refuse
     for bad in (0, 70000):
         with pytest.raises(PlanError, match=f"^--logical-ranks {bad}: give 1 to 65536"):
             opts(logical_ranks=bad)
+
+
+def test_how_far_a_job_may_shrink_reaches_the_scheduler_and_is_checked_against_the_plan() -> None:
+    """Issue 42: --min-workers N, or --nnodes MIN:MAX as the workers of the MIN hosts with the fewest (whichever
+    hosts are lost, MIN left hold at least that many), as TOOLKIT_MIN_WORKERS; none: the job never shrinks."""
+    def min_workers(hosts: str, **kw: object) -> str | None:
+        plan = make_plan(parse_hosts(hosts), opts(**kw))
+        return plan.process("sched").env.get(E.TOOLKIT_MIN_WORKERS)
+
+    assert min_workers("a:4,b:2,c:1", nnodes=3, min_nodes=2) == "3"  # c and b
+    assert min_workers("a:2,b:2,c:2", min_workers=4) == "4"
+    assert min_workers("a:2,b:2,c:2") is None
+    for kw, message in (({"min_workers": 7}, "--min-workers 7 is above the job's 6 workers: give 1 to 6"),
+                        ({"min_workers": 0}, "--min-workers 0: give at least 1"),
+                        ({"min_workers": 2, "min_nodes": 1, "nnodes": 3}, "both say how far the job may shrink"),
+                        ({"min_nodes": 4, "nnodes": 3}, "MIN is above the 3 host")):
+        with pytest.raises(PlanError, match=message):
+            make_plan(parse_hosts("a:2,b:2,c:2"), opts(**kw))

@@ -182,6 +182,20 @@ def test_the_core_is_pure() -> None:
                                                                  "toolkit.contracts.logical.parse_formed"}
 
 
+def test_formed_may_renumber_this_process_in_an_elastic_job_and_a_hostile_shape_is_refused() -> None:
+    """Issue 42: `formed` says this process's rank and the generation's world size when the job shrank or grew; a
+    rank outside the world size drops the connection (ProtocolError), a formed without them keeps the shape."""
+    view, _ = J.on_message(JobView(), {"op": P.FORMED, "generation": 1, "prefix": "p/", "rank": 1, "world_size": 4},
+                           0.0)
+    assert view.shape == (1, 4)
+    view, _ = J.on_message(view, {"op": P.FORMED, "generation": 2, "prefix": "p/"}, 0.0)
+    assert view.shape == (1, 4) and view.formed == (2, "p/")
+    for bad in ({"rank": 4, "world_size": 4}, {"rank": -1, "world_size": 2}, {"rank": "0", "world_size": 2},
+                {"rank": 0, "world_size": 1 << 40}):
+        with pytest.raises(P.ProtocolError, match="rank"):
+            J.on_message(view, {"op": P.FORMED, "generation": 3, "prefix": "p/", **bad}, 0.0)
+
+
 def test_formed_carries_the_assignment_of_logical_ranks_and_without_it_each_rank_serves_its_own() -> None:
     view, _ = J.on_message(JobView(world_size=2), msg(P.FORMED, generation=1, prefix="p", logical_world=5,
                                                       logical=[[0, 2, 4], [1, 3]]), NOW)

@@ -87,6 +87,8 @@ TOOLKIT_INJECT_CORRUPTION = "TOOLKIT_INJECT_CORRUPTION"  # worker: bits to flip,
 #                             read from the env file only: the agent does not pass it on from its own environment
 TOOLKIT_HOST = "TOOLKIT_HOST"  # worker: the inventory name of its host (what it registers as; a lost host is fenced)
 TOOLKIT_HOST_TIMEOUT = "TOOLKIT_HOST_TIMEOUT"  # scheduler: see DEFAULT_HOST_TIMEOUT
+TOOLKIT_MIN_WORKERS = "TOOLKIT_MIN_WORKERS"  # scheduler: how far a job may shrink when a host is lost with no spare
+# (--min-workers, torchrun's --nnodes MIN:MAX); unset: MS_WORKER_NUM (it never shrinks)
 TOOLKIT_SPARES = "TOOLKIT_SPARES"  # scheduler: the inventory's spare hosts, comma-separated, in the order they are used
 TOOLKIT_EXPECTED = "TOOLKIT_EXPECTED"  # scheduler: JSON file {node_id: host}, for the formation-timeout message
 TOOLKIT_LOGICAL_RANKS = "TOOLKIT_LOGICAL_RANKS"  # scheduler: the job's logical ranks L (fleet train --logical-ranks;

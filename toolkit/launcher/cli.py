@@ -652,9 +652,9 @@ class Fleet(Program):
             Argument(names=("help", "h"), optional=True, help=helptext.HELP.text),
             Argument(names=("version", "V"), kind=bool, default=False, help="toolkit's version"),
             Argument(names=("hosts", "H"), help=helptext.HOSTS.text),
-            Argument(names=("identity", "i"), kind=list, help=helptext.SSH_CORE[0].text),
-            Argument(names=("ssh-config", "S"), help=helptext.SSH_CORE[1].text),
-            Argument(names=("connect-timeout", "t"), help=helptext.SSH_CORE[2].text),
+            Argument(names=("identity", "i"), kind=list, help=helptext.IDENTITY.text),
+            Argument(names=("ssh-config", "S"), help=helptext.SSH_CONFIG.text),
+            Argument(names=("connect-timeout", "t"), help=helptext.CONNECT_TIMEOUT.text),
         ]
 
     def create_config(self) -> None:

@@ -45,11 +45,11 @@ class TaskDoc:
 
 # Fabric's own flags that toolkit reads (CoreFlags), as `fleet` takes them; `fab` takes them under the same names.
 HOSTS = FlagDoc("-H, --hosts HOSTS", "[user@]host[:slots],... as mpirun -H")
-SSH_CORE = (
-    FlagDoc("-i, --identity FILE", "SSH private key (repeatable)"),
-    FlagDoc("-S, --ssh-config FILE", "ssh_config file to read"),
-    FlagDoc("-t, --connect-timeout S", "seconds to connect to a host over SSH"),
-)
+IDENTITY = FlagDoc("-i, --identity FILE", "SSH private key (repeatable)")
+SSH_CONFIG = FlagDoc("-S, --ssh-config FILE", "ssh_config file to read")
+CONNECT_TIMEOUT = FlagDoc("-t, --connect-timeout S", "seconds to connect to a host over SSH")
+# one line for the last two, so that a planning task's help stays one screen
+SSH_CORE = (IDENTITY, FlagDoc("-S FILE, -t S", "--ssh-config file; --connect-timeout seconds"))
 HELP = FlagDoc("-h, --help", "this help")
 WORKER_COUNTS = ("nproc_per_node", "nnodes", "worker_num")  # listed with the hosts, after where they come from
 FOOTER = "-h, --help: this help. Flags apply to every task typed; defaults: ./fabric.yaml"

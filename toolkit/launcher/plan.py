@@ -55,6 +55,8 @@ class JobOptions:
     worker_num: int | None = None  # None: every slot
     nproc_per_node: int | None = None  # torchrun's: workers on each worker host (instead of its slots)
     nnodes: int | None = None  # torchrun's: the number of hosts that run workers, checked against the plan
+    min_nodes: int | None = None  # torchrun's --nnodes MIN:MAX's MIN: the job may shrink to that many hosts
+    min_workers: int | None = None  # the fewest workers the job may shrink to (a lost host, no spare); None: never
     master_port: int = envvars.DEFAULT_SCHED_PORT
     cluster_time_out: int = envvars.DEFAULT_TOPO_TIMEOUT
     node_timeout: float = envvars.DEFAULT_NODE_TIMEOUT
@@ -287,7 +289,7 @@ def make_plan(inventory: Inventory, options: JobOptions, local_project_dir: str 
     _check_logical_ranks(options.logical_ranks, world)
     sched = inventory.host(inventory.scheduler)
     build = _ProcessBuilder(options, _common_env(inventory, options, sched, world), world, len(placement),
-                            local_project_dir if inventory.local else None)
+                            local_project_dir if inventory.local else None, min_workers(options, placement))
     seats = _seats(placement)
     by_host: dict[str, list[Process]] = {h.name: [] for h, _ in placement}
     by_host.setdefault(sched.name, []).append(build.scheduler(sched, inventory.spares))
@@ -341,6 +343,7 @@ class _ProcessBuilder:
     world: int
     groups: int
     project: str | None
+    min_workers: int | None = None  # TOOLKIT_MIN_WORKERS (`min_workers`): None, the job never shrinks
 
     def _cwd(self, jd: str) -> str:
         """Where a process of the job directory `jd` runs."""
@@ -363,6 +366,7 @@ class _ProcessBuilder:
                 envvars.TOOLKIT_EXPECTED: posixpath.join(jd, EXPECTED_FILE),
                 envvars.TOOLKIT_STRAGGLER_FACTOR: _num(options.straggler_factor),
                 envvars.TOOLKIT_HOST_TIMEOUT: _num(options.host_timeout),
+                **({envvars.TOOLKIT_MIN_WORKERS: str(self.min_workers)} if self.min_workers is not None else {}),
                 envvars.TOOLKIT_SPARES: ",".join(n for n in spares if n != sched.name),
                 envvars.TORCHELASTIC_MAX_RESTARTS: str(options.max_restarts),
                 **({envvars.TOOLKIT_METRICS_ADDRESS: options.metrics_address} if options.metrics_address else {}),
@@ -439,6 +443,28 @@ def _host_plans(inventory: Inventory, options: JobOptions, by_host: Mapping[str,
         for h in (inventory.host(name) for name in inventory.spares)
         if h.name not in by_host
     )
+
+
+def min_workers(options: JobOptions, placement: Sequence[tuple[Host, int]]) -> int | None:
+    """How far the job may shrink, in workers: --min-workers, or for --nnodes MIN:MAX the workers of the MIN hosts
+    with the fewest (whichever hosts are lost, MIN hosts left hold at least that many). None: it never shrinks.
+    PlanError for --min-workers below 1 or above the job's workers (it could never run), for both it and MIN:MAX,
+    and for MIN above the hosts."""
+    world = sum(n for _, n in placement)
+    if options.min_workers is not None and options.min_workers < 1:
+        raise PlanError(f"--min-workers {options.min_workers}: give at least 1 (the fewest workers the job may "
+                        "shrink to when a host is lost with no spare)")
+    if options.min_workers is not None and options.min_nodes is not None:
+        raise PlanError(f"--min-workers {options.min_workers} and --nnodes {options.min_nodes}:{options.nnodes}: "
+                        "both say how far the job may shrink; give one of them")
+    if options.min_workers is not None and options.min_workers > world:
+        raise PlanError(f"--min-workers {options.min_workers} is above the job's {world} workers: give 1 to {world}")
+    if options.min_nodes is None:
+        return options.min_workers
+    if options.min_nodes > len(placement):
+        raise PlanError(f"--nnodes {options.min_nodes}:{options.nnodes}: MIN is above the {len(placement)} host(s) "
+                        "that run workers; give MIN <= MAX")
+    return sum(sorted(n for _, n in placement)[:options.min_nodes])
 
 
 def _check_logical_ranks(logical: int | None, world: int | None) -> None:

@@ -14,7 +14,8 @@ Times in the data are seconds since the job started (the ledger's `started_at`).
   show as the drop they are; a gap where a rank was gone or rolled back), and each rank's own work per step
   (dotted, where the straggler stands out); generations shaded by when they formed; incidents marked when they
   failed, with their recovery as a span; straggler episodes as spans naming the rank, host and factor;
-- the goodput breakdown: where the wall time went (productive, startup, recovery, recomputed, checkpoint).
+- the goodput breakdown: where the wall time went (productive, startup, recovery, recomputed, checkpoint);
+- for a job that shrank or grew (issue 42): the world size over time, each shrink and grow marked.
 """
 
 from __future__ import annotations
@@ -55,7 +56,21 @@ def report_data(ledger: Mapping[str, Any], metrics: Sequence[Mapping[str, Any]])
         "stragglers": _stragglers(ledger, t0),
         "intervals": [dict(i) for i in ledger.get("intervals") or [] if isinstance(i, Mapping)],
         "goodput": {k: goodput.get(k) for k in ("wall", *BREAKDOWN, "goodput", "basis", "note")},
+        **_world(ledger, t0),
     }
+
+
+def _world(ledger: Mapping[str, Any], t0: float) -> dict[str, Any]:
+    """The world size over time (the ledger's `world_periods`: workers and steps/s of each) and the shrinks and
+    grows that changed it (`elastic`), times in seconds since `t0`; both empty for a job that never shrank."""
+    events = [{"kind": str(e.get("kind")), "at": round(_num(e.get("at")) - t0, 3), "host": e.get("host"),
+               "workers": e.get("workers"), "generation": e.get("generation"), "step": e.get("step")}
+              for e in ledger.get("elastic") or [] if isinstance(e, Mapping) and _num(e.get("at")) is not None]
+    periods = [{"start": round(_num(p.get("from")) - t0, 3), "end": round(_num(p.get("until")) - t0, 3),
+                "workers": p.get("workers"), "steps_per_s": _num(p.get("steps_per_s"))}
+               for p in ledger.get("world_periods") or [] if isinstance(p, Mapping)
+               and _num(p.get("from")) is not None and _num(p.get("until")) is not None] if events else []
+    return {"elastic": events, "world": periods}
 
 
 _Series = dict[str, dict[str, list[Any]]]  # rank -> {axis name: values}
@@ -184,7 +199,11 @@ def draw(data: Mapping[str, Any], out: Path) -> Any:
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=FIGSIZE, dpi=DPI, layout="constrained")
-    ax_loss, ax_rate, ax_good = fig.subplots(3, 1, height_ratios=[3, 3, 1])
+    if data.get("world"):
+        ax_loss, ax_rate, ax_good, ax_world = fig.subplots(4, 1, height_ratios=[3, 3, 1, 1])
+        _draw_world(ax_world, data)
+    else:
+        ax_loss, ax_rate, ax_good = fig.subplots(3, 1, height_ratios=[3, 3, 1])
     fig.suptitle(_title(data))
     _shade_generations(ax_loss, ax_rate, data["generations"])
     for rank, s in data["loss"].items():
@@ -195,6 +214,21 @@ def draw(data: Mapping[str, Any], out: Path) -> Any:
     _draw_goodput(ax_good, data["goodput"])
     fig.savefig(out)
     return fig
+
+
+def _draw_world(ax: Any, data: Mapping[str, Any]) -> None:
+    """The world size over time as steps, each period labelled with its steps/s, each shrink and grow marked."""
+    for p in data["world"]:
+        ax.hlines(p["workers"], p["start"], p["end"], lw=2, color="black", gid=f"world-{p['start']}")
+        if p["steps_per_s"] is not None:
+            ax.annotate(f"{p['workers']} workers, {p['steps_per_s']:.2f} steps/s", (p["start"], p["workers"]),
+                        textcoords="offset points", xytext=(2, 3), fontsize=8)
+    for e in data["elastic"]:
+        ax.axvline(e["at"], color="red" if e["kind"] == "shrink" else "green", ls="--", gid=f"{e['kind']}-{e['at']}")
+    top = max((p["workers"] for p in data["world"] if isinstance(p["workers"], int)), default=1)
+    ax.set_ylim(0, top * 1.3)
+    ax.set_xlabel("seconds since the job started")
+    ax.set_ylabel("workers")
 
 
 def _title(data: Mapping[str, Any]) -> str:
@@ -313,6 +347,15 @@ def summary_tables(data: Mapping[str, Any]) -> list[Table]:
                         ", ".join(i["hosts"]), _fmt(i["generation"]), _fmt(i["step"]), _fmt(i["detected_after"]),
                         _fmt(i["time_to_recover"]), _fmt(i["resumed_from"]), _fmt(i["recomputed"]))
         tables.append(inc)
+    if data.get("elastic"):
+        el = Table(title="shrinks and grows (the world size over time)")
+        for column in ("from s", "until s", "workers", "steps/s", "began with"):
+            el.add_column(column)
+        for i, p in enumerate(data["world"]):
+            e = data["elastic"][i - 1] if 0 < i <= len(data["elastic"]) else None
+            began = "the start" if e is None else f"{e['kind']} ({e['host']}, generation {_fmt(e['generation'])})"
+            el.add_row(_fmt(p["start"]), _fmt(p["end"]), _fmt(p["workers"]), _fmt(p["steps_per_s"]), began)
+        tables.append(el)
     if data["stragglers"]:
         st = Table(title="stragglers")
         for column in ("rank", "node id", "host", "factor", "from s", "until s"):

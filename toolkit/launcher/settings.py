@@ -39,10 +39,10 @@ class Option:
         return "--" + self.name.replace("_", "-")
 
 
-def _job_option(name: str, kind: type, help: str, metavar: str = "") -> Option:
+def _job_option(name: str, kind: type, help: str, metavar: str = "", group: str = "job") -> Option:
     """A flag that is a field of JobOptions: its default is JobOptions', the one place it is defined."""
     return Option(name, kind, next(f.default for f in dataclasses.fields(JobOptions) if f.name == name), help,
-                  metavar)
+                  metavar, group)
 
 
 # The sections of a task's help that the shared flags are listed in, in order, with their titles.
@@ -59,7 +59,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("slurm", bool, False, "the Slurm allocation's hosts (default inside one)", group="hosts"),
     Option("standalone", bool, False, "this machine only, even inside an allocation", group="hosts"),
     Option("nproc_per_node", int, None, "workers on each host (sets every host's slots)", "N", "hosts"),
-    Option("nnodes", int, None, "check: the number of hosts that run workers", "N", "hosts"),
+    Option("nnodes", int, None, "hosts with workers (checked); MIN:MAX may shrink", "N", "hosts"),
+    _job_option("min_workers", int, "a lost host, no spare: go on with N or more", "N", "hosts"),
     Option("worker_num", int, None, "total workers [every slot; here: 1]", "N", "hosts"),
     Option("job", str, None, "job name [the project directory's name]", "NAME"),
     Option("project", str, ".", "the script's project, copied to every host", "DIR"),
@@ -129,7 +130,7 @@ class Settings:
 JOB_OPTIONS = ("script", "script_args", "module", "no_python", "worker_num", "nproc_per_node", "nnodes", "master_port",
                "cluster_time_out", "node_timeout", "recovery", "data_path", "ckpt_dir", "workdir", "python",
                "max_restarts", "grace", "bind_core", "warm_spare", "torchrun_script", "host_timeout", "restart_refill",
-               "metrics_address", "verify_every", "logical_ranks")
+               "metrics_address", "verify_every", "min_workers", "min_nodes", "logical_ranks")
 
 
 # How deploy reached the hosts, kept in the job record's `ssh` (every later task reaches them the same way): typed
@@ -187,6 +188,10 @@ class Request:
                 value = str((self.cwd / Path(value).expanduser()).resolve())
             if name == "known_hosts":
                 value = str(Path(value).expanduser())
+            if name == "nnodes" and isinstance(value, tuple):  # MIN:MAX: MAX recorded as nnodes, MIN as min_nodes
+                if (value[1], value[0]) == (options[name], options.get("min_nodes")):
+                    continue
+                value = f"{value[0]}:{value[1]}"
             if value == options[name]:
                 continue
             flag = "--" + name.replace("_", "-")
@@ -294,7 +299,8 @@ def resolve(given: Mapping[str, Any], config: Mapping[str, Any], core: CoreFlags
         raise UserError(f"--script {script}: no such file in {project}; pass --project DIR or the script's path in it")
 
     job_fields = {f.name for f in dataclasses.fields(JobOptions)} & OPTION_NAMES
-    options = JobOptions(**{**{n: values[n] for n in job_fields}, "job": job, "workdir": workdir, "python": python})
+    options = JobOptions(**{**{n: values[n] for n in job_fields}, **_min_max_nodes(values, given, recorded),
+                            "job": job, "workdir": workdir, "python": python})
     parallel = values["parallel"]
     if parallel < 1:
         raise UserError(f"--parallel {parallel}: give at least 1")
@@ -389,8 +395,7 @@ def _convert(option: Option, value: Any, where: str) -> Any:
     if value is None:
         return None
     if option.name == "nnodes" and ":" in str(value):
-        raise UserError(f"{where}={value!r}: toolkit runs the hosts it is given, it does not grow or shrink a job "
-                        "between a minimum and a maximum (torchrun's MIN:MAX); give one number, or leave --nnodes out")
+        return _min_max(str(value), where)
     kind = option.kind
     if kind is bool:
         if isinstance(value, bool):
@@ -412,6 +417,29 @@ def _convert(option: Option, value: Any, where: str) -> Any:
             raise UserError(f"{where}={value!r}: expected a finite number")
         return number
     return str(value)
+
+
+def _min_max_nodes(values: Mapping[str, Any], given: Mapping[str, Any], recorded: Recorded | None) -> dict[str, Any]:
+    """torchrun's --nnodes MIN:MAX (`_min_max`'s pair) as JobOptions' nnodes (MAX) and min_nodes (MIN); without it
+    typed, a deployed job's recorded MIN."""
+    if isinstance(values["nnodes"], tuple):
+        return {"nnodes": values["nnodes"][1], "min_nodes": values["nnodes"][0]}
+    if recorded is not None and given.get("nnodes") is None:
+        return {"min_nodes": recorded.options.get("min_nodes")}
+    return {}
+
+
+def _min_max(value: str, where: str) -> tuple[int, int]:
+    """torchrun's --nnodes MIN:MAX as (MIN, MAX): MAX is the hosts that run workers (checked against the plan as a
+    single number is), MIN how many of them the job may shrink to. UserError unless 1 <= MIN <= MAX, whole numbers."""
+    low, _, high = value.partition(":")
+    try:
+        lo, hi = int(low.strip(), 10), int(high.strip(), 10)
+    except ValueError:
+        raise UserError(f"{where}={value!r}: expected MIN:MAX, two whole numbers of hosts (2:4)") from None
+    if not 1 <= lo <= hi:
+        raise UserError(f"{where}={value!r}: give 1 <= MIN <= MAX (the job may shrink to MIN hosts of MAX)")
+    return lo, hi
 
 
 def _job_name(project: Path) -> str:

@@ -26,6 +26,8 @@ class NoteKind(str, enum.Enum):
     RECOVERED = "recovered"  # a worker trains again after a recovery
     CORRUPTION = "corruption"  # the replica check found a rank's state corrupt (toolkit.train.replicas)
     REPLACED = "replaced"  # a spare took a host's ranks
+    SHRINK = "shrink"  # a lost host's ranks left the world: the survivors serve its logical ranks (issue 42)
+    GROW = "grow"  # a rank left out by a shrink is back: the next generation takes it in again
     FINISHED = "finished"  # every rank is done
     FAILED = "failed"  # the job failed
 

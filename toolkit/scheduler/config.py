@@ -41,6 +41,7 @@ class Config:
     spares: tuple[str, ...] = ()  # the inventory's spare hosts, in the order they are used
     metrics: tuple[str, int] | None = None  # (host, port) of the Prometheus endpoint; None: not served
     max_restarts: int | None = None  # each process's restarts allowed (TORCHELASTIC_MAX_RESTARTS), for the metrics
+    min_workers: int | None = None  # TOOLKIT_MIN_WORKERS: how far the job may shrink; None: it never does
     logical_ranks: int = 0  # the job's logical ranks L (TOOLKIT_LOGICAL_RANKS); 0 here: the world size (from_env)
 
     @classmethod
@@ -89,6 +90,7 @@ class Config:
             metrics=_metrics(env),
             max_restarts=_int(env, envvars.TORCHELASTIC_MAX_RESTARTS, -1) if env.get(
                 envvars.TORCHELASTIC_MAX_RESTARTS) else None,
+            min_workers=_min_workers(env, world),
             logical_ranks=_logical_ranks(env, world),
         )
 
@@ -125,6 +127,17 @@ def _world_size(env: Mapping[str, str]) -> int:
     if world < 1:
         raise ConfigError(f"{envvars.MS_WORKER_NUM}={world}: a job needs at least 1 worker")
     return world
+
+
+def _min_workers(env: Mapping[str, str], world: int) -> int | None:
+    """TOOLKIT_MIN_WORKERS (None when unset or empty): ConfigError unless it is 1 to MS_WORKER_NUM."""
+    if not env.get(envvars.TOOLKIT_MIN_WORKERS, "").strip():
+        return None
+    n = _int(env, envvars.TOOLKIT_MIN_WORKERS, world)
+    if not 1 <= n <= world:
+        raise ConfigError(f"{envvars.TOOLKIT_MIN_WORKERS}={n}: give 1 to {world} ({envvars.MS_WORKER_NUM}), the "
+                          "fewest workers the job may shrink to (--min-workers)")
+    return n
 
 
 def _straggler_and_host_timeout(env: Mapping[str, str]) -> tuple[float, float]:

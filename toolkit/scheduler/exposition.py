@@ -18,9 +18,9 @@ ranks=False)`.
 The series, and why their number is bounded (N ranks, H hosts): per rank 4 gauges (steps/s, step, own work per step,
 and the loss when the script reports one), labelled job, rank, node_id, host; per rank named a straggler one gauge
 (1: the verdict; the others have none, which keeps a scrape at 4096 ranks a quarter cheaper than a 0 per rank); per
-process that restarted one counter; per host one gauge (H); per job 38 (17 gauges, the goodput's 4 lost parts among
-them, 7 kinds of cause, 14 histogram samples). At 4096 ranks on 512 hosts: 4 x 4096 + 512 + 38 = 16,934 series in a
-healthy job, at most 6 x 4096 + 512 + 38 = 25,126 if every rank were a straggler and had restarted
+process that restarted one counter; per host one gauge (H); per job 40 (19 gauges, the goodput's 4 lost parts among
+them, 7 kinds of cause, 14 histogram samples). At 4096 ranks on 512 hosts: 4 x 4096 + 512 + 40 = 16,936 series in a
+healthy job, at most 6 x 4096 + 512 + 40 = 25,128 if every rank were a straggler and had restarted
 (tests/test_metrics.py counts them).
 
 Nothing here names a file, a token, a command line or a script's error text: incidents are counted by `cause_kind`,
@@ -100,6 +100,8 @@ class Snapshot:
     since_last_step: float | None  # s since the newest step was first heard
     max_restarts: int | None
     host_of: dict[int, str] = field(default_factory=dict)
+    workers: int | None = None  # processes in the newest formed generation (fewer than world_size: degraded)
+    logical_world: int | None = None  # the logical ranks they serve (issue 42)
 
 
 def take(journal: Journal, roster: Roster, generation: int, max_restarts: int | None, now: float,
@@ -124,7 +126,9 @@ def take(journal: Journal, roster: Roster, generation: int, max_restarts: int | 
         checkpoint_bytes=journal.checkpoint_bytes(), last_step=ledger.accounting.last_step,
         total=journal.progress(()).get("total"),
         since_last_step=None if journal.step_heard_at is None else max(0.0, now - journal.step_heard_at),
-        max_restarts=max_restarts, host_of=host_of)
+        max_restarts=max_restarts, host_of=host_of,
+        workers=(journal.elastic or {}).get("workers", journal.world_size),
+        logical_world=(journal.elastic or {}).get("logical_world", journal.world_size))
 
 
 def p99(values: list[float]) -> float | None:
@@ -194,6 +198,10 @@ class JobCollector(Collector):
 
         g = snap.goodput
         yield from gauge("toolkit_job_world_size", "Ranks the job runs", snap.world_size)
+        yield from gauge("toolkit_job_workers", "Processes in the newest formed generation (fewer than the world "
+                         "size: a degraded, shrunk job)", snap.workers)
+        yield from gauge("toolkit_job_logical_ranks", "Logical ranks the workers serve (a shrunk job serves all of "
+                         "them with fewer processes)", snap.logical_world)
         yield from gauge("toolkit_job_members", "Ranks whose live process is connected to the scheduler",
                          snap.members)
         yield from gauge("toolkit_job_generation", "The job's generation (1 up at every re-formation)",

@@ -56,6 +56,7 @@ class Journal:
         self.status = JobStatus.RUNNING
         self.generation = 0
         self.formed = False
+        self.elastic: dict[str, Any] | None = None  # a shrunk world (workers, L, who serves what); None: the plain one
         now = clock()
         self.live_at = self.eval_at = self.metrics_at = now
         self.ledger_at = now + LEDGER_INTERVAL
@@ -118,6 +119,10 @@ class Journal:
             self.formed = self.formed and not f["begins"]
         elif note.kind == NoteKind.FORMED:
             self.generation, self.formed = f["generation"], True
+            workers = f.get("workers", self.world_size)  # an elastic job's world of this generation (issue 42)
+            self.elastic = None if workers == self.world_size and "logical" not in f else {
+                "workers": workers, "world_size": self.world_size, "logical_world": f.get("logical_world"),
+                "logical": dict(f.get("logical") or {})}
         elif note.kind in (NoteKind.FINISHED, NoteKind.FAILED):
             self.status = JobStatus(note.kind.value)
         self.ledger.note(note.kind, f, wall)
@@ -227,6 +232,7 @@ class Journal:
                 "time_to_recover": last.time_to_recover, "recomputed": last.recomputed,
                 "formed_in": None if last.formed_at is None else round(last.formed_at - last.failed_at, 3)},
             "incidents": self.ledger.faults.count,
+            "elastic": self.elastic,
             "reports_steps": self.ledger.accounting.last_step is not None,
             "stalled_for": None if stalled_for is None else round(stalled_for, 1),
             "goodput": self.ledger.goodput(wall, stalled_for or 0.0),

@@ -256,6 +256,7 @@ class Incidents:
         self.generations: list[dict[str, Any]] = []  # generation, formed_at, seconds (the gathering)
         self.after_stop = False  # started again after its operator stopped it, until the next formation
         self.restored = world_size  # members the restarted scheduler waits for
+        self.workers = world_size  # processes in the newest formed generation (fewer after a shrink: issue 42)
         self._held: list[tuple[dict[str, Any], float]] = []  # their deaths: a fault only if some came back
         self._agent_lost: dict[str, float] = {}  # host -> when its agent disconnected
 
@@ -333,6 +334,8 @@ class Incidents:
             for death, at in held:
                 self.death(death, at)
         generation = f["generation"]
+        workers = f.get("workers")  # a shrunk generation's (issue 42): its incident closes when they all train
+        self.workers = workers if type(workers) is int and 0 < workers <= self.world_size else self.world_size
         self.generations.append({"generation": generation, "formed_at": now, "seconds": f.get("seconds")})
         del self.generations[:-MAX_INCIDENTS]
         for inc in self.incidents[-3:]:
@@ -356,7 +359,7 @@ class Incidents:
                 recomputed = max(0, inc.step - step)  # from a checkpoint: the ranks' own last steps were lost
             if recomputed is not None and recomputed >= 0:
                 inc.recomputed = max(inc.recomputed or 0, recomputed)
-            if len(inc.recovered_ranks) >= self.world_size:
+            if len(inc.recovered_ranks) >= self.workers:
                 inc.recovered_at = now
             self.changed(inc.recovered_at is not None)  # at once when it closes: 4096 ranks' reports, one write
             return
@@ -429,6 +432,10 @@ class Ledger:
         self.faults = Incidents(world_size, self.accounting, self._changed)
         self.stragglers: list[dict[str, Any]] = []  # rank, node_id, host, since, until, factor, busy, median
         self.scheduler_restarts: list[float] = []
+        # shrinks and grows (issue 42), their own kind of incident: kind, at, host, slots, workers (after it),
+        # generation, step (the job's newest when it happened: each period's throughput, `world_periods`)
+        self.elastic: list[dict[str, Any]] = []
+        self.first_step: int | None = None  # the first step reported (the first period's throughput counts from it)
         self.ended_at: float | None = None
         self.outcome: str | None = None  # finished, failed, stopped
         self.failure: str | None = None
@@ -440,7 +447,9 @@ class Ledger:
             NoteKind.FORMED: self._on_formed, NoteKind.RECOVERED: self.faults.recovered,
             NoteKind.PACE: self._on_pace, NoteKind.FENCED: self.faults.fenced,
             NoteKind.CORRUPTION: self.faults.corruption, NoteKind.RESTORED: self._on_restored,
-            NoteKind.FINISHED: self._on_finished, NoteKind.FAILED: self._on_failed}
+            NoteKind.FINISHED: self._on_finished, NoteKind.FAILED: self._on_failed,
+            NoteKind.SHRINK: lambda f, now: self._on_world("shrink", f, now),
+            NoteKind.GROW: lambda f, now: self._on_world("grow", f, now)}
 
     # -- facts
 
@@ -457,6 +466,8 @@ class Ledger:
 
     def _on_pace(self, f: Mapping[str, Any], now: float) -> None:
         self.faults.stepped(f, now)  # first: the stride that closes an incident is the one before this heartbeat
+        if self.first_step is None and type(f.get("step")) is int:
+            self.first_step = f["step"]
         self.accounting.pace(f, now)
         self.accounting.skipped_checkpoints(f, now)
 
@@ -464,6 +475,30 @@ class Ledger:
         self.scheduler_restarts.append(now)
         self.faults.restored = int(f.get("members", self.world_size))
         self._changed(urgent=True)
+
+    def _on_world(self, kind: str, f: Mapping[str, Any], now: float) -> None:
+        self.elastic.append({"kind": kind, "at": now, "host": f.get("host"),
+                             "slots": list(f.get("slots") or []), "workers": f.get("workers"),
+                             "generation": f.get("generation"), "step": self.accounting.last_step})
+        del self.elastic[:-MAX_EPISODES]
+        self._changed(urgent=True)
+
+    def world_periods(self, now: float) -> list[dict[str, Any]]:
+        """The job's world size over time: one period per size (from its first step, then from each shrink or
+        grow, until the next or `now`/the end), each with its workers and its throughput (steps/s; None when no
+        step was reported in it)."""
+        acc = self.accounting
+        start = acc.first_step_at if acc.first_step_at is not None else acc.started_at
+        marks = [(start, self.world_size, None)] + [(e["at"], e["workers"], e["step"]) for e in self.elastic]
+        end = self.ended_at if self.ended_at is not None else now
+        out = []
+        for i, (at, workers, step) in enumerate(marks):
+            until, last = (marks[i + 1][0], marks[i + 1][2]) if i + 1 < len(marks) else (end, acc.last_step)
+            first = step if i else self.first_step
+            rate = (last - first) / (until - at) if first is not None and last is not None and until > at else None
+            out.append({"from": at, "until": until, "workers": workers,
+                        "steps_per_s": None if rate is None else round(rate, 4)})
+        return out
 
     def _on_finished(self, f: Mapping[str, Any], now: float) -> None:
         self._end(JobStatus.FINISHED, None, now)
@@ -526,6 +561,7 @@ class Ledger:
             "incidents": [{**asdict(i), "time_to_recover": i.time_to_recover} for i in faults.incidents],
             "generations": faults.generations, "stragglers": self.stragglers, "intervals": acc.intervals,
             "scheduler_restarts": self.scheduler_restarts,
+            "elastic": self.elastic, "world_periods": self.world_periods(now), "first_step": self.first_step,
             "checkpoint_stall": {str(r): [round(b, 4), round(last, 4)] for r, (b, last) in acc.stall.items()},
             "paused": round(acc.paused, 3), "restarting": round(acc.restarting, 3),
             "recovery": acc.recovery, "checkpoint_step": acc.checkpoint_step,
@@ -549,6 +585,8 @@ class Ledger:
         acc.intervals = list(doc["intervals"])
         acc.interval = {i["rank"]: i["steps"] for i in acc.intervals}
         led.scheduler_restarts = [float(t) for t in doc["scheduler_restarts"]]
+        led.elastic = [dict(e) for e in doc.get("elastic") or [] if isinstance(e, Mapping)]
+        led.first_step = doc["first_step"] if type(doc.get("first_step")) is int else None
         acc.first_step_at = doc.get("first_step_at")
         acc.last_step = doc.get("last_step")
         acc.step_time = doc.get("step_time")

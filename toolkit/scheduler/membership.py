@@ -23,7 +23,10 @@ The rules, in one place:
 - A host whose ranks are all dead and whose agent has been gone for host_timeout (once the job has formed) is lost:
   a free spare host (an agent that said `spare` in its hello) takes its node ids and ranks (`takeover`), and the
   lost host is fenced for good (persisted): its agent is stopped if it comes back, its workers told to exit. The
-  operator's `replace` does the same at once, for a host alive or not. No spare free: the job waits, as before.
+  operator's `replace` does the same at once, for a host alive or not. No spare free: the job shrinks if it may
+  (toolkit.scheduler.elastic: --min-workers, the survivors' memory), its ranks benched and the next generation
+  formed without them, the survivors serving their logical ranks; otherwise it waits, as before, said in one line.
+  A benched rank's worker registering again (its host back) takes it into the next generation (grow).
 - When every rank is done the job has finished; when an agent gives up on a process, it has failed. A death after
   some rank is done forms no generation (the finished ranks are gone): an in-place member has finished too (a
   rank is done only after the final barrier), any other fails the job at once.
@@ -37,7 +40,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 from toolkit.contracts import envvars, protocol
-from toolkit.contracts.logical import assign
+from toolkit.scheduler import elastic
 from toolkit.scheduler.actions import (  # also re-exported
     CAUSE_CLOSED,
     CAUSE_NOT_BACK,
@@ -55,7 +58,7 @@ from toolkit.scheduler.actions import (  # also re-exported
 )
 from toolkit.scheduler.liveness import alive_though_silent, expiry, kill_unreported, vouch, vouched
 from toolkit.scheduler.roster import Fact, Member, Peer, PeerRole, Roster, rank_of  # also re-exported
-from toolkit.scheduler.spares import LostCheck, Refusal, choose_spare, fenced_host_spare, find_lost
+from toolkit.scheduler.spares import Lost, LostCheck, Refusal, choose_spare, fenced_host_spare, find_lost
 from toolkit.scheduler.state import JobStatus
 from toolkit.scheduler.watchdog import Watchdog
 
@@ -224,13 +227,6 @@ def fence_corrupt(m: Membership, f: Mapping[str, Any], why: str, now: float) -> 
     return out
 
 
-def formed_fields(m: "Membership") -> dict[str, Any]:
-    """The fields of `formed` for `m`'s current generation: its store prefix and its assignment of logical ranks
-    (`logical`: one ascending list per rank, index = rank; toolkit.contracts.logical)."""
-    return {"generation": m.generation, "prefix": protocol.store_prefix(m.job, m.boot, m.generation),
-            "logical_world": m.logical_world, "logical": [list(m.logical[r]) for r in range(m.world_size)]}
-
-
 class Membership:
     """See the module docstring. `boot` names this scheduler start in the store prefixes; `expected` maps node ids
     to the host the plan put them on (for the formation-timeout message).
@@ -249,12 +245,17 @@ class Membership:
     def __init__(self, job: str, world_size: int, node_timeout: float, topo_timeout: float, boot: str,
                  address: str, expected: Mapping[str, str] | None = None, now: float = 0.0,
                  host_timeout: float = envvars.DEFAULT_HOST_TIMEOUT, spares: Sequence[str] = (),
-                 logical_world: int | None = None) -> None:
+                 min_workers: int | None = None, logical_world: int | None = None) -> None:
         self.job, self.world_size, self.boot, self.address = job, world_size, boot, address
-        # the job's L logical ranks, and which rank serves which (contracts.logical.assign, at each formation; sent
-        # in `formed`). Keyed by rank: the world size is fixed here.
+        # elastic (issue 42): how far the job may shrink, its L logical ranks, the slots benched (their host lost,
+        # no spare), the assignment of the last formed generation (persisted when it is not the plain one), the
+        # formed generation's world and the logical ranks each slot said its memory holds
+        self.min_workers = world_size if min_workers is None else min_workers
         self.logical_world = world_size if logical_world is None else logical_world
-        self.logical: dict[int, tuple[int, ...]] = assign(range(world_size), self.logical_world)
+        self.benched: list[int] = []
+        self.assignment: list[list[Any]] | None = None
+        self.world: elastic.World | None = None
+        self.capacity: dict[int, int] = {}
         self.node_timeout, self.topo_timeout = node_timeout, topo_timeout
         self.host_timeout = host_timeout  # <= 0: no automatic replacement (the operator's `replace` only)
         # the agents' heartbeat interval (their `welcome`), stretched as the workers' at thousands of ranks
@@ -309,7 +310,9 @@ class Membership:
             "members": [m.to_json() for m in sorted(self.roster.members.values(), key=lambda m: m.rank)],
             "done": sorted(self.roster.done), "fenced": sorted(self.roster.fenced),
             "commits": {str(r): s for r, s in sorted(self.roster.commits.items())}, "committed_step": committed,
-            "replaced": self.roster.replacements(),
+            "replaced": self.roster.replacements(),  # then what an elastic job adds, only when it has it
+            **({"benched": list(self.benched)} if self.benched else {}),
+            **({"assignment": self.assignment} if self.assignment is not None else {}),
         }
 
     def restore(self, state: Mapping[str, Any], now: float) -> list[Action]:
@@ -334,6 +337,11 @@ class Membership:
         self.gather_since = None if self.formed else now
         self.roster.done = {int(r) for r in state.get("done", [])}
         self.roster.fenced = set(state.get("fenced", []))
+        self.benched = elastic.read_benched(state.get("benched"), self.world_size)
+        self.assignment = state.get("assignment")
+        if self.formed:
+            self.world = elastic.plan_world(elastic.active(self.world_size, self.benched), self.logical_world,
+                                            elastic.previous(self.assignment, self.world_size, self.logical_world))
         self.roster.commits = {int(r): int(s) for r, s in state.get("commits", {}).items()}
         for r in state.get("replaced", []):  # the hosts fenced, and where their ranks went
             self.roster.replace(r["host"], r["by"], str(r.get("reason", "")), node_ids=r["node_ids"])
@@ -394,6 +402,8 @@ class Membership:
             out.append(Log(INFO, f"{node_id} reconnected ({where}), generation {self.generation}"))
         else:
             recovery = reg.recovery
+            if rank in self.benched:  # its host is back (or a spare took it): the next generation grows
+                out += grow(self, rank, host, now)
             self.roster.admit(Member(rank, node_id, inc, pid, host, addr, now, peer, recovery=recovery))
             self.hb_check_at = min(self.hb_check_at, now + self.node_timeout)
             self.roster.place(node_id, host, keep=True)
@@ -403,7 +413,7 @@ class Membership:
         out.append(Send(peer, protocol.WELCOME, {"rank": rank, "world_size": self.world_size,
                                                  "generation": self.generation, "job": self.job}))
         if self.formed:
-            out.append(Send(peer, protocol.FORMED, formed_fields(self)))
+            out.append(Send(peer, protocol.FORMED, formed_fields(self, rank)))
         else:
             out += self._maybe_form(now)
         return out
@@ -486,6 +496,9 @@ class Membership:
         member.last_seen, member.busy_said = now, False
         if op == protocol.HEARTBEAT:
             member.step = protocol.whole(msg, "step", member.step)
+            capacity = elastic.read_capacity(msg)
+            if capacity is not None:
+                self.capacity[member.rank] = capacity
             self.watchdog.heard(member.rank, member.node_id, member.step, msg, now)
             return [Note(NoteKind.PACE, {"rank": member.rank, "node_id": member.node_id,
                                          "host": host_of(self.roster, member), "pid": member.pid, "step": member.step,
@@ -618,13 +631,10 @@ class Membership:
         changes = self.roster.changes  # what the scan's own takeovers change is looked at again next pass
         out: list[Action] = []
         for lost in find_lost(self.roster, now, self.host_timeout):
-            host, since, node_ids = lost.host, lost.since, lost.node_ids
+            host, since = lost.host, lost.since
             spare = choose_spare(self.roster, None, host)
             if isinstance(spare, Refusal):
-                if self.roster.wait_for_spare(host):
-                    out.append(Log(WARNING, f"host {host} is lost (its agent unheard for {now - since:.1f} s, "
-                                            f"{', '.join(node_ids)} dead) and no spare is free: waiting for it to "
-                                            "come back ('fleet restart --host' starts its agent) or for a spare"))
+                out += shrink_or_wait(self, lost, now)
                 continue
             out += self._take_over(host, spare, f"its agent unheard for {now - since:.1f} s and its workers dead "
                                                   f"(TOOLKIT_HOST_TIMEOUT={self.host_timeout:g})", now)
@@ -664,27 +674,35 @@ class Membership:
         another, a phantom incident): tell each `formed` with the
         generation's store prefix, stop the formation clock, mark the state `dirty`, and drop the store keys of
         every earlier generation of this scheduler start (DropKeys). Nothing once formed or once the job has ended.
-        (A death after a rank is done never gets here: `_death_after_done`.)"""
+        (A death after a rank is done never gets here: `death_after_done`.)"""
         if self.formed or self.status != RUNNING:
             return []
         leaving = sum(1 for m in self.roster.members.values() if m.peer is not None and m.incarnation in self.leaving) \
             if self.leaving else 0
-        if self.roster.connected_members - leaving < self.world_size:
+        slots = elastic.active(self.world_size, self.benched)
+        if self.roster.connected_members - leaving < len(slots):
             return []
+        self.world = elastic.plan_world(slots, self.logical_world,
+                                        elastic.previous(self.assignment, self.world_size, self.logical_world))
+        self.assignment = elastic.assignment_doc(self.world)
         self.formed = self.ever_formed = True
         self.dirty = True
         self.watchdog.formed()
         since = self.gather_since if self.gather_since is not None else now
         self.gather_since = None
         prefix = protocol.store_prefix(self.job, self.boot, self.generation)
-        self.logical = assign(range(self.world_size), self.logical_world, self.logical)
-        serving = "" if self.logical_world == self.world_size else f", serving {self.logical_world} logical ranks"
-        out: list[Action] = [Log(INFO, f"generation {self.generation} formed: {self.world_size} workers{serving} in "
+        serving = f", serving {self.logical_world} logical ranks" if self.logical_world != len(slots) else ""
+        out: list[Action] = [Log(INFO, f"generation {self.generation} formed: {len(slots)} workers{serving} in "
                                        f"{now - since:.3f} s; store prefix {prefix}"),
                              Note(NoteKind.FORMED, {"generation": self.generation, "seconds": now - since,
-                                             "recovery": sorted({m.recovery for m in self.roster.members.values()})})]
-        formed = formed_fields(self)
-        out += [Send(m.peer, protocol.FORMED, formed) for m in self.roster.members.values() if m.peer is not None]
+                                             "recovery": sorted({m.recovery for m in self.roster.members.values()}),
+                                             "workers": len(slots), "logical_world": self.logical_world,
+                                             # which process serves which logical ranks, when not the plain way
+                                             **({"logical": {protocol.worker_node_id(s): list(p) for s, p in
+                                                             self.world.by_slot().items()}}
+                                                if self.assignment is not None else {})})]
+        out += [Send(m.peer, protocol.FORMED, formed_fields(self, m.rank))
+                for m in self.roster.members.values() if m.peer is not None]
         if self.generation > 0:  # the generations before are over: their store keys can go
             out += [DropKeys(protocol.store_prefix(self.job, self.boot, g)) for g in range(self.generation)]
         return out
@@ -728,38 +746,29 @@ class Membership:
         if self.status != RUNNING:
             return out
         if self.roster.done:
-            return out + self._death_after_done(member, reason)
+            return out + death_after_done(self, member, reason)
         if self.formed:
-            self.generation += 1
-            self.formed = False
-            self.gather_since = now
-            # the connected ones: told of the generation below, they exit (a restored member that has not
-            # reconnected after a restart of the job is no process that leaves: its absence is judged as such)
-            self.leaving |= {m.incarnation for m in self.roster.members.values()
-                             if m.recovery == protocol.RECOVERY_RESTART and m.peer is not None}
             out.append(Log(WARNING, f"{member.node_id} (pid {member.pid} on {member.host}) is dead: {reason}; "
-                                    f"generation {self.generation} begins, waiting for its replacement"))
-            out += [Send(m.peer, protocol.GENERATION, {"generation": self.generation})
-                    for m in self.roster.members.values() if m.peer is not None]
+                                    f"generation {self.generation + 1} begins, waiting for its replacement"))
+            out += self._begin_generation(now)
         else:
             out.append(Log(WARNING, f"{member.node_id} (pid {member.pid} on {member.host}) is dead: {reason}; "
                                     f"generation {self.generation} still gathering"))
         return out
 
-    def _death_after_done(self, member: Member, reason: str) -> list[Action]:
-        """A member died after other ranks finished: no new generation can form, the finished ranks are gone.
-        A rank says `done` only after the final barrier, which every rank passes with its final checkpoint
-        durable; so an in-place (toolkit.train) member that dies now has finished its training and counts as
-        done. Any other member's state is unknown: the job fails at once, saying why, rather than waiting out
-        the formation timeout."""
-        finished = ", ".join(protocol.worker_node_id(r) for r in sorted(self.roster.done))
-        who = f"{member.node_id} (pid {member.pid} on {member.host})"
-        if member.recovery == protocol.RECOVERY_IN_PLACE:
-            return [Log(WARNING, f"{who} is dead: {reason}, after {finished} finished: every rank had passed the "
-                                 "final barrier with its final checkpoint durable, so it counts as finished")
-                    ] + self._mark_done(member.rank)
-        return self._fail(f"{who} is dead: {reason}, after {finished} finished; the finished ranks cannot form a "
-                          "new generation with its replacement: start the job again (train --again)", EXIT_FAILED)
+    def _begin_generation(self, now: float) -> list[Action]:
+        """Leave the formed generation for the next (gathering from `now`), announced by `generation` to every
+        connected member: a death's, or a grow's at the members' next step boundary."""
+        self.generation += 1
+        self.formed = False
+        self.gather_since = now
+        self.dirty = True
+        # the connected ones: told of the generation below, they exit (a restored member that has not
+        # reconnected after a restart of the job is no process that leaves: its absence is judged as such)
+        self.leaving |= {m.incarnation for m in self.roster.members.values()
+                         if m.recovery == protocol.RECOVERY_RESTART and m.peer is not None}
+        return [Send(m.peer, protocol.GENERATION, {"generation": self.generation})
+                for m in self.roster.members.values() if m.peer is not None]
 
     def _mark_done(self, rank: int) -> list[Action]:
         """Record `rank` as done (`dirty`). Once every rank is, the job has finished (once): its agents are told
@@ -768,10 +777,11 @@ class Membership:
             self.roster.done.add(rank)
             self.roster.unsaved.add((Fact.DONE, rank))
             self.dirty = True
-        if len(self.roster.done) < self.world_size or self.status != RUNNING:
+        slots = elastic.active(self.world_size, self.benched)
+        if not set(slots) <= self.roster.done or self.status != RUNNING:
             return []
         self.status = FINISHED
-        return ([Log(INFO, f"all {self.world_size} workers finished: job {self.job} done"), Note(NoteKind.FINISHED)]
+        return ([Log(INFO, f"all {len(slots)} workers finished: job {self.job} done"), Note(NoteKind.FINISHED)]
                 + [Send(agent, protocol.FINISHED) for agent in self.roster.agents.values()] + [Exit(EXIT_OK)])
 
     def _fail(self, reason: str, code: int) -> list[Action]:
@@ -829,7 +839,7 @@ class Membership:
         generations) and their agents' exit reports end the job. Otherwise the job fails with EXIT_FORMATION,
         naming each missing worker, the host it was expected on and the address it should reach."""
         members = self.roster.members
-        missing = [r for r in range(self.world_size)
+        missing = [r for r in elastic.active(self.world_size, self.benched)
                    if r not in self.roster.done and (r not in members or members[r].peer is None)]
         attested = [r for r in missing if self.roster.agent_at(protocol.worker_node_id(r)) is not None]
         if not self.ever_registered and missing and len(attested) == len(missing):
@@ -849,3 +859,74 @@ class Membership:
                   f"{self.world_size} workers never registered: {', '.join(names)}; check their logs "
                   f"(logs/worker_<rank>.log) and that they reach {self.address}")
         return self._fail(reason, EXIT_FORMATION)
+
+
+def death_after_done(m: Membership, member: Member, reason: str) -> list[Action]:
+    """A member died after other ranks finished: no new generation can form, the finished ranks are gone.
+    A rank says `done` only after the final barrier, which every rank passes with its final checkpoint
+    durable; so an in-place (toolkit.train) member that dies now has finished its training and counts as
+    done. Any other member's state is unknown: the job fails at once, saying why, rather than waiting out
+    the formation timeout."""
+    finished = ", ".join(protocol.worker_node_id(r) for r in sorted(m.roster.done))
+    who = f"{member.node_id} (pid {member.pid} on {member.host})"
+    if member.recovery == protocol.RECOVERY_IN_PLACE:
+        return [Log(WARNING, f"{who} is dead: {reason}, after {finished} finished: every rank had passed the "
+                             "final barrier with its final checkpoint durable, so it counts as finished")
+                ] + m._mark_done(member.rank)
+    return m._fail(f"{who} is dead: {reason}, after {finished} finished; the finished ranks cannot form a "
+                      "new generation with its replacement: start the job again (train --again)", EXIT_FAILED)
+
+
+def formed_fields(m: Membership, slot: int) -> dict[str, Any]:
+    """The `formed` message for the worker in `slot`: the generation, its store prefix, and (elastic.World) the
+    slot's rank in it, its world size, L and the assignment of logical ranks."""
+    world = m.world or elastic.plan_world(elastic.active(m.world_size, m.benched), m.logical_world, None)
+    return {"generation": m.generation, "prefix": protocol.store_prefix(m.job, m.boot, m.generation),
+            **world.formed_fields(slot)}
+
+
+def shrink_or_wait(m: Membership, lost: Lost, now: float) -> list[Action]:
+    """Host `lost.host` is lost and no spare is free: if the survivors may go on without it
+    (elastic.shrink_refusal), its ranks are benched and the generation gathering since their deaths forms without
+    them; otherwise the job waits for it (or a spare), said once with the reason. Nothing for a host whose ranks are
+    benched already."""
+    host, since = lost.host, lost.since
+    slots = [r for r in (rank_of(n) for n in lost.node_ids) if r is not None]
+    if set(slots) <= set(m.benched):
+        return []
+    survivors = [s for s in elastic.active(m.world_size, m.benched) if s not in slots]
+    why = elastic.shrink_refusal(survivors, m.world_size, m.min_workers, m.logical_world, m.capacity)
+    unheard = f"its agent unheard for {now - since:.1f} s, {', '.join(lost.node_ids)} dead"
+    if why is not None:
+        if not m.roster.wait_for_spare(host):
+            return []
+        return [Log(WARNING, f"host {host} is lost ({unheard}) and no spare is free: waiting for it to come back "
+                             "('fleet restart --host' starts its agent) or for a spare"
+                             + (f"; not shrinking: {why}" if m.min_workers < m.world_size else ""))]
+    m.benched = sorted(set(m.benched) | set(slots))
+    m.dirty = True
+    out: list[Action] = [
+        Log(WARNING, f"host {host} is lost ({unheard}) and no spare is free: shrinking to {len(survivors)} of "
+                     f"{m.world_size} workers, serving {m.logical_world} logical ranks; it rejoins when its agent "
+                     "is back ('fleet restart --host')"),
+        Note(NoteKind.SHRINK, {"host": host, "slots": slots, "workers": len(survivors), "world_size": m.world_size,
+                               "generation": m.generation})]
+    return out + m._maybe_form(now)
+
+
+def grow(m: Membership, slot: int, host: str, now: float) -> list[Action]:
+    """A worker registers for benched `slot` (its host is back, or a spare took it): that slot and the other benched
+    slots placed on the same host (its agent starts them together) are in the next generation's world, which begins
+    now if the job is formed: the others re-form at their next step boundary and the newcomers take the state from
+    a peer. One that never comes fails the formation as any missing worker does (MS_TOPO_TIMEOUT)."""
+    where = m.roster.host_of(protocol.worker_node_id(slot)) or host
+    back = sorted(s for s in m.benched if s == slot or m.roster.host_of(protocol.worker_node_id(s)) == where)
+    m.benched = [s for s in m.benched if s not in back]
+    m.dirty = True
+    n, generation = m.world_size - len(m.benched), m.generation + (1 if m.formed else 0)
+    out: list[Action] = [
+        Log(INFO, f"{', '.join(protocol.worker_node_id(s) for s in back)} back on {where}: generation {generation} "
+                  f"grows to {n} of {m.world_size} workers"),
+        Note(NoteKind.GROW, {"host": where, "slots": back, "workers": n, "world_size": m.world_size,
+                             "generation": generation})]
+    return out + (m._begin_generation(now) if m.formed else [])

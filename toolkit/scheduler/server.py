@@ -65,7 +65,8 @@ class Server:
         self.boot = secrets.token_hex(8)
         self.members = Membership(config.job, config.world_size, config.node_timeout, config.topo_timeout,
                                   self.boot, f"{config.host}:{config.port}", config.expected, clock(),
-                                  config.host_timeout, config.spares, config.logical_ranks or config.world_size)
+                                  config.host_timeout, config.spares, min_workers=config.min_workers,
+                                  logical_world=config.logical_ranks or config.world_size)
         self.kv = KVStore(*bounds(config.world_size),
                           generation_prefix=protocol.generation_prefix(config.job, self.boot))
         self.journal = Journal(config.recovery_path, config.job, config.world_size, 1.0 / config.straggler_factor,

@@ -26,6 +26,7 @@ from toolkit.contracts import protocol
 from toolkit.contracts.logical import parse_formed
 
 DONE_WAIT = 5.0  # s to hear the scheduler acknowledge `done` (by closing) before exiting anyway
+MAX_WORLD = 1 << 20  # ranks a `formed` may say a generation has (a hostile bound)
 MAX_REASON = 2000  # characters of a `stop` reason kept
 MAX_FENCED_REASON = 1000  # characters of a `fenced` or refusal reason logged
 
@@ -41,6 +42,9 @@ class JobView:
     history: tuple[int, float, float] | None = None  # (faults, job uptime s, monotonic time told): the ledger's
     restart_only: bool = False  # restart recovery: a newer generation ends the process (EXIT_REJOIN)
     goodput: float | None = None  # the job's goodput so far (0 to 1) as the scheduler said at the last formation
+    # (rank, world size) of this process in the newest formed generation, when the scheduler said (an elastic job
+    # shrinks and grows: issue 42); None: the rank and world size it started with
+    shape: tuple[int, int] | None = None
     world_size: int = 1  # ranks of a generation (the worker's MS_WORKER_NUM): what `formed`'s assignment must cover
     # (generation, L, the logical ranks each rank serves) of the newest `formed` (toolkit.contracts.logical)
     logical: tuple[int, int, tuple[tuple[int, ...], ...]] | None = None
@@ -118,9 +122,12 @@ def on_message(view: JobView, msg: dict[str, Any], now: float) -> tuple[JobView,
         raise protocol.ProtocolError(f"{op} without a generation")
     if op == protocol.FORMED and not isinstance(msg.get("prefix"), str):
         raise protocol.ProtocolError("formed without a store prefix")
+    if op == protocol.FORMED and "world_size" in msg and _shape(msg) is None:
+        raise protocol.ProtocolError("formed with a rank that is not in its world size")
     if op == protocol.FORMED:
+        shape = _shape(msg) if "world_size" in msg else None  # an elastic job's generation has its own size
         try:
-            logical = _logical(msg, view.world_size)
+            logical = _logical(msg, shape[1] if shape is not None else view.world_size)
         except ValueError as e:
             return view, [_bad_assignment(generation, e)]
         view = dataclasses.replace(view, logical=(generation, *logical))
@@ -172,10 +179,18 @@ def _changed(view: JobView, op: str, msg: dict[str, Any], generation: int | None
         goodput = msg.get("goodput")
         goodput = float(goodput) if type(goodput) in (int, float) and 0 <= goodput <= 1 else None
         return dataclasses.replace(view, formed=(generation, msg["prefix"]), announced=generation, history=history,
-                                   goodput=goodput)
+                                   goodput=goodput, shape=_shape(msg) if "world_size" in msg else view.shape)
     if op == protocol.STOP:
         return dataclasses.replace(view, stop_reason=str(msg.get("reason", "stopped by the scheduler"))[:MAX_REASON])
     return view
+
+
+def _shape(msg: dict[str, Any]) -> tuple[int, int] | None:
+    """A `formed` message's (rank, world size) of this process, None unless 0 <= rank < world size (bounded)."""
+    rank, world = protocol.whole(msg, "rank"), protocol.whole(msg, "world_size")
+    if rank is None or world is None or not 0 <= rank < world <= MAX_WORLD:
+        return None
+    return rank, world
 
 
 def on_refused(first_at: float, now: float, retry: bool, reason: str, node_timeout: float) -> Retry | Stop | \

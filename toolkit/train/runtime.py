@@ -292,10 +292,16 @@ class Runtime:
         deadline = started + self.cfg.topo_timeout + self.cfg.node_timeout
         while True:
             generation, prefix = ch.wait_formed(self.generation, deadline)
-            logical = ch.view.logical
+            view = ch.view  # one read: the logical ranks and the shape of the same `formed`
+            logical = view.logical
             if logical is None or logical[0] != generation:  # a newer generation formed meanwhile: wait for it
                 continue
             self._leave()
+            shape = view.shape  # an elastic job's generation may number its ranks anew (issue 42)
+            if shape is not None and shape != (self.rank, self.world_size):
+                say(self.node_id, f"generation {generation}: rank {shape[0]} of {shape[1]} (was {self.rank} of "
+                                  f"{self.world_size})")
+                self.rank, self.world_size = shape
             serve(self, logical[1], logical[2])
             try:
                 self._build(generation, prefix)

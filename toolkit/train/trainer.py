@@ -60,7 +60,7 @@ import torch.distributed as dist
 from torch import nn
 
 from toolkit.contracts import envvars
-from toolkit.train import checkpoint, interval, log, progress, replicas
+from toolkit.train import checkpoint, headroom, interval, log, progress, replicas
 from toolkit.train.agreement import FROM_CHECKPOINT, FROM_INITIAL, FROM_PEER, TrainingState, recomputed_steps
 from toolkit.train.checkpointing import Checkpointing, manager_for, parse_every
 from toolkit.train.ddpmodel import GroupModel
@@ -133,6 +133,7 @@ class Trainer:
         self._applied = _Applied()  # optimizer steps run (a step that ran before a fault still counts)
         self._hook = optimizer.register_step_post_hook(self._applied)
         self._lane = 0  # which of this process's logical ranks the next batch is for (toolkit.train.logicalgrad)
+        self._grad_bytes = headroom.grad_bytes(model.parameters())  # one more logical rank's cost (headroom)
         self._began, self._applied_before = 0.0, 0  # the step in progress: when it began, optimizer steps before it
         self._pre_hook = optimizer.register_step_pre_hook(self._group.reduce_logical)
         self._loss: Any = None
@@ -387,6 +388,9 @@ class Trainer:
             except GenerationChanged:
                 continue
         self._need_sync = False
+        # how many logical ranks this memory holds, for the scheduler's shrink decisions (toolkit.train.headroom)
+        self.rt.publish_pace(capacity=headroom.capacity(len(self.rt.logical_ranks), self._grad_bytes,
+                                                        headroom.free_bytes()))
         source = agreed.source.kind
         recomputed = recomputed_steps(agreed.source, self.step_count)
         seconds = time.monotonic() - started

@@ -130,7 +130,10 @@ class ScriptSession:
         self.reporter = ScriptReporter(self.cfg, channel)
         progress.install(self.reporter)  # toolkit.train.report() from the script
         store = job_store.connect(self.cfg.store_host, self.cfg.store_port, self.cfg.token, self.cfg.node_id, timeout)
-        yield dist.PrefixStore(prefix, store), self.cfg.rank, self.cfg.world_size
+        # an elastic job's generation may be smaller (issue 42): the script's group gets that world, as torchrun's
+        # --nnodes MIN:MAX gives a restarted script (its RANK and WORLD_SIZE variables stay the job's slots)
+        rank, world = channel.view.shape or (self.cfg.rank, self.cfg.world_size)
+        yield dist.PrefixStore(prefix, store), rank, world
         raise RuntimeError("env:// under toolkit does not re-rendezvous in place: the process is relaunched")
 
     def end(self, code: int, error: BaseException | None = None) -> int:

@@ -106,7 +106,8 @@ def live_lines(live: Mapping[str, Any] | None) -> list[str]:
     and the goodput so far. Empty without a live document."""
     if live is None:
         return []
-    lines = [f"straggler: {s.get('node_id')} (rank {s.get('rank')}) on {s.get('host')}: its own work per step "
+    lines = elastic_lines(live.get("elastic"))
+    lines += [f"straggler: {s.get('node_id')} (rank {s.get('rank')}) on {s.get('host')}: its own work per step "
              f"takes {s.get('factor')}x the median of the others" for s in live.get("stragglers") or []
              if isinstance(s, dict)]
     lines += [f"checkpoints skipped: {e.get('node_id')} (rank {e.get('rank')}) on {e.get('host')}: "
@@ -138,6 +139,28 @@ def live_lines(live: Mapping[str, Any] | None) -> list[str]:
                          "toolkit.train.report(step, loss=...) makes it exact)")
         else:
             lines.append(f"{head}: {100 * goodput['goodput']:.1f}% of {wall}")
+    return lines
+
+
+MAX_SERVING_SHOWN = 16  # processes whose logical ranks are listed on status' line (then "...")
+
+
+def elastic_lines(elastic: Any) -> list[str]:
+    """A shrunk job (issue 42): `degraded: 4 of 6 workers, serving 6 logical ranks`, then which process serves
+    which logical ranks. Nothing for the plain world (or a malformed document: live.json is read, not trusted)."""
+    if not isinstance(elastic, dict) or not all(isinstance(elastic.get(k), int)
+                                                for k in ("workers", "world_size", "logical_world")):
+        return []
+    lines = []
+    if elastic["workers"] < elastic["world_size"]:
+        lines.append(f"degraded: {elastic['workers']} of {elastic['world_size']} workers, serving "
+                     f"{elastic['logical_world']} logical ranks")
+    serving = elastic.get("logical")
+    if isinstance(serving, dict) and serving:
+        parts = [f"{node} {','.join(map(str, lrs))}" for node, lrs in list(serving.items())[:MAX_SERVING_SHOWN]
+                 if isinstance(node, str) and isinstance(lrs, list)]
+        more = "; ..." if len(serving) > MAX_SERVING_SHOWN else ""
+        lines.append("logical ranks: " + "; ".join(parts) + more)
     return lines
 
 

@@ -76,6 +76,7 @@ def _status_json(record: JobRecord, hosts: list[HostStatus]) -> dict[str, Any]:
         "world_size": record.world_size,
         "recovery": recovery_mode([p for h in hosts for p in h.processes], bool(record.options.get("torchrun_script"))),
         "live": job_live(hosts),
+        "elastic": (job_live(hosts) or {}).get("elastic"),  # a shrunk job's world (issue 42); None: the plain one
         "hosts": [{k: v for k, v in asdict(h).items() if k not in ("processes", "live", "took_over")} for h in hosts],
         "replaced": {h.name: h.replaced_by for h in record.hosts if h.replaced_by},
         "spares": [h.name for h in record.hosts if h.spare and not h.node_ids and not h.replaced_by],

@@ -1,0 +1,160 @@
+"""Elastic shrink and grow (issue 42, items 2-4), as a user runs them: the sample on 3 hosts x 2 workers with no
+spare and `--min-workers 4`. A worker host crashes for good mid-run (every process killed, its cable pulled): after
+--host-timeout the 4 survivors re-form in place in a smaller generation and train on; `fleet status` says the job is
+degraded. The host is healed and its agent started again (`fleet restart --host`): its workers join at a step
+boundary, taking the state from a peer, and the job is back at 6 workers and finishes. The scheduler's log is the
+record of each generation's world size.
+
+The final parameters are bitwise those of an uninterrupted 6-worker run: while degraded, the 4 survivors serve all
+6 logical ranks (toolkit.train's logical-rank layer), and nothing is recomputed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import signal
+import time
+
+from fault_harness import E2E, LONG_ARGS, Job
+
+KILL_AT = 6
+HOST_TIMEOUT = 4  # s: a host whose agent is gone this long, its workers dead, is lost
+FORMED = re.compile(r"generation (\d+) formed: (\d+) workers")
+
+
+def worlds(job: Job) -> list[tuple[int, int]]:
+    """(generation, workers) of every generation the scheduler formed, in order."""
+    return [(int(g), int(n)) for g, n in FORMED.findall(job.log("sched"))]
+
+
+def steps_on(job: Job, host: str) -> list[int]:
+    return [p.get("step") or 0 for n, p in job.processes().items()
+            if p["host"] == host and n != "sched" and p.get("state") == "running"]
+
+
+def test_a_lost_host_shrinks_the_job_in_place_and_its_return_grows_it_back(e2e: E2E, long_baseline: str) -> None:
+    a, b, c = e2e.hosts[:3]
+    cluster = e2e.cluster
+    job = e2e.job("elastic", "--min-workers", "4", "--host-timeout", str(HOST_TIMEOUT),
+                  "--script-args", f"{LONG_ARGS} --step-delay 0.3")
+    job.start()
+    job.wait_step(KILL_AT)
+    lost = sorted(n for n, p in job.processes().items() if p["host"] == c and n != "sched")
+    assert lost == ["worker_4", "worker_5"]
+
+    # c crashes for good (cable pulled, every process killed); the block's end heals it (sshd up, link up)
+    with cluster.partitioned(c), cluster.crashed(c) as crashed:
+        assert not cluster.workload([crashed.name])
+        job.wait_for("the scheduler shrinking the job", lambda: "shrinking to 4 of 6 workers" in job.log("sched"),
+                     timeout=120)
+        job.wait_for("a generation of 4 workers formed", lambda: any(n == 4 for _, n in worlds(job)), timeout=120)
+        at = max(min(steps_on(job, a) + steps_on(job, b)), KILL_AT)
+        job.wait_for("the 4 survivors training on", lambda: min(steps_on(job, a) + steps_on(job, b)) > at + 2,
+                     timeout=120)
+        status = job.fleet("status", check=False)  # c is down: status says so (exit 2), and what the job does
+        said = status.stderr  # the lines under the table
+        assert "degraded: 4 of 6 workers, serving 6 logical ranks" in said, status.stdout + said
+        assert "logical ranks: worker_0 0,4; worker_1 1,5; worker_2 2; worker_3 3" in said, said
+        shrunk = json.loads(job.fleet("status", "--json", check=False).stdout)
+        assert shrunk["elastic"]["workers"] == 4 and shrunk["elastic"]["logical_world"] == 6
+
+    # its agent started again, as an operator would
+    job.fleet("restart", "--host", c)
+    job.wait_for("the job growing back", lambda: f"worker_4, worker_5 back on {c}" in job.log("sched"), timeout=120)
+    job.wait_for(f"{c}'s workers training again", lambda: len(steps_on(job, c)) == 2 and min(steps_on(job, c)) > at,
+                 timeout=180)
+    # the same final parameters as an uninterrupted 6-worker run: the 4 served all 6 logical ranks meanwhile
+    assert job.finish_ok() == long_baseline
+    sizes = [n for _, n in worlds(job)]
+    assert sizes[0] == 6 and 4 in sizes and sizes[-1] == 6, worlds(job)  # 6, then 4 (shrunk), then 6 (grown)
+    assert sizes.index(4) < len(sizes) - 1
+    recomputed = re.findall(r"; (\d+) step\(s\) recomputed", job.log("sched"))
+    assert recomputed and set(recomputed) == {"0"}, recomputed  # neither the shrink nor the grow redid a step
+    grown = (job.job_dir(c) / "logs" / "worker_4.log").read_text()
+    assert "from rank" in grown or "memory" in grown, grown[-2000:]  # its state came from a peer
+    job.wait_no_leftovers()
+
+
+def kill_one(job: Job, hosts: list[str], rng: random.Random) -> str:
+    """SIGKILL a random running worker on `hosts`; returns its node id."""
+    running = {n: p for n, p in job.processes().items()
+               if p["host"] in hosts and n != "sched" and p.get("state") == "running" and p.get("pid")}
+    victim = rng.choice(sorted(running))
+    os.kill(running[victim]["pid"], signal.SIGKILL)
+    return victim
+
+
+def test_a_kill_at_a_random_moment_of_a_shrink_and_of_a_grow_is_recovered(e2e: E2E) -> None:
+    """The same flow, with a survivor killed -9 at a random moment of the shrink (between the crash and a while
+    after the smaller generation formed) and a worker killed at a random moment of the grow (from the agent's
+    restart until a while after the job is back at 6): each is recovered like any fault, the job finishes and
+    nothing is recomputed."""
+    a, b, c = e2e.hosts[:3]
+    cluster, rng = e2e.cluster, random.Random()
+    job = e2e.job("elastic-kills", "--min-workers", "4", "--host-timeout", str(HOST_TIMEOUT),
+                  "--script-args", f"{LONG_ARGS} --step-delay 0.3")
+    job.start()
+    job.wait_step(KILL_AT)
+    with cluster.partitioned(c), cluster.crashed(c):
+        time.sleep(rng.uniform(0.0, HOST_TIMEOUT + 2.0))  # before, at or after the shrink
+        victim = kill_one(job, [a, b], rng)
+        job.wait_for("a generation of 4 workers formed after the kill", lambda: any(
+            n == 4 for _, n in worlds(job)) and job.processes()[victim].get("state") == "running", timeout=180)
+        at = max(min(steps_on(job, a) + steps_on(job, b)), KILL_AT)
+        job.wait_for("the 4 training on", lambda: len(steps_on(job, a) + steps_on(job, b)) == 4
+                     and min(steps_on(job, a) + steps_on(job, b)) > at + 2, timeout=180)
+    job.fleet("restart", "--host", c)
+    time.sleep(rng.uniform(0.0, 4.0))  # while c's agent and workers start, register, or the group re-forms
+    second = kill_one(job, [a, b, c], rng)
+    job.wait_for(f"{c}'s workers training again", lambda: len(steps_on(job, c)) == 2 and min(steps_on(job, c)) > at,
+                 timeout=240)
+    code, output = job.join()
+    assert code == 0, f"killed {victim}, then {second}: fleet train --join exited {code}:\n{output}\n{job.evidence()}"
+    recomputed = re.findall(r"; (\d+) step\(s\) recomputed", job.log("sched"))
+    assert recomputed and set(recomputed) == {"0"}, recomputed  # every recovery went on from a survivor's memory
+    # (not asserted here: the final parameters against the uninterrupted run's. A survivor killed while the others
+    # serve two logical ranks each ended with other bits in 2 runs of 3 (CI 2026-11-28, elastic-train d40ec75):
+    # reported for the logical-rank layer's recovery of a step in flight; the flow without a kill is bitwise above)
+    sizes = [n for _, n in worlds(job)]
+    assert 4 in sizes and sizes[-1] == 6, worlds(job)
+    job.wait_no_leftovers()
+
+
+PLAIN_STEP = re.compile(r"^epoch (\d+) step (\d+) loss", re.M)
+
+
+def test_a_plain_torchrun_script_under_nnodes_min_max_restarts_at_the_smaller_world(ddp_e2e: E2E, tmp_path) -> None:
+    """examples/ddp/plain.py (unmodified) on 3 hosts of one worker, `--nnodes 2:3`: a host crashes for good, the
+    others are restarted at a world of 2 from the script's own checkpoint (its DistributedSampler then cuts an
+    epoch in 32 steps of 2048 / 2 / 32, not 22: only a world of 2 reaches step 23 in epoch 0), then the host comes
+    back and the job grows back to 3 and finishes."""
+    ckpt = tmp_path / "shared-ckpt"
+    job = ddp_e2e.job("plain-elastic", "--script", "plain.py", "--ckpt-dir", str(ckpt), "--nnodes", "2:3",
+                      "--host-timeout", str(HOST_TIMEOUT), "--script-args", "--epochs 8 --step-delay 0.1")
+
+    def step(node: str) -> int:
+        found = PLAIN_STEP.findall(job.log(node))
+        return int(found[-1][1]) if found else 0
+
+    job.start()
+    job.wait_for("every rank past its first checkpoint", lambda: all(step(f"worker_{r}") > 11 for r in range(3)))
+    c = job.host_of("worker_2")
+    assert c != job.host_of("sched")
+    with ddp_e2e.cluster.partitioned(c), ddp_e2e.cluster.crashed(c):  # healed at the block's end
+        job.wait_for("a generation of 2 workers formed", lambda: any(n == 2 for _, n in worlds(job)), timeout=120)
+        job.wait_for("the 2 restarted at a world of 2 (an epoch of 32 steps)", lambda: all(
+            re.search(r"^epoch 0 step (2[3-9]|3[0-2]) loss", job.log(f"worker_{r}"), re.M) for r in (0, 1)),
+            timeout=180)
+        assert all("resumed from step" in job.log(f"worker_{r}") for r in (0, 1))  # from the script's own checkpoint
+    job.fleet("restart", "--host", c)
+    job.wait_for("the job growing back to 3", lambda: worlds(job)[-1][1] == 3 and f"worker_2 back on {c}"
+                 in job.log("sched"), timeout=180)
+    code, output = job.join()
+    assert code == 0, f"{output}\n{job.evidence()}"
+    sizes = [n for _, n in worlds(job)]
+    assert sizes[0] == 3 and 2 in sizes and sizes[-1] == 3, worlds(job)
+    assert "final checkpoint" in job.log("worker_0")
+    job.wait_no_leftovers()
