@@ -37,11 +37,17 @@ TAG_SCATTER, TAG_REPLICAS, TAG_GATHER = 101, 102, 103  # the reduction's message
 
 
 class Binding:
-    """The sharded model's mesh, bound to the current default group (`bind`, once per group)."""
+    """The sharded model's mesh, bound to the current default group (`bind`, once per group).
 
-    def __init__(self, sharding: Sharding) -> None:
+    The script built the mesh over the default group of its first generation (`bound`): a replacement's script
+    does so in the generation it joins, and the survivors' `bind` in that generation is the same sequence of group
+    builds on the same fresh group counter (destroying the default group resets it), so the groups meet. Those the
+    script built are not given to the fence (their sockets opened before the Trainer existed): a survivor waiting in
+    one on a live peer is freed by the collective timeout, one waiting on a dead peer by the closed connection."""
+
+    def __init__(self, sharding: Sharding, bound: Any) -> None:
         self.sharding = sharding
-        self._bound: Any = None  # the default group the mesh's groups were built over
+        self._bound = bound  # the default group the mesh's groups were built over
 
     def bind(self, rt: Runtime) -> bool:
         """Collective (every rank, the same moment of the agreement): build the mesh's groups over the current
@@ -207,6 +213,12 @@ class ShardedGroup:
             self._installed = True
         for p in self.module.parameters():
             p.grad = None
+        for group in self.sharding.groups:  # a backward cut short leaves gradients on the unsharded parameters
+            for fsdp_param in group.fsdp_params:
+                unsharded = getattr(fsdp_param, "_unsharded_param", None)
+                if unsharded is not None:
+                    unsharded.grad = None
+                fsdp_param.unsharded_accumulated_grad = None
         self.current = self.module
         self.clock.rest()
 

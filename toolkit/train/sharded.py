@@ -45,7 +45,7 @@ def parts(rt: Runtime, model: nn.Module, optimizer: torch.optim.Optimizer, extra
           chooser: interval.IntervalChooser | None, every: int) -> tuple[ShardedGroup, ShardedTrainingState,
                                                                           Checkpointing]:
     """The Trainer's group, state and checkpointing for `sharding`."""
-    binding = Binding(sharding)
+    binding = Binding(sharding, rt.group)
     group = ShardedGroup(model, sharding, binding, deterministic)
     state = ShardedTrainingState(rt, model, optimizer, extra, manager, sharding.layout, binding)
     ckpt = InMemoryOnly(rt, manager, optimizer, chooser, every, group.clock)

@@ -134,10 +134,9 @@ class Trainer:
             self._group: Any = GroupModel(model, ddp or {}, deterministic)
             self._state = TrainingState(runtime, model, optimizer, extra, self.manager)
             self._ckpt = Checkpointing(runtime, self.manager, optimizer, chooser, every, self._group.clock)
-        else:  # toolkit.train.sharded; the replica check compares replicated state, which shards are not
+        else:  # toolkit.train.sharded
             self._group, self._state, self._ckpt = sharded.parts(runtime, model, optimizer, extra, self.manager,
                                                                  sharding, deterministic, chooser, every)
-            verify = 0
         self._need_sync = True
         self._entered = True  # the previous batch went through step(): nothing to complain about at the start
         self._applied = _Applied()  # optimizer steps run (a step that ran before a fault still counts)
@@ -148,6 +147,8 @@ class Trainer:
         broadcast = (ddp or {}).get("broadcast_buffers", True)  # DDP's default: rank 0's buffers go to all
         host = (os.environ.get(envvars.TOOLKIT_HOST) or "").strip() or socket.gethostname()
         self._replicas = ReplicaCheck(runtime, self._state, verify, buffers=not broadcast, host=host)
+        if self._sharded:  # the check compares replicated state across all ranks; shards differ by design
+            self._replicas.schedule = replicas.Schedule(1, 0)  # (a world of one never checks)
         self._inject = Injector.from_env(os.environ, runtime.rank, runtime.mode == MODE_TOOLKIT)
         self._tb = open_scalars(runtime.rank, tensorboard_dir)  # rank 0's TensorBoard scalars (toolkit.train.tbscalars)
 
