@@ -39,24 +39,27 @@ TAG_SCATTER, TAG_REPLICAS, TAG_GATHER = 101, 102, 103  # the reduction's message
 class Binding:
     """The sharded model's mesh, bound to the current default group (`bind`, once per group).
 
-    The script built the mesh over the default group of its first generation (`bound`): a replacement's script
-    does so in the generation it joins, and the survivors' `bind` in that generation is the same sequence of group
-    builds on the same fresh group counter (destroying the default group resets it), so the groups meet. Those the
-    script built are not given to the fence (their sockets opened before the Trainer existed): a survivor waiting in
-    one on a live peer is freed by the collective timeout, one waiting on a dead peer by the closed connection."""
+    The script built the mesh over the default group of its first generation (`bound`), and a replacement's script
+    does so in the generation it joins: groups the fence does not know (their sockets opened before the Trainer
+    existed). So every rank builds them again under the fence at its first agreement in a group; a survivor, whose
+    script built nothing in the new group, first builds the mesh once more to meet the replacement's script build
+    (the same sequence of builds on the same fresh group counter: destroying the default group resets it)."""
 
     def __init__(self, sharding: Sharding, bound: Any) -> None:
         self.sharding = sharding
         self._bound = bound  # the default group the mesh's groups were built over
+        self._fenced: Any = None  # the default group over which they were built under the fence
 
     def bind(self, rt: Runtime) -> bool:
         """Collective (every rank, the same moment of the agreement): build the mesh's groups over the current
         default group unless they are built already; True if they were built now."""
-        if rt.world_size == 1 or self._bound is rt.group:
+        if rt.world_size == 1 or self._fenced is rt.group:
             return False
         from torch.distributed.device_mesh import init_device_mesh
 
         mesh = self.sharding.mesh
+        if self._bound is not rt.group:  # the build a replacement's script did in this generation, met
+            init_device_mesh(mesh.device_type, tuple(mesh.mesh.shape), mesh_dim_names=mesh.mesh_dim_names)
         before = fence_mod.tcp_sockets()
         fresh = init_device_mesh(mesh.device_type, tuple(mesh.mesh.shape), mesh_dim_names=mesh.mesh_dim_names)
         rt.fence.add_sockets(fence_mod.opened_since(before))
@@ -71,7 +74,7 @@ class Binding:
         infos.update({id(p.mesh_info): p.mesh_info for g in self.sharding.groups for p in g.fsdp_params})
         for info in infos.values():
             info.__post_init__()  # the groups it took from the mesh, taken again
-        self._bound = rt.group
+        self._bound = self._fenced = rt.group
         return True
 
 
