@@ -60,7 +60,7 @@ import torch.distributed as dist
 from torch import nn
 
 from toolkit.contracts import envvars
-from toolkit.train import checkpoint, headroom, interval, log, progress, replicas
+from toolkit.train import checkpoint, headroom, interval, log, progress, replicas, sharded
 from toolkit.train.agreement import FROM_CHECKPOINT, FROM_INITIAL, FROM_PEER, TrainingState, recomputed_steps
 from toolkit.train.checkpointing import Checkpointing, manager_for, parse_every
 from toolkit.train.ddpmodel import GroupModel
@@ -115,8 +115,17 @@ class Trainer:
             if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
                 raise TrainerError(f"state[{name!r}] has no state_dict()/load_state_dict(): hand over objects that "
                                    "can be saved and restored (an LR scheduler, a GradScaler, a module)")
+        sharding = sharded.inspect(model, runtime.world_size)  # None: not sharded; TrainerError: not recoverable
+        if sharding is not None and not _as_built(runtime):
+            raise TrainerError(f"this model is sharded with fully_shard and the job has {runtime.logical_world} "
+                               f"logical ranks on {runtime.world_size} workers: a sharded model is served one "
+                               "logical rank per worker (drop --logical-ranks and --min-workers for it)")
+        if sharding is not None and ddp:
+            raise TrainerError("ddp=... holds DistributedDataParallel arguments, and this model is sharded with "
+                               "fully_shard (no DDP wrapper): drop ddp=")
         _check_loadable({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                         "extra": {name: obj.state_dict() for name, obj in extra.items()}})
+                         "extra": {name: obj.state_dict() for name, obj in extra.items()}} if sharding is None else
+                        sharded.ShardState(model, optimizer, extra).tensors())
         self.rt = runtime
         self.module = model
         self.optimizer = optimizer
@@ -125,9 +134,14 @@ class Trainer:
         self.position = self._data.position
         self.manager = manager_for(runtime, ckpt_dir, keep, async_ckpt)
         self.step_count = 0  # optimizer steps done: the job's global step, the same on every rank
-        self._group = GroupModel(model, ddp or {}, deterministic)
-        self._state = TrainingState(runtime, model, optimizer, extra, self.manager)
-        self._ckpt = Checkpointing(runtime, self.manager, optimizer, chooser, every, self._group.clock)
+        self._sharded = sharding is not None
+        if sharding is None:
+            self._group: Any = GroupModel(model, ddp or {}, deterministic)
+            self._state = TrainingState(runtime, model, optimizer, extra, self.manager)
+            self._ckpt = Checkpointing(runtime, self.manager, optimizer, chooser, every, self._group.clock)
+        else:  # toolkit.train.sharded
+            self._group, self._state, self._ckpt = sharded.parts(runtime, model, optimizer, extra, self.manager,
+                                                                 sharding, deterministic, chooser, every)
         self._need_sync = True
         self._entered = True  # the previous batch went through step(): nothing to complain about at the start
         self._applied = _Applied()  # optimizer steps run (a step that ran before a fault still counts)
@@ -142,6 +156,8 @@ class Trainer:
         broadcast = (ddp or {}).get("broadcast_buffers", True)  # DDP's default: rank 0's buffers go to all
         host = (os.environ.get(envvars.TOOLKIT_HOST) or "").strip() or socket.gethostname()
         self._replicas = ReplicaCheck(runtime, self._state, verify, buffers=not broadcast, host=host)
+        if self._sharded:  # the check compares replicated state across all ranks; shards differ by design
+            self._replicas.schedule = replicas.Schedule(1, 0)  # (a world of one never checks)
         self._inject = Injector.from_env(os.environ, runtime.rank, runtime.mode == MODE_TOOLKIT)
         self._tb = open_scalars(runtime.rank, tensorboard_dir)  # rank 0's TensorBoard scalars (toolkit.train.tbscalars)
 
@@ -457,6 +473,8 @@ class Trainer:
         self._finished = True
         self._hook.remove()
         self._pre_hook.remove()
+        if self._sharded:
+            self._state.close()
         if self._tb is not None:
             self._tb.close()
         self._group.drop()
