@@ -129,13 +129,12 @@ def main() -> int:
             mirror.refresh(step, shard(model, opt))
         if mirror is not None and step == args.lose_at and not lost:
             lost = True
-            mirror.wait()  # the test is about the roll-back, not the race (test_shard_mirror's kill is)
             if rank == args.lose:
                 with torch.no_grad():
                     for t in shard(model, opt):
                         t.zero_()
             held = [torch.full((4,), -1, dtype=torch.int64) for _ in range(world)]
-            mine = mirror.held()[-4:]
+            mine = mirror.settle()[-4:]
             dist.all_gather(held, torch.tensor(mine + [-1] * (4 - len(mine))))
             back = rollback_step([h.tolist() for h in held], [args.lose], world, per_host)
             assert back is not None

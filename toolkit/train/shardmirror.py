@@ -234,6 +234,15 @@ class ShardMirror:
         with self._cond:
             return self._cond.wait_for(lambda: self._flight is None, timeout=timeout)
 
+    def settle(self, timeout: float = EXCHANGE_TIMEOUT) -> list[int]:
+        """At a recovery, before the ranks compare what they hold: wait (bounded) for the exchange in flight to end
+        (a dead peer ends it: its connections are gone), then void whatever it would still do, so that what this
+        rank holds does not change under the roll-back. Returns `held()`."""
+        self.wait(timeout)
+        with self._cond:
+            self._generation += 1
+        return self.held()
+
     def held(self) -> list[int]:
         """The steps this rank holds whole (its snapshot and its ward's copy), ascending."""
         with self._cond:
