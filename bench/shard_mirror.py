@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import random
 import statistics
@@ -41,6 +42,7 @@ def worker(args: argparse.Namespace) -> None:
 
     from toolkit.train.shardmirror import ShardMirror, rollback_step
 
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank = dist.get_rank()

@@ -166,3 +166,52 @@ def test_a_lost_shard_comes_back_from_another_hosts_copy_bitwise(
         back, redone = map(int, found[0])
         assert back == lose_at - lose_at % every and redone <= every, why
     assert_bitwise(reference, finals(tmp_path, "mirror"), why)
+
+
+# --- in one process: the files, the ring, the interval ------------------------------------------------------------
+
+
+def test_a_damaged_shard_is_refused_and_the_restart_falls_back_to_the_previous_one(tmp_path: Path) -> None:
+    ckpt = ShardCheckpoints(tmp_path, 0, Layout(1, (1,)), key=b"k" * 32, placement=Placement("a"))
+    for step in (4, 8):
+        ckpt.save(step, {"w": torch.full((64,), float(step)), "step": step})
+    ckpt.close()
+    newest = tmp_path / "host_a" / ShardName(8, 0, 1).name
+    data = bytearray(newest.read_bytes())
+    data[-3] ^= 0x10
+    newest.write_bytes(bytes(data))
+    again = ShardCheckpoints(tmp_path, 0, Layout(1, (1,)), key=b"k" * 32, placement=Placement("a"))
+    assert again.agree() == 4
+    assert again.load(4)["w"][0].item() == 4.0
+    assert (tmp_path / "host_a" / "refused" / newest.name).exists() and not newest.exists()
+
+
+def test_a_full_disk_skips_the_sharded_checkpoint_and_training_goes_on(tiny_tmpfs: Path) -> None:
+    root = tiny_tmpfs / "ckpt"
+    ckpt = ShardCheckpoints(root, 0, Layout(1, (1,)), key=b"k" * 32, placement=Placement("a"))
+    ckpt.save(1, {"w": torch.zeros(1 << 17)})  # 512 KB into 256 KB
+    ckpt.flush()  # no error: skipped
+    assert ckpt.skipped == 1 and not list((root / "host_a").glob("*step_*"))
+    ckpt.save(2, {"w": torch.zeros(16)})
+    ckpt.close()
+    assert ckpt.skipped == 0 and ckpt.agree() == 2
+
+
+def test_the_ring_keeps_each_copy_on_another_host_and_knows_when_it_cannot() -> None:
+    from toolkit.train.shardmirror import (ShardMirror, choose_every, holder_of, kept_by, ring_problem,
+                                           rollback_step)
+    for world, per_host in ((4, 2), (8, 2), (16, 8), (6, 3)):
+        for r in range(world):
+            assert holder_of(r, world, per_host) // per_host != r // per_host
+            assert kept_by(holder_of(r, world, per_host), world, per_host) == r
+    assert "one host" in ring_problem(4, 4)
+    held = [[4, 8], [8], [4, 8], [4, 8]]
+    assert rollback_step(held, [1], 4, 2) == 8  # the lost rank's own list does not count
+    assert rollback_step([[4], [4, 8], [4, 8], [4, 8]], [2], 4, 2) == 4  # the newest every survivor holds
+    assert rollback_step(held, [0, 2], 4, 2) is None  # 0 keeps 2's copy and 2 keeps 0's: both gone
+    assert rollback_step(held, [0, 1], 4, 2) == 8  # a whole host lost: its copies are on the other one
+    assert choose_every(0.05, 0.1) == 17 and choose_every(0.001, 1.0) == 1
+    short = ShardMirror(0, 4, 2, 100 << 20, available=500 << 20)
+    assert not short.enabled and not short.due(10)
+    assert short.why_not == ("the copies need 0.84 GB of host memory (4 x 104.9 MB for each of 2 ranks), 0.52 GB "
+                             "is available")

@@ -34,11 +34,15 @@ checkpoint.
 
 K (`choose_every`): the refresh's cost, measured each time (the stall on the training thread plus the exchange's
 wall time: an upper bound, as the exchange overlaps training), over the step time, so that it is at most `budget`
-(3%) of the steps' time: K = ceil(cost / (budget x step time)).
+(3%) of the steps' time: K = ceil(cost / (budget x step time)). Every rank must refresh at the same steps (the
+exchange pairs them), so each proposes its K in the exchange's closing all-reduce (the barrier above), all take the
+largest, and every rank applies it at its next refresh, a step they all reach alike; `regroup` agrees on it again
+(a replacement starts with FIRST_EVERY).
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 import time
@@ -50,6 +54,8 @@ import torch
 import torch.distributed as dist
 
 from toolkit import memcgroup
+
+log = logging.getLogger(__name__)
 
 BUDGET = 0.03  # the refresh's share of step time at most
 FIRST_EVERY = 10  # steps between refreshes until a refresh and a step were measured
@@ -182,6 +188,7 @@ class ShardMirror:
         self._group: Any = None
         self._generation = 0  # a regroup voids the exchange in flight
         self._ward_bytes: int | None = None
+        self._next_every = 0  # the interval every rank agreed on in the last exchange (0: none), from the next refresh
         self._spare_own: torch.Tensor | None = None  # buffers of a retired refresh, for the next one
         self._spare_ward: torch.Tensor | None = None
         self.last_cost = 0.0  # s: the last refresh's stall plus its exchange's wall time
@@ -192,13 +199,16 @@ class ShardMirror:
 
     def regroup(self, timeout: float = EXCHANGE_TIMEOUT) -> None:
         """Collective over the default group (every rank, after each (re-)formation): a gloo group of its own for
-        the exchanges, and every rank's shard size. An exchange in flight in the old group is void."""
+        the exchanges, and the interval every rank agrees on. An exchange in flight in the old group is void."""
         with self._cond:
             self._generation += 1
         if not self.enabled:
             return
         self._group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout))
         self._ward_bytes = None
+        every = torch.tensor([max(self.every, self._next_every)])
+        dist.all_reduce(every, op=dist.ReduceOp.MAX, group=self._group)
+        self.every, self._next_every = int(every), 0
 
     # --- refreshing
 
@@ -215,6 +225,8 @@ class ShardMirror:
             if not self._cond.wait_for(lambda: self._flight is None, timeout=EXCHANGE_TIMEOUT):
                 raise RuntimeError(f"rank {self.rank}: the refresh before step {step} did not end in "
                                    f"{EXCHANGE_TIMEOUT:.0f} s")
+            if self._next_every:  # agreed by every rank in the last exchange: every rank applies it at this step
+                self.every, self._next_every = self._next_every, 0
             if len(self._held) > 1:  # the last barrier failed: the older refresh goes, its buffers serve again
                 self._retire(min(self._held))
             own, self._spare_own = self._spare_own, None
@@ -270,21 +282,25 @@ class ShardMirror:
                 if generation != self._generation:
                     return
                 self._held[refresh.step] = refresh
-            dist.barrier(group=group)  # every rank completed this refresh: the older ones can go
+            cost = stall + time.monotonic() - began
+            proposal = torch.tensor([choose_every(cost, step_time, self.budget) if self.auto and step_time else 0])
+            # the barrier: once it completes, every rank completed this refresh and the older ones can go; it also
+            # agrees on the next interval (the largest proposal), which every rank applies at its next refresh
+            dist.all_reduce(proposal, op=dist.ReduceOp.MAX, group=group)
             with self._cond:
                 if generation == self._generation:
                     for s in [s for s in self._held if s < refresh.step]:
                         self._retire(s)
+                    self._next_every = int(proposal)
             ok = True
         except Exception as e:  # noqa: BLE001 - a peer died mid-exchange: this refresh is void, the held ones stay
             self.last_error = f"the refresh of step {refresh.step} failed: {str(e).splitlines()[0][:200]}"
+            log.warning("rank %d: %s; the copies of the previous refresh stay", self.rank, self.last_error)
         finally:
             with self._cond:
                 self._flight = None
                 if ok:
                     self.last_cost = stall + time.monotonic() - began
-                    if self.auto and step_time:
-                        self.every = choose_every(self.last_cost, step_time, self.budget)
                 self._cond.notify_all()
 
     def _retire(self, step: int) -> None:
