@@ -27,6 +27,7 @@ from toolkit.testing.localjob import clean_env
 from toolkit.testing.ports import free_port
 from toolkit.train.checkpoint import CheckpointError, Placement
 from toolkit.train.shardckpt import Layout, ShardCheckpoints, ShardName, decide
+from toolkit.train.shardmirror import ShardMirror, choose_every, holder_of, kept_by, ring_problem, rollback_step
 
 WORKER = Path(__file__).resolve().parents[1] / "scripts" / "fsdp_shard_worker.py"
 RUN_TIMEOUT = 240.0  # s for one run of 4 ranks on a loaded 2-core machine; normally ~10 s
@@ -198,8 +199,6 @@ def test_a_full_disk_skips_the_sharded_checkpoint_and_training_goes_on(tiny_tmpf
 
 
 def test_the_ring_keeps_each_copy_on_another_host_and_knows_when_it_cannot() -> None:
-    from toolkit.train.shardmirror import (ShardMirror, choose_every, holder_of, kept_by, ring_problem,
-                                           rollback_step)
     for world, per_host in ((4, 2), (8, 2), (16, 8), (6, 3)):
         for r in range(world):
             assert holder_of(r, world, per_host) // per_host != r // per_host
