@@ -59,7 +59,7 @@ import torch.distributed as dist
 from torch import nn
 
 from toolkit.contracts import envvars
-from toolkit.train import checkpoint, interval, log, progress, replicas
+from toolkit.train import checkpoint, interval, log, progress, replicas, sharded
 from toolkit.train.agreement import FROM_CHECKPOINT, FROM_INITIAL, FROM_PEER, TrainingState, recomputed_steps
 from toolkit.train.checkpointing import Checkpointing, manager_for, parse_every
 from toolkit.train.ddpmodel import GroupModel
@@ -114,8 +114,13 @@ class Trainer:
             if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
                 raise TrainerError(f"state[{name!r}] has no state_dict()/load_state_dict(): hand over objects that "
                                    "can be saved and restored (an LR scheduler, a GradScaler, a module)")
+        sharding = sharded.inspect(model, runtime.world_size)  # None: not sharded; TrainerError: not recoverable
+        if sharding is not None and ddp:
+            raise TrainerError("ddp=... holds DistributedDataParallel arguments, and this model is sharded with "
+                               "fully_shard (no DDP wrapper): drop ddp=")
         _check_loadable({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                         "extra": {name: obj.state_dict() for name, obj in extra.items()}})
+                         "extra": {name: obj.state_dict() for name, obj in extra.items()}} if sharding is None else
+                        sharded.ShardState(model, optimizer, extra).tensors())
         self.rt = runtime
         self.module = model
         self.optimizer = optimizer
@@ -124,9 +129,15 @@ class Trainer:
         self.position = self._data.position
         self.manager = manager_for(runtime, ckpt_dir, keep, async_ckpt)
         self.step_count = 0  # optimizer steps done: the job's global step, the same on every rank
-        self._group = GroupModel(model, ddp or {}, deterministic)
-        self._state = TrainingState(runtime, model, optimizer, extra, self.manager)
-        self._ckpt = Checkpointing(runtime, self.manager, optimizer, chooser, every, self._group.clock)
+        self._sharded = sharding is not None
+        if sharding is None:
+            self._group: Any = GroupModel(model, ddp or {}, deterministic)
+            self._state = TrainingState(runtime, model, optimizer, extra, self.manager)
+            self._ckpt = Checkpointing(runtime, self.manager, optimizer, chooser, every, self._group.clock)
+        else:  # toolkit.train.sharded; the replica check compares replicated state, which shards are not
+            self._group, self._state, self._ckpt = sharded.parts(runtime, model, optimizer, extra, self.manager,
+                                                                 sharding, deterministic, chooser, every)
+            verify = 0
         self._need_sync = True
         self._entered = True  # the previous batch went through step(): nothing to complain about at the start
         self._applied = _Applied()  # optimizer steps run (a step that ran before a fault still counts)
@@ -424,6 +435,8 @@ class Trainer:
     def _close(self) -> None:
         self._finished = True
         self._hook.remove()
+        if self._sharded:
+            self._state.close()
         if self._tb is not None:
             self._tb.close()
         self._group.drop()

@@ -343,20 +343,20 @@ def _aligned(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
-def assign(holders: Sequence[int], world: int) -> dict[int, int]:
-    """{receiver: sender}: every rank not in `holders` receives from one holder, round-robin, so that several
-    holders share the sending. Pure."""
+def assign(holders: Sequence[int], world: int, members: Sequence[int] | None = None) -> dict[int, int]:
+    """{receiver: sender}: every rank not in `holders` (of `members`, default every rank of the world) receives
+    from one holder, round-robin, so that several holders share the sending. Pure."""
     order = sorted(holders)
     if not order:
         raise ValueError("no rank holds the state")
-    receivers = [r for r in range(world) if r not in holders]
+    receivers = [r for r in (range(world) if members is None else members) if r not in holders]
     return {r: order[i % len(order)] for i, r in enumerate(receivers)}
 
 
 # -- the executor
 
 def share(state: Any, holders: Sequence[int], *, rank: int, world: int, device: torch.device, group: Any = None,
-          fence: Any = None, tamper: Any = None) -> tuple[Any, int]:
+          fence: Any = None, tamper: Any = None, members: Sequence[int] | None = None) -> tuple[Any, int]:
     """Collective over `group` (every rank calls it with the same `holders`): the ranks not in `holders` receive
     the state the holders hold. A holder passes its state and gets (None, bytes it sent); a receiver passes its
     own state (its tensors are where matching ones are received) and gets (the state received, bytes received).
@@ -366,8 +366,9 @@ def share(state: Any, holders: Sequence[int], *, rank: int, world: int, device: 
     Verified: after the tensors, the sender sends the digest of what it sent (toolkit.train.digest, every byte in
     order); a receiver checks its own bytes against it before using them, and answers; one that refuses is sent the
     state again (MAX_SENDS in all, then TransferError). `tamper(attempt, message, buffer)`: a test's hook, called
-    by a receiver on each message's bytes as they arrive (a byte changed in flight)."""
-    senders = assign(holders, world)
+    by a receiver on each message's bytes as they arrive (a byte changed in flight). `members`: the ranks taking
+    part (a shard's column: toolkit.train.shardstate), every rank by default; only they call it."""
+    senders = assign(holders, world, members)
     if world == 1 or not senders:
         return None, 0
     if rank in holders:

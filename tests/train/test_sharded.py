@@ -1,0 +1,173 @@
+"""A model sharded with FSDP2 under the Trainer (issue 45): HSDP on a (2, 2) mesh recovered in place with no lost
+step, bitwise equal to an uninterrupted run, whatever moment of a step a kill -9 lands on, and when both ranks of a
+replica group die together; shardings the Trainer cannot recover refused at `Trainer(...)` in one line.
+
+Real processes: the script (tests/scripts/fsdp_train.py) run by the real agent and scheduler (LocalJob), killed
+with SIGKILL; the refusals run the script alone (a world of one), as a user would."""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+
+from toolkit.testing.localjob import STEP_LINE, LocalJob, clean_env
+from toolkit.train.shardmodel import Layout
+from toolkit.train.shardstate import plan_recovery
+from toolkit.train.trainererror import TrainerError
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "fsdp_train.py"
+WORLD = 4
+ARGS = ["--mesh", "2,2", "--epochs", "3", "--samples", "512", "--step-delay", "0.03"]  # 3 x 16 steps
+JOB_TIMEOUT = 420.0  # s for one job on a loaded 2-core machine; normally ~30 s
+ALONE_TIMEOUT = 120.0  # s for the script alone to refuse (torch's import on a loaded machine)
+POLL = 0.02
+FINAL = re.compile(r"^final parameters: \S+ sha256 ([0-9a-f]{64})$", re.M)
+RECOVERED = re.compile(r"^rank (\d+): resumed from step (\d+) .* out of rank (\d+)'s (memory|checkpoint).*?"
+                       r"(?:: (\d+) step\(s\) recomputed)?$", re.M)
+DEATH = re.compile(r"(worker_\d+) \(pid (\d+) on \S+\) is dead")
+
+pytestmark = pytest.mark.timeout(1200)
+
+
+def job(root: Path, name: str) -> LocalJob:
+    project = root / "project"
+    project.mkdir(parents=True)
+    shutil.copy(SCRIPT, project / SCRIPT.name)
+    return LocalJob(root / "work", WORLD, ARGS, job=name, project=project, script=SCRIPT.name, node_timeout=3,
+                    cluster_time_out=120, grace=5, max_restarts=30)
+
+
+def steps(j: LocalJob, rank: int) -> int:
+    found = STEP_LINE.findall(j.log(f"worker_{rank}.log"))
+    return int(found[-1][1]) if found else 0
+
+
+def until(what: str, predicate: Callable[[], Any], j: LocalJob) -> Any:
+    deadline = time.monotonic() + JOB_TIMEOUT
+    while not (value := predicate()):
+        if j.agent is not None and j.agent.poll() is not None:
+            raise AssertionError(f"the job ended while waiting for {what}\n{j.evidence()}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}\n{j.evidence()}")
+        time.sleep(POLL)
+    return value
+
+
+def pid_of(j: LocalJob, rank: int) -> int | None:
+    p = j.procs().get(f"worker_{rank}") or {}
+    return p.get("pid") if p.get("state") == "running" else None
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The final digest of the uninterrupted run."""
+    j = job(tmp_path_factory.mktemp("reference"), "ref")
+    try:
+        j.start()
+        assert j.finish(JOB_TIMEOUT) == 0, j.evidence()
+    finally:
+        j.cleanup()
+    (digest,) = FINAL.findall(j.log("worker_0.log"))
+    return digest
+
+
+def kill_rounds(j: LocalJob, victims: list[list[int]], rng: random.Random) -> None:
+    """For each round, once every rank has trained 2 steps past the last round, wait a random part of a step or
+    two, then SIGKILL the round's ranks at once."""
+    past: dict[int, int] = {}
+    for ranks in victims:
+        until("every rank training", lambda past=past: all(steps(j, r) >= past.get(r, 0) + 2 for r in range(WORLD)),
+              j)
+        time.sleep(rng.uniform(0.0, 0.1))
+        pids = [pid_of(j, r) for r in ranks]
+        assert None not in pids, j.evidence()
+        for pid in pids:
+            os.kill(pid, signal.SIGKILL)
+        past = {r: steps(j, r) for r in range(WORLD)}
+
+
+def check(j: LocalJob, reference: str, deaths: int, why: str) -> None:
+    """Ended well, bitwise the reference; each death seen; every recovery from a survivor's memory, 0 recomputed."""
+    assert j.finish(JOB_TIMEOUT) == 0, f"{why}\n{j.evidence()}"
+    assert len(DEATH.findall(j.log("scheduler.log"))) == deaths, f"{why}\n{j.evidence()}"
+    (final,) = FINAL.findall(j.log("worker_0.log"))
+    assert final == reference, f"final parameters differ from the uninterrupted run {why}"
+    recoveries = [m for r in range(WORLD) for m in RECOVERED.findall(j.log(f"worker_{r}.log"))]
+    assert len(recoveries) >= deaths, f"{recoveries} {why}\n{j.evidence()}"
+    for rank, step, source, kind, recomputed in recoveries:
+        assert kind == "memory" and recomputed == "0", f"rank {rank} at {step} from rank {source}'s {kind}, " \
+                                                       f"{recomputed} recomputed {why}\n{j.evidence()}"
+
+
+def test_hsdp_kills_at_random_moments_lose_no_step_and_change_nothing(tmp_path: Path, reference: str) -> None:
+    """5 kills of a random rank each, at random moments of a step; then ranks 2 and 3 (replica group 1, both shards)
+    together: each replacement takes its shard from the other replica group, bitwise equal, 0 recomputed."""
+    seed = random.SystemRandom().randrange(2**32)
+    rng = random.Random(seed)
+    j = job(tmp_path, "kills")
+    victims = [[rng.randrange(WORLD)] for _ in range(5)] + [[2, 3]]
+    try:
+        j.start()
+        kill_rounds(j, victims, rng)
+        check(j, reference, 7, f"(seed {seed}, victims {victims})")
+    finally:
+        j.cleanup()
+
+
+def test_a_replica_group_lost_whole_is_recovered_from_the_other(tmp_path: Path, reference: str) -> None:
+    """Ranks 0 and 1 (replica group 0: shards 0 and 1) killed together, twice."""
+    j = job(tmp_path, "group")
+    try:
+        j.start()
+        kill_rounds(j, [[0, 1], [0, 1]], random.Random(1))
+        check(j, reference, 4, "(replica group 0 killed twice)")
+    finally:
+        j.cleanup()
+
+
+REFUSALS = {
+    "tp": "tensor parallelism is not supported",
+    "offload": "CPU offload is not supported",
+    "mesh3d": "slice of a 3-D mesh",
+    "partial": "not on the model itself",
+}
+
+
+def test_shardings_the_trainer_cannot_recover_are_refused_in_one_line(tmp_path: Path) -> None:
+    def run(kind: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, str(SCRIPT), "--mesh", "1", "--refuse", kind], cwd=tmp_path,
+                              env=clean_env(), capture_output=True, text=True, timeout=ALONE_TIMEOUT)
+
+    with ThreadPoolExecutor(2) as pool:
+        done = dict(zip(REFUSALS, pool.map(run, REFUSALS), strict=True))
+    for kind, proc in done.items():
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 2 and len(lines) == 1, f"{kind}: {proc.returncode}\n{proc.stderr}"
+        assert REFUSALS[kind] in lines[0] and "supported: fully_shard over a 1-D mesh" in lines[0], lines[0]
+
+
+def test_the_plan_gives_each_shard_from_its_column_and_completes_torn_steps() -> None:
+    hsdp = Layout(2, 2)
+    # rank 1 replaced; everyone at step 7: shard 1 comes from rank 3
+    plan = plan_recovery([(7, 0, 0), (-1, 1, 0), (7, 0, 0), (7, 0, 0)], hsdp)
+    assert (plan.step, plan.holders, plan.replay) == (7, ((0, 2), (3,)), ())
+    # the fault cut rank 3's commit short after rank 0 and 2 stepped: rank 3 applies its gradients, gives shard 1
+    plan = plan_recovery([(8, 0, 0), (-1, 1, 0), (8, 0, 0), (7, 0, 1)], hsdp)
+    assert (plan.step, plan.holders, plan.replay, plan.stepped) == (8, ((0, 2), (3,)), (3,), (0, 2))
+    # no rank stepped: those ready just drop their gradients
+    plan = plan_recovery([(7, 0, 1), (-1, 1, 0), (7, 0, 1), (7, 0, 1)], hsdp)
+    assert (plan.step, plan.replay) == (7, ())
+    # both ranks of shard 1 lost: refused in one line
+    with pytest.raises(TrainerError, match=r"shard\(s\) \[1\] at step 7 are held by no live rank"):
+        plan_recovery([(7, 0, 0), (-1, 1, 0), (7, 0, 0), (-1, 1, 0)], hsdp)

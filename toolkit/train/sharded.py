@@ -1,0 +1,57 @@
+"""A sharded model (FSDP2's `fully_shard`, pure FSDP or HSDP) in the Trainer: the parts that replace the DDP
+path's, composed in one place so that toolkit.train.trainer only asks `inspect` and calls `parts`.
+
+- toolkit.train.shardmodel: what the sharding is (the mesh's layout) and the shardings refused, in one line each;
+- toolkit.train.shardcomm: the mesh's groups rebuilt over each new default group, FSDP's iteration state reset after
+  a fault, the reduce-scatter and the sum across replica groups in a fixed order;
+- toolkit.train.shardstate: this rank's shard (`ShardState`: tensors / load / digest), the step commit, and the
+  agreement that gives a lost rank its shard from the rank holding it in another replica group.
+
+Checkpoints of sharded state are not written by this part (`InMemoryOnly`): it says so once at the start, and a
+whole-job restart starts from the initial state.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+from torch import nn
+
+from toolkit.train import interval, log
+from toolkit.train.checkpoint import CheckpointManager
+from toolkit.train.checkpointing import Checkpointing
+from toolkit.train.runtime import Runtime
+from toolkit.train.shardcomm import Binding, ShardedGroup
+from toolkit.train.shardmodel import Sharding, inspect
+from toolkit.train.shardstate import ShardedTrainingState, ShardState
+
+__all__ = ["InMemoryOnly", "ShardState", "inspect", "parts"]
+
+
+class InMemoryOnly(Checkpointing):
+    """No checkpoint of a sharded state is written: each rank's shard differs, and the host copy the DDP path
+    shares between a host's ranks holds one replicated state."""
+
+    def due(self, step: int) -> bool:
+        return False
+
+    def save(self, step: int, capture: Any) -> None:
+        return None
+
+
+def parts(rt: Runtime, model: nn.Module, optimizer: torch.optim.Optimizer, extra: Mapping[str, Any],
+          manager: CheckpointManager, sharding: Sharding, deterministic: bool,
+          chooser: interval.IntervalChooser | None, every: int) -> tuple[ShardedGroup, ShardedTrainingState,
+                                                                          Checkpointing]:
+    """The Trainer's group, state and checkpointing for `sharding`."""
+    binding = Binding(sharding)
+    group = ShardedGroup(model, sharding, binding, deterministic)
+    state = ShardedTrainingState(rt, model, optimizer, extra, manager, sharding.layout, binding)
+    ckpt = InMemoryOnly(rt, manager, optimizer, chooser, every, group.clock)
+    if rt.rank == 0:
+        layout = sharding.layout
+        log.line(f"rank 0: a sharded model ({'HSDP' if layout.replicas > 1 else 'FSDP'}, {layout.replicas} replica "
+                 f"group(s) of {layout.shards}): recovered in place from the other replica groups; no checkpoints "
+                 "are written")
+    return group, state, ckpt
