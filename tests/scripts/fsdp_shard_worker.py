@@ -28,7 +28,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from toolkit.contracts.ckptkey import project_key
-from toolkit.train.shardckpt import Layout, ShardCheckpoints
+from toolkit.train.shardckpt import Manifest, ShardCheckpoints
 from toolkit.train.shardmirror import ShardMirror, rollback_step
 
 
@@ -106,7 +106,7 @@ def main() -> int:
     step = 0
     ckpt = None
     if args.ckpt_dir is not None:
-        ckpt = ShardCheckpoints(args.ckpt_dir, rank, Layout(world, shape), key=project_key(os.environ, __file__))
+        ckpt = ShardCheckpoints(args.ckpt_dir, rank, Manifest(world, shape), key=project_key(os.environ, __file__))
         try:
             found = ckpt.agree()
         except Exception as e:  # noqa: BLE001 - the test reads the one line

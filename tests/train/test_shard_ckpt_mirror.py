@@ -26,7 +26,7 @@ import torch
 from toolkit.testing.localjob import clean_env
 from toolkit.testing.ports import free_port
 from toolkit.train.checkpoint import CheckpointError, Placement
-from toolkit.train.shardckpt import Layout, ShardCheckpoints, ShardName, decide
+from toolkit.train.shardckpt import Manifest, ShardCheckpoints, ShardName, decide
 from toolkit.train.shardmirror import ShardMirror, choose_every, holder_of, kept_by, ring_problem, rollback_step
 
 WORKER = Path(__file__).resolve().parents[1] / "scripts" / "fsdp_shard_worker.py"
@@ -131,7 +131,7 @@ def test_a_whole_job_killed_at_a_random_moment_restarts_from_its_shards_bitwise(
 
 
 def test_the_restart_decision() -> None:
-    layout = Layout(4, (2, 2))
+    layout = Manifest(4, (2, 2))
     assert decide([[0, -1, 8, 4, -1]] * 4, layout, "d") == 8
     assert decide([[0, -1, 8, 4], [0, -1, 4, -1], [0, -1, 8, 4], [0, -1, 8, 4]], layout, "d") == 4
     assert decide([[0, -1, -1]] * 4, layout, "d") is None
@@ -143,9 +143,9 @@ def test_the_restart_decision() -> None:
 
 def test_a_shard_of_another_mesh_shape_is_refused_at_the_load(tmp_path: Path) -> None:
     key = b"k" * 32
-    flat = ShardCheckpoints(tmp_path, 0, Layout(4, (4,)), key=key, async_write=False, placement=Placement("a"))
+    flat = ShardCheckpoints(tmp_path, 0, Manifest(4, (4,)), key=key, async_write=False, placement=Placement("a"))
     flat.save(3, {"w": torch.ones(2)})
-    hsdp = ShardCheckpoints(tmp_path, 0, Layout(4, (2, 2)), key=key, async_write=False, placement=flat.placement)
+    hsdp = ShardCheckpoints(tmp_path, 0, Manifest(4, (2, 2)), key=key, async_write=False, placement=flat.placement)
     assert hsdp.agree() == 3
     with pytest.raises(CheckpointError, match=r"sharded on a world of 4 on a \(4,\) mesh, this run is a world of 4 "
                                               r"on a \(2, 2\) mesh"):
@@ -173,7 +173,7 @@ def test_a_lost_shard_comes_back_from_another_hosts_copy_bitwise(
 
 
 def test_a_damaged_shard_is_refused_and_the_restart_falls_back_to_the_previous_one(tmp_path: Path) -> None:
-    ckpt = ShardCheckpoints(tmp_path, 0, Layout(1, (1,)), key=b"k" * 32, placement=Placement("a"))
+    ckpt = ShardCheckpoints(tmp_path, 0, Manifest(1, (1,)), key=b"k" * 32, placement=Placement("a"))
     for step in (4, 8):
         ckpt.save(step, {"w": torch.full((64,), float(step)), "step": step})
     ckpt.close()
@@ -181,7 +181,7 @@ def test_a_damaged_shard_is_refused_and_the_restart_falls_back_to_the_previous_o
     data = bytearray(newest.read_bytes())
     data[-3] ^= 0x10
     newest.write_bytes(bytes(data))
-    again = ShardCheckpoints(tmp_path, 0, Layout(1, (1,)), key=b"k" * 32, placement=Placement("a"))
+    again = ShardCheckpoints(tmp_path, 0, Manifest(1, (1,)), key=b"k" * 32, placement=Placement("a"))
     assert again.agree() == 4
     assert again.load(4)["w"][0].item() == 4.0
     assert (tmp_path / "host_a" / "refused" / newest.name).exists() and not newest.exists()
@@ -189,7 +189,7 @@ def test_a_damaged_shard_is_refused_and_the_restart_falls_back_to_the_previous_o
 
 def test_a_full_disk_skips_the_sharded_checkpoint_and_training_goes_on(tiny_tmpfs: Path) -> None:
     root = tiny_tmpfs / "ckpt"
-    ckpt = ShardCheckpoints(root, 0, Layout(1, (1,)), key=b"k" * 32, placement=Placement("a"))
+    ckpt = ShardCheckpoints(root, 0, Manifest(1, (1,)), key=b"k" * 32, placement=Placement("a"))
     ckpt.save(1, {"w": torch.zeros(1 << 17)})  # 512 KB into 256 KB
     ckpt.flush()  # no error: skipped
     assert ckpt.skipped == 1 and not list((root / "host_a").glob("*step_*"))

@@ -97,8 +97,9 @@ class ShardName(PartName):
 
 
 @dataclass(frozen=True)
-class Layout:
-    """What a sharded state is cut for (the manifest): the world size and the mesh shape. A restart must match it."""
+class Manifest:
+    """What a sharded state is cut for, in every shard file: the world size and the mesh shape. A restart must match
+    it. (Not toolkit.train.shardmodel.Layout, which says how a live model is sharded.)"""
 
     world: int
     mesh: tuple[int, ...]
@@ -114,7 +115,7 @@ class Layout:
         return f"a world of {self.world} on a {tuple(self.mesh)} mesh"
 
 
-def refusal(found: int, found_step: int, layout: Layout, where: str) -> str:
+def refusal(found: int, found_step: int, layout: Manifest, where: str) -> str:
     """The one line for a sharded checkpoint of another world size."""
     return (f"{where} holds the sharded checkpoint of step {found_step} of a world of {found}; this run is "
             f"{layout.describe()}: a shard is cut for its mesh and is not re-cut on a restart (the elastic layer maps "
@@ -128,7 +129,7 @@ class ShardCheckpoints:
     (default: from the environment); `key`: the job's checkpoint key (toolkit.contracts.ckptkey). CheckpointError,
     one line, for a directory that cannot be used."""
 
-    def __init__(self, root: str | Path, rank: int, layout: Layout, *, key: bytes,
+    def __init__(self, root: str | Path, rank: int, layout: Manifest, *, key: bytes,
                  placement: Placement | None = None, keep_max: int = 2, async_write: bool = True,
                  write_timeout: float = DEFAULT_WRITE_TIMEOUT) -> None:
         if keep_max < MIN_KEEP:
@@ -256,7 +257,7 @@ class ShardCheckpoints:
         except Exception as e:  # noqa: BLE001 - authentic but torch cannot read it
             raise CorruptCheckpoint(f"{path}: authentic but does not load ({str(e).splitlines()[0][:200]})") from None
         try:
-            saved = Layout(int(payload[LAYOUT]["world"]), tuple(int(n) for n in payload[LAYOUT]["mesh"]))
+            saved = Manifest(int(payload[LAYOUT]["world"]), tuple(int(n) for n in payload[LAYOUT]["mesh"]))
             state, recorded = payload[STATE], payload[DIGEST]
         except (KeyError, TypeError, ValueError) as e:
             raise CorruptCheckpoint(f"{path}: not a sharded checkpoint ({e!r})") from None
@@ -350,7 +351,7 @@ class ShardCheckpoints:
             raise error
 
 
-def decide(rows: list[list[int]], layout: Layout, where: str) -> int | None:
+def decide(rows: list[list[int]], layout: Manifest, where: str) -> int | None:
     """The restart step from every rank's row ``[other world or 0, its step or -1, own steps..., -1...]`` (pure).
     A rank that found a newer shard of another world refuses for all; else the newest step every rank holds; None
     when no rank holds any; CheckpointError when some do but no step is common to all."""
