@@ -39,8 +39,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from toolkit.freeports import free_port
 from toolkit.testing.events import Events
-from toolkit.testing.ports import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 HEALTHY_RESET = 1.0  # s: a replacement that ran this long restarts its budget (the policy's first restart is 0 s)

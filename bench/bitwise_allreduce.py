@@ -26,7 +26,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from toolkit.testing.ports import free_port
+from toolkit.freeports import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 PROC_TIMEOUT = 1800.0

@@ -7,7 +7,7 @@ bytes one host writes.
 Why: the checkpoint interval trades lost work against stall. An asynchronous checkpoint should cost the loop
 only the state's structure and its small tensors: the parameters and optimizer state are copied by the writer
 thread while the next step's forward and backward run, and the optimizer step waits only if that copy is not done
-(toolkit.train.checkpoint). Not a test: it prints numbers and ratios.
+(toolkit.train.ckpt.manager). Not a test: it prints numbers and ratios.
 
     .venv/bin/python bench/checkpoint_stall.py [--repeats 3] [--dir /path/on/the/disk/to/measure]
 
@@ -35,7 +35,7 @@ from torch import nn
 
 from toolkit.train import determinism
 from toolkit.train.agreement import DIGEST
-from toolkit.train.checkpoint import CheckpointManager, Placement
+from toolkit.train.ckpt.manager import CheckpointManager, Placement
 from toolkit.train.digest import Digester
 
 KEY = b"benchmark key, thirty-two bytes!"

@@ -47,8 +47,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from toolkit.freeports import free_port_pair
 from toolkit.testing.localjob import EXAMPLES, LocalJob, clean_env
-from toolkit.testing.ports import free_port_pair
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -13,7 +13,7 @@ of every check (the same code with CPU tensors and small sizes), so that the scr
 
 Checks (`--only` takes their names, comma-separated):
   checkpoint   a state of --size-mb on the device (MLP + AdamW) checkpointed asynchronously (pinned staging, one
-               authenticated copy: toolkit.train.checkpoint) while training goes on; the training stall against
+               authenticated copy: toolkit.train.ckpt.manager) while training goes on; the training stall against
                torch.save of the same state; restored and compared bit for bit.
   transfer     two processes on the one device over gloo (NCCL refuses two ranks on one device): a survivor's
                device state (--size-mb) to a replacement whose optimizer never stepped (toolkit.train.transfer),
@@ -58,10 +58,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from checkpoint_stall import KEY, build, stable, state_of  # noqa: E402 - the sibling bench's model and state
 
+from toolkit.freeports import free_port  # noqa: E402
 from toolkit.testing.localjob import STEP_LINE, LocalJob  # noqa: E402
-from toolkit.testing.ports import free_port  # noqa: E402
 from toolkit.train import determinism, transfer  # noqa: E402
-from toolkit.train.checkpoint import CheckpointManager, Placement, host_copies  # noqa: E402
+from toolkit.train.ckpt.manager import CheckpointManager, Placement, host_copies  # noqa: E402
 from toolkit.train.ddpmodel import ddp_arguments  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent

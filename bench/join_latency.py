@@ -26,8 +26,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from toolkit.freeports import free_port_pair
 from toolkit.testing.localjob import EXAMPLES
-from toolkit.testing.ports import free_port_pair
 
 FLEET = str(Path(sys.executable).parent / "fleet")
 STAMP = r"(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d+)Z?"

@@ -28,8 +28,8 @@ import tempfile
 import textwrap
 from pathlib import Path
 
+from toolkit.freeports import free_port
 from toolkit.testing.localjob import LocalJob, clean_env
-from toolkit.testing.ports import free_port
 from toolkit.train.determinism import GLOO_BUCKET_MB
 
 ROOT = Path(__file__).resolve().parent.parent

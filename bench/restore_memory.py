@@ -37,9 +37,9 @@ def child(root: str, way: str) -> None:
     """Load step 1 from `root` the `way` asked; print the extra peak memory in bytes and the state's size."""
     import torch
 
-    from toolkit.train import ckptfile, ckptparts
-    from toolkit.train.checkpoint import CheckpointManager, Placement
-    from toolkit.train.ckptfile import PartName
+    from toolkit.train.ckpt import partfile, parts
+    from toolkit.train.ckpt.manager import CheckpointManager, Placement
+    from toolkit.train.ckpt.partfile import PartName
 
     m = CheckpointManager(root, placement=Placement("bench"), key=KEY)
     before = _status("VmRSS")
@@ -47,8 +47,8 @@ def child(root: str, way: str) -> None:
         state = m.load(1)
     else:  # as before: read whole, verify, copy into a BytesIO, unpickle
         data = (m.directory / PartName(1, 0, 1).name).read_bytes()
-        payload = ckptfile.verify(memoryview(data), PartName(1, 0, 1), KEY)
-        state = ckptparts.merge([torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)])
+        payload = partfile.verify(memoryview(data), PartName(1, 0, 1), KEY)
+        state = parts.merge([torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)])
     peak = _status("VmHWM")
     print(peak - before, state["w"].nbytes)
 
@@ -59,7 +59,7 @@ def main() -> None:
     args = parser.parse_args()
     import torch
 
-    from toolkit.train.checkpoint import CheckpointManager, Placement
+    from toolkit.train.ckpt.manager import CheckpointManager, Placement
 
     with tempfile.TemporaryDirectory() as root:
         os.chmod(root, 0o700)

@@ -51,7 +51,7 @@ from pathlib import Path
 from typing import Any
 
 from toolkit.contracts import envvars as E
-from toolkit.testing.ports import free_port
+from toolkit.freeports import free_port
 from toolkit.testing.simjob import SimJob, percentile
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -128,7 +128,7 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace, seed: int) -> dict:
-    from toolkit.testing.ports import free_port
+    from toolkit.freeports import free_port
 
     port = free_port()
     procs, logs = [], []

@@ -48,7 +48,7 @@ from pathlib import Path
 
 from toolkit.contracts import envvars as E
 from toolkit.contracts import protocol as P
-from toolkit.testing.ports import free_port_pair
+from toolkit.freeports import free_port_pair
 
 ROOT = Path(__file__).resolve().parents[1]
 BATCH = 128  # keys per multi_get: what gloo asks for

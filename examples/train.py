@@ -31,8 +31,9 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import toolkit.train
 from toolkit.errors import UserError
-from toolkit.train import checkpoint, determinism
-from toolkit.train.checkpoint import CheckpointError
+from toolkit.train import determinism
+from toolkit.train.ckpt import manager
+from toolkit.train.ckpt.manager import CheckpointError
 from toolkit.train.data import DataError, load_mnist
 
 HERE = Path(__file__).resolve().parent
@@ -102,8 +103,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     for name in ("epochs", "batch_size", "log_every", "threads"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
-    if args.keep_max < checkpoint.MIN_KEEP:
-        p.error(f"--keep-max must be >= {checkpoint.MIN_KEEP}: one checkpoint leaves nothing to fall back to")
+    if args.keep_max < manager.MIN_KEEP:
+        p.error(f"--keep-max must be >= {manager.MIN_KEEP}: one checkpoint leaves nothing to fall back to")
     if args.step_delay < 0:
         p.error("--step-delay must be >= 0")
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -133,7 +134,7 @@ def write_final(path: Path, model: nn.Module) -> str:
     buf = io.BytesIO()
     torch.save(params, buf)
     path.parent.mkdir(parents=True, exist_ok=True)
-    checkpoint.write_atomic(path, buf.getbuffer(), what="final parameters")
+    manager.write_atomic(path, buf.getbuffer(), what="final parameters")
     h = hashlib.sha256()
     for name in sorted(params):
         t = params[name].contiguous()

@@ -22,12 +22,12 @@ from hypothesis import strategies as st
 
 from toolkit import agent as A
 from toolkit import procs
+from toolkit.agent.agentlog import LOG_TAIL_LINES
 from toolkit.agent.commands import read_pid_file as running_agent_record
-from toolkit.agent.log import LOG_TAIL_LINES
 from toolkit.contracts import protocol as P
 from toolkit.errors import UserError
+from toolkit.freeports import free_port
 from toolkit.testing.events import Events
-from toolkit.testing.ports import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = str(Path(__file__).parent / "scripts" / "agent_worker.py")

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from toolkit.agent.log import AgentLog
+from toolkit.agent.agentlog import AgentLog
 from toolkit.agent.port import AgentPort, Workers
 from toolkit.agent.processes import Processes
 from toolkit.agent.slots import WorkersOf

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from toolkit.agent import policy
-from toolkit.agent.log import AgentLog, iso
+from toolkit.agent.agentlog import AgentLog, iso
 from toolkit.agent.slots import Slot
 from toolkit.agent.supervisor import Agent
 from toolkit.contracts import agentdoc

@@ -17,8 +17,8 @@ import pytest
 from test_playbooks import HOSTS, PLAYBOOK_TIMEOUT, PLAYBOOKS, ansible_env
 from test_tasks import BIN, LONG, WORKER, fleet, ok
 
+from toolkit.freeports import free_port_pair
 from toolkit.testing.cluster import Cluster
-from toolkit.testing.ports import free_port_pair
 
 pytestmark = pytest.mark.timeout(600)
 

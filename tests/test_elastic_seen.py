@@ -14,7 +14,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, generate_latest
 from rich.console import Console
 
-from toolkit.launcher import report as R
+from toolkit.launcher import runreport as R
 from toolkit.launcher.jobhosts.tables import elastic_lines
 from toolkit.scheduler.actions import Note, NoteKind
 from toolkit.scheduler.exposition import JobCollector, take

@@ -28,6 +28,7 @@ from rich.console import Console
 
 from toolkit.contracts import rundoc
 from toolkit.contracts.jobrecord import HostRecord, JobRecord
+from toolkit.freeports import free_port
 from toolkit.launcher.jobhosts.tables import live_lines, progress_line
 from toolkit.launcher.plan import JobOptions, PlanError
 from toolkit.launcher.tasks.watch import View, render
@@ -48,7 +49,6 @@ from toolkit.scheduler.metrics import Endpoint, Exchange
 from toolkit.scheduler.roster import Roster
 from toolkit.testing import waits
 from toolkit.testing.localjob import LocalJob
-from toolkit.testing.ports import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 RULES = REPO / "deploy" / "prometheus" / "toolkit-alerts.yml"

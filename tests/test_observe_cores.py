@@ -15,7 +15,7 @@ from toolkit.launcher.jobhosts.tables import live_lines
 from toolkit.launcher.remote import HostResult
 from toolkit.launcher.tasks.watch import SILENT_MIN, Answer, job_outcome, watch_view
 from toolkit.scheduler.stragglers import EVAL_INTERVAL, PERSIST, Cleared, Named, Stragglers
-from toolkit.train.interval import DEFAULT_PRIOR_MTBF, IntervalChooser, choose
+from toolkit.train.ckpt.interval import DEFAULT_PRIOR_MTBF, IntervalChooser, choose
 from toolkit.train.pace import SAMPLE_INTERVAL, WINDOW, StepPace
 
 # -- pace

@@ -34,8 +34,8 @@ from test_tasks import (
     wait_for,
 )
 
+from toolkit.freeports import free_port_pair
 from toolkit.testing.cluster import Cluster
-from toolkit.testing.ports import free_port_pair
 
 PLAYBOOKS = REPO / "playbooks"
 HOSTS = 3

@@ -1,4 +1,4 @@
-"""`fleet report`'s pure part (toolkit.launcher.report.report_data, the figure and the tables) on a hand-made ledger,
+"""`fleet report`'s pure part (toolkit.launcher.runreport.report_data, the figure and the tables) on a hand-made ledger,
 and the task locally (no SSH) on documents placed where the scheduler writes them. The run with real faults is in
 tests/e2e/test_ledger_report.py."""
 
@@ -15,10 +15,10 @@ from typing import Any
 from rich.console import Console
 
 from toolkit.contracts import rundoc
-from toolkit.launcher import report as R
+from toolkit.freeports import free_port_pair
+from toolkit.launcher import runreport as R
 from toolkit.scheduler.ledger import Ledger
 from toolkit.scheduler.membership import CAUSE_CLOSED, CAUSE_SILENCE
-from toolkit.testing.ports import free_port_pair
 
 T0 = 5_000.0
 BIN = Path(sys.executable).parent

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from toolkit.testing.ports import free_port_pair
+from toolkit.freeports import free_port_pair
 
 BIN = Path(sys.executable).parent
 WORKER = Path(__file__).resolve().parent / "scripts" / "resume_worker.py"

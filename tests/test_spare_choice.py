@@ -1,11 +1,11 @@
-"""The scheduler's spare-host decisions (toolkit.scheduler.spares) on a fake clock: which hosts are lost and which
+"""The scheduler's spare-host decisions (toolkit.scheduler.sparehosts) on a fake clock: which hosts are lost and which
 spare takes a host's ranks. The membership's use of them (the takeover, the fencing, the operator's replace) is in
 tests/test_membership.py; the flow on real hosts in tests/e2e/test_spares.py."""
 
 from __future__ import annotations
 
 from toolkit.scheduler.roster import Member, Roster
-from toolkit.scheduler.spares import Lost, LostCheck, Refusal, choose_spare, find_lost
+from toolkit.scheduler.sparehosts import Lost, LostCheck, Refusal, choose_spare, find_lost
 
 PLAN = {"sched": "hostA", "worker_0": "hostA", "worker_1": "hostB", "worker_2": "hostC", "worker_3": "hostC"}
 TIMEOUT = 10.0

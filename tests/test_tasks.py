@@ -22,11 +22,11 @@ from typing import Any, Callable, Iterator
 
 import pytest
 
+from toolkit.freeports import free_port_pair
 from toolkit.launcher.remote import LocalHost
 from toolkit.procs import proc_info
 from toolkit.testing import waits
 from toolkit.testing.cluster import Cluster, ProcessInfo, describe, format_workload
-from toolkit.testing.ports import free_port_pair
 
 REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent

@@ -170,7 +170,7 @@ def test_checkpoint_storage_full_on_one_host(e2e: E2E) -> None:
         job.wait_no_leftovers()
         # Read where the host sees its tmpfs: every rank there still has intact checkpoints.
         verify = ("import json, sys; from pathlib import Path\n"
-                  "from toolkit.train.checkpoint import CheckpointManager, Placement\n"
+                  "from toolkit.train.ckpt.manager import CheckpointManager, Placement\n"
                   "from toolkit.contracts.ckptkey import job_key\n"
                   "root, key = Path(sys.argv[1]), job_key(Path(sys.argv[2]).read_text().strip())\n"
                   "found = {}\n"

@@ -20,7 +20,7 @@ from typing import Any
 
 from fault_harness import E2E, Job
 
-from toolkit.launcher import report as R
+from toolkit.launcher import runreport as R
 
 KILL_AT = 6  # every worker past this step (a checkpoint every 4) when the first fault hits
 # s: heartbeat silence before a worker is dead. The product's default, not the fixture's 3 s: on a machine shared by

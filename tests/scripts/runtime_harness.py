@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterator, Mapping
 
 from toolkit.contracts import envvars as E
 from toolkit.contracts import protocol as P
-from toolkit.testing.ports import free_port_pair
+from toolkit.freeports import free_port_pair
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = Path(__file__).resolve().parent

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from toolkit.train import checkpoint
+from toolkit.train.ckpt import manager as checkpoint
 
 KEY = b"agreement test key, 32 bytes!!!!"
 

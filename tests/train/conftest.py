@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from toolkit.testing.ports import free_port
+from toolkit.freeports import free_port
 
 
 @pytest.fixture

@@ -22,9 +22,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from toolkit.contracts import ckptkey
-from toolkit.train import checkpoint, ckptfile, ckptparts
-from toolkit.train.checkpoint import CheckpointError, CheckpointManager, Choice, CorruptCheckpoint, Placement, choose
-from toolkit.train.ckptfile import BadPart, PartName
+from toolkit.train.ckpt import manager as checkpoint
+from toolkit.train.ckpt import partfile
+from toolkit.train.ckpt import parts as ckptparts
+from toolkit.train.ckpt.manager import CheckpointError, CheckpointManager, Choice, CorruptCheckpoint, Placement, choose
+from toolkit.train.ckpt.partfile import BadPart, PartName
 
 HERE = Path(__file__).resolve().parent
 PROC_TIMEOUT = 60
@@ -75,7 +77,7 @@ def one_part() -> bytes:
     with tempfile.TemporaryDirectory() as d:
         fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
         try:
-            ckptfile.write_part(fd, PartName(3, 0, 1), state_of(3, n=50), KEY)
+            partfile.write_part(fd, PartName(3, 0, 1), state_of(3, n=50), KEY)
         finally:
             os.close(fd)
         return (Path(d) / PartName(3, 0, 1).name).read_bytes()
@@ -87,13 +89,13 @@ def test_any_truncation_or_flipped_byte_is_caught(data):
     blob, name = one_part(), PartName(3, 0, 1)
     cut = data.draw(st.integers(0, len(blob) - 1), label="truncate at")
     with pytest.raises(BadPart):
-        ckptfile.verify(memoryview(blob[:cut]), name, KEY)
+        partfile.verify(memoryview(blob[:cut]), name, KEY)
     pos = data.draw(st.integers(0, len(blob) - 1), label="flip at")
     flipped = bytearray(blob)
     flipped[pos] ^= 1 << data.draw(st.integers(0, 7), label="bit")
     with pytest.raises(BadPart):
-        ckptfile.verify(memoryview(bytes(flipped)), name, KEY)
-    assert ckptfile.verify(memoryview(blob), name, KEY) is not None
+        partfile.verify(memoryview(bytes(flipped)), name, KEY)
+    assert partfile.verify(memoryview(blob), name, KEY) is not None
 
 
 def test_a_restore_reads_the_file_into_the_tensors_without_a_copy_of_it_in_memory(tmp_path):
@@ -117,9 +119,9 @@ def test_a_restore_reads_the_file_into_the_tensors_without_a_copy_of_it_in_memor
 def test_a_file_of_another_key_or_renamed_does_not_verify():
     blob = memoryview(one_part())
     with pytest.raises(BadPart, match="fails authentication"):
-        ckptfile.verify(blob, PartName(3, 0, 1), b"another key of thirty-two bytes!")
+        partfile.verify(blob, PartName(3, 0, 1), b"another key of thirty-two bytes!")
     with pytest.raises(BadPart, match="holds step 3 part 0 of 1, not what its name says"):
-        ckptfile.verify(blob, PartName(4, 0, 1), KEY)
+        partfile.verify(blob, PartName(4, 0, 1), KEY)
 
 
 def test_a_refused_file_never_overwrites_one_refused_before(tmp_path):
@@ -132,7 +134,7 @@ def test_a_refused_file_never_overwrites_one_refused_before(tmp_path):
     for attempt in range(3):
         fd = os.open(m.directory, os.O_RDONLY | os.O_DIRECTORY)
         try:
-            ckptfile.write_part(fd, PartName(9, 0, 1), state_of(attempt), b"another key of thirty-two bytes!")
+            partfile.write_part(fd, PartName(9, 0, 1), state_of(attempt), b"another key of thirty-two bytes!")
         finally:
             os.close(fd)
         planted.append((m.directory / PartName(9, 0, 1).name).read_bytes())
@@ -175,11 +177,11 @@ def test_pruning_deletes_only_what_authenticates_and_refuses_the_rest(tmp_path, 
         m.save(1, state_of(1))  # authentic, written by an earlier incarnation
     fd = os.open(m.directory, os.O_RDONLY | os.O_DIRECTORY)
     try:
-        ckptfile.write_part(fd, PartName(0, 0, 1), state_of(0), b"another key of thirty-two bytes!")
+        partfile.write_part(fd, PartName(0, 0, 1), state_of(0), b"another key of thirty-two bytes!")
     finally:
         os.close(fd)
     foreign = (m.directory / PartName(0, 0, 1).name).read_bytes()
-    with caplog.at_level(logging.WARNING, logger="toolkit.train.checkpoint"), manager(tmp_path) as m:
+    with caplog.at_level(logging.WARNING, logger="toolkit.train.ckpt.manager"), manager(tmp_path) as m:
         m.save(2, state_of(2))
         m.save(3, state_of(3))  # keep 2: steps 0 and 1 go
     assert m.steps_on_disk() == [2, 3]
@@ -292,7 +294,7 @@ def test_parts_that_do_not_fit_together_are_corrupt():
 
 CRASH_BEFORE_RENAME = textwrap.dedent("""
     import os, signal, sys, torch
-    from toolkit.train.checkpoint import CheckpointManager, Placement
+    from toolkit.train.ckpt.manager import CheckpointManager, Placement
     m = CheckpointManager(sys.argv[1], keep_max=2, placement=Placement("a"), key=b"k" * 32,
                           async_write=sys.argv[2] == "async")
     os.rename = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)   # die after write+fsync, before rename
@@ -336,7 +338,7 @@ def test_damaged_newest_is_reported_and_the_previous_one_used(tmp_path, damage, 
         newest.write_bytes(blob[:-100] + bytes([blob[-100] ^ 0x40]) + blob[-99:])
     else:
         newest.write_bytes(b"")
-    with caplog.at_level(logging.WARNING, logger="toolkit.train.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="toolkit.train.ckpt.manager"):
         with manager(tmp_path, keep_max=3) as m:
             found = m.load_latest()
             scan = m.scan()
@@ -407,7 +409,7 @@ def test_a_full_disk_skips_the_checkpoint_says_so_once_and_the_next_one_is_tried
     m.save(1, state_of(1, n=1000))  # ~5 KB
     m.flush()
     before = m.path_for(1).read_bytes()
-    with caplog.at_level(logging.WARNING, logger="toolkit.train.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="toolkit.train.ckpt.manager"):
         for step in (2, 3):
             m.save(step, state_of(step, n=200_000))  # ~800 KB on a 256 KiB disk
             m.flush()

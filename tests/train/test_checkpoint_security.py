@@ -28,10 +28,10 @@ import torch
 from toolkit import atomicfile, privatedir
 from toolkit.contracts import ckptkey
 from toolkit.testing.stranger import AS_STRANGER
-from toolkit.train import ckptfile
-from toolkit.train.checkpoint import CheckpointError, CheckpointManager, Placement
-from toolkit.train.ckptdir import HostDir
-from toolkit.train.ckptfile import PartName
+from toolkit.train.ckpt import partfile
+from toolkit.train.ckpt.hostdir import HostDir
+from toolkit.train.ckpt.manager import CheckpointError, CheckpointManager, Placement
+from toolkit.train.ckpt.partfile import PartName
 
 REPO = Path(__file__).resolve().parents[2]
 SAMPLE = REPO / "examples" / "train.py"
@@ -173,7 +173,7 @@ def forge(host: Path, scratch: Path) -> bytes:
         state["model"][name] = torch.full_like(t, 0.5)
     fd = os.open(scratch, os.O_RDONLY | os.O_DIRECTORY)
     try:
-        ckptfile.write_part(fd, PartName(9999, 0, 1), state, b"the attacker's own key, 32 bytes")
+        partfile.write_part(fd, PartName(9999, 0, 1), state, b"the attacker's own key, 32 bytes")
     finally:
         os.close(fd)
     return (scratch / PartName(9999, 0, 1).name).read_bytes()

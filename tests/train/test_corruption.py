@@ -18,7 +18,7 @@ import pytest
 from rich.console import Console
 
 from toolkit.launcher.jobhosts.tables import live_lines
-from toolkit.launcher.report import report_data, summary_tables
+from toolkit.launcher.runreport import report_data, summary_tables
 from toolkit.testing.localjob import LocalJob
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "corrupt_worker.py"

@@ -34,7 +34,7 @@ from test_own_scripts import JOB_TIMEOUT, REPORTING, last_step, project, reporti
 from toolkit.contracts import rundoc
 from toolkit.contracts.ckptkey import job_key
 from toolkit.testing.localjob import EXAMPLES, FLEET, FleetRun, clean_env
-from toolkit.train.checkpoint import CheckpointManager, Placement
+from toolkit.train.ckpt.manager import CheckpointManager, Placement
 
 pytestmark = pytest.mark.timeout(900)
 EXIT_STOPPED = 3

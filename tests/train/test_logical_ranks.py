@@ -26,8 +26,8 @@ from runtime_harness import Job
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from toolkit.contracts import protocol as P
+from toolkit.freeports import free_port_pair
 from toolkit.testing.localjob import EXAMPLES, STEP_LINE, LocalJob, clean_env
-from toolkit.testing.ports import free_port_pair
 from toolkit.train.loader import LoaderError
 from toolkit.train.logicalgrad import LogicalGrad
 from toolkit.train.stepdata import StepData, retarget

@@ -176,7 +176,7 @@ def ported_run(tmp_path: Path, name: str) -> FleetRun:
 
 def final_model(run: FleetRun, world: int = 3) -> dict[str, torch.Tensor]:
     from toolkit.contracts.ckptkey import job_key
-    from toolkit.train.checkpoint import CheckpointManager, Placement
+    from toolkit.train.ckpt.manager import CheckpointManager, Placement
 
     (host,) = (run.dir / "ckpt").glob("host_*")  # the host's one copy, under the job's key (from its token)
     found = CheckpointManager(host.parent, keep_max=3, placement=Placement(host.name[len("host_"):]),

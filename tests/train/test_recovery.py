@@ -22,10 +22,10 @@ from typing import Any, Callable
 import pytest
 import torch
 
+from toolkit.freeports import free_port_pair
 from toolkit.scheduler import state as scheduler_state
 from toolkit.testing.events import Events
 from toolkit.testing.localjob import EXAMPLES, STEP_LINE, LocalJob, clean_env
-from toolkit.testing.ports import free_port_pair
 
 TORCHRUN = str(Path(sys.executable).parent / "torchrun")
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"

@@ -16,7 +16,7 @@ from toolkit.launcher.plan import PlanError, make_plan
 from toolkit.launcher.settings import CoreFlags, resolve
 from toolkit.train import inject
 from toolkit.train.agreement import DIGEST, TrainingState, verified_load
-from toolkit.train.checkpoint import CheckpointManager, Placement
+from toolkit.train.ckpt.manager import CheckpointManager, Placement
 from toolkit.train.digest import Digester
 from toolkit.train.faults import TrainerError
 from toolkit.train.replicas import AGREE, CONFIG, ODD, SPLIT, Schedule, fingerprint, parse_every, verdict

@@ -21,8 +21,8 @@ from runtime_harness import FakeAgent, Job, Proc, expected_weights, job_factory,
 from toolkit.contracts import envvars as E
 from toolkit.contracts import protocol as P
 from toolkit.contracts import stepfile
+from toolkit.freeports import free_port_pair
 from toolkit.testing.localjob import clean_env
-from toolkit.testing.ports import free_port_pair
 from toolkit.train import faults
 from toolkit.train import runtime as R
 

@@ -23,9 +23,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from toolkit.freeports import free_port
 from toolkit.testing.localjob import clean_env
-from toolkit.testing.ports import free_port
-from toolkit.train.checkpoint import CheckpointError, Placement
+from toolkit.train.ckpt.manager import CheckpointError, Placement
 from toolkit.train.shardckpt import Manifest, ShardCheckpoints, ShardName, decide
 from toolkit.train.shardmirror import ShardMirror, choose_every, holder_of, kept_by, ring_problem, rollback_step
 

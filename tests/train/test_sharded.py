@@ -20,9 +20,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 import pytest
-from toolkit.train.trainererror import TrainerError
 
 from toolkit.testing.localjob import STEP_LINE, LocalJob, clean_env
+from toolkit.train.faults import TrainerError
 from toolkit.train.shardmodel import Layout
 from toolkit.train.shardstate import plan_recovery
 

@@ -3,7 +3,7 @@
 - policy.py      what to do when a process exits or the scheduler speaks (pure: facts in, a reaction out)
 - supervisor.py  the event loop and the agent's life; it dispatches to the modules below
 - processes.py   launching, exits and relaunches (applies policy), the operator's restart, fencing
-- warmspare.py   whether a warm spare is wanted and may import now (pure); spare.py applies it
+- warmspare.py   whether a warm spare is wanted and may import now (pure); warmprocess.py applies it
 - slots.py       what the agent knows of each process (Slot), bind_core's CPU sets
 - control.py     the control socket's server (bounded conversations)
 - progressinbox.py  the progress socket (the workers' datagrams, parsed)

@@ -29,9 +29,9 @@ from typing import Any, Callable
 
 from toolkit import procs
 from toolkit.agent import policy
+from toolkit.agent.agentlog import AgentLog, log_tail
 from toolkit.agent.control import CLIENT_TIMEOUT
 from toolkit.agent.link import LINK_CONNECT_TIMEOUT
-from toolkit.agent.log import AgentLog, log_tail
 from toolkit.agent.supervisor import (
     EXIT_FAILED,
     EXIT_OK,

@@ -11,7 +11,7 @@ import socket
 import time
 from typing import Any, Callable
 
-from toolkit.agent.log import AgentLog
+from toolkit.agent.agentlog import AgentLog
 from toolkit.agent.timers import Timer, Timers
 from toolkit.contracts import envvars, protocol
 from toolkit.contracts.agentdoc import LinkState

@@ -20,11 +20,11 @@ import time
 
 from toolkit import memcgroup, procs
 from toolkit.agent import causes, openfiles, policy
-from toolkit.agent.log import AgentLog, iso, log_tail
+from toolkit.agent.agentlog import AgentLog, iso, log_tail
 from toolkit.agent.port import AgentPort
 from toolkit.agent.slots import EXIT_HISTORY, Slot, WorkersOf, cpu_sets
-from toolkit.agent.spare import WarmSpare
 from toolkit.agent.timers import Timers
+from toolkit.agent.warmprocess import WarmSpare
 from toolkit.contracts import envvars, protocol
 from toolkit.contracts.agentdoc import AgentState, ExitRecord, Failure, ProcState
 from toolkit.contracts.hostspec import HostSpec, ProcSpec

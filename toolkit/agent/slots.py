@@ -13,7 +13,7 @@ from typing import Any, Iterable, Mapping
 
 from toolkit import procs, standby
 from toolkit.agent import openfiles, policy
-from toolkit.agent.log import iso
+from toolkit.agent.agentlog import iso
 from toolkit.agent.progressinbox import Report
 from toolkit.agent.timers import Timer
 from toolkit.contracts import stepfile

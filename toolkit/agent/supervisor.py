@@ -8,7 +8,7 @@ scheduler link, signals (through the wakeup fd) and timers.
 
 This module is the loop, the agent's life (setup, signals, the first `finish`, the shutdown order) and the
 dispatch of the scheduler's messages and the control requests. Each concern lives in its own module: the processes'
-launches, exits and relaunches in processes.py (what to do is decided in policy.py), the warm spare in spare.py,
+launches, exits and relaunches in processes.py (what to do is decided in policy.py), the warm spare in warmprocess.py,
 the sockets' conversations in control.py and progressinbox.py, and when agent.json (toolkit.contracts.agentdoc) is
 rewritten in docwriter.py: at once on every change of state, at most once per PROGRESS_WRITE_INTERVAL for progress.
 """
@@ -26,10 +26,10 @@ from typing import Any, Callable
 
 from toolkit import atomicfile, netif, procs
 from toolkit.agent import openfiles, policy
+from toolkit.agent.agentlog import AgentLog, iso
 from toolkit.agent.control import ControlServer
 from toolkit.agent.docwriter import DocWriter
 from toolkit.agent.link import SchedulerLink
-from toolkit.agent.log import AgentLog, iso
 from toolkit.agent.processes import Processes
 from toolkit.agent.progressinbox import ProgressInbox, Report
 from toolkit.agent.slots import running

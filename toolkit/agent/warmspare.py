@@ -1,4 +1,4 @@
-"""The warm spare's decisions (pure: facts and a clock in; toolkit.agent.spare applies them): whether one is
+"""The warm spare's decisions (pure: facts and a clock in; toolkit.agent.warmprocess applies them): whether one is
 wanted at all (`next_step`), and when it may import torch: never while a worker relaunched cold starts beside it
 (`spare_plan`).
 

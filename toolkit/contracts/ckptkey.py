@@ -13,7 +13,7 @@ random with --standalone, the working directory changes with where it is typed);
 starts a new job, whose directory then refuses the old one's checkpoints in one line.
 
 The id: HMAC-SHA256(key, "toolkit checkpoint key id v1"), hex; one-way, so writing it down (the checkpoint
-directory's ``key-id``, toolkit.train.ckptdir) reveals nothing of the key. Torch-free: `fleet train --fresh`
+directory's ``key-id``, toolkit.train.ckpt.hostdir) reveals nothing of the key. Torch-free: `fleet train --fresh`
 computes the job's id to move only its own checkpoint directory aside.
 """
 

@@ -50,7 +50,7 @@ Worker conversation (one connection per worker process, kept for its whole life;
                                             waits in a collective now, a legitimately long phase it is in:
                                             toolkit.train.stacks; ckpt_skipped, ckpt_full: checkpoints
                                             skipped in a row for a full disk and the line saying why, 0 once one
-                                            is written: toolkit.train.checkpointing; collectives: the collectives
+                                            is written: toolkit.train.ckpt.schedule; collectives: the collectives
                                             its default group entered, sent while it reports no step)
     sched  -> generation {generation}       a member died: leave the current process group, wait for `formed`
     worker -> commit {step}                 this rank committed a checkpoint of `step`

@@ -260,7 +260,7 @@ def job_ckpt_dir(options: JobOptions) -> str | None:
     """The job's own directory under --ckpt-dir (`<ckpt-dir>/<job>`), None without one. Why not the directory as
     given: two jobs given the same one destroyed each other's checkpoints (each took the other's for files to
     refuse or prune), and `--fresh` moved it all aside; under its own subdirectory a job sees only its own (and a
-    checkpoint root holding another key's is refused outright: toolkit.train.ckptdir)."""
+    checkpoint root holding another key's is refused outright: toolkit.train.ckpt.hostdir)."""
     return posixpath.join(options.ckpt_dir, options.job) if options.ckpt_dir else None
 
 

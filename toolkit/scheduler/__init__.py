@@ -4,7 +4,7 @@
 - membership.py  its decisions (members, deaths, fencing, generations, the job's end), pure: events in, actions out
 - actions.py     what those decisions return (Send, Close, Log, Exit, DropKeys, Note) for the server to apply
 - roster.py      what it knows of each host (one record per host) and of each rank (members, peers, done), pure
-- spares.py      which hosts are lost and which spare takes a host's ranks, pure
+- sparehosts.py  which hosts are lost and which spare takes a host's ranks, pure
 - liveness.py    whether a silent member is alive, and the kill of a closed one whose exit went unreported, pure
 - kvstore.py     the job's store that process groups bootstrap from, pure
 - server.py      the loop: authentication, deadlines, signals, applying the actions, persisting the state

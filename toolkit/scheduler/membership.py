@@ -58,7 +58,7 @@ from toolkit.scheduler.actions import (  # also re-exported
 )
 from toolkit.scheduler.liveness import alive_though_silent, expiry, kill_unreported, vouch, vouched
 from toolkit.scheduler.roster import Fact, Member, Peer, PeerRole, Roster, rank_of  # also re-exported
-from toolkit.scheduler.spares import Lost, LostCheck, Refusal, choose_spare, fenced_host_spare, find_lost
+from toolkit.scheduler.sparehosts import Lost, LostCheck, Refusal, choose_spare, fenced_host_spare, find_lost
 from toolkit.scheduler.state import JobStatus
 from toolkit.scheduler.watchdog import Watchdog
 
@@ -617,7 +617,7 @@ class Membership:
     def _check_lost(self, now: float) -> list[Action]:
         """Hand each lost host's ranks to a free spare, while the job has formed and runs with no rank finished and
         automatic replacement is on (host_timeout > 0); which hosts are lost and which spare is free is decided in
-        spares.py. Without a free spare the host waits (said once), as it would without spares: the job goes on if
+        sparehosts.py. Without a free spare the host waits (said once), as it would without spares: the job goes on if
         its agent comes back.
 
         The scan of every host runs only when the roster changed since the last one (a member left, an agent came or

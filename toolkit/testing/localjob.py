@@ -14,10 +14,10 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from toolkit.contracts.agentdoc import AgentDoc, BadDocument
+from toolkit.freeports import free_port_pair
 from toolkit.launcher.inventory import local_inventory
 from toolkit.launcher.plan import JobOptions, make_plan
 from toolkit.launcher.render import render_host, write_files
-from toolkit.testing.ports import free_port_pair
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"  # in a source checkout (the editable install)
 ENV_DROP = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "CKPT_DIR",

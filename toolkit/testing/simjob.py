@@ -39,7 +39,7 @@ from typing import Any
 
 from toolkit import procs
 from toolkit.contracts import envvars, protocol, rundoc
-from toolkit.testing.ports import free_port_pair
+from toolkit.freeports import free_port_pair
 from toolkit.testing.simhosts import PATTERNS
 from toolkit.testing.waits import wait_for
 

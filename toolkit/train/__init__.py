@@ -7,7 +7,7 @@
 - `report(step, loss=...)` shows a torchrun-style script's progress in `fleet status` and `fleet report`, one line
   of the script; a no-op outside toolkit (toolkit.train.progress). `long_phase("evaluation")` around a part of the
   loop the progress watchdog must not take for a hang.
-- Checkpoints live in `toolkit.train.checkpoint`; the sample's IDX reader in `toolkit.train.data`.
+- Checkpoints live in `toolkit.train.ckpt.manager`; the sample's IDX reader in `toolkit.train.data`.
 """
 
 from toolkit.train.progress import long_phase, report

@@ -7,7 +7,7 @@ inside a collective can leave ranks a step apart: a rank whose optimizer step ra
 its state is the next step's); only when nobody holds a state (a whole-job start) does a checkpoint serve; with
 none, the state one rank was built with is. `TrainingState` holds what is agreed on (the model, the optimizer, the
 extra state handed over), captures and restores it, and runs the agreement: the gather, the checkpoint agreement
-(toolkit.train.checkpoint), the transfer (toolkit.train.transfer)."""
+(toolkit.train.ckpt.manager), the transfer (toolkit.train.transfer)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from toolkit.train import transfer
-from toolkit.train.checkpoint import CheckpointManager
+from toolkit.train.ckpt.manager import CheckpointManager
 from toolkit.train.digest import Digester
 from toolkit.train.faults import TrainerError
 from toolkit.train.runtime import Runtime

@@ -1,14 +1,14 @@
 """Checkpoints of sharded state (FSDP2, HSDP): every rank writes its own shard, authenticated, in the background,
 and a whole-job restart on the same mesh reads them back; a restart on another world size or mesh is refused.
 
-Why per rank and not per host (toolkit.train.checkpoint): with `fully_shard` no rank holds the whole state, and the
+Why per rank and not per host (toolkit.train.ckpt.manager): with `fully_shard` no rank holds the whole state, and the
 shards of a host's ranks are different bytes, so each rank writes exactly what it owns (its parameters' and optimizer
 state's local shards, and the small replicated rest: the step, extra state): bytes written per host per checkpoint
 are the host's share of the state, once.
 
 - ``<CKPT_DIR>/host_<host>/step_<012d>.s<rank>of<world>.ckpt``: the host's directory of the replicated checkpoints
-  (toolkit.train.ckptdir: private, claimed by the job's key), so `fleet train --fresh` and the key-id check treat
-  both alike. The file format is toolkit.train.ckptfile's (MAC over payload and header, which binds the step, the
+  (toolkit.train.ckpt.hostdir: private, claimed by the job's key), so `fleet train --fresh` and the key-id check treat
+  both alike. The file format is toolkit.train.ckpt.partfile's (MAC over payload and header, which binds the step, the
   rank and the world size), under a key derived from the job's for shards only (`shard_key`): a shard renamed to
   a replicated part's name, or the reverse, fails authentication instead of being merged into the wrong state.
 - The manifest is in every file, authenticated with it: the world size (also in the name and header) and the mesh
@@ -17,7 +17,7 @@ are the host's share of the state, once.
   layer (logical ranks) does not map sharded state: a shard is cut for its mesh, and re-cutting it is
   torch.distributed.checkpoint's resharding, not a toolkit restart (the line says to restart on the old size or
   move the directory aside).
-- Asynchronous: `save` copies the rank's tensors to host memory (toolkit.train.checkpoint.host_copies: the stall is
+- Asynchronous: `save` copies the rank's tensors to host memory (toolkit.train.ckpt.manager.host_copies: the stall is
   one memory copy of the shard, 1/world of the state) and hands them to the writer thread; the next `save` waits
   (bounded) for the previous write. A full disk (ENOSPC, EDQUOT) skips that checkpoint with one line, as the
   replicated checkpoints do; any other write error is raised by the next `save`, `flush` or `close`.
@@ -47,8 +47,9 @@ import torch
 import torch.distributed as dist
 
 from toolkit import atomicfile
-from toolkit.train import ckptfile
-from toolkit.train.checkpoint import (
+from toolkit.train.ckpt import partfile
+from toolkit.train.ckpt.hostdir import DirectoryError, HostDir
+from toolkit.train.ckpt.manager import (
     DEFAULT_WRITE_TIMEOUT,
     FULL,
     MIN_KEEP,
@@ -58,11 +59,10 @@ from toolkit.train.checkpoint import (
     host_copies,
     write_error,
 )
-from toolkit.train.ckptdir import DirectoryError, HostDir
-from toolkit.train.ckptfile import BadPart, PartName
+from toolkit.train.ckpt.partfile import BadPart, PartName
 from toolkit.train.digest import Digester
 
-log = logging.getLogger("toolkit.train.checkpoint")
+log = logging.getLogger("toolkit.train.ckpt.manager")
 
 SHARD_INFO = b"toolkit sharded checkpoint key v1"
 SHARD_RE = re.compile(r"^step_(\d{12})\.s(\d{1,6})of(\d{1,6})\.ckpt$")
@@ -246,8 +246,8 @@ class ShardCheckpoints:
         name = ShardName(step, self.rank, self.layout.world)
         path = self.directory / name.name
         try:
-            with ckptfile.open_part(self.dir.fd, name, self._key) as f:
-                payload = ckptfile.decode(f)
+            with partfile.open_part(self.dir.fd, name, self._key) as f:
+                payload = partfile.decode(f)
         except BadPart as e:
             raise CorruptCheckpoint(f"{path}: {e}") from None
         except FileNotFoundError:
@@ -273,7 +273,7 @@ class ShardCheckpoints:
 
     def _check(self, name: ShardName) -> str | None:
         try:
-            ckptfile.check_part(self.dir.fd, name, self._key)
+            partfile.check_part(self.dir.fd, name, self._key)
         except BadPart as e:
             return str(e)
         except OSError as e:
@@ -283,7 +283,7 @@ class ShardCheckpoints:
     def _write(self, job: tuple[ShardName, dict[str, Any]]) -> None:
         name, payload = job
         try:
-            ckptfile.write_part(self.dir.fd, name, payload, self._key)
+            partfile.write_part(self.dir.fd, name, payload, self._key)
         except OSError as e:
             error = write_error(e, self.directory, f"sharded checkpoint of step {name.step}", self.last_bytes)
             if e.errno not in FULL:

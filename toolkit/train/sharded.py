@@ -18,9 +18,10 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
-from toolkit.train import interval, log
-from toolkit.train.checkpoint import CheckpointManager
-from toolkit.train.checkpointing import Checkpointing
+from toolkit.train import log
+from toolkit.train.ckpt import interval
+from toolkit.train.ckpt.manager import CheckpointManager
+from toolkit.train.ckpt.schedule import Checkpointing
 from toolkit.train.runtime import Runtime
 from toolkit.train.shardcomm import Binding, ShardedGroup
 from toolkit.train.shardmodel import Sharding, inspect

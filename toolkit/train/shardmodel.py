@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from toolkit.train.trainererror import TrainerError
+from toolkit.train.faults import TrainerError
 
 SUPPORTED = ("supported: fully_shard over a 1-D mesh of every rank (FSDP) or a 2-D (replicate, shard) mesh of every "
              "rank in rank order (HSDP: init_device_mesh(device, (R, S), mesh_dim_names=(\"replicate\", \"shard\"))), "

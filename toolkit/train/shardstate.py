@@ -32,12 +32,12 @@ from torch import nn
 
 from toolkit.train import transfer
 from toolkit.train.agreement import FROM_INITIAL, FROM_PEER, Agreed, Source, TrainingState
-from toolkit.train.checkpoint import CheckpointManager
+from toolkit.train.ckpt.manager import CheckpointManager
 from toolkit.train.digest import Digester
+from toolkit.train.faults import TrainerError
 from toolkit.train.runtime import Runtime
 from toolkit.train.shardcomm import Binding
 from toolkit.train.shardmodel import Layout
-from toolkit.train.trainererror import TrainerError
 
 HYPER_SKIP = ("params",)  # what of a param group is not a hyperparameter
 

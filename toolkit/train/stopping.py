@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from toolkit.train import log
-from toolkit.train.checkpoint import CheckpointManager
+from toolkit.train.ckpt.manager import CheckpointManager
 from toolkit.train.faults import first_line
 from toolkit.train.fence import Fence
 from toolkit.train.runtime import MODE_TOOLKIT, MODE_TORCHRUN, Runtime

@@ -22,7 +22,7 @@ logical rank, step) before each step's batch is drawn (toolkit.train.stepdata; a
 ranks runs the step once for each: toolkit.train.logicalgrad). The result is bitwise the one an uninterrupted run
 gives (with the rank-ordered allreduce, `deterministic=True`). Checkpoints (one authenticated copy per host, its
 writing shared by the host's ranks, asynchronous, every `ckpt_every` steps, their commits told to the scheduler:
-toolkit.train.checkpoint) are for when no survivor holds the state: a whole-job restart, from the newest copy any
+toolkit.train.ckpt.manager) are for when no survivor holds the state: a whole-job restart, from the newest copy any
 host has, or a world of one. SIGTERM: every rank agrees at the next step boundary and saves that step (last
 words); the ranks that got the signal leave (exit 143), the others go on and meet the replacement. A rank whose
 own SIGTERM comes later (during the agreement, or after it while its peers leave) leaves with the step it saved or
@@ -41,7 +41,7 @@ steps, bitwise.
 
 The Trainer composes its parts, one concern each: which state the ranks go on from, and its transfer
 (toolkit.train.agreement); SIGTERM, interruptible waits, the stop agreement, the end for a restart
-(toolkit.train.stopping); the checkpoint interval and saves (toolkit.train.checkpointing); the DDP wrapper of the
+(toolkit.train.stopping); the checkpoint interval and saves (toolkit.train.ckpt.schedule); the DDP wrapper of the
 current group and the step's timing (toolkit.train.ddpmodel); each step's batch and randomness
 (toolkit.train.stepdata). What stays here is the loop itself: the step, its faults, and the order of recovery.
 """
@@ -60,9 +60,10 @@ import torch.distributed as dist
 from torch import nn
 
 from toolkit.contracts import envvars
-from toolkit.train import checkpoint, headroom, interval, log, progress, replicas, sharded
+from toolkit.train import headroom, log, progress, replicas, sharded
 from toolkit.train.agreement import FROM_CHECKPOINT, FROM_INITIAL, FROM_PEER, TrainingState, recomputed_steps
-from toolkit.train.checkpointing import Checkpointing, manager_for, parse_every
+from toolkit.train.ckpt import interval, manager
+from toolkit.train.ckpt.schedule import Checkpointing, manager_for, parse_every
 from toolkit.train.ddpmodel import GroupModel
 from toolkit.train.faults import TrainerError, first_line, looks_collective
 from toolkit.train.inject import Injector
@@ -84,7 +85,7 @@ class Trainer:
     only this user can change), one copy per host, every `ckpt_every` steps, `keep` copies (`async_ckpt`: written in
     the background, the parameters and optimizer state copied during the next forward and backward, so they must
     change only in optimizer.step()); `ckpt_every="auto"` chooses the interval from the job's own data
-    (toolkit.train.interval: the measured stall and the observed MTBF, within `ckpt_bounds` steps, `prior_mtbf` s
+    (toolkit.train.ckpt.interval: the measured stall and the observed MTBF, within `ckpt_bounds` steps, `prior_mtbf` s
     assumed until a fault). `seed` makes each step's randomness a function of
     the step (None: leave the generators alone; then a recovered run is not bitwise the same). `ddp` holds extra
     DistributedDataParallel arguments. `verify_every`: steps between the replica checks (toolkit.train.replicas), 0
@@ -116,13 +117,8 @@ class Trainer:
                 raise TrainerError(f"state[{name!r}] has no state_dict()/load_state_dict(): hand over objects that "
                                    "can be saved and restored (an LR scheduler, a GradScaler, a module)")
         sharding = sharded.inspect(model, runtime.world_size)  # None: not sharded; TrainerError: not recoverable
-        if sharding is not None and not _as_built(runtime):
-            raise TrainerError(f"this model is sharded with fully_shard and the job has {runtime.logical_world} "
-                               f"logical ranks on {runtime.world_size} workers: a sharded model is served one "
-                               "logical rank per worker (drop --logical-ranks and --min-workers for it)")
-        if sharding is not None and ddp:
-            raise TrainerError("ddp=... holds DistributedDataParallel arguments, and this model is sharded with "
-                               "fully_shard (no DDP wrapper): drop ddp=")
+        if sharding is not None:
+            _check_sharded(runtime, ddp)
         _check_loadable({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
                          "extra": {name: obj.state_dict() for name, obj in extra.items()}} if sharding is None else
                         sharded.ShardState(model, optimizer, extra).tensors())
@@ -485,6 +481,18 @@ class Trainer:
             self._stopping.release()
 
 
+def _check_sharded(rt: Runtime, ddp: Mapping[str, Any] | None) -> None:
+    """What a sharded model cannot be given: DDP arguments, or several logical ranks per worker (its shards are
+    one per rank: toolkit.train.sharded)."""
+    if not _as_built(rt):
+        raise TrainerError(f"this model is sharded with fully_shard and the job has {rt.logical_world} logical "
+                           f"ranks on {rt.world_size} workers: a sharded model is served one logical rank per worker "
+                           "(drop --logical-ranks and --min-workers for it)")
+    if ddp:
+        raise TrainerError("ddp=... holds DistributedDataParallel arguments, and this model is sharded with "
+                           "fully_shard (no DDP wrapper): drop ddp=")
+
+
 def _as_built(rt: Runtime) -> bool:
     """Whether the script's loader serves this process's logical rank as the script built it: one logical rank per
     rank, rank r serving r (L = N, nothing lost: a job as without logical ranks)."""
@@ -505,7 +513,7 @@ def _check_loadable(state: dict[str, Any]) -> None:
     """Every value of the training state must load with torch.load(weights_only=True), the only way toolkit reads
     a state (from a peer after a fault, from a checkpoint): TrainerError naming the first that would not, now,
     instead of a failed recovery later."""
-    found = checkpoint.first_unloadable(state)
+    found = manager.first_unloadable(state)
     if found is None:
         return
     where, kind = found

@@ -25,7 +25,7 @@ from toolkit.errors import UserError
 from toolkit.launcher.jobhosts.output import dash, emit, interrupt_sets, say
 from toolkit.launcher.jobhosts.poll import collect_status
 from toolkit.launcher.jobhosts.reach import STATUS_TIMEOUT, host_target
-from toolkit.launcher.jobhosts.stopping import stop_one
+from toolkit.launcher.jobhosts.stopjob import stop_one
 from toolkit.launcher.jobhosts.streams import RankFilter, streamed
 from toolkit.launcher.jobhosts.tables import progress_line
 from toolkit.launcher.jobhosts.view import HostStatus, ProcStatus, job_live

@@ -34,7 +34,7 @@ from toolkit.launcher.jobhosts.reach import (
 )
 from toolkit.launcher.jobhosts.rerun import move_checkpoints, project_checkpoints, refuse_size_change, workdir_of
 from toolkit.launcher.jobhosts.scripts import ARCHIVE_SCRIPT, LOG_ROTATE_SCRIPT
-from toolkit.launcher.jobhosts.stopping import stop_on_interrupt, stop_one
+from toolkit.launcher.jobhosts.stopjob import stop_on_interrupt, stop_one
 from toolkit.launcher.jobhosts.streams import RankFilter
 from toolkit.launcher.jobhosts.view import HostStatus
 from toolkit.launcher.remote import (
@@ -83,7 +83,7 @@ def start_job(request: Request, join: bool = False, join_timeout: float | None =
     `run` passes what it already has, so that no host is asked twice: `deployed`, the record its deploy returned
     (not read again), and `known`, every live host's status asked before that deploy and judged by
     `refuse_start` then. With `stop_on_ctrl_c` (run), Ctrl-C while joined stops the job (as `fleet stop`,
-    jobhosts.stopping.stop_on_interrupt) and raises StoppedOnInterrupt; without it, Interrupted (the job goes
+    jobhosts.stopjob.stop_on_interrupt) and raises StoppedOnInterrupt; without it, Interrupted (the job goes
     on). `stream`: whose output --join prints while it waits (jobhosts.streams.RankFilter)."""
     if fresh and again:
         raise UserError("--fresh and --again both given: start the job over (--fresh) or go on from where it "

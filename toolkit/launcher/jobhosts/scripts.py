@@ -54,7 +54,7 @@ LAYOUT_NOT_OURS, LAYOUT_OPEN_TO_OTHERS, LAYOUT_OTHER_JOB, LAYOUT_SYMLINK = 20, 2
 
 # Moves a run's checkpoints, scheduler state, agent.json and the mark of its first start (state/since) aside under
 # one stamp (a shared checkpoint directory is moved once: the first host's mv wins, the others find nothing to move).
-# A checkpoint directory whose key-id (toolkit.train.ckptdir) names another key than the job's ($4) holds another
+# A checkpoint directory whose key-id (toolkit.train.ckpt.hostdir) names another key than the job's ($4) holds another
 # job's checkpoints: it stays where it is, and the line says so. Arguments: job dir, checkpoint dir, stamp, key id.
 ARCHIVE_SCRIPT = r"""
 d=$1 ckpt=$2 stamp=$3 id=$4

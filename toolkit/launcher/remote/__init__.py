@@ -18,7 +18,7 @@ from toolkit.launcher.remote.group import HostPool, check_all, open_host, run_on
 from toolkit.launcher.remote.host import Host, command_text
 from toolkit.launcher.remote.hostkeys import KnownHosts
 from toolkit.launcher.remote.local import LocalHost
-from toolkit.launcher.remote.progress import rich_progress
+from toolkit.launcher.remote.progressbar import rich_progress
 from toolkit.launcher.remote.results import (
     AuthenticationFailed,
     ChangedHostKey,
@@ -34,14 +34,14 @@ from toolkit.launcher.remote.results import (
     SyncStats,
     UnknownHostKey,
 )
-from toolkit.launcher.remote.settings import (
+from toolkit.launcher.remote.ssh import SshHost
+from toolkit.launcher.remote.sshsettings import (
     DEFAULT_EXCLUDE,
     LOCALHOST,
     SshSettings,
     Target,
     fabric_config,
 )
-from toolkit.launcher.remote.ssh import SshHost
 
 __all__ = ["DEFAULT_EXCLUDE", "LOCALHOST", "AuthenticationFailed", "ChangedHostKey", "ClusterError", "CommandFailed",
            "CommandResult", "ConnectionLost", "Host", "HostPool", "HostResult", "HostStalled", "HostUnreachable",

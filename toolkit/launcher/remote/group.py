@@ -22,8 +22,8 @@ from toolkit.launcher.remote.results import (
     HostResult,
     RemoteError,
 )
-from toolkit.launcher.remote.settings import SshSettings, Target, fabric_config
 from toolkit.launcher.remote.ssh import SshHost
+from toolkit.launcher.remote.sshsettings import SshSettings, Target, fabric_config
 
 T = TypeVar("T")
 

@@ -16,6 +16,7 @@ from typing import Callable, Mapping, Sequence
 
 from toolkit.errors import UserError
 from toolkit.launcher.remote.paths import home_relative
+from toolkit.launcher.remote.projectsync import sync_dir
 from toolkit.launcher.remote.results import (
     CommandFailed,
     CommandResult,
@@ -27,8 +28,7 @@ from toolkit.launcher.remote.results import (
     short_command,
     signal_name,
 )
-from toolkit.launcher.remote.settings import DEFAULT_EXCLUDE
-from toolkit.launcher.remote.transfer import sync_dir
+from toolkit.launcher.remote.sshsettings import DEFAULT_EXCLUDE
 
 _ENV_NAME = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ_0123456789"
 # Exit codes of the preflight script: each names one thing the host lacks.
@@ -95,7 +95,7 @@ class Host:
         exclude: Sequence[str] = DEFAULT_EXCLUDE,
         delete: bool = False,
     ) -> SyncStats:
-        """Make remote_dir hold local_dir's files (toolkit.launcher.remote.transfer): incremental, never following a
+        """Make remote_dir hold local_dir's files (toolkit.launcher.remote.projectsync): incremental, never following a
         symlink out of local_dir; with delete, remote files that are not local (and not excluded) are removed.
 
         Returns what was sent, kept and removed, and the symlinks left out (`SyncStats.outside`: the caller says
@@ -257,7 +257,7 @@ class Host:
 
     def put_file(self, local: Path, remote: str, mode: int, mtime: int | None = None) -> None:
         """Copy `local` to `remote` (home-relative) atomically with `mode`, and `mtime` if given; what the directory
-        sync (toolkit.launcher.remote.transfer) sends each changed file with. RemoteError on failure."""
+        sync (toolkit.launcher.remote.projectsync) sends each changed file with. RemoteError on failure."""
         self._put_file(local, remote, mode, mtime)
 
     def mkdir(self, remote: str) -> None:

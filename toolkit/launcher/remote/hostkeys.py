@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from toolkit.errors import UserError
-from toolkit.launcher.remote.settings import SshSettings
+from toolkit.launcher.remote.sshsettings import SshSettings
 
 
 class KeyNotInKnownHosts(Exception):

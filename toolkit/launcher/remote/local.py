@@ -15,7 +15,7 @@ from pathlib import Path
 from toolkit import atomicfile
 from toolkit.launcher.remote.host import Host, LineSplitter
 from toolkit.launcher.remote.results import CommandFailed, CommandResult, decode_output, signal_name
-from toolkit.launcher.remote.settings import LOCALHOST, SshSettings
+from toolkit.launcher.remote.sshsettings import LOCALHOST, SshSettings
 
 
 class LocalHost(Host):

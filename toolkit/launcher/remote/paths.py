@@ -1,6 +1,6 @@
 """Paths on a host as its transports take them: `~` means the home directory, where sessions start and sftp
 resolves relative paths. Shared by Host (command_text, put, write, preflight) and the directory sync
-(toolkit.launcher.remote.transfer)."""
+(toolkit.launcher.remote.projectsync)."""
 
 from __future__ import annotations
 

@@ -37,7 +37,7 @@ from toolkit.launcher.remote.results import (
     decode_output,
     short_command,
 )
-from toolkit.launcher.remote.settings import (
+from toolkit.launcher.remote.sshsettings import (
     DEFAULT_CONNECT_TIMEOUT,
     SshSettings,
     Target,

@@ -12,7 +12,7 @@ from typing import Any
 from toolkit.contracts import rundoc
 from toolkit.contracts.jobrecord import JobRecord
 from toolkit.errors import UserError
-from toolkit.launcher import report as run_report
+from toolkit.launcher import runreport as run_report
 from toolkit.launcher.jobhosts.output import say, table_console
 from toolkit.launcher.jobhosts.reach import STATUS_TIMEOUT, host_target, load_record, record_ssh
 from toolkit.launcher.remote import Host, run_on_all

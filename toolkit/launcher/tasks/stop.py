@@ -17,7 +17,7 @@ from toolkit.launcher.jobhosts.reach import (
     record_ssh,
     unless_other_job,
 )
-from toolkit.launcher.jobhosts.stopping import stop_job
+from toolkit.launcher.jobhosts.stopjob import stop_job
 from toolkit.launcher.remote import (
     Host,
     check_all,
@@ -28,7 +28,7 @@ from toolkit.launcher.settings import JobRef
 
 def stop(ref: JobRef) -> None:
     """Stop the job on every host (SIGTERM, grace, SIGKILL) and verify that no process of it remains
-    (toolkit.launcher.jobhosts.stopping.stop_job, which `run` calls on Ctrl-C too, says how and what it raises)."""
+    (toolkit.launcher.jobhosts.stopjob.stop_job, which `run` calls on Ctrl-C too, says how and what it raises)."""
     record = load_record(ref)
     stop_job(record, record_ssh(record, ref.request.core))
 

@@ -19,8 +19,8 @@ import time
 
 from toolkit import procs, standby
 from toolkit.agent import warmspare
+from toolkit.agent.agentlog import AgentLog, iso, log_tail
 from toolkit.agent.control import CLIENT_TIMEOUT
-from toolkit.agent.log import AgentLog, iso, log_tail
 from toolkit.agent.port import AgentPort, Workers
 from toolkit.agent.timers import Timer, Timers
 from toolkit.agent.warmspare import SPARE_DELAY, SPARE_MAX_FAILURES, Step

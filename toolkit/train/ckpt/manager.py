@@ -9,11 +9,11 @@ back to an older copy, and never be resumed. So:
 
 - ``<CKPT_DIR>/host_<host>/`` holds the host's copy (host: ``TOOLKIT_HOST``, else the hostname; see Placement).
   Each of the host's L ranks (``LOCAL_RANK`` of ``LOCAL_WORLD_SIZE``) writes about 1/L of it, the file
-  ``step_<012d>.p<i>of<L>.ckpt`` (toolkit.train.ckptparts cuts the state); the host's copy of a step is complete
+  ``step_<012d>.p<i>of<L>.ckpt`` (toolkit.train.ckpt.parts cuts the state); the host's copy of a step is complete
   when every part is there. Bytes written per host per checkpoint: the state once.
-- Every file is authenticated (toolkit.train.ckptfile: a MAC under the job's key), written to a random temporary
+- Every file is authenticated (toolkit.train.ckpt.partfile: a MAC under the job's key), written to a random temporary
   name without following links, fsynced and renamed (one rename commits a part), in a directory checked private
-  (toolkit.train.ckptdir, toolkit.privatedir). Nothing is unpickled before its MAC checks, and then only with
+  (toolkit.train.ckpt.hostdir, toolkit.privatedir). Nothing is unpickled before its MAC checks, and then only with
   ``weights_only=True``.
 - Asynchronous mode: ``save`` cuts the state and returns; the writer thread copies the rank's tensors to memory
   (the stage) and writes them. Tensors the caller says change only in ``optimizer.step()`` (``stable``) are copied
@@ -62,9 +62,9 @@ import torch.distributed as dist
 from toolkit import atomicfile
 from toolkit.atomicfile import Durability
 from toolkit.contracts import ckptkey, envvars
-from toolkit.train import ckptparts
-from toolkit.train.ckptdir import DirectoryError, HostDir, complete
-from toolkit.train.ckptfile import BadPart, PartName
+from toolkit.train.ckpt import parts as ckptparts
+from toolkit.train.ckpt.hostdir import DirectoryError, HostDir, complete
+from toolkit.train.ckpt.partfile import BadPart, PartName
 
 log = logging.getLogger(__name__)
 
@@ -344,7 +344,7 @@ class CheckpointManager:
     environment, Placement.from_env); ``key`` the MAC key (default: the job's, from ``TOOLKIT_TOKEN_FILE``, else
     the project's: toolkit.contracts.ckptkey.default_key). Construction checks that ``directory`` (the checkpoint root,
     CKPT_DIR) is private (owned by this user, written by nobody else, nor anything above it: toolkit.privatedir),
-    writable and this key's (its ``key-id``, toolkit.train.ckptdir: another job's or project's directory is
+    writable and this key's (its ``key-id``, toolkit.train.ckpt.hostdir: another job's or project's directory is
     refused, nothing in it touched), and removes temporary files a previous incarnation of this rank left;
     CheckpointError says what is wrong.
 

@@ -29,10 +29,10 @@ from typing import Any, Callable
 
 from toolkit import atomicfile, privatedir
 from toolkit.contracts import ckptkey
-from toolkit.train import ckptfile
-from toolkit.train.ckptfile import PartName
+from toolkit.train.ckpt import partfile
+from toolkit.train.ckpt.partfile import PartName
 
-log = logging.getLogger("toolkit.train.checkpoint")
+log = logging.getLogger("toolkit.train.ckpt.manager")
 
 REFUSED = "refused"
 KEY_ID_FILE = "key-id"  # in the checkpoint root: the public id of the key its checkpoints are under
@@ -93,7 +93,7 @@ class HostDir:
 
     def write(self, name: PartName, obj: Any) -> int:
         """Write one part (ckptfile.write_part); OSError on failure. Returns its size."""
-        return ckptfile.write_part(self.fd, name, obj, self.key)
+        return partfile.write_part(self.fd, name, obj, self.key)
 
     def probe(self) -> None:
         """Create and remove a temporary file: a directory we cannot write fails now, not at the first save."""
@@ -104,17 +104,17 @@ class HostDir:
     def read(self, name: PartName) -> Any:
         """The verified, unpickled content of one part. ckptfile.BadPart (why) if it must not be used, OSError if
         it cannot be read."""
-        with ckptfile.open_part(self.fd, name, self.key) as payload:
+        with partfile.open_part(self.fd, name, self.key) as payload:
             try:
-                return ckptfile.decode(payload)
+                return partfile.decode(payload)
             except Exception as e:  # noqa: BLE001 - it verified, so this is a file of ours that torch cannot read
-                raise ckptfile.BadPart(f"authentic but does not load ({str(e).splitlines()[0][:200]})") from None
+                raise partfile.BadPart(f"authentic but does not load ({str(e).splitlines()[0][:200]})") from None
 
     def check(self, name: PartName) -> str | None:
         """None if the file `name` is authentic (its MAC checks; not unpickled), else why not."""
         try:
-            ckptfile.check_part(self.fd, name, self.key)
-        except ckptfile.BadPart as e:
+            partfile.check_part(self.fd, name, self.key)
+        except partfile.BadPart as e:
             return str(e)
         except OSError as e:
             return f"unreadable ({e.strerror})"
@@ -196,7 +196,7 @@ class HostDir:
         """Delete the temporary files whose final name `mine(PartName)` says are this writer's: left by an
         incarnation that died mid-write, never committed."""
         for entry in os.listdir(self.fd):
-            m = ckptfile.TEMP_RE.fullmatch(entry)
+            m = partfile.TEMP_RE.fullmatch(entry)
             final = PartName.parse(m.group(1)) if m else None
             if final is not None and mine(final):
                 try:

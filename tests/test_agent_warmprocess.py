@@ -1,4 +1,4 @@
-"""The warm spare's life (toolkit.agent.spare) and its pure decisions (toolkit.agent.warmspare), on a fake clock:
+"""The warm spare's life (toolkit.agent.warmprocess) and its pure decisions (toolkit.agent.warmspare), on a fake clock:
 when a spare is wanted, the first one SPARE_DELAY after the start or at once when every worker progressed, spares off
 after SPARE_MAX_FAILURES deaths, and none while closing. The spares here are real processes that die at once (their
 interpreter does not exist), as a broken environment's would; one test runs a real standby interpreter."""
@@ -15,9 +15,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 from toolkit import procs
-from toolkit.agent.log import AgentLog
-from toolkit.agent.spare import WarmSpare
+from toolkit.agent.agentlog import AgentLog
 from toolkit.agent.timers import Timers
+from toolkit.agent.warmprocess import WarmSpare
 from toolkit.agent.warmspare import SPARE_DELAY, SPARE_MAX_FAILURES, Step, early_start, next_step
 from toolkit.contracts import envvars as E
 from toolkit.contracts.agentdoc import AgentState, WarmSpareDoc

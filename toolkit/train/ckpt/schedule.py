@@ -1,7 +1,7 @@
 """When the Trainer checkpoints and what it costs: the interval (fixed, or `ckpt_every="auto"`: chosen from the job's
-own data by toolkit.train.interval and agreed at every step boundary, the largest proposal winning), one save per
+own data by toolkit.train.ckpt.interval and agreed at every step boundary, the largest proposal winning), one save per
 step timed as a stall for the goodput ledger and the interval, the optimizer held until the checkpoint in flight
-copied what it changes, and the rank's CheckpointManager (toolkit.train.checkpoint) built from the environment."""
+copied what it changes, and the rank's CheckpointManager (toolkit.train.ckpt.manager) built from the environment."""
 
 from __future__ import annotations
 
@@ -14,8 +14,9 @@ import torch
 
 from toolkit.contracts import ckptkey
 from toolkit.contracts.protocol import is_int
-from toolkit.train import checkpoint, interval
-from toolkit.train.checkpoint import CheckpointManager
+from toolkit.train.ckpt import interval
+from toolkit.train.ckpt import manager as checkpoint
+from toolkit.train.ckpt.manager import CheckpointManager
 from toolkit.train.ddpmodel import StepClock
 from toolkit.train.faults import TrainerError
 from toolkit.train.runtime import Runtime
