@@ -22,6 +22,7 @@ SHARED_GROUPS = {
     "tests/e2e/test_faults.py": "e2e-baselines",
     "tests/e2e/test_spares.py": "e2e-baselines",
     "tests/e2e/test_zero_loss_on_hosts.py": "e2e-baselines",
+    "tests/e2e/test_elastic_on_hosts.py": "e2e-baselines",
 }
 
 
