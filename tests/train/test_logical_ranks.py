@@ -18,6 +18,7 @@ import sys
 import time
 from collections import Counter
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Callable
 
 import pytest
@@ -31,6 +32,7 @@ from toolkit.testing.localjob import EXAMPLES, STEP_LINE, LocalJob, clean_env
 from toolkit.train.loader import LoaderError
 from toolkit.train.logicalgrad import LogicalGrad
 from toolkit.train.stepdata import StepData, retarget
+from toolkit.train.trainer import as_built
 
 TORCHRUN = str(Path(sys.executable).parent / "torchrun")
 ARGS = ["--epochs", "2", "--ckpt-interval", "4", "--keep-max", "3", "--timeout", "30"]
@@ -203,6 +205,24 @@ def test_each_logical_rank_served_gets_the_batches_and_randomness_of_a_process_o
     assert torch.equal(lanes.batch(8, 3)[0], alone[3].batch(8, 3)[0])
     lanes.serve(4, (0,), True)  # as the script built it (2 replicas, rank 0), as in a job without logical ranks
     assert (served.sampler.num_replicas, served.sampler.rank, len(served.sampler)) == (2, 0, 19)
+
+
+def test_a_process_started_while_shrunk_draws_its_logical_ranks_batches_after_the_grow() -> None:
+    """Issue 42, a kill during a shrink: the worker restarted while the job ran on 4 workers of 6 logical ranks built
+    its sampler for that world (4 replicas, rank 2). Back at 6 workers, serving logical rank 2 alone, it must draw
+    logical rank 2 of 6's batches, not its shard of 4 as built (that ended the job with other bits, every replica
+    equal to the others)."""
+    data = digits(48)  # 8 samples a logical rank of 6: 2 batches of 4 an epoch; 12 a shard of 4
+    built = DataLoader(data, batch_size=4, sampler=DistributedSampler(data, 4, 2, shuffle=True, seed=1))
+    shrunk = SimpleNamespace(world_size=4, rank=2, logical_world=6, logical_ranks=(2,))
+    grown = SimpleNamespace(world_size=6, rank=2, logical_world=6, logical_ranks=(2,))
+    assert as_built(grown, (6, 2)) and not as_built(grown, (4, 2))  # the same logical rank, another world built
+    lanes = StepData(built, 7, 6, (2,), as_built(shrunk, (4, 2)))
+    lanes.serve(6, (2,), as_built(grown, (4, 2)))
+    alone = StepData(DataLoader(data, batch_size=4, sampler=DistributedSampler(data, 6, 2, shuffle=True, seed=1)),
+                     7, 6, (2,), True)
+    for step in range(5):  # across epochs
+        assert torch.equal(lanes.batch(step, 2)[0], alone.batch(step, 2)[0]), step
 
 
 def test_data_that_cannot_be_split_by_logical_rank_is_refused_in_one_line() -> None:

@@ -126,7 +126,9 @@ class Trainer:
         self.module = model
         self.optimizer = optimizer
         self.extra = extra
-        self._data = StepData(loader, seed, runtime.logical_world, runtime.logical_ranks, _as_built(runtime))
+        self._built_for = (runtime.world_size, runtime.rank)  # the world the script built its loader for
+        self._data = StepData(loader, seed, runtime.logical_world, runtime.logical_ranks,
+                              as_built(runtime, self._built_for))
         self.position = self._data.position
         self.manager = manager_for(runtime, ckpt_dir, keep, async_ckpt)
         self.step_count = 0  # optimizer steps done: the job's global step, the same on every rank
@@ -394,7 +396,8 @@ class Trainer:
                     agreed = self._state.agree(self.step_count)
                     self.step_count = agreed.step
                     self._group.wrap(self.rt)
-                    self._data.serve(self.rt.logical_world, self.rt.logical_ranks, _as_built(self.rt))
+                    self._data.serve(self.rt.logical_world, self.rt.logical_ranks,
+                                     as_built(self.rt, self._built_for))
                     self._lane = 0
                 break
             except GenerationChanged:
@@ -484,7 +487,7 @@ class Trainer:
 def _check_sharded(rt: Runtime, ddp: Mapping[str, Any] | None) -> None:
     """What a sharded model cannot be given: DDP arguments, or several logical ranks per worker (its shards are
     one per rank: toolkit.train.sharded)."""
-    if not _as_built(rt):
+    if not as_built(rt, (rt.world_size, rt.rank)):
         raise TrainerError(f"this model is sharded with fully_shard and the job has {rt.logical_world} logical "
                            f"ranks on {rt.world_size} workers: a sharded model is served one logical rank per worker "
                            "(drop --logical-ranks and --min-workers for it)")
@@ -493,10 +496,14 @@ def _check_sharded(rt: Runtime, ddp: Mapping[str, Any] | None) -> None:
                            "fully_shard (no DDP wrapper): drop ddp=")
 
 
-def _as_built(rt: Runtime) -> bool:
+def as_built(rt: Runtime, built_for: tuple[int, int]) -> bool:
     """Whether the script's loader serves this process's logical rank as the script built it: one logical rank per
-    rank, rank r serving r (L = N, nothing lost: a job as without logical ranks)."""
-    return rt.logical_world == rt.world_size and rt.logical_ranks == (rt.rank,)
+    rank, rank r serving r (L = N, nothing lost: a job as without logical ranks), in the world the script built it
+    for (`built_for`: the world size and rank when the Trainer was made). Why the last: a process that started while
+    the job was shrunk built its sampler for the smaller world (4 replicas, rank 2); once the job has grown back and
+    it serves logical rank 2 of 6 alone, that sampler as built is another shard: it must be set to (6, 2) instead."""
+    return (rt.logical_world == rt.world_size and rt.logical_ranks == (rt.rank,)
+            and (rt.world_size, rt.rank) == built_for)
 
 
 class _Applied:
