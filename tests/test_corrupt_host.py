@@ -1,16 +1,19 @@
 """A host the replica check found corrupt twice (issue 44): the scheduler's decision on the `corruption` report whose
 action is `fenced` (toolkit.scheduler.membership.fence_corrupt, spares.fenced_host_spare), driven with a fake clock.
-Its ranks go to a free spare as `fleet replace` would send them; with none free, or on the scheduler's own host, the
-job stops with one line naming the host. The flow on real hosts is tests/e2e/test_corruption_on_hosts.py."""
+Its ranks go to a free spare as `fleet replace` would send them; with none free, an elastic job (--min-workers) shrinks
+without it and keeps it out until the operator starts it again; otherwise, or on the scheduler's own host, the job
+stops with one line naming the host and why it could not shrink. The flow on real hosts is
+tests/e2e/test_corruption_on_hosts.py."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from test_elastic_membership import agent, formed_by_peer, job, register
 from test_membership import logged, sent, spare_job
 
 from toolkit.contracts import protocol as P
-from toolkit.scheduler.membership import Exit, Membership, Note
+from toolkit.scheduler.membership import Exit, Log, Membership, Note
 
 
 def report(m: Membership, rank: int, host: str, action: str = P.CORRUPT_FENCED, generation: int = 0,
@@ -48,9 +51,77 @@ def test_without_a_free_spare_or_on_the_schedulers_host_the_job_stops_naming_the
     assert Exit(1) in out and not sent(out, P.TAKEOVER)
     assert ("job job failed: host hostB is fenced: found corrupt twice by the replica check (rank 3 on hostB; the "
             "second time in steps 13-16), and no spare is free to take over hostB (spares with an agent: none); add a "
-            "host to the inventory's [spares], deploy and train") in logged(out)
+            "host to the inventory's [spares], deploy and train; not shrinking instead: the job may not shrink "
+            "(TOOLKIT_MIN_WORKERS=4 of 4 workers; --min-workers or --nnodes MIN:MAX lets it)") in logged(out)
     assert {s.peer for s in sent(out, P.STOP)} >= {1, 2, 10, 11, 12, 13}
     m = spare_job()
     out = report(m, 1, "hostA")
     assert Exit(1) in out and "host hostA is fenced" in logged(out)
     assert "host hostA runs the scheduler: it cannot be replaced while the job runs" in logged(out)
+
+
+# --- an elastic job (--min-workers below the world): with no spare free, the fenced host's ranks are benched ---
+
+
+def test_with_no_spare_an_elastic_job_shrinks_without_the_fenced_host_which_stays_out_until_restarted() -> None:
+    m = job(min_workers=4)  # 6 ranks, 2 per host on hostA (the scheduler's), hostB, hostC; no spares
+    out = report(m, 2, "hostB")
+    assert Exit(1) not in out and not sent(out, P.TAKEOVER)
+    assert ("host hostB is fenced: found corrupt twice by the replica check (rank 2 on hostB; the second time in steps "
+            "13-16), and no spare is free to take over hostB (spares with an agent: none); add a host to the "
+            "inventory's [spares], deploy and train: shrinking to 4 of 6 workers, serving 6 logical ranks; it stays "
+            "out until the operator starts it again ('fleet restart --host hostB')") in logged(out)
+    assert {s.peer for s in sent(out, P.FENCED)} == {12, 13}  # its live workers are told to exit
+    assert [(s.peer, s.close) for s in sent(out, P.STOP)] == [(2, True)]  # and its agent to stop them
+    formed = formed_by_peer(out)
+    assert m.formed and m.generation == 1 and sorted(formed) == [10, 11, 14, 15]  # the survivors, in place
+    assert {f["world_size"] for f in formed.values()} == {4} and formed[10]["logical_world"] == 6
+    assert [a.fields["slots"] for a in out if isinstance(a, Note) and a.kind == "shrink"] == [[2, 3]]
+    assert m.snapshot()["benched"] == [2, 3] and m.snapshot()["quarantined"] == {"hostB": False}
+    # it does not come back by itself: a worker of it registering again (a new incarnation) is refused
+    back = register(m, 32, 2, "hostB", "again2", 20.0)
+    assert sent(back, P.FENCED) and "fenced for corruption" in logged(back) and m.benched == [2, 3]
+    assert not sent(back, P.GENERATION)
+    # a second report naming it (an older generation's, or the same one again) changes nothing
+    assert not sent(report(m, 3, "hostB", generation=1, by=11), P.STOP)
+    # the operator starts its agent again ('fleet restart --host hostB'): its workers grow the job back
+    hello = agent(m, 30, "hostB", (2, 3), 40.0)
+    assert "host hostB, fenced for corruption, is back" in logged(hello) and not sent(hello, P.STOP)
+    grown = register(m, 42, 2, "hostB", "new2", 41.0)
+    assert "worker_2, worker_3 back on hostB: generation 2 grows to 6 of 6 workers" in logged(grown)
+    assert "quarantined" not in m.snapshot()
+
+
+def test_a_fenced_hosts_agent_that_never_got_its_stop_is_stopped_when_it_comes_back() -> None:
+    m = job(min_workers=4)
+    m.lost(2, "connection closed", 4.0)  # hostB's agent is cut off (its workers still report through the net)
+    out = report(m, 2, "hostB")
+    assert "shrinking to 4 of 6 workers" in logged(out) and not sent(out, P.STOP)
+    assert m.snapshot()["quarantined"] == {"hostB": True}
+    restored = job(min_workers=4)
+    restored.restore(m.snapshot(), 6.0)  # what a restarted scheduler reads back keeps it out
+    assert restored.quarantined == {"hostB": True} and restored.benched == [2, 3]
+    first = agent(m, 30, "hostB", (2, 3), 8.0)  # the fenced agent itself reconnects: told to stop
+    assert [(s.peer, s.close) for s in sent(first, P.STOP)] == [(30, True)] and "refused the agent" in logged(first)
+    second = agent(m, 31, "hostB", (2, 3), 50.0)  # one started again after it stopped: the operator's
+    assert not sent(second, P.STOP) and "is back" in logged(second)
+
+
+def test_an_elastic_job_below_min_workers_stops_with_one_line_saying_why_it_could_not_shrink() -> None:
+    m = job(min_workers=5)
+    out = report(m, 4, "hostC")
+    assert Exit(1) in out and not sent(out, P.FORMED)
+    failed = [a.text for a in out if isinstance(a, Log) and "failed" in a.text]
+    assert failed == ["job job failed: host hostC is fenced: found corrupt twice by the replica check (rank 4 on "
+                      "hostC; the second time in steps 13-16), and no spare is free to take over hostC (spares with "
+                      "an agent: none); add a host to the inventory's [spares], deploy and train; not shrinking "
+                      "instead: 4 workers would be left, below --min-workers 5 (TOOLKIT_MIN_WORKERS)"]
+
+
+def test_a_free_spare_is_preferred_to_shrinking() -> None:
+    m = job(min_workers=4, spares=("s1",))
+    agent(m, 7, "s1", (), 1.0, spare=True)
+    out = report(m, 2, "hostB")
+    assert [(t.peer, t.fields["host"]) for t in sent(out, P.TAKEOVER)] == [(7, "hostB")]
+    assert not [a for a in out if isinstance(a, Note) and a.kind == "shrink"] and m.benched == []
+    assert "host hostB replaced by spare s1" in logged(out)

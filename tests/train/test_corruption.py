@@ -140,7 +140,7 @@ def test_world_2_rolls_back_and_redoes_bitwise_and_a_rank_corrupt_twice_is_fence
     assert ("rank 1: toolkit.train: rank 1 on localhost found corrupt twice: fenced (its host is not to be trusted "
             f"with the job's state), and the scheduler stopped the job: {stopped}") in twice.log("worker_1.log")
     assert ("rank 0: rank 1 on localhost found corrupt twice: fenced (its host is not to be trusted with the job's "
-            "state): the scheduler hands its host's ranks to a spare, or stops the job if none is free") \
+            "state): the scheduler hands its host's ranks to a spare, shrinks the job without it, or stops the job") \
         in twice.log("worker_0.log")
     assert corruption_causes(twice) == ["corruption: rank 1 on localhost, started in steps 5-8: healed",
                                         "corruption: rank 1 on localhost, started in steps 13-16: fenced"]

@@ -41,6 +41,7 @@ CAUSE_CLOSED = "connection closed"
 CAUSE_SILENCE = "heartbeat silence"
 CAUSE_NOT_BACK = "did not reconnect"
 CAUSE_REPLACED = "host replaced"
+CAUSE_FENCED = "host fenced for corruption"
 # the progress watchdog (toolkit.scheduler.watchdog): no progress while its peers waited for it
 CAUSE_STUCK = "stuck (no progress while its peers waited)"
 

@@ -124,6 +124,17 @@ def read_benched(doc: object, world_size: int) -> list[int]:
     return sorted(set(doc))
 
 
+def read_quarantined(doc: object) -> dict[str, bool]:
+    """The persisted hosts fenced for corruption and benched ({host: whether its agent is still owed `stop`});
+    ValueError if malformed (the state file is hostile input)."""
+    if doc is None:
+        return {}
+    if not isinstance(doc, dict) or len(doc) > logical.MAX_LOGICAL_RANKS or not all(
+            isinstance(h, str) and 0 < len(h) <= 256 and type(v) is bool for h, v in doc.items()):
+        raise ValueError("quarantined: not a map of host names to true or false")
+    return dict(doc)
+
+
 def read_capacity(msg: Mapping[str, object]) -> int | None:
     """A heartbeat's `capacity`: the logical ranks the process can hold (an int from 1 to MAX_LOGICAL_RANKS), or
     None when absent or malformed (a hostile value is ignored, not trusted)."""

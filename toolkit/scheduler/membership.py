@@ -27,6 +27,9 @@ The rules, in one place:
   (toolkit.scheduler.elastic: --min-workers, the survivors' memory), its ranks benched and the next generation
   formed without them, the survivors serving their logical ranks; otherwise it waits, as before, said in one line.
   A benched rank's worker registering again (its host back) takes it into the next generation (grow).
+- A host the replica check found corrupt twice is fenced at once: a free spare takes its ranks; with none, an
+  elastic job shrinks without it as for a lost host (its live workers told to exit, its agent to stop), else fails.
+  A host so benched is quarantined: it rejoins only once the operator starts its agent again (`shrink_fenced`).
 - When every rank is done the job has finished; when an agent gives up on a process, it has failed. A death after
   some rank is done forms no generation (the finished ranks are gone): an in-place member has finished too (a
   rank is done only after the final barrier), any other fails the job at once.
@@ -43,6 +46,7 @@ from toolkit.contracts import envvars, protocol
 from toolkit.scheduler import elastic
 from toolkit.scheduler.actions import (  # also re-exported
     CAUSE_CLOSED,
+    CAUSE_FENCED,
     CAUSE_NOT_BACK,
     CAUSE_REPLACED,
     CAUSE_SILENCE,
@@ -143,6 +147,40 @@ def refuse_register(peer: int, reg: Registration, roster: Roster, status: str, n
     return []
 
 
+def refuse_quarantined(m: Membership, peer: int, reg: Registration) -> list[Action]:
+    """The refusal (`fenced`: it must exit) of a worker of a host fenced for corruption and benched
+    (`shrink_fenced`), placed there or saying it runs there, or [] to go on."""
+    host = m.roster.host_of(reg.node_id)
+    if host not in m.quarantined and reg.host not in m.quarantined:
+        return []
+    where = host if host in m.quarantined else reg.host
+    return [Log(WARNING, f"fenced {reg.node_id} ({reg.where}): host {where} is fenced for corruption; told it to exit"),
+            Note(NoteKind.FENCED, {"node_id": reg.node_id, "pid": reg.pid, "host": reg.host}),
+            Send(peer, protocol.FENCED, {"reason": f"host {where} is fenced for corruption: its processes may not "
+                                                   "rejoin the job until the operator starts it again"}, close=True)]
+
+
+def quarantine_hello(m: Membership, peer: int, host: str, addr: str) -> tuple[bool, list[Action]]:
+    """The hello of the agent of `host` if the host is fenced for corruption and benched (`shrink_fenced`): the fenced
+    agent itself when it never got its `stop` (refused: True, `welcome` then `stop`), else an agent started again
+    after it stopped, which only the operator does (`fleet restart --host`): the quarantine ends (False, its log
+    line) and the hello goes on. (False, []) for any other host."""
+    if host not in m.quarantined:
+        return False, []
+    m.dirty = True
+    if m.quarantined[host]:
+        m.quarantined[host] = False
+        return True, [Log(WARNING, f"refused the agent of {host} ({addr}): the host is fenced for corruption; told it "
+                                   "to stop its processes"),
+                      Send(peer, protocol.WELCOME, {}),
+                      Send(peer, protocol.STOP, {"reason": f"host {host} is fenced for corruption in job {m.job}: it "
+                                                           "is out of the job until the operator starts it again"},
+                           close=True)]
+    del m.quarantined[host]
+    return False, [Log(WARNING, f"host {host}, fenced for corruption, is back: its agent was started again (fleet "
+                                "restart --host); its workers rejoin the job")]
+
+
 def host_of(roster: Roster, member: Member) -> str:
     """The host a member runs on as the operator names it (the plan's, or its agent's), else as the worker
     named itself (its hostname, which need not be the inventory's name)."""
@@ -200,11 +238,11 @@ def corrupted(m: Membership, member: Member, msg: Mapping[str, Any], now: float)
 def fence_corrupt(m: Membership, f: Mapping[str, Any], why: str, now: float) -> list[Action]:
     """The hosts of the ranks in report `f` (checked) are not to be trusted with the job's state: each one's ranks go
     to a free spare at once, as `fleet replace` does (its workers fenced, the others re-forming with the spare's,
-    which take the state from a peer). Where no spare can take them (spares.fenced_host_spare), the job stops with
-    one line naming the host, why, and what to do: the decision point where an elastic job would shrink instead
-    (issue 42). A report of an earlier generation is not acted on (its ranks may be held elsewhere by now), nor one
-    while the job is not running formed with every rank training, nor for a rank the report places on another host
-    than the scheduler does (it has moved since)."""
+    which take the state from a peer). Where no spare can take them (spares.fenced_host_spare), the job shrinks
+    without the host if it may (`shrink_fenced`), else stops with one line naming the host, why, why it could not
+    shrink, and what to do. A report of an earlier generation is not acted on (its ranks may be held elsewhere by
+    now), nor one while the job is not running formed with every rank training, nor for a rank the report places on
+    another host than the scheduler does (it has moved since)."""
     if f["generation"] != m.generation or not m.formed or m.status != RUNNING or m.roster.done:
         return [Log(WARNING, f"not fencing after the corruption report of generation {f['generation']}: the job is "
                              f"in generation {m.generation}, {m.status}{'' if m.formed else ', gathering'}"
@@ -218,13 +256,59 @@ def fence_corrupt(m: Membership, f: Mapping[str, Any], why: str, now: float) -> 
         hosts[h] = None
     out: list[Action] = []
     for host in hosts:
-        if m.roster.replaced_by(host) is not None:
-            continue  # handed over already
+        if m.roster.replaced_by(host) is not None or host in m.quarantined:
+            continue  # handed over, or benched, already
         spare = fenced_host_spare(m.roster, host)
         if isinstance(spare, Refusal):
-            return out + m._fail(f"host {host} is fenced: {why}, and {spare.reason}", EXIT_FAILED)
+            out += shrink_fenced(m, host, f"{why}, and {spare.reason}", now)
+            if m.status != RUNNING:
+                return out
+            continue
         out += m._take_over(host, spare, f"fenced: {why}", now)
     return out
+
+
+def shrink_fenced(m: Membership, host: str, why: str, now: float) -> list[Action]:
+    """Host `host` is fenced for corruption and no spare can take its ranks (`why` says both): if the survivors may
+    go on without it (elastic.shrink_refusal, as for a lost host) its ranks are benched, its live workers fenced
+    (told to exit: they are alive, unlike a lost host's), its agent told to stop, and the survivors re-form in place
+    without it; otherwise the job stops with one line saying why it could not shrink. Nor on the scheduler's own host
+    (stopping that agent stops the scheduler), or one holding no worker of the job.
+
+    The host is `quarantined` (persisted): it does not come back by itself. Its workers' registrations are refused;
+    the first hello of its agent after the fence, if that agent was not connected when it was fenced (so it never
+    got its `stop`), is answered `stop`; the hello of an agent after that one can only come from an agent started
+    again by the operator (`fleet restart --host`), which ends the quarantine: its workers grow the job back. A
+    free spare found later may take its ranks as for any lost host (the scheduler's scan, after host_timeout)."""
+    rec = m.roster.hosts.get(host)
+    if rec is None or not rec.node_ids or rec.runs_scheduler:
+        return m._fail(f"host {host} is fenced: {why}", EXIT_FAILED)
+    slots = [r for r in (rank_of(n) for n in rec.node_ids) if r is not None]
+    survivors = [s for s in elastic.active(m.world_size, m.benched) if s not in slots]
+    refusal = elastic.shrink_refusal(survivors, m.world_size, m.min_workers, m.logical_world, m.capacity)
+    if refusal is not None:
+        return m._fail(f"host {host} is fenced: {why}; not shrinking instead: {refusal}", EXIT_FAILED)
+    m.benched = sorted(set(m.benched) | set(slots))
+    agent = rec.agent
+    m.quarantined[host] = agent is None  # its stop is owed to the next hello of its agent
+    m.dirty = True
+    out: list[Action] = [
+        Log(WARNING, f"host {host} is fenced: {why}: shrinking to {len(survivors)} of {m.world_size} workers, "
+                     f"serving {m.logical_world} logical ranks; it stays out until the operator starts it again "
+                     f"('fleet restart --host {host}')"),
+        Note(NoteKind.SHRINK, {"host": host, "slots": slots, "workers": len(survivors), "world_size": m.world_size,
+                               "generation": m.generation, "fenced": True})]
+    if agent is not None:
+        m.roster.peers.pop(agent, None)
+        m.roster.disconnect_agent(host, agent, now)
+        out.append(Send(agent, protocol.STOP, {"reason": f"host {host} is fenced: {why}: it is out of the job "
+                                                         "until the operator starts it again"}, close=True))
+    for node_id in list(rec.node_ids):
+        member = m.roster.members.get(rank_of(node_id) or 0)
+        if member is not None and member.node_id == node_id:
+            out += m._death(member, f"its host {host} is fenced for corruption", kill=False, now=now,
+                            cause=CAUSE_FENCED)
+    return out + m._maybe_form(now)
 
 
 class Membership:
@@ -256,6 +340,8 @@ class Membership:
         self.assignment: list[list[Any]] | None = None
         self.world: elastic.World | None = None
         self.capacity: dict[int, int] = {}
+        # hosts fenced for corruption and benched (`shrink_fenced`): host -> whether its agent is still owed `stop`
+        self.quarantined: dict[str, bool] = {}
         self.node_timeout, self.topo_timeout = node_timeout, topo_timeout
         self.host_timeout = host_timeout  # <= 0: no automatic replacement (the operator's `replace` only)
         # the agents' heartbeat interval (their `welcome`), stretched as the workers' at thousands of ranks
@@ -312,6 +398,7 @@ class Membership:
             "commits": {str(r): s for r, s in sorted(self.roster.commits.items())}, "committed_step": committed,
             "replaced": self.roster.replacements(),  # then what an elastic job adds, only when it has it
             **({"benched": list(self.benched)} if self.benched else {}),
+            **({"quarantined": dict(self.quarantined)} if self.quarantined else {}),
             **({"assignment": self.assignment} if self.assignment is not None else {}),
         }
 
@@ -338,6 +425,7 @@ class Membership:
         self.roster.done = {int(r) for r in state.get("done", [])}
         self.roster.fenced = set(state.get("fenced", []))
         self.benched = elastic.read_benched(state.get("benched"), self.world_size)
+        self.quarantined = elastic.read_quarantined(state.get("quarantined"))
         self.assignment = state.get("assignment")
         if self.formed:
             self.world = elastic.plan_world(elastic.active(self.world_size, self.benched), self.logical_world,
@@ -386,7 +474,7 @@ class Membership:
         reg = validate_register(peer, addr, msg, self.world_size)
         if not isinstance(reg, Registration):
             return reg
-        refused = refuse_register(peer, reg, self.roster, self.status, now)
+        refused = refuse_register(peer, reg, self.roster, self.status, now) or refuse_quarantined(self, peer, reg)
         if refused:
             return refused
         node_id, rank, inc, pid, host, where = reg.node_id, reg.rank, reg.incarnation, reg.pid, reg.host, reg.where
@@ -428,7 +516,8 @@ class Membership:
         already ended, so an agent that reconnects after the end still learns it.
 
         The agent of a replaced host is refused for good: `welcome` then `stop` (its agent stops its children and
-        exits), and it is not recorded. A spare host's agent (`spare: true`) is recorded as a spare; one that was
+        exits), and it is not recorded; so is the agent of a host fenced for corruption that never got its `stop`
+        (`quarantine_hello`). A spare host's agent (`spare: true`) is recorded as a spare; one that was
         handed a takeover is sent it again (it may have restarted), and a lost host waiting for a spare is served."""
         host, node_ids = msg.get("host"), msg.get("node_ids")
         if not isinstance(host, str) or not 0 < len(host) <= 256 or not isinstance(node_ids, list) \
@@ -442,7 +531,9 @@ class Membership:
                                  "stop its processes"),
                     Note(NoteKind.REFUSED, {"host": host, "by": by}),
                     Send(peer, protocol.WELCOME, {}), Send(peer, protocol.STOP, {"reason": reason}, close=True)]
-        out: list[Action] = []
+        refused, out = quarantine_hello(self, peer, host, addr)
+        if refused:
+            return out
         self.roster.peers[peer] = Peer(PeerRole.AGENT, host=host, addr=addr)
         names = [n for n in node_ids if isinstance(n, str) and len(n) <= 256]
         old = self.roster.connect_agent(host, peer, msg.get("spare") is True, now,
@@ -649,6 +740,7 @@ class Membership:
         orders replacements for `fleet status`). The spare's workers then register for the ranks like any
         replacement and recover as the job's mode allows (in place from a peer, or a restart from checkpoints)."""
         node_ids, agent = list(self.roster.hosts[host].node_ids), self.roster.hosts[host].agent
+        self.quarantined.pop(host, None)  # a spare takes a host benched for corruption: replaced for good
         self.dirty = True
         out: list[Action] = [
             Log(WARNING, f"host {host} replaced by spare {spare}: {reason}; {spare} takes {', '.join(node_ids)}; "

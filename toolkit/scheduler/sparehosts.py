@@ -11,7 +11,7 @@ out). The membership (toolkit.scheduler.membership) applies them: it fences the 
   name one; otherwise the first free one is taken.
 - A host the replica check found corrupt twice (a `corruption` report whose action is `fenced`) is not to be trusted
   with the job's state: its ranks go to the first free spare, as for `fleet replace`, unless it runs the scheduler
-  (`fenced_host_spare`).
+  (`fenced_host_spare`); with no spare free, the membership shrinks the job without it if it may.
 
 Finding lost hosts scans every host; `LostCheck` says when that scan can find something, so that at a thousand ranks
 most of the scheduler's passes skip it.

@@ -30,10 +30,11 @@ go back too). Without a majority (two replicas, or a tie), every rank goes back 
 differing again at the same check, with nothing to tell the faulty one from the healthy one, stops the job with one
 line. A rank named twice is fenced: its host is not to be trusted with the job's state. The scheduler, told, hands
 the host's ranks to a free spare of the inventory's [spares] (toolkit.scheduler.membership.fence_corrupt), whose
-workers take the state from a peer, and the job goes on; with none free it stops the job with one line naming the
-host. The fenced rank waits for that word (bounded) instead of training on; outside toolkit, or with no word, it
-leaves with one line (EXIT_FATAL) and the job stops. Every finding is reported to the scheduler (one rank reports
-it), whose ledger keeps it as a `corruption` incident (`fleet status`, `fleet report`).
+workers take the state from a peer, and the job goes on; with none free an elastic job shrinks without the host,
+otherwise it stops the job with one line naming the host. The fenced rank waits for that word (bounded) instead of
+training on; outside toolkit, or with no word, it leaves with one line (EXIT_FATAL) and the job stops. Every finding
+is reported to the scheduler (one rank reports it), whose ledger keeps it as a `corruption` incident (`fleet status`,
+`fleet report`).
 """
 
 from __future__ import annotations
@@ -391,8 +392,8 @@ class ReplicaCheck:
                 _fatal(f"rank {rank}: toolkit.train: {line}: it leaves and the job stops; replace its host")
             log.line(f"rank {rank}: {line}: it leaves and the job stops")
             return
-        log.line(f"rank {rank}: {line}: the scheduler hands its host's ranks to a spare, or stops the job if none is "
-                 "free")
+        log.line(f"rank {rank}: {line}: the scheduler hands its host's ranks to a spare, shrinks the job without it, "
+                 "or stops the job")
         if not mine:
             return
         bound = self.rt.cfg.word_wait
