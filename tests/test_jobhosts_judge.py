@@ -79,3 +79,33 @@ def test_takeovers_failure_and_another_project() -> None:
     (other,) = host_statuses(_record("mine"), {"b": _read("b", _doc("running", {}, job_id="theirs",
                                                                      job_dir="/w/b/job"), (50, 7))})
     assert (other.agent, other.other_job, [p.state for p in other.processes]) == (OTHER_JOB, "/w/b/job", [OTHER_JOB])
+
+
+def test_join_does_not_count_a_host_an_elastic_job_goes_on_without_as_its_failure() -> None:
+    """Issue 42: a host lost for hours (unreachable) or fenced (its agent stopped) while an elastic job trains on
+    without it must neither stop the survivors (`--join` stops a failing job after the grace) nor make a job whose
+    every served worker exited 0 a failure; without the scheduler's word, the same host is the job's failure."""
+    from toolkit.launcher.jobhosts.follow import JOIN_GONE_AFTER, _Watch, benched_hosts
+    from toolkit.launcher.jobhosts.view import HostStatus
+
+    record = _record()
+    shrunk = {"elastic": {"workers": 1, "world_size": 2, "logical_world": 2, "logical": {"worker_0": [0, 1]}}}
+    assert benched_hosts(record, shrunk) == {"b"}
+    for hostile in ({}, {"elastic": None}, {"elastic": {"logical": ["worker_0"]}}, {"elastic": "x"}):
+        assert benched_hosts(record, hostile) == set()
+
+    def poll(live: dict[str, Any] | None, b_agent: str) -> list[HostStatus]:
+        return [HostStatus("a", True, None, "running", True, 1, None, live=live),
+                HostStatus("b", b_agent != "unreachable", None, b_agent, False, 1, None)]
+
+    for live, failing in ((shrunk, False), ({"elastic": None}, True)):
+        watch = _Watch()
+        watch.take(record, poll(live, "unreachable"), 0.0)
+        watch.take(record, poll(live, "unreachable"), JOIN_GONE_AFTER + 1)
+        assert "b" in watch.unwatched
+        states = watch.states(record)
+        watch.settle_passed(states, JOIN_GONE_AFTER + 1, 0.0)
+        assert watch.settle_passed(states, JOIN_GONE_AFTER + 1000, 0.0) is failing
+    watch = _Watch()
+    watch.take(record, poll(shrunk, "stopped"), 0.0)
+    assert watch.settle_passed(watch.states(record), 1000.0, 0.0) is False

@@ -119,13 +119,16 @@ class _Watch:
 
     `last`: each host's latest status; `seen`/`agents`: what was printed (`_report_changes`); `trouble_since`: when
     each host became unreachable or lost its agent; `unwatched`: host -> why it is no longer watched (JOIN_GONE_AFTER
-    of trouble); `failed_at`: since when the job has been failing (None: it is not)."""
+    of trouble); `benched`: the hosts an elastic job goes on without (issue 42: its scheduler formed the world
+    without any of their workers), whose loss or stop is not the job's failure; `failed_at`: since when the job has
+    been failing (None: it is not)."""
 
     def __init__(self) -> None:
         self.seen: dict[tuple[str, str], tuple[Any, ...]] = {}
         self.agents: dict[str, str] = {}
         self.trouble_since: dict[str, float] = {}
         self.unwatched: dict[str, str] = {}
+        self.benched: set[str] = set()
         self.failed_at: float | None = None
         self.last: dict[str, HostStatus] = {}
         self.progress_at = -JOIN_PROGRESS_EVERY  # when the last progress line was printed
@@ -141,6 +144,9 @@ class _Watch:
             del self.last[name]
             self.unwatched.pop(name, None)
             self.trouble_since.pop(name, None)
+        live = job_live(polled)
+        if live is not None:
+            self.benched = benched_hosts(record, live)
         for st in polled:
             self.last[st.host] = st
             _report_changes(st, self.seen, self.agents)
@@ -171,7 +177,8 @@ class _Watch:
         """Whether the job has been failing (a host unwatched, failed or stopped) for longer than `grace` plus
         JOIN_SETTLE: then what still runs is to be stopped. A job no longer failing (e.g. the failed host was found
         replaced by a spare: the job goes on) starts the count again."""
-        failing = bool(self.unwatched) or any(s in (AgentState.FAILED, AgentState.STOPPED) for s in states.values())
+        failing = bool(set(self.unwatched) - self.benched) or any(
+            s in (AgentState.FAILED, AgentState.STOPPED) for h, s in states.items() if h not in self.benched)
         if not failing:
             self.failed_at = None
         elif self.failed_at is None:
@@ -211,17 +218,30 @@ def _conclude(record: JobRecord, ssh: SshSettings, watch: _Watch, begun: float) 
     succeeds only when each of its processes exited 0), raise JobStopped when its operator stopped it (some host
     `stopped`, none failed), else JobFailed with the evidence, the log tails of the processes that ended badly
     fetched now."""
-    hosts = [watch.last[h.name] for h in record.live_hosts]
+    hosts = [watch.last[h.name] for h in record.live_hosts if h.name not in watch.benched and h.name in watch.last]
+    unwatched = {h: why for h, why in watch.unwatched.items() if h not in watch.benched}
     took = time.monotonic() - begun
-    if not watch.unwatched and all(h.agent == AgentState.SUCCEEDED for h in hosts):
-        say(f"job {record.job} succeeded: every worker exited 0 ({took:.1f} s)")
+    if not unwatched and hosts and all(h.agent == AgentState.SUCCEEDED for h in hosts):
+        without = f"; it went on without {', '.join(sorted(watch.benched))} (elastic)" if watch.benched else ""
+        say(f"job {record.job} succeeded: every worker exited 0 ({took:.1f} s){without}")
         return
     stopped = [h for h in hosts if h.agent == AgentState.STOPPED]
-    if not watch.unwatched and stopped and all(h.agent in (AgentState.SUCCEEDED, AgentState.STOPPED) for h in hosts):
+    if not unwatched and stopped and all(h.agent in (AgentState.SUCCEEDED, AgentState.STOPPED) for h in hosts):
         why = sorted({h.reason for h in stopped if h.reason})
         raise JobStopped(f"job {record.job} stopped after {took:.1f} s ({'; '.join(why) or 'stopped'}): "
                          "'fleet train' resumes it from its checkpoints")
-    raise JobFailed(_failure_text(record, hosts, watch.unwatched, took, _failed_tails(record, ssh, hosts)))
+    raise JobFailed(_failure_text(record, hosts, unwatched, took, _failed_tails(record, ssh, hosts)))
+
+
+def benched_hosts(record: JobRecord, live: Mapping[str, Any]) -> set[str]:
+    """The live hosts none of whose workers is in the world the scheduler formed last (live.json's `elastic`: which
+    worker serves which logical ranks, present only when not the plain way): those an elastic job goes on without.
+    The document comes from a host: anything not of the expected shape means no host is benched."""
+    elastic = live.get("elastic")
+    serving = elastic.get("logical") if isinstance(elastic, Mapping) else None
+    if not isinstance(serving, Mapping) or not serving:
+        return set()
+    return {h.name for h in record.live_hosts if h.node_ids and not any(n in serving for n in h.node_ids)}
 
 
 def _sleep(interrupted: threading.Event, seconds: float, agent_pids: list[int | None]) -> bool:
