@@ -129,10 +129,11 @@ def _upload(plan: LaunchPlan, settings: Settings, token: str, identity: Identity
     return stats
 
 
-def _sent_line(r: HostResult[SyncStats]) -> str:
-    """A host's progress line: what it was sent, or its error."""
+def _sent_line(r: HostResult[SyncStats]) -> str | None:
+    """A host's progress line: what it was sent; nothing for a failed host (fan_out's ClusterError says every
+    failure once, the hosts that failed alike on one line)."""
     if not r.ok or r.value is None:
-        return f"{r.error}"
+        return None
     s = r.value
     return (f"{r.host}: {s.files_sent} file(s) sent ({human_size(s.bytes_sent)}), {s.files_unchanged} unchanged"
             + (f", {s.removed} removed" if s.removed else "") + f" ({r.seconds:.1f} s)")

@@ -108,5 +108,6 @@ def fan_out(what: str, targets: list[Target], fn: Callable[[Host], Any], ssh: Ss
 
 
 def result_line(r: HostResult[Any]) -> str | None:
-    """A progress line: the host's value as text (nothing if empty), or its error."""
-    return (str(r.value) if r.value else None) if r.ok else r.error
+    """A progress line: the host's value as text (nothing if empty); nothing for a failed host, whose error the
+    caller says once after the fan-out (ClusterError groups the hosts that failed alike: one fact, one line)."""
+    return str(r.value) if r.ok and r.value else None
