@@ -37,7 +37,7 @@ import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
@@ -249,16 +249,18 @@ class Runtime:
             raise GenerationChanged(self.generation, view.announced)
 
     @contextlib.contextmanager
-    def guard(self) -> Iterator["Runtime"]:
+    def guard(self, word: Callable[[Exception], GenerationChanged | None] | None = None) -> Iterator["Runtime"]:
         """Run one step: a collective that fails because a peer died (or a stopped peer made it time out)
-        surfaces as GenerationChanged, not as gloo's RuntimeError; other errors pass through unchanged."""
+        surfaces as GenerationChanged, not as gloo's RuntimeError; other errors pass through unchanged.
+        `word` decides whether an error is the job moving on (default `changed_by`; the Trainer's own collectives
+        pass one that SIGTERM can interrupt): the one guard of the worker's collectives."""
         self.check()
         try:
             yield self
         except (GenerationChanged, JobStopped):
             raise
         except Exception as e:
-            changed = self.changed_by(e)
+            changed = (word or self.changed_by)(e)
             if changed is None:
                 raise
             raise changed from e

@@ -53,7 +53,7 @@ import os
 import socket
 import time
 from pathlib import Path
-from typing import Any, Iterator, Mapping, NoReturn
+from typing import Any, ContextManager, Iterator, Mapping, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -362,21 +362,10 @@ class Trainer:
             self._abandoned(applied, None)  # SIGTERM came: ends in _last_words
         self._last_words()
 
-    @contextlib.contextmanager
-    def _guarded(self) -> Iterator[None]:
-        """Runtime.guard() for the Trainer's own collectives (agreement, final barrier): a collective broken by a
-        new generation raises GenerationChanged, and SIGTERM ends the wait for the scheduler's word (`_word_on`)."""
-        self.rt.check()
-        try:
-            yield
-        except (GenerationChanged, JobStopped):
-            raise
-        except Exception as e:
-            changed = self._word_on(e)
-            if changed is None:
-                raise
-            raise changed from e
-        self.rt.check()
+    def _guarded(self) -> ContextManager[Runtime]:
+        """Runtime.guard() for the Trainer's own collectives (agreement, final barrier, replica check), with
+        `_word_on` deciding: SIGTERM ends the wait for the scheduler's word."""
+        return self.rt.guard(word=self._word_on)
 
     def _sync(self) -> None:
         """(Re-)form the group, agree on the newest state any rank holds and give it to every rank
