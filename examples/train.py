@@ -33,8 +33,8 @@ import toolkit.train
 from toolkit.errors import UserError
 from toolkit.train import determinism
 from toolkit.train.ckpt import manager
-from toolkit.train.ckpt.manager import CheckpointError
-from toolkit.train.data import DataError, load_mnist
+from toolkit.train.data import load_mnist
+from toolkit.train.faults import CheckpointError, DataError
 
 HERE = Path(__file__).resolve().parent
 WORK_SLICE = 0.005  # s: --step-delay is slept in slices this long; a slice the process was stopped in counts nothing

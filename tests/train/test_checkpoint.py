@@ -25,8 +25,9 @@ from toolkit.contracts import ckptkey
 from toolkit.train.ckpt import manager as checkpoint
 from toolkit.train.ckpt import partfile
 from toolkit.train.ckpt import parts as ckptparts
-from toolkit.train.ckpt.manager import CheckpointError, CheckpointManager, Choice, CorruptCheckpoint, Placement, choose
-from toolkit.train.ckpt.partfile import BadPart, PartName
+from toolkit.train.ckpt.manager import CheckpointManager, Choice, Placement, choose
+from toolkit.train.ckpt.partfile import PartName
+from toolkit.train.faults import BadPart, CheckpointError, CorruptCheckpoint
 
 HERE = Path(__file__).resolve().parent
 PROC_TIMEOUT = 60

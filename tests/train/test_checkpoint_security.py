@@ -30,8 +30,9 @@ from toolkit.contracts import ckptkey
 from toolkit.testing.stranger import AS_STRANGER
 from toolkit.train.ckpt import partfile
 from toolkit.train.ckpt.hostdir import HostDir
-from toolkit.train.ckpt.manager import CheckpointError, CheckpointManager, Placement
+from toolkit.train.ckpt.manager import CheckpointManager, Placement
 from toolkit.train.ckpt.partfile import PartName
+from toolkit.train.faults import CheckpointError
 
 REPO = Path(__file__).resolve().parents[2]
 SAMPLE = REPO / "examples" / "train.py"

@@ -9,13 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from toolkit.train.data import (
-    IDX_IMAGES_MAGIC,
-    IDX_LABELS_MAGIC,
-    DataError,
-    load_mnist,
-    read_idx,
-)
+from toolkit.train.data import IDX_IMAGES_MAGIC, IDX_LABELS_MAGIC, load_mnist, read_idx
+from toolkit.train.faults import DataError
 
 REPO = Path(__file__).resolve().parents[2]
 MNIST = REPO / "examples" / "MNIST_Data"

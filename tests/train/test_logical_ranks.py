@@ -29,7 +29,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 from toolkit.contracts import protocol as P
 from toolkit.freeports import free_port_pair
 from toolkit.testing.localjob import EXAMPLES, STEP_LINE, LocalJob, clean_env
-from toolkit.train.loader import LoaderError
+from toolkit.train.faults import LoaderError
 from toolkit.train.logicalgrad import LogicalGrad
 from toolkit.train.stepdata import StepData, retarget
 from toolkit.train.trainer import as_built

@@ -18,9 +18,9 @@ from toolkit.train import inject
 from toolkit.train.agreement import DIGEST, TrainingState, verified_load
 from toolkit.train.ckpt.manager import CheckpointManager, Placement
 from toolkit.train.digest import Digester
-from toolkit.train.faults import TrainerError
+from toolkit.train.faults import RuntimeConfigError, TrainerError
 from toolkit.train.replicas import AGREE, CONFIG, ODD, SPLIT, Schedule, fingerprint, parse_every, verdict
-from toolkit.train.runtime import RuntimeConfigError, WorkerEnv
+from toolkit.train.runtime import WorkerEnv
 
 
 def model_and_optimizer(norm: bool = False) -> tuple[nn.Module, torch.optim.Optimizer]:

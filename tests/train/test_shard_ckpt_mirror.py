@@ -25,7 +25,8 @@ import torch
 
 from toolkit.freeports import free_port
 from toolkit.testing.localjob import clean_env
-from toolkit.train.ckpt.manager import CheckpointError, Placement
+from toolkit.train.ckpt.manager import Placement
+from toolkit.train.faults import CheckpointError
 from toolkit.train.shardckpt import Manifest, ShardCheckpoints, ShardName, decide
 from toolkit.train.shardmirror import ShardMirror, choose_every, holder_of, kept_by, ring_problem, rollback_step
 

@@ -22,7 +22,8 @@ import torch
 from toolkit.testing.simjob import Usage
 from toolkit.train import transfer
 from toolkit.train.digest import Digester
-from toolkit.train.transfer import Layout, TransferError
+from toolkit.train.faults import TransferError
+from toolkit.train.transfer import Layout
 
 HERE = Path(__file__).resolve().parent
 PROC_TIMEOUT = 120.0  # s for one worker on a loaded machine; normally ~3 s

@@ -35,7 +35,8 @@ import torch.distributed as dist
 from torch import nn
 
 from toolkit.train import transfer
-from toolkit.train.fence import Abandoned, Fence, opened_since, tcp_sockets
+from toolkit.train.faults import Abandoned
+from toolkit.train.fence import Fence, opened_since, tcp_sockets
 
 
 class Net(nn.Module):

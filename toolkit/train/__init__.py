@@ -10,16 +10,9 @@
 - Checkpoints live in `toolkit.train.ckpt.manager`; the sample's IDX reader in `toolkit.train.data`.
 """
 
+from toolkit.train.faults import GenerationChanged, RuntimeConfigError
 from toolkit.train.progress import long_phase, report
-from toolkit.train.runtime import (
-    GenerationChanged,
-    JobStopped,
-    RegistrationError,
-    Runtime,
-    RuntimeConfigError,
-    WorkerEnv,
-    init,
-)
+from toolkit.train.runtime import JobStopped, RegistrationError, Runtime, WorkerEnv, init
 from toolkit.train.trainer import Terminated, Trainer, TrainerError
 
 __all__ = [

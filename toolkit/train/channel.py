@@ -23,8 +23,8 @@ from typing import Any, Protocol
 
 from toolkit.contracts import envvars, protocol
 from toolkit.contracts.session import AT_ONCE, Unproven, evicted, open_session
-from toolkit.errors import UserError
 from toolkit.train import jobview, stacks
+from toolkit.train.faults import JobStopped, RegistrationError, Rejected
 from toolkit.train.fence import Fence
 from toolkit.train.jobview import DONE_WAIT
 from toolkit.train.log import say
@@ -34,15 +34,6 @@ CONNECT_TIMEOUT = 2.0  # s for the TCP connect itself (a partitioned scheduler h
 SEND_TIMEOUT = 2.0  # s a send may block on a scheduler that stopped reading before the connection is dropped
 HANDSHAKE_WAIT = 10.0  # s to wait for the answer to `register`: giving up on an accepted registration closes a
 # connection the scheduler already counts as this worker's, and that close would read as our death
-
-
-class JobStopped(RuntimeError):
-    """The scheduler ended the job (a node gave up, or formation timed out); the message says why."""
-
-
-class RegistrationError(UserError, RuntimeError):
-    """This worker could not join the job: scheduler unreachable, wrong token, or its node id is held by a live
-    process. The message says which and what to do."""
 
 
 class ChannelConfig(Protocol):
@@ -66,15 +57,6 @@ class ChannelConfig(Protocol):
     def node_timeout(self) -> float: ...
     @property
     def topo_timeout(self) -> float: ...
-
-
-class Rejected(Exception):
-    """The scheduler refused a registration: its reason, and whether a later attempt may succeed."""
-
-    def __init__(self, reason: str, retry: bool) -> None:
-        super().__init__(reason)
-        self.reason = reason
-        self.retry = retry
 
 
 class Channel:

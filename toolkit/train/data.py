@@ -14,14 +14,12 @@ from pathlib import Path
 
 import numpy as np
 
+from toolkit.train.faults import DataError
+
 IDX_IMAGES_MAGIC = 0x00000803  # unsigned bytes, 3 dimensions (count, rows, cols)
 IDX_LABELS_MAGIC = 0x00000801  # unsigned bytes, 1 dimension (count)
 IMAGES_SUFFIX = "-images-idx3-ubyte"
 LABELS_SUFFIX = "-labels-idx1-ubyte"
-
-
-class DataError(ValueError):
-    """A dataset file or directory that cannot be used; the message names it and says what to do."""
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -42,22 +42,12 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, TypeVar
 
+from toolkit.train.faults import Abandoned
+
 T = TypeVar("T")
 
 
 WAIT_MARGIN = 30.0  # s past the group's timeout before `Fence.wait` gives a collective up itself
-
-
-class Abandoned(RuntimeError):
-    """The group was abandoned (a new generation began, or under torchrun a peer is gone) while this call waited on
-    it. Its text names gloo and the connection, as a collective's failure does, so that the runtime treats it as
-    one."""
-
-    @classmethod
-    def during(cls, what: str) -> "Abandoned":
-        """The error of a wait on `what` (a collective's name) that the trip ended."""
-        return cls(f"gloo: {what} abandoned: the group's connections were shut down (a new generation began, or a "
-                   "peer is gone)")
 
 
 FD_DIR = "/proc/self/fd"

@@ -30,14 +30,10 @@ from typing import Mapping
 import torch
 
 from toolkit.contracts import envvars
-from toolkit.errors import UserError
+from toolkit.train.faults import InjectionError
 
 IN_PARAMS, IN_OPTIMIZER, IN_RECOVERED = "params", "optimizer", "recovered"
 KEYS = ("rank", "step", "in", "tensor", "element", "bit")
-
-
-class InjectionError(UserError, ValueError):
-    """TOOLKIT_INJECT_CORRUPTION cannot be read; the message names the entry and what to write."""
 
 
 @dataclass(frozen=True)

@@ -27,9 +27,7 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.utils.data as tud
 
-
-class LoaderError(ValueError):
-    """The loader cannot be positioned (no length); the message says what to change."""
+from toolkit.train.faults import LoaderError
 
 
 class Positioner:

@@ -57,7 +57,8 @@ from toolkit.contracts.protocol import CORRUPT_FENCED, EXIT_FATAL
 from toolkit.train import log, transfer
 from toolkit.train.agreement import TrainingState
 from toolkit.train.digest import Digester
-from toolkit.train.runtime import MODE_TOOLKIT, GenerationChanged, Runtime, await_word, report_corruption
+from toolkit.train.faults import GenerationChanged
+from toolkit.train.runtime import MODE_TOOLKIT, Runtime, await_word, report_corruption
 
 LR, HYPER, STATE, LR0, PROPOSAL = range(5)  # the fields of a fingerprint
 AUTO = "auto"

@@ -43,13 +43,12 @@ import torch
 import torch.distributed as dist
 
 from toolkit.contracts import envvars, protocol, stepfile
-from toolkit.errors import UserError
 from toolkit.train import fence as fence_mod
 from toolkit.train import progress, stacks
 from toolkit.train import store as job_store
-from toolkit.train.channel import Channel, JobStopped
-from toolkit.train.channel import RegistrationError as RegistrationError  # part of this module's interface
-from toolkit.train.faults import first_line, looks_collective
+from toolkit.train.channel import Channel
+from toolkit.train.faults import GenerationChanged, JobStopped, RuntimeConfigError, first_line, looks_collective
+from toolkit.train.faults import RegistrationError as RegistrationError  # part of this module's interface
 from toolkit.train.fence import Fence
 from toolkit.train.log import say
 from toolkit.train.pace import StepPace
@@ -61,20 +60,6 @@ PROGRESS_INTERVAL = 1.0  # s: at most one progress datagram to the agent per int
 MODE_TOOLKIT = "toolkit"
 MODE_TORCHRUN = "torchrun"
 MODE_SINGLE = "single"
-
-
-class GenerationChanged(Exception):
-    """The job moved to a new generation (a member died or was replaced): the current process group is no longer
-    valid. Call `Runtime.reform()`, then roll back to the newest common checkpoint."""
-
-    def __init__(self, old: int | None, new: int) -> None:
-        super().__init__(f"generation changed from {old} to {new}: call reform() and roll back")
-        self.old = old
-        self.new = new
-
-
-class RuntimeConfigError(UserError, ValueError):
-    """The MS_*/torchrun environment of this worker is incomplete or contradictory."""
 
 
 @dataclass(frozen=True)

@@ -48,19 +48,11 @@ import torch.distributed as dist
 
 from toolkit import atomicfile
 from toolkit.train.ckpt import partfile
-from toolkit.train.ckpt.hostdir import DirectoryError, HostDir
-from toolkit.train.ckpt.manager import (
-    DEFAULT_WRITE_TIMEOUT,
-    FULL,
-    MIN_KEEP,
-    CheckpointError,
-    CorruptCheckpoint,
-    Placement,
-    host_copies,
-    write_error,
-)
-from toolkit.train.ckpt.partfile import BadPart, PartName
+from toolkit.train.ckpt.hostdir import HostDir
+from toolkit.train.ckpt.manager import DEFAULT_WRITE_TIMEOUT, FULL, MIN_KEEP, Placement, host_copies, write_error
+from toolkit.train.ckpt.partfile import PartName
 from toolkit.train.digest import Digester
+from toolkit.train.faults import BadPart, CheckpointError, CorruptCheckpoint, DirectoryError
 
 log = logging.getLogger("toolkit.train.ckpt.manager")
 

@@ -24,7 +24,8 @@ import numpy as np
 import torch
 import torch.utils.data as tud
 
-from toolkit.train.loader import LoaderError, Positioner, Replay
+from toolkit.train.faults import LoaderError
+from toolkit.train.loader import Positioner, Replay
 
 
 class StepData:

@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from toolkit.contracts import protocol
 from toolkit.contracts.session import AT_ONCE, Unproven, evicted, open_session
+from toolkit.train.faults import StoreError, StoreRefused
 
 CONNECT_TIMEOUT = 2.0  # s for the TCP connect
 HANDSHAKE_TIMEOUT = 10.0  # s for the challenge and the answer
@@ -36,20 +37,8 @@ RETRY_FIRST = 0.05  # s: the first pause before connecting again to a store that
 RETRY_MAX = 1.0  # s: the longest pause between two attempts (doubling from RETRY_FIRST, jittered)
 
 
-class StoreError(RuntimeError):
-    """The store refused a request, or it timed out; torch reports it like a TCPStore error."""
-
-
 class _TooLong(StoreError):
     """The store's reply to a multi_get would be over P.MAX_STORE_REPLY bytes: ask for fewer keys."""
-
-
-class StoreRefused(StoreError):
-    """The store proved the job token and refused this connection; `retry` is its word on trying again."""
-
-    def __init__(self, message: str, retry: bool) -> None:
-        super().__init__(message)
-        self.retry = retry
 
 
 class JobStore(dist.Store):

@@ -65,11 +65,11 @@ from toolkit.train.agreement import FROM_CHECKPOINT, FROM_INITIAL, FROM_PEER, Tr
 from toolkit.train.ckpt import interval, manager
 from toolkit.train.ckpt.schedule import Checkpointing, manager_for, parse_every
 from toolkit.train.ddpmodel import GroupModel
-from toolkit.train.faults import TrainerError, first_line, looks_collective
+from toolkit.train.faults import GenerationChanged, TrainerError, first_line, looks_collective
 from toolkit.train.inject import Injector
 from toolkit.train.logicalgrad import deferred
 from toolkit.train.replicas import ReplicaCheck
-from toolkit.train.runtime import MODE_TOOLKIT, GenerationChanged, JobStopped, Runtime
+from toolkit.train.runtime import MODE_TOOLKIT, JobStopped, Runtime
 from toolkit.train.stepdata import StepData
 from toolkit.train.stopping import EXIT_PEER_LOST, EXIT_TERMINATED, Stopping, Terminated, end_for_restart
 from toolkit.train.tbscalars import open_scalars

@@ -43,6 +43,7 @@ import torch.distributed as dist
 
 from toolkit.train import log
 from toolkit.train.digest import Digester
+from toolkit.train.faults import TransferError
 from toolkit.train.newmemory import unfilled
 
 DIRECT_MIN = 1 << 20  # bytes: a contiguous tensor at least this large travels as its own message
@@ -68,11 +69,6 @@ DTYPES: Mapping[str, torch.dtype] = {str(d).removeprefix("torch."): d for d in (
     torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.complex64, torch.complex128, torch.int64,
     torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool, torch.uint16, torch.uint32, torch.uint64,
     torch.float8_e4m3fn, torch.float8_e5m2)}
-
-
-class TransferError(RuntimeError):
-    """The state cannot be described (a value of a type that cannot travel), or a peer's description is not one
-    this module wrote. The message names the place in the state or what is wrong."""
 
 
 # -- the description: structure, plain values, tensors by index (pure)

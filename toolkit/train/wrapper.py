@@ -54,16 +54,10 @@ from toolkit.contracts import envvars, protocol
 from toolkit.errors import UserError
 from toolkit.train import log, progress, stacks
 from toolkit.train import store as job_store
-from toolkit.train.channel import Channel, JobStopped
-from toolkit.train.faults import first_line, looks_collective
+from toolkit.train.channel import Channel
+from toolkit.train.faults import JobStopped, RuntimeConfigError, first_line, looks_collective
 from toolkit.train.log import say
-from toolkit.train.runtime import (
-    DEFAULT_TIMEOUT,
-    MODE_TOOLKIT,
-    RuntimeConfigError,
-    WorkerEnv,
-    notify_agent,
-)
+from toolkit.train.runtime import DEFAULT_TIMEOUT, MODE_TOOLKIT, WorkerEnv, notify_agent
 from toolkit.train.scriptreport import ScriptReporter
 
 EXIT_REJOIN = protocol.EXIT_REJOIN

@@ -31,6 +31,7 @@ from toolkit import atomicfile, privatedir
 from toolkit.contracts import ckptkey
 from toolkit.train.ckpt import partfile
 from toolkit.train.ckpt.partfile import PartName
+from toolkit.train.faults import DirectoryError
 
 log = logging.getLogger("toolkit.train.ckpt.manager")
 
@@ -51,10 +52,6 @@ def complete(listing: Listing, step: int, prefer: int) -> list[PartName] | None:
         return None
     parts = prefer if prefer in full else max(full)
     return [PartName(step, i, parts) for i in range(parts)]
-
-
-class DirectoryError(RuntimeError):
-    """The directory cannot be used (another user can change it, or it cannot be made); one line saying so."""
 
 
 class HostDir:

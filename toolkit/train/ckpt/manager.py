@@ -63,8 +63,9 @@ from toolkit import atomicfile
 from toolkit.atomicfile import Durability
 from toolkit.contracts import ckptkey, envvars
 from toolkit.train.ckpt import parts as ckptparts
-from toolkit.train.ckpt.hostdir import DirectoryError, HostDir, complete
-from toolkit.train.ckpt.partfile import BadPart, PartName
+from toolkit.train.ckpt.hostdir import HostDir, complete
+from toolkit.train.ckpt.partfile import PartName
+from toolkit.train.faults import BadPart, CheckpointError, CorruptCheckpoint, DirectoryError
 
 log = logging.getLogger(__name__)
 
@@ -82,14 +83,6 @@ _REASONS = MappingProxyType({
     errno.EPERM: ("operation not permitted", "make the directory writable for this user or point CKPT_DIR elsewhere"),
     errno.EROFS: ("read-only file system", "point CKPT_DIR at a writable file system"),
 })
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint could not be written or read. One line: which directory/file, why, and what to do."""
-
-
-class CorruptCheckpoint(CheckpointError):
-    """A checkpoint failed verification (truncated, corrupted, not a checkpoint, or not this job's)."""
 
 
 @dataclass(frozen=True)

@@ -36,6 +36,7 @@ from typing import Any, BinaryIO
 import torch
 
 from toolkit import atomicfile
+from toolkit.train.faults import BadPart
 
 MAGIC = b"TKCKPT02"
 FIELDS = struct.Struct("<8sQIIQ")  # magic, step, part, parts, payload length
@@ -44,10 +45,6 @@ MAC_SIZE = 32
 NAME_RE = re.compile(r"^step_(\d{12})\.p(\d{1,5})of(\d{1,5})\.ckpt$")
 TEMP_RE = re.compile(r"^" + re.escape(atomicfile.TMP_PREFIX) + r"(step_\d{12}\.p\d{1,5}of\d{1,5}\.ckpt)\.[0-9a-f]+$")
 READ_CHUNK = 1 << 20  # the one buffer a file is authenticated through
-
-
-class BadPart(Exception):
-    """A checkpoint file that must not be used: why (truncated, not a checkpoint, fails authentication, ...)."""
 
 
 @dataclass(frozen=True)
