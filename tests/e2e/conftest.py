@@ -65,31 +65,29 @@ def once_per_session(tmp_path_factory: pytest.TempPathFactory, name: str, comput
         return result
 
 
+def uninterrupted(e2e: E2E, name: str, script_args: str) -> str:
+    """The final parameters' digest of job `name` run without a fault; no process of it left after."""
+    job = e2e.job(name, "--script-args", script_args)
+    job.start()
+    digest = job.finish_ok()
+    job.wait_no_leftovers()
+    return digest
+
+
 @pytest.fixture(scope="session")
 def baseline(e2e: E2E, tmp_path_factory: pytest.TempPathFactory) -> str:
     """The final parameters' digest of an uninterrupted run with the same seed: what every fault must match."""
-    def run() -> str:
-        job = e2e.job("baseline", "--script-args", SCRIPT_ARGS.replace("--step-delay 0.25", "--step-delay 0.02"))
-        job.start()  # the delay is a wait, not part of the result: the baseline need not spend it
-        digest = job.finish_ok()
-        job.wait_no_leftovers()
-        return digest
-
-    return once_per_session(tmp_path_factory, "baseline", run)
+    # the delay is a wait, not part of the result: the baseline need not spend it
+    args = SCRIPT_ARGS.replace("--step-delay 0.25", "--step-delay 0.02")
+    return once_per_session(tmp_path_factory, "baseline", lambda: uninterrupted(e2e, "baseline", args))
 
 
 @pytest.fixture(scope="session")
 def long_baseline(e2e: E2E, tmp_path_factory: pytest.TempPathFactory) -> str:
     """The digest of an uninterrupted run of LONG_ARGS on 6 ranks: what the random kills across hosts and the spares'
     takeovers must match (the spares' 2 hosts x 3 slots are 6 ranks too)."""
-    def run() -> str:
-        job = e2e.job("long-baseline", "--script-args", f"{LONG_ARGS} --step-delay 0.02")
-        job.start()
-        digest = job.finish_ok()
-        job.wait_no_leftovers()
-        return digest
-
-    return once_per_session(tmp_path_factory, "long-baseline", run)
+    return once_per_session(tmp_path_factory, "long-baseline",
+                            lambda: uninterrupted(e2e, "long-baseline", f"{LONG_ARGS} --step-delay 0.02"))
 
 
 @pytest.fixture(scope="session")
