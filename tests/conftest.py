@@ -17,10 +17,12 @@ from toolkit.testing.cluster import Cluster
 
 HOSTS = int(os.environ.get("TOOLKIT_TEST_HOSTS", "4"))
 # The order in which the processes take the files (scripts/test.sh turns off xdist's own, by number of tests, which
-# left the files of one or two long tests to the end): those that run whole jobs on the namespace hosts, then those
-# that run local jobs, then the unit tests, which fill the gaps at the end. A long file taken last leaves one process
-# working alone while the other has nothing left.
-HEAVY_FIRST = ("tests/e2e/", "tests/train/")
+# left the files of one or two long tests to the end): the longest first, the many short unit tests last, where they
+# fill the gaps; a long file taken last leaves one process working alone while the other has nothing left. Measured
+# alone on this 2-core machine at load 12-23 (s): test_playbooks 254, test_readme 192, each e2e file 190-250,
+# test_check 102, the train files with jobs 50-260, test_agent 76, test_demo 61, test_another_user 52.
+HEAVY_FIRST = ("tests/test_playbooks.py", "tests/test_readme.py", "tests/e2e/", "tests/test_check.py", "tests/train/",
+               "tests/test_agent.py", "tests/test_demo.py", "tests/test_another_user.py")
 
 
 def _weight(path: str) -> int:
