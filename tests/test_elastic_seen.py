@@ -20,22 +20,12 @@ from toolkit.scheduler.actions import Note, NoteKind
 from toolkit.scheduler.exposition import JobCollector, take
 from toolkit.scheduler.journal import Journal
 from toolkit.scheduler.roster import Roster
+from toolkit.testing.clock import JournalClock
 
 T0 = 1_700_000_000.0
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def mono(self) -> float:
-        return self.t
-
-    def wall(self) -> float:
-        return T0 + self.t
-
-
-def paced(journal: Journal, clock: Clock, ranks: range, steps: range) -> None:
+def paced(journal: Journal, clock: JournalClock, ranks: range, steps: range) -> None:
     """Every rank of `ranks` reports each step of `steps`, one step a second."""
     for step in steps:
         clock.t += 1.0
@@ -44,11 +34,11 @@ def paced(journal: Journal, clock: Clock, ranks: range, steps: range) -> None:
                                               "pid": 100 + r, "step": step, "step_time": 1.0}))
 
 
-def shrunk_and_grown() -> tuple[Journal, Clock, dict[str, Any]]:
+def shrunk_and_grown() -> tuple[Journal, JournalClock, dict[str, Any]]:
     """6 workers train steps 1-10 at 1 step/s; hostC (worker_4, worker_5) is lost; 4 workers train 11-16 at
     0.5 steps/s (2 s a step); hostC is back and 6 train 17-20. Returns the journal, its clock and live.json's
     document while shrunk."""
-    clock = Clock()
+    clock = JournalClock(T0)
     journal = Journal(None, "el", 6, 0.75, clock.mono, clock.wall)
     journal.note(Note(NoteKind.FORMED, {"generation": 0, "seconds": 1.0, "recovery": ["in-place"], "workers": 6,
                                         "logical_world": 6}))
@@ -101,7 +91,7 @@ def test_the_ledger_and_the_report_show_each_world_size_with_its_throughput(tmp_
 
 
 def test_the_metrics_carry_the_degraded_world() -> None:
-    clock = Clock()
+    clock = JournalClock(T0)
     journal = Journal(None, "el", 6, 0.75, clock.mono, clock.wall)
     journal.note(Note(NoteKind.FORMED, {"generation": 1, "seconds": 0.5, "recovery": ["in-place"], "workers": 4,
                                         "logical_world": 6}))

@@ -6,22 +6,10 @@ from __future__ import annotations
 from typing import Any
 
 from toolkit.contracts.agentdoc import AgentDoc, judge
-from toolkit.contracts.jobrecord import HostRecord, JobRecord
 from toolkit.launcher.jobhosts.judge import host_statuses
 from toolkit.launcher.jobhosts.view import OTHER_JOB
 from toolkit.launcher.remote import HostResult
-
-
-def _record(job_id: str = "") -> JobRecord:
-    hosts = tuple(HostRecord(n, n, None, None, None, f"/w/{n}/job", "python3", ids)
-                  for n, ids in (("a", ("sched", "worker_0")), ("b", ("worker_1",))))
-    procs = ({"host": "a", "role": "sched", "node_id": "sched", "rank": None, "local_rank": None,
-              "log": "logs/scheduler.log"},
-             {"host": "a", "role": "worker", "node_id": "worker_0", "rank": 0, "local_rank": 0,
-              "log": "logs/worker_0.log"},
-             {"host": "b", "role": "worker", "node_id": "worker_1", "rank": 1, "local_rank": 0,
-              "log": "logs/worker_1.log"})
-    return JobRecord("j", False, "a", 8118, hosts, procs, {}, job_id=job_id)
+from toolkit.testing.records import two_host_record
 
 
 def _read(host: str, doc: dict[str, Any] | None, running: tuple[int, int] | None = None,
@@ -40,14 +28,14 @@ def _doc(state: str, procs: dict[str, dict], **more: Any) -> dict[str, Any]:
 def test_unreachable_gone_and_never_started() -> None:
     results = {"a": HostResult("a", False, error="a: connection refused"),
                "b": _read("b", _doc("running", {"worker_1": {"state": "running", "pid": 9}}))}  # agent not running
-    a, b = host_statuses(_record(), results)
+    a, b = host_statuses(two_host_record(), results)
     assert (a.agent, a.reached, a.error) == ("unreachable", False, "a: connection refused")
     assert [p.state for p in a.processes] == ["unreachable", "unreachable"]
     assert (b.agent, b.alive) == ("gone", False)
     assert [(p.state, p.pid) for p in b.processes] == [("gone", None)]  # no pid shown for a gone agent's process
-    (absent,) = host_statuses(_record(), {"b": _read("b", None)})
+    (absent,) = host_statuses(two_host_record(), {"b": _read("b", None)})
     assert absent.agent == "absent" and absent.processes[0].state == "not started"
-    (final,) = host_statuses(_record(), {"b": _read("b", _doc("stopped", {"worker_1": {"state": "stopped"}}))})
+    (final,) = host_statuses(two_host_record(), {"b": _read("b", _doc("stopped", {"worker_1": {"state": "stopped"}}))})
     assert (final.agent, final.processes[0].state) == ("stopped", "stopped")
 
 
@@ -59,7 +47,7 @@ def test_the_scheduler_figures_join_the_agent_view() -> None:
                              "worker_0": {"state": "running", "pid": 10, "step": 6, "recovery": "in-place"}})
     b_doc = _doc("running", {"worker_1": {"state": "running", "pid": 22, "restarts": 1, "step": 4,
                                           "last_exit": {"code": None, "signal": "SIGKILL", "cause": None}}})
-    rows = {p.node_id: p for h in host_statuses(_record(), {"a": _read("a", a_doc, (50, 7), live),
+    rows = {p.node_id: p for h in host_statuses(two_host_record(), {"a": _read("a", a_doc, (50, 7), live),
                                                             "b": _read("b", b_doc, (50, 7))})
             for p in h.processes}
     w0, w1 = rows["worker_0"], rows["worker_1"]
@@ -71,12 +59,12 @@ def test_takeovers_failure_and_another_project() -> None:
     took = [{"host": "a", "node_ids": ["worker_0"], "seq": 2, "at": "t"}, {"host": "a", "node_ids": [0], "seq": 3},
             {"host": "a", "node_ids": ["worker_0"]}]
     failure = {"host": "b", "node_id": "worker_1", "rank": 1, "log_tail": ["boom"], "restarts": 3}
-    (b,) = host_statuses(_record(), {"b": _read("b", _doc("failed", {}, took_over=took, failure=failure,
+    (b,) = host_statuses(two_host_record(), {"b": _read("b", _doc("failed", {}, took_over=took, failure=failure,
                                                            reason="gave up"), (50, 7))})
     assert b.took_over == ({"host": "a", "by": "b", "node_ids": ["worker_0"], "seq": 2},)  # malformed ones dropped
     assert b.failure is not None and b.failure["log_tail"] == ["boom"] and b.failure["cause"] is None
     assert (b.agent, b.reason, b.agent_pid) == ("failed", "gave up", 50)
-    (other,) = host_statuses(_record("mine"), {"b": _read("b", _doc("running", {}, job_id="theirs",
+    (other,) = host_statuses(two_host_record("mine"), {"b": _read("b", _doc("running", {}, job_id="theirs",
                                                                      job_dir="/w/b/job"), (50, 7))})
     assert (other.agent, other.other_job, [p.state for p in other.processes]) == (OTHER_JOB, "/w/b/job", [OTHER_JOB])
 
@@ -88,7 +76,7 @@ def test_join_does_not_count_a_host_an_elastic_job_goes_on_without_as_its_failur
     from toolkit.launcher.jobhosts.follow import JOIN_GONE_AFTER, _Watch, benched_hosts
     from toolkit.launcher.jobhosts.view import HostStatus
 
-    record = _record()
+    record = two_host_record()
     shrunk = {"elastic": {"workers": 1, "world_size": 2, "logical_world": 2, "logical": {"worker_0": [0, 1]}}}
     assert benched_hosts(record, shrunk) == {"b"}
     for hostile in ({}, {"elastic": None}, {"elastic": {"logical": ["worker_0"]}}, {"elastic": "x"}):

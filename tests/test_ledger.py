@@ -14,6 +14,7 @@ from toolkit.contracts import rundoc
 from toolkit.scheduler.journal import Journal
 from toolkit.scheduler.ledger import Ledger
 from toolkit.scheduler.membership import CAUSE_CLOSED, CAUSE_NOT_BACK, CAUSE_SILENCE, Note
+from toolkit.testing.clock import JournalClock
 
 T0 = 1_000.0  # the job's start, wall-clock s
 
@@ -269,21 +270,8 @@ def test_from_json_refuses_another_version() -> None:
     assert rundoc.read_ledger(json.dumps({**doc, "version": 99})) is None
 
 
-class Clock:
-    """Both of the journal's clocks, moved by hand."""
-
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def mono(self) -> float:
-        return self.t
-
-    def wall(self) -> float:
-        return T0 + self.t
-
-
 def test_the_journal_persists_the_ledger_across_a_scheduler_restart(tmp_path: Path) -> None:
-    clock = Clock()
+    clock = JournalClock(T0)
     journal = Journal(tmp_path, "job", 2, 0.75, clock=clock.mono, wall=clock.wall)
     clock.t = 10
     journal.note(Note("formed", {"generation": 0, "seconds": 10.0}))
@@ -322,7 +310,7 @@ def test_the_records_writes_stay_bounded_at_thousands_of_ranks(tmp_path: Path) -
     from toolkit.scheduler.ledger import MAX_EPISODES
 
     world = 4096
-    clock = Clock()
+    clock = JournalClock(T0)
     journal = Journal(tmp_path, "job", world, 0.75, clock=clock.mono, wall=clock.wall)
     journal.note(Note("formed", {"generation": 0, "seconds": 1.0}))
     clock.t = 2.0

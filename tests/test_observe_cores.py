@@ -10,11 +10,11 @@ import pytest
 
 from toolkit.contracts import protocol as P
 from toolkit.contracts.agentdoc import AgentDoc
-from toolkit.contracts.jobrecord import HostRecord, JobRecord
 from toolkit.launcher.jobhosts.tables import live_lines
 from toolkit.launcher.remote import HostResult
 from toolkit.launcher.tasks.watch import SILENT_MIN, Answer, job_outcome, watch_view
 from toolkit.scheduler.stragglers import EVAL_INTERVAL, PERSIST, Cleared, Named, Stragglers
+from toolkit.testing.records import two_host_record
 from toolkit.train.ckpt.interval import DEFAULT_PRIOR_MTBF, IntervalChooser, choose
 from toolkit.train.pace import SAMPLE_INTERVAL, WINDOW, StepPace
 
@@ -178,18 +178,6 @@ def test_the_chooser_follows_measured_stalls_and_faults() -> None:
 # -- the watch's view
 
 
-def _record() -> JobRecord:
-    hosts = tuple(HostRecord(n, n, None, None, None, f"/w/{n}/job", "python3", ids)
-                  for n, ids in (("a", ("sched", "worker_0")), ("b", ("worker_1",))))
-    procs = ({"host": "a", "role": "sched", "node_id": "sched", "rank": None, "local_rank": None,
-              "log": "logs/scheduler.log"},
-             {"host": "a", "role": "worker", "node_id": "worker_0", "rank": 0, "local_rank": 0,
-              "log": "logs/worker_0.log"},
-             {"host": "b", "role": "worker", "node_id": "worker_1", "rank": 1, "local_rank": 0,
-              "log": "logs/worker_1.log"})
-    return JobRecord("j", False, "a", 8118, hosts, procs, {})
-
-
 def _answer(host: str, agent: str, procs: dict[str, dict], at: float, live: dict | None = None) -> Answer:
     doc = AgentDoc.from_obj({"state": agent, "alive": agent == "running",
                              "processes": [{"node_id": n, **p} for n, p in procs.items()]})
@@ -207,7 +195,7 @@ def test_the_view_joins_the_scheduler_figures_and_marks_a_relaunched_worker_rest
     answers = {"a": _answer("a", "running", {"sched": {"state": "running", "pid": 9},
                                              "worker_0": {"state": "running", "pid": 10, "step": 6}}, 100.0, LIVE),
                "b": _answer("b", "running", {"worker_1": {"state": "running", "pid": 22, "restarts": 1}}, 100.0)}
-    view = watch_view(_record(), answers, 100.5, 0.5)
+    view = watch_view(two_host_record(), answers, 100.5, 0.5)
     rows = {p.node_id: p for h in view.hosts for p in h.processes}
     assert (rows["worker_0"].step, rows["worker_0"].loss, rows["worker_0"].straggler) == (7, 0.5, 2.0)
     assert rows["worker_1"].state == "restarting"  # relaunched, not back with the scheduler yet
@@ -217,29 +205,29 @@ def test_the_view_joins_the_scheduler_figures_and_marks_a_relaunched_worker_rest
 def test_a_silent_host_is_unreachable_and_the_others_stay() -> None:
     answers = {"a": _answer("a", "running", {"worker_0": {"state": "running", "pid": 10}}, 200.0, LIVE),
                "b": _answer("b", "running", {"worker_1": {"state": "running", "pid": 22}}, 100.0)}
-    view = watch_view(_record(), answers, 200.0 + 0.1, 0.5)
+    view = watch_view(two_host_record(), answers, 200.0 + 0.1, 0.5)
     b = next(h for h in view.hosts if h.host == "b")
     assert not b.reached and "no answer for" in (b.error or "") and b.processes[0].state == "unreachable"
     assert next(h for h in view.hosts if h.host == "a").reached
-    assert watch_view(_record(), answers, 100.0 + SILENT_MIN - 1, 0.5).hosts[1].reached  # not silent long yet
+    assert watch_view(two_host_record(), answers, 100.0 + SILENT_MIN - 1, 0.5).hosts[1].reached  # not silent long yet
 
 
 def test_the_job_ends_when_every_agent_has() -> None:
     ended = {"a": _answer("a", "succeeded", {}, 1.0), "b": _answer("b", "succeeded", {}, 1.0)}
-    assert watch_view(_record(), ended, 1.0, 0.5).outcome == "succeeded"
+    assert watch_view(two_host_record(), ended, 1.0, 0.5).outcome == "succeeded"
     ended["b"] = _answer("b", "failed", {}, 1.0)
-    assert watch_view(_record(), ended, 1.0, 0.5).outcome == "failed"
+    assert watch_view(two_host_record(), ended, 1.0, 0.5).outcome == "failed"
     ended["b"] = Answer(HostResult("b", False, error="b: connection refused"), 1.0, None)
-    assert watch_view(_record(), ended, 1.0, 0.5).outcome is None  # a host not heard from has not ended
+    assert watch_view(two_host_record(), ended, 1.0, 0.5).outcome is None  # a host not heard from has not ended
     assert job_outcome([]) is None
 
 
 def test_a_host_not_heard_from_yet_is_connecting_not_unreachable() -> None:
     answers = {"a": Answer(None, 10.0, None), "b": Answer(None, None, None)}
-    view = watch_view(_record(), answers, 10.5, 0.5)
+    view = watch_view(two_host_record(), answers, 10.5, 0.5)
     assert [h.agent for h in view.hosts] == ["connecting", "connecting"]
     assert {p.state for h in view.hosts for p in h.processes} == {"connecting"}
-    late = watch_view(_record(), answers, 10.0 + SILENT_MIN + 1, 0.5)
+    late = watch_view(two_host_record(), answers, 10.0 + SILENT_MIN + 1, 0.5)
     assert late.hosts[0].agent == "unreachable" and "no answer for" in (late.hosts[0].error or "")
 
 

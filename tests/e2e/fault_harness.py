@@ -41,6 +41,19 @@ DEAD_LINE = re.compile(r"^.* (worker_\d+) \(pid \d+ on \S+\) is dead: ([^;]+);",
 GENERATION_LINE = re.compile(r"generation (\d+) (?:formed:|begins)")
 
 
+def inventory(cluster: Cluster, groups: dict[str, list[str]], slots: int) -> str:
+    """An inventory.ini of the cluster's hosts, a section a group ("workers", "spares"), `slots` workers a host."""
+    lines = []
+    for group, names in groups.items():
+        lines.append(f"[{group}]")
+        for name in names:
+            h = cluster.host(name)
+            lines.append(f"{name} ansible_host={h.address} ansible_user=root "
+                         f"ansible_ssh_private_key_file={cluster.key} slots={slots} workdir={h.workdir} "
+                         f"python={cluster.python}")
+    return "\n".join(lines) + "\n"
+
+
 @dataclass
 class E2E:
     cluster: Cluster

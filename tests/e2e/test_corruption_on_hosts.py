@@ -17,10 +17,12 @@ from __future__ import annotations
 import json
 import re
 import shutil
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Callable, Iterator
 
 import pytest
-from fault_harness import E2E, LONG_ARGS, REPO
+from fault_harness import E2E, REPO, SCRIPT_ARGS, inventory
 
 from toolkit.testing.cluster import Cluster
 from toolkit.testing.localjob import LocalJob
@@ -40,15 +42,7 @@ def corrupt_e2e(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> E
         pytest.fail("the corruption test needs 3 cluster hosts (TOOLKIT_TEST_HOSTS >= 3)")
     project = tmp_path_factory.mktemp("corrupt-project")
     shutil.copy(SCRIPT, project / SCRIPT.name)
-    lines = []
-    for group, names in (("workers", hosts[:2]), ("spares", hosts[2:])):
-        lines.append(f"[{group}]")
-        for name in names:
-            h = cluster.host(name)
-            lines.append(f"{name} ansible_host={h.address} ansible_user=root "
-                         f"ansible_ssh_private_key_file={cluster.key} slots={SLOTS} workdir={h.workdir} "
-                         f"python={cluster.python}")
-    (project / "inventory.ini").write_text("\n".join(lines) + "\n")
+    (project / "inventory.ini").write_text(inventory(cluster, {"workers": hosts[:2], "spares": hosts[2:]}, SLOTS))
     (project / "fabric.yaml").write_text(
         "toolkit:\n"
         f"  inventory: {project / 'inventory.ini'}\n"
@@ -62,18 +56,25 @@ def corrupt_e2e(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> E
     return E2E(cluster, project, hosts, iter(range(25000, 26000, 2)))
 
 
-def reference(root: Path) -> str:
-    """The final digest of an uninterrupted local run of the same script and arguments at world 4."""
+@contextmanager
+def reference(root: Path) -> Iterator[Callable[[], str]]:
+    """An uninterrupted local run of the same script and arguments at world 4, started now and running alongside
+    the test's job (both spend most of their time waiting on start-ups and their peers); the callable waits for its
+    end and returns its final digest."""
     project = root / "project"
     project.mkdir(parents=True)
     shutil.copy(SCRIPT, project / SCRIPT.name)
     j = LocalJob(root / "work", 4, ARGS.split(), job="reference", project=project, script=SCRIPT.name,
                  node_timeout=3, cluster_time_out=120, grace=20)
+
+    def digest() -> str:
+        assert j.finish(REFERENCE_TIMEOUT) == 0, j.evidence()
+        (found,) = FINAL.findall(j.log("worker_0.log"))
+        return found
+
     try:
         j.start()
-        assert j.finish(REFERENCE_TIMEOUT) == 0, j.evidence()
-        (digest,) = FINAL.findall(j.log("worker_0.log"))
-        return digest
+        yield digest
     finally:
         j.cleanup()
 
@@ -81,13 +82,14 @@ def reference(root: Path) -> str:
 def test_a_host_found_corrupt_twice_is_handed_to_a_spare_and_the_job_ends_bitwise(
         corrupt_e2e: E2E, tmp_path: Path) -> None:
     a, b, c = corrupt_e2e.hosts
-    want = reference(tmp_path)
     job = corrupt_e2e.job("corrupt")
-    job.fleet("deploy")
-    with open(job.job_dir(b) / "env" / "worker_2.env", "a") as f:  # the operator's fault, on b only
-        f.write(f"export TOOLKIT_INJECT_CORRUPTION='{INJECT}'\n")
-    job.start("train")
-    digest = job.finish_ok()  # the spare's part is checked after the end: it trains only a few seconds
+    with reference(tmp_path) as uninterrupted:
+        job.fleet("deploy")
+        with open(job.job_dir(b) / "env" / "worker_2.env", "a") as f:  # the operator's fault, on b only
+            f.write(f"export TOOLKIT_INJECT_CORRUPTION='{INJECT}'\n")
+        job.start("train")
+        digest = job.finish_ok()  # the spare's part is checked after the end: it trains only a few seconds
+        want = uninterrupted()
 
     on_b = (job.job_dir(b) / "logs" / "worker_2.log").read_text()
     assert "rank 2: injected corruption after step 5: flipped bit 20 of params 0.weight[0]" in on_b
@@ -114,9 +116,12 @@ def test_a_host_found_corrupt_twice_is_handed_to_a_spare_and_the_job_ends_bitwis
 
 
 def test_with_no_spare_an_elastic_job_shrinks_without_the_host_found_corrupt_twice_and_ends_bitwise(
-        e2e: E2E, long_baseline: str) -> None:
+        e2e: E2E, baseline: str) -> None:
+    """The fence at step 16 leaves 14 steps of the 30 to the 4 survivors: the short run of the fault matrix (its
+    uninterrupted baseline is computed once for the session) is long enough."""
     a, b, c = e2e.hosts[:3]
-    job = e2e.job("corrupt-shrink", "--min-workers", "4", "--script-args", f"{LONG_ARGS} --step-delay 0.05")
+    job = e2e.job("corrupt-shrink", "--min-workers", "4",
+                  "--script-args", SCRIPT_ARGS.replace("--step-delay 0.25", "--step-delay 0.05"))
     job.fleet("deploy")
     for host in (a, b, c):  # a check every 4 steps on every rank; the operator's fault on b's worker_2 only
         for env in sorted((job.job_dir(host) / "env").glob("worker_*.env")):
@@ -138,5 +143,5 @@ def test_with_no_spare_an_elastic_job_shrinks_without_the_host_found_corrupt_twi
     on_b = (job.job_dir(b) / "logs" / "worker_2.log").read_text()
     assert "rank 2: injected corruption after step 14" in on_b, on_b[-2000:]
     assert f"its host {b} is fenced for corruption" in on_b, on_b[-2000:]  # it waited for the word, then left
-    assert digest == long_baseline, "the run shrunk after the fence differs from the uninterrupted one"
+    assert digest == baseline, "the run shrunk after the fence differs from the uninterrupted one"
     job.wait_no_leftovers()

@@ -3,7 +3,8 @@ spare and `--min-workers 4`. A worker host crashes for good mid-run (every proce
 --host-timeout the 4 survivors re-form in place in a smaller generation and train on; `fleet status` says the job is
 degraded. The host is healed and its agent started again (`fleet restart --host`): its workers join at a step
 boundary, taking the state from a peer, and the job is back at 6 workers and finishes. The scheduler's log is the
-record of each generation's world size.
+record of each generation's world size. One job holds the whole flow, with a worker killed -9 at a random moment
+of the shrink and another at a random moment of the grow: each kill is recovered like any fault.
 
 The final parameters are bitwise those of an uninterrupted 6-worker run: while degraded, the 4 survivors serve all
 6 logical ranks (toolkit.train's logical-rank layer), and nothing is recomputed.
@@ -35,9 +36,25 @@ def steps_on(job: Job, host: str) -> list[int]:
             if p["host"] == host and n != "sched" and p.get("state") == "running"]
 
 
-def test_a_lost_host_shrinks_the_job_in_place_and_its_return_grows_it_back(e2e: E2E, long_baseline: str) -> None:
+def kill_one(job: Job, hosts: list[str], rng: random.Random) -> str:
+    """SIGKILL a random running worker on `hosts`; returns its node id."""
+    running = {n: p for n, p in job.processes().items()
+               if p["host"] in hosts and n != "sched" and p.get("state") == "running" and p.get("pid")}
+    victim = rng.choice(sorted(running))
+    os.kill(running[victim]["pid"], signal.SIGKILL)
+    return victim
+
+
+def test_a_lost_host_shrinks_the_job_in_place_and_its_return_grows_it_back_through_kills_at_random_moments(
+        e2e: E2E, long_baseline: str) -> None:
+    """The whole flow in one job: c crashes, a survivor is killed -9 at a random moment of the shrink (between the
+    crash and a while after the smaller generation formed), `fleet status` says the job is degraded, c's agent is
+    started again and a worker is killed at a random moment of the grow (from the restart until a while after the
+    job is back at 6). Each kill is recovered like any fault; the job finishes with the uninterrupted run's final
+    parameters and nothing is recomputed. (A worker restarted while the job is shrunk builds its sampler for the
+    smaller world; once grown back it must still draw its logical rank's batches.)"""
     a, b, c = e2e.hosts[:3]
-    cluster = e2e.cluster
+    cluster, rng = e2e.cluster, random.Random()
     job = e2e.job("elastic", "--min-workers", "4", "--host-timeout", str(HOST_TIMEOUT),
                   "--script-args", f"{LONG_ARGS} --step-delay 0.3")
     job.start()
@@ -48,77 +65,40 @@ def test_a_lost_host_shrinks_the_job_in_place_and_its_return_grows_it_back(e2e: 
     # c crashes for good (cable pulled, every process killed); the block's end heals it (sshd up, link up)
     with cluster.partitioned(c), cluster.crashed(c) as crashed:
         assert not cluster.workload([crashed.name])
-        job.wait_for("the scheduler shrinking the job", lambda: "shrinking to 4 of 6 workers" in job.log("sched"),
-                     timeout=120)
-        job.wait_for("a generation of 4 workers formed", lambda: any(n == 4 for _, n in worlds(job)), timeout=120)
-        at = max(min(steps_on(job, a) + steps_on(job, b)), KILL_AT)
-        job.wait_for("the 4 survivors training on", lambda: min(steps_on(job, a) + steps_on(job, b)) > at + 2,
-                     timeout=120)
-        status = job.fleet("status", check=False)  # c is down: status says so (exit 2), and what the job does
-        said = status.stderr  # the lines under the table
-        assert "degraded: 4 of 6 workers, serving 6 logical ranks" in said, status.stdout + said
-        assert "logical ranks: worker_0 0,4; worker_1 1,5; worker_2 2; worker_3 3" in said, said
-        shrunk = json.loads(job.fleet("status", "--json", check=False).stdout)
-        assert shrunk["elastic"]["workers"] == 4 and shrunk["elastic"]["logical_world"] == 6
-
-    # its agent started again, as an operator would
-    job.fleet("restart", "--host", c)
-    job.wait_for("the job growing back", lambda: f"worker_4, worker_5 back on {c}" in job.log("sched"), timeout=120)
-    job.wait_for(f"{c}'s workers training again", lambda: len(steps_on(job, c)) == 2 and min(steps_on(job, c)) > at,
-                 timeout=180)
-    # the same final parameters as an uninterrupted 6-worker run: the 4 served all 6 logical ranks meanwhile
-    assert job.finish_ok() == long_baseline
-    sizes = [n for _, n in worlds(job)]
-    assert sizes[0] == 6 and 4 in sizes and sizes[-1] == 6, worlds(job)  # 6, then 4 (shrunk), then 6 (grown)
-    assert sizes.index(4) < len(sizes) - 1
-    recomputed = re.findall(r"; (\d+) step\(s\) recomputed", job.log("sched"))
-    assert recomputed and set(recomputed) == {"0"}, recomputed  # neither the shrink nor the grow redid a step
-    grown = (job.job_dir(c) / "logs" / "worker_4.log").read_text()
-    assert "from rank" in grown or "memory" in grown, grown[-2000:]  # its state came from a peer
-    job.wait_no_leftovers()
-
-
-def kill_one(job: Job, hosts: list[str], rng: random.Random) -> str:
-    """SIGKILL a random running worker on `hosts`; returns its node id."""
-    running = {n: p for n, p in job.processes().items()
-               if p["host"] in hosts and n != "sched" and p.get("state") == "running" and p.get("pid")}
-    victim = rng.choice(sorted(running))
-    os.kill(running[victim]["pid"], signal.SIGKILL)
-    return victim
-
-
-def test_a_kill_at_a_random_moment_of_a_shrink_and_of_a_grow_is_recovered(e2e: E2E, long_baseline: str) -> None:
-    """The same flow, with a survivor killed -9 at a random moment of the shrink (between the crash and a while
-    after the smaller generation formed) and a worker killed at a random moment of the grow (from the agent's
-    restart until a while after the job is back at 6): each is recovered like any fault, the job finishes with the
-    uninterrupted run's final parameters and nothing is recomputed. (A worker restarted while the job is shrunk
-    builds its sampler for the smaller world; once grown back it must still draw its logical rank's batches.)"""
-    a, b, c = e2e.hosts[:3]
-    cluster, rng = e2e.cluster, random.Random()
-    job = e2e.job("elastic-kills", "--min-workers", "4", "--host-timeout", str(HOST_TIMEOUT),
-                  "--script-args", f"{LONG_ARGS} --step-delay 0.3")
-    job.start()
-    job.wait_step(KILL_AT)
-    with cluster.partitioned(c), cluster.crashed(c):
-        time.sleep(rng.uniform(0.0, HOST_TIMEOUT + 2.0))  # before, at or after the shrink
+        time.sleep(rng.uniform(0.0, HOST_TIMEOUT + 2.0))  # the kill's random moment: before, at or after the shrink
         victim = kill_one(job, [a, b], rng)
+        job.wait_for("the scheduler shrinking the job", lambda: "shrinking to 4 of 6 workers" in job.log("sched"),
+                     timeout=180)
         job.wait_for("a generation of 4 workers formed after the kill", lambda: any(
             n == 4 for _, n in worlds(job)) and job.processes()[victim].get("state") == "running", timeout=180)
         at = max(min(steps_on(job, a) + steps_on(job, b)), KILL_AT)
         job.wait_for("the 4 training on", lambda: len(steps_on(job, a) + steps_on(job, b)) == 4
                      and min(steps_on(job, a) + steps_on(job, b)) > at + 2, timeout=180)
+        status = job.fleet("status", check=False)  # c is down: status says so (exit 2), and what the job does
+        said = status.stderr  # the lines under the table
+        assert "degraded: 4 of 6 workers, serving 6 logical ranks" in said, f"killed {victim}\n{status.stdout}{said}"
+        assert "logical ranks: worker_0 0,4; worker_1 1,5; worker_2 2; worker_3 3" in said, f"killed {victim}\n{said}"
+        shrunk = json.loads(job.fleet("status", "--json", check=False).stdout)
+        assert shrunk["elastic"]["workers"] == 4 and shrunk["elastic"]["logical_world"] == 6
+
+    # its agent started again, as an operator would
     job.fleet("restart", "--host", c)
-    time.sleep(rng.uniform(0.0, 4.0))  # while c's agent and workers start, register, or the group re-forms
-    second = kill_one(job, [a, b, c], rng)
+    time.sleep(rng.uniform(0.0, 4.0))  # the kill's random moment: while c's agent and workers start, register, or
+    second = kill_one(job, [a, b, c], rng)  # the group re-forms
+    job.wait_for("the job growing back", lambda: f"worker_4, worker_5 back on {c}" in job.log("sched"), timeout=180)
     job.wait_for(f"{c}'s workers training again", lambda: len(steps_on(job, c)) == 2 and min(steps_on(job, c)) > at,
                  timeout=240)
     code, output = job.join()
     assert code == 0, f"killed {victim}, then {second}: fleet train --join exited {code}:\n{output}\n{job.evidence()}"
     recomputed = re.findall(r"; (\d+) step\(s\) recomputed", job.log("sched"))
     assert recomputed and set(recomputed) == {"0"}, recomputed  # every recovery went on from a survivor's memory
+    # the same final parameters as an uninterrupted 6-worker run: the 4 served all 6 logical ranks meanwhile
     assert job.digest() == long_baseline, f"killed {victim}, then {second}: other final parameters"
     sizes = [n for _, n in worlds(job)]
-    assert 4 in sizes and sizes[-1] == 6, worlds(job)
+    assert sizes[0] == 6 and 4 in sizes and sizes[-1] == 6, worlds(job)  # 6, then 4 (shrunk), then 6 (grown)
+    assert sizes.index(4) < len(sizes) - 1
+    grown = (job.job_dir(c) / "logs" / "worker_4.log").read_text()
+    assert "from rank" in grown or "memory" in grown, grown[-2000:]  # its state came from a peer
     job.wait_no_leftovers()
 
 

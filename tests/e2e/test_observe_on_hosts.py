@@ -6,7 +6,6 @@ otherwise."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
@@ -21,6 +20,7 @@ from toolkit.contracts import jobrecord, rundoc
 from toolkit.launcher.jobhosts.reach import record_ssh
 from toolkit.launcher.settings import CoreFlags
 from toolkit.launcher.tasks.watch import watch_record
+from toolkit.testing.slowdown import bursts
 
 RUN_ARGS = SCRIPT_ARGS.replace("--epochs 2", "--epochs 10")  # long enough to slow, kill, cut off and recover
 WATCH_EVERY = 0.5  # s between refreshes of the watch under test
@@ -28,7 +28,6 @@ COLUMNS = ("host", "node_id", "rank", "pid", "state", "restarts", "step", "steps
            "log_age", "note")  # the status table's, in order
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 EVEN_STEPS = 40  # steps of the straggler job before one rank is slowed: ~10 s of evaluations naming nobody
-BURST_STOP, BURST_RUN = 0.06, 0.03  # s stopped, then running, in turn, finer than a step: a third of its speed
 
 
 class Screen:
@@ -80,22 +79,6 @@ def _step(cell: str) -> int:
     return int(cell) if cell.isdigit() else -1
 
 
-def _bursts(job: Job, host: str, node: str, stop: threading.Event) -> None:
-    """Stop and continue `node`'s current process in turn until `stop` (a replacement is followed)."""
-    while not stop.is_set():
-        pid = job.workers_on(host).get(node)
-        if pid is None:
-            stop.wait(BURST_RUN)
-            continue
-        try:
-            os.kill(pid, signal.SIGSTOP)
-            stop.wait(BURST_STOP)
-        finally:
-            with contextlib.suppress(ProcessLookupError):  # it may have ended meanwhile
-                os.kill(pid, signal.SIGCONT)
-        stop.wait(BURST_RUN)
-
-
 def _ledger(job: Job, host: str) -> dict[str, Any]:
     return rundoc.read_ledger((job.job_dir(host) / "recovery" / rundoc.LEDGER_FILE).read_text()) or {}
 
@@ -135,7 +118,7 @@ def test_one_job_watched_through_a_straggler_a_kill_and_a_partition(e2e: E2E) ->
 
     # One rank slowed to about a third of its speed: named with host, rank and factor, in the log and in status.
     stop = threading.Event()
-    slower = threading.Thread(target=_bursts, args=(job, host, victim, stop), daemon=True)
+    slower = threading.Thread(target=bursts, args=(lambda: job.workers_on(host).get(victim), stop), daemon=True)
     slower.start()
     try:
         named = job.wait_for(f"{victim} named a straggler", lambda: re.search(

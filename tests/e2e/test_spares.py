@@ -14,7 +14,7 @@ import json
 import shutil
 
 import pytest
-from fault_harness import E2E, LONG_ARGS, REPO, Job
+from fault_harness import E2E, LONG_ARGS, REPO, Job, inventory
 
 from toolkit.testing.cluster import Cluster
 
@@ -35,15 +35,7 @@ def spares_e2e(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> E2
     project = tmp_path_factory.mktemp("spares-project")
     shutil.copy(REPO / "examples" / "train.py", project / "train.py")
     shutil.copytree(REPO / "examples" / "MNIST_Data", project / "MNIST_Data")
-    lines = []
-    for group, names in (("workers", hosts[:2]), ("spares", hosts[2:])):
-        lines.append(f"[{group}]")
-        for name in names:
-            h = cluster.host(name)
-            lines.append(f"{name} ansible_host={h.address} ansible_user=root "
-                         f"ansible_ssh_private_key_file={cluster.key} slots={SLOTS} workdir={h.workdir} "
-                         f"python={cluster.python}")
-    (project / "inventory.ini").write_text("\n".join(lines) + "\n")
+    (project / "inventory.ini").write_text(inventory(cluster, {"workers": hosts[:2], "spares": hosts[2:]}, SLOTS))
     (project / "fabric.yaml").write_text(
         "toolkit:\n"
         f"  inventory: {project / 'inventory.ini'}\n"

@@ -13,13 +13,10 @@ import random
 import re
 import signal
 import socket
-import subprocess
-import sys
-import time
 from collections import Counter
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Callable
+from typing import Callable, Iterator
 
 import pytest
 import torch
@@ -27,57 +24,39 @@ from runtime_harness import Job
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from toolkit.contracts import protocol as P
-from toolkit.freeports import free_port_pair
-from toolkit.testing.localjob import EXAMPLES, STEP_LINE, LocalJob, clean_env
+from toolkit.testing import waits
+from toolkit.testing.localjob import FINAL_LINE, STEP_LINE, LocalJob, TorchrunRun
 from toolkit.train.faults import LoaderError
 from toolkit.train.logicalgrad import LogicalGrad
 from toolkit.train.stepdata import StepData, retarget
 from toolkit.train.trainer import as_built
 
-TORCHRUN = str(Path(sys.executable).parent / "torchrun")
 ARGS = ["--epochs", "2", "--ckpt-interval", "4", "--keep-max", "3", "--timeout", "30"]
 STEPS = 2 * 12  # 1440 samples over 4 logical ranks, 360 each, in batches of 32: 12 a epoch
 JOB_TIMEOUT = 240.0  # s for one job on a loaded 2-core machine; normally ~20 s
 SPARE_TIMEOUT = 60.0  # s for the agent's warm spare to import torch
 POLL = 0.02  # s between looks at a log: no event tells that a line was appended
-FINAL = re.compile(r"^final parameters: (\S+) sha256 ([0-9a-f]{64})$", re.M)
 RESUMED = re.compile(r"^rank (\d+): resumed from step (\d+) .*out of rank \d+'s memory.*: (\d+) step\(s\) recomputed$",
                      re.M)
 
 pytestmark = pytest.mark.timeout(600)
 
 
-def until(what: str, predicate: Callable[[], Any], timeout: float, evidence: Callable[[], str]) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}\n{evidence()}")
-        time.sleep(POLL)
-
-
 @pytest.fixture(scope="module")
-def four_workers(tmp_path_factory) -> tuple[Path, str]:
-    """The final parameters of 4 workers under the real torchrun (one logical rank each, as any torchrun job)."""
-    d = tmp_path_factory.mktemp("torchrun4")
-    argv = [TORCHRUN, "--nproc-per-node", "4", "--rdzv-backend", "c10d", "--rdzv-endpoint",
-            f"127.0.0.1:{free_port_pair()}", "--log-dir", str(d / "logs"), "--redirects", "3",
-            str(EXAMPLES / "train.py"), *ARGS]
-    proc = subprocess.Popen(argv, cwd=d, env={**clean_env(), "CKPT_DIR": str(d / "ckpt"), "OMP_NUM_THREADS": "1"},
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+def four_workers(tmp_path_factory) -> Iterator[Callable[[], tuple[Path, str]]]:
+    """The final parameters of 4 workers under the real torchrun (one logical rank each, as any torchrun job). The
+    run starts with the module and goes on alongside the first test's job; calling the fixture waits for its end."""
+    run = TorchrunRun(tmp_path_factory.mktemp("torchrun4"), 4, ARGS)
+
+    def final() -> tuple[Path, str]:
+        log = run.logs(JOB_TIMEOUT)[0]
+        assert len(STEP_LINE.findall(log)) == STEPS, log[-2000:]
+        return run.final(JOB_TIMEOUT)
+
     try:
-        out, _ = proc.communicate(timeout=JOB_TIMEOUT)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        raise AssertionError(f"the reference run did not finish in {JOB_TIMEOUT} s:\n{out[-3000:]}") from None
-    assert proc.returncode == 0, out[-3000:]
-    (log,) = [p.read_text() for p in (d / "logs").glob("*/attempt_0/0/stdout.log")]
-    assert len(STEP_LINE.findall(log)) == STEPS, log[-2000:]
-    (m,) = FINAL.finditer(log)
-    return Path(m.group(1)), m.group(2)
+        yield final
+    finally:
+        run.stop()
 
 
 def assert_bitwise_equal(a: Path, b: Path) -> None:
@@ -103,9 +82,10 @@ def test_two_workers_serving_four_logical_ranks_end_bitwise_equal_to_four_worker
     assert "generation 0 formed: 2 workers, serving 4 logical ranks" in job.log("scheduler.log"), job.evidence()
     for r in range(2):
         assert steps_seen(job.log(f"worker_{r}.log")) == {s: 2 for s in range(1, STEPS + 1)}, job.evidence()
-    (final,) = FINAL.findall(job.log("worker_0.log"))
-    assert final[1] == four_workers[1], "2 workers serving 4 logical ranks differ from 4 workers"
-    assert_bitwise_equal(Path(final[0]), four_workers[0])
+    (final,) = FINAL_LINE.findall(job.log("worker_0.log"))
+    ref_path, ref_digest = four_workers()
+    assert final[1] == ref_digest, "2 workers serving 4 logical ranks differ from 4 workers"
+    assert_bitwise_equal(Path(final[0]), ref_path)
 
 
 def test_a_kill9_of_a_worker_serving_two_logical_ranks_recovers_in_place_bitwise(tmp_path, four_workers) -> None:
@@ -116,9 +96,9 @@ def test_a_kill9_of_a_worker_serving_two_logical_ranks_recovers_in_place_bitwise
                    grace=20, logical_ranks=4)
     try:
         job.start()
-        until("the warm spare to be ready", lambda: (job.doc().get("warm_spare") or {}).get("ready"), SPARE_TIMEOUT,
-              job.evidence)
-        until(f"worker_1 at step {target}", lambda: job.last_step(1) >= target, JOB_TIMEOUT, job.evidence)
+        waits.until("the warm spare to be ready", lambda: (job.doc().get("warm_spare") or {}).get("ready"), job,
+                    SPARE_TIMEOUT, poll=POLL)
+        waits.until(f"worker_1 at step {target}", lambda: job.last_step(1) >= target, job, JOB_TIMEOUT, poll=POLL)
         pids = {r: job.procs()[f"worker_{r}"]["pid"] for r in range(2)}
         os.kill(pids[1], signal.SIGKILL)
         assert job.finish(JOB_TIMEOUT) == 0, f"{why}\n{job.evidence()}"
@@ -131,9 +111,10 @@ def test_a_kill9_of_a_worker_serving_two_logical_ranks_recovers_in_place_bitwise
     (m,) = RESUMED.finditer(survivor)
     assert m.group(3) == "0", f"steps recomputed {why}: {m.group(0)}"
     assert set(steps_seen(survivor)) == set(range(1, STEPS + 1)), why  # every step, none lost
-    (final,) = FINAL.findall(survivor)
-    assert final[1] == four_workers[1], f"final parameters differ from 4 workers' {why}"
-    assert_bitwise_equal(Path(final[0]), four_workers[0])
+    (final,) = FINAL_LINE.findall(survivor)
+    ref_path, ref_digest = four_workers()
+    assert final[1] == ref_digest, f"final parameters differ from 4 workers' {why}"
+    assert_bitwise_equal(Path(final[0]), ref_path)
 
 
 def test_a_worker_told_a_wrong_assignment_stops_with_one_line_and_never_trains(tmp_path) -> None:

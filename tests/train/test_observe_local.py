@@ -4,11 +4,8 @@ checkpoint interval chosen with `--ckpt-interval auto` is one interval for every
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import re
-import signal
 import threading
 from functools import partial
 from pathlib import Path
@@ -19,11 +16,11 @@ import pytest
 from toolkit.contracts import rundoc
 from toolkit.testing import waits
 from toolkit.testing.localjob import LocalJob
+from toolkit.testing.slowdown import bursts
 
 WORLD = 3
 ARGS = ["--epochs", "10", "--batch-size", "16", "--ckpt-interval", "auto", "--step-delay", "0.1"]
 EVEN_STEPS = 40  # steps before the slowing: ~5 s of straggler evaluations that must name nobody
-BURST_STOP, BURST_RUN = 0.06, 0.03  # s stopped, then running, in turn, finer than a step: a third of its speed
 TIMEOUT = 240.0  # s for each wait on a loaded 2-core machine
 POLL = 0.1
 until = partial(waits.until, bound=TIMEOUT, poll=POLL)
@@ -38,26 +35,12 @@ def live(job: LocalJob) -> dict[str, Any]:
         return {}
 
 
-def bursts(job: LocalJob, node: str, stop: threading.Event) -> None:
-    while not stop.is_set():
-        pid = job.procs().get(node, {}).get("pid")
-        if not pid:
-            stop.wait(BURST_RUN)
-            continue
-        try:
-            os.kill(pid, signal.SIGSTOP)
-            stop.wait(BURST_STOP)
-        finally:
-            with contextlib.suppress(ProcessLookupError):  # it may have ended meanwhile
-                os.kill(pid, signal.SIGCONT)
-        stop.wait(BURST_RUN)
-
-
 def test_a_slowed_rank_is_named_and_the_auto_interval_is_shared(tmp_path: Path) -> None:
     job = LocalJob(tmp_path, WORLD, ARGS, job="observe", node_timeout=5, cluster_time_out=120, grace=5)
     job.start()
     stop = threading.Event()
-    slower = threading.Thread(target=bursts, args=(job, "worker_2", stop), daemon=True)
+    slower = threading.Thread(target=bursts, args=(lambda: job.procs().get("worker_2", {}).get("pid"), stop),
+                              daemon=True)
     try:
         until(f"every rank past step {EVEN_STEPS}", lambda: all(job.last_step(r) >= EVEN_STEPS for r in range(WORLD)),
               job)

@@ -14,20 +14,18 @@ import random
 import re
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import torch
 
-from toolkit.freeports import free_port_pair
 from toolkit.scheduler import state as scheduler_state
+from toolkit.testing import waits
 from toolkit.testing.events import Events
-from toolkit.testing.localjob import EXAMPLES, STEP_LINE, LocalJob, clean_env
+from toolkit.testing.localjob import EXAMPLES, FINAL_LINE, STEP_LINE, LocalJob, TorchrunRun, clean_env
 
-TORCHRUN = str(Path(sys.executable).parent / "torchrun")
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 INTERVAL = 4
 ARGS = ["--epochs", "3", "--ckpt-interval", str(INTERVAL), "--keep-max", "3", "--timeout", "30"]
@@ -35,7 +33,6 @@ STEP_DELAY = "0.15"  # s per step in the faulted run: time for the warm spare to
 JOB_TIMEOUT = 240.0  # s for one job on a loaded 2-core machine; normally ~20 s
 SPARE_TIMEOUT = 60.0  # s for the agent's warm spare to import torch
 POLL = 0.02  # s between looks at a log or agent.json: no event tells that a line was appended
-FINAL = re.compile(r"^final parameters: (\S+) sha256 ([0-9a-f]{64})$", re.M)
 RESUMED = re.compile(r"^rank (\d+): resumed from step (\d+) .*out of (rank \d+'s memory|rank \d+'s checkpoint).*?"
                      r"(?:: (\d+) step\(s\) recomputed)?$", re.M)
 CHANGED = re.compile(r"^rank (\d+): generation 0 -> 1 at step (\d+)", re.M)
@@ -46,17 +43,6 @@ pytestmark = pytest.mark.timeout(600)
 def steps_total(world: int, epochs: int = 3, batch: int = 32, dataset: int = 1440) -> int:
     per_rank = -(-dataset // world)  # the sampler pads every shard to the same length
     return epochs * -(-per_rank // batch)
-
-
-def until(what: str, predicate: Callable[[], Any], timeout: float, evidence: Callable[[], str]) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}\n{evidence()}")
-        time.sleep(POLL)
 
 
 def local_job(root: Path, world: int, args: list[str], **options: Any) -> LocalJob:
@@ -74,25 +60,10 @@ def reference(tmp_path_factory):
     def get(world: int) -> tuple[Path, str]:
         if world in runs:
             return runs[world]
-        d = tmp_path_factory.mktemp(f"torchrun{world}")
-        argv = [TORCHRUN, "--nproc-per-node", str(world), "--rdzv-backend", "c10d", "--rdzv-endpoint",
-                f"127.0.0.1:{free_port_pair()}", "--log-dir", str(d / "logs"), "--redirects", "3",
-                str(EXAMPLES / "train.py"), *ARGS]
-        proc = subprocess.Popen(argv, cwd=d, env={**clean_env(), "CKPT_DIR": str(d / "ckpt"), "OMP_NUM_THREADS": "1"},
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-        try:
-            out, _ = proc.communicate(timeout=JOB_TIMEOUT)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            out, _ = proc.communicate()
-            raise AssertionError(f"the reference run did not finish in {JOB_TIMEOUT} s:\n{out[-3000:]}") from None
-        assert proc.returncode == 0, out[-3000:]
-        logs = {int(p.parent.name): p.read_text() for p in (d / "logs").glob("*/attempt_0/*/stdout.log")}
-        assert sorted(logs) == list(range(world)), out[-3000:]
-        for r, text in logs.items():
+        run = TorchrunRun(tmp_path_factory.mktemp(f"torchrun{world}"), world, ARGS)
+        for r, text in run.logs(JOB_TIMEOUT).items():
             assert len(STEP_LINE.findall(text)) == steps_total(world), f"rank {r}:\n{text[-2000:]}"
-        (m,) = FINAL.finditer(logs[0])
-        runs[world] = (Path(m.group(1)), m.group(2))
+        runs[world] = run.final(JOB_TIMEOUT)
         return runs[world]
 
     return get
@@ -129,25 +100,26 @@ def test_kill9_of_a_worker_recovers_in_place_and_ends_bitwise_equal(tmp_path, wo
         job.start()
         spare = None
         if warm:
-            spare = until("the warm spare to be ready", lambda: (job.doc().get("warm_spare") or {}).get("ready")
-                          and job.doc()["warm_spare"]["pid"], SPARE_TIMEOUT, job.evidence)
+            spare = waits.until("the warm spare to be ready", lambda: (job.doc().get("warm_spare") or {}).get("ready")
+                                and job.doc()["warm_spare"]["pid"], job, SPARE_TIMEOUT, poll=POLL)
         if warm:
             target = max(job.last_step(victim), INTERVAL) + rng.randint(1, 4)  # after >= 1 checkpoint
         else:
             target = rng.randint(INTERVAL + 1, total - 4)
         why = f"(seed {seed}: {world} workers, kill worker_{victim} at step {target} of {total})"
         assert target < total - 2, f"training nearly over before the spare was ready {why}\n{job.evidence()}"
-        until(f"worker_{victim} at step {target}", lambda: job.last_step(victim) >= target, JOB_TIMEOUT,
-              job.evidence)
+        waits.until(f"worker_{victim} at step {target}", lambda: job.last_step(victim) >= target, job, JOB_TIMEOUT,
+                    poll=POLL)
         before = job.procs()
         pids = {r: before[f"worker_{r}"]["pid"] for r in range(world)}
         killed = time.monotonic()
         os.kill(pids[victim], signal.SIGKILL)
         killed_at = job.last_step(victim)
-        until("every rank past the step it had reached",
-              lambda: all(job.last_step(r) > killed_at for r in range(world) if r != victim)
-              and len(incarnations(job.log(f"worker_{victim}.log"))) == 2
-              and STEP_LINE.search(incarnations(job.log(f"worker_{victim}.log"))[1]), JOB_TIMEOUT, job.evidence)
+        waits.until("every rank past the step it had reached",
+                    lambda: all(job.last_step(r) > killed_at for r in range(world) if r != victim)
+                    and len(incarnations(job.log(f"worker_{victim}.log"))) == 2
+                    and STEP_LINE.search(incarnations(job.log(f"worker_{victim}.log"))[1]), job, JOB_TIMEOUT,
+                    poll=POLL)
         print(f"\n{why}: kill -9 -> every rank training again in {time.monotonic() - killed:.2f} s")
         assert job.finish(JOB_TIMEOUT) == 0, f"agent exit status {why}\n{job.evidence()}"
     finally:
@@ -195,7 +167,7 @@ def test_kill9_of_a_worker_recovers_in_place_and_ends_bitwise_equal(tmp_path, wo
 
     state = scheduler_state.load(job.dir / "recovery" / scheduler_state.STATE_FILE, "rec", world)  # base + journal
     assert state is not None and state["commits"] == {str(r): total for r in range(world)}, f"committed steps {why}"
-    (final,) = FINAL.findall(job.log("worker_0.log"))
+    (final,) = FINAL_LINE.findall(job.log("worker_0.log"))
     assert final[1] == ref_digest, f"final parameters differ from the uninterrupted torchrun run {why}"
     assert_bitwise_equal(Path(final[0]), ref_path)
 
@@ -278,10 +250,11 @@ def test_sigterm_in_every_order_saves_the_agreed_step_on_every_rank_and_loses_no
                 events.match(lambda e, r=r, point=point: (e["rank"], e["event"]) == (r, f"delivered at {point}"),
                              JOB_TIMEOUT)
             for r, launch in launches.items():
-                said = until(f"round {n + 1}: rank {r}'s last words",
-                             lambda r=r, launch=launch: [int(m.group(2)) for m in LAST_WORDS.finditer(
-                                 (incarnations(first.log(f"worker_{r}.log")) + [""] * 9)[launch])], JOB_TIMEOUT,
-                             lambda launches=launches: round_evidence(first, launches))
+                said = waits.wait_for(f"round {n + 1}: rank {r}'s last words",
+                                      lambda r=r, launch=launch: [int(m.group(2)) for m in LAST_WORDS.finditer(
+                                          (incarnations(first.log(f"worker_{r}.log")) + [""] * 9)[launch])],
+                                      JOB_TIMEOUT, poll=POLL,
+                                      evidence=lambda launches=launches: round_evidence(first, launches))
                 assert said == [step], f"round {n + 1} ({arm}, {points}): rank {r} said {said}\n{first.evidence()}"
                 parts = list(ckpt.glob(f"host_*/step_{step:012d}.p{r}of{world}.ckpt"))  # its share of the copy
                 assert len(parts) == 1, f"round {n + 1}: rank {r}: {sorted(ckpt.rglob('*'))}"
@@ -314,6 +287,6 @@ def test_sigterm_in_every_order_saves_the_agreed_step_on_every_rank_and_loses_no
         second.cleanup()
     for r in range(world):
         assert [int(m.group(2)) for m in RESUMED.finditer(second.log(f"worker_{r}.log"))] == [saved]
-    (final_params,) = FINAL.findall(second.log("worker_0.log"))
+    (final_params,) = FINAL_LINE.findall(second.log("worker_0.log"))
     assert final_params[1] == ref_digest
     assert_bitwise_equal(Path(final_params[0]), ref_path)

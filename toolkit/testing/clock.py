@@ -19,3 +19,18 @@ class FakeClock:
             raise ValueError(f"a monotonic clock does not go back ({seconds} s)")
         self.now += seconds
         return self.now
+
+
+class JournalClock:
+    """Both clocks the scheduler's journal takes (`mono` and `wall`), moved together by hand: set or advance `t`,
+    the seconds since the start; the wall clock reads `start` + t."""
+
+    def __init__(self, start: float) -> None:
+        self.start = start
+        self.t = 0.0
+
+    def mono(self) -> float:
+        return self.t
+
+    def wall(self) -> float:
+        return self.start + self.t

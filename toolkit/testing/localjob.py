@@ -136,6 +136,54 @@ class LocalJob(JobDirFiles):
             self.agent.wait(KILL_WAIT)
 
 
+TORCHRUN = str(Path(sys.executable).parent / "torchrun")
+FINAL_LINE = re.compile(r"^final parameters: (\S+) sha256 ([0-9a-f]{64})$", re.M)
+
+
+class TorchrunRun:
+    """The sample trainer under the real torchrun (`world` processes on this machine, `args` to the script), with
+    its checkpoints and logs under `root`: the reference a fault-tolerant run must end bitwise equal to. It starts
+    at construction, so that a test may run its own job meanwhile; `logs` waits for its end."""
+
+    def __init__(self, root: Path, world: int, args: list[str]) -> None:
+        self.root, self.world = root, world
+        argv = [TORCHRUN, "--nproc-per-node", str(world), "--rdzv-backend", "c10d", "--rdzv-endpoint",
+                f"127.0.0.1:{free_port_pair()}", "--log-dir", str(root / "logs"), "--redirects", "3",
+                str(EXAMPLES / "train.py"), *args]
+        self.proc = subprocess.Popen(argv, cwd=root, env={**clean_env(), "CKPT_DIR": str(root / "ckpt"),
+                                                          "OMP_NUM_THREADS": "1"},
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     start_new_session=True)
+        self.ranks: dict[int, str] | None = None
+
+    def logs(self, timeout: float) -> dict[int, str]:
+        """Rank -> its output, once torchrun ended with 0 (within `timeout` s of this call, else it is killed);
+        AssertionError with torchrun's output otherwise."""
+        if self.ranks is None:
+            try:
+                out, _ = self.proc.communicate(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                out, _ = self.proc.communicate()
+                raise AssertionError(f"the reference run did not finish in {timeout} s:\n{out[-3000:]}") from None
+            assert self.proc.returncode == 0, out[-3000:]
+            ranks = {int(p.parent.name): p.read_text() for p in (self.root / "logs").glob("*/attempt_0/*/stdout.log")}
+            assert sorted(ranks) == list(range(self.world)), out[-3000:]
+            self.ranks = ranks
+        return self.ranks
+
+    def final(self, timeout: float) -> tuple[Path, str]:
+        """The final parameters rank 0 saved: their file and sha256."""
+        (m,) = FINAL_LINE.finditer(self.logs(timeout)[0])
+        return Path(m.group(1)), m.group(2)
+
+    def stop(self) -> None:
+        """Kill its session if it still runs (a test that failed before waiting for it)."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.communicate()
+
+
 FLEET = str(Path(sys.executable).parent / "fleet")
 
 
