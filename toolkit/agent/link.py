@@ -14,6 +14,7 @@ from typing import Any, Callable
 from toolkit.agent.agentlog import AgentLog
 from toolkit.agent.timers import Timer, Timers
 from toolkit.contracts import envvars, protocol
+from toolkit.contracts import messages as wire
 from toolkit.contracts.agentdoc import LinkState
 from toolkit.contracts.hostspec import HostSpec
 from toolkit.contracts.session import AT_ONCE, Unproven, open_session
@@ -37,7 +38,7 @@ class SchedulerLink:
     (toolkit.contracts.protocol)."""
 
     def __init__(self, spec: HostSpec, sel: selectors.BaseSelector, timers: Timers, log: AgentLog,
-                 on_message: Callable[[dict[str, Any]], None], on_change: Callable[[], None],
+                 on_message: Callable[[wire.Message], None], on_change: Callable[[], None],
                  hello_fields: Callable[[], dict[str, Any]] | None = None,
                  beat_fields: Callable[[], dict[str, Any]] | None = None) -> None:
         self.spec, self.sel, self.timers, self.log = spec, sel, timers, log
@@ -197,14 +198,15 @@ class SchedulerLink:
                                   "here, or not this job's scheduler")
                 self._drop("unproven answer", LINK_REJECTED_RETRY)
                 return False
-            if msg["op"] == protocol.REJECT:
-                self.log("agent", f"the scheduler rejected this agent: {str(msg.get('reason'))[:300]}")
+            answer = wire.decode(msg)
+            if not isinstance(answer, wire.Welcome):
+                self.log("agent", f"the scheduler rejected this agent: {wire.refusal(answer)[0][:300]}")
                 self._drop("rejected", LINK_REJECTED_RETRY)
                 return False
             if self.connect_timer:
                 self.connect_timer.cancel()
             self.nonces, self.at_once = None, 0
-            self.beat_interval = protocol.beat_interval(msg, HEARTBEAT_INTERVAL)
+            self.beat_interval = answer.beat or HEARTBEAT_INTERVAL  # none said (an older scheduler): its own
             self._set(LinkState.UP)
             self._said_down = False
             self.log("agent", f"connected to the scheduler at {self.spec.sched_host}:{self.spec.sched_port}")
@@ -214,7 +216,12 @@ class SchedulerLink:
         if self.state is not LinkState.UP:  # nothing is read before the hello is sent: never acted on
             self._drop(f"{msg['op'][:40]} before the hello")
             return False
-        self.on_message(msg)
+        try:
+            message = wire.decode(msg)
+        except protocol.ProtocolError as e:  # authenticated, so a bug or a version skew: said, not obeyed
+            self.log("agent", f"ignored a malformed message from the scheduler: {e}")
+            return True
+        self.on_message(message)
         return True
 
     def _pump(self) -> None:
@@ -300,7 +307,7 @@ class SchedulerLink:
                                        fields, timeout, min(timeout, LINK_CONNECT_TIMEOUT))
             except (OSError, protocol.ProtocolError, Unproven):
                 return False
-            if session.reply.get("op") != protocol.WELCOME:
+            if not isinstance(session.reply, wire.Welcome):
                 session.sock.close()
                 return False
             self.sock = session.sock

@@ -35,6 +35,7 @@ from toolkit.agent.progressinbox import ProgressInbox, Report
 from toolkit.agent.slots import running
 from toolkit.agent.timers import Timer, Timers
 from toolkit.contracts import agentdoc, envvars, protocol
+from toolkit.contracts import messages as wire
 from toolkit.contracts.agentdoc import AgentDoc, AgentState, ControlOp, ProcState, Takeover, recorded_groups
 from toolkit.contracts.hostspec import HostSpec
 
@@ -282,7 +283,7 @@ class Agent:
 
     # -- the scheduler's messages
 
-    def _on_scheduler(self, msg: dict[str, Any]) -> None:
+    def _on_scheduler(self, msg: wire.Message) -> None:
         """Apply policy.on_scheduler to one message from the scheduler. SchedulerLink calls it only once the link is up
         (the scheduler has proved the job token).
 
@@ -296,7 +297,7 @@ class Agent:
         reaction = policy.on_scheduler(msg, running, self.closing, [p.node_id for p in self.spec.standby],
                                        list(self.processes.slots))
         if isinstance(reaction, policy.TakeOver):
-            self._take_over(reaction, protocol.whole(msg, "seq"))
+            self._take_over(reaction, msg.seq if isinstance(msg, wire.TakeOver) else None)
         elif isinstance(reaction, policy.Kill):
             self.processes.fence(reaction.node_id, reaction.cause, reaction.dump)
         elif isinstance(reaction, policy.StopJob):

@@ -22,6 +22,7 @@ import time
 from typing import Any, Protocol
 
 from toolkit.contracts import envvars, protocol
+from toolkit.contracts import messages as wire
 from toolkit.contracts.session import AT_ONCE, Unproven, evicted, open_session
 from toolkit.errors import UserError
 from toolkit.train import jobview, stacks
@@ -122,16 +123,18 @@ class Channel:
                   "generation": self.view.held, "rejoin": rejoin, "recovery": self.recovery}
         session = open_session((self.cfg.sched_host, self.cfg.sched_port), self.cfg.token, protocol.REGISTER, fields,
                                timeout, CONNECT_TIMEOUT)
-        msg = session.reply
-        if msg["op"] != protocol.WELCOME:
+        reply = session.reply
+        if not isinstance(reply, wire.Welcome):
             session.sock.close()
-            if msg["op"] == protocol.FENCED:
-                self._apply([jobview.fenced(msg.get("reason"))])
-            raise Rejected(str(msg.get("reason", "rejected"))[:jobview.MAX_FENCED_REASON], bool(msg.get("retry")))
+            if isinstance(reply, wire.Fenced):
+                self._apply([jobview.fenced(reply.reason)])
+            reason, retry = wire.refusal(reply)
+            raise Rejected(reason[:jobview.MAX_FENCED_REASON], retry)
         session.sock.settimeout(SEND_TIMEOUT)
         with self.send_lock:
             self.sock, self.lines = session.sock, session.lines
-        for later in [msg, *session.queued]:
+        self._take(reply)
+        for later in session.queued:
             self._handle(later)
 
     def join(self, deadline: float) -> None:
@@ -243,12 +246,16 @@ class Channel:
         return moved
 
     def _handle(self, msg: dict[str, Any]) -> None:
-        """One message of the (authenticated) scheduler: the core decides (jobview.on_message, at the time it is
-        handled), the new view is swapped in and the waiters woken, then the effects run in order (`fenced` ends the
-        process with the view untouched). A malformed message is a ProtocolError, which drops the connection like
-        any broken one (the reader reconnects)."""
+        """One message of the (authenticated) scheduler as read (wire.decode): a malformed one is a ProtocolError,
+        which drops the connection like any broken one (the reader reconnects)."""
+        self._take(wire.decode(msg))
+
+    def _take(self, message: wire.Message) -> None:
+        """One message of the scheduler: the core decides (jobview.on_message, at the time it is handled), the new
+        view is swapped in and the waiters woken, then the effects run in order (`fenced` ends the process with the
+        view untouched)."""
         with self.cond:
-            view, effects = jobview.on_message(self.view, msg, time.monotonic())
+            view, effects = jobview.on_message(self.view, message, time.monotonic())
             if view is not self.view:
                 self.view = view
                 self.cond.notify_all()
