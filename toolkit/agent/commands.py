@@ -351,8 +351,7 @@ def replace(spec: HostSpec, host: str, spare: str | None) -> int:
     where = f"{spec.sched_host}:{spec.sched_port}"
     try:
         token = spec.token_file.read_text(encoding="utf-8").strip()
-        session = open_session((spec.sched_host, spec.sched_port), token, protocol.REPLACE,
-                               {"node_id": "operator", "host": host, "spare": spare}, REPLACE_TIMEOUT,
+        session = open_session((spec.sched_host, spec.sched_port), token, wire.Replace(host, spare), REPLACE_TIMEOUT,
                                min(REPLACE_TIMEOUT, LINK_CONNECT_TIMEOUT))
     except (OSError, protocol.ProtocolError, Unproven) as e:
         raise UserError(f"cannot ask the scheduler at {where} to replace {host}: {e}; is the job running?") from None

@@ -39,12 +39,11 @@ class SchedulerLink:
 
     def __init__(self, spec: HostSpec, sel: selectors.BaseSelector, timers: Timers, log: AgentLog,
                  on_message: Callable[[wire.Message], None], on_change: Callable[[], None],
-                 hello_fields: Callable[[], dict[str, Any]] | None = None,
+                 hello: Callable[[], wire.AgentHello] | None = None,
                  beat_fields: Callable[[], dict[str, Any]] | None = None) -> None:
         self.spec, self.sel, self.timers, self.log = spec, sel, timers, log
         # what the hello says: the host and the node ids it supervises now (a spare's grow when it takes over)
-        self.hello_fields = hello_fields or (lambda: {"host": spec.host,
-                                                      "node_ids": [p.node_id for p in spec.processes]})
+        self.hello = hello or (lambda: wire.AgentHello(spec.host, tuple(p.node_id for p in spec.processes)))
         self.beat_fields = beat_fields or dict  # what each heartbeat says: the children it vouches for
         self.on_message, self.on_change = on_message, on_change
         self.sock: socket.socket | None = None
@@ -166,7 +165,7 @@ class SchedulerLink:
         except OSError as e:
             self._drop(f"cannot read the job token {self.spec.token_file}: {e}")
             return
-        hello, nonce = protocol.first_hello(protocol.AGENT_HELLO, token, time.time(), **self.hello_fields())
+        hello, nonce = protocol.first_hello(protocol.AGENT_HELLO, token, time.time(), **self.hello().encode())
         self.nonces = ("", nonce)  # the server's nonce comes with its challenge
         self.token = token
         self.wbuf = bytearray(hello)
@@ -302,9 +301,8 @@ class SchedulerLink:
                 self.sock = None
             try:
                 token = self.spec.token_file.read_text(encoding="utf-8").strip()
-                fields = self.hello_fields()
-                session = open_session((self.spec.sched_host, self.spec.sched_port), token, protocol.AGENT_HELLO,
-                                       fields, timeout, min(timeout, LINK_CONNECT_TIMEOUT))
+                session = open_session((self.spec.sched_host, self.spec.sched_port), token, self.hello(), timeout,
+                                       min(timeout, LINK_CONNECT_TIMEOUT))
             except (OSError, protocol.ProtocolError, Unproven):
                 return False
             if not isinstance(session.reply, wire.Welcome):

@@ -104,7 +104,7 @@ class Agent:
         self.warm = self.processes.warm
         slots = self.processes.slots
         self.link = SchedulerLink(spec, self.sel, self.timers, log, self._on_scheduler, self._changed,
-                                  self._hello_fields, lambda: {"running": running(slots.values())})
+                                  self._hello, lambda: {"running": running(slots.values())})
         self._stop_after: Timer | None = None
         self._wake_r: socket.socket | None = None
         self.control = ControlServer(spec.control_socket, self.sel, self.timers, self._control_request)
@@ -332,10 +332,10 @@ class Agent:
         self.warm.took_over()
         self.writer.write()
 
-    def _hello_fields(self) -> dict[str, Any]:
+    def _hello(self) -> wire.AgentHello:
         """What the agent's hello says: its host, the node ids it supervises now (a spare's grow with each takeover),
         and whether it is a spare host's agent (the scheduler may hand it a lost host's ranks)."""
-        return {"host": self.spec.host, "node_ids": list(self.processes.slots), "spare": self.spec.spare}
+        return wire.AgentHello(self.spec.host, tuple(self.processes.slots), self.spec.spare)
 
     def finish_now(self) -> None:
         """End a finishing agent: called when its last child has exited or when the grace period after `finished`

@@ -8,8 +8,9 @@ what protocol.LineBuffer gave it into one with `decode` (the one dispatch by op)
 with one line saying what is wrong, and then switches on the type.
 
 Typed so far: what the scheduler sends (challenge, welcome, reject, fenced, stop, finished, kill, takeover,
-generation, formed). What the workers and agents send (register, agent_hello, heartbeat, ...) is still read as dicts
-with protocol's field readers (protocol.whole, pace_fields, corruption_fields).
+generation, formed) and the hellos (register, agent_hello, store_hello, replace). What workers and agents send once
+connected (heartbeat, commit, recovered, corruption, done, exited, gave_up) is still read as dicts with protocol's
+field readers (protocol.whole, pace_fields, corruption_fields, cause_field).
 """
 
 from __future__ import annotations
@@ -56,13 +57,15 @@ class Message:
     """One message of the protocol: `OP` is its op; the dataclass fields are its wire fields, in wire order."""
 
     OP: ClassVar[str]
+    SENT_NULL: ClassVar[tuple[str, ...]] = ()  # fields sent as null when None (the others are left out)
 
     def encode(self) -> dict[str, Any]:
-        """The wire fields (the op not among them): every field that is not None, tuples as lists."""
+        """The wire fields (the op not among them): every field that is not None (or is in SENT_NULL), tuples as
+        lists."""
         out: dict[str, Any] = {}
         for f in fields(self):
             value = getattr(self, f.name)
-            if value is not None:
+            if value is not None or f.name in self.SENT_NULL:
                 out[f.name] = list(value) if isinstance(value, tuple) else value
         return out
 
@@ -267,9 +270,106 @@ class Formed(Message):
         return None if self.rank is None or self.world_size is None else (self.rank, self.world_size)
 
 
+# --- the hellos: the first message of a connection (protocol.first_hello adds nonce, sent and proof)
+
+
+@dataclass(frozen=True)
+class Register(Message):
+    """A worker's hello: the process `pid` on `host` (the inventory's name) of rank `rank` of `world_size`, this
+    incarnation (random per process), the generation of the group it holds (None: none yet), whether it comes back
+    (`rejoin`) and how it recovers (`recovery`: protocol.RECOVERY_IN_PLACE or RECOVERY_RESTART; read: anything else
+    is "unknown")."""
+
+    OP: ClassVar[str] = protocol.REGISTER
+    SENT_NULL: ClassVar[tuple[str, ...]] = ("generation",)
+    node_id: str
+    rank: int
+    world_size: int | None
+    incarnation: str
+    pid: int
+    host: str
+    generation: int | None = None
+    rejoin: bool = False
+    recovery: str = "unknown"
+
+    @classmethod
+    def from_msg(cls, msg: Mapping[str, Any]) -> Register:
+        """ProtocolError unless the node id and host are strings of at most MAX_NAME characters, the incarnation
+        one of 1 to 64, rank and pid whole numbers. The world size is the job's to judge (None: not a number)."""
+        node_id, rank, inc = msg.get("node_id"), whole(msg, "rank"), msg.get("incarnation")
+        pid, host = whole(msg, "pid"), msg.get("host")
+        if not (isinstance(node_id, str) and rank is not None and isinstance(inc, str) and 0 < len(inc) <= 64
+                and pid is not None and isinstance(host, str) and len(node_id) <= MAX_NAME and len(host) <= MAX_NAME):
+            raise ProtocolError("malformed register message")
+        recovery = msg.get("recovery")
+        return cls(node_id, rank, whole(msg, "world_size"), inc, pid, host, whole(msg, "generation"),
+                   msg.get("rejoin") is True,
+                   recovery if recovery in (protocol.RECOVERY_IN_PLACE, protocol.RECOVERY_RESTART) else "unknown")
+
+
+@dataclass(frozen=True)
+class AgentHello(Message):
+    """An agent's hello: the agent of `host`, supervising `node_ids` now; `spare`: a spare host's agent (the
+    scheduler may hand it a lost host's ranks)."""
+
+    OP: ClassVar[str] = protocol.AGENT_HELLO
+    host: str
+    node_ids: tuple[str, ...]
+    spare: bool | None = None
+
+    @classmethod
+    def from_msg(cls, msg: Mapping[str, Any]) -> AgentHello:
+        """ProtocolError unless the host has 1 to MAX_NAME characters and node_ids is a list of at most
+        MAX_NODE_IDS; a node id that is not a string of at most MAX_NAME characters is left out."""
+        host, node_ids = msg.get("host"), msg.get("node_ids")
+        if not isinstance(host, str) or not 0 < len(host) <= MAX_NAME or not isinstance(node_ids, list) \
+                or len(node_ids) > MAX_NODE_IDS:
+            raise ProtocolError("malformed agent_hello")
+        return cls(host, tuple(n for n in node_ids if isinstance(n, str) and len(n) <= MAX_NAME),
+                   msg.get("spare") is True)
+
+
+@dataclass(frozen=True)
+class StoreHello(Message):
+    """The store client's hello, for the worker `node_id`."""
+
+    OP: ClassVar[str] = protocol.STORE_HELLO
+    node_id: str
+
+    @classmethod
+    def from_msg(cls, msg: Mapping[str, Any]) -> StoreHello:
+        node_id = _text(msg, "node_id", MAX_NAME)
+        if node_id is None:
+            raise ProtocolError("store_hello without a node id")
+        return cls(node_id)
+
+
+@dataclass(frozen=True)
+class Replace(Message):
+    """The operator's request (fleet replace): let `spare` (None: the first free one) take `host`'s ranks. Read:
+    a host that is not a string reads as None (the scheduler refuses it, naming the hosts)."""
+
+    OP: ClassVar[str] = protocol.REPLACE
+    host: str | None
+    spare: str | None = None
+    node_id: str = "operator"  # who the proof covers
+
+    def encode(self) -> dict[str, Any]:
+        return {"node_id": self.node_id, "host": self.host, "spare": self.spare}  # a spare of None sent as null
+
+    @classmethod
+    def from_msg(cls, msg: Mapping[str, Any]) -> Replace:
+        """ProtocolError for a spare that is neither a host name nor null."""
+        spare = msg.get("spare")
+        if spare is not None and not isinstance(spare, str):
+            raise ProtocolError("malformed replace: spare is not a host name")
+        return cls(_text(msg, "host", MAX_NAME), spare)
+
+
 # the one dispatch by op; an op of another direction or version reads as Unknown
 BY_OP: dict[str, type[Message]] = {cls.OP: cls for cls in (
-    Challenge, Welcome, Reject, Fenced, Stop, Finished, Kill, TakeOver, Generation, Formed)}
+    Challenge, Welcome, Reject, Fenced, Stop, Finished, Kill, TakeOver, Generation, Formed,
+    Register, AgentHello, StoreHello, Replace)}
 
 
 @dataclass(frozen=True)

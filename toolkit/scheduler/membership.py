@@ -98,24 +98,19 @@ class Registration:
 
 def validate_register(peer: int, addr: str, msg: Mapping[str, Any], world_size: int) -> Registration | list[Action]:
     """`msg` as a Registration, or the refusal (`reject`, no retry, the connection closed) of a malformed message
-    (incarnation of 1 to 64 characters, node id and host of at most 256) or of a world size or rank that is not the
-    job's (render the job again)."""
-    node_id, rank, inc = msg.get("node_id"), protocol.whole(msg, "rank"), msg.get("incarnation")
-    pid, host = protocol.whole(msg, "pid"), msg.get("host")
-    if not (isinstance(node_id, str) and rank is not None and isinstance(inc, str) and 0 < len(inc) <= 64
-            and pid is not None and isinstance(host, str) and len(node_id) <= 256 and len(host) <= 256):
+    (wire.Register.from_msg) or of a world size or rank that is not the job's (render the job again)."""
+    try:
+        reg = wire.Register.from_msg(msg)
+    except protocol.ProtocolError as e:
         return [Log(WARNING, f"rejected malformed registration from {addr}"),
-                Send(peer, wire.Reject("malformed register message"), close=True)]
-    world = msg.get("world_size")
-    if world != world_size or not 0 <= rank < world_size:
-        reason = (f"{node_id} claims rank {rank} of {world} workers, but the job has {world_size} "
+                Send(peer, wire.Reject(str(e)), close=True)]
+    if reg.world_size != world_size or not 0 <= reg.rank < world_size:
+        reason = (f"{reg.node_id} claims rank {reg.rank} of {reg.world_size} workers, but the job has {world_size} "
                   f"({envvars.MS_WORKER_NUM}); render the job again")
-        return [Log(WARNING, f"rejected {node_id} from {addr}: {reason}"),
-                Send(peer, wire.Reject(reason=reason, retry=False), close=True)]
-    recovery = msg.get("recovery")
-    return Registration(node_id, rank, inc, pid, host,
-                        recovery if recovery in (protocol.RECOVERY_IN_PLACE, protocol.RECOVERY_RESTART) else "unknown",
-                        f"pid {pid} on {host}, {addr}")
+        return [Log(WARNING, f"rejected {reg.node_id} from {addr}: {reason}"),
+                Send(peer, wire.Reject(reason), close=True)]
+    return Registration(reg.node_id, reg.rank, reg.incarnation, reg.pid, reg.host, reg.recovery,
+                        f"pid {reg.pid} on {reg.host}, {addr}")
 
 
 def refuse_register(peer: int, reg: Registration, roster: Roster, status: str, now: float) -> list[Action]:
@@ -519,10 +514,11 @@ class Membership:
         exits), and it is not recorded; so is the agent of a host fenced for corruption that never got its `stop`
         (`quarantine_hello`). A spare host's agent (`spare: true`) is recorded as a spare; one that was
         handed a takeover is sent it again (it may have restarted), and a lost host waiting for a spare is served."""
-        host, node_ids = msg.get("host"), msg.get("node_ids")
-        if not isinstance(host, str) or not 0 < len(host) <= 256 or not isinstance(node_ids, list) \
-                or len(node_ids) > 4096:
-            return [Send(peer, wire.Reject("malformed agent_hello"), close=True)]
+        try:
+            hello = wire.AgentHello.from_msg(msg)
+        except protocol.ProtocolError as e:
+            return [Send(peer, wire.Reject(str(e)), close=True)]
+        host, names = hello.host, list(hello.node_ids)
         by = self.roster.replaced_by(host)
         if by is not None:
             reason = (f"host {host} was replaced by {by} in job {self.job}: it is fenced and may not rejoin; "
@@ -535,8 +531,7 @@ class Membership:
         if refused:
             return out
         self.roster.peers[peer] = Peer(PeerRole.AGENT, host=host, addr=addr)
-        names = [n for n in node_ids if isinstance(n, str) and len(n) <= 256]
-        old = self.roster.connect_agent(host, peer, msg.get("spare") is True, now,
+        old = self.roster.connect_agent(host, peer, hello.spare is True, now,
                                         scheduler=any(rank_of(n) is None for n in names))
         if old is not None and old != peer:
             self.roster.peers.pop(old, None)
@@ -681,7 +676,13 @@ class Membership:
         or `reject {reason}` naming what to do when the job has ended or some rank finished, `host` runs no worker,
         runs the scheduler or was replaced already, or the spare is unknown, not connected, in use, or there is
         none."""
-        host, spare = msg.get("host"), msg.get("spare")
+        try:
+            request = wire.Replace.from_msg(msg)
+        except protocol.ProtocolError as e:
+            request, malformed = wire.Replace(str(msg.get("host"))[:256]), str(e)
+        else:
+            malformed = ""
+        host, spare = request.host, request.spare
         hosts = self.roster.worker_hosts()
         reason = ""
         if self.status != RUNNING:
@@ -694,12 +695,13 @@ class Membership:
             reason = f"host {str(host)[:256]} {what}; the hosts with workers: {', '.join(sorted(hosts))}"
         elif self.roster.hosts[host].runs_scheduler:
             reason = f"host {host} runs the scheduler: it cannot be replaced while the job runs"
+        reason = reason or malformed
         chosen = choose_spare(self.roster, spare, str(host)) if not reason else Refusal(reason)
         if isinstance(chosen, Refusal):
             return [Log(WARNING, f"refused to replace {str(host)[:256]}: {chosen.reason}"),
                     Send(peer, wire.Reject(reason=chosen.reason, retry=False), close=True)]
         node_ids = hosts[str(host)]
-        return ([Send(peer, wire.Welcome(host=host, spare=chosen, node_ids=node_ids), close=True)]
+        return ([Send(peer, wire.Welcome(host=host, spare=chosen, node_ids=tuple(node_ids)), close=True)]
                 + self._take_over(host, chosen, "replaced by the operator (fleet replace)", now))
 
     # -- decisions

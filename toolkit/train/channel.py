@@ -117,12 +117,11 @@ class Channel:
         `welcome` the connection becomes the channel's and the messages that came with it are handled. Raises
         Rejected (the scheduler's reason, and whether to retry), or OSError, ProtocolError or Unproven when the
         scheduler cannot be reached or proven; a `fenced` answer ends the process with EXIT_FENCED."""
-        fields = {"node_id": self.cfg.node_id, "rank": self.cfg.rank, "world_size": self.cfg.world_size,
-                  "incarnation": self.incarnation, "pid": os.getpid(),
-                  "host": os.environ.get(envvars.TOOLKIT_HOST) or socket.gethostname(),  # the inventory's name: fencing
-                  "generation": self.view.held, "rejoin": rejoin, "recovery": self.recovery}
-        session = open_session((self.cfg.sched_host, self.cfg.sched_port), self.cfg.token, protocol.REGISTER, fields,
-                               timeout, CONNECT_TIMEOUT)
+        hello = wire.Register(self.cfg.node_id, self.cfg.rank, self.cfg.world_size, self.incarnation, os.getpid(),
+                              os.environ.get(envvars.TOOLKIT_HOST) or socket.gethostname(),  # the inventory's: fencing
+                              self.view.held, rejoin, self.recovery)
+        session = open_session((self.cfg.sched_host, self.cfg.sched_port), self.cfg.token, hello, timeout,
+                               CONNECT_TIMEOUT)
         reply = session.reply
         if not isinstance(reply, wire.Welcome):
             session.sock.close()

@@ -73,7 +73,7 @@ class JobStore(dist.Store):
         self._timeout = timeout
         self._lock = threading.Lock()
         self._next = 0
-        session = open_session((host, port), token, protocol.STORE_HELLO, {"node_id": node_id}, handshake,
+        session = open_session((host, port), token, wire.StoreHello(node_id), handshake,
                                connect_timeout, limit=protocol.MAX_STORE_LINE)
         if not isinstance(session.reply, wire.Welcome):
             session.sock.close()
