@@ -43,6 +43,16 @@ WIRE = [
      {"op": "agent_hello", "host": "hostA", "node_ids": ["worker_0", "worker_1"], "spare": False}),
     (wire.StoreHello("worker_1"), {"op": "store_hello", "node_id": "worker_1"}),
     (wire.Replace("hostB", None), {"op": "replace", "node_id": "operator", "host": "hostB", "spare": None}),
+    (wire.Commit(40), {"op": "commit", "step": 40}),
+    (wire.Done(), {"op": "done"}),
+    (wire.Recovered(2, 40, "peer", None, 3, 0.25, 1 << 20),
+     {"op": "recovered", "generation": 2, "step": 40, "source": "peer", "from_rank": None, "recomputed": 3,
+      "seconds": 0.25, "bytes": 1 << 20}),
+    (wire.Exited("worker_1", 1001, None, "SIGKILL", None),
+     {"op": "exited", "node_id": "worker_1", "pid": 1001, "code": None, "signal": "SIGKILL", "cause": None}),
+    (wire.GaveUp("worker_1", 3, None, "ValueError: bad data", "a\nb"),
+     {"op": "gave_up", "node_id": "worker_1", "code": 3, "signal": None, "cause": "ValueError: bad data",
+      "log_tail": "a\nb"}),
 ]
 
 
@@ -56,7 +66,8 @@ def test_each_message_goes_on_the_wire_as_before_and_comes_back_equal(message: w
 
 def test_every_op_the_scheduler_sends_or_a_hello_is_typed_and_dispatched_in_one_place() -> None:
     assert set(wire.BY_OP) == {P.CHALLENGE, P.WELCOME, P.REJECT, P.FENCED, P.STOP, P.FINISHED, P.KILL, P.TAKEOVER,
-                               P.GENERATION, P.FORMED, P.REGISTER, P.AGENT_HELLO, P.STORE_HELLO, P.REPLACE}
+                               P.GENERATION, P.FORMED, P.REGISTER, P.AGENT_HELLO, P.STORE_HELLO, P.REPLACE, P.COMMIT,
+                               P.DONE, P.RECOVERED, P.EXITED, P.GAVE_UP}  # left: heartbeat, corruption
     assert {type(m) for m, _ in WIRE} == set(wire.BY_OP.values())
     assert wire.decode({"op": "from the future", "x": 1}) == wire.Unknown("from the future")
 
@@ -72,6 +83,7 @@ def test_every_op_the_scheduler_sends_or_a_hello_is_typed_and_dispatched_in_one_
     ({"op": P.REGISTER, "node_id": "worker_2", "rank": "2"}, "malformed register message"),
     ({"op": P.AGENT_HELLO, "host": "", "node_ids": []}, "malformed agent_hello"),
     ({"op": P.REPLACE, "host": "hostB", "spare": 5}, "malformed replace: spare is not a host name"),
+    ({"op": P.EXITED, "node_id": 7, "pid": 1}, "exited without a node id"),
 ])
 def test_a_malformed_message_is_one_protocol_error_line(msg: dict, error: str) -> None:
     with pytest.raises(P.ProtocolError, match=error) as caught:
@@ -88,6 +100,10 @@ def test_what_is_read_is_bounded_and_hostile_values_read_as_absent() -> None:
     assert wire.decode({"op": P.WELCOME, "beat": 1e9}) == wire.Welcome()  # out of [MIN_BEAT, MAX_BEAT]
     hello = wire.decode({"op": P.AGENT_HELLO, "host": "h", "node_ids": ["w0", 5, "x" * 300]})
     assert hello == wire.AgentHello("h", ("w0",), False)
+    gave_up = wire.decode({"op": P.GAVE_UP, "node_id": 7, "code": "x", "signal": [], "log_tail": "z" * 99999})
+    assert gave_up == wire.GaveUp("?", None, None, None, "z" * wire.MAX_LOG_TAIL)
+    assert wire.decode({"op": P.RECOVERED, "source": "elsewhere", "seconds": -1}) == \
+        wire.Recovered(None, None, None, None, None, None)
 
 
 def test_a_send_carries_a_typed_message_only() -> None:

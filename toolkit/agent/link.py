@@ -68,7 +68,7 @@ class SchedulerLink:
         without a timeout of ours."""
         self._attempt()
 
-    def report(self, op: str, coalesce: str | None = None, **fields: Any) -> None:
+    def report(self, message: wire.Message, coalesce: str | None = None) -> None:
         """Queue a report for the scheduler, and send it now if the link is up. Never blocks and never raises for
         network trouble: what the socket does not take at once goes out when it is writable, and while the link is down
         reports wait for the next successful hello.
@@ -77,7 +77,7 @@ class SchedulerLink:
         the latest while the scheduler is unreachable. At most QUEUE_LIMIT reports wait; beyond that the oldest is
         dropped. Delivery is at most once: a report already moved to a connection that then drops is not sent again (the
         scheduler also learns of a death when its heartbeats stop)."""
-        msg = protocol.encode(op, **fields)
+        msg = message.line()
         if coalesce is not None:
             self.queue = [q for q in self.queue if q[0] != coalesce]
         self.queue.append((coalesce, msg))

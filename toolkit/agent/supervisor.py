@@ -213,9 +213,9 @@ class Agent:
             self.state, self.exit_code, self.reason = state, EXIT_CODES[state], reason
             self.closing = True
 
-    def report(self, op: str, coalesce: str | None = None, **fields: Any) -> None:
+    def report(self, message: wire.Message, coalesce: str | None = None) -> None:
         """A message for the scheduler, through the link (SchedulerLink.report: never blocks, never raises)."""
-        self.link.report(op, coalesce, **fields)
+        self.link.report(message, coalesce)
 
     def write_doc(self) -> None:
         """Rewrite agent.json now (a process's or the spare's state changed)."""

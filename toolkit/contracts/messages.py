@@ -8,9 +8,10 @@ what protocol.LineBuffer gave it into one with `decode` (the one dispatch by op)
 with one line saying what is wrong, and then switches on the type.
 
 Typed so far: what the scheduler sends (challenge, welcome, reject, fenced, stop, finished, kill, takeover,
-generation, formed) and the hellos (register, agent_hello, store_hello, replace). What workers and agents send once
-connected (heartbeat, commit, recovered, corruption, done, exited, gave_up) is still read as dicts with protocol's
-field readers (protocol.whole, pace_fields, corruption_fields, cause_field).
+generation, formed), the hellos (register, agent_hello, store_hello, replace), and the workers' and agents' reports
+(commit, done, recovered, exited, gave_up). Two are still read as dicts with protocol's field readers: `heartbeat`
+(one op for workers and agents, its pace figures an open set the trainer extends: protocol.pace_fields) and
+`corruption` (protocol.corruption_fields).
 """
 
 from __future__ import annotations
@@ -366,10 +367,114 @@ class Replace(Message):
         return cls(_text(msg, "host", MAX_NAME), spare)
 
 
+# --- what a connected worker or agent reports (heartbeat and corruption: still dicts, module docstring)
+
+
+@dataclass(frozen=True)
+class Commit(Message):
+    """A worker's: this rank committed a checkpoint of `step` (read: None when it is not a whole number)."""
+
+    OP: ClassVar[str] = protocol.COMMIT
+    step: int | None
+
+    @classmethod
+    def from_msg(cls, msg: Mapping[str, Any]) -> Commit:
+        return cls(whole(msg, "step"))
+
+
+@dataclass(frozen=True)
+class Done(Message):
+    """A worker's clean finish; the EOF that follows is not a death."""
+
+    OP: ClassVar[str] = protocol.DONE
+
+    @classmethod
+    def from_msg(cls, msg: Mapping[str, Any]) -> Done:
+        return cls()
+
+
+RECOVERY_SOURCES = ("peer", "checkpoint", "initial")
+
+
+@dataclass(frozen=True)
+class Recovered(Message):
+    """A worker's: this rank trains again in `generation` from the state of `step`, taken from `source` (one of
+    RECOVERY_SOURCES) of rank `from_rank`, `recomputed` steps done again, in `seconds`, `bytes` received. Read: a
+    field of the wrong type is None (shown as such in the scheduler's log)."""
+
+    OP: ClassVar[str] = protocol.RECOVERED
+    SENT_NULL: ClassVar[tuple[str, ...]] = ("from_rank",)
+    generation: int | None
+    step: int | None
+    source: str | None
+    from_rank: int | None
+    recomputed: int | None
+    seconds: float | None
+    bytes: int | None = None
+
+    @classmethod
+    def from_msg(cls, msg: Mapping[str, Any]) -> Recovered:
+        source = msg.get("source")
+        return cls(whole(msg, "generation"), whole(msg, "step"), source if source in RECOVERY_SOURCES else None,
+                   whole(msg, "from_rank"), whole(msg, "recomputed"), protocol.seconds_field(msg, "seconds"),
+                   whole(msg, "bytes"))
+
+
+@dataclass(frozen=True)
+class Exited(Message):
+    """An agent's: its process `node_id` (pid `pid`) ended with exit `code` or by `signal` (its name; code None),
+    its first cause `cause` (the script's error, or the fencing that killed it). Read: ProtocolError without a node
+    id; the cause as one bounded line (protocol.cause_field); other fields of the wrong type are None."""
+
+    OP: ClassVar[str] = protocol.EXITED
+    SENT_NULL: ClassVar[tuple[str, ...]] = ("code", "signal", "cause")
+    node_id: str
+    pid: int | None
+    code: int | None
+    signal: str | None
+    cause: str | None = None
+
+    @classmethod
+    def from_msg(cls, msg: Mapping[str, Any]) -> Exited:
+        node_id = _text(msg, "node_id", MAX_NAME)
+        if node_id is None:
+            raise ProtocolError("exited without a node id")
+        return cls(node_id, whole(msg, "pid"), whole(msg, "code"), _text(msg, "signal", MAX_NAME),
+                   protocol.cause_field(msg))
+
+
+MAX_LOG_TAIL = 16 << 10  # characters of a gave_up's log tail read (its end: the last lines count)
+
+
+def _tail(value: Any) -> str:
+    """A log tail: its last MAX_LOG_TAIL characters if it is a string, else ""."""
+    return value[-MAX_LOG_TAIL:] if isinstance(value, str) else ""
+
+
+@dataclass(frozen=True)
+class GaveUp(Message):
+    """An agent's: its process `node_id` failed past its max restarts (exit `code` or `signal`, first `cause`), and
+    the tail of its log: the job fails. Read: a node id that is not a string is "?", other fields of the wrong type
+    are None (the tail "")."""
+
+    OP: ClassVar[str] = protocol.GAVE_UP
+    SENT_NULL: ClassVar[tuple[str, ...]] = ("code", "signal", "cause")
+    node_id: str
+    code: int | None
+    signal: str | None
+    cause: str | None
+    log_tail: str = ""
+
+    @classmethod
+    def from_msg(cls, msg: Mapping[str, Any]) -> GaveUp:
+        return cls(_text(msg, "node_id", MAX_NAME) or "?", whole(msg, "code"), _text(msg, "signal", MAX_NAME),
+                   protocol.cause_field(msg), _tail(msg.get("log_tail")))
+
+
 # the one dispatch by op; an op of another direction or version reads as Unknown
 BY_OP: dict[str, type[Message]] = {cls.OP: cls for cls in (
     Challenge, Welcome, Reject, Fenced, Stop, Finished, Kill, TakeOver, Generation, Formed,
-    Register, AgentHello, StoreHello, Replace)}
+    Register, AgentHello, StoreHello, Replace, Commit, Done, Recovered, Exited, GaveUp)}
 
 
 @dataclass(frozen=True)

@@ -182,34 +182,25 @@ def host_of(roster: Roster, member: Member) -> str:
     return roster.host_of(member.node_id) or str(member.host)
 
 
-def gave_up_reason(agent: Peer, msg: Mapping[str, Any]) -> str:
+def gave_up_reason(agent: Peer, msg: wire.GaveUp) -> str:
     """Why the job fails when an agent's process passed its max restarts (`gave_up`): the node, the host, how it
     ended and the last 5 lines of its log tail (at most 2000 characters)."""
-    node_id = str(msg.get("node_id", "?"))[:256]
-    tail = msg.get("log_tail") if isinstance(msg.get("log_tail"), str) else ""
-    last = " | ".join(line for line in tail.strip().splitlines()[-5:])[-2000:]
-    sig = msg.get("signal") if isinstance(msg.get("signal"), str) else None
-    said = protocol.cause_field(msg) or how(protocol.whole(msg, "code"), sig)
-    return f"{node_id} on {agent.host} failed after its last allowed restart ({said})" + (
+    last = " | ".join(line for line in msg.log_tail.strip().splitlines()[-5:])[-2000:]
+    said = msg.cause or how(msg.code, msg.signal)
+    return f"{msg.node_id} on {agent.host} failed after its last allowed restart ({said})" + (
         f"; last log lines: {last}" if last else "")
 
 
-def recovered(member: Member, msg: Mapping[str, Any]) -> list[Action]:
+def recovered(member: Member, msg: wire.Recovered) -> list[Action]:
     """A worker's `recovered` report: its log line (generation, step, where the state came from and how long it
     took; fields of the wrong type show as None or "?") and a Note for the ledger."""
-    m = dict(msg)
-    source = msg.get("source")
-    origin = {"peer": f"rank {protocol.whole(m, 'from_rank')}'s memory",
-              "checkpoint": f"the checkpoint of rank {protocol.whole(m, 'from_rank')}",
-              "initial": "the initial state"}.get(source if isinstance(source, str) else "", "?")
-    seconds = protocol.seconds_field(msg, "seconds")
-    return [Log(INFO, f"{member.node_id} trains again in generation {protocol.whole(m, 'generation')} from step "
-                      f"{protocol.whole(m, 'step')}, taken from {origin} in {seconds} s; "
-                      f"{protocol.whole(m, 'recomputed')} step(s) recomputed"),
-            Note(NoteKind.RECOVERED, {"node_id": member.node_id, "rank": member.rank,
-                               "generation": protocol.whole(m, "generation"), "step": protocol.whole(m, "step"),
-                               "source": source if isinstance(source, str) else None,
-                               "recomputed": protocol.whole(m, "recomputed"), "seconds": seconds})]
+    origin = {"peer": f"rank {msg.from_rank}'s memory", "checkpoint": f"the checkpoint of rank {msg.from_rank}",
+              "initial": "the initial state"}.get(msg.source or "", "?")
+    return [Log(INFO, f"{member.node_id} trains again in generation {msg.generation} from step {msg.step}, taken "
+                      f"from {origin} in {msg.seconds} s; {msg.recomputed} step(s) recomputed"),
+            Note(NoteKind.RECOVERED, {"node_id": member.node_id, "rank": member.rank, "generation": msg.generation,
+                                      "step": msg.step, "source": msg.source, "recomputed": msg.recomputed,
+                                      "seconds": msg.seconds})]
 
 
 def corrupted(m: Membership, member: Member, msg: Mapping[str, Any], now: float) -> list[Action]:
@@ -564,13 +555,17 @@ class Membership:
         op = msg["op"]
         if who is None or who.role == PeerRole.FINISHED:
             return []
+        try:
+            typed = wire.decode(msg)  # heartbeat and corruption read as Unknown: read from `msg` below
+        except protocol.ProtocolError:
+            return []  # an exited that names no process: nothing to act on
         if who.role == PeerRole.AGENT:
             if who.host is not None:
                 self.roster.heard(who.host, peer, now)
-            if op == protocol.EXITED:
-                return self._exited(who, msg, now)
-            if op == protocol.GAVE_UP:
-                return self._fail(gave_up_reason(who, msg), EXIT_FAILED)
+            if isinstance(typed, wire.Exited):
+                return self._exited(who, typed, now)
+            if isinstance(typed, wire.GaveUp):
+                return self._fail(gave_up_reason(who, typed), EXIT_FAILED)
             if op == protocol.HEARTBEAT:
                 vouch(self.roster, who.host, msg.get("running"), now)
                 return []
@@ -588,18 +583,18 @@ class Membership:
             return [Note(NoteKind.PACE, {"rank": member.rank, "node_id": member.node_id,
                                          "host": host_of(self.roster, member), "pid": member.pid, "step": member.step,
                                          **protocol.pace_fields(msg)})]
-        if op == protocol.COMMIT:
-            step = protocol.whole(msg, "step")
+        if isinstance(typed, wire.Commit):
+            step = typed.step
             if step is not None and step > self.roster.commits.get(member.rank, -1):
                 self.roster.commits[member.rank] = step
                 self.roster.unsaved.add((Fact.COMMIT, member.rank))
                 self.commits_dirty = True
             return []
-        if op == protocol.RECOVERED:
-            return recovered(member, msg)
+        if isinstance(typed, wire.Recovered):
+            return recovered(member, typed)
         if op == protocol.CORRUPTION:
             return corrupted(self, member, msg, now)
-        if op == protocol.DONE:
+        if isinstance(typed, wire.Done):
             self.watchdog.forget(member.rank)  # a finished rank is not stuck
             self.roster.peers[peer] = Peer(PeerRole.FINISHED, rank=member.rank, addr=who.addr)
             out: list[Action] = [Log(INFO, f"{member.node_id} finished (pid {member.pid} on {member.host})")]
@@ -890,7 +885,7 @@ class Membership:
                    for m in self.roster.members.values() if m.peer is not None]
                 + [Exit(code)])
 
-    def _exited(self, agent: Peer, msg: Mapping[str, Any], now: float) -> list[Action]:
+    def _exited(self, agent: Peer, msg: wire.Exited, now: float) -> list[Action]:
         """An agent's report that a child exited (`exited {node_id, pid, code, signal}`).
 
         Not a worker of this job (the scheduler, a rank out of range): logged only. Exit 0 without a signal is a
@@ -899,12 +894,8 @@ class Membership:
         gone). Another pid (an incarnation already replaced, or never registered) is logged only. Its cause is the
         agent's `cause` (the first cause: the script's error, or the fencing that killed it) if given, else the code
         or signal; a kill waiting for this report is dropped."""
-        node_id, pid = msg.get("node_id"), protocol.whole(msg, "pid")
-        code, sig = protocol.whole(msg, "code"), msg.get("signal") if isinstance(msg.get("signal"), str) else None
-        if not isinstance(node_id, str):
-            return []
-        node_id = node_id[:256]
-        said = protocol.cause_field(msg) or how(code, sig)
+        node_id, pid, code, sig = msg.node_id, msg.pid, msg.code, msg.signal
+        said = msg.cause or how(code, sig)
         if self.unreported.get(node_id, (None,))[0] == pid:
             del self.unreported[node_id]
         rank = rank_of(node_id)

@@ -219,8 +219,10 @@ class Channel:
                     waiting, busy = stacks.sample(self.training_thread)
                     long = self.long or busy
                     count = stacks.collectives() if self.count_collectives and self.step is None else None
-                    self.send(protocol.HEARTBEAT, strict=True, step=self.step, **self.beat, waiting=waiting,
-                              **({"long": long} if long else {}), **({} if count is None else {"collectives": count}))
+                    self.send_line(protocol.encode(
+                        protocol.HEARTBEAT, step=self.step, **self.beat, waiting=waiting,
+                        **({"long": long} if long else {}), **({} if count is None else {"collectives": count})),
+                        strict=True)
             except (OSError, ValueError, protocol.ProtocolError) as e:
                 if self.closing.is_set() or self.finishing:
                     return
@@ -289,14 +291,19 @@ class Channel:
 
     # -- used by the training thread
 
-    def send(self, op: str, strict: bool = False, **fields: Any) -> bool:
+    def send(self, message: wire.Message, strict: bool = False) -> bool:
         """Best effort: while the scheduler is away, messages are dropped (heartbeats resume on reconnect)."""
+        return self.send_line(message.line(), strict)
+
+    def send_line(self, line: bytes, strict: bool = False) -> bool:
+        """`send` for a line already encoded (protocol.encode: the heartbeat and the corruption report, which are
+        not typed messages yet)."""
         with self.send_lock:
             sock = self.sock
             if sock is None:
                 return False
             try:
-                sock.sendall(protocol.encode(op, **fields))
+                sock.sendall(line)
                 return True
             except OSError:
                 if strict:
@@ -350,7 +357,7 @@ class Channel:
             sock = self.sock
             if sock is not None:
                 try:
-                    sock.sendall(protocol.encode(protocol.DONE))
+                    sock.sendall(wire.Done().line())
                     sock.shutdown(socket.SHUT_WR)
                     self.finishing = True
                 except OSError:
