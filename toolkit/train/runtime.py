@@ -189,12 +189,7 @@ def _verify_every(env: Mapping[str, str]) -> int | str:
     return int(value)
 
 
-def _int(env: Mapping[str, str], name: str, default: int) -> int:
-    return envvars.read_int(env, name, default, RuntimeConfigError)
-
-
-def _float(env: Mapping[str, str], name: str, default: float) -> float:
-    return envvars.read_seconds(env, name, default, RuntimeConfigError)
+_int, _float = envvars.readers(RuntimeConfigError)  # the env contract's readers, raising this process's error
 
 
 class Runtime:
