@@ -217,4 +217,4 @@ def on_scheduler(msg: wire.Message, running: Mapping[str, int], closing: bool,
         return StopJob(msg.reason or "no reason given")
     if isinstance(msg, wire.Finished):
         return Ignore("already closing") if closing else FinishJob()
-    return Ignore(f"ignored a {msg.OP or getattr(msg, 'op', '?')!r} message from the scheduler")
+    return Ignore(f"ignored a {msg.what!r} message from the scheduler")

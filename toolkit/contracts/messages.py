@@ -70,6 +70,11 @@ class Message:
                 out[f.name] = list(value) if isinstance(value, tuple) else value
         return out
 
+    @property
+    def what(self) -> str:
+        """The op, as a line may name it (an Unknown's: the op it came with)."""
+        return self.OP
+
     def line(self) -> bytes:
         """The message as its wire line (protocol.encode)."""
         return protocol.encode(self.OP, **self.encode())
@@ -484,6 +489,10 @@ class Unknown(Message):
     OP: ClassVar[str] = ""
     op: str
 
+    @property
+    def what(self) -> str:
+        return self.op
+
     @classmethod
     def from_msg(cls, msg: Mapping[str, Any]) -> Unknown:
         return cls(str(msg.get("op"))[:40])
@@ -504,4 +513,4 @@ def refusal(answer: Message) -> tuple[str, bool]:
         return answer.reason, answer.retry
     if isinstance(answer, Fenced):
         return answer.reason, False
-    return f"answered {answer.OP or getattr(answer, 'op', '?')!r} instead of a welcome", False
+    return f"answered {answer.what!r} instead of a welcome", False
