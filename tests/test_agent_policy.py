@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
+
 from toolkit.agent import policy
 from toolkit.agent.policy import FinishJob, GiveUp, Ignore, Kill, Relaunch, Settle, StopJob, Succeeded
+from toolkit.contracts import messages as wire
 from toolkit.contracts import protocol as P
 from toolkit.contracts.hostspec import RestartPolicy
 
@@ -155,25 +158,32 @@ def test_a_nonzero_exit_after_the_end_fails_the_job_and_is_not_restarted() -> No
 
 def test_the_schedulers_messages() -> None:
     running = {"worker_0": 100}
-    assert policy.on_scheduler({"op": P.KILL, "node_id": "worker_0", "pid": 100}, running, False) == Kill("worker_0")
-    assert isinstance(policy.on_scheduler({"op": P.KILL, "node_id": "worker_0", "pid": 99}, running, False), Ignore)
-    assert isinstance(policy.on_scheduler({"op": P.KILL, "node_id": "worker_9"}, running, False), Ignore)
-    assert policy.on_scheduler({"op": P.STOP, "reason": "x failed"}, running, False) == StopJob("x failed")
-    assert policy.on_scheduler({"op": P.FINISHED}, running, False) == FinishJob()
-    assert isinstance(policy.on_scheduler({"op": P.FINISHED}, running, True), Ignore)
-    assert isinstance(policy.on_scheduler({"op": "nonsense"}, running, False), Ignore)
+
+    def said(msg: dict, closing: bool = False) -> object:
+        return policy.on_scheduler(wire.decode(msg), running, closing)
+
+    assert said({"op": P.KILL, "node_id": "worker_0", "pid": 100}) == Kill("worker_0")
+    assert isinstance(said({"op": P.KILL, "node_id": "worker_0", "pid": 99}), Ignore)
+    assert isinstance(said({"op": P.KILL, "node_id": "worker_9"}), Ignore)
+    assert said({"op": P.STOP, "reason": "x failed"}) == StopJob("x failed")
+    assert said({"op": P.STOP}) == StopJob("no reason given")
+    assert said({"op": P.FINISHED}) == FinishJob()
+    assert isinstance(said({"op": P.FINISHED}, closing=True), Ignore)
+    assert isinstance(said({"op": "nonsense"}), Ignore)
 
 
 def test_a_spare_takes_over_what_stands_by_here_once() -> None:
     standby = ["worker_2", "worker_3"]
     msg = {"op": P.TAKEOVER, "host": "hostB", "node_ids": ["worker_2", "worker_3"], "seq": 1}
-    assert policy.on_scheduler(msg, {}, False, standby) == policy.TakeOver("hostB", ("worker_2", "worker_3"))
-    again = policy.on_scheduler(msg, {"worker_2": 5}, False, standby, ["worker_2", "worker_3"])  # sent again
+    takeover = wire.decode(msg)
+    assert policy.on_scheduler(takeover, {}, False, standby) == policy.TakeOver("hostB", ("worker_2", "worker_3"))
+    again = policy.on_scheduler(takeover, {"worker_2": 5}, False, standby, ["worker_2", "worker_3"])  # sent again
     assert isinstance(again, Ignore) and again.why == "already took over hostB (worker_2, worker_3)"
-    other = policy.on_scheduler({**msg, "node_ids": ["worker_9"]}, {}, False, standby)
+    other = policy.on_scheduler(wire.decode({**msg, "node_ids": ["worker_9"]}), {}, False, standby)
     assert isinstance(other, Ignore) and "worker_9 not standing by here" in other.why
-    assert isinstance(policy.on_scheduler(msg, {}, True, standby), Ignore)  # closing: nothing starts
-    assert isinstance(policy.on_scheduler({**msg, "node_ids": "worker_2"}, {}, False, standby), Ignore)
+    assert isinstance(policy.on_scheduler(takeover, {}, True, standby), Ignore)  # closing: nothing starts
+    with pytest.raises(P.ProtocolError, match="takeover of hostB with a malformed node_ids"):
+        wire.decode({**msg, "node_ids": "worker_2"})  # the agent's link logs it and reads on
 
 
 def test_the_warm_spare_imports_only_while_no_worker_starts_cold() -> None:

@@ -17,6 +17,7 @@ from toolkit.agent.slots import WorkersOf
 from toolkit.agent.supervisor import Agent
 from toolkit.agent.timers import Timers
 from toolkit.contracts import envvars as E
+from toolkit.contracts import messages as wire
 from toolkit.contracts import protocol as P
 from toolkit.contracts.agentdoc import AgentState
 from toolkit.contracts.hostspec import HostSpec, ProcSpec, RestartPolicy
@@ -48,8 +49,8 @@ class Rig:
         self.writes, self.closing, self.state = 0, False, AgentState.RUNNING
         self.p = Processes(self.spec, self.sel, self.timers, log, {"PATH": "/usr/bin:/bin"}, self)
 
-    def report(self, op: str, coalesce: str | None = None, **fields: Any) -> None:
-        self.reports.append((op, fields))
+    def report(self, message: wire.Message, coalesce: str | None = None) -> None:
+        self.reports.append((message.OP, message.encode()))
 
     def write_doc(self) -> None:
         self.writes += 1

@@ -12,7 +12,7 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 from toolkit import procs
 from toolkit.agent.agentlog import AgentLog
@@ -20,6 +20,7 @@ from toolkit.agent.timers import Timers
 from toolkit.agent.warmprocess import WarmSpare
 from toolkit.agent.warmspare import SPARE_DELAY, SPARE_MAX_FAILURES, Step, early_start, next_step
 from toolkit.contracts import envvars as E
+from toolkit.contracts import messages as wire
 from toolkit.contracts.agentdoc import AgentState, WarmSpareDoc
 from toolkit.contracts.hostspec import HostSpec, ProcSpec, RestartPolicy
 from toolkit.standby import OOM_FIRST, prefault_size, private_bytes
@@ -84,7 +85,7 @@ class Rig:
     def write_doc(self) -> None:
         self.writes += 1
 
-    def report(self, op: str, coalesce: str | None = None, **fields: Any) -> None:
+    def report(self, message: wire.Message, coalesce: str | None = None) -> None:
         raise AssertionError("the warm spare reports nothing to the scheduler")
 
     def finish(self, state: AgentState, reason: str | None) -> None:

@@ -21,6 +21,7 @@ from typing import Any, Callable, Mapping
 
 from toolkit.contracts import protocol as P
 from toolkit.scheduler import state as S
+from toolkit.scheduler.actions import Send
 from toolkit.scheduler.membership import Membership
 from toolkit.scheduler.roster import Roster, problems
 
@@ -36,6 +37,14 @@ NODE_TIMEOUT, TOPO_TIMEOUT, HOST_TIMEOUT = 3.0, 60.0, 10.0
 def _plain(value: Any) -> Any:
     """JSON's view of an action's field: mappings as dicts, enums by value (an Enum may replace a string)."""
     return json.loads(json.dumps(value, default=lambda o: dict(o) if isinstance(o, Mapping) else str(o)))
+
+
+def _action(a: Any) -> dict[str, Any]:
+    """An action as recorded: its fields; a Send's message as it goes on the wire (op and fields), so the trace also
+    holds the wire format still (toolkit.contracts.messages)."""
+    if isinstance(a, Send):
+        return {"action": "Send", "peer": a.peer, "op": a.op, "fields": _plain(a.fields), "close": a.close}
+    return {"action": type(a).__name__, **{f.name: _plain(getattr(a, f.name)) for f in dataclasses.fields(a)}}
 
 
 class Trace:
@@ -68,8 +77,7 @@ class Trace:
         persisted = json.dumps({"version": S.VERSION, **m.snapshot()}, indent=1)
         self.steps.append({
             "event": f"{self.name}: {event}",
-            "actions": [{"action": type(a).__name__, **{f.name: _plain(getattr(a, f.name))
-                                                         for f in dataclasses.fields(a)}} for a in actions or []],
+            "actions": [_action(a) for a in actions or []],
             "dirty": m.dirty, "commits_dirty": m.commits_dirty, "next_deadline": m.next_deadline(),
             "worker_hosts": m.roster.worker_hosts(), "fenced_hosts": fenced_hosts(m.roster),
             "persisted": persisted if persisted != self.persisted else None,  # only when it changed

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from toolkit.agent import policy
+from toolkit.contracts import messages as wire
 from toolkit.contracts import protocol as P
 from toolkit.launcher.jobhosts.tables import live_lines, process_note
 from toolkit.launcher.jobhosts.view import ProcStatus
@@ -238,7 +239,8 @@ def test_the_membership_declares_the_stuck_rank_dead_and_has_its_agent_dump_and_
         if any(isinstance(a, Send) and a.op == P.KILL for a in out):
             break
     kill = [a for a in out if isinstance(a, Send) and a.op == P.KILL]
-    assert kill == [Send(50, P.KILL, {"node_id": "worker_1", "pid": 101, "cause": CAUSE_STUCK, "dump": True})]
+    assert kill == [Send(50, wire.Kill("worker_1", 101, CAUSE_STUCK, dump=True))]
+    assert kill[0].fields == {"node_id": "worker_1", "pid": 101, "cause": CAUSE_STUCK, "dump": True}  # on the wire
     assert not [a for a in out if isinstance(a, Send) and a.peer == 11]  # told nothing: it dumps, then dies
     assert [a.fields["generation"] for a in out if isinstance(a, Send) and a.op == P.GENERATION] == [1]
     (death,) = [a for a in out if isinstance(a, Note) and a.kind == NoteKind.DEATH]
@@ -323,8 +325,8 @@ def test_the_agent_dumps_only_when_told_so_in_so_many_words() -> None:
     for dump, expected in ((True, True), ("yes", False), (None, False)):
         msg = {"op": P.KILL, "node_id": "worker_1", "pid": 101, "cause": CAUSE_STUCK,
                **({} if dump is None else {"dump": dump})}
-        assert policy.on_scheduler(msg, running, False, [], ["worker_1"]) == policy.Kill("worker_1", CAUSE_STUCK,
-                                                                                          expected)
+        assert policy.on_scheduler(wire.decode(msg), running, False, [], ["worker_1"]) == \
+            policy.Kill("worker_1", CAUSE_STUCK, expected)
 
 
 class WordChannel:

@@ -40,6 +40,7 @@ from toolkit.agent.supervisor import (
     Agent,
 )
 from toolkit.contracts import hostspec, protocol
+from toolkit.contracts import messages as wire
 from toolkit.contracts.agentdoc import (
     EXIT_OTHER_JOB,
     VERSION,
@@ -350,18 +351,17 @@ def replace(spec: HostSpec, host: str, spare: str | None) -> int:
     where = f"{spec.sched_host}:{spec.sched_port}"
     try:
         token = spec.token_file.read_text(encoding="utf-8").strip()
-        session = open_session((spec.sched_host, spec.sched_port), token, protocol.REPLACE,
-                               {"node_id": "operator", "host": host, "spare": spare}, REPLACE_TIMEOUT,
+        session = open_session((spec.sched_host, spec.sched_port), token, wire.Replace(host, spare), REPLACE_TIMEOUT,
                                min(REPLACE_TIMEOUT, LINK_CONNECT_TIMEOUT))
     except (OSError, protocol.ProtocolError, Unproven) as e:
         raise UserError(f"cannot ask the scheduler at {where} to replace {host}: {e}; is the job running?") from None
     session.sock.close()
     reply = session.reply
-    if reply.get("op") != protocol.WELCOME:
-        print(f"{spec.host}: the scheduler refused: {str(reply.get('reason'))[:2000]}", file=sys.stderr)
+    if not isinstance(reply, wire.Welcome):
+        print(f"{spec.host}: the scheduler refused: {wire.refusal(reply)[0]}", file=sys.stderr)
         return EXIT_FAILED
-    nodes = ", ".join(str(n) for n in reply.get("node_ids") or [])
-    print(f"{reply.get('host')} replaced by {reply.get('spare')}: it takes {nodes}; {reply.get('host')} is fenced")
+    nodes = ", ".join(reply.node_ids or ())
+    print(f"{reply.host} replaced by {reply.spare}: it takes {nodes}; {reply.host} is fenced")
     return EXIT_OK
 
 

@@ -14,6 +14,7 @@ from typing import Any, Callable
 from toolkit.agent.agentlog import AgentLog
 from toolkit.agent.timers import Timer, Timers
 from toolkit.contracts import envvars, protocol
+from toolkit.contracts import messages as wire
 from toolkit.contracts.agentdoc import LinkState
 from toolkit.contracts.hostspec import HostSpec
 from toolkit.contracts.session import AT_ONCE, Unproven, open_session
@@ -37,13 +38,12 @@ class SchedulerLink:
     (toolkit.contracts.protocol)."""
 
     def __init__(self, spec: HostSpec, sel: selectors.BaseSelector, timers: Timers, log: AgentLog,
-                 on_message: Callable[[dict[str, Any]], None], on_change: Callable[[], None],
-                 hello_fields: Callable[[], dict[str, Any]] | None = None,
+                 on_message: Callable[[wire.Message], None], on_change: Callable[[], None],
+                 hello: Callable[[], wire.AgentHello] | None = None,
                  beat_fields: Callable[[], dict[str, Any]] | None = None) -> None:
         self.spec, self.sel, self.timers, self.log = spec, sel, timers, log
         # what the hello says: the host and the node ids it supervises now (a spare's grow when it takes over)
-        self.hello_fields = hello_fields or (lambda: {"host": spec.host,
-                                                      "node_ids": [p.node_id for p in spec.processes]})
+        self.hello = hello or (lambda: wire.AgentHello(spec.host, tuple(p.node_id for p in spec.processes)))
         self.beat_fields = beat_fields or dict  # what each heartbeat says: the children it vouches for
         self.on_message, self.on_change = on_message, on_change
         self.sock: socket.socket | None = None
@@ -68,7 +68,7 @@ class SchedulerLink:
         without a timeout of ours."""
         self._attempt()
 
-    def report(self, op: str, coalesce: str | None = None, **fields: Any) -> None:
+    def report(self, message: wire.Message, coalesce: str | None = None) -> None:
         """Queue a report for the scheduler, and send it now if the link is up. Never blocks and never raises for
         network trouble: what the socket does not take at once goes out when it is writable, and while the link is down
         reports wait for the next successful hello.
@@ -77,7 +77,7 @@ class SchedulerLink:
         the latest while the scheduler is unreachable. At most QUEUE_LIMIT reports wait; beyond that the oldest is
         dropped. Delivery is at most once: a report already moved to a connection that then drops is not sent again (the
         scheduler also learns of a death when its heartbeats stop)."""
-        msg = protocol.encode(op, **fields)
+        msg = message.line()
         if coalesce is not None:
             self.queue = [q for q in self.queue if q[0] != coalesce]
         self.queue.append((coalesce, msg))
@@ -165,7 +165,7 @@ class SchedulerLink:
         except OSError as e:
             self._drop(f"cannot read the job token {self.spec.token_file}: {e}")
             return
-        hello, nonce = protocol.first_hello(protocol.AGENT_HELLO, token, time.time(), **self.hello_fields())
+        hello, nonce = protocol.first_hello(protocol.AGENT_HELLO, token, time.time(), **self.hello().encode())
         self.nonces = ("", nonce)  # the server's nonce comes with its challenge
         self.token = token
         self.wbuf = bytearray(hello)
@@ -197,14 +197,15 @@ class SchedulerLink:
                                   "here, or not this job's scheduler")
                 self._drop("unproven answer", LINK_REJECTED_RETRY)
                 return False
-            if msg["op"] == protocol.REJECT:
-                self.log("agent", f"the scheduler rejected this agent: {str(msg.get('reason'))[:300]}")
+            answer = wire.decode(msg)
+            if not isinstance(answer, wire.Welcome):
+                self.log("agent", f"the scheduler rejected this agent: {wire.refusal(answer)[0][:300]}")
                 self._drop("rejected", LINK_REJECTED_RETRY)
                 return False
             if self.connect_timer:
                 self.connect_timer.cancel()
             self.nonces, self.at_once = None, 0
-            self.beat_interval = protocol.beat_interval(msg, HEARTBEAT_INTERVAL)
+            self.beat_interval = answer.beat or HEARTBEAT_INTERVAL  # none said (an older scheduler): its own
             self._set(LinkState.UP)
             self._said_down = False
             self.log("agent", f"connected to the scheduler at {self.spec.sched_host}:{self.spec.sched_port}")
@@ -214,7 +215,12 @@ class SchedulerLink:
         if self.state is not LinkState.UP:  # nothing is read before the hello is sent: never acted on
             self._drop(f"{msg['op'][:40]} before the hello")
             return False
-        self.on_message(msg)
+        try:
+            message = wire.decode(msg)
+        except protocol.ProtocolError as e:  # authenticated, so a bug or a version skew: said, not obeyed
+            self.log("agent", f"ignored a malformed message from the scheduler: {e}")
+            return True
+        self.on_message(message)
         return True
 
     def _pump(self) -> None:
@@ -295,12 +301,11 @@ class SchedulerLink:
                 self.sock = None
             try:
                 token = self.spec.token_file.read_text(encoding="utf-8").strip()
-                fields = self.hello_fields()
-                session = open_session((self.spec.sched_host, self.spec.sched_port), token, protocol.AGENT_HELLO,
-                                       fields, timeout, min(timeout, LINK_CONNECT_TIMEOUT))
+                session = open_session((self.spec.sched_host, self.spec.sched_port), token, self.hello(), timeout,
+                                       min(timeout, LINK_CONNECT_TIMEOUT))
             except (OSError, protocol.ProtocolError, Unproven):
                 return False
-            if session.reply.get("op") != protocol.WELCOME:
+            if not isinstance(session.reply, wire.Welcome):
                 session.sock.close()
                 return False
             self.sock = session.sock

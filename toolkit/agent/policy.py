@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Collection, Mapping, Sequence
 
+from toolkit.contracts import messages as wire
 from toolkit.contracts import protocol
 from toolkit.contracts.agentdoc import ProcState
 from toolkit.contracts.hostspec import RestartPolicy
@@ -186,22 +187,18 @@ class Ignore:
     why: str
 
 
-def on_scheduler(msg: Mapping[str, Any], running: Mapping[str, int], closing: bool,
+def on_scheduler(msg: wire.Message, running: Mapping[str, int], closing: bool,
                  standby: Collection[str] = (), supervised: Collection[str] = ()
                  ) -> Kill | StopJob | FinishJob | TakeOver | Ignore:
-    """The reaction to one message from the scheduler (the link has authenticated it). Pure. `kill` applies only to a
-    node running here, and only to its running pid when the message names one (a kill for an earlier incarnation is
-    ignored); `stop` fails the job here; `finished` ends it, unless the agent is already closing; `takeover` (to a spare
-    host's agent) starts the named processes, if every one stands by here (`standby`: the node ids of host.json's
-    standby list) and the agent is not closing: those it already supervises (`supervised`: a takeover sent again after
-    a reconnect) are left out, and with none left it is ignored; anything else is ignored. Strings taken from the
-    message are cut to a bounded length. `running` maps node ids to the pid of their running incarnation."""
-    op = msg["op"]
-    if op == protocol.TAKEOVER:
-        host, node_ids = str(msg.get("host"))[:256], msg.get("node_ids")
-        if not isinstance(node_ids, list) or not node_ids or len(node_ids) > 4096:
-            return Ignore(f"ignored a malformed takeover of {host}")
-        names = [str(n)[:256] for n in node_ids]
+    """The reaction to one message from the scheduler (the link has authenticated it, toolkit.contracts.messages
+    has read it). Pure. `kill` applies only to a node running here, and only to its running pid when the message
+    names one (a kill for an earlier incarnation is ignored); `stop` fails the job here; `finished` ends it, unless
+    the agent is already closing; `takeover` (to a spare host's agent) starts the named processes, if every one
+    stands by here (`standby`: the node ids of host.json's standby list) and the agent is not closing: those it
+    already supervises (`supervised`: a takeover sent again after a reconnect) are left out, and with none left it
+    is ignored; anything else is ignored. `running` maps node ids to the pid of their running incarnation."""
+    if isinstance(msg, wire.TakeOver):
+        host, names = msg.host, msg.node_ids
         unknown = [n for n in names if n not in standby]
         if unknown:
             return Ignore(f"cannot take over {host}: {', '.join(unknown[:5])} not standing by here (host.json "
@@ -212,13 +209,12 @@ def on_scheduler(msg: Mapping[str, Any], running: Mapping[str, int], closing: bo
         if not new:
             return Ignore(f"already took over {host} ({', '.join(names)})")
         return TakeOver(host, new)
-    if op == protocol.KILL:
-        node_id, pid = str(msg.get("node_id"))[:256], protocol.whole(msg, "pid")
-        if node_id not in running or (pid is not None and pid != running[node_id]):
-            return Ignore(f"scheduler asked to kill {node_id} pid {pid}: not running here")
-        return Kill(node_id, protocol.cause_field(msg) or "declared dead", msg.get("dump") is True)
-    if op == protocol.STOP:
-        return StopJob(str(msg.get("reason") or "no reason given")[:2000])
-    if op == protocol.FINISHED:
+    if isinstance(msg, wire.Kill):
+        if msg.node_id not in running or (msg.pid is not None and msg.pid != running[msg.node_id]):
+            return Ignore(f"scheduler asked to kill {msg.node_id} pid {msg.pid}: not running here")
+        return Kill(msg.node_id, msg.cause or "declared dead", msg.dump)
+    if isinstance(msg, wire.Stop):
+        return StopJob(msg.reason or "no reason given")
+    if isinstance(msg, wire.Finished):
         return Ignore("already closing") if closing else FinishJob()
-    return Ignore(f"ignored a {str(op)[:40]!r} message from the scheduler")
+    return Ignore(f"ignored a {msg.what!r} message from the scheduler")

@@ -11,8 +11,9 @@ All of it runs on the agent's loop thread.
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Protocol
 
+from toolkit.contracts import messages as wire
 from toolkit.contracts.agentdoc import AgentState
 from toolkit.contracts.hostspec import ProcSpec
 
@@ -28,7 +29,7 @@ class AgentPort(Protocol):
     def closing(self) -> bool:
         """Finishing or stopping: nothing is launched or relaunched any more."""
 
-    def report(self, op: str, coalesce: str | None = None, **fields: Any) -> None:
+    def report(self, message: wire.Message, coalesce: str | None = None) -> None:
         """A message for the scheduler (toolkit.agent.link.SchedulerLink.report: never blocks, never raises)."""
 
     def write_doc(self) -> None:

@@ -26,6 +26,7 @@ from toolkit.agent.slots import EXIT_HISTORY, Slot, WorkersOf, cpu_sets
 from toolkit.agent.timers import Timers
 from toolkit.agent.warmprocess import WarmSpare
 from toolkit.contracts import envvars, protocol
+from toolkit.contracts import messages as wire
 from toolkit.contracts.agentdoc import AgentState, ExitRecord, Failure, ProcState
 from toolkit.contracts.hostspec import HostSpec, ProcSpec
 from toolkit.procs import Child, ExitStatus, LaunchSpec
@@ -271,8 +272,8 @@ class Processes:
             slot.kill_timer.cancel()
             slot.kill_timer = None
         if pid is not None:
-            self.agent.report(protocol.EXITED, coalesce=slot.spec.node_id, node_id=slot.spec.node_id, pid=pid,
-                              code=status.code, signal=status.signal_name, cause=cause)
+            self.agent.report(wire.Exited(slot.spec.node_id, pid, status.code, status.signal_name, cause),
+                              coalesce=slot.spec.node_id)
         others = [s for s in self.slots.values() if s is not slot]
         facts = policy.Exited(
             code=status.code if status.signal is None else None, ran_for=ran, progressed=slot.progressed,
@@ -371,8 +372,8 @@ class Processes:
                                f"{n} allowed restart(s) are used up; last {len(tail)} lines of {spec.log_file}:")
         for line in tail:
             self.log(spec.node_id, f"| {line}")
-        self.agent.report(protocol.GAVE_UP, node_id=spec.node_id, code=status.code, signal=status.signal_name,
-                          cause=cause, log_tail="\n".join(tail)[-GAVE_UP_TAIL_BYTES:])
+        self.agent.report(wire.GaveUp(spec.node_id, status.code, status.signal_name, cause,
+                                      "\n".join(tail)[-GAVE_UP_TAIL_BYTES:]))
         self.agent.finish(AgentState.FAILED, reason)
 
     def count_open_files(self) -> None:

@@ -35,6 +35,7 @@ from toolkit.agent.progressinbox import ProgressInbox, Report
 from toolkit.agent.slots import running
 from toolkit.agent.timers import Timer, Timers
 from toolkit.contracts import agentdoc, envvars, protocol
+from toolkit.contracts import messages as wire
 from toolkit.contracts.agentdoc import AgentDoc, AgentState, ControlOp, ProcState, Takeover, recorded_groups
 from toolkit.contracts.hostspec import HostSpec
 
@@ -103,7 +104,7 @@ class Agent:
         self.warm = self.processes.warm
         slots = self.processes.slots
         self.link = SchedulerLink(spec, self.sel, self.timers, log, self._on_scheduler, self._changed,
-                                  self._hello_fields, lambda: {"running": running(slots.values())})
+                                  self._hello, lambda: {"running": running(slots.values())})
         self._stop_after: Timer | None = None
         self._wake_r: socket.socket | None = None
         self.control = ControlServer(spec.control_socket, self.sel, self.timers, self._control_request)
@@ -212,9 +213,9 @@ class Agent:
             self.state, self.exit_code, self.reason = state, EXIT_CODES[state], reason
             self.closing = True
 
-    def report(self, op: str, coalesce: str | None = None, **fields: Any) -> None:
+    def report(self, message: wire.Message, coalesce: str | None = None) -> None:
         """A message for the scheduler, through the link (SchedulerLink.report: never blocks, never raises)."""
-        self.link.report(op, coalesce, **fields)
+        self.link.report(message, coalesce)
 
     def write_doc(self) -> None:
         """Rewrite agent.json now (a process's or the spare's state changed)."""
@@ -282,7 +283,7 @@ class Agent:
 
     # -- the scheduler's messages
 
-    def _on_scheduler(self, msg: dict[str, Any]) -> None:
+    def _on_scheduler(self, msg: wire.Message) -> None:
         """Apply policy.on_scheduler to one message from the scheduler. SchedulerLink calls it only once the link is up
         (the scheduler has proved the job token).
 
@@ -296,7 +297,7 @@ class Agent:
         reaction = policy.on_scheduler(msg, running, self.closing, [p.node_id for p in self.spec.standby],
                                        list(self.processes.slots))
         if isinstance(reaction, policy.TakeOver):
-            self._take_over(reaction, protocol.whole(msg, "seq"))
+            self._take_over(reaction, msg.seq if isinstance(msg, wire.TakeOver) else None)
         elif isinstance(reaction, policy.Kill):
             self.processes.fence(reaction.node_id, reaction.cause, reaction.dump)
         elif isinstance(reaction, policy.StopJob):
@@ -331,10 +332,10 @@ class Agent:
         self.warm.took_over()
         self.writer.write()
 
-    def _hello_fields(self) -> dict[str, Any]:
+    def _hello(self) -> wire.AgentHello:
         """What the agent's hello says: its host, the node ids it supervises now (a spare's grow with each takeover),
         and whether it is a spare host's agent (the scheduler may hand it a lost host's ranks)."""
-        return {"host": self.spec.host, "node_ids": list(self.processes.slots), "spare": self.spec.spare}
+        return wire.AgentHello(self.spec.host, tuple(self.processes.slots), self.spec.spare)
 
     def finish_now(self) -> None:
         """End a finishing agent: called when its last child has exited or when the grace period after `finished`

@@ -11,7 +11,7 @@ that many messages a second.
 """
 
 import math
-from typing import Mapping
+from typing import Callable, Mapping
 
 # Defaults of the contract (msrun's where it has one)
 DEFAULT_SCHED_PORT = 8118  # MS_SCHED_PORT; the job's store listens on the next port
@@ -144,6 +144,20 @@ def read_int(env: Mapping[str, str], name: str, default: int, error: type[Except
         return int(raw.strip(), 10)
     except ValueError:
         raise error(f"{name}={raw!r}: expected a whole number") from None
+
+
+def readers(error: type[Exception]) -> tuple[Callable[[Mapping[str, str], str, int], int],
+                                             Callable[[Mapping[str, str], str, float], float]]:
+    """(read_int, read_seconds) raising `error`: the scheduler's and the worker's error types differ, so each binds
+    its own once (`_int, _float = envvars.readers(ConfigError)`) instead of wrapping the readers again."""
+
+    def whole(env: Mapping[str, str], name: str, default: int) -> int:
+        return read_int(env, name, default, error)
+
+    def seconds(env: Mapping[str, str], name: str, default: float) -> float:
+        return read_seconds(env, name, default, error)
+
+    return whole, seconds
 
 
 def read_seconds(env: Mapping[str, str], name: str, default: float, error: type[Exception] = ValueError) -> float:

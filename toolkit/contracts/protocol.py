@@ -1,6 +1,8 @@
 """The scheduler's wire contract, shared by the scheduler, the worker runtime, the agent and the store client.
 
-Both sides import the names from here so they cannot drift apart. Framing: one JSON object per line, UTF-8, over
+Both sides import the names from here so they cannot drift apart; each op's fields and their validation are one
+frozen dataclass of toolkit.contracts.messages (all but heartbeat and corruption, read here with pace_fields and
+corruption_fields). Framing: one JSON object per line, UTF-8, over
 TCP to MS_SCHED_HOST:MS_SCHED_PORT (the control server) or MASTER_PORT (the job's store). Every message has an
 "op". Every peer treats what it reads as hostile: a line is bounded (`LineBuffer`), and `decode` turns anything
 that is not a message (bad UTF-8, bad JSON, numbers past Python's digit limit, nesting past the recursion limit,

@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from toolkit.contracts import messages as wire
 from toolkit.contracts import protocol
 
 
@@ -43,15 +44,15 @@ class Session:
 
     sock: socket.socket
     lines: protocol.LineBuffer
-    reply: dict[str, Any]
-    queued: list[dict[str, Any]] = field(default_factory=list)
+    reply: wire.Message
+    queued: list[dict[str, Any]] = field(default_factory=list)  # as read (protocol.LineBuffer), for wire.decode
 
 
-def open_session(address: tuple[str, int], token: str, op: str, fields: dict[str, Any], timeout: float,
+def open_session(address: tuple[str, int], token: str, hello: wire.Message, timeout: float,
                  connect_timeout: float, limit: int = protocol.MAX_LINE) -> Session:
-    """Connect to `address` (host, port) and say `op` (register, agent_hello, store_hello) with `fields`, bounded
-    by `timeout` for the whole exchange. OSError for the network, ProtocolError for a peer that does not speak the
-    protocol, Unproven for one that cannot prove the token.
+    """Connect to `address` (host, port) and say `hello` (register, agent_hello, store_hello, replace), bounded by
+    `timeout` for the whole exchange. OSError for the network, ProtocolError for a peer that does not speak the
+    protocol (or a malformed answer, toolkit.contracts.messages), Unproven for one that cannot prove the token.
 
     `connect_timeout` bounds the TCP connect alone; `limit` is the longest line accepted from the server
     (P.MAX_STORE_LINE for the store). The reply is returned only once it proved the token, whatever it says: a
@@ -76,8 +77,8 @@ def open_session(address: tuple[str, int], token: str, op: str, fields: dict[str
                 pending.extend(lines.feed(data))
             return pending.pop(0)
 
-        hello, client_nonce = protocol.first_hello(op, token, time.time(), **fields)
-        sock.sendall(hello)  # hello first: usually read at the scheduler's accept, before any flood can evict it
+        line, client_nonce = protocol.first_hello(hello.OP, token, time.time(), **hello.encode())
+        sock.sendall(line)  # hello first: usually read at the scheduler's accept, before any flood can evict it
         server_nonce = protocol.challenge_nonce(next_message())
         reply = next_message()
         if not protocol.check_server(token, server_nonce, client_nonce, reply):
@@ -85,7 +86,7 @@ def open_session(address: tuple[str, int], token: str, op: str, fields: dict[str
                     else f"{str(reply.get('op'))[:40]} without a proof")
             raise Unproven(f"the answer did not prove the job token ({said}); a wrong token on this host, or not "
                            "this job's scheduler")
-        return Session(sock, lines, reply, pending)
+        return Session(sock, lines, wire.decode(reply), pending)
     except BaseException:
         sock.close()
         raise

@@ -451,7 +451,7 @@ def _host_from_vars(name: str, v: Mapping[str, Any], where: str) -> Host:
         value = v.get(key)
         if value is None:
             return None
-        if not isinstance(value, (str, int)) or isinstance(value, bool) or str(value).strip() == "":
+        if not (isinstance(value, str) or is_int(value)) or str(value).strip() == "":
             raise InventoryError(f"{where}: {key}={value!r} must be a non-empty string")
         return str(value)
 

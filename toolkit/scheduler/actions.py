@@ -9,6 +9,8 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from toolkit.contracts.messages import Message
+
 
 class NoteKind(str, enum.Enum):
     """The kinds of fact a Note carries, by the name the ledger and the journal know them. A member prints and
@@ -48,12 +50,25 @@ CAUSE_STUCK = "stuck (no progress while its peers waited)"
 
 @dataclass(frozen=True)
 class Send:
-    """Send `op` to `peer`; with `close`, close the connection once it is written (and read nothing more)."""
+    """Send `message` to `peer`; with `close`, close the connection once it is written (and read nothing more)."""
 
     peer: int
-    op: str
-    fields: Mapping[str, Any] = field(default_factory=dict)
+    message: Message
     close: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.message, Message):  # the old Send(peer, op, fields): say so, not send garbage
+            raise TypeError(f"Send carries a typed message (toolkit.contracts.messages), not {self.message!r}")
+
+    @property
+    def op(self) -> str:
+        """The message's op."""
+        return self.message.OP
+
+    @property
+    def fields(self) -> dict[str, Any]:
+        """The message's wire fields (without the op)."""
+        return self.message.encode()
 
 
 @dataclass(frozen=True)

@@ -180,12 +180,7 @@ def _token(env: Mapping[str, str]) -> str:
     return token
 
 
-def _int(env: Mapping[str, str], name: str, default: int) -> int:
-    return envvars.read_int(env, name, default, ConfigError)
-
-
-def _float(env: Mapping[str, str], name: str, default: float) -> float:
-    return envvars.read_seconds(env, name, default, ConfigError)
+_int, _float = envvars.readers(ConfigError)  # the env contract's readers, raising this process's error
 
 
 def _expected_hosts(path: str | None) -> dict[str, str]:

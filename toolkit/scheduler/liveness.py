@@ -15,6 +15,7 @@ import logging
 from typing import Any
 
 from toolkit.contracts import envvars, protocol
+from toolkit.contracts import messages as wire
 from toolkit.scheduler.actions import CAUSE_CLOSED, Action, Log, Send
 from toolkit.scheduler.roster import Member, Roster, rank_of
 
@@ -78,5 +79,5 @@ def kill_unreported(roster: Roster, unreported: dict[str, tuple[int, float]], no
         if agent is not None:
             out += [Log(WARNING, f"{node_id} (pid {pid}) closed its connection {node_timeout:g} s ago and its "
                                  "agent has not reported its exit: killing it (fencing)"),
-                    Send(agent, protocol.KILL, {"node_id": node_id, "pid": pid, "cause": CAUSE_CLOSED})]
+                    Send(agent, wire.Kill(node_id=node_id, pid=pid, cause=CAUSE_CLOSED))]
     return out

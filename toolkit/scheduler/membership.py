@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 from toolkit.contracts import envvars, protocol
+from toolkit.contracts import messages as wire
 from toolkit.scheduler import elastic
 from toolkit.scheduler.actions import (  # also re-exported
     CAUSE_CLOSED,
@@ -97,24 +98,19 @@ class Registration:
 
 def validate_register(peer: int, addr: str, msg: Mapping[str, Any], world_size: int) -> Registration | list[Action]:
     """`msg` as a Registration, or the refusal (`reject`, no retry, the connection closed) of a malformed message
-    (incarnation of 1 to 64 characters, node id and host of at most 256) or of a world size or rank that is not the
-    job's (render the job again)."""
-    node_id, rank, inc = msg.get("node_id"), protocol.whole(msg, "rank"), msg.get("incarnation")
-    pid, host = protocol.whole(msg, "pid"), msg.get("host")
-    if not (isinstance(node_id, str) and rank is not None and isinstance(inc, str) and 0 < len(inc) <= 64
-            and pid is not None and isinstance(host, str) and len(node_id) <= 256 and len(host) <= 256):
+    (wire.Register.from_msg) or of a world size or rank that is not the job's (render the job again)."""
+    try:
+        reg = wire.Register.from_msg(msg)
+    except protocol.ProtocolError as e:
         return [Log(WARNING, f"rejected malformed registration from {addr}"),
-                Send(peer, protocol.REJECT, {"reason": "malformed register message", "retry": False}, close=True)]
-    world = msg.get("world_size")
-    if world != world_size or not 0 <= rank < world_size:
-        reason = (f"{node_id} claims rank {rank} of {world} workers, but the job has {world_size} "
+                Send(peer, wire.Reject(str(e)), close=True)]
+    if reg.world_size != world_size or not 0 <= reg.rank < world_size:
+        reason = (f"{reg.node_id} claims rank {reg.rank} of {reg.world_size} workers, but the job has {world_size} "
                   f"({envvars.MS_WORKER_NUM}); render the job again")
-        return [Log(WARNING, f"rejected {node_id} from {addr}: {reason}"),
-                Send(peer, protocol.REJECT, {"reason": reason, "retry": False}, close=True)]
-    recovery = msg.get("recovery")
-    return Registration(node_id, rank, inc, pid, host,
-                        recovery if recovery in (protocol.RECOVERY_IN_PLACE, protocol.RECOVERY_RESTART) else "unknown",
-                        f"pid {pid} on {host}, {addr}")
+        return [Log(WARNING, f"rejected {reg.node_id} from {addr}: {reason}"),
+                Send(peer, wire.Reject(reason), close=True)]
+    return Registration(reg.node_id, reg.rank, reg.incarnation, reg.pid, reg.host, reg.recovery,
+                        f"pid {reg.pid} on {reg.host}, {addr}")
 
 
 def refuse_register(peer: int, reg: Registration, roster: Roster, status: str, now: float) -> list[Action]:
@@ -127,23 +123,23 @@ def refuse_register(peer: int, reg: Registration, roster: Roster, status: str, n
     if by is not None:
         return [Log(WARNING, f"fenced {node_id} ({where}): host {host} was replaced by {by}; told it to exit"),
                 Note(NoteKind.FENCED, {"node_id": node_id, "pid": pid, "host": host}),
-                Send(peer, protocol.FENCED, {"reason": f"host {host} was replaced by {by}: its processes may not "
-                                                       "rejoin the job"}, close=True)]
+                Send(peer, wire.Fenced(f"host {host} was replaced by {by}: its processes may not rejoin the job"),
+                     close=True)]
     if reg.incarnation in roster.fenced:
         return [Log(WARNING, f"fenced {node_id} ({where}): that incarnation was declared dead; told it to exit"),
                 Note(NoteKind.FENCED, {"node_id": node_id, "pid": pid, "host": host}),
-                Send(peer, protocol.FENCED, {"reason": f"{node_id} (pid {pid}) was declared dead; a replacement takes "
-                                                "its place"}, close=True)]
+                Send(peer, wire.Fenced(f"{node_id} (pid {pid}) was declared dead; a replacement takes its place"),
+                     close=True)]
     if status != RUNNING:
-        return [Send(peer, protocol.REJECT, {"reason": f"the job has {status}", "retry": False}, close=True)]
+        return [Send(peer, wire.Reject(reason=f"the job has {status}", retry=False), close=True)]
     if reg.rank in roster.done:
-        return [Send(peer, protocol.REJECT, {"reason": f"{node_id} already finished", "retry": False}, close=True)]
+        return [Send(peer, wire.Reject(reason=f"{node_id} already finished", retry=False), close=True)]
     current = roster.members.get(reg.rank)
     if current is not None and current.incarnation != reg.incarnation:
         reason = (f"{node_id} is held by a live process (pid {current.pid} on {current.host}, {current.addr}, "
                   f"heard from {now - current.last_seen:.1f} s ago)")
         return [Log(WARNING, f"rejected {node_id} from {where}: {reason}"),
-                Send(peer, protocol.REJECT, {"reason": reason, "retry": True}, close=True)]
+                Send(peer, wire.Reject(reason=reason, retry=True), close=True)]
     return []
 
 
@@ -156,8 +152,8 @@ def refuse_quarantined(m: Membership, peer: int, reg: Registration) -> list[Acti
     where = host if host in m.quarantined else reg.host
     return [Log(WARNING, f"fenced {reg.node_id} ({reg.where}): host {where} is fenced for corruption; told it to exit"),
             Note(NoteKind.FENCED, {"node_id": reg.node_id, "pid": reg.pid, "host": reg.host}),
-            Send(peer, protocol.FENCED, {"reason": f"host {where} is fenced for corruption: its processes may not "
-                                                   "rejoin the job until the operator starts it again"}, close=True)]
+            Send(peer, wire.Fenced(f"host {where} is fenced for corruption: its processes may not rejoin the job "
+                                   "until the operator starts it again"), close=True)]
 
 
 def quarantine_hello(m: Membership, peer: int, host: str, addr: str) -> tuple[bool, list[Action]]:
@@ -172,10 +168,9 @@ def quarantine_hello(m: Membership, peer: int, host: str, addr: str) -> tuple[bo
         m.quarantined[host] = False
         return True, [Log(WARNING, f"refused the agent of {host} ({addr}): the host is fenced for corruption; told it "
                                    "to stop its processes"),
-                      Send(peer, protocol.WELCOME, {}),
-                      Send(peer, protocol.STOP, {"reason": f"host {host} is fenced for corruption in job {m.job}: it "
-                                                           "is out of the job until the operator starts it again"},
-                           close=True)]
+                      Send(peer, wire.Welcome()),
+                      Send(peer, wire.Stop(f"host {host} is fenced for corruption in job {m.job}: it is out of the "
+                                           "job until the operator starts it again"), close=True)]
     del m.quarantined[host]
     return False, [Log(WARNING, f"host {host}, fenced for corruption, is back: its agent was started again (fleet "
                                 "restart --host); its workers rejoin the job")]
@@ -187,34 +182,25 @@ def host_of(roster: Roster, member: Member) -> str:
     return roster.host_of(member.node_id) or str(member.host)
 
 
-def gave_up_reason(agent: Peer, msg: Mapping[str, Any]) -> str:
+def gave_up_reason(agent: Peer, msg: wire.GaveUp) -> str:
     """Why the job fails when an agent's process passed its max restarts (`gave_up`): the node, the host, how it
     ended and the last 5 lines of its log tail (at most 2000 characters)."""
-    node_id = str(msg.get("node_id", "?"))[:256]
-    tail = msg.get("log_tail") if isinstance(msg.get("log_tail"), str) else ""
-    last = " | ".join(line for line in tail.strip().splitlines()[-5:])[-2000:]
-    sig = msg.get("signal") if isinstance(msg.get("signal"), str) else None
-    said = protocol.cause_field(msg) or how(protocol.whole(msg, "code"), sig)
-    return f"{node_id} on {agent.host} failed after its last allowed restart ({said})" + (
+    last = " | ".join(line for line in msg.log_tail.strip().splitlines()[-5:])[-2000:]
+    said = msg.cause or how(msg.code, msg.signal)
+    return f"{msg.node_id} on {agent.host} failed after its last allowed restart ({said})" + (
         f"; last log lines: {last}" if last else "")
 
 
-def recovered(member: Member, msg: Mapping[str, Any]) -> list[Action]:
+def recovered(member: Member, msg: wire.Recovered) -> list[Action]:
     """A worker's `recovered` report: its log line (generation, step, where the state came from and how long it
     took; fields of the wrong type show as None or "?") and a Note for the ledger."""
-    m = dict(msg)
-    source = msg.get("source")
-    origin = {"peer": f"rank {protocol.whole(m, 'from_rank')}'s memory",
-              "checkpoint": f"the checkpoint of rank {protocol.whole(m, 'from_rank')}",
-              "initial": "the initial state"}.get(source if isinstance(source, str) else "", "?")
-    seconds = protocol.seconds_field(msg, "seconds")
-    return [Log(INFO, f"{member.node_id} trains again in generation {protocol.whole(m, 'generation')} from step "
-                      f"{protocol.whole(m, 'step')}, taken from {origin} in {seconds} s; "
-                      f"{protocol.whole(m, 'recomputed')} step(s) recomputed"),
-            Note(NoteKind.RECOVERED, {"node_id": member.node_id, "rank": member.rank,
-                               "generation": protocol.whole(m, "generation"), "step": protocol.whole(m, "step"),
-                               "source": source if isinstance(source, str) else None,
-                               "recomputed": protocol.whole(m, "recomputed"), "seconds": seconds})]
+    origin = {"peer": f"rank {msg.from_rank}'s memory", "checkpoint": f"the checkpoint of rank {msg.from_rank}",
+              "initial": "the initial state"}.get(msg.source or "", "?")
+    return [Log(INFO, f"{member.node_id} trains again in generation {msg.generation} from step {msg.step}, taken "
+                      f"from {origin} in {msg.seconds} s; {msg.recomputed} step(s) recomputed"),
+            Note(NoteKind.RECOVERED, {"node_id": member.node_id, "rank": member.rank, "generation": msg.generation,
+                                      "step": msg.step, "source": msg.source, "recomputed": msg.recomputed,
+                                      "seconds": msg.seconds})]
 
 
 def corrupted(m: Membership, member: Member, msg: Mapping[str, Any], now: float) -> list[Action]:
@@ -301,8 +287,8 @@ def shrink_fenced(m: Membership, host: str, why: str, now: float) -> list[Action
     if agent is not None:
         m.roster.peers.pop(agent, None)
         m.roster.disconnect_agent(host, agent, now)
-        out.append(Send(agent, protocol.STOP, {"reason": f"host {host} is fenced: {why}: it is out of the job "
-                                                         "until the operator starts it again"}, close=True))
+        out.append(Send(agent, wire.Stop(f"host {host} is fenced: {why}: it is out of the job until the operator "
+                                         "starts it again"), close=True))
     for node_id in list(rec.node_ids):
         member = m.roster.members.get(rank_of(node_id) or 0)
         if member is not None and member.node_id == node_id:
@@ -498,10 +484,10 @@ class Membership:
             out.append(Log(INFO, f"registered {node_id} ({where}, {recovery} recovery): {len(self.roster.members)} of "
                                  f"{self.world_size}"))
             self.dirty = True
-        out.append(Send(peer, protocol.WELCOME, {"rank": rank, "world_size": self.world_size,
-                                                 "generation": self.generation, "job": self.job}))
+        out.append(Send(peer, wire.Welcome(rank=rank, world_size=self.world_size, generation=self.generation,
+                                           job=self.job)))
         if self.formed:
-            out.append(Send(peer, protocol.FORMED, formed_fields(self, rank)))
+            out.append(Send(peer, formed(self, rank)))
         else:
             out += self._maybe_form(now)
         return out
@@ -519,10 +505,11 @@ class Membership:
         exits), and it is not recorded; so is the agent of a host fenced for corruption that never got its `stop`
         (`quarantine_hello`). A spare host's agent (`spare: true`) is recorded as a spare; one that was
         handed a takeover is sent it again (it may have restarted), and a lost host waiting for a spare is served."""
-        host, node_ids = msg.get("host"), msg.get("node_ids")
-        if not isinstance(host, str) or not 0 < len(host) <= 256 or not isinstance(node_ids, list) \
-                or len(node_ids) > 4096:
-            return [Send(peer, protocol.REJECT, {"reason": "malformed agent_hello", "retry": False}, close=True)]
+        try:
+            hello = wire.AgentHello.from_msg(msg)
+        except protocol.ProtocolError as e:
+            return [Send(peer, wire.Reject(str(e)), close=True)]
+        host, names = hello.host, list(hello.node_ids)
         by = self.roster.replaced_by(host)
         if by is not None:
             reason = (f"host {host} was replaced by {by} in job {self.job}: it is fenced and may not rejoin; "
@@ -530,13 +517,12 @@ class Membership:
             return [Log(WARNING, f"refused the agent of {host} ({addr}): the host was replaced by {by}; told it to "
                                  "stop its processes"),
                     Note(NoteKind.REFUSED, {"host": host, "by": by}),
-                    Send(peer, protocol.WELCOME, {}), Send(peer, protocol.STOP, {"reason": reason}, close=True)]
+                    Send(peer, wire.Welcome()), Send(peer, wire.Stop(reason=reason), close=True)]
         refused, out = quarantine_hello(self, peer, host, addr)
         if refused:
             return out
         self.roster.peers[peer] = Peer(PeerRole.AGENT, host=host, addr=addr)
-        names = [n for n in node_ids if isinstance(n, str) and len(n) <= 256]
-        old = self.roster.connect_agent(host, peer, msg.get("spare") is True, now,
+        old = self.roster.connect_agent(host, peer, hello.spare is True, now,
                                         scheduler=any(rank_of(n) is None for n in names))
         if old is not None and old != peer:
             self.roster.peers.pop(old, None)
@@ -544,16 +530,15 @@ class Membership:
         for node_id in names:
             self.roster.place(node_id, host)
         out += [Log(INFO, f"agent of {host} connected from {addr}, supervising {', '.join(names) or 'nothing'}"),
-                Send(peer, protocol.WELCOME, {"beat": self.agent_beat})]
+                Send(peer, wire.Welcome(beat=self.agent_beat))]
         if self.status == FINISHED:
-            out.append(Send(peer, protocol.FINISHED))
+            out.append(Send(peer, wire.Finished()))
         elif self.status == FAILED:
-            out.append(Send(peer, protocol.STOP, {"reason": self.failure}))
+            out.append(Send(peer, wire.Stop(reason=self.failure)))
         else:
             for seq, r in enumerate(self.roster.replacements(), 1):
                 if r["by"] == host and not set(r["node_ids"]) <= set(names):
-                    out.append(Send(peer, protocol.TAKEOVER,
-                                    {"host": r["host"], "node_ids": r["node_ids"], "seq": seq}))
+                    out.append(Send(peer, wire.TakeOver(r["host"], tuple(r["node_ids"]), seq)))
             out += self._check_lost(now)
         return out
 
@@ -570,13 +555,17 @@ class Membership:
         op = msg["op"]
         if who is None or who.role == PeerRole.FINISHED:
             return []
+        try:
+            typed = wire.decode(msg)  # heartbeat and corruption read as Unknown: read from `msg` below
+        except protocol.ProtocolError:
+            return []  # an exited that names no process: nothing to act on
         if who.role == PeerRole.AGENT:
             if who.host is not None:
                 self.roster.heard(who.host, peer, now)
-            if op == protocol.EXITED:
-                return self._exited(who, msg, now)
-            if op == protocol.GAVE_UP:
-                return self._fail(gave_up_reason(who, msg), EXIT_FAILED)
+            if isinstance(typed, wire.Exited):
+                return self._exited(who, typed, now)
+            if isinstance(typed, wire.GaveUp):
+                return self._fail(gave_up_reason(who, typed), EXIT_FAILED)
             if op == protocol.HEARTBEAT:
                 vouch(self.roster, who.host, msg.get("running"), now)
                 return []
@@ -594,18 +583,18 @@ class Membership:
             return [Note(NoteKind.PACE, {"rank": member.rank, "node_id": member.node_id,
                                          "host": host_of(self.roster, member), "pid": member.pid, "step": member.step,
                                          **protocol.pace_fields(msg)})]
-        if op == protocol.COMMIT:
-            step = protocol.whole(msg, "step")
+        if isinstance(typed, wire.Commit):
+            step = typed.step
             if step is not None and step > self.roster.commits.get(member.rank, -1):
                 self.roster.commits[member.rank] = step
                 self.roster.unsaved.add((Fact.COMMIT, member.rank))
                 self.commits_dirty = True
             return []
-        if op == protocol.RECOVERED:
-            return recovered(member, msg)
+        if isinstance(typed, wire.Recovered):
+            return recovered(member, typed)
         if op == protocol.CORRUPTION:
             return corrupted(self, member, msg, now)
-        if op == protocol.DONE:
+        if isinstance(typed, wire.Done):
             self.watchdog.forget(member.rank)  # a finished rank is not stuck
             self.roster.peers[peer] = Peer(PeerRole.FINISHED, rank=member.rank, addr=who.addr)
             out: list[Action] = [Log(INFO, f"{member.node_id} finished (pid {member.pid} on {member.host})")]
@@ -682,7 +671,13 @@ class Membership:
         or `reject {reason}` naming what to do when the job has ended or some rank finished, `host` runs no worker,
         runs the scheduler or was replaced already, or the spare is unknown, not connected, in use, or there is
         none."""
-        host, spare = msg.get("host"), msg.get("spare")
+        try:
+            request = wire.Replace.from_msg(msg)
+        except protocol.ProtocolError as e:
+            request, malformed = wire.Replace(str(msg.get("host"))[:256]), str(e)
+        else:
+            malformed = ""
+        host, spare = request.host, request.spare
         hosts = self.roster.worker_hosts()
         reason = ""
         if self.status != RUNNING:
@@ -695,12 +690,13 @@ class Membership:
             reason = f"host {str(host)[:256]} {what}; the hosts with workers: {', '.join(sorted(hosts))}"
         elif self.roster.hosts[host].runs_scheduler:
             reason = f"host {host} runs the scheduler: it cannot be replaced while the job runs"
+        reason = reason or malformed
         chosen = choose_spare(self.roster, spare, str(host)) if not reason else Refusal(reason)
         if isinstance(chosen, Refusal):
             return [Log(WARNING, f"refused to replace {str(host)[:256]}: {chosen.reason}"),
-                    Send(peer, protocol.REJECT, {"reason": chosen.reason, "retry": False}, close=True)]
+                    Send(peer, wire.Reject(reason=chosen.reason, retry=False), close=True)]
         node_ids = hosts[str(host)]
-        return ([Send(peer, protocol.WELCOME, {"host": host, "spare": chosen, "node_ids": node_ids}, close=True)]
+        return ([Send(peer, wire.Welcome(host=host, spare=chosen, node_ids=tuple(node_ids)), close=True)]
                 + self._take_over(host, chosen, "replaced by the operator (fleet replace)", now))
 
     # -- decisions
@@ -748,16 +744,16 @@ class Membership:
             Note(NoteKind.REPLACED, {"host": host, "by": spare, "node_ids": node_ids, "reason": reason})]
         if agent is not None:
             self.roster.peers.pop(agent, None)
-            out.append(Send(agent, protocol.STOP, {"reason": f"host {host} was replaced by {spare} ({reason}): it is "
-                                                      "fenced from the job"}, close=True))
+            out.append(Send(agent, wire.Stop(f"host {host} was replaced by {spare} ({reason}): it is fenced from the "
+                                             "job"), close=True))
         for node_id in node_ids:
             member = self.roster.members.get(rank_of(node_id) or 0)
             if member is not None and member.node_id == node_id:
                 out += self._death(member, f"its host {host} was replaced by {spare}", kill=False, now=now,
                                    cause=CAUSE_REPLACED)
         self.roster.replace(host, spare, reason)  # after the deaths, which name the host their ranks ran on
-        out.append(Send(self.roster.agents[spare], protocol.TAKEOVER, {"host": host, "node_ids": node_ids,
-                                                                 "seq": self.roster.hosts[host].replaced_seq}))
+        out.append(Send(self.roster.agents[spare],
+                        wire.TakeOver(host, tuple(node_ids), self.roster.hosts[host].replaced_seq)))
         return out
 
     def _maybe_form(self, now: float) -> list[Action]:
@@ -793,7 +789,7 @@ class Membership:
                                              **({"logical": {protocol.worker_node_id(s): list(p) for s, p in
                                                              self.world.by_slot().items()}}
                                                 if self.assignment is not None else {})})]
-        out += [Send(m.peer, protocol.FORMED, formed_fields(self, m.rank))
+        out += [Send(m.peer, formed(self, m.rank))
                 for m in self.roster.members.values() if m.peer is not None]
         if self.generation > 0:  # the generations before are over: their store keys can go
             out += [DropKeys(protocol.store_prefix(self.job, self.boot, g)) for g in range(self.generation)]
@@ -831,10 +827,9 @@ class Membership:
             # a stuck rank is told nothing: the word would end it before its agent has its stacks written (its
             # connection closes when the agent kills it, and is ignored meanwhile)
             if not (cause == CAUSE_STUCK and kill and agent is not None):
-                out.append(Send(member.peer, protocol.FENCED, {"reason": f"declared dead: {reason}"}, close=True))
+                out.append(Send(member.peer, wire.Fenced(reason=f"declared dead: {reason}"), close=True))
         if kill and agent is not None:
-            out.append(Send(agent, protocol.KILL, {"node_id": member.node_id, "pid": member.pid, "cause": cause,
-                                                   **({"dump": True} if cause == CAUSE_STUCK else {})}))
+            out.append(Send(agent, wire.Kill(member.node_id, member.pid, cause, dump=cause == CAUSE_STUCK)))
         if self.status != RUNNING:
             return out
         if self.roster.done:
@@ -859,7 +854,7 @@ class Membership:
         # reconnected after a restart of the job is no process that leaves: its absence is judged as such)
         self.leaving |= {m.incarnation for m in self.roster.members.values()
                          if m.recovery == protocol.RECOVERY_RESTART and m.peer is not None}
-        return [Send(m.peer, protocol.GENERATION, {"generation": self.generation})
+        return [Send(m.peer, wire.Generation(generation=self.generation))
                 for m in self.roster.members.values() if m.peer is not None]
 
     def _mark_done(self, rank: int) -> list[Action]:
@@ -874,7 +869,7 @@ class Membership:
             return []
         self.status = FINISHED
         return ([Log(INFO, f"all {len(slots)} workers finished: job {self.job} done"), Note(NoteKind.FINISHED)]
-                + [Send(agent, protocol.FINISHED) for agent in self.roster.agents.values()] + [Exit(EXIT_OK)])
+                + [Send(agent, wire.Finished()) for agent in self.roster.agents.values()] + [Exit(EXIT_OK)])
 
     def _fail(self, reason: str, code: int) -> list[Action]:
         """Fail the job, once (later calls do nothing): keep `reason` (persisted, and sent to agents that connect
@@ -885,12 +880,12 @@ class Membership:
         self.failure = reason
         self.dirty = True
         return ([Log(ERROR, f"job {self.job} failed: {reason}"), Note(NoteKind.FAILED, {"reason": reason})]
-                + [Send(agent, protocol.STOP, {"reason": reason}) for agent in self.roster.agents.values()]
-                + [Send(m.peer, protocol.STOP, {"reason": reason})
+                + [Send(agent, wire.Stop(reason=reason)) for agent in self.roster.agents.values()]
+                + [Send(m.peer, wire.Stop(reason=reason))
                    for m in self.roster.members.values() if m.peer is not None]
                 + [Exit(code)])
 
-    def _exited(self, agent: Peer, msg: Mapping[str, Any], now: float) -> list[Action]:
+    def _exited(self, agent: Peer, msg: wire.Exited, now: float) -> list[Action]:
         """An agent's report that a child exited (`exited {node_id, pid, code, signal}`).
 
         Not a worker of this job (the scheduler, a rank out of range): logged only. Exit 0 without a signal is a
@@ -899,12 +894,8 @@ class Membership:
         gone). Another pid (an incarnation already replaced, or never registered) is logged only. Its cause is the
         agent's `cause` (the first cause: the script's error, or the fencing that killed it) if given, else the code
         or signal; a kill waiting for this report is dropped."""
-        node_id, pid = msg.get("node_id"), protocol.whole(msg, "pid")
-        code, sig = protocol.whole(msg, "code"), msg.get("signal") if isinstance(msg.get("signal"), str) else None
-        if not isinstance(node_id, str):
-            return []
-        node_id = node_id[:256]
-        said = protocol.cause_field(msg) or how(code, sig)
+        node_id, pid, code, sig = msg.node_id, msg.pid, msg.code, msg.signal
+        said = msg.cause or how(code, sig)
         if self.unreported.get(node_id, (None,))[0] == pid:
             del self.unreported[node_id]
         rank = rank_of(node_id)
@@ -969,12 +960,12 @@ def death_after_done(m: Membership, member: Member, reason: str) -> list[Action]
                       "new generation with its replacement: start the job again (train --again)", EXIT_FAILED)
 
 
-def formed_fields(m: Membership, slot: int) -> dict[str, Any]:
+def formed(m: Membership, slot: int) -> wire.Formed:
     """The `formed` message for the worker in `slot`: the generation, its store prefix, and (elastic.World) the
-    slot's rank in it, its world size, L and the assignment of logical ranks."""
+    slot's rank in it, its world size, L and the assignment of logical ranks (the server adds the ledger's
+    figures)."""
     world = m.world or elastic.plan_world(elastic.active(m.world_size, m.benched), m.logical_world, None)
-    return {"generation": m.generation, "prefix": protocol.store_prefix(m.job, m.boot, m.generation),
-            **world.formed_fields(slot)}
+    return wire.Formed(m.generation, protocol.store_prefix(m.job, m.boot, m.generation), **world.formed_fields(slot))
 
 
 def shrink_or_wait(m: Membership, lost: Lost, now: float) -> list[Action]:

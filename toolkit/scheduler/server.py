@@ -12,6 +12,7 @@ file descriptors). The server owns the loop, the signals, the deadlines, the act
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import logging
 import resource
@@ -25,6 +26,7 @@ from typing import Any, Callable
 
 from toolkit import procs
 from toolkit.contracts import envvars, protocol
+from toolkit.contracts import messages as wire
 from toolkit.printable import clean
 from toolkit.scheduler import exposition, state
 from toolkit.scheduler.actions import Close, DropKeys, Exit, Log, Note, Send
@@ -346,7 +348,7 @@ class Server:
         subject = protocol.hello_subject(msg)[:80] or "?"  # what the peer claims: cleaned where it is logged
         if op not in expected:
             self.said.warn("rejected:unexpected", f"rejected {conn.addr}: {op[:40]!r} before authenticating")
-            self.conns.send(conn, protocol.REJECT, reason=f"expected {' or '.join(expected)} first", retry=False)
+            self.conns.send(conn, wire.Reject(f"expected {' or '.join(expected)} first"))
             conn.closing = True
             return
         if "token" in msg:
@@ -363,12 +365,12 @@ class Server:
             self.said.warn(f"rejected:{op}:{reason[:20]}", f"rejected {what} from {conn.addr}{host}: {reason}")
             if reason.startswith(CLOCK_SKEW):  # its proof checked: a proven reject, which the client trusts and says
                 self.conns.authenticate(conn, str(msg["nonce"]))
-            self.conns.send(conn, protocol.REJECT, reason=reason, retry=False)
+            self.conns.send(conn, wire.Reject(reason))
             conn.closing = True
             return
         self.conns.authenticate(conn, str(msg["nonce"]))
         if op == protocol.STORE_HELLO:
-            self.conns.send(conn, protocol.WELCOME)
+            self.conns.send(conn, wire.Welcome())
         elif op == protocol.REGISTER:
             self._apply(self.members.register(conn.id, conn.addr, msg, now))
         elif op == protocol.REPLACE:  # the operator's (fleet replace): answered, then closed
@@ -386,9 +388,10 @@ class Server:
             if isinstance(action, Send):
                 conn = self.conns.get(action.peer)
                 if conn is not None:
-                    # for the checkpoint interval
-                    extra = self.journal.history() if action.op == protocol.FORMED else {}
-                    self.conns.send(conn, action.op, **action.fields, **extra)
+                    message = action.message
+                    if isinstance(message, wire.Formed):  # the ledger's figures, for the checkpoint interval
+                        message = dataclasses.replace(message, **self.journal.history())
+                    self.conns.send(conn, message)
                     if action.close:
                         conn.closing = True
             elif isinstance(action, Close):

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from toolkit.contracts import protocol
+from toolkit.contracts.messages import Challenge, Message
 from toolkit.printable import clean
 from toolkit.scheduler.admission import Admission
 
@@ -172,7 +173,7 @@ class Connections:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self.conns[conn.id] = conn
             self.sel.register(sock, selectors.EVENT_READ, conn)
-            self.send(conn, protocol.CHALLENGE, nonce=conn.nonce)
+            self.send(conn, Challenge(conn.nonce))
             if self._hello_waiting(conn.id):  # hello first: read and judged now, before any admission
                 self.read(conn)
                 if conn.authed or conn.closed or conn.closing:
@@ -278,13 +279,14 @@ class Connections:
         self.admission.done(conn.id)
         conn.lines.limit = protocol.MAX_STORE_LINE if conn.kind == STORE else protocol.MAX_LINE
 
-    def send(self, conn: Conn, op: str, **fields: Any) -> None:
-        """Queue message `op` for `conn`. The first one after an accepted hello carries the server's proof
+    def send(self, conn: Conn, message: Message) -> None:
+        """Queue `message` for `conn`. The first one after an accepted hello carries the server's proof
         (HMAC over both nonces), which the client checks before it believes anything the scheduler says."""
+        fields = message.encode()
         if conn.prove and conn.client_nonce is not None:  # the first answer to a hello proves we hold the token
-            fields = {**fields, "proof": protocol.server_proof(self.token, conn.nonce, conn.client_nonce)}
+            fields["proof"] = protocol.server_proof(self.token, conn.nonce, conn.client_nonce)
             conn.prove = False
-        self.queue(conn, protocol.encode(op, **fields))
+        self.queue(conn, protocol.encode(message.OP, **fields))
 
     def queue(self, conn: Conn, data: bytes) -> None:
         """Append encoded bytes to `conn`'s output for the next flush; nothing is queued to a closed connection."""

@@ -22,6 +22,7 @@ import time
 from typing import Any, Protocol
 
 from toolkit.contracts import envvars, protocol
+from toolkit.contracts import messages as wire
 from toolkit.contracts.session import AT_ONCE, Unproven, evicted, open_session
 from toolkit.train import jobview, stacks
 from toolkit.train.faults import JobStopped, RegistrationError, Rejected
@@ -98,22 +99,23 @@ class Channel:
         `welcome` the connection becomes the channel's and the messages that came with it are handled. Raises
         Rejected (the scheduler's reason, and whether to retry), or OSError, ProtocolError or Unproven when the
         scheduler cannot be reached or proven; a `fenced` answer ends the process with EXIT_FENCED."""
-        fields = {"node_id": self.cfg.node_id, "rank": self.cfg.rank, "world_size": self.cfg.world_size,
-                  "incarnation": self.incarnation, "pid": os.getpid(),
-                  "host": os.environ.get(envvars.TOOLKIT_HOST) or socket.gethostname(),  # the inventory's name: fencing
-                  "generation": self.view.held, "rejoin": rejoin, "recovery": self.recovery}
-        session = open_session((self.cfg.sched_host, self.cfg.sched_port), self.cfg.token, protocol.REGISTER, fields,
-                               timeout, CONNECT_TIMEOUT)
-        msg = session.reply
-        if msg["op"] != protocol.WELCOME:
+        hello = wire.Register(self.cfg.node_id, self.cfg.rank, self.cfg.world_size, self.incarnation, os.getpid(),
+                              os.environ.get(envvars.TOOLKIT_HOST) or socket.gethostname(),  # the inventory's: fencing
+                              self.view.held, rejoin, self.recovery)
+        session = open_session((self.cfg.sched_host, self.cfg.sched_port), self.cfg.token, hello, timeout,
+                               CONNECT_TIMEOUT)
+        reply = session.reply
+        if not isinstance(reply, wire.Welcome):
             session.sock.close()
-            if msg["op"] == protocol.FENCED:
-                self._apply([jobview.fenced(msg.get("reason"))])
-            raise Rejected(str(msg.get("reason", "rejected"))[:jobview.MAX_FENCED_REASON], bool(msg.get("retry")))
+            if isinstance(reply, wire.Fenced):
+                self._apply([jobview.fenced(reply.reason)])
+            reason, retry = wire.refusal(reply)
+            raise Rejected(reason[:jobview.MAX_FENCED_REASON], retry)
         session.sock.settimeout(SEND_TIMEOUT)
         with self.send_lock:
             self.sock, self.lines = session.sock, session.lines
-        for later in [msg, *session.queued]:
+        self._take(reply)
+        for later in session.queued:
             self._handle(later)
 
     def join(self, deadline: float) -> None:
@@ -199,8 +201,10 @@ class Channel:
                     waiting, busy = stacks.sample(self.training_thread)
                     long = self.long or busy
                     count = stacks.collectives() if self.count_collectives and self.step is None else None
-                    self.send(protocol.HEARTBEAT, strict=True, step=self.step, **self.beat, waiting=waiting,
-                              **({"long": long} if long else {}), **({} if count is None else {"collectives": count}))
+                    self.send_line(protocol.encode(
+                        protocol.HEARTBEAT, step=self.step, **self.beat, waiting=waiting,
+                        **({"long": long} if long else {}), **({} if count is None else {"collectives": count})),
+                        strict=True)
             except (OSError, ValueError, protocol.ProtocolError) as e:
                 if self.closing.is_set() or self.finishing:
                     return
@@ -225,12 +229,16 @@ class Channel:
         return moved
 
     def _handle(self, msg: dict[str, Any]) -> None:
-        """One message of the (authenticated) scheduler: the core decides (jobview.on_message, at the time it is
-        handled), the new view is swapped in and the waiters woken, then the effects run in order (`fenced` ends the
-        process with the view untouched). A malformed message is a ProtocolError, which drops the connection like
-        any broken one (the reader reconnects)."""
+        """One message of the (authenticated) scheduler as read (wire.decode): a malformed one is a ProtocolError,
+        which drops the connection like any broken one (the reader reconnects)."""
+        self._take(wire.decode(msg))
+
+    def _take(self, message: wire.Message) -> None:
+        """One message of the scheduler: the core decides (jobview.on_message, at the time it is handled), the new
+        view is swapped in and the waiters woken, then the effects run in order (`fenced` ends the process with the
+        view untouched)."""
         with self.cond:
-            view, effects = jobview.on_message(self.view, msg, time.monotonic())
+            view, effects = jobview.on_message(self.view, message, time.monotonic())
             if view is not self.view:
                 self.view = view
                 self.cond.notify_all()
@@ -265,14 +273,19 @@ class Channel:
 
     # -- used by the training thread
 
-    def send(self, op: str, strict: bool = False, **fields: Any) -> bool:
+    def send(self, message: wire.Message, strict: bool = False) -> bool:
         """Best effort: while the scheduler is away, messages are dropped (heartbeats resume on reconnect)."""
+        return self.send_line(message.line(), strict)
+
+    def send_line(self, line: bytes, strict: bool = False) -> bool:
+        """`send` for a line already encoded (protocol.encode: the heartbeat and the corruption report, which are
+        not typed messages yet)."""
         with self.send_lock:
             sock = self.sock
             if sock is None:
                 return False
             try:
-                sock.sendall(protocol.encode(op, **fields))
+                sock.sendall(line)
                 return True
             except OSError:
                 if strict:
@@ -326,7 +339,7 @@ class Channel:
             sock = self.sock
             if sock is not None:
                 try:
-                    sock.sendall(protocol.encode(protocol.DONE))
+                    sock.sendall(wire.Done().line())
                     sock.shutdown(socket.SHUT_WR)
                     self.finishing = True
                 except OSError:

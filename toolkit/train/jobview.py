@@ -22,11 +22,11 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Union
 
+from toolkit.contracts import messages as wire
 from toolkit.contracts import protocol
 from toolkit.contracts.logical import parse_formed
 
 DONE_WAIT = 5.0  # s to hear the scheduler acknowledge `done` (by closing) before exiting anyway
-MAX_WORLD = 1 << 20  # ranks a `formed` may say a generation has (a hostile bound)
 MAX_REASON = 2000  # characters of a `stop` reason kept
 MAX_FENCED_REASON = 1000  # characters of a `fenced` or refusal reason logged
 
@@ -105,33 +105,28 @@ def fenced(reason: Any) -> ExitProcess:
     return ExitProcess(code, f"fenced by the scheduler: {str(reason)[:MAX_FENCED_REASON]}; exiting with code {code}")
 
 
-def on_message(view: JobView, msg: dict[str, Any], now: float) -> tuple[JobView, list[Effect]]:
-    """One message of the (authenticated) scheduler, read at monotonic time `now`: the new view and the effects to
-    apply in order. TripFence comes whenever the announced generation is newer than the one held (or none is held
-    yet): the fence, armed for the generation being built or held, makes the last call. `fenced` returns `view`
-    itself and one ExitProcess. A malformed message (welcome, generation or formed without a generation >= 0,
-    formed without a store prefix) raises ProtocolError and changes nothing: the channel drops the connection like
-    any broken one and reconnects. A `formed` whose assignment of logical ranks is wrong (authenticated, so a bug or
-    a version skew, not noise) changes nothing and ends the process (EXIT_FATAL) with one line. An op this worker
-    does not know changes nothing."""
-    op = msg["op"]
-    if op == protocol.FENCED:
-        return view, [fenced(msg.get("reason"))]
-    generation = protocol.whole(msg, "generation")
-    if op in (protocol.WELCOME, protocol.GENERATION, protocol.FORMED) and (generation is None or generation < 0):
-        raise protocol.ProtocolError(f"{op} without a generation")
-    if op == protocol.FORMED and not isinstance(msg.get("prefix"), str):
-        raise protocol.ProtocolError("formed without a store prefix")
-    if op == protocol.FORMED and "world_size" in msg and _shape(msg) is None:
-        raise protocol.ProtocolError("formed with a rank that is not in its world size")
-    if op == protocol.FORMED:
-        shape = _shape(msg) if "world_size" in msg else None  # an elastic job's generation has its own size
+def on_message(view: JobView, msg: wire.Message, now: float) -> tuple[JobView, list[Effect]]:
+    """One message of the (authenticated) scheduler, read at monotonic time `now` (wire.decode has checked it: a
+    welcome, generation or formed without a generation >= 0, a formed without a store prefix or with a rank outside
+    its world size never gets here): the new view and the effects to apply in order. TripFence comes whenever the
+    announced generation is newer than the one held (or none is held yet): the fence, armed for the generation
+    being built or held, makes the last call. `fenced` returns `view` itself and one ExitProcess. A welcome without
+    a generation raises ProtocolError and changes nothing (a worker's welcome has one): the channel drops the
+    connection like any broken one and reconnects. A `formed` whose assignment of logical ranks is wrong
+    (authenticated, so a bug or a version skew, not noise) changes nothing and ends the process (EXIT_FATAL) with
+    one line. A message this worker does not act on changes nothing."""
+    if isinstance(msg, wire.Fenced):
+        return view, [fenced(msg.reason)]
+    if isinstance(msg, wire.Welcome) and msg.generation is None:
+        raise protocol.ProtocolError("welcome without a generation")
+    if isinstance(msg, wire.Formed):
+        shape = msg.shape  # an elastic job's generation has its own size
         try:
             logical = _logical(msg, shape[1] if shape is not None else view.world_size)
         except ValueError as e:
-            return view, [_bad_assignment(generation, e)]
-        view = dataclasses.replace(view, logical=(generation, *logical))
-    new = _changed(view, op, msg, generation, now)
+            return view, [_bad_assignment(msg.generation, e)]
+        view = dataclasses.replace(view, logical=(msg.generation, *logical))
+    new = _changed(view, msg, now)
     effects: list[Effect] = []
     if new.announced is not None and (new.held is None or new.announced > new.held):
         effects.append(TripFence(new.announced))
@@ -140,20 +135,20 @@ def on_message(view: JobView, msg: dict[str, Any], now: float) -> tuple[JobView,
         effects.append(ExitProcess(code, f"the job moved to generation {new.announced}; this script cannot re-form in "
                                          f"place: exiting with code {code} for its agent to relaunch it"))
         return new, effects
-    if op == protocol.GENERATION:
-        effects.append(Say(f"the job moved to generation {generation}"))
-    elif op == protocol.STOP:
-        effects.append(Say(f"the scheduler stopped the job: {msg.get('reason')}"))
+    if isinstance(msg, wire.Generation):
+        effects.append(Say(f"the job moved to generation {msg.generation}"))
+    elif isinstance(msg, wire.Stop):
+        effects.append(Say(f"the scheduler stopped the job: {msg.reason}"))
     return new, effects
 
 
-def _logical(msg: dict[str, Any], world_size: int) -> tuple[int, tuple[tuple[int, ...], ...]]:
+def _logical(msg: wire.Formed, world_size: int) -> tuple[int, tuple[tuple[int, ...], ...]]:
     """(L, the logical ranks of each rank) of a `formed` message: without the two fields (a scheduler that does not
     send them), one logical rank per rank, rank r serving r. ValueError naming what is wrong with them."""
-    if "logical" not in msg and "logical_world" not in msg:
+    if msg.logical is None and msg.logical_world is None:
         return world_size, tuple((r,) for r in range(world_size))
-    parts = parse_formed(msg.get("logical"), world_size, msg.get("logical_world"))
-    return msg["logical_world"], parts
+    parts = parse_formed(msg.logical, world_size, msg.logical_world)
+    return msg.logical_world, parts
 
 
 def _bad_assignment(generation: int | None, error: ValueError) -> ExitProcess:
@@ -166,31 +161,21 @@ def _bad_assignment(generation: int | None, error: ValueError) -> ExitProcess:
                              "the scheduler and this worker may run different toolkit versions")
 
 
-def _changed(view: JobView, op: str, msg: dict[str, Any], generation: int | None, now: float) -> JobView:
-    """The view after a validated message. The ledger's history is taken only when its figures are sane: a
-    negative or non-finite uptime (or a fault count that is no whole number >= 0) leaves the last one."""
-    if op in (protocol.WELCOME, protocol.GENERATION):
-        return dataclasses.replace(view, announced=generation)
-    if op == protocol.FORMED and generation is not None:  # (on_message checked that it is)
+def _changed(view: JobView, msg: wire.Message, now: float) -> JobView:
+    """The view after a validated message. The ledger's history is taken only when its figures are sane (a fault
+    count and an uptime both read): otherwise the last one stays."""
+    if isinstance(msg, (wire.Welcome, wire.Generation)):
+        return dataclasses.replace(view, announced=msg.generation)
+    if isinstance(msg, wire.Formed):
         history = view.history
-        faults, uptime = protocol.whole(msg, "faults"), protocol.seconds_field(msg, "uptime")
-        if faults is not None and faults >= 0 and uptime is not None:
-            history = (faults, uptime, now)
-        goodput = msg.get("goodput")
-        goodput = float(goodput) if type(goodput) in (int, float) and 0 <= goodput <= 1 else None
-        return dataclasses.replace(view, formed=(generation, msg["prefix"]), announced=generation, history=history,
-                                   goodput=goodput, shape=_shape(msg) if "world_size" in msg else view.shape)
-    if op == protocol.STOP:
-        return dataclasses.replace(view, stop_reason=str(msg.get("reason", "stopped by the scheduler"))[:MAX_REASON])
+        if msg.faults is not None and msg.uptime is not None:
+            history = (msg.faults, msg.uptime, now)
+        return dataclasses.replace(view, formed=(msg.generation, msg.prefix), announced=msg.generation,
+                                   history=history, goodput=msg.goodput, shape=msg.shape or view.shape)
+    if isinstance(msg, wire.Stop):
+        reason = "stopped by the scheduler" if msg.reason is None else msg.reason
+        return dataclasses.replace(view, stop_reason=reason[:MAX_REASON])
     return view
-
-
-def _shape(msg: dict[str, Any]) -> tuple[int, int] | None:
-    """A `formed` message's (rank, world size) of this process, None unless 0 <= rank < world size (bounded)."""
-    rank, world = protocol.whole(msg, "rank"), protocol.whole(msg, "world_size")
-    if rank is None or world is None or not 0 <= rank < world <= MAX_WORLD:
-        return None
-    return rank, world
 
 
 def on_refused(first_at: float, now: float, retry: bool, reason: str, node_timeout: float) -> Retry | Stop | \

@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 
 from toolkit.contracts import envvars, protocol, stepfile
+from toolkit.contracts import messages as wire
 from toolkit.train import fence as fence_mod
 from toolkit.train import progress, stacks
 from toolkit.train import store as job_store
@@ -173,12 +174,7 @@ def _verify_every(env: Mapping[str, str]) -> int | str:
     return int(value)
 
 
-def _int(env: Mapping[str, str], name: str, default: int) -> int:
-    return envvars.read_int(env, name, default, RuntimeConfigError)
-
-
-def _float(env: Mapping[str, str], name: str, default: float) -> float:
-    return envvars.read_seconds(env, name, default, RuntimeConfigError)
+_int, _float = envvars.readers(RuntimeConfigError)  # the env contract's readers, raising this process's error
 
 
 class Runtime:
@@ -393,7 +389,7 @@ class Runtime:
         """A checkpoint of `step` is durable on this rank: the scheduler persists the newest step every rank has.
         Safe to call from a checkpoint writer thread."""
         if self._channel is not None:
-            self._channel.send(protocol.COMMIT, step=step)
+            self._channel.send(wire.Commit(step))
         self._progress(step, self._epoch, time.monotonic())
 
     def recovered(self, step: int, source: str, from_rank: int | None, recomputed: int, seconds: float,
@@ -401,8 +397,8 @@ class Runtime:
         """Tell the scheduler this rank trains again in its generation, from the state of `step` taken from
         `source` ("peer", "checkpoint", "initial"), and how many steps it had done that are now done again."""
         if self._channel is not None:
-            self._channel.send(protocol.RECOVERED, generation=self.generation, step=step, source=source,
-                               from_rank=from_rank, recomputed=recomputed, seconds=round(seconds, 4), bytes=nbytes)
+            self._channel.send(wire.Recovered(self.generation, step, source, from_rank, recomputed, round(seconds, 4),
+                                              nbytes))
 
     def _progress(self, step: int, epoch: int | None, now: float) -> None:
         path = self.cfg.agent_socket
@@ -498,7 +494,7 @@ def report_corruption(rt: Runtime, **fields: Any) -> None:
     """Tell the scheduler that the replica check found corruption (toolkit.train.replicas: step, since, ranks, hosts,
     action), for its ledger; nothing outside toolkit. A function, not a method: Runtime's interface stays small."""
     if rt._channel is not None:
-        rt._channel.send(protocol.CORRUPTION, generation=rt.generation, **fields)
+        rt._channel.send_line(protocol.encode(protocol.CORRUPTION, generation=rt.generation, **fields))
 
 
 def await_word(rt: Runtime, bound: float) -> str | None:

@@ -9,6 +9,7 @@ import math
 import time
 from typing import Any
 
+from toolkit.contracts import messages as wire
 from toolkit.contracts import protocol
 from toolkit.train import stacks
 from toolkit.train.channel import Channel
@@ -51,7 +52,7 @@ class ScriptReporter:
         self.last = step
         if checkpoint:
             self.checkpoint = step if self.checkpoint is None else max(self.checkpoint, step)
-            self.channel.send(protocol.COMMIT, step=step)
+            self.channel.send(wire.Commit(step))
         if checkpoint or now - self.sent >= PROGRESS_INTERVAL:
             self.sent = now
             extra = {k: v for k, v in (("ckpt_step", self.checkpoint), ("stride", self.stride),

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from toolkit.contracts import messages as wire
 from toolkit.contracts import protocol
 from toolkit.contracts.session import AT_ONCE, Unproven, evicted, open_session
 from toolkit.train.faults import StoreError, StoreRefused
@@ -61,12 +62,12 @@ class JobStore(dist.Store):
         self._timeout = timeout
         self._lock = threading.Lock()
         self._next = 0
-        session = open_session((host, port), token, protocol.STORE_HELLO, {"node_id": node_id}, handshake,
+        session = open_session((host, port), token, wire.StoreHello(node_id), handshake,
                                connect_timeout, limit=protocol.MAX_STORE_LINE)
-        if session.reply.get("op") != protocol.WELCOME:
+        if not isinstance(session.reply, wire.Welcome):
             session.sock.close()
-            raise StoreRefused(f"the job's store at {host}:{port} refused {node_id}: "
-                               f"{str(session.reply.get('reason'))[:300]}", session.reply.get("retry") is True)
+            why, retry = wire.refusal(session.reply)
+            raise StoreRefused(f"the job's store at {host}:{port} refused {node_id}: {why[:300]}", retry)
         session.lines.limit = protocol.MAX_STORE_REPLY  # the server proved the token: a multi_get's reply may be long
         self._sock, self._lines, self._queued = session.sock, session.lines, session.queued
         self._address = f"{host}:{port}"

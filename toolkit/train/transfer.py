@@ -41,6 +41,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from toolkit.contracts.protocol import is_int
 from toolkit.train import log
 from toolkit.train.digest import Digester
 from toolkit.train.faults import TransferError
@@ -118,7 +119,7 @@ def inflate(skeleton: Any, values: Sequence[Any]) -> Any:
                 return float.fromhex(inner)
             except ValueError:
                 raise TransferError(f"state description: {inner[:40]!r} is not a float") from None
-        if tag == "x" and isinstance(inner, int) and not isinstance(inner, bool) and 0 <= inner < len(values):
+        if tag == "x" and is_int(inner) and 0 <= inner < len(values):
             return values[inner]
         if tag in ("l", "u", "d") and isinstance(inner, list):
             if tag == "l":
@@ -228,7 +229,7 @@ class Layout:
 
 
 def _count(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    return is_int(value) and value >= 0
 
 
 def _entry(raw: Any, index: int, messages: list[int]) -> Entry:
