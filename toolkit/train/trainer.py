@@ -130,9 +130,8 @@ class Trainer:
         self._data = StepData(loader, seed, runtime.logical_world, runtime.logical_ranks,
                               as_built(runtime, self._built_for))
         self.position = self._data.position
-        # what writes this rank's checkpoints: its share of its host's copy, or its own shard (toolkit.train.sharded)
         self.manager: RankCheckpoints = manager_for(runtime, ckpt_dir, keep, async_ckpt) if sharding is None else \
-            sharded.checkpoints_for(runtime, sharding, ckpt_dir, keep, async_ckpt)
+            sharded.checkpoints_for(runtime, sharding, ckpt_dir, keep, async_ckpt)  # its host's copy, or its shard
         self.step_count = 0  # optimizer steps done: the job's global step, the same on every rank
         self._sharded = sharding is not None
         if sharding is None:

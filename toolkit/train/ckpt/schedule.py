@@ -140,7 +140,8 @@ class Checkpointing:
         tensors = [p for group in self.optimizer.param_groups for p in group["params"]]
         tensors += [v for per_param in self.optimizer.state.values() for v in per_param.values()
                     if isinstance(v, torch.Tensor)]
-        return frozenset(t.untyped_storage().data_ptr() for t in tensors)
+        # a DTensor (a sharded model's) has no storage of its own: its local shard's is what the checkpoint copies
+        return frozenset(getattr(t, "_local_tensor", t).untyped_storage().data_ptr() for t in tensors)
 
     def _choose_interval(self) -> None:
         """After a checkpoint: when the next is due, and what the heartbeats tell the scheduler about it."""

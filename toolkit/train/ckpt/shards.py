@@ -98,19 +98,32 @@ class ShardName(PartName):
         return cls(step, rank, world) if 0 <= rank < world else None
 
 
-@dataclass(frozen=True)
+@dataclass
 class _ShardJob:
-    """One shard on its way to disk, its tensors already copied (toolkit.train.ckpt.writer's job)."""
+    """One shard on its way to disk (toolkit.train.ckpt.writer's job): the state as `save` got it, its tensors in
+    order, and their host copies (None: the writer copies it in `stage`)."""
 
     name: ShardName
-    payload: dict[str, Any]
+    state: Any
+    tensors: list[torch.Tensor]
+    staged: list[torch.Tensor | None]
 
     @property
     def step(self) -> int:
         return self.name.step
 
     def stage(self) -> None:
-        """Nothing left to copy: `save` copied the shard."""
+        """Copy the tensors `save` left to the writer (the training loop may change them once this returns)."""
+        left = [i for i, t in enumerate(self.staged) if t is None]
+        for i, copy in zip(left, host_copies([self.tensors[i] for i in left]), strict=True):
+            self.staged[i] = copy
+
+    def payload(self, layout: Manifest) -> dict[str, Any]:
+        """What the file holds: the manifest, the staged state and its digest."""
+        copies = iter(self.staged)
+        state = _replaced(self.state, lambda _: next(copies))
+        return {LAYOUT: {"world": layout.world, "mesh": list(layout.mesh)}, STATE: state,
+                DIGEST: Digester().state(state)}
 
 
 @dataclass(frozen=True)
@@ -169,7 +182,7 @@ class ShardCheckpoints:
         self.skipped = 0  # checkpoints skipped in a row for a full disk (or quota), 0 once one is written
         self.skip_why = ""  # the line that said why the first of them was skipped
         self.last_bytes = 0  # bytes of this rank's newest shard saved (for the heartbeat)
-        self.copies_later = False  # `save` copies the whole shard (the Trainer's RankCheckpoints)
+        self.copies_later = async_write  # `stable` tensors are copied by the writer (the Trainer's RankCheckpoints)
         self._writer: SlotWriter[_ShardJob] | None = None  # the background writer (toolkit.train.ckpt.writer)
         if async_write:
             self._writer = SlotWriter(self._write, self._committed, what="sharded checkpoint",
@@ -179,28 +192,36 @@ class ShardCheckpoints:
 
     def save(self, step: int, state: dict[str, Any], stable: frozenset[int] = frozenset()) -> None:
         """Make `state` (this rank's shard: nested dicts, lists and tensors, e.g. local shards of DTensors) the
-        checkpoint of `step`. Copies the tensors now (the caller may change them once this returns) and writes in
-        the background (async), or returns once the file is durable (sync). `stable` is the replicated
-        checkpoints' (toolkit.train.ckpt.manager) and is ignored: a shard is copied whole here."""
+        checkpoint of `step`, written in the background (async) or before this returns (sync). `stable`: storage
+        addresses (``untyped_storage().data_ptr()``) of tensors that will not change before `wait_staged()` (the
+        parameters' local shards and the optimizer state: only optimizer.step() changes them): the writer copies
+        those while the loop runs the next forward and backward, when it is idle; every other tensor is copied
+        here. The digest of the copy is taken by the writer."""
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
+        defer = False
         if self._writer is not None:
             self._writer.raise_pending()
-            self._writer.slot()
-        staged = _copied(state)
-        payload = {LAYOUT: {"world": self.layout.world, "mesh": list(self.layout.mesh)}, STATE: staged,
-                   DIGEST: Digester().state(staged)}
-        self.last_bytes = sum(t.nbytes for t in tensors_in(staged))
-        job = _ShardJob(ShardName(step, self.rank, self.layout.world), payload)
+            defer = bool(stable) and not self._writer.slot()
+        tensors = tensors_in(state)
+        later = [defer and t.untyped_storage().data_ptr() in stable for t in tensors]
+        staged: list[torch.Tensor | None] = [None] * len(tensors)
+        now = [i for i, deferred in enumerate(later) if not deferred]
+        for i, copy in zip(now, host_copies([tensors[i] for i in now]), strict=True):
+            staged[i] = copy
+        self.last_bytes = sum(t.nbytes for t in tensors)
+        # the structure (containers, plain values) taken now, as the tensors are: the writer only fills it in
+        job = _ShardJob(ShardName(step, self.rank, self.layout.world), _replaced(state, lambda t: t), tensors, staged)
         if self._writer is None:
             if self._write(job):
                 self._committed(step)
             return
-        self._writer.put(job, staging=False)
+        self._writer.put(job, staging=any(later))
 
     def wait_staged(self, timeout: float | None = None) -> float:
-        """0: `save` copied the shard before it returned (the replicated checkpoints' interface)."""
-        return 0.0
+        """Block (bounded) until the writer has copied every tensor `save` left to it, so the caller may change
+        them again; returns the seconds waited (part of the checkpoint's stall)."""
+        return 0.0 if self._writer is None else self._writer.wait_staged(timeout)
 
     def flush(self, timeout: float | None = None) -> None:
         """Wait (bounded) until the write in flight is durable; raise a background write's error."""
@@ -289,7 +310,7 @@ class ShardCheckpoints:
         """Write the shard, then prune; False if the disk was full (the checkpoint skipped, said once per run)."""
         name = job.name
         try:
-            partfile.write_part(self.dir.fd, name, job.payload, self._key)
+            partfile.write_part(self.dir.fd, name, job.payload(self.layout), self._key)
         except OSError as e:
             error = write_error(e, self.directory, f"sharded checkpoint of step {name.step}", self.last_bytes)
             if e.errno not in FULL:
@@ -384,20 +405,14 @@ def tensors_in(obj: Any) -> list[torch.Tensor]:
     return []
 
 
-def _copied(obj: Any) -> Any:
-    """`obj` with every tensor replaced by a host copy (complete when this returns), the rest as it is."""
-    tensors = tensors_in(obj)
-    copies = iter(host_copies(tensors))
-
-    def walk(x: Any) -> Any:
-        if isinstance(x, torch.Tensor):
-            return next(copies)
-        if isinstance(x, dict):
-            return type(x)((k, walk(v)) for k, v in x.items())
-        if isinstance(x, list):
-            return [walk(v) for v in x]
-        if isinstance(x, tuple):
-            return tuple(walk(v) for v in x)
-        return x
-
-    return walk(obj)
+def _replaced(obj: Any, new: Any) -> Any:
+    """`obj` with every tensor replaced by `new(tensor)`, in `tensors_in`'s order; the rest as it is."""
+    if isinstance(obj, torch.Tensor):
+        return new(obj)
+    if isinstance(obj, dict):
+        return type(obj)((k, _replaced(v, new)) for k, v in obj.items())
+    if isinstance(obj, list):
+        return [_replaced(v, new) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(_replaced(v, new) for v in obj)
+    return obj
