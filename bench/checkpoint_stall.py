@@ -2,8 +2,8 @@
 """How long a checkpoint of a 600 MB state stalls training, side by side: a synchronous ``torch.save``, toolkit's
 synchronous save, and toolkit's asynchronous one, without and with the digest of the state the Trainer records in
 each checkpoint (toolkit.train.agreement: taken on the training thread at the save, checked at a restore); a
-sharded checkpoint of the same bytes (one rank's shard: toolkit.train.ckpt.shards, which copies the shard in save()
-and records its digest there); and the bytes one host writes.
+sharded checkpoint of the same bytes (one rank's shard: toolkit.train.ckpt.shards, whose writer copies the
+parameters and moments during the next step and takes the digest); and the bytes one host writes.
 
 Why: the checkpoint interval trades lost work against stall. An asynchronous checkpoint should cost the loop
 only the state's structure and its small tensors: the parameters and optimizer state are copied by the writer
@@ -169,9 +169,9 @@ def main(argv: list[str]) -> int:
     print(f"the digest in the async stall: {(digested - results['async']['stall']) * 1e3:.1f} ms "
           f"(async+digest / async: {digested / results['async']['stall']:.2f}; / torch.save: {digested / base:.3f})")
     shard = results["shard async"]["stall"]
-    print(f"a sharded checkpoint's stall (one rank's shard of these bytes, copied whole in save()): "
-          f"{shard * 1e3:.1f} ms ({shard / base:.3f} of torch.save; {shard / results['async']['stall']:.1f}x the "
-          "replicated async stall, whose copy overlaps the next step)")
+    print(f"a sharded checkpoint's stall (one rank's shard of these bytes; its copy and digest by the writer): "
+          f"{shard * 1e3:.1f} ms ({shard / base:.4f} of torch.save; {shard / results['async']['stall']:.3f} of the "
+          "replicated async stall)")
     print(f"one host of {args.host_ranks} ranks wrote {written / 1e6:.0f} MB for one checkpoint of a "
           f"{size / 1e6:.0f} MB state ({written / size:.3f}x the state; one copy per rank would be "
           f"{args.host_ranks}x)")

@@ -285,8 +285,9 @@ class ShardedTrainingState(TrainingState):
         """Collective: every rank loads its own shard of the newest step every rank's checkpoints hold
         (toolkit.train.ckpt.shards: ShardCheckpoints.agree, then load); None when no rank holds one (a fresh
         start). A whole-job restart comes here, and any recovery in which every rank gives up the state it holds. A
-        checkpoint this run cannot resume (another world size or mesh, no step common to every rank, a damaged
-        newest shard) ends the process with one line (`_refuse_restart`): no restart of it could go on."""
+        checkpoint this run cannot resume (another world size or mesh, no step common to every rank, a shard whose
+        state does not match its recorded digest) ends the process with one line (`_refuse_restart`): no restart of
+        it could go on."""
         rt = self.rt
         try:
             step = self.manager.agree(fence=rt.fence)

@@ -82,7 +82,8 @@ class Trainer:
     `loader` a DataLoader over a map-style dataset; `state` extra objects with state_dict/load_state_dict
     that are part of the training state (everything must load with `torch.load(weights_only=True)`: checked here).
     Checkpoints go to `ckpt_dir`/host_<host>/ (default: CKPT_DIR from the environment, else ./ckpt; a directory
-    only this user can change), one copy per host, every `ckpt_every` steps, `keep` copies (`async_ckpt`: written in
+    only this user can change), one copy per host (a sharded model: each rank its own shard, toolkit.train.sharded),
+    every `ckpt_every` steps, `keep` copies (`async_ckpt`: written in
     the background, the parameters and optimizer state copied during the next forward and backward, so they must
     change only in optimizer.step()); `ckpt_every="auto"` chooses the interval from the job's own data
     (toolkit.train.ckpt.interval: the measured stall and the observed MTBF, within `ckpt_bounds` steps, `prior_mtbf` s

@@ -17,14 +17,16 @@ are the host's share of the state, once.
   layer (logical ranks) does not map sharded state: a shard is cut for its mesh, and re-cutting it is
   torch.distributed.checkpoint's resharding, not a toolkit restart (the line says to restart on the old size or
   move the directory aside).
-- Asynchronous: `save` copies the rank's tensors to host memory (toolkit.train.ckpt.manager.host_copies: the stall is
-  one memory copy of the shard, 1/world of the state) and hands them to the writer (toolkit.train.ckpt.writer, the
-  replicated checkpoints' too: one write in flight, one queued; a `save` waits, bounded, while one is queued). Each
-  durable shard is told to `on_commit` (the Trainer's Runtime.committed, as for replicated checkpoints). A full
-  disk (ENOSPC, EDQUOT) skips that checkpoint with one line, as the replicated checkpoints do; any other write error
-  is raised by the next `save`, `flush` or `close`.
-- The state's digest (toolkit.train.digest) is recorded at the save and checked at the load: what was written is
-  what the rank held.
+- Asynchronous: `save` copies the rank's tensors to host memory (toolkit.train.ckpt.manager.host_copies), except those
+  the caller says change only in optimizer.step() (`stable`, as for the replicated checkpoints: the Trainer's
+  parameters' and optimizer state's local shards), which the writer copies while the next forward and backward run
+  (`wait_staged`: the Trainer's optimizer pre-hook waits for that copy), then takes the digest and writes the file
+  (toolkit.train.ckpt.writer, the replicated checkpoints' writer too: one write in flight, one queued; a `save`
+  waits, bounded, while one is queued). Each durable shard is told to `on_commit` (the Trainer's
+  Runtime.committed, as for replicated checkpoints). A full disk (ENOSPC, EDQUOT) skips that checkpoint with one
+  line, as the replicated checkpoints do; any other write error is raised by the next `save`, `flush` or `close`.
+- The state's digest (toolkit.train.digest, of the copy) is recorded in the file and checked at the load: what was
+  written is what was copied.
 - Each rank keeps its own ``keep_max`` newest shards and prunes its older ones (only its own name, and only files
   that authenticate: anything else is moved into ``refused/``).
 - The restart agreement (`agree`, a collective): each rank authenticates its own shards in its host's directory,
