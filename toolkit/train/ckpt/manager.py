@@ -498,7 +498,8 @@ class CheckpointManager:
             if self._write(job):
                 self._committed(step)
             return
-        defer = bool(stable) and not self._writer.slot()
+        in_flight = self._writer.slot()  # waits (bounded) for the slot: always called
+        defer = bool(stable) and not in_flight
         now = [k for k, i in enumerate(mine) if not (defer and cut.tensors[i].untyped_storage().data_ptr() in stable)]
         for k, copy in zip(now, host_copies([cut.tensors[mine[k]] for k in now]), strict=True):
             job.staged[k] = copy

@@ -204,7 +204,8 @@ class ShardCheckpoints:
         defer = False
         if self._writer is not None:
             self._writer.raise_pending()
-            defer = bool(stable) and not self._writer.slot()
+            in_flight = self._writer.slot()  # waits (bounded) for the slot: always called
+            defer = bool(stable) and not in_flight
         tensors = tensors_in(state)
         later = [defer and t.untyped_storage().data_ptr() in stable for t in tensors]
         staged: list[torch.Tensor | None] = [None] * len(tensors)
