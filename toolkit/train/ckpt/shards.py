@@ -408,7 +408,7 @@ def tensors_in(obj: Any) -> list[torch.Tensor]:
     return []
 
 
-def _replaced(obj: Any, new: Any) -> Any:
+def _replaced(obj: Any, new: Callable[[torch.Tensor], Any]) -> Any:
     """`obj` with every tensor replaced by `new(tensor)`, in `tensors_in`'s order; the rest as it is."""
     if isinstance(obj, torch.Tensor):
         return new(obj)
