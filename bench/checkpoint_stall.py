@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """How long a checkpoint of a 600 MB state stalls training, side by side: a synchronous ``torch.save``, toolkit's
 synchronous save, and toolkit's asynchronous one, without and with the digest of the state the Trainer records in
-each checkpoint (toolkit.train.agreement: taken on the training thread at the save, checked at a restore); and the
-bytes one host writes.
+each checkpoint (toolkit.train.agreement: taken on the training thread at the save, checked at a restore); a
+sharded checkpoint of the same bytes (one rank's shard: toolkit.train.ckpt.shards, whose writer copies the
+parameters and moments during the next step and takes the digest); and the bytes one host writes.
 
 Why: the checkpoint interval trades lost work against stall. An asynchronous checkpoint should cost the loop
 only the state's structure and its small tensors: the parameters and optimizer state are copied by the writer
@@ -36,6 +37,7 @@ from torch import nn
 from toolkit.train import determinism
 from toolkit.train.agreement import DIGEST
 from toolkit.train.ckpt.manager import CheckpointManager, Placement
+from toolkit.train.ckpt.shards import Manifest, ShardCheckpoints
 from toolkit.train.digest import Digester
 
 KEY = b"benchmark key, thirty-two bytes!"
@@ -67,7 +69,7 @@ class Loop:
         self.model, self.opt = build(args.width, args.depth)
         self.x, self.y = torch.randn(args.batch, args.width), torch.randint(0, 10, (args.batch,))
         self.waited = 0.0
-        self.manager: CheckpointManager | None = None
+        self.manager: CheckpointManager | ShardCheckpoints | None = None
         self.opt.register_step_pre_hook(self._before_step)
 
     def _before_step(self, *_: Any) -> None:
@@ -87,9 +89,12 @@ def run(mode: str, directory: Path, args: argparse.Namespace) -> dict[str, float
     plain, during, stalls, durable = [], [], [], []
     for _ in range(2):
         loop.step()  # warm up: AdamW's moments exist from the first step
-    background = mode.startswith("async")
+    background = "async" in mode
     digester = Digester() if mode == "async+digest" else None
-    if mode != "torch.save":
+    if mode == "shard async":  # one rank's shard of a sharded state (toolkit.train.ckpt.shards), the same bytes
+        loop.manager = ShardCheckpoints(directory / "shards", 0, Manifest(1, (1,)), key=KEY,
+                                        placement=Placement("bench"), async_write=True)
+    elif mode != "torch.save":
         loop.manager = CheckpointManager(directory / mode, keep_max=2, placement=Placement("bench"), key=KEY,
                                          async_write=background)
     for s in range(1, args.repeats + 1):
@@ -102,7 +107,8 @@ def run(mode: str, directory: Path, args: argparse.Namespace) -> dict[str, float
         if loop.manager is None:
             torch.save(state, directory / f"torch-{s % 2}.pt")
         else:
-            loop.manager.save(s, state, stable=stable(loop.model, loop.opt))
+            loop.manager.save(s, state, stable=stable(loop.model, loop.opt) if loop.manager.copies_later else
+                              frozenset())
         blocked = time.perf_counter() - t0
         loop.waited = 0.0
         if background:
@@ -147,7 +153,8 @@ def main(argv: list[str]) -> int:
     params = sum(t.numel() for t in build(args.width, args.depth)[0].parameters())
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         os.chmod(tmp, 0o700)
-        results = {mode: run(mode, Path(tmp), args) for mode in ("torch.save", "sync", "async", "async+digest")}
+        results = {mode: run(mode, Path(tmp), args)
+                   for mode in ("torch.save", "sync", "async", "async+digest", "shard async")}
         size, written = host_bytes(Path(tmp), args.host_ranks, args)
     print(f"model: {params / 1e6:.1f} M parameters + AdamW = {size / 1e6:.0f} MB of state, {args.repeats} "
           f"checkpoints per mode, medians, {args.threads} thread(s)")
@@ -161,6 +168,10 @@ def main(argv: list[str]) -> int:
     digested = results["async+digest"]["stall"]
     print(f"the digest in the async stall: {(digested - results['async']['stall']) * 1e3:.1f} ms "
           f"(async+digest / async: {digested / results['async']['stall']:.2f}; / torch.save: {digested / base:.3f})")
+    shard = results["shard async"]["stall"]
+    print(f"a sharded checkpoint's stall (one rank's shard of these bytes; its copy and digest by the writer): "
+          f"{shard * 1e3:.1f} ms ({shard / base:.4f} of torch.save; {shard / results['async']['stall']:.3f} of the "
+          "replicated async stall)")
     print(f"one host of {args.host_ranks} ranks wrote {written / 1e6:.0f} MB for one checkpoint of a "
           f"{size / 1e6:.0f} MB state ({written / size:.3f}x the state; one copy per rank would be "
           f"{args.host_ranks}x)")

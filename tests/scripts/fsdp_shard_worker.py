@@ -1,5 +1,5 @@
 """One rank of a small FSDP2 job (fully_shard over a 1-D mesh, or HSDP over a (2, W/2) mesh, AdamW, gloo on CPU) for
-the sharded checkpoint (toolkit.train.shardckpt) and the shard mirror (toolkit.train.shardmirror) tests.
+the sharded checkpoint (toolkit.train.ckpt.shards) and the shard mirror (toolkit.train.shardmirror) tests.
 
 Started by the test as a plain process with RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR/PORT and
 TOOLKIT_HOST (two simulated hosts of two ranks each). Each step's batch is a function of (rank, step). At the end,
@@ -28,7 +28,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from toolkit.contracts.ckptkey import project_key
-from toolkit.train.shardckpt import Manifest, ShardCheckpoints
+from toolkit.train.ckpt.shards import Manifest, ShardCheckpoints
 from toolkit.train.shardmirror import ShardMirror, rollback_step
 
 

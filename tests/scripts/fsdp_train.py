@@ -34,6 +34,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--width", type=int, default=64)
     p.add_argument("--depth", type=int, default=3)
     p.add_argument("--step-delay", type=float, default=0.0)
+    p.add_argument("--ckpt-every", default="1000", help="steps between checkpoints, or auto")
     p.add_argument("--plain-reduction", action="store_true", help="torch's own reduce-scatter and all-reduce")
     p.add_argument("--refuse", choices=["tp", "offload", "mesh3d", "partial"], default=None)
     return p.parse_args(argv)
@@ -98,8 +99,9 @@ def main(argv: list[str]) -> int:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=5, gamma=0.9)
     loader = DataLoader(data, batch_size=args.batch, sampler=DistributedSampler(data, rt.world_size, rt.rank, seed=0))
+    every = args.ckpt_every if args.ckpt_every == "auto" else int(args.ckpt_every)
     try:
-        trainer = toolkit.train.Trainer(rt, model, optimizer, loader, state={"scheduler": scheduler}, ckpt_every=1000,
+        trainer = toolkit.train.Trainer(rt, model, optimizer, loader, state={"scheduler": scheduler}, ckpt_every=every,
                                         deterministic=not args.plain_reduction)
     except toolkit.train.TrainerError as e:
         print(f"fsdp_train.py rank {rt.rank}: {e}", file=sys.stderr, flush=True)

@@ -191,7 +191,7 @@ def test_the_writer_never_follows_a_link_planted_at_its_temporary_name(tmp_path,
         names = iter([f"{atomicfile.TMP_PREFIX}{final}.planted"])
         real = atomicfile.temp_name
         monkeypatch.setattr(atomicfile, "temp_name", lambda f: next(names, None) or real(f))
-        writer = m._thread.ident if m._thread is not None else threading.get_ident()
+        writer = m._writer.thread.ident if m._writer is not None else threading.get_ident()
         for name in (f"{atomicfile.TMP_PREFIX}{final}.planted",
                      f"{atomicfile.TMP_PREFIX}{final}.{os.getpid()}.{writer}"):
             (m.directory / name).symlink_to(victim)

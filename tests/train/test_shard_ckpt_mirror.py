@@ -1,5 +1,5 @@
 """Sharded state (FSDP2 over gloo on CPU, world 4 on two simulated hosts of two ranks): its checkpoints
-(toolkit.train.shardckpt) and its redundancy in memory (toolkit.train.shardmirror), with real processes.
+(toolkit.train.ckpt.shards) and its redundancy in memory (toolkit.train.shardmirror), with real processes.
 
 - A whole-job kill -9 at a random moment, then a restart from the per-host shards: the run goes on from the newest
   checkpoint every rank holds and ends bitwise equal to an uninterrupted run.
@@ -26,8 +26,8 @@ import torch
 from toolkit.freeports import free_port
 from toolkit.testing.localjob import clean_env
 from toolkit.train.ckpt.manager import Placement
+from toolkit.train.ckpt.shards import Manifest, ShardCheckpoints, ShardName, decide
 from toolkit.train.faults import CheckpointError
-from toolkit.train.shardckpt import Manifest, ShardCheckpoints, ShardName, decide
 from toolkit.train.shardmirror import ShardMirror, choose_every, holder_of, kept_by, ring_problem, rollback_step
 
 WORKER = Path(__file__).resolve().parents[1] / "scripts" / "fsdp_shard_worker.py"

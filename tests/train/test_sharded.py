@@ -1,6 +1,9 @@
 """A model sharded with FSDP2 under the Trainer (issue 45): HSDP on a (2, 2) mesh recovered in place with no lost
 step, bitwise equal to an uninterrupted run, whatever moment of a step a kill -9 lands on, and when both ranks of a
-replica group die together; shardings the Trainer cannot recover refused at `Trainer(...)` in one line.
+replica group die together; shardings the Trainer cannot recover refused at `Trainer(...)` in one line. Checkpoints
+of the shards: the whole job killed (every worker, kill -9) restarts from the newest step every rank holds, bitwise,
+for HSDP and pure FSDP; SIGTERM (`fleet stop`) saves last words a new job resumes from; a restart at another world
+size is refused in one line; a sharded worker tells the scheduler it holds no more than its own rank (no shrink).
 
 Real processes: the script (tests/scripts/fsdp_train.py) run by the real agent and scheduler (LocalJob), killed
 with SIGKILL; the refusals run the script alone (a world of one), as a user would."""
@@ -21,7 +24,11 @@ from typing import Any, Callable
 
 import pytest
 
+from toolkit.contracts import protocol
+from toolkit.scheduler.elastic import shrink_refusal
 from toolkit.testing.localjob import STEP_LINE, LocalJob, clean_env
+from toolkit.train import headroom
+from toolkit.train.ckpt.shards import ShardName
 from toolkit.train.faults import TrainerError
 from toolkit.train.shardmodel import Layout
 from toolkit.train.shardstate import plan_recovery
@@ -40,12 +47,12 @@ DEATH = re.compile(r"(worker_\d+) \(pid (\d+) on \S+\) is dead")
 pytestmark = pytest.mark.timeout(1200)
 
 
-def job(root: Path, name: str) -> LocalJob:
+def job(root: Path, name: str, world: int = WORLD, args: list[str] = ARGS, **options: Any) -> LocalJob:
     project = root / "project"
     project.mkdir(parents=True)
     shutil.copy(SCRIPT, project / SCRIPT.name)
-    return LocalJob(root / "work", WORLD, ARGS, job=name, project=project, script=SCRIPT.name, node_timeout=3,
-                    cluster_time_out=120, grace=5, max_restarts=30)
+    return LocalJob(root / "work", world, args, job=name, project=project, script=SCRIPT.name, node_timeout=3,
+                    cluster_time_out=120, grace=5, max_restarts=30, **options)
 
 
 def steps(j: LocalJob, rank: int) -> int:
@@ -171,3 +178,147 @@ def test_the_plan_gives_each_shard_from_its_column_and_completes_torn_steps() ->
     # both ranks of shard 1 lost: refused in one line
     with pytest.raises(TrainerError, match=r"shard\(s\) \[1\] at step 7 are held by no live rank"):
         plan_recovery([(7, 0, 0), (-1, 1, 0), (7, 0, 0), (-1, 1, 0)], hsdp)
+
+
+# --- checkpoints of sharded state (toolkit.train.ckpt.shards through the Trainer)
+
+CKPT_EVERY = 4
+RESUMED_CKPT = re.compile(r"^rank (\d+): resumed from step (\d+) \(.* out of rank (\d+)'s checkpoint", re.M)
+STOPPED = re.compile(r"^rank (\d+): stopped by SIGTERM at step (\d+), checkpoint saved$", re.M)
+FSDP_ARGS = ["--mesh", "2", "--epochs", "1", "--samples", "512", "--step-delay", "0.03"]  # world 2: 32 steps
+
+
+def newest_held(ckpt: Path, world: int) -> int:
+    """The newest step whose shard every rank of a world of `world` wrote (0 for none)."""
+    count: dict[int, int] = {}
+    for f in ckpt.glob("host_*/step_*.ckpt"):
+        name = ShardName.parse(f.name)
+        if name is not None and name.parts == world:
+            count[name.step] = count.get(name.step, 0) + 1
+    return max((step for step, n in count.items() if n == world), default=0)
+
+
+def kill_whole(j: LocalJob, world: int, ckpt: Path, after: int, rng: random.Random) -> int:
+    """Once every rank's shard of a step >= `after` is on disk, at a random moment of the steps after it, kill -9
+    every worker at once; the newest step held whole then."""
+    until(f"a checkpoint of step {after} or later", lambda: newest_held(ckpt, world) >= after, j)
+    time.sleep(rng.uniform(0.0, 0.2))
+    pids = [pid_of(j, r) for r in range(world)]
+    assert None not in pids, j.evidence()
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
+    return newest_held(ckpt, world)
+
+
+def resumed_whole(j: LocalJob, world: int, held: int, why: str) -> int:
+    """Every rank resumed once out of its own checkpoint, all at the same step, at least `held`; that step."""
+    found = [RESUMED_CKPT.findall(j.log(f"worker_{r}.log")) for r in range(world)]
+    assert all(len(f) == 1 for f in found), f"{found} {why}\n{j.evidence()}"
+    assert all(rank == source for f in found for rank, _, source in f), f"{found} {why}"
+    (step,) = {int(f[0][1]) for f in found}
+    assert step >= held, f"resumed from {step}, {held} was held whole {why}"
+    return step
+
+
+def test_hsdp_whole_job_killed_resumes_from_the_shards_bitwise_and_another_world_is_refused_in_one_line(
+        tmp_path: Path, reference: str) -> None:
+    """HSDP (2, 2), a checkpoint every 4 steps: every worker killed at once at a random moment; their agent
+    relaunches them, every rank reads its own shard of the newest step all hold, and the run ends bitwise equal
+    to the uninterrupted one. Then a job of 2 workers on the same checkpoints: each says one line, no traceback,
+    and the job fails at once (no restarts: a restart would refuse the same)."""
+    rng = random.Random(random.SystemRandom().randrange(2**32))
+    disk = tmp_path / "disk"
+    j = job(tmp_path / "a", "shards", args=[*ARGS, "--ckpt-every", str(CKPT_EVERY)], ckpt_dir=str(disk))
+    ckpt = disk / "shards"
+    try:
+        j.start()
+        held = kill_whole(j, WORLD, ckpt, rng.choice([8, 12, 16]), rng)
+        assert j.finish(JOB_TIMEOUT) == 0, j.evidence()
+    finally:
+        j.cleanup()
+    resumed = resumed_whole(j, WORLD, held, f"(killed after {held})")
+    assert resumed % CKPT_EVERY == 0, f"resumed from step {resumed}, not one the interval saves"
+    (final,) = FINAL.findall(j.log("worker_0.log"))
+    assert final == reference, f"final parameters differ from the uninterrupted run (killed after {held})"
+
+    before = sorted(p.name for p in ckpt.rglob("*"))
+    two = job(tmp_path / "b", "shards", world=2, args=["--mesh", "2", "--epochs", "1"], ckpt_dir=str(disk),
+              token=j.token)
+    try:
+        two.start()
+        code = two.finish(JOB_TIMEOUT)
+    finally:
+        two.cleanup()
+    assert code != 0, two.evidence()
+    assert sorted(p.name for p in ckpt.rglob("*")) == before, "the refusal changed the checkpoints"
+    want = re.compile(r"^rank \d: \S+ holds the sharded checkpoint of step 48 of a world of 4; this run is a world of "
+                      r"2 on a \(2,\) mesh: .* restart with 4 workers, or move the checkpoint directory aside", re.M)
+    for r in range(2):
+        text = two.log(f"worker_{r}.log")
+        assert len(want.findall(text)) == 1 and "Traceback" not in text, text[-3000:]
+    reason = two.doc().get("reason") or ""  # what `fleet` says of the failed job: the line, and no restart
+    assert "holds the sharded checkpoint of step 48 of a world of 4" in reason and \
+        f"(exit code {protocol.EXIT_FATAL}) after 0 restarts" in reason, two.evidence()
+
+
+@pytest.fixture(scope="module")
+def fsdp_reference(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The final digest of the uninterrupted pure FSDP run (world 2)."""
+    j = job(tmp_path_factory.mktemp("fsdp-reference"), "fsdpref", world=2, args=FSDP_ARGS)
+    try:
+        j.start()
+        assert j.finish(JOB_TIMEOUT) == 0, j.evidence()
+    finally:
+        j.cleanup()
+    (digest,) = FINAL.findall(j.log("worker_0.log"))
+    return digest
+
+
+def test_pure_fsdp_whole_job_killed_then_stopped_resumes_each_time_from_the_shards_bitwise(
+        tmp_path: Path, fsdp_reference: str) -> None:
+    """Pure FSDP, world 2, a checkpoint every 4 steps: every worker killed at once (relaunched by the agent, resumed
+    from the shards); then the job stopped (SIGTERM to every worker, as `fleet stop`): every rank saves the same
+    step (last words), and a new job on the same checkpoints resumes from it and ends bitwise equal to the
+    uninterrupted run."""
+    rng = random.Random(random.SystemRandom().randrange(2**32))
+    disk = tmp_path / "disk"
+    args = [*FSDP_ARGS, "--ckpt-every", str(CKPT_EVERY)]
+    j = job(tmp_path / "a", "fsdp", world=2, args=args, ckpt_dir=str(disk))
+    ckpt = disk / "fsdp"
+    try:
+        j.start()
+        held = kill_whole(j, 2, ckpt, 8, rng)
+        until("both ranks resumed from the checkpoints and stepped on", lambda: all(
+            RESUMED_CKPT.search(j.log(f"worker_{r}.log")) and steps(j, r) >= held + 3 for r in range(2)), j)
+        resumed = resumed_whole(j, 2, held, f"(killed after {held})")
+        assert resumed % CKPT_EVERY == 0, f"resumed from step {resumed}, not one the interval saves"
+        j.cleanup()  # SIGTERM to the agent: it stops every worker with SIGTERM, as fleet stop does
+    finally:
+        j.cleanup()
+    stops = {int(m[1]) for r in range(2) for m in STOPPED.findall(j.log(f"worker_{r}.log"))}
+    assert len(stops) == 1, f"ranks stopped at different steps: {stops}\n{j.evidence()}"
+    (last,) = stops
+    assert resumed < last < 32 and newest_held(ckpt, 2) == last, f"{resumed} {last} {newest_held(ckpt, 2)}"
+
+    again = job(tmp_path / "b", "fsdp", world=2, args=args, ckpt_dir=str(disk), token=j.token)
+    try:
+        again.start()
+        assert again.finish(JOB_TIMEOUT) == 0, again.evidence()
+    finally:
+        again.cleanup()
+    assert resumed_whole(again, 2, last, "(after the stop)") == last
+    (final,) = FINAL.findall(again.log("worker_0.log"))
+    assert final == fsdp_reference, f"final parameters differ from the uninterrupted run (killed after {held}, " \
+                                    f"stopped at {last})"
+
+
+def test_a_sharded_worker_holds_only_its_own_rank_so_the_job_waits_rather_than_shrinks() -> None:
+    """A worker of a sharded model says it holds 1 logical rank (what the Trainer publishes as `capacity`),
+    whatever its free memory; with --min-workers 2 of 4, the scheduler's decision on a lost host then refuses to go
+    on with 3 (the job waits); a DDP worker with the memory for 2 lets it."""
+    sharded = headroom.reported(True, 1, 1000, 10**9)
+    assert sharded == 1
+    why = shrink_refusal([0, 1, 3], 4, 2, 4, {0: sharded, 1: sharded, 3: sharded})
+    assert why is not None and "worker_0 (holds 1)" in why
+    ddp = headroom.reported(False, 1, 1000, 10**9)
+    assert shrink_refusal([0, 1, 3], 4, 2, 4, {0: ddp, 1: ddp, 3: ddp}) is None

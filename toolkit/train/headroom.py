@@ -8,6 +8,11 @@ activations of one micro-batch at a time) it holds already. So it can serve the 
 per `grad_bytes` of memory still free: the least of the host's MemAvailable and its memory cgroup's headroom (a
 batch system's limit kills at the cgroup's limit however much the host has free). Measured when the group forms;
 None when nothing can be read (no bound is then claimed).
+
+A process training a sharded model (FSDP2: toolkit.train.sharded) holds its own rank's shard and nothing else: it
+cannot serve another logical rank whatever its memory (the shards are cut for the world), so it says `SHARDED`
+(holds 1, `reported`): a shrink is then refused and the job waits for the lost workers' replacements (the launcher
+cannot refuse --min-workers up front: it does not know that the script shards).
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ from typing import Iterable
 import torch
 
 from toolkit import memcgroup, standby
+
+SHARDED = 1  # the logical ranks a process of a sharded model holds: its own
 
 
 def grad_bytes(parameters: Iterable[torch.nn.Parameter]) -> int:
@@ -40,3 +47,9 @@ def capacity(serving: int, per_copy: int, free: int | None) -> int | None:
     if free is None or per_copy <= 0:
         return None
     return max(1, serving) + free // per_copy
+
+
+def reported(sharded: bool, serving: int, per_copy: int, free: int | None) -> int | None:
+    """What the worker tells the scheduler it holds (module docstring): SHARDED for a sharded model, else
+    `capacity`."""
+    return SHARDED if sharded else capacity(serving, per_copy, free)

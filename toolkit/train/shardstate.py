@@ -23,16 +23,23 @@ such a rank's step would have advanced (an LR scheduler) are then taken from a r
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
+import sys
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Mapping, NoReturn, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from toolkit.train import transfer
-from toolkit.train.agreement import FROM_INITIAL, FROM_PEER, Agreed, Source, TrainingState
-from toolkit.train.ckpt.manager import CheckpointManager
+from toolkit import atomicfile
+from toolkit.contracts import envvars, protocol
+from toolkit.train import log, transfer
+from toolkit.train.agreement import FROM_CHECKPOINT, FROM_INITIAL, FROM_PEER, Agreed, Source, TrainingState
+from toolkit.train.ckpt.shards import CheckpointError, ShardCheckpoints, tensors_in
 from toolkit.train.digest import Digester
 from toolkit.train.faults import TrainerError
 from toolkit.train.runtime import Runtime
@@ -195,7 +202,7 @@ class ShardedTrainingState(TrainingState):
     """TrainingState for a sharded model (module docstring): the same fields and `agree`'s contract."""
 
     def __init__(self, rt: Runtime, module: nn.Module, optimizer: torch.optim.Optimizer, extra: Mapping[str, Any],
-                 manager: CheckpointManager, layout: Layout, binding: Binding) -> None:
+                 manager: ShardCheckpoints, layout: Layout, binding: Binding) -> None:
         super().__init__(rt, module, optimizer, extra, manager)
         self.layout = layout
         self.binding = binding
@@ -213,6 +220,10 @@ class ShardedTrainingState(TrainingState):
         rt = self.rt
         self.binding.bind(rt)
         table = self._gather3([step if self.live else -1, int(self.pristine), int(self.commit.ready and self.live)])
+        if all(held < 0 for held, _, _ in table):  # nobody holds a state: a whole-job (re)start
+            resumed = self.from_checkpoint()
+            if resumed is not None:
+                return resumed
         plan = plan_recovery(table, self.layout)
         if rt.rank in plan.replay:
             self._replay()
@@ -265,3 +276,40 @@ class ShardedTrainingState(TrainingState):
 
     def close(self) -> None:
         self.commit.close()
+
+    def checkpoint(self, step: int) -> dict[str, Any]:
+        """The shard at `step` as a checkpoint holds it (toolkit.train.ckpt.shards records its digest itself)."""
+        return self.capture(step)
+
+    def from_checkpoint(self) -> Agreed | None:
+        """Collective: every rank loads its own shard of the newest step every rank's checkpoints hold
+        (toolkit.train.ckpt.shards: ShardCheckpoints.agree, then load); None when no rank holds one (a fresh
+        start). A whole-job restart comes here, and any recovery in which every rank gives up the state it holds. A
+        checkpoint this run cannot resume (another world size or mesh, no step common to every rank, a shard whose
+        state does not match its recorded digest) ends the process with one line (`_refuse_restart`): no restart of
+        it could go on."""
+        rt = self.rt
+        try:
+            step = self.manager.agree(fence=rt.fence)
+            if step is None:
+                return None
+            state = self.manager.load(step)
+        except CheckpointError as e:
+            _refuse_restart(f"rank {rt.rank}: {e}")
+        nbytes = sum(t.nbytes for t in tensors_in(state))
+        step = self.restore(state)
+        self.live, self.pristine, self.commit.ready = True, False, False
+        return Agreed(Source(FROM_CHECKPOINT, tuple(range(rt.world_size)), step), rt.rank, nbytes, step)
+
+
+def _refuse_restart(line: str) -> NoReturn:
+    """A sharded checkpoint this run cannot resume: `line` on stderr and as the error file's message (what the agent
+    reports as the cause), then EXIT_FATAL, at once (os._exit: no traceback, and no teardown of a group whose peers
+    leave too). Its agent gives up: a restart would refuse the same again."""
+    log.line(line, sys.stderr)
+    path = os.environ.get(envvars.TORCHELASTIC_ERROR_FILE)
+    if path:
+        with contextlib.suppress(OSError):  # the cause is extra: the status says the job cannot go on anyway
+            atomicfile.write(Path(path), json.dumps({"message": line}).encode(), mode=0o600)
+    sys.stdout.flush()
+    os._exit(protocol.EXIT_FATAL)

@@ -63,7 +63,7 @@ from toolkit.contracts import envvars
 from toolkit.train import headroom, log, progress, replicas, sharded
 from toolkit.train.agreement import FROM_CHECKPOINT, FROM_INITIAL, FROM_PEER, TrainingState, recomputed_steps
 from toolkit.train.ckpt import interval, manager
-from toolkit.train.ckpt.schedule import Checkpointing, manager_for, parse_every
+from toolkit.train.ckpt.schedule import Checkpointing, RankCheckpoints, manager_for, parse_every
 from toolkit.train.ddpmodel import GroupModel
 from toolkit.train.faults import GenerationChanged, TrainerError, first_line, looks_collective
 from toolkit.train.inject import Injector
@@ -82,7 +82,8 @@ class Trainer:
     `loader` a DataLoader over a map-style dataset; `state` extra objects with state_dict/load_state_dict
     that are part of the training state (everything must load with `torch.load(weights_only=True)`: checked here).
     Checkpoints go to `ckpt_dir`/host_<host>/ (default: CKPT_DIR from the environment, else ./ckpt; a directory
-    only this user can change), one copy per host, every `ckpt_every` steps, `keep` copies (`async_ckpt`: written in
+    only this user can change), one copy per host (a sharded model: each rank its own shard, toolkit.train.sharded),
+    every `ckpt_every` steps, `keep` copies (`async_ckpt`: written in
     the background, the parameters and optimizer state copied during the next forward and backward, so they must
     change only in optimizer.step()); `ckpt_every="auto"` chooses the interval from the job's own data
     (toolkit.train.ckpt.interval: the measured stall and the observed MTBF, within `ckpt_bounds` steps, `prior_mtbf` s
@@ -130,7 +131,8 @@ class Trainer:
         self._data = StepData(loader, seed, runtime.logical_world, runtime.logical_ranks,
                               as_built(runtime, self._built_for))
         self.position = self._data.position
-        self.manager = manager_for(runtime, ckpt_dir, keep, async_ckpt)
+        self.manager: RankCheckpoints = manager_for(runtime, ckpt_dir, keep, async_ckpt) if sharding is None else \
+            sharded.checkpoints_for(runtime, sharding, ckpt_dir, keep, async_ckpt)  # its host's copy, or its shard
         self.step_count = 0  # optimizer steps done: the job's global step, the same on every rank
         self._sharded = sharding is not None
         if sharding is None:
@@ -393,7 +395,7 @@ class Trainer:
                 continue
         self._need_sync = False
         # how many logical ranks this memory holds, for the scheduler's shrink decisions (toolkit.train.headroom)
-        self.rt.publish_pace(capacity=headroom.capacity(len(self.rt.logical_ranks), self._grad_bytes,
+        self.rt.publish_pace(capacity=headroom.reported(self._sharded, len(self.rt.logical_ranks), self._grad_bytes,
                                                         headroom.free_bytes()))
         source = agreed.source.kind
         recomputed = recomputed_steps(agreed.source, self.step_count)

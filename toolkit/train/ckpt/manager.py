@@ -37,10 +37,8 @@ back to an older copy, and never be resumed. So:
 
 from __future__ import annotations
 
-import atexit
 import collections
 import errno
-import functools
 import hashlib
 import io
 import logging
@@ -48,8 +46,6 @@ import os
 import re
 import shutil
 import socket
-import threading
-import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -65,6 +61,7 @@ from toolkit.contracts import ckptkey, envvars
 from toolkit.train.ckpt import parts as ckptparts
 from toolkit.train.ckpt.hostdir import HostDir, complete
 from toolkit.train.ckpt.partfile import PartName
+from toolkit.train.ckpt.writer import SlotWriter
 from toolkit.train.faults import BadPart, CheckpointError, CorruptCheckpoint, DirectoryError
 
 log = logging.getLogger(__name__)
@@ -322,6 +319,10 @@ class _Job:
     staged: list[torch.Tensor | None]
     size: int = field(default=0)
 
+    @property
+    def step(self) -> int:
+        return self.name.step
+
     def stage(self) -> None:
         """Copy the tensors `save` left to the writer (the training loop may change them once this returns)."""
         left = [k for k, t in enumerate(self.staged) if t is None]
@@ -386,22 +387,15 @@ class CheckpointManager:
         if legacy and self.placement.local_rank == 0:
             log.warning("%s holds checkpoints of an older toolkit (%s/): they are not authenticated, so they are not "
                         "read; move them away once this job has checkpointed", self.root, legacy[0])
-        self._cond = threading.Condition()
-        self._queued: _Job | None = None
-        self._busy = False
-        self._staging = False  # the writer still has to copy tensors the training loop must not change yet
-        self._error: CheckpointError | None = None
-        self._closed = False
         self.last_bytes = 0  # bytes of this rank's part of the newest checkpoint saved (for the heartbeat)
         self._written: set[PartName] = set()  # parts this manager wrote (known authentic: pruned without a read)
         self.skipped = 0  # checkpoints skipped in a row for a full disk (or quota), 0 once one is written
         self.skip_why = ""  # the line that said why the first of them was skipped (heartbeat: fleet status, ledger)
-        self._thread: threading.Thread | None = None
+        self.copies_later = async_write  # `stable` tensors are copied by the writer (RankCheckpoints)
+        self._writer: SlotWriter[_Job] | None = None  # the background writer (toolkit.train.ckpt.writer), if async
         if async_write:
-            self._thread = threading.Thread(target=self._writer, name=f"ckpt-writer:{self.directory}", daemon=True)
-            self._thread.start()
-            self._at_exit = functools.partial(_close_quietly, self)
-            atexit.register(self._at_exit)
+            self._writer = SlotWriter(self._write, self._committed, what="checkpoint", directory=self.directory,
+                                      timeout=write_timeout)
 
     # --- listing and reading ---
 
@@ -490,64 +484,38 @@ class CheckpointManager:
         the writer copies those (when it is idle), the rest are copied here."""
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
-        self._raise_pending()
+        if self._writer is not None:
+            self._writer.raise_pending()
         cut = ckptparts.split(state, self.placement.local_world)
         mine = cut.ordinals(self.placement.local_rank)
         name = PartName(step, self.placement.local_rank, self.placement.local_world)
         job = _Job(name, cut, mine, [None] * len(mine), sum(cut.tensors[i].nbytes for i in mine))
         self.last_bytes = job.size
-        if not self.async_write:
+        if self._writer is None:
             if self._write(job):
                 self._committed(step)
             return
-        with self._cond:
-            if self._closed:
-                raise CheckpointError(f"checkpoint manager for {self.directory} is closed")
-            if not self._cond.wait_for(lambda: self._queued is None, timeout=self.write_timeout):
-                raise CheckpointError(
-                    f"previous checkpoint in {self.directory} still being written after {self.write_timeout:.0f} s; "
-                    "the disk is too slow for this checkpoint interval: save less often"
-                )
-            defer = bool(stable) and not self._busy
+        in_flight = self._writer.slot()  # waits (bounded) for the slot: always called
+        defer = bool(stable) and not in_flight
         now = [k for k, i in enumerate(mine) if not (defer and cut.tensors[i].untyped_storage().data_ptr() in stable)]
         for k, copy in zip(now, host_copies([cut.tensors[mine[k]] for k in now]), strict=True):
             job.staged[k] = copy
-        with self._cond:
-            self._queued = job
-            self._staging = any(t is None for t in job.staged)
-            self._cond.notify_all()
+        self._writer.put(job, staging=any(t is None for t in job.staged))
 
     def wait_staged(self, timeout: float | None = None) -> float:
         """Block (bounded) until the writer has copied every tensor ``save`` left to it, so the caller may change
         them again; returns the seconds waited (part of the checkpoint's stall)."""
-        began = time.monotonic()
-        limit = self.write_timeout if timeout is None else timeout
-        with self._cond:
-            if not self._cond.wait_for(lambda: not self._staging, timeout=limit):
-                raise CheckpointError(f"checkpoint in {self.directory} not staged after {limit:.0f} s")
-        return time.monotonic() - began
+        return 0.0 if self._writer is None else self._writer.wait_staged(timeout)
 
     def flush(self, timeout: float | None = None) -> None:
         """Wait (bounded) until every queued write is durable; raise a background write's error."""
-        if self._thread is not None:
-            limit = self.write_timeout if timeout is None else timeout
-            with self._cond:
-                done = self._cond.wait_for(lambda: self._queued is None and not self._busy, timeout=limit)
-            if not done:
-                raise CheckpointError(f"checkpoint write in {self.directory} not finished after {limit:.0f} s")
-        self._raise_pending()
+        if self._writer is not None:
+            self._writer.flush(timeout)
 
     def close(self, timeout: float | None = None) -> None:
         """Flush and stop the writer thread (reading goes on working)."""
-        try:
-            self.flush(timeout)
-        finally:
-            with self._cond:
-                self._closed = True
-                self._cond.notify_all()
-            if self._thread is not None:
-                self._thread.join(timeout=self.write_timeout if timeout is None else timeout)
-                atexit.unregister(self._at_exit)
+        if self._writer is not None:
+            self._writer.close(timeout)
 
     def __enter__(self) -> CheckpointManager:
         return self
@@ -621,40 +589,6 @@ class CheckpointManager:
         self.prune(job.name.step)
         return True
 
-    def _writer(self) -> None:
-        while True:
-            with self._cond:
-                self._cond.wait_for(lambda: self._queued is not None or self._closed)
-                if self._queued is None:
-                    return
-                job, self._queued = self._queued, None
-                self._busy = True
-                self._cond.notify_all()
-            error: CheckpointError | None = None
-            written = False
-            try:
-                try:
-                    job.stage()
-                finally:
-                    with self._cond:
-                        self._staging = False
-                        self._cond.notify_all()
-                written = self._write(job)
-            except CheckpointError as e:
-                error = e
-            except Exception as e:  # noqa: BLE001 - keep the thread alive; the training thread raises it
-                error = CheckpointError(f"checkpoint of step {job.name.step} in {self.directory} failed: {e!r}")
-            finally:
-                step = job.name.step
-                del job
-                if written:
-                    self._committed(step)  # before the flush below returns: flush() means "committed and told"
-                with self._cond:
-                    if error is not None:
-                        self._error = error
-                    self._busy = False
-                    self._cond.notify_all()
-
     def _committed(self, step: int) -> None:
         if self.on_commit is None:
             return
@@ -662,12 +596,6 @@ class CheckpointManager:
             self.on_commit(step)
         except Exception as e:  # noqa: BLE001 - the user's hook: a failure of it is logged, the commit stands
             log.error("on_commit hook for step %d in %s failed: %r", step, self.directory, e)
-
-    def _raise_pending(self) -> None:
-        with self._cond:
-            err, self._error = self._error, None
-        if err is not None:
-            raise err
 
 
 def _first_bad(directory: HostDir, step: int, prefer: int) -> tuple[Path, str] | None:
@@ -681,11 +609,3 @@ def _first_bad(directory: HostDir, step: int, prefer: int) -> tuple[Path, str] |
         if reason is not None:
             return directory.path / name.name, reason
     return None
-
-
-def _close_quietly(manager: CheckpointManager) -> None:
-    """At interpreter exit: finish what is in flight; an error is logged (there is no caller left to raise to)."""
-    try:
-        manager.close()
-    except CheckpointError as e:
-        log.error("%s", e)

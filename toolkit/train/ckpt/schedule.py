@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import torch
 
@@ -37,12 +37,31 @@ def parse_every(ckpt_every: int | str, bounds: tuple[int, int],
     return None, ckpt_every
 
 
-class Checkpointing:
-    """The checkpoints of one rank: `manager` writes them; `every` is the interval every rank agreed on in the
-    current step; `chooser` (None for a fixed interval) proposes the next. A save's stall is not the next step's work:
-    `clock` is told."""
+class RankCheckpoints(Protocol):
+    """What the Trainer needs of what writes a rank's checkpoints: toolkit.train.ckpt.manager.CheckpointManager (its
+    share of its host's copy of a replicated state) or toolkit.train.ckpt.shards.ShardCheckpoints (its own shard)."""
 
-    def __init__(self, rt: Runtime, manager: CheckpointManager, optimizer: torch.optim.Optimizer,
+    directory: Path
+    last_bytes: int  # bytes of the newest save (the heartbeat's)
+    skipped: int  # saves skipped in a row for a full disk
+    skip_why: str  # the line that said why
+    copies_later: bool  # it takes `stable` tensors to copy while the next step runs (else it copies all in save)
+
+    def save(self, step: int, state: dict[str, Any], stable: frozenset[int] = frozenset()) -> None: ...
+
+    def wait_staged(self, timeout: float | None = None) -> float: ...
+
+    def flush(self, timeout: float | None = None) -> None: ...
+
+    def close(self, timeout: float | None = None) -> None: ...
+
+
+class Checkpointing:
+    """The checkpoints of one rank: `manager` writes them (replicated or sharded: RankCheckpoints); `every` is the
+    interval every rank agreed on in the current step; `chooser` (None for a fixed interval) proposes the next. A
+    save's stall is not the next step's work: `clock` is told."""
+
+    def __init__(self, rt: Runtime, manager: RankCheckpoints, optimizer: torch.optim.Optimizer,
                  chooser: interval.IntervalChooser | None, every: int, clock: StepClock) -> None:
         self.rt = rt
         self.manager = manager
@@ -81,7 +100,8 @@ class Checkpointing:
         if self._saved == step:
             return
         began = time.monotonic()
-        self.manager.save(step, capture(step), stable=self._optimizer_storages())
+        stable = self._optimizer_storages() if self.manager.copies_later else frozenset()
+        self.manager.save(step, capture(step), stable=stable)
         stalled = time.monotonic() - began + self._staging_wait
         self._staging_wait = 0.0
         self._saved = step
@@ -120,7 +140,8 @@ class Checkpointing:
         tensors = [p for group in self.optimizer.param_groups for p in group["params"]]
         tensors += [v for per_param in self.optimizer.state.values() for v in per_param.values()
                     if isinstance(v, torch.Tensor)]
-        return frozenset(t.untyped_storage().data_ptr() for t in tensors)
+        # a DTensor (a sharded model's) has no storage of its own: its local shard's is what the checkpoint copies
+        return frozenset(getattr(t, "_local_tensor", t).untyped_storage().data_ptr() for t in tensors)
 
     def _choose_interval(self) -> None:
         """After a checkpoint: when the next is due, and what the heartbeats tell the scheduler about it."""
@@ -135,17 +156,23 @@ class Checkpointing:
 
 
 def manager_for(rt: Runtime, ckpt_dir: str | Path | None, keep: int, async_ckpt: bool) -> CheckpointManager:
-    """The rank's checkpoint manager: its host's copy under the root (ckpt_dir, else CKPT_DIR, else ./ckpt), its
-    share from the environment (checkpoint.Placement), the job's key (from its token; the project's without one).
-    TrainerError, one line, for a layout or directory that cannot be used."""
-    root = Path(ckpt_dir) if ckpt_dir is not None else Path(os.environ.get("CKPT_DIR") or "ckpt")
-    try:
-        placement = checkpoint.Placement.from_env(os.environ, world_size=rt.world_size)
-    except ValueError as e:
-        raise TrainerError(f"checkpoint layout: {e}") from None
-    key = ckptkey.job_key(rt.cfg.token) if rt.cfg.token else None
+    """The rank's checkpoint manager: its host's copy under the root (`where`), its share from the environment
+    (checkpoint.Placement), the job's key. TrainerError, one line, for a layout or directory that cannot be used."""
+    root, placement, key = where(rt, ckpt_dir)
     try:
         return CheckpointManager(root, keep_max=keep, placement=placement, key=key, async_write=async_ckpt,
                                  on_commit=rt.committed)
     except ValueError as e:
         raise TrainerError(str(e)) from None
+
+
+def where(rt: Runtime, ckpt_dir: str | Path | None) -> tuple[Path, checkpoint.Placement, bytes | None]:
+    """Where the rank's checkpoints go, whichever kind (replicated or sharded): the root (ckpt_dir, else CKPT_DIR,
+    else ./ckpt), the placement from the environment, the job's key (from its token; None: the project's).
+    TrainerError, one line, for a layout that cannot be right."""
+    root = Path(ckpt_dir) if ckpt_dir is not None else Path(os.environ.get("CKPT_DIR") or "ckpt")
+    try:
+        placement = checkpoint.Placement.from_env(os.environ, world_size=rt.world_size)
+    except ValueError as e:
+        raise TrainerError(f"checkpoint layout: {e}") from None
+    return root, placement, ckptkey.job_key(rt.cfg.token) if rt.cfg.token else None

@@ -17,12 +17,16 @@ are the host's share of the state, once.
   layer (logical ranks) does not map sharded state: a shard is cut for its mesh, and re-cutting it is
   torch.distributed.checkpoint's resharding, not a toolkit restart (the line says to restart on the old size or
   move the directory aside).
-- Asynchronous: `save` copies the rank's tensors to host memory (toolkit.train.ckpt.manager.host_copies: the stall is
-  one memory copy of the shard, 1/world of the state) and hands them to the writer thread; the next `save` waits
-  (bounded) for the previous write. A full disk (ENOSPC, EDQUOT) skips that checkpoint with one line, as the
-  replicated checkpoints do; any other write error is raised by the next `save`, `flush` or `close`.
-- The state's digest (toolkit.train.digest) is recorded at the save and checked at the load: what was written is
-  what the rank held.
+- Asynchronous: `save` copies the rank's tensors to host memory (toolkit.train.ckpt.manager.host_copies), except those
+  the caller says change only in optimizer.step() (`stable`, as for the replicated checkpoints: the Trainer's
+  parameters' and optimizer state's local shards), which the writer copies while the next forward and backward run
+  (`wait_staged`: the Trainer's optimizer pre-hook waits for that copy), then takes the digest and writes the file
+  (toolkit.train.ckpt.writer, the replicated checkpoints' writer too: one write in flight, one queued; a `save`
+  waits, bounded, while one is queued). Each durable shard is told to `on_commit` (the Trainer's
+  Runtime.committed, as for replicated checkpoints). A full disk (ENOSPC, EDQUOT) skips that checkpoint with one
+  line, as the replicated checkpoints do; any other write error is raised by the next `save`, `flush` or `close`.
+- The state's digest (toolkit.train.digest, of the copy) is recorded in the file and checked at the load: what was
+  written is what was copied.
 - Each rank keeps its own ``keep_max`` newest shards and prunes its older ones (only its own name, and only files
   that authenticate: anything else is moved into ``refused/``).
 - The restart agreement (`agree`, a collective): each rank authenticates its own shards in its host's directory,
@@ -38,10 +42,9 @@ import hmac
 import logging
 import os
 import re
-import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -49,8 +52,16 @@ import torch.distributed as dist
 from toolkit import atomicfile
 from toolkit.train.ckpt import partfile
 from toolkit.train.ckpt.hostdir import HostDir
-from toolkit.train.ckpt.manager import DEFAULT_WRITE_TIMEOUT, FULL, MIN_KEEP, Placement, host_copies, write_error
+from toolkit.train.ckpt.manager import (
+    DEFAULT_WRITE_TIMEOUT,
+    FULL,
+    MIN_KEEP,
+    Placement,
+    host_copies,
+    write_error,
+)
 from toolkit.train.ckpt.partfile import PartName
+from toolkit.train.ckpt.writer import SlotWriter
 from toolkit.train.digest import Digester
 from toolkit.train.faults import BadPart, CheckpointError, CorruptCheckpoint, DirectoryError
 
@@ -88,6 +99,34 @@ class ShardName(PartName):
         return cls(step, rank, world) if 0 <= rank < world else None
 
 
+@dataclass
+class _ShardJob:
+    """One shard on its way to disk (toolkit.train.ckpt.writer's job): the state as `save` got it, its tensors in
+    order, and their host copies (None: the writer copies it in `stage`)."""
+
+    name: ShardName
+    state: Any
+    tensors: list[torch.Tensor]
+    staged: list[torch.Tensor | None]
+
+    @property
+    def step(self) -> int:
+        return self.name.step
+
+    def stage(self) -> None:
+        """Copy the tensors `save` left to the writer (the training loop may change them once this returns)."""
+        left = [i for i, t in enumerate(self.staged) if t is None]
+        for i, copy in zip(left, host_copies([self.tensors[i] for i in left]), strict=True):
+            self.staged[i] = copy
+
+    def payload(self, layout: Manifest) -> dict[str, Any]:
+        """What the file holds: the manifest, the staged state and its digest."""
+        copies = iter(self.staged)
+        state = _replaced(self.state, lambda _: next(copies))
+        return {LAYOUT: {"world": layout.world, "mesh": list(layout.mesh)}, STATE: state,
+                DIGEST: Digester().state(state)}
+
+
 @dataclass(frozen=True)
 class Manifest:
     """What a sharded state is cut for, in every shard file: the world size and the mesh shape. A restart must match
@@ -123,7 +162,7 @@ class ShardCheckpoints:
 
     def __init__(self, root: str | Path, rank: int, layout: Manifest, *, key: bytes,
                  placement: Placement | None = None, keep_max: int = 2, async_write: bool = True,
-                 write_timeout: float = DEFAULT_WRITE_TIMEOUT) -> None:
+                 write_timeout: float = DEFAULT_WRITE_TIMEOUT, on_commit: Callable[[int], None] | None = None) -> None:
         if keep_max < MIN_KEEP:
             raise ValueError(f"keep_max must be >= {MIN_KEEP}, got {keep_max}")
         if not 0 <= rank < layout.world:
@@ -140,64 +179,61 @@ class ShardCheckpoints:
             raise CheckpointError(str(e)) from None
         self.directory = self.dir.path
         self._remove_temps()
-        self._cond = threading.Condition()
-        self._queued: tuple[ShardName, dict[str, Any]] | None = None
-        self._busy = False
-        self._closed = False
-        self._error: CheckpointError | None = None
-        self.skipped = 0
-        self.last_bytes = 0
-        self._thread: threading.Thread | None = None
+        self.on_commit = on_commit
+        self.skipped = 0  # checkpoints skipped in a row for a full disk (or quota), 0 once one is written
+        self.skip_why = ""  # the line that said why the first of them was skipped
+        self.last_bytes = 0  # bytes of this rank's newest shard saved (for the heartbeat)
+        self.copies_later = async_write  # `stable` tensors are copied by the writer (the Trainer's RankCheckpoints)
+        self._writer: SlotWriter[_ShardJob] | None = None  # the background writer (toolkit.train.ckpt.writer)
         if async_write:
-            self._thread = threading.Thread(target=self._writer, name=f"shard-writer:{rank}", daemon=True)
-            self._thread.start()
+            self._writer = SlotWriter(self._write, self._committed, what="sharded checkpoint",
+                                      directory=self.directory, timeout=write_timeout)
 
     # --- writing
 
-    def save(self, step: int, state: dict[str, Any]) -> None:
+    def save(self, step: int, state: dict[str, Any], stable: frozenset[int] = frozenset()) -> None:
         """Make `state` (this rank's shard: nested dicts, lists and tensors, e.g. local shards of DTensors) the
-        checkpoint of `step`. Copies the tensors now (the caller may change them once this returns) and writes in
-        the background (async), or returns once the file is durable (sync)."""
+        checkpoint of `step`, written in the background (async) or before this returns (sync). `stable`: storage
+        addresses (``untyped_storage().data_ptr()``) of tensors that will not change before `wait_staged()` (the
+        parameters' local shards and the optimizer state: only optimizer.step() changes them): the writer copies
+        those while the loop runs the next forward and backward, when it is idle; every other tensor is copied
+        here. The digest of the copy is taken by the writer."""
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
-        self._raise_pending()
-        with self._cond:
-            if self._closed:
-                raise CheckpointError(f"sharded checkpoints in {self.directory} are closed")
-            if not self._cond.wait_for(lambda: self._queued is None and not self._busy, timeout=self.write_timeout):
-                raise CheckpointError(f"previous sharded checkpoint in {self.directory} still being written after "
-                                      f"{self.write_timeout:.0f} s; the disk is too slow for this interval: save less "
-                                      "often")
-        staged = _copied(state)
-        payload = {LAYOUT: {"world": self.layout.world, "mesh": list(self.layout.mesh)}, STATE: staged,
-                   DIGEST: Digester().state(staged)}
-        self.last_bytes = sum(t.nbytes for t in _tensors(staged))
-        job = (ShardName(step, self.rank, self.layout.world), payload)
-        if self._thread is None:
-            self._write(job)
+        defer = False
+        if self._writer is not None:
+            self._writer.raise_pending()
+            in_flight = self._writer.slot()  # waits (bounded) for the slot: always called
+            defer = bool(stable) and not in_flight
+        tensors = tensors_in(state)
+        later = [defer and t.untyped_storage().data_ptr() in stable for t in tensors]
+        staged: list[torch.Tensor | None] = [None] * len(tensors)
+        now = [i for i, deferred in enumerate(later) if not deferred]
+        for i, copy in zip(now, host_copies([tensors[i] for i in now]), strict=True):
+            staged[i] = copy
+        self.last_bytes = sum(t.nbytes for t in tensors)
+        # the structure (containers, plain values) taken now, as the tensors are: the writer only fills it in
+        job = _ShardJob(ShardName(step, self.rank, self.layout.world), _replaced(state, lambda t: t), tensors, staged)
+        if self._writer is None:
+            if self._write(job):
+                self._committed(step)
             return
-        with self._cond:
-            self._queued = job
-            self._cond.notify_all()
+        self._writer.put(job, staging=any(later))
+
+    def wait_staged(self, timeout: float | None = None) -> float:
+        """Block (bounded) until the writer has copied every tensor `save` left to it, so the caller may change
+        them again; returns the seconds waited (part of the checkpoint's stall)."""
+        return 0.0 if self._writer is None else self._writer.wait_staged(timeout)
 
     def flush(self, timeout: float | None = None) -> None:
         """Wait (bounded) until the write in flight is durable; raise a background write's error."""
-        limit = self.write_timeout if timeout is None else timeout
-        with self._cond:
-            if not self._cond.wait_for(lambda: self._queued is None and not self._busy, timeout=limit):
-                raise CheckpointError(f"sharded checkpoint in {self.directory} not written after {limit:.0f} s")
-        self._raise_pending()
+        if self._writer is not None:
+            self._writer.flush(timeout)
 
-    def close(self) -> None:
+    def close(self, timeout: float | None = None) -> None:
         """Flush, then stop the writer thread."""
-        try:
-            self.flush()
-        finally:
-            with self._cond:
-                self._closed = True
-                self._cond.notify_all()
-            if self._thread is not None:
-                self._thread.join(self.write_timeout)
+        if self._writer is not None:
+            self._writer.close(timeout)
 
     # --- reading
 
@@ -272,21 +308,32 @@ class ShardCheckpoints:
             return f"unreadable ({e.strerror})"
         return None
 
-    def _write(self, job: tuple[ShardName, dict[str, Any]]) -> None:
-        name, payload = job
+    def _write(self, job: _ShardJob) -> bool:
+        """Write the shard, then prune; False if the disk was full (the checkpoint skipped, said once per run)."""
+        name = job.name
         try:
-            partfile.write_part(self.dir.fd, name, payload, self._key)
+            partfile.write_part(self.dir.fd, name, job.payload(self.layout), self._key)
         except OSError as e:
             error = write_error(e, self.directory, f"sharded checkpoint of step {name.step}", self.last_bytes)
             if e.errno not in FULL:
                 raise error from None
             self.skipped += 1
             if self.skipped == 1:
+                self.skip_why = str(error)
                 log.warning("%s; sharded checkpoint of step %d skipped: training goes on and the next checkpoint "
                             "tries again (said once until one is written)", error, name.step)
-            return
+            return False
         self.skipped = 0
         self._prune()
+        return True
+
+    def _committed(self, step: int) -> None:
+        if self.on_commit is None:
+            return
+        try:
+            self.on_commit(step)
+        except Exception as e:  # noqa: BLE001 - the hook's failure is logged, the commit stands
+            log.error("on_commit hook for step %d in %s failed: %r", step, self.directory, e)
 
     def _prune(self) -> None:
         """Keep this rank's `keep_max` newest shards of this world; older ones of its own name are removed if they
@@ -312,35 +359,6 @@ class ShardCheckpoints:
                     os.unlink(entry, dir_fd=self.dir.fd)
                 except OSError:
                     pass
-
-    def _writer(self) -> None:
-        while True:
-            with self._cond:
-                self._cond.wait_for(lambda: self._queued is not None or self._closed)
-                if self._queued is None:
-                    return
-                job, self._queued = self._queued, None
-                self._busy = True
-            error: CheckpointError | None = None
-            try:
-                self._write(job)
-            except CheckpointError as e:
-                error = e
-            except Exception as e:  # noqa: BLE001 - the training thread raises it
-                error = CheckpointError(f"sharded checkpoint of step {job[0].step} in {self.directory} failed: {e!r}")
-            finally:
-                del job
-                with self._cond:
-                    if error is not None:
-                        self._error = error
-                    self._busy = False
-                    self._cond.notify_all()
-
-    def _raise_pending(self) -> None:
-        with self._cond:
-            error, self._error = self._error, None
-        if error is not None:
-            raise error
 
 
 def decide(rows: list[list[int]], layout: Manifest, where: str) -> int | None:
@@ -378,30 +396,25 @@ def _gather(row: list[int], group: Any, fence: Any) -> list[list[int]]:
     return [[int(v) for v in t.tolist()] for t in every]
 
 
-def _tensors(obj: Any) -> list[torch.Tensor]:
+def tensors_in(obj: Any) -> list[torch.Tensor]:
+    """The tensors in `obj` (nested dicts, lists, tuples), in order."""
     if isinstance(obj, torch.Tensor):
         return [obj]
     if isinstance(obj, dict):
-        return [t for v in obj.values() for t in _tensors(v)]
+        return [t for v in obj.values() for t in tensors_in(v)]
     if isinstance(obj, (list, tuple)):
-        return [t for v in obj for t in _tensors(v)]
+        return [t for v in obj for t in tensors_in(v)]
     return []
 
 
-def _copied(obj: Any) -> Any:
-    """`obj` with every tensor replaced by a host copy (complete when this returns), the rest as it is."""
-    tensors = _tensors(obj)
-    copies = iter(host_copies(tensors))
-
-    def walk(x: Any) -> Any:
-        if isinstance(x, torch.Tensor):
-            return next(copies)
-        if isinstance(x, dict):
-            return type(x)((k, walk(v)) for k, v in x.items())
-        if isinstance(x, list):
-            return [walk(v) for v in x]
-        if isinstance(x, tuple):
-            return tuple(walk(v) for v in x)
-        return x
-
-    return walk(obj)
+def _replaced(obj: Any, new: Callable[[torch.Tensor], Any]) -> Any:
+    """`obj` with every tensor replaced by `new(tensor)`, in `tensors_in`'s order; the rest as it is."""
+    if isinstance(obj, torch.Tensor):
+        return new(obj)
+    if isinstance(obj, dict):
+        return type(obj)((k, _replaced(v, new)) for k, v in obj.items())
+    if isinstance(obj, list):
+        return [_replaced(v, new) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(_replaced(v, new) for v in obj)
+    return obj
