@@ -3,7 +3,8 @@
 extra state. Prints `epoch: E, step: S, loss is L` every step and, at the end, `final parameters: - sha256 HEX` (the
 full parameters, gathered) on rank 0.
 
---mesh R,S: HSDP over R replica groups of S ranks; --mesh N: pure FSDP. --refuse KIND builds a sharding the Trainer
+--mesh R,S: HSDP over R replica groups of S ranks; --mesh N: pure FSDP (--mirror-every: the copies of the shards
+in memory, the Trainer's shard_mirror). --refuse KIND builds a sharding the Trainer
 must refuse (tp, offload, mesh3d, partial) and prints the Trainer's line (exit 2). --width sizes the model (the
 benchmark's ~600 MB of state at 4 workers)."""
 
@@ -35,6 +36,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--depth", type=int, default=3)
     p.add_argument("--step-delay", type=float, default=0.0)
     p.add_argument("--plain-reduction", action="store_true", help="torch's own reduce-scatter and all-reduce")
+    p.add_argument("--mirror-every", default="auto", help="pure FSDP: the Trainer's shard_mirror (steps, auto, 0)")
     p.add_argument("--refuse", choices=["tp", "offload", "mesh3d", "partial"], default=None)
     return p.parse_args(argv)
 
@@ -100,7 +102,9 @@ def main(argv: list[str]) -> int:
     loader = DataLoader(data, batch_size=args.batch, sampler=DistributedSampler(data, rt.world_size, rt.rank, seed=0))
     try:
         trainer = toolkit.train.Trainer(rt, model, optimizer, loader, state={"scheduler": scheduler}, ckpt_every=1000,
-                                        deterministic=not args.plain_reduction)
+                                        deterministic=not args.plain_reduction,
+                                        shard_mirror=int(args.mirror_every) if args.mirror_every.isdigit()
+                                        else args.mirror_every)
     except toolkit.train.TrainerError as e:
         print(f"fsdp_train.py rank {rt.rank}: {e}", file=sys.stderr, flush=True)
         rt.close()

@@ -40,12 +40,22 @@ DEATH = re.compile(r"(worker_\d+) \(pid (\d+) on \S+\) is dead")
 pytestmark = pytest.mark.timeout(1200)
 
 
-def job(root: Path, name: str) -> LocalJob:
+def job(root: Path, name: str, args: list[str] = ARGS) -> LocalJob:
     project = root / "project"
     project.mkdir(parents=True)
     shutil.copy(SCRIPT, project / SCRIPT.name)
-    return LocalJob(root / "work", WORLD, ARGS, job=name, project=project, script=SCRIPT.name, node_timeout=3,
+    return LocalJob(root / "work", WORLD, args, job=name, project=project, script=SCRIPT.name, node_timeout=3,
                     cluster_time_out=120, grace=5, max_restarts=30)
+
+
+def simulate_hosts(j: LocalJob, per_host: int) -> None:
+    """Number the workers as hosts of `per_host` ranks each (LOCAL_RANK, LOCAL_WORLD_SIZE as fleet sets them on
+    several hosts), in the env files the agent starts each incarnation from."""
+    for rank in range(WORLD):
+        path = j.dir / "env" / f"worker_{rank}.env"
+        text = re.sub(r"^export LOCAL_RANK=.*$", f"export LOCAL_RANK={rank % per_host}", path.read_text(), flags=re.M)
+        path.write_text(re.sub(r"^export LOCAL_WORLD_SIZE=.*$", f"export LOCAL_WORLD_SIZE={per_host}", text,
+                               flags=re.M))
 
 
 def steps(j: LocalJob, rank: int) -> int:
@@ -82,13 +92,12 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> str:
     return digest
 
 
-def kill_rounds(j: LocalJob, victims: list[list[int]], rng: random.Random) -> None:
-    """For each round, once every rank has trained 2 steps past the last round, wait a random part of a step or
-    two, then SIGKILL the round's ranks at once."""
-    past: dict[int, int] = {}
+def kill_rounds(j: LocalJob, victims: list[list[int]], rng: random.Random, first: int = 2) -> None:
+    """For each round, once every rank has trained 2 steps past the last round (`first` steps for the first),
+    wait a random part of a step or two, then SIGKILL the round's ranks at once."""
+    past: dict[int, int] = {r: first - 2 for r in range(WORLD)}
     for ranks in victims:
-        until("every rank training", lambda past=past: all(steps(j, r) >= past.get(r, 0) + 2 for r in range(WORLD)),
-              j)
+        until("every rank training", lambda past=past: all(steps(j, r) >= past[r] + 2 for r in range(WORLD)), j)
         time.sleep(rng.uniform(0.0, 0.1))
         pids = [pid_of(j, r) for r in ranks]
         assert None not in pids, j.evidence()
@@ -134,6 +143,60 @@ def test_a_replica_group_lost_whole_is_recovered_from_the_other(tmp_path: Path, 
         check(j, reference, 4, "(replica group 0 killed twice)")
     finally:
         j.cleanup()
+
+
+MIRROR_EVERY = 4  # K: steps between refreshes of the copies of the shards in memory
+FSDP_ARGS = ["--mesh", "4", "--epochs", "3", "--samples", "512", "--step-delay", "0.03"]
+REDONE = re.compile(r"^rank (\d+): ranks \[[\d, ]+\] lost at step (\d+): every rank goes back to step (\d+), "
+                    r".* and redoes (\d+) step\(s\)$", re.M)
+
+
+@pytest.fixture(scope="module")
+def fsdp_reference(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The final digest of the uninterrupted pure-FSDP run, on one host: no other host's memory for the copies,
+    which rank 0 says at the start, with what a fault would cost."""
+    j = job(tmp_path_factory.mktemp("fsdp-reference"), "fsdpref", FSDP_ARGS)
+    try:
+        j.start()
+        assert j.finish(JOB_TIMEOUT) == 0, j.evidence()
+    finally:
+        j.cleanup()
+    text = j.log("worker_0.log")
+    assert re.search(r"^rank 0: pure FSDP without a copy of each shard in memory \(the job runs on one host: .*\): "
+                     r"a lost rank costs a whole-job restart from the start", text, re.M), text[-3000:]
+    (digest,) = FINAL.findall(text)
+    return digest
+
+
+def test_pure_fsdp_kills_are_recovered_from_the_copies_in_memory(tmp_path: Path, fsdp_reference: str) -> None:
+    """Pure FSDP at world 4 on two simulated hosts of two ranks, copies refreshed every 4 steps; 3 kills of a random
+    rank each at random moments: the replacement takes its shard from the copy the other host keeps, every rank
+    goes back to the copy's step and redoes the steps since (at most K, plus a refresh still in flight), and the
+    run ends bitwise equal to the uninterrupted one."""
+    seed = random.SystemRandom().randrange(2**32)
+    rng = random.Random(seed)
+    j = job(tmp_path, "mirror", [*FSDP_ARGS, "--mirror-every", str(MIRROR_EVERY)])
+    simulate_hosts(j, 2)
+    victims = [[rng.randrange(WORLD)] for _ in range(3)]
+    why = f"(seed {seed}, victims {victims})"
+    try:
+        j.start()
+        kill_rounds(j, victims, rng, first=MIRROR_EVERY + 2)
+        assert j.finish(JOB_TIMEOUT) == 0, f"{why}\n{j.evidence()}"
+    finally:
+        j.cleanup()
+    assert len(DEATH.findall(j.log("scheduler.log"))) == 3, f"{why}\n{j.evidence()}"
+    (final,) = FINAL.findall(j.log("worker_0.log"))
+    assert final == fsdp_reference, f"final parameters differ from the uninterrupted run {why}"
+    assert "refreshed every 4 steps: a lost rank's shard comes from it" in j.log("worker_0.log"), why
+    redone = [m for r in range(WORLD) for m in REDONE.findall(j.log(f"worker_{r}.log"))]
+    assert len({(reached, back) for _, reached, back, _ in redone}) >= 3, f"{redone} {why}\n{j.evidence()}"
+    for rank, reached, back, count in redone:
+        assert int(count) == int(reached) - int(back) < 2 * MIRROR_EVERY, f"rank {rank}: {reached} -> {back} {why}"
+    recoveries = [m for r in range(WORLD) for m in RECOVERED.findall(j.log(f"worker_{r}.log"))]
+    for rank, _, _, kind, recomputed in recoveries:
+        assert kind == "memory" and int(recomputed) < 2 * MIRROR_EVERY, f"rank {rank} {recoveries} {why}"
+    print(f"steps redone per recovery: {sorted({(int(a), int(b)) for _, a, b, _ in redone})} {why}")
 
 
 REFUSALS = {

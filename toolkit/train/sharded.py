@@ -25,6 +25,7 @@ from toolkit.train.ckpt.schedule import Checkpointing
 from toolkit.train.runtime import Runtime
 from toolkit.train.shardcomm import Binding, ShardedGroup
 from toolkit.train.shardmodel import Sharding, inspect
+from toolkit.train.shardrollback import mirror_for
 from toolkit.train.shardstate import ShardedTrainingState, ShardState
 
 __all__ = ["InMemoryOnly", "ShardState", "inspect", "parts"]
@@ -43,16 +44,20 @@ class InMemoryOnly(Checkpointing):
 
 def parts(rt: Runtime, model: nn.Module, optimizer: torch.optim.Optimizer, extra: Mapping[str, Any],
           manager: CheckpointManager, sharding: Sharding, deterministic: bool,
-          chooser: interval.IntervalChooser | None, every: int) -> tuple[ShardedGroup, ShardedTrainingState,
-                                                                          Checkpointing]:
-    """The Trainer's group, state and checkpointing for `sharding`."""
+          chooser: interval.IntervalChooser | None, every: int, mirror_every: int | str = "auto"
+          ) -> tuple[ShardedGroup, ShardedTrainingState, Checkpointing]:
+    """The Trainer's group, state and checkpointing for `sharding`; for pure FSDP the copies of the shards in memory
+    (toolkit.train.shardrollback), refreshed every `mirror_every` steps ("auto": K for at most 3% of the step time;
+    0: none)."""
     binding = Binding(sharding, rt.group)
     group = ShardedGroup(model, sharding, binding, deterministic)
     state = ShardedTrainingState(rt, model, optimizer, extra, manager, sharding.layout, binding)
     ckpt = InMemoryOnly(rt, manager, optimizer, chooser, every, group.clock)
+    layout = sharding.layout
     if rt.rank == 0:
-        layout = sharding.layout
+        how = "the other replica groups" if layout.replicas > 1 else "the copies in memory below, if any"
         log.line(f"rank 0: a sharded model ({'HSDP' if layout.replicas > 1 else 'FSDP'}, {layout.replicas} replica "
-                 f"group(s) of {layout.shards}): recovered in place from the other replica groups; no checkpoints "
-                 "are written")
+                 f"group(s) of {layout.shards}): recovered in place from {how}; no checkpoints are written")
+    if layout.replicas == 1:
+        state.use_mirror(mirror_for(rt, model, manager.placement.local_world, mirror_every))
     return group, state, ckpt
