@@ -109,7 +109,10 @@ def main(argv: list[str]) -> int:
         print(f"fsdp_train.py rank {rt.rank}: {e}", file=sys.stderr, flush=True)
         rt.close()
         return 2
+    began = None  # after the first step: the steady steps' rate, for bench/shard_mirror.py
     for x, y in trainer.batches(args.epochs):
+        if began is None and trainer.step_count == 1:
+            began = (time.monotonic(), trainer.step_count)
         with trainer.step() as step:
             optimizer.zero_grad(set_to_none=True)
             loss = F.cross_entropy(trainer.model(x), y)
@@ -119,6 +122,8 @@ def main(argv: list[str]) -> int:
             print(f"epoch: {trainer.epoch}, step: {step}, loss is {loss.item():.6f}", flush=True)
         if args.step_delay:
             time.sleep(args.step_delay)
+    if began is not None and rt.rank == 0:
+        print(f"steady steps/s: {(trainer.step_count - began[1]) / (time.monotonic() - began[0]):.3f}", flush=True)
     trainer.finish()
     digest = final_digest(model)  # collective: every rank gathers
     if rt.rank == 0:

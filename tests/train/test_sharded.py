@@ -1,6 +1,8 @@
 """A model sharded with FSDP2 under the Trainer (issue 45): HSDP on a (2, 2) mesh recovered in place with no lost
 step, bitwise equal to an uninterrupted run, whatever moment of a step a kill -9 lands on, and when both ranks of a
-replica group die together; shardings the Trainer cannot recover refused at `Trainer(...)` in one line.
+replica group die together; pure FSDP (one replica group) recovered from the copies of the shards in another
+host's memory (toolkit.train.shardrollback), bitwise, with the steps redone counted; shardings the Trainer cannot
+recover refused at `Trainer(...)` in one line.
 
 Real processes: the script (tests/scripts/fsdp_train.py) run by the real agent and scheduler (LocalJob), killed
 with SIGKILL; the refusals run the script alone (a world of one), as a user would."""
@@ -46,16 +48,6 @@ def job(root: Path, name: str, args: list[str] = ARGS) -> LocalJob:
     shutil.copy(SCRIPT, project / SCRIPT.name)
     return LocalJob(root / "work", WORLD, args, job=name, project=project, script=SCRIPT.name, node_timeout=3,
                     cluster_time_out=120, grace=5, max_restarts=30)
-
-
-def simulate_hosts(j: LocalJob, per_host: int) -> None:
-    """Number the workers as hosts of `per_host` ranks each (LOCAL_RANK, LOCAL_WORLD_SIZE as fleet sets them on
-    several hosts), in the env files the agent starts each incarnation from."""
-    for rank in range(WORLD):
-        path = j.dir / "env" / f"worker_{rank}.env"
-        text = re.sub(r"^export LOCAL_RANK=.*$", f"export LOCAL_RANK={rank % per_host}", path.read_text(), flags=re.M)
-        path.write_text(re.sub(r"^export LOCAL_WORLD_SIZE=.*$", f"export LOCAL_WORLD_SIZE={per_host}", text,
-                               flags=re.M))
 
 
 def steps(j: LocalJob, rank: int) -> int:
@@ -176,7 +168,7 @@ def test_pure_fsdp_kills_are_recovered_from_the_copies_in_memory(tmp_path: Path,
     seed = random.SystemRandom().randrange(2**32)
     rng = random.Random(seed)
     j = job(tmp_path, "mirror", [*FSDP_ARGS, "--mirror-every", str(MIRROR_EVERY)])
-    simulate_hosts(j, 2)
+    j.number_hosts(2)
     victims = [[rng.randrange(WORLD)] for _ in range(3)]
     why = f"(seed {seed}, victims {victims})"
     try:
@@ -199,17 +191,19 @@ def test_pure_fsdp_kills_are_recovered_from_the_copies_in_memory(tmp_path: Path,
     print(f"steps redone per recovery: {sorted({(int(a), int(b)) for _, a, b, _ in redone})} {why}")
 
 
-REFUSALS = {
-    "tp": "tensor parallelism is not supported",
-    "offload": "CPU offload is not supported",
-    "mesh3d": "slice of a 3-D mesh",
-    "partial": "not on the model itself",
+SUPPORTED_LINE = "supported: fully_shard over a 1-D mesh"
+REFUSALS = {  # what the script is given -> what its one line must say
+    "tp": (["--refuse", "tp"], ["tensor parallelism is not supported", SUPPORTED_LINE]),
+    "offload": (["--refuse", "offload"], ["CPU offload is not supported", SUPPORTED_LINE]),
+    "mesh3d": (["--refuse", "mesh3d"], ["slice of a 3-D mesh", SUPPORTED_LINE]),
+    "partial": (["--refuse", "partial"], ["not on the model itself", SUPPORTED_LINE]),
+    "mirror": (["--mirror-every", "often"], ["shard_mirror='often': give the steps between refreshes", "0 (none)"]),
 }
 
 
 def test_shardings_the_trainer_cannot_recover_are_refused_in_one_line(tmp_path: Path) -> None:
     def run(kind: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, str(SCRIPT), "--mesh", "1", "--refuse", kind], cwd=tmp_path,
+        return subprocess.run([sys.executable, str(SCRIPT), "--mesh", "1", *REFUSALS[kind][0]], cwd=tmp_path,
                               env=clean_env(), capture_output=True, text=True, timeout=ALONE_TIMEOUT)
 
     with ThreadPoolExecutor(2) as pool:
@@ -217,7 +211,7 @@ def test_shardings_the_trainer_cannot_recover_are_refused_in_one_line(tmp_path: 
     for kind, proc in done.items():
         lines = proc.stderr.strip().splitlines()
         assert proc.returncode == 2 and len(lines) == 1, f"{kind}: {proc.returncode}\n{proc.stderr}"
-        assert REFUSALS[kind] in lines[0] and "supported: fully_shard over a 1-D mesh" in lines[0], lines[0]
+        assert all(want in lines[0] for want in REFUSALS[kind][1]), lines[0]
 
 
 def test_the_plan_gives_each_shard_from_its_column_and_completes_torn_steps() -> None:
@@ -234,3 +228,4 @@ def test_the_plan_gives_each_shard_from_its_column_and_completes_torn_steps() ->
     # both ranks of shard 1 lost: refused in one line
     with pytest.raises(TrainerError, match=r"shard\(s\) \[1\] at step 7 are held by no live rank"):
         plan_recovery([(7, 0, 0), (-1, 1, 0), (7, 0, 0), (-1, 1, 0)], hsdp)
+

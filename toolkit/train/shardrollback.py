@@ -52,18 +52,17 @@ FALLBACK = ("a lost rank costs a whole-job restart from the start (checkpoints o
 
 def mirror_for(rt: Runtime, module: torch.nn.Module, per_host: int, every: int | str) -> ShardMirror | None:
     """The mirror of a pure-FSDP model's shards, None when `every` is 0 (off) or the world is one rank; says at
-    start (rank 0, one line) that it is off and what a fault costs then. ValueError for a bad `every`."""
+    start (rank 0, one line) that it is off and what a fault costs then. TrainerError for a bad `every`."""
+    if every != "auto" and (isinstance(every, bool) or not isinstance(every, int) or every < 0):
+        raise TrainerError(f"shard_mirror={every!r}: give the steps between refreshes of the copies of the shards in "
+                           "memory (at least 1), \"auto\" (K for at most 3% of the step time) or 0 (none)")
     if every == 0 or rt.world_size == 1:
         if rt.rank == 0 and rt.world_size > 1:
             log.line(f"rank 0: pure FSDP without a copy of each shard in memory (shard_mirror=0): {FALLBACK}")
         return None
     nbytes = ADAM_LIKE * sum(getattr(p, "_local_tensor", p).nbytes for p in module.parameters()) + sum(
         b.nbytes for b in module.buffers())
-    try:
-        mirror = ShardMirror(rt.rank, rt.world_size, per_host, nbytes, every=every)
-    except ValueError:
-        raise TrainerError(f"shard_mirror={every!r}: give the steps between refreshes of the copies of the shards in "
-                           "memory (at least 1), \"auto\" (K for at most 3% of the step time) or 0 (none)") from None
+    mirror = ShardMirror(rt.rank, rt.world_size, per_host, nbytes, every=every)
     if rt.rank == 0:
         if mirror.enabled:
             every = "K (chosen for at most 3% of the step time)" if mirror.auto else str(mirror.every)
