@@ -5,7 +5,7 @@ With one replica group a lost rank's shard exists nowhere else in accelerator me
 each rank's shard in another host's RAM, refreshed every K steps. What this part adds to the Trainer:
 
 - at the start (`mirror_for`): the mirror, or the one line that says why there is none and what a fault then costs;
-- after each step (`MirrorRollback.after_step`): the refresh when due, with a copy of what every rank holds alike
+- after each step when due (`MirrorRollback.refresh`): the refresh, with a copy of what every rank holds alike
   (the optimizer's hyperparameters, the extra state such as an LR scheduler), which is not in the shard's tensors;
 - after each (re-)formation (`regroup`): the mirror's own group;
 - in the agreement, when a rank of the one replica group was lost (`recover`): every survivor ends the exchange in
@@ -94,11 +94,6 @@ class MirrorRollback:
         self.shard = shard
         self.commit = commit
         self._replicated: dict[int, Any] = {}  # step -> what every rank holds alike at that step
-
-    def after_step(self, step: int, step_time: float | None) -> None:
-        """At a step boundary every rank reaches alike: refresh the copies when due."""
-        if self.mirror.due(step):
-            self.refresh(step, step_time)
 
     def refresh(self, step: int, step_time: float | None = None) -> None:
         """Collective (in the background): refresh the copies at `step`. Also after each (re-)formation, at the

@@ -209,10 +209,10 @@ class ShardedTrainingState(TrainingState):
         """Recover a lost rank of the one replica group from `mirror` (None: no copies; such a loss is refused)."""
         self.rollback = MirrorRollback(self.rt, mirror, self.shard, self.commit) if mirror is not None else None
 
-    def after_step(self, step: int, step_time: float | None) -> None:
-        """At each step boundary (every rank alike): the mirror's refresh when due."""
-        if self.rollback is not None:
-            self.rollback.after_step(step, step_time)
+    def after_step(self, step: int) -> None:
+        """At each step boundary (every rank alike): the mirror's refresh when due (the steps' mean time: for K)."""
+        if self.rollback is not None and self.rollback.mirror.due(step):
+            self.rollback.refresh(step, self.rt.pace.summary().get("step_time"))
 
     def capture(self, step: int) -> dict[str, Any]:
         return {"step": step, **self.shard.tensors()}

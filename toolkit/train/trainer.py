@@ -255,12 +255,10 @@ class Trainer:
         if self._inject is not None:
             for line in self._inject.after_step(self.step_count, self.module, self.optimizer):
                 log.line(f"rank {self.rt.rank}: {line}")
-        busy = self._group.end_step(self._began)
-        self.rt.report(self.step_count, self.epoch, loss=self._loss, busy=busy)
-        step_time = self.rt.pace.summary().get("step_time") if self._sharded or self._tb is not None else None
-        if self._sharded:  # pure FSDP's copies of the shards in memory, when due (toolkit.train.shardrollback)
-            self._state.after_step(self.step_count, step_time)
+        self.rt.report(self.step_count, self.epoch, loss=self._loss, busy=self._group.end_step(self._began))
+        self._state.after_step(self.step_count)  # pure FSDP's copies of the shards in memory, when due
         if self._tb is not None:
+            step_time = self.rt.pace.summary().get("step_time")
             self._tb.step(self.step_count, self._loss, 1.0 / step_time if step_time else None)
         self._loss = None
         if self._ckpt.due(self.step_count):
