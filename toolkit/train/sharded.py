@@ -5,7 +5,9 @@ path's, composed in one place so that toolkit.train.trainer only asks `inspect` 
 - toolkit.train.shardcomm: the mesh's groups rebuilt over each new default group, FSDP's iteration state reset after
   a fault, the reduce-scatter and the sum across replica groups in a fixed order;
 - toolkit.train.shardstate: this rank's shard (`ShardState`: tensors / load / digest), the step commit, and the
-  agreement that gives a lost rank its shard from the rank holding it in another replica group.
+  agreement that gives a lost rank its shard from the rank holding it in another replica group;
+- toolkit.train.shardrollback: for pure FSDP (one replica group), the copies of the shards in another host's memory
+  (toolkit.train.shardmirror) and the recovery that goes back to them.
 
 Checkpoints of sharded state are not written by this part (`InMemoryOnly`): it says so once at the start, and a
 whole-job restart starts from the initial state.
