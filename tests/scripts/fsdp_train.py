@@ -3,7 +3,8 @@
 extra state. Prints `epoch: E, step: S, loss is L` every step and, at the end, `final parameters: - sha256 HEX` (the
 full parameters, gathered) on rank 0.
 
---mesh R,S: HSDP over R replica groups of S ranks; --mesh N: pure FSDP. --refuse KIND builds a sharding the Trainer
+--mesh R,S: HSDP over R replica groups of S ranks; --mesh N: pure FSDP (--mirror-every: the copies of the shards
+in memory, the Trainer's shard_mirror). --refuse KIND builds a sharding the Trainer
 must refuse (tp, offload, mesh3d, partial) and prints the Trainer's line (exit 2). --width sizes the model (the
 benchmark's ~600 MB of state at 4 workers)."""
 
@@ -36,6 +37,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--step-delay", type=float, default=0.0)
     p.add_argument("--ckpt-every", default="1000", help="steps between checkpoints, or auto")
     p.add_argument("--plain-reduction", action="store_true", help="torch's own reduce-scatter and all-reduce")
+    p.add_argument("--mirror-every", default="auto", help="pure FSDP: the Trainer's shard_mirror (steps, auto, 0)")
     p.add_argument("--refuse", choices=["tp", "offload", "mesh3d", "partial"], default=None)
     return p.parse_args(argv)
 
@@ -102,12 +104,17 @@ def main(argv: list[str]) -> int:
     every = args.ckpt_every if args.ckpt_every == "auto" else int(args.ckpt_every)
     try:
         trainer = toolkit.train.Trainer(rt, model, optimizer, loader, state={"scheduler": scheduler}, ckpt_every=every,
-                                        deterministic=not args.plain_reduction)
+                                        deterministic=not args.plain_reduction,
+                                        shard_mirror=int(args.mirror_every) if args.mirror_every.isdigit()
+                                        else args.mirror_every)
     except toolkit.train.TrainerError as e:
         print(f"fsdp_train.py rank {rt.rank}: {e}", file=sys.stderr, flush=True)
         rt.close()
         return 2
+    began = None  # after the first step: the steady steps' rate, for bench/shard_mirror.py
     for x, y in trainer.batches(args.epochs):
+        if began is None and trainer.step_count == 1:
+            began = (time.monotonic(), trainer.step_count)
         with trainer.step() as step:
             optimizer.zero_grad(set_to_none=True)
             loss = F.cross_entropy(trainer.model(x), y)
@@ -117,6 +124,8 @@ def main(argv: list[str]) -> int:
             print(f"epoch: {trainer.epoch}, step: {step}, loss is {loss.item():.6f}", flush=True)
         if args.step_delay:
             time.sleep(args.step_delay)
+    if began is not None and rt.rank == 0:
+        print(f"steady steps/s: {(trainer.step_count - began[1]) / (time.monotonic() - began[0]):.3f}", flush=True)
     trainer.finish()
     digest = final_digest(model)  # collective: every rank gathers
     if rt.rank == 0:

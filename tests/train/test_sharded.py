@@ -1,9 +1,11 @@
-"""A model sharded with FSDP2 under the Trainer (issue 45): HSDP on a (2, 2) mesh recovered in place with no lost
-step, bitwise equal to an uninterrupted run, whatever moment of a step a kill -9 lands on, and when both ranks of a
-replica group die together; shardings the Trainer cannot recover refused at `Trainer(...)` in one line. Checkpoints
-of the shards: the whole job killed (every worker, kill -9) restarts from the newest step every rank holds, bitwise,
-for HSDP and pure FSDP; SIGTERM (`fleet stop`) saves last words a new job resumes from; a restart at another world
-size is refused in one line; a sharded worker tells the scheduler it holds no more than its own rank (no shrink).
+"""A model sharded with FSDP2 under the Trainer (issue 45): HSDP on a (2, 2) mesh recovered in place with no lost step,
+bitwise equal to an uninterrupted run, whatever moment of a step a kill -9 lands on, and when both ranks of a
+replica group die together; pure FSDP (one replica group) recovered from the copies of the shards in another host's
+memory (toolkit.train.shardrollback), bitwise, with the steps redone counted; shardings the Trainer cannot recover
+refused at `Trainer(...)` in one line. Checkpoints of the shards: the whole job killed (every worker, kill -9)
+restarts from the newest step every rank holds, bitwise, for HSDP and pure FSDP; SIGTERM (`fleet stop`) saves last
+words a new job resumes from; a restart at another world size is refused in one line; a sharded worker tells the
+scheduler it holds no more than its own rank (no shrink).
 
 Real processes: the script (tests/scripts/fsdp_train.py) run by the real agent and scheduler (LocalJob), killed
 with SIGKILL; the refusals run the script alone (a world of one), as a user would."""
@@ -89,13 +91,12 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> str:
     return digest
 
 
-def kill_rounds(j: LocalJob, victims: list[list[int]], rng: random.Random) -> None:
-    """For each round, once every rank has trained 2 steps past the last round, wait a random part of a step or
-    two, then SIGKILL the round's ranks at once."""
-    past: dict[int, int] = {}
+def kill_rounds(j: LocalJob, victims: list[list[int]], rng: random.Random, first: int = 2) -> None:
+    """For each round, once every rank has trained 2 steps past the last round (`first` steps for the first),
+    wait a random part of a step or two, then SIGKILL the round's ranks at once."""
+    past: dict[int, int] = {r: first - 2 for r in range(WORLD)}
     for ranks in victims:
-        until("every rank training", lambda past=past: all(steps(j, r) >= past.get(r, 0) + 2 for r in range(WORLD)),
-              j)
+        until("every rank training", lambda past=past: all(steps(j, r) >= past[r] + 2 for r in range(WORLD)), j)
         time.sleep(rng.uniform(0.0, 0.1))
         pids = [pid_of(j, r) for r in ranks]
         assert None not in pids, j.evidence()
@@ -143,17 +144,74 @@ def test_a_replica_group_lost_whole_is_recovered_from_the_other(tmp_path: Path, 
         j.cleanup()
 
 
-REFUSALS = {
-    "tp": "tensor parallelism is not supported",
-    "offload": "CPU offload is not supported",
-    "mesh3d": "slice of a 3-D mesh",
-    "partial": "not on the model itself",
+MIRROR_EVERY = 4  # K: steps between refreshes of the copies of the shards in memory
+FSDP_ARGS = ["--mesh", "4", "--epochs", "3", "--samples", "512", "--step-delay", "0.03"]
+REDONE = re.compile(r"^rank (\d+): ranks \[[\d, ]+\] lost at step (\d+): every rank goes back to step (\d+), "
+                    r".* and redoes (\d+) step\(s\)$", re.M)
+
+
+@pytest.fixture(scope="module")
+def fsdp_reference(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The final digest of the uninterrupted pure-FSDP run, on one host: no other host's memory for the copies,
+    which rank 0 says at the start, with what a fault would cost."""
+    j = job(tmp_path_factory.mktemp("fsdp-reference"), "fsdpref", FSDP_ARGS)
+    try:
+        j.start()
+        assert j.finish(JOB_TIMEOUT) == 0, j.evidence()
+    finally:
+        j.cleanup()
+    text = j.log("worker_0.log")
+    assert re.search(r"^rank 0: pure FSDP without a copy of each shard in memory \(the job runs on one host: .*\): "
+                     r"a lost rank costs a whole-job restart from the newest sharded checkpoint", text, re.M), \
+        text[-3000:]
+    (digest,) = FINAL.findall(text)
+    return digest
+
+
+def test_pure_fsdp_kills_are_recovered_from_the_copies_in_memory(tmp_path: Path, fsdp_reference: str) -> None:
+    """Pure FSDP at world 4 on two simulated hosts of two ranks, copies refreshed every 4 steps; 3 kills of a random
+    rank each at random moments: the replacement takes its shard from the copy the other host keeps, every rank
+    goes back to the copy's step and redoes the steps since (at most K, plus a refresh still in flight), and the
+    run ends bitwise equal to the uninterrupted one."""
+    seed = random.SystemRandom().randrange(2**32)
+    rng = random.Random(seed)
+    j = job(tmp_path, "mirror", [*FSDP_ARGS, "--mirror-every", str(MIRROR_EVERY)])
+    j.number_hosts(2)
+    victims = [[rng.randrange(WORLD)] for _ in range(3)]
+    why = f"(seed {seed}, victims {victims})"
+    try:
+        j.start()
+        kill_rounds(j, victims, rng, first=MIRROR_EVERY + 2)
+        assert j.finish(JOB_TIMEOUT) == 0, f"{why}\n{j.evidence()}"
+    finally:
+        j.cleanup()
+    assert len(DEATH.findall(j.log("scheduler.log"))) == 3, f"{why}\n{j.evidence()}"
+    (final,) = FINAL.findall(j.log("worker_0.log"))
+    assert final == fsdp_reference, f"final parameters differ from the uninterrupted run {why}"
+    assert "refreshed every 4 steps: a lost rank's shard comes from it" in j.log("worker_0.log"), why
+    redone = [m for r in range(WORLD) for m in REDONE.findall(j.log(f"worker_{r}.log"))]
+    assert len({(reached, back) for _, reached, back, _ in redone}) >= 3, f"{redone} {why}\n{j.evidence()}"
+    for rank, reached, back, count in redone:
+        assert int(count) == int(reached) - int(back) < 2 * MIRROR_EVERY, f"rank {rank}: {reached} -> {back} {why}"
+    recoveries = [m for r in range(WORLD) for m in RECOVERED.findall(j.log(f"worker_{r}.log"))]
+    for rank, _, _, kind, recomputed in recoveries:
+        assert kind == "memory" and int(recomputed) < 2 * MIRROR_EVERY, f"rank {rank} {recoveries} {why}"
+    print(f"steps redone per recovery: {sorted({(int(a), int(b)) for _, a, b, _ in redone})} {why}")
+
+
+SUPPORTED_LINE = "supported: fully_shard over a 1-D mesh"
+REFUSALS = {  # what the script is given -> what its one line must say
+    "tp": (["--refuse", "tp"], ["tensor parallelism is not supported", SUPPORTED_LINE]),
+    "offload": (["--refuse", "offload"], ["CPU offload is not supported", SUPPORTED_LINE]),
+    "mesh3d": (["--refuse", "mesh3d"], ["slice of a 3-D mesh", SUPPORTED_LINE]),
+    "partial": (["--refuse", "partial"], ["not on the model itself", SUPPORTED_LINE]),
+    "mirror": (["--mirror-every", "often"], ["shard_mirror='often': give the steps between refreshes", "0 (none)"]),
 }
 
 
 def test_shardings_the_trainer_cannot_recover_are_refused_in_one_line(tmp_path: Path) -> None:
     def run(kind: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, str(SCRIPT), "--mesh", "1", "--refuse", kind], cwd=tmp_path,
+        return subprocess.run([sys.executable, str(SCRIPT), "--mesh", "1", *REFUSALS[kind][0]], cwd=tmp_path,
                               env=clean_env(), capture_output=True, text=True, timeout=ALONE_TIMEOUT)
 
     with ThreadPoolExecutor(2) as pool:
@@ -161,7 +219,7 @@ def test_shardings_the_trainer_cannot_recover_are_refused_in_one_line(tmp_path: 
     for kind, proc in done.items():
         lines = proc.stderr.strip().splitlines()
         assert proc.returncode == 2 and len(lines) == 1, f"{kind}: {proc.returncode}\n{proc.stderr}"
-        assert REFUSALS[kind] in lines[0] and "supported: fully_shard over a 1-D mesh" in lines[0], lines[0]
+        assert all(want in lines[0] for want in REFUSALS[kind][1]), lines[0]
 
 
 def test_the_plan_gives_each_shard_from_its_column_and_completes_torn_steps() -> None:
@@ -185,7 +243,7 @@ def test_the_plan_gives_each_shard_from_its_column_and_completes_torn_steps() ->
 CKPT_EVERY = 4
 RESUMED_CKPT = re.compile(r"^rank (\d+): resumed from step (\d+) \(.* out of rank (\d+)'s checkpoint", re.M)
 STOPPED = re.compile(r"^rank (\d+): stopped by SIGTERM at step (\d+), checkpoint saved$", re.M)
-FSDP_ARGS = ["--mesh", "2", "--epochs", "1", "--samples", "512", "--step-delay", "0.03"]  # world 2: 32 steps
+FSDP2_ARGS = ["--mesh", "2", "--epochs", "1", "--samples", "512", "--step-delay", "0.03"]  # world 2: 32 steps
 
 
 def newest_held(ckpt: Path, world: int) -> int:
@@ -262,9 +320,9 @@ def test_hsdp_whole_job_killed_resumes_from_the_shards_bitwise_and_another_world
 
 
 @pytest.fixture(scope="module")
-def fsdp_reference(tmp_path_factory: pytest.TempPathFactory) -> str:
+def fsdp2_reference(tmp_path_factory: pytest.TempPathFactory) -> str:
     """The final digest of the uninterrupted pure FSDP run (world 2)."""
-    j = job(tmp_path_factory.mktemp("fsdp-reference"), "fsdpref", world=2, args=FSDP_ARGS)
+    j = job(tmp_path_factory.mktemp("fsdp-reference"), "fsdpref", world=2, args=FSDP2_ARGS)
     try:
         j.start()
         assert j.finish(JOB_TIMEOUT) == 0, j.evidence()
@@ -275,14 +333,14 @@ def fsdp_reference(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 def test_pure_fsdp_whole_job_killed_then_stopped_resumes_each_time_from_the_shards_bitwise(
-        tmp_path: Path, fsdp_reference: str) -> None:
+        tmp_path: Path, fsdp2_reference: str) -> None:
     """Pure FSDP, world 2, a checkpoint every 4 steps: every worker killed at once (relaunched by the agent, resumed
     from the shards); then the job stopped (SIGTERM to every worker, as `fleet stop`): every rank saves the same
     step (last words), and a new job on the same checkpoints resumes from it and ends bitwise equal to the
     uninterrupted run."""
     rng = random.Random(random.SystemRandom().randrange(2**32))
     disk = tmp_path / "disk"
-    args = [*FSDP_ARGS, "--ckpt-every", str(CKPT_EVERY)]
+    args = [*FSDP2_ARGS, "--ckpt-every", str(CKPT_EVERY)]
     j = job(tmp_path / "a", "fsdp", world=2, args=args, ckpt_dir=str(disk))
     ckpt = disk / "fsdp"
     try:
@@ -308,7 +366,7 @@ def test_pure_fsdp_whole_job_killed_then_stopped_resumes_each_time_from_the_shar
         again.cleanup()
     assert resumed_whole(again, 2, last, "(after the stop)") == last
     (final,) = FINAL.findall(again.log("worker_0.log"))
-    assert final == fsdp_reference, f"final parameters differ from the uninterrupted run (killed after {held}, " \
+    assert final == fsdp2_reference, f"final parameters differ from the uninterrupted run (killed after {held}, " \
                                     f"stopped at {last})"
 
 

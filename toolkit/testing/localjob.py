@@ -95,6 +95,17 @@ class LocalJob(JobDirFiles):
         write_files(render_host(plan, host, self.token), self.dir)
         self.agent: subprocess.Popen | None = None
 
+    def number_hosts(self, per_host: int) -> None:
+        """Number the workers as hosts of `per_host` ranks each (LOCAL_RANK, LOCAL_WORLD_SIZE as fleet sets them on
+        several hosts), in the env files the agent starts each incarnation from: for what depends on the ranks per
+        host (the shard mirror's ring on the next host) on this one machine. Before `start`."""
+        for rank in range(self.workers):
+            path = self.dir / "env" / f"worker_{rank}.env"
+            text = re.sub(r"^export LOCAL_RANK=.*$", f"export LOCAL_RANK={rank % per_host}", path.read_text(),
+                          flags=re.M)
+            path.write_text(re.sub(r"^export LOCAL_WORLD_SIZE=.*$", f"export LOCAL_WORLD_SIZE={per_host}", text,
+                                   flags=re.M))
+
     def start(self, env: Mapping[str, str] | None = None) -> subprocess.Popen:
         """Start the job's agent in a session of its own (output to agent.out in the job dir) and return it; `env`
         defaults to `clean_env()`."""

@@ -98,6 +98,10 @@ class TrainingState:
         self.live = False
         self.pristine = True
 
+    def after_step(self, step: int) -> None:
+        """At each step boundary every rank reaches alike: nothing to do here (a sharded state refreshes its copies
+        in memory: toolkit.train.shardstate)."""
+
     def capture(self, step: int) -> dict[str, Any]:
         """The state at `step`, as a checkpoint and a transfer carry it (references, not copies)."""
         return {"step": step, "model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),

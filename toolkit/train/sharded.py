@@ -9,7 +9,9 @@ path's, composed in one place so that toolkit.train.trainer only asks `inspect` 
 - toolkit.train.ckpt.shards: each rank's shard checkpointed (`checkpoints_for`), at the job's interval
   (toolkit.train.ckpt.schedule.Checkpointing, as for DDP: `ckpt_every`, fixed or "auto", last words on SIGTERM), and
   read back by a whole-job restart (ShardedTrainingState.from_checkpoint) on the same world and mesh; another world or
-  mesh is refused in one line, the process ending with EXIT_FATAL (no restart can fix it).
+  mesh is refused in one line, the process ending with EXIT_FATAL (no restart can fix it);
+- toolkit.train.shardrollback: for pure FSDP (one replica group), the copies of the shards in another host's memory
+  (toolkit.train.shardmirror) and the recovery that goes back to them.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from toolkit.train.faults import TrainerError
 from toolkit.train.runtime import Runtime
 from toolkit.train.shardcomm import Binding, ShardedGroup
 from toolkit.train.shardmodel import Sharding, inspect
+from toolkit.train.shardrollback import mirror_for
 from toolkit.train.shardstate import ShardedTrainingState, ShardState
 
 __all__ = ["ShardState", "checkpoints_for", "inspect", "parts"]
@@ -52,16 +55,21 @@ def checkpoints_for(rt: Runtime, sharding: Sharding, ckpt_dir: str | Path | None
 
 def parts(rt: Runtime, model: nn.Module, optimizer: torch.optim.Optimizer, extra: Mapping[str, Any],
           manager: ShardCheckpoints, sharding: Sharding, deterministic: bool,
-          chooser: interval.IntervalChooser | None, every: int) -> tuple[ShardedGroup, ShardedTrainingState,
-                                                                          Checkpointing]:
-    """The Trainer's group, state and checkpointing for `sharding`."""
+          chooser: interval.IntervalChooser | None, every: int, mirror_every: int | str = "auto"
+          ) -> tuple[ShardedGroup, ShardedTrainingState, Checkpointing]:
+    """The Trainer's group, state and checkpointing for `sharding`; for pure FSDP the copies of the shards in memory
+    (toolkit.train.shardrollback), refreshed every `mirror_every` steps ("auto": K for at most 3% of the step time;
+    0: none)."""
     binding = Binding(sharding, rt.group)
     group = ShardedGroup(model, sharding, binding, deterministic)
     state = ShardedTrainingState(rt, model, optimizer, extra, manager, sharding.layout, binding)
     ckpt = Checkpointing(rt, manager, optimizer, chooser, every, group.clock)
+    layout = sharding.layout
     if rt.rank == 0:
-        layout = sharding.layout
+        how = "the other replica groups" if layout.replicas > 1 else "the copies in memory below, if any"
         log.line(f"rank 0: a sharded model ({'HSDP' if layout.replicas > 1 else 'FSDP'}, {layout.replicas} replica "
-                 f"group(s) of {layout.shards}): recovered in place from the other replica groups; each rank "
-                 f"checkpoints its shard in {manager.directory}")
+                 f"group(s) of {layout.shards}): recovered in place from {how}; each rank checkpoints its shard in "
+                 f"{manager.directory}")
+    if layout.replicas == 1:
+        state.use_mirror(mirror_for(rt, model, manager.placement.local_world, mirror_every))
     return group, state, ckpt

@@ -202,6 +202,8 @@ class ShardMirror:
         the exchanges, and the interval every rank agrees on. An exchange in flight in the old group is void."""
         with self._cond:
             self._generation += 1
+            self._flight = None  # an exchange of the old group that has not ended is abandoned with it (a peer
+            # it waits for may be alive but gone on: it ends at the old group's timeout, changing nothing)
         if not self.enabled:
             return
         self._group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout))
@@ -298,7 +300,8 @@ class ShardMirror:
             log.warning("rank %d: %s; the copies of the previous refresh stay", self.rank, self.last_error)
         finally:
             with self._cond:
-                self._flight = None
+                if self._flight is threading.current_thread():  # not an abandoned exchange (`regroup`)
+                    self._flight = None
                 if ok:
                     self.last_cost = stall + time.monotonic() - began
                 self._cond.notify_all()
@@ -310,6 +313,13 @@ class ShardMirror:
         self._spare_own, self._spare_ward = old.own, old.ward
 
     # --- going back
+
+    def drop_after(self, step: int) -> None:
+        """After going back to `step`: drop the refreshes of later steps (they are taken again as the steps are
+        redone)."""
+        with self._cond:
+            for s in [s for s in self._held if s > step]:
+                self._retire(s)
 
     def restore(self, step: int, tensors: Sequence[torch.Tensor]) -> None:
         """Copy this rank's snapshot of `step` back into `tensors`, in place."""

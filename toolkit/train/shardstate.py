@@ -44,7 +44,9 @@ from toolkit.train.digest import Digester
 from toolkit.train.faults import TrainerError
 from toolkit.train.runtime import Runtime
 from toolkit.train.shardcomm import Binding
+from toolkit.train.shardmirror import ShardMirror
 from toolkit.train.shardmodel import Layout
+from toolkit.train.shardrollback import MirrorRollback
 
 HYPER_SKIP = ("params",)  # what of a param group is not a hyperparameter
 
@@ -208,6 +210,16 @@ class ShardedTrainingState(TrainingState):
         self.binding = binding
         self.shard = ShardState(module, optimizer, extra)
         self.commit = StepCommit(rt, optimizer)
+        self.rollback: MirrorRollback | None = None  # pure FSDP's copies in memory (toolkit.train.shardrollback)
+
+    def use_mirror(self, mirror: ShardMirror | None) -> None:
+        """Recover a lost rank of the one replica group from `mirror` (None: no copies; such a loss is refused)."""
+        self.rollback = MirrorRollback(self.rt, mirror, self.shard, self.commit) if mirror is not None else None
+
+    def after_step(self, step: int) -> None:
+        """At each step boundary (every rank alike): the mirror's refresh when due (the steps' mean time: for K)."""
+        if self.rollback is not None and self.rollback.mirror.due(step):
+            self.rollback.refresh(step, self.rt.pace.summary().get("step_time"))
 
     def capture(self, step: int) -> dict[str, Any]:
         return {"step": step, **self.shard.tensors()}
@@ -224,6 +236,8 @@ class ShardedTrainingState(TrainingState):
             resumed = self.from_checkpoint()
             if resumed is not None:
                 return resumed
+        if self.rollback is not None and self.rollback.applies(table):
+            return self._agree_from_mirror(self.rollback, table)
         plan = plan_recovery(table, self.layout)
         if rt.rank in plan.replay:
             self._replay()
@@ -247,7 +261,19 @@ class ShardedTrainingState(TrainingState):
         senders = transfer.assign(holders, rt.world_size, members=column)
         origin = senders[rt.rank] if receiving else rt.rank
         every = tuple(r for h in plan.holders for r in h)
+        if self.rollback is not None:
+            self.rollback.regroup()
+            self.rollback.refresh(max(step, plan.step))
         return Agreed(Source(plan.kind, every, plan.step), origin, nbytes, max(step, plan.step))
+
+    def _agree_from_mirror(self, rollback: MirrorRollback, table: Sequence[tuple[int, int, int]]) -> Agreed:
+        """Pure FSDP, a rank lost: every rank goes back to the mirror's newest common step (toolkit.train
+        .shardrollback); a torn step's gradients are dropped with the rest of the steps since."""
+        agreed, received = rollback.recover(table)
+        self.live = True
+        self.pristine = self.pristine and not received
+        self.commit.ready = False
+        return agreed
 
     def _replay(self) -> None:
         """Apply the gradients this rank completed before the fault cut its step short (module docstring)."""
@@ -276,6 +302,8 @@ class ShardedTrainingState(TrainingState):
 
     def close(self) -> None:
         self.commit.close()
+        if self.rollback is not None:
+            self.rollback.close()
 
     def checkpoint(self, step: int) -> dict[str, Any]:
         """The shard at `step` as a checkpoint holds it (toolkit.train.ckpt.shards records its digest itself)."""

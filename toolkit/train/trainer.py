@@ -91,7 +91,9 @@ class Trainer:
     the step (None: leave the generators alone; then a recovered run is not bitwise the same). `ddp` holds extra
     DistributedDataParallel arguments. `verify_every`: steps between the replica checks (toolkit.train.replicas), 0
     for none, "auto" for checks within 1% of the step time; None: TOOLKIT_VERIFY_EVERY (fleet's --verify-every),
-    else "auto".
+    else "auto". `shard_mirror` (pure FSDP): steps between refreshes of the copy of each rank's shard that
+    another host's rank keeps in memory, "auto" for at most 3% of the step time, 0 for none
+    (toolkit.train.shardrollback).
 
     Each step is timed for the scheduler (toolkit.train.pace): its wall time, and the time this rank worked before
     handing its last gradient bucket to the allreduce, which names a straggler; `report(loss=...)` adds the loss
@@ -106,7 +108,7 @@ class Trainer:
                  async_ckpt: bool = True, ddp: Mapping[str, Any] | None = None,
                  ckpt_bounds: tuple[int, int] = interval.DEFAULT_BOUNDS,
                  prior_mtbf: float = interval.DEFAULT_PRIOR_MTBF, tensorboard_dir: str | Path | None = None,
-                 verify_every: int | str | None = None) -> None:
+                 verify_every: int | str | None = None, shard_mirror: int | str = "auto") -> None:
         chooser, every = parse_every(ckpt_every, ckpt_bounds, prior_mtbf)
         try:
             verify = replicas.parse_every(runtime.cfg.verify_every if verify_every is None else verify_every)
@@ -141,7 +143,8 @@ class Trainer:
             self._ckpt = Checkpointing(runtime, self.manager, optimizer, chooser, every, self._group.clock)
         else:  # toolkit.train.sharded
             self._group, self._state, self._ckpt = sharded.parts(runtime, model, optimizer, extra, self.manager,
-                                                                 sharding, deterministic, chooser, every)
+                                                                 sharding, deterministic, chooser, every,
+                                                                 shard_mirror)
         self._need_sync = True
         self._entered = True  # the previous batch went through step(): nothing to complain about at the start
         self._applied = _Applied()  # optimizer steps run (a step that ran before a fault still counts)
@@ -254,8 +257,8 @@ class Trainer:
         if self._inject is not None:
             for line in self._inject.after_step(self.step_count, self.module, self.optimizer):
                 log.line(f"rank {self.rt.rank}: {line}")
-        busy = self._group.end_step(self._began)
-        self.rt.report(self.step_count, self.epoch, loss=self._loss, busy=busy)
+        self.rt.report(self.step_count, self.epoch, loss=self._loss, busy=self._group.end_step(self._began))
+        self._state.after_step(self.step_count)  # pure FSDP's copies of the shards in memory, when due
         if self._tb is not None:
             step_time = self.rt.pace.summary().get("step_time")
             self._tb.step(self.step_count, self._loss, 1.0 / step_time if step_time else None)
