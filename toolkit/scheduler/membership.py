@@ -27,7 +27,8 @@ The rules, in one place:
   (toolkit.scheduler.elastic: --min-workers, the survivors' memory), its ranks benched and the next generation
   formed without them, the survivors serving their logical ranks; otherwise it waits, as before, said in one line.
   A benched rank's worker registering again (its host back) takes it into the next generation (grow).
-- A host the replica check found corrupt twice is fenced at once: a free spare takes its ranks; with none, an
+- A host the replica check found corrupt twice is fenced at once (counted here and persisted, `count_corrupt`: a
+  relaunched rank's own count starts from zero): a free spare takes its ranks; with none, an
   elastic job shrinks without it as for a lost host (its live workers told to exit, its agent to stop), else fails.
   A host so benched is quarantined: it rejoins only once the operator starts its agent again (`shrink_fenced`).
 - When every rank is done the job has finished; when an agent gives up on a process, it has failed. A death after
