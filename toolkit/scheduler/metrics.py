@@ -17,7 +17,8 @@ over its cores that was a 280 ms answer, nearly all of it waiting for a core, no
 steady interval, so after two scrapes the listener knows when the next one comes: the "prepare" thread renders the
 page PREPARE_AHEAD s before it, and the scrape is answered with that page (never older than RENDER_EVERY: a scrape
 that comes later than expected, or the first ones, renders as before). The work per scrape is the same (one
-snapshot, one rendering); without scrapes nothing is prepared.
+snapshot, one rendering); without scrapes nothing is prepared. A client scraping at odd intervals can cause at most
+one prepared rendering beside each asked one, so at most two per RENDER_EVERY.
 """
 
 from __future__ import annotations
