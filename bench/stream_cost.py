@@ -16,6 +16,8 @@ rank writes its steps/s over the whole run to a file. Modes, interleaved, --repe
   streamed  `fleet run`: every line shown, read at once by this script (to /dev/null)
   stalled   `fleet run`: shown to a pipe nobody reads until the job ended (a paused terminal: lines dropped)
 Printed: each mode's median steps/s of rank 0 (silent) and rank 1 (the printer) and their ratio to `quiet`.
+`--path-cost`: instead, the CPU fleet's own Python spends on a line (tail's output parsed, cleaned, queued and
+written by the bounded Printer `run` uses, to /dev/null), and what that is at the printer's line rate.
 """
 
 from __future__ import annotations
@@ -80,12 +82,41 @@ def one_run(project: Path, work: Path, mode: str, steps: int, lines: int) -> tup
     return tuple(json.loads((project / f"rate-{r}.json").read_text())["rate"] for r in (0, 1))  # type: ignore
 
 
+def path_cost(lines: int, lines_per_step: int) -> None:
+    """--path-cost: CPU time a line through TailParser and the bounded Printer, in this process."""
+    from toolkit.launcher.jobhosts.scripts import TailParser
+    from toolkit.launcher.jobhosts.streams import STREAM_BUFFER_LINES, Printer
+
+    stdout = sys.stdout
+    with open(os.devnull, "w") as sink:
+        sys.stdout = sink
+        try:
+            printer = Printer(lambda prefix, text: f"[{prefix}]: {text}", bound=STREAM_BUFFER_LINES)
+            printer.start()
+            parse = TailParser({"/job/logs/worker_1.log": "rank1"}, printer.line)
+            began = time.process_time()
+            for _ in range(lines):
+                parse("x" * 99)
+            printer.close()
+            cpu = time.process_time() - began
+        finally:
+            sys.stdout = stdout
+    per_line = cpu / lines
+    shares = ", ".join(f"{rate} steps/s {100 * per_line * lines_per_step * rate:.1f}%" for rate in (50, 100, 200))
+    print(f"{1e6 * per_line:.2f} us of CPU a line ({lines} lines, {sum(printer.dropped.values())} dropped); at "
+          f"{lines_per_step} lines a step, of a core: {shares}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--lines-per-step", type=int, default=200)
+    ap.add_argument("--path-cost", action="store_true", help="instead: fleet's own CPU a streamed line")
     args = ap.parse_args()
+    if args.path_cost:
+        path_cost(200_000, args.lines_per_step)
+        return
     root = Path(tempfile.mkdtemp(prefix="stream-cost-"))
     try:
         project, work = root / "proj", root / "w"

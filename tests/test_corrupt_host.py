@@ -9,10 +9,12 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 from test_elastic_membership import agent, formed_by_peer, job, register
 from test_membership import logged, sent, spare_job
 
 from toolkit.contracts import protocol as P
+from toolkit.scheduler.elastic import read_corrupt
 from toolkit.scheduler.membership import Exit, Log, Membership, Note
 
 
@@ -125,3 +127,23 @@ def test_a_free_spare_is_preferred_to_shrinking() -> None:
     assert [(t.peer, t.fields["host"]) for t in sent(out, P.TAKEOVER)] == [(7, "hostB")]
     assert not [a for a in out if isinstance(a, Note) and a.kind == "shrink"] and m.benched == []
     assert "host hostB replaced by spare s1" in logged(out)
+
+
+def test_a_host_named_again_after_its_rank_was_relaunched_is_fenced_and_the_count_survives_a_restart() -> None:
+    """A rank's own count of findings lives in its process: relaunched, it reports `healed` again for the same host.
+    The scheduler's count (persisted with its state) makes the second finding fence the host all the same."""
+    m = spare_job()
+    assert not sent(report(m, 2, "hostB", action="healed"))  # found once: healed in place
+    assert not sent(report(m, 0, "nowhere", action="healed"))  # a host the roster does not know is not counted
+    assert not sent(report(m, 0, "hostA", action="rolled back"))  # no majority: no one named
+    assert m.corrupt == {"hostB": 1} and m.snapshot()["corrupt"] == {"hostB": 1}
+    restarted = Membership("job", 4, 30.0, 60.0, "boot2", "10.0.0.1:8118", {}, 6.0)
+    restarted.restore(m.snapshot(), 6.0)  # a scheduler started again reads the count back
+    assert restarted.corrupt == {"hostB": 1}
+    out = report(m, 3, "hostB", action="healed")  # rank 3's process, relaunched, counts this as its first finding
+    assert [(t.peer, t.fields["host"]) for t in sent(out, P.TAKEOVER)] == [(3, "hostB")]
+    assert ("host hostB replaced by spare s1: fenced: found corrupt 2 times by the replica check (rank 3 on hostB; "
+            "the last time in steps 13-16)") in logged(out)
+    assert "hostB" not in m.corrupt  # replaced for good: nothing left to count
+    with pytest.raises(ValueError, match="corrupt: not a map"):
+        read_corrupt({"hostB": 0})

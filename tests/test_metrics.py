@@ -32,6 +32,7 @@ from toolkit.freeports import free_port
 from toolkit.launcher.jobhosts.tables import live_lines, progress_line
 from toolkit.launcher.plan import JobOptions, PlanError
 from toolkit.launcher.tasks.watch import View, render
+from toolkit.scheduler import metrics
 from toolkit.scheduler.actions import Note, NoteKind
 from toolkit.scheduler.config import ConfigError
 from toolkit.scheduler.exposition import (
@@ -251,6 +252,40 @@ def test_the_listener_serves_get_metrics_only_and_turns_away_extra_clients() -> 
             Endpoint("127.0.0.1", endpoint.port, exchange).start()  # the port is taken (by the first)
     finally:
         endpoint.close()
+
+
+def test_a_steady_scraper_gets_the_page_prepared_before_its_scrape(monkeypatch: pytest.MonkeyPatch) -> None:
+    """After two scrapes an interval apart, the next page is rendered ahead (a snapshot asked with no scrape
+    waiting), and the third scrape is answered with it: no snapshot asked while it waits. Intervals shrunk."""
+    monkeypatch.setattr(metrics, "RENDER_EVERY", 1.5)
+    monkeypatch.setattr(metrics, "PREPARE_AHEAD", 0.2)
+    asked: list[float] = []
+
+    def wake() -> None:  # stands for the loop: answers at once with no job
+        asked.append(time.monotonic())
+        threading.Thread(target=exchange.serve, args=(lambda: None,), daemon=True).start()
+
+    exchange = Exchange(wake)
+    endpoint = Endpoint("127.0.0.1", 0, exchange)
+    endpoint.start()
+    url = f"http://127.0.0.1:{endpoint.port}/metrics"
+    try:
+        get(url)
+        time.sleep(2.0)  # the scraper's interval, longer than RENDER_EVERY
+        get(url)
+        assert len(asked) == 2  # the first scrapes render as they come
+        waits.wait_for("the page prepared ahead", lambda: len(asked) == 3, TIMEOUT)
+        scraped = time.monotonic()
+        get(url)
+        assert len(asked) == 3 and asked[-1] < scraped  # the scrape took the prepared page
+        time.sleep(4.5)  # a late scrape: the page prepared for it is older than RENDER_EVERY, it renders anew
+        waits.wait_for("the second page prepared", lambda: len(asked) == 4, TIMEOUT)
+        late = time.monotonic()
+        get(url)
+        assert len(asked) == 5 and asked[-1] >= late
+    finally:
+        endpoint.close()
+    assert endpoint.preparer is None
 
 
 def test_a_bad_metrics_address_is_one_line_naming_the_flag() -> None:

@@ -16,6 +16,10 @@ from typing import Any, Iterator
 
 import pytest
 
+from toolkit.contracts.protocol import RECOVERY_RESTART
+from toolkit.launcher.jobhosts.output import table_console
+from toolkit.launcher.jobhosts.tables import recovery_lines
+from toolkit.launcher.jobhosts.view import RECOVERY_WHY, ProcStatus, recovery_mode
 from toolkit.procs import is_running
 from toolkit.testing.terminal import Terminal
 from toolkit.testing.waits import wait_for
@@ -210,3 +214,16 @@ def test_a_module_and_a_program_run_as_torchrun_runs_them(project: Path, work: P
                                                  ["localhost", "worker_0", "-", "succeeded"],
                                                  ["localhost", "worker_1", "-", "succeeded"]], out
     assert "…" not in out and max(len(line) for line in out.splitlines()) <= 80, out
+
+
+def test_the_recovery_note_under_the_status_table_wraps_to_an_80_column_terminal() -> None:
+    """`fleet status`'s `recovery:` line (up to 160 characters) wraps on words in an 80-column terminal, its words
+    all kept; through a pipe (table_console's own width) it stays one line."""
+    whys = [*RECOVERY_WHY.values()]
+    worker = ProcStatus("h", "worker_0", "worker", 0, 1, "running", 0, None, None, None, RECOVERY_RESTART)
+    whys.append((recovery_mode([worker], forced=True) or {})["why"])  # --torchrun-script's
+    for why in whys:
+        lines = recovery_lines(why, 80)
+        assert len(f"recovery: {why}") > 80 and len(lines) > 1, why
+        assert max(map(len, lines)) <= 80 and " ".join(line.strip() for line in lines) == f"recovery: {why}"
+        assert recovery_lines(why, table_console().width) == [f"recovery: {why}"]

@@ -135,6 +135,17 @@ def read_quarantined(doc: object) -> dict[str, bool]:
     return dict(doc)
 
 
+def read_corrupt(doc: object) -> dict[str, int]:
+    """The persisted count of the times the replica check named each host corrupt ({host: times}, each at least 1;
+    Membership.corrupt); ValueError if malformed (the state file is hostile input)."""
+    if doc is None:
+        return {}
+    if not isinstance(doc, dict) or len(doc) > logical.MAX_LOGICAL_RANKS or not all(
+            isinstance(h, str) and 0 < len(h) <= 256 and type(v) is int and v >= 1 for h, v in doc.items()):
+        raise ValueError("corrupt: not a map of host names to a count of findings")
+    return dict(doc)
+
+
 def read_capacity(msg: Mapping[str, object]) -> int | None:
     """A heartbeat's `capacity`: the logical ranks the process can hold (an int from 1 to MAX_LOGICAL_RANKS), or
     None when absent or malformed (a hostile value is ignored, not trusted)."""

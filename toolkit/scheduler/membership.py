@@ -27,7 +27,8 @@ The rules, in one place:
   (toolkit.scheduler.elastic: --min-workers, the survivors' memory), its ranks benched and the next generation
   formed without them, the survivors serving their logical ranks; otherwise it waits, as before, said in one line.
   A benched rank's worker registering again (its host back) takes it into the next generation (grow).
-- A host the replica check found corrupt twice is fenced at once: a free spare takes its ranks; with none, an
+- A host the replica check found corrupt twice is fenced at once (counted here and persisted, `count_corrupt`: a
+  relaunched rank's own count starts from zero): a free spare takes its ranks; with none, an
   elastic job shrinks without it as for a lost host (its live workers told to exit, its agent to stop), else fails.
   A host so benched is quarantined: it rejoins only once the operator starts its agent again (`shrink_fenced`).
 - When every rank is done the job has finished; when an agent gives up on a process, it has failed. A death after
@@ -70,6 +71,8 @@ from toolkit.scheduler.watchdog import Watchdog
 EXIT_OK = 0
 EXIT_FAILED = 1  # a node gave up: the job failed
 EXIT_FORMATION = 3  # MS_TOPO_TIMEOUT passed before every worker registered
+NAMING_ACTIONS = ("healed", protocol.CORRUPT_FENCED)  # corruption reports that name corrupt ranks (the others:
+#                                                    every rank, rolled back or stopped)
 
 RUNNING, FINISHED, FAILED = JobStatus.RUNNING, JobStatus.FINISHED, JobStatus.FAILED
 INFO, WARNING, ERROR = logging.INFO, logging.WARNING, logging.ERROR
@@ -172,6 +175,7 @@ def quarantine_hello(m: Membership, peer: int, host: str, addr: str) -> tuple[bo
                       Send(peer, wire.Stop(f"host {host} is fenced for corruption in job {m.job}: it is out of the "
                                            "job until the operator starts it again"), close=True)]
     del m.quarantined[host]
+    m.corrupt.pop(host, None)  # the operator started it again: its findings start over
     return False, [Log(WARNING, f"host {host}, fenced for corruption, is back: its agent was started again (fleet "
                                 "restart --host); its workers rejoin the job")]
 
@@ -215,10 +219,35 @@ def corrupted(m: Membership, member: Member, msg: Mapping[str, Any], now: float)
     out: list[Action] = [Log(WARNING, f"corruption found at step {f['step']} (reported by {member.node_id}): {who}, "
                                       f"started in {window}: {f['action']}"),
                          Note(NoteKind.CORRUPTION, {**f, "node_id": member.node_id})]
+    again = count_corrupt(m, f)
     if f["action"] == protocol.CORRUPT_FENCED:
         out += fence_corrupt(m, f, f"found corrupt twice by the replica check ({who}; the second time in {window})",
                              now)
+    elif again:  # named once more after a relaunch (the rank's own count started from zero): fenced all the same
+        pairs = [(r, h) for r, h in zip(f["ranks"], f["hosts"], strict=True) if h in again]
+        named = ", ".join(f"rank {r} on {h}" for r, h in pairs)
+        out += fence_corrupt(m, {**f, "ranks": [r for r, _ in pairs], "hosts": [h for _, h in pairs]},
+                             f"found corrupt {max(again.values())} times by the replica check ({named}; the last "
+                             f"time in {window})", now)
     return out
+
+
+def count_corrupt(m: Membership, f: Mapping[str, Any]) -> dict[str, int]:
+    """Count, per host, a corruption report `f` naming its ranks (`healed` or `fenced`: `rolled back` and `stopped`
+    name no one) in `m.corrupt`, which the state persists: a rank's own count lives in its process and starts from
+    zero when the rank is relaunched, this one survives relaunches of the ranks and of the scheduler (issue 44: a
+    host found corrupt twice is fenced). Only hosts of the roster are counted (the report is hostile input).
+    Returns the hosts now found corrupt twice or more, with their counts."""
+    if f["action"] not in NAMING_ACTIONS:
+        return {}
+    again: dict[str, int] = {}
+    for host in dict.fromkeys(f["hosts"]):
+        if host in m.roster.hosts:
+            m.corrupt[host] = m.corrupt.get(host, 0) + 1
+            m.dirty = True
+            if m.corrupt[host] >= 2:
+                again[host] = m.corrupt[host]
+    return again
 
 
 def fence_corrupt(m: Membership, f: Mapping[str, Any], why: str, now: float) -> list[Action]:
@@ -328,6 +357,7 @@ class Membership:
         self.capacity: dict[int, int] = {}
         # hosts fenced for corruption and benched (`shrink_fenced`): host -> whether its agent is still owed `stop`
         self.quarantined: dict[str, bool] = {}
+        self.corrupt: dict[str, int] = {}  # host -> times the replica check named it corrupt (`count_corrupt`)
         self.node_timeout, self.topo_timeout = node_timeout, topo_timeout
         self.host_timeout = host_timeout  # <= 0: no automatic replacement (the operator's `replace` only)
         # the agents' heartbeat interval (their `welcome`), stretched as the workers' at thousands of ranks
@@ -385,6 +415,7 @@ class Membership:
             "replaced": self.roster.replacements(),  # then what an elastic job adds, only when it has it
             **({"benched": list(self.benched)} if self.benched else {}),
             **({"quarantined": dict(self.quarantined)} if self.quarantined else {}),
+            **({"corrupt": dict(self.corrupt)} if self.corrupt else {}),
             **({"assignment": self.assignment} if self.assignment is not None else {}),
         }
 
@@ -412,6 +443,7 @@ class Membership:
         self.roster.fenced = set(state.get("fenced", []))
         self.benched = elastic.read_benched(state.get("benched"), self.world_size)
         self.quarantined = elastic.read_quarantined(state.get("quarantined"))
+        self.corrupt = elastic.read_corrupt(state.get("corrupt"))
         self.assignment = state.get("assignment")
         if self.formed:
             self.world = elastic.plan_world(elastic.active(self.world_size, self.benched), self.logical_world,
@@ -737,6 +769,7 @@ class Membership:
         replacement and recover as the job's mode allows (in place from a peer, or a restart from checkpoints)."""
         node_ids, agent = list(self.roster.hosts[host].node_ids), self.roster.hosts[host].agent
         self.quarantined.pop(host, None)  # a spare takes a host benched for corruption: replaced for good
+        self.corrupt.pop(host, None)
         self.dirty = True
         out: list[Action] = [
             Log(WARNING, f"host {host} replaced by spare {spare}: {reason}; {spare} takes {', '.join(node_ids)}; "

@@ -43,8 +43,9 @@ from toolkit.scheduler.roster import Fact, Roster
 JOURNAL_FILE = "scheduler.journal"
 VERSION = 2
 READABLE = (1, VERSION)  # version 1: the whole document alone (toolkit before the journal), read as a base
-SCALARS = ("job", "world_size", "status", "failure", "generation", "formed", "benched", "assignment", "quarantined")
-OPTIONAL = ("benched", "assignment", "quarantined")  # an elastic job's (issue 42), written only while not empty
+SCALARS = ("job", "world_size", "status", "failure", "generation", "formed", "benched", "assignment", "quarantined",
+           "corrupt")
+OPTIONAL = ("benched", "assignment", "quarantined", "corrupt")  # written only while not empty (issues 42, 44)
 MAX_FILE_BYTES = 64 << 20  # per file; the base is 0.65 MB at 4096 ranks, the journal at most about as much
 JOURNAL_FLOOR = 64 << 10  # bytes the journal may always grow to before a compaction
 JOURNAL_RATIO = 1.0  # ... and the multiple of the base's size
@@ -278,6 +279,7 @@ def _check(doc: Mapping[str, Any]) -> None:
     bool(doc["formed"])
     elastic.read_benched(doc.get("benched"), int(doc["world_size"]))
     elastic.read_quarantined(doc.get("quarantined"))
+    elastic.read_corrupt(doc.get("corrupt"))
     if doc.get("assignment") is not None:  # its L is the job's: checked as a partition of what it names
         elastic.read_assignment(doc["assignment"], int(doc["world_size"]),
                                 sum(len(e[1]) for e in doc["assignment"] if isinstance(e, list) and len(e) == 2

@@ -3,6 +3,7 @@ stands out about a process, and the scheduler's view in a few lines. Shared by `
 
 from __future__ import annotations
 
+import textwrap
 from typing import Any, Mapping
 
 from rich import box
@@ -98,6 +99,12 @@ def process_note(p: ProcStatus) -> tuple[str, str]:
 
 def _fixed(value: float | None, digits: int) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
+
+
+def recovery_lines(why: str, width: int) -> list[str]:
+    """The `recovery:` note under the status table, wrapped on words to `width` columns (a terminal's; elsewhere
+    table_console's own width keeps it one line for a pipe), its continuation lines indented."""
+    return textwrap.wrap(f"recovery: {why}", width=width, subsequent_indent="  ", break_on_hyphens=False)
 
 
 def live_lines(live: Mapping[str, Any] | None) -> list[str]:

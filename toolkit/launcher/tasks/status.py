@@ -23,7 +23,7 @@ from toolkit.launcher.jobhosts.output import say, table_console
 from toolkit.launcher.jobhosts.poll import settle_layout
 from toolkit.launcher.jobhosts.reach import STATUS_TIMEOUT, host_target, load_record, record_ssh
 from toolkit.launcher.jobhosts.scripts import STATUS_SCRIPT, clock_and_logs
-from toolkit.launcher.jobhosts.tables import live_lines, status_table
+from toolkit.launcher.jobhosts.tables import live_lines, recovery_lines, status_table
 from toolkit.launcher.jobhosts.view import HostStatus, job_live, live_path, recovery_mode
 from toolkit.launcher.remote import ClusterError, Host, run_on_all
 from toolkit.launcher.settings import JobRef
@@ -106,7 +106,8 @@ def _print_status(record: JobRecord, hosts: list[HostStatus]) -> None:
             say(f"{h.name}: spare, standing by (it takes over a lost host's ranks)")
     mode = recovery_mode([p for h in hosts for p in h.processes], bool(record.options.get("torchrun_script")))
     if mode is not None:
-        say(f"recovery: {mode['why']}")
+        for line in recovery_lines(mode["why"], console.width):
+            say(line)
 
 
 def _host_note(h: HostStatus) -> str | None:
