@@ -103,7 +103,8 @@ def _benched_host(record: JobRecord, ssh: SshSettings) -> str:
     _, hosts = collect_status(record, ssh, hosts=[record.host(record.scheduler_host)])
     sched = hosts[0] if hosts else None
     if sched is None or not sched.alive:
-        why = f" ({sched.reason})" if sched is not None and getattr(sched, "reason", "") else ""
+        said = (sched.error or sched.reason) if sched is not None else None
+        why = f" ({said})" if said else ""
         raise UserError(f"job {record.job} does not run on its scheduler's host {record.scheduler_host}{why}: only "
                         "a running job grows; 'fleet status' says how it stands")
     benched = benched_hosts(record, job_live(hosts) or {})
