@@ -14,6 +14,7 @@ from toolkit.launcher.inventory import (
     load_hostfile,
     parse_hostfile_text,
     parse_hosts,
+    split_host_item,
 )
 
 # (--hosts value, expected message fragment)
@@ -40,6 +41,21 @@ BAD_HOSTS = [
     ("bob\n@a", "'bob\\n' is not a user name"),
     ("[fe80::1%eth0\n]:2", "is not a host name"),  # ipaddress takes any zone text
 ]
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("node9", (None, "node9", None)), ("node9:2", (None, "node9", 2)), ("bob@node9:3", ("bob", "node9", 3)),
+    ("[fe80::1]", (None, "[fe80::1]", None)), ("[fe80::1]:2", (None, "[fe80::1]", 2)),
+])
+def test_one_grow_host_says_whether_slots_were_given(text: str, expected: tuple[object, ...]) -> None:
+    assert split_host_item(text, "--host") == expected  # `fleet grow --host`: no :SLOTS means the lost host's count
+
+
+@pytest.mark.parametrize("text", ["node9,node8", "node9:0", "bad host", "-oProxyCommand=x"])
+def test_a_bad_grow_host_is_one_line_naming_the_flag(text: str) -> None:
+    with pytest.raises(InventoryError, match=r"^--host: ") as e:
+        split_host_item(text, "--host")
+    assert "\n" not in str(e.value)
 
 
 @pytest.mark.parametrize("text,message", BAD_HOSTS)

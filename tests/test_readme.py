@@ -80,6 +80,7 @@ COMMANDS = {
     "fleet restart --node worker_3": RUN_CLUSTER,
     "fleet restart --host node2": RUN_CLUSTER,
     "fleet replace --host node2 --with node9": HELP,
+    "fleet grow --host node9": HELP,
     "fleet stop": RUN_CLUSTER,
     "fleet train --join": RUN_CLUSTER,
     "fleet train --fresh": RUN_CLUSTER,

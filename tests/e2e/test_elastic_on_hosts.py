@@ -137,3 +137,57 @@ def test_a_plain_torchrun_script_under_nnodes_min_max_restarts_at_the_smaller_wo
     assert sizes[0] == 3 and 2 in sizes and sizes[-1] == 3, worlds(job)
     assert "final checkpoint" in job.log("worker_0")
     job.wait_no_leftovers()
+
+
+def test_fleet_grow_gives_a_degraded_job_a_new_host(e2e: E2E, long_baseline: str) -> None:
+    """`fleet grow --host D` (issue 42 item 3): the same job, degraded to 4 workers by c's crash, is given the
+    cluster's 4th host, which the operator keeps at hand in the inventory outside [workers] and [spares]. It is
+    refused while the job is not degraded and for a host the job has or cannot reach; then D is deployed, checked
+    and started, takes c's two slots (c stays down for good) and the state from a peer, and the job finishes at 6
+    workers with the uninterrupted run's final parameters, nothing recomputed."""
+    a, b, c = e2e.hosts[:3]
+    d = e2e.cluster.names[3]
+    cluster = e2e.cluster
+    inventory = e2e.project / "inventory.ini"
+    kept = inventory.read_text()
+    h = cluster.host(d)
+    inventory.write_text(kept + f"[at_hand]\n{d} ansible_host={h.address} ansible_user=root "
+                         f"ansible_ssh_private_key_file={cluster.key} workdir={h.workdir} python={cluster.python}\n")
+    try:
+        job = e2e.job("elastic-grow", "--min-workers", "4", "--host-timeout", str(HOST_TIMEOUT),
+                      "--script-args", f"{LONG_ARGS} --step-delay 0.3")
+        job.start()
+        job.wait_step(KILL_AT)
+        whole = job.fleet("grow", "--host", d, check=False)
+        assert whole.returncode == 2 and "is not degraded" in whole.stderr, whole.stderr
+        assert "nothing to grow into" in whole.stderr and "Traceback" not in whole.stderr
+        assert not (job.job_dir(d) / "launch.sh").exists()  # refused before anything was deployed
+        known = job.fleet("grow", "--host", b, check=False)
+        assert known.returncode == 2 and f"{b} is already a host of job elastic-grow" in known.stderr, known.stderr
+
+        with cluster.partitioned(c), cluster.crashed(c):  # c stays down until the job's end
+            job.wait_for("a generation of 4 workers formed", lambda: any(n == 4 for _, n in worlds(job)),
+                         timeout=120)
+            gone = job.fleet("grow", "--host", "nosuch-host.invalid", check=False)
+            assert gone.returncode != 0 and "nosuch-host.invalid" in gone.stderr, gone.stderr
+            assert "Traceback" not in gone.stderr
+            job.fleet("grow", "--host", d, timeout=240)
+            job.wait_for(f"{d} taking {c}'s slots", lambda: f"host {c} replaced by spare {d}" in job.log("sched"),
+                         timeout=120)
+
+            def on_d() -> list[int]:
+                return [p.get("step") or 0 for p in job.agent(d).get("processes") or []
+                        if p.get("state") == "running"]
+            at = max(min(steps_on(job, a) + steps_on(job, b)), KILL_AT)
+            job.wait_for(f"{d}'s workers training", lambda: len(on_d()) == 2 and min(on_d()) > at, timeout=180)
+            assert job.finish_ok() == long_baseline
+        sizes = [n for _, n in worlds(job)]
+        assert sizes[0] == 6 and 4 in sizes and sizes[-1] == 6, worlds(job)  # 6, shrunk to 4, grown with d to 6
+        recomputed = re.findall(r"; (\d+) step\(s\) recomputed", job.log("sched"))
+        assert recomputed and set(recomputed) == {"0"}, recomputed
+        grown = (job.job_dir(d) / "logs" / "worker_4.log").read_text()
+        assert "from rank" in grown or "memory" in grown, grown[-2000:]  # its state came from a peer
+        job.wait_no_leftovers()
+        job.wait_no_leftovers([d])
+    finally:
+        inventory.write_text(kept)

@@ -529,6 +529,15 @@ def replace(request: Request, host: str, spare: str) -> None:
     tasks.replace(request.job_ref(), host or None, spare or None)
 
 
+@cluster_task(own={"host": ("", "the new host, [USER@]HOST[:SLOTS]", "HOST")})
+def grow(request: Request, host: str) -> None:
+    """Give a degraded elastic job a new host for its lost host's slots.
+
+    The host is deployed to and checked (as 'fleet check') first; its workers join at the next step boundary,
+    taking the state from a peer. A job that lost no host has nothing to grow into."""
+    tasks.grow(request, host or None)
+
+
 @cluster_task(own={"deployed": (False, "every host has the job's files now")}, plans=True)
 def record(request: Request, deployed: bool) -> None:
     """Write the job record and token of a deploy the playbooks made.
@@ -574,7 +583,7 @@ def _whole(flag: str, text: str) -> int | None:
 
 def namespace() -> Collection:
     """The task set of `fleet` and of a project's fabfile.py, in the order the help lists them."""
-    return Collection(run, plan, deploy, train, check, status, logs, report, stop, restart, replace, record)
+    return Collection(run, plan, deploy, train, check, status, logs, report, stop, restart, replace, grow, record)
 
 
 def _docs(collection: Collection) -> list[helptext.TaskDoc]:

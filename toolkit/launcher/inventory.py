@@ -134,6 +134,14 @@ def parse_hosts(text: str) -> Inventory:
     return _flat_inventory(hosts, "--hosts")
 
 
+def split_host_item(item: str, where: str) -> tuple[str | None, str, int | None]:
+    """One `[user@]host[:slots]` (`fleet grow --host`): user, name and slots (None: not given); InventoryError,
+    starting with `where`, if malformed."""
+    user, name, slots = _split_host_item(item, where)
+    given = re.fullmatch(r"(?:[^@]*@)?(?:\[[^\]]*\]|[^:\[]*):.*", item) is not None
+    return user, name, slots if given else None
+
+
 def _split_host_item(item: str, where: str) -> tuple[str | None, str, int]:
     """`[user@]host[:slots]`; IPv6 addresses in brackets (`[fe80::1]:4`) since ':N' means slots here."""
     user, rest = _split_user(item, where)

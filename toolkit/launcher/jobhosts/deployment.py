@@ -20,6 +20,8 @@ from toolkit import freeports, privatedir
 from toolkit.contracts import agentdoc, envvars, jobrecord
 from toolkit.contracts.jobrecord import HostRecord, JobRecord
 from toolkit.errors import UserError
+from toolkit.launcher.inventory import Host as InventoryHost
+from toolkit.launcher.inventory import Inventory
 from toolkit.launcher.jobhosts.output import human_size, relative, say
 from toolkit.launcher.jobhosts.reach import STATUS_TIMEOUT, fan_out, ssh_settings
 from toolkit.launcher.jobhosts.scripts import (
@@ -106,6 +108,25 @@ def deploy(settings: Settings) -> JobRecord:
     say(f"deployed job {plan.job} to {len(stats)} host(s): {total.files_sent} file(s) sent "
          f"({human_size(total.bytes_sent)}), {total.files_unchanged} unchanged; job record {relative(path)}")
     return record
+
+
+def deploy_host(settings: Settings, name: str) -> HostRecord:
+    """Deploy the job to one host of `settings` (`fleet grow`: a host joining a running job), as `deploy` does for
+    every host: its workdir resolved there, then its layout, rendered files and the project; the other hosts are not
+    reached and the local job record is not written (the caller adds the returned host to it). Raises ClusterError
+    if the host is unreachable or unfit, UserError for a job directory others own or may write."""
+    plan = launch_plan(settings)
+    ssh = ssh_settings(settings)
+    target = [Target.of(plan.host_plan(name).host, local=plan.local)]
+    workdir = fan_out("checking host", target, functools.partial(_prepare, plan), ssh)[name]
+    inventory = settings.inventory.with_hosts([replace(settings.inventory.host(name), workdir=workdir)])
+    plan = make_plan(inventory, settings.options, None)
+    token = jobrecord.token(settings.project, plan.job)
+    identity = Identity.of(token, settings.project)
+    stats = fan_out("deploying", target, functools.partial(_upload, plan, settings, token, identity), ssh,
+                    line=_sent_line)
+    _say_not_copied(stats.values(), settings.project)
+    return job_record(plan, settings, identity.job_id).host(name)
 
 
 def _prepare(plan: LaunchPlan, host: Host) -> str:
@@ -277,3 +298,19 @@ def _sum_stats(stats: Any) -> SyncStats:
     return SyncStats(*(sum(getattr(s, f) for s in stats) for f in
                        ("files_sent", "bytes_sent", "files_unchanged", "dirs_created", "removed")),
                      outside=tuple(sorted({name for s in stats for name in s.outside})))
+
+
+def recorded_inventory(record: JobRecord) -> Inventory:
+    """The hosts of a job on hosts as its record has them (how to reach each, its workdir and python, its workers,
+    the scheduler's host and the spares): the inventory `run` deploys to when no host flag is typed, and the one
+    `grow` adds a host to."""
+    counts = {h.name: sum(1 for n in h.node_ids if n != "sched") for h in record.hosts}
+    most = max(counts.values(), default=1) or 1
+    hosts = tuple(InventoryHost(name=h.name, slots=counts[h.name] or most,
+                                address=h.hostname if h.hostname != h.name else None, port=h.port, user=h.user,
+                                key_file=h.key_file, workdir=posixpath.dirname(h.job_dir), python=h.python)
+                  for h in record.hosts)
+    workers = tuple(h.name for h in record.hosts if not h.spare and counts[h.name])
+    spares = tuple(h.name for h in record.hosts if h.spare)
+    return Inventory(hosts=hosts, scheduler=record.scheduler_host, workers=workers, spares=spares,
+                     source="the job record")

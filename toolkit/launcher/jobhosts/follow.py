@@ -10,6 +10,7 @@ stopped watching."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import os
 import select
@@ -19,6 +20,7 @@ import time
 from pathlib import Path
 from typing import Any, Mapping
 
+from toolkit.contracts import jobrecord
 from toolkit.contracts.agentdoc import FINAL_STATES, AgentState, ProcState
 from toolkit.contracts.jobrecord import HostRecord, JobRecord
 from toolkit.errors import UserError
@@ -95,6 +97,7 @@ def join_job(record: JobRecord, ssh: SshSettings, timeout: float | None = None,
     watch = _Watch()
     with HostPool() as pool, interrupt_sets(interrupted), streamed(record, ssh, stream):
         while True:
+            record = with_grown_hosts(record, project)
             watched = watch.watched(record)
             now = time.monotonic()
             record, polled = collect_status(record, ssh, pool, watched, project)
@@ -231,6 +234,24 @@ def _conclude(record: JobRecord, ssh: SshSettings, watch: _Watch, begun: float) 
         raise JobStopped(f"job {record.job} stopped after {took:.1f} s ({'; '.join(why) or 'stopped'}): "
                          "'fleet train' resumes it from its checkpoints")
     raise JobFailed(_failure_text(record, hosts, unwatched, took, _failed_tails(record, ssh, hosts)))
+
+
+def with_grown_hosts(record: JobRecord, project: Path | None) -> JobRecord:
+    """`record` with the hosts `fleet grow` added to the job's record on disk since (issue 42): a host that joins
+    the job while --join waits is watched too, and its takeover of a lost host's ranks settles that host as
+    replaced. Unchanged without `project`, or if the record there cannot be read or is another job's."""
+    if project is None:
+        return record
+    try:
+        disk = jobrecord.load(project, record.job)
+    except (UserError, OSError, ValueError):
+        return record
+    known = {h.name for h in record.hosts}
+    new = tuple(h for h in disk.hosts if h.name not in known)
+    if not new or disk.job_id != record.job_id:
+        return record
+    say(f"{', '.join(h.name for h in new)} joined job {record.job} ('fleet grow'): watched from now on")
+    return dataclasses.replace(record, hosts=record.hosts + new)
 
 
 def benched_hosts(record: JobRecord, live: Mapping[str, Any]) -> set[str]:

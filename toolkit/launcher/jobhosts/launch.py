@@ -111,12 +111,12 @@ def start_job(request: Request, join: bool = False, join_timeout: float | None =
 
 
 def _start_all(record: JobRecord, ssh: SshSettings, alive: frozenset[str]) -> None:
-    """Start every live host at once (`_start_host`; `alive`: the hosts whose agent already ran), rolling back what
+    """Start every live host at once (`start_host`; `alive`: the hosts whose agent already ran), rolling back what
     started if one fails (`_roll_back` raises), then say how it went."""
     begun = time.monotonic()
     with rich_progress("starting", len(record.live_hosts)) as progress:
         results = run_on_all([host_target(h, record.local) for h in record.live_hosts],
-                             functools.partial(_start_host, record, alive), ssh, progress=progress, fail_fast=True)
+                             functools.partial(start_host, record, alive), ssh, progress=progress, fail_fast=True)
     if any(not r.ok for r in results.values()):
         _roll_back(record, ssh, results)
     started = sum(1 for r in results.values() if r.value)
@@ -139,7 +139,7 @@ def _deployed_record(request: Request) -> JobRecord:
     return record
 
 
-def _start_host(record: JobRecord, alive: frozenset[str], host: Host) -> bool:
+def start_host(record: JobRecord, alive: frozenset[str], host: Host) -> bool:
     """Run the host's launch.sh: True if this call started the agent (False: this job's agent already ran). On the
     scheduler's host without a running agent (`alive`: the hosts whose agent ran when they were asked), preflight
     first with the scheduler's two ports. OtherJob, with nothing started, where the job directory holds another
@@ -156,7 +156,7 @@ def _start_host(record: JobRecord, alive: frozenset[str], host: Host) -> bool:
 
 
 def _preflight_scheduler(record: JobRecord, ssh: SshSettings, alive: frozenset[str]) -> None:
-    """The scheduler host's preflight with its two ports (as `_start_host` runs it), unless its agent runs (`alive`):
+    """The scheduler host's preflight with its two ports (as `start_host` runs it), unless its agent runs (`alive`):
     ClusterError (a UserError naming the host and the busy port) before anything was moved or started."""
     h = record.host(record.scheduler_host)
     if h.name in alive:

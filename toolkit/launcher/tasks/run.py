@@ -9,13 +9,10 @@ once: before the deploy, and that answer is what the start goes on (`start_job`'
 
 from __future__ import annotations
 
-import posixpath
-
 from toolkit.contracts import jobrecord
 from toolkit.contracts.jobrecord import JobRecord
 from toolkit.errors import UserError
-from toolkit.launcher.inventory import Host, Inventory
-from toolkit.launcher.jobhosts.deployment import deploy, launch_plan
+from toolkit.launcher.jobhosts.deployment import deploy, launch_plan, recorded_inventory
 from toolkit.launcher.jobhosts.launch import refuse_start, start_job
 from toolkit.launcher.jobhosts.poll import collect_status
 from toolkit.launcher.jobhosts.reach import record_ssh
@@ -76,17 +73,3 @@ def _refuse_before_deploy(old: JobRecord, request: Request, world_size: int, fre
 def _same_hosts(old: JobRecord, new: JobRecord) -> bool:
     """Whether `new` lives where `old` did (the same hosts and job directories): then their statuses still hold."""
     return [(h.name, h.job_dir) for h in old.live_hosts] == [(h.name, h.job_dir) for h in new.live_hosts]
-
-
-def recorded_inventory(record: JobRecord) -> Inventory:
-    """The hosts of a job on hosts as its record has them (how to reach each, its workdir and python, its workers,
-    the scheduler's host and the spares): the inventory `run` deploys to when no host flag is typed."""
-    counts = {h.name: sum(1 for n in h.node_ids if n != "sched") for h in record.hosts}
-    most = max(counts.values(), default=1) or 1
-    hosts = tuple(Host(name=h.name, slots=counts[h.name] or most, address=h.hostname if h.hostname != h.name else None,
-                       port=h.port, user=h.user, key_file=h.key_file, workdir=posixpath.dirname(h.job_dir),
-                       python=h.python) for h in record.hosts)
-    workers = tuple(h.name for h in record.hosts if not h.spare and counts[h.name])
-    spares = tuple(h.name for h in record.hosts if h.spare)
-    return Inventory(hosts=hosts, scheduler=record.scheduler_host, workers=workers, spares=spares,
-                     source="the job record")
