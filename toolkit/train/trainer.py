@@ -114,11 +114,7 @@ class Trainer:
             verify = replicas.parse_every(runtime.cfg.verify_every if verify_every is None else verify_every)
         except ValueError as e:
             raise TrainerError(str(e)) from None
-        extra = dict(state or {})
-        for name, obj in extra.items():
-            if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
-                raise TrainerError(f"state[{name!r}] has no state_dict()/load_state_dict(): hand over objects that "
-                                   "can be saved and restored (an LR scheduler, a GradScaler, a module)")
+        extra = _check_extra(state)
         sharding = sharded.inspect(model, runtime.world_size)  # None: not sharded; TrainerError: not recoverable
         if sharding is not None:
             _check_sharded(runtime, ddp)
@@ -508,6 +504,17 @@ class _Applied:
 
     def __call__(self, *_: Any) -> None:
         self.count += 1
+
+
+def _check_extra(state: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The script's extra state (`state=`), each object one that can be saved and restored; TrainerError naming the
+    first that cannot."""
+    extra = dict(state or {})
+    for name, obj in extra.items():
+        if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
+            raise TrainerError(f"state[{name!r}] has no state_dict()/load_state_dict(): hand over objects that "
+                               "can be saved and restored (an LR scheduler, a GradScaler, a module)")
+    return extra
 
 
 def _check_loadable(state: dict[str, Any]) -> None:
