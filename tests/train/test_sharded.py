@@ -49,7 +49,7 @@ DEATH = re.compile(r"(worker_\d+) \(pid (\d+) on \S+\) is dead")
 pytestmark = pytest.mark.timeout(1200)
 
 
-def job(root: Path, name: str, world: int = WORLD, args: list[str] = ARGS, **options: Any) -> LocalJob:
+def job(root: Path, name: str, args: list[str] = ARGS, *, world: int = WORLD, **options: Any) -> LocalJob:
     project = root / "project"
     project.mkdir(parents=True)
     shutil.copy(SCRIPT, project / SCRIPT.name)
