@@ -51,7 +51,7 @@ def run(ckpt: Path, kind: str) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                                                             "MS_ROLE", "TOOLKIT_TOKEN_FILE", "CKPT_DIR")}
     return subprocess.run([sys.executable, "-c", SCRIPT, str(ckpt), kind], env=env, capture_output=True, text=True,
-                          timeout=RUN_TIMEOUT)
+                          timeout=RUN_TIMEOUT, cwd=ckpt.parent)  # its ./tb (TensorBoard scalars) there
 
 
 def test_extra_state_with_numpy_scalars_is_refused_at_construction_naming_it(tmp_path):
