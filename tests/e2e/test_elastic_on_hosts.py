@@ -168,6 +168,8 @@ def test_fleet_grow_gives_a_degraded_job_a_new_host(e2e: E2E, long_baseline: str
         with cluster.partitioned(c), cluster.crashed(c):  # c stays down until the job's end
             job.wait_for("a generation of 4 workers formed", lambda: any(n == 4 for _, n in worlds(job)),
                          timeout=120)
+            job.wait_for("the scheduler's live document saying so", lambda: (json.loads(job.fleet(
+                "status", "--json", check=False).stdout).get("elastic") or {}).get("workers") == 4, timeout=120)
             gone = job.fleet("grow", "--host", "nosuch-host.invalid", check=False)
             assert gone.returncode != 0 and "nosuch-host.invalid" in gone.stderr, gone.stderr
             assert "Traceback" not in gone.stderr
