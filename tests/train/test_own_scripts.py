@@ -23,7 +23,7 @@ import subprocess
 import sys
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -36,6 +36,7 @@ JOB_TIMEOUT = 300.0  # s for one job on a loaded 2-core machine; normally ~20 s
 POLL = 0.05  # s between looks at a log: no event tells that a line was appended
 STEP = re.compile(r"^epoch (\d+) step (\d+) loss", re.M)
 PLAIN_ARGS = "--epochs 3 --step-delay 0.04"
+REFERENCE_ARGS = "--epochs 3"  # an uninterrupted reference: the delay is a wait, not part of the result
 EXIT_REJOIN = 76
 until = partial(waits.until, bound=JOB_TIMEOUT, poll=POLL)
 
@@ -147,19 +148,37 @@ def indices_run(ckpt: Path, *args: str) -> list[tuple[int, str]]:
     return [(int(s), ids) for s, ids in BATCH_LINE.findall(done.stdout)]
 
 
+@pytest.fixture(scope="module")
+def whole_indices(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], list[tuple[int, str]]]:
+    """The samples of each step of an uninterrupted run per sampler, run once for the module: the DataLoader draws
+    its order in the main process whatever its number of workers, so one reference (0 workers) serves both."""
+    runs: dict[str, list[tuple[int, str]]] = {}
+
+    def whole(sampler: str) -> list[tuple[int, str]]:
+        if sampler not in runs:
+            runs[sampler] = indices_run(tmp_path_factory.mktemp(f"whole-{sampler}"), "--workers", "0",
+                                        "--sampler", sampler)
+        return runs[sampler]
+
+    return whole
+
+
 @pytest.mark.parametrize("sampler", ["distributed", "random"])
 @pytest.mark.parametrize("workers", [0, 2])
-def test_a_dataloader_resumes_at_the_exact_sample_mid_epoch(tmp_path: Path, workers: int, sampler: str) -> None:
+def test_a_dataloader_resumes_at_the_exact_sample_mid_epoch(tmp_path: Path, workers: int, sampler: str,
+                                                             whole_indices: Callable[[str], list[tuple[int, str]]]
+                                                             ) -> None:
     flags = ["--workers", str(workers), "--sampler", sampler]
     per_epoch = PER_EPOCH[sampler]
-    whole = indices_run(tmp_path / "whole", *flags)
+    whole = whole_indices(sampler)  # uninterrupted, 0 workers
     assert [s for s, _ in whole] == list(range(1, 3 * per_epoch + 1))
     stop = random.Random().choice([k for k in range(2, 3 * per_epoch - 1) if k % per_epoch])  # never at an edge
     first = indices_run(tmp_path / "cut", *flags, "--stop-at", str(stop))
     assert [s for s, _ in first] == list(range(1, stop + 1)), f"stopped at {stop}"
     second = indices_run(tmp_path / "cut", *flags)
     assert second and second[0][0] == stop + 1, f"resumed at {second[:1]}, stopped at {stop}"
-    assert first + second == whole, f"{sampler} sampler, {workers} workers, stopped mid-epoch at step {stop}"
+    assert first + second == whole, \
+        f"{sampler} sampler, {workers} workers, stopped mid-epoch at step {stop}; the uninterrupted run had 0 workers"
 
 
 # --- the same script, ported ------------------------------------------------------------------------------------
@@ -169,9 +188,9 @@ RESUMED = re.compile(r"^rank (\d+): resumed from step (\d+) .* out of (rank \d+'
                      r"recomputed$", re.M)
 
 
-def ported_run(tmp_path: Path, name: str) -> FleetRun:
+def ported_run(tmp_path: Path, name: str, args: str = PLAIN_ARGS) -> FleetRun:
     return FleetRun(tmp_path, name, ["--project", str(project(tmp_path)), "--script", "ported.py", "--worker-num",
-                                     "3", "--workdir", str(tmp_path / "work"), "--script-args", PLAIN_ARGS])
+                                     "3", "--workdir", str(tmp_path / "work"), "--script-args", args])
 
 
 def final_model(run: FleetRun, world: int = 3) -> dict[str, torch.Tensor]:
@@ -196,7 +215,7 @@ def test_the_ported_script_recovers_in_place_with_no_lost_step_and_a_bitwise_equ
     # docs/porting.md and README.md say these numbers: change them there if the port changes
     assert (len(added), len(removed)) == (11, 36), "the port's size as the docs give it:\n" + "\n".join(added)
 
-    reference = ported_run(tmp_path, "reference")
+    reference = ported_run(tmp_path, "reference", REFERENCE_ARGS)
     try:
         reference.start()
         assert reference.join(JOB_TIMEOUT)[0] == 0, reference.evidence()
@@ -354,9 +373,9 @@ def scheduled_script(project: Path, handed_over: bool) -> str:
     return name
 
 
-def scheduled_run(tmp_path: Path, job: str, script: str) -> FleetRun:
+def scheduled_run(tmp_path: Path, job: str, script: str, args: str = PLAIN_ARGS) -> FleetRun:
     return FleetRun(tmp_path, job, ["--project", str(project(tmp_path)), "--script", script, "--worker-num", "2",
-                                    "--workdir", str(tmp_path / "work"), "--script-args", f"{PLAIN_ARGS} --workers 0"])
+                                    "--workdir", str(tmp_path / "work"), "--script-args", f"{args} --workers 0"])
 
 
 def test_a_port_that_forgets_its_scheduler_stops_after_a_recovery_and_one_that_hands_it_over_is_bitwise(
@@ -365,7 +384,7 @@ def test_a_port_that_forgets_its_scheduler_stops_after_a_recovery_and_one_that_h
     drifts from the survivor's; the check after the recovery stops the job with the one line. With it, the run
     recovers and ends bitwise equal to an uninterrupted one (the check changes nothing)."""
     handed, forgotten = (scheduled_script(project(tmp_path), h) for h in (True, False))
-    reference = scheduled_run(tmp_path, "reference", handed)
+    reference = scheduled_run(tmp_path, "reference", handed, REFERENCE_ARGS)
     try:
         reference.start()
         assert reference.join(JOB_TIMEOUT)[0] == 0, reference.evidence()
