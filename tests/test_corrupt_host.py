@@ -136,14 +136,15 @@ def test_a_host_named_again_after_its_rank_was_relaunched_is_fenced_and_the_coun
     assert not sent(report(m, 2, "hostB", action="healed"))  # found once: healed in place
     assert not sent(report(m, 0, "nowhere", action="healed"))  # a host the roster does not know is not counted
     assert not sent(report(m, 0, "hostA", action="rolled back"))  # no majority: no one named
-    assert m.corrupt == {"hostB": 1} and m.snapshot()["corrupt"] == {"hostB": 1}
+    assert m.corrupt == {"hostB/2": 1} and m.snapshot()["corrupt"] == {"hostB/2": 1}
     restarted = Membership("job", 4, 30.0, 60.0, "boot2", "10.0.0.1:8118", {}, 6.0)
     restarted.restore(m.snapshot(), 6.0)  # a scheduler started again reads the count back
-    assert restarted.corrupt == {"hostB": 1}
-    out = report(m, 3, "hostB", action="healed")  # rank 3's process, relaunched, counts this as its first finding
+    assert restarted.corrupt == {"hostB/2": 1}
+    assert not sent(report(m, 3, "hostB", action="healed"))  # another rank of the host, found once: healed too
+    out = report(m, 2, "hostB", action="healed")  # rank 2's process, relaunched, counts this as its first finding
     assert [(t.peer, t.fields["host"]) for t in sent(out, P.TAKEOVER)] == [(3, "hostB")]
-    assert ("host hostB replaced by spare s1: fenced: found corrupt 2 times by the replica check (rank 3 on hostB; "
+    assert ("host hostB replaced by spare s1: fenced: found corrupt 2 times by the replica check (rank 2 on hostB; "
             "the last time in steps 13-16)") in logged(out)
-    assert "hostB" not in m.corrupt  # replaced for good: nothing left to count
+    assert not m.corrupt  # replaced for good: nothing left to count
     with pytest.raises(ValueError, match="corrupt: not a map"):
         read_corrupt({"hostB": 0})

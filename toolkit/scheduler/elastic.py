@@ -136,13 +136,13 @@ def read_quarantined(doc: object) -> dict[str, bool]:
 
 
 def read_corrupt(doc: object) -> dict[str, int]:
-    """The persisted count of the times the replica check named each host corrupt ({host: times}, each at least 1;
-    Membership.corrupt); ValueError if malformed (the state file is hostile input)."""
+    """The persisted count of the times the replica check named each rank of a host corrupt ({"host/rank": times},
+    each at least 1; Membership.corrupt); ValueError if malformed (the state file is hostile input)."""
     if doc is None:
         return {}
     if not isinstance(doc, dict) or len(doc) > logical.MAX_LOGICAL_RANKS or not all(
             isinstance(h, str) and 0 < len(h) <= 256 and type(v) is int and v >= 1 for h, v in doc.items()):
-        raise ValueError("corrupt: not a map of host names to a count of findings")
+        raise ValueError("corrupt: not a map of host/rank names to a count of findings")
     return dict(doc)
 
 

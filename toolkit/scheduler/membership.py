@@ -175,7 +175,7 @@ def quarantine_hello(m: Membership, peer: int, host: str, addr: str) -> tuple[bo
                       Send(peer, wire.Stop(f"host {host} is fenced for corruption in job {m.job}: it is out of the "
                                            "job until the operator starts it again"), close=True)]
     del m.quarantined[host]
-    m.corrupt.pop(host, None)  # the operator started it again: its findings start over
+    forget_corrupt(m, host)  # the operator started it again: its findings start over
     return False, [Log(WARNING, f"host {host}, fenced for corruption, is back: its agent was started again (fleet "
                                 "restart --host); its workers rejoin the job")]
 
@@ -233,21 +233,29 @@ def corrupted(m: Membership, member: Member, msg: Mapping[str, Any], now: float)
 
 
 def count_corrupt(m: Membership, f: Mapping[str, Any]) -> dict[str, int]:
-    """Count, per host, a corruption report `f` naming its ranks (`healed` or `fenced`: `rolled back` and `stopped`
-    name no one) in `m.corrupt`, which the state persists: a rank's own count lives in its process and starts from
-    zero when the rank is relaunched, this one survives relaunches of the ranks and of the scheduler (issue 44: a
-    host found corrupt twice is fenced). Only hosts of the roster are counted (the report is hostile input).
-    Returns the hosts now found corrupt twice or more, with their counts."""
+    """Count, per rank of a host (key `host/rank`), a corruption report `f` naming it (`healed` or `fenced`:
+    `rolled back` and `stopped` name no one) in `m.corrupt`, which the state persists: a rank's own count lives in
+    its process and starts from zero when the rank is relaunched, this one survives relaunches of the ranks and of
+    the scheduler (issue 44: a rank found corrupt twice fences its host; two ranks of one host found once each are
+    each healed). Only hosts of the roster are counted (the report is hostile input). Returns the hosts with a rank
+    now found corrupt twice or more, with its count."""
     if f["action"] not in NAMING_ACTIONS:
         return {}
     again: dict[str, int] = {}
-    for host in dict.fromkeys(f["hosts"]):
+    for rank, host in dict.fromkeys(zip(f["ranks"], f["hosts"], strict=True)):
         if host in m.roster.hosts:
-            m.corrupt[host] = m.corrupt.get(host, 0) + 1
+            key = f"{host}/{rank}"
+            m.corrupt[key] = m.corrupt.get(key, 0) + 1
             m.dirty = True
-            if m.corrupt[host] >= 2:
-                again[host] = m.corrupt[host]
+            if m.corrupt[key] >= 2:
+                again[host] = max(again.get(host, 0), m.corrupt[key])
     return again
+
+
+def forget_corrupt(m: Membership, host: str) -> None:
+    """Drop the findings counted on `host`'s ranks (replaced by a spare, or started again by the operator)."""
+    for key in [k for k in m.corrupt if k.rpartition("/")[0] == host]:
+        del m.corrupt[key]
 
 
 def fence_corrupt(m: Membership, f: Mapping[str, Any], why: str, now: float) -> list[Action]:
@@ -357,7 +365,7 @@ class Membership:
         self.capacity: dict[int, int] = {}
         # hosts fenced for corruption and benched (`shrink_fenced`): host -> whether its agent is still owed `stop`
         self.quarantined: dict[str, bool] = {}
-        self.corrupt: dict[str, int] = {}  # host -> times the replica check named it corrupt (`count_corrupt`)
+        self.corrupt: dict[str, int] = {}  # 'host/rank' -> times the replica check named it (`count_corrupt`)
         self.node_timeout, self.topo_timeout = node_timeout, topo_timeout
         self.host_timeout = host_timeout  # <= 0: no automatic replacement (the operator's `replace` only)
         # the agents' heartbeat interval (their `welcome`), stretched as the workers' at thousands of ranks
@@ -769,7 +777,7 @@ class Membership:
         replacement and recover as the job's mode allows (in place from a peer, or a restart from checkpoints)."""
         node_ids, agent = list(self.roster.hosts[host].node_ids), self.roster.hosts[host].agent
         self.quarantined.pop(host, None)  # a spare takes a host benched for corruption: replaced for good
-        self.corrupt.pop(host, None)
+        forget_corrupt(self, host)
         self.dirty = True
         out: list[Action] = [
             Log(WARNING, f"host {host} replaced by spare {spare}: {reason}; {spare} takes {', '.join(node_ids)}; "
