@@ -58,7 +58,6 @@ DEFAULT_TIMEOUT = 30.0  # s: bound of one collective and of building a process g
 CONNECT_TIMEOUT = 10.0  # s: for each of a group's connections once every rank arrived (`_arrive`); gloo tries 5 times
 PROGRESS_INTERVAL = 1.0  # s: at most one progress datagram to the agent per interval
 
-EXIT_BARRIER = 10.0  # s: the wait at exit for every rank of a cleanly ended job (`_destroy_left_group`)
 MODE_TOOLKIT = "toolkit"
 MODE_TORCHRUN = "torchrun"
 MODE_SINGLE = "single"
@@ -527,17 +526,10 @@ def _arrive(store: Any, world: int, timeout: timedelta) -> None:
 
 
 def _destroy_left_group() -> None:
-    """At exit after a clean end (Runtime.done): the default group the script did not destroy itself. Over gloo,
-    first a barrier bounded by EXIT_BARRIER: a rank that tore its connections down while a peer still drained its
-    last collective made that peer's gloo thread end the process ('terminate called', SIGABRT: seen with a pure
-    FSDP model's final all-gather); a peer that never comes costs the bound, nothing more."""
-    if not dist.is_initialized():
-        return
-    with contextlib.suppress(Exception):
-        if dist.get_backend() == "gloo" and dist.get_world_size() > 1:
-            dist.monitored_barrier(timeout=timedelta(seconds=EXIT_BARRIER))
-    with contextlib.suppress(Exception):
-        dist.destroy_process_group()
+    """At exit after a clean end (Runtime.done): the default group the script did not destroy itself."""
+    if dist.is_initialized():
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
 
 
 def leave_group() -> None:
