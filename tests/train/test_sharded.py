@@ -81,14 +81,18 @@ def pid_of(j: LocalJob, rank: int) -> int | None:
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> str:
     """The final digest of the uninterrupted run."""
-    j = job(tmp_path_factory.mktemp("reference"), "ref")
+    (digest,) = FINAL.findall(run_whole(job(tmp_path_factory.mktemp("reference"), "ref")))
+    return digest
+
+
+def run_whole(j: LocalJob) -> str:
+    """Run `j` to its end, uninterrupted (it must exit 0); rank 0's log."""
     try:
         j.start()
         assert j.finish(JOB_TIMEOUT) == 0, j.evidence()
     finally:
         j.cleanup()
-    (digest,) = FINAL.findall(j.log("worker_0.log"))
-    return digest
+    return j.log("worker_0.log")
 
 
 def kill_rounds(j: LocalJob, victims: list[list[int]], rng: random.Random, first: int = 2) -> None:
@@ -154,13 +158,7 @@ REDONE = re.compile(r"^rank (\d+): ranks \[[\d, ]+\] lost at step (\d+): every r
 def fsdp_reference(tmp_path_factory: pytest.TempPathFactory) -> str:
     """The final digest of the uninterrupted pure-FSDP run, on one host: no other host's memory for the copies,
     which rank 0 says at the start, with what a fault would cost."""
-    j = job(tmp_path_factory.mktemp("fsdp-reference"), "fsdpref", FSDP_ARGS)
-    try:
-        j.start()
-        assert j.finish(JOB_TIMEOUT) == 0, j.evidence()
-    finally:
-        j.cleanup()
-    text = j.log("worker_0.log")
+    text = run_whole(job(tmp_path_factory.mktemp("fsdp-reference"), "fsdpref", FSDP_ARGS))
     assert re.search(r"^rank 0: pure FSDP without a copy of each shard in memory \(the job runs on one host: .*\): "
                      r"a lost rank costs a whole-job restart from the newest sharded checkpoint", text, re.M), \
         text[-3000:]
@@ -322,13 +320,8 @@ def test_hsdp_whole_job_killed_resumes_from_the_shards_bitwise_and_another_world
 @pytest.fixture(scope="module")
 def fsdp2_reference(tmp_path_factory: pytest.TempPathFactory) -> str:
     """The final digest of the uninterrupted pure FSDP run (world 2)."""
-    j = job(tmp_path_factory.mktemp("fsdp-reference"), "fsdpref", world=2, args=FSDP2_ARGS)
-    try:
-        j.start()
-        assert j.finish(JOB_TIMEOUT) == 0, j.evidence()
-    finally:
-        j.cleanup()
-    (digest,) = FINAL.findall(j.log("worker_0.log"))
+    (digest,) = FINAL.findall(run_whole(job(tmp_path_factory.mktemp("fsdp-reference"), "fsdpref", world=2,
+                                            args=FSDP2_ARGS)))
     return digest
 
 
