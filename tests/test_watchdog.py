@@ -76,8 +76,10 @@ def test_a_rank_silent_while_its_agent_vouches_is_named_a_call_holding_its_gil()
     step = train(w, 10)
     for t in range(11, 18):  # rank 1 heartbeats no more (its GIL is held); rank 0 waits
         beat(w, float(t), {0: step}, {0})
-    assert w.check(16.0, vouched=lambda rank: rank != 1) == []  # stopped (SIGSTOP) or cut off: heartbeat silence's
-    (stuck,) = w.check(17.0, vouched=lambda rank: True)
+    assert w.check(16.0, vouched=lambda rank, since: rank != 1) == []  # stopped (SIGSTOP) or cut off: silence's
+    # its agent's last word came 1.5 s after its last heartbeat (at 10): it may have been stopped since
+    assert w.check(16.0, vouched=lambda rank, since: 11.5 > since) == []
+    (stuck,) = w.check(17.0, vouched=lambda rank, since: 12.5 > since)  # a word from a time it should have beaten
     assert stuck.rank == 1 and stuck.silent and stuck.silent_for == 7.0
     assert "sent no heartbeat for 7.0 s though running (a call holding its GIL?)" in stuck.reason()
 

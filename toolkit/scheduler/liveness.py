@@ -12,6 +12,7 @@ membership applies them on each `tick` and agent heartbeat).
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any
 
 from toolkit.contracts import envvars, protocol
@@ -36,10 +37,11 @@ def vouch(roster: Roster, host: str | None, running: Any, now: float) -> None:
             member.vouched_at = now
 
 
-def vouched(member: Member | None, now: float, node_timeout: float) -> bool:
-    """Whether `member` is connected and its agent vouched for it (running, not stopped) within node_timeout."""
+def vouched(member: Member | None, now: float, node_timeout: float, since: float = -math.inf) -> bool:
+    """Whether `member` is connected and its agent vouched for it (running, not stopped) within node_timeout, and
+    after `since`."""
     return member is not None and member.peer is not None and member.vouched_at is not None \
-        and now - member.vouched_at < node_timeout
+        and now - member.vouched_at < node_timeout and member.vouched_at > since
 
 
 def alive_though_silent(member: Member, silent: float, now: float, node_timeout: float, topo_timeout: float,

@@ -692,8 +692,8 @@ class Membership:
                                     for m in self.roster.members.values()), default=math.inf)
         out += kill_unreported(self.roster, self.unreported, now, self.node_timeout)
         if self.formed and now >= self.watchdog.due():
-            for stuck in self.watchdog.check(now, lambda rank: vouched(self.roster.members.get(rank), now,
-                                                                      self.node_timeout)):
+            for stuck in self.watchdog.check(now, lambda rank, since: vouched(self.roster.members.get(rank), now,
+                                                                             self.node_timeout, since)):
                 member = self.roster.members.get(stuck.rank)
                 if member is not None and member.node_id == stuck.node_id:
                     out += self._death(member, stuck.reason(), kill=True, now=now, cause=CAUSE_STUCK,

@@ -52,6 +52,9 @@ from toolkit.contracts import protocol
 
 OUTSIDE_BEATS = 2  # heartbeats in a row a rank must say it is outside any collective before it can be blamed
 SILENT_BEATS = 3  # heartbeat intervals without one: the rank cannot say where it is (a call holding its GIL)
+# heartbeat intervals past a silent rank's last heartbeat after which its agent must have seen it running: a
+# word from earlier may predate a SIGSTOP (then heartbeat silence is the truthful verdict, not stuck)
+VOUCH_AFTER_BEATS = 2
 CHECK_INTERVAL = 1.0  # s between checks while the job is formed
 # A rank judged by its collectives (it reports no step): its first steps in a generation are over after more than
 # this many heartbeats with a new count (the group's set-up and DDP's construction move it before any training step)
@@ -196,10 +199,12 @@ class Watchdog:
         p99 = max(self.p99, self.gap_p99) or None
         return self.last_step_at, protocol.stall_bound(p99), p99
 
-    def check(self, now: float, vouched: Callable[[int], bool] = lambda rank: True) -> list[Stuck]:
-        """The stuck ranks now (see the module docstring); each is named once (forgotten here). `vouched(rank)`:
-        whether the rank's agent sees its process running (not stopped) now; a silent rank that is not vouched for
-        is no call holding its GIL but a stopped or cut-off process, which heartbeat silence declares dead."""
+    def check(self, now: float, vouched: Callable[[int, float], bool] = lambda rank, since: True) -> list[Stuck]:
+        """The stuck ranks now (see the module docstring); each is named once (forgotten here). `vouched(rank,
+        since)`: whether the rank's agent said after `since` that its process runs (not stopped). `since` is
+        VOUCH_AFTER_BEATS heartbeats past the rank's last one, when a process that runs would have sent another: a
+        word from before then may predate a SIGSTOP. A silent rank not vouched for is no call holding its GIL but
+        a stopped or cut-off process, which heartbeat silence declares dead."""
         self.checked_at = now
         if self.gaps_new:  # here, not at each heartbeat: O(GAP_WINDOW), at most every CHECK_INTERVAL
             self.gap_p99, self.gaps_new = sorted(self.gaps)[int(0.99 * (len(self.gaps) - 1))], False
@@ -223,7 +228,8 @@ class Watchdog:
         out = []
         for rank, r in ranks.items():
             silent = now - r.heard_at > silent_after
-            if not ((silent and vouched(rank)) or (not silent and r.outside >= OUTSIDE_BEATS)):
+            if not ((silent and vouched(rank, r.heard_at + VOUCH_AFTER_BEATS * self.beat))
+                    or (not silent and r.outside >= OUTSIDE_BEATS)):
                 continue
             if r.step is None and r.collectives is not None:  # judged by collectives: it must be behind its peers
                 if peers_at is None or r.collectives >= peers_at:

@@ -335,9 +335,6 @@ class Trainer:
         self._state.live = True
         self._need_sync = True
         how = 'the step was complete here' if kept else 'the step in flight is redone'
-        if self._tb is not None:
-            self._tb.incident(self.step_count, f"generation {self.rt.generation} -> {generation}: the group broke at "
-                                               f"step {self.step_count} ({how})")
         if generation is None:
             log.line(f"rank {self.rt.rank}: the group broke at step {self.step_count} ({how})")
         else:
@@ -413,6 +410,9 @@ class Trainer:
             log.line(f"rank {self.rt.rank}: resumed from step {self.step_count} (epoch {epoch}, batch {batch} of "
                      f"{self.position.per_epoch}) out of {what} in {seconds:.2f} s ({agreed.nbytes / 1e6:.2f} MB), "
                      f"generation {self.rt.generation}{tail}")
+            if self._tb is not None:  # here, not where a step broke: a fault between steps breaks none
+                self._tb.incident(self.step_count, f"generation {self.rt.generation}: resumed from step "
+                                                   f"{self.step_count} out of {what} in {seconds:.2f} s{tail}")
 
     # -- SIGTERM
 
