@@ -38,7 +38,8 @@ class Proc:
         self.log = log
         self.lines: list[str] = []
         self.cond = threading.Condition()
-        self.popen = subprocess.Popen(argv, env=dict(env), cwd=str(cwd or ROOT), stdin=subprocess.DEVNULL,
+        # in its log's directory unless told: what it writes to relative paths (./tb) never lands in the clone
+        self.popen = subprocess.Popen(argv, env=dict(env), cwd=str(cwd or log.parent), stdin=subprocess.DEVNULL,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
         self.pid = self.popen.pid
         self._reader = threading.Thread(target=self._read, daemon=True)
