@@ -266,12 +266,23 @@ def kill_whole(j: LocalJob, world: int, ckpt: Path, after: int, rng: random.Rand
     return newest_held(ckpt, world)
 
 
-def resumed_whole(j: LocalJob, world: int, held: int, why: str) -> int:
-    """Every rank resumed once out of its own checkpoint, all at the same step, at least `held`; that step."""
+def kill_one(j: LocalJob, world: int, ckpt: Path, after: int, rng: random.Random) -> int:
+    """`kill_whole`'s, for one random rank only."""
+    until(f"a checkpoint of step {after} or later", lambda: newest_held(ckpt, world) >= after, j)
+    time.sleep(rng.uniform(0.0, 0.2))
+    pid = pid_of(j, rng.randrange(world))
+    assert pid is not None, j.evidence()
+    os.kill(pid, signal.SIGKILL)
+    return newest_held(ckpt, world)
+
+
+def resumed_whole(j: LocalJob, world: int, held: int, why: str, times: int = 1) -> int:
+    """Every rank resumed `times` times out of its own checkpoint, the last time all at the same step, at least
+    `held`; that step."""
     found = [RESUMED_CKPT.findall(j.log(f"worker_{r}.log")) for r in range(world)]
-    assert all(len(f) == 1 for f in found), f"{found} {why}\n{j.evidence()}"
+    assert all(len(f) == times for f in found), f"{found} {why}\n{j.evidence()}"
     assert all(rank == source for f in found for rank, _, source in f), f"{found} {why}"
-    (step,) = {int(f[0][1]) for f in found}
+    (step,) = {int(f[-1][1]) for f in found}
     assert step >= held, f"resumed from {step}, {held} was held whole {why}"
     return step
 
@@ -327,22 +338,27 @@ def fsdp2_reference(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 def test_pure_fsdp_whole_job_killed_then_stopped_resumes_each_time_from_the_shards_bitwise(
         tmp_path: Path, fsdp2_reference: str) -> None:
-    """Pure FSDP, world 2, a checkpoint every 4 steps: every worker killed at once (relaunched by the agent, resumed
-    from the shards); then the job stopped (SIGTERM to every worker, as `fleet stop`): every rank saves the same
-    step (last words), and a new job on the same checkpoints resumes from it and ends bitwise equal to the
-    uninterrupted run."""
+    """Pure FSDP, world 2 on one host (so no copy of the shards in another host's memory), a checkpoint every 4
+    steps: one rank killed (the survivor cannot go on without the lost shard: it says so and exits, its agent
+    relaunches it, and both resume from the shards); then every
+    worker killed at once (relaunched by the agent, resumed from the shards); then the job stopped (SIGTERM to every
+    worker, as `fleet stop`): every rank saves the same step (last words), and a new job on the same checkpoints
+    resumes from it and ends bitwise equal to the uninterrupted run."""
     rng = random.Random(random.SystemRandom().randrange(2**32))
     disk = tmp_path / "disk"
     args = [*FSDP2_ARGS, "--ckpt-every", str(CKPT_EVERY)]
     j = job(tmp_path / "a", "fsdp", world=2, args=args, ckpt_dir=str(disk))
     ckpt = disk / "fsdp"
+    resumed = 0
     try:
         j.start()
-        held = kill_whole(j, 2, ckpt, 8, rng)
-        until("both ranks resumed from the checkpoints and stepped on", lambda: all(
-            RESUMED_CKPT.search(j.log(f"worker_{r}.log")) and steps(j, r) >= held + 3 for r in range(2)), j)
-        resumed = resumed_whole(j, 2, held, f"(killed after {held})")
-        assert resumed % CKPT_EVERY == 0, f"resumed from step {resumed}, not one the interval saves"
+        for times, kill in enumerate((kill_one, kill_whole), start=1):
+            held = kill(j, 2, ckpt, resumed + 4, rng)
+            until("both ranks resumed from the checkpoints and stepped on", lambda times=times, held=held: all(
+                len(RESUMED_CKPT.findall(j.log(f"worker_{r}.log"))) == times and steps(j, r) >= held + 3
+                for r in range(2)), j)
+            resumed = resumed_whole(j, 2, held, f"(killed after {held}, {kill.__name__})", times)
+            assert resumed % CKPT_EVERY == 0, f"resumed from step {resumed}, not one the interval saves"
         j.cleanup()  # SIGTERM to the agent: it stops every worker with SIGTERM, as fleet stop does
     finally:
         j.cleanup()

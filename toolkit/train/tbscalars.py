@@ -4,8 +4,8 @@
 What: `loss` and `steps_per_s` at every step the Trainer runs (the loss as the script reported it with
 trainer.report; steps/s from the rank's recent step times, toolkit.train.pace), `goodput` at each formation of the
 group (the scheduler's ledger sends it with `formed`: so after every recovery), and each recovery as text
-(`incidents`: the new generation, the step resumed from and where the state came from). The incidents' causes and their cost are the
-scheduler's (its ledger, `fleet report`, the Prometheus endpoint).
+(`incidents`: the new generation, the step resumed from and where the state came from). The incidents' causes and
+their cost are the scheduler's (its ledger, `fleet report`, the Prometheus endpoint).
 
 Where: `tensorboard_dir` of the Trainer, else `$CKPT_DIR/../tb`, else `./tb`: the job's directory on the host of
 rank 0 (`tensorboard --logdir` there, or copy it). Without tensorboard installed, nothing is written and nothing
