@@ -243,10 +243,6 @@ class Trainer:
             if changed is not None:
                 self._abandoned(applied, changed.new)
                 return
-            if self.rt.mode != MODE_TOOLKIT and looks_collective(e):
-                end_for_restart(self.manager, self.rt.rank, f"rank {self.rt.rank}: a collective failed, a peer is "
-                                f"gone ({first_line(e)}); this launcher cannot re-form the group in place: exiting "
-                                "for a restart")
             raise
         self.step_count += 1
         self._state.live = True
@@ -348,9 +344,15 @@ class Trainer:
         GenerationChanged to act on if the job moved on, None if the error is the loop's own (Runtime.changed_by,
         which waits a bounded time for the scheduler's word). SIGTERM, come before or during that wait, ends the
         wait and the process with last words: when every rank is told to stop, the peers are leaving and the
-        scheduler too, so no word would come (the wait would outlast the agent's grace and end in SIGKILL)."""
-        if self.rt.mode != MODE_TOOLKIT or not looks_collective(error):
+        scheduler too, so no word would come (the wait would outlast the agent's grace and end in SIGKILL). Under
+        torchrun or alone a collective that failed (a step's, or the Trainer's own: agreement, replica check, final
+        barrier) means a peer is gone, and no one re-forms the group: the process ends for the launcher's restart."""
+        if not looks_collective(error):
             return self.rt.changed_by(error)
+        if self.rt.mode != MODE_TOOLKIT:
+            end_for_restart(self.manager, self.rt.rank, f"rank {self.rt.rank}: a collective failed, a peer is gone "
+                            f"({first_line(error)}); this launcher cannot re-form the group in place: exiting for a "
+                            "restart")
         try:
             with self._stopping.interruptible():
                 return self.rt.changed_by(error)

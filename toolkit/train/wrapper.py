@@ -338,7 +338,9 @@ def flush_open_files() -> None:
     files. Costs one walk of the garbage collector's objects (0.14 s with torch loaded)."""
     import _io
 
-    files = [o for o in gc.get_objects() if isinstance(o, _io._IOBase)]
+    # type(), not isinstance: isinstance reads __class__, which some objects answer with a warning (torch's
+    # deprecated reduce_op) or an error
+    files = [o for o in gc.get_objects() if issubclass(type(o), _io._IOBase)]
     files += [sys.stdout, sys.stderr]
     for _ in range(FLUSH_PASSES):
         for f in files:
