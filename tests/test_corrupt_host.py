@@ -14,7 +14,7 @@ from test_elastic_membership import agent, formed_by_peer, job, register
 from test_membership import logged, sent, spare_job
 
 from toolkit.contracts import protocol as P
-from toolkit.scheduler.elastic import read_corrupt
+from toolkit.scheduler.corrupthosts import read_corrupt
 from toolkit.scheduler.membership import Exit, Log, Membership, Note
 
 
@@ -102,7 +102,7 @@ def test_a_fenced_hosts_agent_that_never_got_its_stop_is_stopped_when_it_comes_b
     assert m.snapshot()["quarantined"] == {"hostB": True}
     restored = job(min_workers=4)
     restored.restore(m.snapshot(), 6.0)  # what a restarted scheduler reads back keeps it out
-    assert restored.quarantined == {"hostB": True} and restored.benched == [2, 3]
+    assert restored.corrupt.quarantined == {"hostB": True} and restored.benched == [2, 3]
     first = agent(m, 30, "hostB", (2, 3), 8.0)  # the fenced agent itself reconnects: told to stop
     assert [(s.peer, s.close) for s in sent(first, P.STOP)] == [(30, True)] and "refused the agent" in logged(first)
     second = agent(m, 31, "hostB", (2, 3), 50.0)  # one started again after it stopped: the operator's
@@ -136,15 +136,28 @@ def test_a_host_named_again_after_its_rank_was_relaunched_is_fenced_and_the_coun
     assert not sent(report(m, 2, "hostB", action="healed"))  # found once: healed in place
     assert not sent(report(m, 0, "nowhere", action="healed"))  # a host the roster does not know is not counted
     assert not sent(report(m, 0, "hostA", action="rolled back"))  # no majority: no one named
-    assert m.corrupt == {"hostB/2": 1} and m.snapshot()["corrupt"] == {"hostB/2": 1}
+    assert m.corrupt.counts == {"hostB/2": 1} and m.snapshot()["corrupt"] == {"hostB/2": 1}
     restarted = Membership("job", 4, 30.0, 60.0, "boot2", "10.0.0.1:8118", {}, 6.0)
     restarted.restore(m.snapshot(), 6.0)  # a scheduler started again reads the count back
-    assert restarted.corrupt == {"hostB/2": 1}
+    assert restarted.corrupt.counts == {"hostB/2": 1}
     assert not sent(report(m, 3, "hostB", action="healed"))  # another rank of the host, found once: healed too
     out = report(m, 2, "hostB", action="healed")  # rank 2's process, relaunched, counts this as its first finding
     assert [(t.peer, t.fields["host"]) for t in sent(out, P.TAKEOVER)] == [(3, "hostB")]
     assert ("host hostB replaced by spare s1: fenced: found corrupt 2 times by the replica check (rank 2 on hostB; "
             "the last time in steps 13-16)") in logged(out)
-    assert not m.corrupt  # replaced for good: nothing left to count
+    assert not m.corrupt.counts  # replaced for good: nothing left to count
     with pytest.raises(ValueError, match="corrupt: not a map"):
         read_corrupt({"hostB": 0})
+
+
+def test_a_malformed_report_is_logged_and_changes_nothing() -> None:
+    """A report that does not parse (messages.Corruption) or names ranks the job does not have: one line, no count,
+    no fencing; the worker is still heard (any message is a sign of life)."""
+    m = spare_job()
+    for bad in ({"action": "fenced twice"}, {"ranks": [7]}):
+        out = m.message(10, {"op": P.CORRUPTION, "generation": 0, "step": 16, "since": 12, "ranks": [2],
+                             "hosts": ["hostB"], "action": P.CORRUPT_FENCED, **bad}, 9.0)
+        assert not sent(out) and not [a for a in out if isinstance(a, Note)], bad
+        assert "worker_0 sent a malformed 'corruption'" in logged(out), logged(out)
+        assert m.roster.members[0].last_seen == 9.0
+    assert not m.corrupt.counts and m.roster.replaced_by("hostB") is None

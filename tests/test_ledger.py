@@ -358,7 +358,16 @@ def test_the_records_writes_stay_bounded_at_thousands_of_ranks(tmp_path: Path) -
 def test_a_corruption_report_is_an_incident_and_a_malformed_one_is_ignored() -> None:
     """The replica check's report (protocol `corruption`, toolkit.train.replicas): checked as a peer's input, then an
     incident dealt with at once whose redone steps count as recomputed; it survives a scheduler restart."""
-    from toolkit.contracts.protocol import corruption_fields
+    from toolkit.contracts import messages as wire
+    from toolkit.contracts.protocol import ProtocolError
+
+    def corruption_fields(msg: dict, world: int) -> dict | None:
+        """The report as the scheduler notes it for the ledger, None when it is refused (membership.corrupted)."""
+        try:
+            report = wire.Corruption.from_msg(msg)
+        except ProtocolError:
+            return None
+        return report.encode() if report.within(world) else None
 
     good = {"generation": 0, "step": 16, "since": 12, "ranks": [2], "hosts": ["h2\nEVIL"], "action": "healed"}
     assert corruption_fields(good, 4) == {**good, "hosts": ["h2"]}  # one line of a host name

@@ -8,7 +8,7 @@ import warnings
 
 import pytest
 
-from toolkit.contracts import protocol as P
+from toolkit.contracts import messages as wire
 from toolkit.contracts.agentdoc import AgentDoc
 from toolkit.launcher.jobhosts.tables import live_lines
 from toolkit.launcher.remote import HostResult
@@ -78,10 +78,10 @@ def test_a_loss_with_its_graph_is_read_without_a_warning() -> None:
 
 
 def test_hostile_pace_fields_are_dropped() -> None:
-    got = P.pace_fields({"step_time": float("inf"), "busy": -1, "loss": "x", "ckpts": 2.5, "ckpt_every": 7,
-                         "ckpt_stall": 0.1, "ckpt_why": "y" * 10_000, "ckpt_step": -3})
-    assert set(got) == {"ckpt_every", "ckpt_stall", "ckpt_why"} and len(got["ckpt_why"]) <= P.MAX_WHY
-    assert P.pace_fields({"ckpt_step": 40, "stride": 10}) == {"ckpt_step": 40, "stride": 10}
+    got = wire.Heartbeat.from_msg({"step_time": float("inf"), "busy": -1, "loss": "x", "ckpts": 2.5, "ckpt_every": 7,
+                                   "ckpt_stall": 0.1, "ckpt_why": "y" * 10_000, "ckpt_step": -3}).pace()
+    assert set(got) == {"ckpt_every", "ckpt_stall", "ckpt_why"} and len(got["ckpt_why"]) <= wire.MAX_WHY
+    assert wire.Heartbeat.from_msg({"ckpt_step": 40, "stride": 10}).pace() == {"ckpt_step": 40, "stride": 10}
 
 
 # -- stragglers

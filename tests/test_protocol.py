@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from toolkit.contracts import messages as wire
 from toolkit.contracts import protocol as P
 
 fields = st.dictionaries(
@@ -129,13 +130,13 @@ def test_an_integer_past_a_floats_range_is_a_number_out_of_range_not_a_crash() -
     # which in the scheduler's loop would have ended the scheduler on one worker's heartbeat.
     huge = P.decode(b'{"op":"heartbeat","step":1,"loss":1' + b"0" * 400 + b',"busy":-1' + b"0" * 400
                     + b',"step_time":0.5,"seconds":1' + b"0" * 400 + b"}")
-    assert P.pace_fields(huge) == {"step_time": 0.5}
+    assert wire.Heartbeat.from_msg(huge).pace() == {"step_time": 0.5}
     assert P.seconds_field(huge, "seconds") is None and P.seconds_field(huge, "step_time") == 0.5
     assert P.finite_number(huge["loss"]) and not P.finite_number(float("nan")) and not P.finite_number(True)
 
 
 def test_the_heartbeat_says_checkpoints_skipped_for_a_full_disk_and_why_bounded() -> None:
-    got = P.pace_fields({"ckpt_skipped": 3, "ckpt_full": "x" * 1000})
-    assert got == {"ckpt_skipped": 3, "ckpt_full": "x" * P.MAX_WHY}
-    assert P.pace_fields({"ckpt_skipped": -1, "ckpt_full": 5}) == {}
-    assert P.pace_fields({"ckpt_skipped": True}) == {}
+    got = wire.Heartbeat.from_msg({"ckpt_skipped": 3, "ckpt_full": "x" * 1000}).pace()
+    assert got == {"ckpt_skipped": 3, "ckpt_full": "x" * wire.MAX_WHY}
+    assert wire.Heartbeat.from_msg({"ckpt_skipped": -1, "ckpt_full": 5}).pace() == {}
+    assert wire.Heartbeat.from_msg({"ckpt_skipped": True}).pace() == {}

@@ -26,12 +26,17 @@ from toolkit.train.runtime import Runtime, WorkerEnv
 BEAT = 1.0
 
 
+def hb(fields: dict[str, Any]) -> wire.Heartbeat:
+    """A worker's heartbeat of these wire fields, as the membership hands it to the watchdog (read as a peer's)."""
+    return wire.Heartbeat.from_msg({"op": P.HEARTBEAT, **fields})
+
+
 def beat(w: Watchdog, now: float, steps: dict[int, int | None], waiting: set[int],
          extra: dict[int, dict[str, Any]] | None = None) -> None:
     """A heartbeat of each rank in `steps` at `now` (ranks in `waiting` say they wait in a collective; `extra`: more
     fields by rank)."""
     for rank, step in steps.items():
-        w.heard(rank, f"worker_{rank}", step, {"waiting": rank in waiting, **(extra or {}).get(rank, {})}, now)
+        w.heard(rank, f"worker_{rank}", step, hb({"waiting": rank in waiting, **(extra or {}).get(rank, {})}), now)
 
 
 def train(w: Watchdog, until: float, p99: float = 0.05) -> int:
@@ -95,7 +100,7 @@ def test_what_must_not_trip_it(case: str) -> None:
             beat(w, float(t), {0: step + 1, 1: step}, {0})  # rank 0 made its first step, rank 1 not yet
     elif case == "alone":
         for t in range(40):
-            w.heard(0, "worker_0", t // 20, {"waiting": False}, float(t))
+            w.heard(0, "worker_0", t // 20, hb({"waiting": False}), float(t))
     else:
         step = train(w, 10)
         for t in range(11, 41):
@@ -124,10 +129,10 @@ def test_a_new_generation_waits_for_every_rank_to_step_and_forgets_the_dead() ->
 
 def test_hostile_fields_read_as_absent() -> None:
     w = Watchdog(BEAT)
-    w.heard(0, "worker_0", 1, {"waiting": "yes", "long": 7, "step_p99": float("nan")}, 0.0)
+    w.heard(0, "worker_0", 1, hb({"waiting": "yes", "long": 7, "step_p99": float("nan")}), 0.0)
     r = w.ranks[0]
     assert (r.waiting, r.long, r.p99) == (False, None, None)
-    w.heard(0, "worker_0", 1, {"waiting": True, "long": "x" * 1000, "step_p99": 1e9}, 1.0)
+    w.heard(0, "worker_0", 1, hb({"waiting": True, "long": "x" * 1000, "step_p99": 1e9}), 1.0)
     assert w.ranks[0].waiting and len(w.ranks[0].long or "") == P.MAX_LONG and w.ranks[0].p99 is None
 
 
@@ -137,7 +142,7 @@ def test_hostile_fields_read_as_absent() -> None:
 def counted(w: Watchdog, now: float, counts: dict[int, int], waiting: set[int]) -> None:
     """A heartbeat at `now` of each rank in `counts`, which reports no step: its default group's collective count."""
     for rank, count in counts.items():
-        w.heard(rank, f"worker_{rank}", None, {"waiting": rank in waiting, "collectives": count}, now)
+        w.heard(rank, f"worker_{rank}", None, hb({"waiting": rank in waiting, "collectives": count}), now)
 
 
 def test_a_script_without_steps_is_judged_by_its_collectives_and_the_rank_behind_is_named() -> None:
@@ -191,7 +196,7 @@ def test_the_bound_follows_the_observed_intervals_between_collectives() -> None:
 def test_hostile_collective_counts_read_as_absent() -> None:
     w = Watchdog(BEAT)
     for bad in ("7", 7.0, -1, 1 << 70, True, None):
-        w.heard(0, "worker_0", None, {"collectives": bad}, 0.0)
+        w.heard(0, "worker_0", None, hb({"collectives": bad}), 0.0)
         assert w.ranks[0].collectives is None and w.ranks[0].moves == 0, bad
 
 

@@ -40,11 +40,11 @@ class SchedulerLink:
     def __init__(self, spec: HostSpec, sel: selectors.BaseSelector, timers: Timers, log: AgentLog,
                  on_message: Callable[[wire.Message], None], on_change: Callable[[], None],
                  hello: Callable[[], wire.AgentHello] | None = None,
-                 beat_fields: Callable[[], dict[str, Any]] | None = None) -> None:
+                 heartbeat: Callable[[], wire.Heartbeat] | None = None) -> None:
         self.spec, self.sel, self.timers, self.log = spec, sel, timers, log
         # what the hello says: the host and the node ids it supervises now (a spare's grow when it takes over)
         self.hello = hello or (lambda: wire.AgentHello(spec.host, tuple(p.node_id for p in spec.processes)))
-        self.beat_fields = beat_fields or dict  # what each heartbeat says: the children it vouches for
+        self.heartbeat = heartbeat or wire.Heartbeat  # what each heartbeat says: the children it vouches for
         self.on_message, self.on_change = on_message, on_change
         self.sock: socket.socket | None = None
         self.state: LinkState = LinkState.DOWN
@@ -244,12 +244,12 @@ class SchedulerLink:
 
     def _beat(self) -> None:
         """Send a heartbeat now and every `beat_interval` while the link is up (never queued while it is down),
-        with `beat_fields()`: the children running and not stopped, which the scheduler counts as alive even when
+        saying `heartbeat()`: the children running and not stopped, which the scheduler counts as alive even when
         their own heartbeats stop."""
         self.beat_timer = None
         if self.closed or self.state is not LinkState.UP or self.sock is None:
             return
-        self.wbuf += protocol.encode(protocol.HEARTBEAT, **self.beat_fields())
+        self.wbuf += self.heartbeat().line()
         self._pump()
         if not self.closed and self.state is LinkState.UP:
             self.beat_timer = self.timers.after(self.beat_interval, self._beat)

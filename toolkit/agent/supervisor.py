@@ -104,7 +104,7 @@ class Agent:
         self.warm = self.processes.warm
         slots = self.processes.slots
         self.link = SchedulerLink(spec, self.sel, self.timers, log, self._on_scheduler, self._changed,
-                                  self._hello, lambda: {"running": running(slots.values())})
+                                  self._hello, lambda: wire.Heartbeat(running=running(slots.values())))
         self._stop_after: Timer | None = None
         self._wake_r: socket.socket | None = None
         self.control = ControlServer(spec.control_socket, self.sel, self.timers, self._control_request)

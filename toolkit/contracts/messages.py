@@ -7,11 +7,10 @@ A sender builds a message and sends `msg.line()` (or, in the scheduler, returns 
 what protocol.LineBuffer gave it into one with `decode` (the one dispatch by op), which raises protocol.ProtocolError
 with one line saying what is wrong, and then switches on the type.
 
-Typed so far: what the scheduler sends (challenge, welcome, reject, fenced, stop, finished, kill, takeover,
+Every op is typed: what the scheduler sends (challenge, welcome, reject, fenced, stop, finished, kill, takeover,
 generation, formed), the hellos (register, agent_hello, store_hello, replace), and the workers' and agents' reports
-(commit, done, recovered, exited, gave_up). Two are still read as dicts with protocol's field readers: `heartbeat`
-(one op for workers and agents, its pace figures an open set the trainer extends: protocol.pace_fields) and
-`corruption` (protocol.corruption_fields).
+(heartbeat, commit, done, recovered, corruption, exited, gave_up). Only the store's `kv` requests and replies are
+not (toolkit.scheduler.kvstore reads them).
 """
 
 from __future__ import annotations
@@ -19,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar, Mapping
 
-from toolkit.contracts import protocol
+from toolkit.contracts import logical, protocol
 from toolkit.contracts.protocol import ProtocolError, whole
 
 MAX_REASON = 2000  # characters of a reason (stop, fenced, reject) kept from a message read
@@ -372,7 +371,98 @@ class Replace(Message):
         return cls(_text(msg, "host", MAX_NAME), spare)
 
 
-# --- what a connected worker or agent reports (heartbeat and corruption: still dicts, module docstring)
+# --- what a connected worker or agent reports
+
+
+MAX_PACE_SECONDS = 1e7  # s: a step time, busy time or total stall past this is nonsense from a peer
+MAX_LOSS = 1e30
+MAX_WHY = 400  # characters of a heartbeat's ckpt_why or ckpt_full
+MAX_COUNT = 1 << 40  # a heartbeat's count (steps, checkpoints, bytes) past this reads as absent
+MAX_COLLECTIVES = 1 << 62  # a heartbeat's `collectives` past this reads as absent
+_NUMBER = (int, float)  # the exact types of a JSON number (a bool is neither)
+
+
+def _pace_seconds(value: Any) -> float | None:
+    """A heartbeat's duration: a JSON number from 0 to MAX_PACE_SECONDS as a float, else None. A range check rejects
+    NaN, the infinities and an integer past a float's range (10**400: float() of it would raise)."""
+    return float(value) if type(value) in _NUMBER and 0 <= value <= MAX_PACE_SECONDS else None
+
+
+def _count(value: Any) -> int | None:
+    """A heartbeat's count: a whole number from 0 below MAX_COUNT (never a bool), else None."""
+    return value if type(value) is int and 0 <= value < MAX_COUNT else None
+
+
+@dataclass(frozen=True)
+class Heartbeat(Message):
+    """A worker's or an agent's sign of life, every TOOLKIT_HEARTBEAT_INTERVAL (an agent's: its welcome's `beat`);
+    the fields are protocol's docstring's. A worker's says its `step` (sent as null before its first) and its pace
+    figures (toolkit.train.pace, the Trainer's checkpoint schedule and `capacity`: the logical ranks its memory
+    holds), for the progress watchdog whether its training thread is `waiting` in a collective, the `long` phase it
+    is in and the `collectives` it entered; an agent's says only `running` {node_id: pid}: its children running and
+    not stopped, which the scheduler counts as alive when their own heartbeats stop.
+
+    Read for every heartbeat (thousands a second at thousands of ranks), so written for speed, and never refused: a
+    field of the wrong type or out of range reads as absent (None): numbers finite and in range, counts whole and
+    non-negative, texts cut short, `running` cut to MAX_NODE_IDS entries and keeping only node ids (strings of at
+    most MAX_NAME characters) with whole pids."""
+
+    OP: ClassVar[str] = protocol.HEARTBEAT
+    PACE: ClassVar[tuple[str, ...]] = (  # the pace figures: a NoteKind.PACE for the ledger, the stragglers
+        "total", "step_time", "busy", "loss", "ckpt_stall", "ckpts", "ckpt_bytes", "ckpt_every", "ckpt_why",
+        "ckpt_step", "stride", "first_step", "step_p99", "ckpt_skipped", "ckpt_full")
+    step: int | None = None
+    total: int | None = None
+    step_time: float | None = None
+    busy: float | None = None
+    loss: float | None = None
+    ckpt_stall: float | None = None
+    ckpts: int | None = None
+    ckpt_bytes: int | None = None
+    ckpt_every: int | None = None
+    ckpt_why: str | None = None
+    ckpt_step: int | None = None
+    stride: int | None = None
+    first_step: int | None = None
+    step_p99: float | None = None
+    waiting: bool | None = None
+    long: str | None = None
+    ckpt_skipped: int | None = None
+    ckpt_full: str | None = None
+    collectives: int | None = None
+    capacity: int | None = None
+    running: Mapping[str, int] | None = None
+
+    def encode(self) -> dict[str, Any]:
+        out = super().encode()
+        if self.running is None and self.step is None:
+            out = {"step": None, **out}  # a worker's says it has no step yet
+        return out
+
+    @classmethod
+    def from_msg(cls, msg: Mapping[str, Any]) -> Heartbeat:
+        get = msg.get
+        loss, why, full = get("loss"), get("ckpt_why"), get("ckpt_full")
+        waiting, long, count = get("waiting"), get("long"), get("collectives")
+        capacity, running = get("capacity"), get("running")
+        return cls(
+            whole(msg, "step"), _count(get("total")), _pace_seconds(get("step_time")), _pace_seconds(get("busy")),
+            float(loss) if type(loss) in _NUMBER and -MAX_LOSS <= loss <= MAX_LOSS else None,
+            _pace_seconds(get("ckpt_stall")), _count(get("ckpts")), _count(get("ckpt_bytes")),
+            _count(get("ckpt_every")), why[:MAX_WHY] if isinstance(why, str) else None, _count(get("ckpt_step")),
+            _count(get("stride")), _count(get("first_step")), _pace_seconds(get("step_p99")),
+            waiting if type(waiting) is bool else None,
+            long[:protocol.MAX_LONG] if isinstance(long, str) and long else None,
+            _count(get("ckpt_skipped")), full[:MAX_WHY] if isinstance(full, str) else None,
+            count if type(count) is int and 0 <= count < MAX_COLLECTIVES else None,
+            capacity if type(capacity) is int and 1 <= capacity <= logical.MAX_LOGICAL_RANKS else None,
+            None if not isinstance(running, dict) else {
+                n: pid for n, pid in list(running.items())[:MAX_NODE_IDS]
+                if isinstance(n, str) and len(n) <= MAX_NAME and protocol.is_int(pid)})
+
+    def pace(self) -> dict[str, Any]:
+        """The pace figures it carries (PACE, those not None), as the ledger and the stragglers keep them."""
+        return {name: value for name in self.PACE if (value := getattr(self, name)) is not None}
 
 
 @dataclass(frozen=True)
@@ -448,6 +538,46 @@ class Exited(Message):
                    protocol.cause_field(msg))
 
 
+@dataclass(frozen=True)
+class Corruption(Message):
+    """A worker's (one rank reports it): the replica check found `ranks` (on `hosts`, as the worker places them)
+    corrupt at `step` of `generation`, the last good check at `since` (None: none), and did `action` (one of
+    protocol.CORRUPTION_ACTIONS: healed, rolled back, fenced: found corrupt twice, their hosts go; stopped). Read:
+    ProtocolError unless step and since are whole and in order, ranks and hosts as many (1 to MAX_WORLD) of whole
+    ranks and strings, and the action known; a generation that is not a whole number reads as None; each host as one
+    line of at most MAX_NAME characters. Whether the ranks are the job's is the receiver's to judge (`within`)."""
+
+    OP: ClassVar[str] = protocol.CORRUPTION
+    SENT_NULL: ClassVar[tuple[str, ...]] = ("generation", "since")
+    generation: int | None
+    step: int
+    since: int | None
+    ranks: tuple[int, ...]
+    hosts: tuple[str, ...]
+    action: str
+
+    @classmethod
+    def from_msg(cls, msg: Mapping[str, Any]) -> Corruption:
+        step, since = whole(msg, "step"), whole(msg, "since")
+        ranks, hosts, action = msg.get("ranks"), msg.get("hosts"), msg.get("action")
+        if step is None or step < 0 or since is not None and not 0 <= since <= step:
+            raise ProtocolError("corruption report with a malformed step or since: expected 0 <= since <= step")
+        if action not in protocol.CORRUPTION_ACTIONS:
+            raise ProtocolError(f"corruption report with an unknown action: expected one of "
+                                f"{', '.join(protocol.CORRUPTION_ACTIONS)}")
+        if not (isinstance(ranks, list) and isinstance(hosts, list) and 0 < len(ranks) == len(hosts) <= MAX_WORLD
+                and all(type(r) is int and 0 <= r < MAX_WORLD for r in ranks)
+                and all(isinstance(h, str) for h in hosts)):
+            raise ProtocolError("corruption report with malformed ranks or hosts: expected as many ranks as host "
+                                "names, at least one")
+        return cls(whole(msg, "generation"), step, since, tuple(ranks),
+                   tuple(protocol.one_line(h)[:MAX_NAME] for h in hosts), action)
+
+    def within(self, world_size: int) -> bool:
+        """Whether its ranks are ranks of a job of `world_size` (and no more of them than the job has)."""
+        return len(self.ranks) <= world_size and max(self.ranks) < world_size
+
+
 MAX_LOG_TAIL = 16 << 10  # characters of a gave_up's log tail read (its end: the last lines count)
 
 
@@ -479,7 +609,7 @@ class GaveUp(Message):
 # the one dispatch by op; an op of another direction or version reads as Unknown
 BY_OP: dict[str, type[Message]] = {cls.OP: cls for cls in (
     Challenge, Welcome, Reject, Fenced, Stop, Finished, Kill, TakeOver, Generation, Formed,
-    Register, AgentHello, StoreHello, Replace, Commit, Done, Recovered, Exited, GaveUp)}
+    Register, AgentHello, StoreHello, Replace, Heartbeat, Commit, Done, Recovered, Corruption, Exited, GaveUp)}
 
 
 @dataclass(frozen=True)
@@ -503,7 +633,6 @@ def decode(msg: Mapping[str, Any]) -> Message:
     is malformed; Unknown for an op not typed here."""
     cls = BY_OP.get(msg["op"])
     return Unknown.from_msg(msg) if cls is None else cls.from_msg(msg)
-
 
 
 def refusal(answer: Message) -> tuple[str, bool]:

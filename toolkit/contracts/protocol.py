@@ -1,12 +1,11 @@
 """The scheduler's wire contract, shared by the scheduler, the worker runtime, the agent and the store client.
 
 Both sides import the names from here so they cannot drift apart; each op's fields and their validation are one
-frozen dataclass of toolkit.contracts.messages (all but heartbeat and corruption, read here with pace_fields and
-corruption_fields). Framing: one JSON object per line, UTF-8, over
-TCP to MS_SCHED_HOST:MS_SCHED_PORT (the control server) or MASTER_PORT (the job's store). Every message has an
-"op". Every peer treats what it reads as hostile: a line is bounded (`LineBuffer`), and `decode` turns anything
-that is not a message (bad UTF-8, bad JSON, numbers past Python's digit limit, nesting past the recursion limit,
-a JSON value that is not an object with an "op") into one ProtocolError.
+frozen dataclass of toolkit.contracts.messages. Framing: one JSON object per line, UTF-8, over TCP to
+MS_SCHED_HOST:MS_SCHED_PORT (the control server) or MASTER_PORT (the job's store). Every message has an "op". Every
+peer treats what it reads as hostile: a line is bounded (`LineBuffer`), and `decode` turns anything that is not a
+message (bad UTF-8, bad JSON, numbers past Python's digit limit, nesting past the recursion limit, a JSON value that
+is not an object with an "op") into one ProtocolError.
 
 Authentication (both ports): the job token never crosses the network. On connect the server sends
 `challenge {nonce}`; the client's first message carries its own `nonce` and `proof` = HMAC-SHA256(token, "client",
@@ -44,7 +43,7 @@ Worker conversation (one connection per worker process, kept for its whole life;
                          ckpt_step, stride, first_step, step_p99, waiting, long, ckpt_skipped, ckpt_full,
                          collectives}
                                             every TOOLKIT_HEARTBEAT_INTERVAL; any message counts as one; all but
-                                            step optional (toolkit.train.pace, `pace_fields`; ckpt_step, stride,
+                                            step optional (toolkit.train.pace, messages.Heartbeat; ckpt_step, stride,
                                             first_step: the newest checkpoint a torchrun-style script reported, the
                                             steps between its reports, the first step this process reported:
                                             toolkit.train.scriptreport; step_p99, waiting, long: for the progress
@@ -62,7 +61,7 @@ Worker conversation (one connection per worker process, kept for its whole life;
     worker -> corruption {generation, step, since, ranks, hosts, action}
                                             the replica check found `ranks` (on `hosts`) corrupt at `step`, the
                                             last good check at `since`; action: healed, rolled back, fenced or
-                                            stopped (toolkit.train.replicas; `corruption_fields`). `fenced`:
+                                            stopped (toolkit.train.replicas; messages.Corruption). `fenced`:
                                             found corrupt twice, their hosts go to spares or the job stops
     worker -> done {}                       clean finish; the EOF that follows is not a death
     sched  -> stop {reason}                 the job failed; stop training
@@ -379,41 +378,6 @@ def beat_interval(msg: Mapping[str, Any], default: float) -> float:
     return float(value) if finite_number(value) and MIN_BEAT <= value <= MAX_BEAT else default
 
 
-MAX_PACE_SECONDS = 1e7  # s: a step time, busy time or total stall past this is nonsense from a peer
-MAX_LOSS = 1e30
-MAX_WHY = 400  # characters of a heartbeat's ckpt_why or ckpt_full
-_NUMBER = (int, float)  # the exact types of a JSON number (a bool is neither)
-_PACE_SECONDS = ("step_time", "busy", "ckpt_stall", "step_p99")
-_PACE_COUNTS = ("ckpts", "ckpt_bytes", "total", "ckpt_every", "ckpt_step", "stride", "first_step", "ckpt_skipped")
-_PACE_TEXTS = ("ckpt_why", "ckpt_full")  # strings of at most MAX_WHY characters
-
-
-def pace_fields(msg: Mapping[str, Any]) -> dict[str, Any]:
-    """The valid pace fields of a heartbeat (toolkit.train.pace): numbers finite and in range, counts whole and
-    non-negative, `ckpt_why` and `ckpt_full` short strings; anything else is dropped (a peer's figures are hostile
-    input too).
-
-    Read for every heartbeat (thousands a second at thousands of ranks), so written for speed: a JSON number is an
-    int or a float (a bool is neither type), and a range check rejects NaN and the infinities."""
-    out: dict[str, Any] = {}
-    for name in _PACE_SECONDS:
-        v = msg.get(name)
-        if type(v) in _NUMBER and 0 <= v <= MAX_PACE_SECONDS:
-            out[name] = float(v)
-    loss = msg.get("loss")
-    if type(loss) in _NUMBER and -MAX_LOSS <= loss <= MAX_LOSS:
-        out["loss"] = float(loss)
-    for name in _PACE_COUNTS:
-        v = msg.get(name)
-        if type(v) is int and 0 <= v < 1 << 40:
-            out[name] = v
-    for name in _PACE_TEXTS:
-        text = msg.get(name)
-        if isinstance(text, str):
-            out[name] = text[:MAX_WHY]
-    return out
-
-
 # The progress watchdog (toolkit.scheduler.watchdog): a rank that has not entered the collective its peers wait in
 # is stuck once the job has made no step for stall_bound(p99) seconds, p99 being the job's observed 99th percentile
 # of the time between two steps. Part of the contract: a worker whose collective failed waits that long (and the
@@ -449,23 +413,6 @@ def cause_field(msg: Mapping[str, Any]) -> str | None:
 
 CORRUPT_FENCED = "fenced"  # a corruption report's action: the ranks were found corrupt twice (their hosts go)
 CORRUPTION_ACTIONS = ("healed", "rolled back", CORRUPT_FENCED, "stopped")
-MAX_HOST = 256  # characters of a host name in a peer's message
-
-
-def corruption_fields(msg: Mapping[str, Any], world_size: int) -> dict[str, Any] | None:
-    """A worker's `corruption` report checked: step and since (the last good check, or None) whole and in order,
-    ranks within the world each with its host (a bounded string), an action of CORRUPTION_ACTIONS; None if any is
-    not (a peer's message is hostile input)."""
-    step, since, generation = whole(msg, "step"), whole(msg, "since"), whole(msg, "generation")
-    ranks, hosts, action = msg.get("ranks"), msg.get("hosts"), msg.get("action")
-    if step is None or step < 0 or since is not None and not 0 <= since <= step or action not in CORRUPTION_ACTIONS:
-        return None
-    if not (isinstance(ranks, list) and isinstance(hosts, list) and 0 < len(ranks) == len(hosts) <= world_size):
-        return None
-    if not all(type(r) is int and 0 <= r < world_size for r in ranks) or not all(isinstance(h, str) for h in hosts):
-        return None
-    return {"generation": generation, "step": step, "since": since, "ranks": ranks,
-            "hosts": [one_line(h)[:MAX_HOST] for h in hosts], "action": action}
 
 
 def store_prefix(job: str, boot: str, generation: int) -> str:

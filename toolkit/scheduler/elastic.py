@@ -124,35 +124,6 @@ def read_benched(doc: object, world_size: int) -> list[int]:
     return sorted(set(doc))
 
 
-def read_quarantined(doc: object) -> dict[str, bool]:
-    """The persisted hosts fenced for corruption and benched ({host: whether its agent is still owed `stop`});
-    ValueError if malformed (the state file is hostile input)."""
-    if doc is None:
-        return {}
-    if not isinstance(doc, dict) or len(doc) > logical.MAX_LOGICAL_RANKS or not all(
-            isinstance(h, str) and 0 < len(h) <= 256 and type(v) is bool for h, v in doc.items()):
-        raise ValueError("quarantined: not a map of host names to true or false")
-    return dict(doc)
-
-
-def read_corrupt(doc: object) -> dict[str, int]:
-    """The persisted count of the times the replica check named each rank of a host corrupt ({"host/rank": times},
-    each at least 1; Membership.corrupt); ValueError if malformed (the state file is hostile input)."""
-    if doc is None:
-        return {}
-    if not isinstance(doc, dict) or len(doc) > logical.MAX_LOGICAL_RANKS or not all(
-            isinstance(h, str) and 0 < len(h) <= 256 and type(v) is int and v >= 1 for h, v in doc.items()):
-        raise ValueError("corrupt: not a map of host/rank names to a count of findings")
-    return dict(doc)
-
-
-def read_capacity(msg: Mapping[str, object]) -> int | None:
-    """A heartbeat's `capacity`: the logical ranks the process can hold (an int from 1 to MAX_LOGICAL_RANKS), or
-    None when absent or malformed (a hostile value is ignored, not trusted)."""
-    value = msg.get("capacity")
-    return value if type(value) is int and 1 <= value <= logical.MAX_LOGICAL_RANKS else None
-
-
 def active(world_size: int, benched: Collection[int]) -> list[int]:
     """The slots in the next generation's world: every one not benched, ascending."""
     return [s for s in range(world_size) if s not in benched]

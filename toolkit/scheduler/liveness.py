@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any
+from typing import Mapping
 
-from toolkit.contracts import envvars, protocol
+from toolkit.contracts import envvars
 from toolkit.contracts import messages as wire
 from toolkit.scheduler.actions import CAUSE_CLOSED, Action, Log, Send
 from toolkit.scheduler.roster import Member, Roster, rank_of
@@ -23,17 +23,16 @@ from toolkit.scheduler.roster import Member, Roster, rank_of
 WARNING = logging.WARNING
 
 
-def vouch(roster: Roster, host: str | None, running: Any, now: float) -> None:
-    """An agent's heartbeat names its children running and not stopped (`running`: node_id -> pid). Each entry
-    counts for the member that is that very process (its registered pid) on that agent's host; anything else in
-    it is ignored (at most 4096 entries are read)."""
-    if host is None or not isinstance(running, dict):
+def vouch(roster: Roster, host: str | None, running: Mapping[str, int] | None, now: float) -> None:
+    """An agent's heartbeat names its children running and not stopped (`running`: node_id -> pid, as
+    messages.Heartbeat read it). Each entry counts for the member that is that very process (its registered pid) on
+    that agent's host; anything else in it is ignored."""
+    if host is None or running is None:
         return
-    for node_id, pid in list(running.items())[:4096]:
-        rank = rank_of(node_id) if isinstance(node_id, str) else None
+    for node_id, pid in running.items():
+        rank = rank_of(node_id)
         member = roster.members.get(rank) if rank is not None else None
-        if (member is not None and member.node_id == node_id and protocol.is_int(pid)
-                and pid == member.pid and roster.host_of(node_id) == host):
+        if member is not None and member.node_id == node_id and pid == member.pid and roster.host_of(node_id) == host:
             member.vouched_at = now
 
 

@@ -27,10 +27,11 @@ The rules, in one place:
   (toolkit.scheduler.elastic: --min-workers, the survivors' memory), its ranks benched and the next generation
   formed without them, the survivors serving their logical ranks; otherwise it waits, as before, said in one line.
   A benched rank's worker registering again (its host back) takes it into the next generation (grow).
-- A host the replica check found corrupt twice is fenced at once (counted here and persisted, `count_corrupt`: a
-  relaunched rank's own count starts from zero): a free spare takes its ranks; with none, an
-  elastic job shrinks without it as for a lost host (its live workers told to exit, its agent to stop), else fails.
-  A host so benched is quarantined: it rejoins only once the operator starts its agent again (`shrink_fenced`).
+- A host the replica check found corrupt twice is fenced at once (counted and persisted by
+  toolkit.scheduler.corrupthosts: a relaunched rank's own count starts from zero): a free spare takes its ranks;
+  with none, an elastic job shrinks without it as for a lost host (its live workers told to exit, its agent to
+  stop), else fails. A host so benched is quarantined: it rejoins only once the operator starts its agent again
+  (`shrink_fenced`).
 - When every rank is done the job has finished; when an agent gives up on a process, it has failed. A death after
   some rank is done forms no generation (the finished ranks are gone): an in-place member has finished too (a
   rank is done only after the final barrier), any other fails the job at once.
@@ -45,7 +46,7 @@ from typing import Any, Mapping, Sequence
 
 from toolkit.contracts import envvars, protocol
 from toolkit.contracts import messages as wire
-from toolkit.scheduler import elastic
+from toolkit.scheduler import corrupthosts, elastic
 from toolkit.scheduler.actions import (  # also re-exported
     CAUSE_CLOSED,
     CAUSE_FENCED,
@@ -62,6 +63,7 @@ from toolkit.scheduler.actions import (  # also re-exported
     NoteKind,
     Send,
 )
+from toolkit.scheduler.corrupthosts import CorruptHosts, Fence
 from toolkit.scheduler.liveness import alive_though_silent, expiry, kill_unreported, vouch, vouched
 from toolkit.scheduler.roster import Fact, Member, Peer, PeerRole, Roster, rank_of  # also re-exported
 from toolkit.scheduler.sparehosts import Lost, LostCheck, Refusal, choose_spare, fenced_host_spare, find_lost
@@ -71,8 +73,6 @@ from toolkit.scheduler.watchdog import Watchdog
 EXIT_OK = 0
 EXIT_FAILED = 1  # a node gave up: the job failed
 EXIT_FORMATION = 3  # MS_TOPO_TIMEOUT passed before every worker registered
-NAMING_ACTIONS = ("healed", protocol.CORRUPT_FENCED)  # corruption reports that name corrupt ranks (the others:
-#                                                    every rank, rolled back or stopped)
 
 RUNNING, FINISHED, FAILED = JobStatus.RUNNING, JobStatus.FINISHED, JobStatus.FAILED
 INFO, WARNING, ERROR = logging.INFO, logging.WARNING, logging.ERROR
@@ -146,40 +146,6 @@ def refuse_register(peer: int, reg: Registration, roster: Roster, status: str, n
     return []
 
 
-def refuse_quarantined(m: Membership, peer: int, reg: Registration) -> list[Action]:
-    """The refusal (`fenced`: it must exit) of a worker of a host fenced for corruption and benched
-    (`shrink_fenced`), placed there or saying it runs there, or [] to go on."""
-    host = m.roster.host_of(reg.node_id)
-    if host not in m.quarantined and reg.host not in m.quarantined:
-        return []
-    where = host if host in m.quarantined else reg.host
-    return [Log(WARNING, f"fenced {reg.node_id} ({reg.where}): host {where} is fenced for corruption; told it to exit"),
-            Note(NoteKind.FENCED, {"node_id": reg.node_id, "pid": reg.pid, "host": reg.host}),
-            Send(peer, wire.Fenced(f"host {where} is fenced for corruption: its processes may not rejoin the job "
-                                   "until the operator starts it again"), close=True)]
-
-
-def quarantine_hello(m: Membership, peer: int, host: str, addr: str) -> tuple[bool, list[Action]]:
-    """The hello of the agent of `host` if the host is fenced for corruption and benched (`shrink_fenced`): the fenced
-    agent itself when it never got its `stop` (refused: True, `welcome` then `stop`), else an agent started again
-    after it stopped, which only the operator does (`fleet restart --host`): the quarantine ends (False, its log
-    line) and the hello goes on. (False, []) for any other host."""
-    if host not in m.quarantined:
-        return False, []
-    m.dirty = True
-    if m.quarantined[host]:
-        m.quarantined[host] = False
-        return True, [Log(WARNING, f"refused the agent of {host} ({addr}): the host is fenced for corruption; told it "
-                                   "to stop its processes"),
-                      Send(peer, wire.Welcome()),
-                      Send(peer, wire.Stop(f"host {host} is fenced for corruption in job {m.job}: it is out of the "
-                                           "job until the operator starts it again"), close=True)]
-    del m.quarantined[host]
-    forget_corrupt(m, host)  # the operator started it again: its findings start over
-    return False, [Log(WARNING, f"host {host}, fenced for corruption, is back: its agent was started again (fleet "
-                                "restart --host); its workers rejoin the job")]
-
-
 def host_of(roster: Roster, member: Member) -> str:
     """The host a member runs on as the operator names it (the plan's, or its agent's), else as the worker
     named itself (its hostname, which need not be the inventory's name)."""
@@ -195,6 +161,17 @@ def gave_up_reason(agent: Peer, msg: wire.GaveUp) -> str:
         f"; last log lines: {last}" if last else "")
 
 
+def heartbeat(m: Membership, member: Member, beat: wire.Heartbeat, now: float) -> list[Action]:
+    """A worker's heartbeat: its step (kept when it says none), the logical ranks its memory holds (`capacity`, for a
+    shrink), its progress for the watchdog, and its pace figures in a Note for the ledger and the stragglers."""
+    member.step = beat.step if beat.step is not None else member.step
+    if beat.capacity is not None:
+        m.capacity[member.rank] = beat.capacity
+    m.watchdog.heard(member.rank, member.node_id, member.step, beat, now)
+    return [Note(NoteKind.PACE, {"rank": member.rank, "node_id": member.node_id, "host": host_of(m.roster, member),
+                                 "pid": member.pid, "step": member.step, **beat.pace()})]
+
+
 def recovered(member: Member, msg: wire.Recovered) -> list[Action]:
     """A worker's `recovered` report: its log line (generation, step, where the state came from and how long it
     took; fields of the wrong type show as None or "?") and a Note for the ledger."""
@@ -207,87 +184,38 @@ def recovered(member: Member, msg: wire.Recovered) -> list[Action]:
                                       "seconds": msg.seconds})]
 
 
-def corrupted(m: Membership, member: Member, msg: Mapping[str, Any], now: float) -> list[Action]:
+def corrupted(m: Membership, member: Member, report: wire.Corruption, now: float) -> list[Action]:
     """A worker's `corruption` report (the replica check found a rank's state corrupt): its log line and a Note for
-    the ledger; a malformed one is logged and ignored. Ranks found corrupt twice (action `fenced`) lose their hosts
-    (`fence_corrupt`)."""
-    f = protocol.corruption_fields(msg, m.world_size)
-    if f is None:
-        return [Log(WARNING, f"{member.node_id} sent a malformed corruption report (ignored)")]
-    who = ", ".join(f"rank {r} on {h}" for r, h in zip(f["ranks"], f["hosts"], strict=True))
-    window = f"steps {f['since'] + 1}-{f['step']}" if f["since"] is not None else f"at or before step {f['step']}"
-    out: list[Action] = [Log(WARNING, f"corruption found at step {f['step']} (reported by {member.node_id}): {who}, "
-                                      f"started in {window}: {f['action']}"),
-                         Note(NoteKind.CORRUPTION, {**f, "node_id": member.node_id})]
-    again = count_corrupt(m, f)
-    if f["action"] == protocol.CORRUPT_FENCED:
-        out += fence_corrupt(m, f, f"found corrupt twice by the replica check ({who}; the second time in {window})",
-                             now)
-    elif again:  # named once more after a relaunch (the rank's own count started from zero): fenced all the same
-        pairs = [(r, h) for r, h in zip(f["ranks"], f["hosts"], strict=True) if h in again]
-        named = ", ".join(f"rank {r} on {h}" for r, h in pairs)
-        out += fence_corrupt(m, {**f, "ranks": [r for r, _ in pairs], "hosts": [h for _, h in pairs]},
-                             f"found corrupt {max(again.values())} times by the replica check ({named}; the last "
-                             f"time in {window})", now)
-    return out
+    the ledger, its ranks counted (corrupthosts.CorruptHosts.found); one naming ranks outside the job is logged and
+    ignored. Ranks found corrupt twice lose their hosts (`fence_corrupt`)."""
+    if not report.within(m.world_size):
+        return [Log(WARNING, f"{member.node_id} sent a malformed 'corruption' (ranks that are not among the job's "
+                             f"{m.world_size}; ignored)")]
+    finding = m.corrupt.found(report, member.node_id, m.roster)
+    m.dirty |= finding.counted
+    return finding.actions + (fence_corrupt(m, finding.fence, now) if finding.fence is not None else [])
 
 
-def count_corrupt(m: Membership, f: Mapping[str, Any]) -> dict[str, int]:
-    """Count, per rank of a host (key `host/rank`), a corruption report `f` naming it (`healed` or `fenced`:
-    `rolled back` and `stopped` name no one) in `m.corrupt`, which the state persists: a rank's own count lives in
-    its process and starts from zero when the rank is relaunched, this one survives relaunches of the ranks and of
-    the scheduler (issue 44: a rank found corrupt twice fences its host; two ranks of one host found once each are
-    each healed). Only hosts of the roster are counted (the report is hostile input). Returns the hosts with a rank
-    now found corrupt twice or more, with its count."""
-    if f["action"] not in NAMING_ACTIONS:
-        return {}
-    again: dict[str, int] = {}
-    for rank, host in dict.fromkeys(zip(f["ranks"], f["hosts"], strict=True)):
-        if host in m.roster.hosts:
-            key = f"{host}/{rank}"
-            m.corrupt[key] = m.corrupt.get(key, 0) + 1
-            m.dirty = True
-            if m.corrupt[key] >= 2:
-                again[host] = max(again.get(host, 0), m.corrupt[key])
-    return again
-
-
-def forget_corrupt(m: Membership, host: str) -> None:
-    """Drop the findings counted on `host`'s ranks (replaced by a spare, or started again by the operator)."""
-    for key in [k for k in m.corrupt if k.rpartition("/")[0] == host]:
-        del m.corrupt[key]
-
-
-def fence_corrupt(m: Membership, f: Mapping[str, Any], why: str, now: float) -> list[Action]:
-    """The hosts of the ranks in report `f` (checked) are not to be trusted with the job's state: each one's ranks go
-    to a free spare at once, as `fleet replace` does (its workers fenced, the others re-forming with the spare's,
-    which take the state from a peer). Where no spare can take them (spares.fenced_host_spare), the job shrinks
-    without the host if it may (`shrink_fenced`), else stops with one line naming the host, why, why it could not
-    shrink, and what to do. A report of an earlier generation is not acted on (its ranks may be held elsewhere by
-    now), nor one while the job is not running formed with every rank training, nor for a rank the report places on
-    another host than the scheduler does (it has moved since)."""
-    if f["generation"] != m.generation or not m.formed or m.status != RUNNING or m.roster.done:
-        return [Log(WARNING, f"not fencing after the corruption report of generation {f['generation']}: the job is "
-                             f"in generation {m.generation}, {m.status}{'' if m.formed else ', gathering'}"
-                             + (", some ranks finished" if m.roster.done else ""))]
-    hosts: dict[str, None] = {}  # in order, once each
-    for r, h in zip(f["ranks"], f["hosts"], strict=True):
-        placed = m.roster.host_of(protocol.worker_node_id(r))
-        if placed is not None and placed != h:
-            return [Log(WARNING, f"not fencing after the corruption report: it places rank {r} on {h}, the scheduler "
-                                 f"on {placed}")]
-        hosts[h] = None
+def fence_corrupt(m: Membership, fence: Fence, now: float) -> list[Action]:
+    """The hosts of the ranks in `fence.report` (corrupthosts.hosts_to_fence: none when the report is of another
+    generation, the job is not running formed with every rank training, or a rank has moved) are not to be trusted
+    with the job's state: each one's ranks go to a free spare at once, as `fleet replace` does (its workers fenced,
+    the others re-forming with the spare's, which take the state from a peer). Where no spare can take them
+    (spares.fenced_host_spare), the job shrinks without the host if it may (`shrink_fenced`), else stops with one
+    line naming the host, why, why it could not shrink, and what to do."""
+    hosts = corrupthosts.hosts_to_fence(fence.report, m.roster, m.corrupt.quarantined, m.generation, m.formed,
+                                        m.status)
+    if isinstance(hosts, Log):
+        return [hosts]
     out: list[Action] = []
     for host in hosts:
-        if m.roster.replaced_by(host) is not None or host in m.quarantined:
-            continue  # handed over, or benched, already
         spare = fenced_host_spare(m.roster, host)
         if isinstance(spare, Refusal):
-            out += shrink_fenced(m, host, f"{why}, and {spare.reason}", now)
+            out += shrink_fenced(m, host, f"{fence.why}, and {spare.reason}", now)
             if m.status != RUNNING:
                 return out
             continue
-        out += m._take_over(host, spare, f"fenced: {why}", now)
+        out += m._take_over(host, spare, f"fenced: {fence.why}", now)
     return out
 
 
@@ -313,7 +241,7 @@ def shrink_fenced(m: Membership, host: str, why: str, now: float) -> list[Action
         return m._fail(f"host {host} is fenced: {why}; not shrinking instead: {refusal}", EXIT_FAILED)
     m.benched = sorted(set(m.benched) | set(slots))
     agent = rec.agent
-    m.quarantined[host] = agent is None  # its stop is owed to the next hello of its agent
+    m.corrupt.quarantined[host] = agent is None  # its stop is owed to the next hello of its agent
     m.dirty = True
     out: list[Action] = [
         Log(WARNING, f"host {host} is fenced: {why}: shrinking to {len(survivors)} of {m.world_size} workers, "
@@ -363,9 +291,7 @@ class Membership:
         self.assignment: list[list[Any]] | None = None
         self.world: elastic.World | None = None
         self.capacity: dict[int, int] = {}
-        # hosts fenced for corruption and benched (`shrink_fenced`): host -> whether its agent is still owed `stop`
-        self.quarantined: dict[str, bool] = {}
-        self.corrupt: dict[str, int] = {}  # 'host/rank' -> times the replica check named it (`count_corrupt`)
+        self.corrupt = CorruptHosts()  # the replica check's findings, and the hosts fenced for them and benched
         self.node_timeout, self.topo_timeout = node_timeout, topo_timeout
         self.host_timeout = host_timeout  # <= 0: no automatic replacement (the operator's `replace` only)
         # the agents' heartbeat interval (their `welcome`), stretched as the workers' at thousands of ranks
@@ -422,8 +348,7 @@ class Membership:
             "commits": {str(r): s for r, s in sorted(self.roster.commits.items())}, "committed_step": committed,
             "replaced": self.roster.replacements(),  # then what an elastic job adds, only when it has it
             **({"benched": list(self.benched)} if self.benched else {}),
-            **({"quarantined": dict(self.quarantined)} if self.quarantined else {}),
-            **({"corrupt": dict(self.corrupt)} if self.corrupt else {}),
+            **self.corrupt.snapshot(),
             **({"assignment": self.assignment} if self.assignment is not None else {}),
         }
 
@@ -450,8 +375,7 @@ class Membership:
         self.roster.done = {int(r) for r in state.get("done", [])}
         self.roster.fenced = set(state.get("fenced", []))
         self.benched = elastic.read_benched(state.get("benched"), self.world_size)
-        self.quarantined = elastic.read_quarantined(state.get("quarantined"))
-        self.corrupt = elastic.read_corrupt(state.get("corrupt"))
+        self.corrupt.restore(state)
         self.assignment = state.get("assignment")
         if self.formed:
             self.world = elastic.plan_world(elastic.active(self.world_size, self.benched), self.logical_world,
@@ -500,7 +424,8 @@ class Membership:
         reg = validate_register(peer, addr, msg, self.world_size)
         if not isinstance(reg, Registration):
             return reg
-        refused = refuse_register(peer, reg, self.roster, self.status, now) or refuse_quarantined(self, peer, reg)
+        refused = refuse_register(peer, reg, self.roster, self.status, now) or self.corrupt.refuse(
+            peer, reg.node_id, self.roster.host_of(reg.node_id), reg.host, reg.pid, reg.where)
         if refused:
             return refused
         node_id, rank, inc, pid, host, where = reg.node_id, reg.rank, reg.incarnation, reg.pid, reg.host, reg.where
@@ -543,7 +468,7 @@ class Membership:
 
         The agent of a replaced host is refused for good: `welcome` then `stop` (its agent stops its children and
         exits), and it is not recorded; so is the agent of a host fenced for corruption that never got its `stop`
-        (`quarantine_hello`). A spare host's agent (`spare: true`) is recorded as a spare; one that was
+        (corrupthosts.CorruptHosts.hello). A spare host's agent (`spare: true`) is recorded as a spare; one that was
         handed a takeover is sent it again (it may have restarted), and a lost host waiting for a spare is served."""
         try:
             hello = wire.AgentHello.from_msg(msg)
@@ -558,7 +483,9 @@ class Membership:
                                  "stop its processes"),
                     Note(NoteKind.REFUSED, {"host": host, "by": by}),
                     Send(peer, wire.Welcome()), Send(peer, wire.Stop(reason=reason), close=True)]
-        refused, out = quarantine_hello(self, peer, host, addr)
+        back = self.corrupt.hello(peer, host, addr, self.job)  # a host fenced for corruption and benched
+        self.dirty |= back is not None
+        refused, out = back or (False, [])
         if refused:
             return out
         self.roster.peers[peer] = Peer(PeerRole.AGENT, host=host, addr=addr)
@@ -590,15 +517,18 @@ class Membership:
         connection counts (a replaced or finished one is ignored), and any message refreshes `last_seen`: `heartbeat`
         records the step; `commit` raises the rank's committed step, never lowers it (`commits_dirty`); `recovered`
         is logged; `done` retires the member without a new generation and may finish the job; an unknown op is
-        logged and ignored. Messages of a peer that never said hello are ignored."""
+        logged and ignored. Messages of a peer that never said hello are ignored; a malformed one (messages.decode)
+        is ignored, and logged when a worker sent it."""
         who = self.roster.peers.get(peer)
         op = msg["op"]
         if who is None or who.role == PeerRole.FINISHED:
             return []
         try:
-            typed = wire.decode(msg)  # heartbeat and corruption read as Unknown: read from `msg` below
-        except protocol.ProtocolError:
-            return []  # an exited that names no process: nothing to act on
+            typed: wire.Message | protocol.ProtocolError = wire.decode(msg)
+        except protocol.ProtocolError as e:
+            if who.role == PeerRole.AGENT:
+                return []  # an exited that names no process: nothing to act on
+            typed = e
         if who.role == PeerRole.AGENT:
             if who.host is not None:
                 self.roster.heard(who.host, peer, now)
@@ -606,23 +536,18 @@ class Membership:
                 return self._exited(who, typed, now)
             if isinstance(typed, wire.GaveUp):
                 return self._fail(gave_up_reason(who, typed), EXIT_FAILED)
-            if op == protocol.HEARTBEAT:
-                vouch(self.roster, who.host, msg.get("running"), now)
+            if isinstance(typed, wire.Heartbeat):
+                vouch(self.roster, who.host, typed.running, now)
                 return []
             return [Log(WARNING, f"agent of {who.host} sent unknown op {op[:40]!r} (ignored)")]
         member = self.roster.members.get(who.rank) if who.rank is not None else None
         if member is None or member.peer != peer:
             return []
         member.last_seen, member.busy_said = now, False
-        if op == protocol.HEARTBEAT:
-            member.step = protocol.whole(msg, "step", member.step)
-            capacity = elastic.read_capacity(msg)
-            if capacity is not None:
-                self.capacity[member.rank] = capacity
-            self.watchdog.heard(member.rank, member.node_id, member.step, msg, now)
-            return [Note(NoteKind.PACE, {"rank": member.rank, "node_id": member.node_id,
-                                         "host": host_of(self.roster, member), "pid": member.pid, "step": member.step,
-                                         **protocol.pace_fields(msg)})]
+        if isinstance(typed, protocol.ProtocolError):
+            return [Log(WARNING, f"{member.node_id} sent a malformed {op[:40]!r} ({typed}; ignored)")]
+        if isinstance(typed, wire.Heartbeat):
+            return heartbeat(self, member, typed, now)
         if isinstance(typed, wire.Commit):
             step = typed.step
             if step is not None and step > self.roster.commits.get(member.rank, -1):
@@ -632,8 +557,8 @@ class Membership:
             return []
         if isinstance(typed, wire.Recovered):
             return recovered(member, typed)
-        if op == protocol.CORRUPTION:
-            return corrupted(self, member, msg, now)
+        if isinstance(typed, wire.Corruption):
+            return corrupted(self, member, typed, now)
         if isinstance(typed, wire.Done):
             self.watchdog.forget(member.rank)  # a finished rank is not stuck
             self.roster.peers[peer] = Peer(PeerRole.FINISHED, rank=member.rank, addr=who.addr)
@@ -776,8 +701,7 @@ class Membership:
         orders replacements for `fleet status`). The spare's workers then register for the ranks like any
         replacement and recover as the job's mode allows (in place from a peer, or a restart from checkpoints)."""
         node_ids, agent = list(self.roster.hosts[host].node_ids), self.roster.hosts[host].agent
-        self.quarantined.pop(host, None)  # a spare takes a host benched for corruption: replaced for good
-        forget_corrupt(self, host)
+        self.corrupt.forget(host)  # a spare takes a host benched for corruption: replaced for good
         self.dirty = True
         out: list[Action] = [
             Log(WARNING, f"host {host} replaced by spare {spare}: {reason}; {spare} takes {', '.join(node_ids)}; "

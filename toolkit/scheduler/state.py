@@ -37,7 +37,8 @@ from toolkit.atomicfile import Durability
 from toolkit.contracts.protocol import finite_json
 from toolkit.contracts.rundoc import STATE_FILE, JobStatus
 from toolkit.errors import UserError
-from toolkit.scheduler import elastic
+from toolkit.scheduler import corrupthosts, elastic
+from toolkit.scheduler.corrupthosts import CorruptHosts
 from toolkit.scheduler.roster import Fact, Roster
 
 JOURNAL_FILE = "scheduler.journal"
@@ -122,17 +123,20 @@ def document(recs: Mapping[str, Any]) -> dict[str, Any]:
 
 
 class Persisted(Protocol):
-    """What `changes` reads of the scheduler's membership: its roster, and each of SCALARS as an attribute (a
-    Protocol, because this module sits below toolkit.scheduler.membership, which imports it)."""
+    """What `changes` reads of the scheduler's membership: its roster, its corruption findings (`quarantined` and
+    `corrupt` of SCALARS), and each other of SCALARS as an attribute (a Protocol, because this module sits below
+    toolkit.scheduler.membership, which imports it)."""
 
     roster: Roster
+    corrupt: CorruptHosts
 
 
 def changes(m: Persisted) -> dict[str, Any]:
     """The records that may differ from those last written: every scalar, and the record of each fact the roster
     marked changed (`Roster.unsaved`); None for a record that is gone. O(what was marked), not O(N)."""
     roster = m.roster
-    out: dict[str, Any] = {name: getattr(m, name) for name in SCALARS}
+    out: dict[str, Any] = {name: getattr(m, name) for name in SCALARS if name not in ("quarantined", "corrupt")}
+    out.update(quarantined=m.corrupt.quarantined, corrupt=m.corrupt.counts)
     for name in OPTIONAL:  # absent from the snapshot while empty: a job that never shrank writes what it did
         out[name] = (dict(out[name]) if isinstance(out[name], dict) else out[name]) or None  # a copy: the
         # membership updates its map in place, and the writer compares with what it wrote
@@ -278,8 +282,8 @@ def _check(doc: Mapping[str, Any]) -> None:
     int(doc["generation"])
     bool(doc["formed"])
     elastic.read_benched(doc.get("benched"), int(doc["world_size"]))
-    elastic.read_quarantined(doc.get("quarantined"))
-    elastic.read_corrupt(doc.get("corrupt"))
+    corrupthosts.read_quarantined(doc.get("quarantined"))
+    corrupthosts.read_corrupt(doc.get("corrupt"))
     if doc.get("assignment") is not None:  # its L is the job's: checked as a partition of what it names
         elastic.read_assignment(doc["assignment"], int(doc["world_size"]),
                                 sum(len(e[1]) for e in doc["assignment"] if isinstance(e, list) and len(e) == 2

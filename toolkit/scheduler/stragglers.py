@@ -35,7 +35,8 @@ _WHO = frozenset(("rank", "node_id", "host", "pid", "step"))  # a pace Note's fi
 
 @dataclass
 class RankFigures:
-    """The latest pace figures of one rank (a heartbeat's, toolkit.contracts.protocol.pace_fields) and where it runs."""
+    """The latest pace figures of one rank (a heartbeat's, toolkit.contracts.messages.Heartbeat.pace) and where it
+    runs."""
 
     rank: int
     node_id: str

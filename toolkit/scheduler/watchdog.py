@@ -46,8 +46,9 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Callable
 
+from toolkit.contracts import messages as wire
 from toolkit.contracts import protocol
 
 OUTSIDE_BEATS = 2  # heartbeats in a row a rank must say it is outside any collective before it can be blamed
@@ -60,7 +61,6 @@ CHECK_INTERVAL = 1.0  # s between checks while the job is formed
 # this many heartbeats with a new count (the group's set-up and DDP's construction move it before any training step)
 COLLECTIVE_STEPS = 3
 GAP_WINDOW = 256  # the ranks' latest intervals between moves whose p99 stands for the step time of such a job
-MAX_COLLECTIVES = 1 << 62  # a heartbeat's `collectives` past this (or not a whole number) reads as absent
 
 
 @dataclass
@@ -143,16 +143,15 @@ class Watchdog:
         self.unstepped = set(self.ranks)
         self.last_step_at, self.p99 = -math.inf, 0.0
 
-    def heard(self, rank: int, node_id: str, step: int | None, msg: Mapping[str, Any], now: float) -> None:
-        """A heartbeat of `rank` (the member `node_id`) with its `step` (the membership's) and its watchdog fields
-        (`waiting`, `long`, `step_p99`, `collectives`; hostile input: anything of the wrong type reads as absent).
-        A rank with no step progresses by its collectives (see the module docstring)."""
+    def heard(self, rank: int, node_id: str, step: int | None, beat: wire.Heartbeat, now: float) -> None:
+        """A heartbeat `beat` of `rank` (the member `node_id`) with its `step` (the membership's): its watchdog
+        fields are `waiting`, `long`, `step_p99` and `collectives` (absent when the peer sent a value of the wrong
+        type: messages.Heartbeat). A rank with no step progresses by its collectives (see the module docstring)."""
         r = self.ranks.get(rank)
         if r is None or r.node_id != node_id:
             r = self.ranks[rank] = RankProgress(node_id, now)
             self.unstepped.add(rank)
-        count = msg.get("collectives")
-        r.collectives = count if type(count) is int and 0 <= count < MAX_COLLECTIVES else None
+        r.collectives = beat.collectives
         mark = (step, r.collectives if step is None else None)
         if mark != r.mark:
             if step is None and r.stepped_at is not None and r.moves >= COLLECTIVE_STEPS:  # past its first steps
@@ -163,14 +162,12 @@ class Watchdog:
                 self.unstepped.discard(rank)
             self.last_step_at = now
         r.heard_at = now
-        r.waiting = msg.get("waiting") is True
+        r.waiting = beat.waiting is True
         r.waiting_since = (r.waiting_since if r.waiting_since is not None else now) if r.waiting else None
         r.outside = 0 if r.waiting else r.outside + 1
-        long = msg.get("long")
-        r.long = long[:protocol.MAX_LONG] if isinstance(long, str) and long else None
+        r.long = beat.long
         (self.longs.add if r.long else self.longs.discard)(rank)
-        p99 = protocol.pace_fields(msg).get("step_p99")
-        r.p99 = p99 if p99 else r.p99
+        r.p99 = beat.step_p99 or r.p99
         self.p99 = max(self.p99, r.p99 or 0.0)
 
     def forget(self, rank: int) -> None:

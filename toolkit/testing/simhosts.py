@@ -58,6 +58,7 @@ from typing import Any, Callable, Generator
 
 from toolkit import procs
 from toolkit.contracts import envvars, protocol
+from toolkit.contracts import messages as wire
 
 GLOO_VALUE = 154  # bytes of a rank's address with GLOO_ENABLE_RANK_AS_SEQUENCE_NUMBER (torch 2.13, measured)
 NCCL_VALUE = 128  # bytes of an ncclUniqueId
@@ -647,7 +648,7 @@ class SimHost:
         if self.alive and self.agent is not None and self.agent.up and not self.finished:
             running = {w.node_id: w.pid for w in self.workers.values() if w.alive and not w.finishing}
             # vouches for its children, as agents do
-            self.agent.send(protocol.encode(protocol.HEARTBEAT, running=running))
+            self.agent.send(wire.Heartbeat(running=running).line())
             self.sim.timers.at(self.sim.now + self.beat, self._beat)
 
     def _line(self, line: bytes) -> None:

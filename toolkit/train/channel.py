@@ -201,10 +201,8 @@ class Channel:
                     waiting, busy = stacks.sample(self.training_thread)
                     long = self.long or busy
                     count = stacks.collectives() if self.count_collectives and self.step is None else None
-                    self.send_line(protocol.encode(
-                        protocol.HEARTBEAT, step=self.step, **self.beat, waiting=waiting,
-                        **({"long": long} if long else {}), **({} if count is None else {"collectives": count})),
-                        strict=True)
+                    self.send(wire.Heartbeat(step=self.step, **self.beat, waiting=waiting, long=long or None,
+                                             collectives=count), strict=True)
             except (OSError, ValueError, protocol.ProtocolError) as e:
                 if self.closing.is_set() or self.finishing:
                     return
@@ -274,12 +272,9 @@ class Channel:
     # -- used by the training thread
 
     def send(self, message: wire.Message, strict: bool = False) -> bool:
-        """Best effort: while the scheduler is away, messages are dropped (heartbeats resume on reconnect)."""
-        return self.send_line(message.line(), strict)
-
-    def send_line(self, line: bytes, strict: bool = False) -> bool:
-        """`send` for a line already encoded (protocol.encode: the heartbeat and the corruption report, which are
-        not typed messages yet)."""
+        """Best effort: while the scheduler is away, messages are dropped (heartbeats resume on reconnect); with
+        `strict`, a failed send raises its OSError (the control thread's heartbeat: it reconnects)."""
+        line = message.line()
         with self.send_lock:
             sock = self.sock
             if sock is None:

@@ -37,7 +37,7 @@ import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -490,11 +490,13 @@ class RuntimeReporter:
         return stacks.long_phase(self.rt._channel, what)
 
 
-def report_corruption(rt: Runtime, **fields: Any) -> None:
-    """Tell the scheduler that the replica check found corruption (toolkit.train.replicas: step, since, ranks, hosts,
-    action), for its ledger; nothing outside toolkit. A function, not a method: Runtime's interface stays small."""
+def report_corruption(rt: Runtime, step: int, since: int | None, ranks: Sequence[int], hosts: Sequence[str],
+                      action: str) -> None:
+    """Tell the scheduler that the replica check found `ranks` (on `hosts`) corrupt at `step`, the last good check
+    at `since`, and did `action` (toolkit.train.replicas; messages.Corruption), for its ledger and its fencing of
+    hosts; nothing outside toolkit. A function, not a method: Runtime's interface stays small."""
     if rt._channel is not None:
-        rt._channel.send_line(protocol.encode(protocol.CORRUPTION, generation=rt.generation, **fields))
+        rt._channel.send(wire.Corruption(rt.generation, step, since, tuple(ranks), tuple(hosts), action))
 
 
 def await_word(rt: Runtime, bound: float) -> str | None:
