@@ -6,6 +6,7 @@ real jobs is tests/train/test_corruption.py."""
 from __future__ import annotations
 
 import copy
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -14,13 +15,14 @@ from torch import nn
 from toolkit.contracts.ckptkey import job_key
 from toolkit.launcher.plan import PlanError, make_plan
 from toolkit.launcher.settings import CoreFlags, resolve
-from toolkit.train import inject
+from toolkit.train import inject, replicas
 from toolkit.train.agreement import DIGEST, TrainingState, verified_load
 from toolkit.train.ckpt.manager import CheckpointManager, Placement
 from toolkit.train.digest import Digester
 from toolkit.train.faults import RuntimeConfigError, TrainerError
 from toolkit.train.replicas import AGREE, CONFIG, ODD, SPLIT, Schedule, fingerprint, parse_every, verdict
 from toolkit.train.runtime import WorkerEnv
+from toolkit.train.shardmodel import Layout
 
 
 def model_and_optimizer(norm: bool = False) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -130,6 +132,63 @@ def test_the_verdicts() -> None:
         "ranks 0, 2, 0.05 on rank 1): an LR scheduler is likely not handed over: pass it to the Trainer, e.g. "
         "Trainer(..., state={\"sched\": scheduler}); stopping the job (it would go on with ranks that disagree)")
     assert "momentum" in verdict([base, [base[0], base[1] + 1, *base[2:]]], None, 42).line
+
+
+def row(digest: int, lr: int = 1) -> list[int]:
+    """A fingerprint with this state digest (and learning rate hash)."""
+    return [lr, 2, digest, 3, 7]
+
+
+def columns(layout: Layout) -> list[tuple[int, ...]]:
+    return [layout.column(s) for s in range(layout.shards)]
+
+
+def test_under_hsdp_each_shards_column_is_judged_on_its_own() -> None:
+    """Shards differ by design; the ranks of one shard's column (its replicas) must agree."""
+    two = Layout(2, 2)  # columns (0, 2) and (1, 3)
+    shards = [row(10), row(11), row(10), row(11)]
+    assert verdict(shards, None, 8, columns(two)).kind == AGREE
+    assert verdict(shards, None, 8).kind == SPLIT  # judged as DDP replicas they would differ
+    flipped = [row(10), row(99), row(10), row(11)]  # rank 1's shard: two replicas, no majority
+    found = verdict(flipped, None, 8, columns(two))
+    assert (found.kind, found.groups) == (SPLIT, ((1,), (3,)))
+    assert replicas.split_line(found.groups, ["a", "b", "c", "d"], two) == (
+        "shard 1's replicas differ with no majority (ranks 1 (b); ranks 3 (d)): with two replica groups no majority "
+        "can name the faulty one")
+    assert verdict([row(10), row(11, lr=5), row(10), row(11)], 4, 8, columns(two)).kind == CONFIG  # across columns
+    three = Layout(3, 2)  # columns (0, 2, 4) and (1, 3, 5)
+    found = verdict([row(10), row(11), row(10), row(99), row(10), row(11)], None, 8, columns(three))
+    assert (found.kind, found.odd, found.healthy) == (ODD, (3,), (0, 1, 2, 4, 5))
+    found = verdict([row(10), row(11), row(98), row(99), row(10), row(11)], None, 8, columns(three))
+    assert (found.kind, found.odd) == (ODD, (2, 3))  # one odd rank in each column
+    four = Layout(4, 2)  # shard 0's column ties two to two, shard 1's has a majority: no majority overall
+    found = verdict([row(10), row(11), row(10), row(11), row(98), row(11), row(98), row(99)], None, 8, columns(four))
+    assert (found.kind, found.groups) == (SPLIT, ((0, 2), (4, 6), (1, 3, 5), (7,)))
+    assert replicas.split_line(found.groups, ["h"] * 8, four) == (
+        "shard 0's replicas differ with no majority (ranks 0 (h), 2 (h); ranks 4 (h), 6 (h)); shard 1's replicas "
+        "differ (ranks 1 (h), 3 (h), 5 (h); ranks 7 (h))")
+
+
+def test_an_hsdp_rank_outside_its_columns_majority_is_named_and_takes_its_shard_from_the_column() -> None:
+    three = Layout(3, 2)
+    check = replicas.ReplicaCheck(SimpleNamespace(world_size=6, rank=0), None, 4, buffers=False, host="h",  # type: ignore
+                         layout=three)
+    found = verdict([row(10), row(11), row(10), row(99), row(10), row(11)], None, 8, columns(three))
+    assert check.heal_line(found, {3: "rank 3 on h"}, "steps 5-8", 4, object()) == (  # type: ignore[arg-type]
+        "rank 3 on h differs from the majority of its shard's replicas (shard 1: ranks 1, 5); it started in steps "
+        "5-8; every rank goes back to step 4 (the last good check), rank 3 on h receiving its shard from rank 1, and "
+        "redoes the steps")
+
+
+def test_pure_fsdp_has_no_replica_to_compare_and_says_so_once(capsys: pytest.CaptureFixture[str]) -> None:
+    """One replica group: never a check (so never a verdict), and one line from rank 0 when the check is asked for
+    (a number or "auto"), none when it is off."""
+    for rank, every in ((0, None), (1, None), (0, 4), (0, 0)):
+        check = replicas.ReplicaCheck(SimpleNamespace(world_size=4, rank=rank), None, every, buffers=False,  # type: ignore
+                             host="h", layout=Layout(1, 4))
+        check.arm(0, 0)
+        assert not any(check.due(s) for s in range(100)) and not check.due(100, end=True)
+    assert capsys.readouterr().out == f"rank 0: {replicas.NO_REPLICA}\n" * 2
 
 
 def test_the_injector_reads_its_variable_under_toolkit_only_and_names_a_bad_entry() -> None:

@@ -1,6 +1,7 @@
 """A model sharded with FSDP2 under the Trainer (issue 45): HSDP on a (2, 2) mesh recovered in place with no lost step,
 bitwise equal to an uninterrupted run, whatever moment of a step a kill -9 lands on, and when both ranks of a
-replica group die together; pure FSDP (one replica group) recovered from the copies of the shards in another host's
+replica group die together; a bit flipped in one rank's shard caught by the replica check of its column and redone,
+bitwise; pure FSDP (one replica group) recovered from the copies of the shards in another host's
 memory (toolkit.train.shardrollback), bitwise, with the steps redone counted; shardings the Trainer cannot recover
 refused at `Trainer(...)` in one line. Checkpoints of the shards: the whole job killed (every worker, kill -9)
 restarts from the newest step every rank holds, bitwise, for HSDP and pure FSDP; SIGTERM (`fleet stop`) saves last
@@ -12,6 +13,7 @@ with SIGKILL; the refusals run the script alone (a world of one), as a user woul
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import re
@@ -32,6 +34,7 @@ from toolkit.testing.localjob import STEP_LINE, LocalJob, clean_env
 from toolkit.train import headroom
 from toolkit.train.ckpt.shards import ShardName
 from toolkit.train.faults import TrainerError
+from toolkit.train.replicas import NO_REPLICA
 from toolkit.train.shardmodel import Layout
 from toolkit.train.shardstate import plan_recovery
 
@@ -80,8 +83,10 @@ def pid_of(j: LocalJob, rank: int) -> int | None:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """The final digest of the uninterrupted run."""
-    (digest,) = FINAL.findall(run_whole(job(tmp_path_factory.mktemp("reference"), "ref")))
+    """The final digest of the uninterrupted run (the replica check on, "auto": its columns agree)."""
+    text = run_whole(job(tmp_path_factory.mktemp("reference"), "ref"))
+    assert "corruption found" not in text, text[-3000:]
+    (digest,) = FINAL.findall(text)
     return digest
 
 
@@ -148,6 +153,35 @@ def test_a_replica_group_lost_whole_is_recovered_from_the_other(tmp_path: Path, 
         j.cleanup()
 
 
+def test_hsdp_a_bit_flipped_in_one_ranks_shard_is_caught_by_its_column_and_redone_bitwise(
+        tmp_path: Path, reference: str) -> None:
+    """HSDP (2, 2), the replica check every 4 steps (TOOLKIT_VERIFY_EVERY, what --verify-every writes), a bit of
+    rank 1's shard of a parameter flipped after step 5 (toolkit.train.inject): at step 8 shard 1's column (ranks 1
+    and 3) differs; with two replica groups no majority names the faulty one, so every rank goes back to step 4 and
+    redoes the steps (the fault's gradients reached every shard through the reductions); the run ends bitwise equal
+    to the uninterrupted one, and the scheduler's ledger holds the incident."""
+    j = job(tmp_path, "sdc")
+    for r in range(WORLD):
+        with open(j.dir / "env" / f"worker_{r}.env", "a") as f:
+            f.write("export TOOLKIT_VERIFY_EVERY=4\nexport TOOLKIT_INJECT_CORRUPTION='rank=1,step=5,bit=20'\n")
+    (final,) = FINAL.findall(run_whole(j))
+    logs = [j.log(f"worker_{r}.log") for r in range(WORLD)]
+    assert "rank 1: injected corruption after step 5: flipped bit 20 of params inp.weight[0] (this rank's shard)" \
+        in logs[1], j.evidence()
+    for r in range(WORLD):
+        found = [line for line in logs[r].splitlines() if "corruption found" in line]
+        assert found == [f"rank {r}: corruption found at step 8: shard 1's replicas differ with no majority (ranks 1 "
+                         "(localhost); ranks 3 (localhost)): with two replica groups no majority can name the faulty "
+                         "one; it started in steps 5-8: every rank goes back to step 4 (its last good check) and "
+                         "redoes the steps"], j.evidence()
+    assert final == reference, "the run redone after the corruption differs from the uninterrupted one"
+    incidents = [i for i in json.loads((j.dir / "recovery" / "ledger.json").read_text())["incidents"]
+                 if i.get("corruption")]
+    assert [(i["cause"], i["corruption"]) for i in incidents] == [
+        ("corruption: rank 1 on localhost, rank 3 on localhost, started in steps 5-8: rolled back",
+         {"ranks": [1, 3], "hosts": ["localhost", "localhost"], "window": [5, 8], "action": "rolled back"})]
+
+
 MIRROR_EVERY = 4  # K: steps between refreshes of the copies of the shards in memory
 FSDP_ARGS = ["--mesh", "4", "--epochs", "3", "--samples", "512", "--step-delay", "0.03"]
 REDONE = re.compile(r"^rank (\d+): ranks \[[\d, ]+\] lost at step (\d+): every rank goes back to step (\d+), "
@@ -157,8 +191,10 @@ REDONE = re.compile(r"^rank (\d+): ranks \[[\d, ]+\] lost at step (\d+): every r
 @pytest.fixture(scope="module")
 def fsdp_reference(tmp_path_factory: pytest.TempPathFactory) -> str:
     """The final digest of the uninterrupted pure-FSDP run, on one host: no other host's memory for the copies,
-    which rank 0 says at the start, with what a fault would cost."""
+    which rank 0 says at the start, with what a fault would cost; and, once, that the replica check (on by default)
+    has no replica of a shard to compare it with."""
     text = run_whole(job(tmp_path_factory.mktemp("fsdp-reference"), "fsdpref", FSDP_ARGS))
+    assert text.count(f"rank 0: {NO_REPLICA}") == 1, text[-3000:]
     assert re.search(r"^rank 0: pure FSDP without a copy of each shard in memory \(the job runs on one host: .*\): "
                      r"a lost rank costs a whole-job restart from the newest sharded checkpoint", text, re.M), \
         text[-3000:]

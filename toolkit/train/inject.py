@@ -16,7 +16,8 @@ someone who can already change the job's files can set it. Its value: one or mor
   after a fault and the state agreed on, before a step trains on it): a state taken from a peer that changed past
   the transfer's own digest, which the check right after a recovery must catch;
 - tensor: the index of the tensor among them, in the state's order (default 0); element: the element in it,
-  flattened (default 0); bit: the bit of that element to flip (default 0, the lowest: a change no loss curve shows).
+  flattened (default 0; a sharded model's: in this rank's own shard of it); bit: the bit of that element to flip
+  (default 0, the lowest: a change no loss curve shows).
 
 Each flip happens once per process (a step redone after a roll-back does not flip again): a transient fault. Two
 flips of the same rank at two steps are a host that corrupts twice.
@@ -122,12 +123,18 @@ def flip_bit(f: Flip, module: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  for key, v in sorted(s.items()) if isinstance(v, torch.Tensor) and v.numel()]
     if not named:
         return f"injected corruption {when}: no {what} tensor yet, nothing flipped"
+    from torch.distributed.tensor import DTensor
+
     name, t = named[f.tensor % len(named)]
+    shard = isinstance(t, DTensor)  # a sharded model's (FSDP2): this rank's own shard of it (a view), no collective
+    if shard:
+        t = t.detach().to_local()
     flat = t.detach().view(-1)
     index = f.element % flat.numel()
     bits = flat[index:index + 1].view(torch.uint8)
     byte, bit = divmod(f.bit % (8 * t.element_size()), 8)
     with torch.no_grad():
         bits[byte] ^= 1 << bit
-    return f"injected corruption {when}: flipped bit {byte * 8 + bit} of {what} {name}[{index}]"
+    return (f"injected corruption {when}: flipped bit {byte * 8 + bit} of {what} {name}[{index}]"
+            + (" (this rank's shard)" if shard else ""))
 

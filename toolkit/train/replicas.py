@@ -35,6 +35,19 @@ otherwise it stops the job with one line naming the host. The fenced rank waits 
 training on; outside toolkit, or with no word, it leaves with one line (EXIT_FATAL) and the job stops. Every finding
 is reported to the scheduler (one rank reports it), whose ledger keeps it as a `corruption` incident (`fleet status`,
 `fleet report`).
+
+A sharded model (toolkit.train.sharded): under HSDP (a (R, S) mesh) the replicas are each shard's column, the R ranks
+holding it (toolkit.train.shardmodel.Layout.column), which hold the same bits after every step since the
+reduce-scatter and the sum across replica groups run in a fixed order (toolkit.train.shardcomm). Each rank's digest
+is of its own shard (`sharded_covered`: parameter slices, their optimizer state, the hyperparameters, the extra
+state; not the buffers, which FSDP2 does not synchronize) and each column is judged on its own (`verdict`'s
+`columns`; the hyperparameters across every rank). The same all_gather, the same steps: a rank outside its column's
+majority (R >= 3) is named and receives the last good check's shard from a healthy rank of its column (as the
+in-place recovery moves a shard: toolkit.train.shardstate), every rank going back to that check (the fault's
+gradients reached every shard through the reductions); with R = 2 a column that differs has no majority, which the
+line says, and every rank goes back to its own copy, as for two DDP replicas. Pure FSDP (R = 1) holds each shard
+once: there is nothing to compare, the check never runs, and rank 0 says so in one line at the start (unless
+`verify_every` is 0).
 """
 
 from __future__ import annotations
@@ -59,6 +72,7 @@ from toolkit.train.agreement import TrainingState
 from toolkit.train.digest import Digester
 from toolkit.train.faults import GenerationChanged
 from toolkit.train.runtime import MODE_TOOLKIT, Runtime, await_word, report_corruption
+from toolkit.train.shardmodel import Layout
 
 LR, HYPER, STATE, LR0, PROPOSAL = range(5)  # the fields of a fingerprint
 AUTO = "auto"
@@ -67,6 +81,8 @@ BUDGET = 0.008  # the share of the step time "auto" aims the checks at: below 1%
 AUTO_BOUNDS = (5, 10_000)  # steps: the interval "auto" chooses stays within these
 AUTO_FIRST = 20  # steps: with "auto", the first check (nothing measured before it)
 AGREE, CONFIG, ODD, SPLIT = "agree", "config", "odd", "split"
+NO_REPLICA = ("replica check: pure FSDP holds each shard once (one replica group): there is no replica to compare a "
+              "shard with, so the check does not run for this job (HSDP, a (replicate, shard) mesh, has one)")
 
 
 def parse_every(value: int | str) -> int | None:
@@ -152,18 +168,33 @@ def fingerprint(digester: Digester, module: nn.Module, optimizer: torch.optim.Op
                 extra: dict[str, Any] | None = None, buffers: bool = True, proposal: int = 0) -> list[int]:
     """[hash of every param group's lr, hash of their other hyperparameters, the state's digest, the first group's
     lr as the bits of a double, `proposal`]: the same on ranks that hold the same state (but the proposal)."""
+    return fingerprint_of(digester, optimizer, covered(module, optimizer, extra or {}, buffers), proposal)
+
+
+def fingerprint_of(digester: Digester, optimizer: torch.optim.Optimizer, state: Any, proposal: int = 0) -> list[int]:
+    """`fingerprint` of `state` (what must be the same on the ranks compared: `covered`, or a shard's
+    `sharded_covered`) with `optimizer`'s hyperparameters."""
     groups = optimizer.param_groups
     lrs = [_plain(g.get("lr")) for g in groups]
     others = [sorted((k, _plain(v)) for k, v in g.items() if k not in ("params", "lr")) for g in groups]
     first = lrs[0] if lrs and isinstance(lrs[0], float) else float("nan")
-    state = digester.state(covered(module, optimizer, extra or {}, buffers))
-    return [_hash(repr(lrs)), _hash(repr(others)), state, struct.unpack("<q", struct.pack("<d", first))[0], proposal]
+    return [_hash(repr(lrs)), _hash(repr(others)), digester.state(state),
+            struct.unpack("<q", struct.pack("<d", first))[0], proposal]
+
+
+def sharded_covered(shard: dict[str, Any]) -> dict[str, Any]:
+    """What must be the same on the ranks of a shard's column (HSDP): the shard as a state capture holds it
+    (toolkit.train.shardstate: parameter slices, their optimizer state, the hyperparameters, the extra state), without
+    its step (the same by the agreement) and its buffers (FSDP2 does not synchronize them: a BatchNorm's running
+    statistics differ between ranks by design, each from its own batches)."""
+    return {k: v for k, v in shard.items() if k not in ("step", "buffers")}
 
 
 @dataclass(frozen=True)
 class Verdict:
-    """What a gathered table says: `kind` AGREE, CONFIG (`line`: stop the job), ODD (`odd`: the ranks outside the
-    majority `healthy`) or SPLIT (no majority: `groups` of ranks holding the same state)."""
+    """What a gathered table says: `kind` AGREE, CONFIG (`line`: stop the job), ODD (`odd`: the ranks outside their
+    column's majority; `healthy`: every other rank) or SPLIT (a column with no majority: `groups` of ranks holding
+    the same state, of every column that differs)."""
 
     kind: str
     line: str = ""
@@ -172,20 +203,37 @@ class Verdict:
     groups: tuple[tuple[int, ...], ...] = ()
 
 
-def verdict(table: Sequence[Sequence[int]], since: int | None, step: int) -> Verdict:
-    """The verdict on a gathered table of fingerprints (rank r's at index r). Pure."""
+def verdict(table: Sequence[Sequence[int]], since: int | None, step: int,
+            columns: Sequence[Sequence[int]] | None = None) -> Verdict:
+    """The verdict on a gathered table of fingerprints (rank r's at index r). `columns`: the sets of ranks that must
+    hold the same state, each judged on its own (None: every rank, as in DDP; HSDP: each shard's column,
+    toolkit.train.shardmodel.Layout.column); the hyperparameters must be the same on every rank. ODD: each column
+    that differs has a majority (`odd` outside it, `healthy` every other rank); SPLIT: one at least has none
+    (`groups`: the groups of every column that differs). Pure."""
     if len({row[LR] for row in table}) > 1 or len({row[HYPER] for row in table}) > 1:
         return Verdict(CONFIG, line=_config_line(table, since, step))
-    groups: dict[int, list[int]] = {}
-    for rank, row in enumerate(table):
-        groups.setdefault(row[STATE], []).append(rank)
-    if len(groups) == 1:
+    differing: list[tuple[int, ...]] = []
+    odd: list[int] = []
+    split = False
+    for column in columns if columns is not None else (range(len(table)),):
+        groups: dict[int, list[int]] = {}
+        for rank in column:
+            groups.setdefault(table[rank][STATE], []).append(rank)
+        if len(groups) == 1:
+            continue
+        ordered = sorted((tuple(g) for g in groups.values()), key=lambda g: (-len(g), g))
+        differing += ordered
+        if len(ordered[0]) * 2 > len(column):
+            odd += [r for g in ordered[1:] for r in g]
+        else:
+            split = True
+    if not differing:
         return Verdict(AGREE)
-    ordered = tuple(tuple(g) for g in sorted(groups.values(), key=lambda g: (-len(g), g)))
-    if len(ordered[0]) * 2 > len(table):
-        odd = tuple(sorted(r for g in ordered[1:] for r in g))
-        return Verdict(ODD, odd=odd, healthy=ordered[0], groups=ordered)
-    return Verdict(SPLIT, groups=ordered)
+    if split:
+        return Verdict(SPLIT, groups=tuple(differing))
+    named = set(odd)
+    return Verdict(ODD, odd=tuple(sorted(named)), healthy=tuple(r for r in range(len(table)) if r not in named),
+                   groups=tuple(differing))
 
 
 def _config_line(table: Sequence[Sequence[int]], since: int | None, step: int) -> str:
@@ -254,12 +302,23 @@ HOST_BYTES = 64  # a host's name as the replicas gather it on a mismatch (longer
 class ReplicaCheck:
     """The check's executor for one rank: `run` at a due step (the Trainer calls it between two steps). Holds the
     schedule, the verified state (`verified`, None before the first good check since the group formed) and how often
-    each rank (on its host) was named (the same on every rank: every rank sees the same verdicts)."""
+    each rank (on its host) was named (the same on every rank: every rank sees the same verdicts).
 
-    def __init__(self, rt: Runtime, state: TrainingState, every: int | None, buffers: bool, host: str) -> None:
+    `layout`: a sharded model's (toolkit.train.shardmodel), None for DDP. Under HSDP the ranks compared are each
+    shard's column (its R replicas), each on the digest of its own shard (`sharded_covered`), and a named rank
+    receives its shard from a healthy rank of its column; with R = 2 a column that differs has no majority (the
+    roll-back of `_split`). Pure FSDP (R = 1) holds each shard once: nothing to compare, so it never checks, and
+    rank 0 says so at the start unless the check is off (`every` 0)."""
+
+    def __init__(self, rt: Runtime, state: TrainingState, every: int | None, buffers: bool, host: str,
+                 layout: Layout | None = None) -> None:
         self.rt = rt
         self.state = state
-        self.schedule = Schedule(rt.world_size, every)
+        self.layout = layout
+        alone = layout is not None and layout.replicas < 2
+        self.schedule = Schedule(1 if alone else rt.world_size, every)  # (a world of one never checks)
+        if alone and every != 0 and rt.rank == 0:
+            log.line(f"rank 0: {NO_REPLICA}")
         self.buffers = buffers
         self.host = host
         self.digester = Digester()
@@ -288,12 +347,14 @@ class ReplicaCheck:
             step_seconds = max(0.0, began - self._last[0]) / (step - self._last[1])
         proposal = self.schedule.proposal(self._cost, step_seconds)
         s = self.state
-        mine = torch.tensor(fingerprint(self.digester, s.module, s.optimizer, dict(s.extra), self.buffers, proposal),
-                            dtype=torch.int64, device=self.rt.device)
+        compared = covered(s.module, s.optimizer, dict(s.extra), self.buffers) if self.layout is None else \
+            sharded_covered(s.capture(step))
+        mine = torch.tensor(fingerprint_of(self.digester, s.optimizer, compared, proposal), dtype=torch.int64,
+                            device=self.rt.device)
         try:
             with guard():
                 every = self._gather(mine)
-                found = verdict(every, self.schedule.since, step)
+                found = verdict(every, self.schedule.since, step, self._columns())
                 if found.kind == AGREE:
                     if self.rt.world_size > 1:
                         self.verified = Verified(step, s.capture(step), self.verified)
@@ -323,6 +384,12 @@ class ReplicaCheck:
         self.rt.fence.wait(dist.all_gather(every, mine, async_op=True), "the replica check")
         return [[int(v) for v in t.tolist()] for t in every]
 
+    def _columns(self) -> tuple[tuple[int, ...], ...]:
+        """The sets of ranks that must hold the same state: every rank (DDP), or each shard's column (HSDP)."""
+        if self.layout is None:
+            return (tuple(range(self.rt.world_size)),)
+        return tuple(self.layout.column(s) for s in range(self.layout.shards))
+
     def _hosts(self) -> list[str]:
         """Every rank's host name (gathered as fixed-size bytes, never unpickled)."""
         raw = self.host.encode()[:HOST_BYTES].ljust(HOST_BYTES, b"\0")
@@ -333,7 +400,8 @@ class ReplicaCheck:
 
     def _heal(self, found: Verdict, step: int, hosts: list[str]) -> int:
         """A state digest differs: name, go back to the verified state (the odd ranks receiving it from a healthy
-        peer), say so; the step every rank goes on from (checked again there before a step trains on it: `run`)."""
+        peer of their column), say so; the step every rank goes on from (checked again there before a step trains
+        on it: `run`)."""
         rank, s = self.rt.rank, self.state
         good = self.verified
         since = good.step if good is not None else None
@@ -341,11 +409,11 @@ class ReplicaCheck:
         if found.kind == SPLIT:
             return self._split(found, step, hosts, window)
         names = {r: f"rank {r} on {hosts[r]}" for r in found.odd}
-        named = ", ".join(names.values())
         for who in names.values():
             self.named[who] = self.named.get(who, 0) + 1
         fenced = [r for r, who in names.items() if self.named[who] >= 2]
-        holders = list(found.healthy)
+        column = next(c for c in self._columns() if rank in c)
+        holders = [r for r in column if r in found.healthy]
         if good is None:  # no verified copy: the odd ranks take the healthy ones' current state
             sent = s.capture(step)
             back = step
@@ -353,32 +421,52 @@ class ReplicaCheck:
             sent = good.state if rank in holders else s.capture(step)
             back = since
         received, nbytes = transfer.share(sent, holders, rank=rank, world=self.rt.world_size, device=self.rt.device,
-                                          fence=self.rt.fence)
+                                          fence=self.rt.fence, members=column)
         if rank in holders:
             if good is not None:
                 s.restore(good.fresh())
         else:
             s.restore(received)
-        verb = "differs" if len(found.odd) == 1 else "differ"
-        if good is not None:
-            how = (f"goes back to step {back} (the last good check), {named} receiving it from rank {holders[0]}, "
-                   "and redoes the steps")
-        elif step == self.schedule.since:
+        if good is None and step == self.schedule.since:
             window = f"the recovery at step {step} (the state taken then changed in or after the transfer)"
-            how = f"goes on from step {step}, {named} receiving rank {holders[0]}'s state again"
-        else:
-            how = (f"goes on from step {step}, {named} taking rank {holders[0]}'s state (no verified state to go back "
-                   "to: the steps since the fault are not redone)")
-        log.line(f"rank {rank}: corruption found at step {step}: {named} {verb} from the majority (ranks "
-                 f"{', '.join(map(str, holders))}); it started in {window}; every rank {how}"
+        log.line(f"rank {rank}: corruption found at step {step}: {self.heal_line(found, names, window, back, good)}"
                  + (f" ({nbytes / 1e6:.2f} MB received)" if rank not in holders else ""))
         healed = [r for r in found.odd if r not in fenced]
         for ranks, action in ((healed, "healed"), (fenced, CORRUPT_FENCED)):
             if ranks:
-                self._report(holders[0], step, since, ranks, [hosts[r] for r in ranks], action)
+                self._report(found.healthy[0], step, since, ranks, [hosts[r] for r in ranks], action)
         if fenced:
             self._fenced(", ".join(names[r] for r in fenced), rank in fenced)
         return back
+
+    def heal_line(self, found: Verdict, names: dict[int, str], window: str, back: int, good: Verified | None) -> str:
+        """What `_heal` found and does, for the log: `names` the odd ranks, going `back` to that step (`good`'s, or
+        the one checked when there is no verified state)."""
+        named = ", ".join(names.values())
+        verb = "differs" if len(found.odd) == 1 else "differ"
+        if self.layout is None:
+            whom = f"the majority (ranks {', '.join(map(str, found.healthy))})"
+            took, again = f"receiving it from rank {found.healthy[0]}", f"receiving rank {found.healthy[0]}'s state"
+            taking = f"{named} taking rank {found.healthy[0]}'s state"
+        else:
+            columns = [c for c in self._columns() if any(r in found.odd for r in c)]
+            whose = "its shard's" if len(names) == 1 else "their shards'"
+            whom = f"the majority of {whose} replicas (" + "; ".join(
+                f"shard {self.layout.shard_of(c[0])}: ranks {', '.join(str(r) for r in c if r in found.healthy)}"
+                for c in columns) + ")"
+            senders = {r: who for c in columns
+                       for r, who in transfer.assign([r for r in c if r in found.healthy], self.rt.world_size, c)
+                       .items()}
+            took = again = "receiving its shard from " + ", ".join(f"rank {senders[r]}" for r in names)
+            taking = f"{named} {took}"
+        if good is not None:
+            how = f"goes back to step {back} (the last good check), {named} {took}, and redoes the steps"
+        elif back == self.schedule.since:
+            how = f"goes on from step {back}, {named} {again} again"
+        else:
+            how = (f"goes on from step {back}, {taking} (no verified state to go back to: the steps since the fault "
+                   "are not redone)")
+        return f"{named} {verb} from {whom}; it started in {window}; every rank {how}"
 
     def _fenced(self, who: str, mine: bool) -> None:
         """`who` was found corrupt twice: its host is not to be trusted with the job's state. Under toolkit the
@@ -409,19 +497,17 @@ class ReplicaCheck:
         same check, or none to go back to, stops the job."""
         rank, good = self.rt.rank, self.verified
         since = good.step if good is not None else None
-        groups = "; ".join("ranks " + ", ".join(f"{r} ({hosts[r]})" for r in g) for g in found.groups)
-        everyone = list(range(self.rt.world_size))
+        what = split_line(found.groups, hosts, self.layout)
+        suspects = sorted(r for g in found.groups for r in g)
         if good is None or self.last_split == step:
-            self._report(0, step, since, everyone, hosts, "stopped")
+            self._report(0, step, since, suspects, [hosts[r] for r in suspects], "stopped")
             again = f"again after going back to step {since}" if self.last_split == step else "with no verified state"
-            _fatal(f"rank {rank}: toolkit.train: at step {step} the replicas' states differ with no majority "
-                   f"({groups}), {again}: no healthy replica to tell the faulty one; stopping the job (restart it "
-                   "from a checkpoint of a verified step)")
+            _fatal(f"rank {rank}: toolkit.train: at step {step} {what}, {again}: no healthy replica to tell the "
+                   "faulty one; stopping the job (restart it from a checkpoint of a verified step)")
         self.last_split = step
-        self._report(0, step, since, everyone, hosts, "rolled back")
-        log.line(f"rank {rank}: corruption found at step {step}: the replicas' states differ with no majority "
-                 f"({groups}); it started in {window}: every rank goes back to step {since} (its last good check) "
-                 "and redoes the steps")
+        self._report(0, step, since, suspects, [hosts[r] for r in suspects], "rolled back")
+        log.line(f"rank {rank}: corruption found at step {step}: {what}; it started in {window}: every rank goes "
+                 f"back to step {since} (its last good check) and redoes the steps")
         self.state.restore(good.fresh())
         return since
 
@@ -429,6 +515,25 @@ class ReplicaCheck:
         """Rank `by` tells the scheduler (its ledger: `fleet status`, `fleet report`): `ranks` and their `hosts`."""
         if self.rt.rank == by:
             report_corruption(self.rt, step=step, since=since, ranks=ranks, hosts=hosts, action=action)
+
+
+def split_line(groups: Sequence[Sequence[int]], hosts: Sequence[str], layout: Layout | None) -> str:
+    """The replicas that differ with no majority, in words: the `groups` of ranks holding the same state (DDP:
+    every rank's; HSDP: each differing shard's column's, named by shard). Pure."""
+    def ranks(g: Sequence[int]) -> str:
+        return "ranks " + ", ".join(f"{r} ({hosts[r]})" for r in g)
+
+    if layout is None:
+        return f"the replicas' states differ with no majority ({'; '.join(ranks(g) for g in groups)})"
+    shards: dict[int, list[Sequence[int]]] = {}
+    for g in groups:
+        shards.setdefault(layout.shard_of(g[0]), []).append(g)
+    what = "; ".join(f"shard {s}'s replicas differ"
+                     f"{' with no majority' if max(map(len, gs)) * 2 <= layout.replicas else ''} "
+                     f"({'; '.join(map(ranks, gs))})" for s, gs in shards.items())
+    if layout.replicas == 2:
+        what += ": with two replica groups no majority can name the faulty one"
+    return what
 
 
 def _fatal(line: str) -> NoReturn:

@@ -35,9 +35,9 @@ What a step may contain: anything, as long as every collective of the step runs 
 collective outside it fails like any other error when a peer dies). Extra state (an LR scheduler, a grad scaler)
 must be the same on every rank, as everything replicated in data parallelism is; pass it as `state={...}`. Every
 `verify_every` steps (and after a recovery) the ranks compare a digest of every byte of their state
-(toolkit.train.replicas): forgotten state stops the job with one line naming it; a rank whose state was corrupted
-(a bit flipped in memory) is named by the majority and every rank goes back to the last good check and redoes the
-steps, bitwise.
+(toolkit.train.replicas; a sharded model's: each shard's replicas under HSDP, none under pure FSDP): forgotten state
+stops the job with one line naming it; a rank whose state was corrupted (a bit flipped in memory) is named by the
+majority and every rank goes back to the last good check and redoes the steps, bitwise.
 
 The Trainer composes its parts, one concern each: which state the ranks go on from, and its transfer
 (toolkit.train.agreement); SIGTERM, interruptible waits, the stop agreement, the end for a restart
@@ -154,9 +154,8 @@ class Trainer:
         self._finished = False
         broadcast = (ddp or {}).get("broadcast_buffers", True)  # DDP's default: rank 0's buffers go to all
         host = (os.environ.get(envvars.TOOLKIT_HOST) or "").strip() or socket.gethostname()
-        self._replicas = ReplicaCheck(runtime, self._state, verify, buffers=not broadcast, host=host)
-        if self._sharded:  # the check compares replicated state across all ranks; shards differ by design
-            self._replicas.schedule = replicas.Schedule(1, 0)  # (a world of one never checks)
+        self._replicas = ReplicaCheck(runtime, self._state, verify, buffers=not broadcast, host=host,
+                                      layout=sharding.layout if sharding is not None else None)  # HSDP: by column
         self._inject = Injector.from_env(os.environ, runtime.rank, runtime.mode == MODE_TOOLKIT)
         self._tb = open_scalars(runtime.rank, tensorboard_dir)  # rank 0's TensorBoard scalars (toolkit.train.tbscalars)
 
