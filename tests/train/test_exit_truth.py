@@ -25,6 +25,7 @@ import re
 import shutil
 import signal
 import subprocess
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -66,15 +67,21 @@ def fleet(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_destroy_after_finish_succeeds_and_a_nonzero_exit_after_the_end_fails_the_job(tmp_path: Path) -> None:
+    """Two jobs at once (one's start-up overlaps the other's): `kept` ends as the torchrun port does and succeeds;
+    `late` is the same, but rank 1 then exits 1: the job has failed, with that exit as its cause."""
     kept = "import torch.distributed as dist\nprint(f'after the end: rank {dist.get_rank()} of " \
            "{dist.get_world_size()}', flush=True)\ndist.destroy_process_group()"
     project_with(tmp_path, "kept.py", kept)
-    run = job(tmp_path, "kept", "kept.py", "--epochs 1 --workers 0")
+    project_with(tmp_path, "late.py", kept + "\nif rt.rank == 1:\n    raise SystemExit(1)")
+    runs = [job(tmp_path, name, f"{name}.py", "--epochs 1 --workers 0") for name in ("kept", "late")]
     try:
-        run.start()
-        code, output = run.join(JOB_TIMEOUT)
+        for run in runs:
+            run.start()
+        (code, output), (late_code, late_output) = [run.join(JOB_TIMEOUT) for run in runs]
     finally:
-        run.stop()
+        for run in runs:
+            run.stop()
+    run = runs[0]
     assert code == 0 and "job kept succeeded: every worker exited 0" in output, f"{output}\n{run.evidence()}"
     for r in range(2):
         p = run.procs()[f"worker_{r}"]
@@ -82,27 +89,29 @@ def test_destroy_after_finish_succeeds_and_a_nonzero_exit_after_the_end_fails_th
         assert f"after the end: rank {r} of 2" in run.log(f"worker_{r}.log")  # the group was still there
         assert "Process group cannot be None" not in run.log(f"worker_{r}.log")
 
-    # the same, but rank 1 then exits 1: the job has failed, with that exit as its cause
-    project_with(tmp_path, "late.py", kept + "\nif rt.rank == 1:\n    raise SystemExit(1)")
-    run = job(tmp_path, "late", "late.py", "--epochs 1 --workers 0")
-    try:
-        run.start()
-        code, output = run.join(JOB_TIMEOUT)
-    finally:
-        run.stop()
-    assert code == 1, f"{output}\n{run.evidence()}"
-    assert "job late succeeded" not in output, output
+    run = runs[1]  # rank 1 exited 1 after the end
+    assert late_code == 1, f"{late_output}\n{run.evidence()}"
+    assert "job late succeeded" not in late_output, late_output
     assert re.search(r"^worker_1 on localhost \(rank 1, pid \d+\): exit code 1 at the end of the job after 0 "
-                     r"restart\(s\); last lines of .*worker_1\.log:$", output, re.M), output
+                     r"restart\(s\); last lines of .*worker_1\.log:$", late_output, re.M), late_output
     procs = run.procs()
     assert procs["worker_1"]["state"] == "failed" and procs["worker_1"]["restarts"] == 0, run.evidence()
     assert procs["worker_0"]["state"] == "succeeded", run.evidence()
     assert run.doc()["state"] == "failed"
 
 
-@pytest.mark.parametrize("workers", [0, 2])
-def test_restart_and_stop_are_the_operators_and_the_last_words_are_written(tmp_path: Path, workers: int) -> None:
+def test_restart_and_stop_are_the_operators_and_the_last_words_are_written(tmp_path: Path) -> None:
+    """With DataLoader workers and without (num_workers 2 and 0): two jobs at once, one per thread (each mostly
+    waits on its start-up and its steps); every assertion of each is raised, the first failure first."""
     project_with(tmp_path, "long.py", "")
+    with ThreadPoolExecutor(2) as pool:
+        done = [pool.submit(restart_and_stop, tmp_path, workers) for workers in (0, 2)]
+    for future in done:
+        future.result()
+
+
+def restart_and_stop(tmp_path: Path, workers: int) -> None:
+    """`fleet restart --node worker_1`, then `fleet stop`, of a job of long.py with `workers` DataLoader workers."""
     name = f"stop{workers}"
     run = job(tmp_path, name, "long.py", f"--epochs 40 --step-delay 0.05 --workers {workers}")
     try:
