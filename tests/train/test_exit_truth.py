@@ -8,9 +8,9 @@ real CLI (`fleet deploy train --join`, `fleet stop`, `fleet restart`) on the por
   training process only, so its last words (the final checkpoint) are written; the exits are recorded as the
   operator's restart and stop, not as what they did to a DataLoader worker; --join and `status --watch` say
   `stopped` and exit 3;
-- 20 single kills of a plain script reporting its steps (examples/ddp/plain.py with toolkit.train.report) are 20
-  incidents, each naming the killed rank, with the healthy one listed apart as relaunched (no phantom `exit code
-  76` incident), and `status` counts the relaunches apart from the restarts.
+- 20 single kills of a plain script reporting its steps (examples/ddp/plain.py with toolkit.train.report; two jobs
+  at once, 10 kills each) are 20 incidents, each naming the killed rank, with the healthy one listed apart as
+  relaunched (no phantom `exit code 76` incident), and `status` counts the relaunches apart from the restarts.
 
 (A plain torchrun script ending with `dist.destroy_process_group()` is examples/ddp/plain.py, which every
 test_own_scripts.py run of it ends 0.)
@@ -159,7 +159,7 @@ def restart_and_stop(tmp_path: Path, workers: int) -> None:
 # --- one fault, one incident ---------------------------------------------------------------------------------
 
 
-KILLS = 20
+KILLS = 10  # per job, in each of two jobs at once: 20 single kills in all
 
 
 def live(run: FleetRun) -> dict[str, Any]:
@@ -191,31 +191,42 @@ def test_single_kills_of_a_plain_script_are_one_incident_each_naming_the_killed_
     """Issue 41: after a kill -9 of a plain script reporting its steps, the healthy rank that leaves to be
     relaunched (exit 76) never makes a second incident (it did in about 1 of 5 kills), the incident names the
     killed rank as failed and the other as relaunched with it, and `status` does not count the relaunch as a
-    restart of the healthy rank."""
+    restart of the healthy rank. Two jobs at once, one per thread, KILLS each: each mostly waits on its
+    relaunched ranks' start-up, which the other's overlaps."""
     reporting_script(project(tmp_path))
-    run = FleetRun(tmp_path, "kills", ["--project", str(tmp_path / "ddp"), "--script", REPORTING, "--worker-num", "2",
-                                       "--workdir", str(tmp_path / "work"), "--script-args",
-                                       "--epochs 1000 --step-delay 0.05 --workers 0"])
+    with ThreadPoolExecutor(2) as pool:
+        done = [pool.submit(single_kills, tmp_path, f"kills{n}") for n in range(2)]
+    for future in done:
+        future.result()
+
+
+def single_kills(tmp_path: Path, name: str) -> None:
+    """KILLS kill -9s of a rank chosen at random of job `name`, each once every rank trains again, then the checks."""
+    run = FleetRun(tmp_path, name, ["--project", str(tmp_path / "ddp"), "--script", REPORTING, "--worker-num", "2",
+                                    "--workdir", str(tmp_path / "work"), "--script-args",
+                                    "--epochs 1000 --step-delay 0.05 --workers 0"])
     rng = random.Random()
     victims: list[int] = []
     try:
         run.start()
         for k in range(KILLS):
-            until(f"every rank training again after {k} kill(s) {victims}", lambda k=k: trained_again(run, k), run)
+            until(f"{name}: every rank training again after {k} kill(s) {victims}",
+                  lambda k=k: trained_again(run, k), run)
             victim = rng.randrange(2)
             os.kill(run.procs()[f"worker_{victim}"]["pid"], signal.SIGKILL)
             victims.append(victim)
-        until(f"every rank training again after {KILLS} kills {victims}", lambda: trained_again(run, KILLS), run)
-        status = fleet(tmp_path, "status", "--job", "kills", "--json")
-        stopped = fleet(tmp_path, "stop", "--job", "kills")
+        until(f"{name}: every rank training again after {KILLS} kills {victims}", lambda: trained_again(run, KILLS),
+              run)
+        status = fleet(tmp_path, "status", "--job", name, "--json")
+        stopped = fleet(tmp_path, "stop", "--job", name)
         assert stopped.returncode == 0, stopped.stderr
         assert run.join(JOB_TIMEOUT)[0] == EXIT_STOPPED, run.evidence()
     finally:
         run.stop()
-    incidents = json.loads(fleet(tmp_path, "report", "--json", "--job", "kills").stdout)["incidents"]
+    incidents = json.loads(fleet(tmp_path, "report", "--json", "--job", name).stdout)["incidents"]
     assert [(i["cause"], i["processes"], i["relaunched"]) for i in incidents] == [
-        ("killed by SIGKILL", [f"worker_{v}"], [f"worker_{1 - v}"]) for v in victims], incidents
+        ("killed by SIGKILL", [f"worker_{v}"], [f"worker_{1 - v}"]) for v in victims], (name, incidents)
     shown = {p["node_id"]: p for p in json.loads(status.stdout)["processes"]}
     for r in range(2):  # its own kills are its restarts; the others' are its relaunches
         assert (shown[f"worker_{r}"]["restarts"], shown[f"worker_{r}"]["relaunched"]) == \
-            (victims.count(r), victims.count(1 - r)), (shown[f"worker_{r}"], victims)
+            (victims.count(r), victims.count(1 - r)), (name, shown[f"worker_{r}"], victims)
