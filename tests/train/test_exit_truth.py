@@ -8,9 +8,9 @@ real CLI (`fleet deploy train --join`, `fleet stop`, `fleet restart`) on the por
   training process only, so its last words (the final checkpoint) are written; the exits are recorded as the
   operator's restart and stop, not as what they did to a DataLoader worker; --join and `status --watch` say
   `stopped` and exit 3;
-- 20 single kills of a plain script reporting its steps (examples/ddp/plain.py with toolkit.train.report) are 20
-  incidents, each naming the killed rank, with the healthy one listed apart as relaunched (no phantom `exit code
-  76` incident), and `status` counts the relaunches apart from the restarts.
+- 20 single kills of a plain script reporting its steps (examples/ddp/plain.py with toolkit.train.report; two jobs
+  at once, 10 kills each) are 20 incidents, each naming the killed rank, with the healthy one listed apart as
+  relaunched (no phantom `exit code 76` incident), and `status` counts the relaunches apart from the restarts.
 
 (A plain torchrun script ending with `dist.destroy_process_group()` is examples/ddp/plain.py, which every
 test_own_scripts.py run of it ends 0.)
@@ -25,6 +25,7 @@ import re
 import shutil
 import signal
 import subprocess
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -66,15 +67,21 @@ def fleet(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_destroy_after_finish_succeeds_and_a_nonzero_exit_after_the_end_fails_the_job(tmp_path: Path) -> None:
+    """Two jobs at once (one's start-up overlaps the other's): `kept` ends as the torchrun port does and succeeds;
+    `late` is the same, but rank 1 then exits 1: the job has failed, with that exit as its cause."""
     kept = "import torch.distributed as dist\nprint(f'after the end: rank {dist.get_rank()} of " \
            "{dist.get_world_size()}', flush=True)\ndist.destroy_process_group()"
     project_with(tmp_path, "kept.py", kept)
-    run = job(tmp_path, "kept", "kept.py", "--epochs 1 --workers 0")
+    project_with(tmp_path, "late.py", kept + "\nif rt.rank == 1:\n    raise SystemExit(1)")
+    runs = [job(tmp_path, name, f"{name}.py", "--epochs 1 --workers 0") for name in ("kept", "late")]
     try:
-        run.start()
-        code, output = run.join(JOB_TIMEOUT)
+        for run in runs:
+            run.start()
+        (code, output), (late_code, late_output) = [run.join(JOB_TIMEOUT) for run in runs]
     finally:
-        run.stop()
+        for run in runs:
+            run.stop()
+    run = runs[0]
     assert code == 0 and "job kept succeeded: every worker exited 0" in output, f"{output}\n{run.evidence()}"
     for r in range(2):
         p = run.procs()[f"worker_{r}"]
@@ -82,27 +89,29 @@ def test_destroy_after_finish_succeeds_and_a_nonzero_exit_after_the_end_fails_th
         assert f"after the end: rank {r} of 2" in run.log(f"worker_{r}.log")  # the group was still there
         assert "Process group cannot be None" not in run.log(f"worker_{r}.log")
 
-    # the same, but rank 1 then exits 1: the job has failed, with that exit as its cause
-    project_with(tmp_path, "late.py", kept + "\nif rt.rank == 1:\n    raise SystemExit(1)")
-    run = job(tmp_path, "late", "late.py", "--epochs 1 --workers 0")
-    try:
-        run.start()
-        code, output = run.join(JOB_TIMEOUT)
-    finally:
-        run.stop()
-    assert code == 1, f"{output}\n{run.evidence()}"
-    assert "job late succeeded" not in output, output
+    run = runs[1]  # rank 1 exited 1 after the end
+    assert late_code == 1, f"{late_output}\n{run.evidence()}"
+    assert "job late succeeded" not in late_output, late_output
     assert re.search(r"^worker_1 on localhost \(rank 1, pid \d+\): exit code 1 at the end of the job after 0 "
-                     r"restart\(s\); last lines of .*worker_1\.log:$", output, re.M), output
+                     r"restart\(s\); last lines of .*worker_1\.log:$", late_output, re.M), late_output
     procs = run.procs()
     assert procs["worker_1"]["state"] == "failed" and procs["worker_1"]["restarts"] == 0, run.evidence()
     assert procs["worker_0"]["state"] == "succeeded", run.evidence()
     assert run.doc()["state"] == "failed"
 
 
-@pytest.mark.parametrize("workers", [0, 2])
-def test_restart_and_stop_are_the_operators_and_the_last_words_are_written(tmp_path: Path, workers: int) -> None:
+def test_restart_and_stop_are_the_operators_and_the_last_words_are_written(tmp_path: Path) -> None:
+    """With DataLoader workers and without (num_workers 2 and 0): two jobs at once, one per thread (each mostly
+    waits on its start-up and its steps); every assertion of each is raised, the first failure first."""
     project_with(tmp_path, "long.py", "")
+    with ThreadPoolExecutor(2) as pool:
+        done = [pool.submit(restart_and_stop, tmp_path, workers) for workers in (0, 2)]
+    for future in done:
+        future.result()
+
+
+def restart_and_stop(tmp_path: Path, workers: int) -> None:
+    """`fleet restart --node worker_1`, then `fleet stop`, of a job of long.py with `workers` DataLoader workers."""
     name = f"stop{workers}"
     run = job(tmp_path, name, "long.py", f"--epochs 40 --step-delay 0.05 --workers {workers}")
     try:
@@ -150,7 +159,7 @@ def test_restart_and_stop_are_the_operators_and_the_last_words_are_written(tmp_p
 # --- one fault, one incident ---------------------------------------------------------------------------------
 
 
-KILLS = 20
+KILLS = 10  # per job, in each of two jobs at once: 20 single kills in all
 
 
 def live(run: FleetRun) -> dict[str, Any]:
@@ -182,31 +191,42 @@ def test_single_kills_of_a_plain_script_are_one_incident_each_naming_the_killed_
     """Issue 41: after a kill -9 of a plain script reporting its steps, the healthy rank that leaves to be
     relaunched (exit 76) never makes a second incident (it did in about 1 of 5 kills), the incident names the
     killed rank as failed and the other as relaunched with it, and `status` does not count the relaunch as a
-    restart of the healthy rank."""
+    restart of the healthy rank. Two jobs at once, one per thread, KILLS each: each mostly waits on its
+    relaunched ranks' start-up, which the other's overlaps."""
     reporting_script(project(tmp_path))
-    run = FleetRun(tmp_path, "kills", ["--project", str(tmp_path / "ddp"), "--script", REPORTING, "--worker-num", "2",
-                                       "--workdir", str(tmp_path / "work"), "--script-args",
-                                       "--epochs 1000 --step-delay 0.05 --workers 0"])
+    with ThreadPoolExecutor(2) as pool:
+        done = [pool.submit(single_kills, tmp_path, f"kills{n}") for n in range(2)]
+    for future in done:
+        future.result()
+
+
+def single_kills(tmp_path: Path, name: str) -> None:
+    """KILLS kill -9s of a rank chosen at random of job `name`, each once every rank trains again, then the checks."""
+    run = FleetRun(tmp_path, name, ["--project", str(tmp_path / "ddp"), "--script", REPORTING, "--worker-num", "2",
+                                    "--workdir", str(tmp_path / "work"), "--script-args",
+                                    "--epochs 1000 --step-delay 0.05 --workers 0"])
     rng = random.Random()
     victims: list[int] = []
     try:
         run.start()
         for k in range(KILLS):
-            until(f"every rank training again after {k} kill(s) {victims}", lambda k=k: trained_again(run, k), run)
+            until(f"{name}: every rank training again after {k} kill(s) {victims}",
+                  lambda k=k: trained_again(run, k), run)
             victim = rng.randrange(2)
             os.kill(run.procs()[f"worker_{victim}"]["pid"], signal.SIGKILL)
             victims.append(victim)
-        until(f"every rank training again after {KILLS} kills {victims}", lambda: trained_again(run, KILLS), run)
-        status = fleet(tmp_path, "status", "--job", "kills", "--json")
-        stopped = fleet(tmp_path, "stop", "--job", "kills")
+        until(f"{name}: every rank training again after {KILLS} kills {victims}", lambda: trained_again(run, KILLS),
+              run)
+        status = fleet(tmp_path, "status", "--job", name, "--json")
+        stopped = fleet(tmp_path, "stop", "--job", name)
         assert stopped.returncode == 0, stopped.stderr
         assert run.join(JOB_TIMEOUT)[0] == EXIT_STOPPED, run.evidence()
     finally:
         run.stop()
-    incidents = json.loads(fleet(tmp_path, "report", "--json", "--job", "kills").stdout)["incidents"]
+    incidents = json.loads(fleet(tmp_path, "report", "--json", "--job", name).stdout)["incidents"]
     assert [(i["cause"], i["processes"], i["relaunched"]) for i in incidents] == [
-        ("killed by SIGKILL", [f"worker_{v}"], [f"worker_{1 - v}"]) for v in victims], incidents
+        ("killed by SIGKILL", [f"worker_{v}"], [f"worker_{1 - v}"]) for v in victims], (name, incidents)
     shown = {p["node_id"]: p for p in json.loads(status.stdout)["processes"]}
     for r in range(2):  # its own kills are its restarts; the others' are its relaunches
         assert (shown[f"worker_{r}"]["restarts"], shown[f"worker_{r}"]["relaunched"]) == \
-            (victims.count(r), victims.count(1 - r)), (shown[f"worker_{r}"], victims)
+            (victims.count(r), victims.count(1 - r)), (name, shown[f"worker_{r}"], victims)
