@@ -15,6 +15,7 @@ not (toolkit.scheduler.kvstore reads them).
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar, Mapping
 
@@ -457,7 +458,7 @@ class Heartbeat(Message):
             count if type(count) is int and 0 <= count < MAX_COLLECTIVES else None,
             capacity if type(capacity) is int and 1 <= capacity <= logical.MAX_LOGICAL_RANKS else None,
             None if not isinstance(running, dict) else {
-                n: pid for n, pid in list(running.items())[:MAX_NODE_IDS]
+                n: pid for n, pid in itertools.islice(running.items(), MAX_NODE_IDS)
                 if isinstance(n, str) and len(n) <= MAX_NAME and protocol.is_int(pid)})
 
     def pace(self) -> dict[str, Any]:

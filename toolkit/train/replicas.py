@@ -347,8 +347,9 @@ class ReplicaCheck:
             step_seconds = max(0.0, began - self._last[0]) / (step - self._last[1])
         proposal = self.schedule.proposal(self._cost, step_seconds)
         s = self.state
-        compared = covered(s.module, s.optimizer, dict(s.extra), self.buffers) if self.layout is None else \
-            sharded_covered(s.capture(step))
+        shard = s.capture(step) if self.layout is not None else None  # views: the verified copy is taken of it
+        compared = covered(s.module, s.optimizer, dict(s.extra), self.buffers) if shard is None else \
+            sharded_covered(shard)
         mine = torch.tensor(fingerprint_of(self.digester, s.optimizer, compared, proposal), dtype=torch.int64,
                             device=self.rt.device)
         try:
@@ -357,7 +358,7 @@ class ReplicaCheck:
                 found = verdict(every, self.schedule.since, step, self._columns())
                 if found.kind == AGREE:
                     if self.rt.world_size > 1:
-                        self.verified = Verified(step, s.capture(step), self.verified)
+                        self.verified = Verified(step, s.capture(step) if shard is None else shard, self.verified)
                     self.last_split = None
                     went = step
                 elif found.kind == CONFIG:
