@@ -327,6 +327,9 @@ class Trainer:
         self._lane = 0  # the step is redone (or the next one begins) from this process's first logical rank
         if kept:
             self.step_count += 1
+            if self._tb is not None:  # its loss, printed by the script, is the step's as any other's
+                self._tb.step(self.step_count, self._loss, None)
+        self._loss = None  # a step redone reports its loss again
         self._state.live = True
         self._need_sync = True
         how = 'the step was complete here' if kept else 'the step in flight is redone'
