@@ -16,8 +16,9 @@ rank writes its steps/s over the whole run to a file. Modes, interleaved, --repe
   streamed  `fleet run`: every line shown, read at once by this script (to /dev/null)
   stalled   `fleet run`: shown to a pipe nobody reads until the job ended (a paused terminal: lines dropped)
 Printed: each mode's median steps/s of rank 0 (silent) and rank 1 (the printer) and their ratio to `quiet`.
-`--path-cost`: instead, the CPU fleet's own Python spends on a line (tail's output parsed, cleaned, queued and
-written by the bounded Printer `run` uses, to /dev/null), and what that is at the printer's line rate.
+`--path-cost`: instead, the CPU fleet's own Python spends on a line (tail's output split, parsed, cleaned, queued and
+written by the bounded Printer `run` uses, to /dev/null; a step's lines a read), and what that is at the printer's
+line rate.
 """
 
 from __future__ import annotations
@@ -83,20 +84,23 @@ def one_run(project: Path, work: Path, mode: str, steps: int, lines: int) -> tup
 
 
 def path_cost(lines: int, lines_per_step: int) -> None:
-    """--path-cost: CPU time a line through TailParser and the bounded Printer, in this process."""
+    """--path-cost: CPU time a line through the stream's LineSplitter, TailParser and the bounded Printer, in this
+    process, fed one step's output (--lines-per-step lines) a read."""
     from toolkit.launcher.jobhosts.scripts import TailParser
     from toolkit.launcher.jobhosts.streams import STREAM_BUFFER_LINES, Printer
+    from toolkit.launcher.remote.host import LineSplitter
 
     stdout = sys.stdout
+    chunk = ("x" * 99 + "\n").encode() * lines_per_step
     with open(os.devnull, "w") as sink:
         sys.stdout = sink
         try:
-            printer = Printer(lambda prefix, text: f"[{prefix}]: {text}", bound=STREAM_BUFFER_LINES)
+            printer = Printer(": ", bound=STREAM_BUFFER_LINES)
             printer.start()
-            parse = TailParser({"/job/logs/worker_1.log": "rank1"}, printer.line)
+            split = LineSplitter(TailParser({"/job/logs/worker_1.log": "[rank1]"}, printer.lines))
             began = time.process_time()
-            for _ in range(lines):
-                parse("x" * 99)
+            for _ in range(lines // lines_per_step):
+                split.feed(chunk)
             printer.close()
             cpu = time.process_time() - began
         finally:

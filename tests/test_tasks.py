@@ -586,11 +586,15 @@ def test_tail_output_is_split_by_file_and_keeps_blank_lines() -> None:
     from toolkit.launcher.jobhosts.scripts import TailParser
 
     got: list[tuple[str, str]] = []
-    parse = TailParser({"/a.log": "h:worker:0", "/b.log": "h:worker:1"}, lambda p, line: got.append((p, line)))
-    for line in ["==> /a.log <==", "one", "", "two", "", "==> /b.log <==", "three", "", "==> /a.log <==", "four"]:
-        parse(line)
-    assert got == [("h:worker:0", "one"), ("h:worker:0", ""), ("h:worker:0", "two"), ("h:worker:1", "three"),
-                   ("h:worker:0", "four")]
+    parse = TailParser({"/a.log": "h:worker:0", "/b.log": "h:worker:1"},
+                       lambda p, lines: got.extend((p, line) for line in lines))
+    output = ["==> /a.log <==", "one", "", "two", "", "==> /b.log <==", "three", "", "==> /a.log <==", "four"]
+    for cut in (1, 2, 4, len(output)):  # whatever batches the stream's reads make
+        got.clear()
+        for at in range(0, len(output), cut):
+            parse(output[at:at + cut])
+        assert got == [("h:worker:0", "one"), ("h:worker:0", ""), ("h:worker:0", "two"), ("h:worker:1", "three"),
+                       ("h:worker:0", "four")], cut
 
 
 def test_deploy_refuses_a_job_directory_others_could_change_and_keeps_its_own_private(tmp_path: Path,

@@ -33,3 +33,12 @@ def clean(text: Any, limit: int | None = 200, tabs: bool = False) -> str:
         s, cut = s[:limit], len(s) - limit
     s = (_CONTROL_BUT_TAB if tabs else _CONTROL).sub(_escape, s)
     return f"{s}...(+{cut})" if cut else s
+
+
+def clean_lines(lines: list[str], tabs: bool = False) -> list[str]:
+    """`clean(line, None, tabs)` of each line, without a bound; when no line needs it (the usual case), one search
+    over them all: what following a fast printer costs is then per batch of lines, not per line."""
+    pattern = _CONTROL_BUT_TAB if tabs else _CONTROL
+    if pattern.search("".join(lines)) is None:
+        return lines
+    return [pattern.sub(_escape, line) for line in lines]

@@ -172,31 +172,39 @@ def missing_logs(stderr: str, paths: Mapping[str, str]) -> list[str]:
 
 class TailParser:
     """`tail -v` output (a `==> path <==` header before each file's lines, a blank line before every header but
-    the first) -> (prefix, line) for each line of the logs.
+    the first) -> the lines of each log, under its process's prefix.
 
-    Feed it every line of output in order (it is the on_line of a stream); `prefixes` maps each path given to
-    tail to its process's prefix. A blank line is held back until the next line shows it was not a separator.
-    Lines before any header belong to the first path."""
+    Feed it every line of output in order, a batch at a time (it is the on_lines of a stream); `prefixes` maps each
+    path given to tail to its process's prefix; `emit(prefix, lines)` gets each run of one log's lines of a batch.
+    A blank line is held back until the next line shows it was not a separator. Lines before any header belong to
+    the first path."""
 
-    def __init__(self, prefixes: Mapping[str, str], emit: Callable[[str, str], None]) -> None:
+    def __init__(self, prefixes: Mapping[str, str], emit: Callable[[str, list[str]], None]) -> None:
         self.prefixes = prefixes
         self.emit = emit
         self.current = next(iter(prefixes.values()), "?")
         self.blank = False  # a blank line held back: it may be the separator before the next header
 
-    def __call__(self, line: str) -> None:
-        """Take one line: a header switches the current prefix, anything else is emitted under it."""
-        m = _TAIL_HEADER.match(line)
-        if m and m.group(1) in self.prefixes:
-            self.current, self.blank = self.prefixes[m.group(1)], False
-            return
-        if self.blank:
-            self.emit(self.current, "")
-            self.blank = False
-        if line == "":
-            self.blank = True
-            return
-        self.emit(self.current, line)
+    def __call__(self, lines: list[str]) -> None:
+        """Take a batch of lines: a header switches the current prefix, anything else is emitted under it."""
+        run: list[str] = []
+        for line in lines:
+            m = _TAIL_HEADER.match(line) if line.startswith("==> ") else None
+            if m and m.group(1) in self.prefixes:
+                if run:
+                    self.emit(self.current, run)
+                    run = []
+                self.current, self.blank = self.prefixes[m.group(1)], False
+                continue
+            if self.blank:
+                run.append("")
+                self.blank = False
+            if line == "":
+                self.blank = True
+            else:
+                run.append(line)
+        if run:
+            self.emit(self.current, run)
 
 
 # Runs the check's probe (toolkit.launcher.check.probe, given as source) with the host's interpreter in the environment

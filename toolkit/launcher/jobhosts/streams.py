@@ -26,42 +26,55 @@ from toolkit.launcher.jobhosts.output import dash, say
 from toolkit.launcher.jobhosts.reach import STATUS_TIMEOUT, host_target
 from toolkit.launcher.jobhosts.scripts import TailParser, missing_logs
 from toolkit.launcher.remote import ClusterError, Host, HostResult, SshSettings, Target, run_on_all
-from toolkit.printable import clean
+from toolkit.printable import clean_lines
 
 STREAM_BUFFER_LINES = 10_000  # lines read but not yet written that `run` holds before it drops (and counts) more
 STREAM_DRAIN = 1.0  # s the streams go on after the job ended, for the last lines its processes wrote
+# s between tail's looks at the logs. Not inotify: it wakes tail at every write of a rank, on the rank's own CPU
+# (the kernel places a woken task beside its waker), which cost a rank printing 38,000 lines/s 9-11% of its steps
+# (bench/stream_cost.py); looking 20 times a second cost it 2-3%, and a line shows at most this late.
+FOLLOW_POLL = 0.05
 
 
 class Printer:
-    """Whole lines to stdout from several threads at once, each with its prefix (`form(prefix, text)` makes the
-    line). The text's control characters are shown as escapes (`\\x1b`, `\\r`; tabs kept): a log line can neither
-    pass for another line nor drive the terminal (printable.clean).
+    """Whole lines to stdout from several threads at once, each its process's prefix, `sep`, then the text. The
+    text's control characters are shown as escapes (`\\x1b`, `\\r`; tabs kept): a log line can neither pass for
+    another line nor drive the terminal (printable.clean).
 
-    With `bound`, `line` never blocks on stdout: it queues (at most `bound` lines; more are dropped and counted
+    With `bound`, `lines` never blocks on stdout: it queues (at most `bound` lines held; more are dropped and counted
     per prefix in `dropped`) for a writer thread, started by `start` and drained by `close`. Without, it writes
-    at once."""
+    at once. A batch of lines takes the lock once and wakes the writer once."""
 
-    def __init__(self, form: Callable[[str, str], str], bound: int | None = None) -> None:
-        self.form = form
+    def __init__(self, sep: str, bound: int | None = None) -> None:
+        self.sep = sep
         self.bound = bound
         self.lock = threading.Lock()
-        self.queue: collections.deque[str] = collections.deque()
+        self.queue: collections.deque[str] = collections.deque()  # batches of whole lines, not yet written
+        self.held = 0  # lines in the queue
         self.ready = threading.Condition(self.lock)
         self.closed = False
         self.dropped: collections.Counter[str] = collections.Counter()
         self.writer: threading.Thread | None = None
 
-    def line(self, prefix: str, text: str) -> None:
-        """Print (or queue) one line of the process `prefix` names."""
-        out = self.form(prefix, clean(text, None, tabs=True)) + "\n"
+    def lines(self, prefix: str, texts: list[str]) -> None:
+        """Print (or queue) lines of the process `prefix` names, in order."""
+        shown = clean_lines(texts, tabs=True)
+        head = prefix + self.sep
         with self.lock:
+            if self.bound is not None:
+                room = max(0, self.bound - self.held)
+                if len(shown) > room:
+                    self.dropped[prefix] += len(shown) - room
+                    shown = shown[:room]
+                self.held += len(shown)
+            if not shown:
+                return
+            text = head + ("\n" + head).join(shown) + "\n"
             if self.bound is None:
-                sys.stdout.write(out)
+                sys.stdout.write(text)
                 sys.stdout.flush()
-            elif len(self.queue) >= self.bound:
-                self.dropped[prefix] += 1
             else:
-                self.queue.append(out)
+                self.queue.append(text)
                 self.ready.notify()
 
     def start(self) -> None:
@@ -78,6 +91,7 @@ class Printer:
                     return
                 lines = list(self.queue)
                 self.queue.clear()
+                self.held = 0
             with contextlib.suppress(BrokenPipeError, ValueError):
                 sys.stdout.write("".join(lines))
                 sys.stdout.flush()
@@ -98,9 +112,11 @@ def follow_host(host: Host, paths: Mapping[str, str], lines: str, out: Printer, 
     """Stream this host's logs (`paths`: their prefixes) to `out` until `stop_event`, beginning with `lines` (tail's
     -n: "20" the last 20, "+1" from the start); a tail that ends on its own is this host's failure (UserError, or
     the error of the command's result)."""
-    parser = TailParser(paths, out.line)
+    parser = TailParser(paths, out.lines)
     # --pid: if this end vanishes without killing it, tail still ends once the SSH session's process does.
-    command = f'exec tail -v -F -n {shlex.quote(lines)} --pid="$PPID" -- ' + " ".join(shlex.quote(p) for p in paths)
+    # ---disable-inotify: GNU tail's own spelling (uutils' tail takes it too); see FOLLOW_POLL.
+    command = (f"exec tail -v -F ---disable-inotify -s {FOLLOW_POLL} -n {shlex.quote(lines)} --pid=\"$PPID\" -- "
+               + " ".join(shlex.quote(p) for p in paths))
     result = host.stream(command, parser, stop_event)
     for note in missing_logs(result.stderr, paths):
         say(note)
@@ -195,7 +211,7 @@ def streamed(record: JobRecord, ssh: SshSettings, choice: RankFilter | None) -> 
         return
     files = log_files(record, chosen, lambda p: f"[rank{p['rank']}]")
     targets = [host_target(record.host(n), record.local) for n in files]
-    out = Printer(lambda prefix, text: f"{prefix}: {text}", bound=STREAM_BUFFER_LINES)
+    out = Printer(": ", bound=STREAM_BUFFER_LINES)
     stop_event = threading.Event()
     out.start()
     thread = threading.Thread(target=follow, args=(targets, files, "+1", ssh, out, stop_event), name="streams",

@@ -132,11 +132,11 @@ class Host:
     def stream(
         self,
         command: Sequence[str] | str,
-        on_line: Callable[[str], None],
+        on_lines: Callable[[list[str]], None],
         stop: threading.Event,
         poll: float = STREAM_POLL,
     ) -> CommandResult:
-        """Run a command and hand each line of its stdout to on_line as it arrives (`tail -F` over SSH), until
+        """Run a command and hand the lines of its stdout to on_lines as they arrive (`tail -F` over SSH), until
         the command ends, the connection is lost, or `stop` is set. No read waits longer than `poll`. On stop,
         the command's process group on the host is killed (its leader reports its pid and group first), so a
         follower never outlives the stream; stderr comes back in the result.
@@ -145,12 +145,13 @@ class Host:
         SSH a dead peer ends the stream through TCP_USER_TIMEOUT and keepalives. on_line runs in the calling
         thread. Returns a CommandResult with empty stdout: `stopped` when `stop` ended it, else its exit status,
         signal or lost connection; raises only if the command cannot be started (HostStalled if the host does
-        not answer)."""
+        not answer). The lines of one read come in one call: what follows a fast writer costs per read, not per
+        line."""
         text = command_text(command)
         # sshd (and LocalHost) start the command as a session leader: its pid is its process group.
         wrapped = (f'read -r _ _ _ _ g _ < /proc/$$/stat; echo "{_STREAM_HEADER} $$ $g"; '
                    f"exec /bin/sh -c {shlex.quote(text)}")
-        lines = LineSplitter(on_line)
+        lines = LineSplitter(on_lines)
         code, err, finished, stopped = self._stream_text(wrapped, lines, stop, poll)
         lines.flush()
         if stopped:
@@ -279,36 +280,37 @@ class Host:
 
 
 class LineSplitter:
-    """Bytes of a stream -> whole lines for the callback; the first line is the stream's header (pid, group)."""
+    """Bytes of a stream -> whole lines for the callback, those of each chunk in one call (decoded once: a newline
+    never falls inside a UTF-8 sequence); the first line is the stream's header (pid, group)."""
 
-    def __init__(self, on_line: Callable[[str], None]) -> None:
-        self.on_line = on_line
+    def __init__(self, on_lines: Callable[[list[str]], None]) -> None:
+        self.on_lines = on_lines
         self.buf = b""
         self.header: tuple[int, int] | None = None
         self.header_seen = False
 
     def feed(self, data: bytes) -> None:
         """Take the next chunk; complete lines go out, a partial last line waits for the rest."""
-        self.buf += data
-        *complete, self.buf = self.buf.split(b"\n")
-        for raw in complete:
-            self._line(decode_output(raw))
+        complete, newline, self.buf = (self.buf + data).rpartition(b"\n")
+        if newline:
+            self._lines(decode_output(complete).split("\n"))
 
     def flush(self) -> None:
         """Hand out a last line that had no newline (at the end of the stream)."""
         if self.buf:
-            self._line(decode_output(self.buf))
+            self._lines([decode_output(self.buf)])
             self.buf = b""
 
-    def _line(self, line: str) -> None:
-        """The first line, if it is the header, sets `header` and is swallowed; every other line goes to on_line."""
+    def _lines(self, lines: list[str]) -> None:
+        """The first line, if it is the header, sets `header` and is swallowed; every other line goes to on_lines."""
         if not self.header_seen:
             self.header_seen = True
-            words = line.split()
+            words = lines[0].split()
             if len(words) == 3 and words[0] == _STREAM_HEADER and words[1].isdigit():
                 self.header = (int(words[1]), int(words[2]) if words[2].isdigit() else -1)
-                return
-        self.on_line(line)
+                lines = lines[1:]
+        if lines:
+            self.on_lines(lines)
 
 
 def command_text(command: Sequence[str] | str, cwd: str | None = None, env: Mapping[str, str] | None = None) -> str:

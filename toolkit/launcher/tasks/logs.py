@@ -49,7 +49,7 @@ def logs(ref: JobRef, node: str | None = None, rank: int | None = None, host_nam
     if follow:
         stop_event = threading.Event()
         with interrupt_sets(stop_event):
-            raise_failed(follow_logs(targets, files, str(lines), ssh, Printer(_form), stop_event))
+            raise_failed(follow_logs(targets, files, str(lines), ssh, Printer(" | "), stop_event))
     else:
         _print_tails(targets, files, lines, ssh)
 
@@ -57,29 +57,29 @@ def logs(ref: JobRef, node: str | None = None, rank: int | None = None, host_nam
 def _print_tails(targets: list[Target], files: Mapping[str, dict[str, str]], lines: int, ssh: SshSettings) -> None:
     """The last `lines` lines of each host's logs (`files`), printed host by host once every host answered, with a
     note for each log not written yet. ClusterError naming the hosts that could not be read, after the rest."""
-    out = Printer(_form)
+    out = Printer(" | ")
     results = run_on_all(targets, lambda host: _read_tails(host, files[host.name], lines), ssh)
     for r in results.values():
         if r.ok and r.value is not None:
             got, missing = r.value
-            for prefix, line in got:
-                out.line(prefix, line)
+            for prefix, lines in got:
+                out.lines(prefix, lines)
             for note in missing:
                 say(note)
     check_all(results)
 
 
-def _read_tails(host: Host, paths: dict[str, str], lines: int) -> tuple[list[tuple[str, str]], list[str]]:
+def _read_tails(host: Host, paths: dict[str, str], lines: int) -> tuple[list[tuple[str, list[str]]], list[str]]:
     """This host's (prefix, line) pairs of the last `lines` of each of `paths`, and notes for its missing logs, by
     one `tail -n` bounded by STATUS_TIMEOUT. tail exits 1 when a log is missing: still an answer, unless tail did
     not finish or gave neither lines nor that complaint (then the result's error is raised)."""
     result = host.run(["tail", "-v", "-n", str(lines), "--", *paths], timeout=STATUS_TIMEOUT)
     if not result.ok and (result.exit_code is None or not (result.stdout or "cannot open" in result.stderr)):
         result.check()
-    got: list[tuple[str, str]] = []
-    parser = TailParser(paths, lambda prefix, line: got.append((prefix, line)))
-    for line in result.stdout.removesuffix("\n").split("\n") if result.stdout else []:
-        parser(line)  # split at newlines only: a carriage return or form feed is shown, not obeyed
+    got: list[tuple[str, list[str]]] = []
+    parser = TailParser(paths, lambda prefix, lines: got.append((prefix, lines)))
+    if result.stdout:
+        parser(result.stdout.removesuffix("\n").split("\n"))  # newlines only: a carriage return is shown, not obeyed
     return got, missing_logs(result.stderr, paths)
 
 
@@ -97,7 +97,3 @@ def _choose(record: JobRecord, node: str | None, rank: int | None, host_name: st
         record.host(host_name)
         return [p for p in record.processes if p["host"] == host_name]
     return list(record.processes)
-
-
-def _form(prefix: str, text: str) -> str:
-    return f"{prefix} | {text}"
