@@ -182,6 +182,46 @@ def test_hsdp_a_bit_flipped_in_one_ranks_shard_is_caught_by_its_column_and_redon
          {"ranks": [1, 3], "hosts": ["localhost", "localhost"], "window": [5, 8], "action": "rolled back"})]
 
 
+THREE_REPLICAS = ["--mesh", "3,1", "--epochs", "1", "--samples", "384", "--step-delay", "0.03"]  # 16 steps
+
+
+def test_hsdp_three_replicas_a_flipped_bit_is_healed_from_the_majority_and_redone_bitwise(tmp_path: Path) -> None:
+    """HSDP over 3 replica groups (a (3, 1) mesh: world 3), the replica check every 4 steps, a bit of rank 1's shard
+    flipped after step 5: at step 8 the column has a majority, so rank 1 alone is named, takes the last good check's
+    shard (step 4) from a healthy rank of its column, every rank redoes steps 5-8, and the run ends bitwise equal
+    to the uninterrupted one (run beside it, at the same time); the ledger says `healed`."""
+    runs = {"ref3": job(tmp_path / "ref3", "ref3", THREE_REPLICAS, world=3),
+            "sdc3": job(tmp_path / "sdc3", "sdc3", THREE_REPLICAS, world=3)}
+    for j in runs.values():
+        for r in range(3):
+            with open(j.dir / "env" / f"worker_{r}.env", "a") as f:
+                f.write("export TOOLKIT_VERIFY_EVERY=4\n")
+    with open(runs["sdc3"].dir / "env" / "worker_1.env", "a") as f:
+        f.write("export TOOLKIT_INJECT_CORRUPTION='rank=1,step=5,bit=20'\n")
+    with ThreadPoolExecutor(2) as pool:
+        texts = dict(zip(runs, pool.map(run_whole, runs.values()), strict=True))
+    j = runs["sdc3"]
+    (reference,) = FINAL.findall(texts["ref3"])
+    (final,) = FINAL.findall(texts["sdc3"])
+    logs = [j.log(f"worker_{r}.log") for r in range(3)]
+    assert "rank 1: injected corruption after step 5: flipped bit 20 of params inp.weight[0] (this rank's shard)" \
+        in logs[1], j.evidence()
+    for r in range(3):
+        found = [line for line in logs[r].splitlines() if "corruption found" in line]
+        assert len(found) == 1 and found[0].startswith(
+            f"rank {r}: corruption found at step 8: rank 1 on localhost differs from the majority of its shard's "
+            "replicas (shard 0: ranks 0, 2); it started in steps 5-8; every rank goes back to step 4 (the last good "
+            "check), rank 1 on localhost receiving its shard from rank "), (found, j.evidence())
+    assert re.search(r"receiving its shard from rank [02], and redoes the steps \([0-9.]+ MB received\)$",
+                     next(line for line in logs[1].splitlines() if "corruption found" in line)), logs[1][-3000:]
+    assert "corruption found" not in texts["ref3"], texts["ref3"][-3000:]
+    assert final == reference, "the run healed after the corruption differs from the uninterrupted one"
+    incidents = [i for i in json.loads((j.dir / "recovery" / "ledger.json").read_text())["incidents"]
+                 if i.get("corruption")]
+    assert [(i["corruption"]["ranks"], i["corruption"]["window"], i["corruption"]["action"]) for i in incidents] == \
+        [([1], [5, 8], "healed")], incidents
+
+
 MIRROR_EVERY = 4  # K: steps between refreshes of the copies of the shards in memory
 FSDP_ARGS = ["--mesh", "4", "--epochs", "3", "--samples", "512", "--step-delay", "0.03"]
 REDONE = re.compile(r"^rank (\d+): ranks \[[\d, ]+\] lost at step (\d+): every rank goes back to step (\d+), "
