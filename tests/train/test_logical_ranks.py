@@ -8,6 +8,9 @@ authenticated `formed` stops with one line instead of training on it.
 
 from __future__ import annotations
 
+import contextlib
+import copy
+import math
 import os
 import random
 import re
@@ -27,7 +30,8 @@ from toolkit.contracts import protocol as P
 from toolkit.testing import waits
 from toolkit.testing.localjob import FINAL_LINE, STEP_LINE, LocalJob, TorchrunRun
 from toolkit.train.faults import LoaderError
-from toolkit.train.logicalgrad import LogicalGrad
+from toolkit.train.logicalgrad import LogicalGrad, deferred
+from toolkit.train.lossscale import in_step, scalers_in
 from toolkit.train.stepdata import StepData, retarget
 from toolkit.train.trainer import as_built
 
@@ -241,3 +245,72 @@ def test_the_gradient_of_several_logical_ranks_is_their_mean_summed_in_logical_o
     for i, p in enumerate(model.parameters()):
         want = torch.div(torch.add(grads[0][i], grads[1][i]).add_(grads[2][i]), 3)
         assert p.grad.numpy().tobytes() == want.numpy().tobytes()
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_a_grad_scaler_over_several_logical_ranks_unscales_checks_and_updates_the_mean_once_bitwise(enabled) -> None:
+    """One process serving logical ranks 0, 1, 2 of 3 with a GradScaler handed over in `state=` (its methods shadowed
+    per lane as the Trainer does: toolkit.train.lossscale) steps bitwise as one process given DDP's gradient, the
+    mean of the 3 scaled gradients: unscale_ and clip_grad_norm_ on that mean, an overflow on logical rank 1 alone
+    at step 2 skipping the step for all and halving the scale, update() once a step (the scale grows every 2 clean
+    steps). Disabled, the scaler's unscale_ still marks where the clipping of the mean goes."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Linear(7, 3))
+    twin = copy.deepcopy(model)
+    opt, twin_opt = (torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (model, twin))
+    scaler, twin_scaler = (torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2, enabled=enabled)
+                           for _ in range(2))
+    logical = LogicalGrad(model, None, 0, 3, [(0, 1, 2)], "gloo")
+    opt.register_step_pre_hook(lambda *_: logical.reduce())
+    updates = Counter()
+    overflow = (2, 1) if enabled else None  # (step, logical rank)
+    clipped: list[float] = []  # the norms clip_grad_norm_ saw, lane by lane
+    norms: list[float] = []  # the twin's, step by step
+
+    def body(m: torch.nn.Module, o: torch.optim.Optimizer, s: torch.amp.GradScaler, x: torch.Tensor, lr: int,
+             step: int, backward_only: bool = False) -> None:
+        o.zero_grad(set_to_none=True)
+        loss = m(x).pow(2).sum() * (math.inf if (step, lr) == overflow else 1.0)
+        s.scale(loss).backward()
+        if backward_only:
+            return
+        s.unscale_(o)
+        clipped.append(float(torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)))
+        s.step(o)
+        s.update()
+
+    for step in range(6):
+        xs = [torch.randn(4, 5) for _ in range(3)]
+        for lane, x in enumerate(xs):
+            logical.begin(lane)
+            last = lane == 2
+            with contextlib.nullcontext() if last else deferred(opt), \
+                    in_step(scalers_in({"scaler": scaler}), logical, lane, last, lambda: updates.update(["update"])):
+                body(model, opt, scaler, x, lane, step)
+            if not last:
+                logical.keep(lane)
+        assert clipped[-3:-1] == [0.0, 0.0]  # lanes but the last: the gradient kept at unscale_, none to clip
+        grads = []
+        for lr, x in enumerate(xs):  # the twin: DDP's gradient, the mean of the scaled ones, then the scaler
+            body(twin, twin_opt, twin_scaler, x, lr, step, backward_only=True)
+            grads.append([p.grad.clone() for p in twin.parameters()])
+        for i, p in enumerate(twin.parameters()):
+            p.grad = torch.div(torch.add(grads[0][i], grads[1][i]).add_(grads[2][i]), 3)
+        before = twin_scaler.get_scale()
+        twin_scaler.unscale_(twin_opt)
+        norm = float(torch.nn.utils.clip_grad_norm_(twin.parameters(), 1.0))
+        assert (norm == clipped[-1] or math.isnan(norm) and math.isnan(clipped[-1])), step  # the mean's norm
+        norms.append(norm)
+        twin_scaler.step(twin_opt)
+        twin_scaler.update()
+        for p, q in zip(model.parameters(), twin.parameters(), strict=True):
+            assert p.detach().numpy().tobytes() == q.detach().numpy().tobytes(), step
+        assert scaler.state_dict() == twin_scaler.state_dict(), step
+        if enabled and step == overflow[0]:
+            assert twin_scaler.get_scale() == before / 2  # the step was skipped, the scale backed off
+    assert updates["update"] == (6 if enabled else 0)
+    assert sum(n > 1.0 for n in norms) >= 3  # the clipping did clip
+    assert all(name not in scaler.__dict__ for name in ("unscale_", "step", "update"))  # put back
+    if enabled:
+        # grown after steps 0-1, halved at step 2's overflow, grown after steps 3-4: one update a step, not 3
+        assert (scaler.get_scale(), scaler.state_dict()["_growth_tracker"]) == (2.0**11, 1)
