@@ -1,9 +1,11 @@
 """Logical ranks end to end (issue 42 item 1), through the real agent, scheduler and workers: 2 workers serving 4
 logical ranks (`--logical-ranks 4`) end with parameters bitwise equal to those of 4 workers under the real torchrun;
 and so does such a job whose worker is killed with SIGKILL mid-run (each process serving 2 logical ranks), the
-survivor going on in place and the replacement taking its state from it. The processes there run the step body
-once per logical rank: each worker's log has every step twice. And a real worker told a wrong assignment in an
-authenticated `formed` stops with one line instead of training on it.
+survivor going on in place and the replacement taking its state from it. Each run scales its loss with a GradScaler
+(handed over in `state=`), unscales and clips the gradient's norm, and one step's loss is inf: that step is skipped
+and the scale backed off once, and the scaler ends in the same state as the torchrun run's. The processes there run
+the step body once per logical rank: each worker's log has every step twice. And a real worker told a wrong
+assignment in an authenticated `formed` stops with one line instead of training on it.
 """
 
 from __future__ import annotations
@@ -35,8 +37,13 @@ from toolkit.train.lossscale import in_step, scalers_in
 from toolkit.train.stepdata import StepData, retarget
 from toolkit.train.trainer import as_built
 
-ARGS = ["--epochs", "2", "--ckpt-interval", "4", "--keep-max", "3", "--timeout", "30"]
+INF_STEP = 7  # the step whose loss is inf: skipped, the scale halved
+ARGS = ["--epochs", "2", "--ckpt-interval", "4", "--keep-max", "3", "--timeout", "30", "--grad-scaler",
+        "--clip-norm", "0.1", "--inf-loss-at", str(INF_STEP)]  # the gradient's norm is 0.14-0.3: clipped every step
 STEPS = 2 * 12  # 1440 samples over 4 logical ranks, 360 each, in batches of 32: 12 a epoch
+SCALER_LINE = re.compile(r"^final grad scaler: scale (\S+), growth tracker (\d+)$", re.M)
+# GradScaler's defaults: 2**16, halved once at INF_STEP, then one clean update a step (growth only after 2000)
+SCALER_AT_END = [(str(2.0**15), str(STEPS - INF_STEP))]
 JOB_TIMEOUT = 240.0  # s for one job on a loaded 2-core machine; normally ~20 s
 SPARE_TIMEOUT = 60.0  # s for the agent's warm spare to import torch
 POLL = 0.02  # s between looks at a log: no event tells that a line was appended
@@ -48,13 +55,15 @@ pytestmark = pytest.mark.timeout(600)
 
 @pytest.fixture(scope="module")
 def four_workers(tmp_path_factory) -> Iterator[Callable[[], tuple[Path, str]]]:
-    """The final parameters of 4 workers under the real torchrun (one logical rank each, as any torchrun job). The
-    run starts with the module and goes on alongside the first test's job; calling the fixture waits for its end."""
+    """The final parameters of 4 workers under the real torchrun (one logical rank each, as any torchrun job), their
+    GradScaler's final state checked. The run starts with the module and goes on alongside the first test's job;
+    calling the fixture waits for its end."""
     run = TorchrunRun(tmp_path_factory.mktemp("torchrun4"), 4, ARGS)
 
     def final() -> tuple[Path, str]:
         log = run.logs(JOB_TIMEOUT)[0]
         assert len(STEP_LINE.findall(log)) == STEPS, log[-2000:]
+        assert SCALER_LINE.findall(log) == SCALER_AT_END, log[-2000:]
         return run.final(JOB_TIMEOUT)
 
     try:
@@ -90,6 +99,7 @@ def test_two_workers_serving_four_logical_ranks_end_bitwise_equal_to_four_worker
     ref_path, ref_digest = four_workers()
     assert final[1] == ref_digest, "2 workers serving 4 logical ranks differ from 4 workers"
     assert_bitwise_equal(Path(final[0]), ref_path)
+    assert SCALER_LINE.findall(job.log("worker_0.log")) == SCALER_AT_END, job.evidence()
 
 
 def test_a_kill9_of_a_worker_serving_two_logical_ranks_recovers_in_place_bitwise(tmp_path, four_workers) -> None:
@@ -119,6 +129,7 @@ def test_a_kill9_of_a_worker_serving_two_logical_ranks_recovers_in_place_bitwise
     ref_path, ref_digest = four_workers()
     assert final[1] == ref_digest, f"final parameters differ from 4 workers' {why}"
     assert_bitwise_equal(Path(final[0]), ref_path)
+    assert SCALER_LINE.findall(survivor) == SCALER_AT_END, why
 
 
 def test_a_worker_told_a_wrong_assignment_stops_with_one_line_and_never_trains(tmp_path) -> None:

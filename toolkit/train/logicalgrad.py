@@ -8,7 +8,8 @@ Why not DDP: its reducer allreduces once per backward, and here the processes ru
 per step. The Trainer runs the script's step body once per logical rank served (`deferred`: the script's
 `optimizer.step()` and `zero_grad()` do nothing but on the last, as gradient accumulation wrappers do); after each
 body but the last, `keep` moves the gradients into that logical rank's copy; the script's `optimizer.step()` on the
-last calls `reduce` first (an optimizer pre-hook), which leaves the mean in the parameters' `.grad`.
+last calls `reduce` first (an optimizer pre-hook), which leaves the mean in the parameters' `.grad`. A GradScaler
+handed over as extra state keeps and reduces the gradients earlier, still scaled (toolkit.train.lossscale).
 
 Memory: one flat gradient copy per logical rank served beyond the first (the last one's gradients stay in `.grad`),
 and the exchange's scratch: one bucket (determinism.GLOO_BUCKET_MB) and the slices received for it.
