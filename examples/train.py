@@ -8,7 +8,8 @@ Environment: DATA_PATH (the MNIST_Data directory; default: next to this script),
 Output: `epoch: E, step: S, loss is L` every --log-every steps (S counts steps since the start, the same on every
 rank); the Trainer's `rank R: resumed from step S ...` at each (re)start; at the end rank 0 writes the final
 parameters to --final-out (default CKPT_DIR/final.pt) and prints `final parameters: PATH sha256 HEX`, a digest of
-their names and bytes, so two runs can be compared bit for bit from their logs.
+their names and bytes, so two runs can be compared bit for bit from their logs (with --grad-scaler also `final grad
+scaler: scale X, growth tracker N`).
 Exit codes: 0 done; 1 a peer is gone where the launcher cannot re-form in place (torchrun: it restarts the
 world); 2 a user error (one line); 3 the scheduler stopped the job; 143 SIGTERM under toolkit (last words saved).
 """
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import io
+import math
 import os
 import signal
 import sys
@@ -94,6 +96,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="DDP's default allreduce instead of the rank-ordered one (faster, not bit-reproducible)")
     p.add_argument("--step-delay", type=float, default=0.0,
                    help="extra seconds of work per step (a slower model; not done while the process is stopped)")
+    p.add_argument("--grad-scaler", action="store_true",
+                   help="scale the loss with a torch.amp.GradScaler, as mixed precision does (the model stays fp32)")
+    p.add_argument("--clip-norm", type=float, default=None,
+                   help="clip the gradient's norm to this (after the GradScaler's unscale_ with --grad-scaler)")
+    p.add_argument("--inf-loss-at", type=int, default=None, metavar="STEP",
+                   help="with --grad-scaler: multiply step STEP's scaled loss by inf (its optimizer step is skipped "
+                        "and the scale backed off: a test of the overflow path)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="where the model trains (cuda: the GPU of LOCAL_RANK modulo the GPUs there are)")
     p.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto",
@@ -105,6 +114,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.keep_max < manager.MIN_KEEP:
         p.error(f"--keep-max must be >= {manager.MIN_KEEP}: one checkpoint leaves nothing to fall back to")
+    if args.clip_norm is not None and not args.clip_norm > 0:
+        p.error("--clip-norm must be > 0")
+    if args.inf_loss_at is not None and not args.grad_scaler:
+        p.error("--inf-loss-at needs --grad-scaler (without one an inf loss would train the model into NaN)")
     if args.step_delay < 0:
         p.error("--step-delay must be >= 0")
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -161,15 +174,22 @@ def train(args: argparse.Namespace) -> int:
     sampler = DistributedSampler(dataset, rt.world_size, rt.rank, shuffle=True, seed=args.seed)
     loader = DataLoader(dataset, batch_size=args.batch_size, sampler=sampler)
     continued = Continued()  # for --step-delay: time stopped is not work done
+    # disabled (no --grad-scaler), each call passes through: scale() returns the loss, step() calls optimizer.step()
+    scaler = torch.amp.GradScaler(device.type, enabled=args.grad_scaler)
     trainer = toolkit.train.Trainer(rt, model, optimizer, loader, ckpt_dir=ckpt_dir, ckpt_every=args.ckpt_interval,
                                     keep=args.keep_max, seed=args.seed, async_ckpt=args.async_ckpt,
-                                    deterministic=not args.plain_allreduce)
+                                    deterministic=not args.plain_allreduce,
+                                    state={"scaler": scaler} if args.grad_scaler else None)
     for x, y in trainer.batches(args.epochs):
         with trainer.step() as step:
             optimizer.zero_grad(set_to_none=True)
             loss = F.cross_entropy(trainer.model(x.to(device)), y.to(device))
-            loss.backward()
-            optimizer.step()
+            scaler.scale(loss if step != args.inf_loss_at else loss * math.inf).backward()
+            if args.clip_norm is not None:
+                scaler.unscale_(optimizer)
+                nn.utils.clip_grad_norm_(model.parameters(), args.clip_norm)
+            scaler.step(optimizer)
+            scaler.update()
             trainer.report(loss)  # for fleet status and fleet report (read at most once a second)
             if step % args.log_every == 0:
                 print(f"epoch: {trainer.epoch}, step: {step}, loss is {loss.item():.6f}", flush=True)
@@ -178,6 +198,9 @@ def train(args: argparse.Namespace) -> int:
     if rt.rank == 0:
         final = args.final_out or ckpt_dir / "final.pt"
         print(f"final parameters: {final} sha256 {write_final(final, model)}", flush=True)
+        if args.grad_scaler:
+            kept = scaler.state_dict()
+            print(f"final grad scaler: scale {kept['scale']!r}, growth tracker {kept['_growth_tracker']}", flush=True)
     return 0
 
 

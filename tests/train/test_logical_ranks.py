@@ -1,13 +1,18 @@
 """Logical ranks end to end (issue 42 item 1), through the real agent, scheduler and workers: 2 workers serving 4
 logical ranks (`--logical-ranks 4`) end with parameters bitwise equal to those of 4 workers under the real torchrun;
 and so does such a job whose worker is killed with SIGKILL mid-run (each process serving 2 logical ranks), the
-survivor going on in place and the replacement taking its state from it. The processes there run the step body
-once per logical rank: each worker's log has every step twice. And a real worker told a wrong assignment in an
-authenticated `formed` stops with one line instead of training on it.
+survivor going on in place and the replacement taking its state from it. Each run scales its loss with a GradScaler
+(handed over in `state=`), unscales and clips the gradient's norm, and one step's loss is inf: that step is skipped
+and the scale backed off once, and the scaler ends in the same state as the torchrun run's. The processes there run
+the step body once per logical rank: each worker's log has every step twice. And a real worker told a wrong
+assignment in an authenticated `formed` stops with one line instead of training on it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import copy
+import math
 import os
 import random
 import re
@@ -27,12 +32,18 @@ from toolkit.contracts import protocol as P
 from toolkit.testing import waits
 from toolkit.testing.localjob import FINAL_LINE, STEP_LINE, LocalJob, TorchrunRun
 from toolkit.train.faults import LoaderError
-from toolkit.train.logicalgrad import LogicalGrad
+from toolkit.train.logicalgrad import LogicalGrad, deferred
+from toolkit.train.lossscale import in_step, scalers_in
 from toolkit.train.stepdata import StepData, retarget
 from toolkit.train.trainer import as_built
 
-ARGS = ["--epochs", "2", "--ckpt-interval", "4", "--keep-max", "3", "--timeout", "30"]
+INF_STEP = 7  # the step whose loss is inf: skipped, the scale halved
+ARGS = ["--epochs", "2", "--ckpt-interval", "4", "--keep-max", "3", "--timeout", "30", "--grad-scaler",
+        "--clip-norm", "0.1", "--inf-loss-at", str(INF_STEP)]  # the gradient's norm is 0.14-0.3: clipped every step
 STEPS = 2 * 12  # 1440 samples over 4 logical ranks, 360 each, in batches of 32: 12 a epoch
+SCALER_LINE = re.compile(r"^final grad scaler: scale (\S+), growth tracker (\d+)$", re.M)
+# GradScaler's defaults: 2**16, halved once at INF_STEP, then one clean update a step (growth only after 2000)
+SCALER_AT_END = [(str(2.0**15), str(STEPS - INF_STEP))]
 JOB_TIMEOUT = 240.0  # s for one job on a loaded 2-core machine; normally ~20 s
 SPARE_TIMEOUT = 60.0  # s for the agent's warm spare to import torch
 POLL = 0.02  # s between looks at a log: no event tells that a line was appended
@@ -44,13 +55,15 @@ pytestmark = pytest.mark.timeout(600)
 
 @pytest.fixture(scope="module")
 def four_workers(tmp_path_factory) -> Iterator[Callable[[], tuple[Path, str]]]:
-    """The final parameters of 4 workers under the real torchrun (one logical rank each, as any torchrun job). The
-    run starts with the module and goes on alongside the first test's job; calling the fixture waits for its end."""
+    """The final parameters of 4 workers under the real torchrun (one logical rank each, as any torchrun job), their
+    GradScaler's final state checked. The run starts with the module and goes on alongside the first test's job;
+    calling the fixture waits for its end."""
     run = TorchrunRun(tmp_path_factory.mktemp("torchrun4"), 4, ARGS)
 
     def final() -> tuple[Path, str]:
         log = run.logs(JOB_TIMEOUT)[0]
         assert len(STEP_LINE.findall(log)) == STEPS, log[-2000:]
+        assert SCALER_LINE.findall(log) == SCALER_AT_END, log[-2000:]
         return run.final(JOB_TIMEOUT)
 
     try:
@@ -86,6 +99,7 @@ def test_two_workers_serving_four_logical_ranks_end_bitwise_equal_to_four_worker
     ref_path, ref_digest = four_workers()
     assert final[1] == ref_digest, "2 workers serving 4 logical ranks differ from 4 workers"
     assert_bitwise_equal(Path(final[0]), ref_path)
+    assert SCALER_LINE.findall(job.log("worker_0.log")) == SCALER_AT_END, job.evidence()
 
 
 def test_a_kill9_of_a_worker_serving_two_logical_ranks_recovers_in_place_bitwise(tmp_path, four_workers) -> None:
@@ -115,6 +129,7 @@ def test_a_kill9_of_a_worker_serving_two_logical_ranks_recovers_in_place_bitwise
     ref_path, ref_digest = four_workers()
     assert final[1] == ref_digest, f"final parameters differ from 4 workers' {why}"
     assert_bitwise_equal(Path(final[0]), ref_path)
+    assert SCALER_LINE.findall(survivor) == SCALER_AT_END, why
 
 
 def test_a_worker_told_a_wrong_assignment_stops_with_one_line_and_never_trains(tmp_path) -> None:
@@ -241,3 +256,72 @@ def test_the_gradient_of_several_logical_ranks_is_their_mean_summed_in_logical_o
     for i, p in enumerate(model.parameters()):
         want = torch.div(torch.add(grads[0][i], grads[1][i]).add_(grads[2][i]), 3)
         assert p.grad.numpy().tobytes() == want.numpy().tobytes()
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_a_grad_scaler_over_several_logical_ranks_unscales_checks_and_updates_the_mean_once_bitwise(enabled) -> None:
+    """One process serving logical ranks 0, 1, 2 of 3 with a GradScaler handed over in `state=` (its methods shadowed
+    per lane as the Trainer does: toolkit.train.lossscale) steps bitwise as one process given DDP's gradient, the
+    mean of the 3 scaled gradients: unscale_ and clip_grad_norm_ on that mean, an overflow on logical rank 1 alone
+    at step 2 skipping the step for all and halving the scale, update() once a step (the scale grows every 2 clean
+    steps). Disabled, the scaler's unscale_ still marks where the clipping of the mean goes."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Linear(7, 3))
+    twin = copy.deepcopy(model)
+    opt, twin_opt = (torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (model, twin))
+    scaler, twin_scaler = (torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2, enabled=enabled)
+                           for _ in range(2))
+    logical = LogicalGrad(model, None, 0, 3, [(0, 1, 2)], "gloo")
+    opt.register_step_pre_hook(lambda *_: logical.reduce())
+    updates = Counter()
+    overflow = (2, 1) if enabled else None  # (step, logical rank)
+    clipped: list[float] = []  # the norms clip_grad_norm_ saw, lane by lane
+    norms: list[float] = []  # the twin's, step by step
+
+    def body(m: torch.nn.Module, o: torch.optim.Optimizer, s: torch.amp.GradScaler, x: torch.Tensor, lr: int,
+             step: int, backward_only: bool = False) -> None:
+        o.zero_grad(set_to_none=True)
+        loss = m(x).pow(2).sum() * (math.inf if (step, lr) == overflow else 1.0)
+        s.scale(loss).backward()
+        if backward_only:
+            return
+        s.unscale_(o)
+        clipped.append(float(torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)))
+        s.step(o)
+        s.update()
+
+    for step in range(6):
+        xs = [torch.randn(4, 5) for _ in range(3)]
+        for lane, x in enumerate(xs):
+            logical.begin(lane)
+            last = lane == 2
+            with contextlib.nullcontext() if last else deferred(opt), \
+                    in_step(scalers_in({"scaler": scaler}), logical, lane, last, lambda: updates.update(["update"])):
+                body(model, opt, scaler, x, lane, step)
+            if not last:
+                logical.keep(lane)
+        assert clipped[-3:-1] == [0.0, 0.0]  # lanes but the last: the gradient kept at unscale_, none to clip
+        grads = []
+        for lr, x in enumerate(xs):  # the twin: DDP's gradient, the mean of the scaled ones, then the scaler
+            body(twin, twin_opt, twin_scaler, x, lr, step, backward_only=True)
+            grads.append([p.grad.clone() for p in twin.parameters()])
+        for i, p in enumerate(twin.parameters()):
+            p.grad = torch.div(torch.add(grads[0][i], grads[1][i]).add_(grads[2][i]), 3)
+        before = twin_scaler.get_scale()
+        twin_scaler.unscale_(twin_opt)
+        norm = float(torch.nn.utils.clip_grad_norm_(twin.parameters(), 1.0))
+        assert (norm == clipped[-1] or math.isnan(norm) and math.isnan(clipped[-1])), step  # the mean's norm
+        norms.append(norm)
+        twin_scaler.step(twin_opt)
+        twin_scaler.update()
+        for p, q in zip(model.parameters(), twin.parameters(), strict=True):
+            assert p.detach().numpy().tobytes() == q.detach().numpy().tobytes(), step
+        assert scaler.state_dict() == twin_scaler.state_dict(), step
+        if enabled and step == overflow[0]:
+            assert twin_scaler.get_scale() == before / 2  # the step was skipped, the scale backed off
+    assert updates["update"] == (6 if enabled else 0)
+    assert sum(n > 1.0 for n in norms) >= 3  # the clipping did clip
+    assert all(name not in scaler.__dict__ for name in ("unscale_", "step", "update"))  # put back
+    if enabled:
+        # grown after steps 0-1, halved at step 2's overflow, grown after steps 3-4: one update a step, not 3
+        assert (scaler.get_scale(), scaler.state_dict()["_growth_tracker"]) == (2.0**11, 1)

@@ -8,7 +8,8 @@ Why not DDP: its reducer allreduces once per backward, and here the processes ru
 per step. The Trainer runs the script's step body once per logical rank served (`deferred`: the script's
 `optimizer.step()` and `zero_grad()` do nothing but on the last, as gradient accumulation wrappers do); after each
 body but the last, `keep` moves the gradients into that logical rank's copy; the script's `optimizer.step()` on the
-last calls `reduce` first (an optimizer pre-hook), which leaves the mean in the parameters' `.grad`.
+last calls `reduce` first (an optimizer pre-hook), which leaves the mean in the parameters' `.grad`. A GradScaler
+handed over as extra state keeps and reduces the gradients earlier, still scaled (toolkit.train.lossscale).
 
 Memory: one flat gradient copy per logical rank served beyond the first (the last one's gradients stay in `.grad`),
 and the exchange's scratch: one bucket (determinism.GLOO_BUCKET_MB) and the slices received for it.
@@ -63,6 +64,8 @@ class LogicalGrad:
         self.buffers = [b for b in module.buffers()] if broadcast_buffers else []
         self._start: list[torch.Tensor] = []  # the buffers at the step's start (several lanes)
         self._kept: list[torch.Tensor] = []  # the buffers the first lane's forward left
+        self._held = False  # the lane's gradients are in its copy already (a GradScaler's unscale_: lossscale)
+        self._reduced = False  # the step's gradients are reduced already (a GradScaler's unscale_ or step)
 
     @property
     def lanes(self) -> int:
@@ -73,6 +76,7 @@ class LogicalGrad:
         lane: sent by the process serving logical rank 0, as DDP's broadcast_buffers does before a forward)."""
         for p in self.params:
             p.grad = None
+        self._held = self._reduced = False
         if lane == 0:
             if self.buffers and self.world > 1:
                 src = self.owner[0]
@@ -86,7 +90,12 @@ class LogicalGrad:
                     b.copy_(s)
 
     def keep(self, lane: int) -> None:
-        """Lane `lane` (not the last) is done: its gradients into its copy, the parameters' `.grad` cleared."""
+        """Lane `lane` (not the last) is done: its gradients into its copy, the parameters' `.grad` cleared. Once a
+        lane: a GradScaler's `unscale_` keeps them early (toolkit.train.lossscale), the lane's end then finds them
+        kept."""
+        if self._held:
+            return
+        self._held = True
         flat = self.copies[lane]
         at = 0
         with torch.no_grad():
@@ -111,7 +120,11 @@ class LogicalGrad:
 
     def reduce(self) -> None:
         """Replace the parameters' `.grad` (the last lane's gradients) by the mean of every logical rank's, summed
-        in logical-rank order (see the module docstring), bucket by bucket."""
+        in logical-rank order (see the module docstring), bucket by bucket. Once a step: a GradScaler's `unscale_` or
+        `step` reduces before the optimizer's pre-hook would (toolkit.train.lossscale)."""
+        if self._reduced:
+            return
+        self._reduced = True
         for p in self.params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)

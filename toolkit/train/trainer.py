@@ -68,6 +68,7 @@ from toolkit.train.ddpmodel import GroupModel
 from toolkit.train.faults import GenerationChanged, TrainerError, first_line, looks_collective
 from toolkit.train.inject import Injector
 from toolkit.train.logicalgrad import deferred
+from toolkit.train.lossscale import in_step, scalers_in
 from toolkit.train.replicas import ReplicaCheck
 from toolkit.train.runtime import MODE_TOOLKIT, JobStopped, Runtime
 from toolkit.train.stepdata import StepData
@@ -125,6 +126,7 @@ class Trainer:
         self.module = model
         self.optimizer = optimizer
         self.extra = extra
+        self._scalers = scalers_in(extra)  # its GradScalers (toolkit.train.lossscale)
         self._built_for = (runtime.world_size, runtime.rank)  # the world the script built its loader for
         self._data = StepData(loader, seed, runtime.logical_world, runtime.logical_ranks,
                               as_built(runtime, self._built_for))
@@ -143,7 +145,7 @@ class Trainer:
                                                                  shard_mirror)
         self._need_sync = True
         self._entered = True  # the previous batch went through step(): nothing to complain about at the start
-        self._applied = _Applied()  # optimizer steps run (a step that ran before a fault still counts)
+        self._applied = _Applied()  # optimizer steps and scaler updates run (one that ran before a fault counts)
         self._hook = optimizer.register_step_post_hook(self._applied)
         self._lane = 0  # which of this process's logical ranks the next batch is for (toolkit.train.logicalgrad)
         self._grad_bytes = headroom.grad_bytes(model.parameters())  # one more logical rank's cost (headroom)
@@ -211,7 +213,8 @@ class Trainer:
 
         A process serving several logical ranks runs the block once for each (one batch each from `batches`):
         `optimizer.step()` and `zero_grad()` do nothing but in the last, whose `optimizer.step()` first reduces
-        every logical rank's gradient (toolkit.train.logicalgrad)."""
+        every logical rank's gradient (toolkit.train.logicalgrad); a GradScaler handed over in `state=` unscales,
+        checks and updates once, on the reduced gradient (toolkit.train.lossscale)."""
         self._entered = True
         logical = self._group.logical
         last = logical is None or self._lane == logical.lanes - 1
@@ -221,7 +224,8 @@ class Trainer:
         try:  # not rt.guard(): a context manager must run its block, even in a generation already left
             if logical is not None:
                 logical.begin(self._lane)
-            with contextlib.nullcontext() if last else deferred(self.optimizer):
+            with contextlib.nullcontext() if last else deferred(self.optimizer), \
+                    in_step(self._scalers, logical, self._lane, last, self._applied):
                 yield self.step_count + 1
             if not last:
                 logical.keep(self._lane)
@@ -320,9 +324,10 @@ class Trainer:
 
     def _abandoned(self, applied_before: int, generation: int | None) -> None:
         """The step ended by a fault (`generation`: the one announced; None: SIGTERM came before the word). If this
-        rank's optimizer step ran, its allreduce had completed (a complete sum of every rank's gradients), so the
-        state it holds is the next step's: keep it, the others may need it. A rank that got SIGTERM leaves now with
-        that state (`_last_words`): its peers may be leaving too, and nobody would re-form with it."""
+        rank's optimizer step ran (or its GradScaler's update, after a step skipped for an overflow), its allreduce
+        had completed (a complete sum of every rank's gradients), so the state it holds is the next step's: keep it,
+        the others may need it. A rank that got SIGTERM leaves now with that state (`_last_words`): its peers may be
+        leaving too, and nobody would re-form with it."""
         kept = self._applied.count != applied_before
         self._lane = 0  # the step is redone (or the next one begins) from this process's first logical rank
         if kept:
@@ -501,7 +506,8 @@ def as_built(rt: Runtime, built_for: tuple[int, int]) -> bool:
 
 
 class _Applied:
-    """The optimizer's post-hook: the optimizer steps run in this process (a step that ran before a fault counts)."""
+    """The optimizer's post-hook: the optimizer steps run in this process (a step that ran before a fault counts);
+    called too by a GradScaler's update() (a step skipped for an overflow moved the scaler: toolkit.train.lossscale)."""
 
     def __init__(self) -> None:
         self.count = 0
