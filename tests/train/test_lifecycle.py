@@ -3,6 +3,8 @@ naming both phases; pure, no process group."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from toolkit.train.lifecycle import MOVES, TERMINAL, Lifecycle, LifecycleError, Phase, legal
@@ -62,3 +64,10 @@ def test_a_new_generation_after_the_end_moves_nothing() -> None:
     life = walk((Phase.FORMED, 0))
     life.abandon(1)
     assert life.now() == (Phase.ABANDONED, 1)
+
+
+def test_the_architecture_doc_names_every_phase() -> None:
+    """docs/architecture.md's table of phases (the newcomer's map) lists each phase the code has."""
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "architecture.md").read_text()
+    rows = {line.split("|")[1].strip() for line in doc.splitlines() if line.startswith("| ")}
+    assert {p.value for p in Phase} <= rows

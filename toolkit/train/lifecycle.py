@@ -2,11 +2,11 @@
 moves between phases that the runtime and the Trainer make.
 
     joining ──> formed ──> receiving ──> formed ──> ... ──> finished
-                  │  ^         │
-                  v  │         v
-               abandoned <─────┘        (any phase) ──> stopped
-                  │  ^ (a newer generation)
-                  v  │
+                  │            │
+                  v            v
+               abandoned <─────┘        abandoned ──> abandoned: a newer generation before re-forming began
+                  │                     abandoned ──> finished: done() without re-forming (a plain loop)
+                  v                     every phase but the two ends ──> stopped
                re-forming ──> formed
 
 - joining: registered with the scheduler (or starting alone / under torchrun), building the first process group.
