@@ -56,11 +56,14 @@ def test_every_phase_has_a_row_and_every_live_phase_a_way_on() -> None:
         assert phase in TERMINAL or MOVES[phase], f"{phase} leads nowhere but stopped"
 
 
-def test_a_new_generation_after_the_end_moves_nothing() -> None:
-    """Runtime.check after close(): the generation the scheduler announced is no longer this process's business."""
+def test_a_new_generation_abandons_only_a_group_held() -> None:
+    """Runtime.check after close(), or a word while the first group is built: nothing held, nothing moves."""
     life = walk((Phase.FORMED, 0), (Phase.STOPPED, None))
     life.abandon(1)
     assert life.now() == (Phase.STOPPED, 0)
+    life = Lifecycle()
+    life.abandon(1)
+    assert life.now() == (Phase.JOINING, None)
     life = walk((Phase.FORMED, 0))
     life.abandon(1)
     assert life.now() == (Phase.ABANDONED, 1)

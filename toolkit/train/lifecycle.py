@@ -45,6 +45,7 @@ class Phase(enum.Enum):
 
 
 TERMINAL = frozenset({Phase.FINISHED, Phase.STOPPED})
+HOLDING = frozenset({Phase.FORMED, Phase.RECEIVING, Phase.ABANDONED})  # a process group is held
 
 MOVES: dict[Phase, frozenset[Phase]] = {  # from -> the phases it may move to (stopped: from every live phase)
     Phase.JOINING: frozenset({Phase.FORMED}),
@@ -98,9 +99,10 @@ class Lifecycle:
                 self._generation = generation
 
     def abandon(self, announced: int | None) -> None:
-        """The group held is to be left: `announced` began (None: the generation stays the one held). After the end
-        (finished, stopped) a new generation is no longer this process's business: nothing moves."""
-        if self.phase not in TERMINAL:  # read, then moved: one writer (the training thread)
+        """The group held is to be left: `announced` began (None: the generation stays the one held). Only a group
+        held (formed, receiving, abandoned) is abandoned: while joining or re-forming the newest generation is
+        waited for anyway, and after the end (finished, stopped) it is no longer this process's business."""
+        if self.phase in HOLDING:  # read, then moved: one writer (the training thread)
             self.move(Phase.ABANDONED, announced)
 
     def __str__(self) -> str:
