@@ -46,7 +46,8 @@ def test_a_kill_in_the_backward_of_a_script_that_clears_gradients_last_ends_bitw
     assert len(re.findall(r"worker_2 \(pid \d+ on \S+\) is dead", faulted.log("scheduler.log"))) == 1, \
         faulted.evidence()
     for rank in range(WORLD - 1):
-        assert f"rank {rank}: generation 0 -> 1 at step {DIE_AT - 1} (the step in flight is redone)" in \
+        assert f"rank {rank}: generation 0 -> 1 at step {DIE_AT - 1} (the step in flight is redone): abandoned, " \
+            "re-forming the group" in \
             faulted.log(f"worker_{rank}.log"), faulted.evidence()
     (want,) = FINAL.findall(reference.log("worker_0.log"))
     (got,) = FINAL.findall(faulted.log("worker_0.log"))

@@ -89,7 +89,9 @@ def test_kill9_of_a_worker_rolls_everyone_back_and_ends_bitwise_equal(make_job) 
     relaunched[2] = job.worker(2, args=args)
     for r in (0, 1):
         workers[r].wait_for(rf"rank {r}: generation changed from 0 to 1", 30)
-        workers[r].wait_for(r"generation 1: process group of 3 ready", 120)
+        # the lifecycle (toolkit.train.lifecycle) in the line: the survivors re-formed, their first group joined
+        workers[r].wait_for(r"generation 1: process group of 3 ready in .*; re-forming -> formed", 120)
+        assert workers[r].count(r"generation 0: process group of 3 ready in .*; joining -> formed") == 1
     print(f"\nkill -9 -> survivors in generation 1: {time.monotonic() - killed:.2f} s (includes the replacement's "
           "python + torch start)")
     for proc in (workers[0], workers[1], relaunched[2]):

@@ -51,6 +51,7 @@ from toolkit.train.channel import Channel
 from toolkit.train.faults import GenerationChanged, JobStopped, RuntimeConfigError, first_line, looks_collective
 from toolkit.train.faults import RegistrationError as RegistrationError  # part of this module's interface
 from toolkit.train.fence import Fence
+from toolkit.train.lifecycle import Lifecycle, Phase
 from toolkit.train.log import say
 from toolkit.train.pace import StepPace
 
@@ -192,7 +193,8 @@ class Runtime:
         self.node_id = cfg.node_id
         self.mode = cfg.mode
         self.device = torch.device(f"cuda:{cfg.local_rank}") if backend == "nccl" else torch.device("cpu")
-        self.generation: int | None = None
+        self.generation: int | None = None  # the generation of the group this process holds
+        self.life = Lifecycle()  # where this worker is in its life (toolkit.train.lifecycle); moved on this thread
         self.logical_world, self.assignment, self.logical_ranks = 1, ((0,),), (0,)
         serve(self, self.world_size, one_each(self.world_size))
         self._channel: Channel | None = None
@@ -227,6 +229,7 @@ class Runtime:
         if view.stop_reason is not None:
             raise JobStopped(view.stop_reason)
         if view.announced is not None and view.announced != self.generation:
+            self.life.abandon(view.announced)
             raise GenerationChanged(self.generation, view.announced)
 
     @contextlib.contextmanager
@@ -258,7 +261,10 @@ class Runtime:
         # about the job's): a collective that timed out on a stuck peer is this rank's failure only if the watchdog
         # did not name the peer meanwhile
         new = ch.wait_change(self.generation, self.cfg.word_wait + protocol.stall_bound(self.pace.p99()))
-        return None if new is None else GenerationChanged(self.generation, new)
+        if new is None:
+            return None
+        self.life.abandon(new)
+        return GenerationChanged(self.generation, new)
 
     def reform(self) -> dist.ProcessGroup:
         """Leave the broken group, wait (bounded by MS_TOPO_TIMEOUT) until every rank of the newest generation has
@@ -271,6 +277,11 @@ class Runtime:
         view = ch.view
         if view.announced == self.generation and dist.is_initialized() and view.stop_reason is None:
             return self.group
+        if self._closed:
+            raise RuntimeError("reform() after close(): call toolkit.train.init() again")
+        if self.life.phase is not Phase.JOINING:  # the first group is built while joining
+            self.life.abandon(view.announced)
+            self.life.move(Phase.REFORMING)
         started = time.monotonic()
         deadline = started + self.cfg.topo_timeout + self.cfg.node_timeout
         while True:
@@ -300,10 +311,13 @@ class Runtime:
                 continue
             previous, self.generation = self.generation, generation
             ch.adopt(generation)
+            was = self.life.phase
+            self.life.move(Phase.FORMED, generation)
             self.pace.restart()  # a fault and its recovery are no step's time (the watchdog's p99 step time)
             say(self.node_id, f"generation {generation}: process group of {self.world_size} ready in "
                                f"{time.monotonic() - started:.2f} s" + ("" if previous is None else
-                                                                       f" (was {previous})"))
+                                                                       f" (was {previous})") +
+                f"; {was.value} -> {Phase.FORMED.value}")
             return self.group
 
     def _build(self, generation: int, prefix: str) -> None:
@@ -395,7 +409,9 @@ class Runtime:
     def recovered(self, step: int, source: str, from_rank: int | None, recomputed: int, seconds: float,
                   nbytes: int) -> None:
         """Tell the scheduler this rank trains again in its generation, from the state of `step` taken from
-        `source` ("peer", "checkpoint", "initial"), and how many steps it had done that are now done again."""
+        `source` ("peer", "checkpoint", "initial"), and how many steps it had done that are now done again. The
+        lifecycle's receiving ends: formed."""
+        self.life.move(Phase.FORMED)
         if self._channel is not None:
             self._channel.send(wire.Recovered(self.generation, step, source, from_rank, recomputed, round(seconds, 4),
                                               nbytes))
@@ -426,6 +442,7 @@ class Runtime:
         if self._closed:
             return
         atexit.register(_destroy_left_group)
+        self.life.move(Phase.FINISHED)
         said = False
         if self._channel is not None:
             said = self._channel.done()
@@ -440,6 +457,8 @@ class Runtime:
         if self._closed:
             return
         self._closed = True
+        if self.life.phase is not Phase.FINISHED:  # done() said finished, and ends here
+            self.life.move(Phase.STOPPED)
         if self._channel is not None:
             self._channel.close()
         if keep_group:
@@ -581,6 +600,7 @@ def init(backend: str | None = None, timeout: float = DEFAULT_TIMEOUT,
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
                                 timeout=timedelta(seconds=timeout))
         rt.generation = 0
+        rt.life.move(Phase.FORMED, 0)
         return rt
     if cfg.mode == MODE_TORCHRUN:
         rt._fence.arm(0)  # what the Trainer abandons when torchrun's SIGTERM comes and a peer is gone
@@ -592,6 +612,7 @@ def init(backend: str | None = None, timeout: float = DEFAULT_TIMEOUT,
         rt.rank, rt.world_size = dist.get_rank(), dist.get_world_size()
         serve(rt, rt.world_size, one_each(rt.world_size))
         rt.generation = 0
+        rt.life.move(Phase.FORMED, 0)
         return rt
     channel = Channel(cfg, exit_on_new_generation=cfg.restart_only, fence=rt._fence)
     deadline = time.monotonic() + cfg.topo_timeout

@@ -67,6 +67,7 @@ from toolkit.train.ckpt.schedule import Checkpointing, RankCheckpoints, manager_
 from toolkit.train.ddpmodel import GroupModel
 from toolkit.train.faults import GenerationChanged, TrainerError, first_line, looks_collective
 from toolkit.train.inject import Injector
+from toolkit.train.lifecycle import Phase
 from toolkit.train.logicalgrad import deferred
 from toolkit.train.lossscale import in_step, scalers_in
 from toolkit.train.replicas import ReplicaCheck
@@ -342,7 +343,7 @@ class Trainer:
             log.line(f"rank {self.rt.rank}: the group broke at step {self.step_count} ({how})")
         else:
             log.line(f"rank {self.rt.rank}: generation {self.rt.generation} -> {generation} at step {self.step_count} "
-                     f"({how}): re-forming the group")
+                     f"({how}): {self.rt.life.phase.value}, re-forming the group")
         if self._stopping.requested and self.rt.mode == MODE_TOOLKIT:
             self._last_words()
 
@@ -389,6 +390,7 @@ class Trainer:
                 self._last_words()
             try:
                 with self._guarded():
+                    self.rt.life.move(Phase.RECEIVING)  # until Runtime.recovered: formed again
                     agreed = self._state.agree(self.step_count)
                     self.step_count = agreed.step
                     self._group.wrap(self.rt)
