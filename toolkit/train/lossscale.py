@@ -49,9 +49,11 @@ def in_step(scalers: tuple[torch.amp.GradScaler, ...], logical: LogicalGrad | No
     if not scalers:
         yield
         return
-    saved = [(s, {name: s.__dict__.get(name, _MISSING) for name in SHADOWED}) for s in scalers]
+    saved = []
     for s in scalers:
-        for name, method in _methods(s, logical, lane, last, updated).items():
+        methods = _methods(s, logical, lane, last, updated)
+        saved.append((s, {name: s.__dict__.get(name, _MISSING) for name in methods}))
+        for name, method in methods.items():
             setattr(s, name, method)
     try:
         yield
