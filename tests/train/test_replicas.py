@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -35,6 +36,18 @@ def model_and_optimizer(norm: bool = False) -> tuple[nn.Module, torch.optim.Opti
 def twin(model: nn.Module) -> tuple[nn.Module, torch.optim.Optimizer]:
     other = copy.deepcopy(model)
     return other, torch.optim.SGD(other.parameters(), lr=0.1, momentum=0.9)
+
+
+def test_the_verified_copy_goes_into_the_earlier_copys_memory() -> None:
+    """A check's copy of the state reuses the host tensors of the copy before it, though the step, the learning rate
+    and other plain values differ (they used to make every check allocate, and fault in, a state's size anew)."""
+    first = replicas.host_copy({"step": 1, "w": torch.ones(4), "lr": 0.1, "n": np.int64(2)})
+    now = {"step": 2, "w": torch.full((4,), 2.0), "lr": 0.05, "n": np.int64(3)}
+    second = replicas.host_copy(now, first)
+    assert second["w"].data_ptr() == first["w"].data_ptr() and torch.equal(second["w"], now["w"])
+    assert second["w"] is not now["w"] and (second["step"], second["lr"], second["n"]) == (2, 0.05, 3)
+    other = replicas.host_copy({"w": torch.ones(5)}, second)  # a tensor of another shape: a new one
+    assert other["w"].data_ptr() != second["w"].data_ptr() and torch.equal(other["w"], torch.ones(5))
 
 
 def test_it_checks_every_k_steps_and_at_doubling_distances_after_a_recovery() -> None:

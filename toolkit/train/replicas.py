@@ -257,9 +257,9 @@ def _config_line(table: Sequence[Sequence[int]], since: int | None, step: int) -
 class Verified:
     """The state of the last good check, in host memory (a copy), with its step: what the ranks go back to."""
 
-    def __init__(self, step: int, state: Any, previous: Verified | None = None) -> None:
+    def __init__(self, step: int, state: Any, into: Any = None) -> None:
         self.step = step
-        self.state = host_copy(state, previous.state if previous is not None else None)
+        self.state = host_copy(state, into)
 
     def fresh(self) -> Any:
         """A copy of the kept state to load (a loaded optimizer state may alias what it is given, and the kept
@@ -269,20 +269,25 @@ class Verified:
 
 def host_copy(state: Any, into: Any = None) -> Any:
     """`state` with every tensor and array copied to host memory: into the tensors of `into` (an earlier copy of a
-    state of the same structure, which is then reused: no new memory to fault in at each check), else new ones."""
+    state of the same shape, whose host tensors are then reused where they fit: no new memory to fault in at each
+    check), else new ones."""
     skeleton, leaves = transfer.flatten(state)
     reuse: list[Any] = []
     if into is not None:
-        old_skeleton, old = transfer.flatten(into)
-        if old_skeleton == skeleton and all(
-                isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape and
-                a.dtype == b.dtype for a, b in zip(leaves, old, strict=True)):
+        _, old = transfer.flatten(into)  # leaf i of the state goes into the earlier copy's leaf i if that fits it
+        if len(old) == len(leaves):
             reuse = old
-    copies = [reuse[i].copy_(leaf.detach()) if reuse else
+    copies = [reuse[i].copy_(leaf.detach()) if reuse and _same_tensor(leaf, reuse[i]) else
               leaf.detach().to("cpu", copy=True) if isinstance(leaf, torch.Tensor) else np.array(leaf, copy=True)
               for i, leaf in enumerate(leaves)]
     copies = [c[()] if isinstance(leaf, np.generic) else c for c, leaf in zip(copies, leaves, strict=True)]
     return transfer.inflate(skeleton, copies)
+
+
+def _same_tensor(leaf: Any, kept: Any) -> bool:
+    """Whether `kept` (a leaf of an earlier copy) is a host tensor `leaf` can be copied into."""
+    return isinstance(leaf, torch.Tensor) and isinstance(kept, torch.Tensor) and kept.device.type == "cpu" and \
+        leaf.shape == kept.shape and leaf.dtype == kept.dtype
 
 
 def _plain(value: Any) -> Any:
@@ -323,14 +328,19 @@ class ReplicaCheck:
         self.host = host
         self.digester = Digester()
         self.verified: Verified | None = None
+        self._kept: Any = None  # an earlier verified copy, no longer valid: host memory the next copy reuses
         self.named: dict[str, int] = {}  # "rank R on HOST" -> times named
         self.last_split: int | None = None  # the step of a check that found no majority, until one agrees
         self._cost = 0.0  # s the last check took here
         self._last: tuple[float, int] | None = None  # (when, step) of the last check's end
 
     def arm(self, generation: int | None, step: int) -> None:
-        """The group was (re-)formed at `step` with a state every rank agreed on: no verified copy until a check."""
+        """The group was (re-)formed at `step` with a state every rank agreed on: no verified copy until a check
+        (whose copy goes into the memory of the one dropped here: the check after a recovery runs before the step
+        in flight is redone, and a fresh copy would fault in the whole state's size there)."""
         self.schedule.arm(generation, step)
+        if self.verified is not None:
+            self._kept = self.verified.state
         self.verified = None
 
     def due(self, step: int, end: bool = False) -> bool:
@@ -358,7 +368,9 @@ class ReplicaCheck:
                 found = verdict(every, self.schedule.since, step, self._columns())
                 if found.kind == AGREE:
                     if self.rt.world_size > 1:
-                        self.verified = Verified(step, s.capture(step) if shard is None else shard, self.verified)
+                        into = self.verified.state if self.verified is not None else self._kept
+                        self.verified, self._kept = Verified(step, s.capture(step) if shard is None else shard,
+                                                             into), None
                     self.last_split = None
                     went = step
                 elif found.kind == CONFIG:

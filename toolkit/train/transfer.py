@@ -79,65 +79,68 @@ def flatten(state: Any) -> tuple[Any, list[Any]]:
     index in `leaves`, and everything else encoded for JSON. TransferError names the place of a value that cannot
     travel (a function, an arbitrary object)."""
     leaves: list[Any] = []
+    return _enc(state, "state", leaves), leaves
 
-    def enc(obj: Any, path: str) -> Any:
-        if obj is None or isinstance(obj, (bool, str)):
-            return obj
-        if isinstance(obj, int) and not isinstance(obj, np.generic):
-            return obj
-        if isinstance(obj, float) and not isinstance(obj, np.generic):
-            return {"f": obj.hex()}
-        if isinstance(obj, (torch.Tensor, np.ndarray, np.generic)):
-            leaves.append(obj)
-            return {"x": len(leaves) - 1}
-        if isinstance(obj, dict):
-            return {"d": [[enc(k, f"{path} key"), enc(v, f"{path}[{k!r}]")] for k, v in obj.items()]}
-        if isinstance(obj, list):
-            return {"l": [enc(v, f"{path}[{i}]") for i, v in enumerate(obj)]}
-        if isinstance(obj, tuple):
-            return {"u": [enc(v, f"{path}[{i}]") for i, v in enumerate(obj)]}
-        raise TransferError(f"{path} is a {type(obj).__name__}: the training state may hold tensors, numpy arrays, "
-                            "numbers, strings, None and dicts, lists and tuples of them")
 
-    return enc(state, "state"), leaves
+def _enc(obj: Any, path: str, leaves: list[Any]) -> Any:
+    # A module-level function, not a closure: a recursive closure is a reference cycle holding `leaves` (a state's
+    # tensors) until the garbage collector's next full pass, hundreds of MB per call at scale.
+    if obj is None or isinstance(obj, (bool, str)):
+        return obj
+    if isinstance(obj, int) and not isinstance(obj, np.generic):
+        return obj
+    if isinstance(obj, float) and not isinstance(obj, np.generic):
+        return {"f": obj.hex()}
+    if isinstance(obj, (torch.Tensor, np.ndarray, np.generic)):
+        leaves.append(obj)
+        return {"x": len(leaves) - 1}
+    if isinstance(obj, dict):
+        return {"d": [[_enc(k, f"{path} key", leaves), _enc(v, f"{path}[{k!r}]", leaves)] for k, v in obj.items()]}
+    if isinstance(obj, list):
+        return {"l": [_enc(v, f"{path}[{i}]", leaves) for i, v in enumerate(obj)]}
+    if isinstance(obj, tuple):
+        return {"u": [_enc(v, f"{path}[{i}]", leaves) for i, v in enumerate(obj)]}
+    raise TransferError(f"{path} is a {type(obj).__name__}: the training state may hold tensors, numpy arrays, "
+                        "numbers, strings, None and dicts, lists and tuples of them")
 
 
 def inflate(skeleton: Any, values: Sequence[Any]) -> Any:
     """The state `flatten` described, with leaf i taken from values[i]. TransferError for a skeleton that is
     not one `flatten` wrote (checked all the way down: it comes from a peer)."""
+    return _dec(skeleton, 0, values)
 
-    def dec(obj: Any, depth: int) -> Any:
-        if depth > MAX_DEPTH:
-            raise TransferError(f"state description nested deeper than {MAX_DEPTH}")
-        if obj is None or isinstance(obj, (bool, str, int)):
-            return obj
-        if not isinstance(obj, dict) or len(obj) != 1:
-            raise TransferError(f"state description holds {type(obj).__name__} where a tagged value belongs")
-        ((tag, inner),) = obj.items()
-        if tag == "f" and isinstance(inner, str):
-            try:
-                return float.fromhex(inner)
-            except ValueError:
-                raise TransferError(f"state description: {inner[:40]!r} is not a float") from None
-        if tag == "x" and is_int(inner) and 0 <= inner < len(values):
-            return values[inner]
-        if tag in ("l", "u", "d") and isinstance(inner, list):
-            if tag == "l":
-                return [dec(v, depth + 1) for v in inner]
-            if tag == "u":
-                return tuple(dec(v, depth + 1) for v in inner)
-            out = {}
-            for pair in inner:
-                if not isinstance(pair, list) or len(pair) != 2:
-                    raise TransferError("state description: a dict item is not a [key, value] pair")
-                key = dec(pair[0], depth + 1)
-                if not isinstance(key, (str, int, float, bool, type(None), tuple)):
-                    raise TransferError(f"state description: a dict key of type {type(key).__name__}")
-                out[key] = dec(pair[1], depth + 1)
-            return out
-        raise TransferError(f"state description: unknown or malformed tag {tag!r}")
 
-    return dec(skeleton, 0)
+def _dec(obj: Any, depth: int, values: Sequence[Any]) -> Any:
+    # Module-level for the reason _enc is: a recursive closure would hold `values` in a reference cycle.
+    if depth > MAX_DEPTH:
+        raise TransferError(f"state description nested deeper than {MAX_DEPTH}")
+    if obj is None or isinstance(obj, (bool, str, int)):
+        return obj
+    if not isinstance(obj, dict) or len(obj) != 1:
+        raise TransferError(f"state description holds {type(obj).__name__} where a tagged value belongs")
+    ((tag, inner),) = obj.items()
+    if tag == "f" and isinstance(inner, str):
+        try:
+            return float.fromhex(inner)
+        except ValueError:
+            raise TransferError(f"state description: {inner[:40]!r} is not a float") from None
+    if tag == "x" and is_int(inner) and 0 <= inner < len(values):
+        return values[inner]
+    if tag in ("l", "u", "d") and isinstance(inner, list):
+        if tag == "l":
+            return [_dec(v, depth + 1, values) for v in inner]
+        if tag == "u":
+            return tuple(_dec(v, depth + 1, values) for v in inner)
+        out = {}
+        for pair in inner:
+            if not isinstance(pair, list) or len(pair) != 2:
+                raise TransferError("state description: a dict item is not a [key, value] pair")
+            key = _dec(pair[0], depth + 1, values)
+            if not isinstance(key, (str, int, float, bool, type(None), tuple)):
+                raise TransferError(f"state description: a dict key of type {type(key).__name__}")
+            out[key] = _dec(pair[1], depth + 1, values)
+        return out
+    raise TransferError(f"state description: unknown or malformed tag {tag!r}")
 
 
 def leaf_paths(skeleton: Any) -> dict[int, tuple[Any, ...]]:
