@@ -99,3 +99,27 @@ def test_wait_gives_a_collectives_result_and_at_a_trip_leaves_it_stranded_with_i
     assert row["pending_at_raise"] and row["stranded_at_raise"] == 1, row  # the trip, not the timeout, ended it
     assert row["pending_after_destroy"], f"destroying the group waited for its stranded collective: {row}"
     assert row["released"], row
+
+
+def test_fsdps_all_gather_entered_after_a_trip_raises_at_once(new_port) -> None:
+    """FSDP2's own collectives through the fence (toolkit.train.shardcomm.FencedComms), on a real gloo group of two
+    processes: a step completes through them; and a forward entered after the fence tripped, with the peer alive
+    and silent, raises Abandoned naming the all-gather at once, where gloo waited for the group's timeout (60 s
+    here; the mesh's groups had 30 minutes) and its peers for it (30 random-moment kills of bench/hsdp_recovery.py
+    hung a job that way)."""
+    port = new_port()
+    procs = [subprocess.Popen([sys.executable, str(HERE / "fsdp_fence_worker.py"), str(r), str(port), "60"],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"}) for r in range(2)]
+    try:
+        out, err = procs[0].communicate(timeout=PROC_TIMEOUT)
+        assert procs[0].returncode == 0, err[-3000:]
+        row = json.loads(out.strip().splitlines()[-1])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.communicate(timeout=PROC_TIMEOUT)
+    assert row["loss"] == row["loss"], row  # the step through the fenced collectives completed (not NaN)
+    assert row["outcome"].startswith("Abandoned") and "all-gather" in row["outcome"], row
+    assert row["seconds"] < 30, row  # the trip ended it, not the group's 60 s timeout

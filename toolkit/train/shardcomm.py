@@ -14,6 +14,10 @@ divides by the world once (force_sum_reduction_for_comms, gradient_divide_factor
 fault then computes bitwise what the uninterrupted run computed. Messages are point-to-point on the default group,
 waited on through the fence (a receive gloo would never wake ends at the trip).
 
+FSDP's own collectives (`FencedComms`): its all-gather, and with torch's own reduction its reduce-scatter, are
+waited on through the fence too, and the mesh's groups get the job's collective timeout: a collective a rank enters
+after a fault ends at once instead of at a group timeout of 30 minutes.
+
 `ShardedGroup` is the Trainer's view of all this (the counterpart of toolkit.train.ddpmodel.GroupModel): `drop`
 resets FSDP's iteration state after a fault (a forward or backward cut short leaves parameters unsharded and
 reductions half done), `wrap` binds the groups of the new generation and clears the gradients.
@@ -22,6 +26,7 @@ reductions half done), `wrap` binds the groups of the new generation and clears 
 from __future__ import annotations
 
 import time
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -63,8 +68,10 @@ class Binding:
         before = fence_mod.tcp_sockets()
         fresh = init_device_mesh(mesh.device_type, tuple(mesh.mesh.shape), mesh_dim_names=mesh.mesh_dim_names)
         rt.fence.add_sockets(fence_mod.opened_since(before))
-        if rt.backend == "nccl":
-            for group in fresh.get_all_groups():
+        for group in fresh.get_all_groups():
+            # the job's collective timeout, as the default group's (torch gives a new group its own 30 min)
+            dist.distributed_c10d._set_pg_timeout(timedelta(seconds=rt.timeout), group)
+            if rt.backend == "nccl":
                 rt.fence.add_group(group)
         mesh._dim_group_names = fresh._dim_group_names
         mesh._pg_registry = fresh._pg_registry
@@ -117,6 +124,50 @@ class OrderedReduction:
             self.rt.fence.call(fn, what)
 
 
+class FencedComms:
+    """FSDP2's own collectives (its all-gather; with torch's own reduction, its reduce-scatter) issued as they are
+    but waited on through the fence, so that a fault ends them at once. Why: gloo ends a collective on a connection
+    the fence shut down only if the collective was already waiting on it; one a rank enters after the trip (its
+    forward reached the next parameter group's all-gather) waited for the group's whole timeout, and its peers for
+    it (found with 30 random-moment kills of bench/hsdp_recovery.py: a rank in FSDP's all-gather, every connection of
+    its group closed). Through the fence, a collective entered after the trip raises Abandoned before it waits.
+    NCCL's are aborted with the group (the fence's add_group): left as they are."""
+
+    def __init__(self, rt: Runtime) -> None:
+        self.rt = rt
+
+    def install(self, sharding: Sharding, reduce_scatter: bool) -> None:
+        """On every parameter group: the all-gather, and with `reduce_scatter` the reduce-scatter too (the
+        rank-ordered one is fenced already)."""
+        if self.rt.device.type != "cpu":
+            return
+        for group in sharding.groups:
+            group._all_gather_comm = _AllGather(self.rt)
+            if reduce_scatter:
+                group._reduce_scatter_comm = _PlainReduceScatter(self.rt)
+
+
+def _all_gather_base() -> type:
+    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
+
+    return AllGather
+
+
+class _AllGather(_all_gather_base()):  # type: ignore[misc]
+    """FSDP2's all-gather, waited on through the fence (FencedComms); always complete when it returns."""
+
+    def __init__(self, rt: Runtime) -> None:
+        self.rt = rt
+
+    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any,
+                 async_op: bool = False) -> None:
+        work = dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=True)
+        self.rt.fence.wait(work, "the all-gather", group)
+
+
 def _reduce_scatter_base() -> type:
     from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
@@ -137,6 +188,22 @@ class _ReduceScatter(_reduce_scatter_base()):  # type: ignore[misc]
         if op not in (dist.ReduceOp.SUM, dist.ReduceOp.RedOpType.SUM):
             raise RuntimeError(f"the rank-ordered reduce-scatter sums; FSDP asked for {op}")
         self.owner.scatter(output_tensor, input_tensor, group)
+
+
+class _PlainReduceScatter(_reduce_scatter_base()):  # type: ignore[misc]
+    """torch's own reduce-scatter (its algorithm, its order), waited on through the fence (FencedComms)."""
+
+    def __init__(self, rt: Runtime) -> None:
+        self.rt = rt
+
+    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, op: Any,
+                 async_op: bool = False) -> None:
+        # through a helper thread: gloo's reduce-scatter work has no future for the fence to wait on
+        self.rt.fence.call(lambda: dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group),
+                           "the reduce-scatter")
 
 
 def _ordered_reduce_scatter(output: torch.Tensor, input: torch.Tensor, members: list[int], me: int) -> None:
@@ -216,8 +283,10 @@ class ShardedGroup:
         """The groups of `rt`'s current generation bound (every rank holds the agreed state already), the
         gradients cleared (a replacement has none; a survivor's belong to a step applied or abandoned)."""
         self.binding.bind(rt)
-        if self.deterministic and not self._installed and rt.world_size > 1:
-            OrderedReduction(self.sharding.layout, rt).install(self.sharding)
+        if not self._installed and rt.world_size > 1:
+            FencedComms(rt).install(self.sharding, reduce_scatter=not self.deterministic)
+            if self.deterministic:
+                OrderedReduction(self.sharding.layout, rt).install(self.sharding)
             self._installed = True
         for p in self.module.parameters():
             p.grad = None
