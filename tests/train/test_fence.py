@@ -76,24 +76,29 @@ def test_abandon_shuts_the_armed_groups_connections_once_and_only_for_its_genera
     assert peer.recv(10) == b""  # and the peer sees it end
 
 
-def test_wait_gives_a_collectives_result_and_at_a_trip_leaves_it_stranded_with_its_group(new_port) -> None:
-    """`Fence.wait` on a real gloo group of two processes: the result of a collective that completes; and one that
-    only the group's timeout could end (the peer never joins it, no socket recorded) raises Abandoned at the trip
-    while it is still pending, the group's destroy returns before that collective ends (its group is held), and the
-    group is let go once gloo ended it (at the group's timeout, 8 s here)."""
-    port = new_port()
-    procs = [subprocess.Popen([sys.executable, str(HERE / "fence_worker.py"), str(r), str(port), "8"],
+def rank0_row(worker: str, port: int, group_timeout: float) -> dict:
+    """Run `worker` (this directory's) as ranks 0 and 1 of a gloo group on `port`; rank 0's last line, as JSON.
+    Rank 1 is killed once rank 0 has ended (it waits on its stdin)."""
+    procs = [subprocess.Popen([sys.executable, str(HERE / worker), str(r), str(port), str(group_timeout)],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                               env={**os.environ, "OMP_NUM_THREADS": "1"}) for r in range(2)]
     try:
         out, err = procs[0].communicate(timeout=PROC_TIMEOUT)
         assert procs[0].returncode == 0, err[-3000:]
-        row = json.loads(out.strip().splitlines()[-1])
+        return json.loads(out.strip().splitlines()[-1])
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
             p.communicate(timeout=PROC_TIMEOUT)
+
+
+def test_wait_gives_a_collectives_result_and_at_a_trip_leaves_it_stranded_with_its_group(new_port) -> None:
+    """`Fence.wait` on a real gloo group of two processes: the result of a collective that completes; and one that
+    only the group's timeout could end (the peer never joins it, no socket recorded) raises Abandoned at the trip
+    while it is still pending, the group's destroy returns before that collective ends (its group is held), and the
+    group is let go once gloo ended it (at the group's timeout, 8 s here)."""
+    row = rank0_row("fence_worker.py", new_port(), 8)
     assert row["gathered"] == [10, 11], row
     assert "gloo" in row["outcome"] and "abandoned" in row["outcome"], row  # read as a broken collective
     assert row["pending_at_raise"] and row["stranded_at_raise"] == 1, row  # the trip, not the timeout, ended it
@@ -107,19 +112,7 @@ def test_fsdps_all_gather_entered_after_a_trip_raises_at_once(new_port) -> None:
     and silent, raises Abandoned naming the all-gather at once, where gloo waited for the group's timeout (60 s
     here; the mesh's groups had 30 minutes) and its peers for it (30 random-moment kills of bench/hsdp_recovery.py
     hung a job that way)."""
-    port = new_port()
-    procs = [subprocess.Popen([sys.executable, str(HERE / "fsdp_fence_worker.py"), str(r), str(port), "60"],
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              env={**os.environ, "OMP_NUM_THREADS": "1"}) for r in range(2)]
-    try:
-        out, err = procs[0].communicate(timeout=PROC_TIMEOUT)
-        assert procs[0].returncode == 0, err[-3000:]
-        row = json.loads(out.strip().splitlines()[-1])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-            p.communicate(timeout=PROC_TIMEOUT)
+    row = rank0_row("fsdp_fence_worker.py", new_port(), 60)
     assert row["loss"] == row["loss"], row  # the step through the fenced collectives completed (not NaN)
     assert row["outcome"].startswith("Abandoned") and "all-gather" in row["outcome"], row
     assert row["seconds"] < 30, row  # the trip ended it, not the group's 60 s timeout

@@ -147,20 +147,20 @@ class FencedComms:
                 group._reduce_scatter_comm = _PlainReduceScatter(self.rt)
 
 
-def _all_gather_base() -> type:
-    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
+def _comm_base(kind: str) -> type:
+    """FSDP2's custom-comm interface `kind` ("AllGather", "ReduceScatter") with torch's own allocation of its
+    buffers (DefaultAllocMixin, what FSDP's default comms use)."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_api
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllocMixin
 
-    return AllGather
+    return type(f"_{kind}Base", (DefaultAllocMixin, getattr(_fsdp_api, kind)), {})
 
 
-class _AllGather(_all_gather_base()):  # type: ignore[misc]
+class _AllGather(_comm_base("AllGather")):  # type: ignore[misc]
     """FSDP2's all-gather, waited on through the fence (FencedComms); always complete when it returns."""
 
     def __init__(self, rt: Runtime) -> None:
         self.rt = rt
-
-    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any,
                  async_op: bool = False) -> None:
@@ -168,20 +168,11 @@ class _AllGather(_all_gather_base()):  # type: ignore[misc]
         self.rt.fence.wait(work, "the all-gather", group)
 
 
-def _reduce_scatter_base() -> type:
-    from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
-
-    return ReduceScatter
-
-
-class _ReduceScatter(_reduce_scatter_base()):  # type: ignore[misc]
+class _ReduceScatter(_comm_base("ReduceScatter")):  # type: ignore[misc]
     """FSDP2's custom reduce-scatter: OrderedReduction.scatter (SUM: the division is FSDP's)."""
 
     def __init__(self, owner: OrderedReduction) -> None:
         self.owner = owner
-
-    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, op: Any,
                  async_op: bool = False) -> None:
@@ -190,14 +181,11 @@ class _ReduceScatter(_reduce_scatter_base()):  # type: ignore[misc]
         self.owner.scatter(output_tensor, input_tensor, group)
 
 
-class _PlainReduceScatter(_reduce_scatter_base()):  # type: ignore[misc]
+class _PlainReduceScatter(_comm_base("ReduceScatter")):  # type: ignore[misc]
     """torch's own reduce-scatter (its algorithm, its order), waited on through the fence (FencedComms)."""
 
     def __init__(self, rt: Runtime) -> None:
         self.rt = rt
-
-    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, op: Any,
                  async_op: bool = False) -> None:
