@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Callable
 
 from toolkit import procs
+from toolkit.agent import warmspare
 from toolkit.agent.agentlog import AgentLog
 from toolkit.agent.timers import Timers
 from toolkit.agent.warmprocess import WarmSpare
@@ -28,6 +29,7 @@ from toolkit.testing.clock import FakeClock
 
 BOUND = 30.0  # s of real time a spare may take to die on a loaded machine
 IDLE = 1e6  # a select cap no timer reaches
+THP_MODE = "/sys/kernel/mm/transparent_hugepage/enabled"
 
 
 def test_next_step_wants_a_spare_only_while_on_absent_and_not_closing() -> None:
@@ -40,6 +42,16 @@ def test_next_step_wants_a_spare_only_while_on_absent_and_not_closing() -> None:
     assert next_step(True, 0, False, False, max_failures=0) is Step.OFF
 
 
+def test_a_spare_is_topped_up_once_the_largest_worker_grew_past_what_it_was_told() -> None:
+    mb = 1 << 20
+    assert warmspare.topup(800 * mb, 1500 * mb) == 1500 * mb
+    assert warmspare.topup(800 * mb, 860 * mb) is None  # under a tenth more, and under TOPUP_MIN
+    assert warmspare.topup(0, warmspare.TOPUP_MIN) == warmspare.TOPUP_MIN  # told 0 at its start
+    assert warmspare.topup(0, warmspare.TOPUP_MIN - 1) is None
+    assert warmspare.topup(8000 * mb, 8700 * mb) is None  # 700 MB is under a tenth of 8 GB
+    assert warmspare.topup(1500 * mb, 900 * mb) is None  # workers that shrank: the spare keeps what it holds
+
+
 def test_early_start_needs_every_running_worker_progressed_and_one_at_least() -> None:
     assert early_start([True, True])
     assert not early_start([True, False])
@@ -48,7 +60,7 @@ def test_early_start_needs_every_running_worker_progressed_and_one_at_least() ->
 
 class Rig:
     def __init__(self, tmp_path: Path, closing: bool = False,
-                 argv: tuple[str, ...] = ("/nonexistent/python", "x")) -> None:
+                 argv: tuple[str, ...] = ("/nonexistent/python", "x"), env: dict[str, str] | None = None) -> None:
         (tmp_path / "logs").mkdir(exist_ok=True)
         worker = ProcSpec(node_id="worker_0", role=E.ROLE_WORKER, rank=0, local_rank=0,
                           argv=argv, cwd=str(tmp_path), env_file=str(tmp_path / "env"),
@@ -67,7 +79,8 @@ class Rig:
         log = AgentLog(tmp_path / "logs" / "agent.log", "h")
         self.worker, self.state = worker, AgentState.RUNNING
         # the rig is both ports (toolkit.agent.port): the workers the spare reads, and the agent
-        self.warm = WarmSpare(self.spec, self.sel, self.timers, log, {"PATH": "/usr/bin:/bin"}, self, self)
+        self.warm = WarmSpare(self.spec, self.sel, self.timers, log, {"PATH": "/usr/bin:/bin", **(env or {})}, self,
+                              self)
 
     # -- port.Workers
 
@@ -234,16 +247,19 @@ def test_a_spare_faults_in_a_workers_memory_ahead_so_that_its_replacement_alloca
     """The replacement's first allocations (its model, the optimizer state it receives, its gradient buckets) take
     pages the spare faulted in while it waited: a 64 MB tensor written after the handoff costs almost no page fault.
     Beside it, a spare told no worker holds memory (the same heap policy, nothing faulted in ahead) takes a fault per
-    page for the same tensor: what the test measures is the spare's doing."""
+    page for the same tensor: what the test measures is the spare's doing. A third spare, started before any worker
+    held memory, is told once ready that one grew to 1 GB (the agent's top-up, TOPUP_EVERY later on its clock), and
+    its replacement allocates without faults too."""
     size = 64 << 20
     pages = size // os.sysconf("SC_PAGE_SIZE")
     rigs = {}
-    for name, memory in (("ahead", 1 << 30), ("none", 0)):
+    for name, memory in (("ahead", 1 << 30), ("none", 0), ("grown", 0)):
         root = tmp_path / name
         root.mkdir()
         script = root / "train.py"
         script.write_text(FAULTS_SCRIPT.format(size=size))
-        rigs[name] = Rig(root, argv=(sys.executable, str(script), str(root / "faults")))
+        huge = {E.THP_MEM_ALLOC_ENABLE: "1"} if name == "grown" else {}  # as the agent sets it (torch's huge pages)
+        rigs[name] = Rig(root, argv=(sys.executable, str(script), str(root / "faults")), env=huge)
         rigs[name].memory = memory
         rigs[name].warm.arm()
         rigs[name].warm.progressed([True])  # the job is past its start: the spare starts at once
@@ -254,17 +270,31 @@ def test_a_spare_faults_in_a_workers_memory_ahead_so_that_its_replacement_alloca
                 assert time.monotonic() < deadline and rig.warm.spare is not None, "a spare never said it was ready"
                 for key, mask in rig.sel.select(0.5):
                     key.data(mask)
+        grown = rigs["grown"]
+        grown.memory = 1 << 30
+        grown.clock.advance(warmspare.TOPUP_EVERY)
+        grown.timers.run_due()  # the agent's look at the workers: the spare is told
+        grown_log = tmp_path / "grown" / "logs" / "standby.log"
+        while "faulted in ahead" not in grown_log.read_text():
+            assert time.monotonic() < deadline and grown.warm.spare.child.wait(0) is None, "no top-up was faulted in"
+            time.sleep(0.1)
+        told = (tmp_path / "grown" / "logs" / "agent.log").read_text()
+        assert "a worker holds 1024 MB now (it was told 0 MB)" in told
+        if Path(THP_MODE).exists() and "[never]" not in Path(THP_MODE).read_text():  # the kernel offers huge pages
+            smaps = Path(f"/proc/{grown.warm.spare.child.pid}/smaps_rollup").read_text()
+            assert int(smaps.split("AnonHugePages:")[1].split()[0]) * 1024 >= 512 << 20, smaps
         children = {name: rig.warm.take(rig.spec.processes[0], None, {"PATH": "/usr/bin:/bin"}, "--- marker ---")
                     for name, rig in rigs.items()}
         for name, child in children.items():
             status = child.wait(BOUND * 4)
             assert status is not None and status.describe() == "exit code 0", (name, status)
         faults = {name: int((tmp_path / name / "faults").read_text()) for name in rigs}
-        assert faults["ahead"] < pages // 4, faults
+        assert faults["ahead"] < pages // 4 and faults["grown"] < pages // 4, faults
         assert faults["none"] > pages * 9 // 10, faults  # without the spare's doing, a fault per page
         standby_log = (tmp_path / "ahead" / "logs" / "standby.log").read_text()
         assert "MB of heap faulted in ahead (a worker holds 1024 MB)" in standby_log
         assert "faulted in ahead" not in (tmp_path / "none" / "logs" / "standby.log").read_text()
+        assert "MB of heap faulted in ahead (a worker holds 1024 MB)\n" in grown_log.read_text()  # all of it
     finally:
         for rig in rigs.values():
             rig.warm.stop()

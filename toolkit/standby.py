@@ -19,6 +19,11 @@ a limit: toolkit.memcgroup; nothing when that half is below MIN_PREFAULT), then 
 replacement's allocations take those pages without a fault; the policy stays with the process for its life as a
 worker (it keeps its peak, as a training process does anyway).
 
+Workers grow after a spare started (their first steps, a replica check's copy): while it waits, the agent tells it so
+in a line of its own, `{"memory": BYTES}` (toolkit.agent.warmspare.topup), and the spare faults in the difference, in
+FAULT_CHUNK parts, stopping early once the handoff is there. Where torch backs its tensors with huge pages
+(THP_MEM_ALLOC_ENABLE=1, which the agent sets unless the job sets it), the heap is faulted in as huge pages too.
+
 While it waits, the spare is the OOM killer's first choice (oom_score_adj OOM_FIRST; its own value again at the
 handoff): workers that grow after the spare started must never be the ones killed for the memory it holds.
 
@@ -35,11 +40,13 @@ import os
 import platform
 import resource
 import runpy
+import select
 import socket
 import sys
-from typing import Any
+from typing import Any, Callable
 
 from toolkit import memcgroup
+from toolkit.contracts import envvars
 
 # Imported before the spare is offered. torch._dynamo is what DistributedDataParallel imports lazily on
 # construction (with sympy); without it here a replacement still spends ~1.8 s in its first DDP wrap. toolkit.train
@@ -55,6 +62,10 @@ OOM_FIRST = 1000  # oom_score_adj while waiting: killed before any worker (any p
 # glibc's mallopt parameters (malloc.h)
 M_TRIM_THRESHOLD, M_MMAP_MAX, M_ARENA_MAX = -1, -4, -8
 NO_TRIM = -1  # M_TRIM_THRESHOLD's value that turns trimming off
+HUGE_PAGE = 2 << 20  # bytes: a transparent huge page (x86-64 and arm64 with 4 KiB pages), torch's THP alignment
+MADV_HUGEPAGE = 14  # madvise(2)
+FAULT_CHUNK = 64 << 20  # bytes faulted in between two looks for a handoff (a top-up never delays one by more)
+TOPUP = "memory"  # the key of the agent's top-up line: a worker's private memory now (toolkit.agent.warmspare.topup)
 
 
 class HandoffError(Exception):
@@ -73,7 +84,8 @@ def eligible(argv: list[str] | tuple[str, ...], interpreter: str) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m toolkit.standby --fd N`: warm up, wait for the handoff, become the worker. Imports WARM_MODULES (a
-    module that fails is reported on stderr and skipped), sends READY, then waits for the spec. Returns 0 when dismissed
+    module that fails is reported on stderr and skipped), sends READY, then waits for the spec (faulting in more
+    heap at each top-up line before it). Returns 0 when dismissed
     (the agent closed its end) or when the script returns; otherwise it ends as the script does (an exception,
     SystemExit included, propagates). Raises HandoffError for a spec over MAX_SPEC."""
     ap = argparse.ArgumentParser(prog="python -m toolkit.standby", description=__doc__.split("\n\n")[0])
@@ -90,22 +102,22 @@ def main(argv: list[str] | None = None) -> int:
             importlib.import_module(name)
         except Exception as e:  # noqa: BLE001 - a spare without one module is still worth having
             print(f"standby: could not pre-import {name}: {e}", file=sys.stderr, flush=True)
-    if libc is not None and args.memory > 0:
-        cgroup = memcgroup.of_process()
-        headroom = cgroup.headroom(memcgroup.read_text) if cgroup is not None else None
-        size = prefault_size(args.memory, private_bytes("self"), available_bytes(), headroom)
-        if size and _fault_in(libc, size):
-            print(f"standby: {size >> 20} MB of heap faulted in ahead (a worker holds {args.memory >> 20} MB)",
-                  file=sys.stderr, flush=True)
-        elif headroom is not None and not size:
-            print(f"standby: nothing faulted in ahead: the memory cgroup has {headroom >> 20} MB left before its "
-                  "limit", file=sys.stderr, flush=True)
+    heap = Heap(libc, private_bytes("self")) if libc is not None else None
+    if heap is not None:
+        heap.fault_in(args.memory)
     link.sendall(READY)
-    data = _read_spec(link)
+    pending = bytearray()
+    while True:
+        data = _read_line(link, pending)
+        if not data:
+            link.close()
+            return 0  # dismissed: the agent closed its end (or is gone)
+        spec = json.loads(data)
+        if TOPUP not in spec:
+            break
+        if heap is not None:  # the workers grew since this spare started: the rest, unless the handoff comes first
+            heap.fault_in(int(spec[TOPUP]), lambda: bool(pending) or _readable(link))
     link.close()
-    if not data:
-        return 0  # dismissed: the agent closed its end (or is gone)
-    spec = json.loads(data)
     if idle:
         _normal_priority()
     if own_adj is not None:
@@ -199,33 +211,73 @@ def _keep_freed_memory() -> ctypes.CDLL | None:
     return libc
 
 
-def _fault_in(libc: ctypes.CDLL, size: int) -> bool:
-    """Allocate `size` bytes, write every page, free them: they stay in this process's heap, faulted in. False if
-    the allocation failed."""
-    libc.malloc.restype = ctypes.c_void_p
-    libc.malloc.argtypes = [ctypes.c_size_t]
-    libc.free.argtypes = [ctypes.c_void_p]
-    block = libc.malloc(size)
-    if not block:
-        print(f"standby: could not allocate {size >> 20} MB to fault in ahead", file=sys.stderr, flush=True)
-        return False
-    ctypes.memset(block, 0, size)
-    libc.free(block)
-    return True
+class Heap:
+    """This process's heap, faulted in ahead for a worker (glibc's `libc`, under `_keep_freed_memory`'s policy).
+    `own`: this process's private memory before any of it (its imports), which a worker's figure is counted beyond.
+    `held`: the bytes faulted in so far, which stay in the heap (freed, never trimmed)."""
+
+    def __init__(self, libc: ctypes.CDLL, own: int) -> None:
+        self.libc, self.own, self.held = libc, own, 0
+        libc.malloc.restype = ctypes.c_void_p
+        libc.malloc.argtypes = [ctypes.c_size_t]
+        libc.free.argtypes = [ctypes.c_void_p]
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+
+    def fault_in(self, worker: int, stop: Callable[[], bool] | None = None) -> None:
+        """Hold as much heap as a worker holding `worker` bytes privately needs beyond this process's own (within
+        prefault_size's bounds; what is held already counts), and say so on stderr. `stop`: asked between two
+        FAULT_CHUNK-sized parts; True ends the work early (a handoff is waiting: what is faulted in stays)."""
+        if worker <= 0:
+            return
+        cgroup = memcgroup.of_process()
+        headroom = cgroup.headroom(memcgroup.read_text) if cgroup is not None else None
+        size = prefault_size(worker, self.own, available_bytes() + self.held,
+                             headroom + self.held if headroom is not None else None)
+        if size <= self.held:
+            if headroom is not None and not size:
+                print(f"standby: nothing faulted in ahead: the memory cgroup has {headroom >> 20} MB left before its "
+                      "limit", file=sys.stderr, flush=True)
+            return
+        block = self.libc.malloc(size)  # the heap's top: what is held already, and more
+        if not block:
+            print(f"standby: could not allocate {size >> 20} MB to fault in ahead", file=sys.stderr, flush=True)
+            return
+        if os.environ.get(envvars.THP_MEM_ALLOC_ENABLE) == "1":  # torch's switch, read as torch reads it
+            start, end = -(-block // HUGE_PAGE) * HUGE_PAGE, (block + size) // HUGE_PAGE * HUGE_PAGE
+            if end > start and self.libc.madvise(start, end - start, MADV_HUGEPAGE) != 0:
+                print("standby: the kernel refused huge pages for the heap; faulting it in with small ones",
+                      file=sys.stderr, flush=True)
+        done = 0
+        while done < size and not (stop is not None and stop()):
+            part = min(FAULT_CHUNK, size - done)
+            ctypes.memset(block + done, 0, part)
+            done += part
+        self.libc.free(block)
+        self.held = max(self.held, done)
+        print(f"standby: {self.held >> 20} MB of heap faulted in ahead (a worker holds {worker >> 20} MB)"
+              + ("; a handoff came first" if done < size else ""), file=sys.stderr, flush=True)
 
 
-def _read_spec(link: socket.socket) -> bytes:
-    """Blocks until the agent sends the spec or closes its end; the agent's death closes it too (and the
-    parent-death signal ends this process anyway), so the wait is bounded by the agent's lifetime."""
-    buf = b""
-    while not buf.endswith(b"\n"):
+def _readable(link: socket.socket) -> bool:
+    return bool(select.select([link], [], [], 0)[0])
+
+
+def _read_line(link: socket.socket, pending: bytearray) -> bytes:
+    """The agent's next line (a top-up or the spec), b"" once it closes its end; what came after the line stays in
+    `pending`. Blocks until then; the agent's death closes its end too (and the parent-death signal ends this
+    process anyway), so the wait is bounded by the agent's lifetime. HandoffError for a line over MAX_SPEC."""
+    while b"\n" not in pending:
+        if len(pending) > MAX_SPEC:
+            raise HandoffError(f"handoff spec over {MAX_SPEC} bytes")
         chunk = link.recv(65536)
         if not chunk:
             return b""
-        buf += chunk
-        if len(buf) > MAX_SPEC:
-            raise HandoffError(f"handoff spec over {MAX_SPEC} bytes")
-    return buf
+        pending += chunk
+    line, _, rest = bytes(pending).partition(b"\n")
+    if len(line) > MAX_SPEC:
+        raise HandoffError(f"handoff spec over {MAX_SPEC} bytes")
+    pending[:] = rest
+    return line
 
 
 def become(spec: dict[str, Any]) -> None:

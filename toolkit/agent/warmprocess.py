@@ -33,14 +33,17 @@ class Spare:
     """A warm interpreter waiting on `sock` (see toolkit.standby). `child` is the standby process, `sock` the agent's
     end of their socketpair, and `interpreter` the argv[0] it was started with: only a worker run by that same
     interpreter can be handed to it (standby.eligible). `ready` turns True when it sent standby.READY (its imports are
-    done); only a ready spare takes a handoff."""
+    done); only a ready spare takes a handoff. `told`: the private memory of a worker it was last told to fault in
+    ahead (at its start, then at each top-up: warmspare.topup)."""
 
-    def __init__(self, child: Child, sock: socket.socket, interpreter: str, started: float) -> None:
+    def __init__(self, child: Child, sock: socket.socket, interpreter: str, started: float, told: int) -> None:
         self.child, self.sock, self.interpreter = child, sock, interpreter
         self.ready = False
         self.started = started
+        self.told = told
         self.held = False  # SIGSTOPped while a worker restarts cold (toolkit.agent.warmspare)
         self.hold_timer: Timer | None = None
+        self.topup_timer: Timer | None = None  # the next look at the workers' memory, while it is ready
 
 
 class WarmSpare:
@@ -119,7 +122,7 @@ class WarmSpare:
         finally:
             theirs.close()
         mine.setblocking(False)
-        self.spare = Spare(child, mine, interpreter, self.timers.now())
+        self.spare = Spare(child, mine, interpreter, self.timers.now(), memory)
         self.log("agent", f"warm spare pid {child.pid} starting (importing {', '.join(standby.WARM_MODULES)}; "
                           f"a worker holds {memory >> 20} MB of private memory)")
         self.sel.register(mine, selectors.EVENT_READ, lambda _m: self._on_sock())
@@ -165,8 +168,41 @@ class WarmSpare:
             self.log("agent", f"warm spare pid {sp.child.pid} ready after {self.timers.now() - sp.started:.1f} s")
             self.agent.write_doc()
             self.hold()  # held while its READY was on the way: it must go on
+            sp.topup_timer = self.timers.after(warmspare.TOPUP_EVERY, self._topup)
         else:
             self.sel.unregister(sp.sock)  # it went away: its pidfd tells the rest
+
+    def _topup(self) -> None:
+        """Timer callback while a spare is ready: tell it the largest worker's memory once that has grown past what
+        it was told (warmspare.topup), as one JSON line (toolkit.standby faults in the difference); look again
+        TOPUP_EVERY later. A spare that cannot be told (gone, or its socket full for CLIENT_TIMEOUT) is left as it is:
+        its pidfd tells a death."""
+        sp = self.spare
+        if sp is None or not sp.ready:
+            return
+        sp.topup_timer = self.timers.after(warmspare.TOPUP_EVERY, self._topup)
+        memory = warmspare.topup(sp.told, self.workers.largest_memory())
+        if memory is None:
+            return
+        try:
+            sp.sock.settimeout(CLIENT_TIMEOUT)
+            sp.sock.sendall(json.dumps({standby.TOPUP: memory}).encode() + b"\n")
+        except OSError as e:
+            self.log("agent", f"warm spare pid {sp.child.pid} could not be told the workers grew ({e})")
+            return
+        finally:
+            sp.sock.setblocking(False)
+        self.log("agent", f"warm spare pid {sp.child.pid}: a worker holds {memory >> 20} MB now (it was told "
+                          f"{sp.told >> 20} MB): it faults in the rest ahead")
+        sp.told = memory
+
+    @staticmethod
+    def _quiet(sp: Spare) -> None:
+        """The spare's timers cancelled: it is gone or taken."""
+        for timer in (sp.hold_timer, sp.topup_timer):
+            if timer is not None:
+                timer.cancel()
+        sp.hold_timer = sp.topup_timer = None
 
     def _on_exit(self) -> None:
         """Selector callback: the spare died before any handoff. Its socket is closed and the failure counted; a new
@@ -183,6 +219,7 @@ class WarmSpare:
         except (KeyError, ValueError):
             pass
         sp.sock.close()
+        self._quiet(sp)
         self.spare = None
         self.failures += 1
         tail = log_tail(self.spec.standby_log, 3)
@@ -227,6 +264,7 @@ class WarmSpare:
         self.sel.unregister(sp.sock)
         self.sel.unregister(sp.child)
         sp.sock.close()
+        self._quiet(sp)
         self.spare = None
         self.failures = 0
         self.arm()
@@ -243,6 +281,7 @@ class WarmSpare:
         if self.spare is None:
             return
         sp, self.spare = self.spare, None
+        self._quiet(sp)
         for obj in (sp.child, sp.sock):
             if obj in (k.fileobj for k in self.sel.get_map().values()):
                 self.sel.unregister(obj)

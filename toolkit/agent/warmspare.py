@@ -18,6 +18,13 @@ SPARE_DELAY paces the spare then, as before.
 
 Every hold is bounded: a worker that never reports progress (a script that never forms a process group) holds the
 spare at most HOLD_MAX seconds from its launch.
+
+Topped up (`topup`): a spare faults in ahead what the largest worker held when the spare started (toolkit.standby),
+but a spare started early in a job is told too little: workers grow over their first steps and checks (here 873 MB
+at the spare's start, 1.5 GB ten steps later), and a replacement that faults in the rest does so inside the step
+every rank waits for (the first recovery of bench/hsdp_recovery.py took a second longer than the others). So while a
+ready spare waits, the agent looks at the workers every TOPUP_EVERY seconds and, once the largest has grown by
+TOPUP_GROWTH beyond what the spare was told, tells it the new figure; the spare faults in the difference.
 """
 
 from __future__ import annotations
@@ -29,6 +36,9 @@ from typing import Iterable
 HOLD_MAX = 60.0  # s after a cold launch past which it no longer holds the spare back
 SPARE_DELAY = 10.0  # s after a launch before the warm spare is (re)built, unless every worker already made progress
 SPARE_MAX_FAILURES = 3  # spares that die on their own before the agent stops making them
+TOPUP_EVERY = 5.0  # s between two looks at the workers' memory while a ready spare waits (/proc tells no growth)
+TOPUP_GROWTH = 0.1  # of what a spare was told: growth past this share is faulted in ahead too
+TOPUP_MIN = 64 << 20  # bytes: less growth than this is not worth a top-up
 
 
 class Step(enum.Enum):
@@ -74,3 +84,11 @@ def spare_plan(ready: bool, cold_launches: Iterable[float], now: float, hold_max
         return SparePlan(True)
     ends = [t + hold_max for t in cold_launches if t + hold_max > now]
     return SparePlan(False, max(ends)) if ends else SparePlan(True)
+
+
+def topup(told: int, largest: int, growth: float = TOPUP_GROWTH, least: int = TOPUP_MIN) -> int | None:
+    """The private memory to tell a ready spare about now (it faults in ahead the difference), given what it was
+    `told` and what the `largest` worker holds; None while what it was told still covers the workers."""
+    if largest - told >= max(least, told * growth):
+        return largest
+    return None
