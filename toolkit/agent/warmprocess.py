@@ -168,13 +168,13 @@ class WarmSpare:
             self.log("agent", f"warm spare pid {sp.child.pid} ready after {self.timers.now() - sp.started:.1f} s")
             self.agent.write_doc()
             self.hold()  # held while its READY was on the way: it must go on
-            sp.topup_timer = self.timers.after(warmspare.TOPUP_EVERY, self._topup)
+            self._topup()  # the workers may have grown while it imported
         else:
             self.sel.unregister(sp.sock)  # it went away: its pidfd tells the rest
 
     def _topup(self) -> None:
-        """Timer callback while a spare is ready: tell it the largest worker's memory once that has grown past what
-        it was told (warmspare.topup), as one JSON line (toolkit.standby faults in the difference); look again
+        """At READY, then on a timer while a spare is ready: tell it the largest worker's memory once that has grown
+        past what it was told (warmspare.topup), as one JSON line (toolkit.standby faults in the difference); look again
         TOPUP_EVERY later. A spare that cannot be told (gone, or its socket full for CLIENT_TIMEOUT) is left as it is:
         its pidfd tells a death."""
         sp = self.spare

@@ -20,11 +20,11 @@ Every hold is bounded: a worker that never reports progress (a script that never
 spare at most HOLD_MAX seconds from its launch.
 
 Topped up (`topup`): a spare faults in ahead what the largest worker held when the spare started (toolkit.standby),
-but a spare started early in a job is told too little: workers grow over their first steps and checks (here 873 MB
-at the spare's start, 1.5 GB ten steps later), and a replacement that faults in the rest does so inside the step
-every rank waits for (the first recovery of bench/hsdp_recovery.py took a second longer than the others). So while a
-ready spare waits, the agent looks at the workers every TOPUP_EVERY seconds and, once the largest has grown by
-TOPUP_GROWTH beyond what the spare was told, tells it the new figure; the spare faults in the difference.
+but a spare started early in a job is told too little: workers grow over their first steps and checks (here 906 MB
+at the spare's start, 1.4 GB ten seconds later), and a replacement that faults in the rest does so inside the step
+every rank waits for. So while a ready spare waits, the agent looks at the workers (at its READY, then every
+TOPUP_EVERY seconds) and, once the largest has grown by TOPUP_GROWTH beyond what the spare was told, tells it the
+new figure; the spare faults in the difference.
 """
 
 from __future__ import annotations

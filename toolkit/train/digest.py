@@ -22,6 +22,7 @@ authentication for that.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from typing import Any, Iterable
 
@@ -39,23 +40,23 @@ def _signed(x: int) -> int:
     return x - (1 << 64) if x >> 63 else x
 
 
+@functools.cache
+def weights(device: torch.device) -> torch.Tensor:
+    """CHUNK odd 64-bit weights on `device` (splitmix64 of the position), the same everywhere. A constant, built once
+    per process and device (8 MB; 10-70 ms of one core): a replacement digests what it received, then its whole
+    state for the replica check, and would otherwise build it twice on the recovery's critical path."""
+    x = torch.arange(CHUNK, dtype=torch.int64, device=device) * _signed(MULT) + 0x2545F491
+    x = (x ^ ((x >> 30) & ((1 << 34) - 1))) * _signed(0xBF58476D1CE4E5B9)
+    x = (x ^ ((x >> 27) & ((1 << 37) - 1))) * _signed(0x94D049BB133111EB)
+    return x | 1
+
+
 class Digester:
-    """Digests of states and tensors. Keeps one weight table and one scratch chunk per device it has seen (built on
-    first use: 16 MB each); not for two threads at once."""
+    """Digests of states and tensors. Keeps one scratch chunk per device it has seen (8 MB, on first use; the weight
+    table is shared: `weights`); not for two threads at once."""
 
     def __init__(self) -> None:
-        self._weights: dict[torch.device, torch.Tensor] = {}
         self._scratch: dict[torch.device, torch.Tensor] = {}  # a chunk's products (no allocation per chunk)
-
-    def weights(self, device: torch.device) -> torch.Tensor:
-        """CHUNK odd 64-bit weights on `device` (splitmix64 of the position), the same everywhere."""
-        table = self._weights.get(device)
-        if table is None:
-            x = torch.arange(CHUNK, dtype=torch.int64, device=device) * _signed(MULT) + 0x2545F491
-            x = (x ^ ((x >> 30) & ((1 << 34) - 1))) * _signed(0xBF58476D1CE4E5B9)
-            x = (x ^ ((x >> 27) & ((1 << 37) - 1))) * _signed(0x94D049BB133111EB)
-            table = self._weights[device] = x | 1
-        return table
 
     def tensors(self, tensors: Iterable[torch.Tensor]) -> int:
         """The digest (63 bits) of the tensors' bytes, in order, wherever each lives (the same bytes on another
@@ -76,7 +77,7 @@ class Digester:
 
     def _value(self, flat: torch.Tensor) -> torch.Tensor:
         """The running value (a 0-d int64 tensor on its device) of one tensor's bytes `flat` (uint8)."""
-        w = self.weights(flat.device)
+        w = weights(flat.device)
         scratch = self._scratch.get(flat.device)
         if scratch is None:
             scratch = self._scratch[flat.device] = torch.empty(CHUNK, dtype=torch.int64, device=flat.device)
