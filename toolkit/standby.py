@@ -46,7 +46,6 @@ import sys
 from typing import Any, Callable
 
 from toolkit import memcgroup
-from toolkit.contracts import envvars
 
 # Imported before the spare is offered. torch._dynamo is what DistributedDataParallel imports lazily on
 # construction (with sympy); without it here a replacement still spends ~1.8 s in its first DDP wrap. toolkit.train
@@ -64,6 +63,8 @@ M_TRIM_THRESHOLD, M_MMAP_MAX, M_ARENA_MAX = -1, -4, -8
 NO_TRIM = -1  # M_TRIM_THRESHOLD's value that turns trimming off
 HUGE_PAGE = 2 << 20  # bytes: a transparent huge page (x86-64 and arm64 with 4 KiB pages), torch's THP alignment
 MADV_HUGEPAGE = 14  # madvise(2)
+TORCH_THP = "THP_MEM_ALLOC_ENABLE"  # torch's own switch for huge pages, "1" on (c10/core/alloc_cpu.cpp), as torch
+#                                     reads it; the agent sets it (toolkit.contracts.envvars, a floor above this one)
 FAULT_CHUNK = 64 << 20  # bytes faulted in between two looks for a handoff (a top-up never delays one by more)
 TOPUP = "memory"  # the key of the agent's top-up line: a worker's private memory now (toolkit.agent.warmspare.topup)
 
@@ -242,7 +243,7 @@ class Heap:
         if not block:
             print(f"standby: could not allocate {size >> 20} MB to fault in ahead", file=sys.stderr, flush=True)
             return
-        if os.environ.get(envvars.THP_MEM_ALLOC_ENABLE) == "1":  # torch's switch, read as torch reads it
+        if os.environ.get(TORCH_THP) == "1":
             start, end = -(-block // HUGE_PAGE) * HUGE_PAGE, (block + size) // HUGE_PAGE * HUGE_PAGE
             if end > start and self.libc.madvise(start, end - start, MADV_HUGEPAGE) != 0:
                 print("standby: the kernel refused huge pages for the heap; faulting it in with small ones",

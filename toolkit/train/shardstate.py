@@ -40,7 +40,6 @@ from toolkit.contracts import envvars, protocol
 from toolkit.train import log, transfer
 from toolkit.train.agreement import FROM_CHECKPOINT, FROM_INITIAL, FROM_PEER, Agreed, Source, TrainingState
 from toolkit.train.ckpt.shards import CheckpointError, ShardCheckpoints, tensors_in
-from toolkit.train.digest import Digester
 from toolkit.train.faults import TrainerError
 from toolkit.train.runtime import Runtime
 from toolkit.train.shardcomm import Binding
@@ -103,9 +102,6 @@ class ShardState:
     def replicated(self) -> dict[str, Any]:
         tensors = self.tensors()
         return {"param_groups": tensors["optimizer"]["param_groups"], "extra": tensors["extra"]}
-
-    def digest(self) -> int:
-        return Digester().state(self.tensors())
 
 
 def _local(value: Any) -> Any:
