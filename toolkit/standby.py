@@ -86,9 +86,9 @@ def eligible(argv: list[str] | tuple[str, ...], interpreter: str) -> bool:
 def main(argv: list[str] | None = None) -> int:
     """`python -m toolkit.standby --fd N`: warm up, wait for the handoff, become the worker. Imports WARM_MODULES (a
     module that fails is reported on stderr and skipped), sends READY, then waits for the spec (faulting in more
-    heap at each top-up line before it). Returns 0 when dismissed
-    (the agent closed its end) or when the script returns; otherwise it ends as the script does (an exception,
-    SystemExit included, propagates). Raises HandoffError for a spec over MAX_SPEC."""
+    heap at each top-up line before it). Returns 0 when dismissed (the agent closed its end) or when the script
+    returns; otherwise it ends as the script does (an exception, SystemExit included, propagates). Raises
+    HandoffError for a line over MAX_SPEC."""
     ap = argparse.ArgumentParser(prog="python -m toolkit.standby", description=__doc__.split("\n\n")[0])
     ap.add_argument("--fd", type=int, required=True, help="this end of the agent's socketpair")
     ap.add_argument("--memory", type=int, default=0, metavar="BYTES",
